@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Makes this machine ready to run fabtrain and its tests, idempotently:
+#   Debian packages (Docker engine, OpenSSH client, rsync, debootstrap, pdsh), a running Docker
+#   engine, and the project's virtualenv (.venv) with the pinned requirements.
+# Safe to run again: it installs only what is missing.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+need_pkgs=()
+for pair in dockerd:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync \
+            debootstrap:debootstrap pdsh:pdsh ip:iproute2; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || need_pkgs+=("${pair#*:}")
+done
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+  echo "==> installing Debian packages: ${need_pkgs[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+fi
+
+if ! docker info >/dev/null 2>&1; then
+  echo "==> starting the Docker engine"
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+  $SUDO mkdir -p /var/log
+  # A pid file left by an engine that ended with the last session would stop this one.
+  $SUDO rm -f /var/run/docker.pid
+  $SUDO sh -c 'nohup dockerd >/var/log/dockerd.log 2>&1 &'
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { echo "bootstrap: dockerd did not start; see /var/log/dockerd.log" >&2; tail -20 /var/log/dockerd.log >&2; exit 1; }
+fi
+
+if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements 2>/dev/null; then
+  echo "==> virtualenv .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install -q -r requirements.txt
+  cp requirements.txt .venv/.requirements
+fi

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Builds the project's images on the local Docker engine with no registry:
+#   fabtrain/base:bookworm  Debian minbase + python3, made with debootstrap from this machine's mirror
+#   fabtrain/host:latest    a test host: sshd, its own Docker engine, rsync, chrony, iptables, faketime
+#   fabtrain/trainer:latest base + CPU torch + the environment-driven entrypoint
+# Each image is built only when missing (FORCE=1 rebuilds), so running it twice reuses what is there.
+# A real cluster names its own base (e.g. nvcr.io/nvidia/pytorch:24.01-py3) in the inventory instead.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+work=${FABTRAIN_BUILD_DIR:-$here/../.cache/build}
+BASE=fabtrain/base:bookworm
+HOST=fabtrain/host:latest
+TRAINER=fabtrain/trainer:latest
+TORCH=${TORCH_VERSION:-2.13.0}
+force=${FORCE:-0}
+
+have() { [ "$force" != 1 ] && docker image inspect "$1" >/dev/null 2>&1; }
+
+mirror() {
+  # The mirror is read from this machine's apt sources at run time; no host is written into a file.
+  local m
+  m=$(awk '/^URIs:/ && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+  [ -n "$m" ] || m=$(awk '/^deb / && $0 !~ /security/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  [ -n "$m" ] || { echo "build-images: no Debian mirror found in /etc/apt/sources*; add one and retry" >&2; exit 1; }
+  echo "$m"
+}
+
+mkdir -p "$work"
+rootfs=$work/rootfs-base
+if ! have "$BASE" || [ ! -d "$rootfs/usr" ]; then
+  if [ ! -f "$rootfs/.complete" ]; then
+    echo "==> debootstrap minbase bookworm (about a minute)"
+    rm -rf "$rootfs"
+    debootstrap --variant=minbase --include=python3,ca-certificates,procps,iproute2 \
+      bookworm "$rootfs" "$(mirror)" >"$work/debootstrap.log" 2>&1 \
+      || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    touch "$rootfs/.complete"
+  fi
+  if ! have "$BASE"; then
+    echo "==> import $BASE"
+    tar -C "$rootfs" --exclude=./.complete -c . | docker import - "$BASE" >/dev/null
+  fi
+fi
+
+if ! have "$HOST"; then
+  echo "==> build $HOST (chroot apt-get on a copy of the base)"
+  hostfs=$work/rootfs-host
+  rm -rf "$hostfs"; cp -a "$rootfs" "$hostfs"; rm -f "$hostfs/.complete"
+  # Services must not start inside the chroot while their packages install.
+  printf '#!/bin/sh\nexit 101\n' >"$hostfs/usr/sbin/policy-rc.d"; chmod +x "$hostfs/usr/sbin/policy-rc.d"
+  cp /etc/resolv.conf "$hostfs/etc/resolv.conf"
+  mount -t proc proc "$hostfs/proc"
+  trap 'umount "$hostfs/proc" 2>/dev/null || true' EXIT
+  chroot "$hostfs" sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      openssh-server docker.io rsync chrony iptables faketime kmod >/dev/null' >"$work/host-apt.log" 2>&1 \
+    || { tail -20 "$work/host-apt.log" >&2; exit 1; }
+  umount "$hostfs/proc"; trap - EXIT
+  rm -f "$hostfs/usr/sbin/policy-rc.d" "$hostfs"/etc/ssh/ssh_host_*
+  rm -rf "$hostfs"/var/cache/apt/archives/*.deb "$hostfs"/var/lib/apt/lists/*
+  install -m 0755 "$here/host-init.sh" "$hostfs/usr/local/sbin/host-init"
+  tar -C "$hostfs" -c . | docker import -c 'CMD ["/usr/local/sbin/host-init"]' - "$HOST" >/dev/null
+  rm -rf "$hostfs"
+fi
+
+if ! have "$TRAINER"; then
+  echo "==> build $TRAINER (torch $TORCH, CPU)"
+  ctx=$work/trainer-ctx
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  # torch is installed here, into a plain directory, so the image gets one layer of installed files
+  # and never a copy of the wheel. The CPU wheel comes from the machine's pip configuration.
+  python3 -m pip install -q --no-compile --target "$ctx/site" "torch==$TORCH" "numpy==${NUMPY_VERSION:-2.4.6}" >"$work/pip.log" 2>&1 \
+    || { tail -20 "$work/pip.log" >&2; exit 1; }
+  rm -rf "$ctx"/site/bin
+  cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"
+  DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
+    || { tail -20 "$work/docker-build.log" >&2; exit 1; }
+  rm -rf "$ctx"
+fi
+docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep '^fabtrain/' || true

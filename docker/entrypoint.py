@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""The one entrypoint of a training image, driven by the environment, whoever launches it.
+
+- This orchestrator sets NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT.
+- A platform (a Kubernetes PyTorchJob, a Slurm wrapper) sets WORLD_SIZE = number of nodes and
+  RANK = this node's rank, with MASTER_ADDR and MASTER_PORT.
+
+The arguments are the training script and its arguments, handed to torchrun verbatim. So an image
+launched by hand, by fabtrain or by a platform forms the same job.
+"""
+import os
+import subprocess
+import sys
+
+SECRETS_PATH = "/run/fabtrain/secrets.env"
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch or no driver: a CPU node
+        return 0
+
+
+def route_interface(address: str) -> str | None:
+    """The interface the kernel uses to reach `address`: the one NCCL and gloo must use."""
+    try:
+        out = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True,
+                             text=True, timeout=5).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[out.index("dev") + 1] if "dev" in out else None
+
+
+def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:
+    """KEY=VALUE lines (values may hold anything but a newline) from a file mounted read-only."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except FileNotFoundError:
+        return {}
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], dict[str, str], str]:
+    """(torchrun argv, the workers' environment, a banner) from the node-level environment."""
+    nnodes = int(env.get("NNODES") or env.get("WORLD_SIZE") or 1)
+    node_rank = int(env.get("NODE_RANK") or env.get("RANK") or 0)
+    master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+    master_port = env.get("MASTER_PORT", "29500")
+    nproc = env.get("NPROC_PER_NODE", "auto")
+    nproc = str(gpus or 1) if nproc == "auto" else nproc
+    child = dict(env)
+    # torchrun gives each worker its own RANK and WORLD_SIZE; node-level values must not leak in.
+    child.pop("RANK", None)
+    child.pop("WORLD_SIZE", None)
+    # Fail a collective waiting on a dead peer in bounded time, not NCCL's 10 or gloo's 30 minutes.
+    child.setdefault("FABTRAIN_PG_TIMEOUT", "60")
+    child.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    child.setdefault("OMP_NUM_THREADS", "1")
+    argv = [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", nproc,
+            "--master_addr", master_addr, "--master_port", master_port, *args]
+    banner = (f"[fabtrain] nodes={nnodes} node_rank={node_rank} master={master_addr}:{master_port} "
+              f"gpus_per_node={gpus} procs_per_node={nproc} world_size={nnodes * int(nproc)} "
+              f"ifname={child.get('GLOO_SOCKET_IFNAME', 'default')}")
+    return argv, child, banner
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: fabtrain-entrypoint SCRIPT [ARGS...]  (a torchrun-compatible script)")
+    env = dict(os.environ)
+    env.update(read_secrets())
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    if not (env.get("GLOO_SOCKET_IFNAME") and env.get("NCCL_SOCKET_IFNAME")):
+        dev = route_interface(master)
+        if dev:
+            env.setdefault("GLOO_SOCKET_IFNAME", dev)
+            env.setdefault("NCCL_SOCKET_IFNAME", dev)
+    gpus = gpu_count() if env.get("NPROC_PER_NODE", "auto") == "auto" else 0
+    argv, child, banner = plan(env, sys.argv[1:], gpus)
+    print(banner, flush=True)
+    os.execve(argv[0], argv, child)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""fabtrain: launch, check, watch and stop multi-node PyTorch training in Docker over SSH.
+
+    fab cluster.up                       # a local cluster of Docker-in-Docker hosts (the default inventory)
+    fab preflight                        # every check on every host, as a table
+    fab train --model tiny --epochs 5    # sync, preflight, start in rank order, stream logs
+    fab stop                             # stop and remove this project's containers everywhere
+"""
+from __future__ import annotations
+
+import functools
+import shlex
+import sys
+from pathlib import Path
+
+from invoke import Collection, Exit, task
+from rich.console import Console
+
+from orchestrator import cluster as _cluster
+from orchestrator import inventory as _inventory
+from orchestrator import launch, plan
+from orchestrator import preflight as _preflight
+from orchestrator.errors import UserError
+from orchestrator.remote import Session
+
+DEFAULT_INVENTORY = "inventory.yaml"
+RUNS = Path("runs")
+console = Console(highlight=False)
+INV_HELP = "inventory file (default: inventory.yaml)"
+
+
+def user_errors(fn):
+    """Print a user's mistake as one clear message and exit non-zero, never as a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise Exit(code=exc.exit_code) from None
+    return wrapper
+
+
+@task(help={"inventory": INV_HELP})
+@user_errors
+def sync(c, inventory=DEFAULT_INVENTORY):
+    """Copy this project's code (rsync, in parallel) to job.code_dir on every host."""
+    inv = _inventory.load(inventory)
+    for host, seconds in launch.sync(inv).items():
+        print(f"{host}: synced in {seconds:.2f}s")
+
+
+@task(help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too"})
+@user_errors
+def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False):
+    """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails."""
+    inv = _inventory.load(inventory)
+    with Session(inv.hosts) as session:
+        checks = _preflight.run(session, inv)
+    if json:
+        print(_preflight.to_json(checks))
+    else:
+        _preflight.render(checks, console)
+    bad = _preflight.failed(checks, strict)
+    if bad:
+        raise Exit(code=1)
+
+
+TRAINERS = {"gpt": "trainers/gpt.py"}
+
+
+@task(help={
+    "inventory": INV_HELP,
+    "model": "GPT preset: tiny, small or medium",
+    "epochs": "number of epochs",
+    "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
+    "script": "your own torchrun-compatible script (a path inside this project) instead of a trainer",
+    "args": "arguments for the script, one string split like a shell would: --args \"--lr 0.1 --name 'a b'\"",
+    "image": "container image (default: job.image in the inventory)",
+    "nproc": "processes per node (default: job.nproc_per_node; auto = GPU count, 1 on CPU)",
+    "dry_run": "print every command per host, in order, and start nothing",
+    "skip_preflight": "start without the preflight checks (code is still synced)",
+    "name": "job name prefix (default: the trainer or script name)",
+})
+@user_errors
+def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None,
+          args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None):
+    """Sync code, run preflight, start one container per host (rank 0 first), stream every host's
+    log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
+    exits 0; otherwise stops the rest and exits non-zero naming the host. Ctrl+C stops the job."""
+    if "--" in sys.argv:
+        raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
+                        "arguments with --args \"...\" instead", exit_code=2)
+    inv = _inventory.load(inventory)
+    if script:
+        extra = shlex.split(args)
+    else:
+        if trainer not in TRAINERS:
+            raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(TRAINERS)} or --script PATH")
+        script = TRAINERS[trainer]
+        extra = ["--model", model, "--epochs", str(epochs), *shlex.split(args)]
+    job_name = name or Path(script).stem.replace("_", "-")
+    spec = plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, args=tuple(extra), image=image,
+                        nproc_per_node=str(nproc) if nproc else None)
+    if dry_run:
+        print(launch.dry_run(inv, spec))
+        return
+    result = launch.train(inv, spec, console, RUNS, checks=not skip_preflight)
+    error = launch.explain(result)
+    if error:
+        raise error
+    console.print(f"job {spec.job_id} finished on every host; logs and outputs in {result.run_dir}")
+
+
+@task(help={"inventory": INV_HELP, "job": "stop only this job (default: every fabtrain container)",
+            "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
+@user_errors
+def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
+    """Stop and remove this project's containers on every host, found by label. Safe to repeat."""
+    inv = _inventory.load(inventory)
+    grace = inv.job.stop_grace if grace is None else float(grace)
+    with Session(inv.hosts) as session:
+        script = plan.stop_script(job, grace)
+        results = session.fan_out(lambda h: session.run(h, script, timeout=grace + 60))
+    failed = []
+    for host in inv.hosts:
+        r = results[host.name]
+        if isinstance(r, BaseException) or not r.ok:
+            failed.append(host.name)
+            why = r if isinstance(r, BaseException) else r.stderr.strip()
+            print(f"{host.name}: could not stop: {why}", file=sys.stderr)
+        else:
+            n = len(r.stdout.split())
+            print(f"{host.name}: removed {n} container(s)")
+    if failed:
+        raise UserError(f"stop failed on {', '.join(failed)}; run 'fab stop' again once they answer")
+
+
+@task(help={"inventory": INV_HELP})
+@user_errors
+def status(c, inventory=DEFAULT_INVENTORY):
+    """List this project's containers (job, rank, state) on every host."""
+    from rich.table import Table
+    inv = _inventory.load(inventory)
+    with Session(inv.hosts) as session:
+        results = session.fan_out(lambda h: session.run(h, plan.shell(plan.status_argv()), timeout=20))
+    table = Table(title="fabtrain containers")
+    for col in ("host", "job", "rank", "container", "state", "status"):
+        table.add_column(col)
+    for host in inv.hosts:
+        r = results[host.name]
+        if isinstance(r, BaseException):
+            table.add_row(host.name, "-", "-", "-", "[red]unreachable[/]", str(r)[:80])
+            continue
+        for line in r.stdout.splitlines():
+            table.add_row(host.name, *line.split("\t"))
+    console.print(table)
+
+
+@task(help={"inventory": INV_HELP, "job": "job id (default: the one running)"})
+@user_errors
+def logs(c, inventory=DEFAULT_INVENTORY, job=None):
+    """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
+    inv = _inventory.load(inventory)
+    with Session(inv.hosts) as session:
+        if job is None:
+            jobs = launch.running_jobs(session)
+            if not jobs:
+                raise UserError("no job is running; 'fab status' lists stopped ones")
+            if len(jobs) > 1:
+                raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
+            job = next(iter(jobs))
+        spec = plan.JobSpec(job_id=job, script="")
+        try:
+            result = launch.watch(session, inv, spec, RUNS / job / "attach")
+        except KeyboardInterrupt:
+            print("detached; the job goes on ('fab stop' ends it)")
+            return
+    error = launch.explain(result)
+    if error:
+        raise error
+
+
+@task(help={"hosts": "number of test hosts (default 2)",
+            "write_inventory": "also write the matching inventory to this path"})
+@user_errors
+def up(c, hosts=2, write_inventory=None):
+    """Start (or reuse) the local cluster: N Docker-in-Docker hosts with sshd and their own Docker
+    engine on a private network, the trainer image loaded in each, host keys recorded."""
+    _cluster.up(int(hosts), write_inventory)
+
+
+@task
+@user_errors
+def down(c):
+    """Remove the local cluster's hosts, their volumes and the network."""
+    _cluster.down()
+
+
+@task
+@user_errors
+def images(c):
+    """Build the base, test-host and trainer images locally (no registry); reuses what exists."""
+    _cluster.build_images()
+
+
+ns = Collection(sync, preflight, train, stop, status, logs, images)
+ns.add_collection(Collection("cluster", up, down))

@@ -1,0 +1,226 @@
+"""The local cluster: Docker-in-Docker test hosts standing in for bare-metal GPU servers.
+
+Each host is a container on a private bridge network with a fixed address, its own sshd and host
+key, and its own Docker engine (started without --privileged). `up` is idempotent: it reuses hosts
+that run the current host image, replaces stale ones, and loads the trainer image only where the
+image id differs. Host keys are read through `docker exec` (a trusted channel) and written to a
+known_hosts file, so host-key checking stays on.
+"""
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+
+from .errors import UserError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STATE_DIR = PROJECT_ROOT / ".cluster"
+HOST_IMAGE = "fabtrain/host:latest"
+TRAINER_IMAGE = "fabtrain/trainer:latest"
+NETWORK = "fabtrain-net"
+SUBNET = "172.28.5.0/24"
+LABEL = "fabtrain.cluster"
+# Docker-in-Docker without --privileged: every capability but the one this VM lacks, no seccomp,
+# AppArmor or masked /proc paths (the CLI's systempaths=unconfined), the cgroup tree writable, and a
+# volume for the inner engine.
+DIND_OPTS = dict(cap_add=["ALL"], cap_drop=["SYS_RESOURCE"],
+                 security_opt=["seccomp=unconfined", "apparmor=unconfined"])
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    container: str
+    address: str
+
+
+def node_infos(count: int, subnet: str = SUBNET) -> list[NodeInfo]:
+    net = ipaddress.ip_network(subnet)
+    return [NodeInfo(f"node{i}", f"fabtrain-node{i}", str(net.network_address + 10 + i))
+            for i in range(1, count + 1)]
+
+
+def _client() -> docker.DockerClient:
+    try:
+        client = docker.from_env(timeout=300)
+        client.ping()
+        return client
+    except docker.errors.DockerException as exc:
+        raise UserError(f"local Docker engine not reachable ({exc}); start it (sudo dockerd &) or run "
+                        f"bash docker/bootstrap.sh") from None
+
+
+def build_images() -> None:
+    script = PROJECT_ROOT / "docker" / "build-images.sh"
+    if subprocess.run(["bash", str(script)]).returncode != 0:
+        raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
+
+
+def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:
+    state.mkdir(mode=0o700, exist_ok=True)
+    key = state / "id_ed25519"
+    if not key.exists():
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fabtrain-local-cluster",
+                        "-f", str(key)], check=True)
+    return key, (state / "id_ed25519.pub").read_text().strip()
+
+
+def _exec(container, argv: list[str]) -> str:
+    code, out = container.exec_run(argv)
+    if code != 0:
+        raise UserError(f"{container.name}: {' '.join(argv[:3])}... failed ({code}): {out.decode()[-300:]}")
+    return out.decode()
+
+
+def _ensure_network(client: docker.DockerClient, subnet: str):
+    try:
+        net = client.networks.get(NETWORK)
+        have = net.attrs["IPAM"]["Config"][0]["Subnet"]
+        if have != subnet:
+            raise UserError(f"network {NETWORK} exists with subnet {have}, not {subnet}; "
+                            f"run 'fab cluster.down' first")
+        return net
+    except docker.errors.NotFound:
+        ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet)])
+        return client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LABEL: "1"})
+
+
+def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str):
+    try:
+        c = client.containers.get(node.container)
+        addr = c.attrs["NetworkSettings"]["Networks"].get(NETWORK, {}).get("IPAddress")
+        if c.image.id == host_image_id and addr == node.address:
+            if c.status != "running":
+                c.start()
+            return c
+        c.remove(force=True)  # stale: an older host image or another address
+    except docker.errors.NotFound:
+        pass
+    api = client.api
+    host_config = api.create_host_config(
+        binds={"/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
+               f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"}},
+        **DIND_OPTS)
+    host_config.update(MaskedPaths=[], ReadonlyPaths=[])
+    net_config = api.create_networking_config(
+        {NETWORK: api.create_endpoint_config(ipv4_address=node.address)})
+    created = api.create_container(HOST_IMAGE, name=node.container, hostname=node.name,
+                                   host_config=host_config, networking_config=net_config,
+                                   labels={LABEL: "1"}, detach=True)
+    api.start(created["Id"])
+    return client.containers.get(created["Id"])
+
+
+def _wait_ready(container, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code, _ = container.exec_run(["sh", "-c", "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub"])
+        if code == 0:
+            return
+        time.sleep(0.5)
+    raise UserError(f"{container.name}: its Docker engine or sshd did not start within {timeout:g}s; "
+                    f"see: docker exec {container.name} cat /var/log/dockerd.log")
+
+
+def _image_id(argv_prefix: list[str], image: str) -> str | None:
+    out = subprocess.run([*argv_prefix, "docker", "image", "inspect", "--format", "{{.Id}}", image],
+                         capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def load_image(container_name: str, image: str, tarball: Path) -> bool:
+    """Load `image` into a test host's engine unless it already holds the same id. True if loaded."""
+    want = _image_id([], image)
+    if _image_id(["docker", "exec", container_name], image) == want:
+        return False
+    with tarball.open("rb") as fh:
+        proc = subprocess.run(["docker", "exec", "-i", container_name, "docker", "load", "--quiet"],
+                              stdin=fh, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"{container_name}: docker load of {image} failed: {proc.stderr.strip()}")
+    return True
+
+
+def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
+       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print) -> list[NodeInfo]:
+    if count < 1:
+        raise UserError("--hosts must be at least 1")
+    build_images()
+    client = _client()
+    key, pubkey = ensure_key()
+    nodes = node_infos(count, subnet)
+    _ensure_network(client, subnet)
+    host_image_id = client.images.get(HOST_IMAGE).id
+    wanted = {n.container for n in nodes}
+    for c in client.containers.list(all=True, filters={"label": LABEL}):
+        if c.name not in wanted:
+            log(f"removing {c.name} (not in a {count}-host cluster)")
+            c.remove(force=True, v=False)
+
+    def prepare(node: NodeInfo) -> str:
+        c = _ensure_node(client, node, host_image_id)
+        _wait_ready(c)
+        _exec(c, ["sh", "-c", 'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
+                  "sh", pubkey])
+        host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
+        return f"{node.address} {host_key[0]} {host_key[1]}\n"
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        known = list(pool.map(prepare, nodes))
+    known_hosts = STATE_DIR / "known_hosts"
+    known_hosts.write_text("".join(known))
+    known_hosts.chmod(0o600)
+
+    cache = PROJECT_ROOT / ".cache"
+    cache.mkdir(exist_ok=True)
+    for image in images:
+        tarball = cache / (image.replace("/", "_").replace(":", "_") + ".tar")
+        image_id = _image_id([], image)
+        stamp = tarball.with_suffix(".id")
+        if not tarball.exists() or not stamp.exists() or stamp.read_text() != image_id:
+            log(f"saving {image}")
+            subprocess.run(["docker", "save", "--output", str(tarball), image], check=True)
+            stamp.write_text(image_id)
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            loaded = list(pool.map(lambda n: load_image(n.container, image, tarball), nodes))
+        log(f"{image}: loaded into {sum(loaded)} host(s), already present on {count - sum(loaded)}")
+    if inventory_out:
+        Path(inventory_out).write_text(render_inventory(nodes, key, known_hosts))
+        log(f"wrote {inventory_out}")
+    log("cluster up: " + ", ".join(f"{n.name}={n.address}" for n in nodes))
+    return nodes
+
+
+def render_inventory(nodes: list[NodeInfo], key: Path, known_hosts: Path) -> str:
+    lines = ["# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
+             "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}",
+             "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2", "hosts:"]
+    for n in nodes:
+        lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",
+                  "    gpus: {vendor: none, count: 0}"]
+    return "\n".join(lines) + "\n"
+
+
+def down(log=print) -> None:
+    client = _client()
+    for c in client.containers.list(all=True, filters={"label": LABEL}):
+        log(f"removing {c.name}")
+        c.remove(force=True)
+        try:
+            client.volumes.get(f"{c.name}-docker").remove(force=True)
+        except docker.errors.NotFound:
+            pass
+    for v in client.volumes.list(filters={"name": "fabtrain-node"}):
+        v.remove(force=True)
+    try:
+        client.networks.get(NETWORK).remove()
+    except docker.errors.NotFound:
+        pass
+    log("cluster down")

@@ -1,0 +1,353 @@
+"""Inventory: a YAML file -> frozen dataclasses, hosts in rank order.
+
+Every validation error names the file, the line, the field, what was wrong and how to fix it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UserError
+
+GPU_VENDORS = ("nvidia", "amd", "none")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class SSH:
+    user: str = "root"
+    port: int = 22
+    key: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    connect_timeout: float = 10.0
+    # Seconds between keepalives; a host missing 3 in a row counts as lost.
+    keepalive: float = 5.0
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    rank: int
+    ssh: SSH
+    interface: str
+    gpu_vendor: str = "none"
+    gpu_count: int = 0
+    image: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    mounts: tuple[Mount, ...] = ()
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Job:
+    image: str = "fabtrain/trainer:latest"
+    master_port: int = 29500
+    nproc_per_node: str = "auto"
+    code_dir: str = "/opt/fabtrain/code"
+    output_dir: str = "/opt/fabtrain/output"
+    shm_size: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    # Files read on the orchestrator machine whose contents reach containers as env vars, never on
+    # a command line: NAME -> local path.
+    secret_files: tuple[tuple[str, str], ...] = ()
+    stop_grace: float = 30.0
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    hosts: tuple[Host, ...]
+    job: Job = field(default_factory=Job)
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    def image_for(self, host: Host) -> str:
+        return host.image or self.job.image
+
+    def select(self, names: list[str] | None) -> tuple[Host, ...]:
+        if not names:
+            return self.hosts
+        known = {h.name: h for h in self.hosts}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise UserError(
+                f"{self.path}: no host named {', '.join(missing)}; "
+                f"hosts are {', '.join(known)}")
+        return tuple(known[n] for n in names)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key, for error messages."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
+    mapping = _LineDict()
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        mapping[key] = loader.construct_object(value_node, deep=True)
+        mapping.lines[key] = key_node.start_mark.line + 1
+    mapping.line = node.start_mark.line + 1
+    return mapping
+
+
+class _LineDict(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: dict[Any, int] = {}
+        self.line = 0
+
+
+class _LineList(list):
+    line = 0
+
+
+def _construct_sequence(loader: _Loader, node: yaml.SequenceNode) -> list:
+    seq = _LineList(loader.construct_object(child, deep=True) for child in node.value)
+    seq.line = node.start_mark.line + 1
+    return seq
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
+
+
+class _Reader:
+    """Reads typed fields out of one YAML mapping, raising errors that point at file:line field."""
+
+    def __init__(self, path: Path, data: Any, where: str, line: int) -> None:
+        self.path, self.where, self.line = path, where, line
+        if data is None:
+            data = _LineDict()
+        if not isinstance(data, dict):
+            self.fail(self.where, f"must be a mapping (key: value lines), not {type(data).__name__}",
+                      "indent its fields under it", line)
+        self.data = data
+        self.lines = getattr(data, "lines", {})
+
+    def fail(self, fieldname: str, problem: str, fix: str, line: int | None = None) -> None:
+        line = line or self.lines.get(fieldname.rsplit(".", 1)[-1]) or self.line
+        raise UserError(f"{self.path}:{line}: {fieldname}: {problem}; {fix}")
+
+    def _field(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def check_keys(self, allowed: tuple[str, ...]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                self.fail(self._field(str(key)), "unknown field",
+                          f"use one of: {', '.join(allowed)}", self.lines.get(key))
+
+    def get(self, key: str, kind: type | tuple, default: Any = None, required: bool = False) -> Any:
+        if key not in self.data or self.data[key] is None:
+            if required:
+                self.fail(self._field(key), "is missing", f"add '{key}:' to {self.where or 'the file'}",
+                          self.line)
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            self.fail(self._field(key), f"must be {names}, got {value!r}",
+                      f"write it as a {names}", self.lines.get(key))
+        return value
+
+    def sub(self, key: str) -> "_Reader":
+        value = self.data.get(key)
+        return _Reader(self.path, value, self._field(key), self.lines.get(key, self.line))
+
+    def port(self, key: str, default: int) -> int:
+        value = self.get(key, int, default)
+        if not 1 <= value <= 65535:
+            self.fail(self._field(key), f"{value} is not a TCP port", "use a number from 1 to 65535")
+        return value
+
+    def env(self, key: str) -> tuple[tuple[str, str], ...]:
+        env = self.sub(key)
+        out = []
+        for name, value in env.data.items():
+            if not isinstance(name, str) or not ENV_KEY_RE.match(name):
+                env.fail(env._field(str(name)), "is not a valid environment variable name",
+                         "use letters, digits and underscores, not starting with a digit",
+                         env.lines.get(name))
+            if isinstance(value, (dict, list)) or value is None:
+                env.fail(env._field(name), "must be a single value", "quote it as a string",
+                         env.lines.get(name))
+            out.append((name, value if isinstance(value, str) else str(value).lower()
+                        if isinstance(value, bool) else str(value)))
+        return tuple(out)
+
+    def path_field(self, key: str, default: str | None) -> str | None:
+        value = self.get(key, str, default)
+        if value is None:
+            return None
+        expanded = Path(value).expanduser()
+        if not expanded.is_absolute():
+            expanded = self.path.parent / expanded
+        return str(expanded)
+
+
+def _ssh(reader: _Reader, base: SSH) -> SSH:
+    reader.check_keys(("user", "port", "key", "known_hosts", "connect_timeout", "keepalive"))
+    return SSH(
+        user=reader.get("user", str, base.user),
+        port=reader.port("port", base.port),
+        key=reader.path_field("key", base.key),
+        known_hosts=reader.path_field("known_hosts", base.known_hosts),
+        connect_timeout=reader.get("connect_timeout", float, base.connect_timeout),
+        keepalive=reader.get("keepalive", float, base.keepalive),
+    )
+
+
+def _remote_path(reader: _Reader, key: str, default: str) -> str:
+    value = reader.get(key, str, default)
+    if not value.startswith("/"):
+        reader.fail(reader._field(key), f"{value!r} is not an absolute path",
+                    "write the full path on the hosts, starting with /")
+    return value.rstrip("/") or "/"
+
+
+def _mounts(reader: _Reader, key: str) -> tuple[Mount, ...]:
+    items = reader.get(key, list, [])
+    out = []
+    for i, item in enumerate(items):
+        where = f"{reader._field(key)}[{i}]"
+        line = getattr(items, "line", reader.line)
+        if isinstance(item, str):
+            parts = item.split(":")
+            if len(parts) not in (2, 3) or not all(parts[:2]) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+                reader.fail(where, f"{item!r} is not SOURCE:TARGET[:ro]",
+                            "write e.g. /data/corpus:/data:ro", line)
+            out.append(Mount(parts[0], parts[1], len(parts) == 3 and parts[2] == "ro"))
+        else:
+            m = _Reader(reader.path, item, where, line)
+            m.check_keys(("source", "target", "read_only"))
+            out.append(Mount(m.get("source", str, required=True), m.get("target", str, required=True),
+                             m.get("read_only", bool, False)))
+    for m in out:
+        if not (m.source.startswith("/") and m.target.startswith("/")):
+            reader.fail(reader._field(key), f"{m.source}:{m.target} must use absolute paths",
+                        "write both paths starting with /")
+    return tuple(out)
+
+
+def _host(reader: _Reader, rank: int, ssh: SSH) -> Host:
+    reader.check_keys(("name", "address", "interface", "gpus", "ssh", "image", "env", "mounts",
+                       "devices"))
+    address = reader.get("address", str, required=True)
+    name = reader.get("name", str, address)
+    if not NAME_RE.match(name):
+        reader.fail(reader._field("name"), f"{name!r} has characters not allowed in a host name",
+                    "use letters, digits, '.', '_' and '-'")
+    gpus = reader.sub("gpus")
+    gpus.check_keys(("vendor", "count"))
+    vendor = gpus.get("vendor", str, "none")
+    if vendor not in GPU_VENDORS:
+        gpus.fail(gpus._field("vendor"), f"{vendor!r} is not a known GPU vendor",
+                  f"use one of: {', '.join(GPU_VENDORS)}")
+    count = gpus.get("count", int, 0)
+    if count < 0 or (vendor == "none" and count) or (vendor != "none" and count == 0):
+        gpus.fail(gpus._field("count"), f"count {count} does not fit vendor {vendor!r}",
+                  "give the number of GPUs (at least 1) for nvidia/amd hosts, 0 for vendor none")
+    devices = reader.get("devices", list, [])
+    for d in devices:
+        if not isinstance(d, str) or not d.startswith("/dev/"):
+            reader.fail(reader._field("devices"), f"{d!r} is not a device path",
+                        "list paths such as /dev/infiniband/uverbs0")
+    return Host(
+        name=name,
+        address=address,
+        rank=rank,
+        ssh=_ssh(reader.sub("ssh"), ssh),
+        interface=reader.get("interface", str, required=True),
+        gpu_vendor=vendor,
+        gpu_count=count,
+        image=reader.get("image", str, None),
+        env=reader.env("env"),
+        mounts=_mounts(reader, "mounts"),
+        devices=tuple(devices),
+    )
+
+
+def _job(reader: _Reader) -> Job:
+    reader.check_keys(("image", "master_port", "nproc_per_node", "code_dir", "output_dir", "shm_size",
+                       "env", "secret_files", "stop_grace"))
+    nproc = str(reader.get("nproc_per_node", (int, str), "auto"))
+    if nproc != "auto" and not (nproc.isdigit() and int(nproc) > 0):
+        reader.fail(reader._field("nproc_per_node"), f"{nproc!r} is not a process count",
+                    "use a positive number, or auto (GPU count, 1 on CPU)")
+    secrets = reader.sub("secret_files")
+    secret_files = []
+    for name in secrets.data:
+        if not ENV_KEY_RE.match(str(name)):
+            secrets.fail(secrets._field(str(name)), "is not a valid environment variable name",
+                         "use letters, digits and underscores")
+        secret_files.append((name, secrets.path_field(name, None)))
+    return Job(
+        image=reader.get("image", str, Job.image),
+        master_port=reader.port("master_port", Job.master_port),
+        nproc_per_node=nproc,
+        code_dir=_remote_path(reader, "code_dir", Job.code_dir),
+        output_dir=_remote_path(reader, "output_dir", Job.output_dir),
+        shm_size=reader.get("shm_size", str, None),
+        env=reader.env("env"),
+        secret_files=tuple(secret_files),
+        stop_grace=reader.get("stop_grace", float, Job.stop_grace),
+    )
+
+
+def parse(text: str, path: Path) -> Inventory:
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 0
+        raise UserError(f"{path}:{line}: not valid YAML: {exc.problem}; check the indentation and "
+                        f"quoting on that line") from None
+    top = _Reader(path, data, "", 1)
+    top.check_keys(("ssh", "job", "hosts"))
+    ssh = _ssh(top.sub("ssh"), SSH())
+    hosts_data = top.get("hosts", list, required=True)
+    if not hosts_data:
+        top.fail("hosts", "is empty", "list at least one host; the first is rank 0")
+    hosts = []
+    for rank, item in enumerate(hosts_data):
+        line = getattr(item, "line", getattr(hosts_data, "line", 1))
+        hosts.append(_host(_Reader(path, item, f"hosts[{rank}]", line), rank, ssh))
+    seen: dict[str, int] = {}
+    for h in hosts:
+        for key in (h.name, f"{h.address}:{h.ssh.port}"):
+            if key in seen:
+                top.fail(f"hosts[{h.rank}]", f"{key!r} is also hosts[{seen[key]}]",
+                         "list each host once; order is rank order",
+                         getattr(hosts_data[h.rank], "line", None))
+            seen[key] = h.rank
+    return Inventory(path=path, hosts=tuple(hosts), job=_job(top.sub("job")))
+
+
+def load(path: str | Path) -> Inventory:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: inventory not found; pass --inventory PATH, or run "
+                        f"'fab cluster.up' to write the local cluster's inventory") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the inventory: {exc.strerror}") from None
+    return parse(text, path)

@@ -1,0 +1,346 @@
+"""Launch, watch and stop jobs: the steps behind `fab sync`, `train`, `stop`, `status`, `logs`.
+
+Containers run detached, so a job survives a lost terminal or SSH link; `fab status` lists it,
+`fab logs` re-attaches and `fab stop` ends it. While `fab train` watches, any container exiting
+non-zero or any host going silent (no keepalive answer) stops every other container of the job.
+"""
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import plan, preflight
+from .errors import UserError
+from .inventory import Host, Inventory
+from .logs import Multiplexer
+from .remote import Session, describe
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- sync
+
+def sync(inv: Inventory, source: Path = PROJECT_ROOT, hosts: tuple[Host, ...] | None = None) -> dict[str, float]:
+    """rsync the local tree to job.code_dir on every host at once; seconds per host."""
+    hosts = hosts or inv.hosts
+
+    def one(host: Host) -> float:
+        start = time.monotonic()
+        proc = subprocess.run(plan.rsync_argv(host, str(source), inv.job.code_dir),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UserError(f"sync to {host.name} ({host.address}) failed (rsync exit {proc.returncode}): "
+                            f"{proc.stderr.strip()[-400:]}; check SSH access with: "
+                            f"{plan.shell(plan.ssh_argv(host))} {host.ssh.user}@{host.address} true")
+        return time.monotonic() - start
+
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+        futures = {h.name: pool.submit(one, h) for h in hosts}
+    errors, times = [], {}
+    for name, fut in futures.items():
+        try:
+            times[name] = fut.result()
+        except UserError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise UserError("\n".join(errors))
+    return times
+
+
+# ---------------------------------------------------------------- train
+
+@dataclass
+class Outcome:
+    """How one node of a job ended."""
+
+    host: Host
+    exit_code: int | None = None  # None: never finished (lost, or stopped by us)
+    error: str | None = None
+    tail: str = ""
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    run_dir: Path
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    first_failure: Outcome | None = None
+    interrupted: int | None = None  # the signal number that stopped the job
+    teardown_seconds: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return (self.first_failure is None and self.interrupted is None
+                and all(o.exit_code == 0 for o in self.outcomes.values()))
+
+
+def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
+    """Every command, per host, in order, exactly as `train` would run it."""
+    lines = ["# on this machine, for every host at once:"]
+    lines += [plan.shell(plan.rsync_argv(h, str(PROJECT_ROOT), inv.job.code_dir)) for h in inv.hosts]
+    lines.append("# preflight probes (read-only) on every host, then, in rank order:")
+    for h in inv.hosts:
+        lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.prepare_dirs_argv(inv, spec))}")
+        lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.docker_run_argv(inv, h, spec, bool(inv.job.secret_files)))}")
+    for h in inv.hosts:
+        lines.append(f"[{h.name} rank {h.rank}] {plan.follow_logs_script(spec, h.rank)}")
+    lines.append("# on failure, Ctrl+C or lost host, on every host:")
+    lines.append(plan.stop_script(spec.job_id, inv.job.stop_grace))
+    return "\n".join(lines)
+
+
+def running_jobs(session: Session) -> dict[str, list[str]]:
+    """job id -> hosts where a container of it is running."""
+    argv = plan.status_argv()
+    results = session.fan_out(lambda h: session.run(h, plan.shell(argv), timeout=20))
+    jobs: dict[str, list[str]] = {}
+    for host in session.hosts:
+        r = results[host.name]
+        if isinstance(r, BaseException) or not r.ok:
+            continue
+        for line in r.stdout.splitlines():
+            fields = line.split("\t")
+            if len(fields) >= 4 and fields[3] in ("running", "created", "restarting"):
+                jobs.setdefault(fields[0], []).append(host.name)
+    return jobs
+
+
+def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
+    """Secrets go to a 0600 file on each host over SFTP, mounted read-only; never a command line."""
+    body = []
+    for name, path in inv.job.secret_files:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise UserError(f"{inv.path}: job.secret_files.{name}: cannot read {path}: {exc.strerror}") from None
+        if "\n" in value:
+            raise UserError(f"{inv.path}: job.secret_files.{name}: {path} holds several lines; "
+                            "a secret must be one line")
+        body.append(f"{name}={value}\n")
+    data = "".join(body).encode()
+    target = plan.secrets_file(inv, spec)
+    results = session.fan_out(lambda h: (session.run(h, plan.shell(["mkdir", "-p", "-m", "700", target.rsplit("/", 1)[0]])),
+                                         session.put(h, data, target, 0o600)))
+    _raise_any(session, results, "writing the secrets file")
+
+
+def _raise_any(session: Session, results: dict, what: str) -> None:
+    errors = [describe(h, r) for h in session.hosts
+              if isinstance(r := results.get(h.name), BaseException)]
+    if errors:
+        raise UserError(f"{what} failed:\n" + "\n".join(errors))
+
+
+def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
+    """Start the job's containers: rank 0 first, then every other rank at once.
+
+    torchrun's workers retry the rendezvous store until it is up, so waiting for rank 0's port
+    would only add rank 0's Python start-up to the launch time.
+    """
+    secret = bool(inv.job.secret_files)
+    if secret:
+        _write_secrets(session, inv, spec)
+
+    def one(host: Host) -> None:
+        script = (f"{plan.shell(plan.prepare_dirs_argv(inv, spec))} && "
+                  f"{plan.shell(plan.docker_run_argv(inv, host, spec, secret))} >/dev/null")
+        r = session.run(host, script, timeout=120)
+        if not r.ok:
+            raise UserError(f"{host.name} (rank {host.rank}): docker run failed (exit {r.exited}): "
+                            f"{r.stderr.strip()[-500:]}")
+
+    order = [inv.hosts[:1], inv.hosts[1:]]
+    for batch in order:
+        if batch:
+            _raise_any(session, session.fan_out(one, batch), "starting the job")
+
+
+def teardown(session: Session, job_id: str, grace: float, hosts: tuple[Host, ...] | None = None) -> float:
+    start_t = time.monotonic()
+    script = plan.stop_script(job_id, grace)
+    session.fan_out(lambda h: session.run(h, script, timeout=grace + 30), hosts)
+    return time.monotonic() - start_t
+
+
+def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, echo: bool = True,
+          out=None, lost_after: float | None = None) -> JobResult:
+    """Stream every node's output until all exit; on the first failure or lost host, stop the rest."""
+    mux = Multiplexer(run_dir, out=out, echo=echo)
+    width = max(len(f"{h.name} r{h.rank}") for h in inv.hosts)
+    result = JobResult(spec.job_id, run_dir)
+    events: queue.Queue[Outcome] = queue.Queue()
+    sinks = {h.name: mux.sink(h.name, h.rank, width) for h in inv.hosts}
+
+    def follow(host: Host) -> None:
+        sink = sinks[host.name]
+        outcome = Outcome(host)
+        try:
+            outcome.exit_code = session.stream(host, plan.follow_logs_script(spec, host.rank), sink.feed)
+        except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash
+            outcome.error = describe(host, exc)
+        finally:
+            sink.close()
+            outcome.tail = sink.last_lines()
+            events.put(outcome)
+
+    threads = [threading.Thread(target=follow, args=(h,), daemon=True, name=f"follow-{h.name}")
+               for h in inv.hosts]
+    for t in threads:
+        t.start()
+    lost_after = lost_after or 3 * max(h.ssh.keepalive for h in inv.hosts)
+    pending = {h.name for h in inv.hosts}
+    try:
+        while pending:
+            try:
+                o = events.get(timeout=0.2)
+            except queue.Empty:
+                o = _lost_host(session, inv, pending, lost_after)
+                if o is None:
+                    continue
+            pending.discard(o.host.name)
+            result.outcomes[o.host.name] = o
+            if (o.exit_code != 0 or o.error) and result.first_failure is None:
+                result.first_failure = o
+                others = tuple(h for h in inv.hosts if h.name in pending)
+                result.teardown_seconds = teardown(session, spec.job_id, 0, others)
+                _drain_events(events, pending, result, timeout=5)
+                break
+    except KeyboardInterrupt as exc:
+        result.interrupted = getattr(exc, "signum", signal.SIGINT)
+        result.teardown_seconds = teardown(session, spec.job_id, inv.job.stop_grace)
+        _drain_events(events, pending, result, timeout=5)
+    return result
+
+
+def _drain_events(events: queue.Queue, pending: set[str], result: JobResult, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        try:
+            o = events.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        pending.discard(o.host.name)
+        result.outcomes.setdefault(o.host.name, o)
+
+
+def _lost_host(session: Session, inv: Inventory, pending: set[str], lost_after: float) -> Outcome | None:
+    now = time.monotonic()
+    for h in inv.hosts:
+        seen = session.alive_since(h)
+        if h.name in pending and seen is not None and now - seen > lost_after:
+            return Outcome(h, error=f"{h.name}: no SSH keepalive answer for {now - seen:.0f}s; host lost")
+    return None
+
+
+class Interrupted(KeyboardInterrupt):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def install_signal_handlers() -> None:
+    """SIGINT and SIGTERM both interrupt the watcher, which then stops the job with its grace."""
+    def handler(signum, frame):  # noqa: ANN001
+        raise Interrupted(signum)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def fetch_outputs(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path) -> dict[str, str]:
+    """Copy each host's output directory of the job into run_dir/outputs/<host> (rsync)."""
+    def one(host: Host) -> str:
+        dest = run_dir / "outputs" / host.name
+        dest.mkdir(parents=True, exist_ok=True)
+        src = f"{host.ssh.user}@{plan._rsync_host(host.address)}:{inv.job.output_dir}/{spec.job_id}/"
+        proc = subprocess.run(["rsync", "--archive", "--rsh", plan.shell(plan.ssh_argv(host)), src, str(dest)],
+                              capture_output=True, text=True)
+        return "ok" if proc.returncode == 0 else proc.stderr.strip()[-200:]
+    results = session.fan_out(one)
+    return {h: (r if isinstance(r, str) else str(r)) for h, r in results.items()}
+
+
+# ---------------------------------------------------------------- the whole job
+
+def refuse_if_running(session: Session, job_id: str | None = None) -> None:
+    jobs = running_jobs(session)
+    jobs.pop(job_id, None)
+    if jobs:
+        listing = "; ".join(f"{j} on {', '.join(hs)}" for j, hs in jobs.items())
+        raise UserError(f"a job is already running ({listing}): one job at a time shares the master "
+                        f"port and the GPUs. Watch it with 'fab logs', or end it with 'fab stop'")
+
+
+def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console) -> None:
+    """Sync the code and run preflight at once; start nothing if either fails."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        synced = pool.submit(sync, inv)
+        checks = preflight.run(session, inv, image=spec.image)
+        bad = preflight.failed(checks)
+        if bad:
+            preflight.render(checks, console)
+            synced.result()
+            raise UserError(f"preflight failed on {', '.join(sorted({c.host for c in bad}))}; nothing "
+                            f"was started. Fix the checks above, then run the command again")
+        times = synced.result()
+    console.print(f"synced code to {len(times)} host(s) in {max(times.values()):.1f}s; preflight ok",
+                  highlight=False)
+
+
+def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: bool = True,
+          out=None) -> JobResult:
+    run_dir = run_root / spec.job_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.txt").write_text(dry_run(inv, spec) + "\n")
+    with Session(inv.hosts) as session:
+        refuse_if_running(session)
+        if checks:
+            gate(session, inv, spec, console)
+        else:
+            sync(inv)
+        install_signal_handlers()
+        try:
+            console.print(f"job {spec.job_id}: starting {len(inv.hosts)} node(s), rank 0 on "
+                          f"{inv.master.name}; logs in {run_dir}", highlight=False)
+            start(session, inv, spec)
+            result = watch(session, inv, spec, run_dir, out=out)
+        except KeyboardInterrupt as exc:  # Ctrl+C while starting
+            result = JobResult(spec.job_id, run_dir, interrupted=getattr(exc, "signum", signal.SIGINT))
+            result.teardown_seconds = teardown(session, spec.job_id, inv.job.stop_grace)
+        except BaseException:
+            teardown(session, spec.job_id, 0)
+            raise
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        fetched = fetch_outputs(session, inv, spec, run_dir)
+        for host, status in fetched.items():
+            if status != "ok":
+                console.print(f"[yellow]could not fetch outputs from {host}: {status}[/]")
+        if not result.ok:
+            # Whatever happened, nothing of this job may stay behind on a host that still answers.
+            teardown(session, spec.job_id, 0)
+    return result
+
+
+def explain(result: JobResult) -> UserError | None:
+    """The error a finished job exits with, naming host, rank, exit code and the last log lines."""
+    if result.ok:
+        return None
+    if result.interrupted is not None:
+        name = signal.Signals(result.interrupted).name
+        return UserError(f"job {result.job_id} interrupted ({name}); every container was stopped "
+                         f"(teardown {result.teardown_seconds or 0:.1f}s). Logs: {result.run_dir}",
+                         exit_code=128 + int(result.interrupted))
+    o = result.first_failure or next(o for o in result.outcomes.values() if o.exit_code != 0)
+    why = o.error or f"exited with code {o.exit_code}"
+    torn = (f"; the other nodes were stopped in {result.teardown_seconds:.1f}s"
+            if result.teardown_seconds is not None else "")
+    tail = "\n".join("    " + line for line in o.tail.splitlines()[-10:])
+    return UserError(f"job {result.job_id} failed: {o.host.name} (node rank {o.host.rank}) {why}{torn}.\n"
+                     f"  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}")

@@ -1,0 +1,76 @@
+"""One output stream per host, multiplexed into the terminal with a stable prefix, and a full
+log file per host on the local disk.
+
+Bytes are written to the host's file as they arrive (nothing is lost if the terminal is slow or
+gone); only complete lines go to the terminal, each whole, so lines of different hosts never mix.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import BinaryIO
+
+COLOURS = (36, 33, 35, 32, 34, 31, 96, 93)  # cyan, yellow, magenta, green, blue, red, bright...
+
+
+class Multiplexer:
+    def __init__(self, run_dir: Path, out: BinaryIO | None = None, colour: bool | None = None,
+                 echo: bool = True) -> None:
+        self.run_dir = run_dir
+        self.out = out if out is not None else sys.stdout.buffer
+        if colour is None:
+            colour = hasattr(self.out, "isatty") and self.out.isatty() and "NO_COLOR" not in os.environ
+        self.colour = colour
+        self.echo = echo
+        self._lock = threading.Lock()
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    def sink(self, name: str, rank: int, width: int = 0) -> "HostSink":
+        label = f"{name} r{rank}".ljust(width)
+        prefix = (f"\x1b[{COLOURS[rank % len(COLOURS)]}m{label} |\x1b[0m " if self.colour
+                  else f"{label} | ").encode()
+        return HostSink(self, self.run_dir / f"{name}.log", prefix)
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            try:
+                self.out.write(data)
+                self.out.flush()
+            except (BrokenPipeError, ValueError):
+                self.echo = False  # the terminal is gone; the log files still get everything
+
+
+class HostSink:
+    def __init__(self, mux: Multiplexer, path: Path, prefix: bytes, tail_lines: int = 20) -> None:
+        self.mux, self.path, self.prefix = mux, path, prefix
+        self._file = path.open("ab")
+        self._partial = b""
+        self.tail: deque[bytes] = deque(maxlen=tail_lines)
+
+    def feed(self, data: bytes) -> None:
+        self._file.write(data)
+        self._file.flush()
+        data = self._partial + data
+        cut = data.rfind(b"\n") + 1
+        self._partial = data[cut:]
+        if not cut:
+            return
+        lines = data[:cut].split(b"\n")[:-1]
+        self.tail.extend(lines[-self.tail.maxlen:])
+        if self.mux.echo:
+            p = self.prefix
+            self.mux.write(b"".join(p + line + b"\n" for line in lines))
+
+    def close(self) -> None:
+        if self._partial:
+            self.tail.append(self._partial)
+            if self.mux.echo:
+                self.mux.write(self.prefix + self._partial + b"\n")
+            self._partial = b""
+        self._file.close()
+
+    def last_lines(self) -> str:
+        return "\n".join(line.decode(errors="replace") for line in self.tail)

@@ -1,0 +1,176 @@
+"""Pure functions from (inventory, job options) to the exact commands run on each host.
+
+Commands stay argv lists until the very edge, where `shell()` quotes them exactly once with
+shlex.join. Nothing here touches the network, so a plan can be printed (dry run) and tested.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import secrets as _secrets
+import shlex
+from dataclasses import dataclass
+
+from .inventory import Host, Inventory
+
+LABEL_MANAGED = "fabtrain.managed"
+LABEL_JOB = "fabtrain.job"
+LABEL_RANK = "fabtrain.rank"
+LABEL_HOST = "fabtrain.host"
+# Inside the container: the synced code, the job's outputs, and secrets (a file, never an env value
+# on a command line).
+WORKDIR = "/workspace"
+OUTDIR = "/output"
+SECRETS_PATH = "/run/fabtrain/secrets.env"
+RSYNC_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs",
+                  ".pytest_cache", "*.egg-info")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run: a script in the synced code and its arguments, handed to torchrun verbatim."""
+
+    job_id: str
+    script: str
+    args: tuple[str, ...] = ()
+    image: str | None = None
+    nproc_per_node: str | None = None
+    master_port: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def new_job_id(name: str = "job") -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{_secrets.token_hex(2)}"
+
+
+def shell(argv: list[str] | tuple[str, ...]) -> str:
+    """The one place an argv becomes a remote command string."""
+    return shlex.join(argv)
+
+
+def container_name(job_id: str, rank: int) -> str:
+    return f"fabtrain-{job_id}-r{rank}"
+
+
+def device_args(host: Host) -> list[str]:
+    """Docker flags that expose the host's accelerators to the container."""
+    args: list[str] = []
+    if host.gpu_vendor == "nvidia":
+        # The NVIDIA container toolkit maps every GPU and the driver libraries.
+        args += ["--gpus", "all"]
+    elif host.gpu_vendor == "amd":
+        # ROCm needs the compute interface (kfd), the render nodes (dri), and the groups owning them.
+        args += ["--device", "/dev/kfd", "--device", "/dev/dri",
+                 "--group-add", "video", "--group-add", "render"]
+    for dev in host.devices:
+        args += ["--device", dev]
+    return args
+
+
+def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
+    """Environment of one node's container, in a stable order (inventory, host, then command line)."""
+    env = [
+        ("MASTER_ADDR", inv.master.address),
+        ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
+        ("NNODES", str(len(inv.hosts))),
+        ("NODE_RANK", str(host.rank)),
+        ("NPROC_PER_NODE", spec.nproc_per_node or inv.job.nproc_per_node),
+        ("NCCL_SOCKET_IFNAME", host.interface),
+        ("GLOO_SOCKET_IFNAME", host.interface),
+        ("FABTRAIN_JOB", spec.job_id),
+        ("FABTRAIN_NODE", host.name),
+        ("FABTRAIN_OUTPUT", OUTDIR),
+    ]
+    merged = dict(env)
+    for key, value in (*inv.job.env, *host.env, *spec.env):
+        merged[key] = value
+    return list(merged.items())
+
+
+def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, with_secrets: bool = False) -> list[str]:
+    """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+    name = container_name(spec.job_id, host.rank)
+    argv = ["docker", "run", "--detach", "--name", name,
+            "--label", f"{LABEL_MANAGED}=1", "--label", f"{LABEL_JOB}={spec.job_id}",
+            "--label", f"{LABEL_RANK}={host.rank}", "--label", f"{LABEL_HOST}={host.name}",
+            # Host networking: NCCL/gloo see the real interfaces, no port mapping, no NAT.
+            "--network", "host"]
+    # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
+    argv += ["--shm-size", inv.job.shm_size] if inv.job.shm_size else ["--ipc", "host"]
+    argv += device_args(host)
+    for key, value in job_env(inv, host, spec):
+        argv += ["--env", f"{key}={value}"]
+    argv += ["--volume", f"{inv.job.code_dir}:{WORKDIR}:ro",
+             "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}"]
+    if with_secrets:
+        argv += ["--volume", f"{secrets_file(inv, spec)}:{SECRETS_PATH}:ro"]
+    for m in host.mounts:
+        argv += ["--volume", f"{m.source}:{m.target}" + (":ro" if m.read_only else "")]
+    argv += ["--workdir", WORKDIR, spec.image or inv.image_for(host), spec.script, *spec.args]
+    return argv
+
+
+def secrets_file(inv: Inventory, spec: JobSpec) -> str:
+    return f"{inv.job.output_dir}/.secrets/{spec.job_id}.env"
+
+
+def prepare_dirs_argv(inv: Inventory, spec: JobSpec) -> list[str]:
+    return ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", inv.job.code_dir]
+
+
+def follow_logs_script(spec: JobSpec, rank: int) -> str:
+    """Stream one container's output until it exits, then exit with the container's exit code."""
+    name = container_name(spec.job_id, rank)
+    return (f"{shell(['docker', 'logs', '--follow', name])} 2>&1; "
+            f"exit \"$({shell(['docker', 'wait', name])})\"")
+
+
+def label_filter(job_id: str | None) -> list[str]:
+    args = ["--filter", f"label={LABEL_MANAGED}=1"]
+    if job_id:
+        args += ["--filter", f"label={LABEL_JOB}={job_id}"]
+    return args
+
+
+def stop_script(job_id: str | None = None, grace: float = 0) -> str:
+    """Stop (SIGTERM, grace seconds, then SIGKILL) and remove this project's containers, by label."""
+    ids = shell(["docker", "ps", "--all", "--quiet", *label_filter(job_id)])
+    parts = []
+    if grace > 0:
+        parts.append(f"{ids} | xargs -r {shell(['docker', 'stop', '--time', str(int(grace))])} >/dev/null")
+    parts.append(f"{ids} | xargs -r {shell(['docker', 'rm', '--force'])}")
+    return "; ".join(parts)
+
+
+def status_argv(job_id: str | None = None) -> list[str]:
+    return ["docker", "ps", "--all", *label_filter(job_id), "--format",
+            "{{.Label \"" + LABEL_JOB + "\"}}\t{{.Label \"" + LABEL_RANK + "\"}}\t{{.Names}}\t"
+            "{{.State}}\t{{.Status}}"]
+
+
+def ssh_argv(host: Host) -> list[str]:
+    """The OpenSSH client command rsync uses to reach a host: same key, same host-key policy."""
+    argv = ["ssh", "-p", str(host.ssh.port),
+            # Never prompt; a host whose key is unknown or changed is refused, not trusted.
+            "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={host.ssh.known_hosts}",
+            "-o", f"ConnectTimeout={int(host.ssh.connect_timeout)}",
+            # Notice a dead link during a long transfer instead of hanging.
+            "-o", f"ServerAliveInterval={int(host.ssh.keepalive)}", "-o", "ServerAliveCountMax=3"]
+    if host.ssh.key:
+        argv += ["-i", host.ssh.key, "-o", "IdentitiesOnly=yes"]
+    return argv
+
+
+def rsync_argv(host: Host, source: str, dest: str) -> list[str]:
+    """Mirror the local tree `source` to `dest` on the host (same path on every host)."""
+    argv = ["rsync", "--archive", "--compress", "--delete", "--mkpath",
+            "--rsh", shell(ssh_argv(host))]
+    for pattern in RSYNC_EXCLUDES:
+        argv += ["--exclude", pattern]
+    argv += [source.rstrip("/") + "/", f"{host.ssh.user}@{_rsync_host(host.address)}:{dest}/"]
+    return argv
+
+
+def _rsync_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address

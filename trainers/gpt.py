@@ -1,0 +1,362 @@
+"""Character-level GPT trained with DDP, following the torchrun contract.
+
+Reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment (torchrun, this
+project's orchestrator, or a scheduler sets them) and falls back to one process without them.
+NCCL on GPUs, gloo on CPUs. Snapshots are atomic and a restarted job resumes from the newest.
+
+    torchrun --nproc_per_node 2 trainers/gpt.py --model tiny --epochs 5
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus  # noqa: E402
+import snapshot  # noqa: E402
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0
+    block_size: int = 256
+    n_layer: int = 8
+    n_head: int = 8
+    n_embd: int = 720
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16
+    grad_accum: int = 8
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    epochs: int = 5
+    max_steps_per_epoch: int = 0  # 0: a full pass over the data
+    snapshot_every: int = 200
+    log_every: int = 10
+    seed: int = 1337
+
+
+# GPU presets (effective batch 256 sequences over 2 nodes: batch x accum x world). On a CPU the
+# same architecture is shrunk (CPU_SCALE) so the local 2-host demo finishes in minutes.
+PRESETS = {
+    "tiny": (ModelConfig(n_layer=8, n_head=8, n_embd=720), TrainConfig(batch_size=16, grad_accum=8)),
+    "small": (ModelConfig(n_layer=12, n_head=14, n_embd=896), TrainConfig(batch_size=8, grad_accum=16)),
+    "medium": (ModelConfig(n_layer=24, n_head=16, n_embd=1088), TrainConfig(batch_size=4, grad_accum=32)),
+}
+CPU_SCALE = {
+    "tiny": (dict(n_layer=2, n_head=2, n_embd=64, block_size=64), dict(batch_size=16, grad_accum=1, lr=3e-3, min_lr=3e-4, warmup_steps=20)),
+    "small": (dict(n_layer=4, n_head=4, n_embd=128, block_size=128), dict(batch_size=8, grad_accum=2, lr=2e-3, min_lr=2e-4, warmup_steps=20)),
+    "medium": (dict(n_layer=6, n_head=6, n_embd=192, block_size=128), dict(batch_size=4, grad_accum=4, lr=1e-3, min_lr=1e-4, warmup_steps=20)),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tok.weight = self.head.weight  # weight tying
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, n: int, temperature: float = 0.8) -> torch.Tensor:
+        for _ in range(n):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1)], dim=1)
+        return idx
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class CharDataset(Dataset):
+    """Non-overlapping windows of block_size + 1 characters (input and shifted target)."""
+
+    def __init__(self, data: torch.Tensor, block_size: int) -> None:
+        self.data, self.block = data, block_size
+
+    def __len__(self) -> int:
+        return max(0, (len(self.data) - 1) // self.block)
+
+    def __getitem__(self, i: int):
+        chunk = self.data[i * self.block: i * self.block + self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def lr_at(step: int, total: int, tc: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, total - tc.warmup_steps))
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    node: str = socket.gethostname()
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed() -> tuple[Dist, torch.device]:
+    env = os.environ
+    d = Dist(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+             env.get("FABTRAIN_NODE") or socket.gethostname())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(d.local_rank)
+        device = torch.device("cuda", d.local_rank)
+    else:
+        device = torch.device("cpu")
+    if d.enabled:
+        timeout = datetime.timedelta(seconds=float(env.get("FABTRAIN_PG_TIMEOUT", 60)))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    return d, device
+
+
+def build_config(args: argparse.Namespace, on_gpu: bool) -> tuple[ModelConfig, TrainConfig]:
+    mc, tc = (dataclasses.replace(c) for c in PRESETS[args.model])
+    if not on_gpu:
+        m_over, t_over = CPU_SCALE[args.model]
+        mc, tc = dataclasses.replace(mc, **m_over), dataclasses.replace(tc, **t_over)
+    if args.config:
+        import yaml
+        doc = yaml.safe_load(Path(args.config).read_text()) or {}
+        mc = dataclasses.replace(mc, **doc.get("model", {}))
+        tc = dataclasses.replace(tc, **doc.get("train", {}))
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                 if getattr(args, f.name, None) is not None}
+    return mc, dataclasses.replace(tc, **overrides)
+
+
+def load_text(path: str | None) -> str:
+    if path:
+        return Path(path).read_text(encoding="utf-8")
+    return corpus.generate()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--config", help="YAML with 'model:' and 'train:' sections (overrides the preset)")
+    p.add_argument("--data", help="a UTF-8 text file to train on (default: the generated corpus)")
+    p.add_argument("--out", default=os.environ.get("FABTRAIN_OUTPUT", "out"),
+                   help="directory for snapshots, metrics and the loss plot")
+    for f in dataclasses.fields(TrainConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None)
+    p.add_argument("--sample-chars", type=int, default=200)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    d, device = init_distributed()
+    tag = f"[{d.node} rank{d.rank}]"
+    mc, tc = build_config(args, device.type == "cuda")
+    torch.manual_seed(tc.seed)
+
+    text = load_text(args.data)
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    train_ds, val_ds = CharDataset(data[:split], mc.block_size), CharDataset(data[split:], mc.block_size)
+    mc = dataclasses.replace(mc, vocab_size=len(chars))
+
+    model = GPT(mc).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    out = Path(args.out)
+    snap_dir = out / "snapshots"
+    start_epoch, step = 0, 0
+    # The snapshot is loaded before DDP wraps the model, so every rank starts from the same state.
+    snap = snapshot.load_latest(snap_dir, map_location=device)
+    if snap is not None:
+        model.load_state_dict(snap["model"])
+        optimizer.load_state_dict(snap["optimizer"])
+        start_epoch, step = snap["epoch"], snap["step"]
+        log(f"{tag} resumed from {snap['path']} (epoch {start_epoch}, step {step})")
+    ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None) if d.enabled else model
+
+    train_sampler = DistributedSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=tc.seed)
+    val_sampler = DistributedSampler(val_ds, num_replicas=d.world, rank=d.rank, shuffle=False)
+    train_dl = DataLoader(train_ds, batch_size=tc.batch_size, sampler=train_sampler, drop_last=True)
+    val_dl = DataLoader(val_ds, batch_size=tc.batch_size, sampler=val_sampler)
+    steps_per_epoch = len(train_dl) // tc.grad_accum
+    if tc.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, tc.max_steps_per_epoch)
+    total_steps = steps_per_epoch * tc.epochs
+    if d.rank == 0:
+        log(f"{tag} model {args.model}: {n_params(model) / 1e6:.2f}M params, layers={mc.n_layer} "
+              f"embd={mc.n_embd} block={mc.block_size}; world {d.world}, batch {tc.batch_size} x accum "
+              f"{tc.grad_accum} x world {d.world}; {steps_per_epoch} steps/epoch on {device.type}")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    metrics_path = out / "metrics.jsonl"
+    if d.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    tokens_per_step = tc.batch_size * tc.grad_accum * mc.block_size * d.world
+    result = {}
+    for epoch in range(start_epoch, tc.epochs):
+        train_sampler.set_epoch(epoch)
+        ddp.train()
+        batches = iter(train_dl)
+        skip = step - epoch * steps_per_epoch  # steps of this epoch done before a mid-epoch resume
+        for _ in range(max(0, skip) * tc.grad_accum):
+            next(batches)
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(max(0, skip), steps_per_epoch):
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(step, total_steps, tc)
+            loss_sum = 0.0
+            for micro in range(tc.grad_accum):
+                x, y = (t.to(device) for t in next(batches))
+                # Gradients are all-reduced once per optimizer step, on the last micro-batch only.
+                sync = micro == tc.grad_accum - 1 or not d.enabled
+                ctx = ddp.no_sync() if not sync else _null()
+                with ctx, autocast:
+                    _, loss = ddp(x, y)
+                    (loss / tc.grad_accum).backward()
+                loss_sum += loss.item() / tc.grad_accum
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += tokens_per_step
+            if step % tc.log_every == 0 or step == total_steps:
+                rate = tokens / (time.perf_counter() - t0)
+                log(f"{tag} epoch {epoch} | step {step} | loss {loss_sum:.4f} | lr {g['lr']:.2e} "
+                      f"| {rate:,.0f} tok/s")
+                if d.rank == 0:
+                    _append(metrics_path, {"kind": "train", "epoch": epoch, "step": step, "loss": loss_sum,
+                                           "lr": g["lr"], "tokens_per_s": rate, "time": time.time()})
+            if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0:
+                snapshot.save(snap_dir, model, optimizer, epoch, step)
+        val = evaluate(ddp, val_dl, device, d)
+        if d.rank == 0:
+            log(f"{tag} epoch {epoch} done | eval loss {val:.4f} | train loss {loss_sum:.4f}")
+            _append(metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()})
+            snapshot.save(snap_dir, model, optimizer, epoch + 1, step)
+        result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
+    if d.rank == 0 and args.sample_chars:
+        model.eval()
+        seed = torch.tensor([[stoi.get("T", 0)]], device=device)
+        sample = "".join(chars[i] for i in model.generate(seed, args.sample_chars)[0].tolist())
+        log(f"{tag} sample: {sample!r}")
+    if d.enabled:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, d: Dist) -> float:
+    model.eval()
+    total = torch.zeros(2, device=device)
+    for x, y in loader:
+        _, loss = model(x.to(device), y.to(device))
+        total += torch.tensor([loss.item() * len(x), len(x)], device=device)
+    if d.enabled:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def log(line: str) -> None:
+    """One write per line: ranks sharing a stdout pipe never splice each other's lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _append(path: Path, record: dict) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
