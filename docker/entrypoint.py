@@ -61,7 +61,10 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     child.setdefault("OMP_NUM_THREADS", "1")
     argv = [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", nproc,
-            "--master_addr", master_addr, "--master_port", master_port, *args]
+            "--master_addr", master_addr, "--master_port", master_port,
+            # Without "--", torchrun's parser takes a script option such as --node for an
+            # abbreviation of its own --node-rank and fails.
+            "--", *args]
     banner = (f"[fabtrain] nodes={nnodes} node_rank={node_rank} master={master_addr}:{master_port} "
               f"gpus_per_node={gpus} procs_per_node={nproc} world_size={nnodes * int(nproc)} "
               f"ifname={child.get('GLOO_SOCKET_IFNAME', 'default')}")

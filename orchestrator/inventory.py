@@ -165,7 +165,7 @@ class _Reader:
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             names = " or ".join(k.__name__ for k in kinds)
             self.fail(self._field(key), f"must be {names}, got {value!r}",
-                      f"write it as a {names}", self.lines.get(key))
+                      f"write an {names} value" if names[0] in "aeiou" else f"write a {names} value", self.lines.get(key))
         return value
 
     def sub(self, key: str) -> "_Reader":

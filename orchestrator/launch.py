@@ -7,6 +7,7 @@ non-zero or any host going silent (no keepalive answer) stops every other contai
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -322,9 +323,8 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
         for host, status in fetched.items():
             if status != "ok":
                 console.print(f"[yellow]could not fetch outputs from {host}: {status}[/]")
-        if not result.ok:
-            # Whatever happened, nothing of this job may stay behind on a host that still answers.
-            teardown(session, spec.job_id, 0)
+        # Logs and outputs are on this machine now; nothing of the job stays behind on the hosts.
+        teardown(session, spec.job_id, 0)
     return result
 
 
@@ -338,9 +338,15 @@ def explain(result: JobResult) -> UserError | None:
                          f"(teardown {result.teardown_seconds or 0:.1f}s). Logs: {result.run_dir}",
                          exit_code=128 + int(result.interrupted))
     o = result.first_failure or next(o for o in result.outcomes.values() if o.exit_code != 0)
-    why = o.error or f"exited with code {o.exit_code}"
+    why = o.error or f"exited with code {o.exit_code}{worker_failure(o.tail)}"
     torn = (f"; the other nodes were stopped in {result.teardown_seconds:.1f}s"
             if result.teardown_seconds is not None else "")
-    tail = "\n".join("    " + line for line in o.tail.splitlines()[-10:])
+    tail = "\n".join("    " + line for line in o.tail.splitlines()[-20:])
     return UserError(f"job {result.job_id} failed: {o.host.name} (node rank {o.host.rank}) {why}{torn}.\n"
                      f"  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}")
+
+
+def worker_failure(tail: str) -> str:
+    """torchrun's agent exits 1 whatever its worker did; its root-cause report says which worker."""
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S)
+    return f" (worker rank {m.group(1)} exited with code {m.group(2)})" if m else ""

@@ -1,0 +1,56 @@
+"""Integration tests: a real local cluster (Docker-in-Docker hosts with sshd and their own Docker
+engines), real SSH with host-key checking, real torch.distributed (gloo) inside the containers.
+
+The cluster is started once per test run (reused if it is already up) and its inventory written
+to a temporary file; each test leaves the hosts as it found them.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cluster as cluster_mod
+from orchestrator.inventory import load
+
+ROOT = Path(__file__).resolve().parents[2]
+FAB = str(Path(sys.executable).parent / "fab")
+
+
+def engine_available() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def inventory_path(tmp_path_factory):
+    if not engine_available():
+        if os.environ.get("CI"):
+            pytest.fail("no Docker engine: CI must run bash docker/bootstrap.sh first")
+        pytest.skip("no Docker engine running (bash docker/bootstrap.sh starts one)")
+    path = tmp_path_factory.mktemp("cluster") / "inventory.yaml"
+    cluster_mod.up(2, inventory_out=str(path))
+    subprocess.run([FAB, "stop", "--inventory", str(path), "--grace", "0"], cwd=ROOT, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def inv(inventory_path):
+    return load(inventory_path)
+
+
+def fab(inventory_path, *args, timeout=600, **kwargs):
+    """Run the real command line, as a user would."""
+    return subprocess.run([FAB, *args, "--inventory", str(inventory_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def on_host(node: str, script: str, check=True, detach=False) -> subprocess.CompletedProcess:
+    """Act on a test host directly (to set up a fault), not through the code under test."""
+    argv = ["docker", "exec", *(["-d"] if detach else []), f"fabtrain-{node}", "sh", "-c", script]
+    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=120)
+
+
+def project_containers(node: str) -> list[str]:
+    out = on_host(node, "docker ps -aq --filter label=fabtrain.managed=1").stdout
+    return out.split()

@@ -1,0 +1,92 @@
+"""The walking skeleton on the local cluster: sync, preflight, train, stop."""
+import hashlib
+
+from .conftest import ROOT, fab, on_host, project_containers
+
+
+def test_sync_reaches_every_host(inventory_path, inv):
+    r = fab(inventory_path, "sync")
+    assert r.returncode == 0, r.stderr
+    want = hashlib.sha256((ROOT / "orchestrator" / "plan.py").read_bytes()).hexdigest()
+    for h in inv.hosts:
+        got = on_host(h.name, f"sha256sum {inv.job.code_dir}/orchestrator/plan.py").stdout.split()[0]
+        assert got == want, h.name
+        # Local state is never copied to the hosts.
+        assert on_host(h.name, f"test -e {inv.job.code_dir}/.cluster", check=False).returncode == 1
+
+
+def test_preflight_passes_on_clean_cluster(inventory_path):
+    r = fab(inventory_path, "preflight", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    checks = json.loads(r.stdout)["checks"]
+    assert {c["status"] for c in checks} == {"ok"}
+    assert {c["host"] for c in checks} == {"node1", "node2"}
+
+
+def test_preflight_fails_naming_rank0_when_master_port_taken(inventory_path, inv):
+    port = inv.job.master_port
+    on_host("node1", f"exec python3 -c 'import socket,time; s=socket.socket(); s.bind((\"0.0.0.0\", {port})); "
+                     f"s.listen(); time.sleep(120)' port-holder", detach=True)
+    try:
+        for _ in range(50):
+            if on_host("node1", f"ss -Htln 'sport = :{port}'").stdout.strip():
+                break
+        r = fab(inventory_path, "preflight")
+        assert r.returncode == 1
+        assert f"FAIL node1 port: master port {port} already in use by python3 (pid" in r.stdout
+        assert "node2 port" not in r.stdout
+        # fab train runs the same gate and starts nothing.
+        t = fab(inventory_path, "train", "--epochs", "1")
+        assert t.returncode == 1
+        assert "preflight failed on node1; nothing was started" in t.stderr
+        assert project_containers("node1") == [] and project_containers("node2") == []
+    finally:
+        on_host("node1", "pkill -f port-holder", check=False)
+
+
+def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
+    r = fab(inventory_path, "train", "--model", "tiny", "--epochs", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("node1 r0 | [node1 rank0] epoch 1 | step") for line in lines)
+    assert any(line.startswith("node2 r1 | [node2 rank2] epoch 1 | step") for line in lines)
+    evals = [float(line.rsplit("eval loss ", 1)[1].split()[0]) for line in lines if "eval loss" in line]
+    assert len(evals) == 2 and evals[1] < evals[0] < 3.0
+    run_dir = ROOT / r.stdout.split("logs and outputs in ")[-1].split()[0]
+    assert "world_size=4" in (run_dir / "node2.log").read_text()
+    assert (run_dir / "outputs" / "node1" / "metrics.jsonl").exists()
+    assert (run_dir / "plan.txt").read_text().count("docker run") == 2
+    assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_failed_node_is_named_and_job_exits_nonzero(inventory_path):
+    r = fab(inventory_path, "train", "--script", "tests/integration/scripts/exit_on_node.py",
+            "--args", "--node 1 --code 7")
+    assert r.returncode == 1
+    assert "failed: node2 (node rank 1) exited with code 1 (worker rank 2 exited with code 7)" in r.stderr
+    assert "exitcode  : 7" in r.stderr  # the last lines of that host's log
+    run_dir = ROOT / r.stderr.split("full logs: ")[1].split()[0]
+    assert "node 1 giving up with code 7" in (run_dir / "node2.log").read_text()
+    assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_stop_removes_every_project_container_and_is_idempotent(inventory_path, inv):
+    for h in inv.hosts:
+        for job in ("a", "b"):
+            on_host(h.name, f"docker run -d --label fabtrain.managed=1 --label fabtrain.job={job} "
+                            f"--entrypoint sleep {inv.job.image} 300")
+        # Not ours: must survive.
+        on_host(h.name, f"docker run -d --name bystander --entrypoint sleep {inv.job.image} 300")
+    try:
+        r = fab(inventory_path, "stop", "--grace", "1")
+        assert r.returncode == 0, r.stderr
+        assert "node1: removed 2 container(s)" in r.stdout
+        for h in inv.hosts:
+            assert project_containers(h.name) == []
+            assert on_host(h.name, "docker ps -q --filter name=bystander").stdout.strip()
+        again = fab(inventory_path, "stop")
+        assert again.returncode == 0 and "node2: removed 0 container(s)" in again.stdout
+    finally:
+        for h in inv.hosts:
+            on_host(h.name, "docker rm -f bystander", check=False)

@@ -1,0 +1,43 @@
+import io
+import threading
+
+from orchestrator.logs import Multiplexer
+
+
+def test_lines_prefixed_whole_and_files_complete(tmp_path):
+    out = io.BytesIO()
+    mux = Multiplexer(tmp_path, out=out, colour=False)
+    a, b = mux.sink("node1", 0, 8), mux.sink("node2", 1, 8)
+    a.feed(b"hel")
+    b.feed(b"one\ntw")
+    a.feed(b"lo\nwor")
+    b.feed(b"o\n")
+    a.feed(b"ld")
+    a.close()
+    b.close()
+    assert out.getvalue().decode().splitlines() == [
+        "node2 r1 | one", "node1 r0 | hello", "node2 r1 | two", "node1 r0 | world"]
+    assert (tmp_path / "node1.log").read_bytes() == b"hello\nworld"
+    assert (tmp_path / "node2.log").read_bytes() == b"one\ntwo\n"
+    assert a.last_lines() == "hello\nworld"
+
+
+def test_colour_prefix_and_concurrent_writers_keep_order(tmp_path):
+    out = io.BytesIO()
+    mux = Multiplexer(tmp_path, out=out, colour=True)
+    sinks = [mux.sink(f"h{i}", i) for i in range(4)]
+
+    def writer(i):
+        for n in range(2000):
+            sinks[i].feed(f"{n}\n".encode())
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = out.getvalue().decode().splitlines()
+    assert len(lines) == 8000
+    for i in range(4):
+        mine = [line for line in lines if line.startswith(f"\x1b[{(36, 33, 35, 32)[i]}mh{i} r{i} |")]
+        assert [int(line.rsplit(" ", 1)[1]) for line in mine] == list(range(2000))

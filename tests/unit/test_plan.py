@@ -1,0 +1,141 @@
+import importlib.util
+import shlex
+from pathlib import Path
+
+from orchestrator import plan
+from orchestrator.inventory import parse
+
+ROOT = Path(__file__).resolve().parents[2]
+INV = parse("""\
+ssh: {user: u, key: /k/id, known_hosts: /k/kh}
+job:
+  image: img:1
+  code_dir: /opt/code
+  output_dir: /opt/out
+  env: {OMP_NUM_THREADS: "1"}
+hosts:
+  - {name: gpu0, address: 10.0.0.1, interface: ib0, gpus: {vendor: nvidia, count: 8}}
+  - {name: rocm1, address: 10.0.0.2, interface: eth1, gpus: {vendor: amd, count: 4}, env: {HSA_X: "1"}}
+  - name: cpu2
+    address: 10.0.0.3
+    interface: eth0
+    devices: [/dev/infiniband/uverbs0]
+    mounts: ["/data:/data:ro"]
+""", Path("/i/inv.yaml"))
+SPEC = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"))
+
+
+def common(rank: int, name: str, ifname: str) -> list[str]:
+    return ["docker", "run", "--detach", "--name", f"fabtrain-gpt-1-r{rank}",
+            "--label", "fabtrain.managed=1", "--label", "fabtrain.job=gpt-1",
+            "--label", f"fabtrain.rank={rank}", "--label", f"fabtrain.host={name}",
+            "--network", "host", "--ipc", "host"]
+
+
+def env(rank: int, name: str, ifname: str) -> list[str]:
+    pairs = [f"MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
+             "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
+             "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "OMP_NUM_THREADS=1"]
+    return [x for p in pairs for x in ("--env", p)]
+
+
+TAIL = ["--volume", "/opt/code:/workspace:ro", "--volume", "/opt/out/gpt-1:/output"]
+CMD = ["--workdir", "/workspace", "img:1", "trainers/gpt.py", "--model", "tiny"]
+
+
+def test_docker_run_nvidia():
+    h = INV.hosts[0]
+    assert plan.docker_run_argv(INV, h, SPEC) == (
+        common(0, "gpu0", "ib0") + ["--gpus", "all"] + env(0, "gpu0", "ib0") + TAIL + CMD)
+
+
+def test_docker_run_amd():
+    h = INV.hosts[1]
+    assert plan.docker_run_argv(INV, h, SPEC) == (
+        common(1, "rocm1", "eth1")
+        + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--group-add", "render"]
+        + env(1, "rocm1", "eth1") + ["--env", "HSA_X=1"] + TAIL + CMD)
+
+
+def test_docker_run_cpu_with_devices_mounts_and_secrets():
+    h = INV.hosts[2]
+    assert plan.docker_run_argv(INV, h, SPEC, with_secrets=True) == (
+        common(2, "cpu2", "eth0") + ["--device", "/dev/infiniband/uverbs0"] + env(2, "cpu2", "eth0") + TAIL
+        + ["--volume", "/opt/out/.secrets/gpt-1.env:/run/fabtrain/secrets.env:ro",
+           "--volume", "/data:/data:ro"] + CMD)
+
+
+def test_shm_size_replaces_ipc_host():
+    inv = parse("job: {shm_size: 64g}\nhosts:\n  - {address: h, interface: eth0}\n", Path("i.yaml"))
+    argv = plan.docker_run_argv(inv, inv.hosts[0], SPEC)
+    assert "--ipc" not in argv and argv[argv.index("--shm-size") + 1] == "64g"
+
+
+def test_hostile_values_are_quoted_once():
+    spec = plan.JobSpec(job_id="j", script="s.py", args=("'; touch /tmp/pwned #", "$(id)", "a b\nc"),
+                        env=(("X", "`id` $HOME"),))
+    argv = plan.docker_run_argv(INV, INV.hosts[2], spec)
+    assert shlex.split(plan.shell(argv)) == argv
+
+
+def test_rsync_argv():
+    h = INV.hosts[1]
+    assert plan.rsync_argv(h, "/src/proj/", "/opt/code") == [
+        "rsync", "--archive", "--compress", "--delete", "--mkpath", "--rsh",
+        "ssh -p 22 -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
+        "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes",
+        "--exclude", ".git", "--exclude", "__pycache__", "--exclude", "*.pyc", "--exclude", ".venv",
+        "--exclude", ".cache", "--exclude", ".cluster", "--exclude", "runs", "--exclude", ".pytest_cache",
+        "--exclude", "*.egg-info", "/src/proj/", "u@10.0.0.2:/opt/code/"]
+
+
+def test_stop_script_by_label_with_grace():
+    assert plan.stop_script("gpt-1", 30) == (
+        "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
+        " | xargs -r docker stop --time 30 >/dev/null; "
+        "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
+        " | xargs -r docker rm --force")
+    assert plan.stop_script() == ("docker ps --all --quiet --filter label=fabtrain.managed=1"
+                                  " | xargs -r docker rm --force")
+
+
+def test_follow_logs_exits_with_container_code():
+    assert plan.follow_logs_script(SPEC, 1) == (
+        "docker logs --follow fabtrain-gpt-1-r1 2>&1; exit \"$(docker wait fabtrain-gpt-1-r1)\"")
+
+
+def _entrypoint():
+    spec = importlib.util.spec_from_file_location("entrypoint", ROOT / "docker" / "entrypoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_torchrun_argv_from_orchestrator_env():
+    ep = _entrypoint()
+    env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "auto", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": "eth0"}
+    argv, child, banner = ep.plan(env, ["trainers/gpt.py", "--model", "tiny"], gpus=8)
+    assert argv[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1",
+                        "--nproc_per_node", "8", "--master_addr", "10.0.0.1", "--master_port", "29500",
+                        "--", "trainers/gpt.py", "--model", "tiny"]
+    assert child["FABTRAIN_PG_TIMEOUT"] == "60"
+    assert "world_size=16" in banner
+
+
+def test_torchrun_argv_from_platform_env():
+    """A platform sets WORLD_SIZE = nodes and RANK = node rank; workers must not inherit them."""
+    ep = _entrypoint()
+    env = {"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    argv, child, _ = ep.plan(env, ["train.py"], gpus=0)
+    assert argv[3:] == ["--nnodes", "4", "--node_rank", "3", "--nproc_per_node", "1",
+                        "--master_addr", "job-master-0", "--master_port", "23456", "--", "train.py"]
+    assert "RANK" not in child and "WORLD_SIZE" not in child
+
+
+def test_entrypoint_reads_secrets_file(tmp_path):
+    ep = _entrypoint()
+    f = tmp_path / "s.env"
+    f.write_text("TOKEN=a=b c'd\nOTHER=1\n")
+    assert ep.read_secrets(str(f)) == {"TOKEN": "a=b c'd", "OTHER": "1"}
+    assert ep.read_secrets(str(tmp_path / "missing")) == {}
