@@ -33,6 +33,7 @@ fi
 if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements 2>/dev/null; then
   echo "==> virtualenv .venv"
   python3 -m venv .venv
-  .venv/bin/pip install -q -r requirements.txt
+  # The machine's pip configuration names optional local indexes; their "ignored" warnings are noise.
+  .venv/bin/pip install -q -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
   cp requirements.txt .venv/.requirements
 fi

@@ -325,6 +325,8 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                 console.print(f"[yellow]could not fetch outputs from {host}: {status}[/]")
         # Logs and outputs are on this machine now; nothing of the job stays behind on the hosts.
         teardown(session, spec.job_id, 0)
+        if inv.job.secret_files:
+            session.fan_out(lambda h: session.run(h, plan.shell(["rm", "-f", plan.secrets_file(inv, spec)])))
     return result
 
 

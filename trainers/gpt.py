@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -29,7 +28,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
+import plot  # noqa: E402
 import snapshot  # noqa: E402
+from common import log, pg_timeout  # noqa: E402
 
 
 @dataclass
@@ -127,7 +128,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     @torch.no_grad()
@@ -187,8 +188,7 @@ def init_distributed() -> tuple[Dist, torch.device]:
     else:
         device = torch.device("cpu")
     if d.enabled:
-        timeout = datetime.timedelta(seconds=float(env.get("FABTRAIN_PG_TIMEOUT", 60)))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=pg_timeout())
     return d, device
 
 
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     tokens_per_step = tc.batch_size * tc.grad_accum * mc.block_size * d.world
     result = {}
+    run_start, run_start_step = time.perf_counter(), step
     for epoch in range(start_epoch, tc.epochs):
         train_sampler.set_epoch(epoch)
         ddp.train()
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if d.rank == 0:
                     _append(metrics_path, {"kind": "train", "epoch": epoch, "step": step, "loss": loss_sum,
                                            "lr": g["lr"], "tokens_per_s": rate, "time": time.time()})
+            if d.rank == 0 and (step % tc.log_every == 0 or step == total_steps):
+                progress(tag, epoch, tc.epochs, step, total_steps, run_start, run_start_step)
             if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0:
                 snapshot.save(snap_dir, model, optimizer, epoch, step)
         val = evaluate(ddp, val_dl, device, d)
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
             _append(metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()})
             snapshot.save(snap_dir, model, optimizer, epoch + 1, step)
         result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
+    if d.rank == 0 and metrics_path.exists():
+        log(f"{tag} loss plot: {plot.plot_metrics(metrics_path, out / 'loss.png')}")
     if d.rank == 0 and args.sample_chars:
         model.eval()
         seed = torch.tensor([[stoi.get("T", 0)]], device=device)
@@ -324,6 +329,15 @@ def main(argv: list[str] | None = None) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+def progress(tag: str, epoch: int, epochs: int, step: int, total: int, t0: float, step0: int) -> None:
+    """Rank 0's progress line: where the run is and how long the rest will take."""
+    done = step - step0
+    eta = (time.perf_counter() - t0) / max(done, 1) * (total - step)
+    bar = "#" * round(20 * step / max(total, 1))
+    log(f"{tag} progress [{bar:<20}] {100 * step / max(total, 1):5.1f}% epoch {epoch + 1}/{epochs} "
+        f"step {step}/{total} eta {eta:.0f}s")
 
 
 class _null:
@@ -345,12 +359,6 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, d: Dist
         dist.all_reduce(total)
     model.train()
     return (total[0] / total[1].clamp(min=1)).item()
-
-
-def log(line: str) -> None:
-    """One write per line: ranks sharing a stdout pipe never splice each other's lines."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def _append(path: Path, record: dict) -> None:

@@ -16,6 +16,8 @@ PREFIX = "snapshot-"
 
 def save(directory: Path, model, optimizer, epoch: int, step: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f".{PREFIX}*.tmp"):  # left by a writer killed mid-write
+        stale.unlink(missing_ok=True)
     final = directory / f"{PREFIX}{step:09d}.pt"
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}

@@ -1,0 +1,29 @@
+"""A user-style torchrun script for tests: joins the group, all_reduces, reports what it received.
+
+It has its own argument parsing; every unknown argument is echoed back verbatim (as JSON) so tests
+can check that hostile strings arrive intact.
+"""
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("--sleep", type=float, default=0)
+p.add_argument("--env", action="append", default=[], help="print this variable's value")
+p.add_argument("--hash-env", action="append", default=[], help="print a hash of this variable's value")
+known, rest = p.parse_known_args()
+dist.init_process_group("gloo")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+          "node": os.environ.get("GROUP_RANK"), "args": rest,
+          "env": {k: os.environ.get(k) for k in known.env},
+          "hash": {k: hashlib.sha256(os.environ.get(k, "").encode()).hexdigest() for k in known.hash_env}}
+print("REPORT " + json.dumps(report), flush=True)
+time.sleep(known.sleep)
+dist.barrier()
