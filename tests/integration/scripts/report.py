@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -24,6 +25,7 @@ report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item
           "node": os.environ.get("GROUP_RANK"), "args": rest,
           "env": {k: os.environ.get(k) for k in known.env},
           "hash": {k: hashlib.sha256(os.environ.get(k, "").encode()).hexdigest() for k in known.hash_env}}
-print("REPORT " + json.dumps(report), flush=True)
+sys.stdout.write("REPORT " + json.dumps(report) + "\n")  # one write: ranks share stdout
+sys.stdout.flush()
 time.sleep(known.sleep)
 dist.barrier()
