@@ -49,15 +49,25 @@ def sync(c, inventory=DEFAULT_INVENTORY):
         print(f"{host}: synced in {seconds:.2f}s")
 
 
-@task(help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too"})
+@task(help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
+            "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
+            "clock_warn": "warn above this clock offset, seconds (default 0.05)",
+            "clock_fail": "fail above this clock offset, seconds (default 0.5)"})
 @user_errors
-def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False):
-    """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails."""
+def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=True, clock_warn=0.05,
+              clock_fail=0.5):
+    """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
+
+    SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
+    on the host and in a container, interface, route and MTU, master port free and reachable from
+    every worker, clock offset and NTP, shared memory, disk, synced code, and an all_reduce across
+    every host in the real containers (--no-smoke skips it)."""
     inv = _inventory.load(inventory)
+    limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
-        checks = _preflight.run(session, inv)
+        checks = _preflight.run(session, inv, limits=limits, smoke=smoke)
     if json:
-        print(_preflight.to_json(checks))
+        print(_preflight.to_json(checks, strict))
     else:
         _preflight.render(checks, console)
     bad = _preflight.failed(checks, strict)
@@ -79,11 +89,12 @@ TRAINERS = {"gpt": "trainers/gpt.py"}
     "nproc": "processes per node (default: job.nproc_per_node; auto = GPU count, 1 on CPU)",
     "dry_run": "print every command per host, in order, and start nothing",
     "skip_preflight": "start without the preflight checks (code is still synced)",
+    "smoke": "also run the collective smoke test before starting",
     "name": "job name prefix (default: the trainer or script name)",
 })
 @user_errors
 def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None,
-          args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None):
+          args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False):
     """Sync code, run preflight, start one container per host (rank 0 first), stream every host's
     log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
     exits 0; otherwise stops the rest and exits non-zero naming the host. Ctrl+C stops the job."""
@@ -104,7 +115,7 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
     if dry_run:
         print(launch.dry_run(inv, spec))
         return
-    result = launch.train(inv, spec, console, RUNS, checks=not skip_preflight)
+    result = launch.train(inv, spec, console, RUNS, checks=not skip_preflight, smoke=smoke)
     error = launch.explain(result)
     if error:
         raise error

@@ -1,15 +1,16 @@
 #!/bin/sh
 # PID 1 of a local test host (a Docker-in-Docker container standing in for a bare-metal server):
-# its own SSH host keys, the cluster's public key, its own Docker engine, then sshd in the foreground.
+# its own SSH host keys, the cluster's public key, its own Docker engine and sshd. Neither service
+# is PID 1, so tests can stop and restart either one (a stopped sshd or engine is a case preflight
+# must catch) while the host stays up.
 set -eu
 mkdir -p /run/sshd /root/.ssh
 chmod 700 /root/.ssh
-if [ -n "${FABTRAIN_AUTHORIZED_KEY:-}" ]; then
-  printf '%s\n' "$FABTRAIN_AUTHORIZED_KEY" >/root/.ssh/authorized_keys
-  chmod 600 /root/.ssh/authorized_keys
-fi
 ssh-keygen -A >/dev/null
 # A stale pid file from a previous start of this container would stop dockerd from starting.
 rm -f /var/run/docker.pid /var/run/docker/containerd/containerd.pid
 dockerd --host unix:///var/run/docker.sock >/var/log/dockerd.log 2>&1 &
-exec /usr/sbin/sshd -D -e
+/usr/sbin/sshd -E /var/log/sshd.log
+trap 'kill -TERM $(jobs -p) 2>/dev/null; exit 0' TERM INT
+# Reap orphans (this is PID 1) until the container is stopped.
+while :; do wait || true; sleep 1; done

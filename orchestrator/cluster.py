@@ -27,6 +27,8 @@ TRAINER_IMAGE = "fabtrain/trainer:latest"
 NETWORK = "fabtrain-net"
 SUBNET = "172.28.5.0/24"
 LABEL = "fabtrain.cluster"
+# Training containers share their host's /dev/shm (--ipc host); Docker's 64 MB default is too small.
+SHM_BYTES = 2 * 1024 ** 3
 # Docker-in-Docker without --privileged: every capability but the one this VM lacks, no seccomp,
 # AppArmor or masked /proc paths (the CLI's systempaths=unconfined), the cgroup tree writable, and a
 # volume for the inner engine.
@@ -96,7 +98,8 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
     try:
         c = client.containers.get(node.container)
         addr = c.attrs["NetworkSettings"]["Networks"].get(NETWORK, {}).get("IPAddress")
-        if c.image.id == host_image_id and addr == node.address:
+        shm = c.attrs["HostConfig"].get("ShmSize")
+        if c.image.id == host_image_id and addr == node.address and shm == SHM_BYTES:
             if c.status != "running":
                 c.start()
             return c
@@ -105,6 +108,7 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
         pass
     api = client.api
     host_config = api.create_host_config(
+        shm_size=SHM_BYTES,
         binds={"/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
                f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"}},
         **DIND_OPTS)
@@ -121,7 +125,8 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
 def _wait_ready(container, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        code, _ = container.exec_run(["sh", "-c", "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub"])
+        code, _ = container.exec_run(["sh", "-c", "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub "
+                                            "&& test -s /run/sshd.pid"])
         if code == 0:
             return
         time.sleep(0.5)

@@ -22,7 +22,7 @@ from .inventory import Host, Inventory
 from .logs import Multiplexer
 from .remote import Session, describe
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = plan.PROJECT_ROOT
 
 
 # ---------------------------------------------------------------- sync
@@ -277,11 +277,13 @@ def refuse_if_running(session: Session, job_id: str | None = None) -> None:
                         f"port and the GPUs. Watch it with 'fab logs', or end it with 'fab stop'")
 
 
-def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console) -> None:
-    """Sync the code and run preflight at once; start nothing if either fails."""
+def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console, smoke: bool = False) -> None:
+    """Sync the code and run preflight at once; start nothing if either fails. The code check is
+    left out (the sync running beside it is what makes the trees equal), the smoke test runs
+    after the sync when asked."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         synced = pool.submit(sync, inv)
-        checks = preflight.run(session, inv, image=spec.image)
+        checks = preflight.run(session, inv, image=spec.image, code=False)
         bad = preflight.failed(checks)
         if bad:
             preflight.render(checks, console)
@@ -289,19 +291,24 @@ def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console) -> None:
             raise UserError(f"preflight failed on {', '.join(sorted({c.host for c in bad}))}; nothing "
                             f"was started. Fix the checks above, then run the command again")
         times = synced.result()
+    if smoke:
+        smoke_checks = preflight.smoke_test(session, inv, spec.image, checks)
+        if preflight.failed(smoke_checks):
+            preflight.render(smoke_checks, console)
+            raise UserError("the collective smoke test failed; nothing was started")
     console.print(f"synced code to {len(times)} host(s) in {max(times.values()):.1f}s; preflight ok",
                   highlight=False)
 
 
 def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: bool = True,
-          out=None) -> JobResult:
+          smoke: bool = False, out=None) -> JobResult:
     run_dir = run_root / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.txt").write_text(dry_run(inv, spec) + "\n")
     with Session(inv.hosts) as session:
         refuse_if_running(session)
         if checks:
-            gate(session, inv, spec, console)
+            gate(session, inv, spec, console, smoke)
         else:
             sync(inv)
         install_signal_handlers()

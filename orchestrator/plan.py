@@ -9,9 +9,11 @@ import datetime as _dt
 import secrets as _secrets
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from .inventory import Host, Inventory
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LABEL_MANAGED = "fabtrain.managed"
 LABEL_JOB = "fabtrain.job"
 LABEL_RANK = "fabtrain.rank"

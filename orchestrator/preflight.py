@@ -1,21 +1,35 @@
 """Preflight: named checks per host, each with a status, what was seen, and the fix.
 
-Each host is probed with one remote script (one SSH round trip) that gathers raw facts; pure
-functions turn the facts into results, so the judging logic is unit-tested without a network.
+Phases, each over every host at once:
+  1. one probe script per host (one SSH round trip) gathers raw facts, and the clock offset is
+     sampled over the already open connection (no handshake in the measurement);
+  2. pure functions judge each host's facts, then the hosts against each other (same image id,
+     same MTU, same code as this machine);
+  3. rank 0 opens a short-lived listener on the master port and every worker connects to it from
+     its own interface: this is what finds a firewall;
+  4. optionally, a collective smoke test: an all_reduce across every host in the real containers.
+The judging functions take plain data, so they are unit-tested without a network.
 """
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import json
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+from . import plan
 from .inventory import Host, Inventory
 from .plan import shell
-from .remote import Session, describe
+from .remote import HostKeyError, Session, describe
 
 OK, WARN, FAIL, NA, SKIP = "ok", "warn", "fail", "n/a", "skipped"
+CHECKS = ("ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
+          "shm", "disk", "code", "smoke")
 
 
 @dataclass(frozen=True)
@@ -27,16 +41,48 @@ class Check:
     fix: str = ""
 
 
+@dataclass(frozen=True)
+class Limits:
+    clock_warn: float = 0.050  # seconds of clock offset
+    clock_fail: float = 0.500
+    shm_warn_mb: int = 1024
+    disk_warn_gb: float = 5.0
+    disk_fail_gb: float = 1.0
+
+
+# ---------------------------------------------------------------- phase 1: facts
+
 def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str]]:
-    """The raw facts gathered on one host, as name -> argv."""
+    """The raw facts gathered on one host, as name -> argv (run in one script)."""
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
         "addr": ["ip", "-o", "-4", "addr", "show"],
         "link": ["ip", "-o", "link", "show"],
+        "route": ["ip", "-o", "route", "get", inv.master.address],
+        "shm": ["df", "-Pk", "/dev/shm"],
+        # The nearest existing directory of each path: code_dir may not exist before the first sync.
+        "disk": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
+                 'df -Pk "$q" | tail -n 1; done', "sh", inv.job.code_dir, inv.job.output_dir],
+        "code": ["sh", "-c", 'cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0r sha256sum '
+                 '| sha256sum', "sh", inv.job.code_dir],
+        "ntp": ["sh", "-c", "timedatectl show -p NTPSynchronized --value 2>/dev/null "
+                "|| chronyc -n tracking 2>/dev/null | grep -i 'leap status' || echo unknown"],
+        "python": ["python3", "-c", "print('ok')"],
     }
     if host.rank == 0:
         cmds["port"] = ["ss", "-Htlnp", f"sport = :{inv.job.master_port}"]
+    if host.gpu_vendor == "nvidia":
+        cmds["gpu"] = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        cmds["runtime"] = ["sh", "-c", "docker info --format '{{json .Runtimes}}'; ls /etc/cdi /var/run/cdi 2>/dev/null"]
+    elif host.gpu_vendor == "amd":
+        cmds["gpu"] = ["sh", "-c", "rocm-smi --showproductname --csv 2>/dev/null | grep -c '^card' || "
+                       "ls -d /sys/class/kfd/kfd/topology/nodes/*/ 2>/dev/null | wc -l"]
+        cmds["runtime"] = ["ls", "-d", "/dev/kfd", "/dev/dri"]
+    if host.gpu_vendor != "none":
+        # GPUs must be visible inside a container started with the same device flags as training.
+        cmds["gpu_container"] = ["docker", "run", "--rm", *plan.device_args(host), "--entrypoint", "python3",
+                                 image, "-c", "import torch; print(torch.cuda.device_count())"]
     return cmds
 
 
@@ -74,41 +120,106 @@ def parse_links(text: str) -> dict[str, dict]:
     return out
 
 
-def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], image: str) -> list[Check]:
+def measure_clock(session: Session, host: Host, samples: int = 7) -> tuple[float, float]:
+    """(offset of the host's clock from ours, round trip) in seconds, from the sample with the
+    lowest round trip over one already open channel, so the SSH handshake is not measured."""
+    chan = session.connection(host).transport.open_session(timeout=host.ssh.connect_timeout)
+    try:
+        chan.settimeout(10)
+        chan.exec_command("while read -r _; do date +%s.%N; done")
+        best = (float("inf"), 0.0)
+        buf = b""
+        for _ in range(samples):
+            t0 = time.time()
+            chan.sendall(b"\n")
+            while b"\n" not in buf:
+                data = chan.recv(256)
+                if not data:
+                    raise ConnectionError("clock probe ended early")
+                buf += data
+            t1 = time.time()
+            line, buf = buf.split(b"\n", 1)
+            rtt = t1 - t0
+            if rtt < best[0]:
+                best = (rtt, float(line) - (t0 + t1) / 2)
+        chan.shutdown_write()
+        return best[1], best[0]
+    finally:
+        chan.close()
+
+
+# ---------------------------------------------------------------- phase 2: judging
+
+def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], image: str,
+               limits: Limits = Limits()) -> list[Check]:
     n = host.name
-    out = []
-    rc, text = facts.get("docker", (127, "no answer"))
-    if rc == 0 and text:
-        out.append(Check(n, "docker", OK, f"engine {text}"))
-    elif "permission denied" in text.lower():
-        out.append(Check(n, "docker", FAIL, f"{host.ssh.user} may not use the Docker socket",
-                         f"on {n}: sudo usermod -aG docker {host.ssh.user} (then log in again)"))
-    else:
-        out.append(Check(n, "docker", FAIL, f"engine not reachable: {_last(text)}",
-                         f"on {n}: start the engine (sudo systemctl start docker)"))
+    out = [judge_docker(host, facts)]
     rc, text = facts.get("image", (1, ""))
     if rc == 0 and text.startswith("sha256:"):
         out.append(Check(n, "image", OK, f"{image} {text[7:19]}"))
     else:
         out.append(Check(n, "image", FAIL, f"{image} not present",
                          f"fab image.push --image {image} (or docker pull it on {n})"))
+    out.append(judge_gpus(host, facts))
     addrs = parse_addrs(facts.get("addr", (1, ""))[1])
     links = parse_links(facts.get("link", (1, ""))[1])
-    out.append(judge_interface(inv, host, addrs, links))
+    iface = judge_interface(inv, host, addrs, links)
+    out.append(iface)
+    out.append(judge_route(inv, host, facts.get("route", (1, ""))))
     if "port" in facts:
-        rc, text = facts["port"]
-        port = inv.job.master_port
-        if rc != 0:
-            out.append(Check(n, "port", WARN, f"could not list listeners: {_last(text)}",
-                             "install iproute2 (ss) on the host"))
-        elif text:
-            holder = re.search(r'users:\(\("([^"]+)",pid=(\d+)', text)
-            who = f" by {holder.group(1)} (pid {holder.group(2)})" if holder else ""
-            out.append(Check(n, "port", FAIL, f"master port {port} already in use{who}",
-                             f"stop it (fab stop, or kill the process on {n}) or set job.master_port"))
-        else:
-            out.append(Check(n, "port", OK, f"master port {port} free"))
+        out.append(judge_port(inv, host, facts["port"]))
+    out.append(judge_shm(inv, host, facts.get("shm", (1, "")), limits))
+    out.append(judge_disk(inv, host, facts.get("disk", (1, "")), limits))
     return out
+
+
+def judge_docker(host: Host, facts) -> Check:
+    n = host.name
+    rc, text = facts.get("docker", (127, "no answer"))
+    if rc == 0 and text:
+        detail = f"engine {text}"
+        if host.gpu_vendor == "nvidia":
+            rt = facts.get("runtime", (1, ""))[1]
+            if '"nvidia"' not in rt and ".yaml" not in rt and ".json" not in rt:
+                return Check(n, "docker", FAIL, f"{detail}, but no nvidia runtime and no CDI specs",
+                             f"on {n}: install nvidia-container-toolkit and run "
+                             "'nvidia-ctk runtime configure --runtime=docker' (or generate CDI specs)")
+        if host.gpu_vendor == "amd" and facts.get("runtime", (1, ""))[0] != 0:
+            return Check(n, "docker", FAIL, f"{detail}, but /dev/kfd or /dev/dri is missing",
+                         f"on {n}: install the ROCm kernel driver (amdgpu-dkms) and reboot")
+        return Check(n, "docker", OK, detail)
+    if "permission denied" in text.lower():
+        return Check(n, "docker", FAIL, f"{host.ssh.user} may not use the Docker socket",
+                     f"on {n}: sudo usermod -aG docker {host.ssh.user} (then log in again)")
+    return Check(n, "docker", FAIL, f"engine not reachable: {_last(text)}",
+                 f"on {n}: start the engine (sudo systemctl start docker)")
+
+
+def judge_gpus(host: Host, facts) -> Check:
+    n = host.name
+    if host.gpu_vendor == "none":
+        return Check(n, "gpus", NA, "CPU host")
+    rc, text = facts.get("gpu", (1, ""))
+    tool = "nvidia-smi" if host.gpu_vendor == "nvidia" else "rocm-smi"
+    if rc != 0:
+        return Check(n, "gpus", FAIL, f"{tool} failed: {_last(text)}", f"on {n}: install or repair the GPU driver")
+    if host.gpu_vendor == "nvidia":
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        count, model = len(names), (names[0] if names else "none")
+    else:
+        count, model = int(_last(text)) if _last(text).isdigit() else 0, "AMD GPU"
+    if count != host.gpu_count:
+        return Check(n, "gpus", FAIL, f"{count} x {model} found, inventory says {host.gpu_count}",
+                     f"set gpus.count: {count} for {n}, or find the missing GPUs ({tool})")
+    rc, text = facts.get("gpu_container", (1, ""))
+    seen = _last(text)
+    if rc != 0 or not seen.isdigit():
+        return Check(n, "gpus", FAIL, f"{count} x {model} on the host, but a container cannot use them: {seen}",
+                     f"on {n}: check the container toolkit (docker run {' '.join(plan.device_args(host))} ...)")
+    if int(seen) != count:
+        return Check(n, "gpus", FAIL, f"{count} on the host, {seen} visible in the container",
+                     "check CUDA_VISIBLE_DEVICES / device flags and the image's CUDA or ROCm version")
+    return Check(n, "gpus", OK, f"{count} x {model}, {seen} visible in container")
 
 
 def judge_interface(inv: Inventory, host: Host, addrs: dict[str, list[str]], links: dict[str, dict]) -> Check:
@@ -118,20 +229,138 @@ def judge_interface(inv: Inventory, host: Host, addrs: dict[str, list[str]], lin
         fix = (f"set interface: {hint} for {n} (its subnet holds {inv.master.address})" if hint
                else f"set interface to one of: {', '.join(sorted(addrs))}")
         return Check(n, "interface", FAIL, f"no interface {iface!r}", fix)
+    if iface == "lo" or iface.startswith(("docker", "br-", "veth", "virbr")):
+        hint = suggest_interface(inv.master.address, addrs)
+        return Check(n, "interface", FAIL, f"{iface} is a loopback or container bridge, not a network card",
+                     f"set interface: {hint or 'the NIC that links the hosts'} for {n}")
     if not links[iface]["up"]:
         return Check(n, "interface", FAIL, f"{iface} is down", f"on {n}: sudo ip link set {iface} up")
     if iface not in addrs:
         return Check(n, "interface", FAIL, f"{iface} has no IPv4 address",
                      f"give {iface} an address, or pick another interface")
+    if host.rank == 0 and _is_ip(host.address) and not any(
+            ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.address) for c in addrs[iface]):
+        owner = next((i for i, cs in addrs.items() for c in cs
+                      if ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.address)), None)
+        return Check(n, "interface", FAIL,
+                     f"MASTER_ADDR {host.address} is not on {iface} ({', '.join(addrs[iface])})",
+                     f"set interface: {owner} for {n}" if owner else
+                     f"use an address of {iface} as rank 0's address")
     return Check(n, "interface", OK, f"{iface} {addrs[iface][0]} mtu {links[iface]['mtu']}")
 
 
+def judge_route(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
+    """Workers must reach MASTER_ADDR through the interface NCCL and gloo are told to use."""
+    n = host.name
+    if host.rank == 0:
+        return Check(n, "route", NA, "rank 0")
+    rc, text = fact
+    m = re.search(r"\bdev (\S+)", text)
+    if rc != 0 or not m:
+        return Check(n, "route", FAIL, f"no route to MASTER_ADDR {inv.master.address}: {_last(text)}",
+                     f"on {n}: add a route to {inv.master.address} via {host.interface}")
+    if m.group(1) != host.interface and not m.group(1) == "lo":
+        return Check(n, "route", FAIL, f"{inv.master.address} is reached via {m.group(1)}, not {host.interface}",
+                     f"set interface: {m.group(1)} for {n}, or route {inv.master.address} via {host.interface}")
+    return Check(n, "route", OK, f"to {inv.master.address} via {m.group(1)}")
+
+
+def judge_port(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
+    n, port = host.name, inv.job.master_port
+    rc, text = fact
+    if rc != 0:
+        return Check(n, "port", WARN, f"could not list listeners: {_last(text)}", "install iproute2 (ss) on the host")
+    if text:
+        holder = re.search(r'users:\(\("([^"]+)",pid=(\d+)', text)
+        who = f" by {holder.group(1)} (pid {holder.group(2)})" if holder else ""
+        return Check(n, "port", FAIL, f"master port {port} already in use{who}",
+                     f"stop it (fab stop, or kill the process on {n}) or set job.master_port")
+    return Check(n, "port", OK, f"master port {port} free")
+
+
+def judge_shm(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits) -> Check:
+    n = host.name
+    if inv.job.shm_size:
+        return Check(n, "shm", OK, f"--shm-size {inv.job.shm_size}")
+    rc, text = fact
+    fields = text.splitlines()[-1].split() if rc == 0 and text else []
+    if len(fields) < 4 or not fields[1].isdigit():
+        return Check(n, "shm", WARN, f"could not read /dev/shm: {_last(text)}", "check that /dev/shm is mounted")
+    mb = int(fields[1]) // 1024
+    if mb < limits.shm_warn_mb:
+        return Check(n, "shm", WARN, f"/dev/shm is {mb} MB (--ipc host)",
+                     f"enlarge /dev/shm on {n}, or set job.shm_size (e.g. 16g)")
+    return Check(n, "shm", OK, f"{mb} MB (--ipc host)")
+
+
+def judge_disk(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits) -> Check:
+    n = host.name
+    rc, text = fact
+    rows = [line.split() for line in text.splitlines() if len(line.split()) >= 6]
+    if rc != 0 or len(rows) < 2:
+        return Check(n, "disk", WARN, f"could not read free space: {_last(text)}", "")
+    worst = min(int(r[3]) for r in rows[:2]) / 1024 ** 2
+    paths = f"{inv.job.code_dir}, {inv.job.output_dir}"
+    if worst < limits.disk_fail_gb:
+        return Check(n, "disk", FAIL, f"{worst:.1f} GB free at {paths}", f"free space on {n} or move output_dir")
+    if worst < limits.disk_warn_gb:
+        return Check(n, "disk", WARN, f"{worst:.1f} GB free at {paths}", f"snapshots may not fit; free space on {n}")
+    return Check(n, "disk", OK, f"{worst:.0f} GB free")
+
+
+def judge_time(host: Host, offset: float, rtt: float, ntp: str, limits: Limits) -> Check:
+    n = host.name
+    synced = {"yes": "NTP synced", "no": "NTP not synced"}.get(ntp.strip().lower(), "")
+    if "leap status" in ntp.lower():
+        synced = "NTP synced" if "normal" in ntp.lower() else "NTP not synced"
+    detail = f"offset {offset * 1000:+.0f} ms (rtt {rtt * 1000:.0f} ms)" + (f", {synced}" if synced else "")
+    fix = f"on {n}: enable time sync (sudo timedatectl set-ntp true, or start chrony)"
+    if abs(offset) > limits.clock_fail:
+        return Check(n, "time", FAIL, detail, fix)
+    if abs(offset) > limits.clock_warn or synced == "NTP not synced":
+        return Check(n, "time", WARN, detail, fix)
+    return Check(n, "time", OK, detail)
+
+
+def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | None) -> list[Check]:
+    """Checks that compare hosts: same image id, same MTU, the same code as this machine."""
+    out: list[Check] = []
+    ids = {n: f["image_id"] for n, f in per_host.items() if f.get("image_id")}
+    if len(set(ids.values())) > 1:
+        groups: dict[str, list[str]] = {}
+        for n, i in ids.items():
+            groups.setdefault(i, []).append(n)
+        majority = max(groups.values(), key=len)
+        for n, i in ids.items():
+            if n not in majority:
+                out.append(Check(n, "image", FAIL, f"image id {i[7:19]} differs from {majority[0]}'s "
+                                 f"{ids[majority[0]][7:19]} (same tag, other image)",
+                                 f"fab image.push to {n}, so every host runs the same image"))
+    mtus = {n: f["mtu"] for n, f in per_host.items() if f.get("mtu")}
+    for n, f in per_host.items():
+        if "mtu" not in f:
+            continue
+        if len(set(mtus.values())) > 1:
+            out.append(Check(n, "mtu", FAIL, f"{f['mtu']} (hosts differ: {', '.join(f'{k}={v}' for k, v in mtus.items())})",
+                             "set the same MTU on every host's interface (ip link set IFACE mtu N)"))
+        else:
+            out.append(Check(n, "mtu", OK, str(f["mtu"])))
+    for n, f in per_host.items():
+        code = f.get("code")
+        if code is None:
+            out.append(Check(n, "code", WARN, "no code synced yet", "fab sync"))
+        elif local_code is not None and code != local_code:
+            out.append(Check(n, "code", WARN, f"tree {code[:12]} differs from this machine's {local_code[:12]}",
+                             "fab sync (fab train syncs first)"))
+        else:
+            out.append(Check(n, "code", OK, f"tree {code[:12]}"))
+    return out
+
+
 def suggest_interface(master_address: str, addrs: dict[str, list[str]]) -> str | None:
-    import ipaddress
-    try:
-        target = ipaddress.ip_address(master_address)
-    except ValueError:
+    if not _is_ip(master_address):
         return None
+    target = ipaddress.ip_address(master_address)
     for iface, cidrs in addrs.items():
         for cidr in cidrs:
             if target in ipaddress.ip_interface(cidr).network and iface != "lo":
@@ -139,39 +368,213 @@ def suggest_interface(master_address: str, addrs: dict[str, list[str]]) -> str |
     return None
 
 
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
 def _last(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:200] if lines else "no output"
 
 
-def run(session: Session, inv: Inventory, image: str | None = None) -> list[Check]:
+def local_code_hash(root: Path) -> str:
+    """The same hash the hosts compute over the synced tree (files rsync copies, C sort order)."""
+    import fnmatch
+    files = []
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in plan.RSYNC_EXCLUDES):
+            continue
+        if path.is_file() and not path.is_symlink():
+            files.append("./" + rel.as_posix())
+    listing = "".join(f"{hashlib.sha256((root / f[2:]).read_bytes()).hexdigest()}  {f}\n"
+                      for f in sorted(files, key=lambda s: s.encode()))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- phase 3: reachability
+
+# Lives until its stdin closes (the orchestrator is done) or its time is up, so the master port
+# is free again before anything else uses it.
+LISTENER = r"""
+import select, socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(64)
+print("listening", flush=True)
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    ready, _, _ = select.select([s, sys.stdin], [], [], 0.2)
+    if s in ready:
+        c, a = s.accept(); c.close()
+    if sys.stdin in ready and not sys.stdin.read(1):
+        break
+s.close()
+"""
+CONNECT = r"""
+import socket, sys
+src, dst, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(); s.settimeout(float(sys.argv[4]))
+try:
+    s.bind((src, 0)); s.connect((dst, port)); print("connected")
+except socket.timeout:
+    print("timed out (packets dropped: a firewall?)"); sys.exit(3)
+except OSError as e:
+    print(e.strerror or e); sys.exit(4)
+"""
+
+
+def reachability(session: Session, inv: Inventory, sources: dict[str, str], timeout: float = 2.0) -> list[Check]:
+    """Open a listener on rank 0's master port for a few seconds; connect from each worker's own
+    interface address. A dropped SYN (firewall) times out; a rejected one is refused."""
+    master, port = inv.master, inv.job.master_port
+    chan = session.connection(master).transport.open_session(timeout=master.ssh.connect_timeout)
+    chan.settimeout(timeout + 10)
+    chan.exec_command(shell(["python3", "-c", LISTENER, str(port), str(timeout + 10)]))
+    ready = b""
+    while b"listening" not in ready:
+        data = chan.recv(1024)
+        if not data:
+            chan.close()
+            return [Check(master.name, "reach", FAIL, "could not open a test listener on the master port",
+                          f"check python3 and port {port} on {master.name}")]
+        ready += data
+
+    def connect(host: Host) -> Check:
+        src = sources.get(host.name, "0.0.0.0")
+        r = session.run(host, shell(["python3", "-c", CONNECT, src, master.address, str(port), str(timeout)]),
+                        timeout=timeout + 10)
+        if r.ok:
+            return Check(host.name, "reach", OK, f"{master.address}:{port} from {src}")
+        return Check(host.name, "reach", FAIL,
+                     f"cannot reach {master.name} {master.address}:{port} from {src}: {_last(r.stdout + r.stderr)}",
+                     f"open TCP {port} on {master.name} for {src} (firewall: iptables/nftables/ufw), "
+                     f"and check the route between the hosts")
+    workers = tuple(h for h in inv.hosts if h.rank > 0 and h.name in sources)
+    results = session.fan_out(connect, workers)
+    chan.shutdown_write()  # the listener exits on EOF; wait for it so the port is free again
+    chan.recv_exit_status()
+    chan.close()
+    out = [Check(master.name, "reach", OK, f"listening on {port}")]
+    for h in workers:
+        r = results[h.name]
+        out.append(r if isinstance(r, Check) else Check(h.name, "reach", FAIL, describe(h, r), ""))
+    return out
+
+
+# ---------------------------------------------------------------- the whole run
+
+def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
+        smoke: bool = False, code: bool = True) -> list[Check]:
     marker = "@@fabtrain-" + secrets.token_hex(4)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        local_code = pool.submit(local_code_hash, plan.PROJECT_ROOT) if code else None
 
-    def one(host: Host) -> list[Check]:
-        img = image or inv.image_for(host)
-        start = time.monotonic()
-        try:
-            session.connection(host)
-        except BaseException as exc:  # noqa: BLE001 - reported as the host's ssh check
-            return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))]
-        connect = time.monotonic() - start
-        res = session.run(host, probe_script(probe_commands(inv, host, img), marker), timeout=30)
-        checks = [Check(host.name, "ssh", OK, f"{host.ssh.user}@{host.address} connect {connect * 1000:.0f} ms, "
-                                              f"probe {res.seconds * 1000:.0f} ms")]
-        return checks + judge_host(inv, host, parse_probe(res.stdout, marker), img)
+        def one(host: Host) -> tuple[list[Check], dict]:
+            img = image or inv.image_for(host)
+            start = time.monotonic()
+            try:
+                session.connection(host)
+            except BaseException as exc:  # noqa: BLE001 - reported as the host's ssh check
+                return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))], {}
+            connect = time.monotonic() - start
+            res = session.run(host, probe_script(probe_commands(inv, host, img), marker), timeout=60)
+            facts = parse_probe(res.stdout, marker)
+            offset, rtt = measure_clock(session, host)
+            checks = [Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")]
+            checks += judge_host(inv, host, facts, img, limits)
+            checks.append(judge_time(host, offset, rtt, facts.get("ntp", (1, ""))[1], limits))
+            addrs = parse_addrs(facts.get("addr", (1, ""))[1])
+            links = parse_links(facts.get("link", (1, ""))[1])
+            summary = {"image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
+                       "code": (facts["code"][1].split()[0] if facts.get("code", (1, ""))[0] == 0
+                                and facts["code"][1] else None),
+                       "python": facts.get("python", (1, ""))[0] == 0}
+            if host.interface in links:
+                summary["mtu"] = links[host.interface]["mtu"]
+            if addrs.get(host.interface):
+                summary["source"] = addrs[host.interface][0].split("/")[0]
+            return checks, summary
 
-    results = session.fan_out(one)
-    checks: list[Check] = []
-    for host in session.hosts:
-        r = results[host.name]
-        checks += r if isinstance(r, list) else [Check(host.name, "ssh", FAIL, describe(host, r), "")]
-    return checks
+        results = session.fan_out(one)
+        checks: list[Check] = []
+        per_host: dict[str, dict] = {}
+        for host in session.hosts:
+            r = results[host.name]
+            if isinstance(r, BaseException):
+                checks.append(Check(host.name, "ssh", FAIL, describe(host, r), _ssh_fix(host, r)))
+                continue
+            checks += r[0]
+            if r[1]:
+                per_host[host.name] = r[1]
+        local = local_code.result() if local_code else None
+    across = judge_across(inv, per_host, local) if per_host else []
+    if not code:
+        across = [c for c in across if c.check != "code"]
+    # A per-host image "ok" is replaced by the cross-host verdict when the ids differ.
+    replaced = {(c.host, c.check) for c in across if c.check == "image"}
+    checks = [c for c in checks if (c.host, c.check) not in replaced] + across
+    checks += _reach(session, inv, checks, per_host)
+    if smoke:
+        checks += smoke_test(session, inv, image, checks)
+    order = {name: i for i, name in enumerate(CHECKS)}
+    ranks = {h.name: h.rank for h in inv.hosts}
+    return sorted(checks, key=lambda c: (ranks.get(c.host, 0), order.get(c.check, 99)))
+
+
+def _reach(session: Session, inv: Inventory, checks: list[Check], per_host: dict[str, dict]) -> list[Check]:
+    if len(inv.hosts) < 2:
+        return []
+    bad = {(c.host, c.check) for c in checks if c.status == FAIL}
+    master = inv.master.name
+    if master not in per_host or (master, "port") in bad or not per_host[master].get("python"):
+        why = "master port busy" if (master, "port") in bad else "rank 0 not probed or has no python3"
+        return [Check(h.name, "reach", SKIP, why) for h in inv.hosts if h.rank > 0]
+    sources = {n: f["source"] for n, f in per_host.items()
+               if f.get("source") and f.get("python") and n != master}
+    skipped = [Check(h.name, "reach", SKIP, "no usable interface address or python3")
+               for h in inv.hosts if h.rank > 0 and h.name not in sources and h.name in per_host]
+    return reachability(session, inv, sources) + skipped
+
+
+# ---------------------------------------------------------------- phase 4: smoke test
+
+def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list[Check]) -> list[Check]:
+    """An all_reduce across every host inside the real containers, with the measured bus bandwidth."""
+    from . import launch  # launch imports preflight; the smoke test reuses the real start/watch path
+    if any(c.status == FAIL for c in checks):
+        return [Check(h.name, "smoke", SKIP, "other checks failed") for h in inv.hosts]
+    if any(c.check == "code" and c.status != OK for c in checks):
+        return [Check(h.name, "smoke", SKIP, "code not synced", "fab sync") for h in inv.hosts]
+    spec = plan.JobSpec(job_id=plan.new_job_id("preflight"), script="trainers/smoke.py", image=image)
+    run_dir = plan.PROJECT_ROOT / "runs" / spec.job_id
+    try:
+        launch.start(session, inv, spec)
+        result = launch.watch(session, inv, spec, run_dir, echo=False)
+    finally:
+        launch.teardown(session, spec.job_id, 0)
+    out = []
+    for h in inv.hosts:
+        o = result.outcomes.get(h.name)
+        log = (run_dir / f"{h.name}.log").read_text(errors="replace") if (run_dir / f"{h.name}.log").exists() else ""
+        m = re.search(r"SMOKE ok world=(\d+) .*?busbw=([\d.]+) MB/s", log)
+        if o and o.exit_code == 0 and m:
+            out.append(Check(h.name, "smoke", OK, f"all_reduce over {m.group(1)} ranks, bus bw {float(m.group(2)):.0f} MB/s"))
+        elif o and o.exit_code == 0:
+            out.append(Check(h.name, "smoke", OK, "all_reduce ok"))
+        else:
+            why = (o.error if o and o.error else f"exit {o.exit_code if o else '?'}") + f": {_last(log)}"
+            out.append(Check(h.name, "smoke", FAIL, f"collective failed ({why})", f"see {run_dir / (h.name + '.log')}"))
+    return out
 
 
 def _ssh_fix(host: Host, exc: BaseException) -> str:
-    text = describe(host, exc)
-    return "see the detail" if "accept it deliberately" in text or "CHANGED" in text else \
-        f"check that {host.address}:{host.ssh.port} runs sshd and accepts the key {host.ssh.key or ''}"
+    if isinstance(exc, HostKeyError) or "host key" in str(exc):
+        return "compare the fingerprint with the host's own, then add it to known_hosts (see detail)"
+    return f"check that {host.address}:{host.ssh.port} runs sshd and accepts the key {host.ssh.key or '(agent)'}"
 
 
 def failed(checks: list[Check], strict: bool = False) -> list[Check]:
@@ -179,27 +582,27 @@ def failed(checks: list[Check], strict: bool = False) -> list[Check]:
     return [c for c in checks if c.status in bad]
 
 
-def to_json(checks: list[Check]) -> str:
-    return json.dumps({"ok": not failed(checks), "checks": [asdict(c) for c in checks]}, indent=2)
+def to_json(checks: list[Check], strict: bool = False) -> str:
+    return json.dumps({"ok": not failed(checks, strict), "checks": [asdict(c) for c in checks]}, indent=2)
 
 
 def render(checks: list[Check], console) -> None:
     from rich.table import Table
 
     hosts = list(dict.fromkeys(c.host for c in checks))
-    names = list(dict.fromkeys(c.check for c in checks))
+    names = [n for n in CHECKS if any(c.check == n for c in checks)]
     style = {OK: "green", WARN: "yellow", FAIL: "bold red", NA: "dim", SKIP: "dim"}
     table = Table(title="preflight", show_lines=False)
-    table.add_column("host")
-    for name in names:
-        table.add_column(name)
-    by = {(c.host, c.check): c for c in checks}
+    table.add_column("check")
     for h in hosts:
+        table.add_column(h, overflow="fold")
+    by = {(c.host, c.check): c for c in checks}
+    for name in names:
         cells = []
-        for name in names:
+        for h in hosts:
             c = by.get((h, name))
-            cells.append(f"[{style[c.status]}]{c.status}[/] {c.detail}" if c else "[dim]-[/]")
-        table.add_row(h, *cells)
+            cells.append(f"[{style[c.status]}]{c.status}[/] {c.detail[:60]}" if c else "[dim]-[/]")
+        table.add_row(name, *cells)
     console.print(table)
     for c in checks:
         if c.status in (FAIL, WARN):
