@@ -17,6 +17,7 @@ from rich.console import Console
 
 from orchestrator import cluster as _cluster
 from orchestrator import inventory as _inventory
+from orchestrator import images as _images
 from orchestrator import launch, plan
 from orchestrator import preflight as _preflight
 from orchestrator.errors import UserError
@@ -40,22 +41,32 @@ def user_errors(fn):
     return wrapper
 
 
-@task(help={"inventory": INV_HELP})
+CODE_HELP = "local directory to sync to job.code_dir and run from (default: this project)"
+
+
+def code_dir(path: str | None) -> Path:
+    p = Path(path).expanduser().resolve() if path else plan.PROJECT_ROOT
+    if not p.is_dir():
+        raise UserError(f"--code {path}: not a directory; give the folder holding your training code")
+    return p
+
+
+@task(help={"inventory": INV_HELP, "code": CODE_HELP})
 @user_errors
-def sync(c, inventory=DEFAULT_INVENTORY):
-    """Copy this project's code (rsync, in parallel) to job.code_dir on every host."""
+def sync(c, inventory=DEFAULT_INVENTORY, code=None):
+    """Copy the code (rsync, in parallel) to job.code_dir on every host."""
     inv = _inventory.load(inventory)
-    for host, seconds in launch.sync(inv).items():
+    for host, seconds in launch.sync(inv, code_dir(code)).items():
         print(f"{host}: synced in {seconds:.2f}s")
 
 
 @task(help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
             "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
             "clock_warn": "warn above this clock offset, seconds (default 0.05)",
-            "clock_fail": "fail above this clock offset, seconds (default 0.5)"})
+            "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": CODE_HELP})
 @user_errors
 def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=True, clock_warn=0.05,
-              clock_fail=0.5):
+              clock_fail=0.5, code=None):
     """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
@@ -65,7 +76,7 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
     inv = _inventory.load(inventory)
     limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
-        checks = _preflight.run(session, inv, limits=limits, smoke=smoke)
+        checks = _preflight.run(session, inv, limits=limits, smoke=smoke, source=code_dir(code))
     if json:
         print(_preflight.to_json(checks, strict))
     else:
@@ -83,7 +94,8 @@ TRAINERS = {"gpt": "trainers/gpt.py"}
     "model": "GPT preset: tiny, small or medium",
     "epochs": "number of epochs",
     "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
-    "script": "your own torchrun-compatible script (a path inside this project) instead of a trainer",
+    "script": "your own torchrun-compatible script (a path inside --code) instead of a trainer",
+    "code": CODE_HELP,
     "args": "arguments for the script, one string split like a shell would: --args \"--lr 0.1 --name 'a b'\"",
     "image": "container image (default: job.image in the inventory)",
     "nproc": "processes per node (default: job.nproc_per_node; auto = GPU count, 1 on CPU)",
@@ -94,7 +106,8 @@ TRAINERS = {"gpt": "trainers/gpt.py"}
 })
 @user_errors
 def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None,
-          args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False):
+          args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False,
+          code=None):
     """Sync code, run preflight, start one container per host (rank 0 first), stream every host's
     log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
     exits 0; otherwise stops the rest and exits non-zero naming the host. Ctrl+C stops the job."""
@@ -102,7 +115,10 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)
     inv = _inventory.load(inventory)
+    source = code_dir(code)
     if script:
+        if not (source / script).is_file():
+            raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code")
         extra = shlex.split(args)
     else:
         if trainer not in TRAINERS:
@@ -111,7 +127,7 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
         extra = ["--model", model, "--epochs", str(epochs), *shlex.split(args)]
     job_name = name or Path(script).stem.replace("_", "-")
     spec = plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, args=tuple(extra), image=image,
-                        nproc_per_node=str(nproc) if nproc else None)
+                        nproc_per_node=str(nproc) if nproc else None, code=str(source))
     if dry_run:
         print(launch.dry_run(inv, spec))
         return
@@ -207,6 +223,40 @@ def down(c):
     _cluster.down()
 
 
+@task(help={"inventory": INV_HELP, "image": "image to push (default: job.image)",
+            "hosts": "comma-separated host names (default: every host)"})
+@user_errors
+def push(c, inventory=DEFAULT_INVENTORY, image=None, hosts=None):
+    """Copy a local image to every host over SSH (docker save | docker load, streamed to all hosts at
+    once), skipping hosts that hold the same image id and verifying the id after."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+    inv = _inventory.load(inventory)
+    image = image or inv.job.image
+    selected = inv.select(hosts.split(",") if hosts else None)
+    with Session(selected) as session, Progress(
+            "{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            console=console, transient=True) as progress:
+        results = _images.push(session, image, progress=progress)
+    for r in results:
+        extra = f" ({r.bytes / 1e6:.0f} MB in {r.seconds:.1f}s)" if r.action == "sent" else ""
+        print(f"{r.host}: {r.action}{extra}{': ' + r.detail if r.detail else ''}")
+    bad = [r.host for r in results if r.action == "failed"]
+    if bad:
+        raise UserError(f"image push failed on {', '.join(bad)}")
+
+
+@task(help={"base": "base image (e.g. nvcr.io/nvidia/pytorch:24.01-py3)", "requirements": "a pip requirements file",
+            "tag": "name of the new image", "pip_args": "extra pip arguments, split like a shell would",
+            "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index needed"})
+@user_errors
+def build(c, base, requirements, tag, pip_args="", wheels=None):
+    """Build an image from a base image plus your requirements file and fabtrain's entrypoint, on
+    this machine's Docker engine; then 'fab image.push --image TAG' puts it on every host."""
+    image_id = _images.build(base, Path(requirements), tag, tuple(shlex.split(pip_args)),
+                             Path(wheels) if wheels else None)
+    print(f"built {tag} ({image_id[7:19]}); push it with: fab image.push --image {tag}")
+
+
 @task
 @user_errors
 def images(c):
@@ -215,4 +265,5 @@ def images(c):
 
 
 ns = Collection(sync, preflight, train, stop, status, logs, images)
+ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))

@@ -3,7 +3,9 @@
 #   fabtrain/base:bookworm  Debian minbase + python3, made with debootstrap from this machine's mirror
 #   fabtrain/host:latest    a test host: sshd, its own Docker engine, rsync, chrony, iptables, faketime
 #   fabtrain/trainer:latest base + CPU torch + the environment-driven entrypoint
-# Each image is built only when missing (FORCE=1 rebuilds), so running it twice reuses what is there.
+# Each image carries a label with a hash of its build inputs and is rebuilt only when that hash
+# changes (FORCE=1 rebuilds all), so running this twice reuses what is there and an edited
+# entrypoint or init script never leaves a stale image behind.
 # A real cluster names its own base (e.g. nvcr.io/nvidia/pytorch:24.01-py3) in the inventory instead.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -14,7 +16,14 @@ TRAINER=fabtrain/trainer:latest
 TORCH=${TORCH_VERSION:-2.13.0}
 force=${FORCE:-0}
 
-have() { [ "$force" != 1 ] && docker image inspect "$1" >/dev/null 2>&1; }
+inputs() { cat "$@" | sha256sum | cut -c1-16; }
+BASE_KEY=$(inputs "$here/build-images.sh")
+HOST_KEY=$(inputs "$here/build-images.sh" "$here/host-init.sh")
+TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "$here/entrypoint.py")
+# have IMAGE KEY: the image exists and was built from these inputs.
+have() {
+  [ "$force" != 1 ] && [ "$(docker image inspect --format '{{index .Config.Labels "fabtrain.inputs"}}' "$1" 2>/dev/null)" = "$2" ]
+}
 
 mirror() {
   # The mirror is read from this machine's apt sources at run time; no host is written into a file.
@@ -27,24 +36,27 @@ mirror() {
 
 mkdir -p "$work"
 rootfs=$work/rootfs-base
-if ! have "$BASE" || [ ! -d "$rootfs/usr" ]; then
-  if [ ! -f "$rootfs/.complete" ]; then
-    echo "==> debootstrap minbase bookworm (about a minute)"
-    rm -rf "$rootfs"
-    debootstrap --variant=minbase --include=python3,ca-certificates,procps,iproute2 \
-      bookworm "$rootfs" "$(mirror)" >"$work/debootstrap.log" 2>&1 \
-      || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    touch "$rootfs/.complete"
-  fi
-  if ! have "$BASE"; then
-    echo "==> import $BASE"
-    tar -C "$rootfs" --exclude=./.complete -c . | docker import - "$BASE" >/dev/null
-  fi
+# The base root filesystem, made once per set of inputs; both the base and the host image use it.
+ensure_rootfs() {
+  [ "$(cat "$rootfs/.complete" 2>/dev/null)" = "$BASE_KEY" ] && return 0
+  echo "==> debootstrap minbase bookworm (about a minute)"
+  rm -rf "$rootfs"
+  debootstrap --variant=minbase --include=python3,python3-pip,ca-certificates,procps,iproute2 \
+    bookworm "$rootfs" "$(mirror)" >"$work/debootstrap.log" 2>&1 \
+    || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+  echo "$BASE_KEY" >"$rootfs/.complete"
+}
+
+if ! have "$BASE" "$BASE_KEY"; then
+  ensure_rootfs
+  echo "==> import $BASE"
+  tar -C "$rootfs" --exclude=./.complete -c . | docker import -c "LABEL fabtrain.inputs=$BASE_KEY" - "$BASE" >/dev/null
 fi
 
-if ! have "$HOST"; then
+if ! have "$HOST" "$HOST_KEY"; then
   echo "==> build $HOST (chroot apt-get on a copy of the base)"
+  ensure_rootfs
   hostfs=$work/rootfs-host
   rm -rf "$hostfs"; cp -a "$rootfs" "$hostfs"; rm -f "$hostfs/.complete"
   # Services must not start inside the chroot while their packages install.
@@ -59,11 +71,12 @@ if ! have "$HOST"; then
   rm -f "$hostfs/usr/sbin/policy-rc.d" "$hostfs"/etc/ssh/ssh_host_*
   rm -rf "$hostfs"/var/cache/apt/archives/*.deb "$hostfs"/var/lib/apt/lists/*
   install -m 0755 "$here/host-init.sh" "$hostfs/usr/local/sbin/host-init"
-  tar -C "$hostfs" -c . | docker import -c 'CMD ["/usr/local/sbin/host-init"]' - "$HOST" >/dev/null
+  tar -C "$hostfs" -c . | docker import -c 'CMD ["/usr/local/sbin/host-init"]' \
+    -c "LABEL fabtrain.inputs=$HOST_KEY" - "$HOST" >/dev/null
   rm -rf "$hostfs"
 fi
 
-if ! have "$TRAINER"; then
+if ! have "$TRAINER" "$TRAINER_KEY"; then
   echo "==> build $TRAINER (torch $TORCH, CPU)"
   ctx=$work/trainer-ctx
   rm -rf "$ctx"; mkdir -p "$ctx"
@@ -73,7 +86,7 @@ if ! have "$TRAINER"; then
     || { tail -20 "$work/pip.log" >&2; exit 1; }
   rm -rf "$ctx"/site/bin
   cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"
-  DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
+  DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --label "fabtrain.inputs=$TRAINER_KEY" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
     || { tail -20 "$work/docker-build.log" >&2; exit 1; }
   rm -rf "$ctx"
 fi

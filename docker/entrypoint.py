@@ -9,6 +9,7 @@ The arguments are the training script and its arguments, handed to torchrun verb
 launched by hand, by fabtrain or by a platform forms the same job.
 """
 import os
+import socket
 import subprocess
 import sys
 
@@ -23,14 +24,33 @@ def gpu_count() -> int:
         return 0
 
 
-def route_interface(address: str) -> str | None:
-    """The interface the kernel uses to reach `address`: the one NCCL and gloo must use."""
+def _run(argv: list[str]) -> str:
     try:
-        out = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True,
-                             text=True, timeout=5).stdout.split()
+        return subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def pick_interface(address: str, route: str, addrs: str) -> str | None:
+    """The interface NCCL and gloo must use to reach `address`, from `ip -o route get ADDRESS` and
+    `ip -o -4 addr show`. On the master itself the route to its own address is loopback: then the
+    interface is the one holding the address, never lo (workers could not reach it)."""
+    fields = route.split()
+    dev = fields[fields.index("dev") + 1] if "dev" in fields else None
+    if dev == "lo" and not address.startswith("127."):
+        for line in addrs.splitlines():
+            f = line.split()
+            if len(f) >= 4 and f[2] == "inet" and f[3].split("/")[0] == address:
+                return f[1]
+    return dev
+
+
+def route_interface(address: str) -> str | None:
+    try:
+        address = socket.gethostbyname(address)  # a platform may give a name (job-master-0)
+    except OSError:
         return None
-    return out[out.index("dev") + 1] if "dev" in out else None
+    return pick_interface(address, _run(["ip", "-o", "route", "get", address]), _run(["ip", "-o", "-4", "addr", "show"]))
 
 
 def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:

@@ -18,7 +18,10 @@ from pathlib import Path
 import docker
 import docker.errors
 
+from . import inventory
 from .errors import UserError
+from .images import push
+from .remote import Session
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = PROJECT_ROOT / ".cluster"
@@ -134,25 +137,6 @@ def _wait_ready(container, timeout: float = 90) -> None:
                     f"see: docker exec {container.name} cat /var/log/dockerd.log")
 
 
-def _image_id(argv_prefix: list[str], image: str) -> str | None:
-    out = subprocess.run([*argv_prefix, "docker", "image", "inspect", "--format", "{{.Id}}", image],
-                         capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def load_image(container_name: str, image: str, tarball: Path) -> bool:
-    """Load `image` into a test host's engine unless it already holds the same id. True if loaded."""
-    want = _image_id([], image)
-    if _image_id(["docker", "exec", container_name], image) == want:
-        return False
-    with tarball.open("rb") as fh:
-        proc = subprocess.run(["docker", "exec", "-i", container_name, "docker", "load", "--quiet"],
-                              stdin=fh, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"{container_name}: docker load of {image} failed: {proc.stderr.strip()}")
-    return True
-
-
 def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
        images: tuple[str, ...] = (TRAINER_IMAGE,), log=print) -> list[NodeInfo]:
     if count < 1:
@@ -183,21 +167,23 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     known_hosts.write_text("".join(known))
     known_hosts.chmod(0o600)
 
-    cache = PROJECT_ROOT / ".cache"
-    cache.mkdir(exist_ok=True)
-    for image in images:
-        tarball = cache / (image.replace("/", "_").replace(":", "_") + ".tar")
-        image_id = _image_id([], image)
-        stamp = tarball.with_suffix(".id")
-        if not tarball.exists() or not stamp.exists() or stamp.read_text() != image_id:
-            log(f"saving {image}")
-            subprocess.run(["docker", "save", "--output", str(tarball), image], check=True)
-            stamp.write_text(image_id)
-        with ThreadPoolExecutor(max_workers=count) as pool:
-            loaded = list(pool.map(lambda n: load_image(n.container, image, tarball), nodes))
-        log(f"{image}: loaded into {sum(loaded)} host(s), already present on {count - sum(loaded)}")
+    # The trainer image reaches the hosts the way it reaches real ones: pushed over SSH, and only
+    # where the id differs.
+    state_inventory = STATE_DIR / "inventory.yaml"
+    state_inventory.write_text(render_inventory(nodes, key, known_hosts))
+    inv = inventory.load(state_inventory)
+    with Session(inv.hosts) as session:
+        for image in images:
+            results = push(session, image)
+            bad = [r for r in results if r.action == "failed"]
+            if bad:
+                raise UserError("loading the trainer image failed: " + "; ".join(f"{r.host}: {r.detail}" for r in bad))
+            sent = [r for r in results if r.action == "sent"]
+            log(f"{image}: sent to {len(sent)} host(s)"
+                + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
+                + f", already present on {count - len(sent)}")
     if inventory_out:
-        Path(inventory_out).write_text(render_inventory(nodes, key, known_hosts))
+        Path(inventory_out).write_text(state_inventory.read_text())
         log(f"wrote {inventory_out}")
     log("cluster up: " + ", ".join(f"{n.name}={n.address}" for n in nodes))
     return nodes

@@ -84,7 +84,7 @@ class JobResult:
 def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
     """Every command, per host, in order, exactly as `train` would run it."""
     lines = ["# on this machine, for every host at once:"]
-    lines += [plan.shell(plan.rsync_argv(h, str(PROJECT_ROOT), inv.job.code_dir)) for h in inv.hosts]
+    lines += [plan.shell(plan.rsync_argv(h, spec.code, inv.job.code_dir)) for h in inv.hosts]
     lines.append("# preflight probes (read-only) on every host, then, in rank order:")
     for h in inv.hosts:
         lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.prepare_dirs_argv(inv, spec))}")
@@ -282,7 +282,7 @@ def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console, smoke: b
     left out (the sync running beside it is what makes the trees equal), the smoke test runs
     after the sync when asked."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        synced = pool.submit(sync, inv)
+        synced = pool.submit(sync, inv, Path(spec.code))
         checks = preflight.run(session, inv, image=spec.image, code=False)
         bad = preflight.failed(checks)
         if bad:
@@ -310,7 +310,7 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
         if checks:
             gate(session, inv, spec, console, smoke)
         else:
-            sync(inv)
+            sync(inv, Path(spec.code))
         install_signal_handlers()
         try:
             console.print(f"job {spec.job_id}: starting {len(inv.hosts)} node(s), rank 0 on "

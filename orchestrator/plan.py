@@ -38,6 +38,9 @@ class JobSpec:
     nproc_per_node: str | None = None
     master_port: int | None = None
     env: tuple[tuple[str, str], ...] = ()
+    # The local tree synced to job.code_dir (and mounted at /workspace): this project by default,
+    # or the user's own code.
+    code: str = str(PROJECT_ROOT)
 
 
 def new_job_id(name: str = "job") -> str:

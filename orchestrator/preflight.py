@@ -468,10 +468,10 @@ def reachability(session: Session, inv: Inventory, sources: dict[str, str], time
 # ---------------------------------------------------------------- the whole run
 
 def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
-        smoke: bool = False, code: bool = True) -> list[Check]:
+        smoke: bool = False, code: bool = True, source: Path = plan.PROJECT_ROOT) -> list[Check]:
     marker = "@@fabtrain-" + secrets.token_hex(4)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        local_code = pool.submit(local_code_hash, plan.PROJECT_ROOT) if code else None
+        local_code = pool.submit(local_code_hash, source) if code else None
 
         def one(host: Host) -> tuple[list[Check], dict]:
             img = image or inv.image_for(host)

@@ -139,3 +139,14 @@ def test_entrypoint_reads_secrets_file(tmp_path):
     f.write_text("TOKEN=a=b c'd\nOTHER=1\n")
     assert ep.read_secrets(str(f)) == {"TOKEN": "a=b c'd", "OTHER": "1"}
     assert ep.read_secrets(str(tmp_path / "missing")) == {}
+
+
+def test_entrypoint_interface_on_master_is_the_card_not_loopback():
+    ep = _entrypoint()
+    addrs = ("1: lo    inet 127.0.0.1/8 scope host lo\n"
+             "9: eth0    inet 172.28.5.11/24 brd 172.28.5.255 scope global eth0\n")
+    own = "local 172.28.5.11 dev lo table local src 172.28.5.11 uid 0 \\    cache <local> "
+    assert ep.pick_interface("172.28.5.11", own, addrs) == "eth0"
+    worker = "172.28.5.11 dev eth0 src 172.28.5.12 uid 0 \\    cache "
+    assert ep.pick_interface("172.28.5.11", worker, addrs) == "eth0"
+    assert ep.pick_interface("127.0.0.1", "local 127.0.0.1 dev lo table local src 127.0.0.1", addrs) == "lo"

@@ -1,0 +1,178 @@
+"""Getting the right image onto every host, with no registry: push over SSH, and derived builds.
+
+push: one local `docker save`, streamed at once to `docker load` on every host that lacks the
+image (same id = nothing sent), with a progress display; the id is verified on each host after.
+build: a derived image from a base image plus the user's requirements file and this project's
+entrypoint, so any image starts the same way (see docker/entrypoint.py).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import plan
+from .errors import UserError
+from .inventory import Host
+from .remote import Session, describe
+
+CHUNK = 1 << 20
+
+
+@dataclass
+class PushResult:
+    host: str
+    action: str  # "present" | "sent" | "failed"
+    seconds: float = 0.0
+    bytes: int = 0
+    detail: str = ""
+
+
+def local_image_id(image: str) -> str:
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"image {image} is not in the local Docker engine ({proc.stderr.strip()}); "
+                        f"build or pull it here first (fab images, fab image.build, docker pull)")
+    return proc.stdout.strip()
+
+
+def remote_image_id(session: Session, host: Host, image: str) -> str | None:
+    r = session.run(host, plan.shell(["docker", "image", "inspect", "--format", "{{.Id}}", image]), timeout=30)
+    return r.stdout.strip() if r.ok else None
+
+
+def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, progress=None) -> list[PushResult]:
+    """Load `image` into every host's engine that does not hold the same id; verify after."""
+    hosts = session.hosts if hosts is None else hosts
+    want = local_image_id(image)
+    have = session.fan_out(lambda h: remote_image_id(session, h, image), hosts)
+    results: dict[str, PushResult] = {}
+    targets = []
+    for h in hosts:
+        got = have[h.name]
+        if isinstance(got, BaseException):
+            results[h.name] = PushResult(h.name, "failed", detail=describe(h, got))
+        elif got == want:
+            results[h.name] = PushResult(h.name, "present")
+        else:
+            targets.append(h)
+    if targets:
+        for r in _stream(session, image, targets, progress):
+            results[r.host] = r
+        ids = session.fan_out(lambda h: remote_image_id(session, h, image), tuple(targets))
+        for h in targets:
+            r = results[h.name]
+            if r.action == "sent" and ids[h.name] != want:
+                r.action, r.detail = "failed", f"after loading, {h.name} holds {ids[h.name]}, not {want}"
+    return [results[h.name] for h in hosts]
+
+
+def _stream(session: Session, image: str, targets: list[Host], progress) -> list[PushResult]:
+    """Tee one `docker save` into a `docker load` channel per host."""
+    chans = {}
+    failed: dict[str, str] = {}
+    for h in targets:
+        try:
+            chan = session.connection(h).transport.open_session(timeout=h.ssh.connect_timeout)
+            chan.exec_command(plan.shell(["docker", "load", "--quiet"]))
+            chans[h.name] = chan
+        except Exception as exc:  # noqa: BLE001 - this host fails, the others go on
+            failed[h.name] = describe(h, exc)
+    size = _image_size(image)
+    task = progress.add_task(f"push {image}", total=size) if progress else None
+    start = time.monotonic()
+    sent = 0
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    try:
+        while chans:
+            chunk = save.stdout.read(CHUNK)
+            if not chunk:
+                break
+            sent += len(chunk)
+            # Every host gets each chunk before the next is read: one save, N loads, in step.
+            threads = []
+            for name, chan in list(chans.items()):
+                t = threading.Thread(target=_send, args=(chan, chunk, name, chans, failed))
+                t.start()
+                threads.append(t)
+            for t in threads:
+                t.join()
+            if progress:
+                progress.update(task, completed=min(sent, size or sent))
+    finally:
+        save.stdout.close()
+        save.wait()
+    out = []
+    for h in targets:
+        if h.name in failed:
+            out.append(PushResult(h.name, "failed", detail=failed[h.name]))
+            continue
+        chan = chans[h.name]
+        chan.shutdown_write()
+        code = chan.recv_exit_status()
+        err = b""
+        while chan.recv_stderr_ready():
+            err += chan.recv_stderr(65536)
+        chan.close()
+        if code != 0 or save.returncode != 0:
+            out.append(PushResult(h.name, "failed", detail=f"docker load exited {code}: {err.decode()[-300:]}"))
+        else:
+            out.append(PushResult(h.name, "sent", time.monotonic() - start, sent))
+    return out
+
+
+def _send(chan, chunk: bytes, name: str, chans: dict, failed: dict) -> None:
+    try:
+        chan.sendall(chunk)
+    except Exception as exc:  # noqa: BLE001 - the host dropped out of this push
+        failed[name] = f"{name}: transfer failed: {exc}"
+        chans.pop(name, None)
+
+
+def _image_size(image: str) -> int:
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True)
+    return int(proc.stdout.strip() or 0)
+
+
+DERIVED_DOCKERFILE = """\
+FROM {base}
+COPY context/ /tmp/fabtrain-build/
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir {pip_flags}-r /tmp/fabtrain-build/requirements.txt \\
+ && rm -rf /tmp/fabtrain-build
+COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint
+LABEL fabtrain.base="{base}"
+ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]
+"""
+
+
+def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool = False) -> str:
+    """The Dockerfile of a derived image. Offline, pip installs only from wheels in the context
+    (downloaded on this machine), so the build needs no index: hosts are often air-gapped."""
+    flags = ("--no-index", "--find-links", "/tmp/fabtrain-build/wheels") if offline else ()
+    return DERIVED_DOCKERFILE.format(base=base, pip_flags="".join(f"{plan.shell([f])} " for f in (*flags, *pip_flags)))
+
+
+def build(base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None) -> str:
+    """Build `tag` from `base` + requirements + the entrypoint on the local engine; its id."""
+    if not requirements.is_file():
+        raise UserError(f"{requirements}: requirements file not found")
+    if wheels is not None and not wheels.is_dir():
+        raise UserError(f"--wheels {wheels}: not a directory (fill one with: pip download -r REQUIREMENTS -d DIR)")
+    with tempfile.TemporaryDirectory(prefix="fabtrain-build-") as ctx:
+        ctxp = Path(ctx)
+        (ctxp / "Dockerfile").write_text(derived_dockerfile(base, pip_flags, offline=wheels is not None))
+        (ctxp / "context").mkdir()
+        (ctxp / "context" / "requirements.txt").write_bytes(requirements.read_bytes())
+        if wheels is not None:
+            shutil.copytree(wheels, ctxp / "context" / "wheels")
+        (ctxp / "entrypoint.py").write_bytes((plan.PROJECT_ROOT / "docker" / "entrypoint.py").read_bytes())
+        proc = subprocess.run(["docker", "build", "--quiet", "--tag", tag, ctx], capture_output=True, text=True,
+                              env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    if proc.returncode != 0:
+        raise UserError(f"building {tag} from {base} failed:\n{proc.stderr.strip()[-1500:]}")
+    return local_image_id(tag)

@@ -1,0 +1,327 @@
+"""Benchmarks: fabtrain against the ways teams launch today, side by side in one run.
+
+    .venv/bin/python tests/bench/bench.py --hosts 2,4,8 --repeat 5
+
+Brings the local cluster up at each size and measures, as medians of --repeat runs:
+  launch   rank 0 then all: fabtrain's start (SSH connect + docker run per host) vs pdsh and a
+           serial ssh loop running the same docker run; then to all ranks initialised and to all
+           containers gone
+  sync     no-change sync and sync after rewriting 50 MB, vs one rsync per host all at once
+  preflight  `fab preflight --no-smoke`, the whole command line
+  stop     stopping a running job on every host vs pdsh running docker rm -f
+  failure  from `docker kill` of one container to every container of the job gone
+  logs     every host prints 200k lines: lines/s to the terminal stream and files vs pdsh, lines
+           lost, per-host order
+Prints a table per size and writes the raw numbers as JSON. Only the project's own test hosts and
+loopback are contacted.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator import cluster, launch, plan  # noqa: E402
+from orchestrator.inventory import load  # noqa: E402
+from orchestrator.remote import Session  # noqa: E402
+
+FAB = str(Path(sys.executable).parent / "fab")
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timed(fn, *a, **k):
+    t = time.perf_counter()
+    out = fn(*a, **k)
+    return time.perf_counter() - t, out
+
+
+class Baselines:
+    """The same remote commands, run the way teams do by hand: pdsh fan-out and a serial ssh loop."""
+
+    def __init__(self, inv):
+        self.inv = inv
+        h = inv.hosts[0]
+        self.ssh_opts = plan.ssh_argv(h)[1:]  # same key, known_hosts and strict host-key checking
+        self.env = dict(os.environ, PDSH_RCMD_TYPE="ssh",
+                        PDSH_SSH_ARGS_APPEND=" ".join(shlex.quote(x) for x in self.ssh_opts[2:]))
+        self.hostlist = ",".join(f"{x.ssh.user}@{x.address}" for x in inv.hosts)
+
+    def pdsh(self, command: str, capture=False):
+        return subprocess.run(["pdsh", "-f", str(len(self.inv.hosts)), "-w", self.hostlist, command],
+                              env=self.env, capture_output=True, text=not capture, check=False)
+
+    def serial(self, commands: dict[str, str]):
+        for h in self.inv.hosts:
+            subprocess.run(["ssh", *self.ssh_opts, f"{h.ssh.user}@{h.address}", commands[h.name]],
+                           capture_output=True, check=False)
+
+
+def rm_all(session):
+    launch.teardown(session, None, 0)
+
+
+def bench_launch(inv, base: Baselines, repeat: int) -> dict:
+    res = {"fabtrain_started": [], "pdsh_started": [], "serial_started": [], "all_initialised": [],
+           "all_gone": []}
+    for i in range(repeat):
+        spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/bench/scripts/init_exit.py",
+                            nproc_per_node="1")
+        t0 = time.perf_counter()
+        wall0 = time.time()
+        with Session(inv.hosts) as session:
+            launch.start(session, inv, spec)
+            started = time.perf_counter() - t0
+            run_dir = Path(tempfile.mkdtemp(prefix="bench-launch-"))
+            result = launch.watch(session, inv, spec, run_dir, echo=False)
+            launch.teardown(session, spec.job_id, 0)
+            gone = time.perf_counter() - t0
+        inits = [float(line.split()[1]) for f in run_dir.glob("*.log") for line in f.read_text().splitlines()
+                 if line.startswith("INIT ")]
+        assert result.ok and len(inits) == len(inv.hosts), (result, inits)
+        res["fabtrain_started"].append(started)
+        res["all_initialised"].append(max(inits) - wall0)
+        res["all_gone"].append(gone)
+        # The same docker run through pdsh and through a serial ssh loop (containers removed after).
+        argv = plan.docker_run_argv(inv, inv.hosts[0], spec)
+        name_at = argv.index("--name") + 1
+        pdsh_argv = list(argv)
+        pdsh_argv[name_at] = f"bench-pdsh-{i}"
+        dt, _ = timed(base.pdsh, plan.shell(pdsh_argv))
+        res["pdsh_started"].append(dt)
+        serial_cmds = {}
+        for h in inv.hosts:
+            a = list(argv)
+            a[name_at] = f"bench-serial-{i}"
+            serial_cmds[h.name] = plan.shell(a)
+        dt, _ = timed(base.serial, serial_cmds)
+        res["serial_started"].append(dt)
+        base.pdsh("docker rm -f $(docker ps -aq --filter name=bench-) >/dev/null 2>&1; true")
+    return res
+
+
+def bench_sync(inv, base: Baselines, repeat: int) -> dict:
+    src = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    (src / "data").mkdir()
+    for j in range(50):
+        (src / "data" / f"blob{j}.bin").write_bytes(os.urandom(1 << 20))
+    code_dir = "/opt/fabtrain/bench-sync"
+    inv_b = type(inv)(path=inv.path, hosts=inv.hosts, job=type(inv.job)(**{**inv.job.__dict__, "code_dir": code_dir}))
+    launch.sync(inv_b, src)
+    res = {"fabtrain_nochange": [], "rsync_loop_nochange": [], "fabtrain_50mb": [], "rsync_loop_50mb": []}
+
+    def rsync_loop():
+        procs = [subprocess.Popen(plan.rsync_argv(h, str(src), code_dir), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) for h in inv.hosts]
+        for p in procs:
+            p.wait()
+
+    def rewrite():
+        for j in range(50):
+            (src / "data" / f"blob{j}.bin").write_bytes(os.urandom(1 << 20))
+
+    for _ in range(repeat):
+        res["fabtrain_nochange"].append(timed(launch.sync, inv_b, src)[0])
+        res["rsync_loop_nochange"].append(timed(rsync_loop)[0])
+        rewrite()
+        res["fabtrain_50mb"].append(timed(launch.sync, inv_b, src)[0])
+        rewrite()
+        res["rsync_loop_50mb"].append(timed(rsync_loop)[0])
+    return res
+
+
+def bench_preflight(inv_path, repeat: int) -> dict:
+    res = {"fab_preflight_no_smoke": []}
+    for _ in range(repeat):
+        dt, p = timed(subprocess.run, [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
+                      cwd=ROOT, capture_output=True)
+        res["fab_preflight_no_smoke"].append(dt)
+    return res
+
+
+def _sleep_job(session, inv):
+    spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/integration/scripts/report.py",
+                        args=("--sleep", "300"), nproc_per_node="1")
+    launch.start(session, inv, spec)
+    return spec
+
+
+def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
+    res = {"fabtrain_stop": [], "fab_stop_cli": [], "pdsh_rm": []}
+    for _ in range(repeat):
+        with Session(inv.hosts) as s:
+            _sleep_job(s, inv)
+        t0 = time.perf_counter()
+        with Session(inv.hosts) as s:
+            launch.teardown(s, None, 0)
+        res["fabtrain_stop"].append(time.perf_counter() - t0)
+        with Session(inv.hosts) as s:
+            _sleep_job(s, inv)
+        res["fab_stop_cli"].append(timed(subprocess.run, [FAB, "stop", "--grace", "0", "--inventory", str(inv_path)],
+                                         cwd=ROOT, capture_output=True)[0])
+        with Session(inv.hosts) as s:
+            _sleep_job(s, inv)
+        res["pdsh_rm"].append(timed(base.pdsh, plan.stop_script())[0])
+    return res
+
+
+def bench_failure(inv, repeat: int) -> dict:
+    res = {"kill_to_all_gone": []}
+    victim = inv.hosts[-1]
+    for _ in range(repeat):
+        with Session(inv.hosts) as session:
+            spec = _sleep_job(session, inv)
+            time.sleep(2)
+            holder = {}
+
+            def watch():
+                holder["r"] = launch.watch(session, inv, spec, Path(tempfile.mkdtemp(prefix="bench-fail-")), echo=False)
+            t = threading.Thread(target=watch)
+            t.start()
+            time.sleep(1)
+            t_kill = time.perf_counter()
+            subprocess.run(["docker", "exec", f"fabtrain-{victim.name}", "sh", "-c",
+                            f"docker kill {plan.container_name(spec.job_id, victim.rank)}"], capture_output=True)
+            t.join()
+            # All gone: confirm no running container of the job is left on any host.
+            left = session.fan_out(lambda h: session.run(h, plan.shell(
+                ["docker", "ps", "-q", *plan.label_filter(spec.job_id)])).stdout.strip())
+            res["kill_to_all_gone"].append(time.perf_counter() - t_kill)
+            assert not any(left.values()), left
+            launch.teardown(session, spec.job_id, 0)
+    return res
+
+
+def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
+    res = {"fabtrain_lines_per_s": [], "pdsh_lines_per_s": [], "lost": [], "order_kept": []}
+    n_hosts = len(inv.hosts)
+    for _ in range(repeat):
+        spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/bench/scripts/spew.py",
+                            args=(str(lines),))
+        term = tempfile.NamedTemporaryFile(prefix="bench-term-", delete=False)
+        run_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
+        with Session(inv.hosts) as session:
+            argv_by_host = {h.name: _raw_run(inv, h, spec) for h in inv.hosts}
+            session.fan_out(lambda h: session.run(h, argv_by_host[h.name]))
+            t0 = time.perf_counter()
+            result = launch.watch(session, inv, spec, run_dir, out=term, echo=True)
+            dt = time.perf_counter() - t0
+            launch.teardown(session, spec.job_id, 0)
+        term.close()
+        got = Path(term.name).read_bytes().splitlines()
+        per_host: dict[str, list[int]] = {}
+        for line in got:
+            prefix, _, body = line.partition(b" | ")
+            parts = body.split()
+            if len(parts) > 1 and parts[1].isdigit():
+                per_host.setdefault(prefix.split()[0].decode(), []).append(int(parts[1]))
+        file_lines = sum(len((run_dir / f"{h.name}.log").read_bytes().splitlines()) for h in inv.hosts)
+        expected = lines * n_hosts
+        res["fabtrain_lines_per_s"].append(expected / dt)
+        res["lost"].append(expected - sum(len(v) for v in per_host.values()) + (expected - file_lines))
+        res["order_kept"].append(all(v == list(range(lines)) for v in per_host.values()) and len(per_host) == n_hosts)
+        assert result.ok, result
+        cmd = plan.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{inv.job.code_dir}:/workspace:ro",
+                          "-w", "/workspace", "--entrypoint", "python3", inv.job.image, "tests/bench/scripts/spew.py",
+                          str(lines)])
+        dt, p = timed(base.pdsh, cmd, capture=True)
+        # pdsh's time includes its container start; subtract ours the same way: docker run --rm start
+        # is measured inside dt for both, so the comparison is like for like.
+        pdsh_lines = p.stdout.count(b"\n")
+        res["pdsh_lines_per_s"].append(pdsh_lines / dt)
+        res.setdefault("pdsh_lost", []).append(expected - pdsh_lines)
+    return res
+
+
+def _raw_run(inv, host, spec) -> str:
+    """The job's docker run with python3 as entrypoint: no torchrun, so only the log path is timed."""
+    argv = plan.docker_run_argv(inv, host, spec)
+    image_at = argv.index(spec.image or inv.image_for(host))
+    return plan.shell(argv[:image_at] + ["--entrypoint", "python3"] + argv[image_at:])
+
+
+def table(n: int, r: dict) -> str:
+    def ms(x):
+        return f"{med(x) * 1000:.0f} ms"
+    rows = [
+        ("launch: all containers started", ms(r["launch"]["fabtrain_started"]),
+         f"pdsh {ms(r['launch']['pdsh_started'])}, serial {ms(r['launch']['serial_started'])}",
+         f"{med(r['launch']['fabtrain_started']) / med(r['launch']['pdsh_started']):.2f}x pdsh (target <= 1.2x)"),
+        ("launch: all ranks initialised", ms(r["launch"]["all_initialised"]), "", ""),
+        ("launch: all containers gone", ms(r["launch"]["all_gone"]), "", ""),
+        ("sync, no change", ms(r["sync"]["fabtrain_nochange"]), f"rsync loop {ms(r['sync']['rsync_loop_nochange'])}",
+         f"{med(r['sync']['fabtrain_nochange']) / med(r['sync']['rsync_loop_nochange']):.2f}x (target <= 1.2x)"),
+        ("sync, 50 MB changed", ms(r["sync"]["fabtrain_50mb"]), f"rsync loop {ms(r['sync']['rsync_loop_50mb'])}",
+         f"{med(r['sync']['fabtrain_50mb']) / med(r['sync']['rsync_loop_50mb']):.2f}x"),
+        ("preflight --no-smoke (CLI)", ms(r["preflight"]["fab_preflight_no_smoke"]), "", "target <= 3 s at 8 hosts"),
+        ("stop a running job", ms(r["stop"]["fabtrain_stop"]), f"pdsh rm -f {ms(r['stop']['pdsh_rm'])}",
+         f"{med(r['stop']['fabtrain_stop']) / med(r['stop']['pdsh_rm']):.2f}x (target <= 1.2x); CLI {ms(r['stop']['fab_stop_cli'])}"),
+        ("failure: kill -> all gone", ms(r["failure"]["kill_to_all_gone"]), "", "target <= 5 s"),
+        ("logs: lines/s (prefix + files)", f"{med(r['logs']['fabtrain_lines_per_s']):,.0f}",
+         f"pdsh {med(r['logs']['pdsh_lines_per_s']):,.0f}",
+         f"{med(r['logs']['fabtrain_lines_per_s']) / med(r['logs']['pdsh_lines_per_s']):.2f}x (target >= 1.0x); "
+         f"lost {max(r['logs']['lost'])}, order kept {all(r['logs']['order_kept'])}"),
+    ]
+    w = max(len(x[0]) for x in rows)
+    out = [f"\n## {n} hosts (medians of {len(r['launch']['fabtrain_started'])})", "",
+           f"| {'measure'.ljust(w)} | fabtrain | baseline | ratio |", f"|{'-' * (w + 2)}|---|---|---|"]
+    out += [f"| {a.ljust(w)} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", default="2,4,8")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--lines", type=int, default=200_000)
+    p.add_argument("--json", default=str(ROOT / "runs" / "bench.json"))
+    p.add_argument("--only", default="launch,sync,preflight,stop,failure,logs")
+    a = p.parse_args()
+    only = set(a.only.split(","))
+    results = {}
+    for n in [int(x) for x in a.hosts.split(",")]:
+        inv_path = Path(tempfile.mkdtemp(prefix="bench-inv-")) / "inventory.yaml"
+        cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None)
+        inv = load(inv_path)
+        launch.sync(inv)
+        base = Baselines(inv)
+        with Session(inv.hosts) as s:
+            rm_all(s)
+        r = {}
+        if "launch" in only:
+            r["launch"] = bench_launch(inv, base, a.repeat)
+        if "sync" in only:
+            r["sync"] = bench_sync(inv, base, a.repeat)
+        if "preflight" in only:
+            r["preflight"] = bench_preflight(inv_path, a.repeat)
+        if "stop" in only:
+            r["stop"] = bench_stop(inv, inv_path, base, a.repeat)
+        if "failure" in only:
+            r["failure"] = bench_failure(inv, a.repeat)
+        if "logs" in only:
+            r["logs"] = bench_logs(inv, base, a.repeat, a.lines)
+        results[n] = r
+        if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
+            print(table(n, r), flush=True)
+        else:
+            print(json.dumps({n: {k: {m: med(v) for m, v in d.items()} for k, d in r.items()}}, indent=1), flush=True)
+    Path(a.json).parent.mkdir(exist_ok=True)
+    Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
