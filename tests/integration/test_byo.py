@@ -2,7 +2,7 @@
 import json
 import subprocess
 
-from .conftest import fab, on_host
+from .conftest import FAB, ROOT, fab, on_host
 
 USER_SCRIPT = '''\
 import argparse, json, os, sys
@@ -125,15 +125,19 @@ def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory
         assert (rep["world"], rep["sum"], rep["rank"]) == (2, 3.0, rank)
 
 
-def test_derived_image_from_base_plus_requirements(inventory_path, tmp_path):
+def fab_no_inventory(*args):
+    return subprocess.run([FAB, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_derived_image_from_base_plus_requirements(tmp_path):
     wheels = tmp_path / "wheels"
     local("python3", "-m", "pip", "download", "--quiet", "--no-deps", "six==1.16.0", "-d", str(wheels))
     reqs = tmp_path / "requirements.txt"
     reqs.write_text("six==1.16.0\n")
     tag = "fabtrain/derived-test:1"
     try:
-        r = fab(inventory_path, "image.build", "--base", "fabtrain/trainer:latest", "--requirements", str(reqs),
-                "--tag", tag, "--wheels", str(wheels))
+        r = fab_no_inventory("image.build", "--base", "fabtrain/trainer:latest", "--requirements", str(reqs),
+                             "--tag", tag, "--wheels", str(wheels))
         assert r.returncode == 0, r.stderr
         assert f"push it with: fab image.push --image {tag}" in r.stdout
         out = local("docker", "run", "--rm", "--entrypoint", "python3", tag, "-c",
@@ -143,6 +147,6 @@ def test_derived_image_from_base_plus_requirements(inventory_path, tmp_path):
         assert "usage: fabtrain-entrypoint SCRIPT" in usage.stderr  # the same entrypoint
     finally:
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
-    bad = fab(inventory_path, "image.build", "--base", "fabtrain/trainer:latest", "--requirements",
-              str(tmp_path / "missing.txt"), "--tag", tag)
+    bad = fab_no_inventory("image.build", "--base", "fabtrain/trainer:latest", "--requirements",
+                           str(tmp_path / "missing.txt"), "--tag", tag)
     assert bad.returncode == 1 and "missing.txt: requirements file not found" in bad.stderr
