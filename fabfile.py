@@ -108,7 +108,7 @@ TRAINERS = {"gpt": "trainers/gpt.py"}
 def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None,
           args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False,
           code=None):
-    """Sync code, run preflight, start one container per host (rank 0 first), stream every host's
+    """Sync code, run preflight, start one container per host (rank 0 issued first), stream every host's
     log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
     exits 0; otherwise stops the rest and exits non-zero naming the host. Ctrl+C stops the job."""
     if "--" in sys.argv:

@@ -139,10 +139,11 @@ def _raise_any(session: Session, results: dict, what: str) -> None:
 
 
 def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
-    """Start the job's containers: rank 0 first, then every other rank at once.
+    """Start the job's containers on every host at once, rank 0's command issued first.
 
-    torchrun's workers retry the rendezvous store until it is up, so waiting for rank 0's port
-    would only add rank 0's Python start-up to the launch time.
+    Nothing waits for rank 0 to be up: torchrun's workers retry the rendezvous store until it
+    listens, and waiting for rank 0's `docker run` before the others doubled the launch time
+    (see BENCHMARKS.md). If any host fails to start, the caller tears the whole job down.
     """
     secret = bool(inv.job.secret_files)
     if secret:
@@ -156,10 +157,7 @@ def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
             raise UserError(f"{host.name} (rank {host.rank}): docker run failed (exit {r.exited}): "
                             f"{r.stderr.strip()[-500:]}")
 
-    order = [inv.hosts[:1], inv.hosts[1:]]
-    for batch in order:
-        if batch:
-            _raise_any(session, session.fan_out(one, batch), "starting the job")
+    _raise_any(session, session.fan_out(one, inv.hosts), "starting the job")
 
 
 def teardown(session: Session, job_id: str, grace: float, hosts: tuple[Host, ...] | None = None) -> float:
