@@ -86,7 +86,7 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
         raise Exit(code=1)
 
 
-TRAINERS = {"gpt": "trainers/gpt.py"}
+TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
 
 
 @task(help={

@@ -124,10 +124,18 @@ def prepare_dirs_argv(inv: Inventory, spec: JobSpec) -> list[str]:
 
 
 def follow_logs_script(spec: JobSpec, rank: int) -> str:
-    """Stream one container's output until it exits, then exit with the container's exit code."""
+    """Stream one container's output until it exits, then exit with the container's exit code.
+
+    `docker logs --follow` stops when the container exits even if it has fallen behind (it does
+    under backpressure from a slow reader: measured losing up to 45% of 200k fast lines), so the
+    bytes it delivered are counted and the remainder is sent from a plain `docker logs` after exit.
+    """
     name = container_name(spec.job_id, rank)
-    return (f"{shell(['docker', 'logs', '--follow', name])} 2>&1; "
-            f"exit \"$({shell(['docker', 'wait', name])})\"")
+    logs = shell(["docker", "logs", name])
+    return (f"{{ n=$({shell(['docker', 'logs', '--follow', name])} 2>&1 | tee /dev/fd/3 | wc -c); }} 3>&1; "
+            f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); "
+            f"if [ -n \"$code\" ]; then {logs} 2>&1 | tail -c +$((n + 1)); fi; "
+            f"exit \"${{code:-255}}\"")
 
 
 def label_filter(job_id: str | None) -> list[str]:

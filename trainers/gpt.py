@@ -144,6 +144,25 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def flops_per_token(cfg: ModelConfig, params: int) -> float:
+    """Training FLOPs per token (forward + backward), as in the PaLM paper: 6N + 12 L d T."""
+    return 6 * params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+# Dense bf16 peak per GPU, for model FLOPs utilisation; FABTRAIN_PEAK_TFLOPS overrides.
+PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "MI300X": 1307.0,
+               "MI250X": 383.0, "RTX 4090": 165.0, "V100": 125.0}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if os.environ.get("FABTRAIN_PEAK_TFLOPS"):
+        return float(os.environ["FABTRAIN_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
 class CharDataset(Dataset):
     """Non-overlapping windows of block_size + 1 characters (input and shifted target)."""
 
@@ -273,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     if d.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     tokens_per_step = tc.batch_size * tc.grad_accum * mc.block_size * d.world
+    fpt, peak = flops_per_token(mc, n_params(model)), peak_flops(device)
     result = {}
     run_start, run_start_step = time.perf_counter(), step
     for epoch in range(start_epoch, tc.epochs):
@@ -303,8 +323,9 @@ def main(argv: list[str] | None = None) -> dict:
             tokens += tokens_per_step
             if step % tc.log_every == 0 or step == total_steps:
                 rate = tokens / (time.perf_counter() - t0)
+                mfu = f" | MFU {fpt * rate / (peak * d.world):.1%}" if peak else ""
                 log(f"{tag} epoch {epoch} | step {step} | loss {loss_sum:.4f} | lr {g['lr']:.2e} "
-                      f"| {rate:,.0f} tok/s")
+                    f"| {rate:,.0f} tok/s{mfu}")
                 if d.rank == 0:
                     _append(metrics_path, {"kind": "train", "epoch": epoch, "step": step, "loss": loss_sum,
                                            "lr": g["lr"], "tokens_per_s": rate, "time": time.time()})

@@ -206,6 +206,35 @@ def bench_failure(inv, repeat: int) -> dict:
     return res
 
 
+def bench_paused(inv, repeat: int) -> dict:
+    """A frozen host (its whole test-host container paused): time until the rest of the job is gone."""
+    res = {"pause_to_rest_gone": []}
+    victim = inv.hosts[-1]
+    for _ in range(repeat):
+        with Session(inv.hosts) as session:
+            spec = _sleep_job(session, inv)
+            time.sleep(2)
+            holder = {}
+            t = threading.Thread(target=lambda: holder.update(r=launch.watch(
+                session, inv, spec, Path(tempfile.mkdtemp(prefix="bench-pause-")), echo=False)))
+            t.start()
+            time.sleep(1)
+            t_pause = time.perf_counter()
+            subprocess.run(["docker", "pause", f"fabtrain-{victim.name}"], check=True)
+            try:
+                t.join()
+                rest = tuple(h for h in inv.hosts if h.name != victim.name)
+                left = session.fan_out(lambda h: session.run(h, plan.shell(
+                    ["docker", "ps", "-q", *plan.label_filter(spec.job_id)])).stdout.strip(), rest)
+                res["pause_to_rest_gone"].append(time.perf_counter() - t_pause)
+                assert not any(left.values()) and not holder["r"].ok, left
+            finally:
+                subprocess.run(["docker", "unpause", f"fabtrain-{victim.name}"], check=True)
+        with Session(inv.hosts) as session:
+            launch.teardown(session, spec.job_id, 0)
+    return res
+
+
 def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
     res = {"fabtrain_lines_per_s": [], "pdsh_lines_per_s": [], "lost": [], "order_kept": []}
     n_hosts = len(inv.hosts)
@@ -314,6 +343,8 @@ def main() -> None:
             r["failure"] = bench_failure(inv, a.repeat)
         if "logs" in only:
             r["logs"] = bench_logs(inv, base, a.repeat, a.lines)
+        if "paused" in only:
+            r["paused"] = bench_paused(inv, a.repeat)
         results[n] = r
         if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
             print(table(n, r), flush=True)

@@ -2,7 +2,7 @@
 with a message that says what was seen and how to fix it. Every test undoes its fault."""
 import json
 import subprocess
-import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -15,6 +15,24 @@ def preflight(inventory_path, *extra):
     r = fab(inventory_path, "preflight", "--no-smoke", "--json", *extra)
     data = json.loads(r.stdout)
     return r.returncode, {(c["host"], c["check"]): c for c in data["checks"]}
+
+
+@contextmanager
+def fault(node, inject, undo):
+    """A fault injected on a test host for the duration of a block, always undone."""
+    on_host(node, inject)
+    try:
+        yield
+    finally:
+        on_host(node, undo)
+
+
+def node2_interface(inventory_path, tmp_path, iface):
+    text = inventory_path.read_text()
+    idx = text.index("name: node2")
+    path = tmp_path / f"iface-{iface}.yaml"
+    path.write_text(text[:idx] + text[idx:].replace("interface: eth0", f"interface: {iface}", 1))
+    return path
 
 
 def failures(checks):
@@ -49,11 +67,8 @@ def test_clean_cluster_passes_everything_including_the_smoke_test(inventory_path
 def test_firewall_dropping_the_master_port_on_rank0(inventory_path, inv):
     port = inv.job.master_port
     rule = f"INPUT -p tcp --dport {port} -s {inv.hosts[1].address} -j DROP"
-    on_host("node1", f"iptables -I {rule}")
-    try:
+    with fault("node1", f"iptables -I {rule}", f"iptables -D {rule}"):
         code, checks = preflight(inventory_path)
-    finally:
-        on_host("node1", f"iptables -D {rule}")
     assert code == 1
     assert failures(checks) == [("node2", "reach")]
     c = checks[("node2", "reach")]
@@ -64,11 +79,7 @@ def test_firewall_dropping_the_master_port_on_rank0(inventory_path, inv):
 
 
 def test_wrong_interface_name_suggests_the_right_one(inventory_path, inv, tmp_path):
-    text = inventory_path.read_text()
-    idx = text.index("name: node2")
-    path = tmp_path / "iface.yaml"
-    path.write_text(text[:idx] + text[idx:].replace("interface: eth0", "interface: ens9f0", 1))
-    code, checks = preflight(path)
+    code, checks = preflight(node2_interface(inventory_path, tmp_path, "ens9f0"))
     assert code == 1
     assert ("node2", "interface") in failures(checks) and ("node1", "interface") not in failures(checks)
     c = checks[("node2", "interface")]
@@ -77,23 +88,18 @@ def test_wrong_interface_name_suggests_the_right_one(inventory_path, inv, tmp_pa
 
 
 def test_sshd_stopped_on_one_host(inventory_path):
-    on_host("node2", "pkill -x sshd")
-    try:
+    with fault("node2", "pkill -x sshd", "/usr/sbin/sshd -E /var/log/sshd.log"):
         code, checks = preflight(inventory_path)
-    finally:
-        on_host("node2", "/usr/sbin/sshd -E /var/log/sshd.log")
     assert code == 1
     assert failures(checks) == [("node2", "ssh")]
     assert "node2 (root@172.28.5.12:22): connection refused; start sshd there" in checks[("node2", "ssh")]["detail"]
 
 
 def test_docker_engine_stopped_on_one_host(inventory_path):
-    on_host("node2", "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done")
-    try:
+    with fault("node2", "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done",
+               "dockerd --host unix:///var/run/docker.sock >/var/log/dockerd.log 2>&1 & "
+               "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1"):
         code, checks = preflight(inventory_path)
-    finally:
-        on_host("node2", "dockerd --host unix:///var/run/docker.sock >/var/log/dockerd.log 2>&1 &")
-        on_host("node2", "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1")
     assert code == 1
     assert ("node2", "docker") in failures(checks) and ("node1", "docker") not in failures(checks)
     c = checks[("node2", "docker")]
@@ -131,12 +137,9 @@ def test_different_image_under_the_same_tag(inventory_path, inv, tmp_path):
 
 
 def test_clock_two_seconds_off_on_one_host(inventory_path):
-    on_host("node2", f"cp /etc/environment /etc/environment.orig; "
-                     f"printf 'LD_PRELOAD={FAKETIME}\\nFAKETIME=+2s\\n' >> /etc/environment")
-    try:
+    skew = f"cp /etc/environment /etc/environment.orig; printf 'LD_PRELOAD={FAKETIME}\\nFAKETIME=+2s\\n' >> /etc/environment"
+    with fault("node2", skew, "mv /etc/environment.orig /etc/environment"):
         code, checks = preflight(inventory_path)
-    finally:
-        on_host("node2", "mv /etc/environment.orig /etc/environment")
     assert code == 1
     assert failures(checks) == [("node2", "time")]
     detail = checks[("node2", "time")]["detail"]
@@ -152,11 +155,7 @@ def test_worker_interface_that_cannot_reach_the_master(inventory_path, tmp_path)
         subprocess.run(["docker", "network", "connect", "--ip", "172.28.6.12", "fabtrain-test-side",
                         "fabtrain-node2"], check=True, capture_output=True)
         iface = on_host("node2", "ip -o -4 addr show | awk '/172.28.6.12/ {print $2}'").stdout.strip()
-        text = inventory_path.read_text()
-        idx = text.index("name: node2")
-        path = tmp_path / "side.yaml"
-        path.write_text(text[:idx] + text[idx:].replace("interface: eth0", f"interface: {iface}", 1))
-        code, checks = preflight(path)
+        code, checks = preflight(node2_interface(inventory_path, tmp_path, iface))
     finally:
         subprocess.run(["docker", "network", "disconnect", "fabtrain-test-side", "fabtrain-node2"], capture_output=True)
         subprocess.run(["docker", "network", "rm", "fabtrain-test-side"], capture_output=True)

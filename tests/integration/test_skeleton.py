@@ -85,3 +85,13 @@ def test_stop_removes_every_project_container_and_is_idempotent(inventory_path, 
     finally:
         for h in inv.hosts:
             on_host(h.name, "docker rm -f bystander", check=False)
+
+
+def test_tensor_parallel_trainer_across_hosts(inventory_path):
+    r = fab(inventory_path, "train", "--trainer", "mlp-tp", "--epochs", "1", "--args", "--tp 2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    meshes = [line for line in r.stdout.splitlines() if "| mesh [[0, 1], [2, 3]]" in line]
+    assert len(meshes) == 4  # every rank prints its place in the (dp, tp) mesh
+    assert any(line.startswith("node2 r1 | [node2 rank3] dp_rank 1 tp_rank 1") for line in meshes)
+    losses = [float(line.rsplit("loss ", 1)[1]) for line in r.stdout.splitlines() if "| step " in line and "loss" in line]
+    assert losses[-1] < losses[0]
