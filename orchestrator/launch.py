@@ -90,7 +90,10 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
         lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.prepare_dirs_argv(inv, spec))}")
         lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.docker_run_argv(inv, h, spec, bool(inv.job.secret_files)))}")
     for h in inv.hosts:
-        lines.append(f"[{h.name} rank {h.rank}] {plan.follow_logs_script(spec, h.rank)}")
+        lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.follow_logs_argv(spec, h.rank))} 2>&1")
+    lines.append("# when a container exits: its exit code, and any output the follow missed (from the "
+                 "byte after those received), e.g.:")
+    lines.append(f"[{inv.master.name} rank 0] {plan.finish_logs_script(spec, 0, 0)}")
     lines.append("# on failure, Ctrl+C or lost host, on every host:")
     lines.append(plan.stop_script(spec.job_id, inv.job.stop_grace))
     return "\n".join(lines)
@@ -179,8 +182,15 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
     def follow(host: Host) -> None:
         sink = sinks[host.name]
         outcome = Outcome(host)
+        received = 0
+
+        def feed(data: bytes) -> None:
+            nonlocal received
+            received += len(data)
+            sink.feed(data)
         try:
-            outcome.exit_code = session.stream(host, plan.follow_logs_script(spec, host.rank), sink.feed)
+            session.stream(host, plan.shell(plan.follow_logs_argv(spec, host.rank)) + " 2>&1", feed)
+            outcome.exit_code = session.stream(host, plan.finish_logs_script(spec, host.rank, received), sink.feed)
         except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash
             outcome.error = describe(host, exc)
         finally:

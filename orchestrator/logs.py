@@ -58,11 +58,13 @@ class HostSink:
         self._partial = data[cut:]
         if not cut:
             return
-        lines = data[:cut].split(b"\n")[:-1]
-        self.tail.extend(lines[-self.tail.maxlen:])
+        block = data[:cut - 1]  # complete lines, without the last newline
+        self.tail.extend(block.rsplit(b"\n", self.tail.maxlen)[-self.tail.maxlen:])
         if self.mux.echo:
+            # One C-level replace per chunk instead of a Python loop per line: the prefix is what
+            # costs most when a host prints fast.
             p = self.prefix
-            self.mux.write(b"".join(p + line + b"\n" for line in lines))
+            self.mux.write(p + block.replace(b"\n", b"\n" + p) + b"\n")
 
     def close(self) -> None:
         if self._partial:

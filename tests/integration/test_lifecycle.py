@@ -180,3 +180,20 @@ def test_unknown_and_changed_host_keys_are_refused(inventory_path, tmp_path):
     checks = json.loads(r.stdout)["checks"]
     node1 = [c for c in checks if c["host"] == "node1" and c["check"] == "ssh"][0]
     assert node1["status"] == "fail" and "host key CHANGED" in node1["detail"]
+
+
+def test_lost_terminal_leaves_a_visible_job_that_fab_logs_reattaches_to(inventory_path):
+    proc = start_fab(inventory_path, "train", "--script", REPORT, "--args", "--sleep 12")
+    try:
+        wait_for_containers(["node1", "node2"])
+        proc.kill()  # the terminal is gone: no signal handler runs
+        proc.wait()
+        assert running("node1") and running("node2")  # the job goes on, by design
+        status = fab(inventory_path, "status")
+        assert status.stdout.count("running") == 2 and "report-" in status.stdout
+        logs = fab(inventory_path, "logs", timeout=120)
+        assert logs.returncode == 0, logs.stderr
+        assert logs.stdout.count("REPORT ") == 4  # from the start, every rank
+        assert "node2 r1 | " in logs.stdout
+    finally:
+        fab(inventory_path, "stop", "--grace", "0")

@@ -99,28 +99,34 @@ def test_stop_script_by_label_with_grace():
                                   " | xargs -r docker rm --force")
 
 
-def test_follow_logs_sends_what_follow_missed_and_exits_with_container_code():
-    assert plan.follow_logs_script(SPEC, 1) == (
-        "{ n=$(docker logs --follow fabtrain-gpt-1-r1 2>&1 | tee /dev/fd/3 | wc -c); } 3>&1; "
+def test_follow_then_finish_sends_what_follow_missed_and_exits_with_container_code():
+    assert plan.follow_logs_argv(SPEC, 1) == ["docker", "logs", "--follow", "fabtrain-gpt-1-r1"]
+    assert plan.finish_logs_script(SPEC, 1, 2345) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); "
-        "if [ -n \"$code\" ]; then docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +$((n + 1)); fi; "
+        "if [ -n \"$code\" ]; then docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; fi; "
         "exit \"${code:-255}\"")
 
 
-def test_follow_logs_script_streams_everything_once(tmp_path):
-    """Run the script with stand-in docker commands: follow delivers a prefix, the rest follows."""
+def test_finish_script_sends_exactly_the_remainder(tmp_path):
+    """With a stand-in docker: follow delivered 2345 bytes, the finish script sends the rest."""
     import subprocess
     full = "".join(f"line {i}\n" for i in range(1000))
-    fake = tmp_path / "docker"
     (tmp_path / "full").write_text(full)
+    fake = tmp_path / "docker"
     fake.write_text("#!/bin/sh\n"
-                    f'if [ "$1" = logs ] && [ "$2" = --follow ]; then head -c 2345 {tmp_path}/full; fi\n'
-                    f'if [ "$1" = logs ] && [ "$2" != --follow ]; then cat {tmp_path}/full; fi\n'
+                    f'if [ "$1" = logs ]; then cat {tmp_path}/full; fi\n'
                     'if [ "$1" = wait ]; then echo 3; fi\n')
     fake.chmod(0o755)
-    r = subprocess.run(["sh", "-c", plan.follow_logs_script(SPEC, 1)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", plan.finish_logs_script(SPEC, 1, 2345)], capture_output=True, text=True,
                        env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
-    assert r.stdout == full and r.returncode == 3
+    assert full[:2345] + r.stdout == full and r.returncode == 3
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "docker").write_text("#!/bin/sh\necho 'Error: No such container' >&2; exit 1\n")
+    (gone / "docker").chmod(0o755)
+    r = subprocess.run(["sh", "-c", plan.finish_logs_script(SPEC, 1, 0)], capture_output=True, text=True,
+                       env={"PATH": f"{gone}:/usr/bin:/bin"})
+    assert r.stdout == "" and r.returncode == 255
 
 
 def _entrypoint():
