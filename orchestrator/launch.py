@@ -19,7 +19,7 @@ from pathlib import Path
 from . import plan, preflight
 from .errors import UserError
 from .inventory import Host, Inventory
-from .logs import Multiplexer
+from .logs import Multiplexer, missing_output
 from .remote import Session, describe
 
 PROJECT_ROOT = plan.PROJECT_ROOT
@@ -91,9 +91,9 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
         lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.docker_run_argv(inv, h, spec, bool(inv.job.secret_files)))}")
     for h in inv.hosts:
         lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.follow_logs_argv(spec, h.rank))} 2>&1")
-    lines.append("# when a container exits: its exit code, and any output the follow missed (from the "
-                 "byte after those received), e.g.:")
-    lines.append(f"[{inv.master.name} rank 0] {plan.finish_logs_script(spec, 0, 0)}")
+    lines.append("# when a container exits: its exit code and the tail of its log (to send any output "
+                 "the follow missed), e.g.:")
+    lines.append(f"[{inv.master.name} rank 0] {plan.finish_logs_script(spec, 0)}")
     lines.append("# on failure, Ctrl+C or lost host, on every host:")
     lines.append(plan.stop_script(spec.job_id, inv.job.stop_grace))
     return "\n".join(lines)
@@ -182,15 +182,25 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
     def follow(host: Host) -> None:
         sink = sinks[host.name]
         outcome = Outcome(host)
-        received = 0
+        received, window = 0, bytearray()
 
         def feed(data: bytes) -> None:
             nonlocal received
             received += len(data)
+            window.extend(data)
+            del window[:-4096]  # enough to find where the stream stopped in the log's tail
             sink.feed(data)
         try:
             session.stream(host, plan.shell(plan.follow_logs_argv(spec, host.rank)) + " 2>&1", feed)
-            outcome.exit_code = session.stream(host, plan.finish_logs_script(spec, host.rank, received), sink.feed)
+            end = bytearray()
+            session.stream(host, plan.finish_logs_script(spec, host.rank), end.extend)
+            code, _, tail = bytes(end).partition(b"\n")
+            outcome.exit_code = int(code or 255)
+            missed = missing_output(received, bytes(window), tail, plan.TAIL_LINES)
+            if missed is None:
+                session.stream(host, plan.remainder_logs_script(spec, host.rank, received), sink.feed)
+            elif missed:
+                sink.feed(missed)
         except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash
             outcome.error = describe(host, exc)
         finally:

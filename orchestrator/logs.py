@@ -76,3 +76,20 @@ class HostSink:
 
     def last_lines(self) -> str:
         return "\n".join(line.decode(errors="replace") for line in self.tail)
+
+
+def missing_output(received_total: int, received_tail: bytes, tail: bytes, tail_lines: int) -> bytes | None:
+    """What a stream missed, given the last bytes it received and the log's last `tail_lines`
+    lines; None when that cannot be told from the tail (then read the log again from an offset).
+
+    If the tail holds fewer lines than asked, it is the whole log. Otherwise the received bytes'
+    end must be found exactly once in the tail; several matches (repeated output) are ambiguous.
+    """
+    if tail.count(b"\n") < tail_lines:
+        return tail[received_total:] if received_total <= len(tail) else b""
+    if not received_tail:
+        return None
+    first = tail.find(received_tail)
+    if first < 0 or tail.find(received_tail, first + 1) >= 0:
+        return None
+    return tail[first + len(received_tail):]

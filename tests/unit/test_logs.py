@@ -1,7 +1,7 @@
 import io
 import threading
 
-from orchestrator.logs import Multiplexer
+from orchestrator.logs import Multiplexer, missing_output
 
 
 def test_lines_prefixed_whole_and_files_complete(tmp_path):
@@ -41,3 +41,22 @@ def test_colour_prefix_and_concurrent_writers_keep_order(tmp_path):
     for i in range(4):
         mine = [line for line in lines if line.startswith(f"\x1b[{(36, 33, 35, 32)[i]}mh{i} r{i} |")]
         assert [int(line.rsplit(" ", 1)[1]) for line in mine] == list(range(2000))
+
+
+LOG = b"".join(b"step %d loss 1.0\n" % i for i in range(5000))
+
+
+def test_missing_output_from_the_tail():
+    tail = b"".join(LOG.splitlines(keepends=True)[-1000:])
+    got = LOG[:-3000]  # the follow stopped 3000 bytes short
+    assert missing_output(len(got), got[-4096:], tail, 1000) == LOG[-3000:]
+    assert missing_output(len(LOG), LOG[-4096:], tail, 1000) == b""  # nothing missed
+    short = LOG[:500]  # a short log: the tail is the whole log
+    assert missing_output(200, short[:200][-4096:], short, 1000) == short[200:]
+
+
+def test_missing_output_gives_up_when_the_tail_cannot_tell():
+    tail = b"".join(LOG.splitlines(keepends=True)[-1000:])
+    assert missing_output(100, LOG[:100], tail, 1000) is None  # stopped before the tail begins
+    repeated = b"same line\n" * 2000
+    assert missing_output(500, repeated[:500], repeated[-10000:], 1000) is None  # ambiguous
