@@ -1,5 +1,6 @@
 """The walking skeleton on the local cluster: sync, preflight, train, stop."""
 import hashlib
+import re
 import time
 
 from .conftest import ROOT, fab, on_host, project_containers
@@ -59,7 +60,9 @@ def test_failed_node_is_named_and_job_exits_nonzero(inventory_path):
     r = fab(inventory_path, "train", "--script", "tests/integration/scripts/exit_on_node.py",
             "--args", "--node 1 --code 7")
     assert r.returncode == 1
-    assert "failed: node2 (node rank 1) exited with code 1 (worker rank 2 exited with code 7)" in r.stderr
+    # Both of node2's workers exit 7; torchrun reports whichever it saw first as the root cause.
+    assert re.search(r"failed: node2 \(node rank 1\) exited with code 1 \(worker rank [23] exited with code 7\)",
+                     r.stderr), r.stderr
     assert "exitcode  : 7" in r.stderr  # the last lines of that host's log
     run_dir = ROOT / r.stderr.split("full logs: ")[1].split()[0]
     assert "node 1 giving up with code 7" in (run_dir / "node2.log").read_text()
@@ -93,5 +96,5 @@ def test_tensor_parallel_trainer_across_hosts(inventory_path):
     meshes = [line for line in r.stdout.splitlines() if "| mesh [[0, 1], [2, 3]]" in line]
     assert len(meshes) == 4  # every rank prints its place in the (dp, tp) mesh
     assert any(line.startswith("node2 r1 | [node2 rank3] dp_rank 1 tp_rank 1") for line in meshes)
-    losses = [float(line.rsplit("loss ", 1)[1]) for line in r.stdout.splitlines() if "| step " in line and "loss" in line]
-    assert losses[-1] < losses[0]
+    losses = [float(m.group(1)) for m in re.finditer(r"\] step \d+ \| loss ([\d.]+)", r.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
