@@ -179,60 +179,51 @@ def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
     return res
 
 
-def bench_failure(inv, repeat: int) -> dict:
-    res = {"kill_to_all_gone": []}
+def _time_to_rest_gone(inv, fault, undo=None) -> float:
+    """Start a job, watch it, apply `fault` to the last host; seconds until no container of the
+    job runs on any other host (the watcher has torn the job down)."""
     victim = inv.hosts[-1]
-    for _ in range(repeat):
-        with Session(inv.hosts) as session:
-            spec = _sleep_job(session, inv)
-            time.sleep(2)
-            holder = {}
-
-            def watch():
-                holder["r"] = launch.watch(session, inv, spec, Path(tempfile.mkdtemp(prefix="bench-fail-")), echo=False)
-            t = threading.Thread(target=watch)
-            t.start()
-            time.sleep(1)
-            t_kill = time.perf_counter()
-            subprocess.run(["docker", "exec", f"fabtrain-{victim.name}", "sh", "-c",
-                            f"docker kill {plan.container_name(spec.job_id, victim.rank)}"], capture_output=True)
+    with Session(inv.hosts) as session:
+        spec = _sleep_job(session, inv)
+        time.sleep(2)
+        holder = {}
+        t = threading.Thread(target=lambda: holder.update(r=launch.watch(
+            session, inv, spec, Path(tempfile.mkdtemp(prefix="bench-fault-")), echo=False)))
+        t.start()
+        time.sleep(1)
+        t_fault = time.perf_counter()
+        fault(victim, spec)
+        try:
             t.join()
-            # All gone: confirm no running container of the job is left on any host.
+            rest = tuple(h for h in inv.hosts if h.name != victim.name)
             left = session.fan_out(lambda h: session.run(h, plan.shell(
-                ["docker", "ps", "-q", *plan.label_filter(spec.job_id)])).stdout.strip())
-            res["kill_to_all_gone"].append(time.perf_counter() - t_kill)
-            assert not any(left.values()), left
-            launch.teardown(session, spec.job_id, 0)
-    return res
+                ["docker", "ps", "-q", *plan.label_filter(spec.job_id)])).stdout.strip(), rest)
+            took = time.perf_counter() - t_fault
+            assert not any(left.values()) and not holder["r"].ok, left
+        finally:
+            if undo:
+                undo(victim)
+    with Session(inv.hosts) as session:
+        launch.teardown(session, spec.job_id, 0)
+    return took
+
+
+def bench_failure(inv, repeat: int) -> dict:
+    """One container killed: time until every other container of the job is gone."""
+    def kill(victim, spec):
+        subprocess.run(["docker", "exec", f"fabtrain-{victim.name}", "docker", "kill",
+                        plan.container_name(spec.job_id, victim.rank)], capture_output=True)
+    return {"kill_to_all_gone": [_time_to_rest_gone(inv, kill) for _ in range(repeat)]}
 
 
 def bench_paused(inv, repeat: int) -> dict:
     """A frozen host (its whole test-host container paused): time until the rest of the job is gone."""
-    res = {"pause_to_rest_gone": []}
-    victim = inv.hosts[-1]
-    for _ in range(repeat):
-        with Session(inv.hosts) as session:
-            spec = _sleep_job(session, inv)
-            time.sleep(2)
-            holder = {}
-            t = threading.Thread(target=lambda: holder.update(r=launch.watch(
-                session, inv, spec, Path(tempfile.mkdtemp(prefix="bench-pause-")), echo=False)))
-            t.start()
-            time.sleep(1)
-            t_pause = time.perf_counter()
-            subprocess.run(["docker", "pause", f"fabtrain-{victim.name}"], check=True)
-            try:
-                t.join()
-                rest = tuple(h for h in inv.hosts if h.name != victim.name)
-                left = session.fan_out(lambda h: session.run(h, plan.shell(
-                    ["docker", "ps", "-q", *plan.label_filter(spec.job_id)])).stdout.strip(), rest)
-                res["pause_to_rest_gone"].append(time.perf_counter() - t_pause)
-                assert not any(left.values()) and not holder["r"].ok, left
-            finally:
-                subprocess.run(["docker", "unpause", f"fabtrain-{victim.name}"], check=True)
-        with Session(inv.hosts) as session:
-            launch.teardown(session, spec.job_id, 0)
-    return res
+    def pause(victim, spec):
+        subprocess.run(["docker", "pause", f"fabtrain-{victim.name}"], check=True, capture_output=True)
+
+    def unpause(victim):
+        subprocess.run(["docker", "unpause", f"fabtrain-{victim.name}"], check=True, capture_output=True)
+    return {"pause_to_rest_gone": [_time_to_rest_gone(inv, pause, unpause) for _ in range(repeat)]}
 
 
 def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
