@@ -100,7 +100,10 @@ def _ensure_network(client: docker.DockerClient, subnet: str):
 def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str):
     try:
         c = client.containers.get(node.container)
-        addr = c.attrs["NetworkSettings"]["Networks"].get(NETWORK, {}).get("IPAddress")
+        net = c.attrs["NetworkSettings"]["Networks"].get(NETWORK) or {}
+        # The configured address: a stopped container reports no IPAddress, and must be restarted,
+        # not replaced.
+        addr = (net.get("IPAMConfig") or {}).get("IPv4Address") or net.get("IPAddress")
         shm = c.attrs["HostConfig"].get("ShmSize")
         if c.image.id == host_image_id and addr == node.address and shm == SHM_BYTES:
             if c.status != "running":
