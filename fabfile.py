@@ -146,8 +146,7 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
     with Session(inv.hosts) as session:
-        script = plan.stop_script(job, grace)
-        results = session.fan_out(lambda h: session.run(h, script, timeout=grace + 60))
+        results = launch.stop(session, job, grace)
     failed = []
     for host in inv.hosts:
         r = results[host.name]

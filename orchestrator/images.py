@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +31,15 @@ class PushResult:
     detail: str = ""
 
 
-def local_image_id(image: str) -> str:
-    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image],
+def local_image(image: str) -> tuple[str, int]:
+    """(id, size in bytes) of an image in the local engine."""
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}} {{.Size}}", image],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise UserError(f"image {image} is not in the local Docker engine ({proc.stderr.strip()}); "
                         f"build or pull it here first (fab images, fab image.build, docker pull)")
-    return proc.stdout.strip()
+    image_id, size = proc.stdout.split()
+    return image_id, int(size)
 
 
 def remote_image_id(session: Session, host: Host, image: str) -> str | None:
@@ -49,7 +50,7 @@ def remote_image_id(session: Session, host: Host, image: str) -> str | None:
 def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, progress=None) -> list[PushResult]:
     """Load `image` into every host's engine that does not hold the same id; verify after."""
     hosts = session.hosts if hosts is None else hosts
-    want = local_image_id(image)
+    want, size = local_image(image)
     have = session.fan_out(lambda h: remote_image_id(session, h, image), hosts)
     results: dict[str, PushResult] = {}
     targets = []
@@ -62,7 +63,7 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, pr
         else:
             targets.append(h)
     if targets:
-        for r in _stream(session, image, targets, progress):
+        for r in _stream(session, image, size, targets, progress):
             results[r.host] = r
         ids = session.fan_out(lambda h: remote_image_id(session, h, image), tuple(targets))
         for h in targets:
@@ -72,7 +73,7 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, pr
     return [results[h.name] for h in hosts]
 
 
-def _stream(session: Session, image: str, targets: list[Host], progress) -> list[PushResult]:
+def _stream(session: Session, image: str, size: int, targets: list[Host], progress) -> list[PushResult]:
     """Tee one `docker save` into a `docker load` channel per host."""
     chans = {}
     failed: dict[str, str] = {}
@@ -83,7 +84,6 @@ def _stream(session: Session, image: str, targets: list[Host], progress) -> list
             chans[h.name] = chan
         except Exception as exc:  # noqa: BLE001 - this host fails, the others go on
             failed[h.name] = describe(h, exc)
-    size = _image_size(image)
     task = progress.add_task(f"push {image}", total=size) if progress else None
     start = time.monotonic()
     sent = 0
@@ -94,14 +94,13 @@ def _stream(session: Session, image: str, targets: list[Host], progress) -> list
             if not chunk:
                 break
             sent += len(chunk)
-            # Every host gets each chunk before the next is read: one save, N loads, in step.
-            threads = []
-            for name, chan in list(chans.items()):
-                t = threading.Thread(target=_send, args=(chan, chunk, name, chans, failed))
-                t.start()
-                threads.append(t)
-            for t in threads:
-                t.join()
+            # Every host gets each chunk before the next is read: one save, N loads, in step, on the
+            # session's own worker threads.
+            live = tuple(h for h in targets if h.name in chans)
+            for name, res in session.fan_out(lambda h: chans[h.name].sendall(chunk), live).items():
+                if isinstance(res, BaseException):
+                    failed[name] = f"{name}: transfer failed: {res}"
+                    chans.pop(name, None)
             if progress:
                 progress.update(task, completed=min(sent, size or sent))
     finally:
@@ -124,19 +123,6 @@ def _stream(session: Session, image: str, targets: list[Host], progress) -> list
         else:
             out.append(PushResult(h.name, "sent", time.monotonic() - start, sent))
     return out
-
-
-def _send(chan, chunk: bytes, name: str, chans: dict, failed: dict) -> None:
-    try:
-        chan.sendall(chunk)
-    except Exception as exc:  # noqa: BLE001 - the host dropped out of this push
-        failed[name] = f"{name}: transfer failed: {exc}"
-        chans.pop(name, None)
-
-
-def _image_size(image: str) -> int:
-    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True)
-    return int(proc.stdout.strip() or 0)
 
 
 DERIVED_DOCKERFILE = """\
@@ -175,4 +161,4 @@ def build(base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = 
                               env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
     if proc.returncode != 0:
         raise UserError(f"building {tag} from {base} failed:\n{proc.stderr.strip()[-1500:]}")
-    return local_image_id(tag)
+    return local_image(tag)[0]

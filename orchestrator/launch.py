@@ -163,10 +163,16 @@ def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
     _raise_any(session, session.fan_out(one, inv.hosts), "starting the job")
 
 
-def teardown(session: Session, job_id: str, grace: float, hosts: tuple[Host, ...] | None = None) -> float:
-    start_t = time.monotonic()
+def stop(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> dict:
+    """Stop and remove the job's (or every project) container on each host: host -> Result or error."""
     script = plan.stop_script(job_id, grace)
-    session.fan_out(lambda h: session.run(h, script, timeout=grace + 30), hosts)
+    return session.fan_out(lambda h: session.run(h, script, timeout=grace + 30), hosts)
+
+
+def teardown(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> float:
+    """stop(), timed: seconds until every host answered."""
+    start_t = time.monotonic()
+    stop(session, job_id, grace, hosts)
     return time.monotonic() - start_t
 
 
