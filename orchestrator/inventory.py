@@ -12,21 +12,11 @@ from typing import Any
 import yaml
 
 from .errors import UserError
+from .sshconf import ADDRESS_RE, SSH, Settings, parse_jump, read_config, resolve
 
 GPU_VENDORS = ("nvidia", "amd", "none")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-@dataclass(frozen=True)
-class SSH:
-    user: str = "root"
-    port: int = 22
-    key: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
-    connect_timeout: float = 10.0
-    # Seconds between keepalives; a host missing 3 in a row counts as lost.
-    keepalive: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +39,11 @@ class Host:
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[Mount, ...] = ()
     devices: tuple[str, ...] = ()
+
+    @property
+    def hostname(self) -> str:
+        """The network address the host is reached at (ssh_config's HostName for an alias)."""
+        return self.ssh.hostname
 
 
 @dataclass(frozen=True)
@@ -166,6 +161,8 @@ class _Reader:
             names = " or ".join(k.__name__ for k in kinds)
             self.fail(self._field(key), f"must be {names}, got {value!r}",
                       f"write an {names} value" if names[0] in "aeiou" else f"write a {names} value", self.lines.get(key))
+        if isinstance(value, str) and not value.strip():
+            self.fail(self._field(key), "is empty", f"give a value, or remove '{key}:'", self.lines.get(key))
         return value
 
     def sub(self, key: str) -> "_Reader":
@@ -193,26 +190,48 @@ class _Reader:
                         if isinstance(value, bool) else str(value)))
         return tuple(out)
 
-    def path_field(self, key: str, default: str | None) -> str | None:
+    def path_field(self, key: str, default: str | None, must_exist: bool = False) -> str | None:
         value = self.get(key, str, default)
         if value is None:
             return None
         expanded = Path(value).expanduser()
         if not expanded.is_absolute():
             expanded = self.path.parent / expanded
+        if must_exist and not expanded.is_file():
+            self.fail(self._field(key), f"{expanded} does not exist",
+                      "run 'fab cluster.up' to make the local cluster's" if ".cluster" in expanded.parts
+                      else "fix the path (relative paths are relative to the inventory file)")
         return str(expanded)
 
 
-def _ssh(reader: _Reader, base: SSH) -> SSH:
-    reader.check_keys(("user", "port", "key", "known_hosts", "connect_timeout", "keepalive"))
-    return SSH(
-        user=reader.get("user", str, base.user),
-        port=reader.port("port", base.port),
-        key=reader.path_field("key", base.key),
-        known_hosts=reader.path_field("known_hosts", base.known_hosts),
+SSH_FIELDS = ("user", "port", "key", "known_hosts", "connect_timeout", "keepalive", "jump", "config")
+
+
+def _ssh(reader: _Reader, base: Settings, check_files: bool) -> Settings:
+    """The inventory's ssh: section (global, or a host's override of it), as written."""
+    reader.check_keys(SSH_FIELDS)
+    jump = reader.get("jump", (str, list), None)
+    if isinstance(jump, list):
+        jump = ",".join(str(j) for j in jump)
+    if jump is not None and jump.lower() != "none":
+        try:
+            parse_jump(jump)
+        except ValueError as exc:
+            reader.fail(reader._field("jump"), str(exc),
+                        "write [user@]host[:port] (an ssh_config alias works), several comma-separated")
+    config = reader.get("config", str, None)
+    config_path = None if config is None or config.lower() == "none" else reader.path_field("config", None)
+    settings = Settings(
+        user=reader.get("user", str, None), port=reader.port("port", None) if "port" in reader.data else None,
+        key=reader.path_field("key", None, must_exist=check_files),
+        known_hosts=reader.path_field("known_hosts", None, must_exist=check_files),
         connect_timeout=reader.get("connect_timeout", float, base.connect_timeout),
-        keepalive=reader.get("keepalive", float, base.keepalive),
-    )
+        keepalive=reader.get("keepalive", float, base.keepalive), jump=jump, config=config_path)
+    if config is not None and config_path is not None and check_files and not Path(config_path).is_file():
+        reader.fail(reader._field("config"), f"{config_path} does not exist",
+                    "give the path of an ssh_config file, or none to read no ssh_config")
+    given = {k for k in SSH_FIELDS if reader.data.get(k) is not None}
+    return settings.over(base, given)
 
 
 def _remote_path(reader: _Reader, key: str, default: str) -> str:
@@ -247,10 +266,14 @@ def _mounts(reader: _Reader, key: str) -> tuple[Mount, ...]:
     return tuple(out)
 
 
-def _host(reader: _Reader, rank: int, ssh: SSH) -> Host:
+def _host(reader: _Reader, rank: int, base: Settings, check_files: bool) -> Host:
     reader.check_keys(("name", "address", "interface", "gpus", "ssh", "image", "env", "mounts",
                        "devices"))
     address = reader.get("address", str, required=True)
+    if not ADDRESS_RE.match(address):
+        reader.fail(reader._field("address"), f"{address!r} is neither a host name, an IP address nor "
+                    "an ssh_config alias", "write e.g. 10.0.0.11, gpu1.example.com or an alias from "
+                    "~/.ssh/config (user and port go in ssh:)")
     name = reader.get("name", str, address)
     if not NAME_RE.match(name):
         reader.fail(reader._field("name"), f"{name!r} has characters not allowed in a host name",
@@ -274,7 +297,7 @@ def _host(reader: _Reader, rank: int, ssh: SSH) -> Host:
         name=name,
         address=address,
         rank=rank,
-        ssh=_ssh(reader.sub("ssh"), ssh),
+        ssh=_resolve(reader, address, _ssh(reader.sub("ssh"), base, check_files)),
         interface=reader.get("interface", str, required=True),
         gpu_vendor=vendor,
         gpu_count=count,
@@ -283,6 +306,23 @@ def _host(reader: _Reader, rank: int, ssh: SSH) -> Host:
         mounts=_mounts(reader, "mounts"),
         devices=tuple(devices),
     )
+
+
+_CONFIGS: dict[str, object] = {}
+
+
+def _resolve(reader: _Reader, address: str, settings: Settings) -> SSH:
+    """The host's connection settings with its ssh_config applied (see sshconf)."""
+    try:
+        if settings.config not in _CONFIGS:
+            _CONFIGS[settings.config] = read_config(settings.config)
+        return resolve(address, settings, _CONFIGS[settings.config])
+    except FileNotFoundError as exc:
+        reader.fail(reader._field("ssh.config"), f"{exc} does not exist",
+                    "give the path of an ssh_config file, or none to read no ssh_config")
+    except ValueError as exc:
+        reader.fail(reader._field("ssh"), str(exc), "fix the jump host or the ssh_config entry")
+    raise AssertionError("unreachable")
 
 
 def _job(reader: _Reader) -> Job:
@@ -312,7 +352,9 @@ def _job(reader: _Reader) -> Job:
     )
 
 
-def parse(text: str, path: Path) -> Inventory:
+def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
+    """The inventory in `text`; with check_files, the key and known_hosts files must exist too."""
+    _CONFIGS.clear()  # ssh_config files are read afresh for every inventory
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except yaml.MarkedYAMLError as exc:
@@ -322,17 +364,17 @@ def parse(text: str, path: Path) -> Inventory:
                         f"quoting on that line") from None
     top = _Reader(path, data, "", 1)
     top.check_keys(("ssh", "job", "hosts"))
-    ssh = _ssh(top.sub("ssh"), SSH())
+    ssh = _ssh(top.sub("ssh"), Settings(), check_files)
     hosts_data = top.get("hosts", list, required=True)
     if not hosts_data:
         top.fail("hosts", "is empty", "list at least one host; the first is rank 0")
     hosts = []
     for rank, item in enumerate(hosts_data):
         line = getattr(item, "line", getattr(hosts_data, "line", 1))
-        hosts.append(_host(_Reader(path, item, f"hosts[{rank}]", line), rank, ssh))
+        hosts.append(_host(_Reader(path, item, f"hosts[{rank}]", line), rank, ssh, check_files))
     seen: dict[str, int] = {}
     for h in hosts:
-        for key in (h.name, f"{h.address}:{h.ssh.port}"):
+        for key in (h.name, f"{h.hostname}:{h.ssh.port}"):
             if key in seen:
                 top.fail(f"hosts[{h.rank}]", f"{key!r} is also hosts[{seen[key]}]",
                          "list each host once; order is rank order",
@@ -344,10 +386,23 @@ def parse(text: str, path: Path) -> Inventory:
 def load(path: str | Path) -> Inventory:
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: inventory not found; pass --inventory PATH, or run "
                         f"'fab cluster.up' to write the local cluster's inventory") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read the inventory: {exc.strerror}") from None
-    return parse(text, path)
+    return parse(decode(raw, path), path, check_files=True)
+
+
+def decode(raw: bytes, path: Path) -> str:
+    """The file's text, or a clear error for a binary or non-UTF-8 file (never a traceback)."""
+    if b"\0" in raw:
+        raise UserError(f"{path}: is a binary file, not a YAML inventory; pass the right file with "
+                        f"--inventory PATH")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x}); save the inventory "
+                        f"as UTF-8") from None

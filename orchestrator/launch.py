@@ -19,7 +19,7 @@ from pathlib import Path
 from . import plan, preflight
 from .errors import UserError
 from .inventory import Host, Inventory
-from .logs import Multiplexer, missing_output
+from .logs import Multiplexer, missing_output, sanitize
 from .remote import Session, describe
 
 PROJECT_ROOT = plan.PROJECT_ROOT
@@ -36,9 +36,9 @@ def sync(inv: Inventory, source: Path = PROJECT_ROOT, hosts: tuple[Host, ...] | 
         proc = subprocess.run(plan.rsync_argv(host, str(source), inv.job.code_dir),
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise UserError(f"sync to {host.name} ({host.address}) failed (rsync exit {proc.returncode}): "
-                            f"{proc.stderr.strip()[-400:]}; check SSH access with: "
-                            f"{plan.shell(plan.ssh_argv(host))} {host.ssh.user}@{host.address} true")
+            raise UserError(f"sync to {host.name} ({host.ssh.where()}) failed (rsync exit {proc.returncode}): "
+                            f"{sanitize(proc.stderr.strip()[-400:])}; check SSH access with: "
+                            f"{plan.shell([*plan.ssh_argv(host), host.hostname, 'true'])}")
         return time.monotonic() - start
 
     with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
@@ -282,10 +282,9 @@ def fetch_outputs(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir:
     def one(host: Host) -> str:
         dest = run_dir / "outputs" / host.name
         dest.mkdir(parents=True, exist_ok=True)
-        src = f"{host.ssh.user}@{plan._rsync_host(host.address)}:{inv.job.output_dir}/{spec.job_id}/"
-        proc = subprocess.run(["rsync", "--archive", "--rsh", plan.shell(plan.ssh_argv(host)), src, str(dest)],
+        proc = subprocess.run(plan.fetch_argv(host, f"{inv.job.output_dir}/{spec.job_id}", str(dest)),
                               capture_output=True, text=True)
-        return "ok" if proc.returncode == 0 else proc.stderr.strip()[-200:]
+        return "ok" if proc.returncode == 0 else sanitize(proc.stderr.strip()[-200:])
     results = session.fan_out(one)
     return {h: (r if isinstance(r, str) else str(r)) for h, r in results.items()}
 

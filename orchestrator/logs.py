@@ -7,11 +7,31 @@ gone); only complete lines go to the terminal, each whole, so lines of different
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections import deque
 from pathlib import Path
 from typing import BinaryIO
+
+# What a host may not send to this terminal: C0 controls but tab and newline (ESC starts colour,
+# clear-screen, title and OSC-8 link sequences; CR and BS overwrite our prefix), DEL, and the C1
+# controls (U+0080-U+009F, two bytes in UTF-8), which some terminals also obey.
+_C0 = bytes(c for c in range(32) if c not in (9, 10)) + b"\x7f"
+_C1 = re.compile(rb"\xc2[\x80-\x9f]")
+_C_TEXT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def sanitize_bytes(data: bytes) -> bytes:
+    """Remote output made safe for a terminal: control bytes removed (the log file keeps them)."""
+    data = data.translate(None, _C0)
+    return _C1.sub(b"", data) if b"\xc2" in data else data
+
+
+def sanitize(text: str) -> str:
+    """Remote text (an error, a probe's output) made safe to print: control characters removed."""
+    return _C_TEXT.sub("", text)
+
 
 COLOURS = (36, 33, 35, 32, 34, 31, 96, 93)  # cyan, yellow, magenta, green, blue, red, bright...
 
@@ -58,7 +78,7 @@ class HostSink:
         self._partial = data[cut:]
         if not cut:
             return
-        block = data[:cut - 1]  # complete lines, without the last newline
+        block = sanitize_bytes(data[:cut - 1])  # complete lines, without the last newline
         self.tail.extend(block.rsplit(b"\n", self.tail.maxlen)[-self.tail.maxlen:])
         if self.mux.echo:
             # One C-level replace per chunk instead of a Python loop per line: the prefix is what
@@ -68,9 +88,10 @@ class HostSink:
 
     def close(self) -> None:
         if self._partial:
-            self.tail.append(self._partial)
+            partial = sanitize_bytes(self._partial)
+            self.tail.append(partial)
             if self.mux.echo:
-                self.mux.write(self.prefix + self._partial + b"\n")
+                self.mux.write(self.prefix + partial + b"\n")
             self._partial = b""
         self._file.close()
 

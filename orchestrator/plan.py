@@ -8,10 +8,11 @@ from __future__ import annotations
 import datetime as _dt
 import secrets as _secrets
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .inventory import Host, Inventory
+from .sshconf import SSH
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LABEL_MANAGED = "fabtrain.managed"
@@ -23,6 +24,8 @@ LABEL_HOST = "fabtrain.host"
 WORKDIR = "/workspace"
 OUTDIR = "/output"
 SECRETS_PATH = "/run/fabtrain/secrets.env"
+# rsync gives up when no data moves for this long (a frozen disk or link), however long the copy.
+RSYNC_IO_TIMEOUT = 60
 RSYNC_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs",
                   ".pytest_cache", "*.egg-info")
 
@@ -75,7 +78,7 @@ def device_args(host: Host) -> list[str]:
 def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
     """Environment of one node's container, in a stable order (inventory, host, then command line)."""
     env = [
-        ("MASTER_ADDR", inv.master.address),
+        ("MASTER_ADDR", inv.master.hostname),
         ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
         ("NNODES", str(len(inv.hosts))),
         ("NODE_RANK", str(host.rank)),
@@ -174,28 +177,61 @@ def status_argv(job_id: str | None = None) -> list[str]:
 
 
 def ssh_argv(host: Host) -> list[str]:
-    """The OpenSSH client command rsync uses to reach a host: same key, same host-key policy."""
-    argv = ["ssh", "-p", str(host.ssh.port),
+    """The OpenSSH client command rsync uses to reach a host (its target not included): built from
+    the same resolved settings as paramiko's connection (remote.connect_kwargs), so both reach the
+    same host with the same keys and the same trust."""
+    return ssh_options(host.ssh)
+
+
+def ssh_options(ssh: SSH) -> list[str]:
+    # -F none: every setting is here, already resolved from the user's ssh_config (sshconf), so
+    # OpenSSH must not apply that file a second time.
+    argv = ["ssh", "-F", "none", "-p", str(ssh.port), "-l", ssh.user,
             # Never prompt; a host whose key is unknown or changed is refused, not trusted.
             "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={host.ssh.known_hosts}",
-            "-o", f"ConnectTimeout={int(host.ssh.connect_timeout)}",
+            "-o", "UserKnownHostsFile=" + " ".join(_ssh_escape(k) for k in ssh.known_hosts),
+            "-o", f"ConnectTimeout={int(ssh.connect_timeout)}",
             # Notice a dead link during a long transfer instead of hanging.
-            "-o", f"ServerAliveInterval={int(host.ssh.keepalive)}", "-o", "ServerAliveCountMax=3"]
-    if host.ssh.key:
-        argv += ["-i", host.ssh.key, "-o", "IdentitiesOnly=yes"]
+            "-o", f"ServerAliveInterval={int(ssh.keepalive)}", "-o", "ServerAliveCountMax=3"]
+    for key in ssh.keys:
+        argv += ["-i", key]
+    if ssh.keys_only:
+        argv += ["-o", "IdentitiesOnly=yes"]
+    if ssh.jump:
+        # Each hop is dialled by its own ssh (same checks) through the hops before it; -W carries
+        # the stream on. '%' is ssh's token character, so it is doubled in the command.
+        *before, last = ssh.jump
+        proxy = [*ssh_options(replace(last, jump=tuple(before))), "-W", f"[{ssh.hostname}]:{ssh.port}",
+                 last.hostname]
+        argv += ["-o", "ProxyCommand=" + shell(proxy).replace("%", "%%")]
     return argv
+
+
+def _ssh_escape(path: str) -> str:
+    """A known_hosts path for ssh's option parser, which splits on spaces and honours quotes."""
+    return f'"{path}"' if " " in path else path
 
 
 def rsync_argv(host: Host, source: str, dest: str) -> list[str]:
     """Mirror the local tree `source` to `dest` on the host (same path on every host)."""
-    argv = ["rsync", "--archive", "--compress", "--delete", "--mkpath",
+    argv = ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
             "--rsh", shell(ssh_argv(host))]
     for pattern in RSYNC_EXCLUDES:
         argv += ["--exclude", pattern]
-    argv += [source.rstrip("/") + "/", f"{host.ssh.user}@{_rsync_host(host.address)}:{dest}/"]
+    argv += [source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
     return argv
 
 
-def _rsync_host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
+def rsync_remote(host: Host, path: str) -> str:
+    """rsync's HOST:PATH for a remote path (the user comes from ssh's -l)."""
+    address = host.ssh.hostname
+    return f"[{address}]:{path}" if ":" in address else f"{address}:{path}"
+
+
+def fetch_argv(host: Host, remote_dir: str, dest: str) -> list[str]:
+    """Copy a job's outputs from a host, safely: a host (or a container writing its outputs) may be
+    hostile, so no owners, groups, permissions bits beyond the umask (no setuid), devices or special
+    files are kept, and symlinks pointing outside the copied tree are skipped."""
+    return ["rsync", "--recursive", "--times", "--links", "--safe-links", f"--timeout={RSYNC_IO_TIMEOUT}",
+            "--rsh", shell(ssh_argv(host)),
+            rsync_remote(host, remote_dir.rstrip("/") + "/"), dest]

@@ -25,11 +25,12 @@ from pathlib import Path
 from . import plan
 from .inventory import Host, Inventory
 from .plan import shell
+from .logs import sanitize
 from .remote import HostKeyError, Session, describe
 
 OK, WARN, FAIL, NA, SKIP = "ok", "warn", "fail", "n/a", "skipped"
 CHECKS = ("ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
-          "shm", "disk", "code", "smoke")
+          "shm", "disk", "dirs", "code", "smoke")
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,31 @@ class Limits:
 
 # ---------------------------------------------------------------- phase 1: facts
 
+# Seconds a Docker command of the probe may take: a stuck engine answers SSH but never this. The
+# whole probe of a host is bounded by PROBE_TIMEOUT; a GPU container start gets longer.
+DOCKER_TIMEOUT = 8
+GPU_CONTAINER_TIMEOUT = 60
+PROBE_TIMEOUT = 30
+CLOCK_TIMEOUT = 10
+# Probe facts that need the Docker engine: skipped once it has not answered.
+DOCKER_FACTS = ("docker", "image", "runtime", "gpu_container")
+# Exit code of coreutils' timeout when it had to stop the command.
+TIMED_OUT = 124
+
+
 def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str]]:
     """The raw facts gathered on one host, as name -> argv (run in one script)."""
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+        # Can the SSH user create and write job.code_dir and job.output_dir? (sync and the job need to)
+        "dirs": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
+                 'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
+                 'else echo "denied $p $q $(stat -c %U "$q")"; fi; done', "sh",
+                 inv.job.code_dir, inv.job.output_dir],
         "addr": ["ip", "-o", "-4", "addr", "show"],
         "link": ["ip", "-o", "link", "show"],
-        "route": ["ip", "-o", "route", "get", inv.master.address],
+        "route": ["ip", "-o", "route", "get", inv.master.hostname],
         "shm": ["df", "-Pk", "/dev/shm"],
         # The nearest existing directory of each path: code_dir may not exist before the first sync.
         "disk": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
@@ -87,8 +105,21 @@ def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str
 
 
 def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
-    """One shell script printing each command's output between markers, with its exit code."""
-    parts = [f"echo {marker} {name}; {shell(argv)} 2>&1; echo {marker}rc $?" for name, argv in cmds.items()]
+    """One shell script printing each command's output between markers, with its exit code.
+
+    Docker commands run under `timeout`, and once the engine has not answered the rest of them are
+    not tried (exit 124 each), so a stuck engine costs DOCKER_TIMEOUT once and every other fact is
+    still gathered."""
+    parts = ["stuck=0"]
+    for name, argv in cmds.items():
+        if name in DOCKER_FACTS:
+            limit = GPU_CONTAINER_TIMEOUT if name == "gpu_container" else DOCKER_TIMEOUT
+            cmd = (f'if [ $stuck = 1 ]; then echo "engine did not answer"; (exit {TIMED_OUT}); else '
+                   f"{shell(['timeout', '-k', '2', str(limit), *argv])} 2>&1; fi; "
+                   f"rc=$?; [ $rc = {TIMED_OUT} ] && stuck=1")
+        else:
+            cmd = f"{shell(argv)} 2>&1; rc=$?"
+        parts.append(f"echo {marker} {name}; {cmd}; echo {marker}rc $rc")
     return "; ".join(parts)
 
 
@@ -123,17 +154,14 @@ def parse_links(text: str) -> dict[str, dict]:
 def measure_clock(session: Session, host: Host, samples: int = 7) -> tuple[float, float]:
     """(offset of the host's clock from ours, round trip) in seconds, from the sample with the
     lowest round trip over one already open channel, so the SSH handshake is not measured."""
-    chan = session.connection(host).transport.open_session(timeout=host.ssh.connect_timeout)
-    try:
-        chan.settimeout(10)
-        chan.exec_command("while read -r _; do date +%s.%N; done")
+    with session.command(host, "while read -r _; do date +%s.%N; done", CLOCK_TIMEOUT, "clock") as cmd:
         best = (float("inf"), 0.0)
         buf = b""
         for _ in range(samples):
             t0 = time.time()
-            chan.sendall(b"\n")
+            cmd.send(b"\n")
             while b"\n" not in buf:
-                data = chan.recv(256)
+                data = cmd.recv(256)
                 if not data:
                     raise ConnectionError("clock probe ended early")
                 buf += data
@@ -142,10 +170,8 @@ def measure_clock(session: Session, host: Host, samples: int = 7) -> tuple[float
             rtt = t1 - t0
             if rtt < best[0]:
                 best = (rtt, float(line) - (t0 + t1) / 2)
-        chan.shutdown_write()
+        cmd.close_stdin()
         return best[1], best[0]
-    finally:
-        chan.close()
 
 
 # ---------------------------------------------------------------- phase 2: judging
@@ -157,6 +183,8 @@ def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], im
     rc, text = facts.get("image", (1, ""))
     if rc == 0 and text.startswith("sha256:"):
         out.append(Check(n, "image", OK, f"{image} {text[7:19]}"))
+    elif rc == TIMED_OUT:
+        out.append(Check(n, "image", SKIP, "the Docker engine did not answer"))
     else:
         out.append(Check(n, "image", FAIL, f"{image} not present",
                          f"fab image.push --image {image} (or docker pull it on {n})"))
@@ -170,7 +198,27 @@ def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], im
         out.append(judge_port(inv, host, facts["port"]))
     out.append(judge_shm(inv, host, facts.get("shm", (1, "")), limits))
     out.append(judge_disk(inv, host, facts.get("disk", (1, "")), limits))
+    out.append(judge_dirs(host, facts.get("dirs", (1, ""))))
     return out
+
+
+def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
+    """job.code_dir and job.output_dir must exist or be creatable, and be writable, by the SSH user."""
+    n, user = host.name, host.ssh.user
+    rc, text = fact
+    denied = [line.split() for line in text.splitlines() if line.startswith("denied ")]
+    if rc != 0 or not text:
+        return Check(n, "dirs", WARN, f"could not check the job directories: {_last(text)}", "")
+    if not denied:
+        return Check(n, "dirs", OK, "code and output dirs writable by " + user)
+    parts = []
+    for fields in denied:
+        path, blocker, owner = fields[1], fields[2], fields[3] if len(fields) > 3 else "?"
+        parts.append(f"{path} ({'not writable' if blocker == path else f'cannot be created: {blocker} is owned by {owner}'})")
+    paths = " ".join(f[1] for f in denied)
+    return Check(n, "dirs", FAIL, f"{user} cannot write " + ", ".join(parts),
+                 f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
+                 f"job.output_dir to directories {user} owns)")
 
 
 def judge_docker(host: Host, facts) -> Check:
@@ -188,6 +236,10 @@ def judge_docker(host: Host, facts) -> Check:
             return Check(n, "docker", FAIL, f"{detail}, but /dev/kfd or /dev/dri is missing",
                          f"on {n}: install the ROCm kernel driver (amdgpu-dkms) and reboot")
         return Check(n, "docker", OK, detail)
+    if rc == TIMED_OUT:
+        return Check(n, "docker", FAIL, f"engine gave no answer within {DOCKER_TIMEOUT}s (docker version hangs)",
+                     f"on {n}: the Docker engine is stuck; restart it (sudo systemctl restart docker) "
+                     f"and check its disk (journalctl -u docker)")
     if "permission denied" in text.lower():
         return Check(n, "docker", FAIL, f"{host.ssh.user} may not use the Docker socket",
                      f"on {n}: sudo usermod -aG docker {host.ssh.user} (then log in again)")
@@ -213,6 +265,9 @@ def judge_gpus(host: Host, facts) -> Check:
                      f"set gpus.count: {count} for {n}, or find the missing GPUs ({tool})")
     rc, text = facts.get("gpu_container", (1, ""))
     seen = _last(text)
+    if rc == TIMED_OUT:
+        return Check(n, "gpus", FAIL, f"{count} x {model} on the host; a GPU container did not start in time "
+                     f"({seen})", f"on {n}: check the Docker engine and the container toolkit")
     if rc != 0 or not seen.isdigit():
         return Check(n, "gpus", FAIL, f"{count} x {model} on the host, but a container cannot use them: {seen}",
                      f"on {n}: check the container toolkit (docker run {' '.join(plan.device_args(host))} ...)")
@@ -225,12 +280,12 @@ def judge_gpus(host: Host, facts) -> Check:
 def judge_interface(inv: Inventory, host: Host, addrs: dict[str, list[str]], links: dict[str, dict]) -> Check:
     n, iface = host.name, host.interface
     if iface not in links:
-        hint = suggest_interface(inv.master.address, addrs)
-        fix = (f"set interface: {hint} for {n} (its subnet holds {inv.master.address})" if hint
+        hint = suggest_interface(inv.master.hostname, addrs)
+        fix = (f"set interface: {hint} for {n} (its subnet holds {inv.master.hostname})" if hint
                else f"set interface to one of: {', '.join(sorted(addrs))}")
         return Check(n, "interface", FAIL, f"no interface {iface!r}", fix)
     if iface == "lo" or iface.startswith(("docker", "br-", "veth", "virbr")):
-        hint = suggest_interface(inv.master.address, addrs)
+        hint = suggest_interface(inv.master.hostname, addrs)
         return Check(n, "interface", FAIL, f"{iface} is a loopback or container bridge, not a network card",
                      f"set interface: {hint or 'the NIC that links the hosts'} for {n}")
     if not links[iface]["up"]:
@@ -238,12 +293,12 @@ def judge_interface(inv: Inventory, host: Host, addrs: dict[str, list[str]], lin
     if iface not in addrs:
         return Check(n, "interface", FAIL, f"{iface} has no IPv4 address",
                      f"give {iface} an address, or pick another interface")
-    if host.rank == 0 and _is_ip(host.address) and not any(
-            ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.address) for c in addrs[iface]):
+    if host.rank == 0 and _is_ip(host.hostname) and not any(
+            ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.hostname) for c in addrs[iface]):
         owner = next((i for i, cs in addrs.items() for c in cs
-                      if ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.address)), None)
+                      if ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.hostname)), None)
         return Check(n, "interface", FAIL,
-                     f"MASTER_ADDR {host.address} is not on {iface} ({', '.join(addrs[iface])})",
+                     f"MASTER_ADDR {host.hostname} is not on {iface} ({', '.join(addrs[iface])})",
                      f"set interface: {owner} for {n}" if owner else
                      f"use an address of {iface} as rank 0's address")
     return Check(n, "interface", OK, f"{iface} {addrs[iface][0]} mtu {links[iface]['mtu']}")
@@ -257,12 +312,12 @@ def judge_route(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
     rc, text = fact
     m = re.search(r"\bdev (\S+)", text)
     if rc != 0 or not m:
-        return Check(n, "route", FAIL, f"no route to MASTER_ADDR {inv.master.address}: {_last(text)}",
-                     f"on {n}: add a route to {inv.master.address} via {host.interface}")
+        return Check(n, "route", FAIL, f"no route to MASTER_ADDR {inv.master.hostname}: {_last(text)}",
+                     f"on {n}: add a route to {inv.master.hostname} via {host.interface}")
     if m.group(1) != host.interface and not m.group(1) == "lo":
-        return Check(n, "route", FAIL, f"{inv.master.address} is reached via {m.group(1)}, not {host.interface}",
-                     f"set interface: {m.group(1)} for {n}, or route {inv.master.address} via {host.interface}")
-    return Check(n, "route", OK, f"to {inv.master.address} via {m.group(1)}")
+        return Check(n, "route", FAIL, f"{inv.master.hostname} is reached via {m.group(1)}, not {host.interface}",
+                     f"set interface: {m.group(1)} for {n}, or route {inv.master.hostname} via {host.interface}")
+    return Check(n, "route", OK, f"to {inv.master.hostname} via {m.group(1)}")
 
 
 def judge_port(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
@@ -431,33 +486,36 @@ def reachability(session: Session, inv: Inventory, sources: dict[str, str], time
     """Open a listener on rank 0's master port for a few seconds; connect from each worker's own
     interface address. A dropped SYN (firewall) times out; a rejected one is refused."""
     master, port = inv.master, inv.job.master_port
-    chan = session.connection(master).transport.open_session(timeout=master.ssh.connect_timeout)
-    chan.settimeout(timeout + 10)
-    chan.exec_command(shell(["python3", "-c", LISTENER, str(port), str(timeout + 10)]))
-    ready = b""
-    while b"listening" not in ready:
-        data = chan.recv(1024)
-        if not data:
-            chan.close()
-            return [Check(master.name, "reach", FAIL, "could not open a test listener on the master port",
-                          f"check python3 and port {port} on {master.name}")]
-        ready += data
+    with session.command(master, shell(["python3", "-c", LISTENER, str(port), str(timeout + 10)]),
+                         timeout + 15, "test listener") as listener:
+        ready = b""
+        while b"listening" not in ready:
+            data = listener.recv(1024)
+            if not data:
+                return [Check(master.name, "reach", FAIL, "could not open a test listener on the master port",
+                              f"check python3 and port {port} on {master.name}")]
+            ready += data
+        return _connect_workers(session, inv, sources, listener, timeout)
+
+
+def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], listener, timeout: float
+                     ) -> list[Check]:
+    master, port = inv.master, inv.job.master_port
 
     def connect(host: Host) -> Check:
         src = sources.get(host.name, "0.0.0.0")
-        r = session.run(host, shell(["python3", "-c", CONNECT, src, master.address, str(port), str(timeout)]),
+        r = session.run(host, shell(["python3", "-c", CONNECT, src, master.hostname, str(port), str(timeout)]),
                         timeout=timeout + 10)
         if r.ok:
-            return Check(host.name, "reach", OK, f"{master.address}:{port} from {src}")
+            return Check(host.name, "reach", OK, f"{master.hostname}:{port} from {src}")
         return Check(host.name, "reach", FAIL,
-                     f"cannot reach {master.name} {master.address}:{port} from {src}: {_last(r.stdout + r.stderr)}",
+                     f"cannot reach {master.name} {master.hostname}:{port} from {src}: {_last(r.stdout + r.stderr)}",
                      f"open TCP {port} on {master.name} for {src} (firewall: iptables/nftables/ufw), "
                      f"and check the route between the hosts")
     workers = tuple(h for h in inv.hosts if h.rank > 0 and h.name in sources)
     results = session.fan_out(connect, workers)
-    chan.shutdown_write()  # the listener exits on EOF; wait for it so the port is free again
-    chan.recv_exit_status()
-    chan.close()
+    listener.close_stdin()  # the listener exits on EOF; wait for it so the port is free again
+    listener.exit_status()
     out = [Check(master.name, "reach", OK, f"listening on {port}")]
     for h in workers:
         r = results[h.name]
@@ -481,7 +539,9 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
             except BaseException as exc:  # noqa: BLE001 - reported as the host's ssh check
                 return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))], {}
             connect = time.monotonic() - start
-            res = session.run(host, probe_script(probe_commands(inv, host, img), marker), timeout=60)
+            cmds = probe_commands(inv, host, img)
+            res = session.run(host, probe_script(cmds, marker), what="preflight probe",
+                              timeout=PROBE_TIMEOUT + (GPU_CONTAINER_TIMEOUT if "gpu_container" in cmds else 0))
             facts = parse_probe(res.stdout, marker)
             offset, rtt = measure_clock(session, host)
             checks = [Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")]
@@ -574,7 +634,8 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
 def _ssh_fix(host: Host, exc: BaseException) -> str:
     if isinstance(exc, HostKeyError) or "host key" in str(exc):
         return "compare the fingerprint with the host's own, then add it to known_hosts (see detail)"
-    return f"check that {host.address}:{host.ssh.port} runs sshd and accepts the key {host.ssh.key or '(agent)'}"
+    return (f"check that {host.ssh.hostname}:{host.ssh.port} runs sshd and accepts the key "
+            f"{host.ssh.key or '(agent)'}")
 
 
 def failed(checks: list[Check], strict: bool = False) -> list[Check]:
@@ -587,6 +648,7 @@ def to_json(checks: list[Check], strict: bool = False) -> str:
 
 
 def render(checks: list[Check], console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     hosts = list(dict.fromkeys(c.host for c in checks))
@@ -601,11 +663,11 @@ def render(checks: list[Check], console) -> None:
         cells = []
         for h in hosts:
             c = by.get((h, name))
-            cells.append(f"[{style[c.status]}]{c.status}[/] {c.detail[:60]}" if c else "[dim]-[/]")
+            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(sanitize(c.detail[:60]))}" if c else "[dim]-[/]")
         table.add_row(name, *cells)
     console.print(table)
     for c in checks:
         if c.status in (FAIL, WARN):
             colour = "red" if c.status == FAIL else "yellow"
-            console.print(f"[{colour}]{c.status.upper()}[/] {c.host} {c.check}: {c.detail}"
-                          + (f"\n      fix: {c.fix}" if c.fix else ""), highlight=False, soft_wrap=True)
+            console.print(f"[{colour}]{c.status.upper()}[/] {c.host} {c.check}: {escape(sanitize(c.detail))}"
+                          + (f"\n      fix: {escape(sanitize(c.fix))}" if c.fix else ""), highlight=False, soft_wrap=True)

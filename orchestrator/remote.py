@@ -20,6 +20,7 @@ from fabric import Config, Connection
 
 from .errors import UserError
 from .inventory import Host
+from .sshconf import SSH
 
 T = TypeVar("T")
 
@@ -32,20 +33,29 @@ class HostKeyError(UserError):
     pass
 
 
+class CommandTimedOut(UserError):
+    """A remote step that did not finish within its deadline (a stuck engine, disk or script)."""
+
+    def __init__(self, host: Host, what: str, seconds: float) -> None:
+        super().__init__(f"{host.name}: no answer within {seconds:g}s ({what}); the host answers SSH "
+                         f"but the command hangs: check its Docker engine and disks")
+        self.host, self.what, self.seconds = host, what, seconds
+
+
 class _RejectUnknown(paramiko.MissingHostKeyPolicy):
     """Refuse a host missing from known_hosts, keeping its fingerprint for the error message."""
 
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    def __init__(self, label: str, ssh: SSH) -> None:
+        self.label, self.ssh = label, ssh
 
     def missing_host_key(self, client, hostname, key) -> None:  # noqa: ANN001 - paramiko's signature
         fp = key.fingerprint  # e.g. SHA256:abc...
         raise HostKeyError(
-            f"{self.host.name} ({hostname}): host key unknown ({key.get_name()} {fp}), not in "
-            f"{self.host.ssh.known_hosts}. Check that fingerprint on the host "
+            f"{self.label} ({hostname}): host key unknown ({key.get_name()} {fp}), not in "
+            f"{', '.join(self.ssh.known_hosts)}. Check that fingerprint on the host "
             f"(ssh-keygen -lf /etc/ssh/ssh_host_{key.get_name().split('-')[-1]}_key.pub), then accept "
-            f"it deliberately: ssh-keyscan -p {self.host.ssh.port} {self.host.address} "
-            f">> {self.host.ssh.known_hosts}")
+            f"it deliberately: ssh-keyscan -p {self.ssh.port} {self.ssh.hostname} "
+            f">> {self.ssh.known_hosts_file}")
 
 
 @dataclass
@@ -62,23 +72,101 @@ class Result:
 
 def describe(host: Host, exc: BaseException) -> str:
     """One line saying why a host could not be reached or a command failed, with the fix."""
-    where = f"{host.name} ({host.ssh.user}@{host.address}:{host.ssh.port})"
+    where = f"{host.name} ({host.ssh.where()}{' via ' + ','.join(j.hostname for j in host.ssh.jump) if host.ssh.jump else ''})"
     if isinstance(exc, UserError):
         return str(exc)
+    if isinstance(exc, paramiko.PasswordRequiredException):
+        keys = " ".join(host.ssh.keys) or "your key"
+        return (f"{where}: the key {keys} is encrypted and no ssh-agent holds it; fabtrain never asks "
+                f"for passphrases: run 'eval $(ssh-agent); ssh-add {keys}' first")
     if isinstance(exc, paramiko.BadHostKeyException):
         return (f"{where}: host key CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}). "
                 f"This may be an attack or a reinstalled host; if you know it was reinstalled, "
-                f"remove its line from {host.ssh.known_hosts} and accept the new key deliberately")
+                f"remove its line from {host.ssh.known_hosts_file} and accept the new key deliberately")
     if isinstance(exc, paramiko.AuthenticationException):
         return (f"{where}: SSH key authentication failed; install the public key of "
                 f"{host.ssh.key or 'your agent'} in ~{host.ssh.user}/.ssh/authorized_keys there")
+    if isinstance(exc, paramiko.ChannelException):
+        return (f"{where}: the jump host could not open a connection to {host.ssh.hostname}:"
+                f"{host.ssh.port} ({exc.text}); check the address as the jump host sees it")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return f"{where}: no answer within {host.ssh.connect_timeout:g}s; is the host up and sshd running?"
     if isinstance(exc, (ConnectionRefusedError, paramiko.ssh_exception.NoValidConnectionsError)):
         return f"{where}: connection refused; start sshd there or fix ssh.port in the inventory"
+    if isinstance(exc, socket.gaierror):
+        return (f"{where}: cannot resolve {host.ssh.hostname}; check the address, or the Host entry in "
+                f"your ssh_config")
     if isinstance(exc, OSError):
         return f"{where}: cannot connect: {exc.strerror or exc}; check the address and the network"
     return f"{where}: {type(exc).__name__}: {exc}"
+
+
+class Command:
+    """One remote command on an open connection, bounded by a deadline.
+
+    This is the one deadline mechanism for everything that talks to a host: when the deadline
+    passes, the channel is closed, which wakes every call blocked on it (exec, send, recv, exit
+    status) and the block raises CommandTimedOut naming the host. timeout=None is for log
+    following only, whose liveness the keepalive watcher bounds instead.
+    """
+
+    def __init__(self, session: "Session", host: Host, command: str, timeout: float | None,
+                 what: str = "") -> None:
+        self.session, self.host, self.command, self.timeout = session, host, command, timeout
+        self.what = what or command[:60]
+        self.expired = False
+        self.chan: paramiko.Channel | None = None
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> "Command":
+        start = time.monotonic()
+        conn = self.session.connection(self.host)
+        if self.timeout is not None:
+            left = self.timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise CommandTimedOut(self.host, self.what, self.timeout)
+            self._timer = threading.Timer(left, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+        try:
+            self.chan = conn.transport.open_session(timeout=self.host.ssh.connect_timeout)
+            if self.expired:
+                self.chan.close()
+            self.chan.exec_command(self.command)
+        except BaseException as exc:
+            self._cancel()
+            if self.expired:
+                raise CommandTimedOut(self.host, self.what, self.timeout) from exc
+            raise
+        return self
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.chan is not None:
+            self.chan.close()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def __exit__(self, kind, exc, tb) -> None:  # noqa: ANN001
+        self._cancel()
+        if self.chan is not None:
+            self.chan.close()
+        if self.expired:
+            raise CommandTimedOut(self.host, self.what, self.timeout) from exc
+
+    def recv(self, n: int = 1 << 16) -> bytes:
+        return self.chan.recv(n)
+
+    def send(self, data: bytes) -> None:
+        self.chan.sendall(data)
+
+    def close_stdin(self) -> None:
+        self.chan.shutdown_write()
+
+    def exit_status(self) -> int:
+        return self.chan.recv_exit_status()
 
 
 class Session:
@@ -114,45 +202,40 @@ class Session:
                 out[name] = exc
         return out
 
-    def run(self, host: Host, command: str, timeout: float | None = 60, stdin: bytes | None = None
-            ) -> Result:
-        """Run one command string (already quoted once, see plan.shell) and capture its output."""
-        conn = self.connection(host)
+    def command(self, host: Host, command: str, timeout: float | None, what: str = "") -> Command:
+        """A remote command with a deadline, for callers that talk to it (see Command)."""
+        return Command(self, host, command, timeout, what)
+
+    def run(self, host: Host, command: str, timeout: float = 60, stdin: bytes | None = None,
+            what: str = "") -> Result:
+        """Run one command string (already quoted once, see plan.shell) and capture its output;
+        CommandTimedOut if it has not finished within `timeout` seconds."""
         start = time.monotonic()
-        chan = conn.transport.open_session(timeout=host.ssh.connect_timeout)
-        try:
-            chan.settimeout(timeout)
-            chan.exec_command(command)
+        with self.command(host, command, timeout, what) as cmd:
             if stdin is not None:
-                chan.sendall(stdin)
-                chan.shutdown_write()
-            out, err = _drain(chan)
-            code = chan.recv_exit_status()
-        finally:
-            chan.close()
+                cmd.send(stdin)
+                cmd.close_stdin()
+            out, err = _drain(cmd.chan)
+            code = cmd.exit_status()
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code,
                       time.monotonic() - start)
 
     def stream(self, host: Host, command: str, on_data: Callable[[bytes], None],
-               chunk: int = 1 << 16) -> int:
+               chunk: int = 1 << 16, timeout: float | None = None) -> int:
         """Run a command, passing its combined stdout/stderr to on_data as it arrives; exit code."""
-        conn = self.connection(host)
-        chan = conn.transport.open_session(timeout=host.ssh.connect_timeout)
-        try:
-            chan.set_combine_stderr(True)
-            chan.exec_command(command)
+        with self.command(host, command, timeout) as cmd:
+            cmd.chan.set_combine_stderr(True)
             while True:
-                data = chan.recv(chunk)
+                data = cmd.recv(chunk)
                 if not data:
                     break
                 on_data(data)
-            return chan.recv_exit_status()
-        finally:
-            chan.close()
+            return cmd.exit_status()
 
-    def put(self, host: Host, data: bytes, path: str, mode: int = 0o600) -> None:
+    def put(self, host: Host, data: bytes, path: str, mode: int = 0o600, timeout: float = 30) -> None:
         """Write bytes to a remote file over SFTP, created with `mode` (no command line involved)."""
         sftp = self.connection(host).client.open_sftp()
+        sftp.get_channel().settimeout(timeout)
         try:
             with sftp.open(path, "wb") as fh:
                 fh.chmod(mode)
@@ -169,6 +252,8 @@ class Session:
         for conn in list(self._conns.values()):
             try:
                 conn.close()
+                for gateway in getattr(conn, "_fabtrain_gateways", ()):
+                    gateway.close()
             except Exception:  # noqa: BLE001 - closing a dead link must not mask the real error
                 pass
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -201,19 +286,49 @@ def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
     return out.getvalue(), err.getvalue()
 
 
-def _connect(host: Host) -> Connection:
-    config = Config(overrides={"load_ssh_configs": False})
-    kwargs: dict = {"banner_timeout": host.ssh.connect_timeout, "auth_timeout": host.ssh.connect_timeout}
-    if host.ssh.key:
-        kwargs.update(key_filename=host.ssh.key, look_for_keys=False, allow_agent=False)
-    conn = Connection(host.address, user=host.ssh.user, port=host.ssh.port, config=config,
-                      connect_timeout=host.ssh.connect_timeout, connect_kwargs=kwargs)
-    conn.client.set_missing_host_key_policy(_RejectUnknown(host))
-    try:
-        conn.client.load_host_keys(host.ssh.known_hosts)
-    except FileNotFoundError:
-        pass  # every key is then unknown, and the policy's error names the file
+def connect_kwargs(ssh: SSH) -> dict:
+    """What paramiko is given for one hop: the same keys as plan.ssh_argv gives OpenSSH."""
+    kwargs: dict = {"banner_timeout": ssh.connect_timeout, "auth_timeout": ssh.connect_timeout,
+                    # The agent is always asked too, so a passphrase-protected key loaded there works.
+                    "allow_agent": True, "look_for_keys": not ssh.keys}
+    if ssh.keys:
+        kwargs["key_filename"] = list(ssh.keys)
+    return kwargs
+
+
+def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a paramiko Channel
+    """One connected hop, its host key checked against its known_hosts files."""
+    conn = Connection(ssh.hostname, user=ssh.user, port=ssh.port,
+                      config=Config(overrides={"load_ssh_configs": False}),
+                      connect_timeout=ssh.connect_timeout,
+                      connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
+    conn.client.set_missing_host_key_policy(_RejectUnknown(label, ssh))
+    for path in ssh.known_hosts:
+        try:
+            conn.client.load_host_keys(path)
+        except FileNotFoundError:
+            pass  # every key is then unknown, and the policy's error names the file
     conn.open()
+    return conn
+
+
+def _connect(host: Host) -> Connection:
+    """Connect through the host's jump hosts (each checked like the host itself), then to it."""
+    gateways: list[Connection] = []
+    sock = None
+    hops = (*host.ssh.jump, host.ssh)
+    try:
+        for i, hop in enumerate(hops[:-1]):
+            gateways.append(_open(hop, f"jump host {hop.hostname} (for {host.name})", sock))
+            nxt = hops[i + 1]
+            sock = gateways[-1].transport.open_channel("direct-tcpip", (nxt.hostname, nxt.port), ("", 0),
+                                                       timeout=hop.connect_timeout)
+        conn = _open(host.ssh, host.name, sock)
+    except BaseException:
+        for g in gateways:
+            g.close()
+        raise
+    conn._fabtrain_gateways = gateways
     conn.transport.set_keepalive(int(host.ssh.keepalive))
     conn._fabtrain_alive = time.monotonic()
     threading.Thread(target=_heartbeat, args=(conn, host.ssh.keepalive), daemon=True,

@@ -81,12 +81,12 @@ def test_hostile_values_are_quoted_once():
 def test_rsync_argv():
     h = INV.hosts[1]
     assert plan.rsync_argv(h, "/src/proj/", "/opt/code") == [
-        "rsync", "--archive", "--compress", "--delete", "--mkpath", "--rsh",
-        "ssh -p 22 -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
+        "rsync", "--archive", "--compress", "--delete", "--mkpath", "--timeout=60", "--rsh",
+        "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes",
         "--exclude", ".git", "--exclude", "__pycache__", "--exclude", "*.pyc", "--exclude", ".venv",
         "--exclude", ".cache", "--exclude", ".cluster", "--exclude", "runs", "--exclude", ".pytest_cache",
-        "--exclude", "*.egg-info", "/src/proj/", "u@10.0.0.2:/opt/code/"]
+        "--exclude", "*.egg-info", "/src/proj/", "10.0.0.2:/opt/code/"]
 
 
 def test_stop_script_by_label_with_grace():

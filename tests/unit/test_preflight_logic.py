@@ -1,3 +1,5 @@
+import subprocess
+import time
 from pathlib import Path
 
 from orchestrator import preflight as pf
@@ -16,9 +18,30 @@ LINK = ("1: lo: <LOOPBACK,UP,LOWER_UP> mtu 65536 qdisc noqueue state UNKNOWN\n"
 def test_probe_script_round_trip():
     cmds = {"one": ["echo", "a b"], "two": ["sh", "-c", "echo x; exit 3"]}
     script = pf.probe_script(cmds, "@@m")
-    assert script == "echo @@m one; echo 'a b' 2>&1; echo @@mrc $?; echo @@m two; sh -c 'echo x; exit 3' 2>&1; echo @@mrc $?"
-    out = "@@m one\na b\n@@mrc 0\n@@m two\nx\n@@mrc 3\n"
+    assert script == ("stuck=0; echo @@m one; echo 'a b' 2>&1; rc=$?; echo @@mrc $rc; "
+                      "echo @@m two; sh -c 'echo x; exit 3' 2>&1; rc=$?; echo @@mrc $rc")
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True).stdout
     assert pf.parse_probe(out, "@@m") == {"one": (0, "a b"), "two": (3, "x")}
+
+
+def test_probe_script_skips_docker_once_the_engine_hangs(tmp_path):
+    # A stand-in `docker` on PATH that hangs like a frozen engine: the first Docker fact times out
+    # (exit 124), the others are not tried, and the facts after them are still gathered.
+    fake = tmp_path / "docker"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o755)
+    cmds = {"docker": ["docker", "version"], "image": ["docker", "image", "inspect", "x"], "after": ["echo", "ok"]}
+    script = pf.probe_script(cmds, "@@m").replace(f"timeout -k 2 {pf.DOCKER_TIMEOUT} ", "timeout -k 1 1 ")
+    start = time.monotonic()
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin"}).stdout
+    assert time.monotonic() - start < 5
+    facts = pf.parse_probe(out, "@@m")
+    assert facts == {"docker": (124, ""), "image": (124, "engine did not answer"), "after": (0, "ok")}
+    assert pf.judge_docker(INV.hosts[0], facts) == pf.Check(
+        "a", "docker", "fail", f"engine gave no answer within {pf.DOCKER_TIMEOUT}s (docker version hangs)",
+        "on a: the Docker engine is stuck; restart it (sudo systemctl restart docker) and check its disk "
+        "(journalctl -u docker)")
 
 
 def test_parse_links_and_addrs():
