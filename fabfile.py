@@ -21,7 +21,8 @@ from orchestrator import images as _images
 from orchestrator import launch, plan
 from orchestrator import preflight as _preflight
 from orchestrator.errors import UserError
-from orchestrator.remote import Session
+from orchestrator.logs import sanitize
+from orchestrator.remote import CommandTimedOut, Session, describe
 
 DEFAULT_INVENTORY = "inventory.yaml"
 RUNS = Path("runs")
@@ -36,7 +37,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {sanitize(str(exc))}", file=sys.stderr)
             raise Exit(code=exc.exit_code) from None
     return wrapper
 
@@ -142,7 +143,8 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
             "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
 @user_errors
 def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
-    """Stop and remove this project's containers on every host, found by label. Safe to repeat."""
+    """Stop and remove this project's containers on every host, found by label. Safe to repeat.
+    A host whose engine does not answer within grace + 15 s is named; the others are still served."""
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
     with Session(inv.hosts) as session:
@@ -152,7 +154,7 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
         r = results[host.name]
         if isinstance(r, BaseException) or not r.ok:
             failed.append(host.name)
-            why = r if isinstance(r, BaseException) else r.stderr.strip()
+            why = describe(host, r) if isinstance(r, BaseException) else sanitize(r.stderr.strip())
             print(f"{host.name}: could not stop: {why}", file=sys.stderr)
         else:
             n = len(r.stdout.split())
@@ -164,22 +166,33 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
 @task(help={"inventory": INV_HELP})
 @user_errors
 def status(c, inventory=DEFAULT_INVENTORY):
-    """List this project's containers (job, rank, state) on every host."""
+    """List this project's containers (job, rank, state) on every host. A host that does not answer
+    within 10 s (SSH down, or a stuck Docker engine) is named; exits non-zero then."""
     from rich.table import Table
+    from rich.text import Text
     inv = _inventory.load(inventory)
     with Session(inv.hosts) as session:
-        results = session.fan_out(lambda h: session.run(h, plan.shell(plan.status_argv()), timeout=20))
+        results = session.fan_out(lambda h: session.run(h, plan.shell(plan.status_argv()), timeout=launch.STATUS_TIMEOUT,
+                                                        what="docker ps"))
     table = Table(title="fabtrain containers")
     for col in ("host", "job", "rank", "container", "state", "status"):
         table.add_column(col)
+    bad = []
     for host in inv.hosts:
         r = results[host.name]
-        if isinstance(r, BaseException):
-            table.add_row(host.name, "-", "-", "-", "[red]unreachable[/]", str(r)[:80])
+        if isinstance(r, BaseException) or not r.ok:
+            bad.append(describe(host, r) if isinstance(r, BaseException) else
+                       f"{host.name}: docker ps failed: {sanitize(r.stderr.strip())[-200:]}")
+            state = "stuck" if isinstance(r, CommandTimedOut) else "unreachable" if isinstance(r, BaseException) else "error"
+            table.add_row(host.name, "-", "-", "-", Text(state, style="red"), Text(bad[-1][:80]))
             continue
         for line in r.stdout.splitlines():
-            table.add_row(host.name, *line.split("\t"))
+            table.add_row(host.name, *(Text(sanitize(f)) for f in line.split("\t")))
+        if not r.stdout.strip():
+            table.add_row(host.name, "-", "-", "-", Text("none", style="dim"), "no fabtrain containers")
     console.print(table)
+    if bad:
+        raise UserError("\n".join(bad))
 
 
 @task(help={"inventory": INV_HELP, "job": "job id (default: the one running)"})
@@ -195,6 +208,9 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None):
             if len(jobs) > 1:
                 raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
             job = next(iter(jobs))
+        if not plan.valid_job_id(job):
+            raise UserError(f"job id {sanitize(job)!r} (from a container label) is not a fabtrain job id; "
+                            "refusing to use it as a local path. Pass --job with the right id")
         spec = plan.JobSpec(job_id=job, script="")
         try:
             result = launch.watch(session, inv, spec, RUNS / job / "attach")

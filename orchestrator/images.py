@@ -73,15 +73,21 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, pr
     return [results[h.name] for h in hosts]
 
 
+# A push may take as long as the image needs at PUSH_MIN_RATE bytes/s, plus a margin; a host that
+# stops taking data for longer is named as failed and the others go on.
+PUSH_MIN_RATE = 2e6
+PUSH_MARGIN = 120
+
+
 def _stream(session: Session, image: str, size: int, targets: list[Host], progress) -> list[PushResult]:
-    """Tee one `docker save` into a `docker load` channel per host."""
-    chans = {}
+    """Tee one `docker save` into a `docker load` per host, each bounded by the push deadline."""
+    cmds = {}
     failed: dict[str, str] = {}
+    deadline = PUSH_MARGIN + size / PUSH_MIN_RATE
     for h in targets:
         try:
-            chan = session.connection(h).transport.open_session(timeout=h.ssh.connect_timeout)
-            chan.exec_command(plan.shell(["docker", "load", "--quiet"]))
-            chans[h.name] = chan
+            cmd = session.command(h, plan.shell(["docker", "load", "--quiet"]), deadline, "docker load")
+            cmds[h.name] = cmd.__enter__()
         except Exception as exc:  # noqa: BLE001 - this host fails, the others go on
             failed[h.name] = describe(h, exc)
     task = progress.add_task(f"push {image}", total=size) if progress else None
@@ -89,18 +95,17 @@ def _stream(session: Session, image: str, size: int, targets: list[Host], progre
     sent = 0
     save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
     try:
-        while chans:
+        while len(failed) < len(targets):
             chunk = save.stdout.read(CHUNK)
             if not chunk:
                 break
             sent += len(chunk)
             # Every host gets each chunk before the next is read: one save, N loads, in step, on the
             # session's own worker threads.
-            live = tuple(h for h in targets if h.name in chans)
-            for name, res in session.fan_out(lambda h: chans[h.name].sendall(chunk), live).items():
+            live = tuple(h for h in targets if h.name not in failed)
+            for name, res in session.fan_out(lambda h: cmds[h.name].send(chunk), live).items():
                 if isinstance(res, BaseException):
                     failed[name] = f"{name}: transfer failed: {res}"
-                    chans.pop(name, None)
             if progress:
                 progress.update(task, completed=min(sent, size or sent))
     finally:
@@ -108,18 +113,22 @@ def _stream(session: Session, image: str, size: int, targets: list[Host], progre
         save.wait()
     out = []
     for h in targets:
+        cmd = cmds.get(h.name)
+        try:
+            if h.name not in failed:
+                cmd.close_stdin()
+                code = cmd.exit_status()
+                err = b""
+                while cmd.chan.recv_stderr_ready():
+                    err += cmd.chan.recv_stderr(65536)
+            if cmd is not None:
+                cmd.__exit__(None, None, None)
+        except Exception as exc:  # noqa: BLE001 - e.g. the deadline passed on this host
+            failed[h.name] = describe(h, exc)
         if h.name in failed:
             out.append(PushResult(h.name, "failed", detail=failed[h.name]))
-            continue
-        chan = chans[h.name]
-        chan.shutdown_write()
-        code = chan.recv_exit_status()
-        err = b""
-        while chan.recv_stderr_ready():
-            err += chan.recv_stderr(65536)
-        chan.close()
-        if code != 0 or save.returncode != 0:
-            out.append(PushResult(h.name, "failed", detail=f"docker load exited {code}: {err.decode()[-300:]}"))
+        elif code != 0 or save.returncode != 0:
+            out.append(PushResult(h.name, "failed", detail=f"docker load exited {code}: {err.decode(errors='replace')[-300:]}"))
         else:
             out.append(PushResult(h.name, "sent", time.monotonic() - start, sent))
     return out

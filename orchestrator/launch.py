@@ -23,6 +23,11 @@ from .logs import Multiplexer, missing_output, sanitize
 from .remote import Session, describe
 
 PROJECT_ROOT = plan.PROJECT_ROOT
+# Deadlines of the remote steps, seconds (the preflight's are in preflight.py). A host that passes
+# one is named as stuck; the other hosts are still served.
+STATUS_TIMEOUT = 10
+START_TIMEOUT = 120  # docker run: may create the output directory and start a large image
+STOP_MARGIN = 15     # beyond the stop grace period
 
 
 # ---------------------------------------------------------------- sync
@@ -102,7 +107,7 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
 def running_jobs(session: Session) -> dict[str, list[str]]:
     """job id -> hosts where a container of it is running."""
     argv = plan.status_argv()
-    results = session.fan_out(lambda h: session.run(h, plan.shell(argv), timeout=20))
+    results = session.fan_out(lambda h: session.run(h, plan.shell(argv), timeout=STATUS_TIMEOUT, what="docker ps"))
     jobs: dict[str, list[str]] = {}
     for host in session.hosts:
         r = results[host.name]
@@ -129,7 +134,8 @@ def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None
         body.append(f"{name}={value}\n")
     data = "".join(body).encode()
     target = plan.secrets_file(inv, spec)
-    results = session.fan_out(lambda h: (session.run(h, plan.shell(["mkdir", "-p", "-m", "700", target.rsplit("/", 1)[0]])),
+    results = session.fan_out(lambda h: (session.run(h, plan.shell(["mkdir", "-p", "-m", "700", target.rsplit("/", 1)[0]]),
+                                                     timeout=STATUS_TIMEOUT),
                                          session.put(h, data, target, 0o600)))
     _raise_any(session, results, "writing the secrets file")
 
@@ -155,7 +161,7 @@ def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
     def one(host: Host) -> None:
         script = (f"{plan.shell(plan.prepare_dirs_argv(inv, spec))} && "
                   f"{plan.shell(plan.docker_run_argv(inv, host, spec, secret))} >/dev/null")
-        r = session.run(host, script, timeout=120)
+        r = session.run(host, script, timeout=START_TIMEOUT, what="docker run")
         if not r.ok:
             raise UserError(f"{host.name} (rank {host.rank}): docker run failed (exit {r.exited}): "
                             f"{r.stderr.strip()[-500:]}")
@@ -166,7 +172,8 @@ def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
 def stop(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> dict:
     """Stop and remove the job's (or every project) container on each host: host -> Result or error."""
     script = plan.stop_script(job_id, grace)
-    return session.fan_out(lambda h: session.run(h, script, timeout=grace + 30), hosts)
+    return session.fan_out(lambda h: session.run(h, script, timeout=grace + STOP_MARGIN, what="stopping containers"),
+                           hosts)
 
 
 def teardown(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> float:
@@ -356,7 +363,8 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
         # Logs and outputs are on this machine now; nothing of the job stays behind on the hosts.
         teardown(session, spec.job_id, 0)
         if inv.job.secret_files:
-            session.fan_out(lambda h: session.run(h, plan.shell(["rm", "-f", plan.secrets_file(inv, spec)])))
+            session.fan_out(lambda h: session.run(h, plan.shell(["rm", "-f", plan.secrets_file(inv, spec)]),
+                                                  timeout=STATUS_TIMEOUT))
     return result
 
 
@@ -373,7 +381,7 @@ def explain(result: JobResult) -> UserError | None:
     why = o.error or f"exited with code {o.exit_code}{worker_failure(o.tail)}"
     torn = (f"; the other nodes were stopped in {result.teardown_seconds:.1f}s"
             if result.teardown_seconds is not None else "")
-    tail = "\n".join("    " + line for line in o.tail.splitlines()[-20:])
+    tail = "\n".join("    " + line for line in sanitize(o.tail).splitlines()[-20:])
     return UserError(f"job {result.job_id} failed: {o.host.name} (node rank {o.host.rank}) {why}{torn}.\n"
                      f"  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}")
 

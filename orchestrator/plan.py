@@ -6,6 +6,7 @@ shlex.join. Nothing here touches the network, so a plan can be printed (dry run)
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import secrets as _secrets
 import shlex
 from dataclasses import dataclass, replace
@@ -49,6 +50,14 @@ class JobSpec:
 def new_job_id(name: str = "job") -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{name}-{stamp}-{_secrets.token_hex(2)}"
+
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def valid_job_id(job_id: str) -> bool:
+    """A job id that is safe as a local directory name (it may come from a remote label)."""
+    return bool(JOB_ID_RE.match(job_id)) and ".." not in job_id
 
 
 def shell(argv: list[str] | tuple[str, ...]) -> str:
