@@ -194,7 +194,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
 
 def render_inventory(nodes: list[NodeInfo], key: Path, known_hosts: Path) -> str:
     lines = ["# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
-             "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}",
+             "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}", "  config: none",
              "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2", "hosts:"]
     for n in nodes:
         lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",

@@ -12,6 +12,8 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
   failure  from `docker kill` of one container to every container of the job gone
   logs     every host prints 200k lines: lines/s to the terminal stream and files vs pdsh, lines
            lost, per-host order
+  frozen   (--only frozen) one host's Docker engine frozen: preflight, status and stop (whole CLI)
+           until they name it, beside a healthy preflight
 Prints a table per size and writes the raw numbers as JSON. Only the project's own test hosts and
 loopback are contacted.
 """
@@ -150,6 +152,33 @@ def bench_preflight(inv_path, repeat: int) -> dict:
         dt, p = timed(subprocess.run, [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
                       cwd=ROOT, capture_output=True)
         res["fab_preflight_no_smoke"].append(dt)
+    return res
+
+
+def bench_frozen(inv, inv_path, repeat: int) -> dict:
+    """The last host's Docker engine frozen (SIGSTOP dockerd and containerd; SSH still answers):
+    how long the whole CLI of preflight, status and stop takes to name it, beside a healthy
+    preflight measured in the same run."""
+    victim = f"fabtrain-{inv.hosts[-1].name}"
+    res: dict[str, list] = {"healthy_preflight": [], "frozen_preflight": [], "frozen_status": [],
+                            "frozen_stop": [], "named": []}
+
+    def cli(*args):
+        return timed(subprocess.run, [FAB, *args, "--inventory", str(inv_path)], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+    for _ in range(repeat):
+        res["healthy_preflight"].append(cli("preflight", "--no-smoke")[0])
+        subprocess.run(["docker", "exec", victim, "sh", "-c", "pkill -STOP -x dockerd; pkill -STOP -x containerd"],
+                       check=True)
+        try:
+            for key, args in (("frozen_preflight", ("preflight", "--no-smoke")), ("frozen_status", ("status",)),
+                              ("frozen_stop", ("stop", "--grace", "0"))):
+                dt, p = cli(*args)
+                res[key].append(dt)
+                res["named"].append(p.returncode != 0 and inv.hosts[-1].name in p.stdout + p.stderr)
+        finally:
+            subprocess.run(["docker", "exec", victim, "sh", "-c", "pkill -CONT -x containerd; pkill -CONT -x dockerd"],
+                           check=True)
     return res
 
 
@@ -336,11 +365,14 @@ def main() -> None:
             r["logs"] = bench_logs(inv, base, a.repeat, a.lines)
         if "paused" in only:
             r["paused"] = bench_paused(inv, a.repeat)
+        if "frozen" in only:
+            r["frozen"] = bench_frozen(inv, inv_path, a.repeat)
         results[n] = r
         if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
             print(table(n, r), flush=True)
         else:
-            print(json.dumps({n: {k: {m: med(v) for m, v in d.items()} for k, d in r.items()}}, indent=1), flush=True)
+            print(json.dumps({n: {k: {m: (med(v) if m != "named" else all(v)) for m, v in d.items()}
+                                  for k, d in r.items()}}, indent=1), flush=True)
     Path(a.json).parent.mkdir(exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=1, default=str))
 

@@ -60,3 +60,15 @@ def test_missing_output_gives_up_when_the_tail_cannot_tell():
     assert missing_output(100, LOG[:100], tail, 1000) is None  # stopped before the tail begins
     repeated = b"same line\n" * 2000
     assert missing_output(500, repeated[:500], repeated[-10000:], 1000) is None  # ambiguous
+
+
+def test_terminal_gets_no_control_characters_but_the_file_keeps_them(tmp_path):
+    import io
+    out = io.BytesIO()
+    mux = Multiplexer(tmp_path, out=out, colour=False)
+    sink = mux.sink("h", 0)
+    raw = b"a\x1b[2Jb\x1b]0;title\x07c\rd\x08e\xc2\x9b31mf\tg \xc3\xa9\n"
+    sink.feed(raw)
+    sink.close()
+    assert out.getvalue() == "h r0 | a[2Jb]0;titlecde31mf\tg \u00e9\n".encode()
+    assert (tmp_path / "h.log").read_bytes() == raw

@@ -71,3 +71,25 @@ def test_docker_permission_denied_names_the_fix():
     checks = {c.check: c for c in pf.judge_host(INV, INV.hosts[1], facts, "img")}
     assert checks["docker"].fix == "on b: sudo usermod -aG docker root (then log in again)"
     assert checks["image"].status == "fail"
+
+
+def test_judge_dirs_names_the_path_and_the_exact_fix():
+    host = INV.hosts[1]
+    facts = (0, "denied /opt/fabtrain/code /opt root\nok /data/out")
+    c = pf.judge_dirs(host, facts)
+    assert c.status == "fail"
+    assert c.detail == f"{host.ssh.user} cannot write /opt/fabtrain/code (cannot be created: /opt is owned by root)"
+    assert c.fix.startswith(f"on b: sudo install -d -o {host.ssh.user} -g $(id -gn {host.ssh.user}) /opt/fabtrain/code  (")
+    assert pf.judge_dirs(host, (0, "ok /a\nok /b")).status == "ok"
+
+
+def test_render_shows_remote_text_as_text():
+    import io
+
+    from rich.console import Console
+    hostile = "[/x] [bold]b\x1b[2J\x1b]8;;http://example.invalid\x07l\x1b]8;;\x07\rz"
+    buf = io.StringIO()
+    pf.render([pf.Check("a", "docker", "fail", hostile, f"fix {hostile}")], Console(file=buf, width=200))
+    out = buf.getvalue()
+    assert "[/x] [bold]b[2J]8;;http://example.invalid" in out  # markup shown, controls gone
+    assert not any(ord(ch) < 32 and ch not in "\n" for ch in out)
