@@ -19,6 +19,7 @@ import paramiko
 from fabric import Config, Connection
 
 from .errors import UserError
+from . import plan
 from .inventory import Host
 from .sshconf import SSH
 
@@ -233,15 +234,13 @@ class Session:
             return cmd.exit_status()
 
     def put(self, host: Host, data: bytes, path: str, mode: int = 0o600, timeout: float = 30) -> None:
-        """Write bytes to a remote file over SFTP, created with `mode` (no command line involved)."""
-        sftp = self.connection(host).client.open_sftp()
-        sftp.get_channel().settimeout(timeout)
-        try:
-            with sftp.open(path, "wb") as fh:
-                fh.chmod(mode)
-                fh.write(data)
-        finally:
-            sftp.close()
+        """Write bytes to a remote file, created private and then given `mode`. The bytes travel on
+        the command's stdin, never on a command line, under the same deadline as every command."""
+        script = 'umask 077 && cat > "$1" && chmod "$2" "$1"'
+        r = self.run(host, plan.shell(["sh", "-c", script, "sh", path, f"{mode:o}"]), timeout=timeout,
+                     stdin=data, what=f"writing {path}")
+        if not r.ok:
+            raise UserError(f"{host.name}: cannot write {path}: {r.stderr.strip()[-200:]}")
 
     def alive_since(self, host: Host) -> float | None:
         """Monotonic time of the last keepalive answer from the host (see heartbeat)."""

@@ -142,6 +142,7 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
             assert "torch.distributed.run" in cmdlines and token not in cmdlines
             inspect = on_host(node, "docker inspect $(docker ps -aq --filter label=fabtrain.managed=1)").stdout
             assert "FABTRAIN_JOB" in inspect and token not in inspect
+            assert on_host(node, "stat -c %a /opt/fabtrain/output/.secrets/*.env").stdout.strip() == "600"
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
