@@ -22,7 +22,7 @@ from orchestrator import launch, plan
 from orchestrator import preflight as _preflight
 from orchestrator.errors import UserError
 from orchestrator.logs import sanitize
-from orchestrator.remote import CommandTimedOut, Session, describe
+from orchestrator.remote import CommandTimedOut, Session, failure
 
 DEFAULT_INVENTORY = "inventory.yaml"
 RUNS = Path("runs")
@@ -152,9 +152,9 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
     failed = []
     for host in inv.hosts:
         r = results[host.name]
-        if isinstance(r, BaseException) or not r.ok:
+        why = failure(host, r, "stopping containers")
+        if why:
             failed.append(host.name)
-            why = describe(host, r) if isinstance(r, BaseException) else sanitize(r.stderr.strip())
             print(f"{host.name}: could not stop: {why}", file=sys.stderr)
         else:
             n = len(r.stdout.split())
@@ -172,17 +172,16 @@ def status(c, inventory=DEFAULT_INVENTORY):
     from rich.text import Text
     inv = _inventory.load(inventory)
     with Session(inv.hosts) as session:
-        results = session.fan_out(lambda h: session.run(h, plan.shell(plan.status_argv()), timeout=launch.STATUS_TIMEOUT,
-                                                        what="docker ps"))
+        results = launch.list_containers(session)
     table = Table(title="fabtrain containers")
     for col in ("host", "job", "rank", "container", "state", "status"):
         table.add_column(col)
     bad = []
     for host in inv.hosts:
         r = results[host.name]
-        if isinstance(r, BaseException) or not r.ok:
-            bad.append(describe(host, r) if isinstance(r, BaseException) else
-                       f"{host.name}: docker ps failed: {sanitize(r.stderr.strip())[-200:]}")
+        why = failure(host, r, "docker ps")
+        if why:
+            bad.append(why)
             state = "stuck" if isinstance(r, CommandTimedOut) else "unreachable" if isinstance(r, BaseException) else "error"
             table.add_row(host.name, "-", "-", "-", Text(state, style="red"), Text(bad[-1][:80]))
             continue

@@ -190,7 +190,8 @@ class _Reader:
                         if isinstance(value, bool) else str(value)))
         return tuple(out)
 
-    def path_field(self, key: str, default: str | None, must_exist: bool = False) -> str | None:
+    def path_field(self, key: str, default: str | None, must_exist: bool = False,
+                   fix: str = "fix the path (relative paths are relative to the inventory file)") -> str | None:
         value = self.get(key, str, default)
         if value is None:
             return None
@@ -199,8 +200,7 @@ class _Reader:
             expanded = self.path.parent / expanded
         if must_exist and not expanded.is_file():
             self.fail(self._field(key), f"{expanded} does not exist",
-                      "run 'fab cluster.up' to make the local cluster's" if ".cluster" in expanded.parts
-                      else "fix the path (relative paths are relative to the inventory file)")
+                      "run 'fab cluster.up' to make the local cluster's" if ".cluster" in expanded.parts else fix)
         return str(expanded)
 
 
@@ -220,16 +220,15 @@ def _ssh(reader: _Reader, base: Settings, check_files: bool) -> Settings:
             reader.fail(reader._field("jump"), str(exc),
                         "write [user@]host[:port] (an ssh_config alias works), several comma-separated")
     config = reader.get("config", str, None)
-    config_path = None if config is None or config.lower() == "none" else reader.path_field("config", None)
+    # Always checked, not only with check_files: the file is read while the inventory is parsed.
+    config_path = None if config is None or config.lower() == "none" else reader.path_field(
+        "config", None, must_exist=True, fix="give the path of an ssh_config file, or none to read no ssh_config")
     settings = Settings(
         user=reader.get("user", str, None), port=reader.port("port", None) if "port" in reader.data else None,
         key=reader.path_field("key", None, must_exist=check_files),
         known_hosts=reader.path_field("known_hosts", None, must_exist=check_files),
         connect_timeout=reader.get("connect_timeout", float, base.connect_timeout),
         keepalive=reader.get("keepalive", float, base.keepalive), jump=jump, config=config_path)
-    if config is not None and config_path is not None and check_files and not Path(config_path).is_file():
-        reader.fail(reader._field("config"), f"{config_path} does not exist",
-                    "give the path of an ssh_config file, or none to read no ssh_config")
     given = {k for k in SSH_FIELDS if reader.data.get(k) is not None}
     return settings.over(base, given)
 
@@ -266,7 +265,7 @@ def _mounts(reader: _Reader, key: str) -> tuple[Mount, ...]:
     return tuple(out)
 
 
-def _host(reader: _Reader, rank: int, base: Settings, check_files: bool) -> Host:
+def _host(reader: _Reader, rank: int, base: Settings, check_files: bool, configs: dict) -> Host:
     reader.check_keys(("name", "address", "interface", "gpus", "ssh", "image", "env", "mounts",
                        "devices"))
     address = reader.get("address", str, required=True)
@@ -297,7 +296,7 @@ def _host(reader: _Reader, rank: int, base: Settings, check_files: bool) -> Host
         name=name,
         address=address,
         rank=rank,
-        ssh=_resolve(reader, address, _ssh(reader.sub("ssh"), base, check_files)),
+        ssh=_resolve(reader, address, _ssh(reader.sub("ssh"), base, check_files), configs),
         interface=reader.get("interface", str, required=True),
         gpu_vendor=vendor,
         gpu_count=count,
@@ -308,18 +307,13 @@ def _host(reader: _Reader, rank: int, base: Settings, check_files: bool) -> Host
     )
 
 
-_CONFIGS: dict[str, object] = {}
-
-
-def _resolve(reader: _Reader, address: str, settings: Settings) -> SSH:
-    """The host's connection settings with its ssh_config applied (see sshconf)."""
+def _resolve(reader: _Reader, address: str, settings: Settings, configs: dict) -> SSH:
+    """The host's connection settings with its ssh_config applied (see sshconf); each ssh_config
+    file is read once per inventory (`configs`)."""
     try:
-        if settings.config not in _CONFIGS:
-            _CONFIGS[settings.config] = read_config(settings.config)
-        return resolve(address, settings, _CONFIGS[settings.config])
-    except FileNotFoundError as exc:
-        reader.fail(reader._field("ssh.config"), f"{exc} does not exist",
-                    "give the path of an ssh_config file, or none to read no ssh_config")
+        if settings.config not in configs:
+            configs[settings.config] = read_config(settings.config)
+        return resolve(address, settings, configs[settings.config])
     except ValueError as exc:
         reader.fail(reader._field("ssh"), str(exc), "fix the jump host or the ssh_config entry")
     raise AssertionError("unreachable")
@@ -354,7 +348,6 @@ def _job(reader: _Reader) -> Job:
 
 def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
     """The inventory in `text`; with check_files, the key and known_hosts files must exist too."""
-    _CONFIGS.clear()  # ssh_config files are read afresh for every inventory
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except yaml.MarkedYAMLError as exc:
@@ -368,10 +361,10 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
     hosts_data = top.get("hosts", list, required=True)
     if not hosts_data:
         top.fail("hosts", "is empty", "list at least one host; the first is rank 0")
-    hosts = []
+    hosts, configs = [], {}
     for rank, item in enumerate(hosts_data):
         line = getattr(item, "line", getattr(hosts_data, "line", 1))
-        hosts.append(_host(_Reader(path, item, f"hosts[{rank}]", line), rank, ssh, check_files))
+        hosts.append(_host(_Reader(path, item, f"hosts[{rank}]", line), rank, ssh, check_files, configs))
     seen: dict[str, int] = {}
     for h in hosts:
         for key in (h.name, f"{h.hostname}:{h.ssh.port}"):

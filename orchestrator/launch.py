@@ -104,10 +104,16 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
     return "\n".join(lines)
 
 
+def list_containers(session: Session) -> dict:
+    """This project's containers on every host (`plan.status_argv` lines): host -> Result or error,
+    each host within STATUS_TIMEOUT."""
+    command = plan.shell(plan.status_argv())
+    return session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="docker ps"))
+
+
 def running_jobs(session: Session) -> dict[str, list[str]]:
     """job id -> hosts where a container of it is running."""
-    argv = plan.status_argv()
-    results = session.fan_out(lambda h: session.run(h, plan.shell(argv), timeout=STATUS_TIMEOUT, what="docker ps"))
+    results = list_containers(session)
     jobs: dict[str, list[str]] = {}
     for host in session.hosts:
         r = results[host.name]

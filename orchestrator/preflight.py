@@ -70,8 +70,11 @@ def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
-        # Can the SSH user create and write job.code_dir and job.output_dir? (sync and the job need to)
+        # Per job directory, from its nearest existing directory (code_dir may not exist before the
+        # first sync): the free space there (judge_disk), and whether the SSH user can create and
+        # write it (judge_dirs; sync and the job need to).
         "dirs": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
+                 'df -Pk "$q" | tail -n 1; '
                  'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
                  'else echo "denied $p $q $(stat -c %U "$q")"; fi; done', "sh",
                  inv.job.code_dir, inv.job.output_dir],
@@ -79,9 +82,6 @@ def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str
         "link": ["ip", "-o", "link", "show"],
         "route": ["ip", "-o", "route", "get", inv.master.hostname],
         "shm": ["df", "-Pk", "/dev/shm"],
-        # The nearest existing directory of each path: code_dir may not exist before the first sync.
-        "disk": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
-                 'df -Pk "$q" | tail -n 1; done', "sh", inv.job.code_dir, inv.job.output_dir],
         "code": ["sh", "-c", 'cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0r sha256sum '
                  '| sha256sum', "sh", inv.job.code_dir],
         "ntp": ["sh", "-c", "timedatectl show -p NTPSynchronized --value 2>/dev/null "
@@ -197,7 +197,7 @@ def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], im
     if "port" in facts:
         out.append(judge_port(inv, host, facts["port"]))
     out.append(judge_shm(inv, host, facts.get("shm", (1, "")), limits))
-    out.append(judge_disk(inv, host, facts.get("disk", (1, "")), limits))
+    out.append(judge_disk(inv, host, facts.get("dirs", (1, "")), limits))
     out.append(judge_dirs(host, facts.get("dirs", (1, ""))))
     return out
 
@@ -207,7 +207,7 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
     n, user = host.name, host.ssh.user
     rc, text = fact
     denied = [line.split() for line in text.splitlines() if line.startswith("denied ")]
-    if rc != 0 or not text:
+    if rc != 0 or not any(line.startswith(("ok ", "denied ")) for line in text.splitlines()):
         return Check(n, "dirs", WARN, f"could not check the job directories: {_last(text)}", "")
     if not denied:
         return Check(n, "dirs", OK, "code and output dirs writable by " + user)

@@ -21,6 +21,7 @@ from fabric import Config, Connection
 from .errors import UserError
 from . import plan
 from .inventory import Host
+from .logs import sanitize
 from .sshconf import SSH
 
 T = TypeVar("T")
@@ -100,6 +101,15 @@ def describe(host: Host, exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return f"{where}: cannot connect: {exc.strerror or exc}; check the address and the network"
     return f"{where}: {type(exc).__name__}: {exc}"
+
+
+def failure(host: Host, result: "Result | BaseException", what: str) -> str | None:
+    """Why a command fanned out to a host did not succeed there (None if it did), for the user."""
+    if isinstance(result, BaseException):
+        return describe(host, result)
+    if not result.ok:
+        return f"{host.name}: {what} failed (exit {result.exited}): {sanitize(result.stderr.strip())[-200:]}"
+    return None
 
 
 class Command:

@@ -83,10 +83,8 @@ def read_config(path: str | None) -> paramiko.SSHConfig | None:
     if path is None:
         return None
     full = Path(path).expanduser()
-    if not full.exists():
-        if path == DEFAULT_CONFIG:
-            return None
-        raise FileNotFoundError(str(full))
+    if path == DEFAULT_CONFIG and not full.exists():
+        return None  # the inventory checked any other path
     try:
         return paramiko.SSHConfig.from_text(_inline_includes(full, 0))
     except paramiko.ssh_exception.ConfigParseError as exc:
