@@ -34,3 +34,12 @@ def init_gloo(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def finish_gloo() -> None:
+    """Leave together: a rank that tears its gloo pairs down while a peer is still working makes
+    that peer's gloo thread abort the process (SIGABRT, "terminate called without an active
+    exception")."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from .conftest import TRAINERS, init_gloo, spawn
+from .conftest import TRAINERS, finish_gloo, init_gloo, spawn
 
 STEPS = 4
 CFG = dict(vocab_size=17, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -45,7 +45,7 @@ def _ddp_worker(rank, world, port, out_dir, opt_name):
     train_steps(ddp, opt, half)
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(out_dir, "ddp.pt"))
-    torch.distributed.destroy_process_group()
+    finish_gloo()
 
 
 # Same maths, different float32 summation order. SGD passes that rounding through (1e-6); Adam's

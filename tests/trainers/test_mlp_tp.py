@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from .conftest import init_gloo, spawn
+from .conftest import finish_gloo, init_gloo, spawn
 
 
 def _tp_worker(rank, world, port, tp, out_dir):
@@ -26,7 +26,7 @@ def _tp_worker(rank, world, port, tp, out_dir):
         errs[name] = (g - full_params[name].grad).abs().max().item()
     local = [p.to_local().shape for p in sharded.parameters() if hasattr(p, "to_local")]
     torch.save({"errs": errs, "shapes": local, "dp": mesh["dp"].size()}, os.path.join(out_dir, f"r{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    finish_gloo()
 
 
 @pytest.mark.parametrize("world,tp", [(4, 2), (2, 2)])
