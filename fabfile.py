@@ -96,6 +96,7 @@ TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
     "epochs": "number of epochs",
     "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
     "script": "your own torchrun-compatible script (a path inside --code) instead of a trainer",
+    "module": "run a Python module instead (torchrun -m NAME): one installed in the image, or in --code",
     "code": CODE_HELP,
     "args": "arguments for the script, one string split like a shell would: --args \"--lr 0.1 --name 'a b'\"",
     "image": "container image (default: job.image in the inventory)",
@@ -108,7 +109,7 @@ TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
 @user_errors
 def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None,
           args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False,
-          code=None):
+          code=None, module=None):
     """Sync code, run preflight, start one container per host (rank 0 issued first), stream every host's
     log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
     exits 0; otherwise stops the rest and exits non-zero naming the host. Ctrl+C stops the job."""
@@ -117,7 +118,14 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
                         "arguments with --args \"...\" instead", exit_code=2)
     inv = _inventory.load(inventory)
     source = code_dir(code)
-    if script:
+    if script and module:
+        raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
+    if module:
+        if not plan.MODULE_RE.match(module):
+            raise UserError(f"--module {sanitize(module)!r} is not a Python module name; write e.g. "
+                            "mypkg.train (dotted names, no .py)", exit_code=2)
+        script, extra = module, shlex.split(args)
+    elif script:
         if not (source / script).is_file():
             raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code")
         extra = shlex.split(args)
@@ -126,8 +134,10 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
             raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(TRAINERS)} or --script PATH")
         script = TRAINERS[trainer]
         extra = ["--model", model, "--epochs", str(epochs), *shlex.split(args)]
-    job_name = name or Path(script).stem.replace("_", "-")
-    spec = plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, args=tuple(extra), image=image,
+    job_name = name or (module.rsplit(".", 1)[-1] if module else Path(script).stem).replace("_", "-")
+    if not plan.valid_job_id(job_name):
+        raise UserError(f"--name {sanitize(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
+    spec = plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra), image=image,
                         nproc_per_node=str(nproc) if nproc else None, code=str(source))
     if dry_run:
         print(launch.dry_run(inv, spec))

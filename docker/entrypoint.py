@@ -5,8 +5,10 @@
 - A platform (a Kubernetes PyTorchJob, a Slurm wrapper) sets WORLD_SIZE = number of nodes and
   RANK = this node's rank, with MASTER_ADDR and MASTER_PORT.
 
-The arguments are the training script and its arguments, handed to torchrun verbatim. So an image
-launched by hand, by fabtrain or by a platform forms the same job.
+The arguments are the training script and its arguments (or -m MODULE and its arguments), handed
+to torchrun verbatim. So an image launched by hand, by fabtrain or by a platform forms the same job.
+fabtrain does not rely on an image holding this file: it brings it to each host with the job and
+runs it with the image's python3, so a stock image (NGC, ROCm) runs as it is.
 """
 import os
 import socket
@@ -79,12 +81,14 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     child.setdefault("FABTRAIN_PG_TIMEOUT", "60")
     child.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     child.setdefault("OMP_NUM_THREADS", "1")
+    module = args[:1] in (["-m"], ["--module"])
     argv = [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", nproc,
             "--master_addr", master_addr, "--master_port", master_port,
+            *(["--module"] if module else []),
             # Without "--", torchrun's parser takes a script option such as --node for an
             # abbreviation of its own --node-rank and fails.
-            "--", *args]
+            "--", *(args[1:] if module else args)]
     banner = (f"[fabtrain] nodes={nnodes} node_rank={node_rank} master={master_addr}:{master_port} "
               f"gpus_per_node={gpus} procs_per_node={nproc} world_size={nnodes * int(nproc)} "
               f"ifname={child.get('GLOO_SOCKET_IFNAME', 'default')}")
@@ -92,8 +96,8 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: fabtrain-entrypoint SCRIPT [ARGS...]  (a torchrun-compatible script)")
+    if len(sys.argv) < 2 or sys.argv[1:] in (["-m"], ["--module"]):
+        sys.exit("usage: fabtrain-entrypoint SCRIPT [ARGS...] | -m MODULE [ARGS...]  (torchrun-compatible)")
     env = dict(os.environ)
     env.update(read_secrets())
     master = env.get("MASTER_ADDR", "127.0.0.1")
@@ -101,7 +105,7 @@ def main() -> None:
         dev = route_interface(master)
         if dev:
             env.setdefault("GLOO_SOCKET_IFNAME", dev)
-            env.setdefault("NCCL_SOCKET_IFNAME", dev)
+            env.setdefault("NCCL_SOCKET_IFNAME", "=" + dev)  # exactly this one, not a prefix match
     gpus = gpu_count() if env.get("NPROC_PER_NODE", "auto") == "auto" else 0
     argv, child, banner = plan(env, sys.argv[1:], gpus)
     print(banner, flush=True)

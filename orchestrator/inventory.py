@@ -39,6 +39,10 @@ class Host:
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[Mount, ...] = ()
     devices: tuple[str, ...] = ()
+    # Container options on top of job:'s (see plan.container_options).
+    ulimits: tuple[tuple[str, str], ...] = ()
+    cap_add: tuple[str, ...] = ()
+    security_opt: tuple[str, ...] = ()
 
     @property
     def hostname(self) -> str:
@@ -59,6 +63,11 @@ class Job:
     # a command line: NAME -> local path.
     secret_files: tuple[tuple[str, str], ...] = ()
     stop_grace: float = 30.0
+    # Container options for every host: name -> "soft[:hard]" (-1: unlimited), capabilities,
+    # security options (docker run --ulimit / --cap-add / --security-opt).
+    ulimits: tuple[tuple[str, str], ...] = ()
+    cap_add: tuple[str, ...] = ()
+    security_opt: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,9 +274,43 @@ def _mounts(reader: _Reader, key: str) -> tuple[Mount, ...]:
     return tuple(out)
 
 
+# docker run --ulimit names (Docker's ulimit parser, from setrlimit(2)).
+ULIMITS = ("core", "cpu", "data", "fsize", "locks", "memlock", "msgqueue", "nice", "nofile", "nproc",
+           "rss", "rtprio", "rttime", "sigpending", "stack")
+ULIMIT_VALUE_RE = re.compile(r"^-?\d+(:-?\d+)?$")
+CAP_RE = re.compile(r"^(CAP_)?[A-Z][A-Z_]*$")
+SECURITY_OPT_RE = re.compile(r"^[a-z-]+([=:][A-Za-z0-9_./:=-]+)?$")
+CONTAINER_FIELDS = ("ulimits", "cap_add", "security_opt")
+
+
+def _container_options(reader: _Reader) -> dict:
+    """ulimits, cap_add and security_opt of job: or of one host."""
+    limits = reader.sub("ulimits")
+    ulimits = []
+    for name, value in limits.data.items():
+        where = limits._field(str(name))
+        if name not in ULIMITS:
+            limits.fail(where, "is not a ulimit Docker knows", f"use one of: {', '.join(ULIMITS)}",
+                        limits.lines.get(name))
+        text = "-1" if value in ("unlimited", -1) else str(value)
+        if isinstance(value, bool) or isinstance(value, (dict, list)) or not ULIMIT_VALUE_RE.match(text):
+            limits.fail(where, f"{value!r} is not a limit", "write a number, SOFT:HARD, or -1 / unlimited",
+                        limits.lines.get(name))
+        ulimits.append((name, text))
+    lists = {}
+    for key, pattern, example in (("cap_add", CAP_RE, "IPC_LOCK or SYS_PTRACE"),
+                                  ("security_opt", SECURITY_OPT_RE, "seccomp=unconfined")):
+        items = reader.get(key, list, [])
+        for item in items:
+            if not isinstance(item, str) or not pattern.match(item):
+                reader.fail(reader._field(key), f"{item!r} is not a valid {key} entry", f"write e.g. {example}")
+        lists[key] = tuple(items)
+    return dict(ulimits=tuple(ulimits), **lists)
+
+
 def _host(reader: _Reader, rank: int, base: Settings, check_files: bool, configs: dict) -> Host:
     reader.check_keys(("name", "address", "interface", "gpus", "ssh", "image", "env", "mounts",
-                       "devices"))
+                       "devices", *CONTAINER_FIELDS))
     address = reader.get("address", str, required=True)
     if not ADDRESS_RE.match(address):
         reader.fail(reader._field("address"), f"{address!r} is neither a host name, an IP address nor "
@@ -304,6 +347,7 @@ def _host(reader: _Reader, rank: int, base: Settings, check_files: bool, configs
         env=reader.env("env"),
         mounts=_mounts(reader, "mounts"),
         devices=tuple(devices),
+        **_container_options(reader),
     )
 
 
@@ -321,7 +365,7 @@ def _resolve(reader: _Reader, address: str, settings: Settings, configs: dict) -
 
 def _job(reader: _Reader) -> Job:
     reader.check_keys(("image", "master_port", "nproc_per_node", "code_dir", "output_dir", "shm_size",
-                       "env", "secret_files", "stop_grace"))
+                       "env", "secret_files", "stop_grace", *CONTAINER_FIELDS))
     nproc = str(reader.get("nproc_per_node", (int, str), "auto"))
     if nproc != "auto" and not (nproc.isdigit() and int(nproc) > 0):
         reader.fail(reader._field("nproc_per_node"), f"{nproc!r} is not a process count",
@@ -343,6 +387,7 @@ def _job(reader: _Reader) -> Job:
         env=reader.env("env"),
         secret_files=tuple(secret_files),
         stop_grace=reader.get("stop_grace", float, Job.stop_grace),
+        **_container_options(reader),
     )
 
 

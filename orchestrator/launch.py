@@ -91,9 +91,16 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
     lines = ["# on this machine, for every host at once:"]
     lines += [plan.shell(plan.rsync_argv(h, spec.code, inv.job.code_dir)) for h in inv.hosts]
     lines.append("# preflight probes (read-only) on every host, then, in rank order:")
+    if inv.job.secret_files:
+        lines.append(f"# every host: the secrets file {plan.secrets_file(inv, spec)} (mode 600), written "
+                     "through the command's stdin")
     for h in inv.hosts:
-        lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.prepare_dirs_argv(inv, spec))}")
-        lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.docker_run_argv(inv, h, spec, bool(inv.job.secret_files)))}")
+        probe = plan.gpu_probe_argv(h)
+        if probe:
+            lines.append(f"[{h.name} rank {h.rank}] {plan.shell(probe)}  # decides the GPU flags below "
+                         "(shown for NVIDIA's runtime hook / no AMD groups)")
+        lines.append(f"[{h.name} rank {h.rank}] {plan.start_script(inv, h, spec)}  # stdin: "
+                     f"{plan.ENTRYPOINT_SOURCE.relative_to(PROJECT_ROOT)}")
     for h in inv.hosts:
         lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.follow_logs_argv(spec, h.rank))} 2>&1")
     lines.append("# when a container exits: its exit code and the tail of its log (to send any output "
@@ -101,6 +108,9 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
     lines.append(f"[{inv.master.name} rank 0] {plan.finish_logs_script(spec, 0)}")
     lines.append("# on failure, Ctrl+C or lost host, on every host:")
     lines.append(plan.stop_script(spec.job_id, inv.job.stop_grace))
+    lines.append("# at the end, outputs are fetched, then on every host:")
+    lines.append(plan.stop_script(spec.job_id, 0))
+    lines.append(plan.shell(plan.cleanup_argv(inv, spec)))
     return "\n".join(lines)
 
 
@@ -127,7 +137,8 @@ def running_jobs(session: Session) -> dict[str, list[str]]:
 
 
 def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
-    """Secrets go to a 0600 file on each host over SFTP, mounted read-only; never a command line."""
+    """Secrets go to a 0600 file in the job's runtime directory on each host (mounted read-only),
+    through the command's stdin; never a command line."""
     body = []
     for name, path in inv.job.secret_files:
         try:
@@ -140,7 +151,7 @@ def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None
         body.append(f"{name}={value}\n")
     data = "".join(body).encode()
     target = plan.secrets_file(inv, spec)
-    results = session.fan_out(lambda h: (session.run(h, plan.shell(["mkdir", "-p", "-m", "700", target.rsplit("/", 1)[0]]),
+    results = session.fan_out(lambda h: (session.run(h, plan.shell(["mkdir", "-p", plan.runtime_dir(inv, spec)]),
                                                      timeout=STATUS_TIMEOUT),
                                          session.put(h, data, target, 0o600)))
     _raise_any(session, results, "writing the secrets file")
@@ -160,19 +171,25 @@ def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
     listens, and waiting for rank 0's `docker run` before the others doubled the launch time
     (see BENCHMARKS.md). If any host fails to start, the caller tears the whole job down.
     """
-    secret = bool(inv.job.secret_files)
-    if secret:
+    if inv.job.secret_files:
         _write_secrets(session, inv, spec)
+    entrypoint = plan.ENTRYPOINT_SOURCE.read_bytes()
 
     def one(host: Host) -> None:
-        script = (f"{plan.shell(plan.prepare_dirs_argv(inv, spec))} && "
-                  f"{plan.shell(plan.docker_run_argv(inv, host, spec, secret))} >/dev/null")
-        r = session.run(host, script, timeout=START_TIMEOUT, what="docker run")
+        access = preflight.gpu_access(session, host)
+        r = session.run(host, plan.start_script(inv, host, spec, access), timeout=START_TIMEOUT,
+                        stdin=entrypoint, what="docker run")
         if not r.ok:
             raise UserError(f"{host.name} (rank {host.rank}): docker run failed (exit {r.exited}): "
                             f"{r.stderr.strip()[-500:]}")
 
     _raise_any(session, session.fan_out(one, inv.hosts), "starting the job")
+
+
+def cleanup(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
+    """Remove the job's runtime directory (entrypoint, secrets file) from every host."""
+    command = plan.shell(plan.cleanup_argv(inv, spec))
+    session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="removing the job's runtime files"))
 
 
 def stop(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> dict:
@@ -368,9 +385,7 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                 console.print(f"[yellow]could not fetch outputs from {host}: {status}[/]")
         # Logs and outputs are on this machine now; nothing of the job stays behind on the hosts.
         teardown(session, spec.job_id, 0)
-        if inv.job.secret_files:
-            session.fan_out(lambda h: session.run(h, plan.shell(["rm", "-f", plan.secrets_file(inv, spec)]),
-                                                  timeout=STATUS_TIMEOUT))
+        cleanup(session, inv, spec)
     return result
 
 

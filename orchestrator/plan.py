@@ -20,11 +20,15 @@ LABEL_MANAGED = "fabtrain.managed"
 LABEL_JOB = "fabtrain.job"
 LABEL_RANK = "fabtrain.rank"
 LABEL_HOST = "fabtrain.host"
-# Inside the container: the synced code, the job's outputs, and secrets (a file, never an env value
-# on a command line).
+# Inside the container: the synced code, the job's outputs, and the job's runtime directory (our
+# entrypoint, and secrets as a file, never an env value on a command line), mounted read-only.
 WORKDIR = "/workspace"
 OUTDIR = "/output"
-SECRETS_PATH = "/run/fabtrain/secrets.env"
+RUNTIME_MOUNT = "/run/fabtrain"
+SECRETS_PATH = f"{RUNTIME_MOUNT}/secrets.env"
+ENTRYPOINT_PATH = f"{RUNTIME_MOUNT}/entrypoint.py"
+ENTRYPOINT_SOURCE = PROJECT_ROOT / "docker" / "entrypoint.py"
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # rsync gives up when no data moves for this long (a frozen disk or link), however long the copy.
 RSYNC_IO_TIMEOUT = 60
 RSYNC_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs",
@@ -33,10 +37,12 @@ RSYNC_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster",
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run: a script in the synced code and its arguments, handed to torchrun verbatim."""
+    """What to run: a script in the synced code (or, with module, a Python module in the image or
+    the synced code) and its arguments, handed to torchrun verbatim."""
 
     job_id: str
     script: str
+    module: bool = False
     args: tuple[str, ...] = ()
     image: str | None = None
     nproc_per_node: str | None = None
@@ -69,18 +75,82 @@ def container_name(job_id: str, rank: int) -> str:
     return f"fabtrain-{job_id}-r{rank}"
 
 
-def device_args(host: Host) -> list[str]:
-    """Docker flags that expose the host's accelerators to the container."""
+@dataclass(frozen=True)
+class GpuAccess:
+    """How a GPU host hands its GPUs to containers, read on the host (gpu_probe_argv)."""
+
+    nvidia_runtime: bool = True   # the NVIDIA runtime hook, which `--gpus` needs
+    cdi: bool = False             # CDI specs for nvidia.com/gpu (/etc/cdi, /var/run/cdi)
+    gids: tuple[int, ...] = ()    # AMD: the groups owning /dev/kfd and the render nodes
+
+
+def gpu_probe_argv(host: Host) -> list[str] | None:
+    """What decides a GPU host's device flags: NVIDIA's runtime hook and CDI specs, or the numeric
+    groups of AMD's device nodes (a group name such as `render` may not exist in the image)."""
+    if host.gpu_vendor == "nvidia":
+        # Bounded like every Docker call of the preflight: a stuck engine must not hold the start.
+        return ["sh", "-c", "echo runtimes $(timeout -k 2 8 docker info --format '{{json .Runtimes}}' 2>/dev/null); "
+                "echo cdi $(cat /etc/cdi/*.yaml /etc/cdi/*.json /var/run/cdi/*.yaml /var/run/cdi/*.json "
+                "2>/dev/null | grep -c 'nvidia.com/gpu')"]
+    if host.gpu_vendor == "amd":
+        return ["sh", "-c", "echo gids $(stat -c %g /dev/kfd /dev/dri/renderD* 2>/dev/null | sort -un)"]
+    return None
+
+
+def parse_gpu_probe(text: str) -> GpuAccess:
+    fields = {line.split(" ", 1)[0]: line.partition(" ")[2].strip() for line in text.splitlines() if line}
+    gids = tuple(sorted({int(g) for g in fields.get("gids", "").split() if g.isdigit() and g != "0"}))
+    cdi = fields.get("cdi", "0")
+    return GpuAccess(nvidia_runtime='"nvidia"' in fields.get("runtimes", ""),
+                     cdi=cdi.isdigit() and int(cdi) > 0, gids=gids)
+
+
+def device_args(host: Host, access: GpuAccess | None = None) -> list[str]:
+    """Docker flags that expose the host's accelerators (and the inventory's devices) to the
+    container. `access` comes from gpu_probe_argv on the host; None assumes NVIDIA's runtime hook."""
+    access = access or GpuAccess()
     args: list[str] = []
     if host.gpu_vendor == "nvidia":
-        # The NVIDIA container toolkit maps every GPU and the driver libraries.
-        args += ["--gpus", "all"]
+        # https://docs.nvidia.com/datacenter/cloud-native/container-toolkit/latest/cdi-support.html:
+        # a host with CDI specs and no runtime hook (nvidia-container-toolkit-base) takes GPUs as
+        # CDI devices; `--gpus` needs the hook.
+        args += ["--device", "nvidia.com/gpu=all"] if access.cdi and not access.nvidia_runtime else ["--gpus", "all"]
     elif host.gpu_vendor == "amd":
-        # ROCm needs the compute interface (kfd), the render nodes (dri), and the groups owning them.
-        args += ["--device", "/dev/kfd", "--device", "/dev/dri",
-                 "--group-add", "video", "--group-add", "render"]
+        # https://rocm.docs.amd.com/projects/install-on-linux/en/latest/how-to/docker.html: the compute
+        # interface (kfd) and the render nodes (dri), with the host's groups owning them, by number.
+        args += ["--device", "/dev/kfd", "--device", "/dev/dri"]
+        for gid in access.gids:
+            args += ["--group-add", str(gid)]
     for dev in host.devices:
         args += ["--device", dev]
+    return args
+
+
+# Per vendor, what its documentation runs containers with:
+# - NVIDIA (https://docs.nvidia.com/deeplearning/frameworks/user-guide/index.html, NGC images):
+#   --ulimit memlock=-1 --ulimit stack=67108864 (pinned memory for NCCL/InfiniBand, deep stacks);
+# - AMD (ROCm Docker guide above): --security-opt seccomp=unconfined (memory mapping for HPC work).
+# InfiniBand verbs pin memory: a host given /dev/infiniband devices also gets IPC_LOCK.
+VENDOR_ULIMITS = {"nvidia": (("memlock", "-1"), ("stack", "67108864"))}
+VENDOR_SECURITY = {"amd": ("seccomp=unconfined",)}
+
+
+def container_options(inv: Inventory, host: Host) -> list[str]:
+    """--ulimit, --cap-add and --security-opt: the vendor's defaults, then job:, then the host's."""
+    ulimits = dict(VENDOR_ULIMITS.get(host.gpu_vendor, ()))
+    ulimits.update(inv.job.ulimits)
+    ulimits.update(host.ulimits)
+    caps = list(inv.job.cap_add) + list(host.cap_add)
+    if any(d.startswith("/dev/infiniband") for d in host.devices):
+        caps.insert(0, "IPC_LOCK")
+    security = [*VENDOR_SECURITY.get(host.gpu_vendor, ()), *inv.job.security_opt, *host.security_opt]
+    args: list[str] = []
+    for name, value in ulimits.items():
+        args += ["--ulimit", f"{name}={value}"]
+    for cap in dict.fromkeys(caps):
+        args += ["--cap-add", cap]
+    for opt in dict.fromkeys(security):
+        args += ["--security-opt", opt]
     return args
 
 
@@ -92,7 +162,9 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
         ("NNODES", str(len(inv.hosts))),
         ("NODE_RANK", str(host.rank)),
         ("NPROC_PER_NODE", spec.nproc_per_node or inv.job.nproc_per_node),
-        ("NCCL_SOCKET_IFNAME", host.interface),
+        # NCCL matches a name as a prefix (eth0 would take eth0.100 too); '=' asks for exactly it.
+        # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname
+        ("NCCL_SOCKET_IFNAME", "=" + host.interface),
         ("GLOO_SOCKET_IFNAME", host.interface),
         ("FABTRAIN_JOB", spec.job_id),
         ("FABTRAIN_NODE", host.name),
@@ -104,8 +176,11 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
     return list(merged.items())
 
 
-def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, with_secrets: bool = False) -> list[str]:
-    """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> list[str]:
+    """`docker run` of one node of a job, detached so the job outlives a lost SSH session.
+
+    The image's own ENTRYPOINT is set aside: python3 runs the entrypoint this orchestrator put in
+    the job's runtime directory, so any image with python3 and torch runs as it is."""
     name = container_name(spec.job_id, host.rank)
     argv = ["docker", "run", "--detach", "--name", name,
             "--label", f"{LABEL_MANAGED}=1", "--label", f"{LABEL_JOB}={spec.job_id}",
@@ -114,25 +189,41 @@ def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, with_secrets: boo
             "--network", "host"]
     # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
     argv += ["--shm-size", inv.job.shm_size] if inv.job.shm_size else ["--ipc", "host"]
-    argv += device_args(host)
+    argv += device_args(host, access)
+    argv += container_options(inv, host)
     for key, value in job_env(inv, host, spec):
         argv += ["--env", f"{key}={value}"]
     argv += ["--volume", f"{inv.job.code_dir}:{WORKDIR}:ro",
-             "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}"]
-    if with_secrets:
-        argv += ["--volume", f"{secrets_file(inv, spec)}:{SECRETS_PATH}:ro"]
+             "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}",
+             "--volume", f"{runtime_dir(inv, spec)}:{RUNTIME_MOUNT}:ro"]
     for m in host.mounts:
         argv += ["--volume", f"{m.source}:{m.target}" + (":ro" if m.read_only else "")]
-    argv += ["--workdir", WORKDIR, spec.image or inv.image_for(host), spec.script, *spec.args]
+    target = ["-m", spec.script] if spec.module else [spec.script]
+    argv += ["--workdir", WORKDIR, "--entrypoint", "python3", spec.image or inv.image_for(host),
+             ENTRYPOINT_PATH, *target, *spec.args]
     return argv
 
 
+def runtime_dir(inv: Inventory, spec: JobSpec) -> str:
+    """The job's directory on each host for our entrypoint and the secrets file; removed at the end."""
+    return f"{inv.job.output_dir}/.runtime/{spec.job_id}"
+
+
 def secrets_file(inv: Inventory, spec: JobSpec) -> str:
-    return f"{inv.job.output_dir}/.secrets/{spec.job_id}.env"
+    return f"{runtime_dir(inv, spec)}/secrets.env"
 
 
-def prepare_dirs_argv(inv: Inventory, spec: JobSpec) -> list[str]:
-    return ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", inv.job.code_dir]
+def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> str:
+    """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
+    the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
+    rt = runtime_dir(inv, spec)
+    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", rt, inv.job.code_dir]
+    return (f"{shell(dirs)} && {shell(['cat'])} > {shell([f'{rt}/entrypoint.py'])} && "
+            f"{shell(docker_run_argv(inv, host, spec, access))} >/dev/null")
+
+
+def cleanup_argv(inv: Inventory, spec: JobSpec) -> list[str]:
+    return ["rm", "-rf", runtime_dir(inv, spec)]
 
 
 def follow_logs_argv(spec: JobSpec, rank: int) -> list[str]:

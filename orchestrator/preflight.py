@@ -60,16 +60,34 @@ GPU_CONTAINER_TIMEOUT = 60
 PROBE_TIMEOUT = 30
 CLOCK_TIMEOUT = 10
 # Probe facts that need the Docker engine: skipped once it has not answered.
-DOCKER_FACTS = ("docker", "image", "runtime", "gpu_container")
+DOCKER_FACTS = ("docker", "image", "image_info")
+# Run in the image with its python3 (not its ENTRYPOINT, which we never use): what the job needs.
+IMAGE_INFO_PY = """import json, platform
+info = {"python": platform.python_version()}
+try:
+    import torch
+except Exception as exc:
+    info["error"] = type(exc).__name__ + ": " + str(exc)
+else:
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
+                gpus=torch.cuda.device_count())
+print("IMAGEINFO " + json.dumps(info))
+"""
 # Exit code of coreutils' timeout when it had to stop the command.
 TIMED_OUT = 124
 
 
-def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str]]:
-    """The raw facts gathered on one host, as name -> argv (run in one script)."""
+def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None = None
+                   ) -> dict[str, list[str]]:
+    """The raw facts gathered on one host, as name -> argv (run in one script). `access`: how the
+    host gives containers its GPUs (plan.gpu_probe_argv, read before this probe)."""
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+        # The image as the job runs it: its python3, torch and CUDA/ROCm, and the GPUs a container
+        # started with the job's device flags sees. Never pulled here (--pull never).
+        "image_info": ["docker", "run", "--rm", "--pull", "never", "--network", "none",
+                       *plan.device_args(host, access), "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY],
         # Per job directory, from its nearest existing directory (code_dir may not exist before the
         # first sync): the free space there (judge_disk), and whether the SSH user can create and
         # write it (judge_dirs; sync and the job need to).
@@ -92,16 +110,37 @@ def probe_commands(inv: Inventory, host: Host, image: str) -> dict[str, list[str
         cmds["port"] = ["ss", "-Htlnp", f"sport = :{inv.job.master_port}"]
     if host.gpu_vendor == "nvidia":
         cmds["gpu"] = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        cmds["runtime"] = ["sh", "-c", "docker info --format '{{json .Runtimes}}'; ls /etc/cdi /var/run/cdi 2>/dev/null"]
     elif host.gpu_vendor == "amd":
-        cmds["gpu"] = ["sh", "-c", "rocm-smi --showproductname --csv 2>/dev/null | grep -c '^card' || "
-                       "ls -d /sys/class/kfd/kfd/topology/nodes/*/ 2>/dev/null | wc -l"]
+        # rocm-smi lists one "card" line per GPU (per GCD on an MI250X); without it, the KFD topology
+        # has a node per CPU socket too, whose gpu_id is 0 (count_gpus skips those).
+        cmds["gpu"] = ["sh", "-c", "rocm-smi --showproductname --csv 2>/dev/null; echo @@sysfs; "
+                       "cat /sys/class/kfd/kfd/topology/nodes/*/gpu_id 2>/dev/null"]
         cmds["runtime"] = ["ls", "-d", "/dev/kfd", "/dev/dri"]
-    if host.gpu_vendor != "none":
-        # GPUs must be visible inside a container started with the same device flags as training.
-        cmds["gpu_container"] = ["docker", "run", "--rm", *plan.device_args(host), "--entrypoint", "python3",
-                                 image, "-c", "import torch; print(torch.cuda.device_count())"]
     return cmds
+
+
+def count_gpus(vendor: str, text: str) -> tuple[int, str]:
+    """(GPU count, model) from `nvidia-smi --query-gpu=name` or the AMD probe (rocm-smi's CSV, then
+    the KFD topology's gpu_id per node, 0 for a CPU node)."""
+    if vendor == "nvidia":
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        return len(names), names[0] if names else "none"
+    smi, _, sysfs = text.partition("@@sysfs")
+    cards = [line.split(",") for line in smi.splitlines() if line.startswith("card")]
+    if cards:
+        return len(cards), cards[0][1].strip() if len(cards[0]) > 1 and cards[0][1].strip() else "AMD GPU"
+    ids = [line.strip() for line in sysfs.splitlines() if line.strip().isdigit()]
+    return sum(1 for i in ids if int(i) != 0), "AMD GPU"
+
+
+def gpu_access(session: Session, host: Host) -> plan.GpuAccess | None:
+    """How this GPU host gives containers its GPUs (None for a CPU host), read on the host; the
+    same flags serve the preflight's GPU container and the job's."""
+    probe = plan.gpu_probe_argv(host)
+    if probe is None:
+        return None
+    return plan.parse_gpu_probe(session.run(host, shell(probe), timeout=DOCKER_TIMEOUT + 5,
+                                            what="reading the GPU runtime").stdout)
 
 
 def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
@@ -113,7 +152,7 @@ def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
     parts = ["stuck=0"]
     for name, argv in cmds.items():
         if name in DOCKER_FACTS:
-            limit = GPU_CONTAINER_TIMEOUT if name == "gpu_container" else DOCKER_TIMEOUT
+            limit = GPU_CONTAINER_TIMEOUT if name == "image_info" else DOCKER_TIMEOUT
             cmd = (f'if [ $stuck = 1 ]; then echo "engine did not answer"; (exit {TIMED_OUT}); else '
                    f"{shell(['timeout', '-k', '2', str(limit), *argv])} 2>&1; fi; "
                    f"rc=$?; [ $rc = {TIMED_OUT} ] && stuck=1")
@@ -177,17 +216,9 @@ def measure_clock(session: Session, host: Host, samples: int = 7) -> tuple[float
 # ---------------------------------------------------------------- phase 2: judging
 
 def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], image: str,
-               limits: Limits = Limits()) -> list[Check]:
+               limits: Limits = Limits(), access: plan.GpuAccess | None = None) -> list[Check]:
     n = host.name
-    out = [judge_docker(host, facts)]
-    rc, text = facts.get("image", (1, ""))
-    if rc == 0 and text.startswith("sha256:"):
-        out.append(Check(n, "image", OK, f"{image} {text[7:19]}"))
-    elif rc == TIMED_OUT:
-        out.append(Check(n, "image", SKIP, "the Docker engine did not answer"))
-    else:
-        out.append(Check(n, "image", FAIL, f"{image} not present",
-                         f"fab image.push --image {image} (or docker pull it on {n})"))
+    out = [judge_docker(host, facts, access), judge_image(host, facts, image)]
     out.append(judge_gpus(host, facts))
     addrs = parse_addrs(facts.get("addr", (1, ""))[1])
     links = parse_links(facts.get("link", (1, ""))[1])
@@ -200,6 +231,53 @@ def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], im
     out.append(judge_disk(inv, host, facts.get("dirs", (1, "")), limits))
     out.append(judge_dirs(host, facts.get("dirs", (1, ""))))
     return out
+
+
+def image_info(facts) -> dict | None:
+    """What IMAGE_INFO_PY printed in the image, or None."""
+    m = re.search(r"^IMAGEINFO (\{.*\})$", facts.get("image_info", (1, ""))[1], re.M)
+    try:
+        return json.loads(m.group(1)) if m else None
+    except ValueError:
+        return None
+
+
+def describe_image(info: dict) -> str:
+    parts = [f"python {info.get('python', '?')}", f"torch {info.get('torch', '?')}"]
+    if info.get("cuda"):
+        parts.append(f"CUDA {info['cuda']}")
+    if info.get("hip"):
+        parts.append(f"ROCm {info['hip']}")
+    return ", ".join(parts)
+
+
+def judge_image(host: Host, facts, image: str) -> Check:
+    """The image is on the host and runs the job: python3 and an importable torch."""
+    n = host.name
+    rc, text = facts.get("image", (1, ""))
+    if rc == TIMED_OUT:
+        return Check(n, "image", SKIP, "the Docker engine did not answer")
+    if not (rc == 0 and text.startswith("sha256:")):
+        return Check(n, "image", FAIL, f"{image} not present",
+                     f"fab image.push --image {image} (or docker pull it on {n})")
+    ident = f"{image} {text[7:19]}"
+    build = (f"fab image.build --base {image} --requirements REQS --tag NEW (REQS naming torch), then "
+             "fab image.push --image NEW")
+    rc, out = facts.get("image_info", (1, ""))
+    info = image_info(facts)
+    if info is None:
+        if rc == TIMED_OUT:
+            return Check(n, "image", FAIL, f"{ident}: a container of it did not start within "
+                         f"{GPU_CONTAINER_TIMEOUT}s", f"on {n}: check the Docker engine (docker run --rm {image} true)")
+        if "python3" in out and ("not found" in out or "no such file" in out.lower()):
+            return Check(n, "image", FAIL, f"{ident} has no python3",
+                         "use an image with python3 and torch (e.g. nvcr.io/nvidia/pytorch, rocm/pytorch)")
+        return Check(n, "image", FAIL, f"{ident}: python3 in it failed: {_last(out)}",
+                     f"on {n}: docker run --rm --entrypoint python3 {image} -c 'import torch'")
+    if "error" in info:
+        return Check(n, "image", FAIL, f"{ident}: python {info.get('python')} but no torch ({info['error'][:120]})",
+                     build)
+    return Check(n, "image", OK, f"{ident}: {describe_image(info)}")
 
 
 def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
@@ -221,14 +299,13 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
                  f"job.output_dir to directories {user} owns)")
 
 
-def judge_docker(host: Host, facts) -> Check:
+def judge_docker(host: Host, facts, access: plan.GpuAccess | None = None) -> Check:
     n = host.name
     rc, text = facts.get("docker", (127, "no answer"))
     if rc == 0 and text:
         detail = f"engine {text}"
         if host.gpu_vendor == "nvidia":
-            rt = facts.get("runtime", (1, ""))[1]
-            if '"nvidia"' not in rt and ".yaml" not in rt and ".json" not in rt:
+            if access is None or not (access.nvidia_runtime or access.cdi):
                 return Check(n, "docker", FAIL, f"{detail}, but no nvidia runtime and no CDI specs",
                              f"on {n}: install nvidia-container-toolkit and run "
                              "'nvidia-ctk runtime configure --runtime=docker' (or generate CDI specs)")
@@ -255,23 +332,20 @@ def judge_gpus(host: Host, facts) -> Check:
     tool = "nvidia-smi" if host.gpu_vendor == "nvidia" else "rocm-smi"
     if rc != 0:
         return Check(n, "gpus", FAIL, f"{tool} failed: {_last(text)}", f"on {n}: install or repair the GPU driver")
-    if host.gpu_vendor == "nvidia":
-        names = [line.strip() for line in text.splitlines() if line.strip()]
-        count, model = len(names), (names[0] if names else "none")
-    else:
-        count, model = int(_last(text)) if _last(text).isdigit() else 0, "AMD GPU"
+    count, model = count_gpus(host.gpu_vendor, text)
     if count != host.gpu_count:
         return Check(n, "gpus", FAIL, f"{count} x {model} found, inventory says {host.gpu_count}",
                      f"set gpus.count: {count} for {n}, or find the missing GPUs ({tool})")
-    rc, text = facts.get("gpu_container", (1, ""))
-    seen = _last(text)
-    if rc == TIMED_OUT:
-        return Check(n, "gpus", FAIL, f"{count} x {model} on the host; a GPU container did not start in time "
-                     f"({seen})", f"on {n}: check the Docker engine and the container toolkit")
-    if rc != 0 or not seen.isdigit():
-        return Check(n, "gpus", FAIL, f"{count} x {model} on the host, but a container cannot use them: {seen}",
+    info = image_info(facts)
+    rc, text = facts.get("image_info", (1, ""))
+    if info is None or "gpus" not in info:
+        if rc == TIMED_OUT:
+            return Check(n, "gpus", FAIL, f"{count} x {model} on the host; a GPU container did not start in time",
+                         f"on {n}: check the Docker engine and the container toolkit")
+        return Check(n, "gpus", FAIL, f"{count} x {model} on the host, but a container cannot use them: {_last(text)}",
                      f"on {n}: check the container toolkit (docker run {' '.join(plan.device_args(host))} ...)")
-    if int(seen) != count:
+    seen = int(info["gpus"])
+    if seen != count:
         return Check(n, "gpus", FAIL, f"{count} on the host, {seen} visible in the container",
                      "check CUDA_VISIBLE_DEVICES / device flags and the image's CUDA or ROCm version")
     return Check(n, "gpus", OK, f"{count} x {model}, {seen} visible in container")
@@ -539,20 +613,21 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
             except BaseException as exc:  # noqa: BLE001 - reported as the host's ssh check
                 return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))], {}
             connect = time.monotonic() - start
-            cmds = probe_commands(inv, host, img)
+            access = gpu_access(session, host)
+            cmds = probe_commands(inv, host, img, access)
             res = session.run(host, probe_script(cmds, marker), what="preflight probe",
-                              timeout=PROBE_TIMEOUT + (GPU_CONTAINER_TIMEOUT if "gpu_container" in cmds else 0))
+                              timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT)
             facts = parse_probe(res.stdout, marker)
             offset, rtt = measure_clock(session, host)
             checks = [Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")]
-            checks += judge_host(inv, host, facts, img, limits)
+            checks += judge_host(inv, host, facts, img, limits, access)
             checks.append(judge_time(host, offset, rtt, facts.get("ntp", (1, ""))[1], limits))
             addrs = parse_addrs(facts.get("addr", (1, ""))[1])
             links = parse_links(facts.get("link", (1, ""))[1])
             summary = {"image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
                        "code": (facts["code"][1].split()[0] if facts.get("code", (1, ""))[0] == 0
                                 and facts["code"][1] else None),
-                       "python": facts.get("python", (1, ""))[0] == 0}
+                       "python": facts.get("python", (1, ""))[0] == 0, "image_info": image_info(facts)}
             if host.interface in links:
                 summary["mtu"] = links[host.interface]["mtu"]
             if addrs.get(host.interface):
@@ -609,26 +684,51 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
         return [Check(h.name, "smoke", SKIP, "other checks failed") for h in inv.hosts]
     if any(c.check == "code" and c.status != OK for c in checks):
         return [Check(h.name, "smoke", SKIP, "code not synced", "fab sync") for h in inv.hosts]
-    spec = plan.JobSpec(job_id=plan.new_job_id("preflight"), script="trainers/smoke.py", image=image)
+    # NCCL says which transport it took (NET/IB or NET/Socket) at INFO level; gloo ignores these.
+    spec = plan.JobSpec(job_id=plan.new_job_id("preflight"), script="trainers/smoke.py", image=image,
+                        env=(("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET")))
     run_dir = plan.PROJECT_ROOT / "runs" / spec.job_id
     try:
         launch.start(session, inv, spec)
         result = launch.watch(session, inv, spec, run_dir, echo=False)
     finally:
         launch.teardown(session, spec.job_id, 0)
+        launch.cleanup(session, inv, spec)
     out = []
     for h in inv.hosts:
         o = result.outcomes.get(h.name)
         log = (run_dir / f"{h.name}.log").read_text(errors="replace") if (run_dir / f"{h.name}.log").exists() else ""
-        m = re.search(r"SMOKE ok world=(\d+) .*?busbw=([\d.]+) MB/s", log)
+        m = re.search(r"SMOKE ok backend=(\S+) world=(\d+) .*?busbw=([\d.]+) MB/s", log)
         if o and o.exit_code == 0 and m:
-            out.append(Check(h.name, "smoke", OK, f"all_reduce over {m.group(1)} ranks, bus bw {float(m.group(2)):.0f} MB/s"))
+            detail = f"all_reduce over {m.group(2)} ranks ({m.group(1)}), bus bw {float(m.group(3)):.0f} MB/s"
+            out.append(judge_transport(h, detail, nccl_transport(log) if m.group(1) == "nccl" else None))
         elif o and o.exit_code == 0:
             out.append(Check(h.name, "smoke", OK, "all_reduce ok"))
         else:
             why = (o.error if o and o.error else f"exit {o.exit_code if o else '?'}") + f": {_last(log)}"
             out.append(Check(h.name, "smoke", FAIL, f"collective failed ({why})", f"see {run_dir / (h.name + '.log')}"))
     return out
+
+
+def nccl_transport(log: str) -> str | None:
+    """The network transport NCCL chose, from its NCCL_DEBUG=INFO lines: "IB" (InfiniBand or RoCE
+    verbs), "Socket" (TCP), or None when it never used the network (one host) or said nothing."""
+    if re.search(r"NET/IB ?: Using \[|via NET/IB", log):
+        return "IB"
+    if re.search(r"NET/Socket ?: Using \[|via NET/Socket", log):
+        return "Socket"
+    return None
+
+
+def judge_transport(host: Host, detail: str, transport: str | None) -> Check:
+    ib = any(d.startswith("/dev/infiniband") for d in host.devices)
+    if transport is None:
+        return Check(host.name, "smoke", OK, detail)
+    if transport == "Socket" and ib:
+        return Check(host.name, "smoke", WARN, f"{detail}, NCCL over TCP sockets although InfiniBand devices "
+                     "are mapped", f"on {host.name}: check the IB links (ibstat), NCCL_IB_HCA, and that the "
+                     "image has libibverbs (rdma-core); the log has NCCL's NET lines")
+    return Check(host.name, "smoke", OK, f"{detail}, NCCL over {'InfiniBand' if transport == 'IB' else 'TCP sockets'}")
 
 
 def _ssh_fix(host: Host, exc: BaseException) -> str:

@@ -149,18 +149,31 @@ def flops_per_token(cfg: ModelConfig, params: int) -> float:
     return 6 * params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
-# Dense bf16 peak per GPU, for model FLOPs utilisation; FABTRAIN_PEAK_TFLOPS overrides.
-PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "MI300X": 1307.0,
-               "MI250X": 383.0, "RTX 4090": 165.0, "V100": 125.0}
+# Dense bf16 peak per device, TFLOPS, by the exact name torch.cuda.get_device_name() reports (vendor
+# datasheets, no sparsity). One MI250X package is two devices (GCDs), so its entry is half the
+# package's 383. V100 and older have no bf16 units: no entry, no MFU (and no bf16, see use_bf16).
+# FABTRAIN_PEAK_TFLOPS overrides, for any device.
+PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0,
+    "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
+    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA A10": 125.0,
+    "NVIDIA GeForce RTX 4090": 165.0,
+    "AMD Instinct MI300X": 1307.0, "AMD Instinct MI250X": 191.5, "AMD Instinct MI250X / MI250": 191.5,
+}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device_name: str | None) -> float | None:
     if os.environ.get("FABTRAIN_PEAK_TFLOPS"):
         return float(os.environ["FABTRAIN_PEAK_TFLOPS"]) * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = PEAK_TFLOPS.get((device_name or "").strip())
+    return peak * 1e12 if peak else None
+
+
+def use_bf16(device: torch.device) -> bool:
+    """bf16 autocast only where the GPU has bf16 units (compute capability 8.0 or newer; ROCm
+    reports its gfx9 devices as 9.x): V100 would emulate it, slower than float32."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class CharDataset(Dataset):
@@ -286,13 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"{tag} model {args.model}: {n_params(model) / 1e6:.2f}M params, layers={mc.n_layer} "
               f"embd={mc.n_embd} block={mc.block_size}; world {d.world}, batch {tc.batch_size} x accum "
               f"{tc.grad_accum} x world {d.world}; {steps_per_epoch} steps/epoch on {device.type}")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16(device)
+                else torch.autocast(device.type, enabled=False))
     metrics_path = out / "metrics.jsonl"
     if d.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     tokens_per_step = tc.batch_size * tc.grad_accum * mc.block_size * d.world
-    fpt, peak = flops_per_token(mc, n_params(model)), peak_flops(device)
+    fpt, peak = flops_per_token(mc, n_params(model)), peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     result = {}
     run_start, run_start_step = time.perf_counter(), step
     for epoch in range(start_epoch, tc.epochs):

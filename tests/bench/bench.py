@@ -297,10 +297,11 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
 
 
 def _raw_run(inv, host, spec) -> str:
-    """The job's docker run with python3 as entrypoint: no torchrun, so only the log path is timed."""
+    """The job's docker run with python3 running the script itself: no entrypoint, no torchrun, so
+    only the log path is timed."""
     argv = plan.docker_run_argv(inv, host, spec)
-    image_at = argv.index(spec.image or inv.image_for(host))
-    return plan.shell(argv[:image_at] + ["--entrypoint", "python3"] + argv[image_at:])
+    argv.remove(plan.ENTRYPOINT_PATH)
+    return plan.shell(argv)
 
 
 def table(n: int, r: dict) -> str:

@@ -126,11 +126,16 @@ def test_hostile_arguments_and_env_arrive_verbatim(inventory_path, tmp_path):
 
 
 def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path):
+    """Also: the inventory's container options (job-wide cap_add, node2's own ulimits and
+    security_opt) reach the containers as Docker records them."""
     token = "s3cr3t-" + os.urandom(8).hex()
     secret = tmp_path / "token"
     secret.write_text(token + "\n")
     inv2 = tmp_path / "secret.yaml"
-    inv2.write_text(inventory_path.read_text().replace("job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n"))
+    text = inventory_path.read_text().replace(
+        "job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n  cap_add: [SYS_PTRACE]\n")
+    inv2.write_text(text.replace("  - name: node2\n", "  - name: node2\n    ulimits: {nofile: \"4096:8192\"}\n"
+                                                     "    security_opt: [no-new-privileges]\n"))
     proc = start_fab(inv2, "train", "--script", REPORT, "--args", "--hash-env API_TOKEN --sleep 8")
     try:
         wait_for_containers(["node1", "node2"])
@@ -142,7 +147,15 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
             assert "torch.distributed.run" in cmdlines and token not in cmdlines
             inspect = on_host(node, "docker inspect $(docker ps -aq --filter label=fabtrain.managed=1)").stdout
             assert "FABTRAIN_JOB" in inspect and token not in inspect
-            assert on_host(node, "stat -c %a /opt/fabtrain/output/.secrets/*.env").stdout.strip() == "600"
+            assert on_host(node, "stat -c %a /opt/fabtrain/output/.runtime/*/secrets.env").stdout.strip() == "600"
+            config = json.loads(on_host(node, "docker inspect --format '{{json .HostConfig}}' "
+                                              "$(docker ps -q --filter label=fabtrain.managed=1)").stdout)
+            assert config["CapAdd"] == ["SYS_PTRACE"]
+            if node == "node2":
+                assert config["Ulimits"] == [{"Name": "nofile", "Soft": 4096, "Hard": 8192}]
+                assert config["SecurityOpt"] == ["no-new-privileges"]
+            else:
+                assert not config["Ulimits"] and not config["SecurityOpt"]
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -155,8 +168,8 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
     for log in run_dir.rglob("*"):
         if log.is_file():
             assert token not in log.read_text(errors="replace")
-    for node in ("node1", "node2"):  # the secrets file is gone from the hosts after the job
-        assert on_host(node, "ls /opt/fabtrain/output/.secrets/").stdout.strip() == ""
+    for node in ("node1", "node2"):  # the secrets file and our entrypoint are gone after the job
+        assert on_host(node, "ls /opt/fabtrain/output/.runtime/").stdout.strip() == ""
 
 
 def test_unknown_and_changed_host_keys_are_refused(inventory_path, tmp_path):

@@ -146,3 +146,15 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path):
                        "--sample-chars", "0", "--out", str(tmp_path)])
     assert result["eval_loss"] < 2.0, result
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mfu_peak_by_exact_device_name(monkeypatch):
+    import gpt
+    monkeypatch.delenv("FABTRAIN_PEAK_TFLOPS", raising=False)
+    assert gpt.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpt.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's peak
+    assert gpt.peak_flops("AMD Instinct MI250X") == 191.5e12  # per GCD, the device torch sees
+    assert gpt.peak_flops("Tesla V100-SXM2-32GB") is None  # no bf16 units
+    assert gpt.peak_flops(None) is None
+    monkeypatch.setenv("FABTRAIN_PEAK_TFLOPS", "100")
+    assert gpt.peak_flops("anything") == 100e12

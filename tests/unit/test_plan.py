@@ -34,35 +34,94 @@ def common(rank: int, name: str, ifname: str) -> list[str]:
 
 def env(rank: int, name: str, ifname: str) -> list[str]:
     pairs = [f"MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
-             "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
+             "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME=={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
              "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "OMP_NUM_THREADS=1"]
     return [x for p in pairs for x in ("--env", p)]
 
 
-TAIL = ["--volume", "/opt/code:/workspace:ro", "--volume", "/opt/out/gpt-1:/output"]
-CMD = ["--workdir", "/workspace", "img:1", "trainers/gpt.py", "--model", "tiny"]
+TAIL = ["--volume", "/opt/code:/workspace:ro", "--volume", "/opt/out/gpt-1:/output",
+        "--volume", "/opt/out/.runtime/gpt-1:/run/fabtrain:ro"]
+CMD = ["--workdir", "/workspace", "--entrypoint", "python3", "img:1", "/run/fabtrain/entrypoint.py",
+       "trainers/gpt.py", "--model", "tiny"]
+NGC_LIMITS = ["--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
 
 
-def test_docker_run_nvidia():
+def test_docker_run_nvidia_with_the_runtime_hook():
     h = INV.hosts[0]
-    assert plan.docker_run_argv(INV, h, SPEC) == (
-        common(0, "gpu0", "ib0") + ["--gpus", "all"] + env(0, "gpu0", "ib0") + TAIL + CMD)
+    assert plan.docker_run_argv(INV, h, SPEC, plan.GpuAccess(nvidia_runtime=True, cdi=True)) == (
+        common(0, "gpu0", "ib0") + ["--gpus", "all"] + NGC_LIMITS + env(0, "gpu0", "ib0") + TAIL + CMD)
 
 
-def test_docker_run_amd():
+def test_docker_run_nvidia_cdi_only():
+    h = INV.hosts[0]
+    access = plan.parse_gpu_probe("runtimes {\"io.containerd.runc.v2\":{\"path\":\"runc\"},\"runc\":{}}\ncdi 3\n")
+    assert access == plan.GpuAccess(nvidia_runtime=False, cdi=True)
+    assert plan.docker_run_argv(INV, h, SPEC, access) == (
+        common(0, "gpu0", "ib0") + ["--device", "nvidia.com/gpu=all"] + NGC_LIMITS + env(0, "gpu0", "ib0")
+        + TAIL + CMD)
+    hook = plan.parse_gpu_probe('runtimes {"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}\ncdi 0\n')
+    assert hook == plan.GpuAccess(nvidia_runtime=True, cdi=False)
+
+
+def test_docker_run_amd_groups_by_number_read_on_the_host():
     h = INV.hosts[1]
-    assert plan.docker_run_argv(INV, h, SPEC) == (
+    # /dev/kfd owned by render (gid 110 on this host), the render nodes too; video (44) on card nodes.
+    access = plan.parse_gpu_probe("gids 44 110\n")
+    assert plan.docker_run_argv(INV, h, SPEC, access) == (
         common(1, "rocm1", "eth1")
-        + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--group-add", "render"]
+        + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "44", "--group-add", "110",
+           "--security-opt", "seccomp=unconfined"]
         + env(1, "rocm1", "eth1") + ["--env", "HSA_X=1"] + TAIL + CMD)
 
 
-def test_docker_run_cpu_with_devices_mounts_and_secrets():
+def test_docker_run_amd_without_a_render_group():
+    # Devices owned by root only (gid 0): no group to add, and never a group name the image lacks.
+    h = INV.hosts[1]
+    argv = plan.docker_run_argv(INV, h, SPEC, plan.parse_gpu_probe("gids 0\n"))
+    assert "--group-add" not in argv and argv[argv.index("/dev/dri") + 1] == "--security-opt"
+
+
+def test_docker_run_cpu_with_infiniband_devices_and_mounts():
     h = INV.hosts[2]
-    assert plan.docker_run_argv(INV, h, SPEC, with_secrets=True) == (
-        common(2, "cpu2", "eth0") + ["--device", "/dev/infiniband/uverbs0"] + env(2, "cpu2", "eth0") + TAIL
-        + ["--volume", "/opt/out/.secrets/gpt-1.env:/run/fabtrain/secrets.env:ro",
-           "--volume", "/data:/data:ro"] + CMD)
+    assert plan.docker_run_argv(INV, h, SPEC) == (
+        common(2, "cpu2", "eth0") + ["--device", "/dev/infiniband/uverbs0", "--cap-add", "IPC_LOCK"]
+        + env(2, "cpu2", "eth0") + TAIL + ["--volume", "/data:/data:ro"] + CMD)
+
+
+def test_inventory_container_options_over_the_vendor_defaults():
+    inv = parse("""\
+job:
+  ulimits: {nofile: "4096:8192"}
+  cap_add: [SYS_PTRACE]
+hosts:
+  - name: dgx1
+    address: 10.0.0.1
+    interface: ens1f0
+    gpus: {vendor: nvidia, count: 8}
+    devices: [/dev/infiniband]
+    ulimits: {memlock: 68719476736, stack: unlimited}
+    cap_add: [SYS_NICE]
+    security_opt: [apparmor=unconfined]
+""", Path("i.yaml"))
+    assert plan.container_options(inv, inv.hosts[0]) == [
+        "--ulimit", "memlock=68719476736", "--ulimit", "stack=-1", "--ulimit", "nofile=4096:8192",
+        "--cap-add", "IPC_LOCK", "--cap-add", "SYS_PTRACE", "--cap-add", "SYS_NICE",
+        "--security-opt", "apparmor=unconfined"]
+
+
+def test_module_runs_through_the_entrypoint():
+    spec = plan.JobSpec(job_id="gpt-1", script="mypkg.train", module=True, args=("--lr", "1"))
+    argv = plan.docker_run_argv(INV, INV.hosts[2], spec)
+    assert argv[argv.index("img:1"):] == ["img:1", "/run/fabtrain/entrypoint.py", "-m", "mypkg.train", "--lr", "1"]
+
+
+def test_start_script_writes_the_entrypoint_from_stdin():
+    script = plan.start_script(INV, INV.hosts[2], SPEC)
+    assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/.runtime/gpt-1 /opt/code && "
+                             "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
+    assert script.endswith(" >/dev/null")
+    assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
+    assert plan.cleanup_argv(INV, SPEC) == ["rm", "-rf", "/opt/out/.runtime/gpt-1"]
 
 
 def test_shm_size_replaces_ipc_host():
@@ -165,3 +224,9 @@ def test_entrypoint_interface_on_master_is_the_card_not_loopback():
     worker = "172.28.5.11 dev eth0 src 172.28.5.12 uid 0 \\    cache "
     assert ep.pick_interface("172.28.5.11", worker, addrs) == "eth0"
     assert ep.pick_interface("127.0.0.1", "local 127.0.0.1 dev lo table local src 127.0.0.1", addrs) == "lo"
+
+
+def test_entrypoint_runs_a_module_with_torchrun_module_flag():
+    ep = _entrypoint()
+    argv, _, _ = ep.plan({"NNODES": "1"}, ["-m", "mypkg.train", "--lr", "1"], gpus=0)
+    assert argv[-6:] == ["29500", "--module", "--", "mypkg.train", "--lr", "1"]

@@ -56,8 +56,12 @@ def test_wrong_interface_suggests_the_one_holding_the_master_subnet():
     assert c.fix == "set interface: eth1 for b (its subnet holds 10.1.0.1)"
 
 
+IMAGE_OK = (0, 'IMAGEINFO {"python": "3.11.2", "torch": "2.5.1+cpu", "cuda": null, "hip": null, "gpus": 0}')
+
+
 def test_port_taken_names_process():
     facts = {"docker": (0, "24.0"), "image": (0, "sha256:" + "a" * 64), "addr": (0, ""), "link": (0, ""),
+             "image_info": IMAGE_OK,
              "port": (0, 'LISTEN 0 5 0.0.0.0:29500 0.0.0.0:* users:(("python3",pid=4242,fd=3))')}
     checks = {c.check: c for c in pf.judge_host(INV, INV.hosts[0], facts, "img")}
     assert checks["port"].status == "fail"
@@ -93,3 +97,70 @@ def test_render_shows_remote_text_as_text():
     out = buf.getvalue()
     assert "[/x] [bold]b[2J]8;;http://example.invalid" in out  # markup shown, controls gone
     assert not any(ord(ch) < 32 and ch not in "\n" for ch in out)
+
+
+def test_image_check_reports_versions_and_names_what_is_missing():
+    host = INV.hosts[0]
+    present = {"image": (0, "sha256:" + "b" * 64)}
+    ok = pf.judge_image(host, {**present, "image_info": IMAGE_OK}, "img:1")
+    assert (ok.status, ok.detail) == ("ok", "img:1 bbbbbbbbbbbb: python 3.11.2, torch 2.5.1+cpu")
+    ngc = pf.judge_image(host, {**present, "image_info": (0, 'IMAGEINFO {"python": "3.10.12", "torch": '
+                                                            '"2.2.0a0+81ea7a4", "cuda": "12.3", "hip": null, "gpus": 8}')}, "ngc")
+    assert ngc.detail.endswith("python 3.10.12, torch 2.2.0a0+81ea7a4, CUDA 12.3")
+    no_torch = pf.judge_image(host, {**present, "image_info": (0, 'IMAGEINFO {"python": "3.11.2", "error": '
+                                                                 '"ModuleNotFoundError: No module named \'torch\'"}')}, "img:1")
+    assert no_torch.status == "fail" and "python 3.11.2 but no torch (ModuleNotFoundError" in no_torch.detail
+    assert no_torch.fix.startswith("fab image.build --base img:1 ")
+    # What Docker prints when the image has no python3 at all.
+    no_python = pf.judge_image(host, {**present, "image_info": (127, 'docker: Error response from daemon: failed to '
+                                      'create task: exec: "python3": executable file not found in $PATH')}, "img:1")
+    assert (no_python.status, no_python.detail) == ("fail", "img:1 bbbbbbbbbbbb has no python3")
+    missing = pf.judge_image(host, {"image": (1, "Error: No such image: img:1")}, "img:1")
+    assert (missing.status, missing.detail) == ("fail", "img:1 not present")
+
+
+NVIDIA_SMI = "NVIDIA H100 80GB HBM3\n" * 8
+ROCM_SMI = ("device,Card series,Card model,Card vendor,Card SKU,Subsystem ID,Device Rev,Node ID,GUID,GFX Version\n"
+            + "".join(f"card{i},AMD Instinct MI250X,0x740c,Advanced Micro Devices Inc. [AMD/ATI],D65209,0x0b0c,"
+                      f"0x01,{i + 2},1234,gfx90a\n" for i in range(8)))
+# KFD topology of a 2-socket MI250X server without rocm-smi: two CPU nodes (gpu_id 0), 8 GCDs.
+SYSFS = "0\n0\n" + "".join(f"{40000 + i}\n" for i in range(8))
+
+
+def test_gpu_count_from_captured_tool_output():
+    assert pf.count_gpus("nvidia", NVIDIA_SMI) == (8, "NVIDIA H100 80GB HBM3")
+    assert pf.count_gpus("amd", ROCM_SMI + "@@sysfs\n" + SYSFS) == (8, "AMD Instinct MI250X")
+    assert pf.count_gpus("amd", "@@sysfs\n" + SYSFS) == (8, "AMD GPU")  # CPU nodes not counted
+    assert pf.count_gpus("amd", "@@sysfs\n") == (0, "AMD GPU")
+
+
+def test_nvidia_host_without_hook_or_cdi_fails_docker_check():
+    gpu = parse("hosts:\n  - {name: g, address: 10.1.0.9, interface: eth0, gpus: {vendor: nvidia, count: 8}}\n",
+                Path("i.yaml")).hosts[0]
+    facts = {"docker": (0, "27.1")}
+    none = pf.judge_docker(gpu, facts, pf.plan.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 0\n"))
+    assert none.status == "fail" and "no nvidia runtime and no CDI specs" in none.detail
+    cdi = pf.judge_docker(gpu, facts, pf.plan.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 2\n"))
+    assert cdi.status == "ok"
+
+
+# Captured NCCL_DEBUG=INFO lines (NCCL 2.19): an IB fabric, and a host where IB init failed.
+NCCL_IB = """dgx1:1234:1250 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB ; OOB ens1f0:10.0.0.11<0>
+dgx1:1234:1250 [0] NCCL INFO Channel 00/0 : 8[0] -> 0[0] [receive] via NET/IB/0/GDRDMA
+"""
+NCCL_SOCKET = """dgx1:1234:1250 [0] NCCL INFO NET/IB : No device found.
+dgx1:1234:1250 [0] NCCL INFO NET/Socket : Using [0]ens1f0:10.0.0.11<0>
+dgx1:1234:1250 [0] NCCL INFO Channel 00/0 : 8[0] -> 0[0] [receive] via NET/Socket/0
+"""
+
+
+def test_nccl_transport_from_debug_lines():
+    assert pf.nccl_transport(NCCL_IB) == "IB"
+    assert pf.nccl_transport(NCCL_SOCKET) == "Socket"
+    assert pf.nccl_transport("SMOKE ok backend=gloo world=4") is None
+    ib_host = parse("hosts:\n  - {name: d, address: 10.0.0.11, interface: ens1f0, devices: [/dev/infiniband]}\n",
+                    Path("i.yaml")).hosts[0]
+    warn = pf.judge_transport(ib_host, "all_reduce over 16 ranks (nccl)", "Socket")
+    assert warn.status == "warn" and "NCCL over TCP sockets although InfiniBand devices are mapped" in warn.detail
+    assert pf.judge_transport(ib_host, "x", "IB") == pf.Check("d", "smoke", "ok", "x, NCCL over InfiniBand")
+    assert pf.judge_transport(INV.hosts[0], "x", "Socket").status == "ok"
