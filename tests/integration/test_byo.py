@@ -60,8 +60,11 @@ def test_dry_run_prints_every_command_per_host(inventory_path):
     assert r.returncode == 0
     lines = r.stdout.splitlines()
     runs = [line for line in lines if " docker run " in line]
-    assert runs[0].startswith("[node1 rank 0] docker run --detach --name fabtrain-gpt-")
-    assert runs[1].startswith("[node2 rank 1] docker run --detach")
+    assert runs[0].startswith("[node1 rank 0] mkdir -p /opt/fabtrain/output/gpt-")
+    assert " && cat > /opt/fabtrain/output/.runtime/gpt-" in runs[0]
+    assert "/entrypoint.py && docker run --detach --name fabtrain-gpt-" in runs[0]
+    assert runs[0].endswith(" >/dev/null  # stdin: docker/entrypoint.py")
+    assert runs[1].startswith("[node2 rank 1] mkdir -p ")
     assert "--env NODE_RANK=1" in runs[1] and "trainers/gpt.py --model tiny --epochs 1" in runs[1]
     assert sum(line.startswith("rsync ") for line in lines) == 2
     assert on_host("node1", "docker ps -aq --filter label=fabtrain.managed=1").stdout == ""

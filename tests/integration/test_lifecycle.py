@@ -147,15 +147,16 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
             assert "torch.distributed.run" in cmdlines and token not in cmdlines
             inspect = on_host(node, "docker inspect $(docker ps -aq --filter label=fabtrain.managed=1)").stdout
             assert "FABTRAIN_JOB" in inspect and token not in inspect
-            assert on_host(node, "stat -c %a /opt/fabtrain/output/.runtime/*/secrets.env").stdout.strip() == "600"
+            job = on_host(node, "docker ps --filter label=fabtrain.managed=1 --format '{{.Label \"fabtrain.job\"}}'").stdout.strip()
+            assert on_host(node, f"stat -c %a /opt/fabtrain/output/.runtime/{job}/secrets.env").stdout.strip() == "600"
             config = json.loads(on_host(node, "docker inspect --format '{{json .HostConfig}}' "
                                               "$(docker ps -q --filter label=fabtrain.managed=1)").stdout)
             assert config["CapAdd"] == ["SYS_PTRACE"]
             if node == "node2":
                 assert config["Ulimits"] == [{"Name": "nofile", "Soft": 4096, "Hard": 8192}]
-                assert config["SecurityOpt"] == ["no-new-privileges"]
-            else:
-                assert not config["Ulimits"] and not config["SecurityOpt"]
+                assert "no-new-privileges" in config["SecurityOpt"]
+            else:  # (the engine may add its own, e.g. label=disable)
+                assert not config["Ulimits"] and "no-new-privileges" not in (config["SecurityOpt"] or [])
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -169,7 +170,7 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
         if log.is_file():
             assert token not in log.read_text(errors="replace")
     for node in ("node1", "node2"):  # the secrets file and our entrypoint are gone after the job
-        assert on_host(node, "ls /opt/fabtrain/output/.runtime/").stdout.strip() == ""
+        assert on_host(node, f"ls /opt/fabtrain/output/.runtime/{job}", check=False).returncode != 0
 
 
 def test_unknown_and_changed_host_keys_are_refused(inventory_path, tmp_path):

@@ -61,7 +61,7 @@ def test_clean_cluster_passes_everything_including_the_smoke_test(inventory_path
     assert names >= {"ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
                      "shm", "disk", "code", "smoke"}
     smoke = [c for c in checks if c["check"] == "smoke"]
-    assert len(smoke) == 2 and all("all_reduce over 4 ranks, bus bw" in c["detail"] for c in smoke)
+    assert len(smoke) == 2 and all("all_reduce over 4 ranks (gloo), bus bw" in c["detail"] for c in smoke)
 
 
 def test_firewall_dropping_the_master_port_on_rank0(inventory_path, inv):
