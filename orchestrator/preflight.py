@@ -84,10 +84,7 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAcces
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
-        # The image as the job runs it: its python3, torch and CUDA/ROCm, and the GPUs a container
-        # started with the job's device flags sees. Never pulled here (--pull never).
-        "image_info": ["docker", "run", "--rm", "--pull", "never", "--network", "none",
-                       *plan.device_args(host, access), "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY],
+        "image_info": image_info_argv(inv, host, image, access),
         # Per job directory, from its nearest existing directory (code_dir may not exist before the
         # first sync): the free space there (judge_disk), and whether the SSH user can create and
         # write it (judge_dirs; sync and the job need to).
@@ -117,6 +114,24 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAcces
                        "cat /sys/class/kfd/kfd/topology/nodes/*/gpu_id 2>/dev/null"]
         cmds["runtime"] = ["ls", "-d", "/dev/kfd", "/dev/dri"]
     return cmds
+
+
+def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None) -> list[str]:
+    """The image as the job runs it: its python3, torch and CUDA/ROCm, and the GPUs a container
+    started with the job's device flags sees. Never pulled here (--pull never).
+
+    Starting a container and importing torch takes seconds, so on a CPU host the answer is kept
+    on the host under the image id (an id names one immutable image); a GPU host always looks
+    again, since what it must show is that the GPUs work now."""
+    run = ["docker", "run", "--rm", "--pull", "never", "--network", "none", *plan.device_args(host, access),
+           "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY]
+    if host.gpu_vendor != "none":
+        return run
+    script = ('id=$(docker image inspect --format "{{.Id}}" "$1") || exit 1; f="$2/${id#sha256:}"; '
+              'if [ -s "$f" ]; then cat "$f"; exit 0; fi; shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
+              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && mkdir -p "${f%/*}" && printf "%s\\n" "$out" > "$f.$$" '
+              '&& mv "$f.$$" "$f";; esac 2>/dev/null; exit $rc')
+    return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/images", *run]
 
 
 def count_gpus(vendor: str, text: str) -> tuple[int, str]:
@@ -513,13 +528,18 @@ def _last(text: str) -> str:
 def local_code_hash(root: Path) -> str:
     """The same hash the hosts compute over the synced tree (files rsync copies, C sort order)."""
     import fnmatch
+    import os
+
+    def excluded(name: str) -> bool:
+        return any(fnmatch.fnmatch(name, pat) for pat in plan.RSYNC_EXCLUDES)
     files = []
-    for path in root.rglob("*"):
-        rel = path.relative_to(root)
-        if any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in plan.RSYNC_EXCLUDES):
-            continue
-        if path.is_file() and not path.is_symlink():
-            files.append("./" + rel.as_posix())
+    # Excluded directories are pruned, not walked: a project's .venv alone can hold 100k files.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not excluded(d)]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not excluded(name) and path.is_file() and not path.is_symlink():
+                files.append("./" + path.relative_to(root).as_posix())
     listing = "".join(f"{hashlib.sha256((root / f[2:]).read_bytes()).hexdigest()}  {f}\n"
                       for f in sorted(files, key=lambda s: s.encode()))
     return hashlib.sha256(listing.encode()).hexdigest()
