@@ -480,6 +480,18 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
                 out.append(Check(n, "image", FAIL, f"image id {i[7:19]} differs from {majority[0]}'s "
                                  f"{ids[majority[0]][7:19]} (same tag, other image)",
                                  f"fab image.push to {n}, so every host runs the same image"))
+    if not out:  # same image everywhere, or per-host images: their contents must still agree
+        versions = {n: describe_image(f["image_info"]) for n, f in per_host.items()
+                    if f.get("image_info") and "error" not in f["image_info"]}
+        if len(set(versions.values())) > 1:
+            counts: dict[str, int] = {}
+            for v in versions.values():
+                counts[v] = counts.get(v, 0) + 1
+            common = max(counts, key=counts.get)
+            for n, v in versions.items():
+                if v != common:
+                    out.append(Check(n, "image", WARN, f"{v} here, {common} on the others",
+                                     "run one image everywhere (job.image), or the same versions in each"))
     mtus = {n: f["mtu"] for n, f in per_host.items() if f.get("mtu")}
     for n, f in per_host.items():
         if "mtu" not in f:

@@ -109,3 +109,54 @@ def test_bad_env_name():
 def test_missing_file():
     with pytest.raises(UserError, match="nope.yaml: inventory not found; pass --inventory PATH"):
         load("nope.yaml")
+
+
+def _examples() -> dict[str, str]:
+    """The commented inventories at the end of inventory.yaml and the YAML blocks of README.md's
+    GPU section, as a user would copy them."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "inventory.yaml").read_text()
+    out = {}
+    for part in text.split("# --- ")[1:]:
+        lines = part.splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith(("# ssh:", "# job:", "# hosts:")))
+        body = [line[2:] for line in lines[first:] if line.startswith("# ")]  # the prose above is left out
+        out[part.split()[0] + part.split()[1]] = "\n".join(body) + "\n"
+    readme = (root / "README.md").read_text()
+    gpu = readme[readme.index("**GPU servers.**"):readme.index("Inventory mistakes")]
+    for i, block in enumerate(gpu.split("```")[1::2]):
+        out[f"readme{i}"] = block
+    return out
+
+
+def test_commented_examples_parse_and_give_the_documented_flags():
+    from orchestrator import plan
+    examples = _examples()
+    assert len(examples) == 4, list(examples)
+    ngc_amd = []
+    for name, text in examples.items():
+        if name.startswith("TwoAMD"):  # the AMD example reuses the global ssh: of the file above it
+            text = "ssh: {user: me}\n" + text
+        inv = parse(text, Path(f"{name}.yaml"))
+        assert len(inv.hosts) == 2, name
+        ngc_amd.append(inv)
+        host = inv.hosts[0]
+        argv = plan.docker_run_argv(inv, host, plan.JobSpec(job_id="j", script="s.py"))
+        if host.gpu_vendor == "nvidia":
+            assert inv.job.image == "nvcr.io/nvidia/pytorch:24.01-py3"
+            for flag in ("--gpus", "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "memlock=-1"):
+                assert flag in argv, (name, flag)
+        else:
+            assert inv.job.image == "rocm/pytorch:latest" and "seccomp=unconfined" in argv and "/dev/kfd" in argv
+    assert {i.hosts[0].gpu_vendor for i in ngc_amd} == {"nvidia", "amd"}
+
+
+def test_container_option_mistakes_name_the_field():
+    base = "hosts:\n  - {address: h, interface: eth0, %s}\n"
+    for field, problem in (("ulimits: {nofiles: 10}", "hosts[0].ulimits.nofiles: is not a ulimit Docker knows"),
+                           ("ulimits: {nofile: lots}", "hosts[0].ulimits.nofile: 'lots' is not a limit"),
+                           ("cap_add: ['SYS_ADMIN; id']", "hosts[0].cap_add: 'SYS_ADMIN; id' is not a valid cap_add entry"),
+                           ("security_opt: ['seccomp=$(id)']", "is not a valid security_opt entry")):
+        with pytest.raises(UserError) as e:
+            parse(base % field, Path("i.yaml"))
+        assert problem in str(e.value), str(e.value)

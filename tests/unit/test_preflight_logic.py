@@ -164,3 +164,14 @@ def test_nccl_transport_from_debug_lines():
     assert warn.status == "warn" and "NCCL over TCP sockets although InfiniBand devices are mapped" in warn.detail
     assert pf.judge_transport(ib_host, "x", "IB") == pf.Check("d", "smoke", "ok", "x, NCCL over InfiniBand")
     assert pf.judge_transport(INV.hosts[0], "x", "Socket").status == "ok"
+
+
+def test_hosts_whose_images_hold_different_versions_are_warned():
+    a = {"python": "3.11.2", "torch": "2.5.1", "cuda": "12.4", "hip": None, "gpus": 8}
+    per_host = {"a": {"image_id": "sha256:1", "image_info": a},
+                "b": {"image_id": "sha256:1", "image_info": a},
+                "c": {"image_id": "sha256:1", "image_info": {**a, "torch": "2.4.0"}}}
+    checks = [c for c in pf.judge_across(INV, per_host, None) if c.check == "image"]
+    assert checks == [pf.Check("c", "image", "warn", "python 3.11.2, torch 2.4.0, CUDA 12.4 here, "
+                               "python 3.11.2, torch 2.5.1, CUDA 12.4 on the others",
+                               "run one image everywhere (job.image), or the same versions in each")]
