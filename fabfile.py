@@ -222,7 +222,7 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None):
                             "refusing to use it as a local path. Pass --job with the right id")
         spec = plan.JobSpec(job_id=job, script="")
         try:
-            result = launch.watch(session, inv, spec, RUNS / job / "attach")
+            result = launch.watch(session, inv, spec, RUNS / job / "attach", detach=True)
         except KeyboardInterrupt:
             print("detached; the job goes on ('fab stop' ends it)")
             return

@@ -207,8 +207,9 @@ def teardown(session: Session, job_id: str | None, grace: float, hosts: tuple[Ho
 
 
 def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, echo: bool = True,
-          out=None, lost_after: float | None = None) -> JobResult:
-    """Stream every node's output until all exit; on the first failure or lost host, stop the rest."""
+          out=None, lost_after: float | None = None, detach: bool = False) -> JobResult:
+    """Stream every node's output until all exit; on the first failure or lost host, stop the rest.
+    Ctrl+C stops the job, or with `detach` (a re-attached `fab logs`) only stops watching it."""
     mux = Multiplexer(run_dir, out=out, echo=echo)
     width = max(len(f"{h.name} r{h.rank}") for h in inv.hosts)
     result = JobResult(spec.job_id, run_dir)
@@ -267,6 +268,8 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
                 _drain_events(events, pending, result, timeout=5)
                 break
     except KeyboardInterrupt as exc:
+        if detach:
+            raise
         result.interrupted = getattr(exc, "signum", signal.SIGINT)
         result.teardown_seconds = teardown(session, spec.job_id, inv.job.stop_grace)
         _drain_events(events, pending, result, timeout=5)

@@ -198,7 +198,7 @@ def test_unknown_and_changed_host_keys_are_refused(inventory_path, tmp_path):
 
 
 def test_lost_terminal_leaves_a_visible_job_that_fab_logs_reattaches_to(inventory_path):
-    proc = start_fab(inventory_path, "train", "--script", REPORT, "--args", "--sleep 12")
+    proc = start_fab(inventory_path, "train", "--script", REPORT, "--args", "--sleep 20")
     try:
         wait_for_containers(["node1", "node2"])
         proc.kill()  # the terminal is gone: no signal handler runs
@@ -206,6 +206,15 @@ def test_lost_terminal_leaves_a_visible_job_that_fab_logs_reattaches_to(inventor
         assert running("node1") and running("node2")  # the job goes on, by design
         status = fab(inventory_path, "status")
         assert status.stdout.count("running") == 2 and "report-" in status.stdout
+        # Ctrl+C in fab logs detaches: the job keeps running.
+        attached = start_fab(inventory_path, "logs")
+        for line in attached.stdout:  # attached once node1's output arrives
+            if "node1 r0 | " in line:
+                break
+        attached.send_signal(signal.SIGINT)
+        out, _ = attached.communicate(timeout=30)
+        assert attached.returncode == 0 and "detached; the job goes on" in out
+        assert running("node1") and running("node2")
         logs = fab(inventory_path, "logs", timeout=120)
         assert logs.returncode == 0, logs.stderr
         assert logs.stdout.count("REPORT ") == 4  # from the start, every rank
