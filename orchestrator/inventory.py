@@ -45,6 +45,11 @@ class Host:
     security_opt: tuple[str, ...] = ()
 
     @property
+    def infiniband(self) -> bool:
+        """InfiniBand devices are mapped into its containers (NCCL should use them)."""
+        return any(d.startswith("/dev/infiniband") for d in self.devices)
+
+    @property
     def hostname(self) -> str:
         """The network address the host is reached at (ssh_config's HostName for an alias)."""
         return self.ssh.hostname
@@ -293,7 +298,7 @@ def _container_options(reader: _Reader) -> dict:
             limits.fail(where, "is not a ulimit Docker knows", f"use one of: {', '.join(ULIMITS)}",
                         limits.lines.get(name))
         text = "-1" if value in ("unlimited", -1) else str(value)
-        if isinstance(value, bool) or isinstance(value, (dict, list)) or not ULIMIT_VALUE_RE.match(text):
+        if isinstance(value, (bool, dict, list)) or not ULIMIT_VALUE_RE.match(text):
             limits.fail(where, f"{value!r} is not a limit", "write a number, SOFT:HARD, or -1 / unlimited",
                         limits.lines.get(name))
         ulimits.append((name, text))

@@ -151,9 +151,7 @@ def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None
         body.append(f"{name}={value}\n")
     data = "".join(body).encode()
     target = plan.secrets_file(inv, spec)
-    results = session.fan_out(lambda h: (session.run(h, plan.shell(["mkdir", "-p", plan.runtime_dir(inv, spec)]),
-                                                     timeout=STATUS_TIMEOUT),
-                                         session.put(h, data, target, 0o600)))
+    results = session.fan_out(lambda h: session.put(h, data, target, 0o600))
     _raise_any(session, results, "writing the secrets file")
 
 

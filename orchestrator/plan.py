@@ -141,7 +141,7 @@ def container_options(inv: Inventory, host: Host) -> list[str]:
     ulimits.update(inv.job.ulimits)
     ulimits.update(host.ulimits)
     caps = list(inv.job.cap_add) + list(host.cap_add)
-    if any(d.startswith("/dev/infiniband") for d in host.devices):
+    if host.infiniband:
         caps.insert(0, "IPC_LOCK")
     security = [*VENDOR_SECURITY.get(host.gpu_vendor, ()), *inv.job.security_opt, *host.security_opt]
     args: list[str] = []
@@ -218,7 +218,7 @@ def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
     rt = runtime_dir(inv, spec)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", rt, inv.job.code_dir]
-    return (f"{shell(dirs)} && {shell(['cat'])} > {shell([f'{rt}/entrypoint.py'])} && "
+    return (f"{shell(dirs)} && cat > {shell([f'{rt}/entrypoint.py'])} && "
             f"{shell(docker_run_argv(inv, host, spec, access))} >/dev/null")
 
 

@@ -18,6 +18,7 @@ import json
 import re
 import secrets
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -484,10 +485,7 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
         versions = {n: describe_image(f["image_info"]) for n, f in per_host.items()
                     if f.get("image_info") and "error" not in f["image_info"]}
         if len(set(versions.values())) > 1:
-            counts: dict[str, int] = {}
-            for v in versions.values():
-                counts[v] = counts.get(v, 0) + 1
-            common = max(counts, key=counts.get)
+            common = Counter(versions.values()).most_common(1)[0][0]
             for n, v in versions.items():
                 if v != common:
                     out.append(Check(n, "image", WARN, f"{v} here, {common} on the others",
@@ -753,10 +751,9 @@ def nccl_transport(log: str) -> str | None:
 
 
 def judge_transport(host: Host, detail: str, transport: str | None) -> Check:
-    ib = any(d.startswith("/dev/infiniband") for d in host.devices)
     if transport is None:
         return Check(host.name, "smoke", OK, detail)
-    if transport == "Socket" and ib:
+    if transport == "Socket" and host.infiniband:
         return Check(host.name, "smoke", WARN, f"{detail}, NCCL over TCP sockets although InfiniBand devices "
                      "are mapped", f"on {host.name}: check the IB links (ibstat), NCCL_IB_HCA, and that the "
                      "image has libibverbs (rdma-core); the log has NCCL's NET lines")

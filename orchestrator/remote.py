@@ -244,9 +244,10 @@ class Session:
             return cmd.exit_status()
 
     def put(self, host: Host, data: bytes, path: str, mode: int = 0o600, timeout: float = 30) -> None:
-        """Write bytes to a remote file, created private and then given `mode`. The bytes travel on
-        the command's stdin, never on a command line, under the same deadline as every command."""
-        script = 'umask 077 && cat > "$1" && chmod "$2" "$1"'
+        """Write bytes to a remote file (its directory made if missing), created private and then
+        given `mode`. The bytes travel on the command's stdin, never on a command line, under the
+        same deadline as every command."""
+        script = 'mkdir -p "$(dirname "$1")" && umask 077 && cat > "$1" && chmod "$2" "$1"'
         r = self.run(host, plan.shell(["sh", "-c", script, "sh", path, f"{mode:o}"]), timeout=timeout,
                      stdin=data, what=f"writing {path}")
         if not r.ok:
