@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import shlex
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchestrator import inventory as _inventory
 from orchestrator import images as _images
 from orchestrator import launch, plan
 from orchestrator import preflight as _preflight
+from orchestrator import recovery
 from orchestrator.errors import UserError
 from orchestrator.logs import sanitize
 from orchestrator.remote import CommandTimedOut, Session, failure
@@ -77,7 +79,8 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
     inv = _inventory.load(inventory)
     limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
-        checks = _preflight.run(session, inv, limits=limits, smoke=smoke, source=code_dir(code))
+        checks = _preflight.run(session, inv, limits=limits, run_job=launch.run_once if smoke else None,
+                                source=code_dir(code))
     if json:
         print(_preflight.to_json(checks, strict))
     else:
@@ -105,18 +108,35 @@ TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
     "skip_preflight": "start without the preflight checks (code is still synced)",
     "smoke": "also run the collective smoke test before starting",
     "name": "job name prefix (default: the trainer or script name)",
+    "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
+              "newest snapshot",
+    "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
+    "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
+    "hang_timeout": f"seconds without output from any node before the stacks are dumped and the attempt "
+                    f"fails (default {recovery.HANG_TIMEOUT:g}; 0: off)",
 })
 @user_errors
-def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None,
+def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
           args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False,
-          code=None, module=None):
+          code=None, module=None, resume=None, restarts=0, min_nodes=None, hang_timeout=None):
     """Sync code, run preflight, start one container per host (rank 0 issued first), stream every host's
     log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
-    exits 0; otherwise stops the rest and exits non-zero naming the host. Ctrl+C stops the job."""
+    exits 0; otherwise stops the rest and exits non-zero naming the host (or, with --restarts, starts
+    the job again from its newest snapshot, spares taking failed hosts' places). Ctrl+C stops the job."""
     if "--" in sys.argv:
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)
-    inv = _inventory.load(inventory)
+    if resume:
+        record = recovery.JobRecord.load(RUNS, resume)
+        inv = _inventory.load(inventory or record.inventory)
+        policy = launch.Policy(restarts=int(restarts or record.restarts),
+                               min_nodes=int(min_nodes) if min_nodes else record.min_nodes,
+                               hang_timeout=float(record.hang_timeout if hang_timeout is None else hang_timeout))
+        spec = record.job_spec()
+        console.print(f"resuming job {spec.job_id} ({len(record.attempts)} attempt(s) so far, {record.state})")
+        return _run_train(inv, spec, policy, not skip_preflight, smoke, record)
+    inv = _inventory.load(inventory or DEFAULT_INVENTORY)
+    policy = _policy(inv, restarts, min_nodes, hang_timeout)
     source = code_dir(code)
     if script and module:
         raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
@@ -142,11 +162,30 @@ def train(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
     if dry_run:
         print(launch.dry_run(inv, spec))
         return
-    result = launch.train(inv, spec, console, RUNS, checks=not skip_preflight, smoke=smoke)
+    _run_train(inv, spec, policy, not skip_preflight, smoke)
+
+
+def _policy(inv, restarts, min_nodes, hang_timeout) -> launch.Policy:
+    try:
+        policy = launch.Policy(restarts=int(restarts), min_nodes=int(min_nodes) if min_nodes else None,
+                               hang_timeout=recovery.HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
+    except ValueError as exc:
+        raise UserError(f"--restarts, --min-nodes and --hang-timeout take numbers: {exc}", exit_code=2) from None
+    if policy.restarts < 0 or policy.hang_timeout < 0:
+        raise UserError("--restarts and --hang-timeout cannot be negative", exit_code=2)
+    if policy.min_nodes is not None and not 1 <= policy.min_nodes <= len(inv.hosts):
+        raise UserError(f"--min-nodes {policy.min_nodes}: give 1 to {len(inv.hosts)} (the hosts in {inv.path})",
+                        exit_code=2)
+    return policy
+
+
+def _run_train(inv, spec, policy, checks, smoke, record=None) -> None:
+    result = launch.train(inv, spec, console, RUNS, checks=checks, smoke=smoke, policy=policy, record=record)
     error = launch.explain(result)
     if error:
         raise error
-    console.print(f"job {spec.job_id} finished on every host; logs and outputs in {result.run_dir}")
+    again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
+    console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
 
 
 @task(help={"inventory": INV_HELP, "job": "stop only this job (default: every fabtrain container)",
@@ -157,10 +196,11 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
     A host whose engine does not answer within grace + 15 s is named; the others are still served."""
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
-    with Session(inv.hosts) as session:
+    with Session(inv.all_hosts) as session:
+        launch.mark_stopped(session, inv, [job] if job else launch.running_jobs(session))
         results = launch.stop(session, job, grace)
     failed = []
-    for host in inv.hosts:
+    for host in inv.all_hosts:
         r = results[host.name]
         why = failure(host, r, "stopping containers")
         if why:
@@ -181,13 +221,13 @@ def status(c, inventory=DEFAULT_INVENTORY):
     from rich.table import Table
     from rich.text import Text
     inv = _inventory.load(inventory)
-    with Session(inv.hosts) as session:
+    with Session(inv.all_hosts) as session:
         results = launch.list_containers(session)
     table = Table(title="fabtrain containers")
     for col in ("host", "job", "rank", "container", "state", "status"):
         table.add_column(col)
     bad = []
-    for host in inv.hosts:
+    for host in inv.all_hosts:
         r = results[host.name]
         why = failure(host, r, "docker ps")
         if why:
@@ -209,9 +249,9 @@ def status(c, inventory=DEFAULT_INVENTORY):
 def logs(c, inventory=DEFAULT_INVENTORY, job=None):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     inv = _inventory.load(inventory)
-    with Session(inv.hosts) as session:
+    with Session(inv.all_hosts) as session:
+        jobs = launch.running_jobs(session)
         if job is None:
-            jobs = launch.running_jobs(session)
             if not jobs:
                 raise UserError("no job is running; 'fab status' lists stopped ones")
             if len(jobs) > 1:
@@ -220,9 +260,13 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None):
         if not plan.valid_job_id(job):
             raise UserError(f"job id {sanitize(job)!r} (from a container label) is not a fabtrain job id; "
                             "refusing to use it as a local path. Pass --job with the right id")
+        # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
+        ranks = jobs.get(job) or {h.name: h.rank for h in inv.hosts}
+        hosts = tuple(replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks)
         spec = plan.JobSpec(job_id=job, script="")
         try:
-            result = launch.watch(session, inv, spec, RUNS / job / "attach", detach=True)
+            result = launch.watch(session, replace(inv, hosts=tuple(sorted(hosts, key=lambda h: h.rank))), spec,
+                                  RUNS / job / "attach", detach=True)
         except KeyboardInterrupt:
             print("detached; the job goes on ('fab stop' ends it)")
             return
@@ -232,12 +276,13 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None):
 
 
 @task(help={"hosts": "number of test hosts (default 2)",
+            "spares": "number of spare hosts, listed under spares: (default 0)",
             "write_inventory": "also write the matching inventory to this path"})
 @user_errors
-def up(c, hosts=2, write_inventory=None):
+def up(c, hosts=2, spares=0, write_inventory=None):
     """Start (or reuse) the local cluster: N Docker-in-Docker hosts with sshd and their own Docker
     engine on a private network, the trainer image loaded in each, host keys recorded."""
-    _cluster.up(int(hosts), write_inventory)
+    _cluster.up(int(hosts), write_inventory, spares=int(spares))
 
 
 @task

@@ -16,6 +16,37 @@ import subprocess
 import sys
 
 SECRETS_PATH = "/run/fabtrain/secrets.env"
+# The hang watchdog's hook (fab train --hang-timeout): every worker registers faulthandler on
+# SIGUSR1, writing its stacks to STACKS_DIR/rank-RANK-PID.txt, a file in the container's own /tmp
+# (never shared between nodes, fresh in every container). faulthandler writes from C, so a worker
+# blocked inside a collective still answers. The image's own sitecustomize, if any, still runs.
+HOOK_DIR = "/tmp/fabtrain-hook"
+STACKS_DIR = "/tmp/fabtrain-stacks"
+SITECUSTOMIZE = """\
+import os
+if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
+    try:
+        import faulthandler, signal
+        _d = os.environ["FABTRAIN_STACKS"]
+        os.makedirs(_d, exist_ok=True)
+        _fabtrain_stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "w")
+        _fabtrain_stacks.write("--- rank %s (local rank %s, pid %d), most recent call first ---\\n"
+                               % (os.environ["RANK"], os.environ.get("LOCAL_RANK", "?"), os.getpid()))
+        _fabtrain_stacks.flush()
+        faulthandler.register(signal.SIGUSR1, file=_fabtrain_stacks, all_threads=True)
+    except Exception:
+        pass
+def _fabtrain_chain():
+    import importlib.machinery, importlib.util, sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if entry and os.path.abspath(entry) != here:
+            spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
+            if spec is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+                return
+_fabtrain_chain()
+"""
 
 
 def gpu_count() -> int:
@@ -95,11 +126,25 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     return argv, child, banner
 
 
+def install_hook(env: dict[str, str]) -> None:
+    """Put the watchdog's sitecustomize first on the workers' path (best effort: a read-only /tmp
+    only loses the stacks)."""
+    try:
+        os.makedirs(HOOK_DIR, exist_ok=True)
+        with open(os.path.join(HOOK_DIR, "sitecustomize.py"), "w", encoding="utf-8") as fh:
+            fh.write(SITECUSTOMIZE)
+    except OSError:
+        return
+    env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["FABTRAIN_STACKS"] = STACKS_DIR
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1:] in (["-m"], ["--module"]):
         sys.exit("usage: fabtrain-entrypoint SCRIPT [ARGS...] | -m MODULE [ARGS...]  (torchrun-compatible)")
     env = dict(os.environ)
     env.update(read_secrets())
+    install_hook(env)
     master = env.get("MASTER_ADDR", "127.0.0.1")
     if not (env.get("GLOO_SOCKET_IFNAME") and env.get("NCCL_SOCKET_IFNAME")):
         dev = route_interface(master)

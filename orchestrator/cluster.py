@@ -141,13 +141,15 @@ def _wait_ready(container, timeout: float = 90) -> None:
 
 
 def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
-       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print) -> list[NodeInfo]:
-    if count < 1:
-        raise UserError("--hosts must be at least 1")
+       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print, spares: int = 0) -> list[NodeInfo]:
+    """`count` hosts and `spares` spare hosts (listed under spares: in the inventory)."""
+    if count < 1 or spares < 0:
+        raise UserError("--hosts must be at least 1 and --spares at least 0")
     build_images()
     client = _client()
     key, pubkey = ensure_key()
-    nodes = node_infos(count, subnet)
+    nodes = node_infos(count + spares, subnet)
+    count = count + spares
     _ensure_network(client, subnet)
     host_image_id = client.images.get(HOST_IMAGE).id
     wanted = {n.container for n in nodes}
@@ -173,9 +175,9 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     # The trainer image reaches the hosts the way it reaches real ones: pushed over SSH, and only
     # where the id differs.
     state_inventory = STATE_DIR / "inventory.yaml"
-    state_inventory.write_text(render_inventory(nodes, key, known_hosts))
+    state_inventory.write_text(render_inventory(nodes[:count - spares], key, known_hosts, nodes[count - spares:]))
     inv = inventory.load(state_inventory)
-    with Session(inv.hosts) as session:
+    with Session(inv.all_hosts) as session:
         for image in images:
             results = push(session, image)
             bad = [r for r in results if r.action == "failed"]
@@ -192,13 +194,17 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     return nodes
 
 
-def render_inventory(nodes: list[NodeInfo], key: Path, known_hosts: Path) -> str:
+def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519",
+                     known_hosts: Path = STATE_DIR / "known_hosts", spares: list[NodeInfo] = ()) -> str:
     lines = ["# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
              "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}", "  config: none",
-             "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2", "hosts:"]
-    for n in nodes:
-        lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",
-                  "    gpus: {vendor: none, count: 0}"]
+             "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2"]
+    for title, group in (("hosts:", nodes), ("spares:", spares)):
+        if group:
+            lines.append(title)
+        for n in group:
+            lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",
+                      "    gpus: {vendor: none, count: 0}"]
     return "\n".join(lines) + "\n"
 
 

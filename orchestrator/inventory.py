@@ -80,10 +80,18 @@ class Inventory:
     path: Path
     hosts: tuple[Host, ...]
     job: Job = field(default_factory=Job)
+    # Hosts that take a failed host's place (and node rank) when a job restarts (fab train
+    # --restarts); their `rank` is only their place in this list, set when one is used.
+    spares: tuple[Host, ...] = ()
 
     @property
     def master(self) -> Host:
         return self.hosts[0]
+
+    @property
+    def all_hosts(self) -> tuple[Host, ...]:
+        """The hosts and the spares: where a job of this inventory may have containers."""
+        return (*self.hosts, *self.spares)
 
     def image_for(self, host: Host) -> str:
         return host.image or self.job.image
@@ -406,24 +414,29 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
         raise UserError(f"{path}:{line}: not valid YAML: {exc.problem}; check the indentation and "
                         f"quoting on that line") from None
     top = _Reader(path, data, "", 1)
-    top.check_keys(("ssh", "job", "hosts"))
+    top.check_keys(("ssh", "job", "hosts", "spares"))
     ssh = _ssh(top.sub("ssh"), Settings(), check_files)
     hosts_data = top.get("hosts", list, required=True)
     if not hosts_data:
         top.fail("hosts", "is empty", "list at least one host; the first is rank 0")
+    spares_data = top.get("spares", list, [])
     hosts, configs = [], {}
-    for rank, item in enumerate(hosts_data):
-        line = getattr(item, "line", getattr(hosts_data, "line", 1))
-        hosts.append(_host(_Reader(path, item, f"hosts[{rank}]", line), rank, ssh, check_files, configs))
-    seen: dict[str, int] = {}
+    for key, items in (("hosts", hosts_data), ("spares", spares_data)):
+        for i, item in enumerate(items):
+            line = getattr(item, "line", getattr(items, "line", 1))
+            rank = i if key == "hosts" else len(hosts_data) + i
+            hosts.append(_host(_Reader(path, item, f"{key}[{i}]", line), rank, ssh, check_files, configs))
+    seen: dict[str, str] = {}
     for h in hosts:
+        where = f"hosts[{h.rank}]" if h.rank < len(hosts_data) else f"spares[{h.rank - len(hosts_data)}]"
         for key in (h.name, f"{h.hostname}:{h.ssh.port}"):
             if key in seen:
-                top.fail(f"hosts[{h.rank}]", f"{key!r} is also hosts[{seen[key]}]",
-                         "list each host once; order is rank order",
-                         getattr(hosts_data[h.rank], "line", None))
-            seen[key] = h.rank
-    return Inventory(path=path, hosts=tuple(hosts), job=_job(top.sub("job")))
+                item = (hosts_data + spares_data)[h.rank]
+                top.fail(where, f"{key!r} is also {seen[key]}",
+                         "list each host once, in hosts: (rank order) or spares:", getattr(item, "line", None))
+            seen[key] = where
+    return Inventory(path=path, hosts=tuple(hosts[:len(hosts_data)]), job=_job(top.sub("job")),
+                     spares=tuple(hosts[len(hosts_data):]))
 
 
 def load(path: str | Path) -> Inventory:

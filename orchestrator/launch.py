@@ -13,10 +13,11 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import plan, preflight
+from . import plan, preflight, recovery
 from .errors import UserError
 from .inventory import Host, Inventory
 from .logs import Multiplexer, missing_output, sanitize
@@ -69,6 +70,7 @@ class Outcome:
     exit_code: int | None = None  # None: never finished (lost, or stopped by us)
     error: str | None = None
     tail: str = ""
+    lost: bool = False  # the host stopped answering (it is replaced at a restart)
 
 
 @dataclass
@@ -79,6 +81,10 @@ class JobResult:
     first_failure: Outcome | None = None
     interrupted: int | None = None  # the signal number that stopped the job
     teardown_seconds: float | None = None
+    hung: list[str] = field(default_factory=list)  # the watchdog's per-rank summary of a hang
+    attempts: int = 1
+    failures: list[str] = field(default_factory=list)  # every failed attempt, one line each
+    stopped: bool = False  # ended by `fab stop`
 
     @property
     def ok(self) -> bool:
@@ -121,19 +127,26 @@ def list_containers(session: Session) -> dict:
     return session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="docker ps"))
 
 
-def running_jobs(session: Session) -> dict[str, list[str]]:
-    """job id -> hosts where a container of it is running."""
+def running_jobs(session: Session) -> dict[str, dict[str, int]]:
+    """job id -> {host: node rank} where a container of it is running."""
     results = list_containers(session)
-    jobs: dict[str, list[str]] = {}
+    jobs: dict[str, dict[str, int]] = {}
     for host in session.hosts:
         r = results[host.name]
         if isinstance(r, BaseException) or not r.ok:
             continue
         for line in r.stdout.splitlines():
             fields = line.split("\t")
-            if len(fields) >= 4 and fields[3] in ("running", "created", "restarting"):
-                jobs.setdefault(fields[0], []).append(host.name)
+            if len(fields) >= 4 and fields[3] in ("running", "created", "restarting") and fields[1].isdigit():
+                jobs.setdefault(fields[0], {})[host.name] = int(fields[1])
     return jobs
+
+
+def mark_stopped(session: Session, inv: Inventory, job_ids) -> None:
+    """Tell a watching `fab train --restarts` that these jobs were ended on purpose."""
+    for job_id in job_ids:
+        if plan.valid_job_id(job_id):
+            session.fan_out(lambda h: session.put(h, b"", plan.stopped_marker(inv, job_id), 0o644))
 
 
 def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
@@ -151,13 +164,12 @@ def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None
         body.append(f"{name}={value}\n")
     data = "".join(body).encode()
     target = plan.secrets_file(inv, spec)
-    results = session.fan_out(lambda h: session.put(h, data, target, 0o600))
-    _raise_any(session, results, "writing the secrets file")
+    results = session.fan_out(lambda h: session.put(h, data, target, 0o600), inv.hosts)
+    _raise_any(inv.hosts, results, "writing the secrets file")
 
 
-def _raise_any(session: Session, results: dict, what: str) -> None:
-    errors = [describe(h, r) for h in session.hosts
-              if isinstance(r := results.get(h.name), BaseException)]
+def _raise_any(hosts: tuple[Host, ...], results: dict, what: str) -> None:
+    errors = [describe(h, r) for h in hosts if isinstance(r := results.get(h.name), BaseException)]
     if errors:
         raise UserError(f"{what} failed:\n" + "\n".join(errors))
 
@@ -181,13 +193,14 @@ def start(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
             raise UserError(f"{host.name} (rank {host.rank}): docker run failed (exit {r.exited}): "
                             f"{r.stderr.strip()[-500:]}")
 
-    _raise_any(session, session.fan_out(one, inv.hosts), "starting the job")
+    _raise_any(inv.hosts, session.fan_out(one, inv.hosts), "starting the job")
 
 
-def cleanup(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
+def cleanup(session: Session, inv: Inventory, spec: plan.JobSpec, hosts: tuple[Host, ...] | None = None) -> None:
     """Remove the job's runtime directory (entrypoint, secrets file) from every host."""
     command = plan.shell(plan.cleanup_argv(inv, spec))
-    session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="removing the job's runtime files"))
+    session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="removing the job's runtime files"),
+                    hosts or inv.hosts)
 
 
 def stop(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> dict:
@@ -205,14 +218,17 @@ def teardown(session: Session, job_id: str | None, grace: float, hosts: tuple[Ho
 
 
 def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, echo: bool = True,
-          out=None, lost_after: float | None = None, detach: bool = False) -> JobResult:
+          out=None, lost_after: float | None = None, detach: bool = False, hang_timeout: float = 0,
+          console=None) -> JobResult:
     """Stream every node's output until all exit; on the first failure or lost host, stop the rest.
-    Ctrl+C stops the job, or with `detach` (a re-attached `fab logs`) only stops watching it."""
+    With `hang_timeout`, no output from any node for that long dumps every rank's stacks and fails
+    the job. Ctrl+C stops the job, or with `detach` (a re-attached `fab logs`) only stops watching it."""
     mux = Multiplexer(run_dir, out=out, echo=echo)
     width = max(len(f"{h.name} r{h.rank}") for h in inv.hosts)
     result = JobResult(spec.job_id, run_dir)
     events: queue.Queue[Outcome] = queue.Queue()
     sinks = {h.name: mux.sink(h.name, h.rank, width) for h in inv.hosts}
+    last_output = [time.monotonic()]
 
     def follow(host: Host) -> None:
         sink = sinks[host.name]
@@ -222,6 +238,7 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
         def feed(data: bytes) -> None:
             nonlocal received
             received += len(data)
+            last_output[0] = time.monotonic()
             window.extend(data)
             del window[:-4096]  # enough to find where the stream stopped in the log's tail
             sink.feed(data)
@@ -238,6 +255,7 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
                 sink.feed(missed)
         except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash
             outcome.error = describe(host, exc)
+            outcome.lost = not isinstance(exc, UserError)
         finally:
             sink.close()
             outcome.tail = sink.last_lines()
@@ -255,6 +273,11 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
                 o = events.get(timeout=0.2)
             except queue.Empty:
                 o = _lost_host(session, inv, pending, lost_after)
+                silent = time.monotonic() - last_output[0]
+                if o is None and hang_timeout and silent > hang_timeout:
+                    result.hung = dump_stacks(session, inv, spec, sinks, console)
+                    o = Outcome(inv.master, error=f"no output from any node for {silent:.0f}s (--hang-timeout "
+                                f"{hang_timeout:g}); stuck: {'; '.join(result.hung) or 'no stacks could be read'}")
                 if o is None:
                     continue
             pending.discard(o.host.name)
@@ -274,6 +297,33 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
     return result
 
 
+STACKS_TIMEOUT = 15
+
+
+def dump_stacks(session: Session, inv: Inventory, spec: plan.JobSpec, sinks: dict, console=None) -> list[str]:
+    """Every rank's Python stacks (the watchdog hook, docker/entrypoint.py), into each host's log
+    and the terminal; one line per rank saying where it is."""
+    results = session.fan_out(lambda h: session.run(h, plan.shell(plan.stacks_argv(spec, h.rank)),
+                                                    timeout=STACKS_TIMEOUT, what="reading stacks"), inv.hosts)
+    summary = []
+    for h in inv.hosts:
+        r = results[h.name]
+        text = r.stdout if not isinstance(r, BaseException) else ""
+        if not text.strip():
+            why = describe(h, r) if isinstance(r, BaseException) else (r.stderr.strip()[-200:] or "no stacks")
+            summary.append(f"{h.name}: stacks unreadable ({sanitize(why)})")
+            continue
+        sinks[h.name].feed(f"[fabtrain] hang watchdog: stacks of every rank on {h.name}\n{text}".encode())
+        for line in recovery.stack_summary(text):
+            rank, _, where = line.partition(": ")
+            src = recovery.source_line(spec.code, where.rsplit(" from ", 1)[-1].split(" in ")[0])
+            summary.append(f"{rank} on {h.name}: {where}" + (f" `{src}`" if src else ""))
+    if console is not None:
+        console.print("[red]hang watchdog:[/] no output from any node; where each rank is:\n  "
+                      + "\n  ".join(sanitize(s) for s in summary), highlight=False)
+    return summary
+
+
 def _drain_events(events: queue.Queue, pending: set[str], result: JobResult, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
@@ -290,7 +340,8 @@ def _lost_host(session: Session, inv: Inventory, pending: set[str], lost_after: 
     for h in inv.hosts:
         seen = session.alive_since(h)
         if h.name in pending and seen is not None and now - seen > lost_after:
-            return Outcome(h, error=f"{h.name}: no SSH keepalive answer for {now - seen:.0f}s; host lost")
+            return Outcome(h, error=f"{h.name}: no SSH keepalive answer for {now - seen:.0f}s; host lost",
+                           lost=True)
     return None
 
 
@@ -308,7 +359,8 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def fetch_outputs(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path) -> dict[str, str]:
+def fetch_outputs(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path,
+                  hosts: tuple[Host, ...] | None = None) -> dict[str, str]:
     """Copy each host's output directory of the job into run_dir/outputs/<host> (rsync)."""
     def one(host: Host) -> str:
         dest = run_dir / "outputs" / host.name
@@ -316,7 +368,7 @@ def fetch_outputs(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir:
         proc = subprocess.run(plan.fetch_argv(host, f"{inv.job.output_dir}/{spec.job_id}", str(dest)),
                               capture_output=True, text=True)
         return "ok" if proc.returncode == 0 else sanitize(proc.stderr.strip()[-200:])
-    results = session.fan_out(one)
+    results = session.fan_out(one, hosts)
     return {h: (r if isinstance(r, str) else str(r)) for h, r in results.items()}
 
 
@@ -331,63 +383,206 @@ def refuse_if_running(session: Session, job_id: str | None = None) -> None:
                         f"port and the GPUs. Watch it with 'fab logs', or end it with 'fab stop'")
 
 
-def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console, smoke: bool = False) -> None:
+def gate(session: Session, inv: Inventory, spec: plan.JobSpec, console, smoke: bool = False,
+         hosts_at_fault: bool = False) -> list[str]:
     """Sync the code and run preflight at once; start nothing if either fails. The code check is
     left out (the sync running beside it is what makes the trees equal), the smoke test runs
-    after the sync when asked."""
+    after the sync when asked. Returns the hosts that failed (with `hosts_at_fault`, at a restart,
+    so spares can replace them); otherwise a failure raises."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         synced = pool.submit(sync, inv, Path(spec.code))
         checks = preflight.run(session, inv, image=spec.image, code=False)
         bad = preflight.failed(checks)
         if bad:
             preflight.render(checks, console)
-            synced.result()
-            raise UserError(f"preflight failed on {', '.join(sorted({c.host for c in bad}))}; nothing "
-                            f"was started. Fix the checks above, then run the command again")
+            try:
+                synced.result()
+            except UserError:
+                pass  # the preflight's verdict names the host too
+            hosts = sorted({c.host for c in bad}, key=[h.name for h in inv.hosts].index)
+            if hosts_at_fault:
+                return hosts
+            raise UserError(f"preflight failed on {', '.join(hosts)}; nothing was started. Fix the checks "
+                            "above, then run the command again")
         times = synced.result()
     if smoke:
-        smoke_checks = preflight.smoke_test(session, inv, spec.image, checks)
+        smoke_checks = preflight.smoke_test(session, inv, spec.image, checks, run_once)
         if preflight.failed(smoke_checks):
             preflight.render(smoke_checks, console)
             raise UserError("the collective smoke test failed; nothing was started")
     console.print(f"synced code to {len(times)} host(s) in {max(times.values()):.1f}s; preflight ok",
                   highlight=False)
+    return []
+
+
+def run_once(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path) -> JobResult:
+    """A short job, start to clean up, quietly (the preflight's smoke test)."""
+    try:
+        start(session, inv, spec)
+        return watch(session, inv, spec, run_dir, echo=False)
+    finally:
+        teardown(session, spec.job_id, 0)
+        cleanup(session, inv, spec)
+
+
+@dataclass
+class Policy:
+    """How a job meets failures: `restarts` more attempts at most (for the whole job, not per
+    node), down to `min_nodes` nodes when no spare is left, and a hang watchdog."""
+
+    restarts: int = 0
+    min_nodes: int | None = None  # None: every node of the inventory's hosts:
+    hang_timeout: float = recovery.HANG_TIMEOUT
 
 
 def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: bool = True,
-          smoke: bool = False, out=None) -> JobResult:
+          smoke: bool = False, out=None, policy: Policy = Policy(),
+          record: recovery.JobRecord | None = None) -> JobResult:
+    """The whole job: gate -> start -> watch -> (recover -> start -> watch)... -> fetch -> clean up.
+
+    Every attempt keeps the job's id and output directory; before each one after the first (and
+    when resuming), the newest snapshot is placed on every host, so the trainers resume from it.
+    A lost host, a host failing preflight at a restart, or a host failing twice gives its node rank
+    to a spare; without one the job goes on with fewer nodes down to policy.min_nodes."""
     run_dir = run_root / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.txt").write_text(dry_run(inv, spec) + "\n")
-    with Session(inv.hosts) as session:
+    if record is None:
+        spec = replace(spec, env=(*spec.env, ("FABTRAIN_TARGET_NODES", str(len(inv.hosts)))))
+        record = recovery.JobRecord.new(spec, inv, policy.restarts, policy.min_nodes, policy.hang_timeout)
+    resuming = bool(record.attempts)
+    min_nodes = policy.min_nodes or len(inv.hosts)
+    spares = list(inv.spares)
+    snaps = recovery.Snapshots(run_dir, inv, spec)
+    used: dict[str, Host] = {}       # every host of any attempt: outputs are fetched from each
+    lost: dict[str, Host] = {}
+    failed_on: Counter[str] = Counter()
+    result = JobResult(spec.job_id, run_dir)
+    cur, error = inv, None
+    with Session(inv.all_hosts) as session:
         refuse_if_running(session)
-        if checks:
-            gate(session, inv, spec, console, smoke)
-        else:
-            sync(inv, Path(spec.code))
         install_signal_handlers()
         try:
-            console.print(f"job {spec.job_id}: starting {len(inv.hosts)} node(s), rank 0 on "
-                          f"{inv.master.name}; logs in {run_dir}", highlight=False)
-            start(session, inv, spec)
-            result = watch(session, inv, spec, run_dir, out=out)
-        except KeyboardInterrupt as exc:  # Ctrl+C while starting
-            result = JobResult(spec.job_id, run_dir, interrupted=getattr(exc, "signum", signal.SIGINT))
-            result.teardown_seconds = teardown(session, spec.job_id, inv.job.stop_grace)
-        except BaseException:
-            teardown(session, spec.job_id, 0)
-            raise
+            restarts_used = 0
+            while True:
+                number = len(record.attempts) + 1
+                first = number == 1
+                if checks or not first:
+                    bad = gate(session, cur, spec, console, smoke and first, hosts_at_fault=not first)
+                    if bad:  # at a restart: spares take the failing hosts' places
+                        cur = _replace(console, cur, bad, spares, min_nodes, {h: "failed preflight" for h in bad})
+                        continue
+                else:
+                    sync(cur, Path(spec.code))
+                resumed = snaps.place(session, cur, also_ask=tuple(used.values())) if not first or resuming else None
+                attempt_spec = replace(spec, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number))))
+                attempt = recovery.Attempt(number, [h.name for h in cur.hosts], time.time(), resumed_from=resumed)
+                record.attempts.append(attempt)
+                record.state = "running"
+                record.save(run_dir)
+                _write_plan(run_dir, cur, attempt_spec, number)
+                used.update({h.name: h for h in cur.hosts})
+                console.print(f"job {spec.job_id} attempt {number}: starting {len(cur.hosts)} node(s), rank 0 on "
+                              f"{cur.master.name}" + (f", from snapshot {resumed}" if resumed else "")
+                              + f"; logs in {run_dir}", highlight=False)
+                copying = threading.Event()
+                snaps.follow(session, lambda c=cur: c.master, copying)
+                try:
+                    start(session, cur, attempt_spec)
+                    result = watch(session, cur, attempt_spec, run_dir, out=out, hang_timeout=policy.hang_timeout,
+                                   console=console)
+                finally:
+                    copying.set()
+                result.attempts = number
+                attempt.ended = time.time()
+                attempt.outcome = "ok" if result.ok else _failure_line(result)
+                record.save(run_dir)
+                if result.ok or result.interrupted is not None:
+                    break
+                result.failures = [f"attempt {a.number} on {', '.join(a.hosts)}: {a.outcome}"
+                                   for a in record.attempts if a.outcome != "ok"]
+                if _stopped(session, cur, spec):
+                    result.stopped = True
+                    break
+                if restarts_used >= policy.restarts:
+                    break
+                restarts_used += 1
+                o = result.first_failure
+                why: dict[str, str] = {}
+                for oc in result.outcomes.values():
+                    if oc.lost:
+                        lost[oc.host.name] = oc.host
+                        why[oc.host.name] = "lost"
+                if o is not None and not o.lost and not result.hung:
+                    failed_on[o.host.name] += 1
+                    if failed_on[o.host.name] >= 2:
+                        why[o.host.name] = "failed twice"
+                teardown(session, spec.job_id, 0, tuple(h for h in cur.hosts if h.name not in lost))
+                cur = _replace(console, cur, list(why), spares, min_nodes, why)
+                pause = recovery.backoff(number + 1)
+                console.print(f"[yellow]job {spec.job_id}: attempt {number} failed ({_failure_line(result)}); "
+                              f"restart {restarts_used} of {policy.restarts} in {pause:g}s[/]", highlight=False)
+                time.sleep(pause)
+        except KeyboardInterrupt as exc:  # Ctrl+C while starting or between attempts
+            result.interrupted = getattr(exc, "signum", signal.SIGINT)
+            result.teardown_seconds = teardown(session, spec.job_id, inv.job.stop_grace,
+                                               tuple(h for h in used.values() if h.name not in lost) or cur.hosts)
+        except UserError as exc:  # no hosts left to go on with, or a failed start
+            error = exc
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        fetched = fetch_outputs(session, inv, spec, run_dir)
-        for host, status in fetched.items():
-            if status != "ok":
-                console.print(f"[yellow]could not fetch outputs from {host}: {status}[/]")
-        # Logs and outputs are on this machine now; nothing of the job stays behind on the hosts.
-        teardown(session, spec.job_id, 0)
-        cleanup(session, inv, spec)
+        record.state = ("finished" if result.ok and error is None else "interrupted" if result.interrupted
+                        else "stopped" if result.stopped else "failed")
+        record.save(run_dir)
+        reachable = tuple(h for h in used.values() if h.name not in lost)
+        if reachable:
+            fetched = fetch_outputs(session, inv, spec, run_dir, reachable)
+            for host, status in fetched.items():
+                if status != "ok":
+                    console.print(f"[yellow]could not fetch outputs from {host}: {status}[/]")
+            # Logs and outputs are on this machine now; nothing of the job stays behind on the hosts.
+            teardown(session, spec.job_id, 0, reachable)
+            cleanup(session, inv, spec, reachable)
+        if lost:
+            console.print(f"[yellow]lost during the job: {', '.join(lost)}; its container may still exist: "
+                          "run 'fab stop' once it answers again[/]")
+    if error is not None:
+        if result.failures:
+            raise UserError(f"{error}\n  failed attempts:\n" + "\n".join("    " + f for f in result.failures))
+        raise error
     return result
+
+
+def _replace(console, cur: Inventory, names: list[str], spares: list[Host], min_nodes: int,
+             why: dict[str, str]) -> Inventory:
+    if not names:
+        return cur
+    nxt = recovery.next_hosts(cur, names, spares, min_nodes, why)
+    for note in nxt.notes:
+        console.print(f"[yellow]{note}[/]", highlight=False)
+    return nxt.inventory
+
+
+def _write_plan(run_dir: Path, inv: Inventory, spec: plan.JobSpec, number: int) -> None:
+    """plan.txt: every command of every attempt, as it was run."""
+    with (run_dir / "plan.txt").open("a") as fh:
+        fh.write(f"# ---- attempt {number}: {', '.join(f'{h.name}=rank {h.rank}' for h in inv.hosts)}\n")
+        fh.write(dry_run(inv, spec) + "\n")
+
+
+def _stopped(session: Session, inv: Inventory, spec: plan.JobSpec) -> bool:
+    """Whether `fab stop` ended the job (its marker on any host that answers)."""
+    command = plan.shell(["test", "-e", plan.stopped_marker(inv, spec.job_id)])
+    results = session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="checking for fab stop"),
+                              inv.hosts)
+    return any(not isinstance(r, BaseException) and r.ok for r in results.values())
+
+
+def _failure_line(result: JobResult) -> str:
+    o = result.first_failure or next((o for o in result.outcomes.values() if o.exit_code != 0), None)
+    if o is None:
+        return "failed"
+    return f"{o.host.name} (node rank {o.host.rank}) " + (o.error or f"exited with code {o.exit_code}{worker_failure(o.tail)}")
 
 
 def explain(result: JobResult) -> UserError | None:
@@ -397,15 +592,21 @@ def explain(result: JobResult) -> UserError | None:
     if result.interrupted is not None:
         name = signal.Signals(result.interrupted).name
         return UserError(f"job {result.job_id} interrupted ({name}); every container was stopped "
-                         f"(teardown {result.teardown_seconds or 0:.1f}s). Logs: {result.run_dir}",
+                         f"(teardown {result.teardown_seconds or 0:.1f}s). Continue it with: fab train "
+                         f"--resume {result.job_id}. Logs: {result.run_dir}",
                          exit_code=128 + int(result.interrupted))
     o = result.first_failure or next(o for o in result.outcomes.values() if o.exit_code != 0)
-    why = o.error or f"exited with code {o.exit_code}{worker_failure(o.tail)}"
     torn = (f"; the other nodes were stopped in {result.teardown_seconds:.1f}s"
             if result.teardown_seconds is not None else "")
     tail = "\n".join("    " + line for line in sanitize(o.tail).splitlines()[-20:])
-    return UserError(f"job {result.job_id} failed: {o.host.name} (node rank {o.host.rank}) {why}{torn}.\n"
-                     f"  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}")
+    head = f"job {result.job_id} failed: {_failure_line(result)}{torn}."
+    if result.stopped:
+        head = f"job {result.job_id} was ended by 'fab stop' ({_failure_line(result)})."
+    if len(result.failures) > 1:
+        head += (f"\n  every attempt failed ({result.attempts}):\n"
+                 + "\n".join("    " + sanitize(f) for f in result.failures))
+    return UserError(f"{head}\n  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}; "
+                     f"continue from the newest snapshot with: fab train --resume {result.job_id}")
 
 
 def worker_failure(tail: str) -> str:

@@ -69,8 +69,14 @@ class HostSink:
         self._file = path.open("ab")
         self._partial = b""
         self.tail: deque[bytes] = deque(maxlen=tail_lines)
+        self._lock = threading.Lock()  # the follower and the hang watchdog both write here
 
     def feed(self, data: bytes) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         self._file.write(data)
         self._file.flush()
         data = self._partial + data
@@ -87,6 +93,10 @@ class HostSink:
             self.mux.write(p + block.replace(b"\n", b"\n" + p) + b"\n")
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._partial:
             partial = sanitize_bytes(self._partial)
             self.tail.append(partial)

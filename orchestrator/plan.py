@@ -213,13 +213,45 @@ def secrets_file(inv: Inventory, spec: JobSpec) -> str:
     return f"{runtime_dir(inv, spec)}/secrets.env"
 
 
+def stopped_marker(inv: Inventory, job_id: str) -> str:
+    """Left by `fab stop` in the job's runtime directory: the job was ended on purpose, so a failure
+    it causes is not restarted (fab train --restarts)."""
+    return f"{inv.job.output_dir}/.runtime/{job_id}/stopped"
+
+
 def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
     rt = runtime_dir(inv, spec)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", rt, inv.job.code_dir]
-    return (f"{shell(dirs)} && cat > {shell([f'{rt}/entrypoint.py'])} && "
+    return (f"{shell(dirs)} && {shell(['rm', '-f', stopped_marker(inv, spec.job_id)])} && "
+            f"cat > {shell([f'{rt}/entrypoint.py'])} && "
             f"{shell(docker_run_argv(inv, host, spec, access))} >/dev/null")
+
+
+# Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGUSR1 to every
+# worker that registered the watchdog hook (docker/entrypoint.py), waits up to 3 s for their dumps,
+# prints them. Only registered processes are signalled: SIGUSR1 would end any other.
+STACKS_PY = """\
+import glob, os, signal, time
+sizes = {}
+for f in sorted(glob.glob("/tmp/fabtrain-stacks/rank-*.txt")):
+    try:
+        os.kill(int(f.rsplit("-", 1)[1][:-4]), signal.SIGUSR1)
+        sizes[f] = os.path.getsize(f)
+    except (OSError, ValueError):
+        pass
+end = time.time() + 3
+while time.time() < end and any(os.path.getsize(f) == n for f, n in sizes.items()):
+    time.sleep(0.1)
+time.sleep(0.3)
+for f in sizes:
+    print(open(f, errors="replace").read(), end="", flush=True)
+"""
+
+
+def stacks_argv(spec: JobSpec, rank: int) -> list[str]:
+    return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", STACKS_PY]
 
 
 def cleanup_argv(inv: Inventory, spec: JobSpec) -> list[str]:
@@ -326,6 +358,18 @@ def rsync_remote(host: Host, path: str) -> str:
     """rsync's HOST:PATH for a remote path (the user comes from ssh's -l)."""
     address = host.ssh.hostname
     return f"[{address}]:{path}" if ":" in address else f"{address}:{path}"
+
+
+def fetch_file_argv(host: Host, remote_file: str, dest: str) -> list[str]:
+    """Copy one file (a snapshot) from a host; rsync writes a temporary file and renames it."""
+    return ["rsync", "--times", f"--timeout={RSYNC_IO_TIMEOUT}", "--rsh", shell(ssh_argv(host)),
+            rsync_remote(host, remote_file), dest]
+
+
+def push_file_argv(host: Host, source: str, remote_file: str) -> list[str]:
+    """Copy one local file (a snapshot) to a host, its directory made if missing."""
+    return ["rsync", "--times", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}", "--rsh", shell(ssh_argv(host)),
+            source, rsync_remote(host, remote_file)]
 
 
 def fetch_argv(host: Host, remote_dir: str, dest: str) -> list[str]:

@@ -630,7 +630,9 @@ def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], 
 # ---------------------------------------------------------------- the whole run
 
 def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
-        smoke: bool = False, code: bool = True, source: Path = plan.PROJECT_ROOT) -> list[Check]:
+        run_job=None, code: bool = True, source: Path = plan.PROJECT_ROOT) -> list[Check]:
+    """Every check on every host of `inv`. With `run_job` (launch.run_once: the job lifecycle's one
+    short run), the collective smoke test too."""
     marker = "@@fabtrain-" + secrets.token_hex(4)
     with ThreadPoolExecutor(max_workers=1) as pool:
         local_code = pool.submit(local_code_hash, source) if code else None
@@ -664,10 +666,10 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
                 summary["source"] = addrs[host.interface][0].split("/")[0]
             return checks, summary
 
-        results = session.fan_out(one)
+        results = session.fan_out(one, inv.hosts)
         checks: list[Check] = []
         per_host: dict[str, dict] = {}
-        for host in session.hosts:
+        for host in inv.hosts:
             r = results[host.name]
             if isinstance(r, BaseException):
                 checks.append(Check(host.name, "ssh", FAIL, describe(host, r), _ssh_fix(host, r)))
@@ -683,8 +685,8 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
     replaced = {(c.host, c.check) for c in across if c.check == "image"}
     checks = [c for c in checks if (c.host, c.check) not in replaced] + across
     checks += _reach(session, inv, checks, per_host)
-    if smoke:
-        checks += smoke_test(session, inv, image, checks)
+    if run_job:
+        checks += smoke_test(session, inv, image, checks, run_job)
     order = {name: i for i, name in enumerate(CHECKS)}
     ranks = {h.name: h.rank for h in inv.hosts}
     return sorted(checks, key=lambda c: (ranks.get(c.host, 0), order.get(c.check, 99)))
@@ -707,9 +709,9 @@ def _reach(session: Session, inv: Inventory, checks: list[Check], per_host: dict
 
 # ---------------------------------------------------------------- phase 4: smoke test
 
-def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list[Check]) -> list[Check]:
-    """An all_reduce across every host inside the real containers, with the measured bus bandwidth."""
-    from . import launch  # launch imports preflight; the smoke test reuses the real start/watch path
+def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list[Check], run_job) -> list[Check]:
+    """An all_reduce across every host inside the real containers, with the measured bus bandwidth.
+    `run_job(session, inv, spec, run_dir)` is the job lifecycle's start -> watch -> clean up."""
     if any(c.status == FAIL for c in checks):
         return [Check(h.name, "smoke", SKIP, "other checks failed") for h in inv.hosts]
     if any(c.check == "code" and c.status != OK for c in checks):
@@ -718,12 +720,7 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
     spec = plan.JobSpec(job_id=plan.new_job_id("preflight"), script="trainers/smoke.py", image=image,
                         env=(("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET")))
     run_dir = plan.PROJECT_ROOT / "runs" / spec.job_id
-    try:
-        launch.start(session, inv, spec)
-        result = launch.watch(session, inv, spec, run_dir, echo=False)
-    finally:
-        launch.teardown(session, spec.job_id, 0)
-        launch.cleanup(session, inv, spec)
+    result = run_job(session, inv, spec, run_dir)
     out = []
     for h in inv.hosts:
         o = result.outcomes.get(h.name)

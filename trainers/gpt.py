@@ -239,6 +239,21 @@ def build_config(args: argparse.Namespace, on_gpu: bool) -> tuple[ModelConfig, T
     return mc, dataclasses.replace(tc, **overrides)
 
 
+def keep_global_batch(tc: TrainConfig, world: int, env) -> tuple[TrainConfig, str | None]:
+    """A job restarted on fewer nodes (fab train --min-nodes) keeps its global batch, batch x accum
+    x world, by accumulating more: FABTRAIN_TARGET_NODES is the node count the job was planned for."""
+    nodes = int(env.get("FABTRAIN_TARGET_NODES") or 0)
+    target = nodes * int(env.get("LOCAL_WORLD_SIZE") or 1)
+    if not nodes or target <= world:
+        return tc, None
+    accum = max(1, round(tc.grad_accum * target / world))
+    exact = accum * world == tc.grad_accum * target
+    note = (f"world {world} instead of {target}: grad_accum {tc.grad_accum} -> {accum} "
+            f"{'keeps' if exact else 'approximates'} the global batch of {tc.batch_size * tc.grad_accum * target} "
+            f"sequences{'' if exact else f' (now {tc.batch_size * accum * world})'}")
+    return dataclasses.replace(tc, grad_accum=accum), note
+
+
 def load_text(path: str | None) -> str:
     if path:
         return Path(path).read_text(encoding="utf-8")
@@ -263,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
     d, device = init_distributed()
     tag = f"[{d.node} rank{d.rank}]"
     mc, tc = build_config(args, device.type == "cuda")
+    tc, note = keep_global_batch(tc, d.world, os.environ)
+    if note and d.rank == 0:
+        log(f"{tag} {note}")
     torch.manual_seed(tc.seed)
 
     text = load_text(args.data)
@@ -277,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     out = Path(args.out)
     snap_dir = out / "snapshots"
+    writer = snapshot.Writer(snap_dir)
     start_epoch, step = 0, 0
     # The snapshot is loaded before DDP wraps the model, so every rank starts from the same state.
     snap = snapshot.load_latest(snap_dir, map_location=device)
@@ -345,13 +364,14 @@ def main(argv: list[str] | None = None) -> dict:
             if d.rank == 0 and (step % tc.log_every == 0 or step == total_steps):
                 progress(tag, epoch, tc.epochs, step, total_steps, run_start, run_start_step)
             if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0:
-                snapshot.save(snap_dir, model, optimizer, epoch, step)
+                writer.save(model, optimizer, epoch, step)
         val = evaluate(ddp, val_dl, device, d)
         if d.rank == 0:
             log(f"{tag} epoch {epoch} done | eval loss {val:.4f} | train loss {loss_sum:.4f}")
             _append(metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()})
-            snapshot.save(snap_dir, model, optimizer, epoch + 1, step)
+            writer.save(model, optimizer, epoch + 1, step)
         result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
+    writer.wait()
     if d.rank == 0 and metrics_path.exists():
         log(f"{tag} loss plot: {plot.plot_metrics(metrics_path, out / 'loss.png')}")
     if d.rank == 0 and args.sample_chars:

@@ -2,11 +2,16 @@
 
 Each snapshot is written to a temporary file in the same directory, fsynced, then renamed into
 place (rename is atomic within a filesystem) and the directory fsynced. Resume picks the newest
-snapshot that loads.
+snapshot that loads. A file named snapshot-NNNNNNNNN.pt is complete: the orchestrator copies it
+off the host as soon as it appears (fab train --restarts).
+
+`Writer` takes the state in memory and writes it in a background thread, so a slow disk never
+holds rank 0 inside a step while the other ranks wait in a collective (and time out).
 """
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -15,12 +20,58 @@ PREFIX = "snapshot-"
 
 
 def save(directory: Path, model, optimizer, epoch: int, step: int) -> Path:
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}
+    return write(directory, state, step)
+
+
+def cpu_copy(obj):
+    """A copy of a state dict whose tensors are on the CPU and no longer shared with training."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+class Writer:
+    """Snapshots written in the background, one at a time, in order (see the module's docstring)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def save(self, model, optimizer, epoch: int, step: int) -> None:
+        self.wait()  # a snapshot still being written is finished first (bounded memory: one copy)
+        state = cpu_copy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "epoch": epoch, "step": step})
+        self._thread = threading.Thread(target=self._write, args=(state, step), daemon=True,
+                                        name="snapshot-writer")
+        self._thread.start()
+
+    def _write(self, state: dict, step: int) -> None:
+        try:
+            write(self.directory, state, step)
+        except BaseException as exc:  # noqa: BLE001 - raised in the training thread by wait()
+            self.error = exc
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def write(directory: Path, state: dict, step: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f".{PREFIX}*.tmp"):  # left by a writer killed mid-write
         stale.unlink(missing_ok=True)
     final = directory / f"{PREFIX}{step:09d}.pt"
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}
     with open(tmp, "wb") as fh:
         torch.save(state, fh)
         fh.flush()

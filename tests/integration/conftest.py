@@ -28,10 +28,20 @@ def inventory_path(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail("no Docker engine: CI must run bash docker/bootstrap.sh first")
         pytest.skip("no Docker engine running (bash docker/bootstrap.sh starts one)")
-    path = tmp_path_factory.mktemp("cluster") / "inventory.yaml"
-    cluster_mod.up(2, inventory_out=str(path))
-    subprocess.run([FAB, "stop", "--inventory", str(path), "--grace", "0"], cwd=ROOT, capture_output=True)
+    folder = tmp_path_factory.mktemp("cluster")
+    # Two hosts, and a third that only the recovery tests use, as a spare (spares_inventory_path).
+    nodes = cluster_mod.up(2, inventory_out=str(folder / "spares.yaml"), spares=1)
+    path = folder / "inventory.yaml"
+    path.write_text(cluster_mod.render_inventory(nodes[:2]))
+    subprocess.run([FAB, "stop", "--inventory", str(folder / "spares.yaml"), "--grace", "0"], cwd=ROOT,
+                   capture_output=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def spares_inventory_path(inventory_path):
+    """The same two hosts, with node3 under spares:."""
+    return inventory_path.parent / "spares.yaml"
 
 
 @pytest.fixture(scope="session")

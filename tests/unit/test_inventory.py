@@ -87,7 +87,19 @@ def test_gpu_count_must_match_vendor():
 
 def test_duplicate_host():
     msg = error("hosts:\n  - {address: h, interface: eth0}\n  - {address: h, interface: eth0}\n")
-    assert msg == "inv.yaml:3: hosts[1]: 'h' is also hosts[0]; list each host once; order is rank order"
+    assert msg == ("inv.yaml:3: hosts[1]: 'h' is also hosts[0]; list each host once, in hosts: (rank order) "
+                   "or spares:")
+
+
+def test_spares_parse_like_hosts_and_may_not_repeat_one():
+    inv = parse(GOOD + "spares:\n  - {name: dgx9, address: 10.0.0.19, interface: ens1f0, "
+                "gpus: {vendor: nvidia, count: 8}}\n", Path("inv.yaml"))
+    assert [h.name for h in inv.hosts] == ["dgx1", "10.0.0.12"]
+    assert [h.name for h in inv.spares] == ["dgx9"] and inv.spares[0].ssh.user == "trainer"
+    assert [h.name for h in inv.all_hosts] == ["dgx1", "10.0.0.12", "dgx9"]
+    msg = error("hosts:\n  - {address: h, interface: eth0}\nspares:\n  - {address: h, interface: eth0}\n")
+    assert msg == ("inv.yaml:4: spares[0]: 'h' is also hosts[0]; list each host once, in hosts: (rank order) "
+                   "or spares:")
 
 
 def test_yaml_syntax_error_has_line():

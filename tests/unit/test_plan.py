@@ -118,6 +118,7 @@ def test_module_runs_through_the_entrypoint():
 def test_start_script_writes_the_entrypoint_from_stdin():
     script = plan.start_script(INV, INV.hosts[2], SPEC)
     assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/.runtime/gpt-1 /opt/code && "
+                             "rm -f /opt/out/.runtime/gpt-1/stopped && "
                              "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
     assert script.endswith(" >/dev/null")
     assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"

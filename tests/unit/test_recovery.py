@@ -1,0 +1,126 @@
+"""Recovery logic: choosing the next attempt's hosts, reading stacks, the job record, backoff."""
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import plan, recovery
+from orchestrator.errors import UserError
+from orchestrator.inventory import parse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainers"))
+
+INV = """\
+hosts:
+  - {name: a, address: 10.0.0.1, interface: eth0}
+  - {name: b, address: 10.0.0.2, interface: eth0}
+  - {name: c, address: 10.0.0.3, interface: eth0}
+spares:
+  - {name: s1, address: 10.0.0.8, interface: eth0}
+  - {name: s2, address: 10.0.0.9, interface: eth0}
+"""
+
+
+def inv():
+    return parse(INV, Path("inv.yaml"))
+
+
+def layout(i):
+    return [(h.name, h.rank) for h in i.hosts]
+
+
+def test_a_spare_takes_the_lost_hosts_rank_rank0_included():
+    i = inv()
+    spares = list(i.spares)
+    nxt = recovery.next_hosts(i, ["a"], spares, 3, {"a": "lost"})
+    assert layout(nxt.inventory) == [("s1", 0), ("b", 1), ("c", 2)]
+    assert nxt.inventory.master.name == "s1"
+    assert nxt.notes == ["spare s1 takes the place of a (lost) as node rank 0"]
+    assert [s.name for s in spares] == ["s2"]
+
+
+def test_without_spares_the_job_shrinks_to_min_nodes_and_ranks_close_up():
+    i = inv()
+    spares = list(i.spares)
+    nxt = recovery.next_hosts(i, ["a", "b", "c"], spares, 1, {})
+    assert layout(nxt.inventory) == [("s1", 0), ("s2", 1)]
+    assert nxt.notes[-1] == "no spare left: going on without c with 2 node(s) (--min-nodes 1)"
+
+
+def test_no_spare_and_min_nodes_not_met_is_a_clear_error():
+    with pytest.raises(UserError) as e:
+        recovery.next_hosts(inv(), ["b"], [], 3, {"b": "lost"})
+    assert str(e.value).startswith("no spare host left to replace b (lost), and 2 node(s) are fewer than the 3")
+    assert "--min-nodes" in str(e.value) and "spares:" in str(e.value)
+
+
+# faulthandler's output for two ranks, as dumped by the watchdog hook.
+STACKS = """\
+--- rank 0 (local rank 0, pid 41), most recent call first ---
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000000 (most recent call first):
+  File "/usr/local/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+  File "/usr/local/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/workspace/tests/hang.py", line 20 in main
+  File "/workspace/tests/hang.py", line 24 in <module>
+--- rank 1 (local rank 1, pid 42), most recent call first ---
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/workspace/tests/hang.py", line 17 in main
+  File "/workspace/tests/hang.py", line 24 in <module>
+"""
+
+
+def test_stack_summary_names_each_rank_and_where():
+    assert recovery.stack_summary(STACKS) == [
+        "rank 0: all_reduce (distributed_c10d.py:2501) called from tests/hang.py:20",
+        "rank 1: tests/hang.py:17 in main",
+    ]
+
+
+def test_source_line(tmp_path):
+    (tmp_path / "x.py").write_text("a = 1\ntime.sleep(3600)\n")
+    assert recovery.source_line(str(tmp_path), "x.py:2") == "time.sleep(3600)"
+    assert recovery.source_line(str(tmp_path), "missing.py:2") == ""
+
+
+def test_job_record_round_trip_keeps_the_spec(tmp_path):
+    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--lr", "a b"), env=(("K", "v"),))
+    rec = recovery.JobRecord.new(spec, inv(), restarts=2, min_nodes=1, hang_timeout=30)
+    rec.attempts.append(recovery.Attempt(1, ["a", "b"], 1.0, 2.0, "a exited with code 137"))
+    (tmp_path / "gpt-1").mkdir()
+    rec.save(tmp_path / "gpt-1")
+    back = recovery.JobRecord.load(tmp_path, "gpt-1")
+    assert back.job_spec() == spec and back.restarts == 2 and back.attempts[0].outcome.endswith("137")
+    back.state = "finished"
+    back.save(tmp_path / "gpt-1")
+    with pytest.raises(UserError, match="already finished"):
+        recovery.JobRecord.load(tmp_path, "gpt-1")
+    with pytest.raises(UserError, match="no .*job.json"):
+        recovery.JobRecord.load(tmp_path, "gpt-2")
+    with pytest.raises(UserError, match="not a job id"):
+        recovery.JobRecord.load(tmp_path, "../etc")
+
+
+def test_backoff_doubles_up_to_a_limit():
+    assert [recovery.backoff(n) for n in (2, 3, 4, 10)] == [1, 2, 4, 30]
+
+
+def test_newest_complete_snapshot_ignores_partial_files():
+    assert recovery.newest(["snapshot-000000020.pt", ".snapshot-000000030.pt.7.tmp", "snapshot-000000010.pt",
+                            "notes.txt"]) == "snapshot-000000020.pt"
+
+
+def test_gpt_keeps_the_global_batch_on_fewer_nodes():
+    import gpt
+    tc = gpt.TrainConfig(batch_size=16, grad_accum=2)
+    same, note = gpt.keep_global_batch(tc, 4, {"FABTRAIN_TARGET_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert same is tc and note is None
+    fewer, note = gpt.keep_global_batch(tc, 2, {"FABTRAIN_TARGET_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert fewer.grad_accum == 4
+    assert note == "world 2 instead of 4: grad_accum 2 -> 4 keeps the global batch of 128 sequences"
+    odd, note = gpt.keep_global_batch(tc, 3, {"FABTRAIN_TARGET_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert odd.grad_accum == 3 and "approximates" in note and "(now 144)" in note
