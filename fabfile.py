@@ -28,7 +28,7 @@ from orchestrator.remote import CommandTimedOut, Session, failure
 
 DEFAULT_INVENTORY = "inventory.yaml"
 RUNS = Path("runs")
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in logs and pipes
 INV_HELP = "inventory file (default: inventory.yaml)"
 
 

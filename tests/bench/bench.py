@@ -14,6 +14,10 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
            lost, per-host order
   frozen   (--only frozen) one host's Docker engine frozen: preflight, status and stop (whole CLI)
            until they name it, beside a healthy preflight
+  recovery (--only recovery) `fab train --restarts 1`, one container killed at step 20: seconds
+           from the kill to the failure being seen, to the restart, to the first step after resume
+  hang     (--only hang) a script hung in all_reduce: seconds from its last output to the watchdog's
+           stacks, against --hang-timeout
 Prints a table per size and writes the raw numbers as JSON. Only the project's own test hosts and
 loopback are contacted.
 """
@@ -333,6 +337,68 @@ def table(n: int, r: dict) -> str:
     return "\n".join(out)
 
 
+class Lines:
+    """A command's output, with the moment each line arrived (polled every 20 ms)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.seen: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.seen.append((time.monotonic(), line))
+
+    def wait_for(self, needle: str, after: float = 0, timeout: float = 300) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.seen):
+                if t >= after and needle in line:
+                    return t
+            if self.proc.poll() is not None and not self.thread.is_alive():
+                break
+            time.sleep(0.02)
+        raise RuntimeError(f"{needle!r} never came; last lines: {''.join(l for _, l in self.seen[-20:])}")
+
+
+def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
+    last = inv.hosts[-1].name
+    r = {"detected": [], "restarted": [], "first_step": []}
+    for _ in range(repeat):
+        run = Lines([FAB, "train", "--inventory", str(inv_path), "--model", "tiny", "--epochs", "50",
+                     "--restarts", "1", "--skip-preflight", "--args", "--snapshot-every 10 --log-every 1"])
+        try:
+            run.wait_for("| step 20 |")
+            subprocess.run(["docker", "exec", f"fabtrain-{last}", "sh", "-c",
+                            "docker kill $(docker ps -q --filter label=fabtrain.managed=1)"], capture_output=True)
+            killed = time.monotonic()
+            r["detected"].append(run.wait_for("attempt 1 failed", killed) - killed)
+            r["restarted"].append(run.wait_for("attempt 2: starting", killed) - killed)
+            resumed = run.wait_for("resumed from", killed)
+            r["first_step"].append(run.wait_for("| step ", resumed) - killed)
+        finally:
+            run.proc.send_signal(2)
+            run.proc.wait(timeout=120)
+    return r
+
+
+def bench_hang(inv_path: Path, repeat: int) -> dict:
+    r = {}
+    for timeout, times in ((10, repeat), (30, max(1, repeat // 2))):
+        r[f"timeout_{timeout}"] = []
+        for _ in range(times):
+            run = Lines([FAB, "train", "--inventory", str(inv_path), "--script", "tests/integration/scripts/hang.py",
+                         "--hang-timeout", str(timeout), "--skip-preflight"])
+            ready = run.wait_for("ready")
+            quiet = max(t for t, line in run.seen if "ready" in line)
+            dumped = run.wait_for("hang watchdog:", ready, timeout=timeout + 120)
+            run.proc.wait(timeout=120)
+            r[f"timeout_{timeout}"].append(dumped - quiet)
+            r.setdefault(f"exit_{timeout}", []).append(time.monotonic() - quiet)
+    return r
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hosts", default="2,4,8")
@@ -368,6 +434,10 @@ def main() -> None:
             r["paused"] = bench_paused(inv, a.repeat)
         if "frozen" in only:
             r["frozen"] = bench_frozen(inv, inv_path, a.repeat)
+        if "recovery" in only:
+            r["recovery"] = bench_recovery(inv, inv_path, a.repeat)
+        if "hang" in only:
+            r["hang"] = bench_hang(inv_path, a.repeat)
         results[n] = r
         if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
             print(table(n, r), flush=True)

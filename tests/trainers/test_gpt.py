@@ -158,3 +158,26 @@ def test_mfu_peak_by_exact_device_name(monkeypatch):
     assert gpt.peak_flops(None) is None
     monkeypatch.setenv("FABTRAIN_PEAK_TFLOPS", "100")
     assert gpt.peak_flops("anything") == 100e12
+
+
+def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatch):
+    """A disk that takes its time must not hold training (the other ranks wait in a collective):
+    save() hands back as soon as the state is copied; the file appears when the write ends."""
+    import threading
+
+    import snapshot
+    disk = threading.Event()
+    real_write = snapshot.write
+    monkeypatch.setattr(snapshot, "write", lambda d, state, step: (disk.wait(), real_write(d, state, step))[1])
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    writer = snapshot.Writer(tmp_path)
+    before = model.weight.detach().clone()
+    writer.save(model, opt, 0, 7)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on while the write waits; the snapshot keeps step 7's values
+    assert list(tmp_path.glob("snapshot-*.pt")) == []
+    disk.set()
+    writer.wait()
+    saved = snapshot.load_latest(tmp_path)
+    assert saved["step"] == 7 and torch.equal(saved["model"]["weight"], before)
