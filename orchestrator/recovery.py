@@ -26,7 +26,7 @@ from .logs import sanitize
 from .remote import Session
 
 SNAPSHOT_RE = re.compile(r"^snapshot-\d{9}\.pt$")
-SNAPSHOT_POLL = 2.0   # seconds between looks for a new snapshot on rank 0's host
+SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (an ls on an open SSH link)
 KEEP_LOCAL = 2        # snapshots kept in runs/JOB/snapshots
 LIST_TIMEOUT = 10
 RECORD = "job.json"

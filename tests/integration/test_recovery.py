@@ -113,7 +113,7 @@ def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_p
     log = tmp_path / "out.txt"
     proc = run_in_background(spares_inventory_path, log, "train", *GPT, "--restarts", "1")
     try:
-        wait_for_line(log, "| step 20 |")
+        wait_for_line(log, "| step 30 |")
         subprocess.run(["docker", "pause", "fabtrain-node1"], check=True)
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
