@@ -179,3 +179,17 @@ def test_hang_watchdog_dumps_every_ranks_stack_and_ends_the_job(inventory_path):
     log = (ROOT / "runs" / job / "node1.log").read_text()
     assert "--- rank 0 (local rank 0, pid" in log and "Current thread" in log
     assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_fab_stop_ends_a_job_that_has_restarts_left(inventory_path):
+    proc = start_fab(inventory_path, "train", "--script", "tests/integration/scripts/report.py",
+                     "--args", "--sleep 300", "--restarts", "3", "--skip-preflight")
+    try:
+        wait_for_containers(["node1", "node2"])
+        assert fab(inventory_path, "stop").returncode == 0
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "was ended by 'fab stop'" in err and "attempt 2" not in out
+    assert project_containers("node1") == [] and project_containers("node2") == []
