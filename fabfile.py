@@ -232,7 +232,7 @@ def status(c, inventory=DEFAULT_INVENTORY):
         why = failure(host, r, "docker ps")
         if why:
             bad.append(why)
-            state = "stuck" if isinstance(r, CommandTimedOut) else "unreachable" if isinstance(r, BaseException) else "error"
+            state = "stuck" if isinstance(r, CommandTimedOut) else "unreachable" if results.error(host.name) else "error"
             table.add_row(host.name, "-", "-", "-", Text(state, style="red"), Text(bad[-1][:80]))
             continue
         for line in r.stdout.splitlines():

@@ -55,9 +55,9 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, pr
     results: dict[str, PushResult] = {}
     targets = []
     for h in hosts:
-        got = have[h.name]
-        if isinstance(got, BaseException):
-            results[h.name] = PushResult(h.name, "failed", detail=describe(h, got))
+        got = have.value(h.name)
+        if have.error(h.name):
+            results[h.name] = PushResult(h.name, "failed", detail=describe(h, have.error(h.name)))
         elif got == want:
             results[h.name] = PushResult(h.name, "present")
         else:
@@ -103,9 +103,8 @@ def _stream(session: Session, image: str, size: int, targets: list[Host], progre
             # Every host gets each chunk before the next is read: one save, N loads, in step, on the
             # session's own worker threads.
             live = tuple(h for h in targets if h.name not in failed)
-            for name, res in session.fan_out(lambda h: cmds[h.name].send(chunk), live).items():
-                if isinstance(res, BaseException):
-                    failed[name] = f"{name}: transfer failed: {res}"
+            for name, exc in session.fan_out(lambda h: cmds[h.name].send(chunk), live).errors().items():
+                failed[name] = f"{name}: transfer failed: {exc}"
             if progress:
                 progress.update(task, completed=min(sent, size or sent))
     finally:

@@ -21,7 +21,7 @@ from . import plan, preflight, recovery
 from .errors import UserError
 from .inventory import Host, Inventory
 from .logs import Multiplexer, missing_output, sanitize
-from .remote import Session, describe
+from .remote import PerHost, Session, describe
 
 PROJECT_ROOT = plan.PROJECT_ROOT
 # Deadlines of the remote steps, seconds (the preflight's are in preflight.py). A host that passes
@@ -132,8 +132,8 @@ def running_jobs(session: Session) -> dict[str, dict[str, int]]:
     results = list_containers(session)
     jobs: dict[str, dict[str, int]] = {}
     for host in session.hosts:
-        r = results[host.name]
-        if isinstance(r, BaseException) or not r.ok:
+        r = results.value(host.name)
+        if r is None or not r.ok:
             continue
         for line in r.stdout.splitlines():
             fields = line.split("\t")
@@ -168,8 +168,8 @@ def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None
     _raise_any(inv.hosts, results, "writing the secrets file")
 
 
-def _raise_any(hosts: tuple[Host, ...], results: dict, what: str) -> None:
-    errors = [describe(h, r) for h in hosts if isinstance(r := results.get(h.name), BaseException)]
+def _raise_any(hosts: tuple[Host, ...], results: PerHost, what: str) -> None:
+    errors = [describe(h, e) for h in hosts if (e := results.error(h.name))]
     if errors:
         raise UserError(f"{what} failed:\n" + "\n".join(errors))
 
@@ -307,10 +307,10 @@ def dump_stacks(session: Session, inv: Inventory, spec: plan.JobSpec, sinks: dic
                                                     timeout=STACKS_TIMEOUT, what="reading stacks"), inv.hosts)
     summary = []
     for h in inv.hosts:
-        r = results[h.name]
-        text = r.stdout if not isinstance(r, BaseException) else ""
+        r, err = results.value(h.name), results.error(h.name)
+        text = r.stdout if r else ""
         if not text.strip():
-            why = describe(h, r) if isinstance(r, BaseException) else (r.stderr.strip()[-200:] or "no stacks")
+            why = describe(h, err) if err else (r.stderr.strip()[-200:] or "no stacks")
             summary.append(f"{h.name}: stacks unreadable ({sanitize(why)})")
             continue
         sinks[h.name].feed(f"[fabtrain] hang watchdog: stacks of every rank on {h.name}\n{text}".encode())
@@ -369,7 +369,7 @@ def fetch_outputs(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir:
                               capture_output=True, text=True)
         return "ok" if proc.returncode == 0 else sanitize(proc.stderr.strip()[-200:])
     results = session.fan_out(one, hosts)
-    return {h: (r if isinstance(r, str) else str(r)) for h, r in results.items()}
+    return {h: results.value(h) or str(results.error(h)) for h in results}
 
 
 # ---------------------------------------------------------------- the whole job
@@ -494,7 +494,8 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                     copying.set()
                 result.attempts = number
                 attempt.ended = time.time()
-                attempt.outcome = "ok" if result.ok else _failure_line(result)
+                attempt.outcome = ("ok" if result.ok else f"interrupted ({signal.Signals(result.interrupted).name})"
+                                   if result.interrupted is not None else _failure_line(result))
                 record.save(run_dir)
                 if result.ok or result.interrupted is not None:
                     break
@@ -575,7 +576,7 @@ def _stopped(session: Session, inv: Inventory, spec: plan.JobSpec) -> bool:
     command = plan.shell(["test", "-e", plan.stopped_marker(inv, spec.job_id)])
     results = session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="checking for fab stop"),
                               inv.hosts)
-    return any(not isinstance(r, BaseException) and r.ok for r in results.values())
+    return any(r.ok for r in results.values_ok())
 
 
 def _failure_line(result: JobResult) -> str:

@@ -670,9 +670,9 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
         checks: list[Check] = []
         per_host: dict[str, dict] = {}
         for host in inv.hosts:
-            r = results[host.name]
-            if isinstance(r, BaseException):
-                checks.append(Check(host.name, "ssh", FAIL, describe(host, r), _ssh_fix(host, r)))
+            err, r = results.error(host.name), results.value(host.name)
+            if err:
+                checks.append(Check(host.name, "ssh", FAIL, describe(host, err), _ssh_fix(host, err)))
                 continue
             checks += r[0]
             if r[1]:

@@ -201,7 +201,7 @@ class Snapshots:
         (the attempt's and `also_ask`), copy it here, then onto every host of the attempt."""
         asked = {h.name: h for h in (*inv.hosts, *also_ask)}
         found = session.fan_out(lambda h: remote_newest(session, h, inv, self.spec), tuple(asked.values()))
-        for name, snap in sorted(((n, s) for n, s in found.items() if isinstance(s, str)),
+        for name, snap in sorted(((n, s) for n, s in found.items() if found.value(n)),
                                  key=lambda kv: kv[1], reverse=True):
             if snap > (self.local_newest() or ""):
                 self.fetch(asked[name], snap)
@@ -218,7 +218,7 @@ class Snapshots:
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise UserError(f"{h.name}: could not place snapshot {best}: {sanitize(proc.stderr.strip()[-300:])}")
-        errors = [str(r) for r in session.fan_out(push, inv.hosts).values() if isinstance(r, BaseException)]
+        errors = [str(e) for e in session.fan_out(push, inv.hosts).errors().values()]
         if errors:
             raise UserError("\n".join(errors))
         return best

@@ -103,6 +103,25 @@ def describe(host: Host, exc: BaseException) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
+class PerHost(dict):
+    """What a fan-out returns: host name -> the function's value, or the exception it raised there."""
+
+    def error(self, name: str) -> BaseException | None:
+        value = self.get(name)
+        return value if isinstance(value, BaseException) else None
+
+    def value(self, name: str, default=None):
+        """The host's value; `default` where it raised (or was not asked)."""
+        value = self.get(name, default)
+        return default if isinstance(value, BaseException) else value
+
+    def errors(self) -> dict[str, BaseException]:
+        return {n: v for n, v in self.items() if isinstance(v, BaseException)}
+
+    def values_ok(self) -> list:
+        return [v for v in self.values() if not isinstance(v, BaseException)]
+
+
 def failure(host: Host, result: "Result | BaseException", what: str) -> str | None:
     """Why a command fanned out to a host did not succeed there (None if it did), for the user."""
     if isinstance(result, BaseException):
@@ -200,12 +219,11 @@ class Session:
             self._conns[host.name] = conn
         return conn
 
-    def fan_out(self, fn: Callable[[Host], T], hosts: tuple[Host, ...] | None = None
-                ) -> dict[str, T | BaseException]:
+    def fan_out(self, fn: Callable[[Host], T], hosts: tuple[Host, ...] | None = None) -> PerHost:
         """Call fn(host) on every host at once; each host's value, or the exception it raised."""
         hosts = self.hosts if hosts is None else hosts
         futures = {h.name: self._pool.submit(fn, h) for h in hosts}
-        out: dict[str, T | BaseException] = {}
+        out = PerHost()
         for name, fut in futures.items():
             try:
                 out[name] = fut.result()
