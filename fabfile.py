@@ -275,6 +275,39 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None):
         raise error
 
 
+@task
+@user_errors
+def runs(c):
+    """List past runs (runs/*/job.json), newest first: job, state, attempts, duration, eval loss, hosts."""
+    from rich.table import Table
+    from orchestrator import report
+    table = Table(title=f"runs in {RUNS}/")
+    table.add_column("job", no_wrap=True)  # a job id is what 'fab plot' and '--resume' take: never cut
+    for col in ("state", "attempts", "duration", "eval loss", "hosts"):
+        table.add_column(col)
+    for r in report.runs(RUNS):
+        loss = f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "-"
+        took = f"{r['seconds']:.0f}s" if r["seconds"] is not None else "-"
+        table.add_row(r["job"], r["state"] or "-", str(r["attempts"]), took, loss, ", ".join(r["hosts"]))
+    console.print(table)
+
+
+@task(help={"jobs": "one or more job ids, comma-separated (see fab runs)",
+            "out": "PNG to write (default: runs/JOB/loss.png for one job, runs/compare.png for several)"})
+@user_errors
+def plot(c, jobs, out=None):
+    """Draw loss (train per step, eval per epoch) and tokens/s per rank of one or several runs."""
+    from orchestrator import report
+    names = [j for j in jobs.replace(" ", ",").split(",") if j]
+    dirs = []
+    for name in names:
+        if not plan.valid_job_id(name) or not (RUNS / name).is_dir():
+            raise UserError(f"no run {sanitize(name)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
+        dirs.append(RUNS / name)
+    target = Path(out) if out else (dirs[0] / "loss.png" if len(dirs) == 1 else RUNS / "compare.png")
+    print(f"wrote {report.write_plot(dirs, target)}")
+
+
 @task(help={"hosts": "number of test hosts (default 2)",
             "spares": "number of spare hosts, listed under spares: (default 0)",
             "write_inventory": "also write the matching inventory to this path"})
@@ -333,6 +366,6 @@ def images(c):
     _cluster.build_images()
 
 
-ns = Collection(sync, preflight, train, stop, status, logs, images)
+ns = Collection(sync, preflight, train, stop, status, logs, runs, plot, images)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))

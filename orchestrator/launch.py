@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import plan, preflight, recovery
+from . import plan, preflight, recovery, report
 from .errors import UserError
 from .inventory import Host, Inventory
 from .logs import Multiplexer, missing_output, sanitize
@@ -547,6 +547,10 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
         if lost:
             console.print(f"[yellow]lost during the job: {', '.join(lost)}; its container may still exist: "
                           "run 'fab stop' once it answers again[/]")
+    try:  # curves and summary.json from what was fetched, failed runs included
+        report.finish(run_dir)
+    except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended
+        console.print(f"[yellow]could not write the run's curves and summary: {sanitize(str(exc))}[/]")
     if error is not None:
         if result.failures:
             raise UserError(f"{error}\n  failed attempts:\n" + "\n".join("    " + f for f in result.failures))

@@ -28,7 +28,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
-import plot  # noqa: E402
 import snapshot  # noqa: E402
 from common import log, pg_timeout  # noqa: E402
 
@@ -266,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML with 'model:' and 'train:' sections (overrides the preset)")
     p.add_argument("--data", help="a UTF-8 text file to train on (default: the generated corpus)")
     p.add_argument("--out", default=os.environ.get("FABTRAIN_OUTPUT", "out"),
-                   help="directory for snapshots, metrics and the loss plot")
+                   help="directory for snapshots and metrics (fab train draws the curves from them)")
     for f in dataclasses.fields(TrainConfig):
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None)
     p.add_argument("--sample-chars", type=int, default=200)
@@ -372,8 +371,6 @@ def main(argv: list[str] | None = None) -> dict:
             writer.save(model, optimizer, epoch + 1, step)
         result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
     writer.wait()
-    if d.rank == 0 and metrics_path.exists():
-        log(f"{tag} loss plot: {plot.plot_metrics(metrics_path, out / 'loss.png')}")
     if d.rank == 0 and args.sample_chars:
         model.eval()
         seed = torch.tensor([[stoi.get("T", 0)]], device=device)

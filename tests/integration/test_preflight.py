@@ -62,6 +62,9 @@ def test_clean_cluster_passes_everything_including_the_smoke_test(inventory_path
                      "shm", "disk", "code", "smoke"}
     smoke = [c for c in checks if c["check"] == "smoke"]
     assert len(smoke) == 2 and all("all_reduce over 4 ranks (gloo), bus bw" in c["detail"] for c in smoke)
+    for node in ("node1", "node2"):  # the smoke test's runtime files (entrypoint, secrets) are gone
+        left = on_host(node, "ls /opt/fabtrain/output/.runtime", check=False).stdout.split()
+        assert [d for d in left if d.startswith("preflight-")] == [], left
 
 
 def test_firewall_dropping_the_master_port_on_rank0(inventory_path, inv):

@@ -1,5 +1,6 @@
 """The walking skeleton on the local cluster: sync, preflight, train, stop."""
 import hashlib
+import json
 import re
 import time
 
@@ -53,6 +54,12 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
     assert "world_size=4" in (run_dir / "node2.log").read_text()
     assert (run_dir / "outputs" / "node1" / "metrics.jsonl").exists()
     assert (run_dir / "plan.txt").read_text().count("docker run") == 2
+    # Curves and a summary, drawn here from the fetched metrics and every rank's step lines.
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["hosts"] == ["node1", "node2"] and summary["state"] == "finished"
+    assert round(summary["final_eval_loss"], 4) == evals[1]
+    assert sorted(summary["ranks"]) == ["node1 rank0", "node1 rank1", "node2 rank2", "node2 rank3"]
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 
