@@ -610,8 +610,8 @@ def explain(result: JobResult) -> UserError | None:
     if len(result.failures) > 1:
         head += (f"\n  every attempt failed ({result.attempts}):\n"
                  + "\n".join("    " + sanitize(f) for f in result.failures))
-    return UserError(f"{head}\n  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}; "
-                     f"continue from the newest snapshot with: fab train --resume {result.job_id}")
+    return UserError(f"{head}\n  last lines of {o.host.name}:\n{tail}\n  full logs: {result.run_dir}\n"
+                     f"  continue from the newest snapshot with: fab train --resume {result.job_id}")
 
 
 def worker_failure(tail: str) -> str:
