@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import shlex
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -129,9 +129,8 @@ def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
         inv = _inventory.load(inventory or record.inventory)
-        policy = launch.Policy(restarts=int(restarts or record.restarts),
-                               min_nodes=int(min_nodes) if min_nodes else record.min_nodes,
-                               hang_timeout=float(record.hang_timeout if hang_timeout is None else hang_timeout))
+        policy = _policy(inv, restarts or record.restarts, min_nodes or record.min_nodes,
+                         record.hang_timeout if hang_timeout is None else hang_timeout)
         spec = record.job_spec()
         console.print(f"resuming job {spec.job_id} ({len(record.attempts)} attempt(s) so far, {record.state})")
         return _run_train(inv, spec, policy, not skip_preflight, smoke, record)
@@ -197,7 +196,8 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
     with Session(inv.all_hosts) as session:
-        launch.mark_stopped(session, inv, [job] if job else launch.running_jobs(session))
+        running = launch.running_jobs(session)
+        launch.mark_stopped(session, inv, {job: running.get(job, {})} if job else running)
         results = launch.stop(session, job, grace)
     failed = []
     for host in inv.all_hosts:

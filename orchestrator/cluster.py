@@ -149,13 +149,12 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     client = _client()
     key, pubkey = ensure_key()
     nodes = node_infos(count + spares, subnet)
-    count = count + spares
     _ensure_network(client, subnet)
     host_image_id = client.images.get(HOST_IMAGE).id
     wanted = {n.container for n in nodes}
     for c in client.containers.list(all=True, filters={"label": LABEL}):
         if c.name not in wanted:
-            log(f"removing {c.name} (not in a {count}-host cluster)")
+            log(f"removing {c.name} (not in a {len(nodes)}-host cluster)")
             c.remove(force=True, v=False)
 
     def prepare(node: NodeInfo) -> str:
@@ -166,7 +165,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
         host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
         return f"{node.address} {host_key[0]} {host_key[1]}\n"
 
-    with ThreadPoolExecutor(max_workers=count) as pool:
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
         known = list(pool.map(prepare, nodes))
     known_hosts = STATE_DIR / "known_hosts"
     known_hosts.write_text("".join(known))
@@ -175,7 +174,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     # The trainer image reaches the hosts the way it reaches real ones: pushed over SSH, and only
     # where the id differs.
     state_inventory = STATE_DIR / "inventory.yaml"
-    state_inventory.write_text(render_inventory(nodes[:count - spares], key, known_hosts, nodes[count - spares:]))
+    state_inventory.write_text(render_inventory(nodes[:count], key, known_hosts, nodes[count:]))
     inv = inventory.load(state_inventory)
     with Session(inv.all_hosts) as session:
         for image in images:
@@ -186,7 +185,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
             sent = [r for r in results if r.action == "sent"]
             log(f"{image}: sent to {len(sent)} host(s)"
                 + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
-                + f", already present on {count - len(sent)}")
+                + f", already present on {len(nodes) - len(sent)}")
     if inventory_out:
         Path(inventory_out).write_text(state_inventory.read_text())
         log(f"wrote {inventory_out}")

@@ -142,11 +142,15 @@ def running_jobs(session: Session) -> dict[str, dict[str, int]]:
     return jobs
 
 
-def mark_stopped(session: Session, inv: Inventory, job_ids) -> None:
-    """Tell a watching `fab train --restarts` that these jobs were ended on purpose."""
-    for job_id in job_ids:
-        if plan.valid_job_id(job_id):
-            session.fan_out(lambda h: session.put(h, b"", plan.stopped_marker(inv, job_id), 0o644))
+def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, dict[str, int]]) -> None:
+    """Tell a watching `fab train --restarts` that these jobs (running_jobs: job -> its hosts) were
+    ended on purpose: a marker in the job's runtime directory, on the hosts it runs on."""
+    def mark(h: Host) -> None:
+        for job_id, where in jobs.items():
+            if h.name in where and plan.valid_job_id(job_id):
+                session.put(h, b"", plan.stopped_marker(inv, job_id), 0o644)
+    # A host that cannot take its marker is still stopped below (and named there).
+    session.fan_out(mark, tuple(h for h in inv.all_hosts if any(h.name in w for w in jobs.values())))
 
 
 def _write_secrets(session: Session, inv: Inventory, spec: plan.JobSpec) -> None:
@@ -473,7 +477,8 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                         continue
                 else:
                     sync(cur, Path(spec.code))
-                resumed = snaps.place(session, cur, also_ask=tuple(used.values())) if not first or resuming else None
+                answering = tuple(h for h in used.values() if h.name not in lost)
+                resumed = snaps.place(session, cur, also_ask=answering) if not first or resuming else None
                 attempt_spec = replace(spec, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number))))
                 attempt = recovery.Attempt(number, [h.name for h in cur.hosts], time.time(), resumed_from=resumed)
                 record.attempts.append(attempt)
@@ -485,7 +490,7 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                               f"{cur.master.name}" + (f", from snapshot {resumed}" if resumed else "")
                               + f"; logs in {run_dir}", highlight=False)
                 copying = threading.Event()
-                snaps.follow(session, lambda c=cur: c.master, copying)
+                snaps.follow(session, cur.master, copying)
                 try:
                     start(session, cur, attempt_spec)
                     result = watch(session, cur, attempt_spec, run_dir, out=out, hang_timeout=policy.hang_timeout,
@@ -501,18 +506,19 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                     break
                 result.failures = [f"attempt {a.number} on {', '.join(a.hosts)}: {a.outcome}"
                                    for a in record.attempts if a.outcome != "ok"]
-                if _stopped(session, cur, spec):
+                why: dict[str, str] = {}
+                for oc in result.outcomes.values():
+                    if oc.lost:
+                        lost[oc.host.name] = oc.host
+                        why[oc.host.name] = "lost"
+                # Hosts known lost are not asked again (each would cost a whole deadline).
+                if _stopped(session, cur, spec, tuple(h for h in cur.hosts if h.name not in lost)):
                     result.stopped = True
                     break
                 if restarts_used >= policy.restarts:
                     break
                 restarts_used += 1
                 o = result.first_failure
-                why: dict[str, str] = {}
-                for oc in result.outcomes.values():
-                    if oc.lost:
-                        lost[oc.host.name] = oc.host
-                        why[oc.host.name] = "lost"
                 if o is not None and not o.lost and not result.hung:
                     failed_on[o.host.name] += 1
                     if failed_on[o.host.name] >= 2:
@@ -529,6 +535,9 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                                                tuple(h for h in used.values() if h.name not in lost) or cur.hosts)
         except UserError as exc:  # no hosts left to go on with, or a failed start
             error = exc
+        except BaseException:
+            teardown(session, spec.job_id, 0, tuple(h for h in used.values() if h.name not in lost) or cur.hosts)
+            raise
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -575,11 +584,11 @@ def _write_plan(run_dir: Path, inv: Inventory, spec: plan.JobSpec, number: int) 
         fh.write(dry_run(inv, spec) + "\n")
 
 
-def _stopped(session: Session, inv: Inventory, spec: plan.JobSpec) -> bool:
-    """Whether `fab stop` ended the job (its marker on any host that answers)."""
+def _stopped(session: Session, inv: Inventory, spec: plan.JobSpec, hosts: tuple[Host, ...]) -> bool:
+    """Whether `fab stop` ended the job (its marker on any of these hosts)."""
     command = plan.shell(["test", "-e", plan.stopped_marker(inv, spec.job_id)])
     results = session.fan_out(lambda h: session.run(h, command, timeout=STATUS_TIMEOUT, what="checking for fab stop"),
-                              inv.hosts)
+                              hosts)
     return any(r.ok for r in results.values_ok())
 
 

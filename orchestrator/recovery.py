@@ -173,7 +173,7 @@ class Snapshots:
     def fetch(self, host: Host, name: str) -> bool:
         """Copy one snapshot from a host (rsync writes a temporary file and renames it)."""
         with self.lock:
-            if self.local_newest() and self.local_newest() >= name:
+            if name <= (self.local_newest() or ""):
                 return True
             proc = subprocess.run(plan.fetch_file_argv(host, f"{snapshots_dir(self.inv, self.spec)}/{name}",
                                                        str(self.dir / name)),
@@ -184,28 +184,26 @@ class Snapshots:
                 (self.dir / old).unlink(missing_ok=True)
             return True
 
-    def follow(self, session: Session, host_of_rank0, stop: threading.Event) -> threading.Thread:
+    def follow(self, session: Session, rank0: Host, stop: threading.Event) -> threading.Thread:
         """Copy every new snapshot from rank 0's host as soon as it is complete, until `stop`."""
         def loop() -> None:
             while not stop.wait(SNAPSHOT_POLL):
-                host = host_of_rank0()
-                name = remote_newest(session, host, self.inv, self.spec)
-                if name and name > (self.local_newest() or ""):
-                    self.fetch(host, name)
+                name = remote_newest(session, rank0, self.inv, self.spec)
+                if name:
+                    self.fetch(rank0, name)
         t = threading.Thread(target=loop, daemon=True, name="snapshot-copy")
         t.start()
         return t
 
     def place(self, session: Session, inv: Inventory, also_ask: tuple[Host, ...] = ()) -> str | None:
         """Before an attempt: find the newest snapshot on this machine or on any host answering
-        (the attempt's and `also_ask`), copy it here, then onto every host of the attempt."""
+        (the attempt's and `also_ask`, which should leave out hosts known lost: each silent one costs
+        LIST_TIMEOUT), copy it here, then onto every host of the attempt."""
         asked = {h.name: h for h in (*inv.hosts, *also_ask)}
         found = session.fan_out(lambda h: remote_newest(session, h, inv, self.spec), tuple(asked.values()))
-        for name, snap in sorted(((n, s) for n, s in found.items() if found.value(n)),
-                                 key=lambda kv: kv[1], reverse=True):
-            if snap > (self.local_newest() or ""):
-                self.fetch(asked[name], snap)
-            break
+        remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
+        if remote:
+            self.fetch(asked[remote[1]], remote[0])
         best = self.local_newest()
         if best is None:
             return None

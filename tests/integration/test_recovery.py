@@ -109,18 +109,24 @@ def test_interrupted_job_resumes_with_the_same_id(inventory_path, reference, tmp
     assert again.returncode == 2 and "already finished" in again.stderr
 
 
-def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_path):
+def train_and_freeze(inventory_path, tmp_path, node: str, after: str, *extra) -> str:
+    """`fab train` of GPT with a restart, a whole test host frozen (docker pause) once `after` is
+    printed; the command must still succeed. Its output."""
     log = tmp_path / "out.txt"
-    proc = run_in_background(spares_inventory_path, log, "train", *GPT, "--restarts", "1")
+    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1", *extra)
     try:
-        wait_for_line(log, "| step 30 |")
-        subprocess.run(["docker", "pause", "fabtrain-node1"], check=True)
+        wait_for_line(log, after)
+        subprocess.run(["docker", "pause", f"fabtrain-{node}"], check=True)
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
-        subprocess.run(["docker", "unpause", "fabtrain-node1"], capture_output=True)
+        subprocess.run(["docker", "unpause", f"fabtrain-{node}"], capture_output=True)
         proc.kill()
-        fab(spares_inventory_path, "stop", "--grace", "0")
-    out = log.read_text()
+        fab(inventory_path, "stop", "--grace", "0")
+    return log.read_text()
+
+
+def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_path):
+    out = train_and_freeze(spares_inventory_path, tmp_path, "node1", "| step 30 |")
     job = job_id(out)
     assert "node1 (node rank 0) node1: no SSH keepalive answer for" in out
     assert "spare node3 takes the place of node1 (lost) as node rank 0" in out
@@ -134,17 +140,7 @@ def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_p
 
 
 def test_without_a_spare_the_job_finishes_on_fewer_nodes(inventory_path, tmp_path):
-    log = tmp_path / "out.txt"
-    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1", "--min-nodes", "1")
-    try:
-        wait_for_line(log, "| step 20 |")
-        subprocess.run(["docker", "pause", "fabtrain-node2"], check=True)
-        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-    finally:
-        subprocess.run(["docker", "unpause", "fabtrain-node2"], capture_output=True)
-        proc.kill()
-        fab(inventory_path, "stop", "--grace", "0")
-    out = log.read_text()
+    out = train_and_freeze(inventory_path, tmp_path, "node2", "| step 20 |", "--min-nodes", "1")
     assert "no spare left: going on without node2 with 1 node(s) (--min-nodes 1)" in out
     assert "world 2 instead of 4: grad_accum 1 -> 2 keeps the global batch of 64 sequences" in out
     assert "finished on every host after 2 attempts" in out
