@@ -223,3 +223,25 @@ def down(log=print) -> None:
     except docker.errors.NotFound:
         pass
     log("cluster down")
+
+
+def freeze(name: str, tries: int = 10) -> None:
+    """Freeze a whole test host (docker pause): a machine that stops answering without closing a
+    connection. The cgroup freezer gives up ("unable to freeze") when the host's processes are busy
+    forking at that moment, so the pause is tried again."""
+    container = _client().containers.get(f"fabtrain-{name}")
+    for attempt in range(tries):
+        try:
+            container.pause()
+            return
+        except docker.errors.APIError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.2)
+
+
+def thaw(name: str) -> None:
+    try:
+        _client().containers.get(f"fabtrain-{name}").unpause()
+    except docker.errors.APIError:
+        pass  # not paused (the freeze never happened) or already gone

@@ -298,8 +298,16 @@ def stop_script(job_id: str | None = None, grace: float = 0) -> str:
     parts = []
     if grace > 0:
         parts.append(f"{ids} | xargs -r {shell(['docker', 'stop', '--time', str(int(grace))])} >/dev/null")
-    parts.append(f"{ids} | xargs -r {shell(['docker', 'rm', '--force'])}")
+    # Another party removing the same container at once (the watcher of a failing job while the
+    # user runs fab stop) is success, not an error: the container is going either way.
+    parts.append(f"{ids} | xargs -r {shell(['docker', 'rm', '--force'])} 2>&1 | {shell(['awk', RM_FILTER])}")
     return "; ".join(parts)
+
+
+# Removed ids to stdout; "already being removed" / "already gone" dropped; any other line to
+# stderr and a non-zero exit.
+RM_FILTER = ('/is already in progress|No such container/ {next} /^[0-9a-f]+$/ {print; next} '
+             '{print > "/dev/stderr"; bad = 1} END {exit bad}')
 
 
 def status_argv(job_id: str | None = None) -> list[str]:

@@ -12,6 +12,21 @@ def log(line: str) -> None:
     sys.stdout.flush()
 
 
+def finish_distributed(hard_exit: bool) -> None:
+    """The end of a run: every rank reaches the barrier, then leaves. Run as a script (hard_exit),
+    the process then exits at once after flushing its output: gloo's teardown after the last
+    collective has aborted a rank that had already finished (std::terminate, "terminate called
+    without an active exception", about once in 25 runs of the local cluster), failing a job whose
+    work was all done. In-process callers (tests) destroy the group as usual."""
+    import torch.distributed as dist
+    dist.barrier()
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
 def pg_timeout() -> datetime.timedelta:
     """Collectives give up on a dead peer after this long (set by the entrypoint; default 60 s)."""
     return datetime.timedelta(seconds=float(os.environ.get("FABTRAIN_PG_TIMEOUT", 60)))

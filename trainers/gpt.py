@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
 import snapshot  # noqa: E402
-from common import log, pg_timeout  # noqa: E402
+from common import finish_distributed, log, pg_timeout  # noqa: E402
 
 
 @dataclass
@@ -272,7 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     args = parse_args(argv)
     d, device = init_distributed()
     tag = f"[{d.node} rank{d.rank}]"
@@ -377,8 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
         sample = "".join(chars[i] for i in model.generate(seed, args.sample_chars)[0].tolist())
         log(f"{tag} sample: {sample!r}")
     if d.enabled:
-        dist.barrier()
-        dist.destroy_process_group()
+        finish_distributed(hard_exit)
     return result
 
 
@@ -418,4 +417,4 @@ def _append(path: Path, record: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(hard_exit=True)

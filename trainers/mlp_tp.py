@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, pg_timeout  # noqa: E402
+from common import finish_distributed, log, pg_timeout  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -81,7 +81,7 @@ def synthetic_batch(step: int, dp_rank: int, batch: int, dim: int, device) -> tu
     return x.to(device), torch.tanh(x @ w).to(device)
 
 
-def main(argv: list[str] | None = None) -> float:
+def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dim", type=int, default=64)
@@ -130,10 +130,9 @@ def main(argv: list[str] | None = None) -> float:
         loss_val = t.item() / mesh["dp"].size()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             log(f"[{node} rank{rank}] step {step} | loss {loss_val:.5f}")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed(hard_exit)
     return loss_val
 
 
 if __name__ == "__main__":
-    main()
+    main(hard_exit=True)

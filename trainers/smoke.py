@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, pg_timeout  # noqa: E402
+from common import finish_distributed, log, pg_timeout  # noqa: E402
 
 MB = int(os.environ.get("FABTRAIN_SMOKE_MB", 8))
 ITERS = int(os.environ.get("FABTRAIN_SMOKE_ITERS", 5))
@@ -41,5 +41,4 @@ dt = (time.perf_counter() - t0) / ITERS
 busbw = MB / dt * 2 * (world - 1) / max(world, 1)
 if int(os.environ.get("LOCAL_RANK", 0)) == 0:
     log(f"SMOKE ok backend={dist.get_backend()} world={world} size={MB}MB time={dt * 1000:.1f}ms busbw={busbw:.1f} MB/s")
-dist.barrier()
-dist.destroy_process_group()
+finish_distributed(hard_exit=True)

@@ -252,10 +252,10 @@ def bench_failure(inv, repeat: int) -> dict:
 def bench_paused(inv, repeat: int) -> dict:
     """A frozen host (its whole test-host container paused): time until the rest of the job is gone."""
     def pause(victim, spec):
-        subprocess.run(["docker", "pause", f"fabtrain-{victim.name}"], check=True, capture_output=True)
+        cluster.freeze(victim.name)
 
     def unpause(victim):
-        subprocess.run(["docker", "unpause", f"fabtrain-{victim.name}"], check=True, capture_output=True)
+        cluster.thaw(victim.name)
     return {"pause_to_rest_gone": [_time_to_rest_gone(inv, pause, unpause) for _ in range(repeat)]}
 
 

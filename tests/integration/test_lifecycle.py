@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from orchestrator import cluster
+
 from .conftest import FAB, ROOT, fab, on_host, project_containers
 
 REPORT = "tests/integration/scripts/report.py"
@@ -58,7 +60,7 @@ def test_paused_host_brings_the_job_down_within_bound(inventory_path):
     try:
         wait_for_containers(["node1", "node2"])
         time.sleep(2)
-        subprocess.run(["docker", "pause", "fabtrain-node2"], check=True)
+        cluster.freeze("node2")
         paused = time.monotonic()
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - paused
@@ -67,7 +69,7 @@ def test_paused_host_brings_the_job_down_within_bound(inventory_path):
         assert running("node1") == []
         assert took < 60, f"{took:.1f}s"
     finally:
-        subprocess.run(["docker", "unpause", "fabtrain-node2"], capture_output=True)
+        cluster.thaw("node2")
         proc.kill()
         fab(inventory_path, "stop", "--grace", "0")
     assert project_containers("node1") == [] and project_containers("node2") == []

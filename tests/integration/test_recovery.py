@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchestrator import cluster
+
 from .conftest import ROOT, fab, on_host, project_containers
 from .test_lifecycle import running, start_fab, wait_for_containers
 
@@ -116,10 +118,10 @@ def train_and_freeze(inventory_path, tmp_path, node: str, after: str, *extra) ->
     proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1", *extra)
     try:
         wait_for_line(log, after)
-        subprocess.run(["docker", "pause", f"fabtrain-{node}"], check=True)
+        cluster.freeze(node)
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
-        subprocess.run(["docker", "unpause", f"fabtrain-{node}"], capture_output=True)
+        cluster.thaw(node)
         proc.kill()
         fab(inventory_path, "stop", "--grace", "0")
     return log.read_text()

@@ -154,9 +154,9 @@ def test_stop_script_by_label_with_grace():
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
         " | xargs -r docker stop --time 30 >/dev/null; "
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
-        " | xargs -r docker rm --force")
+        " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(plan.RM_FILTER))
     assert plan.stop_script() == ("docker ps --all --quiet --filter label=fabtrain.managed=1"
-                                  " | xargs -r docker rm --force")
+                                  " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(plan.RM_FILTER))
 
 
 def test_follow_finish_and_remainder_commands():
