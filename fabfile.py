@@ -17,6 +17,7 @@ from invoke import Collection, Exit, task
 from rich.console import Console
 
 from orchestrator import cluster as _cluster
+from orchestrator import export as _export
 from orchestrator import inventory as _inventory
 from orchestrator import images as _images
 from orchestrator import launch, plan
@@ -136,6 +137,15 @@ def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
         return _run_train(inv, spec, policy, not skip_preflight, smoke, record)
     inv = _inventory.load(inventory or DEFAULT_INVENTORY)
     policy = _policy(inv, restarts, min_nodes, hang_timeout)
+    spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
+    if dry_run:
+        print(launch.dry_run(inv, spec))
+        return
+    _run_train(inv, spec, policy, not skip_preflight, smoke)
+
+
+def _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module) -> plan.JobSpec:
+    """A new job from the command line: a built-in trainer, --script or --module, with its arguments."""
     source = code_dir(code)
     if script and module:
         raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
@@ -156,12 +166,8 @@ def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     job_name = name or (module.rsplit(".", 1)[-1] if module else Path(script).stem).replace("_", "-")
     if not plan.valid_job_id(job_name):
         raise UserError(f"--name {sanitize(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
-    spec = plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra), image=image,
+    return plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra), image=image,
                         nproc_per_node=str(nproc) if nproc else None, code=str(source))
-    if dry_run:
-        print(launch.dry_run(inv, spec))
-        return
-    _run_train(inv, spec, policy, not skip_preflight, smoke)
 
 
 def _policy(inv, restarts, min_nodes, hang_timeout) -> launch.Policy:
@@ -308,14 +314,75 @@ def plot(c, jobs, out=None):
     print(f"wrote {report.write_plot(dirs, target)}")
 
 
+JOB_HELP = {
+    "inventory": INV_HELP,
+    "model": "GPT preset: tiny, small or medium",
+    "epochs": "number of epochs",
+    "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
+    "script": "your own torchrun-compatible script (a path inside --code) instead of a trainer",
+    "module": "run a Python module instead (torchrun -m NAME)",
+    "code": CODE_HELP,
+    "args": "arguments for the script, one string split like a shell would",
+    "image": "container image (default: job.image in the inventory)",
+    "nproc": "processes per node (default: job.nproc_per_node)",
+    "name": "job name prefix (default: the trainer or script name)",
+}
+
+
+def _warn(warnings) -> None:
+    for w in warnings:
+        print(f"warning: {sanitize(w)}", file=sys.stderr)
+
+
+@task(help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
+            "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
+            "partition": "#SBATCH --partition", "time": "#SBATCH --time (e.g. 12:00:00)"})
+@user_errors
+def slurm(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None, args="",
+          image=None, nproc=None, name=None, code=None, module=None, out=None, pyxis=False,
+          partition=None, time=None):
+    """Write the job as an sbatch script: one task per node starting the same container (devices, env,
+    mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
+    after a node failure to resume from the newest snapshot. Submit it with sbatch."""
+    inv = _inventory.load(inventory)
+    spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
+    text, warnings = _export.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
+    _warn(warnings)
+    target = Path(out or f"{spec.job_id}.sbatch")
+    target.write_text(text)
+    target.chmod(0o755)
+    print(f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: sbatch {target}")
+
+
+@task(help={**JOB_HELP, "out": "directory to write pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
+            "restarts": "pod failures the job tolerates (backoffLimit, default 0)"})
+@user_errors
+def k8s(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None, args="",
+        image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
+    """Write the job as Kubernetes manifests: a Kubeflow PyTorchJob, and an Indexed Job with a headless
+    Service for clusters without the training operator. Same image, env, GPUs and entrypoint;
+    secrets as references to a Secret, never values."""
+    inv = _inventory.load(inventory)
+    spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
+    docs, warnings = _export.k8s_manifests(inv, spec, restarts=int(restarts))
+    _warn(warnings)
+    target = Path(out or f"{spec.job_id}-k8s")
+    target.mkdir(parents=True, exist_ok=True)
+    for file, documents in docs.items():
+        (target / file).write_text(_export.k8s_text(inv, spec, file, documents))
+    print(f"wrote {target}/pytorchjob.yaml and {target}/indexed-job.yaml (job {spec.job_id}); "
+          f"apply one with kubectl apply -f")
+
+
 @task(help={"hosts": "number of test hosts (default 2)",
             "spares": "number of spare hosts, listed under spares: (default 0)",
-            "write_inventory": "also write the matching inventory to this path"})
+            "write_inventory": "also write the matching inventory to this path",
+            "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm"})
 @user_errors
-def up(c, hosts=2, spares=0, write_inventory=None):
+def up(c, hosts=2, spares=0, write_inventory=None, slurm=False):
     """Start (or reuse) the local cluster: N Docker-in-Docker hosts with sshd and their own Docker
     engine on a private network, the trainer image loaded in each, host keys recorded."""
-    _cluster.up(int(hosts), write_inventory, spares=int(spares))
+    _cluster.up(int(hosts), write_inventory, spares=int(spares), slurm=slurm)
 
 
 @task
@@ -369,3 +436,4 @@ def images(c):
 ns = Collection(sync, preflight, train, stop, status, logs, runs, plot, images)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))
+ns.add_collection(Collection("export", slurm, k8s))

@@ -4,6 +4,8 @@
 - This orchestrator sets NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT.
 - A platform (a Kubernetes PyTorchJob, a Slurm wrapper) sets WORLD_SIZE = number of nodes and
   RANK = this node's rank, with MASTER_ADDR and MASTER_PORT.
+- A Slurm step with one task per node (srun in a container, e.g. pyxis) gives SLURM_JOB_NUM_NODES
+  and SLURM_NODEID; MASTER_ADDR and MASTER_PORT come from its batch script (fab export.slurm).
 
 The arguments are the training script and its arguments (or -m MODULE and its arguments), handed
 to torchrun verbatim. So an image launched by hand, by fabtrain or by a platform forms the same job.
@@ -98,8 +100,8 @@ def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:
 
 def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], dict[str, str], str]:
     """(torchrun argv, the workers' environment, a banner) from the node-level environment."""
-    nnodes = int(env.get("NNODES") or env.get("WORLD_SIZE") or 1)
-    node_rank = int(env.get("NODE_RANK") or env.get("RANK") or 0)
+    nnodes = int(env.get("NNODES") or env.get("WORLD_SIZE") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    node_rank = int(env.get("NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or 0)
     master_addr = env.get("MASTER_ADDR", "127.0.0.1")
     master_port = env.get("MASTER_PORT", "29500")
     nproc = env.get("NPROC_PER_NODE", "auto")

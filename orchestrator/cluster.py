@@ -8,7 +8,10 @@ known_hosts file, so host-key checking stays on.
 """
 from __future__ import annotations
 
+import io
 import ipaddress
+import os
+import tarfile
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,8 +144,10 @@ def _wait_ready(container, timeout: float = 90) -> None:
 
 
 def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
-       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print, spares: int = 0) -> list[NodeInfo]:
-    """`count` hosts and `spares` spare hosts (listed under spares: in the inventory)."""
+       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print, spares: int = 0,
+       slurm: bool = False) -> list[NodeInfo]:
+    """`count` hosts and `spares` spare hosts (listed under spares: in the inventory); with `slurm`,
+    the hosts (not the spares) are also a Slurm cluster."""
     if count < 1 or spares < 0:
         raise UserError("--hosts must be at least 1 and --spares at least 0")
     build_images()
@@ -186,11 +191,110 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
             log(f"{image}: sent to {len(sent)} host(s)"
                 + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
                 + f", already present on {len(nodes) - len(sent)}")
+    if slurm:
+        slurm_up(client, nodes[:count], log)
     if inventory_out:
         Path(inventory_out).write_text(state_inventory.read_text())
         log(f"wrote {inventory_out}")
     log("cluster up: " + ", ".join(f"{n.name}={n.address}" for n in nodes))
     return nodes
+
+
+SLURM_CONF = """\
+# Written by fab cluster.up --slurm: the test hosts as a Slurm cluster, controller on the first.
+ClusterName=fabtrain
+SlurmctldHost={first}({first_address})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+# No cgroup delegation in these containers: processes tracked by parentage, no task binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SchedulerType=sched/backfill
+ReturnToService=2
+MpiDefault=none
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurmctld.log
+SlurmdLogFile=/var/log/slurmd.log
+# Finished jobs: their state in sacct --completion (no accounting database here) and in
+# scontrol show job for 10 minutes.
+JobCompType=jobcomp/filetxt
+JobCompLoc=/var/log/slurm-jobcomp.log
+AccountingStorageType=accounting_storage/none
+MinJobAge=600
+KillWait=30
+{nodes}
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+# Start (or keep) munge, slurmd and, on the controller, slurmctld: restarted only when the config
+# or the key changed or a daemon is not running.
+SLURM_START = r"""
+set -eu
+want=$(cat /etc/slurm/slurm.conf /etc/munge/munge.key.new | sha256sum | cut -c1-16)
+if [ "$(cat /etc/slurm/.fabtrain 2>/dev/null)" = "$want" ] && pgrep -x munged >/dev/null \
+   && pgrep -x slurmd >/dev/null && { [ "$2" = 0 ] || pgrep -x slurmctld >/dev/null; }; then
+  rm -f /etc/munge/munge.key.new; echo kept; exit 0
+fi
+pkill -x slurmctld || true; pkill -x slurmd || true; pkill -x munged || true
+sleep 0.5
+install -o munge -g munge -m 0400 /etc/munge/munge.key.new /etc/munge/munge.key
+rm -f /etc/munge/munge.key.new
+mkdir -p /run/munge /var/spool/slurmd /var/spool/slurmctld
+chown munge:munge /run/munge
+runuser -u munge -- /usr/sbin/munged
+if [ "$2" = 1 ]; then slurmctld; fi
+slurmd -N "$1"
+echo "$want" > /etc/slurm/.fabtrain
+echo started
+"""
+
+
+def slurm_up(client: docker.DockerClient, nodes: list[NodeInfo], log=print, timeout: float = 60) -> None:
+    """The test hosts as a Slurm cluster (Debian's slurm-wlm and munge, in the host image): one
+    munge key, one slurm.conf, slurmd everywhere, slurmctld on the first. Idempotent; SSH jobs on
+    the same hosts are unaffected."""
+    key_file = STATE_DIR / "munge.key"
+    if not key_file.exists():
+        key_file.write_bytes(os.urandom(1024))
+        key_file.chmod(0o600)
+    conf = SLURM_CONF.format(first=nodes[0].name, first_address=nodes[0].address, nodes="\n".join(
+        f"NodeName={n.name} NodeAddr={n.address} State=UNKNOWN" for n in nodes))
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for name, data, mode in (("slurm/slurm.conf", conf.encode(), 0o644),
+                                 ("munge/munge.key.new", key_file.read_bytes(), 0o400)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+
+    def start(i_node: tuple[int, NodeInfo]) -> str:
+        i, node = i_node
+        c = client.containers.get(node.container)
+        c.put_archive("/etc", archive.getvalue())
+        return _exec(c, ["sh", "-c", SLURM_START, "sh", node.name, "1" if i == 0 else "0"]).strip()
+
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        actions = list(pool.map(start, enumerate(nodes)))
+    controller = client.containers.get(nodes[0].container)
+    deadline = time.monotonic() + timeout
+    while True:
+        code, out = controller.exec_run(["sinfo", "--noheader", "--Node", "--format", "%N %t"])
+        states = dict(line.split() for line in out.decode().splitlines() if len(line.split()) == 2)
+        if code == 0 and all(states.get(n.name) in ("idle", "alloc", "mix") for n in nodes):
+            break
+        if time.monotonic() > deadline:
+            raise UserError(f"Slurm did not come up within {timeout:g}s (sinfo: {states or out.decode().strip()}); "
+                            f"see: docker exec {nodes[0].container} cat /var/log/slurmctld.log /var/log/slurmd.log")
+        time.sleep(0.5)
+    started = sum(a == "started" for a in actions)
+    log(f"slurm up: controller on {nodes[0].name}, {len(nodes)} node(s) idle "
+        f"({started} started, {len(nodes) - started} already running)")
 
 
 def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519",

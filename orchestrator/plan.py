@@ -177,31 +177,47 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
 
 
 def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> list[str]:
-    """`docker run` of one node of a job, detached so the job outlives a lost SSH session.
+    """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+    return ["docker", "run", "--detach",
+            *run_options(inv, host, spec, container_name(spec.job_id, host.rank), str(host.rank),
+                         job_env(inv, host, spec), access),
+            *image_and_command(inv, host, spec)]
 
-    The image's own ENTRYPOINT is set aside: python3 runs the entrypoint this orchestrator put in
-    the job's runtime directory, so any image with python3 and torch runs as it is."""
-    name = container_name(spec.job_id, host.rank)
-    argv = ["docker", "run", "--detach", "--name", name,
+
+def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
+                env: list[tuple[str, str | None]], access: GpuAccess | None = None) -> list[str]:
+    """The options of one node's `docker run`, shared with the Slurm export (which gives the name,
+    rank and some variables at run time: a None value passes the variable on from the caller)."""
+    argv = ["--name", name,
             "--label", f"{LABEL_MANAGED}=1", "--label", f"{LABEL_JOB}={spec.job_id}",
-            "--label", f"{LABEL_RANK}={host.rank}", "--label", f"{LABEL_HOST}={host.name}",
+            "--label", f"{LABEL_RANK}={rank}", "--label", f"{LABEL_HOST}={host.name}",
             # Host networking: NCCL/gloo see the real interfaces, no port mapping, no NAT.
             "--network", "host"]
     # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
     argv += ["--shm-size", inv.job.shm_size] if inv.job.shm_size else ["--ipc", "host"]
     argv += device_args(host, access)
     argv += container_options(inv, host)
-    for key, value in job_env(inv, host, spec):
-        argv += ["--env", f"{key}={value}"]
+    for key, value in env:
+        argv += ["--env", key if value is None else f"{key}={value}"]
     argv += ["--volume", f"{inv.job.code_dir}:{WORKDIR}:ro",
              "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}",
              "--volume", f"{runtime_dir(inv, spec)}:{RUNTIME_MOUNT}:ro"]
     for m in host.mounts:
         argv += ["--volume", f"{m.source}:{m.target}" + (":ro" if m.read_only else "")]
-    target = ["-m", spec.script] if spec.module else [spec.script]
-    argv += ["--workdir", WORKDIR, "--entrypoint", "python3", spec.image or inv.image_for(host),
-             ENTRYPOINT_PATH, *target, *spec.args]
     return argv
+
+
+def image_and_command(inv: Inventory, host: Host, spec: JobSpec) -> list[str]:
+    """The image and what runs in it. The image's own ENTRYPOINT is set aside: python3 runs the
+    entrypoint this orchestrator put in the job's runtime directory, so any image with python3 and
+    torch runs as it is."""
+    return ["--workdir", WORKDIR, "--entrypoint", "python3", spec.image or inv.image_for(host),
+            ENTRYPOINT_PATH, *command(spec)]
+
+
+def command(spec: JobSpec) -> list[str]:
+    """The entrypoint's arguments: the script (or -m MODULE) and its arguments."""
+    return [*(["-m", spec.script] if spec.module else [spec.script]), *spec.args]
 
 
 def runtime_dir(inv: Inventory, spec: JobSpec) -> str:

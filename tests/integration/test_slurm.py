@@ -1,0 +1,96 @@
+"""The exported sbatch script on a real Slurm: the test hosts run munged and slurmd (slurmctld on
+node1), started by cluster.slurm_up next to their sshd and Docker engine."""
+import re
+import subprocess
+import time
+
+import pytest
+
+from orchestrator import cluster as cluster_mod
+
+from .conftest import ROOT, fab, on_host, project_containers
+
+GPT = ["--model", "tiny", "--epochs", "2", "--args", "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0"]
+
+
+@pytest.fixture(scope="module")
+def slurm(inventory_path):
+    cluster_mod.slurm_up(cluster_mod._client(), cluster_mod.node_infos(2))
+    r = fab(inventory_path, "sync")
+    assert r.returncode == 0, r.stderr
+    return inventory_path
+
+
+def submit(inventory_path, tmp_path, *args) -> tuple[str, str, float]:
+    """Export the job, copy the script to node1 and sbatch it there: (slurm job id, fabtrain job
+    id, the time of submission)."""
+    script = tmp_path / "job.sbatch"
+    r = fab(inventory_path, "export.slurm", *args, "--out", str(script))
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"\(job (\S+)\)", r.stdout).group(1)
+    subprocess.run(["docker", "exec", "-i", "fabtrain-node1", "sh", "-c", "cat > /root/job.sbatch"],
+                   input=script.read_bytes(), check=True)
+    submitted = time.monotonic()
+    out = on_host("node1", "cd /root && sbatch --parsable job.sbatch").stdout.strip()
+    return out.split(";")[0], job, submitted
+
+
+def job_state(slurm_id: str) -> dict[str, str]:
+    out = on_host("node1", f"scontrol show job --oneliner {slurm_id}").stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def wait_done(slurm_id: str, timeout: float = 300) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_state(slurm_id)
+        if state.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", None):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"slurm job {slurm_id} still {job_state(slurm_id).get('JobState')} after {timeout}s")
+
+
+def output(job: str, slurm_id: str) -> str:
+    return on_host("node1", f"cat /root/{job}-{slurm_id}.out", check=False).stdout
+
+
+def wait_for(job: str, slurm_id: str, needle: str, timeout: float = 180) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in output(job, slurm_id):
+            return time.monotonic()
+        time.sleep(0.5)
+    raise AssertionError(f"{needle!r} never appeared in the job's output:\n{output(job, slurm_id)[-3000:]}")
+
+
+def test_exported_script_trains_across_two_slurm_nodes(slurm, tmp_path):
+    slurm_id, job, submitted = submit(slurm, tmp_path, *GPT)
+    first_step = wait_for(job, slurm_id, "| step ")
+    state = wait_done(slurm_id)
+    text = output(job, slurm_id)
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-3000:]
+    print(f"sbatch -> first training step: {first_step - submitted:.1f}s")
+    # srun --label: both nodes' containers reported, 2 nodes x 2 processes = world 4.
+    assert re.search(r"^0: \[fabtrain\] nodes=2 node_rank=0 master=172\.28\.5\.11:29500 .*world_size=4", text, re.M)
+    assert re.search(r"^1: \[fabtrain\] nodes=2 node_rank=1 ", text, re.M)
+    evals = [float(m) for m in re.findall(r"eval loss (\d+\.\d+)", text)]
+    assert len(evals) == 2 and evals[1] < evals[0], text[-3000:]
+    assert project_containers("node1") == [] and project_containers("node2") == []
+    # The finished job's state is kept by Slurm's job completion log too.
+    comp = on_host("node1", "cat /var/log/slurm-jobcomp.log").stdout
+    assert re.search(rf"JobId={slurm_id} .*JobState=COMPLETED", comp)
+
+
+def test_a_killed_node_task_ends_the_slurm_job(slurm, tmp_path):
+    slurm_id, job, _ = submit(slurm, tmp_path, "--model", "tiny", "--epochs", "50", "--args", "--log-every 1")
+    wait_for(job, slurm_id, "| step ")
+    on_host("node2", f"docker kill fabtrain-{job}-r1")
+    killed = time.monotonic()
+    state = wait_done(slurm_id, timeout=180)
+    took = time.monotonic() - killed
+    text = output(job, slurm_id)
+    assert state["JobState"] == "FAILED" and state["ExitCode"] != "0:0", (state, text[-3000:])
+    comp = on_host("node1", "cat /var/log/slurm-jobcomp.log").stdout
+    assert re.search(rf"JobId={slurm_id} .*JobState=FAILED", comp)
+    print(f"container killed -> slurm job FAILED: {took:.1f}s")
+    assert project_containers("node1") == [] and project_containers("node2") == []

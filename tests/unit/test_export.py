@@ -1,0 +1,256 @@
+"""The Slurm and Kubernetes exports: exact text for an NVIDIA, an AMD and a CPU inventory (golden
+files; UPDATE_GOLDEN=1 rewrites them), hostile values kept as data, manifests valid against the
+published schemas."""
+import json
+import os
+import subprocess
+import types
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubeflow.training.api_client import ApiClient
+
+from orchestrator import export, plan
+from orchestrator.errors import UserError
+from orchestrator.inventory import parse
+
+GOLDEN = Path(__file__).parent / "golden" / "export"
+K8S_VERSION = "1.30.0"
+SPEC = plan.JobSpec(job_id="gpt-demo", script="trainers/gpt.py", args=("--model", "tiny", "--epochs", "5"))
+
+INVENTORIES = {
+    # The DGX example of inventory.yaml, with a secret.
+    "nvidia": """\
+ssh: {user: trainer, key: /k/id, known_hosts: /k/kh}
+job:
+  image: nvcr.io/nvidia/pytorch:24.01-py3
+  nproc_per_node: auto
+  code_dir: /home/trainer/fabtrain
+  output_dir: /home/trainer/fabtrain-out
+  shm_size: 64g
+  secret_files: {WANDB_API_KEY: ~/.config/wandb.key}
+hosts:
+  - name: dgx1
+    address: 10.0.0.11
+    interface: ens1f0
+    gpus: {vendor: nvidia, count: 8}
+    devices: [/dev/infiniband]
+    mounts: ["/data/corpus:/data:ro"]
+  - name: dgx2
+    address: 10.0.0.12
+    interface: ens1f0
+    gpus: {vendor: nvidia, count: 8}
+    devices: [/dev/infiniband]
+    mounts: ["/data/corpus:/data:ro"]
+""",
+    "amd": """\
+ssh: {user: me, key: /k/id, known_hosts: /k/kh}
+job:
+  image: rocm/pytorch:latest
+  nproc_per_node: auto
+  code_dir: /home/me/fabtrain
+  output_dir: /home/me/fabtrain-out
+hosts:
+  - {name: mi1, address: 192.168.10.21, interface: enp65s0, gpus: {vendor: amd, count: 4}, env: {HSA_FORCE_FINE_GRAIN_PCIE: "1"}}
+  - {name: mi2, address: 192.168.10.22, interface: enp65s0, gpus: {vendor: amd, count: 4}, env: {HSA_FORCE_FINE_GRAIN_PCIE: "1"}}
+""",
+    "cpu": """\
+ssh: {user: root, key: /k/id, known_hosts: /k/kh}
+job:
+  nproc_per_node: 2
+  env: {OMP_NUM_THREADS: "1"}
+hosts:
+  - {name: node1, address: 172.28.5.11, interface: eth0}
+  - {name: node2, address: 172.28.5.12, interface: eth0}
+""",
+}
+
+
+def inv(kind: str, path: str = "inventory.yaml"):
+    return parse(INVENTORIES[kind], Path(path))
+
+
+def without_entrypoint(text: str) -> str:
+    """The script with the entrypoint's text (checked on its own) cut out of its heredoc."""
+    head, sep, rest = text.partition(f"<<'{export.HEREDOC}' || return 1\n")
+    body, sep2, tail = rest.partition(f"\n{export.HEREDOC}\n")
+    assert sep and sep2 and body + "\n" == plan.ENTRYPOINT_SOURCE.read_text()
+    return head + sep + "<docker/entrypoint.py>" + sep2 + tail
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; UPDATE_GOLDEN=1 rewrites it after review"
+
+
+@pytest.mark.parametrize("kind,pyxis", [("nvidia", False), ("nvidia", True), ("amd", False), ("cpu", False)])
+def test_sbatch_script_exact_text(kind, pyxis):
+    text, warnings = export.slurm_script(inv(kind), SPEC, pyxis=pyxis, partition="gpu" if kind != "cpu" else None,
+                                         time_limit="12:00:00" if kind == "nvidia" else None)
+    assert warnings == []
+    check_golden(f"{kind}{'-pyxis' if pyxis else ''}.sbatch", without_entrypoint(text))
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def k8s_texts(kind: str) -> dict[str, str]:
+    i = inv(kind)
+    docs, _ = export.k8s_manifests(i, SPEC)
+    return {file: export.k8s_text(i, SPEC, file, d) for file, d in docs.items()}
+
+
+@pytest.mark.parametrize("kind", ["nvidia", "amd", "cpu"])
+def test_k8s_manifests_exact_text_and_valid(kind):
+    for file, text in k8s_texts(kind).items():
+        docs = list(yaml.safe_load_all(text))
+        assert docs[0]["kind"] == "ConfigMap" and docs[0]["data"]["entrypoint.py"] == plan.ENTRYPOINT_SOURCE.read_text()
+        docs[0]["data"]["entrypoint.py"] = "<docker/entrypoint.py>"
+        check_golden(f"{kind}-{file}", text.split("\napiVersion:", 1)[0] + "\n"
+                     + yaml.dump_all(docs, Dumper=export._Dumper, sort_keys=False, width=100))
+        for doc in docs:
+            validate(doc)
+
+
+def validate(doc: dict) -> None:
+    """A document against the published schemas: Kubernetes' own kinds with kubernetes-validate
+    (strict: unknown fields fail), a PyTorchJob with the Kubeflow training SDK's model (a field it
+    does not know would be dropped on the way through) and its pod templates as Kubernetes'."""
+    if doc["kind"] != "PyTorchJob":
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        return
+    for replica in doc["spec"]["pytorchReplicaSpecs"].values():
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                      "template": replica["template"]}, K8S_VERSION, strict=True)
+    client = ApiClient()
+    model = client.deserialize(types.SimpleNamespace(data=json.dumps(doc)), "KubeflowOrgV1PyTorchJob")
+    assert client.sanitize_for_serialization(model) == doc
+
+
+def test_validation_catches_a_wrong_field():
+    docs, _ = export.k8s_manifests(inv("nvidia"), SPEC)
+    job = docs["pytorchjob.yaml"][1]
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"] = 8
+    with pytest.raises(Exception, match="gpus"):
+        validate(job)
+    job = docs["pytorchjob.yaml"][1]
+    del job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"]
+    job["spec"]["replicas"] = 2  # not a PyTorchJob field
+    with pytest.raises(AssertionError):
+        validate(job)
+
+
+def test_nvidia_manifests_carry_gpus_shm_capabilities_and_secret_references():
+    docs, warnings = export.k8s_manifests(inv("nvidia"), SPEC)
+    pod = docs["indexed-job.yaml"][2]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
+    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
+    assert {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "fabtrain-secrets",
+                                                                     "key": "WANDB_API_KEY"}}} in c["env"]
+    assert "infiniband" in warnings[0]
+    amd = export.k8s_manifests(inv("amd"), SPEC)[0]["pytorchjob.yaml"][1]
+    amd_c = amd["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert amd_c["resources"] == {"limits": {"amd.com/gpu": "4"}}
+    assert amd_c["securityContext"] == {"seccompProfile": {"type": "Unconfined"}}
+
+
+HOSTILE = "a'b\"c $(touch PWNED) `touch PWNED` ; ${HOME}\nsecond line"
+
+
+def hostile_inventory(tmp_path: Path):
+    text = f"""\
+ssh: {{user: root, key: /k/id, known_hosts: /k/kh}}
+job:
+  code_dir: {tmp_path}/code dir
+  output_dir: {tmp_path}/out
+  env: {{WEIRD: {json.dumps(HOSTILE)}}}
+hosts:
+  - {{name: node1, address: 10.1.1.1, interface: eth0}}
+  - {{name: node2, address: 10.1.1.2, interface: eth0}}
+"""
+    return parse(text, tmp_path / "inv.yaml")
+
+
+STUBS = {
+    "scontrol": """#!/bin/bash
+case "$2" in hostnames) echo node1; echo node2;; node) echo "NodeName=node1 Arch=x86_64 NodeAddr=10.1.1.1 NodeHostName=node1";; esac
+""",
+    # srun: the step's command once, as node rank 1 of 2.
+    "srun": """#!/bin/bash
+while [ "${1#-}" != "$1" ]; do shift; done
+SLURM_NODEID=1 SLURMD_NODENAME=node2 exec "$@"
+""",
+    "docker": """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["STUB_OUT"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+""",
+}
+
+
+def test_sbatch_hostile_values_stay_data(tmp_path):
+    """The docker flavour run by bash with scontrol, srun and docker stubbed: the container gets
+    every value exactly, and nothing in a value runs."""
+    i = hostile_inventory(tmp_path)
+    spec = plan.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"))
+    text, _ = export.slurm_script(i, spec)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(text)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(tmp_path / "calls"),
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7"}
+    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "master 10.1.1.1" in r.stdout
+    calls = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    assert calls[0] == ["rm", "--force", "fabtrain-j1-r1"]
+    run = calls[1]
+    assert run[:6] == ["run", "--rm", "--name", "fabtrain-j1-r1", "--label", "fabtrain.managed=1"]
+    assert "fabtrain.rank=1" in run and "fabtrain.host=node2" in run
+    assert f"WEIRD={HOSTILE}" in run
+    assert ["--env", "MASTER_ADDR", "--env", "MASTER_PORT=29500", "--env", "NNODES", "--env", "NODE_RANK"] == \
+        run[run.index("MASTER_ADDR") - 1:run.index("NODE_RANK") + 1]
+    assert f"{tmp_path}/code dir:/workspace:ro" in run
+    assert run[-4:] == ["trainers/gpt.py", HOSTILE, "--x", "$(touch PWNED)"]
+    assert calls[2][:3] == ["stop", "--time", "30"]  # the EXIT trap
+    assert not list(tmp_path.rglob("PWNED"))
+    assert not (tmp_path / "out" / ".runtime" / "j1").exists()  # removed at the end
+
+
+def test_k8s_hostile_values_stay_data(tmp_path):
+    i = hostile_inventory(tmp_path)
+    spec = plan.JobSpec(job_id="J_1.x", script="trainers/gpt.py", args=(HOSTILE,))
+    docs, _ = export.k8s_manifests(i, spec)
+    text = export.k8s_text(i, spec, "indexed-job.yaml", docs["indexed-job.yaml"])
+    job = list(yaml.safe_load_all(text))[2]
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == ["trainers/gpt.py", HOSTILE]
+    assert {"name": "WEIRD", "value": HOSTILE} in c["env"]
+    assert job["metadata"]["name"] == "j-1-x"  # a DNS-1123 name
+    for doc in yaml.safe_load_all(text):
+        validate(doc)
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(UserError, match="--partition"):
+        export.slurm_script(inv("cpu"), SPEC, partition="gpu\n#SBATCH --uid=0")
+    odd = parse(INVENTORIES["cpu"].replace("interface: eth0}\n", "interface: eth0, mounts: ['/a,b:/data']}\n", 1),
+                Path("inv.yaml"))
+    with pytest.raises(UserError, match="container-mounts"):
+        export.slurm_script(odd, SPEC, pyxis=True)
+    text, warnings = export.slurm_script(odd, SPEC)
+    assert warnings == ["node2: mounts differs from node1's; the export gives every node node1's"]
+
+
+def test_enroot_image_names():
+    assert export.enroot_image("nvcr.io/nvidia/pytorch:24.01-py3") == "nvcr.io#nvidia/pytorch:24.01-py3"
+    assert export.enroot_image("localhost:5000/x") == "localhost:5000#x"
+    assert export.enroot_image("rocm/pytorch:latest") == "rocm/pytorch:latest"
