@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     snap_dir = out / "snapshots"
     writer = snapshot.Writer(snap_dir)
     start_epoch, step = 0, 0
-    # The snapshot is loaded before DDP wraps the model, so every rank starts from the same state.
-    snap = snapshot.load_latest(snap_dir, map_location=device)
+    # The snapshot is loaded before DDP wraps the model, so every rank starts from the same state:
+    # rank 0's newest, sent over when a node's disk lacks it.
+    snap = snapshot.load_agreed(snap_dir, map_location=device)
     if snap is not None:
         model.load_state_dict(snap["model"])
         optimizer.load_state_dict(snap["optimizer"])

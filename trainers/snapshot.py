@@ -10,11 +10,13 @@ holds rank 0 inside a step while the other ranks wait in a collective (and time 
 """
 from __future__ import annotations
 
+import io
 import os
 import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 PREFIX = "snapshot-"
 
@@ -97,3 +99,27 @@ def load_latest(directory: Path, map_location=None) -> dict | None:
         state["path"] = str(path)
         return state
     return None
+
+
+def load_agreed(directory: Path, map_location=None) -> dict | None:
+    """The newest snapshot, the same on every rank (rank 0's). Each rank reads its own disk; when
+    they disagree (a node whose disk never had the snapshot: a Slurm job requeued onto other nodes
+    without a shared filesystem), rank 0 sends its file's bytes to every rank, so no rank starts
+    from another step than the others (a collective mismatch)."""
+    snap = load_latest(directory, map_location)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return snap
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, snap["step"] if snap else None)
+    if all(s == steps[0] for s in steps):
+        return snap
+    payload = [None]
+    if dist.get_rank() == 0 and snap is not None:
+        payload = [(snap["path"], Path(snap["path"]).read_bytes())]
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0] is None:
+        return None  # rank 0 has none: every rank starts afresh
+    path, data = payload[0]
+    state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    state["path"] = path if dist.get_rank() == 0 else f"{path} (rank 0's copy)"
+    return state

@@ -18,6 +18,9 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
            from the kill to the failure being seen, to the restart, to the first step after resume
   hang     (--only hang) a script hung in all_reduce: seconds from its last output to the watchdog's
            stacks, against --hang-timeout
+  slurm    (--only slurm) the same tiny GPT job, alternately: `fab train` (sync, preflight, start)
+           and `sbatch` of the `fab export.slurm` script on the hosts' own Slurm (cluster.up
+           --slurm): seconds from the command to the first training step, and to the end
 Prints a table per size and writes the raw numbers as JSON. Only the project's own test hosts and
 loopback are contacted.
 """
@@ -399,6 +402,35 @@ def bench_hang(inv_path: Path, repeat: int) -> dict:
     return r
 
 
+SLURM_GPT = ["--model", "tiny", "--epochs", "1", "--args", "--max-steps-per-epoch 20 --sample-chars 0"]
+
+
+def bench_slurm(inv_path: Path, repeat: int) -> dict:
+    script = inv_path.parent / "job.sbatch"
+    subprocess.run([FAB, "sync", "--inventory", str(inv_path)], cwd=ROOT, check=True, capture_output=True)
+    r = {"fab_train_first_step": [], "fab_train_end": [], "sbatch_first_step": [], "sbatch_end": []}
+    for _ in range(repeat):
+        run = Lines([FAB, "train", "--inventory", str(inv_path), *SLURM_GPT])
+        start = time.monotonic()
+        r["fab_train_first_step"].append(run.wait_for("| step ") - start)
+        run.proc.wait(timeout=300)
+        r["fab_train_end"].append(run.seen[-1][0] - start)
+        out = subprocess.run([FAB, "export.slurm", "--inventory", str(inv_path), *SLURM_GPT, "--out", str(script)],
+                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        job = out.split("(job ", 1)[1].split(")")[0]
+        subprocess.run(["docker", "cp", str(script), "fabtrain-node1:/root/job.sbatch"], check=True)
+        # sbatch, then the job's output file as it grows, until the job has left the queue.
+        run = Lines(["docker", "exec", "fabtrain-node1", "sh", "-c",
+                     f"cd /root && id=$(sbatch --parsable job.sbatch) && f={job}-$id.out && "
+                     "while [ ! -e $f ]; do sleep 0.05; done; tail -s 0.05 -n +1 -F $f & "
+                     "while squeue -h -j $id | grep -q .; do sleep 0.2; done; sleep 0.3; kill $!; echo JOB-DONE"])
+        start = time.monotonic()
+        r["sbatch_first_step"].append(run.wait_for("| step ") - start)
+        r["sbatch_end"].append(run.wait_for("JOB-DONE") - start)
+        run.proc.wait(timeout=60)
+    return r
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hosts", default="2,4,8")
@@ -411,7 +443,7 @@ def main() -> None:
     results = {}
     for n in [int(x) for x in a.hosts.split(",")]:
         inv_path = Path(tempfile.mkdtemp(prefix="bench-inv-")) / "inventory.yaml"
-        cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None)
+        cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only)
         inv = load(inv_path)
         launch.sync(inv)
         base = Baselines(inv)
@@ -438,6 +470,8 @@ def main() -> None:
             r["recovery"] = bench_recovery(inv, inv_path, a.repeat)
         if "hang" in only:
             r["hang"] = bench_hang(inv_path, a.repeat)
+        if "slurm" in only:
+            r["slurm"] = bench_slurm(inv_path, a.repeat)
         results[n] = r
         if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
             print(table(n, r), flush=True)

@@ -63,6 +63,12 @@ def wait_for(job: str, slurm_id: str, needle: str, timeout: float = 180) -> floa
     raise AssertionError(f"{needle!r} never appeared in the job's output:\n{output(job, slurm_id)[-3000:]}")
 
 
+def sacct_state(slurm_id: str) -> str:
+    """The job's state in sacct (from the job completion log: no accounting database here)."""
+    out = on_host("node1", f"sacct --completion --noheader --parsable2 -j {slurm_id} --format JobID,State").stdout
+    return dict(line.split("|") for line in out.split())[slurm_id]
+
+
 def test_exported_script_trains_across_two_slurm_nodes(slurm, tmp_path):
     slurm_id, job, submitted = submit(slurm, tmp_path, *GPT)
     first_step = wait_for(job, slurm_id, "| step ")
@@ -76,9 +82,7 @@ def test_exported_script_trains_across_two_slurm_nodes(slurm, tmp_path):
     evals = [float(m) for m in re.findall(r"eval loss (\d+\.\d+)", text)]
     assert len(evals) == 2 and evals[1] < evals[0], text[-3000:]
     assert project_containers("node1") == [] and project_containers("node2") == []
-    # The finished job's state is kept by Slurm's job completion log too.
-    comp = on_host("node1", "cat /var/log/slurm-jobcomp.log").stdout
-    assert re.search(rf"JobId={slurm_id} .*JobState=COMPLETED", comp)
+    assert sacct_state(slurm_id) == "COMPLETED"
 
 
 def test_a_killed_node_task_ends_the_slurm_job(slurm, tmp_path):
@@ -90,7 +94,32 @@ def test_a_killed_node_task_ends_the_slurm_job(slurm, tmp_path):
     took = time.monotonic() - killed
     text = output(job, slurm_id)
     assert state["JobState"] == "FAILED" and state["ExitCode"] != "0:0", (state, text[-3000:])
-    comp = on_host("node1", "cat /var/log/slurm-jobcomp.log").stdout
-    assert re.search(rf"JobId={slurm_id} .*JobState=FAILED", comp)
+    assert sacct_state(slurm_id) == "FAILED"
     print(f"container killed -> slurm job FAILED: {took:.1f}s")
+    assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_job_requeued_after_a_node_failure_resumes_from_its_snapshot(slurm, tmp_path):
+    """node2 marked DOWN mid-run (Slurm's node failure): the job is requeued, runs again with the
+    same output directory and every rank resumes from rank 0's newest snapshot (node2's disk never
+    had it: rank 0 sends it), then finishes."""
+    slurm_id, job, _ = submit(slurm, tmp_path, "--model", "tiny", "--epochs", "2", "--args",
+                              "--max-steps-per-epoch 40 --snapshot-every 10 --log-every 1 --sample-chars 0")
+    wait_for(job, slurm_id, "| step 25 |")
+    on_host("node1", "scontrol update nodename=node2 state=down reason=fabtrain-test")
+    deadline = time.monotonic() + 60
+    while (state := job_state(slurm_id)).get("Restarts") != "1" or state.get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    on_host("node1", "scontrol update nodename=node2 state=resume", check=False)  # may be back already
+    # Slurm holds a requeued job for 2 minutes once it is pending again; start it now.
+    on_host("node1", f"scontrol update jobid={slurm_id} StartTime=now")
+    state = wait_done(slurm_id)
+    text = output(job, slurm_id)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, text[-3000:])
+    assert f"slurm job {slurm_id} (restart 1)" in text
+    after = text.split("(restart 1)", 1)[1]
+    assert re.search(r"^0: \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M)
+    assert re.search(r"^1: \[node2 rank2\] resumed from .*\(rank 0's copy\)", after, re.M), after[:3000]
+    assert "| step 1 |" not in after and "epoch 1 done | eval loss" in after
     assert project_containers("node1") == [] and project_containers("node2") == []

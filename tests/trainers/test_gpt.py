@@ -183,3 +183,28 @@ def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatc
     writer.wait()
     saved = snapshot.load_latest(tmp_path)
     assert saved["step"] == 7 and torch.equal(saved["model"]["weight"], before)
+
+
+def _agreed_worker(rank, world, port, root):
+    import snapshot
+    init_gloo(rank, world, port)
+    # Each rank its own disk; only rank 0's holds snapshots (steps 10 and 20), rank 2's an older one.
+    own = os.path.join(root, f"node{rank}")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = {0: (10, 20), 1: (), 2: (10,)}[rank]
+    for step in steps:
+        with torch.no_grad():
+            model.weight.fill_(step)
+        snapshot.save(snapshot.Path(own), model, opt, epoch=0, step=step)
+    snap = snapshot.load_agreed(snapshot.Path(own))
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump({"step": snap["step"], "weight": snap["model"]["weight"][0, 0].item(), "path": snap["path"]}, f)
+    finish_gloo()
+
+
+def test_every_rank_resumes_from_rank0s_snapshot_even_without_it_on_disk(tmp_path):
+    spawn(_agreed_worker, 3, str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [g["step"] for g in got] == [20, 20, 20] and [g["weight"] for g in got] == [20.0] * 3
+    assert got[0]["path"].endswith("snapshot-000000020.pt") and got[1]["path"].endswith("(rank 0's copy)")
