@@ -94,7 +94,8 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
 TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
 
 
-@task(help={
+# The options that describe a job: fab train's and the exports'.
+JOB_HELP = {
     "inventory": INV_HELP,
     "model": "GPT preset: tiny, small or medium",
     "epochs": "number of epochs",
@@ -105,10 +106,15 @@ TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
     "args": "arguments for the script, one string split like a shell would: --args \"--lr 0.1 --name 'a b'\"",
     "image": "container image (default: job.image in the inventory)",
     "nproc": "processes per node (default: job.nproc_per_node; auto = GPU count, 1 on CPU)",
+    "name": "job name prefix (default: the trainer or script name)",
+}
+
+
+@task(help={
+    **JOB_HELP,
     "dry_run": "print every command per host, in order, and start nothing",
     "skip_preflight": "start without the preflight checks (code is still synced)",
     "smoke": "also run the collective smoke test before starting",
-    "name": "job name prefix (default: the trainer or script name)",
     "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
               "newest snapshot",
     "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
@@ -312,21 +318,6 @@ def plot(c, jobs, out=None):
         dirs.append(RUNS / name)
     target = Path(out) if out else (dirs[0] / "loss.png" if len(dirs) == 1 else RUNS / "compare.png")
     print(f"wrote {report.write_plot(dirs, target)}")
-
-
-JOB_HELP = {
-    "inventory": INV_HELP,
-    "model": "GPT preset: tiny, small or medium",
-    "epochs": "number of epochs",
-    "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
-    "script": "your own torchrun-compatible script (a path inside --code) instead of a trainer",
-    "module": "run a Python module instead (torchrun -m NAME)",
-    "code": CODE_HELP,
-    "args": "arguments for the script, one string split like a shell would",
-    "image": "container image (default: job.image in the inventory)",
-    "nproc": "processes per node (default: job.nproc_per_node)",
-    "name": "job name prefix (default: the trainer or script name)",
-}
 
 
 def _warn(warnings) -> None:
