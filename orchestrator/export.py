@@ -21,7 +21,7 @@ from .inventory import Host, Inventory
 
 # A word of a generated script that Slurm's environment fills in at run time: VAR + NAME + VAR.
 VAR = "\x00"
-RUNTIME_VARS = ("NODE_RANK", "FABTRAIN_NODE", "fabtrain_container")
+RUNTIME_VARS = ("NODE_RANK", "FABTRAIN_NODE", "fabtrain_container", "fabtrain_attempt")
 # Set per node at run time, passed on to the container by name (docker run --env NAME).
 PASSED_ON = ("MASTER_ADDR", "NNODES", "NODE_RANK", "FABTRAIN_NODE")
 HEREDOC = "FABTRAIN_ENTRYPOINT"
@@ -110,7 +110,9 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
     host, warnings = template_host(inv)
     nodes = len(inv.hosts)
     out_dir = f"{inv.job.output_dir}/{spec.job_id}"
-    rt = plan.runtime_dir(inv, spec)
+    # One runtime directory per attempt: a requeued job's new tasks can start on a node while the
+    # old task's cleanup there is still running, and must not lose their entrypoint to it.
+    rt = f"{plan.runtime_dir(inv, spec)}/{var('fabtrain_attempt')}"
     grace = f"{inv.job.stop_grace:g}"
     flavour = "pyxis/enroot (srun --container-image)" if pyxis else "docker run on each node"
     lines = ["#!/bin/bash",
@@ -147,7 +149,7 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
               'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "MASTER_ADDR=$(scontrol show node \"$first\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
               'export MASTER_ADDR="${MASTER_ADDR:-$first}" NNODES="$SLURM_JOB_NUM_NODES" '
-              'FABTRAIN_SECRETS="${FABTRAIN_SECRETS:-}"',
+              'FABTRAIN_SECRETS="${FABTRAIN_SECRETS:-}" fabtrain_attempt="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',
               f'echo "[fabtrain] job {spec.job_id}: slurm job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}),'
               ' $NNODES node(s), master $MASTER_ADDR"',
               "",
@@ -185,20 +187,21 @@ def _docker_steps(inv: Inventory, spec: plan.JobSpec, host: Host, rt: str, grace
     node = replace(host, name=var("FABTRAIN_NODE"))  # the label names the Slurm node, not a host
     image_and_command = plan.image_and_command(inv, host, spec)
     at = image_and_command.index(plan.ENTRYPOINT_PATH) - 1  # the image
-    run = ["docker", "run", "--rm",
+    run = ["docker", "run", "--rm", "--cidfile", f"{rt}/cid",
            *plan.run_options(inv, node, spec, var("fabtrain_container"), var("NODE_RANK"),
-                             _slurm_env(inv, host, spec)),
+                             _slurm_env(inv, host, spec), runtime=rt),
            *image_and_command[:at]]
     return ["",
             "# One node's container, in the foreground of its task: stopped when the task ends or is",
-            "# signalled (scancel, --kill-on-bad-exit), removed when it exits.",
+            "# signalled (scancel, --kill-on-bad-exit), removed when it exits. The trap stops this",
+            "# attempt's container by its id: after a requeue the next attempt's has the same name.",
             "fabtrain_node() {",
             "  fabtrain_prepare || return 1",
             '  export NODE_RANK="$SLURM_NODEID" FABTRAIN_NODE="$SLURMD_NODENAME"',
             f"  fabtrain_container={word(container)} fabtrain_rt={word(rt)}",
             '  docker rm --force "$fabtrain_container" >/dev/null 2>&1  # left by an earlier run of this job',
-            f"  trap 'docker stop --time {grace} \"$fabtrain_container\" >/dev/null 2>&1; "
-            "rm -rf \"$fabtrain_rt\"' EXIT",
+            f"  trap '[ -s \"$fabtrain_rt/cid\" ] && docker stop --time {grace} \"$(cat \"$fabtrain_rt/cid\")\" "
+            ">/dev/null 2>&1; rm -rf \"$fabtrain_rt\"; rmdir \"${fabtrain_rt%/*}\" 2>/dev/null' EXIT",
             "  trap 'exit 143' TERM",
             "  trap 'exit 130' INT",
             f"  {long_line(run, image_and_command[at:], '  ')} &",

@@ -185,9 +185,11 @@ def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess
 
 
 def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
-                env: list[tuple[str, str | None]], access: GpuAccess | None = None) -> list[str]:
+                env: list[tuple[str, str | None]], access: GpuAccess | None = None,
+                runtime: str | None = None) -> list[str]:
     """The options of one node's `docker run`, shared with the Slurm export (which gives the name,
-    rank and some variables at run time: a None value passes the variable on from the caller)."""
+    rank and some variables at run time: a None value passes the variable on from the caller, and
+    its own `runtime` directory, one per attempt)."""
     argv = ["--name", name,
             "--label", f"{LABEL_MANAGED}=1", "--label", f"{LABEL_JOB}={spec.job_id}",
             "--label", f"{LABEL_RANK}={rank}", "--label", f"{LABEL_HOST}={host.name}",
@@ -201,7 +203,7 @@ def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
         argv += ["--env", key if value is None else f"{key}={value}"]
     argv += ["--volume", f"{inv.job.code_dir}:{WORKDIR}:ro",
              "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}",
-             "--volume", f"{runtime_dir(inv, spec)}:{RUNTIME_MOUNT}:ro"]
+             "--volume", f"{runtime or runtime_dir(inv, spec)}:{RUNTIME_MOUNT}:ro"]
     for m in host.mounts:
         argv += ["--volume", f"{m.source}:{m.target}" + (":ro" if m.read_only else "")]
     return argv

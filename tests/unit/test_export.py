@@ -189,6 +189,9 @@ SLURM_NODEID=1 SLURMD_NODENAME=node2 exec "$@"
 import json, os, sys
 with open(os.environ["STUB_OUT"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1] == "run":  # docker run --cidfile FILE writes the container's id there
+    with open(sys.argv[sys.argv.index("--cidfile") + 1], "x") as f:
+        f.write("c0ffee")
 """,
 }
 
@@ -206,23 +209,28 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(text)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(tmp_path / "calls"),
-           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7"}
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7",
+           "SLURM_RESTART_COUNT": "1"}
     r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "master 10.1.1.1" in r.stdout
     calls = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
     assert calls[0] == ["rm", "--force", "fabtrain-j1-r1"]
     run = calls[1]
-    assert run[:6] == ["run", "--rm", "--name", "fabtrain-j1-r1", "--label", "fabtrain.managed=1"]
+    # A requeued attempt has a runtime directory of its own (the old attempt's cleanup cannot remove it).
+    assert run[:8] == ["run", "--rm", "--cidfile", f"{tmp_path}/out/.runtime/j1/7.1/cid",
+                       "--name", "fabtrain-j1-r1", "--label", "fabtrain.managed=1"]
+    assert f"{tmp_path}/out/.runtime/j1/7.1:/run/fabtrain:ro" in run
     assert "fabtrain.rank=1" in run and "fabtrain.host=node2" in run
     assert f"WEIRD={HOSTILE}" in run
     assert ["--env", "MASTER_ADDR", "--env", "MASTER_PORT=29500", "--env", "NNODES", "--env", "NODE_RANK"] == \
         run[run.index("MASTER_ADDR") - 1:run.index("NODE_RANK") + 1]
     assert f"{tmp_path}/code dir:/workspace:ro" in run
     assert run[-4:] == ["trainers/gpt.py", HOSTILE, "--x", "$(touch PWNED)"]
-    assert calls[2][:3] == ["stop", "--time", "30"]  # the EXIT trap
+    assert calls[2] == ["stop", "--time", "30", "c0ffee"]  # the EXIT trap: this attempt's container
     assert not list(tmp_path.rglob("PWNED"))
     assert not (tmp_path / "out" / ".runtime" / "j1").exists()  # removed at the end
+    assert len(calls) == 3
 
 
 def test_k8s_hostile_values_stay_data(tmp_path):
