@@ -557,7 +557,12 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
             console.print(f"[yellow]lost during the job: {', '.join(lost)}; its container may still exist: "
                           "run 'fab stop' once it answers again[/]")
     try:  # curves and summary.json from what was fetched, failed runs included
-        report.finish(run_dir)
+        data, _ = report.finish(run_dir)
+        if data["per_host"]:
+            console.print(report.timing_table(data))
+        for st in data["stragglers"]:
+            console.print(f"[red]{sanitize(report.straggler_line(st['rank'], st['compute_ms_median'], st['times_median']))}[/]",
+                          highlight=False)
     except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended
         console.print(f"[yellow]could not write the run's curves and summary: {sanitize(str(exc))}[/]")
     if error is not None:

@@ -13,9 +13,14 @@ from pathlib import Path
 
 from . import recovery
 
-# "[node1 rank0] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s" (trainers/gpt.py)
+# "[node1 rank0] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | step 24.0 ms |
+# compute 20.5 ms" (trainers/gpt.py; the two times are the log interval's mean per step)
 STEP_LINE = re.compile(r"\[(?P<node>\S+) rank(?P<rank>\d+)\] epoch \d+ \| step (?P<step>\d+) \| "
-                       r"loss (?P<loss>[\d.]+) \| lr \S+ \| (?P<rate>[\d,]+) tok/s")
+                       r"loss (?P<loss>[\d.]+) \| lr \S+ \| (?P<rate>[\d,]+) tok/s"
+                       r"(?: \| step (?P<step_ms>[\d.]+) ms \| compute (?P<compute_ms>[\d.]+) ms)?")
+# A rank whose median compute time per step is more than this much above the median rank's is a
+# straggler: the whole job runs at its speed.
+STRAGGLER_MARGIN = 0.2
 
 
 def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -36,14 +41,102 @@ def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
-def rank_rates(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """'node1 rank0' -> [(step, tokens/s)] from every host's log."""
-    rates: dict[str, list[tuple[int, float]]] = {}
+def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
+    """'node1 rank0' -> its step lines (STEP_LINE matches) from every host's log, by rank."""
+    steps: dict[str, list[re.Match]] = {}
     for log in sorted(run_dir.glob("*.log")):
         for m in STEP_LINE.finditer(log.read_text(errors="replace")):
-            rates.setdefault(f"{m['node']} rank{m['rank']}", []).append(
-                (int(m["step"]), float(m["rate"].replace(",", ""))))
-    return dict(sorted(rates.items(), key=lambda kv: int(kv[0].rsplit("rank", 1)[1])))
+            steps.setdefault(f"{m['node']} rank{m['rank']}", []).append(m)
+    return dict(sorted(steps.items(), key=lambda kv: int(kv[0].rsplit("rank", 1)[1])))
+
+
+def rank_rates(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """'node1 rank0' -> [(step, tokens/s)] from every host's log."""
+    return {name: [(int(m["step"]), float(m["rate"].replace(",", ""))) for m in ms]
+            for name, ms in rank_steps(run_dir).items()}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th quantile (0..1) of values, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def stragglers(compute: dict[str, float], margin: float = STRAGGLER_MARGIN) -> list[tuple[str, float, float]]:
+    """(rank, its compute time, times the median rank's) for each rank slower than the median rank
+    by more than margin, slowest first. The median is the lower one, so that with two hosts the
+    faster host is the reference."""
+    if len(compute) < 2:
+        return []
+    median = statistics.median_low(compute.values())
+    if median <= 0:
+        return []
+    slow = [(name, t, t / median) for name, t in compute.items() if t > (1 + margin) * median]
+    return sorted(slow, key=lambda x: -x[2])
+
+
+def host_of(rank_name: str) -> str:
+    return rank_name.rsplit(" rank", 1)[0]
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 1), "p95": round(percentile(values, 0.95), 1)}
+
+
+def timings(run_dir: Path) -> dict:
+    """Per rank and per host: step time and compute time (ms, median and p95 over the logged
+    intervals), tokens/s, samples; and the stragglers."""
+    ranks, by_host = {}, {}
+    for name, ms in rank_steps(run_dir).items():
+        rates = [float(m["rate"].replace(",", "")) for m in ms]
+        entry = {"tokens_per_s_median": round(statistics.median(rates), 1),
+                 "tokens_per_s_p5": round(percentile(rates, 0.05), 1), "samples": len(ms)}
+        timed = [m for m in ms if m["compute_ms"]]
+        if timed:
+            step_ms = [float(m["step_ms"]) for m in timed]
+            compute_ms = [float(m["compute_ms"]) for m in timed]
+            entry.update({f"step_ms_{k}": v for k, v in _stats(step_ms).items()})
+            entry.update({f"compute_ms_{k}": v for k, v in _stats(compute_ms).items()})
+            host = by_host.setdefault(host_of(name), {"ranks": [], "step_ms": [], "compute_ms": [], "rates": []})
+            host["ranks"].append(name)
+            host["step_ms"] += step_ms
+            host["compute_ms"] += compute_ms
+            host["rates"] += rates
+        ranks[name] = entry
+    hosts = {h: {"ranks": v["ranks"], **{f"step_ms_{k}": x for k, x in _stats(v["step_ms"]).items()},
+                 **{f"compute_ms_{k}": x for k, x in _stats(v["compute_ms"]).items()},
+                 "tokens_per_s_median": round(statistics.median(v["rates"]), 1)}
+             for h, v in by_host.items()}
+    slow = stragglers({n: r["compute_ms_median"] for n, r in ranks.items() if "compute_ms_median" in r})
+    return {"ranks": ranks, "per_host": hosts, "straggler_margin": STRAGGLER_MARGIN,
+            "stragglers": [{"rank": n, "host": host_of(n), "compute_ms_median": t, "times_median": round(x, 2)}
+                           for n, t, x in slow]}
+
+
+def straggler_line(rank: str, compute_ms: float, times: float) -> str:
+    return (f"straggler: {rank} takes {compute_ms:.1f} ms of compute per step, {times:.1f}x the median rank "
+            f"(more than {STRAGGLER_MARGIN:.0%} slower); the job runs at its pace")
+
+
+def timing_table(data: dict):
+    """The end-of-run table: one row per host, then one per rank; stragglers in red."""
+    from rich.table import Table
+    from rich.text import Text
+    slow = {s["rank"] for s in data.get("stragglers", [])}
+    table = Table(title="step times (ms per optimizer step: median / p95)", title_justify="left")
+    for col in ("host / rank", "step ms", "compute ms", "tokens/s", "samples"):
+        table.add_column(col, justify="left" if col == "host / rank" else "right")
+    for host, h in data.get("per_host", {}).items():
+        flag = any(r in slow for r in h["ranks"])
+        table.add_row(Text(host, style="bold red" if flag else "bold"), f"{h['step_ms_median']} / {h['step_ms_p95']}",
+                      f"{h['compute_ms_median']} / {h['compute_ms_p95']}", f"{h['tokens_per_s_median']:,.0f}", "")
+        for r in h["ranks"]:
+            e = data["ranks"][r]
+            table.add_row(Text("  " + r + ("  straggler" if r in slow else ""), style="red" if r in slow else ""),
+                          f"{e['step_ms_median']} / {e['step_ms_p95']}",
+                          f"{e['compute_ms_median']} / {e['compute_ms_p95']}",
+                          f"{e['tokens_per_s_median']:,.0f}", str(e["samples"]))
+    return table
 
 
 def describe_run(run_dir: Path) -> dict:
@@ -116,27 +209,23 @@ def write_plot(run_dirs: list[Path], out: Path) -> Path:
 
 
 def summary(run_dir: Path) -> dict:
-    """runs/JOB/summary.json: the run's record, final losses and per-rank throughput."""
+    """runs/JOB/summary.json: the run's record, final losses, per-rank and per-host step times and
+    throughput, stragglers."""
     train, evals = load_metrics(run_dir)
-    ranks = {}
-    for name, points in rank_rates(run_dir).items():
-        rates = sorted(r for _, r in points)
-        ranks[name] = {"tokens_per_s_median": round(statistics.median(rates), 1),
-                       "tokens_per_s_p5": round(rates[int(0.05 * (len(rates) - 1))], 1), "samples": len(rates)}
     return {**describe_run(run_dir), "final_train_loss": train[-1]["loss"] if train else None,
             "final_eval_loss": evals[-1]["loss"] if evals else None,
-            "steps": train[-1]["step"] if train else None, "ranks": ranks}
+            "steps": train[-1]["step"] if train else None, **timings(run_dir)}
 
 
-def finish(run_dir: Path) -> list[Path]:
+def finish(run_dir: Path) -> tuple[dict, list[Path]]:
     """At the end of every run (failed ones too): summary.json, and loss.png when there are
-    metrics to draw."""
+    metrics to draw. Returns the summary and the files written."""
     data = summary(run_dir)
     written = [run_dir / "summary.json"]
     written[0].write_text(json.dumps(data, indent=2) + "\n")
     if data["final_train_loss"] is not None or data["ranks"]:
         written.append(write_plot([run_dir], run_dir / "loss.png"))
-    return written
+    return data, written
 
 
 def runs(run_root: Path) -> list[dict]:

@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         start_epoch, step = snap["epoch"], snap["step"]
         log(f"{tag} resumed from {snap['path']} (epoch {start_epoch}, step {step})")
     ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None) if d.enabled else model
+    timer = StepTimer(ddp if d.enabled else None)
 
     train_sampler = DistributedSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=tc.seed)
     val_sampler = DistributedSampler(val_ds, num_replicas=d.world, rank=d.rank, shuffle=False)
@@ -335,7 +336,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         for _ in range(max(0, skip) * tc.grad_accum):
             next(batches)
         t0, tokens = time.perf_counter(), 0
+        timer.reset()
         for _ in range(max(0, skip), steps_per_epoch):
+            timer.start()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(step, total_steps, tc)
             loss_sum = 0.0
@@ -348,16 +351,18 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
                     _, loss = ddp(x, y)
                     (loss / tc.grad_accum).backward()
                 loss_sum += loss.item() / tc.grad_accum
+            timer.synced()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            timer.stop(device)
             step += 1
             tokens += tokens_per_step
             if step % tc.log_every == 0 or step == total_steps:
                 rate = tokens / (time.perf_counter() - t0)
                 mfu = f" | MFU {fpt * rate / (peak * d.world):.1%}" if peak else ""
                 log(f"{tag} epoch {epoch} | step {step} | loss {loss_sum:.4f} | lr {g['lr']:.2e} "
-                    f"| {rate:,.0f} tok/s{mfu}")
+                    f"| {rate:,.0f} tok/s{timer.report()}{mfu}")
                 if d.rank == 0:
                     _append(metrics_path, {"kind": "train", "epoch": epoch, "step": step, "loss": loss_sum,
                                            "lr": g["lr"], "tokens_per_s": rate, "time": time.time()})
@@ -380,6 +385,52 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     if d.enabled:
         finish_distributed(hard_exit)
     return result
+
+
+class StepTimer:
+    """Each rank's own step time and compute time (the step less what it spent waiting for the
+    other ranks in the gradient all-reduce): a slow rank has the largest compute time, while the
+    step time is the same everywhere. DDP calls the comm hook once per gradient bucket when this
+    rank's gradients are ready; the last call ends the rank's own backward work. Reported per log
+    interval, as the mean of its steps."""
+
+    def __init__(self, ddp: DDP | None) -> None:
+        self.ready = 0.0
+        if ddp is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def hook(state, bucket):
+                self.ready = time.perf_counter()
+                return allreduce_hook(None, bucket)
+            ddp.register_comm_hook(None, hook)
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0
+
+    def start(self) -> None:
+        self.t0 = self.ready = time.perf_counter()
+
+    def synced(self) -> None:
+        """Backward has returned: the gradients are all-reduced (or there are no peers)."""
+        self.t_sync = time.perf_counter()
+        if self.ready <= self.t0:  # no hook ran: nothing was waited for
+            self.ready = self.t_sync
+
+    def stop(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        self.steps += 1
+        self.step_s += end - self.t0
+        self.compute_s += (self.ready - self.t0) + (end - self.t_sync)
+
+    def report(self) -> str:
+        if not self.steps:
+            return ""
+        text = f" | step {1000 * self.step_s / self.steps:.1f} ms | compute {1000 * self.compute_s / self.steps:.1f} ms"
+        self.reset()
+        return text
 
 
 def progress(tag: str, epoch: int, epochs: int, step: int, total: int, t0: float, step0: int) -> None:

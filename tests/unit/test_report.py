@@ -54,13 +54,14 @@ def test_two_runs_overlay_with_their_names(tmp_path):
 
 def test_finish_writes_summary_and_png_and_runs_lists_them(tmp_path):
     run = make_run(tmp_path)
-    written = report.finish(run)
+    data, written = report.finish(run)
     assert [p.name for p in written] == ["summary.json", "loss.png"]
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
     s = json.loads((run / "summary.json").read_text())
     assert (s["job"], s["state"], s["attempts"], s["seconds"]) == ("gpt-1", "finished", 2, 90.5)
     assert (s["final_eval_loss"], s["steps"], s["hosts"]) == (2.0, 40, ["node1", "node2", "node3"])
     assert s["ranks"]["node1 rank0"] == {"tokens_per_s_median": 1015.0, "tokens_per_s_p5": 1010.0, "samples": 2}
+    assert s == data and s["per_host"] == {} and s["stragglers"] == []  # these logs carry no step times
     (tmp_path / "no-record").mkdir()
     listed = report.runs(tmp_path)
     assert [(r["job"], r["final_eval_loss"]) for r in listed] == [("gpt-1", 2.0)]
@@ -69,5 +70,40 @@ def test_finish_writes_summary_and_png_and_runs_lists_them(tmp_path):
 def test_a_failed_run_without_metrics_still_gets_a_summary(tmp_path):
     run = tmp_path / "x"
     run.mkdir()
-    assert [p.name for p in report.finish(run)] == ["summary.json"]
+    assert [p.name for p in report.finish(run)[1]] == ["summary.json"]
     assert json.loads((run / "summary.json").read_text())["final_eval_loss"] is None
+
+
+def timed_log(node: str, ranks: range, compute: float, steps=range(10, 110, 10)) -> str:
+    return "".join(f"[{node} rank{r}] epoch 0 | step {s} | loss 2.9 | lr 3.00e-03 | 80,000 tok/s "
+                   f"| step {compute + 5 + s / 50:.1f} ms | compute {compute + s / 50:.1f} ms\n"
+                   for s in steps for r in ranks)
+
+
+def test_stragglers_against_the_median_rank():
+    assert report.stragglers({"a rank0": 10.0, "a rank1": 10.0, "b rank2": 30.0, "b rank3": 29.0}) == \
+        [("b rank2", 30.0, 3.0), ("b rank3", 29.0, 2.9)]  # two hosts: the faster is the reference
+    eight = {f"n{i} rank{i}": 10.0 + i * 0.1 for i in range(8)} | {"n8 rank8": 12.5}
+    assert [n for n, *_ in report.stragglers(eight)] == ["n8 rank8"]  # 12.5 > 1.2 x 10.3
+    assert report.stragglers({**eight, "n8 rank8": 12.3}) == []  # within the margin
+    assert report.stragglers({"a rank0": 50.0}) == []  # one rank: nothing to compare with
+
+
+def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
+    run = tmp_path / "job"
+    run.mkdir()
+    (run / "node1.log").write_text(timed_log("node1", range(0, 2), 20.0) + "noise\n")
+    (run / "node2.log").write_text(timed_log("node2", range(2, 4), 60.0))
+    t = report.timings(run)
+    assert t["ranks"]["node1 rank0"] == {"tokens_per_s_median": 80000.0, "tokens_per_s_p5": 80000.0, "samples": 10,
+                                         "step_ms_median": 26.1, "step_ms_p95": 27.0,
+                                         "compute_ms_median": 21.1, "compute_ms_p95": 22.0}
+    assert t["per_host"]["node2"]["ranks"] == ["node2 rank2", "node2 rank3"]
+    assert (t["per_host"]["node2"]["compute_ms_median"], t["per_host"]["node1"]["compute_ms_median"]) == (61.1, 21.1)
+    assert [(s["rank"], s["host"], s["times_median"]) for s in t["stragglers"]] == \
+        [("node2 rank2", "node2", 2.9), ("node2 rank3", "node2", 2.9)]
+    from rich.console import Console
+    console = Console(width=100, record=True, color_system=None)
+    console.print(report.timing_table(t))
+    text = console.export_text()
+    assert "node2 rank3  straggler" in text and "61.1 / 62.0" in text and "node1 rank0  straggler" not in text
