@@ -94,6 +94,9 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
 TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
 
 
+PLAIN_HELP = ("no live status lines at the bottom of the terminal, only the hosts' log lines (always so "
+              "when output is not a terminal)")
+
 # The options that describe a job: fab train's and the exports'.
 JOB_HELP = {
     "inventory": INV_HELP,
@@ -121,11 +124,12 @@ JOB_HELP = {
     "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
     "hang_timeout": f"seconds without output from any node before the stacks are dumped and the attempt "
                     f"fails (default {recovery.HANG_TIMEOUT:g}; 0: off)",
+    "plain": PLAIN_HELP,
 })
 @user_errors
 def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
           args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False,
-          code=None, module=None, resume=None, restarts=0, min_nodes=None, hang_timeout=None):
+          code=None, module=None, resume=None, restarts=0, min_nodes=None, hang_timeout=None, plain=False):
     """Sync code, run preflight, start one container per host (rank 0 issued first), stream every host's
     log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
     exits 0; otherwise stops the rest and exits non-zero naming the host (or, with --restarts, starts
@@ -140,14 +144,14 @@ def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
                          record.hang_timeout if hang_timeout is None else hang_timeout)
         spec = record.job_spec()
         console.print(f"resuming job {spec.job_id} ({len(record.attempts)} attempt(s) so far, {record.state})")
-        return _run_train(inv, spec, policy, not skip_preflight, smoke, record)
+        return _run_train(inv, spec, policy, not skip_preflight, smoke, plain, record)
     inv = _inventory.load(inventory or DEFAULT_INVENTORY)
     policy = _policy(inv, restarts, min_nodes, hang_timeout)
     spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
     if dry_run:
         print(launch.dry_run(inv, spec))
         return
-    _run_train(inv, spec, policy, not skip_preflight, smoke)
+    _run_train(inv, spec, policy, not skip_preflight, smoke, plain)
 
 
 def _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module) -> plan.JobSpec:
@@ -190,8 +194,9 @@ def _policy(inv, restarts, min_nodes, hang_timeout) -> launch.Policy:
     return policy
 
 
-def _run_train(inv, spec, policy, checks, smoke, record=None) -> None:
-    result = launch.train(inv, spec, console, RUNS, checks=checks, smoke=smoke, policy=policy, record=record)
+def _run_train(inv, spec, policy, checks, smoke, plain, record=None) -> None:
+    result = launch.train(inv, spec, console, RUNS, checks=checks, smoke=smoke, policy=policy, record=record,
+                          live=console.is_terminal and not plain)
     error = launch.explain(result)
     if error:
         raise error
@@ -256,9 +261,9 @@ def status(c, inventory=DEFAULT_INVENTORY):
         raise UserError("\n".join(bad))
 
 
-@task(help={"inventory": INV_HELP, "job": "job id (default: the one running)"})
+@task(help={"inventory": INV_HELP, "job": "job id (default: the one running)", "plain": PLAIN_HELP})
 @user_errors
-def logs(c, inventory=DEFAULT_INVENTORY, job=None):
+def logs(c, inventory=DEFAULT_INVENTORY, job=None, plain=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     inv = _inventory.load(inventory)
     with Session(inv.all_hosts) as session:
@@ -278,7 +283,8 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None):
         spec = plan.JobSpec(job_id=job, script="")
         try:
             result = launch.watch(session, replace(inv, hosts=tuple(sorted(hosts, key=lambda h: h.rank))), spec,
-                                  RUNS / job / "attach", detach=True)
+                                  RUNS / job / "attach", detach=True, console=console,
+                                  live=console.is_terminal and not plain)
         except KeyboardInterrupt:
             print("detached; the job goes on ('fab stop' ends it)")
             return

@@ -6,6 +6,7 @@ non-zero or any host going silent (no keepalive answer) stops every other contai
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import signal
@@ -17,9 +18,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rich.live import Live
+
 from . import plan, preflight, recovery, report
 from .errors import UserError
 from .inventory import Host, Inventory
+from .live import Board
 from .logs import Multiplexer, missing_output, sanitize
 from .remote import PerHost, Session, describe
 
@@ -223,11 +227,15 @@ def teardown(session: Session, job_id: str | None, grace: float, hosts: tuple[Ho
 
 def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, echo: bool = True,
           out=None, lost_after: float | None = None, detach: bool = False, hang_timeout: float = 0,
-          console=None) -> JobResult:
+          console=None, live: bool = False) -> JobResult:
     """Stream every node's output until all exit; on the first failure or lost host, stop the rest.
     With `hang_timeout`, no output from any node for that long dumps every rank's stacks and fails
-    the job. Ctrl+C stops the job, or with `detach` (a re-attached `fab logs`) only stops watching it."""
-    mux = Multiplexer(run_dir, out=out, echo=echo)
+    the job. Ctrl+C stops the job, or with `detach` (a re-attached `fab logs`) only stops watching it.
+    With `live` (and a console), one status line per host stays below the scrolling lines; a
+    straggler is named as soon as its recent steps show it, live or not."""
+    board = Board([(h.name, h.rank) for h in inv.hosts])
+    live = live and console is not None and echo
+    mux = Multiplexer(run_dir, out=out, echo=echo, console=console if live else None, board=board)
     width = max(len(f"{h.name} r{h.rank}") for h in inv.hosts)
     result = JobResult(spec.job_id, run_dir)
     events: queue.Queue[Outcome] = queue.Queue()
@@ -271,8 +279,12 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
         t.start()
     lost_after = lost_after or 3 * max(h.ssh.keepalive for h in inv.hosts)
     pending = {h.name for h in inv.hosts}
-    try:
+
+    def until_done() -> None:
+        """Until every host has ended, or the first failure (then the others are torn down)."""
         while pending:
+            for line in board.new_stragglers():
+                mux.note(line)
             try:
                 o = events.get(timeout=0.2)
             except queue.Empty:
@@ -291,7 +303,13 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
                 others = tuple(h for h in inv.hosts if h.name in pending)
                 result.teardown_seconds = teardown(session, spec.job_id, 0, others)
                 _drain_events(events, pending, result, timeout=5)
-                break
+                return
+
+    view = (Live(get_renderable=board.render, console=console, refresh_per_second=2, transient=True,
+                 redirect_stdout=False, redirect_stderr=False) if live else contextlib.nullcontext())
+    try:
+        with view:
+            until_done()
     except KeyboardInterrupt as exc:
         if detach:
             raise
@@ -441,7 +459,7 @@ class Policy:
 
 def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: bool = True,
           smoke: bool = False, out=None, policy: Policy = Policy(),
-          record: recovery.JobRecord | None = None) -> JobResult:
+          record: recovery.JobRecord | None = None, live: bool = False) -> JobResult:
     """The whole job: gate -> start -> watch -> (recover -> start -> watch)... -> fetch -> clean up.
 
     Every attempt keeps the job's id and output directory; before each one after the first (and
@@ -494,7 +512,7 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
                 try:
                     start(session, cur, attempt_spec)
                     result = watch(session, cur, attempt_spec, run_dir, out=out, hang_timeout=policy.hang_timeout,
-                                   console=console)
+                                   console=console, live=live)
                 finally:
                     copying.set()
                 result.attempts = number

@@ -37,12 +37,18 @@ COLOURS = (36, 33, 35, 32, 34, 31, 96, 93)  # cyan, yellow, magenta, green, blue
 
 
 class Multiplexer:
+    """With a rich `console` (the live status view), lines go out through it, so that its live
+    display stays below them; otherwise straight to `out` as bytes. A `board` (live.Board) sees
+    every host's complete lines."""
+
     def __init__(self, run_dir: Path, out: BinaryIO | None = None, colour: bool | None = None,
-                 echo: bool = True) -> None:
+                 echo: bool = True, console=None, board=None) -> None:
         self.run_dir = run_dir
+        self.console, self.board = console, board
         self.out = out if out is not None else sys.stdout.buffer
         if colour is None:
-            colour = hasattr(self.out, "isatty") and self.out.isatty() and "NO_COLOR" not in os.environ
+            colour = (console.is_terminal if console is not None else
+                      hasattr(self.out, "isatty") and self.out.isatty()) and "NO_COLOR" not in os.environ
         self.colour = colour
         self.echo = echo
         self._lock = threading.Lock()
@@ -52,20 +58,29 @@ class Multiplexer:
         label = f"{name} r{rank}".ljust(width)
         prefix = (f"\x1b[{COLOURS[rank % len(COLOURS)]}m{label} |\x1b[0m " if self.colour
                   else f"{label} | ").encode()
-        return HostSink(self, self.run_dir / f"{name}.log", prefix)
+        return HostSink(self, self.run_dir / f"{name}.log", prefix, name)
 
     def write(self, data: bytes) -> None:
         with self._lock:
             try:
-                self.out.write(data)
-                self.out.flush()
+                if self.console is not None:
+                    self.console.out(data.decode(errors="replace"), end="", highlight=False)
+                else:
+                    self.out.write(data)
+                    self.out.flush()
             except (BrokenPipeError, ValueError):
                 self.echo = False  # the terminal is gone; the log files still get everything
 
+    def note(self, line: str) -> None:
+        """A line of our own between the hosts' lines (not in any host's log)."""
+        if self.echo:
+            text = f"[fabtrain] {line}"
+            self.write((f"\x1b[1;31m{text}\x1b[0m\n" if self.colour else text + "\n").encode())
+
 
 class HostSink:
-    def __init__(self, mux: Multiplexer, path: Path, prefix: bytes, tail_lines: int = 20) -> None:
-        self.mux, self.path, self.prefix = mux, path, prefix
+    def __init__(self, mux: Multiplexer, path: Path, prefix: bytes, name: str = "", tail_lines: int = 20) -> None:
+        self.mux, self.path, self.prefix, self.name = mux, path, prefix, name
         self._file = path.open("ab")
         self._partial = b""
         self.tail: deque[bytes] = deque(maxlen=tail_lines)
@@ -86,6 +101,8 @@ class HostSink:
             return
         block = sanitize_bytes(data[:cut - 1])  # complete lines, without the last newline
         self.tail.extend(block.rsplit(b"\n", self.tail.maxlen)[-self.tail.maxlen:])
+        if self.mux.board is not None:
+            self.mux.board.observe(self.name, block)
         if self.mux.echo:
             # One C-level replace per chunk instead of a Python loop per line: the prefix is what
             # costs most when a host prints fast.

@@ -2,9 +2,10 @@
 import hashlib
 import json
 import re
+import subprocess
 import time
 
-from .conftest import ROOT, fab, on_host, project_containers
+from .conftest import FAB, ROOT, fab, on_host, project_containers
 
 
 def test_sync_reaches_every_host(inventory_path, inv):
@@ -60,7 +61,38 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
     assert summary["hosts"] == ["node1", "node2"] and summary["state"] == "finished"
     assert round(summary["final_eval_loss"], 4) == evals[1]
     assert sorted(summary["ranks"]) == ["node1 rank0", "node1 rank1", "node2 rank2", "node2 rank3"]
+    assert sorted(summary["per_host"]) == ["node1", "node2"] and summary["ranks"]["node2 rank3"]["step_ms_median"] > 0
+    assert "step times (ms per optimizer step: median / p95)" in r.stdout
     assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_a_cpu_starved_host_is_named_as_the_straggler(inventory_path):
+    """node2's training container limited to 0.3 CPU as soon as it starts (docker update --cpus on
+    node2's engine): its ranks are named while the job runs and at the end, node1's never."""
+    proc = subprocess.Popen([FAB, "train", "--model", "tiny", "--epochs", "1", "--skip-preflight",
+                             "--args", "--max-steps-per-epoch 48 --log-every 4 --sample-chars 0",
+                             "--inventory", str(inventory_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (names := on_host("node2", "docker ps -q --filter label=fabtrain.managed=1").stdout.split()):
+            assert time.monotonic() < deadline and proc.poll() is None, "node2's container never started"
+            time.sleep(0.2)
+        on_host("node2", f"docker update --cpus 0.3 {names[0]}")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    live = [line for line in r.stdout.splitlines() if line.startswith("[fabtrain] straggler: ")]
+    assert live and all(line.startswith("[fabtrain] straggler: node2 rank") for line in live), r.stdout[-3000:]
+    run_dir = ROOT / r.stdout.split("logs and outputs in ")[-1].split()[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {s["host"] for s in summary["stragglers"]} == {"node2"}, summary
+    assert all(s["times_median"] > 1 + summary["straggler_margin"] for s in summary["stragglers"])
+    assert summary["per_host"]["node2"]["compute_ms_median"] > summary["per_host"]["node1"]["compute_ms_median"]
+    # The end of the run names them too (after the table).
+    assert re.search(r"^straggler: node2 rank[23] takes [\d.]+ ms of compute per step", r.stdout, re.M)
 
 
 def test_failed_node_is_named_and_job_exits_nonzero(inventory_path):
