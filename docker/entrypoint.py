@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The one entrypoint of a training image, driven by the environment, whoever launches it.
 
-- This orchestrator sets NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT.
+- This orchestrator sets NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, and
+  FABTRAIN_CONSOLE: the file that receives the node's output (see redirect_output).
 - A platform (a Kubernetes PyTorchJob, a Slurm wrapper) sets WORLD_SIZE = number of nodes and
   RANK = this node's rank, with MASTER_ADDR and MASTER_PORT.
 - A Slurm step with one task per node (srun in a container, e.g. pyxis) gives SLURM_JOB_NUM_NODES
@@ -141,10 +142,31 @@ def install_hook(env: dict[str, str]) -> None:
     env["FABTRAIN_STACKS"] = STACKS_DIR
 
 
+def redirect_output(env: dict[str, str]) -> None:
+    """With FABTRAIN_CONSOLE (set by fabtrain), this process and every worker write their output
+    (both streams) to that file, which fabtrain follows from the host, instead of to Docker's
+    log. `docker logs` then shows where the output went."""
+    path = env.pop("FABTRAIN_CONSOLE", None)
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as exc:
+        print(f"[fabtrain] cannot write {path} ({exc}); the output stays here", flush=True)
+        return
+    print(f"[fabtrain] this container's output goes to {path} (in the job's output directory on the "
+          "host; `fab logs` follows it)", flush=True)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1:] in (["-m"], ["--module"]):
         sys.exit("usage: fabtrain-entrypoint SCRIPT [ARGS...] | -m MODULE [ARGS...]  (torchrun-compatible)")
     env = dict(os.environ)
+    redirect_output(env)
     env.update(read_secrets())
     install_hook(env)
     master = env.get("MASTER_ADDR", "127.0.0.1")

@@ -112,10 +112,10 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
         lines.append(f"[{h.name} rank {h.rank}] {plan.start_script(inv, h, spec)}  # stdin: "
                      f"{plan.ENTRYPOINT_SOURCE.relative_to(PROJECT_ROOT)}")
     for h in inv.hosts:
-        lines.append(f"[{h.name} rank {h.rank}] {plan.shell(plan.follow_logs_argv(spec, h.rank))} 2>&1")
+        lines.append(f"[{h.name} rank {h.rank}] {plan.follow_logs_script(inv, spec, h.rank)}")
     lines.append("# when a container exits: its exit code and the tail of its log (to send any output "
                  "the follow missed), e.g.:")
-    lines.append(f"[{inv.master.name} rank 0] {plan.finish_logs_script(spec, 0)}")
+    lines.append(f"[{inv.master.name} rank 0] {plan.finish_logs_script(inv, spec, 0)}")
     lines.append("# on failure, Ctrl+C or lost host, on every host:")
     lines.append(plan.stop_script(spec.job_id, inv.job.stop_grace))
     lines.append("# at the end, outputs are fetched, then on every host:")
@@ -255,14 +255,14 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
             del window[:-4096]  # enough to find where the stream stopped in the log's tail
             sink.feed(data)
         try:
-            session.stream(host, plan.shell(plan.follow_logs_argv(spec, host.rank)) + " 2>&1", feed)
+            session.stream(host, plan.follow_logs_script(inv, spec, host.rank), feed)
             end = bytearray()
-            session.stream(host, plan.finish_logs_script(spec, host.rank), end.extend)
+            session.stream(host, plan.finish_logs_script(inv, spec, host.rank), end.extend)
             code, _, tail = bytes(end).partition(b"\n")
             outcome.exit_code = int(code or 255)
             missed = missing_output(received, bytes(window), tail, plan.TAIL_LINES)
             if missed is None:
-                session.stream(host, plan.remainder_logs_script(spec, host.rank, received), sink.feed)
+                session.stream(host, plan.remainder_logs_script(inv, spec, host.rank, received), sink.feed)
             elif missed:
                 sink.feed(missed)
         except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash

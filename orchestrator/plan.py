@@ -26,6 +26,7 @@ WORKDIR = "/workspace"
 OUTDIR = "/output"
 RUNTIME_MOUNT = "/run/fabtrain"
 SECRETS_PATH = f"{RUNTIME_MOUNT}/secrets.env"
+CONSOLE_DIR = ".console"  # in the job's output directory: each node's output (console_file)
 ENTRYPOINT_PATH = f"{RUNTIME_MOUNT}/entrypoint.py"
 ENTRYPOINT_SOURCE = PROJECT_ROOT / "docker" / "entrypoint.py"
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -178,9 +179,10 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
 
 def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> list[str]:
     """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+    console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{CONSOLE_DIR}/node-{host.rank}.log")  # console_file()
     return ["docker", "run", "--detach",
             *run_options(inv, host, spec, container_name(spec.job_id, host.rank), str(host.rank),
-                         job_env(inv, host, spec), access),
+                         [*job_env(inv, host, spec), console], access),
             *image_and_command(inv, host, spec)]
 
 
@@ -241,8 +243,10 @@ def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
     rt = runtime_dir(inv, spec)
-    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", rt, inv.job.code_dir]
-    return (f"{shell(dirs)} && {shell(['rm', '-f', stopped_marker(inv, spec.job_id)])} && "
+    console = console_file(inv, spec, host.rank)
+    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, inv.job.code_dir]
+    # An earlier attempt's console file goes first: the follower must not read it as this one's.
+    return (f"{shell(dirs)} && {shell(['rm', '-f', stopped_marker(inv, spec.job_id), console])} && "
             f"cat > {shell([f'{rt}/entrypoint.py'])} && "
             f"{shell(docker_run_argv(inv, host, spec, access))} >/dev/null")
 
@@ -276,31 +280,43 @@ def cleanup_argv(inv: Inventory, spec: JobSpec) -> list[str]:
     return ["rm", "-rf", runtime_dir(inv, spec)]
 
 
-def follow_logs_argv(spec: JobSpec, rank: int) -> list[str]:
-    """Stream one container's output (both streams) from its start until it exits."""
-    return ["docker", "logs", "--follow", container_name(spec.job_id, rank)]
+def console_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
+    """Where node `rank`'s container writes its output (both streams), on the host. The entrypoint
+    sends it there (FABTRAIN_CONSOLE) instead of Docker's log: the follower reads plain bytes
+    with `tail`, with no JSON encoding by the engine and decoding by `docker logs` in between
+    (BENCHMARKS.md: the log path). The file stays with the job's outputs on the host."""
+    return f"{inv.job.output_dir}/{spec.job_id}/{CONSOLE_DIR}/node-{rank}.log"
+
+
+def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
+    """Stream node `rank`'s output from its start until its container exits: `tail -F` on its
+    console file (waiting for the file to appear), ended by `--pid` on a `docker wait` for the
+    container; tail reads the file to its end before it leaves."""
+    name = container_name(spec.job_id, rank)
+    return (f"{shell(['docker', 'wait', name])} >/dev/null 2>&1 & "
+            f"{shell(['tail', '-c', '+1', '-s', '0.2', '-F'])} --pid=$! {shell([console_file(inv, spec, rank)])} "
+            "2>/dev/null; wait")
 
 
 TAIL_LINES = 1000
 
 
-def finish_logs_script(spec: JobSpec, rank: int) -> str:
+def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
     """After following ends: print the container's exit code (255 if it is gone) on the first
-    line, then its last TAIL_LINES lines of output, which Docker reads from the end of its log.
-
-    `docker logs --follow` stops when the container exits even if it has fallen behind (it does
-    under backpressure from a slow reader: it lost up to 45% of 200k fast lines in the log
-    benchmark); `logs.missing_output` finds in this tail what the follow did not deliver.
-    """
-    name = container_name(spec.job_id, rank)
+    line, then the last TAIL_LINES lines of its output: of its console file, or of Docker's log
+    when the container ended before the entrypoint made the file (an image without python3).
+    `logs.missing_output` finds in this tail anything the follow did not deliver."""
+    name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
     return (f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); echo \"${{code:-255}}\"; "
-            f"if [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', str(TAIL_LINES), name])} 2>&1; fi")
+            f"if [ -f {f} ]; then tail -n {TAIL_LINES} {f}; "
+            f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', str(TAIL_LINES), name])} 2>&1; fi")
 
 
-def remainder_logs_script(spec: JobSpec, rank: int, received: int) -> str:
+def remainder_logs_script(inv: Inventory, spec: JobSpec, rank: int, received: int) -> str:
     """All output past the first `received` bytes (when the follow missed more than the tail)."""
-    name = container_name(spec.job_id, rank)
-    return f"{shell(['docker', 'logs', name])} 2>&1 | {shell(['tail', '-c', f'+{received + 1}'])}"
+    name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
+    rest = shell(['tail', '-c', f'+{received + 1}'])
+    return f"if [ -f {f} ]; then {rest} {f}; else {shell(['docker', 'logs', name])} 2>&1 | {rest}; fi"
 
 
 def label_filter(job_id: str | None) -> list[str]:
@@ -403,5 +419,6 @@ def fetch_argv(host: Host, remote_dir: str, dest: str) -> list[str]:
     hostile, so no owners, groups, permissions bits beyond the umask (no setuid), devices or special
     files are kept, and symlinks pointing outside the copied tree are skipped."""
     return ["rsync", "--recursive", "--times", "--links", "--safe-links", f"--timeout={RSYNC_IO_TIMEOUT}",
+            f"--exclude=/{CONSOLE_DIR}/",  # the nodes' output: already here, in runs/JOB/HOST.log
             "--rsh", shell(ssh_argv(host)),
             rsync_remote(host, remote_dir.rstrip("/") + "/"), dest]

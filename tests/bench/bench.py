@@ -10,8 +10,9 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
   preflight  `fab preflight --no-smoke`, the whole command line
   stop     stopping a running job on every host vs pdsh running docker rm -f
   failure  from `docker kill` of one container to every container of the job gone
-  logs     every host prints 200k lines: lines/s to the terminal stream and files vs pdsh, lines
-           lost, per-host order
+  logs     every host prints 200k lines (one process under the entrypoint and torchrun): lines/s
+           from starting the containers to the last line in the terminal stream and files, vs pdsh
+           running the same container attached; lines lost, per-host order
   frozen   (--only frozen) one host's Docker engine frozen: preflight, status and stop (whole CLI)
            until they name it, beside a healthy preflight
   recovery (--only recovery) `fab train --restarts 1`, one container killed at step 20: seconds
@@ -266,14 +267,14 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
     res = {"fabtrain_lines_per_s": [], "pdsh_lines_per_s": [], "lost": [], "order_kept": []}
     n_hosts = len(inv.hosts)
     for _ in range(repeat):
+        # One process per node (the entrypoint and torchrun as in any job, then the printing script).
         spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/bench/scripts/spew.py",
-                            args=(str(lines),))
+                            args=(str(lines),), nproc_per_node="1")
         term = tempfile.NamedTemporaryFile(prefix="bench-term-", delete=False)
         run_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
         with Session(inv.hosts) as session:
-            argv_by_host = {h.name: _raw_run(inv, h, spec) for h in inv.hosts}
-            session.fan_out(lambda h: session.run(h, argv_by_host[h.name]))
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # from the start of the containers, as for pdsh below
+            launch.start(session, inv, spec)
             result = launch.watch(session, inv, spec, run_dir, out=term, echo=True)
             dt = time.perf_counter() - t0
             launch.teardown(session, spec.job_id, 0)
@@ -285,30 +286,25 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
             parts = body.split()
             if len(parts) > 1 and parts[1].isdigit():
                 per_host.setdefault(prefix.split()[0].decode(), []).append(int(parts[1]))
-        file_lines = sum(len((run_dir / f"{h.name}.log").read_bytes().splitlines()) for h in inv.hosts)
+        file_lines = sum((run_dir / f"{h.name}.log").read_bytes().count(b" the quick brown fox ") for h in inv.hosts)
         expected = lines * n_hosts
         res["fabtrain_lines_per_s"].append(expected / dt)
         res["lost"].append(expected - sum(len(v) for v in per_host.values()) + (expected - file_lines))
         res["order_kept"].append(all(v == list(range(lines)) for v in per_host.values()) and len(per_host) == n_hosts)
         assert result.ok, result
+        # pdsh: the same container (entrypoint, torchrun, script), attached, its output carried by
+        # `docker run` over ssh. Each node is a job of its own there (no rendezvous across nodes).
         cmd = plan.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{inv.job.code_dir}:/workspace:ro",
-                          "-w", "/workspace", "--entrypoint", "python3", inv.job.image, "tests/bench/scripts/spew.py",
-                          str(lines)])
+                          "-v", f"{plan.runtime_dir(inv, spec)}:{plan.RUNTIME_MOUNT}:ro", "-e", "NPROC_PER_NODE=1",
+                          "-w", "/workspace", "--entrypoint", "python3", inv.job.image, plan.ENTRYPOINT_PATH,
+                          "tests/bench/scripts/spew.py", str(lines)])
         dt, p = timed(base.pdsh, cmd, capture=True)
-        # pdsh's time includes its container start; subtract ours the same way: docker run --rm start
-        # is measured inside dt for both, so the comparison is like for like.
-        pdsh_lines = p.stdout.count(b"\n")
+        with Session(inv.hosts) as session:
+            launch.cleanup(session, inv, spec)
+        pdsh_lines = sum(1 for line in p.stdout.splitlines() if b" the quick brown fox " in line)
         res["pdsh_lines_per_s"].append(pdsh_lines / dt)
         res.setdefault("pdsh_lost", []).append(expected - pdsh_lines)
     return res
-
-
-def _raw_run(inv, host, spec) -> str:
-    """The job's docker run with python3 running the script itself: no entrypoint, no torchrun, so
-    only the log path is timed."""
-    argv = plan.docker_run_argv(inv, host, spec)
-    argv.remove(plan.ENTRYPOINT_PATH)
-    return plan.shell(argv)
 
 
 def table(n: int, r: dict) -> str:

@@ -1,5 +1,6 @@
 import importlib.util
 import shlex
+import time
 from pathlib import Path
 
 from orchestrator import plan
@@ -32,10 +33,11 @@ def common(rank: int, name: str, ifname: str) -> list[str]:
             "--network", "host", "--ipc", "host"]
 
 
-def env(rank: int, name: str, ifname: str) -> list[str]:
+def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
     pairs = [f"MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
              "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME=={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
-             "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "OMP_NUM_THREADS=1"]
+             "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "OMP_NUM_THREADS=1",
+             *extra, f"FABTRAIN_CONSOLE=/output/.console/node-{rank}.log"]
     return [x for p in pairs for x in ("--env", p)]
 
 
@@ -71,7 +73,7 @@ def test_docker_run_amd_groups_by_number_read_on_the_host():
         common(1, "rocm1", "eth1")
         + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "44", "--group-add", "110",
            "--security-opt", "seccomp=unconfined"]
-        + env(1, "rocm1", "eth1") + ["--env", "HSA_X=1"] + TAIL + CMD)
+        + env(1, "rocm1", "eth1", "HSA_X=1") + TAIL + CMD)
 
 
 def test_docker_run_amd_without_a_render_group():
@@ -117,8 +119,8 @@ def test_module_runs_through_the_entrypoint():
 
 def test_start_script_writes_the_entrypoint_from_stdin():
     script = plan.start_script(INV, INV.hosts[2], SPEC)
-    assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/.runtime/gpt-1 /opt/code && "
-                             "rm -f /opt/out/.runtime/gpt-1/stopped && "
+    assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 /opt/code && "
+                             "rm -f /opt/out/.runtime/gpt-1/stopped /opt/out/gpt-1/.console/node-2.log && "
                              "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
     assert script.endswith(" >/dev/null")
     assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
@@ -160,22 +162,68 @@ def test_stop_script_by_label_with_grace():
 
 
 def test_follow_finish_and_remainder_commands():
-    assert plan.follow_logs_argv(SPEC, 1) == ["docker", "logs", "--follow", "fabtrain-gpt-1-r1"]
-    assert plan.finish_logs_script(SPEC, 1) == (
+    f = "/opt/out/gpt-1/.console/node-1.log"
+    assert plan.console_file(INV, SPEC, 1) == f
+    assert plan.follow_logs_script(INV, SPEC, 1) == (
+        f"docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & tail -c +1 -s 0.2 -F --pid=$! {f} 2>/dev/null; wait")
+    assert plan.finish_logs_script(INV, SPEC, 1) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
-        "if [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1; fi")
-    assert plan.remainder_logs_script(SPEC, 1, 2345) == "docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346"
+        f"if [ -f {f} ]; then tail -n 1000 {f}; "
+        "elif [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1; fi")
+    assert plan.remainder_logs_script(INV, SPEC, 1, 2345) == (
+        f"if [ -f {f} ]; then tail -c +2346 {f}; else docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; fi")
+
+
+def fake_docker(tmp_path, script: str) -> dict:
+    (tmp_path / "docker").write_text("#!/bin/sh\n" + script)
+    (tmp_path / "docker").chmod(0o755)
+    return {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+
+def on_this_machine(tmp_path) -> plan.Inventory:
+    return parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
+
+
+def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_path):
+    """The follow script run by sh with `docker wait` stubbed: the file written while it follows
+    and just before the container's end all arrives, and the script ends after that end."""
+    import subprocess
+    import threading
+    inv = on_this_machine(tmp_path)
+    f = Path(plan.console_file(inv, SPEC, 0))
+    f.parent.mkdir(parents=True)
+    env = fake_docker(tmp_path, f"while [ ! -e {tmp_path}/exited ]; do sleep 0.05; done\necho 0\n")
+
+    def container():
+        with f.open("a") as fh:
+            for i in range(3000):
+                fh.write(f"line {i}\n")
+                if i % 1000 == 0:
+                    fh.flush()
+                    time.sleep(0.3)
+        (tmp_path / "exited").touch()
+    t = threading.Thread(target=container)
+    t.start()
+    r = subprocess.run(["sh", "-c", plan.follow_logs_script(inv, SPEC, 0)], capture_output=True, text=True,
+                       env=env, timeout=20)
+    t.join()
+    assert r.stdout == "".join(f"line {i}\n" for i in range(3000))
 
 
 def test_remainder_script_sends_exactly_the_rest(tmp_path):
     import subprocess
+    inv = on_this_machine(tmp_path)
     full = "".join(f"line {i}\n" for i in range(1000))
     (tmp_path / "full").write_text(full)
-    fake = tmp_path / "docker"
-    fake.write_text(f"#!/bin/sh\ncat {tmp_path}/full\n")
-    fake.chmod(0o755)
-    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(SPEC, 1, 2345)], capture_output=True, text=True,
-                       env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    env = fake_docker(tmp_path, f"cat {tmp_path}/full\n")  # no console file: Docker's log
+    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2345)], capture_output=True, text=True,
+                       env=env)
+    assert full[:2345] + r.stdout == full
+    f = Path(plan.console_file(inv, SPEC, 1))
+    f.parent.mkdir(parents=True)
+    f.write_text(full)
+    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2345)], capture_output=True, text=True,
+                       env=fake_docker(tmp_path, "echo wrong\n"))
     assert full[:2345] + r.stdout == full
 
 
@@ -231,3 +279,19 @@ def test_entrypoint_runs_a_module_with_torchrun_module_flag():
     ep = _entrypoint()
     argv, _, _ = ep.plan({"NNODES": "1"}, ["-m", "mypkg.train", "--lr", "1"], gpus=0)
     assert argv[-6:] == ["29500", "--module", "--", "mypkg.train", "--lr", "1"]
+
+
+def test_entrypoint_sends_all_output_to_the_console_file(tmp_path):
+    """With FABTRAIN_CONSOLE both streams of the entrypoint and what it starts go to the file;
+    Docker's log (stdout here) only says where; the variable does not reach the workers."""
+    import subprocess
+    import sys
+    f = tmp_path / "console" / "node-0.log"
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import entrypoint as e; env = dict(os.environ); "
+            "e.redirect_output(env); print('out', flush=True); "
+            "os.system('echo child; echo err >&2'); print('FABTRAIN_CONSOLE' in env, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "docker")], capture_output=True, text=True,
+                       env={"FABTRAIN_CONSOLE": str(f), "PATH": "/usr/bin:/bin"})
+    assert r.stdout == f"[fabtrain] this container's output goes to {f} (in the job's output directory on the host; `fab logs` follows it)\n"
+    assert r.stderr == ""
+    assert f.read_text() == "out\nchild\nerr\nFalse\n"
