@@ -39,6 +39,21 @@ if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
         faulthandler.register(signal.SIGUSR1, file=_fabtrain_stacks, all_threads=True)
     except Exception:
         pass
+def _fabtrain_destroy():
+    # A script that ends without destroy_process_group() leaves gloo's threads to the C++ static
+    # destructors, which abort now and then ("terminate called without an active exception"),
+    # failing a rank whose work was done. Registered first, this runs after the script's own
+    # exit handlers.
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+if os.environ.get("RANK") is not None:
+    import atexit
+    atexit.register(_fabtrain_destroy)
 def _fabtrain_chain():
     import importlib.machinery, importlib.util, sys
     here = os.path.dirname(os.path.abspath(__file__))
