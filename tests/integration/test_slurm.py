@@ -112,7 +112,12 @@ def test_job_requeued_after_a_node_failure_resumes_from_its_snapshot(slurm, tmp_
         assert time.monotonic() < deadline, state
         time.sleep(0.5)
     on_host("node1", "scontrol update nodename=node2 state=resume", check=False)  # may be back already
-    # Slurm holds a requeued job for 2 minutes once it is pending again; start it now.
+    # Slurm holds a requeued job for 2 minutes once it is pending again; start it now, once node2 is
+    # idle again (started while node2 was still coming back, its steps waited for "busy" nodes).
+    deadline = time.monotonic() + 60
+    while (node2 := on_host("node1", "sinfo --noheader --nodes node2 --format %T").stdout.strip()) != "idle":
+        assert time.monotonic() < deadline, f"node2 is {node2}, not idle, 60s after resume"
+        time.sleep(0.5)
     on_host("node1", f"scontrol update jobid={slurm_id} StartTime=now")
     state = wait_done(slurm_id)
     text = output(job, slurm_id)
