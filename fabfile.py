@@ -196,7 +196,7 @@ def _policy(inv, restarts, min_nodes, hang_timeout) -> launch.Policy:
 
 def _run_train(inv, spec, policy, checks, smoke, plain, record=None) -> None:
     result = launch.train(inv, spec, console, RUNS, checks=checks, smoke=smoke, policy=policy, record=record,
-                          live=console.is_terminal and not plain)
+                          live=not plain)
     error = launch.explain(result)
     if error:
         raise error
@@ -284,7 +284,7 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None, plain=False):
         try:
             result = launch.watch(session, replace(inv, hosts=tuple(sorted(hosts, key=lambda h: h.rank))), spec,
                                   RUNS / job / "attach", detach=True, console=console,
-                                  live=console.is_terminal and not plain)
+                                  live=not plain)
         except KeyboardInterrupt:
             print("detached; the job goes on ('fab stop' ends it)")
             return

@@ -231,10 +231,10 @@ def watch(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path, e
     """Stream every node's output until all exit; on the first failure or lost host, stop the rest.
     With `hang_timeout`, no output from any node for that long dumps every rank's stacks and fails
     the job. Ctrl+C stops the job, or with `detach` (a re-attached `fab logs`) only stops watching it.
-    With `live` (and a console), one status line per host stays below the scrolling lines; a
+    With `live` (and a console on a terminal), one status line per host stays below the scrolling lines; a
     straggler is named as soon as its recent steps show it, live or not."""
     board = Board([(h.name, h.rank) for h in inv.hosts])
-    live = live and console is not None and echo
+    live = live and echo and console is not None and console.is_terminal
     mux = Multiplexer(run_dir, out=out, echo=echo, console=console if live else None, board=board)
     width = max(len(f"{h.name} r{h.rank}") for h in inv.hosts)
     result = JobResult(spec.job_id, run_dir)

@@ -57,10 +57,9 @@ class Board:
                 return
             text = block.decode(errors="replace")
             for m in report.STEP_LINE.finditer(text) if steps else ():
-                st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), float(m["rate"].replace(",", ""))
+                st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), report.rate_of(m)
                 if m["compute_ms"]:
-                    rank = f"{m['node']} rank{m['rank']}"
-                    st.compute_ms.setdefault(rank, deque(maxlen=RECENT)).append(float(m["compute_ms"]))
+                    st.compute_ms.setdefault(report.rank_of(m), deque(maxlen=RECENT)).append(float(m["compute_ms"]))
             for m in PROGRESS.finditer(text) if progress else ():
                 self.total = int(m["total"])
                 st.step = max(st.step or 0, int(m["step"]))

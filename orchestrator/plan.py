@@ -179,7 +179,7 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
 
 def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> list[str]:
     """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
-    console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{CONSOLE_DIR}/node-{host.rank}.log")  # console_file()
+    console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
     return ["docker", "run", "--detach",
             *run_options(inv, host, spec, container_name(spec.job_id, host.rank), str(host.rank),
                          [*job_env(inv, host, spec), console], access),
@@ -280,12 +280,17 @@ def cleanup_argv(inv: Inventory, spec: JobSpec) -> list[str]:
     return ["rm", "-rf", runtime_dir(inv, spec)]
 
 
+def console_name(rank: int) -> str:
+    """Node `rank`'s console file, relative to the job's output directory (/output inside)."""
+    return f"{CONSOLE_DIR}/node-{rank}.log"
+
+
 def console_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
     """Where node `rank`'s container writes its output (both streams), on the host. The entrypoint
     sends it there (FABTRAIN_CONSOLE) instead of Docker's log: the follower reads plain bytes
     with `tail`, with no JSON encoding by the engine and decoding by `docker logs` in between
     (BENCHMARKS.md: the log path). The file stays with the job's outputs on the host."""
-    return f"{inv.job.output_dir}/{spec.job_id}/{CONSOLE_DIR}/node-{rank}.log"
+    return f"{inv.job.output_dir}/{spec.job_id}/{console_name(rank)}"
 
 
 def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:

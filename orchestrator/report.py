@@ -41,18 +41,28 @@ def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def rank_of(m: re.Match) -> str:
+    """A step line's rank, as 'node1 rank0'."""
+    return f"{m['node']} rank{m['rank']}"
+
+
+def rate_of(m: re.Match) -> float:
+    """A step line's tokens/s."""
+    return float(m["rate"].replace(",", ""))
+
+
 def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
     """'node1 rank0' -> its step lines (STEP_LINE matches) from every host's log, by rank."""
     steps: dict[str, list[re.Match]] = {}
     for log in sorted(run_dir.glob("*.log")):
         for m in STEP_LINE.finditer(log.read_text(errors="replace")):
-            steps.setdefault(f"{m['node']} rank{m['rank']}", []).append(m)
+            steps.setdefault(rank_of(m), []).append(m)
     return dict(sorted(steps.items(), key=lambda kv: int(kv[0].rsplit("rank", 1)[1])))
 
 
 def rank_rates(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """'node1 rank0' -> [(step, tokens/s)] from every host's log."""
-    return {name: [(int(m["step"]), float(m["rate"].replace(",", ""))) for m in ms]
+    return {name: [(int(m["step"]), rate_of(m)) for m in ms]
             for name, ms in rank_steps(run_dir).items()}
 
 
@@ -88,7 +98,7 @@ def timings(run_dir: Path) -> dict:
     intervals), tokens/s, samples; and the stragglers."""
     ranks, by_host = {}, {}
     for name, ms in rank_steps(run_dir).items():
-        rates = [float(m["rate"].replace(",", "")) for m in ms]
+        rates = [rate_of(m) for m in ms]
         entry = {"tokens_per_s_median": round(statistics.median(rates), 1),
                  "tokens_per_s_p5": round(percentile(rates, 0.05), 1), "samples": len(ms)}
         timed = [m for m in ms if m["compute_ms"]]
