@@ -1,0 +1,195 @@
+"""Phase 1 of a preflight: the raw facts of a host. One probe script per host (one SSH round trip)
+runs every fact's command between markers, with Docker commands bounded so a stuck engine costs
+its timeout once; `parse_probe` and the parse_* functions turn the output into plain data. Also
+how a host gives containers its GPUs (`gpu_access`), counting GPUs from the vendor's tool, and the
+hash of this machine's code tree, computed as the hosts compute it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from .. import plan
+from ..inventory import Host, Inventory
+from ..plan import shell
+from ..remote import Session
+
+# Seconds a Docker command of the probe may take: a stuck engine answers SSH but never this. The
+# whole probe of a host is bounded by PROBE_TIMEOUT; a GPU container start gets longer.
+DOCKER_TIMEOUT = 8
+GPU_CONTAINER_TIMEOUT = 60
+PROBE_TIMEOUT = 30
+# Probe facts that need the Docker engine: skipped once it has not answered.
+DOCKER_FACTS = ("docker", "image", "image_info")
+# Run in the image with its python3 (not its ENTRYPOINT, which we never use): what the job needs.
+IMAGE_INFO_PY = """import json, platform
+info = {"python": platform.python_version()}
+try:
+    import torch
+except Exception as exc:
+    info["error"] = type(exc).__name__ + ": " + str(exc)
+else:
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
+                gpus=torch.cuda.device_count())
+print("IMAGEINFO " + json.dumps(info))
+"""
+# Exit code of coreutils' timeout when it had to stop the command.
+TIMED_OUT = 124
+
+
+def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None = None
+                   ) -> dict[str, list[str]]:
+    """The raw facts gathered on one host, as name -> argv (run in one script). `access`: how the
+    host gives containers its GPUs (plan.gpu_probe_argv, read before this probe)."""
+    cmds = {
+        "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
+        "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+        "image_info": image_info_argv(inv, host, image, access),
+        # Per job directory, from its nearest existing directory (code_dir may not exist before the
+        # first sync): the free space there (judge_disk), and whether the SSH user can create and
+        # write it (judge_dirs; sync and the job need to).
+        "dirs": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
+                 'df -Pk "$q" | tail -n 1; '
+                 'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
+                 'else echo "denied $p $q $(stat -c %U "$q")"; fi; done', "sh",
+                 inv.job.code_dir, inv.job.output_dir],
+        "addr": ["ip", "-o", "-4", "addr", "show"],
+        "link": ["ip", "-o", "link", "show"],
+        "route": ["ip", "-o", "route", "get", inv.master.hostname],
+        "shm": ["df", "-Pk", "/dev/shm"],
+        "code": ["sh", "-c", 'cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0r sha256sum '
+                 '| sha256sum', "sh", inv.job.code_dir],
+        "ntp": ["sh", "-c", "timedatectl show -p NTPSynchronized --value 2>/dev/null "
+                "|| chronyc -n tracking 2>/dev/null | grep -i 'leap status' || echo unknown"],
+        "python": ["python3", "-c", "print('ok')"],
+    }
+    if host.rank == 0:
+        cmds["port"] = ["ss", "-Htlnp", f"sport = :{inv.job.master_port}"]
+    if host.gpu_vendor == "nvidia":
+        cmds["gpu"] = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    elif host.gpu_vendor == "amd":
+        # rocm-smi lists one "card" line per GPU (per GCD on an MI250X); without it, the KFD topology
+        # has a node per CPU socket too, whose gpu_id is 0 (count_gpus skips those).
+        cmds["gpu"] = ["sh", "-c", "rocm-smi --showproductname --csv 2>/dev/null; echo @@sysfs; "
+                       "cat /sys/class/kfd/kfd/topology/nodes/*/gpu_id 2>/dev/null"]
+        cmds["runtime"] = ["ls", "-d", "/dev/kfd", "/dev/dri"]
+    return cmds
+
+
+def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None) -> list[str]:
+    """The image as the job runs it: its python3, torch and CUDA/ROCm, and the GPUs a container
+    started with the job's device flags sees. Never pulled here (--pull never).
+
+    Starting a container and importing torch takes seconds, so on a CPU host the answer is kept
+    on the host under the image id (an id names one immutable image); a GPU host always looks
+    again, since what it must show is that the GPUs work now."""
+    run = ["docker", "run", "--rm", "--pull", "never", "--network", "none", *plan.device_args(host, access),
+           "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY]
+    if host.gpu_vendor != "none":
+        return run
+    script = ('id=$(docker image inspect --format "{{.Id}}" "$1") || exit 1; f="$2/${id#sha256:}"; '
+              'if [ -s "$f" ]; then cat "$f"; exit 0; fi; shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
+              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && mkdir -p "${f%/*}" && printf "%s\\n" "$out" > "$f.$$" '
+              '&& mv "$f.$$" "$f";; esac 2>/dev/null; exit $rc')
+    return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/images", *run]
+
+
+def count_gpus(vendor: str, text: str) -> tuple[int, str]:
+    """(GPU count, model) from `nvidia-smi --query-gpu=name` or the AMD probe (rocm-smi's CSV, then
+    the KFD topology's gpu_id per node, 0 for a CPU node)."""
+    if vendor == "nvidia":
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        return len(names), names[0] if names else "none"
+    smi, _, sysfs = text.partition("@@sysfs")
+    cards = [line.split(",") for line in smi.splitlines() if line.startswith("card")]
+    if cards:
+        return len(cards), cards[0][1].strip() if len(cards[0]) > 1 and cards[0][1].strip() else "AMD GPU"
+    ids = [line.strip() for line in sysfs.splitlines() if line.strip().isdigit()]
+    return sum(1 for i in ids if int(i) != 0), "AMD GPU"
+
+
+def gpu_access(session: Session, host: Host) -> plan.GpuAccess | None:
+    """How this GPU host gives containers its GPUs (None for a CPU host), read on the host; the
+    same flags serve the preflight's GPU container and the job's."""
+    probe = plan.gpu_probe_argv(host)
+    if probe is None:
+        return None
+    return plan.parse_gpu_probe(session.run(host, shell(probe), timeout=DOCKER_TIMEOUT + 5,
+                                            what="reading the GPU runtime").stdout)
+
+
+def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
+    """One shell script printing each command's output between markers, with its exit code.
+
+    Docker commands run under `timeout`, and once the engine has not answered the rest of them are
+    not tried (exit 124 each), so a stuck engine costs DOCKER_TIMEOUT once and every other fact is
+    still gathered."""
+    parts = ["stuck=0"]
+    for name, argv in cmds.items():
+        if name in DOCKER_FACTS:
+            limit = GPU_CONTAINER_TIMEOUT if name == "image_info" else DOCKER_TIMEOUT
+            cmd = (f'if [ $stuck = 1 ]; then echo "engine did not answer"; (exit {TIMED_OUT}); else '
+                   f"{shell(['timeout', '-k', '2', str(limit), *argv])} 2>&1; fi; "
+                   f"rc=$?; [ $rc = {TIMED_OUT} ] && stuck=1")
+        else:
+            cmd = f"{shell(argv)} 2>&1; rc=$?"
+        parts.append(f"echo {marker} {name}; {cmd}; echo {marker}rc $rc")
+    return "; ".join(parts)
+
+
+def parse_probe(output: str, marker: str) -> dict[str, tuple[int, str]]:
+    facts: dict[str, tuple[int, str]] = {}
+    pattern = re.compile(rf"^{marker} (\S+)\n(.*?)^{marker}rc (\d+)$", re.S | re.M)
+    for m in pattern.finditer(output):
+        facts[m.group(1)] = (int(m.group(3)), m.group(2).strip())
+    return facts
+
+
+def parse_addrs(text: str) -> dict[str, list[str]]:
+    """`ip -o -4 addr show` -> interface -> ['10.0.0.5/24', ...]."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[2] == "inet":
+            out.setdefault(f[1], []).append(f[3])
+    return out
+
+
+def parse_links(text: str) -> dict[str, dict]:
+    """`ip -o link show` -> interface -> {'up': bool, 'mtu': int}."""
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        m = re.match(r"\d+: ([^:@]+)(?:@\S+)?: <([^>]*)>.*? mtu (\d+)", line)
+        if m:
+            out[m.group(1)] = {"up": "UP" in m.group(2).split(","), "mtu": int(m.group(3))}
+    return out
+
+
+def image_info(facts) -> dict | None:
+    """What IMAGE_INFO_PY printed in the image, or None."""
+    m = re.search(r"^IMAGEINFO (\{.*\})$", facts.get("image_info", (1, ""))[1], re.M)
+    try:
+        return json.loads(m.group(1)) if m else None
+    except ValueError:
+        return None
+
+
+def local_code_hash(root: Path) -> str:
+    """The same hash the hosts compute over the synced tree (files rsync copies, C sort order)."""
+    import fnmatch
+    import os
+
+    def excluded(name: str) -> bool:
+        return any(fnmatch.fnmatch(name, pat) for pat in plan.RSYNC_EXCLUDES)
+    files = []
+    # Excluded directories are pruned, not walked: a project's .venv alone can hold 100k files.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not excluded(d)]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not excluded(name) and path.is_file() and not path.is_symlink():
+                files.append("./" + path.relative_to(root).as_posix())
+    listing = "".join(f"{hashlib.sha256((root / f[2:]).read_bytes()).hexdigest()}  {f}\n"
+                      for f in sorted(files, key=lambda s: s.encode()))
+    return hashlib.sha256(listing.encode()).hexdigest()

@@ -1,0 +1,39 @@
+"""Showing a preflight's checks: a rich table of check x host with every failure and warning and
+its fix below it (`render`), or JSON for scripts (`to_json`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from ..logs import sanitize
+from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, failed
+
+
+def to_json(checks: list[Check], strict: bool = False) -> str:
+    return json.dumps({"ok": not failed(checks, strict), "checks": [asdict(c) for c in checks]}, indent=2)
+
+
+def render(checks: list[Check], console) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    hosts = list(dict.fromkeys(c.host for c in checks))
+    names = [n for n in CHECKS if any(c.check == n for c in checks)]
+    style = {OK: "green", WARN: "yellow", FAIL: "bold red", NA: "dim", SKIP: "dim"}
+    table = Table(title="preflight", show_lines=False)
+    table.add_column("check")
+    for h in hosts:
+        table.add_column(h, overflow="fold")
+    by = {(c.host, c.check): c for c in checks}
+    for name in names:
+        cells = []
+        for h in hosts:
+            c = by.get((h, name))
+            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(sanitize(c.detail[:60]))}" if c else "[dim]-[/]")
+        table.add_row(name, *cells)
+    console.print(table)
+    for c in checks:
+        if c.status in (FAIL, WARN):
+            colour = "red" if c.status == FAIL else "yellow"
+            console.print(f"[{colour}]{c.status.upper()}[/] {c.host} {c.check}: {escape(sanitize(c.detail))}"
+                          + (f"\n      fix: {escape(sanitize(c.fix))}" if c.fix else ""), highlight=False, soft_wrap=True)
