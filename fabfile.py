@@ -20,9 +20,12 @@ from orchestrator import cluster as _cluster
 from orchestrator import export as _export
 from orchestrator import inventory as _inventory
 from orchestrator import images as _images
-from orchestrator import launch, plan
+from orchestrator import cli, hostops, plan
+from orchestrator import job as _job
 from orchestrator import preflight as _preflight
 from orchestrator import recovery
+from orchestrator.events import JsonLines, Terminal
+from orchestrator.policy import HANG_TIMEOUT
 from orchestrator.errors import UserError
 from orchestrator.logs import sanitize
 from orchestrator.remote import CommandTimedOut, Session, failure
@@ -48,23 +51,18 @@ def user_errors(fn):
 CODE_HELP = "local directory to sync to job.code_dir and run from (default: this project)"
 
 
-def code_dir(path: str | None) -> Path:
-    p = Path(path).expanduser().resolve() if path else plan.PROJECT_ROOT
-    if not p.is_dir():
-        raise UserError(f"--code {path}: not a directory; give the folder holding your training code")
-    return p
-
-
-@task(help={"inventory": INV_HELP, "code": CODE_HELP})
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "code": CODE_HELP})
 @user_errors
 def sync(c, inventory=DEFAULT_INVENTORY, code=None):
     """Copy the code (rsync, in parallel) to job.code_dir on every host."""
     inv = _inventory.load(inventory)
-    for host, seconds in launch.sync(inv, code_dir(code)).items():
+    with Session(inv.hosts) as session:
+        times = hostops.sync(session, inv, cli.code_dir(code))
+    for host, seconds in times.items():
         print(f"{host}: synced in {seconds:.2f}s")
 
 
-@task(help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
             "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
             "clock_warn": "warn above this clock offset, seconds (default 0.05)",
             "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": CODE_HELP})
@@ -80,8 +78,8 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
     inv = _inventory.load(inventory)
     limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
-        checks = _preflight.run(session, inv, limits=limits, run_job=launch.run_once if smoke else None,
-                                source=code_dir(code))
+        checks = _preflight.run(session, inv, limits=limits, run_job=_job.run_quiet if smoke else None,
+                                source=cli.code_dir(code))
     if json:
         print(_preflight.to_json(checks, strict))
     else:
@@ -113,109 +111,88 @@ JOB_HELP = {
 }
 
 
-@task(help={
+@task(auto_shortflags=False, help={
     **JOB_HELP,
-    "dry_run": "print every command per host, in order, and start nothing",
+    "dry_run": "print the attempt's plan (every command per host, in order) and start nothing",
     "skip_preflight": "start without the preflight checks (code is still synced)",
     "smoke": "also run the collective smoke test before starting",
     "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
-              "newest snapshot",
+              "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args and --image may "
+              "change what was recorded",
     "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
     "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
-    "hang_timeout": f"seconds without output from any node before the stacks are dumped and the attempt "
-                    f"fails (default {recovery.HANG_TIMEOUT:g}; 0: off)",
+    "hang_timeout": f"seconds without progress (README: progress) before the stacks are dumped and the "
+                    f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
     "plain": PLAIN_HELP,
+    "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
 })
 @user_errors
-def train(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
-          args="", image=None, nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False,
-          code=None, module=None, resume=None, restarts=0, min_nodes=None, hang_timeout=None, plain=False):
-    """Sync code, run preflight, start one container per host (rank 0 issued first), stream every host's
-    log with a host/rank prefix into the terminal and runs/JOB/HOST.log. Exits 0 when every container
-    exits 0; otherwise stops the rest and exits non-zero naming the host (or, with --restarts, starts
-    the job again from its newest snapshot, spares taking failed hosts' places). Ctrl+C stops the job."""
+def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
+          nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
+          resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False):
+    """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
+    rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
+    teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
+    places); then finish (outputs fetched, runtime files removed). Exits 0 when every node exits 0;
+    otherwise names the host. Ctrl+C stops the job."""
     if "--" in sys.argv:
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)
+    given = dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image, nproc=nproc,
+                 name=name, code=code, module=module)
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
         inv = _inventory.load(inventory or record.inventory)
-        policy = _policy(inv, restarts or record.restarts, min_nodes or record.min_nodes,
-                         record.hang_timeout if hang_timeout is None else hang_timeout)
-        spec = record.job_spec()
-        console.print(f"resuming job {spec.job_id} ({len(record.attempts)} attempt(s) so far, {record.state})")
-        return _run_train(inv, spec, policy, not skip_preflight, smoke, plain, record)
-    inv = _inventory.load(inventory or DEFAULT_INVENTORY)
-    policy = _policy(inv, restarts, min_nodes, hang_timeout)
-    spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
-    if dry_run:
-        print(launch.dry_run(inv, spec))
-        return
-    _run_train(inv, spec, policy, not skip_preflight, smoke, plain)
-
-
-def _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module) -> plan.JobSpec:
-    """A new job from the command line: a built-in trainer, --script or --module, with its arguments."""
-    source = code_dir(code)
-    if script and module:
-        raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
-    if module:
-        if not plan.MODULE_RE.match(module):
-            raise UserError(f"--module {sanitize(module)!r} is not a Python module name; write e.g. "
-                            "mypkg.train (dotted names, no .py)", exit_code=2)
-        script, extra = module, shlex.split(args)
-    elif script:
-        if not (source / script).is_file():
-            raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code")
-        extra = shlex.split(args)
+        spec = cli.resumed_spec(record, given)
+        policy = cli.policy(inv, record.restarts if restarts is None else restarts,
+                            record.min_nodes if min_nodes is None else min_nodes,
+                            record.hang_timeout if hang_timeout is None else hang_timeout)
+        record = replace(record, restarts=policy.restarts, min_nodes=policy.min_nodes,
+                         hang_timeout=policy.hang_timeout)
+        if not json:
+            console.print(f"resuming job {spec.job_id} ({len(record.attempts)} attempt(s) so far, {record.state})")
     else:
-        if trainer not in TRAINERS:
-            raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(TRAINERS)} or --script PATH")
-        script = TRAINERS[trainer]
-        extra = ["--model", model, "--epochs", str(epochs), *shlex.split(args)]
-    job_name = name or (module.rsplit(".", 1)[-1] if module else Path(script).stem).replace("_", "-")
-    if not plan.valid_job_id(job_name):
-        raise UserError(f"--name {sanitize(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
-    return plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra), image=image,
-                        nproc_per_node=str(nproc) if nproc else None, code=str(source))
-
-
-def _policy(inv, restarts, min_nodes, hang_timeout) -> launch.Policy:
+        inv = _inventory.load(inventory or DEFAULT_INVENTORY)
+        policy = cli.policy(inv, restarts or 0, min_nodes, hang_timeout)
+        spec = cli.new_spec(given, TRAINERS)
+        record = None
+    reporter = JsonLines() if json else Terminal(console)
+    live = not (plain or json)
+    j = _job.Job(inv, spec, policy, RUNS, reporter, record=record, checks=not skip_preflight, smoke=smoke,
+                 watch_options={"console": console, "live": live, "echo": not json})
+    if dry_run:
+        print(_job.dry_run(j))
+        return
     try:
-        policy = launch.Policy(restarts=int(restarts), min_nodes=int(min_nodes) if min_nodes else None,
-                               hang_timeout=recovery.HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
-    except ValueError as exc:
-        raise UserError(f"--restarts, --min-nodes and --hang-timeout take numbers: {exc}", exit_code=2) from None
-    if policy.restarts < 0 or policy.hang_timeout < 0:
-        raise UserError("--restarts and --hang-timeout cannot be negative", exit_code=2)
-    if policy.min_nodes is not None and not 1 <= policy.min_nodes <= len(inv.hosts):
-        raise UserError(f"--min-nodes {policy.min_nodes}: give 1 to {len(inv.hosts)} (the hosts in {inv.path})",
-                        exit_code=2)
-    return policy
-
-
-def _run_train(inv, spec, policy, checks, smoke, plain, record=None) -> None:
-    result = launch.train(inv, spec, console, RUNS, checks=checks, smoke=smoke, policy=policy, record=record,
-                          live=not plain)
-    error = launch.explain(result)
+        result = _job.run(j)
+    except _job.PreflightFailed as exc:
+        _preflight.render(exc.checks, console)
+        raise
+    cli.present(result, console)
+    error = _job.explain(result)
     if error:
         raise error
     again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
-    console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
+    if not json:
+        console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
 
 
-@task(help={"inventory": INV_HELP, "job": "stop only this job (default: every fabtrain container)",
-            "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "stop only this job (default: every fabtrain job)",
+                                   "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
 @user_errors
 def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
-    """Stop and remove this project's containers on every host, found by label. Safe to repeat.
+    """Stop and remove this project's containers on every host, found by label, and end their jobs:
+    a `fab train` watching one (between two attempts too) ends it without restarting. Left-over
+    runtime files (secrets included) of jobs no longer looked after are removed. Safe to repeat.
     A host whose engine does not answer within grace + 15 s is named; the others are still served."""
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
     with Session(inv.all_hosts) as session:
-        running = launch.running_jobs(session)
-        launch.mark_stopped(session, inv, {job: running.get(job, {})} if job else running)
-        results = launch.stop(session, job, grace)
+        found = hostops.survey(session, inv)
+        live = hostops.live_jobs(found)
+        hostops.mark_stopped(session, inv, {job: live.get(job, [])} if job else live)
+        results = hostops.stop(session, job, grace, inv.all_hosts)
+        cleared = hostops.clear_stale(session, inv, hostops.survey(session, inv))
     failed = []
     for host in inv.all_hosts:
         r = results[host.name]
@@ -224,13 +201,14 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
             failed.append(host.name)
             print(f"{host.name}: could not stop: {why}", file=sys.stderr)
         else:
-            n = len(r.stdout.split())
-            print(f"{host.name}: removed {n} container(s)")
+            print(f"{host.name}: removed {len(r.stdout.split())} container(s)")
+    for line in cleared:
+        print(line)
     if failed:
         raise UserError(f"stop failed on {', '.join(failed)}; run 'fab stop' again once they answer")
 
 
-@task(help={"inventory": INV_HELP})
+@task(auto_shortflags=False, help={"inventory": INV_HELP})
 @user_errors
 def status(c, inventory=DEFAULT_INVENTORY):
     """List this project's containers (job, rank, state) on every host. A host that does not answer
@@ -239,7 +217,7 @@ def status(c, inventory=DEFAULT_INVENTORY):
     from rich.text import Text
     inv = _inventory.load(inventory)
     with Session(inv.all_hosts) as session:
-        results = launch.list_containers(session)
+        results = hostops.list_containers(session)
     table = Table(title="fabtrain containers")
     for col in ("host", "job", "rank", "container", "state", "status"):
         table.add_column(col)
@@ -261,39 +239,24 @@ def status(c, inventory=DEFAULT_INVENTORY):
         raise UserError("\n".join(bad))
 
 
-@task(help={"inventory": INV_HELP, "job": "job id (default: the one running)", "plain": PLAIN_HELP})
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "job id (default: the one running)",
+                                   "plain": PLAIN_HELP})
 @user_errors
 def logs(c, inventory=DEFAULT_INVENTORY, job=None, plain=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     inv = _inventory.load(inventory)
     with Session(inv.all_hosts) as session:
-        jobs = launch.running_jobs(session)
-        if job is None:
-            if not jobs:
-                raise UserError("no job is running; 'fab status' lists stopped ones")
-            if len(jobs) > 1:
-                raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
-            job = next(iter(jobs))
-        if not plan.valid_job_id(job):
-            raise UserError(f"job id {sanitize(job)!r} (from a container label) is not a fabtrain job id; "
-                            "refusing to use it as a local path. Pass --job with the right id")
-        # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
-        ranks = jobs.get(job) or {h.name: h.rank for h in inv.hosts}
-        hosts = tuple(replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks)
-        spec = plan.JobSpec(job_id=job, script="")
         try:
-            result = launch.watch(session, replace(inv, hosts=tuple(sorted(hosts, key=lambda h: h.rank))), spec,
-                                  RUNS / job / "attach", detach=True, console=console,
-                                  live=not plain)
+            result = _job.attach(session, inv, job, RUNS, console, live=not plain)
         except KeyboardInterrupt:
             print("detached; the job goes on ('fab stop' ends it)")
             return
-    error = launch.explain(result)
+    error = _job.explain(result)
     if error:
         raise error
 
 
-@task
+@task(auto_shortflags=False)
 @user_errors
 def runs(c):
     """List past runs (runs/*/job.json), newest first: job, state, attempts, duration, eval loss, hosts."""
@@ -310,7 +273,7 @@ def runs(c):
     console.print(table)
 
 
-@task(help={"jobs": "one or more job ids, comma-separated (see fab runs)",
+@task(auto_shortflags=False, help={"jobs": "one or more job ids, comma-separated (see fab runs)",
             "out": "PNG to write (default: runs/JOB/loss.png for one job, runs/compare.png for several)"})
 @user_errors
 def plot(c, jobs, out=None):
@@ -331,7 +294,7 @@ def _warn(warnings) -> None:
         print(f"warning: {sanitize(w)}", file=sys.stderr)
 
 
-@task(help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
+@task(auto_shortflags=False, help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
             "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
             "partition": "#SBATCH --partition", "time": "#SBATCH --time (e.g. 12:00:00)"})
 @user_errors
@@ -342,7 +305,8 @@ def slurm(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
     inv = _inventory.load(inventory)
-    spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
+    spec = cli.new_spec(dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image,
+                                   nproc=nproc, name=name, code=code, module=module), TRAINERS)
     text, warnings = _export.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
     _warn(warnings)
     target = Path(out or f"{spec.job_id}.sbatch")
@@ -351,7 +315,7 @@ def slurm(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
     print(f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: sbatch {target}")
 
 
-@task(help={**JOB_HELP, "out": "directory to write pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
+@task(auto_shortflags=False, help={**JOB_HELP, "out": "directory to write pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
             "restarts": "pod failures the job tolerates (backoffLimit, default 0)"})
 @user_errors
 def k8s(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None, args="",
@@ -360,7 +324,8 @@ def k8s(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", s
     Service for clusters without the training operator. Same image, env, GPUs and entrypoint;
     secrets as references to a Secret, never values."""
     inv = _inventory.load(inventory)
-    spec = _new_spec(model, epochs, trainer, script, args, image, nproc, name, code, module)
+    spec = cli.new_spec(dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image,
+                                   nproc=nproc, name=name, code=code, module=module), TRAINERS)
     docs, warnings = _export.k8s_manifests(inv, spec, restarts=int(restarts))
     _warn(warnings)
     target = Path(out or f"{spec.job_id}-k8s")
@@ -371,7 +336,7 @@ def k8s(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", s
           f"apply one with kubectl apply -f")
 
 
-@task(help={"hosts": "number of test hosts (default 2)",
+@task(auto_shortflags=False, help={"hosts": "number of test hosts (default 2)",
             "spares": "number of spare hosts, listed under spares: (default 0)",
             "write_inventory": "also write the matching inventory to this path",
             "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm"})
@@ -382,14 +347,14 @@ def up(c, hosts=2, spares=0, write_inventory=None, slurm=False):
     _cluster.up(int(hosts), write_inventory, spares=int(spares), slurm=slurm)
 
 
-@task
+@task(auto_shortflags=False)
 @user_errors
 def down(c):
     """Remove the local cluster's hosts, their volumes and the network."""
     _cluster.down()
 
 
-@task(help={"inventory": INV_HELP, "image": "image to push (default: job.image)",
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "image": "image to push (default: job.image)",
             "hosts": "comma-separated host names (default: every host)"})
 @user_errors
 def push(c, inventory=DEFAULT_INVENTORY, image=None, hosts=None):
@@ -411,7 +376,7 @@ def push(c, inventory=DEFAULT_INVENTORY, image=None, hosts=None):
         raise UserError(f"image push failed on {', '.join(bad)}")
 
 
-@task(help={"base": "base image (e.g. nvcr.io/nvidia/pytorch:24.01-py3)", "requirements": "a pip requirements file",
+@task(auto_shortflags=False, help={"base": "base image (e.g. nvcr.io/nvidia/pytorch:24.01-py3)", "requirements": "a pip requirements file",
             "tag": "name of the new image", "pip_args": "extra pip arguments, split like a shell would",
             "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index needed"})
 @user_errors
@@ -423,7 +388,7 @@ def build(c, base, requirements, tag, pip_args="", wheels=None):
     print(f"built {tag} ({image_id[7:19]}); push it with: fab image.push --image {tag}")
 
 
-@task
+@task(auto_shortflags=False)
 @user_errors
 def images(c):
     """Build the base, test-host and trainer images locally (no registry); reuses what exists."""

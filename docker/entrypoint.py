@@ -192,8 +192,40 @@ def main() -> None:
             env.setdefault("NCCL_SOCKET_IFNAME", "=" + dev)  # exactly this one, not a prefix match
     gpus = gpu_count() if env.get("NPROC_PER_NODE", "auto") == "auto" else 0
     argv, child, banner = plan(env, sys.argv[1:], gpus)
+    heartbeat(child)
     print(banner, flush=True)
-    os.execve(argv[0], argv, child)
+    sys.exit(run_node(argv, child))
+
+
+# The node's last line, read by fabtrain from the console file: how its ranks ended, even when the
+# host's Docker engine cannot say (a frozen engine never answers `docker wait`).
+EXIT_LINE = "[fabtrain] node exit code "
+
+
+def heartbeat(env: dict[str, str]) -> None:
+    """FABTRAIN_HEARTBEAT: a file the workers may touch to show progress during a long silent
+    phase (an evaluation, a checkpoint write); fabtrain reads its age before calling a node hung."""
+    out = env.get("FABTRAIN_OUTPUT")
+    if out and "FABTRAIN_HEARTBEAT" not in env:
+        node = env.get("NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or "0"
+        env["FABTRAIN_HEARTBEAT"] = os.path.join(out, ".progress", f"node-{node}")
+        try:
+            os.makedirs(os.path.dirname(env["FABTRAIN_HEARTBEAT"]), exist_ok=True)
+        except OSError:
+            pass
+
+
+def run_node(argv: list[str], env: dict[str, str]) -> int:
+    """torchrun as a child, the signals a container gets (docker stop's SIGTERM) passed on, and
+    its exit written as the node's last line (EXIT_LINE) before leaving with the same code."""
+    import signal
+    proc = subprocess.Popen(argv, env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
+    code = proc.wait()
+    code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+    print(f"{EXIT_LINE}{code}", flush=True)
+    return code
 
 
 if __name__ == "__main__":

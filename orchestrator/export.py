@@ -146,7 +146,9 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
     lines += ["set -euo pipefail",
               "",
               "# Rank 0 runs on the allocation's first node; its address comes from Slurm (NodeAddr).",
-              'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              # sed reads to the end: `head -n 1` leaves scontrol writing into a closed pipe, and
+              # pipefail turns its SIGPIPE into a failed job (seen now and then with two nodes).
+              'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
               "MASTER_ADDR=$(scontrol show node \"$first\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
               'export MASTER_ADDR="${MASTER_ADDR:-$first}" NNODES="$SLURM_JOB_NUM_NODES" '
               'FABTRAIN_SECRETS="${FABTRAIN_SECRETS:-}" fabtrain_attempt="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',

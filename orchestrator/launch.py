@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.live import Live
 
-from . import plan, preflight, recovery, report
+from . import plan, preflight, recovery, report, snapshots
 from .errors import UserError
 from .inventory import Host, Inventory
 from .live import Board
@@ -474,7 +474,8 @@ def train(inv: Inventory, spec: plan.JobSpec, console, run_root: Path, checks: b
     resuming = bool(record.attempts)
     min_nodes = policy.min_nodes or len(inv.hosts)
     spares = list(inv.spares)
-    snaps = recovery.Snapshots(run_dir, inv, spec)
+    snaps = snapshots.Snapshots(run_dir, inv, spec, keep=inv.job.keep_snapshots,
+                                report=lambda line: console.print(line, markup=False, highlight=False))
     used: dict[str, Host] = {}       # every host of any attempt: outputs are fetched from each
     lost: dict[str, Host] = {}
     failed_on: Counter[str] = Counter()

@@ -239,6 +239,20 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
     return f"{inv.job.output_dir}/.runtime/{job_id}/stopped"
 
 
+LEASE = "lease"        # in the job's runtime directory: touched while `fab train` looks after the job
+LEASE_EVERY = 5.0      # seconds between touches
+LEASE_STALE = 60.0     # a runtime directory whose lease is this old, with no container, is left over
+
+
+def claim_script(inv: Inventory, job_id: str, first: bool) -> str:
+    """The job's runtime directory on a host, made before anything else of the job happens there,
+    its lease touched: while it exists, `fab stop` can find the job (between two attempts too).
+    The job's first attempt clears a stop marker left from an earlier run of the same job."""
+    rt = f"{inv.job.output_dir}/.runtime/{job_id}"
+    clear = f" && {shell(['rm', '-f', stopped_marker(inv, job_id)])}" if first else ""
+    return f"{shell(['mkdir', '-p', rt])}{clear} && {shell(['touch', f'{rt}/{LEASE}'])}"
+
+
 def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
@@ -246,7 +260,8 @@ def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, inv.job.code_dir]
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
-    return (f"{shell(dirs)} && {shell(['rm', '-f', stopped_marker(inv, spec.job_id), console])} && "
+    # (The stop marker stays: `fab stop` between two attempts must end the job; see claim_script.)
+    return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
             f"cat > {shell([f'{rt}/entrypoint.py'])} && "
             f"{shell(docker_run_argv(inv, host, spec, access))} >/dev/null")
 
@@ -317,11 +332,28 @@ def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
             f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', str(TAIL_LINES), name])} 2>&1; fi")
 
 
-def remainder_logs_script(inv: Inventory, spec: JobSpec, rank: int, received: int) -> str:
-    """All output past the first `received` bytes (when the follow missed more than the tail)."""
+def remainder_logs_script(inv: Inventory, spec: JobSpec, rank: int, start: int | str) -> str:
+    """All output from byte `start` on, counted from 1 (when the follow missed more than the tail).
+    A plan renders it with a placeholder word, replaced by the number when it runs."""
     name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
-    rest = shell(['tail', '-c', f'+{received + 1}'])
+    rest = shell(['tail', '-c', f'+{start}'])
     return f"if [ -f {f} ]; then {rest} {f}; else {shell(['docker', 'logs', name])} 2>&1 | {rest}; fi"
+
+
+PROGRESS_DIR = ".progress"  # in the job's output directory: each node's heartbeat file
+
+
+def heartbeat_name(rank: int) -> str:
+    """Node `rank`'s heartbeat file, relative to the job's output directory: the entrypoint gives
+    its path to the workers as FABTRAIN_HEARTBEAT; touching it is progress (README: progress)."""
+    return f"{PROGRESS_DIR}/node-{rank}"
+
+
+def progress_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
+    """Seconds since node `rank`'s heartbeat file was last touched, by the host's own clock
+    ('none' when the job never touched it)."""
+    f = shell([f"{inv.job.output_dir}/{spec.job_id}/{heartbeat_name(rank)}"])
+    return f'if [ -e {f} ]; then echo $(( $(date +%s) - $(stat -c %Y {f}) )); else echo none; fi'
 
 
 def label_filter(job_id: str | None) -> list[str]:
@@ -419,11 +451,21 @@ def push_file_argv(host: Host, source: str, remote_file: str) -> list[str]:
             source, rsync_remote(host, remote_file)]
 
 
+# The job's snapshots, complete (snapshot-NNNNNNNNN.pt) and being written or copied (.snapshot-*):
+# the newest complete one is already in runs/JOB/snapshots, copied and verified while the job ran
+# (snapshots.py), so the end-of-job fetch leaves them out. Anything else a script writes there is
+# still fetched.
+SNAPSHOT_EXCLUDES = ("/snapshots/snapshot-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9].pt",
+                     "/snapshots/.snapshot-*")
+
+
 def fetch_argv(host: Host, remote_dir: str, dest: str) -> list[str]:
     """Copy a job's outputs from a host, safely: a host (or a container writing its outputs) may be
     hostile, so no owners, groups, permissions bits beyond the umask (no setuid), devices or special
-    files are kept, and symlinks pointing outside the copied tree are skipped."""
+    files are kept, and symlinks pointing outside the copied tree are skipped. The nodes' console
+    files and the snapshots are left out: both are already on this machine."""
     return ["rsync", "--recursive", "--times", "--links", "--safe-links", f"--timeout={RSYNC_IO_TIMEOUT}",
             f"--exclude=/{CONSOLE_DIR}/",  # the nodes' output: already here, in runs/JOB/HOST.log
+            *(f"--exclude={pattern}" for pattern in SNAPSHOT_EXCLUDES),
             "--rsh", shell(ssh_argv(host)),
             rsync_remote(host, remote_dir.rstrip("/") + "/"), dest]

@@ -1,20 +1,13 @@
-"""What lets a job outlive a failure: its record under runs/JOB, copies of its snapshots, the choice
-of hosts for the next attempt, and the stacks of a hung job.
+"""What lets a job outlive a failure: its record under runs/JOB, the choice of hosts for the next
+attempt, and the stacks of a hung job (its snapshots are in snapshots.py).
 
 A job keeps one id, one output directory and one set of arguments across attempts (fab train
---restarts) and across invocations (fab train --resume JOB). Snapshots are files named
-snapshot-NNNNNNNNN.pt in the job's output directory (`$FABTRAIN_OUTPUT/snapshots` in the
-container), written atomically by rank 0. While a job runs, each new one is copied from rank 0's
-host to runs/JOB/snapshots on this machine; before an attempt starts, the newest one known (on this
-machine or on any host still answering) is placed on every host of the attempt. So a snapshot
-survives the loss of any host, rank 0's included.
+--restarts) and across invocations (fab train --resume JOB).
 """
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,12 +16,7 @@ from . import plan
 from .errors import UserError
 from .inventory import Host, Inventory
 from .logs import sanitize
-from .remote import Session
 
-SNAPSHOT_RE = re.compile(r"^snapshot-\d{9}\.pt$")
-SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (an ls on an open SSH link)
-KEEP_LOCAL = 2        # snapshots kept in runs/JOB/snapshots
-LIST_TIMEOUT = 10
 RECORD = "job.json"
 
 
@@ -137,91 +125,6 @@ def next_hosts(inv: Inventory, replace_names: list[str], spares: list[Host], min
     return NextHosts(replace(inv, hosts=tuple(hosts)), notes)
 
 
-# ---------------------------------------------------------------- snapshots
-
-def snapshots_dir(inv: Inventory, spec: plan.JobSpec) -> str:
-    return f"{inv.job.output_dir}/{spec.job_id}/snapshots"
-
-
-def newest(names) -> str | None:
-    found = sorted(n for n in names if SNAPSHOT_RE.match(n))
-    return found[-1] if found else None
-
-
-def remote_newest(session: Session, host: Host, inv: Inventory, spec: plan.JobSpec) -> str | None:
-    """The newest complete snapshot in the job's output directory on a host (None: none, or no answer)."""
-    try:
-        r = session.run(host, plan.shell(["ls", "-1", snapshots_dir(inv, spec)]) + " 2>/dev/null; true",
-                        timeout=LIST_TIMEOUT, what="listing snapshots")
-    except BaseException:  # noqa: BLE001 - a host that does not answer holds no usable snapshot
-        return None
-    return newest(r.stdout.split())
-
-
-class Snapshots:
-    """runs/JOB/snapshots: the newest snapshots of the job, copied off the hosts."""
-
-    def __init__(self, run_dir: Path, inv: Inventory, spec: plan.JobSpec) -> None:
-        self.dir = run_dir / "snapshots"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.inv, self.spec = inv, spec
-        self.lock = threading.Lock()
-
-    def local_newest(self) -> str | None:
-        return newest(p.name for p in self.dir.iterdir())
-
-    def fetch(self, host: Host, name: str) -> bool:
-        """Copy one snapshot from a host (rsync writes a temporary file and renames it)."""
-        with self.lock:
-            if name <= (self.local_newest() or ""):
-                return True
-            proc = subprocess.run(plan.fetch_file_argv(host, f"{snapshots_dir(self.inv, self.spec)}/{name}",
-                                                       str(self.dir / name)),
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                return False
-            for old in sorted(p.name for p in self.dir.iterdir() if SNAPSHOT_RE.match(p.name))[:-KEEP_LOCAL]:
-                (self.dir / old).unlink(missing_ok=True)
-            return True
-
-    def follow(self, session: Session, rank0: Host, stop: threading.Event) -> threading.Thread:
-        """Copy every new snapshot from rank 0's host as soon as it is complete, until `stop`."""
-        def loop() -> None:
-            while not stop.wait(SNAPSHOT_POLL):
-                name = remote_newest(session, rank0, self.inv, self.spec)
-                if name:
-                    self.fetch(rank0, name)
-        t = threading.Thread(target=loop, daemon=True, name="snapshot-copy")
-        t.start()
-        return t
-
-    def place(self, session: Session, inv: Inventory, also_ask: tuple[Host, ...] = ()) -> str | None:
-        """Before an attempt: find the newest snapshot on this machine or on any host answering
-        (the attempt's and `also_ask`, which should leave out hosts known lost: each silent one costs
-        LIST_TIMEOUT), copy it here, then onto every host of the attempt."""
-        asked = {h.name: h for h in (*inv.hosts, *also_ask)}
-        found = session.fan_out(lambda h: remote_newest(session, h, inv, self.spec), tuple(asked.values()))
-        remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
-        if remote:
-            self.fetch(asked[remote[1]], remote[0])
-        best = self.local_newest()
-        if best is None:
-            return None
-        dest = snapshots_dir(inv, self.spec)
-
-        def push(h: Host) -> None:
-            if found.get(h.name) == best:
-                return
-            proc = subprocess.run(plan.push_file_argv(h, str(self.dir / best), f"{dest}/{best}"),
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise UserError(f"{h.name}: could not place snapshot {best}: {sanitize(proc.stderr.strip()[-300:])}")
-        errors = [str(e) for e in session.fan_out(push, inv.hosts).errors().values()]
-        if errors:
-            raise UserError("\n".join(errors))
-        return best
-
-
 # ---------------------------------------------------------------- stacks of a hung job
 
 def stack_summary(dump: str) -> list[str]:
@@ -236,8 +139,10 @@ def stack_summary(dump: str) -> list[str]:
         frames = []
         for t in threads:
             fs = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', t)
-            if fs and fs[-1][2] == "<module>":
-                frames = fs
+            # The main thread: a script's runs <module> outermost; a module's (torchrun -m, runpy)
+            # runs _run_module_as_main.
+            if fs and fs[-1][2] in ("<module>", "_run_module_as_main"):
+                frames = [f for f in fs if not f[0].endswith("/runpy.py")] or fs
         if not frames:
             continue
         inner = frames[0]
@@ -249,6 +154,15 @@ def stack_summary(dump: str) -> list[str]:
             where = f"{user[0][len(plan.WORKDIR) + 1:]}:{user[1]} in {user[2]}"
         lines.append(f"rank {head.group(1)}: {where}")
     return lines
+
+
+# Innermost frames that mean "waiting for the other ranks" (torch.distributed's collectives).
+COLLECTIVE_FILES = ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py")
+
+
+def in_collective(where: str) -> bool:
+    """Whether a rank's stack_summary place is inside a collective (it waits for another rank)."""
+    return any(f"({name}:" in where for name in COLLECTIVE_FILES)
 
 
 def source_line(code_root: str, path_line: str) -> str:

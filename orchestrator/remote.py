@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -262,14 +263,21 @@ class Session:
             return cmd.exit_status()
 
     def put(self, host: Host, data: bytes, path: str, mode: int = 0o600, timeout: float = 30) -> None:
-        """Write bytes to a remote file (its directory made if missing), created private and then
-        given `mode`. The bytes travel on the command's stdin, never on a command line, under the
-        same deadline as every command."""
-        script = 'mkdir -p "$(dirname "$1")" && umask 077 && cat > "$1" && chmod "$2" "$1"'
-        r = self.run(host, plan.shell(["sh", "-c", script, "sh", path, f"{mode:o}"]), timeout=timeout,
-                     stdin=data, what=f"writing {path}")
+        """Write bytes to a remote file (put_command), under the same deadline as every command."""
+        r = self.run(host, put_command(path, mode), timeout=timeout, stdin=data, what=f"writing {path}")
         if not r.ok:
             raise UserError(f"{host.name}: cannot write {path}: {r.stderr.strip()[-200:]}")
+
+    def local(self, argv: list[str], timeout: float) -> Result:
+        """Run a command on this machine (rsync to or from a host): the one place a job starts a
+        local process, so a recording stand-in sees those too."""
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            return Result("", f"{err}\n{argv[0]} did not finish within {timeout:g}s", 124, time.monotonic() - start)
+        return Result(proc.stdout, proc.stderr, proc.returncode, time.monotonic() - start)
 
     def alive_since(self, host: Host) -> float | None:
         """Monotonic time of the last keepalive answer from the host (see heartbeat)."""
@@ -291,6 +299,13 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def put_command(path: str, mode: int = 0o600) -> str:
+    """Write the command's stdin to `path` (its directory made if missing), created private and then
+    given `mode`: the bytes (a secret, our entrypoint) travel on stdin, never on a command line."""
+    script = 'mkdir -p "$(dirname "$1")" && umask 077 && cat > "$1" && chmod "$2" "$1"'
+    return plan.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
 
 
 def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:

@@ -120,7 +120,7 @@ def test_module_runs_through_the_entrypoint():
 def test_start_script_writes_the_entrypoint_from_stdin():
     script = plan.start_script(INV, INV.hosts[2], SPEC)
     assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 /opt/code && "
-                             "rm -f /opt/out/.runtime/gpt-1/stopped /opt/out/gpt-1/.console/node-2.log && "
+                             "rm -f /opt/out/gpt-1/.console/node-2.log && "
                              "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
     assert script.endswith(" >/dev/null")
     assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
@@ -170,7 +170,7 @@ def test_follow_finish_and_remainder_commands():
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
         f"if [ -f {f} ]; then tail -n 1000 {f}; "
         "elif [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1; fi")
-    assert plan.remainder_logs_script(INV, SPEC, 1, 2345) == (
+    assert plan.remainder_logs_script(INV, SPEC, 1, 2346) == (
         f"if [ -f {f} ]; then tail -c +2346 {f}; else docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; fi")
 
 
@@ -216,13 +216,13 @@ def test_remainder_script_sends_exactly_the_rest(tmp_path):
     full = "".join(f"line {i}\n" for i in range(1000))
     (tmp_path / "full").write_text(full)
     env = fake_docker(tmp_path, f"cat {tmp_path}/full\n")  # no console file: Docker's log
-    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2345)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
                        env=env)
     assert full[:2345] + r.stdout == full
     f = Path(plan.console_file(inv, SPEC, 1))
     f.parent.mkdir(parents=True)
     f.write_text(full)
-    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2345)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
                        env=fake_docker(tmp_path, "echo wrong\n"))
     assert full[:2345] + r.stdout == full
 

@@ -1,0 +1,266 @@
+"""One attempt of a job as a frozen plan: the hosts with their ranks, the master port, the
+snapshot to place, and every command per host in order, from the sync to the teardown.
+
+`fab train --dry-run` prints `render()` of this object, `runs/JOB/plan.txt` holds the same text
+for every attempt, and the job's stages execute its steps and nothing else (a unit test runs a
+whole job against a recording session and compares). The few facts a plan depends on (how a GPU
+host hands out its GPUs, which master port is free, where the newest snapshot is) are read from
+the hosts first, read-only, and shown in the rendering with the commands that read them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import plan
+from .errors import UserError
+from .inventory import Host, Inventory
+from .remote import put_command
+
+# Deadlines of the remote steps, seconds. A host that passes one is named as stuck; the other
+# hosts are still served.
+STATUS_TIMEOUT = 10
+START_TIMEOUT = 120   # docker run: may create the output directory and start a large image
+STOP_MARGIN = 15      # beyond the stop grace period
+COPY_TIMEOUT = 600    # one rsync (code, a snapshot, the outputs); rsync's own I/O timeout is shorter
+PORT_RANGE = 100      # master ports tried above job.master_port
+
+# Where a step runs when it is not on a host: this machine (rsync to or from a host).
+LOCAL = "local"
+
+# When a step runs; ALWAYS steps run in every attempt that gets that far, in order.
+ALWAYS = ""
+ON_FAILURE = "when a node fails or a host is lost: the other hosts"
+ON_INTERRUPT = "on Ctrl+C, SIGTERM or fab stop: every host"
+ON_MISSED = "when the follow missed output (OFFSET: the bytes it received + 1)"
+ON_SILENT = "when a node shows no progress for a while: its heartbeat file's age"
+ON_HANG = "when the hang watchdog fires: every rank's stacks"
+ON_SNAPSHOT = "every 0.5 s on rank 0's host, and when a new snapshot appears"
+ON_FAILED = "after a failed attempt, and between attempts: did fab stop end it? (every host used)"
+ON_LEASE = "every 5 s while fab train looks after the job: its hosts"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command: on a host (a remote command string, quoted once) or on this machine (an argv)."""
+
+    where: str                       # a host name, or LOCAL
+    key: str                         # what it is for: sync, secrets, start, follow, stop, ...
+    command: str                     # the exact remote command, or the local argv quoted for reading
+    timeout: float | None
+    when: str = ALWAYS
+    argv: tuple[str, ...] = ()       # a local step's argv, run as is
+    stdin: bytes | None = field(default=None, repr=False, compare=False)
+    stdin_note: str = ""             # what stdin holds, as rendered (secret values never shown)
+    what: str = ""                   # for error messages
+    host: str = ""                   # a local step's peer host
+
+    def render(self, rank: int | None = None) -> str:
+        where = f"[{self.where}" + (f" rank {rank}" if rank is not None else "") + "]"
+        note = f"  # stdin: {self.stdin_note}" if self.stdin_note else ""
+        return f"{where} {self.command}{note}"
+
+
+@dataclass(frozen=True)
+class Fact:
+    """Something the plan was built from, read on a host, with the command that read it."""
+
+    where: str
+    command: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    job_id: str
+    number: int
+    hosts: tuple[Host, ...]
+    port: int
+    snapshot: str | None             # placed on every host before the start
+    spec: plan.JobSpec               # with this attempt's variables
+    inv: Inventory = field(repr=False, compare=False)  # hosts and the chosen port, for this attempt
+    facts: tuple[Fact, ...] = ()
+    steps: tuple[Step, ...] = ()
+    grace: float = 30.0
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    def step(self, where: str, key: str) -> Step:
+        return next(s for s in self.steps if s.where == where and s.key == key)
+
+    def select(self, key: str, when: str = ALWAYS, where: str | None = None) -> list[Step]:
+        return [s for s in self.steps if s.key == key and s.when == when and (where is None or s.where == where)]
+
+    def host(self, name: str) -> Host:
+        return next(h for h in self.hosts if h.name == name)
+
+    def render(self) -> str:
+        """Every command, per host, in order; conditional ones under the condition that runs them."""
+        ranks = {h.name: h.rank for h in self.hosts}
+        lines = [f"# ---- job {self.job_id} attempt {self.number}: "
+                 + ", ".join(f"{h.name}=rank {h.rank}" for h in self.hosts)
+                 + f"; master {self.master.hostname}:{self.port}"
+                 + (f"; from snapshot {self.snapshot}" if self.snapshot else "")]
+        if self.facts:
+            lines.append("# built from (read-only, on the hosts):")
+            lines += [f"#   [{f.where}] {f.command}  -> {f.answer}" for f in self.facts]
+        stage = None
+        for s in (s for s in self.steps if s.when == ALWAYS):
+            if STAGE_OF[s.key] != stage:
+                stage = STAGE_OF[s.key]
+                lines.append(f"## {stage}")
+                if stage == "sync + preflight":
+                    lines.append("# preflight: read-only checks on every host at once (fab preflight), "
+                                 "beside the sync")
+            lines.append(s.render(ranks.get(s.where)))
+        for when in (ON_LEASE, ON_SNAPSHOT, ON_SILENT, ON_HANG, ON_MISSED, ON_FAILURE, ON_INTERRUPT, ON_FAILED):
+            steps = [s for s in self.steps if s.when == when]
+            if steps:
+                lines.append(f"## {when}:")
+                lines += [s.render(ranks.get(s.where)) for s in steps]
+        return "\n".join(lines)
+
+
+# The stage each unconditional step belongs to, in the order they run.
+STAGE_OF = {"claim": "claim (fab stop finds the job from here on)", "sync": "sync + preflight", "place": "snapshot", "secrets": "start", "start": "start",
+            "follow": "watch", "finish": "watch", "stopped": "decide", "stop-check": "sync + preflight",
+            "stop": "teardown", "fetch": "finish (at the job's end, on every host it used)",
+            "cleanup": "finish (at the job's end, on every host it used)",
+            "snapshot-list": "watch", "snapshot-fetch": "watch", "progress": "watch", "stacks": "watch",
+            "remainder": "watch", "stop-on-failure": "teardown", "stop-on-interrupt": "teardown", "lease": "watch"}
+
+
+def secrets_body(inv: Inventory) -> bytes:
+    """The secrets file's content (NAME=value lines) from job.secret_files, read on this machine."""
+    body = []
+    for name, path in inv.job.secret_files:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise UserError(f"{inv.path}: job.secret_files.{name}: cannot read {path}: {exc.strerror}") from None
+        if "\n" in value:
+            raise UserError(f"{inv.path}: job.secret_files.{name}: {path} holds several lines; "
+                            "a secret must be one line")
+        body.append(f"{name}={value}\n")
+    return "".join(body).encode()
+
+
+def local_step(host: Host, key: str, argv: list[str], when: str = ALWAYS, what: str = "") -> Step:
+    return Step(LOCAL, key, plan.shell(argv), COPY_TIMEOUT, when, tuple(argv), what=what or key, host=host.name)
+
+
+def remote_step(host: Host, key: str, command: str, timeout: float | None, when: str = ALWAYS,
+                what: str = "", stdin: bytes | None = None, stdin_note: str = "") -> Step:
+    return Step(host.name, key, command, timeout, when, stdin=stdin, stdin_note=stdin_note, what=what or key)
+
+
+def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: str | None = None,
+          snapshot_missing: tuple[str, ...] = (), access: dict[str, plan.GpuAccess | None] | None = None,
+          facts: tuple[Fact, ...] = (), sync: bool = True, keep: int = 2, first: bool = True,
+          run_dir: str | None = None) -> AttemptPlan:
+    """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
+    runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
+    host hands out GPUs (None: NVIDIA's runtime hook assumed)."""
+    access = access or {}
+    job = replace(inv.job, master_port=port)
+    inv = replace(inv, job=job)
+    spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
+                                                ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))))
+    hosts = inv.hosts
+    steps = [remote_step(h, "claim", plan.claim_script(inv, spec.job_id, first), STATUS_TIMEOUT,
+                         what="claiming the job's runtime directory") for h in hosts]
+    if sync:
+        steps += [local_step(h, "sync", plan.rsync_argv(h, spec.code, job.code_dir), what="syncing the code")
+                  for h in hosts]
+    # After the gate: `fab stop` during the preflight ends the job before anything starts.
+    steps += [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
+                          what="checking for fab stop") for h in hosts]
+    run_dir = run_dir or f"runs/{spec.job_id}"
+    run_dir_snaps = f"{run_dir}/snapshots"
+    snaps = f"{job.output_dir}/{spec.job_id}/snapshots"
+    if snapshot:
+        steps += [local_step(h, "place", plan.push_file_argv(h, f"{run_dir_snaps}/{snapshot}", f"{snaps}/{snapshot}"),
+                             what="placing the snapshot") for h in hosts if h.name in snapshot_missing]
+    secrets = secrets_body(inv) if job.secret_files else None
+    for h in hosts:
+        if secrets is not None:
+            steps.append(remote_step(h, "secrets", put_command(plan.secrets_file(inv, spec), 0o600), 30,
+                                     what="writing the secrets file", stdin=secrets,
+                                     stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
+        steps.append(remote_step(h, "start", plan.start_script(inv, h, spec, access.get(h.name)), START_TIMEOUT,
+                                 what="docker run", stdin=plan.ENTRYPOINT_SOURCE.read_bytes(),
+                                 stdin_note=str(plan.ENTRYPOINT_SOURCE.relative_to(plan.PROJECT_ROOT))))
+    for h in hosts:
+        steps.append(remote_step(h, "follow", plan.follow_logs_script(inv, spec, h.rank), None,
+                                 what="following the node's output"))
+        steps.append(remote_step(h, "finish", plan.finish_logs_script(inv, spec, h.rank), STATUS_TIMEOUT + 20,
+                                 what="reading the node's exit"))
+    steps += [remote_step(h, "stop", plan.stop_script(spec.job_id, 0), STOP_MARGIN, what="removing containers")
+              for h in hosts]
+    steps += end_steps(inv, spec, hosts, run_dir)
+    # Conditional steps: which run depends on what happens.
+    steps += [remote_step(h, "lease", plan.shell(["touch", f"{plan.runtime_dir(inv, spec)}/{plan.LEASE}"]),
+                          STATUS_TIMEOUT, ON_LEASE, what="touching the job's lease") for h in hosts]
+    m = inv.master
+    steps.append(remote_step(m, "snapshot-list", plan.shell(["ls", "-1", snaps]) + " 2>/dev/null; true",
+                             STATUS_TIMEOUT, ON_SNAPSHOT, what="listing snapshots"))
+    steps.append(local_step(m, "snapshot-fetch", plan.fetch_file_argv(m, f"{snaps}/NAME", f"{run_dir_snaps}/NAME"),
+                            ON_SNAPSHOT, what="copying a snapshot"))
+    for h in hosts:
+        steps.append(remote_step(h, "progress", plan.progress_script(inv, spec, h.rank), STATUS_TIMEOUT, ON_SILENT,
+                                 what="reading the heartbeat"))
+    for h in hosts:
+        steps.append(remote_step(h, "stacks", plan.shell(plan.stacks_argv(spec, h.rank)), STACKS_TIMEOUT, ON_HANG,
+                                 what="reading stacks"))
+    for h in hosts:
+        steps.append(remote_step(h, "remainder", plan.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
+                                 STATUS_TIMEOUT + 20, ON_MISSED, what="reading the rest of the output"))
+    steps += [remote_step(h, "stopped", stopped_command(inv, spec.job_id), STATUS_TIMEOUT, ON_FAILED,
+                          what="checking for fab stop") for h in hosts]
+    for h in hosts:
+        steps.append(remote_step(h, "stop-on-failure", plan.stop_script(spec.job_id, 0), STOP_MARGIN, ON_FAILURE,
+                                 what="stopping containers"))
+    for h in hosts:
+        steps.append(remote_step(h, "stop-on-interrupt", plan.stop_script(spec.job_id, job.stop_grace),
+                                 job.stop_grace + STOP_MARGIN, ON_INTERRUPT, what="stopping containers"))
+    return AttemptPlan(spec.job_id, number, hosts, port, snapshot, spec, inv, facts, tuple(steps), job.stop_grace)
+
+
+STACKS_TIMEOUT = 15
+
+
+def end_steps(inv: Inventory, spec: plan.JobSpec, hosts: tuple[Host, ...], run_dir: str) -> list[Step]:
+    """At the job's end, on every host it used: its outputs fetched, then its runtime files
+    (entrypoint, secrets, lease) removed."""
+    steps = [local_step(h, "fetch", plan.fetch_argv(h, f"{inv.job.output_dir}/{spec.job_id}",
+                                                    f"{run_dir}/outputs/{h.name}"), what="fetching outputs")
+             for h in hosts]
+    return steps + [remote_step(h, "cleanup", plan.shell(plan.cleanup_argv(inv, spec)), STATUS_TIMEOUT,
+                                what="removing the job's runtime files") for h in hosts]
+
+
+def stopped_command(inv: Inventory, job_id: str) -> str:
+    """Succeeds when `fab stop` left its marker (hostops.mark_stopped) for the job on a host."""
+    return plan.shell(["test", "-e", plan.stopped_marker(inv, job_id)])
+
+
+# ---------------------------------------------------------------- facts read before a plan
+
+def port_command() -> str:
+    """The TCP ports listening on a host (numbers only, one per line)."""
+    return plan.shell(["ss", "-Htln"])
+
+
+def free_port(listening: str, base: int, taken: set[int] = frozenset()) -> int | None:
+    """The first port from `base` (within PORT_RANGE) that nothing listens on (`ss -Htln` output)
+    and no other job of ours was given."""
+    busy = set(taken)
+    for line in listening.splitlines():
+        fields = line.split()
+        if len(fields) >= 4:
+            port = fields[3].rsplit(":", 1)[-1]
+            if port.isdigit():
+                busy.add(int(port))
+    return next((p for p in range(base, min(base + PORT_RANGE, 65536)) if p not in busy), None)

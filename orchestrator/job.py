@@ -1,0 +1,514 @@
+"""The life of a job, in named stages (see `Stage` and `run`): one object owns it from the first
+plan to the last clean-up, and reports what happens as events (events.py); it never prints.
+
+Each attempt is a frozen plan (attempt.py) built from read-only facts about the hosts; the stages
+run that plan's steps, so `--dry-run` and runs/JOB/plan.txt show exactly what runs. After an
+attempt, policy.decide says whether another follows and on which hosts.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import attempt as attempt_mod
+from . import hostops, plan, preflight, snapshots
+from .attempt import ALWAYS, ON_FAILURE, ON_INTERRUPT, AttemptPlan, Fact, Step
+from .errors import UserError
+from .events import Reporter, Terminal
+from .inventory import Host, Inventory
+from .logs import sanitize
+from .policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
+from .recovery import Attempt, JobRecord
+from .remote import Session, describe
+from .watch import NodeEnd, Watched, Watcher, watch, worker_failure
+
+STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
+
+
+class Stage(str, enum.Enum):
+    """A job's stages, in order; an attempt walks PLAN to DECIDE, the job ends with FINISH."""
+
+    PLAN = "plan"                 # read the facts (GPU access, free port, newest snapshot); freeze the plan
+    CLAIM = "claim"               # the job's runtime directory on its hosts: `fab stop` finds it from here on
+    GATE = "sync+preflight"       # code synced and every check run, at once; nothing starts if one fails
+    SNAPSHOT = "snapshot"         # the newest snapshot placed on every host that lacks it
+    START = "start"               # the secrets file, then docker run, on every host at once
+    WATCH = "watch"               # output followed until every node ends; first failure stops the rest
+    TEARDOWN = "teardown"         # the attempt's containers removed
+    DECIDE = "decide"             # policy.decide: another attempt (which hosts), or the end
+    FINISH = "finish"             # outputs fetched, runtime files removed, the record closed
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    run_dir: Path
+    state: str = "running"        # finished, failed, stopped, interrupted
+    attempts: int = 0
+    reason: str = ""              # why the job ended (policy.decide), when it did not finish
+    watched: Watched | None = None  # the last attempt's
+    failures: list[str] = field(default_factory=list)  # every failed attempt, one line each
+    interrupted: int | None = None
+    lost: list[str] = field(default_factory=list)
+    stuck_engines: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "finished"
+
+
+class Interrupted(KeyboardInterrupt):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def run(job: "Job") -> JobResult:
+    """The life of a job: PLAN -> CLAIM -> GATE -> SNAPSHOT -> START -> WATCH -> TEARDOWN -> DECIDE,
+    again from PLAN while the policy allows, then FINISH."""
+    with job.open():
+        try:
+            while True:
+                attempt = job.plan()
+                outcome = job.run_attempt(attempt)
+                decision = job.decide(attempt, outcome)
+                if decision.roster is None or not job.next_attempt(decision):
+                    break
+        finally:
+            result = job.finish()
+    return result
+
+
+class Job:
+    """One job's state across its attempts, and one method per stage."""
+
+    def __init__(self, inv: Inventory, spec: plan.JobSpec, policy: Policy, run_root: Path, reporter: Reporter,
+                 session: Session | None = None, record: JobRecord | None = None, checks: bool = True,
+                 smoke: bool = False, watch_options: dict | None = None) -> None:
+        self.inv, self.policy, self.reporter = inv, policy, reporter
+        self.run_dir = run_root / spec.job_id
+        self.resuming = record is not None and bool(record.attempts)
+        if record is None:
+            spec = replace(spec, env=(*spec.env, ("FABTRAIN_TARGET_NODES", str(len(inv.hosts)))))
+            record = JobRecord.new(spec, inv, policy.restarts, policy.min_nodes, policy.hang_timeout)
+        self.spec, self.record = spec, record
+        self.session = session
+        self.checks, self.smoke = checks, smoke
+        self.watch_options = watch_options or {}
+        self.roster = Roster(inv.hosts, inv.spares)
+        self.target_nodes = int(dict(spec.env).get("FABTRAIN_TARGET_NODES", len(inv.hosts)))
+        self.used: dict[str, Host] = {}
+        self.lost: dict[str, Host] = {}
+        self.stuck: dict[str, Host] = {}
+        self.result = JobResult(spec.job_id, self.run_dir)
+        self.last: AttemptPlan | None = None
+        self.snaps: snapshots.Snapshots | None = None
+        self.leasing = threading.Event()
+        self.pause = 0.0
+
+    # ------------------------------------------------------------ around the stages
+
+    def emit(self, event: str, **fields) -> None:
+        self.reporter.emit(event, job=self.spec.job_id, **fields)
+
+    def note(self, text: str, level: str = "info") -> None:
+        self.emit("note", level=level, text=text)
+
+    def stage(self, stage: Stage, number: int | None = None) -> None:
+        self.emit("stage", attempt=number, stage=stage.value)
+
+    @contextlib.contextmanager
+    def open(self):
+        """The session, the run directory, signal handlers, and the lease kept while the job lives."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.snaps = snapshots.Snapshots(self.run_dir, self.inv, self.spec, keep=self.inv.job.keep_snapshots,
+                                         report=lambda line: self.note(line, "warning"))
+        own = self.session is None
+        if own:
+            self.session = Session(self.inv.all_hosts)
+        install_signal_handlers()
+        lease = threading.Thread(target=self.keep_lease, daemon=True, name="lease")
+        lease.start()
+        try:
+            yield
+        finally:
+            self.leasing.set()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if own:
+                self.session.close()
+
+    def keep_lease(self) -> None:
+        """Touch the job's lease on its hosts every plan.LEASE_EVERY s (hostops: left-over runtime
+        directories are those whose lease went stale)."""
+        while not self.leasing.wait(plan.LEASE_EVERY):
+            a = self.last
+            if a is not None:
+                self.run_steps(a, [s for s in a.steps if s.key == "lease" and s.where not in self.lost])
+
+    def answering(self, hosts) -> tuple[Host, ...]:
+        return tuple(h for h in hosts if h.name not in self.lost)
+
+    def run_steps(self, a: AttemptPlan, steps: list[Step]):
+        """Run steps on their hosts at once (several on one host in order): host -> last Result or error."""
+        by_host: dict[str, list[Step]] = {}
+        for s in steps:
+            by_host.setdefault(s.host or s.where, []).append(s)
+        hosts = {h.name: h for h in (*a.hosts, *self.used.values())}
+
+        def one(h: Host):
+            r = None
+            for s in by_host[h.name]:
+                r = (self.session.local(list(s.argv), s.timeout) if s.where == attempt_mod.LOCAL else
+                     self.session.run(h, s.command, timeout=s.timeout, stdin=s.stdin, what=s.what))
+                if not r.ok:
+                    raise UserError(f"{h.name}: {s.what} failed (exit {r.exited}): {sanitize(r.stderr.strip()[-300:])}")
+            return r
+        return self.session.fan_out(one, tuple(hosts[n] for n in by_host))
+
+    def stopped(self, hosts: tuple[Host, ...]) -> bool:
+        """Whether `fab stop` left its marker on any of these hosts (never asking a lost one)."""
+        command = attempt_mod.stopped_command(self.inv, self.spec.job_id)
+        got = self.session.fan_out(lambda h: self.session.run(h, command, timeout=attempt_mod.STATUS_TIMEOUT,
+                                                              what="checking for fab stop"), self.answering(hosts))
+        return any(r.ok for r in got.values_ok())
+
+    # ------------------------------------------------------------ the stages
+
+    def plan(self, dry: bool = False) -> AttemptPlan:
+        """PLAN: the facts the attempt depends on, read-only, then the frozen plan."""
+        number = len(self.record.attempts) + 1
+        self.stage(Stage.PLAN, number)
+        inv = replace(self.inv, hosts=self.roster.hosts)
+        facts: list[Fact] = []
+        access = {}
+        for h in inv.hosts:
+            if plan.gpu_probe_argv(h):
+                try:
+                    access[h.name] = preflight.gpu_access(self.session, h)
+                    facts.append(Fact(h.name, plan.shell(plan.gpu_probe_argv(h)), str(access[h.name])))
+                except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
+                    facts.append(Fact(h.name, plan.shell(plan.gpu_probe_argv(h)), f"no answer ({describe(h, exc)}); "
+                                      "assumed NVIDIA's runtime hook"))
+        port = self.free_port(inv, facts)
+        snapshot, missing = None, ()
+        if number > 1 or self.resuming:
+            snapshot, missing = self.find_snapshot(inv, facts, fetch=not dry)
+        a = attempt_mod.build(inv, self.spec, number, port, snapshot, missing, access, tuple(facts),
+                              keep=self.inv.job.keep_snapshots, first=self.last is None, run_dir=str(self.run_dir))
+        self.last = a
+        return a
+
+    def free_port(self, inv: Inventory, facts: list[Fact]) -> int:
+        base = inv.job.master_port
+        taken = {self.last.port} if self.last else set()
+        try:
+            r = self.session.run(inv.master, attempt_mod.port_command(), timeout=attempt_mod.STATUS_TIMEOUT,
+                                 what="listing ports")
+            port = attempt_mod.free_port(r.stdout, base, taken) if r.ok else None
+            answer = f"{port} free" if port else f"no free port in {base}..{base + attempt_mod.PORT_RANGE - 1}"
+        except Exception as exc:  # noqa: BLE001 - preflight names the host; the plan says it was not checked
+            port, answer = None, f"no answer ({describe(inv.master, exc)}); not checked"
+        facts.append(Fact(inv.master.name, attempt_mod.port_command(), answer))
+        if port is None:
+            port = next(p for p in range(base, base + attempt_mod.PORT_RANGE) if p not in taken)
+        return port
+
+    def find_snapshot(self, inv: Inventory, facts: list[Fact], fetch: bool) -> tuple[str | None, tuple[str, ...]]:
+        """The newest complete snapshot on this machine or any host answering (the attempt's and
+        every earlier one's), copied here; and the attempt's hosts that lack it."""
+        asked = {h.name: h for h in self.answering((*inv.hosts, *self.used.values()))}
+        found = self.session.fan_out(lambda h: snapshots.remote_newest(self.session, h, inv, self.spec),
+                                     tuple(asked.values()))
+        for name in asked:
+            facts.append(Fact(name, snapshots.list_command(inv, self.spec), str(found.value(name) or "none")))
+        remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
+        if remote and fetch:
+            self.snaps.fetch(self.session, asked[remote[1]], remote[0])
+        best = self.snaps.local_newest() if fetch else max(filter(None, [self.snaps.local_newest(),
+                                                                           remote[0] if remote else None]), default=None)
+        if best is None:
+            return None, ()
+        return best, tuple(h.name for h in inv.hosts if found.value(h.name) != best)
+
+    def run_attempt(self, a: AttemptPlan) -> Outcome:
+        """CLAIM, GATE, SNAPSHOT, START, WATCH, TEARDOWN: how the attempt ended."""
+        self.record.attempts.append(Attempt(a.number, [h.name for h in a.hosts], time.time(),
+                                            resumed_from=a.snapshot))
+        self.record.state = "running"
+        self.record.save(self.run_dir)
+        with (self.run_dir / "plan.txt").open("a") as fh:
+            fh.write(a.render() + "\n")
+        self.used.update({h.name: h for h in a.hosts})
+        try:
+            outcome = self.prepare(a) or self.start(a) or self.watch(a)
+        except KeyboardInterrupt as exc:  # Ctrl+C or SIGTERM outside the watch
+            outcome = Outcome(interrupted=getattr(exc, "signum", signal.SIGINT))
+            self.run_steps(a, [s for s in a.steps if s.when == ON_INTERRUPT and s.where not in self.lost])
+        finally:  # whatever happened, no container of the attempt is left (lost hosts aside)
+            self.stage(Stage.TEARDOWN, a.number)
+            self.run_steps(a, [s for s in a.select("stop") if s.where not in self.lost | self.stuck.keys()])
+        return outcome
+
+    def prepare(self, a: AttemptPlan) -> Outcome | None:
+        """CLAIM, GATE and SNAPSHOT; an outcome when the attempt cannot start."""
+        self.stage(Stage.CLAIM, a.number)
+        claimed = self.run_steps(a, a.select("claim"))
+        if claimed.errors():
+            return self.failed_to_start(a, claimed)
+        self.emit("attempt", attempt=a.number, hosts={h.name: h.rank for h in a.hosts}, port=a.port,
+                  snapshot=a.snapshot, run_dir=str(self.run_dir))
+        self.stage(Stage.GATE, a.number)
+        bad = self.gate(a)
+        if bad:
+            return Outcome(tuple(HostFailure(n, Failure.PREFLIGHT, why) for n, why in bad.items()))
+        if self.stopped(a.hosts):
+            return Outcome(stopped=True)
+        if a.snapshot:
+            self.stage(Stage.SNAPSHOT, a.number)
+            placed = self.snaps.place(self.session, a.select("place"), a)
+            if placed.errors():
+                return self.failed_to_start(a, placed)
+        return None
+
+    def gate(self, a: AttemptPlan) -> dict[str, str]:
+        """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
+        failure ends the job with the preflight's table (nothing was started)."""
+        syncs = a.select("sync")
+        if not (self.checks or a.number > 1 or self.resuming):
+            synced = self.run_steps(a, syncs)
+            return {n: str(e) for n, e in synced.errors().items()}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            synced = pool.submit(self.run_steps, a, syncs)
+            checks = preflight.run(self.session, a.inv, image=a.spec.image, code=False)
+            synced = synced.result()
+        bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks)}
+        bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
+        if bad and a.number == 1 and not self.resuming:
+            raise PreflightFailed(checks, sorted(bad, key=[h.name for h in a.hosts].index))
+        if not bad and self.smoke and a.number == 1:
+            smoke = preflight.smoke_test(self.session, a.inv, a.spec.image, checks, run_quiet)
+            if preflight.failed(smoke):
+                raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
+        if not bad:
+            self.note(f"synced code to {len(syncs)} host(s) in {max((r.seconds for r in synced.values_ok()), default=0):.1f}s; "
+                      "preflight ok")
+        return bad
+
+    def start(self, a: AttemptPlan) -> Outcome | None:
+        """START: the secrets file and docker run on every host at once, rank 0's issued first.
+        Nothing waits for rank 0: torchrun's workers retry the rendezvous until it listens."""
+        self.stage(Stage.START, a.number)
+        started = self.run_steps(a, [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS])
+        return self.failed_to_start(a, started) if started.errors() else None
+
+    def failed_to_start(self, a: AttemptPlan, results) -> Outcome:
+        failures = []
+        for name, exc in results.errors().items():
+            h = a.host(name) if name in {x.name for x in a.hosts} else self.used[name]
+            lost = not isinstance(exc, UserError)
+            if lost:
+                self.lost[name] = h
+            failures.append(HostFailure(name, Failure.LOST if lost else Failure.START, describe(h, exc)))
+            self.emit("host_failed", attempt=a.number, host=name, kind=failures[-1].kind.value,
+                      detail=failures[-1].detail)
+        others = [s for s in a.steps if s.when == ON_FAILURE and s.where not in results.errors()]
+        self.run_steps(a, others)
+        return Outcome(tuple(failures))
+
+    def watch(self, a: AttemptPlan) -> Outcome:
+        """WATCH: follow every node (watch.py) while snapshots are copied off rank 0's host."""
+        self.stage(Stage.WATCH, a.number)
+        copying = threading.Event()
+        self.snaps.follow(self.session, a.master, copying)
+        try:
+            w = watch(self.session, a, self.run_dir, self.reporter, hang_timeout=self.policy.hang_timeout,
+                      **self.watch_options)
+        finally:
+            copying.set()
+        self.result.watched = w
+        for e in w.failures:
+            if e.failure is Failure.LOST:
+                self.lost[e.host.name] = e.host
+        for name in w.stuck_engines:
+            self.stuck[name] = a.host(name)
+        if w.interrupted is not None:
+            return Outcome(interrupted=w.interrupted)
+        return Outcome(tuple(e.failure_line() for e in w.failures))
+
+    def decide(self, a: AttemptPlan, outcome: Outcome) -> Decision:
+        """DECIDE: record the attempt, ask the policy (a failure may have been `fab stop`)."""
+        self.stage(Stage.DECIDE, a.number)
+        if outcome.failures and not outcome.stopped and self.stopped(tuple(self.used.values())):
+            outcome = replace(outcome, stopped=True)
+        line = "ok" if outcome.ok else (
+            f"interrupted ({signal.Signals(outcome.interrupted).name})" if outcome.interrupted is not None
+            else "; ".join(f.line() for f in outcome.failures) or "ended by 'fab stop'")
+        rec = self.record.attempts[-1]
+        rec.ended, rec.outcome = time.time(), line
+        self.record.save(self.run_dir)
+        self.emit("attempt_end", attempt=a.number, ok=outcome.ok, outcome=line)
+        if not outcome.ok and outcome.interrupted is None:
+            self.result.failures.append(f"attempt {a.number} on {', '.join(h.name for h in a.hosts)}: {line}")
+        d = decide(outcome, self.policy, self.roster, self.target_nodes)
+        self.result.interrupted = outcome.interrupted
+        self.result.reason = d.reason
+        self.result.state = ("finished" if outcome.ok else "interrupted" if outcome.interrupted is not None
+                             else "stopped" if outcome.stopped else "failed")
+        if d.roster is not None:
+            for n in d.notes:
+                self.note(n, "warning")
+            pause = backoff(a.number + 1) if d.restart else 0
+            self.emit("decision", attempt=a.number, next=True, notes=list(d.notes),
+                      reason=(f"attempt {a.number} failed ({line}); restart {d.roster.restarts_used} of "
+                              f"{self.policy.restarts} in {pause:g}s") if d.restart
+                      else f"attempt {a.number}: {line}; trying again with other hosts")
+            self.pause = pause
+        else:
+            self.emit("decision", attempt=a.number, next=False, reason=d.reason, notes=list(d.notes))
+        return d
+
+    def next_attempt(self, d: Decision) -> bool:
+        """Between attempts: the new roster, after a pause; False when `fab stop` came meanwhile."""
+        self.roster = d.roster
+        deadline = time.monotonic() + self.pause
+        while True:
+            if self.stopped(tuple(self.used.values())):
+                self.result.state, self.result.reason = "stopped", "ended by 'fab stop' between attempts"
+                self.emit("decision", next=False, reason=self.result.reason, notes=[])
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(min(STOP_POLL, max(0.0, deadline - time.monotonic())))
+
+    def finish(self) -> JobResult:
+        """FINISH: outputs fetched from every host used and still answering, runtime files removed."""
+        self.stage(Stage.FINISH)
+        a = self.last
+        if self.result.state == "running":  # an error ended the job before its attempt was judged
+            self.result.state = "failed"
+        self.record.state = self.result.state
+        self.record.save(self.run_dir)
+        reachable = tuple(h for h in self.used.values() if h.name not in self.lost)
+        if a is not None and reachable:
+            ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir))
+            for h in reachable:
+                (self.run_dir / "outputs" / h.name).mkdir(parents=True, exist_ok=True)
+            fetched = self.run_steps(a, [s for s in ends if s.key == "fetch"])
+            for name, exc in fetched.errors().items():
+                self.note(f"could not fetch outputs from {name}: {exc}", "warning")
+            self.run_steps(a, [s for s in ends if s.key == "cleanup"])
+        if self.lost:
+            self.note(f"lost during the job: {', '.join(self.lost)}; its container and runtime files may still "
+                      "exist: 'fab stop' removes them once it answers again", "warning")
+        if self.stuck:
+            self.note(f"Docker engine stuck on {', '.join(self.stuck)}: its container may still exist; run "
+                      "'fab stop' once the engine answers", "warning")
+        self.result.attempts = len(self.record.attempts)
+        self.result.lost, self.result.stuck_engines = list(self.lost), list(self.stuck)
+        self.emit("finished", state=self.result.state, attempts=self.result.attempts, run_dir=str(self.run_dir))
+        return self.result
+
+
+class PreflightFailed(UserError):
+    """The first attempt's gate failed: nothing was started."""
+
+    def __init__(self, checks, hosts: list[str], text: str = "") -> None:
+        super().__init__(text or f"preflight failed on {', '.join(hosts)}; nothing was started. Fix the checks "
+                         "above, then run the command again")
+        self.checks = checks
+
+
+def install_signal_handlers() -> None:
+    """SIGINT and SIGTERM both interrupt the job, which then stops its containers with their grace."""
+    def handler(signum, frame):  # noqa: ANN001
+        raise Interrupted(signum)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_quiet(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path) -> Watched:
+    """A short job, start to clean up, with no events and no copies (the preflight's smoke test)."""
+    a = attempt_mod.build(inv, spec, 1, inv.job.master_port, sync=False)
+    job = Job(inv, spec, Policy(hang_timeout=0), run_dir.parent, Reporter(), session=session)
+    job.last = a
+    try:
+        if job.run_steps(a, a.select("claim") + [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]).errors():
+            return Watched(failures=[NodeEnd(h, failure=Failure.START, detail="failed to start") for h in a.hosts])
+        return watch(session, a, run_dir, echo=False)
+    finally:
+        job.run_steps(a, a.select("stop") + a.select("cleanup"))
+
+
+# ---------------------------------------------------------------- around a job
+
+def dry_run(job: Job) -> str:
+    """The next attempt's plan, as `run` would execute it: the facts read from the hosts
+    (read-only; a host that does not answer is shown so), nothing started or copied."""
+    if job.session is not None:
+        return job.plan(dry=True).render()
+    with Session(job.inv.all_hosts) as session:
+        job.session = session
+        return job.plan(dry=True).render()
+
+
+def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console,
+           live: bool = True) -> JobResult:
+    """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches."""
+    jobs = hostops.running_jobs(hostops.survey(session, inv))
+    if job_id is None:
+        if not jobs:
+            raise UserError("no job is running; 'fab status' lists stopped ones")
+        if len(jobs) > 1:
+            raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
+        job_id = next(iter(jobs))
+    if not plan.valid_job_id(job_id):
+        raise UserError(f"job id {sanitize(job_id)!r} is not a fabtrain job id; pass --job with the right id")
+    # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
+    ranks = jobs.get(job_id) or {h.name: h.rank for h in inv.hosts}
+    hosts = tuple(sorted((replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks),
+                         key=lambda h: h.rank))
+    quiet = replace(inv, hosts=hosts, job=replace(inv.job, secret_files=()))
+    a = attempt_mod.build(quiet, plan.JobSpec(job_id=job_id, script=""), 0, inv.job.master_port, sync=False)
+    run_dir = run_root / job_id / "attach"
+    w = Watcher(session, a, run_dir, Terminal(console), detach=True, console=console, live=live).run()
+    return JobResult(job_id, run_dir, "finished" if w.ok else "failed", 1, watched=w,
+                     failures=[f"{e.host.name}: {e.detail}" for e in w.failures])
+
+
+def explain(result: JobResult) -> UserError | None:
+    """The error a job that did not finish exits with: the host, its node rank and what it did,
+    the last lines of its log, and how to continue."""
+    if result.ok:
+        return None
+    w = result.watched
+    if result.interrupted is not None:
+        name = signal.Signals(result.interrupted).name
+        took = f" (teardown {w.teardown_seconds:.1f}s)" if w and w.teardown_seconds is not None else ""
+        return UserError(f"job {result.job_id} interrupted ({name}); every container was stopped{took}. Continue "
+                         f"it with: fab train --resume {result.job_id}. Logs: {result.run_dir}",
+                         exit_code=128 + int(result.interrupted))
+    blamed = w.failures[0] if w and w.failures else None
+    what = f"{blamed.host.name} (node rank {blamed.host.rank}) {blamed.detail}{worker_failure(blamed.tail)}" if blamed else ""
+    if result.state == "stopped":
+        head = f"job {result.job_id} was ended by 'fab stop'" + (f" ({what})." if what else ".")
+    else:
+        torn = (f"; the other nodes were stopped in {w.teardown_seconds:.1f}s"
+                if w and w.teardown_seconds is not None and blamed else "")
+        head = f"job {result.job_id} failed: {what or result.failures[-1] if result.failures else result.reason}{torn}."
+        if result.reason and result.reason not in head:
+            head += f"\n  the job ended: {result.reason}"
+    if len(result.failures) > 1:
+        head += (f"\n  every attempt failed ({result.attempts}):\n" + "\n".join("    " + sanitize(f) for f in result.failures))
+    tail = ""
+    if blamed:
+        tail = f"\n  last lines of {blamed.host.name}:\n" + "\n".join(
+            "    " + line for line in sanitize(blamed.tail).splitlines()[-20:])
+    return UserError(f"{head}{tail}\n  full logs: {result.run_dir}\n"
+                     f"  continue from the newest snapshot with: fab train --resume {result.job_id}")

@@ -1,0 +1,194 @@
+"""The job lifecycle against a recording stand-in for the SSH session: what runs is what the plan
+says, command for command; --dry-run, plan.txt and the executed commands are the same text.
+"""
+import json
+import shlex
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from orchestrator import attempt, job, plan
+from orchestrator.events import JsonLines, Reporter
+from orchestrator.inventory import parse
+from orchestrator.policy import Policy
+from orchestrator.remote import PerHost, Result
+
+SECRET = "s3cr3t-value-never-shown"
+
+
+def inventory(tmp_path: Path):
+    (tmp_path / "token").write_text(SECRET + "\n")
+    return parse(f"""\
+job: {{output_dir: /opt/out, code_dir: /opt/code, secret_files: {{API_TOKEN: {tmp_path}/token}}}}
+hosts:
+  - {{name: node1, address: 10.0.0.1, interface: eth0, gpus: {{vendor: nvidia, count: 2}}}}
+  - {{name: node2, address: 10.0.0.2, interface: eth0}}
+""", tmp_path / "inventory.yaml")
+
+
+class Recorder:
+    """Session's interface, answering from a script and recording every command: (peer host,
+    where it ran: the host or 'local', the command, what it read on stdin)."""
+
+    def __init__(self, hosts, exit_codes=None, listening="LISTEN 0 4096 *:29500 *:*\n"):
+        self.hosts = tuple(hosts)
+        self.calls: list[tuple[str, str, str, bytes | None]] = []
+        self.exit_codes = exit_codes or {}
+        self.listening = listening
+
+    def answer(self, host, command: str) -> Result:
+        if command == attempt.port_command():
+            return Result(self.listening, "", 0, 0.01)
+        if command.startswith("sh -c 'echo runtimes"):
+            return Result("runtimes {}\ncdi 2\n", "", 0, 0.01)  # CDI specs, no runtime hook
+        if command.startswith("code=$(docker wait"):
+            return Result(f"{self.exit_codes.get(host.name, 0)}\n", "", 0, 0.01)
+        if command.startswith("test -e"):
+            return Result("", "", 1, 0.01)  # no `fab stop` marker
+        return Result("", "", 0, 0.01)
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        assert timeout is not None, f"no deadline: {command}"
+        self.calls.append((host.name, host.name, command, stdin))
+        return self.answer(host, command)
+
+    def stream(self, host, command, on_data, chunk=1 << 16, timeout=None):
+        self.calls.append((host.name, host.name, command, None))
+        if "tail -c +1" in command:
+            code = self.exit_codes.get(host.name, 0)
+            on_data(f"[{host.name} rank0] epoch 0 | step 1 | loss 4.0\n[fabtrain] node exit code {code}\n".encode())
+        return 0
+
+    def local(self, argv, timeout):
+        peer = next(h.name for h in self.all_hosts if any(f"{h.ssh.hostname}:" in a for a in argv))
+        self.calls.append((peer, "local", shlex.join(argv), None))
+        return Result("", "", 0, 0.01)
+
+    def fan_out(self, fn, hosts=None):
+        out = PerHost()
+        for h in self.hosts if hosts is None else hosts:
+            try:
+                out[h.name] = fn(h)
+            except BaseException as exc:  # noqa: BLE001 - as Session.fan_out
+                out[h.name] = exc
+        return out
+
+    def alive_since(self, host):
+        return time.monotonic()
+
+    def close(self):
+        pass
+
+    @property
+    def all_hosts(self):
+        return self.hosts
+
+
+def new_job(tmp_path, rec, **kw):
+    inv = inventory(tmp_path)
+    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code=str(tmp_path))
+    return job.Job(inv, spec, Policy(hang_timeout=0), tmp_path / "runs", Reporter(), session=rec, checks=False,
+                   watch_options={"echo": False}, **kw)
+
+
+def expected(a: attempt.AttemptPlan) -> list[tuple[str, str, str]]:
+    return [(s.host or s.where, s.where, s.command) for s in a.steps if s.when == attempt.ALWAYS]
+
+
+def per_peer(calls, names):
+    return {n: [c[1:3] for c in calls if c[0] == n] for n in names}
+
+
+def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hosts = inventory(tmp_path).hosts
+    dry = new_job(tmp_path, Recorder(hosts))
+    text = job.dry_run(dry)
+    rec = Recorder(hosts)
+    j = new_job(tmp_path, rec)
+    result = job.run(j)
+    assert result.ok and result.state == "finished"
+    a = j.last
+    # --dry-run and plan.txt are the same text, and it is the plan the job ran.
+    assert text == a.render()
+    assert (tmp_path / "runs/gpt-1/plan.txt").read_text() == text + "\n"
+    ran = [c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 "))]  # periodic: lease, snapshot copies
+    facts = [(n, n, attempt.port_command()) for n in ["node1"]] + [("node1", "node1", plan.shell(plan.gpu_probe_argv(hosts[0])))]
+    want = expected(a)
+    got = [c[:3] for c in ran]
+    for n in ("node1", "node2"):
+        assert [c[1:] for c in got if c[0] == n and c[1:] not in [f[1:] for f in facts]] == \
+               [w[1:] for w in want if w[0] == n]
+    # The port was read and the next free one taken; the GPU flags came from the host's answer.
+    assert a.port == 29501 and "MASTER_PORT=29501" in a.step("node1", "start").command
+    assert "--device nvidia.com/gpu=all" in a.step("node1", "start").command
+    # The secret travels on stdin only, and is never in the rendering.
+    secret_writes = [c for c in rec.calls if c[3] and SECRET.encode() in c[3]]
+    assert len(secret_writes) == 2 and all(SECRET not in c[2] for c in rec.calls)
+    assert SECRET not in text and "API_TOKEN=<redacted>" in text
+
+
+def test_plan_lists_conditional_steps_under_their_condition(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a = job.Job(inventory(tmp_path), plan.JobSpec(job_id="j-1", script="x.py"), Policy(), tmp_path, Reporter(),
+                session=Recorder(inventory(tmp_path).hosts))
+    text = a.plan(dry=True).render()
+    for when in (attempt.ON_FAILURE, attempt.ON_INTERRUPT, attempt.ON_HANG, attempt.ON_MISSED, attempt.ON_FAILED):
+        assert f"## {when}:" in text
+    assert text.index("## claim") < text.index("## sync + preflight") < text.index("## start") < text.index("## watch")
+
+
+def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rec = Recorder(inventory(tmp_path).hosts, exit_codes={"node2": 3})
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+    j = new_job(tmp_path, rec)
+    j.reporter = JsonLines(Out())
+    result = job.run(j)
+    assert result.state == "failed" and result.reason == "no --restarts"
+    events = [json.loads(x) for x in lines]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "stage" and kinds[-1] == "finished"
+    failed = [e for e in events if e["event"] == "host_failed"]
+    assert failed and failed[0]["host"] == "node2" and failed[0]["kind"] == "exited"
+    err = str(job.explain(result))
+    assert "node2 (node rank 1) exited with code 3" in err and "--resume gpt-1" in err
+    # The failing attempt still ends with every container removed and the runtime files gone.
+    stops = [c for c in rec.calls if c[2] == plan.stop_script("gpt-1", 0)]
+    cleanups = [c for c in rec.calls if c[2].startswith("rm -rf /opt/out/.runtime/gpt-1")]
+    assert {c[0] for c in stops} >= {"node1", "node2"} and {c[0] for c in cleanups} == {"node1", "node2"}
+
+
+def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_port(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class FailFirstStart(Recorder):
+        starts = 0
+
+        def answer(self, host, command):
+            if "docker run" in command and host.name == "node2":
+                FailFirstStart.starts += 1
+                if FailFirstStart.starts == 1:
+                    return Result("", "docker: Error response from daemon: port is taken", 125, 0.01)
+            return super().answer(host, command)
+    rec = FailFirstStart(inventory(tmp_path).hosts)
+    j = new_job(tmp_path, rec)
+    j.policy = Policy(restarts=1, hang_timeout=0)
+    import orchestrator.job as jm
+    monkeypatch.setattr(jm, "backoff", lambda n: 0)
+    monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: [])  # a restart's preflight: all well
+    result = job.run(j)
+    assert result.ok and result.attempts == 2
+    rec_ = j.record.attempts
+    assert "node2 failed to start" in rec_[0].outcome and rec_[1].outcome == "ok"
+    ports = [line for line in (tmp_path / "runs/gpt-1/plan.txt").read_text().splitlines() if line.startswith("# ---- job")]
+    assert "10.0.0.1:29501" in ports[0] and "10.0.0.1:29502" in ports[1]
