@@ -16,6 +16,7 @@ from . import plan
 from .errors import UserError
 from .inventory import Host, Inventory
 from .remote import put_command
+from .snapshots import CHECKSUM_TIMEOUT, push_commands
 
 # Deadlines of the remote steps, seconds. A host that passes one is named as stuck; the other
 # hosts are still served.
@@ -124,7 +125,7 @@ class AttemptPlan:
 
 
 # The stage each unconditional step belongs to, in the order they run.
-STAGE_OF = {"claim": "claim (fab stop finds the job from here on)", "sync": "sync + preflight", "place": "snapshot", "secrets": "start", "start": "start",
+STAGE_OF = {"claim": "claim (fab stop finds the job from here on)", "sync": "sync + preflight", "place": "snapshot", "place-check": "snapshot", "place-rename": "snapshot", "secrets": "start", "start": "start",
             "follow": "watch", "finish": "watch", "stopped": "decide", "stop-check": "sync + preflight",
             "stop": "teardown", "fetch": "finish (at the job's end, on every host it used)",
             "cleanup": "finish (at the job's end, on every host it used)",
@@ -180,9 +181,12 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     run_dir = run_dir or f"runs/{spec.job_id}"
     run_dir_snaps = f"{run_dir}/snapshots"
     snaps = f"{job.output_dir}/{spec.job_id}/snapshots"
-    if snapshot:
-        steps += [local_step(h, "place", plan.push_file_argv(h, f"{run_dir_snaps}/{snapshot}", f"{snaps}/{snapshot}"),
-                             what="placing the snapshot") for h in hosts if h.name in snapshot_missing]
+    for h in hosts if snapshot else ():
+        if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
+            push, check, rename = push_commands(h, f"{run_dir_snaps}/{snapshot}", snaps, snapshot)
+            steps += [local_step(h, "place", push, what="placing the snapshot"),
+                      remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
+                      remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy")]
     secrets = secrets_body(inv) if job.secret_files else None
     for h in hosts:
         if secrets is not None:

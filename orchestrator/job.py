@@ -196,6 +196,8 @@ class Job:
                 except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
                     facts.append(Fact(h.name, plan.shell(plan.gpu_probe_argv(h)), f"no answer ({describe(h, exc)}); "
                                       "assumed NVIDIA's runtime hook"))
+        if self.last is None:
+            self.refuse_if_running(inv.hosts, facts, dry)
         port = self.free_port(inv, facts)
         snapshot, missing = None, ()
         if number > 1 or self.resuming:
@@ -204,6 +206,17 @@ class Job:
                               keep=self.inv.job.keep_snapshots, first=self.last is None, run_dir=str(self.run_dir))
         self.last = a
         return a
+
+    def refuse_if_running(self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool) -> None:
+        """One job at a time on these hosts (they share the master port range and the GPUs): a job
+        with containers or a fresh lease on any of them is named, and nothing starts."""
+        found = hostops.survey(self.session, self.inv, (*hosts, *self.inv.spares))
+        live = {j: hs for j, hs in hostops.live_jobs(found).items() if j != self.spec.job_id}
+        listing = "; ".join(f"{j} on {', '.join(hs)}" for j, hs in live.items())
+        facts.append(Fact("every host", "docker ps + ls .runtime (hostops.survey)", listing or "no other job"))
+        if live and not dry:
+            raise UserError(f"a job is already running ({listing}): one job at a time shares the master port "
+                            "and the GPUs. Watch it with 'fab logs', or end it with 'fab stop'")
 
     def free_port(self, inv: Inventory, facts: list[Fact]) -> int:
         base = inv.job.master_port
@@ -231,8 +244,9 @@ class Job:
         remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
         if remote and fetch:
             self.snaps.fetch(self.session, asked[remote[1]], remote[0])
-        best = self.snaps.local_newest() if fetch else max(filter(None, [self.snaps.local_newest(),
-                                                                           remote[0] if remote else None]), default=None)
+        here = self.run_dir / "snapshots"
+        local = snapshots.newest(p.name for p in here.iterdir()) if here.is_dir() else None
+        best = local if fetch else max(filter(None, [local, remote[0] if remote else None]), default=None)
         if best is None:
             return None, ()
         return best, tuple(h.name for h in inv.hosts if found.value(h.name) != best)
@@ -271,11 +285,19 @@ class Job:
         if self.stopped(a.hosts):
             return Outcome(stopped=True)
         if a.snapshot:
-            self.stage(Stage.SNAPSHOT, a.number)
-            placed = self.snaps.place(self.session, a.select("place"), a)
+            placed = self.place(a)
             if placed.errors():
                 return self.failed_to_start(a, placed)
         return None
+
+    def place(self, a: AttemptPlan):
+        """SNAPSHOT: the plan's snapshot pushed to each host that lacks it, checked by size and
+        SHA-256 and renamed into place (the plan's place steps; up to 3 tries each)."""
+        self.stage(Stage.SNAPSHOT, a.number)
+        digest = snapshots.local_digest(self.run_dir / "snapshots" / a.snapshot)
+        dest = snapshots.snapshots_dir(a.inv, self.spec)
+        targets = tuple(a.host(s.host) for s in a.select("place"))
+        return self.session.fan_out(lambda h: self.snaps.push(self.session, h, a.snapshot, digest, dest), targets)
 
     def gate(self, a: AttemptPlan) -> dict[str, str]:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
@@ -396,6 +418,9 @@ class Job:
         self.record.state = self.result.state
         self.record.save(self.run_dir)
         reachable = tuple(h for h in self.used.values() if h.name not in self.lost)
+        if a is not None and reachable and self.snaps is not None:
+            # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each).
+            self.find_snapshot(replace(a.inv, hosts=reachable), [], fetch=True)
         if a is not None and reachable:
             ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir))
             for h in reachable:
@@ -433,17 +458,34 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_quiet(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path) -> Watched:
-    """A short job, start to clean up, with no events and no copies (the preflight's smoke test)."""
+def start_quiet(session: Session, inv: Inventory, spec: plan.JobSpec) -> AttemptPlan:
+    """Start a short job's containers on every host (no sync, no events, no copies): the
+    preflight's smoke test and the benchmarks. UserError naming the hosts that failed to start."""
     a = attempt_mod.build(inv, spec, 1, inv.job.master_port, sync=False)
-    job = Job(inv, spec, Policy(hang_timeout=0), run_dir.parent, Reporter(), session=session)
-    job.last = a
+    job = Job(inv, spec, Policy(hang_timeout=0), Path("runs"), Reporter(), session=session)
+    errors = job.run_steps(a, a.select("claim") + [s for s in a.steps if s.key in ("secrets", "start")
+                                                   and s.when == ALWAYS]).errors()
+    if errors:
+        end_quiet(session, a)
+        raise UserError("starting the job failed:\n" + "\n".join(str(e) for e in errors.values()))
+    return a
+
+
+def end_quiet(session: Session, a: AttemptPlan) -> None:
+    """Remove a short job's containers and runtime files from every host."""
+    Job(a.inv, a.spec, Policy(), Path("runs"), Reporter(), session=session).run_steps(a, a.select("stop") + a.select("cleanup"))
+
+
+def run_quiet(session: Session, inv: Inventory, spec: plan.JobSpec, run_dir: Path) -> Watched:
+    """A short job, start to clean up, quietly (the preflight's smoke test)."""
     try:
-        if job.run_steps(a, a.select("claim") + [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]).errors():
-            return Watched(failures=[NodeEnd(h, failure=Failure.START, detail="failed to start") for h in a.hosts])
+        a = start_quiet(session, inv, spec)
+    except UserError as exc:
+        return Watched(failures=[NodeEnd(h, failure=Failure.START, detail=str(exc)) for h in inv.hosts])
+    try:
         return watch(session, a, run_dir, echo=False)
     finally:
-        job.run_steps(a, a.select("stop") + a.select("cleanup"))
+        end_quiet(session, a)
 
 
 # ---------------------------------------------------------------- around a job
@@ -495,7 +537,7 @@ def explain(result: JobResult) -> UserError | None:
                          f"it with: fab train --resume {result.job_id}. Logs: {result.run_dir}",
                          exit_code=128 + int(result.interrupted))
     blamed = w.failures[0] if w and w.failures else None
-    what = f"{blamed.host.name} (node rank {blamed.host.rank}) {blamed.detail}{worker_failure(blamed.tail)}" if blamed else ""
+    what = f"{blamed.host.name} (node rank {blamed.host.rank}) {blamed.summary()}{worker_failure(blamed.tail)}" if blamed else ""
     if result.state == "stopped":
         head = f"job {result.job_id} was ended by 'fab stop'" + (f" ({what})." if what else ".")
     else:

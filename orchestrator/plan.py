@@ -6,6 +6,7 @@ shlex.join. Nothing here touches the network, so a plan can be printed (dry run)
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import re
 import secrets as _secrets
 import shlex
@@ -241,7 +242,9 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
 
 LEASE = "lease"        # in the job's runtime directory: touched while `fab train` looks after the job
 LEASE_EVERY = 5.0      # seconds between touches
-LEASE_STALE = 60.0     # a runtime directory whose lease is this old, with no container, is left over
+# A runtime directory whose lease is this old, with no container of its job, is left over
+# (FABTRAIN_LEASE_STALE: tests wait seconds, not a minute).
+LEASE_STALE = float(os.environ.get("FABTRAIN_LEASE_STALE", "60"))
 
 
 def claim_script(inv: Inventory, job_id: str, first: bool) -> str:

@@ -120,8 +120,8 @@ def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int) 
                 why[f.host] = "failed twice"
     nxt = replace(roster, failed=tuple(sorted(failed.items())),
                   restarts_used=roster.restarts_used + (0 if preflight_only else 1))
-    hosts, spares, notes = _swap(roster.hosts, list(roster.spares), why)
     min_nodes = policy.min_nodes or target_nodes
+    hosts, spares, notes = _swap(roster.hosts, list(roster.spares), why, min_nodes)
     if len(hosts) < min_nodes:
         gone = [n for n in why if n not in {h.name for h in hosts}]
         return Decision(None, f"no spare host left to replace {', '.join(gone)} "
@@ -132,7 +132,8 @@ def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int) 
                     restart=not preflight_only)
 
 
-def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str]) -> tuple[tuple[Host, ...], list[Host], list[str]]:
+def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str],
+          min_nodes: int) -> tuple[tuple[Host, ...], list[Host], list[str]]:
     """Each host in `why` gives its node rank to the next spare (a new rank 0 when rank 0's host
     goes); with no spare left it is dropped and the ranks close up."""
     out, notes, dropped = [], [], []
@@ -147,7 +148,8 @@ def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str]) -> t
             dropped.append(h.name)
     if dropped:
         out = [replace(h, rank=i) for i, h in enumerate(out)]
-        notes.append(f"no spare left: going on without {', '.join(dropped)} with {len(out)} node(s)")
+        notes.append(f"no spare left: going on without {', '.join(dropped)} with {len(out)} node(s) "
+                     f"(--min-nodes {min_nodes})")
     return tuple(out), spares, notes
 
 

@@ -142,7 +142,7 @@ def stack_summary(dump: str) -> list[str]:
             # The main thread: a script's runs <module> outermost; a module's (torchrun -m, runpy)
             # runs _run_module_as_main.
             if fs and fs[-1][2] in ("<module>", "_run_module_as_main"):
-                frames = [f for f in fs if not f[0].endswith("/runpy.py")] or fs
+                frames = [f for f in fs if not f[0].endswith(("/runpy.py", "<frozen runpy>"))] or fs
         if not frames:
             continue
         inner = frames[0]

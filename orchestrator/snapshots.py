@@ -60,6 +60,13 @@ def newest(names) -> str | None:
     return found[-1] if found else None
 
 
+def push_commands(host: Host, local_file: str, dest_dir: str, name: str) -> tuple[list[str], str, str]:
+    """One checked push (Snapshots.push): the local rsync to a temporary name on the host, the
+    host's size and SHA-256 of it (compared with this machine's), the rename into place."""
+    tmp, final = f"{dest_dir}/{temp_name(name)}", f"{dest_dir}/{name}"
+    return plan.push_file_argv(host, local_file, tmp), checksum_command(tmp), rename_command(tmp, final)
+
+
 def temp_name(name: str) -> str:
     """The name a copy of snapshot `name` is written under until it is checked, here and on a host:
     not a snapshot's name, so nothing takes it for one, and matching the trainer's own temporary
@@ -278,7 +285,7 @@ class Snapshots:
             def push(h: Host) -> None:
                 if found.value(h.name) == best and self._holds(session, h, f"{dest}/{best}", digest):
                     return
-                self._push(session, h, best, digest, dest)
+                self.push(session, h, best, digest, dest)
             errors = [str(e) for e in session.fan_out(push, inv.hosts).errors().values()]
             if errors:
                 raise UserError("\n".join(errors))
@@ -291,7 +298,7 @@ class Snapshots:
         except _CopyFailed:
             return False
 
-    def _push(self, session: Session, host: Host, name: str, digest: Digest, dest: str) -> None:
+    def push(self, session: Session, host: Host, name: str, digest: Digest, dest: str) -> None:
         """Copy runs/JOB/snapshots/`name` to `dest` on a host under temp_name, check it there, and
         rename it into place; UserError (also told to `report`) when every try failed."""
         tmp, final = f"{dest}/{temp_name(name)}", f"{dest}/{name}"

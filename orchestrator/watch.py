@@ -41,7 +41,7 @@ from .remote import CommandTimedOut, Session, describe
 ENGINE_GRACE = 10.0   # seconds Docker may take to confirm an exit the node itself reported
 DRAIN = 5.0           # seconds to collect the other nodes' ends after a failure
 EXIT_LINE = re.compile(rb"\[fabtrain\] node exit code (-?\d+)")
-STEP = re.compile(rb"(?i)\bstep\s*[:=]?\s*(\d+)")
+STEP = re.compile(rb"(?i)\bstep\s*[:=]?\s*(\d+)(?![.\d])")  # not "step 169.2 ms" (a step time)
 
 
 @dataclass
@@ -57,6 +57,12 @@ class NodeEnd:
 
     def failure_line(self) -> HostFailure:
         return HostFailure(self.host.name, self.failure or Failure.EXIT, self.detail)
+
+    def summary(self) -> str:
+        """'exited with code 3', 'lost: no SSH keepalive answer ...', 'hung: no progress ...'."""
+        if self.failure in (None, Failure.EXIT):
+            return self.detail
+        return f"{self.failure.value}: {self.detail}"
 
 
 @dataclass

@@ -239,18 +239,29 @@ def build_config(args: argparse.Namespace, on_gpu: bool) -> tuple[ModelConfig, T
 
 
 def keep_global_batch(tc: TrainConfig, world: int, env) -> tuple[TrainConfig, str | None]:
-    """A job restarted on fewer nodes (fab train --min-nodes) keeps its global batch, batch x accum
-    x world, by accumulating more: FABTRAIN_TARGET_NODES is the node count the job was planned for."""
+    """A job restarted on another number of ranks (fab train --min-nodes) keeps its global batch
+    G = batch x accum x world (sequences per optimizer step), the rule README states:
+    - exactly, when G divides by the new world: each rank takes G / world sequences a step, as the
+      fewest micro-batches (accum) no larger than the planned micro-batch (memory holds);
+    - otherwise the nearest G the new world allows (round(G / world) per rank), with a warning.
+    With the same G, an epoch keeps its steps and the learning-rate schedule its length, and a
+    resumed epoch skips exactly the sequences already trained on (DistributedSampler hands rank r
+    every world-th index of one permutation, so the first k sequences of every rank are the first
+    k x world of the epoch). FABTRAIN_TARGET_NODES is the node count the job was planned for."""
     nodes = int(env.get("FABTRAIN_TARGET_NODES") or 0)
     target = nodes * int(env.get("LOCAL_WORLD_SIZE") or 1)
-    if not nodes or target <= world:
+    if not nodes or target == world:
         return tc, None
-    accum = max(1, round(tc.grad_accum * target / world))
-    exact = accum * world == tc.grad_accum * target
-    note = (f"world {world} instead of {target}: grad_accum {tc.grad_accum} -> {accum} "
-            f"{'keeps' if exact else 'approximates'} the global batch of {tc.batch_size * tc.grad_accum * target} "
-            f"sequences{'' if exact else f' (now {tc.batch_size * accum * world})'}")
-    return dataclasses.replace(tc, grad_accum=accum), note
+    planned = tc.batch_size * tc.grad_accum * target
+    per_rank = max(1, round(planned / world))
+    accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= tc.batch_size)
+    got = per_rank * world
+    change = (f"world {world} instead of {target}: batch {tc.batch_size} x accum {tc.grad_accum} -> "
+              f"{per_rank // accum} x {accum}")
+    note = (f"{change} keeps the global batch of {planned} sequences" if got == planned else
+            f"WARNING: {change} gives {got} sequences a step, the nearest to the planned {planned} that "
+            f"{world} ranks allow: steps per epoch and the learning-rate schedule change accordingly")
+    return dataclasses.replace(tc, batch_size=per_rank // accum, grad_accum=accum), note
 
 
 def load_text(path: str | None) -> str:
@@ -294,7 +305,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     out = Path(args.out)
     snap_dir = out / "snapshots"
-    writer = snapshot.Writer(snap_dir)
+    writer = snapshot.Writer(snap_dir, keep=snapshot.keep_from_env())
     start_epoch, step = 0, 0
     # The snapshot is loaded before DDP wraps the model, so every rank starts from the same state:
     # rank 0's newest, sent over when a node's disk lacks it.

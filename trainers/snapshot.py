@@ -7,11 +7,18 @@ off the host as soon as it appears (fab train --restarts).
 
 `Writer` takes the state in memory and writes it in a background thread, so a slow disk never
 holds rank 0 inside a step while the other ranks wait in a collective (and time out).
+
+Retention: after each write the directory keeps the newest `keep` complete snapshots (the
+trainer's `keep` comes from FABTRAIN_KEEP_SNAPSHOTS, which fab train sets from job.keep_snapshots;
+default 2). Older ones are removed only once the new one is durable (renamed and its directory
+fsynced), and the one just written is never removed, so a reader (a resume, the orchestrator's
+copy) always finds at least the newest complete snapshot.
 """
 from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -19,11 +26,33 @@ import torch
 import torch.distributed as dist
 
 PREFIX = "snapshot-"
+COMPLETE_RE = re.compile(rf"^{PREFIX}\d{{9}}\.pt$")  # what write() renames into place; nothing else is pruned
+KEEP_ENV = "FABTRAIN_KEEP_SNAPSHOTS"
+# The orchestrator's default for job.keep_snapshots too: the newest is what a restart resumes from;
+# the one before it is the fallback when the newest does not load, and a copy of it that the
+# orchestrator has started still finds it after the next one is written.
+DEFAULT_KEEP = 2
 
 
-def save(directory: Path, model, optimizer, epoch: int, step: int) -> Path:
+def keep_from_env(environ=os.environ) -> int:
+    """How many snapshots to keep: FABTRAIN_KEEP_SNAPSHOTS (a whole number, at least 1), else 2."""
+    raw = environ.get(KEEP_ENV, "").strip()
+    if not raw:
+        return DEFAULT_KEEP
+    try:
+        keep = int(raw)
+    except ValueError:
+        keep = 0
+    if keep < 1:
+        # Refused rather than clamped: 0 or a typo must not silently mean "keep one" or "keep all".
+        raise ValueError(f"{KEEP_ENV}={raw!r}: how many snapshots to keep must be a whole number, 1 or "
+                         f"more; set job.keep_snapshots in the inventory (or unset it for {DEFAULT_KEEP})")
+    return keep
+
+
+def save(directory: Path, model, optimizer, epoch: int, step: int, keep: int | None = None) -> Path:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}
-    return write(directory, state, step)
+    return write(directory, state, step, keep)
 
 
 def cpu_copy(obj):
@@ -38,10 +67,14 @@ def cpu_copy(obj):
 
 
 class Writer:
-    """Snapshots written in the background, one at a time, in order (see the module's docstring)."""
+    """Snapshots written in the background, one at a time, in order, the newest `keep` kept (see
+    the module's docstring; None keeps every one)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, keep: int | None = None) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep={keep}: at least the snapshot just written is kept (1 or more)")
         self.directory = directory
+        self.keep = keep
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -55,7 +88,9 @@ class Writer:
 
     def _write(self, state: dict, step: int) -> None:
         try:
-            write(self.directory, state, step)
+            final = write(self.directory, state, step)  # durable once it returns: only then pruned
+            if self.keep is not None:
+                prune(self.directory, self.keep, final)
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread by wait()
             self.error = exc
 
@@ -68,7 +103,11 @@ class Writer:
             raise error
 
 
-def write(directory: Path, state: dict, step: int) -> Path:
+def write(directory: Path, state: dict, step: int, keep: int | None = None) -> Path:
+    """Write one snapshot atomically (see the module's docstring); then, with `keep`, remove all
+    but the newest `keep` complete snapshots, never the one just written. None keeps every one."""
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep={keep}: at least the snapshot just written is kept (1 or more)")
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f".{PREFIX}*.tmp"):  # left by a writer killed mid-write
         stale.unlink(missing_ok=True)
@@ -84,7 +123,18 @@ def write(directory: Path, state: dict, step: int) -> Path:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    if keep is not None:
+        prune(directory, keep, final)
     return final
+
+
+def prune(directory: Path, keep: int, written: Path) -> None:
+    """Remove all but the newest `keep` complete snapshots of `directory`, never `written`. Called
+    only after `written` is durable, so a reader looking for the newest always finds one."""
+    names = sorted(p.name for p in directory.iterdir() if COMPLETE_RE.match(p.name))
+    for name in names[:-keep]:
+        if name != written.name:  # an older name than snapshots already there: still the one to resume from
+            (directory / name).unlink(missing_ok=True)
 
 
 def load_latest(directory: Path, map_location=None) -> dict | None:

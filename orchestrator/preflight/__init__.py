@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import plan
+from .. import hostops, plan
 from ..inventory import Host, Inventory
 from ..remote import HostKeyError, Session, describe
 from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, Limits, failed
@@ -101,6 +101,7 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
     replaced = {(c.host, c.check) for c in across if c.check == "image"}
     checks = [c for c in checks if (c.host, c.check) not in replaced] + across
     checks += _reach(session, inv, checks, per_host)
+    checks += left_over_runtime(session, inv)
     if run_job:
         checks += smoke_test(session, inv, image, checks, run_job)
     order = {name: i for i, name in enumerate(CHECKS)}
@@ -128,3 +129,14 @@ def _ssh_fix(host: Host, exc: BaseException) -> str:
         return "compare the fingerprint with the host's own, then add it to known_hosts (see detail)"
     return (f"check that {host.ssh.hostname}:{host.ssh.port} runs sshd and accepts the key "
             f"{host.ssh.key or '(agent)'}")
+
+
+def left_over_runtime(session: Session, inv: Inventory) -> list[Check]:
+    """Runtime directories (secrets files included) of jobs that no `fab train` looks after any
+    more, on hosts that answer: removed, one row per host saying so (hostops)."""
+    try:
+        found = hostops.survey(session, inv, inv.hosts)
+        lines = hostops.clear_stale(session, inv, found)
+    except Exception:  # noqa: BLE001 - the ssh and docker checks already name a host that fails here
+        return []
+    return [Check(line.split(":", 1)[0], "runtime", OK, line.split(": ", 1)[1]) for line in lines]

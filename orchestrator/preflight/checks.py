@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 OK, WARN, FAIL, NA, SKIP = "ok", "warn", "fail", "n/a", "skipped"
 CHECKS = ("ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
-          "shm", "disk", "dirs", "code", "smoke")
+          "shm", "disk", "dirs", "code", "runtime", "smoke")
 
 
 @dataclass(frozen=True)

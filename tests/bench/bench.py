@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import cluster, launch, plan  # noqa: E402
+from orchestrator import cluster, hostops, job, plan  # noqa: E402
+from orchestrator.watch import watch  # noqa: E402
 from orchestrator.inventory import load  # noqa: E402
 from orchestrator.remote import Session  # noqa: E402
 
@@ -82,7 +83,7 @@ class Baselines:
 
 
 def rm_all(session):
-    launch.teardown(session, None, 0)
+    hostops.stop(session, None, 0)
 
 
 def bench_launch(inv, base: Baselines, repeat: int) -> dict:
@@ -94,11 +95,11 @@ def bench_launch(inv, base: Baselines, repeat: int) -> dict:
         t0 = time.perf_counter()
         wall0 = time.time()
         with Session(inv.hosts) as session:
-            launch.start(session, inv, spec)
+            a = job.start_quiet(session, inv, spec)
             started = time.perf_counter() - t0
             run_dir = Path(tempfile.mkdtemp(prefix="bench-launch-"))
-            result = launch.watch(session, inv, spec, run_dir, echo=False)
-            launch.teardown(session, spec.job_id, 0)
+            result = watch(session, a, run_dir, echo=False)
+            job.end_quiet(session, a)
             gone = time.perf_counter() - t0
         inits = [float(line.split()[1]) for f in run_dir.glob("*.log") for line in f.read_text().splitlines()
                  if line.startswith("INIT ")]
@@ -131,7 +132,9 @@ def bench_sync(inv, base: Baselines, repeat: int) -> dict:
         (src / "data" / f"blob{j}.bin").write_bytes(os.urandom(1 << 20))
     code_dir = "/opt/fabtrain/bench-sync"
     inv_b = type(inv)(path=inv.path, hosts=inv.hosts, job=type(inv.job)(**{**inv.job.__dict__, "code_dir": code_dir}))
-    launch.sync(inv_b, src)
+    session = Session(inv.hosts)
+    fab_sync = lambda: hostops.sync(session, inv_b, src)  # noqa: E731 - one open session, as fab sync
+    fab_sync()
     res = {"fabtrain_nochange": [], "rsync_loop_nochange": [], "fabtrain_50mb": [], "rsync_loop_50mb": []}
 
     def rsync_loop():
@@ -145,12 +148,13 @@ def bench_sync(inv, base: Baselines, repeat: int) -> dict:
             (src / "data" / f"blob{j}.bin").write_bytes(os.urandom(1 << 20))
 
     for _ in range(repeat):
-        res["fabtrain_nochange"].append(timed(launch.sync, inv_b, src)[0])
+        res["fabtrain_nochange"].append(timed(fab_sync)[0])
         res["rsync_loop_nochange"].append(timed(rsync_loop)[0])
         rewrite()
-        res["fabtrain_50mb"].append(timed(launch.sync, inv_b, src)[0])
+        res["fabtrain_50mb"].append(timed(fab_sync)[0])
         rewrite()
         res["rsync_loop_50mb"].append(timed(rsync_loop)[0])
+    session.close()
     return res
 
 
@@ -193,8 +197,7 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
 def _sleep_job(session, inv):
     spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/integration/scripts/report.py",
                         args=("--sleep", "300"), nproc_per_node="1")
-    launch.start(session, inv, spec)
-    return spec
+    return job.start_quiet(session, inv, spec)
 
 
 def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
@@ -204,7 +207,7 @@ def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
             _sleep_job(s, inv)
         t0 = time.perf_counter()
         with Session(inv.hosts) as s:
-            launch.teardown(s, None, 0)
+            hostops.stop(s, None, 0)
         res["fabtrain_stop"].append(time.perf_counter() - t0)
         with Session(inv.hosts) as s:
             _sleep_job(s, inv)
@@ -221,11 +224,12 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
     job runs on any other host (the watcher has torn the job down)."""
     victim = inv.hosts[-1]
     with Session(inv.hosts) as session:
-        spec = _sleep_job(session, inv)
+        a = _sleep_job(session, inv)
+        spec = a.spec
         time.sleep(2)
         holder = {}
-        t = threading.Thread(target=lambda: holder.update(r=launch.watch(
-            session, inv, spec, Path(tempfile.mkdtemp(prefix="bench-fault-")), echo=False)))
+        t = threading.Thread(target=lambda: holder.update(r=watch(
+            session, a, Path(tempfile.mkdtemp(prefix="bench-fault-")), echo=False)))
         t.start()
         time.sleep(1)
         t_fault = time.perf_counter()
@@ -241,7 +245,7 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
             if undo:
                 undo(victim)
     with Session(inv.hosts) as session:
-        launch.teardown(session, spec.job_id, 0)
+        job.end_quiet(session, a)
     return took
 
 
@@ -274,10 +278,10 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
         run_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
         with Session(inv.hosts) as session:
             t0 = time.perf_counter()  # from the start of the containers, as for pdsh below
-            launch.start(session, inv, spec)
-            result = launch.watch(session, inv, spec, run_dir, out=term, echo=True)
+            a = job.start_quiet(session, inv, spec)
+            result = watch(session, a, run_dir, out=term, echo=True)
             dt = time.perf_counter() - t0
-            launch.teardown(session, spec.job_id, 0)
+            hostops.stop(session, spec.job_id, 0)
         term.close()
         got = Path(term.name).read_bytes().splitlines()
         per_host: dict[str, list[int]] = {}
@@ -300,7 +304,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
                           "tests/bench/scripts/spew.py", str(lines)])
         dt, p = timed(base.pdsh, cmd, capture=True)
         with Session(inv.hosts) as session:
-            launch.cleanup(session, inv, spec)
+            job.end_quiet(session, a)
         pdsh_lines = sum(1 for line in p.stdout.splitlines() if b" the quick brown fox " in line)
         res["pdsh_lines_per_s"].append(pdsh_lines / dt)
         res.setdefault("pdsh_lost", []).append(expected - pdsh_lines)
@@ -441,7 +445,8 @@ def main() -> None:
         inv_path = Path(tempfile.mkdtemp(prefix="bench-inv-")) / "inventory.yaml"
         cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only)
         inv = load(inv_path)
-        launch.sync(inv)
+        with Session(inv.hosts) as s:
+            hostops.sync(s, inv)
         base = Baselines(inv)
         with Session(inv.hosts) as s:
             rm_all(s)

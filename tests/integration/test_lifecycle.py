@@ -65,7 +65,7 @@ def test_paused_host_brings_the_job_down_within_bound(inventory_path):
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - paused
         assert proc.returncode == 1
-        assert "failed: node2 (node rank 1) node2: no SSH keepalive answer for" in err
+        assert "failed: node2 (node rank 1) lost: no SSH keepalive answer for" in err
         assert running("node1") == []
         assert took < 60, f"{took:.1f}s"
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import attempt, job, plan
+from orchestrator import attempt, hostops, job, plan
 from orchestrator.events import JsonLines, Reporter
 from orchestrator.inventory import parse
 from orchestrator.policy import Policy
@@ -115,12 +115,12 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     assert text == a.render()
     assert (tmp_path / "runs/gpt-1/plan.txt").read_text() == text + "\n"
     ran = [c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 "))]  # periodic: lease, snapshot copies
-    facts = [(n, n, attempt.port_command()) for n in ["node1"]] + [("node1", "node1", plan.shell(plan.gpu_probe_argv(hosts[0])))]
+    # The plan stage's read-only look (other jobs, free port, GPU access), then exactly the steps.
+    looks = {hostops.survey_script(j.inv), attempt.port_command(), plan.shell(plan.gpu_probe_argv(hosts[0]))}
     want = expected(a)
     got = [c[:3] for c in ran]
     for n in ("node1", "node2"):
-        assert [c[1:] for c in got if c[0] == n and c[1:] not in [f[1:] for f in facts]] == \
-               [w[1:] for w in want if w[0] == n]
+        assert [c[1:] for c in got if c[0] == n and c[2] not in looks] == [w[1:] for w in want if w[0] == n]
     # The port was read and the next free one taken; the GPU flags came from the host's answer.
     assert a.port == 29501 and "MASTER_PORT=29501" in a.step("node1", "start").command
     assert "--device nvidia.com/gpu=all" in a.step("node1", "start").command

@@ -110,17 +110,58 @@ def test_backoff_doubles_up_to_a_limit():
 
 
 def test_newest_complete_snapshot_ignores_partial_files():
-    assert recovery.newest(["snapshot-000000020.pt", ".snapshot-000000030.pt.7.tmp", "snapshot-000000010.pt",
-                            "notes.txt"]) == "snapshot-000000020.pt"
+    from orchestrator import snapshots
+    assert snapshots.newest(["snapshot-000000020.pt", ".snapshot-000000030.pt.7.tmp", "snapshot-000000010.pt",
+                             ".snapshot-000000040.pt.copy.tmp", "notes.txt"]) == "snapshot-000000020.pt"
 
 
-def test_gpt_keeps_the_global_batch_on_fewer_nodes():
+CASES = [
+    # planned: batch, accum, nodes x procs; new world -> batch, accum, exact
+    ((16, 2, 2, 2), 4, None),                 # same world: unchanged
+    ((16, 2, 2, 2), 2, (16, 4, True)),         # 4 -> 2 ranks: accumulate twice as much
+    ((16, 1, 3, 2), 4, (12, 2, True)),         # 3 -> 2 nodes: 96 sequences kept exactly (was 128)
+    ((16, 1, 4, 2), 6, (7, 3, False)),         # 4 -> 3 nodes: 128 / 6 is no whole number: 126
+    ((8, 2, 2, 2), 3, (7, 3, False)),          # 64 / 3 ranks: 21 a rank (7 x 3), 63 with a warning
+    ((16, 1, 2, 2), 8, (8, 1, True)),          # more ranks than planned (a larger spare pool): smaller batch
+]
+
+
+@pytest.mark.parametrize("planned,world,want", CASES)
+def test_gpt_global_batch_rule(planned, world, want):
     import gpt
-    tc = gpt.TrainConfig(batch_size=16, grad_accum=2)
-    same, note = gpt.keep_global_batch(tc, 4, {"FABTRAIN_TARGET_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
-    assert same is tc and note is None
-    fewer, note = gpt.keep_global_batch(tc, 2, {"FABTRAIN_TARGET_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
-    assert fewer.grad_accum == 4
-    assert note == "world 2 instead of 4: grad_accum 2 -> 4 keeps the global batch of 128 sequences"
-    odd, note = gpt.keep_global_batch(tc, 3, {"FABTRAIN_TARGET_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
-    assert odd.grad_accum == 3 and "approximates" in note and "(now 144)" in note
+    batch, accum, nodes, procs = planned
+    tc = gpt.TrainConfig(batch_size=batch, grad_accum=accum)
+    got, note = gpt.keep_global_batch(tc, world, {"FABTRAIN_TARGET_NODES": str(nodes), "LOCAL_WORLD_SIZE": str(procs)})
+    if want is None:
+        assert got is tc and note is None
+        return
+    G = batch * accum * nodes * procs
+    assert got.batch_size <= batch  # a micro-batch never grows: memory holds
+    assert got.batch_size * got.grad_accum * world == (G if want[2] else round(G / world) * world)
+    assert ("keeps the global batch of %d sequences" % G in note) is want[2]
+    assert ("WARNING" in note) is (not want[2])
+    assert (got.batch_size, got.grad_accum) == want[:2]
+
+
+def test_resumed_epoch_on_fewer_ranks_skips_exactly_what_was_trained():
+    """s steps at 6 ranks, then the rest of the epoch at 4 with the rule: every sequence of the
+    epoch is trained on once (DistributedSampler's padding aside), none skipped, none twice."""
+    import gpt
+    from torch.utils.data import DistributedSampler
+    n, seed, epoch = 960, 7, 3
+    tc = gpt.TrainConfig(batch_size=16, grad_accum=1)
+    seen = []
+    steps_done = 4
+
+    def rank_indices(world, rank):
+        s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        s.set_epoch(epoch)
+        return list(s)
+    for r in range(6):
+        seen += rank_indices(6, r)[:steps_done * tc.batch_size * tc.grad_accum]
+    new, _ = gpt.keep_global_batch(tc, 4, {"FABTRAIN_TARGET_NODES": "3", "LOCAL_WORLD_SIZE": "2"})
+    per_step = new.batch_size * new.grad_accum
+    steps_per_epoch = (n // 4 // new.batch_size) // new.grad_accum
+    for r in range(4):
+        seen += rank_indices(4, r)[steps_done * per_step:steps_per_epoch * per_step]
+    assert sorted(seen) == list(range(n))

@@ -1,0 +1,178 @@
+"""The job lifecycle under odd failures, on the local cluster: fab stop between attempts, resume
+options and --dry-run, progress-based hang detection (a chatty hung job, a quiet healthy phase, a
+module), a frozen Docker engine blamed as such, and a lost host's runtime files cleared once it
+answers again."""
+import json
+import os
+import subprocess
+import threading
+import time
+
+from orchestrator import cluster
+
+from .conftest import FAB, ROOT, fab, on_host, project_containers
+from .test_lifecycle import wait_for_containers
+
+EXIT = "tests/integration/scripts/exit_on_node.py"
+PROGRESS = "tests/integration/scripts/progress.py"
+REPORT = "tests/integration/scripts/report.py"
+
+
+class Run:
+    """`fab ARGS` in the background; its output lines (stdout and stderr) collected as they come."""
+
+    def __init__(self, inventory_path, *args, env=None):
+        self.proc = subprocess.Popen([FAB, *args, "--inventory", str(inventory_path)], cwd=ROOT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.text:
+                return
+            if self.proc.poll() is not None:
+                self.reader.join(5)
+                if needle in self.text:
+                    return
+                raise AssertionError(f"{needle!r} never came; fab exited {self.proc.returncode}:\n{self.text[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} never came:\n{self.text[-3000:]}")
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+            self.reader.join(5)
+        return self.proc.returncode
+
+
+def job_of(text: str) -> str:
+    return text.split("job ", 1)[1].split()[0]
+
+
+def record(job: str) -> dict:
+    return json.loads((ROOT / "runs" / job / "job.json").read_text())
+
+
+def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(inventory_path):
+    run = Run(inventory_path, "train", "--script", EXIT, "--args", "--node 1 --code 3 --after 0.5",
+              "--restarts", "3", "--skip-preflight")
+    run.wait_for("restart 1 of 3 in")  # attempt 1 failed; the job is between attempts
+    stop = fab(inventory_path, "stop")
+    assert stop.returncode == 0, stop.stderr
+    assert run.finish() == 1
+    job = job_of(run.text)
+    rec = record(job)
+    assert rec["state"] == "stopped", rec
+    assert len(rec["attempts"]) <= 2 and "attempt 3" not in run.text
+    assert "ended by 'fab stop'" in run.text
+    assert project_containers("node1") == [] and project_containers("node2") == []
+    for node in ("node1", "node2"):  # nothing of the job is left on the hosts
+        assert on_host(node, f"test -e /opt/fabtrain/output/.runtime/{job}", check=False).returncode == 1
+
+    # --resume --dry-run: the next attempt's plan with the changed options; nothing starts.
+    attempts = len(rec["attempts"])
+    dry = fab(inventory_path, "train", "--resume", job, "--dry-run", "--restarts", "0", "--hang-timeout", "30",
+              "--args", "--node 0 --code 0")
+    assert dry.returncode == 0, dry.stderr
+    assert f"# ---- job {job} attempt {attempts + 1}: node1=rank 0, node2=rank 1" in dry.stdout
+    assert "--node 0 --code 0" in dry.stdout.replace("'", "") and "--node 1" not in dry.stdout
+    assert "docker run" in dry.stdout and project_containers("node1") == []
+    assert len(record(job)["attempts"]) == attempts
+    # Options that would make it another job are refused, never dropped.
+    for bad, why in ((["--module", "x.y"], "--module cannot change"), (["--epochs", "3"], "--epochs applies to")):
+        r = fab(inventory_path, "train", "--resume", job, "--dry-run", *bad)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # --restarts 0 overrides the recorded 3: the resumed job fails once and ends.
+    r = fab(inventory_path, "train", "--resume", job, "--restarts", "0", "--skip-preflight",
+            "--args", "--node 1 --code 5 --after 0.5")
+    assert r.returncode == 1 and "no --restarts" in r.stderr, r.stderr
+    rec = record(job)
+    assert rec["restarts"] == 0 and len(rec["attempts"]) == attempts + 1
+
+
+def test_progress_not_output_decides_a_hang(inventory_path):
+    # A thread keeps printing while every rank is stuck: caught, the stuck ranks named.
+    start = time.monotonic()
+    r = fab(inventory_path, "train", "--script", PROGRESS, "--args", "--mode chatty", "--hang-timeout", "10",
+            "--skip-preflight", timeout=240)
+    took = time.monotonic() - start
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "hung: no progress" in out and "waiting for data" in out
+    assert "rank 3 on node2: tests/integration/scripts/progress.py:" in out
+    assert "failed: node2 (node rank 1) hung" in r.stderr  # the rank the others wait for
+    assert took < 10 + 60, took
+    # A quiet phase twice the hang timeout, with the heartbeat touched: not a hang.
+    r = fab(inventory_path, "train", "--script", PROGRESS, "--args", "--mode quiet-phase --quiet 20",
+            "--hang-timeout", "8", "--skip-preflight", timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "rank 0 step 5" in r.stdout and "hang watchdog" not in r.stdout + r.stderr
+
+
+def test_a_hung_module_names_its_ranks_and_frames(inventory_path):
+    r = fab(inventory_path, "train", "--module", "tests.integration.scripts.hang", "--hang-timeout", "10",
+            "--skip-preflight", timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "rank 3 on node2: tests/integration/scripts/hang.py:14 in <module> `time.sleep(3600)`" in out
+    assert "called from tests/integration/scripts/hang.py:15 `dist.all_reduce(t)`" in out
+    assert "failed: node2 (node rank 1) hung: no progress from any node" in r.stderr
+
+
+def test_a_frozen_engine_is_named_and_a_node_that_exited_0_is_never_blamed(inventory_path):
+    run = Run(inventory_path, "train", "--script", REPORT, "--args", "--sleep 10", "--skip-preflight")
+    try:
+        wait_for_containers(["node1", "node2"])
+        on_host("node2", "pkill -STOP -x dockerd; pkill -STOP -x containerd")
+        start = time.monotonic()
+        code = run.finish(timeout=150)
+        took = time.monotonic() - start
+    finally:
+        on_host("node2", "pkill -CONT -x containerd; pkill -CONT -x dockerd", check=False)
+    out = run.text
+    assert code == 0, out[-3000:]
+    assert "node2: its ranks exited with code 0, but its Docker engine has not confirmed it" in out
+    assert "Docker engine stuck on node2" in out and "hang watchdog" not in out
+    assert took < 10 + 60, took
+    job = job_of(out)
+    assert on_host("node2", f"test -e /opt/fabtrain/output/.runtime/{job}", check=False).returncode == 1
+    assert fab(inventory_path, "stop").returncode == 0
+    assert project_containers("node2") == []
+
+
+def test_a_lost_hosts_secrets_are_removed_once_it_answers_again(inventory_path, tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("s3cr3t\n")
+    inv2 = tmp_path / "secret.yaml"
+    inv2.write_text(inventory_path.read_text().replace("job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n"))
+    run = Run(inv2, "train", "--script", REPORT, "--args", "--sleep 300", "--skip-preflight")
+    try:
+        wait_for_containers(["node1", "node2"])
+        cluster.freeze("node2")
+        assert run.finish(timeout=120) == 1
+    finally:
+        cluster.thaw("node2")
+    job = job_of(run.text)
+    assert "no SSH keepalive answer" in run.text
+    left = f"/opt/fabtrain/output/.runtime/{job}/secrets.env"
+    assert on_host("node2", f"test -e {left}", check=False).returncode == 0  # lost: nobody could remove it
+    assert on_host("node1", f"test -e {left}", check=False).returncode == 1
+    r = subprocess.run([FAB, "stop", "--inventory", str(inv2)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "FABTRAIN_LEASE_STALE": "2"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"node2: removed the left-over runtime files (secrets included) of {job}" in r.stdout
+    assert on_host("node2", f"test -e {left}", check=False).returncode == 1

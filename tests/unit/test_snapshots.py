@@ -1,0 +1,404 @@
+"""Snapshots copied off the hosts and placed back, each copy checked by size and SHA-256: against a
+recording stand-in for Session (files on the hosts held in memory) and real local files, with
+rsync replaced by a scripted copy that can write wrong bytes or fail."""
+import hashlib
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import plan, snapshots
+from orchestrator.errors import UserError
+from orchestrator.inventory import parse
+from orchestrator.remote import CommandTimedOut, PerHost, Result
+
+INV = parse("""\
+ssh: {user: u, key: /k/id, known_hosts: /k/kh}
+job: {output_dir: /out}
+hosts:
+  - {name: a, address: 10.0.0.1, interface: eth0}
+  - {name: b, address: 10.0.0.2, interface: eth0}
+""", Path("/i/inv.yaml"))
+SPEC = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py")
+A, B = INV.hosts
+DIR = "/out/gpt-1/snapshots"
+S10, S20, S30 = (f"snapshot-{s:09d}.pt" for s in (10, 20, 30))
+DATA = {S10: b"step 10 " * 500, S20: b"step 20 " * 500, S30: b"step 30 " * 500}
+LS = snapshots.list_command(INV, SPEC)
+RSYNC_ERROR = "rsync: connection unexpectedly closed (0 bytes received so far) [Receiver]"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def corrupt(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+def ok(stdout: str = "") -> Result:
+    return Result(stdout, "", 0, 0.01)
+
+
+class FakeSession:
+    """Session.run and fan_out over files held in memory per host: records (host, command,
+    deadline) and answers the commands snapshots.py builds (ls, stat && sha256sum, mv, rm); an
+    answer scripted in `script` for a (host, command) comes first."""
+
+    def __init__(self, files: dict[str, dict[str, bytes]] | None = None) -> None:
+        self.files = {h.name: {} for h in INV.hosts}
+        for host, fs in (files or {}).items():
+            self.files[host].update(fs)
+        self.calls: list[tuple[str, str, float]] = []
+        self.script: dict[tuple[str, str], list] = {}
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        assert timeout, f"no deadline: {command}"
+        self.calls.append((host.name, command, timeout))
+        scripted = self.script.get((host.name, command))
+        if scripted:
+            answer = scripted.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        fs = self.files[host.name]
+        argv = shlex.split(command)
+        if argv[:2] == ["ls", "-1"]:
+            return ok("".join(f"{p.rsplit('/', 1)[1]}\n" for p in sorted(fs) if p.rsplit("/", 1)[0] == argv[2]))
+        if argv[0] == "stat":
+            path = argv[3]
+            if path not in fs:
+                return Result("", f"stat: cannot statx '{path}': No such file or directory\n", 1, 0.01)
+            return ok(f"{len(fs[path])}\n{sha(fs[path])}  {path}\n")
+        if argv[:2] == ["mv", "-f"]:
+            fs[argv[3]] = fs.pop(argv[2])
+            return ok()
+        if argv[:2] == ["rm", "-f"]:
+            fs.pop(argv[2], None)
+            return ok()
+        raise AssertionError(f"unexpected command {command!r}")
+
+    def fan_out(self, fn, hosts=None):
+        out = PerHost()
+        for h in hosts:
+            try:
+                out[h.name] = fn(h)
+            except BaseException as exc:  # noqa: BLE001 - as Session.fan_out collects them
+                out[h.name] = exc
+        return out
+
+    def of(self, host: str) -> list[tuple[str, float]]:
+        return [(c, t) for h, c, t in self.calls if h == host]
+
+
+class FakeRsync:
+    """subprocess.run for plan.fetch_file_argv / push_file_argv: copies between real local files and
+    the session's host files. `plan` scripts the calls per host: "ok", "corrupt" (wrong bytes
+    written, exit 0) or "fail" (nothing written, exit 12); "ok" once the script runs out."""
+
+    def __init__(self, session: FakeSession, plan_by_host: dict[str, list[str]] | None = None) -> None:
+        self.session = session
+        self.plan = {h: list(p) for h, p in (plan_by_host or {}).items()}
+        self.calls: list[list[str]] = []
+        self.hosts = {h.ssh.hostname: h.name for h in INV.hosts}
+
+    def _side(self, arg: str):
+        if ":" in arg and not arg.startswith("/"):
+            address, path = arg.split(":", 1)
+            return self.hosts[address], path
+        return None, arg
+
+    def __call__(self, argv, capture_output=False, text=False):
+        assert capture_output and text
+        self.calls.append(argv)
+        (src_host, src), (dst_host, dst) = self._side(argv[-2]), self._side(argv[-1])
+        steps = self.plan.get(src_host or dst_host, [])
+        what = steps.pop(0) if steps else "ok"
+        if what == "fail":
+            return subprocess.CompletedProcess(argv, 12, "", RSYNC_ERROR + "\n")
+        data = self.session.files[src_host][src] if src_host else Path(src).read_bytes()
+        if what == "corrupt":
+            data = corrupt(data)
+        if dst_host:
+            self.session.files[dst_host][dst] = data
+        else:
+            Path(dst).write_bytes(data)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+
+@pytest.fixture(autouse=True)
+def no_pause(monkeypatch):
+    monkeypatch.setattr(snapshots, "RETRY_PAUSE", 0)
+
+
+def make(tmp_path, session, plan_by_host=None, keep=2, local=()):
+    reports: list[str] = []
+    rsync = FakeRsync(session, plan_by_host)
+    snaps = snapshots.Snapshots(tmp_path / "gpt-1", INV, SPEC, keep=keep, report=reports.append, copy=rsync)
+    for name in local:
+        (snaps.dir / name).write_bytes(DATA[name])
+    return snaps, reports, rsync
+
+
+def digest(data: bytes) -> str:
+    return str(snapshots.Digest(len(data), sha(data)))
+
+
+# ---------------------------------------------------------------- the commands
+
+@pytest.mark.parametrize("command,expected", [
+    (snapshots.list_command(INV, SPEC), "ls -1 /out/gpt-1/snapshots 2>/dev/null; true"),
+    (snapshots.checksum_command(f"{DIR}/{S20}"),
+     f"stat -c %s {DIR}/{S20} && sha256sum {DIR}/{S20}"),
+    (snapshots.checksum_command("/o u t/it's.pt"),
+     "stat -c %s '/o u t/it'\"'\"'s.pt' && sha256sum '/o u t/it'\"'\"'s.pt'"),
+    (snapshots.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
+     f"mv -f {DIR}/.{S20}.copy.tmp {DIR}/{S20}"),
+    (snapshots.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
+])
+def test_commands_are_quoted_once(command, expected):
+    assert command == expected
+
+
+def test_temp_name_is_never_taken_for_a_snapshot_and_the_trainer_clears_it():
+    tmp = snapshots.temp_name(S20)
+    assert tmp == f".{S20}.copy.tmp"
+    assert snapshots.newest([tmp]) is None
+    assert Path(tmp).match(".snapshot-*.tmp")  # trainers/snapshot.write removes these before each write
+
+
+@pytest.mark.parametrize("stdout,expected", [
+    (f"4000\n{sha(b'x')}  {DIR}/{S20}\n", snapshots.Digest(4000, sha(b"x"))),
+    (f"12\n\\{sha(b'x').upper()}  /o\\nut/x\n", snapshots.Digest(12, sha(b"x"))),  # escaped name
+    ("", ValueError),
+    (f"{sha(b'x')}  /f\n", ValueError),
+    ("12\nnot-a-hash  /f\n", ValueError),
+    ("12\n\n", ValueError),
+])
+def test_parse_checksum(stdout, expected):
+    if expected is ValueError:
+        with pytest.raises(ValueError):
+            snapshots.parse_checksum(stdout)
+    else:
+        assert snapshots.parse_checksum(stdout) == expected
+
+
+def test_local_digest(tmp_path):
+    (tmp_path / "f").write_bytes(b"abc" * 1000000)
+    assert snapshots.local_digest(tmp_path / "f") == snapshots.Digest(3000000, sha(b"abc" * 1000000))
+
+
+# ---------------------------------------------------------------- fetch: host -> this machine
+
+REMOTE20 = f"{DIR}/{S20}"
+GONE = f"stat/sha256sum on the host exited 1: stat: cannot statx '{REMOTE20}': No such file or directory"
+TIMED_OUT = CommandTimedOut(A, f"checksumming {REMOTE20}", snapshots.CHECKSUM_TIMEOUT)
+
+
+@pytest.mark.parametrize("copies,checksum_answers,n_copies,why", [
+    (["ok"], [], 1, None),
+    (["corrupt", "ok"], [], 2, None),
+    (["fail", "ok"], [], 2, None),
+    (["corrupt"] * 3, [], 3,
+     f"the copy ({digest(corrupt(DATA[S20]))}) differs from the host's file ({digest(DATA[S20])})"),
+    (["fail"] * 3, [], 3, f"rsync exited 12: {RSYNC_ERROR}"),
+    ([], [Result("", f"stat: cannot statx '{REMOTE20}': No such file or directory\n", 1, 0.01)] * 3, 0, GONE),
+    ([], [TIMED_OUT] * 3, 0, f"no checksum from the host: {TIMED_OUT}"),
+], ids=["first-try", "corrupt-then-ok", "fail-then-ok", "always-corrupt", "always-fail", "gone", "checksum-hangs"])
+def test_fetch_checks_each_copy_and_retries(tmp_path, copies, checksum_answers, n_copies, why, capsys):
+    session = FakeSession({"a": {REMOTE20: DATA[S20]}})
+    session.script[("a", snapshots.checksum_command(REMOTE20))] = list(checksum_answers)
+    snaps, reports, rsync = make(tmp_path, session, {"a": copies}, local=[S10])
+
+    fetched = snaps.fetch(session, A, S20)
+
+    tries = n_copies if not checksum_answers else snapshots.COPY_TRIES
+    # Every try asks the host for the file's size and hash again, under its deadline.
+    assert session.of("a") == [(snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)] * tries
+    tmp = snaps.dir / snapshots.temp_name(S20)
+    assert rsync.calls == [plan.fetch_file_argv(A, REMOTE20, str(tmp))] * n_copies
+    assert not tmp.exists()
+    if why is None:
+        assert fetched and reports == []
+        assert (snaps.dir / S20).read_bytes() == DATA[S20]
+    else:
+        assert not fetched and not (snaps.dir / S20).exists()
+        assert reports == [f"a: could not copy snapshot {S20} to {snaps.dir} in 3 tries (last: {why}); "
+                           f"still {S10} here to resume from. Check a's disk and the network if this repeats"]
+    assert capsys.readouterr() == ("", "")  # nothing printed: the caller's callback says it
+
+
+def test_fetch_of_a_snapshot_not_newer_than_the_local_one_copies_nothing(tmp_path):
+    session = FakeSession({"a": {f"{DIR}/{S10}": DATA[S10]}})
+    snaps, reports, rsync = make(tmp_path, session, local=[S20])
+    assert snaps.fetch(session, A, S10)
+    assert session.calls == [] and rsync.calls == [] and reports == []
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_the_newest_keep_snapshots_are_kept_here(tmp_path, keep):
+    names = [f"snapshot-{s:09d}.pt" for s in range(1, 8)]
+    session = FakeSession({"a": {f"{DIR}/{n}": n.encode() * 10 for n in names}})
+    snaps, reports, _ = make(tmp_path, session, keep=keep)
+    (snaps.dir / "notes.txt").write_text("not a snapshot: left alone")
+    for n in names:
+        assert snaps.fetch(session, A, n)
+    assert sorted(p.name for p in snaps.dir.iterdir()) == ["notes.txt", *names[-keep:]]
+    assert snaps.local_newest() == names[-1] and reports == []
+
+
+def test_keep_below_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="keep=0"):
+        snapshots.Snapshots(tmp_path, INV, SPEC, keep=0, report=print)
+
+
+# ---------------------------------------------------------------- place: this machine -> hosts
+
+REMOTE_TMP = f"{DIR}/{snapshots.temp_name(S20)}"
+CHECK_TMP = (snapshots.checksum_command(REMOTE_TMP), snapshots.CHECKSUM_TIMEOUT)
+MOVE = (snapshots.rename_command(REMOTE_TMP, REMOTE20), snapshots.LIST_TIMEOUT)
+REMOVE = (snapshots.remove_command(REMOTE_TMP), snapshots.LIST_TIMEOUT)
+LIST = (LS, snapshots.LIST_TIMEOUT)
+
+
+@pytest.mark.parametrize("copies,b_commands,why", [
+    (["ok"], [LIST, CHECK_TMP, MOVE], None),
+    (["corrupt", "ok"], [LIST, CHECK_TMP, REMOVE, CHECK_TMP, MOVE], None),
+    (["fail", "ok"], [LIST, REMOVE, CHECK_TMP, MOVE], None),
+    (["corrupt"] * 3, [LIST, CHECK_TMP, REMOVE] * 1 + [CHECK_TMP, REMOVE] * 2,
+     f"the host's copy ({digest(corrupt(DATA[S20]))}) differs from this machine's ({digest(DATA[S20])})"),
+    (["fail"] * 3, [LIST, REMOVE, REMOVE, REMOVE], f"rsync exited 12: {RSYNC_ERROR}"),
+], ids=["first-try", "corrupt-then-ok", "fail-then-ok", "always-corrupt", "always-fail"])
+def test_place_checks_each_push_and_retries(tmp_path, copies, b_commands, why, capsys):
+    # a already holds the same bytes under the name: checked, not copied again; b holds nothing.
+    session = FakeSession({"a": {REMOTE20: DATA[S20]}})
+    snaps, reports, rsync = make(tmp_path, session, {"b": copies}, local=[S20])
+
+    if why is None:
+        assert snaps.place(session, INV) == S20
+        assert session.files["b"] == {REMOTE20: DATA[S20]}
+        assert reports == []
+    else:
+        line = (f"b: could not place snapshot {S20} in {DIR} in 3 tries (last: {why}); check the host's disk "
+                "space and SSH access, or leave it out so a spare takes its place")
+        with pytest.raises(UserError) as err:
+            snaps.place(session, INV)
+        assert str(err.value) == line and reports == [line]
+        assert session.files["b"] == {}  # neither the snapshot's name nor a bad copy is left there
+    assert session.of("a") == [LIST, (snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)]
+    assert session.of("b") == b_commands
+    assert rsync.calls == [plan.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP)] * len(copies)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_place_replaces_a_file_that_has_the_name_but_not_the_bytes(tmp_path):
+    session = FakeSession({"a": {REMOTE20: b"something else"}, "b": {REMOTE20: DATA[S20]}})
+    snaps, reports, rsync = make(tmp_path, session, local=[S20])
+    assert snaps.place(session, INV) == S20
+    assert session.files["a"] == {REMOTE20: DATA[S20]} and session.files["b"] == {REMOTE20: DATA[S20]}
+    assert [c[-1] for c in rsync.calls] == [f"10.0.0.1:{REMOTE_TMP}"] and reports == []
+
+
+def test_place_takes_the_newest_from_any_host_and_another_holder_when_one_copy_fails(tmp_path):
+    r30 = f"{DIR}/{S30}"
+    session = FakeSession({"a": {r30: DATA[S30]}, "b": {r30: DATA[S30], REMOTE20: DATA[S20]}})
+    snaps, reports, rsync = make(tmp_path, session, {"b": ["corrupt"] * 3}, local=[S10])
+    # b's copies of snapshot 30 are all bad; a's is good: 30 is placed, and b's failure was told.
+    assert snaps.place(session, INV) == S30
+    assert (snaps.dir / S30).read_bytes() == DATA[S30]
+    assert sorted(p.name for p in snaps.dir.iterdir()) == [S10, S30]
+    assert len(reports) == 1 and reports[0].startswith(f"b: could not copy snapshot {S30} to ")
+    assert rsync.calls == [plan.fetch_file_argv(B, r30, str(snaps.dir / snapshots.temp_name(S30)))] * 3 + [
+        plan.fetch_file_argv(A, r30, str(snaps.dir / snapshots.temp_name(S30)))]
+
+
+def test_place_with_no_snapshot_anywhere_places_nothing(tmp_path):
+    session = FakeSession()
+    snaps, reports, rsync = make(tmp_path, session)
+    assert snaps.place(session, INV) is None
+    assert [c for _, c, _ in session.calls] == [LS, LS] and rsync.calls == [] and reports == []
+
+
+def test_a_host_that_does_not_answer_is_skipped_when_looking(tmp_path):
+    session = FakeSession({"b": {REMOTE20: DATA[S20]}})
+    session.script[("a", LS)] = [CommandTimedOut(A, "listing snapshots", snapshots.LIST_TIMEOUT)]
+    snaps, _, _ = make(tmp_path, session)
+    assert snapshots.remote_newest(session, A, INV, SPEC) is None
+    assert snapshots.remote_newest(session, B, INV, SPEC) == S20
+
+
+# ---------------------------------------------------------------- follow
+
+def wait_for(predicate, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_follow_reports_a_snapshot_that_fails_every_try_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshots, "SNAPSHOT_POLL", 0.01)
+    session = FakeSession({"a": {REMOTE20: DATA[S20]}})
+    snaps, reports, rsync = make(tmp_path, session, {"a": ["fail"] * 3})
+    stop = threading.Event()
+    t = snaps.follow(session, A, stop)
+    wait_for(lambda: reports)
+    looks = len(session.calls)
+    wait_for(lambda: len(session.calls) > looks + 5)  # later looks see the same name: not tried again
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(rsync.calls) == 3 and len(reports) == 1 and reports[0].startswith(f"a: could not copy snapshot {S20}")
+
+
+def test_follow_looks_once_more_after_stop(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshots, "SNAPSHOT_POLL", 3600)  # no periodic look during the test
+    session = FakeSession()
+    snaps, reports, _ = make(tmp_path, session)
+    stop = threading.Event()
+    t = snaps.follow(session, A, stop)
+    # The job writes its last snapshot and ends before the next periodic look.
+    session.files["a"][REMOTE20] = DATA[S20]
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    assert (snaps.dir / S20).read_bytes() == DATA[S20] and reports == []
+    assert [c for _, c, _ in session.calls] == [LS, snapshots.checksum_command(REMOTE20)]
+
+
+# ---------------------------------------------------------------- the end-of-job fetch
+
+def test_fetch_argv_leaves_the_snapshots_out():
+    h = INV.hosts[1]
+    assert plan.fetch_argv(h, "/out/gpt-1", "runs/gpt-1/outputs/b") == [
+        "rsync", "--recursive", "--times", "--links", "--safe-links", "--timeout=60",
+        "--exclude=/.console/",
+        "--exclude=/snapshots/snapshot-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9].pt",
+        "--exclude=/snapshots/.snapshot-*",
+        "--rsh", shell_ssh(), "10.0.0.2:/out/gpt-1/", "runs/gpt-1/outputs/b"]
+
+
+def shell_ssh() -> str:
+    return ("ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
+            "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes")
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+def test_fetch_argv_filters_with_a_real_rsync(tmp_path):
+    """The same filter rules, run by rsync on local directories: what the end-of-job fetch copies."""
+    src, dest = tmp_path / "out", tmp_path / "fetched"
+    files = {"metrics.jsonl": "m", ".console/node-0.log": "log", f"snapshots/{S10}": "s10", f"snapshots/{S20}": "s20",
+             f"snapshots/.{S30}.123.tmp": "partial", f"snapshots/{snapshots.temp_name(S30)}": "copy",
+             "snapshots/tokenizer.json": "mine", "sub/snapshots/snapshot-000000001.pt": "not the job's"}
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    argv = plan.fetch_argv(INV.hosts[0], str(src), str(dest))
+    i = argv.index("--rsh")
+    subprocess.run([*argv[:i], str(src) + "/", str(dest)], check=True)
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == ["metrics.jsonl", "snapshots/tokenizer.json", "sub/snapshots/snapshot-000000001.pt"]
