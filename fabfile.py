@@ -22,6 +22,7 @@ from orchestrator import inventory as _inventory
 from orchestrator import images as _images
 from orchestrator import cli, hostops, plan
 from orchestrator import job as _job
+from orchestrator import jobs
 from orchestrator import preflight as _preflight
 from orchestrator import recovery
 from orchestrator.events import JsonLines, Terminal
@@ -161,7 +162,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     j = _job.Job(inv, spec, policy, RUNS, reporter, record=record, checks=not skip_preflight, smoke=smoke,
                  watch_options={"console": console, "live": live, "echo": not json})
     if dry_run:
-        print(_job.dry_run(j))
+        print(jobs.dry_run(j))
         return
     try:
         result = _job.run(j)
@@ -169,7 +170,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         _preflight.render(exc.checks, console)
         raise
     cli.present(result, console)
-    error = _job.explain(result)
+    error = jobs.explain(result)
     if error:
         raise error
     again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
@@ -247,11 +248,11 @@ def logs(c, inventory=DEFAULT_INVENTORY, job=None, plain=False):
     inv = _inventory.load(inventory)
     with Session(inv.all_hosts) as session:
         try:
-            result = _job.attach(session, inv, job, RUNS, console, live=not plain)
+            result = jobs.attach(session, inv, job, RUNS, console, live=not plain)
         except KeyboardInterrupt:
             print("detached; the job goes on ('fab stop' ends it)")
             return
-    error = _job.explain(result)
+    error = jobs.explain(result)
     if error:
         raise error
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.live import Live
 
 from . import plan, recovery
-from .attempt import ON_FAILURE, ON_HANG, ON_INTERRUPT, ON_MISSED, ON_SILENT, AttemptPlan, Step
+from .attempt import ON_FAILURE, ON_INTERRUPT, AttemptPlan, Step
 from .errors import UserError
 from .events import Reporter
 from .inventory import Host

@@ -47,7 +47,7 @@ __all__ = [
 
 def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
         run_job=None, code: bool = True, source: Path = plan.PROJECT_ROOT) -> list[Check]:
-    """Every check on every host of `inv`. With `run_job` (launch.run_once: the job lifecycle's one
+    """Every check on every host of `inv`. With `run_job` (job.run_quiet: the job lifecycle's one
     short run), the collective smoke test too."""
     marker = "@@fabtrain-" + secrets.token_hex(4)
     with ThreadPoolExecutor(max_workers=1) as pool:

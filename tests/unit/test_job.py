@@ -4,12 +4,9 @@ says, command for command; --dry-run, plan.txt and the executed commands are the
 import json
 import shlex
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import pytest
-
-from orchestrator import attempt, hostops, job, plan
+from orchestrator import attempt, hostops, job, jobs, plan
 from orchestrator.events import JsonLines, Reporter
 from orchestrator.inventory import parse
 from orchestrator.policy import Policy
@@ -105,7 +102,7 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     hosts = inventory(tmp_path).hosts
     dry = new_job(tmp_path, Recorder(hosts))
-    text = job.dry_run(dry)
+    text = jobs.dry_run(dry)
     rec = Recorder(hosts)
     j = new_job(tmp_path, rec)
     result = job.run(j)
@@ -160,7 +157,7 @@ def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, mo
     assert kinds[0] == "stage" and kinds[-1] == "finished"
     failed = [e for e in events if e["event"] == "host_failed"]
     assert failed and failed[0]["host"] == "node2" and failed[0]["kind"] == "exited"
-    err = str(job.explain(result))
+    err = str(jobs.explain(result))
     assert "node2 (node rank 1) exited with code 3" in err and "--resume gpt-1" in err
     # The failing attempt still ends with every container removed and the runtime files gone.
     stops = [c for c in rec.calls if c[2] == plan.stop_script("gpt-1", 0)]
