@@ -99,8 +99,8 @@ PLAIN_HELP = ("no live status lines at the bottom of the terminal, only the host
 # The options that describe a job: fab train's and the exports'.
 JOB_HELP = {
     "inventory": INV_HELP,
-    "model": "GPT preset: tiny, small or medium",
-    "epochs": "number of epochs",
+    "model": "GPT preset: tiny, small or medium (default tiny)",
+    "epochs": "number of epochs (default 5)",
     "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
     "script": "your own torchrun-compatible script (a path inside --code) instead of a trainer",
     "module": "run a Python module instead (torchrun -m NAME): one installed in the image, or in --code",
@@ -134,8 +134,12 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
-    places); then finish (outputs fetched, runtime files removed). Exits 0 when every node exits 0;
-    otherwise names the host. Ctrl+C stops the job."""
+    places); then finish (outputs fetched, runtime files removed). --dry-run prints the plan that
+    would run; runs/JOB/plan.txt holds it for every attempt. Progress, for the hang watchdog, is a
+    node's step number rising (a `step N` line) or its $FABTRAIN_HEARTBEAT file touched; until it
+    shows either, any output. Snapshots: the newest job.keep_snapshots (2) kept on every host and
+    in runs/JOB/snapshots, copies checked by SHA-256. Exits 0 when every node exits 0; otherwise
+    names the host. Ctrl+C stops the job."""
     if "--" in sys.argv:
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)

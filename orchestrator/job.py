@@ -249,7 +249,15 @@ class Job:
         best = local if fetch else max(filter(None, [local, remote[0] if remote else None]), default=None)
         if best is None:
             return None, ()
-        return best, tuple(h.name for h in inv.hosts if found.value(h.name) != best)
+        holders = tuple(h for h in inv.hosts if found.value(h.name) == best)
+        if fetch and holders:  # the same name is not the same bytes: each holder's copy is checked
+            digest = snapshots.local_digest(here / best)
+            dest = f"{snapshots.snapshots_dir(inv, self.spec)}/{best}"
+            same = self.session.fan_out(lambda h: self.snaps.holds(self.session, h, dest, digest), holders)
+            holders = tuple(h for h in holders if same.value(h.name))
+            facts += [Fact(h.name, snapshots.checksum_command(dest), "same bytes" if same.value(h.name) else
+                           "different bytes: placed again") for h in inv.hosts if h.name in same]
+        return best, tuple(h.name for h in inv.hosts if h not in holders)
 
     def run_attempt(self, a: AttemptPlan) -> Outcome:
         """CLAIM, GATE, SNAPSHOT, START, WATCH, TEARDOWN: how the attempt ended."""
@@ -297,7 +305,9 @@ class Job:
         digest = snapshots.local_digest(self.run_dir / "snapshots" / a.snapshot)
         dest = snapshots.snapshots_dir(a.inv, self.spec)
         targets = tuple(a.host(s.host) for s in a.select("place"))
-        return self.session.fan_out(lambda h: self.snaps.push(self.session, h, a.snapshot, digest, dest), targets)
+        with self.snaps.lock:  # the copier of the last attempt must not prune it meanwhile
+            return self.session.fan_out(lambda h: self.snaps.push(self.session, h, a.snapshot, digest, dest),
+                                        targets)
 
     def gate(self, a: AttemptPlan) -> dict[str, str]:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a

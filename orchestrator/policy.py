@@ -42,6 +42,8 @@ class HostFailure:
     detail: str = ""
 
     def line(self) -> str:
+        if self.kind is Failure.EXIT and self.detail:
+            return f"{self.host} {self.detail}"  # "node2 exited with code 137"
         return f"{self.host} {self.kind.value}" + (f": {self.detail}" if self.detail else "")
 
 

@@ -283,7 +283,7 @@ class Snapshots:
             dest = snapshots_dir(inv, self.spec)
 
             def push(h: Host) -> None:
-                if found.value(h.name) == best and self._holds(session, h, f"{dest}/{best}", digest):
+                if found.value(h.name) == best and self.holds(session, h, f"{dest}/{best}", digest):
                     return
                 self.push(session, h, best, digest, dest)
             errors = [str(e) for e in session.fan_out(push, inv.hosts).errors().values()]
@@ -291,7 +291,7 @@ class Snapshots:
                 raise UserError("\n".join(errors))
             return best
 
-    def _holds(self, session: Session, host: Host, remote_file: str, digest: Digest) -> bool:
+    def holds(self, session: Session, host: Host, remote_file: str, digest: Digest) -> bool:
         """Whether a host's file has exactly these bytes (not just this name)."""
         try:
             return remote_digest(session, host, remote_file) == digest

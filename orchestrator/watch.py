@@ -56,7 +56,7 @@ class NodeEnd:
     by_us: bool = False                # stopped because another node failed, or by Ctrl+C
 
     def failure_line(self) -> HostFailure:
-        return HostFailure(self.host.name, self.failure or Failure.EXIT, self.detail)
+        return HostFailure(self.host.name, self.failure or Failure.EXIT, self.detail + worker_failure(self.tail))
 
     def summary(self) -> str:
         """'exited with code 3', 'lost: no SSH keepalive answer ...', 'hung: no progress ...'."""
