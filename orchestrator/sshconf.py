@@ -95,7 +95,12 @@ def _inline_includes(path: Path, depth: int) -> str:
     if depth > 16:
         raise UserError(f"{path}: Include nested more than 16 deep (a loop?)")
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:  # an Include matching a directory or an unreadable file: ssh refuses it too
+        raise UserError(f"{path}: cannot read this ssh_config file ({exc.strerror}); fix the Include "
+                        "that names it, or its permissions") from None
+    for line in text.splitlines():
         m = re.match(r"^\s*include\s*=?\s*(.+?)\s*$", line, re.I)
         if not m:
             out.append(line)

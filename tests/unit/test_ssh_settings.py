@@ -168,3 +168,12 @@ def test_binary_and_non_utf8_inventories(tmp_path):
     latin.write_bytes(b"hosts:\n  - {address: h, interface: caf\xe9}\n")
     with pytest.raises(UserError, match=r"latin.yaml:2: not UTF-8 text \(byte 0xe9\); save the inventory as UTF-8"):
         load(latin)
+
+
+def test_an_include_of_a_directory_is_a_clear_error(tmp_path):
+    from orchestrator import sshconf
+    (tmp_path / "conf.d").mkdir()
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Include {tmp_path}/conf.d\nHost x\n  HostName 10.0.0.9\n")
+    with pytest.raises(UserError, match=r"conf.d: cannot read this ssh_config file \(Is a directory\)"):
+        sshconf._inline_includes(cfg, 0)
