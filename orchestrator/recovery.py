@@ -1,5 +1,5 @@
-"""What lets a job outlive a failure: its record under runs/JOB, the choice of hosts for the next
-attempt, and the stacks of a hung job (its snapshots are in snapshots.py).
+"""What lets a job outlive a failure: its record under runs/JOB and the stacks of a hung job (the
+next attempt's hosts are policy.py's decision, its snapshots snapshots.py's).
 
 A job keeps one id, one output directory and one set of arguments across attempts (fab train
 --restarts) and across invocations (fab train --resume JOB).
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import plan
 from .errors import UserError
-from .inventory import Host, Inventory
+from .inventory import Inventory
 from .logs import sanitize
 
 RECORD = "job.json"
@@ -86,44 +86,6 @@ class JobRecord:
         return record
 
 
-# ---------------------------------------------------------------- choosing hosts
-
-@dataclass
-class NextHosts:
-    inventory: Inventory
-    notes: list[str]
-
-
-def next_hosts(inv: Inventory, replace_names: list[str], spares: list[Host], min_nodes: int,
-               why: dict[str, str]) -> NextHosts:
-    """The hosts of the next attempt: each host in `replace_names` gives its node rank to the next
-    unused spare (a new rank 0 when rank 0's host goes); with no spare left it is dropped, and the
-    job goes on with fewer nodes only down to `min_nodes`. `spares` is consumed."""
-    hosts, notes, dropped = [], [], []
-    for h in inv.hosts:
-        if h.name not in replace_names:
-            hosts.append(h)
-        elif spares:
-            spare = spares.pop(0)
-            hosts.append(replace(spare, rank=h.rank))
-            notes.append(f"spare {spare.name} takes the place of {h.name} ({why.get(h.name, 'failed')}) "
-                         f"as node rank {h.rank}")
-        else:
-            dropped.append(h)
-    if dropped:
-        names = ", ".join(h.name for h in dropped)
-        if len(hosts) < min_nodes:
-            raise UserError(
-                f"no spare host left to replace {names} ({'; '.join(why.get(h.name, 'failed') for h in dropped)}), "
-                f"and {len(hosts)} node(s) are fewer than the {min_nodes} the job needs. Add hosts under "
-                "'spares:' in the inventory, or allow fewer nodes with --min-nodes, then "
-                "'fab train --resume JOB'")
-        notes.append(f"no spare left: going on without {names} with {len(hosts)} node(s) "
-                     f"(--min-nodes {min_nodes})")
-        hosts = [replace(h, rank=i) for i, h in enumerate(hosts)]
-    return NextHosts(replace(inv, hosts=tuple(hosts)), notes)
-
-
 # ---------------------------------------------------------------- stacks of a hung job
 
 def stack_summary(dump: str) -> list[str]:
@@ -172,14 +134,3 @@ def source_line(code_root: str, path_line: str) -> str:
         return text[int(line) - 1].strip()
     except (OSError, ValueError, IndexError):
         return ""
-
-
-# Seconds of silence from every rank before the watchdog dumps stacks and fails the attempt: as
-# long as NCCL's own collective timeout, so only a job that NCCL would also call stuck is ended.
-HANG_TIMEOUT = 600.0
-BACKOFF_MAX = 30.0
-
-
-def backoff(attempt: int) -> float:
-    """Seconds to wait before attempt `attempt` (2, 3, ...): 1, 2, 4, ... at most BACKOFF_MAX."""
-    return min(BACKOFF_MAX, 2.0 ** (attempt - 2))
