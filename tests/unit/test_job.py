@@ -189,3 +189,25 @@ def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_p
     assert "node2 failed to start" in rec_[0].outcome and rec_[1].outcome == "ok"
     ports = [line for line in (tmp_path / "runs/gpt-1/plan.txt").read_text().splitlines() if line.startswith("# ---- job")]
     assert "10.0.0.1:29501" in ports[0] and "10.0.0.1:29502" in ports[1]
+
+
+def test_a_lost_host_is_never_asked_again_and_the_others_are_torn_down_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class LoseNode2(Recorder):
+        def stream(self, host, command, on_data, chunk=1 << 16, timeout=None):
+            if host.name == "node2" and "tail -c +1" in command:
+                self.calls.append((host.name, host.name, command, None))
+                raise EOFError("link dropped")  # not a UserError: the host is lost
+            if "tail -c +1" in command:
+                time.sleep(0.3)  # node1 is still running when node2 goes
+            return super().stream(host, command, on_data, chunk, timeout)
+    rec = LoseNode2(inventory(tmp_path).hosts)
+    j = new_job(tmp_path, rec)
+    result = job.run(j)
+    assert result.state == "failed" and result.lost == ["node2"]
+    lost_at = max(i for i, c in enumerate(rec.calls) if c[0] == "node2" and "tail -c +1" in c[2])
+    assert [c for c in rec.calls[lost_at + 1:] if c[0] == "node2"] == []  # nothing more asked of it or copied
+    stops = [c for c in rec.calls[lost_at:] if c[0] == "node1" and "docker rm --force" in c[2]]
+    assert len(stops) == 2  # the failure's stop of the others, then the attempt's teardown
+    assert "lost: " in str(jobs.explain(result))
