@@ -65,7 +65,7 @@ def survey_script(inv: Inventory) -> str:
     rt = plan.shell([f"{inv.job.output_dir}/.runtime"])
     return (f"{plan.shell(plan.status_argv())}; echo @@runtime; now=$(date +%s); "
             f"for d in {rt}/*/; do [ -d \"$d\" ] || continue; j=$(basename \"$d\"); "
-            f"if [ -e \"$d{plan.LEASE}\" ]; then echo \"$j $((now - $(stat -c %Y \"$d{plan.LEASE}\")))\"; "
+            f"if [ -e \"${{d}}{plan.LEASE}\" ]; then echo \"$j $((now - $(stat -c %Y \"${{d}}{plan.LEASE}\")))\"; "
             "else echo \"$j none\"; fi; done")
 
 

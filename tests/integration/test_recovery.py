@@ -149,7 +149,7 @@ def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_p
 def test_without_a_spare_the_job_finishes_on_fewer_nodes(inventory_path, tmp_path):
     out = train_and_freeze(inventory_path, tmp_path, "node2", "| step 20 |", "--min-nodes", "1")
     assert "no spare left: going on without node2 with 1 node(s) (--min-nodes 1)" in out
-    assert "world 2 instead of 4: grad_accum 1 -> 2 keeps the global batch of 64 sequences" in out
+    assert "world 2 instead of 4: batch 16 x accum 1 -> 16 x 2 keeps the global batch of 64 sequences" in out
     assert "finished on every host after 2 attempts" in out
     assert final_state(job_id(out))["step"] == 80
 
