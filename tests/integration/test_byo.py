@@ -66,7 +66,7 @@ def test_dry_run_prints_every_command_per_host(inventory_path):
     assert runs[0].endswith(" >/dev/null  # stdin: docker/entrypoint.py")
     assert runs[1].startswith("[node2 rank 1] mkdir -p ")
     assert "--env NODE_RANK=1" in runs[1] and "trainers/gpt.py --model tiny --epochs 1" in runs[1]
-    assert sum(line.startswith("rsync ") for line in lines) == 2
+    assert sum(line.startswith("[local] rsync --archive") for line in lines) == 2
     assert on_host("node1", "docker ps -aq --filter label=fabtrain.managed=1").stdout == ""
 
 
