@@ -81,7 +81,7 @@ def parse_survey(text: str) -> HostJobs:
     dirs: dict[str, float | None] = {}
     for line in runtime.splitlines():
         job, _, age = line.partition(" ")
-        if plan.valid_job_id(job):
+        if plan.valid_job_id(job) and job != plan.IMAGE_CACHE:
             dirs[job] = float(age) if age.lstrip("-").isdigit() else None
     return HostJobs(running, frozenset(any_container), dirs)
 

@@ -240,6 +240,9 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
     return f"{inv.job.output_dir}/.runtime/{job_id}/stopped"
 
 
+# Not a job: the preflight's cache of image facts (python, torch, CUDA per image id), kept in the
+# runtime directory's parent beside the jobs' own directories.
+IMAGE_CACHE = "images"
 LEASE = "lease"        # in the job's runtime directory: touched while `fab train` looks after the job
 LEASE_EVERY = 5.0      # seconds between touches
 # A runtime directory whose lease is this old, with no container of its job, is left over

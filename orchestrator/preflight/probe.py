@@ -92,7 +92,7 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAcce
               'if [ -s "$f" ]; then cat "$f"; exit 0; fi; shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
               'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && mkdir -p "${f%/*}" && printf "%s\\n" "$out" > "$f.$$" '
               '&& mv "$f.$$" "$f";; esac 2>/dev/null; exit $rc')
-    return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/images", *run]
+    return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/{plan.IMAGE_CACHE}", *run]
 
 
 def count_gpus(vendor: str, text: str) -> tuple[int, str]:

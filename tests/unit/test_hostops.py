@@ -17,6 +17,7 @@ def test_survey_finds_containers_and_runtime_leases_and_only_stale_ones_are_left
         (rt / job / plan.LEASE).touch()
         os.utime(rt / job / plan.LEASE, (time.time() - age, time.time() - age))
     (rt / "nolease-1").mkdir()
+    (rt / plan.IMAGE_CACHE).mkdir()  # the preflight's image cache: never a job, never removed
     (tmp_path / "docker").write_text("#!/bin/sh\nprintf 'running-1\\t0\\tfabtrain-running-1-r0\\trunning\\tUp 1h\\n'\n")
     (tmp_path / "docker").chmod(0o755)
     r = subprocess.run(["sh", "-c", hostops.survey_script(inv)], capture_output=True, text=True,
