@@ -111,7 +111,7 @@ def live_jobs(found: PerHost) -> dict[str, list[str]]:
     jobs: dict[str, list[str]] = {}
     for host, hj in found.items():
         if isinstance(hj, HostJobs):
-            for job in {*hj.running, *(j for j, age in hj.runtime.items() if age is not None and age < plan.LEASE_STALE)}:
+            for job in {*hj.running, *(j for j, age in hj.runtime.items() if age is not None and age < plan.LEASE_LIVE)}:
                 jobs.setdefault(job, []).append(host)
     return jobs
 

@@ -245,6 +245,10 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
 IMAGE_CACHE = "images"
 LEASE = "lease"        # in the job's runtime directory: touched while `fab train` looks after the job
 LEASE_EVERY = 5.0      # seconds between touches
+# A lease younger than this means a `fab train` looks after the job right now (it missed at most
+# two touches): `fab stop` ends that job, and a new job on the same hosts is refused. A host lost
+# mid-job keeps an older lease, which blocks nobody.
+LEASE_LIVE = 3 * LEASE_EVERY
 # A runtime directory whose lease is this old, with no container of its job, is left over
 # (FABTRAIN_LEASE_STALE: tests wait seconds, not a minute).
 LEASE_STALE = float(os.environ.get("FABTRAIN_LEASE_STALE", "60"))

@@ -163,6 +163,7 @@ class Watcher:
         self.lost_after = lost_after or 3 * max(h.ssh.keepalive for h in self.hosts)
         self.result = Watched()
         self.last_step: dict[str, int] = {}
+        self.unreadable = 0
 
     # ------------------------------------------------------------ following one node
 
@@ -278,10 +279,14 @@ class Watcher:
         stale = self.progress.stale(self.pending, self.hang_timeout)
         if not stale:
             return None
-        self.read_heartbeats(stale)
+        beats = self.read_heartbeats(stale)
         stale = self.progress.stale(self.pending, self.hang_timeout)
         if not stale:
             return None
+        if any(beats.get(n, "").startswith("unreadable") for n in stale) and self.unreadable < 2:
+            self.unreadable += 1  # a heartbeat that could not be read is asked again, not taken as none
+            return None
+        self.unreadable = 0
         silent = time.monotonic() - max(self.progress.last[n] for n in stale)
         self.result.hung = self.dump_stacks()
         self.reporter.emit("hang", job=self.attempt.job_id, attempt=self.attempt.number, ranks=self.result.hung)
@@ -289,20 +294,32 @@ class Watcher:
         whole = set(stale) == self.pending and len(self.pending) > 1
         what = "no progress from any node" if whole else f"no progress from {blamed.name}"
         return NodeEnd(blamed, failure=Failure.HUNG,
-                       detail=f"{what} for {silent:.0f}s (--hang-timeout {self.hang_timeout:g}); stuck: "
+                       detail=f"{what} for {silent:.0f}s (--hang-timeout {self.hang_timeout:g}; heartbeat: "
+                              f"{', '.join(f'{n} {beats[n]}' for n in stale)}); stuck: "
                               f"{'; '.join(self.result.hung) or 'no stacks could be read'}",
                        tail=self.sinks[blamed.name].last_lines())
 
-    def read_heartbeats(self, names: list[str]) -> None:
-        steps = [self.attempt.step(n, "progress") for n in names]
+    def read_heartbeats(self, names: list[str]) -> dict[str, str]:
+        """Each node's heartbeat age, read on its host, into Progress; per node what was read
+        ('3s ago', 'none': never touched, 'unreadable: ...')."""
+        timeout = self.attempt.step(names[0], "progress").timeout
         got = self.session.fan_out(
-            lambda h: self.session.run(h, self.attempt.step(h.name, "progress").command, timeout=steps[0].timeout,
+            lambda h: self.session.run(h, self.attempt.step(h.name, "progress").command, timeout=timeout,
                                        what="reading the heartbeat"),
             tuple(self.attempt.host(n) for n in names))
+        seen = {}
         for n in names:
-            r = got.value(n)
-            if r is not None and r.ok and r.stdout.strip().lstrip("-").isdigit():
-                self.progress.heartbeat(n, max(0.0, float(r.stdout.strip())))
+            r, answer = got.value(n), ""
+            answer = r.stdout.strip() if r is not None and r.ok else ""
+            if answer.lstrip("-").isdigit():
+                self.progress.heartbeat(n, max(0.0, float(answer)))
+                seen[n] = f"{answer}s ago"
+            elif answer == "none":
+                seen[n] = "none"
+            else:
+                err = got.error(n)
+                seen[n] = "unreadable: " + sanitize(str(err) if err else (r.stderr.strip()[-100:] or answer[-100:]))
+        return seen
 
     def blame(self, stale: list[str]) -> Host:
         """The host of the first stuck rank that is not waiting in a collective (it is what the

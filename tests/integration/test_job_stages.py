@@ -117,8 +117,8 @@ def test_progress_not_output_decides_a_hang(inventory_path):
     assert "failed: node2 (node rank 1) hung" in r.stderr  # the rank the others wait for
     assert took < 10 + 60, took
     # A quiet phase twice the hang timeout, with the heartbeat touched: not a hang.
-    r = fab(inventory_path, "train", "--script", PROGRESS, "--args", "--mode quiet-phase --quiet 20",
-            "--hang-timeout", "8", "--skip-preflight", timeout=240)
+    r = fab(inventory_path, "train", "--script", PROGRESS, "--args", "--mode quiet-phase --quiet 30",
+            "--hang-timeout", "12", "--skip-preflight", timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "rank 0 step 5" in r.stdout and "hang watchdog" not in r.stdout + r.stderr
 

@@ -12,7 +12,7 @@ from orchestrator.remote import PerHost
 def test_survey_finds_containers_and_runtime_leases_and_only_stale_ones_are_left_over(tmp_path):
     inv = parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
     rt = tmp_path / "out" / ".runtime"
-    for job, age in (("live-1", 5), ("old-1", 3600), ("running-1", 3600)):
+    for job, age in (("live-1", 5), ("lost-1", 30), ("old-1", 3600), ("running-1", 3600)):
         (rt / job).mkdir(parents=True)
         (rt / job / plan.LEASE).touch()
         os.utime(rt / job / plan.LEASE, (time.time() - age, time.time() - age))
@@ -24,7 +24,7 @@ def test_survey_finds_containers_and_runtime_leases_and_only_stale_ones_are_left
                        env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
     found = hostops.parse_survey(r.stdout)
     assert found.running == {"running-1": 0}
-    assert found.runtime["live-1"] < 60 and found.runtime["old-1"] >= 3600 and found.runtime["nolease-1"] is None
+    assert found.runtime["live-1"] < plan.LEASE_LIVE <= found.runtime["lost-1"] < plan.LEASE_STALE and found.runtime["old-1"] >= 3600 and found.runtime["nolease-1"] is None
     per = PerHost(h=found)
     assert hostops.live_jobs(per) == {"running-1": ["h"], "live-1": ["h"]}
     assert hostops.stale_runtime(per) == {"h": ["nolease-1", "old-1"]}
