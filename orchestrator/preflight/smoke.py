@@ -25,7 +25,7 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
     result = run_job(session, inv, spec, run_dir)
     out = []
     for h in inv.hosts:
-        o = result.outcomes.get(h.name)
+        o = result.ends.get(h.name)  # watch.NodeEnd
         log = (run_dir / f"{h.name}.log").read_text(errors="replace") if (run_dir / f"{h.name}.log").exists() else ""
         m = re.search(r"SMOKE ok backend=(\S+) world=(\d+) .*?busbw=([\d.]+) MB/s", log)
         if o and o.exit_code == 0 and m:
@@ -34,7 +34,7 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
         elif o and o.exit_code == 0:
             out.append(Check(h.name, "smoke", OK, "all_reduce ok"))
         else:
-            why = (o.error if o and o.error else f"exit {o.exit_code if o else '?'}") + f": {_last(log)}"
+            why = (o.summary() if o and o.failure else f"exit {o.exit_code if o else '?'}") + f": {_last(log)}"
             out.append(Check(h.name, "smoke", FAIL, f"collective failed ({why})", f"see {run_dir / (h.name + '.log')}"))
     return out
 

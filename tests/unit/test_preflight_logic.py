@@ -175,3 +175,21 @@ def test_hosts_whose_images_hold_different_versions_are_warned():
     assert checks == [pf.Check("c", "image", "warn", "python 3.11.2, torch 2.4.0, CUDA 12.4 here, "
                                "python 3.11.2, torch 2.5.1, CUDA 12.4 on the others",
                                "run one image everywhere (job.image), or the same versions in each")]
+
+
+def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended():
+    from orchestrator.watch import NodeEnd, Watched
+    from orchestrator.policy import Failure
+    inv = parse("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n"
+                "  - {name: b, address: 10.0.0.2, interface: eth0}\n", Path("i.yaml"))
+
+    def run_job(session, inv_, spec, run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "a.log").write_text("SMOKE ok backend=gloo world=4 size=8MB time=1ms busbw=700.0 MB/s\n")
+        (run_dir / "b.log").write_text("boom\n")
+        return Watched(ends={"a": NodeEnd(inv.hosts[0], exit_code=0),
+                             "b": NodeEnd(inv.hosts[1], exit_code=3, failure=Failure.EXIT, detail="exited with code 3")})
+    checks = pf.smoke_test(None, inv, None, [], run_job)
+    assert [(c.host, c.status) for c in checks] == [("a", pf.OK), ("b", pf.FAIL)]
+    assert "all_reduce over 4 ranks (gloo), bus bw 700 MB/s" in checks[0].detail
+    assert checks[1].detail == "collective failed (exited with code 3: boom)"
