@@ -294,8 +294,8 @@ class Watcher:
         whole = set(stale) == self.pending and len(self.pending) > 1
         what = "no progress from any node" if whole else f"no progress from {blamed.name}"
         return NodeEnd(blamed, failure=Failure.HUNG,
-                       detail=f"{what} for {silent:.0f}s (--hang-timeout {self.hang_timeout:g}; heartbeat: "
-                              f"{', '.join(f'{n} {beats[n]}' for n in stale)}); stuck: "
+                       detail=f"{what} for {silent:.0f}s (--hang-timeout {self.hang_timeout:g}); heartbeat: "
+                              f"{', '.join(f'{n} {beats[n]}' for n in stale)}; stuck: "
                               f"{'; '.join(self.result.hung) or 'no stacks could be read'}",
                        tail=self.sinks[blamed.name].last_lines())
 

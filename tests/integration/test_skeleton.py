@@ -34,10 +34,11 @@ def test_preflight_fails_naming_rank0_when_master_port_taken(inventory_path, inv
         assert r.returncode == 1
         assert f"FAIL node1 port: master port {port} already in use by python3 (pid" in r.stdout
         assert "node2 port" not in r.stdout
-        # fab train runs the same gate and starts nothing.
-        t = fab(inventory_path, "train", "--epochs", "1")
-        assert t.returncode == 1
-        assert "preflight failed on node1; nothing was started" in t.stderr
+        # fab train takes the next free port instead, read on rank 0's host and shown in its plan.
+        t = fab(inventory_path, "train", "--epochs", "1", "--dry-run")
+        assert t.returncode == 0, t.stderr
+        assert f"[node1] ss -Htln  -> {port + 1} free" in t.stdout
+        assert f"MASTER_PORT={port + 1}" in t.stdout and f"MASTER_PORT={port} " not in t.stdout
         assert project_containers("node1") == [] and project_containers("node2") == []
     finally:
         on_host("node1", "pkill -f port-holder", check=False)
