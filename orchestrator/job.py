@@ -429,8 +429,10 @@ class Job:
         self.record.save(self.run_dir)
         reachable = tuple(h for h in self.used.values() if h.name not in self.lost)
         if a is not None and reachable and self.snaps is not None:
-            # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each).
-            self.find_snapshot(replace(a.inv, hosts=reachable), [], fetch=True)
+            # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each). No
+            # attempt follows, so no host's copy needs checking for placement (hosts=()): every
+            # host used is still asked where the newest is.
+            self.find_snapshot(replace(a.inv, hosts=()), [], fetch=True)
         if a is not None and reachable:
             ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir))
             for h in reachable:
