@@ -13,6 +13,7 @@ from dataclasses import replace
 import sys
 from pathlib import Path
 
+from fabric import Connection
 from invoke import Collection, Exit, task
 from rich.console import Console
 
@@ -31,10 +32,23 @@ from orchestrator.errors import UserError
 from orchestrator.logs import sanitize
 from orchestrator.remote import CommandTimedOut, Session, failure
 
-DEFAULT_INVENTORY = "inventory.yaml"
 RUNS = Path("runs")
 console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in logs and pipes
-INV_HELP = "inventory file (default: inventory.yaml)"
+INV_HELP = "inventory file (default: $FABTRAIN_INVENTORY, else inventory.yaml here)"
+
+
+def fabric_core_flags(c) -> None:
+    """Fabric's -H, -i and -S choose hosts, keys and an ssh_config for Fabric's own connections;
+    fabtrain takes all three from the inventory, so they stop with a clear error, never ignored."""
+    if isinstance(c, Connection):
+        raise UserError(f"-H/--hosts ({c.host}) is Fabric's host list; fabtrain's hosts come from the inventory "
+                        "(--inventory PATH). Leave -H out", exit_code=2)
+    if c.config.connect_kwargs.get("key_filename"):
+        raise UserError("-i/--identity is Fabric's key option; fabtrain takes keys from the inventory (ssh: key:, "
+                        "or per host) or your ssh-agent and ~/.ssh/config. Leave -i out", exit_code=2)
+    if getattr(c.config, "_runtime_ssh_path", None):
+        raise UserError("-S/--ssh-config is Fabric's option; fabtrain reads ~/.ssh/config, or the file named by the "
+                        "inventory's ssh: config: field. Leave -S out", exit_code=2)
 
 
 def user_errors(fn):
@@ -42,6 +56,7 @@ def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            fabric_core_flags(args[0])
             return fn(*args, **kwargs)
         except UserError as exc:
             print(f"error: {sanitize(str(exc))}", file=sys.stderr)
@@ -49,27 +64,31 @@ def user_errors(fn):
     return wrapper
 
 
-CODE_HELP = "local directory to sync to job.code_dir and run from (default: this project)"
+CODE_HELP = ("your project's folder, with --script/--module: synced to job.code_dir/KEY (KEY names its "
+             "contents) and linked into the job's writable working directory (default: the current directory)")
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "code": CODE_HELP})
+TREE_HELP = "your project's folder (default: this project's built-in trainers)"
+
+
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "code": TREE_HELP})
 @user_errors
-def sync(c, inventory=DEFAULT_INVENTORY, code=None):
-    """Copy the code (rsync, in parallel) to job.code_dir on every host."""
+def sync(c, inventory=None, code=None):
+    """Copy the code (rsync, in parallel) to job.code_dir/KEY on every host (fab train does this itself)."""
     inv = _inventory.load(inventory)
     with Session(inv.hosts) as session:
-        times = hostops.sync(session, inv, cli.code_dir(code))
+        dest, times = hostops.sync(session, inv, *cli.code_tree(code))
     for host, seconds in times.items():
-        print(f"{host}: synced in {seconds:.2f}s")
+        print(f"{host}: synced to {dest} in {seconds:.2f}s")
 
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
             "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
             "clock_warn": "warn above this clock offset, seconds (default 0.05)",
-            "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": CODE_HELP})
+            "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": TREE_HELP})
 @user_errors
-def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=True, clock_warn=0.05,
-              clock_fail=0.5, code=None):
+def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_warn="0.05",
+              clock_fail="0.5", code=None):
     """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
@@ -79,8 +98,9 @@ def preflight(c, inventory=DEFAULT_INVENTORY, json=False, strict=False, smoke=Tr
     inv = _inventory.load(inventory)
     limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
+        source, only = cli.code_tree(code)
         checks = _preflight.run(session, inv, limits=limits, run_job=_job.run_quiet if smoke else None,
-                                source=cli.code_dir(code))
+                                source=source, only=only)
     if json:
         print(_preflight.to_json(checks, strict))
     else:
@@ -114,12 +134,20 @@ JOB_HELP = {
 
 @task(auto_shortflags=False, help={
     **JOB_HELP,
+    "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working directory, "
+                  "or under /output; default: job.checkpoint): kept here and put back on every host for a restart, "
+                  "--resume or --continue",
     "dry_run": "print the attempt's plan (every command per host, in order) and start nothing",
     "skip_preflight": "start without the preflight checks (code is still synced)",
     "smoke": "also run the collective smoke test before starting",
     "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
-              "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args and --image may "
-              "change what was recorded",
+              "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args, --image, --code and "
+              "--checkpoint may change what was recorded (a finished job continues with new --epochs or --args)",
+    "include": "run on these hosts only, joined by @ (DeepSpeed's syntax): --include node1@node3",
+    "exclude": "run on every host but these: --exclude node2",
+    "num_nodes": "run on the first N hosts (of --include's, or hosts:) that no other job holds",
+    "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, from its "
+                 "newest snapshot or checkpoint, finished or not; a new job when there is none",
     "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
     "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
     "hang_timeout": f"seconds without progress (README: progress) before the stacks are dumped and the "
@@ -130,7 +158,8 @@ JOB_HELP = {
 @user_errors
 def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
-          resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False):
+          resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
+          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None):
     """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
@@ -144,27 +173,49 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)
     given = dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image, nproc=nproc,
-                 name=name, code=code, module=module)
+                 name=name, code=code, module=module, checkpoint=checkpoint)
+    if resume and continue_:
+        raise UserError("--resume names the job to continue and --continue finds it by --name; give one", exit_code=2)
+    if continue_:
+        resume = cli.find_named(RUNS, cli.default_name(given, TRAINERS))
+        if resume is None:
+            print(f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one")
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
         inv = _inventory.load(inventory or record.inventory)
-        spec = cli.resumed_spec(record, given)
+        if record.selected and not (include or exclude or num_nodes):
+            include = "@".join(record.selected)
+        spec, changed = cli.resumed_spec(record, given, TRAINERS, again=continue_)
         policy = cli.policy(inv, record.restarts if restarts is None else restarts,
                             record.min_nodes if min_nodes is None else min_nodes,
                             record.hang_timeout if hang_timeout is None else hang_timeout)
         record = replace(record, restarts=policy.restarts, min_nodes=policy.min_nodes,
-                         hang_timeout=policy.hang_timeout)
+                         hang_timeout=policy.hang_timeout,
+                         resumes=[*record.resumes, cli.resume_entry(record, changed)])
         if not json:
-            console.print(f"resuming job {spec.job_id} ({len(record.attempts)} attempt(s) so far, {record.state})")
+            console.print(f"{'continuing' if continue_ else 'resuming'} job {spec.job_id} ({len(record.attempts)} "
+                          f"attempt(s) so far, {record.state}){cli.changes_line(changed)}")
     else:
-        inv = _inventory.load(inventory or DEFAULT_INVENTORY)
-        policy = cli.policy(inv, restarts or 0, min_nodes, hang_timeout)
-        spec = cli.new_spec(given, TRAINERS)
+        inv = _inventory.load(inventory)
         record = None
+    selected = include or exclude or num_nodes is not None
+    if selected:
+        busy = set()
+        if num_nodes is not None:
+            with Session(inv.all_hosts) as session:
+                busy = {h for hosts in hostops.live_jobs(hostops.survey(session, inv)).values() for h in hosts}
+        inv = cli.select_hosts(inv, include, exclude, busy, num_nodes)
+    if record is not None:
+        record.selected = [h.name for h in inv.hosts] if selected else record.selected
+    else:
+        policy = cli.policy(inv, restarts or 0, min_nodes, hang_timeout)
+        spec = cli.new_spec({**given, "checkpoint": checkpoint or cli.inventory_checkpoint(inv)}, TRAINERS)
     reporter = JsonLines() if json else Terminal(console)
     live = not (plain or json)
     j = _job.Job(inv, spec, policy, RUNS, reporter, record=record, checks=not skip_preflight, smoke=smoke,
                  watch_options={"console": console, "live": live, "echo": not json})
+    if selected and record is None:
+        j.record.selected = [h.name for h in inv.hosts]
     if dry_run:
         print(jobs.dry_run(j))
         return
@@ -185,7 +236,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "stop only this job (default: every fabtrain job)",
                                    "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
 @user_errors
-def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
+def stop(c, inventory=None, job=None, grace=None):
     """Stop and remove this project's containers on every host, found by label, and end their jobs:
     a `fab train` watching one (between two attempts too) ends it without restarting. Left-over
     runtime files (secrets included) of jobs no longer looked after are removed. Safe to repeat.
@@ -215,7 +266,7 @@ def stop(c, inventory=DEFAULT_INVENTORY, job=None, grace=None):
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP})
 @user_errors
-def status(c, inventory=DEFAULT_INVENTORY):
+def status(c, inventory=None):
     """List this project's containers (job, rank, state) on every host. A host that does not answer
     within 10 s (SSH down, or a stuck Docker engine) is named; exits non-zero then."""
     from rich.table import Table
@@ -247,7 +298,7 @@ def status(c, inventory=DEFAULT_INVENTORY):
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "job id (default: the one running)",
                                    "plain": PLAIN_HELP})
 @user_errors
-def logs(c, inventory=DEFAULT_INVENTORY, job=None, plain=False):
+def logs(c, inventory=None, job=None, plain=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     inv = _inventory.load(inventory)
     with Session(inv.all_hosts) as session:
@@ -303,7 +354,7 @@ def _warn(warnings) -> None:
             "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
             "partition": "#SBATCH --partition", "time": "#SBATCH --time (e.g. 12:00:00)"})
 @user_errors
-def slurm(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None, args="",
+def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
           image=None, nproc=None, name=None, code=None, module=None, out=None, pyxis=False,
           partition=None, time=None):
     """Write the job as an sbatch script: one task per node starting the same container (devices, env,
@@ -323,7 +374,7 @@ def slurm(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt",
 @task(auto_shortflags=False, help={**JOB_HELP, "out": "directory to write pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
             "restarts": "pod failures the job tolerates (backoffLimit, default 0)"})
 @user_errors
-def k8s(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", script=None, args="",
+def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
         image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
     """Write the job as Kubernetes manifests: a Kubeflow PyTorchJob, and an Indexed Job with a headless
     Service for clusters without the training operator. Same image, env, GPUs and entrypoint;
@@ -341,15 +392,15 @@ def k8s(c, inventory=DEFAULT_INVENTORY, model="tiny", epochs=5, trainer="gpt", s
           f"apply one with kubectl apply -f")
 
 
-@task(auto_shortflags=False, help={"hosts": "number of test hosts (default 2)",
+@task(auto_shortflags=False, help={"nodes": "number of test hosts (default 2)",
             "spares": "number of spare hosts, listed under spares: (default 0)",
             "write_inventory": "also write the matching inventory to this path",
             "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm"})
 @user_errors
-def up(c, hosts=2, spares=0, write_inventory=None, slurm=False):
+def up(c, nodes=2, spares=0, write_inventory=None, slurm=False):
     """Start (or reuse) the local cluster: N Docker-in-Docker hosts with sshd and their own Docker
     engine on a private network, the trainer image loaded in each, host keys recorded."""
-    _cluster.up(int(hosts), write_inventory, spares=int(spares), slurm=slurm)
+    _cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm)
 
 
 @task(auto_shortflags=False)
@@ -360,15 +411,15 @@ def down(c):
 
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "image": "image to push (default: job.image)",
-            "hosts": "comma-separated host names (default: every host)"})
+            "only": "comma-separated host names (default: every host)"})
 @user_errors
-def push(c, inventory=DEFAULT_INVENTORY, image=None, hosts=None):
+def push(c, inventory=None, image=None, only=None):
     """Copy a local image to every host over SSH (docker save | docker load, streamed to all hosts at
     once), skipping hosts that hold the same image id and verifying the id after."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
     inv = _inventory.load(inventory)
     image = image or inv.job.image
-    selected = inv.select(hosts.split(",") if hosts else None)
+    selected = inv.select(only.split(",") if only else None)
     with Session(selected) as session, Progress(
             "{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
             console=console, transient=True) as progress:

@@ -37,3 +37,10 @@ if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements 2>
   .venv/bin/pip install -q -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
   cp requirements.txt .venv/.requirements
 fi
+
+# The `fabtrain` command (.venv/bin/fabtrain), runnable from any directory: this clone, installed
+# in place (its dependencies are the pinned ones above).
+if [ ! -x .venv/bin/fabtrain ] || ! .venv/bin/python -c 'import orchestrator.program' >/dev/null 2>&1; then
+  echo "==> fabtrain command (.venv/bin/fabtrain)"
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "^WARNING: Location" >&2)
+fi

@@ -3,7 +3,9 @@
 #   fabtrain/base:bookworm  Debian minbase + python3, made with debootstrap from this machine's mirror
 #   fabtrain/host:latest    a test host: sshd, its own Docker engine, rsync, chrony, iptables, faketime,
 #                           Slurm and munge (started by fab cluster.up --slurm)
-#   fabtrain/trainer:latest base + CPU torch + the environment-driven entrypoint
+#   fabtrain/trainer:latest base + CPU torch + hydra-core (so the many hydra-configured training
+#                           programs, pytorch/examples' minGPT-DDP among them, run as they are) +
+#                           the environment-driven entrypoint
 # Each image carries a label with a hash of its build inputs and is rebuilt only when that hash
 # changes (FORCE=1 rebuilds all), so running this twice reuses what is there and an edited
 # entrypoint or init script never leaves a stale image behind.
@@ -78,12 +80,12 @@ if ! have "$HOST" "$HOST_KEY"; then
 fi
 
 if ! have "$TRAINER" "$TRAINER_KEY"; then
-  echo "==> build $TRAINER (torch $TORCH, CPU)"
+  echo "==> build $TRAINER (torch $TORCH, CPU; hydra-core)"
   ctx=$work/trainer-ctx
   rm -rf "$ctx"; mkdir -p "$ctx"
   # torch is installed here, into a plain directory, so the image gets one layer of installed files
   # and never a copy of the wheel. The CPU wheel comes from the machine's pip configuration.
-  python3 -m pip install -q --no-compile --target "$ctx/site" "torch==$TORCH" "numpy==${NUMPY_VERSION:-2.4.6}" >"$work/pip.log" 2>&1 \
+  python3 -m pip install -q --no-compile --target "$ctx/site" "torch==$TORCH" "numpy==${NUMPY_VERSION:-2.4.6}" "hydra-core==${HYDRA_VERSION:-1.3.2}" >"$work/pip.log" 2>&1 \
     || { tail -20 "$work/pip.log" >&2; exit 1; }
   rm -rf "$ctx"/site/bin
   cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"

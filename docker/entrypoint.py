@@ -193,6 +193,7 @@ def main() -> None:
     gpus = gpu_count() if env.get("NPROC_PER_NODE", "auto") == "auto" else 0
     argv, child, banner = plan(env, sys.argv[1:], gpus)
     heartbeat(child)
+    link_code(env)
     print(banner, flush=True)
     sys.exit(run_node(argv, child))
 
@@ -200,6 +201,34 @@ def main() -> None:
 # The node's last line, read by fabtrain from the console file: how its ranks ended, even when the
 # host's Docker engine cannot say (a frozen engine never answers `docker wait`).
 EXIT_LINE = "[fabtrain] node exit code "
+
+
+def link_code(env: dict[str, str]) -> None:
+    """FABTRAIN_CODE: the job's code, mounted read-only. The working directory (writable, in the
+    job's outputs) gets its directories and a link to each of its files, so the program runs as
+    from its own folder and its relative writes (checkpoints/, outputs/) land in the outputs. A link
+    into the code left by an earlier attempt whose file is gone (the code changed) is removed; a
+    file the program wrote is never touched. Every node of a shared output directory may do this at
+    once."""
+    code, here = env.get("FABTRAIN_CODE"), os.getcwd()
+    if not code or not os.path.isdir(code):
+        return
+    for dirpath, dirnames, filenames in os.walk(here):
+        for name in filenames + dirnames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) and os.readlink(path).startswith(code + "/") and not os.path.exists(path):
+                os.unlink(path)
+    for dirpath, dirnames, filenames in os.walk(code):
+        rel = os.path.relpath(dirpath, code)
+        target_dir = os.path.normpath(os.path.join(here, rel))
+        os.makedirs(target_dir, exist_ok=True)
+        for name in filenames:
+            link = os.path.join(target_dir, name)
+            if not os.path.lexists(link):
+                try:
+                    os.symlink(os.path.join(dirpath, name), link)
+                except FileExistsError:  # another node of a shared directory was first
+                    pass
 
 
 def heartbeat(env: dict[str, str]) -> None:

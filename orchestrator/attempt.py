@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import plan
+from . import plan, resources
 from .errors import UserError
 from .inventory import Host, Inventory
 from .remote import put_command
-from .snapshots import CHECKSUM_TIMEOUT, push_commands
+from .snapshots import CHECKSUM_TIMEOUT, layout, local_dir_name, push_commands
 
 # Deadlines of the remote steps, seconds. A host that passes one is named as stuck; the other
 # hosts are still served.
@@ -173,17 +173,17 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     steps = [remote_step(h, "claim", plan.claim_script(inv, spec.job_id, first), STATUS_TIMEOUT,
                          what="claiming the job's runtime directory") for h in hosts]
     if sync:
-        steps += [local_step(h, "sync", plan.rsync_argv(h, spec.code, job.code_dir), what="syncing the code")
+        steps += [local_step(h, "sync", plan.rsync_argv(h, spec.code, plan.code_path(inv, spec), spec.code_only), what="syncing the code")
                   for h in hosts]
     # After the gate: `fab stop` during the preflight ends the job before anything starts.
     steps += [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
                           what="checking for fab stop") for h in hosts]
     run_dir = run_dir or f"runs/{spec.job_id}"
-    run_dir_snaps = f"{run_dir}/snapshots"
-    snaps = f"{job.output_dir}/{spec.job_id}/snapshots"
+    shape = layout(spec)  # our snapshots, or the program's own checkpoints
+    local = Path(run_dir) / local_dir_name(spec)
     for h in hosts if snapshot else ():
         if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
-            push, check, rename = push_commands(h, f"{run_dir_snaps}/{snapshot}", snaps, snapshot)
+            push, check, rename = push_commands(h, str(shape.local(local, snapshot)), shape.remote(inv, spec, snapshot))
             steps += [local_step(h, "place", push, what="placing the snapshot"),
                       remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
                       remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy")]
@@ -195,7 +195,7 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
                                      stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
         steps.append(remote_step(h, "start", plan.start_script(inv, h, spec, access.get(h.name)), START_TIMEOUT,
                                  what="docker run", stdin=plan.ENTRYPOINT_SOURCE.read_bytes(),
-                                 stdin_note=str(plan.ENTRYPOINT_SOURCE.relative_to(plan.PROJECT_ROOT))))
+                                 stdin_note=resources.ENTRYPOINT_NAME))
     for h in hosts:
         steps.append(remote_step(h, "follow", plan.follow_logs_script(inv, spec, h.rank), None,
                                  what="following the node's output"))
@@ -208,9 +208,11 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     steps += [remote_step(h, "lease", plan.shell(["touch", f"{plan.runtime_dir(inv, spec)}/{plan.LEASE}"]),
                           STATUS_TIMEOUT, ON_LEASE, what="touching the job's lease") for h in hosts]
     m = inv.master
-    steps.append(remote_step(m, "snapshot-list", plan.shell(["ls", "-1", snaps]) + " 2>/dev/null; true",
-                             STATUS_TIMEOUT, ON_SNAPSHOT, what="listing snapshots"))
-    steps.append(local_step(m, "snapshot-fetch", plan.fetch_file_argv(m, f"{snaps}/NAME", f"{run_dir_snaps}/NAME"),
+    steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT, ON_SNAPSHOT,
+                             what="listing snapshots"))
+    some = "NAME" if not spec.checkpoint else "00000000000000000000 PATH"  # the name found, when it runs
+    steps.append(local_step(m, "snapshot-fetch", plan.fetch_file_argv(m, shape.remote(inv, spec, some),
+                                                                      str(shape.local(local, some))),
                             ON_SNAPSHOT, what="copying a snapshot"))
     for h in hosts:
         steps.append(remote_step(h, "progress", plan.progress_script(inv, spec, h.rank), STATUS_TIMEOUT, ON_SILENT,

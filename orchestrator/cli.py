@@ -3,11 +3,12 @@ what is shown when a job ends. fabfile.py's tasks only parse options and call th
 """
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import replace
 from pathlib import Path
 
-from . import plan, report
+from . import codetree, plan, report
 from .errors import UserError
 from .inventory import Inventory
 from .logs import sanitize
@@ -16,17 +17,27 @@ from .recovery import JobRecord
 
 
 def code_dir(path: str | None) -> Path:
-    p = Path(path).expanduser().resolve() if path else plan.PROJECT_ROOT
+    """--code DIR, checked; without it, the current directory (where a user runs their own script from)."""
+    p = Path(path or ".").expanduser().resolve()
     if not p.is_dir():
         raise UserError(f"--code {path}: not a directory; give the folder holding your training code", exit_code=2)
     return p
 
 
+def code_tree(path: str | None) -> tuple[Path, str]:
+    """What `fab sync` and `fab preflight` check: --code DIR, or the built-in trainers."""
+    return (code_dir(path), "") if path else (plan.PROJECT_ROOT, codetree.BUILTIN_ONLY)
+
+
 def new_spec(o: dict, trainers: dict[str, str]) -> plan.JobSpec:
     """A new job from the command line (`o`: the job options, None where not given): a built-in
-    trainer, --script or --module, with its arguments."""
-    source = code_dir(o.get("code"))
+    trainer (this project's trainers/), or --script or --module in --code DIR (default: the
+    current directory), with its arguments."""
     script, module, args = o.get("script"), o.get("module"), o.get("args") or ""
+    if not (script or module) and o.get("code"):
+        raise UserError("--code is the folder of your own --script or --module; the built-in trainers bring "
+                        "their own", exit_code=2)
+    source, only = (code_dir(o.get("code")), "") if script or module else (plan.PROJECT_ROOT, codetree.BUILTIN_ONLY)
     if script and module:
         raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
     if module:
@@ -36,7 +47,8 @@ def new_spec(o: dict, trainers: dict[str, str]) -> plan.JobSpec:
         script, extra = module, split_args(args)
     elif script:
         if not (source / script).is_file():
-            raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code", exit_code=2)
+            raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code DIR "
+                            "(default: the current directory)", exit_code=2)
         extra = split_args(args)
     else:
         trainer = o.get("trainer") or "gpt"
@@ -45,12 +57,35 @@ def new_spec(o: dict, trainers: dict[str, str]) -> plan.JobSpec:
                             exit_code=2)
         script = trainers[trainer]
         extra = ["--model", o.get("model") or "tiny", "--epochs", str(epochs(o.get("epochs") or 5)), *split_args(args)]
-    job_name = o.get("name") or (module.rsplit(".", 1)[-1] if module else Path(script).stem).replace("_", "-")
+    job_name = default_name(o, trainers)
     if not plan.valid_job_id(job_name):
         raise UserError(f"--name {sanitize(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
     nproc = o.get("nproc")
+    checkpoint = checkpoint_option(o.get("checkpoint"))
+    if checkpoint and script in trainers.values() and not module:
+        raise UserError("--checkpoint names where your own program writes its checkpoints; the built-in "
+                        "trainers' snapshots are kept without it", exit_code=2)
     return plan.JobSpec(job_id=plan.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra),
-                        image=o.get("image"), nproc_per_node=str(nproc) if nproc else None, code=str(source))
+                        image=o.get("image"), nproc_per_node=str(nproc) if nproc else None, code=str(source),
+                        code_only=only, code_key=codetree.key(source, only), checkpoint=checkpoint)
+
+
+def checkpoint_option(value: str | None) -> str:
+    """--checkpoint as JobSpec.checkpoint ("" when not given)."""
+    if not value:
+        return ""
+    try:
+        return plan.checkpoint_pattern(value)
+    except ValueError as exc:
+        raise UserError(f"--checkpoint {exc}", exit_code=2) from None
+
+
+def default_name(o: dict, trainers: dict[str, str]) -> str:
+    """--name, else the module's, script's or trainer's name (what --continue looks for in runs/)."""
+    if o.get("name"):
+        return o["name"]
+    module, script = o.get("module"), o.get("script") or trainers.get(o.get("trainer") or "gpt", "job")
+    return (module.rsplit(".", 1)[-1] if module else Path(script).stem).replace("_", "-")
 
 
 def split_args(args: str) -> list[str]:
@@ -70,7 +105,8 @@ def epochs(value) -> int:
     return n
 
 
-# What a resumed job keeps, because its snapshots and ranks depend on it.
+# What a resumed job keeps, because its snapshots and ranks depend on it: given again with the
+# recorded value, fine (the same command run again with --continue); with another, refused.
 FIXED_ON_RESUME = {
     "trainer": "what the job runs", "script": "what the job runs", "module": "what the job runs",
     "model": "the model its snapshots hold", "nproc": "its processes per node (the snapshots' world size)",
@@ -78,14 +114,38 @@ FIXED_ON_RESUME = {
 }
 
 
-def resumed_spec(record: JobRecord, o: dict) -> plan.JobSpec:
-    """The recorded job with the options a resume may change (--epochs, --args, --image, --code);
-    an option that would make it another job is refused, never dropped."""
+def recorded(spec: plan.JobSpec, key: str, trainers: dict[str, str]) -> str | None:
+    """The value option `key` had when the job was started, as the command line gives it."""
+    builtin = not spec.module and spec.script in trainers.values()
+    return {"trainer": next((t for t, s in trainers.items() if s == spec.script and builtin), None),
+            "script": None if spec.module or builtin else spec.script,
+            "module": spec.script if spec.module else None,
+            "model": spec.args[1] if builtin and len(spec.args) > 1 else None,
+            "nproc": spec.nproc_per_node,
+            "name": job_name(spec.job_id)}.get(key)
+
+
+def job_name(job_id: str) -> str:
+    """The --name part of a job id (NAME-YYYYmmdd-HHMMSS-xxxx)."""
+    m = re.match(r"^(.*)-\d{8}-\d{6}-[0-9a-f]{4}$", job_id)
+    return m.group(1) if m else job_id
+
+
+def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bool = False
+                 ) -> tuple[plan.JobSpec, dict]:
+    """The recorded job with the options a resume may change (--epochs, --args, --image, --code,
+    --checkpoint), and what changed; an option that would make it another job is refused, never
+    dropped. A finished job is resumed (--resume) only with something new to do (--epochs or
+    --args), or `again` (--continue: the program decides what is left)."""
     spec = record.job_spec()
     for key, why in FIXED_ON_RESUME.items():
-        if o.get(key) is not None:
+        if o.get(key) is not None and str(o[key]) != str(recorded(spec, key, trainers)):
             raise UserError(f"--{key} cannot change when resuming job {spec.job_id}: it fixes {why}. Leave "
                             f"--{key} out to continue the job, or start a new job without --resume", exit_code=2)
+    if record.state == "finished" and not again and o.get("epochs") is None and o.get("args") is None:
+        raise UserError(f"job {spec.job_id} already finished; to train it further give --epochs N (the built-in "
+                        "trainers) or --args \"...\" (your script's own options), e.g. more epochs", exit_code=2)
+    before = spec
     args = list(spec.args)
     builtin = not spec.module and args[:1] == ["--model"] and args[2:3] == ["--epochs"]
     if o.get("epochs") is not None:
@@ -99,8 +159,88 @@ def resumed_spec(record: JobRecord, o: dict) -> plan.JobSpec:
     if o.get("image") is not None:
         spec = replace(spec, image=o["image"])
     if o.get("code") is not None:
-        spec = replace(spec, code=str(code_dir(o["code"])))
-    return spec
+        spec = replace(spec, code=str(code_dir(o["code"])), code_only="")
+    if o.get("checkpoint") is not None:
+        spec = replace(spec, checkpoint=checkpoint_option(o["checkpoint"]))
+    changed = {k: getattr(spec, k) for k in ("args", "image", "code", "checkpoint")
+               if getattr(spec, k) != getattr(before, k)}
+    return spec, changed
+
+
+def host_list(value: str, option: str, inv: Inventory) -> list[str]:
+    """DeepSpeed's launcher syntax, `node1@node3` (hosts joined by @), as inventory host names."""
+    names = [n.strip() for n in value.split("@")]
+    known = [h.name for h in inv.all_hosts]
+    for n in names:
+        if not n:
+            raise UserError(f"{option} {value!r}: an empty host name; write hosts joined by @, e.g. "
+                            f"{option} {'@'.join(known[:2])}", exit_code=2)
+        if ":" in n:
+            raise UserError(f"{option} {value!r}: GPU subsets ({n}) are not supported yet; select whole hosts",
+                            exit_code=2)
+        if n not in known:
+            raise UserError(f"{option} {value!r}: no host {n!r} in {inv.path}; hosts are {', '.join(known)}",
+                            exit_code=2)
+    return names
+
+
+def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy: set[str] = frozenset(),
+                 num_nodes=None) -> Inventory:
+    """The job's hosts: the inventory's (in its rank order), only --include's, less --exclude's; with
+    --num-nodes N, the first N of them that no other job holds (`busy`). Ranks are renumbered."""
+    hosts = list(inv.hosts)
+    if include:
+        chosen = set(host_list(include, "--include", inv))
+        hosts = [h for h in inv.all_hosts if h.name in chosen]
+    if exclude:
+        dropped = set(host_list(exclude, "--exclude", inv))
+        hosts = [h for h in hosts if h.name not in dropped]
+    if num_nodes is not None:
+        try:
+            n = int(num_nodes)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UserError(f"--num-nodes {num_nodes!r}: give a number of hosts, 1 or more", exit_code=2)
+        free = [h for h in hosts if h.name not in busy]
+        if len(free) < n:
+            raise UserError(f"--num-nodes {n}: only {len(free)} of {', '.join(h.name for h in hosts)} are free "
+                            f"({', '.join(sorted(busy & {h.name for h in hosts})) or 'none'} run other jobs); "
+                            f"wait, or ask for fewer", exit_code=2)
+        hosts = free[:n]
+    if not hosts:
+        raise UserError("--include/--exclude leave no host to run on", exit_code=2)
+    names = {h.name for h in hosts}
+    return replace(inv, hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
+                   spares=tuple(s for s in inv.spares if s.name not in names))
+
+
+def resume_entry(record: JobRecord, changed: dict) -> dict:
+    """What JobRecord.resumes keeps of one resume."""
+    import time
+    return {"time": time.time(), "after_attempt": len(record.attempts), "state": record.state,
+            "changed": {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()}}
+
+
+def changes_line(changed: dict) -> str:
+    if not changed:
+        return ""
+    shown = {k: shlex.join(v) if isinstance(v, tuple) else v for k, v in changed.items()}
+    return "; now " + ", ".join(f"{k} {sanitize(str(v))!r}" for k, v in shown.items())
+
+
+def inventory_checkpoint(inv: Inventory) -> str | None:
+    """job.checkpoint as --checkpoint would give it (the inventory stores the normalised form)."""
+    c = inv.job.checkpoint
+    if not c:
+        return None
+    return c[len(plan.WORK) + 1:] if c.startswith(plan.WORK + "/") else f"{plan.OUTDIR}/{c}"
+
+
+def find_named(run_root: Path, name: str) -> str | None:
+    """The newest job started with --name NAME under run_root (None: none), for --continue."""
+    found = [p for p in run_root.glob(f"{name}-*") if job_name(p.name) == name and (p / "job.json").is_file()]
+    return max(found, key=lambda p: p.name.split("-")[-3:-1]).name if found else None
 
 
 def policy(inv: Inventory, restarts, min_nodes, hang_timeout) -> Policy:

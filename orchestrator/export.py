@@ -120,7 +120,8 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
              *_summary(inv, spec, nodes, host),
              f"# Submit with: sbatch FILE (the output goes to {spec.job_id}-JOBID.out in the submit directory).",
              "# Before you submit:",
-             f"#  - the code is at {comment(inv.job.code_dir)} on every node (fab sync, or a shared filesystem);",
+             f"#  - the code is at {comment(plan.code_path(inv, spec))} on every node (fab sync --code DIR",
+             "#    prints where it put DIR; or a shared filesystem);",
              "#  - the image is on every node (fab image.push, or a registry they pull from);"
              if not pyxis else "#  - enroot can import the image on every node (a registry they pull from);",
              *_secrets_note(inv),
@@ -157,7 +158,7 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
               "",
               "# On each node: the job's directories, the entrypoint, the secrets file.",
               "fabtrain_prepare() {",
-              f"  mkdir -p {line([out_dir, rt])} || return 1",
+              f"  mkdir -p {line([out_dir, plan.work_dir(inv, spec), rt])} || return 1",
               f"  cat > {word(rt + '/entrypoint.py')} <<'{HEREDOC}' || return 1",
               _entrypoint() + HEREDOC,
               '  if [ -n "$FABTRAIN_SECRETS" ]; then',
@@ -222,7 +223,8 @@ def enroot_image(image: str) -> str:
 
 
 def _pyxis_steps(inv: Inventory, spec: plan.JobSpec, host: Host, rt: str) -> list[str]:
-    mounts = [(inv.job.code_dir, plan.WORKDIR, True), (f"{inv.job.output_dir}/{spec.job_id}", plan.OUTDIR, False),
+    mounts = [(plan.code_path(inv, spec), plan.CODE_MOUNT, True), (plan.work_dir(inv, spec), plan.WORKDIR, False),
+              (f"{inv.job.output_dir}/{spec.job_id}", plan.OUTDIR, False),
               (rt, plan.RUNTIME_MOUNT, True), *((m.source, m.target, m.read_only) for m in host.mounts)]
     for source, target, _ in mounts:
         if "," in source + target or ":" in source + target:
@@ -267,7 +269,8 @@ def _quantity(docker_size: str) -> str:
 
 def _container(inv: Inventory, spec: plan.JobSpec, host: Host, env: list[dict]) -> dict:
     skip = {"MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_NODE",
-            "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}  # the platform's, or found by the entrypoint
+            "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",  # the platform's, or found by the entrypoint
+            "FABTRAIN_CODE"}  # the code is in the image
     env = env + [{"name": k, "value": v} for k, v in plan.job_env(inv, host, spec) if k not in skip]
     env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": name}}}
             for name, _ in inv.job.secret_files]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import plan
+from . import codetree, plan
 from .attempt import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from .errors import UserError
 from .inventory import Host, Inventory
@@ -19,13 +19,15 @@ from .logs import sanitize
 from .remote import PerHost, Session
 
 
-def sync(session: Session, inv: Inventory, source: Path = plan.PROJECT_ROOT,
-         hosts: tuple[Host, ...] | None = None) -> dict[str, float]:
-    """rsync the local tree to job.code_dir on every host at once; seconds per host."""
+def sync(session: Session, inv: Inventory, source: Path, only: str = "",
+         hosts: tuple[Host, ...] | None = None) -> tuple[str, dict[str, float]]:
+    """rsync the local tree (with `only`, its top folder of that name) to job.code_dir/KEY on every
+    host at once (codetree.py): where it went, and the seconds per host."""
     hosts = hosts or inv.hosts
+    dest = f"{inv.job.code_dir}/{codetree.key(source, only)}"
 
     def one(host: Host) -> float:
-        r = session.local(plan.rsync_argv(host, str(source), inv.job.code_dir), COPY_TIMEOUT)
+        r = session.local(plan.rsync_argv(host, str(source), dest, only), COPY_TIMEOUT)
         if not r.ok:
             raise UserError(f"sync to {host.name} ({host.ssh.where()}) failed (rsync exit {r.exited}): "
                             f"{sanitize(r.stderr.strip()[-400:])}; check SSH access with: "
@@ -34,7 +36,7 @@ def sync(session: Session, inv: Inventory, source: Path = plan.PROJECT_ROOT,
 
     results = session.fan_out(one, hosts)
     raise_any(hosts, results, "sync")
-    return {h.name: results[h.name] for h in hosts}
+    return dest, {h.name: results[h.name] for h in hosts}
 
 
 def raise_any(hosts: tuple[Host, ...], results: PerHost, what: str) -> None:

@@ -164,7 +164,7 @@ def build(base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = 
         (ctxp / "context" / "requirements.txt").write_bytes(requirements.read_bytes())
         if wheels is not None:
             shutil.copytree(wheels, ctxp / "context" / "wheels")
-        (ctxp / "entrypoint.py").write_bytes((plan.PROJECT_ROOT / "docker" / "entrypoint.py").read_bytes())
+        (ctxp / "entrypoint.py").write_bytes(plan.ENTRYPOINT_SOURCE.read_bytes())
         proc = subprocess.run(["docker", "build", "--quiet", "--tag", tag, ctx], capture_output=True, text=True,
                               env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
     if proc.returncode != 0:

@@ -5,6 +5,7 @@ Every validation error names the file, the line, the field, what was wrong and h
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import reprlib
 import unicodedata
@@ -81,6 +82,9 @@ class Job:
     stop_grace: float = 30.0
     # How many of the newest snapshots of a job are kept on every host and on this machine.
     keep_snapshots: int = 2
+    # Where a program writes its own checkpoints (fab train --checkpoint), as plan.checkpoint_pattern
+    # gives it; "" for none.
+    checkpoint: str = ""
     # Container options for every host: name -> "soft[:hard]" (-1: unlimited), capabilities,
     # security options (docker run --ulimit / --cap-add / --security-opt).
     ulimits: tuple[tuple[str, str], ...] = ()
@@ -442,6 +446,15 @@ def _ssh(reader: _Reader, base: Settings, check_files: bool) -> Settings:
     return settings.over(base, {k for k in SSH_FIELDS if reader.given(k)})
 
 
+def _checkpoint(reader: _Reader) -> str:
+    from .plan import checkpoint_pattern  # plan imports this module
+    value = reader.get("checkpoint", str, "")
+    try:
+        return checkpoint_pattern(value) if value else ""
+    except ValueError as exc:
+        reader.fail(reader._field("checkpoint"), str(exc), "e.g. checkpoint: checkpoints/ckpt.pt")
+
+
 def _remote_path(reader: _Reader, key: str, default: str) -> str:
     value = reader.get(key, str, default)
     if not value.startswith("/"):
@@ -577,7 +590,7 @@ def _resolve(reader: _Reader, address: str, settings: Settings, configs: dict) -
 
 def _job(reader: _Reader) -> Job:
     reader.check_keys(("image", "master_port", "nproc_per_node", "code_dir", "output_dir", "shm_size",
-                       "env", "secret_files", "stop_grace", "keep_snapshots", *CONTAINER_FIELDS))
+                       "env", "secret_files", "stop_grace", "keep_snapshots", "checkpoint", *CONTAINER_FIELDS))
     nproc = str(reader.get("nproc_per_node", (int, str), "auto"))
     # [0-9], not isdigit(): '²' is a digit to isdigit() but not to int().
     if nproc != "auto" and not (re.fullmatch(r"[0-9]+", nproc) and int(nproc) > 0):
@@ -603,6 +616,7 @@ def _job(reader: _Reader) -> Job:
         stop_grace=reader.seconds("stop_grace", Job.stop_grace, 0),
         keep_snapshots=reader.integer("keep_snapshots", Job.keep_snapshots, 1, MAX_SNAPSHOTS,
                                       "a number of snapshots to keep"),
+        checkpoint=_checkpoint(reader),
         **_container_options(reader),
     )
 
@@ -642,8 +656,25 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
                      spares=tuple(hosts[len(hosts_items):]))
 
 
-def load(path: str | Path) -> Inventory:
-    path = Path(path)
+INVENTORY_ENV = "FABTRAIN_INVENTORY"
+DEFAULT_FILE = "inventory.yaml"
+
+
+def locate(given: str | Path | None = None) -> Path:
+    """The inventory to use: --inventory, else $FABTRAIN_INVENTORY, else inventory.yaml in the
+    current directory."""
+    if given:
+        return Path(given).expanduser()
+    if os.environ.get(INVENTORY_ENV):
+        return Path(os.environ[INVENTORY_ENV]).expanduser()
+    if Path(DEFAULT_FILE).is_file():
+        return Path.cwd() / DEFAULT_FILE  # absolute: job.json records it for --resume from elsewhere
+    raise UserError(f"no inventory: no {DEFAULT_FILE} in {Path.cwd()}, no --inventory PATH and no "
+                    f"${INVENTORY_ENV}; pass one of them (the README's inventory section shows one)")
+
+
+def load(path: str | Path | None = None) -> Inventory:
+    path = locate(path)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

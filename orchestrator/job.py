@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import attempt as attempt_mod
-from . import hostops, plan, preflight, snapshots
+from . import codetree, hostops, plan, preflight, snapshots
 from .attempt import ALWAYS, ON_FAILURE, ON_INTERRUPT, AttemptPlan, Fact, Step
 from .errors import UserError
 from .events import Reporter
@@ -127,8 +127,7 @@ class Job:
     def open(self):
         """The session, the run directory, signal handlers, and the lease kept while the job lives."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.snaps = snapshots.Snapshots(self.run_dir, self.inv, self.spec, keep=self.inv.job.keep_snapshots,
-                                         report=lambda line: self.note(line, "warning"))
+        self.open_snapshots()
         own = self.session is None
         if own:
             self.session = Session(self.inv.all_hosts)
@@ -143,6 +142,14 @@ class Job:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if own:
                 self.session.close()
+
+    def open_snapshots(self) -> snapshots.Snapshots:
+        """runs/JOB/snapshots (or checkpoints/), made when the job starts, or when a dry run of a
+        resumed job looks for what it would resume from."""
+        if self.snaps is None:
+            self.snaps = snapshots.Snapshots(self.run_dir, self.inv, self.spec, keep=self.inv.job.keep_snapshots,
+                                             report=lambda line: self.note(line, "warning"))
+        return self.snaps
 
     def keep_lease(self) -> None:
         """Touch the job's lease on its hosts every plan.LEASE_EVERY s (hostops: left-over runtime
@@ -185,6 +192,7 @@ class Job:
         """PLAN: the facts the attempt depends on, read-only, then the frozen plan."""
         number = len(self.record.attempts) + 1
         self.stage(Stage.PLAN, number)
+        self.key_code()
         inv = replace(self.inv, hosts=self.roster.hosts)
         facts: list[Fact] = []
         access = {}
@@ -202,10 +210,28 @@ class Job:
         snapshot, missing = None, ()
         if number > 1 or self.resuming:
             snapshot, missing = self.find_snapshot(inv, facts, fetch=not dry)
+            if self.last is None:  # what a resumed job goes on from, said once
+                self.note(f"resuming from {self.snaps.layout.describe(snapshot)}" if snapshot else
+                          f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job {self.spec.job_id} "
+                          "found here or on its hosts: it starts from the beginning", "info" if snapshot else "warning")
         a = attempt_mod.build(inv, self.spec, number, port, snapshot, missing, access, tuple(facts),
                               keep=self.inv.job.keep_snapshots, first=self.last is None, run_dir=str(self.run_dir))
         self.last = a
         return a
+
+    def key_code(self) -> None:
+        """The job's code tree and its key (codetree.py), read again before every attempt: a tree
+        edited since the last one runs under its new key, and the job says so."""
+        if not Path(self.spec.code).is_dir():
+            raise UserError(f"the job's code {self.spec.code} is not there any more; give the folder with "
+                            "--code DIR")
+        key = codetree.key(self.spec.code, self.spec.code_only)
+        if key != self.spec.code_key:
+            if self.spec.code_key:
+                self.note(f"the code in {self.spec.code} changed since the last attempt: this one runs tree {key} "
+                          f"(was {self.spec.code_key})", "warning")
+            self.spec = replace(self.spec, code_key=key)
+            self.record.spec["code_key"] = key
 
     def refuse_if_running(self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool) -> None:
         """One job at a time on these hosts (they share the master port range and the GPUs): a job
@@ -215,8 +241,11 @@ class Job:
         listing = "; ".join(f"{j} on {', '.join(hs)}" for j, hs in live.items())
         facts.append(Fact("every host", "docker ps + ls .runtime (hostops.survey)", listing or "no other job"))
         if live and not dry:
-            raise UserError(f"a job is already running ({listing}): one job at a time shares the master port "
-                            "and the GPUs. Watch it with 'fab logs', or end it with 'fab stop'")
+            taken = {h for hs in live.values() for h in hs}
+            free = [h.name for h in self.inv.all_hosts if h.name not in taken]
+            raise UserError(f"a job is already running on these hosts ({listing}): a host runs one job at a time. "
+                            f"Watch it with 'fab logs', end it with 'fab stop --job JOB', or run on other hosts "
+                            f"with --include/--exclude/--num-nodes ({', '.join(free) or 'none'} free)")
 
     def free_port(self, inv: Inventory, facts: list[Fact]) -> int:
         base = inv.job.master_port
@@ -244,15 +273,14 @@ class Job:
         remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
         if remote and fetch:
             self.snaps.fetch(self.session, asked[remote[1]], remote[0])
-        here = self.run_dir / "snapshots"
-        local = snapshots.newest(p.name for p in here.iterdir()) if here.is_dir() else None
+        local = self.open_snapshots().local_newest()
         best = local if fetch else max(filter(None, [local, remote[0] if remote else None]), default=None)
         if best is None:
             return None, ()
         holders = tuple(h for h in inv.hosts if found.value(h.name) == best)
         if fetch and holders:  # the same name is not the same bytes: each holder's copy is checked
-            digest = snapshots.local_digest(here / best)
-            dest = f"{snapshots.snapshots_dir(inv, self.spec)}/{best}"
+            digest = snapshots.local_digest(self.snaps.local_path(best))
+            dest = self.snaps.remote_path(best)
             same = self.session.fan_out(lambda h: self.snaps.holds(self.session, h, dest, digest), holders)
             holders = tuple(h for h in holders if same.value(h.name))
             facts += [Fact(h.name, snapshots.checksum_command(dest), "same bytes" if same.value(h.name) else
@@ -302,12 +330,10 @@ class Job:
         """SNAPSHOT: the plan's snapshot pushed to each host that lacks it, checked by size and
         SHA-256 and renamed into place (the plan's place steps; up to 3 tries each)."""
         self.stage(Stage.SNAPSHOT, a.number)
-        digest = snapshots.local_digest(self.run_dir / "snapshots" / a.snapshot)
-        dest = snapshots.snapshots_dir(a.inv, self.spec)
+        digest = snapshots.local_digest(self.snaps.local_path(a.snapshot))
         targets = tuple(a.host(s.host) for s in a.select("place"))
         with self.snaps.lock:  # the copier of the last attempt must not prune it meanwhile
-            return self.session.fan_out(lambda h: self.snaps.push(self.session, h, a.snapshot, digest, dest),
-                                        targets)
+            return self.session.fan_out(lambda h: self.snaps.push(self.session, h, a.snapshot, digest), targets)
 
     def gate(self, a: AttemptPlan) -> dict[str, str]:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
@@ -473,10 +499,11 @@ def install_signal_handlers() -> None:
 def start_quiet(session: Session, inv: Inventory, spec: plan.JobSpec) -> AttemptPlan:
     """Start a short job's containers on every host (no sync, no events, no copies): the
     preflight's smoke test and the benchmarks. UserError naming the hosts that failed to start."""
-    a = attempt_mod.build(inv, spec, 1, inv.job.master_port, sync=False)
+    spec = replace(spec, code_key=codetree.key(spec.code, spec.code_only))
+    a = attempt_mod.build(inv, spec, 1, inv.job.master_port)
     job = Job(inv, spec, Policy(hang_timeout=0), Path("runs"), Reporter(), session=session)
-    errors = job.run_steps(a, a.select("claim") + [s for s in a.steps if s.key in ("secrets", "start")
-                                                   and s.when == ALWAYS]).errors()
+    errors = job.run_steps(a, a.select("claim") + a.select("sync") + [
+        s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]).errors()
     if errors:
         end_quiet(session, a)
         raise UserError("starting the job failed:\n" + "\n".join(str(e) for e in errors.values()))

@@ -13,28 +13,31 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import resources
+from .codetree import PROJECT_ROOT, rsync_filters
 from .inventory import Host, Inventory
 from .sshconf import SSH
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LABEL_MANAGED = "fabtrain.managed"
 LABEL_JOB = "fabtrain.job"
 LABEL_RANK = "fabtrain.rank"
 LABEL_HOST = "fabtrain.host"
-# Inside the container: the synced code, the job's outputs, and the job's runtime directory (our
-# entrypoint, and secrets as a file, never an env value on a command line), mounted read-only.
+# Inside the container: the job's working directory (writable, in its outputs: WORK), its code
+# (read-only, codetree.py; the entrypoint links its files into the working directory), its outputs,
+# and its runtime directory (our entrypoint, and secrets as a file, never an env value on a command
+# line), read-only.
 WORKDIR = "/workspace"
+CODE_MOUNT = "/run/fabtrain-code"
 OUTDIR = "/output"
+WORK = "work"  # the working directory, in the job's output directory on the host (/output/work)
 RUNTIME_MOUNT = "/run/fabtrain"
 SECRETS_PATH = f"{RUNTIME_MOUNT}/secrets.env"
 CONSOLE_DIR = ".console"  # in the job's output directory: each node's output (console_file)
 ENTRYPOINT_PATH = f"{RUNTIME_MOUNT}/entrypoint.py"
-ENTRYPOINT_SOURCE = PROJECT_ROOT / "docker" / "entrypoint.py"
+ENTRYPOINT_SOURCE = resources.entrypoint()
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # rsync gives up when no data moves for this long (a frozen disk or link), however long the copy.
 RSYNC_IO_TIMEOUT = 60
-RSYNC_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs",
-                  ".pytest_cache", "*.egg-info")
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,36 @@ class JobSpec:
     nproc_per_node: str | None = None
     master_port: int | None = None
     env: tuple[tuple[str, str], ...] = ()
-    # The local tree synced to job.code_dir (and mounted at /workspace): this project by default,
-    # or the user's own code.
+    # The local tree synced to job.code_dir/code_key (codetree.py): this project's trainers by
+    # default, or the user's own code.
     code: str = str(PROJECT_ROOT)
+    code_only: str = ""  # only this top folder of `code` (the built-in trainers': codetree.BUILTIN_ONLY)
+    code_key: str = ""
+    # A program's own checkpoints (fab train --checkpoint): a glob relative to the job's output
+    # directory (work/... for the working directory); "" for our trainers' snapshots.
+    checkpoint: str = ""
+
+
+def checkpoint_pattern(value: str) -> str:
+    """A program's checkpoint path or glob as given (relative to the working directory, or under
+    /output) -> JobSpec.checkpoint (relative to the job's output directory). ValueError says what
+    is wrong with it."""
+    v = value.strip()
+    if v.startswith(OUTDIR + "/"):
+        rel = v[len(OUTDIR) + 1:]
+    elif v.startswith("/"):
+        raise ValueError(f"{value!r} is outside the job's folders: give a path relative to the working "
+                         f"directory (checkpoints/ckpt.pt) or under {OUTDIR}/")
+    else:
+        rel = f"{WORK}/{v.removeprefix('./')}"
+    if rel.endswith("/"):
+        rel += "*"  # a directory: every file in it
+    parts = rel.split("/")
+    if ".." in parts or "" in parts or any(c in rel for c in "\n\0"):
+        raise ValueError(f"{value!r} is not a plain path (no '..', no empty parts)")
+    if parts[0] in (CONSOLE_DIR, PROGRESS_DIR, "snapshots"):
+        raise ValueError(f"{value!r} is fabtrain's own folder; name where your program writes")
+    return rel
 
 
 def new_job_id(name: str = "job") -> str:
@@ -171,6 +201,7 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
         ("FABTRAIN_JOB", spec.job_id),
         ("FABTRAIN_NODE", host.name),
         ("FABTRAIN_OUTPUT", OUTDIR),
+        ("FABTRAIN_CODE", CODE_MOUNT),
     ]
     merged = dict(env)
     for key, value in (*inv.job.env, *host.env, *spec.env):
@@ -204,7 +235,8 @@ def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
     argv += container_options(inv, host)
     for key, value in env:
         argv += ["--env", key if value is None else f"{key}={value}"]
-    argv += ["--volume", f"{inv.job.code_dir}:{WORKDIR}:ro",
+    argv += ["--volume", f"{code_path(inv, spec)}:{CODE_MOUNT}:ro",
+             "--volume", f"{work_dir(inv, spec)}:{WORKDIR}",
              "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}",
              "--volume", f"{runtime or runtime_dir(inv, spec)}:{RUNTIME_MOUNT}:ro"]
     for m in host.mounts:
@@ -223,6 +255,16 @@ def image_and_command(inv: Inventory, host: Host, spec: JobSpec) -> list[str]:
 def command(spec: JobSpec) -> list[str]:
     """The entrypoint's arguments: the script (or -m MODULE) and its arguments."""
     return [*(["-m", spec.script] if spec.module else [spec.script]), *spec.args]
+
+
+def code_path(inv: Inventory, spec: JobSpec) -> str:
+    """The job's code on each host: job.code_dir/KEY, never changed once filled (codetree.py)."""
+    return f"{inv.job.code_dir}/{spec.code_key}"
+
+
+def work_dir(inv: Inventory, spec: JobSpec) -> str:
+    """The job's working directory on each host, in its outputs (fetched at the end)."""
+    return f"{inv.job.output_dir}/{spec.job_id}/{WORK}"
 
 
 def runtime_dir(inv: Inventory, spec: JobSpec) -> str:
@@ -268,7 +310,7 @@ def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
-    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, inv.job.code_dir]
+    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, work_dir(inv, spec)]
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claim_script.)
     return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
@@ -433,14 +475,12 @@ def _ssh_escape(path: str) -> str:
     return f'"{path}"' if " " in path else path
 
 
-def rsync_argv(host: Host, source: str, dest: str) -> list[str]:
-    """Mirror the local tree `source` to `dest` on the host (same path on every host)."""
-    argv = ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
-            "--rsh", shell(ssh_argv(host))]
-    for pattern in RSYNC_EXCLUDES:
-        argv += ["--exclude", pattern]
-    argv += [source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
-    return argv
+def rsync_argv(host: Host, source: str, dest: str, only: str = "") -> list[str]:
+    """Mirror the local tree `source` (with `only`, its top folder of that name) to `dest` on the
+    host (same path on every host), with codetree's filters."""
+    return ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
+            "--rsh", shell(ssh_argv(host)), *rsync_filters(only),
+            source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
 
 
 def rsync_remote(host: Host, path: str) -> str:

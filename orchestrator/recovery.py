@@ -42,6 +42,10 @@ class JobRecord:
     min_nodes: int | None = None
     hang_timeout: float = 0
     attempts: list[Attempt] = field(default_factory=list)
+    # Each later `fab train --resume/--continue` of the job: when, after which attempt, what changed.
+    resumes: list[dict] = field(default_factory=list)
+    # The hosts chosen with --include/--exclude/--num-nodes (None: the inventory's hosts:).
+    selected: list[str] | None = None
 
     @property
     def job_id(self) -> str:
@@ -81,8 +85,6 @@ class JobRecord:
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"{path}: not a job record this version can read ({exc}); start a new job "
                             "instead", exit_code=2) from None
-        if record.state == "finished":
-            raise UserError(f"job {job_id} already finished (see {path}); nothing to resume", exit_code=2)
         return record
 
 
@@ -107,14 +109,23 @@ def stack_summary(dump: str) -> list[str]:
         if not frames:
             continue
         inner = frames[0]
-        user = next((f for f in frames if f[0].startswith(plan.WORKDIR + "/")), None)
+        user = next((f for f in frames if _in_code(f[0])), None)
         where = f"{inner[2]} ({inner[0].rsplit('/', 1)[-1]}:{inner[1]})"
         if user and user is not inner:
-            where += f" called from {user[0][len(plan.WORKDIR) + 1:]}:{user[1]}"
+            where += f" called from {_in_code(user[0])}:{user[1]}"
         elif user:
-            where = f"{user[0][len(plan.WORKDIR) + 1:]}:{user[1]} in {user[2]}"
+            where = f"{_in_code(user[0])}:{user[1]} in {user[2]}"
         lines.append(f"rank {head.group(1)}: {where}")
     return lines
+
+
+def _in_code(path: str) -> str:
+    """A frame's file as a path in the user's code ('' when it is not there): the working directory
+    links to the code, and modules imported from it show the code's own mount."""
+    for root in (plan.WORKDIR, plan.CODE_MOUNT):
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+    return ""
 
 
 # Innermost frames that mean "waiting for the other ranks" (torch.distributed's collectives).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 import subprocess
 import threading
@@ -39,6 +40,10 @@ from .logs import sanitize
 from .remote import Session, describe
 
 SNAPSHOT_RE = re.compile(r"^snapshot-\d{9}\.pt$")
+# A program's own checkpoint (fab train --checkpoint) is complete once it has not changed for this
+# long while the job runs (it may be written in place, unlike our snapshots, which are renamed
+# into place); with no container running, as it is when an attempt is planned, at once.
+SETTLE = 1.0
 SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (an ls on an open SSH link)
 DEFAULT_KEEP = 2      # job.keep_snapshots when the inventory does not say (trainers/snapshot.py's default too)
 LIST_TIMEOUT = 10     # ls, mv, rm in the snapshot directory: metadata only
@@ -55,16 +60,102 @@ def snapshots_dir(inv: Inventory, spec: plan.JobSpec) -> str:
 
 
 def newest(names) -> str | None:
-    """The newest complete snapshot among file names (temporary and other files ignored)."""
-    found = sorted(n for n in names if SNAPSHOT_RE.match(n))
+    """The newest complete snapshot among names (temporary and other files ignored): our own
+    snapshots' file names, or Layout names of a program's checkpoints."""
+    found = sorted(n for n in names if SNAPSHOT_RE.match(n) or CHECKPOINT_NAME_RE.match(n))
     return found[-1] if found else None
 
 
-def push_commands(host: Host, local_file: str, dest_dir: str, name: str) -> tuple[list[str], str, str]:
+# A program's checkpoint, named by its modification time (ns, so names sort by age) and its path
+# in the job's output directory: "01700000000123456789 work/checkpoints/ckpt.pt".
+CHECKPOINT_NAME_RE = re.compile(r"^\d{20} \S")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which files of a job are its snapshots, how they are named, and where they live. Our own
+    trainers' snapshots (pattern ""): snapshot-NNNNNNNNN.pt in snapshots/, named by their file
+    name. A program's own checkpoints (fab train --checkpoint): the files matching `pattern` (a
+    glob relative to the job's output directory: work/ckpt.pt, work/checkpoints/*.pt), named by
+    their modification time and path, so the newest sorts last either way."""
+
+    pattern: str = ""
+
+    def list_command(self, inv: Inventory, spec: plan.JobSpec) -> str:
+        """What lists them on a host; no output (and success) when there are none."""
+        if not self.pattern:
+            return plan.shell(["ls", "-1", snapshots_dir(inv, spec)]) + " 2>/dev/null; true"
+        root = f"{inv.job.output_dir}/{spec.job_id}"
+        return (f"cd {plan.shell([root])} 2>/dev/null && date +%s.%N && "
+                + plan.shell(["find", ".", "-path", "./" + self.pattern, "-type", "f", "!", "-name", ".*",
+                              "-printf", "%T@ %P\\n"]) + "; true")
+
+    def names(self, stdout: str, settle: float = 0.0) -> list[str]:
+        """The complete ones in list_command's output; with `settle`, only a checkpoint unchanged
+        for that many seconds (by the host's clock)."""
+        if not self.pattern:
+            return [n for n in stdout.split() if SNAPSHOT_RE.match(n)]
+        lines = stdout.splitlines()
+        try:
+            now = float(lines[0]) if lines else 0.0
+        except ValueError:
+            return []
+        out = []
+        for line in lines[1:]:
+            stamp, _, path = line.partition(" ")
+            ns = _ns(stamp)
+            if ns is None or not path or (settle and now - ns / 1e9 < settle):
+                continue
+            out.append(f"{ns:020d} {path}")
+        return out
+
+    def path(self, name: str) -> str:
+        """Where snapshot `name` is, relative to the job's output directory (here: runs/JOB/snapshots)."""
+        return f"snapshots/{name}" if not self.pattern else name.split(" ", 1)[1]
+
+    def describe(self, name: str) -> str:
+        """A snapshot's name for people: ours as it is; a checkpoint by its path and time."""
+        if not self.pattern:
+            return name
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(name[:20]) / 1e9))
+        return f"{self.path(name).removeprefix(plan.WORK + '/')} (written {stamp})"
+
+    def remote(self, inv: Inventory, spec: plan.JobSpec, name: str) -> str:
+        return f"{inv.job.output_dir}/{spec.job_id}/{self.path(name)}"
+
+    def local(self, local_dir: Path, name: str) -> Path:
+        return local_dir / (name if not self.pattern else self.path(name))
+
+    def local_names(self, local_dir: Path) -> list[str]:
+        """The snapshots kept in local_dir, named as on the hosts (a copy keeps its time)."""
+        if not self.pattern:
+            return [p.name for p in local_dir.iterdir() if SNAPSHOT_RE.match(p.name)]
+        return [f"{p.stat().st_mtime_ns:020d} {p.relative_to(local_dir).as_posix()}"
+                for p in local_dir.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def _ns(stamp: str) -> int | None:
+    """find's %T@ (seconds with a fraction) as integer nanoseconds."""
+    whole, _, frac = stamp.partition(".")
+    if not whole.isdigit() or (frac and not frac.isdigit()):
+        return None
+    return int(whole) * 10**9 + int((frac + "000000000")[:9])
+
+
+def layout(spec: plan.JobSpec) -> Layout:
+    return Layout(spec.checkpoint)
+
+
+def local_dir_name(spec: plan.JobSpec) -> str:
+    """Where runs/JOB keeps them: snapshots/ (ours) or checkpoints/ (the program's, by path)."""
+    return "checkpoints" if spec.checkpoint else "snapshots"
+
+
+def push_commands(host: Host, local_file: str, remote_file: str) -> tuple[list[str], str, str]:
     """One checked push (Snapshots.push): the local rsync to a temporary name on the host, the
     host's size and SHA-256 of it (compared with this machine's), the rename into place."""
-    tmp, final = f"{dest_dir}/{temp_name(name)}", f"{dest_dir}/{name}"
-    return plan.push_file_argv(host, local_file, tmp), checksum_command(tmp), rename_command(tmp, final)
+    tmp = temp_path(remote_file)
+    return plan.push_file_argv(host, local_file, tmp), checksum_command(tmp), rename_command(tmp, remote_file)
 
 
 def temp_name(name: str) -> str:
@@ -74,11 +165,17 @@ def temp_name(name: str) -> str:
     return f".{name}.copy.tmp"
 
 
+def temp_path(path: str) -> str:
+    """temp_name beside the file at `path`."""
+    head, tail = posixpath.split(path)
+    return posixpath.join(head, temp_name(tail))
+
+
 # ---------------------------------------------------------------- the remote commands
 
 def list_command(inv: Inventory, spec: plan.JobSpec) -> str:
-    """List the job's snapshot directory on a host; no output (and success) when it does not exist."""
-    return plan.shell(["ls", "-1", snapshots_dir(inv, spec)]) + " 2>/dev/null; true"
+    """List the job's snapshots on a host; no output (and success) when there are none."""
+    return layout(spec).list_command(inv, spec)
 
 
 def checksum_command(remote_file: str) -> str:
@@ -152,13 +249,14 @@ def remote_digest(session: Session, host: Host, remote_file: str) -> Digest:
         raise _CopyFailed(f"unreadable checksum from the host: {sanitize(str(exc))}") from None
 
 
-def remote_newest(session: Session, host: Host, inv: Inventory, spec: plan.JobSpec) -> str | None:
+def remote_newest(session: Session, host: Host, inv: Inventory, spec: plan.JobSpec,
+                  settle: float = 0.0) -> str | None:
     """The newest complete snapshot in the job's output directory on a host (None: none, or no answer)."""
     try:
         r = session.run(host, list_command(inv, spec), timeout=LIST_TIMEOUT, what="listing snapshots")
     except BaseException:  # noqa: BLE001 - a host that does not answer holds no usable snapshot
         return None
-    return newest(r.stdout.split())
+    return newest(layout(spec).names(r.stdout, settle))
 
 
 # ---------------------------------------------------------------- runs/JOB/snapshots
@@ -177,7 +275,8 @@ class Snapshots:
                  copy: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest snapshot is kept (1 or more)")
-        self.dir = run_dir / "snapshots"
+        self.layout = layout(spec)
+        self.dir = run_dir / local_dir_name(spec)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.inv, self.spec, self.keep, self.report, self.copy = inv, spec, keep, report, copy
         # Held by fetch and by the whole of place: the follow thread must not prune the snapshot
@@ -189,7 +288,13 @@ class Snapshots:
 
     def local_newest(self) -> str | None:
         """The newest snapshot in runs/JOB/snapshots (every one there was checked)."""
-        return newest(p.name for p in self.dir.iterdir())
+        return newest(self.layout.local_names(self.dir))
+
+    def local_path(self, name: str) -> Path:
+        return self.layout.local(self.dir, name)
+
+    def remote_path(self, name: str) -> str:
+        return self.layout.remote(self.inv, self.spec, name)
 
     def _copy(self, argv: list[str]) -> None:
         try:
@@ -206,8 +311,9 @@ class Snapshots:
         with self.lock:
             if name <= (self.local_newest() or ""):
                 return True
-            remote = f"{snapshots_dir(self.inv, self.spec)}/{name}"
-            tmp = self.dir / temp_name(name)
+            remote, final = self.remote_path(name), self.local_path(name)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_name(temp_name(final.name))
             why = ""
             try:
                 for n in range(COPY_TRIES):
@@ -227,7 +333,7 @@ class Snapshots:
                     except _CopyFailed as exc:
                         why = str(exc)
                         continue
-                    os.replace(tmp, self.dir / name)
+                    os.replace(tmp, final)
                     self._prune()
                     return True
             finally:
@@ -240,15 +346,15 @@ class Snapshots:
 
     def _prune(self) -> None:
         """Keep the newest `keep` snapshots here (called with the lock held, after a checked copy)."""
-        for old in sorted(p.name for p in self.dir.iterdir() if SNAPSHOT_RE.match(p.name))[:-self.keep]:
-            (self.dir / old).unlink(missing_ok=True)
+        for old in sorted(self.layout.local_names(self.dir))[:-self.keep]:
+            self.local_path(old).unlink(missing_ok=True)
 
     def follow(self, session: Session, rank0: Host, stop: threading.Event) -> threading.Thread:
         """Copy every new snapshot from rank 0's host as soon as it is complete, until `stop`; then
         look once more, so that a snapshot written just before the job ended is copied too. Join
         the returned thread before relying on runs/JOB/snapshots holding that last one."""
         def look() -> None:
-            name = remote_newest(session, rank0, self.inv, self.spec)
+            name = remote_newest(session, rank0, self.inv, self.spec, settle=SETTLE if self.spec.checkpoint else 0)
             if name and (rank0.name, name) not in self.given_up:
                 if not self.fetch(session, rank0, name):
                     self.given_up.add((rank0.name, name))
@@ -279,13 +385,12 @@ class Snapshots:
             best = self.local_newest()
             if best is None:
                 return None
-            digest = local_digest(self.dir / best)
-            dest = snapshots_dir(inv, self.spec)
+            digest = local_digest(self.local_path(best))
 
             def push(h: Host) -> None:
-                if found.value(h.name) == best and self.holds(session, h, f"{dest}/{best}", digest):
+                if found.value(h.name) == best and self.holds(session, h, self.remote_path(best), digest):
                     return
-                self.push(session, h, best, digest, dest)
+                self.push(session, h, best, digest)
             errors = [str(e) for e in session.fan_out(push, inv.hosts).errors().values()]
             if errors:
                 raise UserError("\n".join(errors))
@@ -298,16 +403,17 @@ class Snapshots:
         except _CopyFailed:
             return False
 
-    def push(self, session: Session, host: Host, name: str, digest: Digest, dest: str) -> None:
-        """Copy runs/JOB/snapshots/`name` to `dest` on a host under temp_name, check it there, and
-        rename it into place; UserError (also told to `report`) when every try failed."""
-        tmp, final = f"{dest}/{temp_name(name)}", f"{dest}/{name}"
+    def push(self, session: Session, host: Host, name: str, digest: Digest) -> None:
+        """Copy runs/JOB/snapshots/`name` to its place on a host under temp_name, check it there,
+        and rename it into place; UserError (also told to `report`) when every try failed."""
+        final = self.remote_path(name)
+        tmp = temp_path(final)
         why = ""
         for n in range(COPY_TRIES):
             if n:
                 time.sleep(RETRY_PAUSE)
             try:
-                self._copy(plan.push_file_argv(host, str(self.dir / name), tmp))
+                self._copy(plan.push_file_argv(host, str(self.local_path(name)), tmp))
                 got = remote_digest(session, host, tmp)
                 if got != digest:
                     raise _CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest})")
@@ -326,7 +432,7 @@ class Snapshots:
                     session.run(host, remove_command(tmp), timeout=LIST_TIMEOUT, what=f"removing {tmp}")
                 except Exception:  # noqa: BLE001 - a host that does not answer fails the next try anyway
                     pass
-        line = (f"{host.name}: could not place snapshot {name} in {dest} in {COPY_TRIES} tries (last: {why}); "
+        line = (f"{host.name}: could not place snapshot {name} in {posixpath.dirname(final)} in {COPY_TRIES} tries (last: {why}); "
                 f"check the host's disk space and SSH access, or leave it out so a spare takes its place")
         self.report(line)
         raise UserError(line)

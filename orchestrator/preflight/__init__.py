@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import hostops, plan
+from .. import codetree, hostops, plan
 from ..inventory import Host, Inventory
 from ..remote import HostKeyError, Session, describe
 from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, Limits, failed
@@ -46,12 +46,13 @@ __all__ = [
 
 
 def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
-        run_job=None, code: bool = True, source: Path = plan.PROJECT_ROOT) -> list[Check]:
+        run_job=None, code: bool = True, source: Path = plan.PROJECT_ROOT, only: str = "trainers") -> list[Check]:
     """Every check on every host of `inv`. With `run_job` (job.run_quiet: the job lifecycle's one
     short run), the collective smoke test too."""
     marker = "@@fabtrain-" + secrets.token_hex(4)
+    code_path = f"{inv.job.code_dir}/{codetree.key(source, only)}"
     with ThreadPoolExecutor(max_workers=1) as pool:
-        local_code = pool.submit(local_code_hash, source) if code else None
+        local_code = pool.submit(local_code_hash, source, only) if code else None
 
         def one(host: Host) -> tuple[list[Check], dict]:
             img = image or inv.image_for(host)
@@ -62,7 +63,7 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
                 return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))], {}
             connect = time.monotonic() - start
             access = gpu_access(session, host)
-            cmds = probe_commands(inv, host, img, access)
+            cmds = probe_commands(inv, host, img, access, code_path)
             res = session.run(host, probe_script(cmds, marker), what="preflight probe",
                               timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT)
             facts = parse_probe(res.stdout, marker)

@@ -5,12 +5,11 @@ how a host gives containers its GPUs (`gpu_access`), counting GPUs from the vend
 hash of this machine's code tree, computed as the hosts compute it."""
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
 
-from .. import plan
+from .. import codetree, plan
 from ..inventory import Host, Inventory
 from ..plan import shell
 from ..remote import Session
@@ -38,10 +37,11 @@ print("IMAGEINFO " + json.dumps(info))
 TIMED_OUT = 124
 
 
-def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None = None
-                   ) -> dict[str, list[str]]:
+def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None = None,
+                   code: str | None = None) -> dict[str, list[str]]:
     """The raw facts gathered on one host, as name -> argv (run in one script). `access`: how the
-    host gives containers its GPUs (plan.gpu_probe_argv, read before this probe)."""
+    host gives containers its GPUs (plan.gpu_probe_argv, read before this probe); `code`: where
+    the local tree's copy would be (job.code_dir/KEY)."""
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
@@ -59,7 +59,7 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAcces
         "route": ["ip", "-o", "route", "get", inv.master.hostname],
         "shm": ["df", "-Pk", "/dev/shm"],
         "code": ["sh", "-c", 'cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0r sha256sum '
-                 '| sha256sum', "sh", inv.job.code_dir],
+                 '| sha256sum', "sh", code or inv.job.code_dir],
         "ntp": ["sh", "-c", "timedatectl show -p NTPSynchronized --value 2>/dev/null "
                 "|| chronyc -n tracking 2>/dev/null | grep -i 'leap status' || echo unknown"],
         "python": ["python3", "-c", "print('ok')"],
@@ -175,21 +175,6 @@ def image_info(facts) -> dict | None:
         return None
 
 
-def local_code_hash(root: Path) -> str:
+def local_code_hash(root: Path, only: str = "") -> str:
     """The same hash the hosts compute over the synced tree (files rsync copies, C sort order)."""
-    import fnmatch
-    import os
-
-    def excluded(name: str) -> bool:
-        return any(fnmatch.fnmatch(name, pat) for pat in plan.RSYNC_EXCLUDES)
-    files = []
-    # Excluded directories are pruned, not walked: a project's .venv alone can hold 100k files.
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not excluded(d)]
-        for name in filenames:
-            path = Path(dirpath) / name
-            if not excluded(name) and path.is_file() and not path.is_symlink():
-                files.append("./" + path.relative_to(root).as_posix())
-    listing = "".join(f"{hashlib.sha256((root / f[2:]).read_bytes()).hexdigest()}  {f}\n"
-                      for f in sorted(files, key=lambda s: s.encode()))
-    return hashlib.sha256(listing.encode()).hexdigest()
+    return codetree.content_hash(root, only)

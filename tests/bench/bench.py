@@ -298,7 +298,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
         assert result.ok, result
         # pdsh: the same container (entrypoint, torchrun, script), attached, its output carried by
         # `docker run` over ssh. Each node is a job of its own there (no rendezvous across nodes).
-        cmd = plan.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{inv.job.code_dir}:/workspace:ro",
+        cmd = plan.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{plan.code_path(inv, a.spec)}:/workspace:ro",
                           "-v", f"{plan.runtime_dir(inv, spec)}:{plan.RUNTIME_MOUNT}:ro", "-e", "NPROC_PER_NODE=1",
                           "-w", "/workspace", "--entrypoint", "python3", inv.job.image, plan.ENTRYPOINT_PATH,
                           "tests/bench/scripts/spew.py", str(lines)])
@@ -465,7 +465,7 @@ def main() -> None:
         cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only)
         inv = load(inv_path)
         with Session(inv.hosts) as s:
-            hostops.sync(s, inv)
+            hostops.sync(s, inv, plan.PROJECT_ROOT)
         base = Baselines(inv)
         with Session(inv.hosts) as s:
             rm_all(s)

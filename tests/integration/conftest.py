@@ -7,6 +7,8 @@ to a temporary file; each test leaves the hosts as it found them.
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,13 @@ from orchestrator.inventory import load
 
 ROOT = Path(__file__).resolve().parents[2]
 FAB = str(Path(sys.executable).parent / "fab")
+# The installed command (bootstrap installs this clone in place): runs from any directory.
+FABTRAIN = str(Path(sys.executable).parent / "fabtrain")
+
+
+def command(cwd) -> list[str]:
+    """`fab` from this project (-r: its tasks from any directory), or `fabtrain` from a user's own."""
+    return [FAB, "-r", str(ROOT)] if Path(cwd) == ROOT else [FABTRAIN]
 
 
 def engine_available() -> bool:
@@ -49,10 +58,52 @@ def inv(inventory_path):
     return load(inventory_path)
 
 
-def fab(inventory_path, *args, timeout=600, **kwargs):
-    """Run the real command line, as a user would."""
-    return subprocess.run([FAB, *args, "--inventory", str(inventory_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+def fab(inventory_path, *args, timeout=600, cwd=ROOT, **kwargs):
+    """Run the real command line, as a user would (from `cwd`: this project, or a user's own)."""
+    return subprocess.run([*command(cwd), *args, "--inventory", str(inventory_path)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+class Run:
+    """`fab ARGS` in the background; its output lines (stdout and stderr) collected as they come."""
+
+    def __init__(self, inventory_path, *args, env=None, cwd=ROOT):
+        self.proc = subprocess.Popen([*command(cwd), *args, "--inventory", str(inventory_path)], cwd=cwd,
+                                     text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.text:
+                return
+            if self.proc.poll() is not None:
+                self.reader.join(5)
+                if needle in self.text:
+                    return
+                raise AssertionError(f"{needle!r} never came; fab exited {self.proc.returncode}:\n{self.text[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} never came:\n{self.text[-3000:]}")
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+            self.reader.join(5)
+        return self.proc.returncode
 
 
 def on_host(node: str, script: str, check=True, detach=False) -> subprocess.CompletedProcess:

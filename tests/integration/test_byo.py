@@ -101,7 +101,8 @@ def test_image_push_is_idempotent_and_corrects_drift(inventory_path):
 
 
 def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory_path, inv):
-    fab(inventory_path, "sync")
+    r = fab(inventory_path, "sync", "--code", str(ROOT))  # the whole project: its test scripts too
+    code = r.stdout.split("synced to ", 1)[1].split()[0]
     names = []
     try:
         for h in inv.hosts:
@@ -110,7 +111,7 @@ def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory
             # Only what a platform sets: number of nodes, this node's rank, the master.
             on_host(h.name, f"docker run -d --name {name} --network host -e WORLD_SIZE=2 -e RANK={h.rank} "
                             f"-e MASTER_ADDR={inv.master.address} -e MASTER_PORT=29517 "
-                            f"-v {inv.job.code_dir}:/workspace -w /workspace {inv.job.image} "
+                            f"-v {code}:/workspace -w /workspace {inv.job.image} "
                             f"tests/integration/scripts/report.py")
         logs = {}
         for h, name in zip(inv.hosts, names):

@@ -5,58 +5,16 @@ answers again."""
 import json
 import os
 import subprocess
-import threading
 import time
 
 from orchestrator import cluster
 
-from .conftest import FAB, ROOT, fab, on_host, project_containers
+from .conftest import FAB, ROOT, Run, fab, on_host, project_containers
 from .test_lifecycle import wait_for_containers
 
 EXIT = "tests/integration/scripts/exit_on_node.py"
 PROGRESS = "tests/integration/scripts/progress.py"
 REPORT = "tests/integration/scripts/report.py"
-
-
-class Run:
-    """`fab ARGS` in the background; its output lines (stdout and stderr) collected as they come."""
-
-    def __init__(self, inventory_path, *args, env=None):
-        self.proc = subprocess.Popen([FAB, *args, "--inventory", str(inventory_path)], cwd=ROOT, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, needle: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if needle in self.text:
-                return
-            if self.proc.poll() is not None:
-                self.reader.join(5)
-                if needle in self.text:
-                    return
-                raise AssertionError(f"{needle!r} never came; fab exited {self.proc.returncode}:\n{self.text[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"{needle!r} never came:\n{self.text[-3000:]}")
-
-    def finish(self, timeout: float = 180) -> int:
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            self.proc.kill()
-            self.reader.join(5)
-        return self.proc.returncode
 
 
 def job_of(text: str) -> str:

@@ -95,8 +95,8 @@ def test_second_train_is_refused_and_first_keeps_running(inventory_path):
         wait_for_containers(["node1", "node2"])
         second = fab(inventory_path, "train", "--epochs", "1")
         assert second.returncode == 1
-        assert "a job is already running (report-" in second.stderr
-        assert "on node1, node2" in second.stderr and "'fab stop'" in second.stderr
+        assert "a job is already running on these hosts (report-" in second.stderr
+        assert "on node1, node2" in second.stderr and "'fab stop --job JOB'" in second.stderr
         assert running("node1") and running("node2")
         status = fab(inventory_path, "status")
         assert "report-" in status.stdout and "running" in status.stdout

@@ -9,14 +9,17 @@ from .conftest import FAB, ROOT, fab, on_host, project_containers
 
 
 def test_sync_reaches_every_host(inventory_path, inv):
-    r = fab(inventory_path, "sync")
+    r = fab(inventory_path, "sync")  # the built-in trainers: this project's trainers/ only
     assert r.returncode == 0, r.stderr
-    want = hashlib.sha256((ROOT / "orchestrator" / "plan.py").read_bytes()).hexdigest()
+    dest = r.stdout.split("synced to ", 1)[1].split()[0]
+    assert dest.startswith(f"{inv.job.code_dir}/") and len(dest.rsplit("/", 1)[1]) == 16
+    want = hashlib.sha256((ROOT / "trainers" / "gpt.py").read_bytes()).hexdigest()
     for h in inv.hosts:
-        got = on_host(h.name, f"sha256sum {inv.job.code_dir}/orchestrator/plan.py").stdout.split()[0]
+        got = on_host(h.name, f"sha256sum {dest}/trainers/gpt.py").stdout.split()[0]
         assert got == want, h.name
-        # Local state is never copied to the hosts.
-        assert on_host(h.name, f"test -e {inv.job.code_dir}/.cluster", check=False).returncode == 1
+        # Neither the rest of the project nor local state is copied to the hosts.
+        for other in ("orchestrator", ".cluster", "tests"):
+            assert on_host(h.name, f"test -e {dest}/{other}", check=False).returncode == 1, other
 
 
 def test_preflight_fails_naming_rank0_when_master_port_taken(inventory_path, inv):

@@ -18,7 +18,8 @@ from orchestrator.inventory import parse
 
 GOLDEN = Path(__file__).parent / "golden" / "export"
 K8S_VERSION = "1.30.0"
-SPEC = plan.JobSpec(job_id="gpt-demo", script="trainers/gpt.py", args=("--model", "tiny", "--epochs", "5"))
+SPEC = plan.JobSpec(job_id="gpt-demo", script="trainers/gpt.py", args=("--model", "tiny", "--epochs", "5"),
+                    code_key="c0de0000c0de0000")
 
 INVENTORIES = {
     # The DGX example of inventory.yaml, with a secret.
@@ -200,7 +201,8 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     """The docker flavour run by bash with scontrol, srun and docker stubbed: the container gets
     every value exactly, and nothing in a value runs."""
     i = hostile_inventory(tmp_path)
-    spec = plan.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"))
+    spec = plan.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"),
+                        code_key="k1")
     text, _ = export.slurm_script(i, spec)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -225,7 +227,8 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     assert f"WEIRD={HOSTILE}" in run
     assert ["--env", "MASTER_ADDR", "--env", "MASTER_PORT=29500", "--env", "NNODES", "--env", "NODE_RANK"] == \
         run[run.index("MASTER_ADDR") - 1:run.index("NODE_RANK") + 1]
-    assert f"{tmp_path}/code dir:/workspace:ro" in run
+    assert f"{tmp_path}/code dir/k1:/run/fabtrain-code:ro" in run
+    assert f"{tmp_path}/out/j1/work:/workspace" in run and (tmp_path / "out/j1/work").is_dir()
     assert run[-4:] == ["trainers/gpt.py", HOSTILE, "--x", "$(touch PWNED)"]
     assert calls[2] == ["stop", "--time", "30", "c0ffee"]  # the EXIT trap: this attempt's container
     assert not list(tmp_path.rglob("PWNED"))

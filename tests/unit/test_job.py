@@ -85,7 +85,11 @@ class Recorder:
 
 def new_job(tmp_path, rec, **kw):
     inv = inventory(tmp_path)
-    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code=str(tmp_path))
+    code = tmp_path / "project"
+    if not code.is_dir():
+        (code / "trainers").mkdir(parents=True)
+        (code / "trainers" / "gpt.py").write_text("print('hi')\n")
+    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code=str(code))
     return job.Job(inv, spec, Policy(hang_timeout=0), tmp_path / "runs", Reporter(), session=rec, checks=False,
                    watch_options={"echo": False}, **kw)
 

@@ -23,7 +23,7 @@ hosts:
     devices: [/dev/infiniband/uverbs0]
     mounts: ["/data:/data:ro"]
 """, Path("/i/inv.yaml"))
-SPEC = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"))
+SPEC = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code_key="ab12")
 
 
 def common(rank: int, name: str, ifname: str) -> list[str]:
@@ -36,12 +36,15 @@ def common(rank: int, name: str, ifname: str) -> list[str]:
 def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
     pairs = [f"MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
              "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME=={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
-             "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "OMP_NUM_THREADS=1",
+             "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "FABTRAIN_CODE=/run/fabtrain-code",
+             "OMP_NUM_THREADS=1",
              *extra, f"FABTRAIN_CONSOLE=/output/.console/node-{rank}.log"]
     return [x for p in pairs for x in ("--env", p)]
 
 
-TAIL = ["--volume", "/opt/code:/workspace:ro", "--volume", "/opt/out/gpt-1:/output",
+# The code read-only under its key, the working directory writable in the job's outputs.
+TAIL = ["--volume", "/opt/code/ab12:/run/fabtrain-code:ro", "--volume", "/opt/out/gpt-1/work:/workspace",
+        "--volume", "/opt/out/gpt-1:/output",
         "--volume", "/opt/out/.runtime/gpt-1:/run/fabtrain:ro"]
 CMD = ["--workdir", "/workspace", "--entrypoint", "python3", "img:1", "/run/fabtrain/entrypoint.py",
        "trainers/gpt.py", "--model", "tiny"]
@@ -119,7 +122,8 @@ def test_module_runs_through_the_entrypoint():
 
 def test_start_script_writes_the_entrypoint_from_stdin():
     script = plan.start_script(INV, INV.hosts[2], SPEC)
-    assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 /opt/code && "
+    assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
+                             "/opt/out/gpt-1/work && "
                              "rm -f /opt/out/gpt-1/.console/node-2.log && "
                              "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
     assert script.endswith(" >/dev/null")
@@ -146,9 +150,12 @@ def test_rsync_argv():
         "rsync", "--archive", "--compress", "--delete", "--mkpath", "--timeout=60", "--rsh",
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes",
-        "--exclude", ".git", "--exclude", "__pycache__", "--exclude", "*.pyc", "--exclude", ".venv",
-        "--exclude", ".cache", "--exclude", ".cluster", "--exclude", "runs", "--exclude", ".pytest_cache",
-        "--exclude", "*.egg-info", "/src/proj/", "10.0.0.2:/opt/code/"]
+        "--exclude=.git", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.venv",
+        "--exclude=.cache", "--exclude=.cluster", "--exclude=runs", "--exclude=.pytest_cache",
+        "--exclude=*.egg-info", "/src/proj/", "10.0.0.2:/opt/code/"]
+    # This project's own tree: only its trainers go to the hosts.
+    argv = plan.rsync_argv(h, str(plan.PROJECT_ROOT), "/opt/code", "trainers")
+    assert argv[-4:] == ["--include=/trainers/***", "--exclude=*", str(plan.PROJECT_ROOT) + "/", "10.0.0.2:/opt/code/"]
 
 
 def test_stop_script_by_label_with_grace():

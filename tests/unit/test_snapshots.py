@@ -402,3 +402,60 @@ def test_fetch_argv_filters_with_a_real_rsync(tmp_path):
     subprocess.run([*argv[:i], str(src) + "/", str(dest)], check=True)
     got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
     assert got == ["metrics.jsonl", "snapshots/tokenizer.json", "sub/snapshots/snapshot-000000001.pt"]
+
+
+# ---------------------------------------------------------------- a program's own checkpoints
+
+class LocalSession:
+    """Session.run as `sh -c` on this machine: the 'host' is a folder here (its output_dir)."""
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        r = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+        return Result(r.stdout, r.stderr, r.returncode, 0.01)
+
+
+def local_rsync(argv, **kw):
+    """The real rsync with the host part of its paths dropped (the 'host' is a folder here)."""
+    argv = list(argv)
+    i = argv.index("--rsh")
+    del argv[i:i + 2]
+    argv[-2:] = [a.split(":", 1)[1] if a.startswith("10.0.0.") else a for a in argv[-2:]]
+    return subprocess.run(argv, **kw)
+
+
+def test_a_programs_checkpoint_is_listed_settled_copied_with_its_time_and_put_back(tmp_path):
+    inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+                Path("/i/inv.yaml"))
+    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern("checkpoints/*.pt"))
+    work = tmp_path / "host" / "j" / "work" / "checkpoints"
+    work.mkdir(parents=True)
+    (work / "epoch_9.pt").write_bytes(b"nine")
+    (work / "epoch_10.pt").write_bytes(b"ten " * 100)
+    (work / ".epoch_11.pt.tmp").write_bytes(b"partial")  # hidden: never a checkpoint
+    (work / "notes.txt").write_text("x")
+    old = time.time_ns() - 60 * 10**9
+    import os
+    os.utime(work / "epoch_9.pt", ns=(old, old))
+    os.utime(work / "epoch_10.pt", ns=(old + 10**9, old + 10**9))
+    session, host = LocalSession(), inv.hosts[0]
+    shape = snapshots.layout(spec)
+    names = shape.names(session.run(host, shape.list_command(inv, spec)).stdout)
+    assert sorted(n.split(" ", 1)[1] for n in names) == ["work/checkpoints/epoch_10.pt", "work/checkpoints/epoch_9.pt"]
+    newest = snapshots.remote_newest(session, host, inv, spec)
+    assert newest == f"{old + 10**9:020d} work/checkpoints/epoch_10.pt"  # by time, not by name
+    (work / "epoch_11.pt").write_bytes(b"being written")
+    assert snapshots.remote_newest(session, host, inv, spec, settle=snapshots.SETTLE) == newest  # not settled yet
+    assert snapshots.remote_newest(session, host, inv, spec).endswith("epoch_11.pt")  # no job running: at once
+    (work / "epoch_11.pt").unlink()
+    reports = []
+    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=local_rsync)
+    assert snaps.fetch(session, host, newest) and reports == []
+    here = tmp_path / "runs" / "j" / "checkpoints" / "work" / "checkpoints" / "epoch_10.pt"
+    assert here.read_bytes() == b"ten " * 100 and snaps.local_newest() == newest  # the copy keeps its time
+    assert snaps.fetch(session, host, newest)  # already here: nothing copied
+    # A restart on a host that lost it: put back at its path, checked, with its time.
+    shutil.rmtree(tmp_path / "host" / "j")
+    snaps.push(session, host, newest, snapshots.local_digest(here))
+    assert (work / "epoch_10.pt").read_bytes() == b"ten " * 100
+    assert snapshots.remote_newest(session, host, inv, spec) == newest
+    assert not list(work.glob(".*"))  # no temporary copy left

@@ -1,0 +1,187 @@
+"""The command line: every task's help, as `fab` (the checkout's fabfile.py) and as `fabtrain` (the
+installed program) render it, and where the inventory is looked for."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from fabric.main import make_program as make_fab
+from invoke.parser import ParserContext
+
+import fabfile
+from orchestrator import inventory, program
+from orchestrator.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = sorted(fabfile.ns.task_names)
+
+
+def flags(ctx: ParserContext) -> set[str]:
+    """Every spelling a parser context accepts: long and short names (the parser keeps one of
+    them as the flag, the others as aliases) and --no-X for options that default to true."""
+    return set(ctx.flags) | set(ctx.flags.aliases) | set(ctx.inverse_flags)
+
+
+def core_flags() -> set[str]:
+    """Every flag Fabric's program takes before the task names, `fab`'s task-runner ones too
+    (--collection, --search-root, ...): a task option must not take one of these names."""
+    fab = make_fab()
+    return flags(ParserContext(args=fab.core_args() + fab.task_args()))
+
+
+def task_flags(name: str) -> set[str]:
+    return flags(ParserContext(name=name, args=fabfile.ns[name].get_arguments()))
+
+
+def rendered_help(run, capsys, binary: str, name: str) -> str:
+    run([binary, "--help", name], exit=False)
+    out = capsys.readouterr()
+    assert not out.err, out.err
+    return out.out
+
+
+@pytest.fixture(autouse=True)
+def keep_bytecode_setting(monkeypatch):
+    """Program.run sets sys.dont_write_bytecode (its --write-pyc flag); put it back afterwards."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", sys.dont_write_bytecode)
+
+
+@pytest.fixture(scope="module")
+def core():
+    flags = core_flags()
+    # What the check relies on: Fabric's own flags are there.
+    assert {"--hosts", "-H", "-i", "-S", "-d", "-e", "-p", "-c", "-r", "--list", "--help"} <= flags
+    return flags
+
+
+def test_every_task_is_listed_by_both_programs(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    make_fab().run(["fab", "--list"], exit=False)
+    fab_list = capsys.readouterr().out
+    program.make_program().run(["fabtrain", "--list"], exit=False)
+    fabtrain_list = capsys.readouterr().out
+    # The same tasks; `fabtrain`, having them bundled, calls them subcommands.
+    assert TASKS and fabtrain_list == fab_list.replace("Available tasks:", "Subcommands:", 1)
+    for name in TASKS:
+        assert re.search(rf"^  {re.escape(name)}\s", fab_list, re.M), name
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_task_help_reads_well_and_takes_no_core_flag(name, core, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)  # where `fab` finds fabfile.py
+    fab_help = rendered_help(make_fab().run, capsys, "fab", name)
+    fabtrain_help = rendered_help(program.make_program().run, capsys, "fabtrain", name)
+    # The same task, the same help: only the program's name in the usage line differs.
+    assert fab_help.startswith(f"Usage: fab [--core-opts] {name} ")
+    assert fabtrain_help == fab_help.replace("Usage: fab ", "Usage: fabtrain ", 1)
+    options = fab_help.partition("\nOptions:\n")[2]
+    assert "--=" not in fab_help, fab_help
+    mine = task_flags(name)
+    # No automatic short flag (-d, -e, ... would shadow Fabric's): every option is spelt out.
+    short = sorted(f for f in mine if not f.startswith("--"))
+    assert not short, f"{name}: short flags {short}; give the task auto_shortflags=False"
+    assert not re.search(r"^\s+-[A-Za-z][ ,]", options, re.M), options
+    clash = sorted(mine & core)
+    assert not clash, f"{name}: option(s) {clash} are also Fabric's core flags; rename them"
+    for flag in sorted(f for f in mine if f.startswith("--") and not f.startswith("--no-")):
+        assert flag in options or f"--[no-]{flag[2:]}" in options, f"{name}: {flag} missing from its help"
+
+
+def test_fabtrain_version_names_fabric(capsys):
+    program.make_program().run(["fabtrain", "--version"], exit=False)
+    out = capsys.readouterr().out
+    assert out.startswith(f"fabtrain {program.__version__} (Fabric ")
+
+
+# ---------------------------------------------------------------- where the inventory is looked for
+
+
+@pytest.fixture
+def places(tmp_path, monkeypatch):
+    """A working directory holding inventory.yaml, a file named by $FABTRAIN_INVENTORY, and one
+    given explicitly; each test removes what it does not want."""
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "inventory.yaml").write_text("hosts: []\n")
+    env = tmp_path / "env.yaml"
+    env.write_text("hosts: []\n")
+    given = tmp_path / "given.yaml"
+    given.write_text("hosts: []\n")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv(inventory.INVENTORY_ENV, str(env))
+    return work, env, given
+
+
+def test_explicit_inventory_comes_first(places):
+    work, env, given = places
+    assert inventory.locate(str(given)) == given
+    assert inventory.locate(given) == given
+
+
+def test_explicit_inventory_is_taken_as_given_even_when_missing(places):
+    # load() then says it is not found; locate never falls back to another file.
+    work, env, given = places
+    missing = work / "nope.yaml"
+    assert inventory.locate(str(missing)) == missing
+
+
+def test_environment_comes_before_the_working_directory(places):
+    work, env, given = places
+    assert inventory.locate() == env
+    assert inventory.locate(None) == env
+
+
+def test_home_is_expanded_in_explicit_and_environment_paths(places, monkeypatch):
+    work, env, given = places
+    monkeypatch.setenv("HOME", str(given.parent))
+    assert inventory.locate("~/given.yaml") == given
+    monkeypatch.setenv(inventory.INVENTORY_ENV, "~/env.yaml")
+    assert inventory.locate() == env
+
+
+def test_working_directory_inventory_when_nothing_else(places, monkeypatch):
+    work, env, given = places
+    monkeypatch.delenv(inventory.INVENTORY_ENV)
+    assert inventory.locate().resolve() == (work / "inventory.yaml").resolve()
+    monkeypatch.setenv(inventory.INVENTORY_ENV, "")  # set but empty: not set
+    assert inventory.locate().resolve() == (work / "inventory.yaml").resolve()
+
+
+def test_no_inventory_anywhere_names_all_three_places(places, monkeypatch):
+    work, env, given = places
+    monkeypatch.delenv(inventory.INVENTORY_ENV)
+    (work / "inventory.yaml").unlink()
+    (work / "inventory.yaml").mkdir()  # a directory of that name is no inventory
+    with pytest.raises(UserError) as err:
+        inventory.locate()
+    message = str(err.value)
+    assert "--inventory" in message and "$FABTRAIN_INVENTORY" in message and "inventory.yaml" in message
+    assert str(Path.cwd()) in message
+
+
+def test_the_inventory_directory_is_never_the_checkout(places, monkeypatch):
+    # Run from a user's project, the checkout's own inventory.yaml is not picked up.
+    work, env, given = places
+    monkeypatch.delenv(inventory.INVENTORY_ENV)
+    (work / "inventory.yaml").unlink()
+    assert (ROOT / "inventory.yaml").is_file()
+    with pytest.raises(UserError):
+        inventory.locate()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-H", "node1,node2"], "-H/--hosts (node1) is Fabric's host list"),
+    (["--hosts", "node1"], "-H/--hosts (node1) is Fabric's host list"),
+    (["-i", "/tmp/key"], "-i/--identity is Fabric's key option"),
+    (["-S", "SSH_CONFIG"], "-S/--ssh-config is Fabric's option"),
+])
+def test_fabric_core_flags_that_fabtrain_cannot_honour_stop_with_a_clear_error(flags, message, tmp_path):
+    """Never ignored: `fab -H node1 train` once planned every host of the inventory."""
+    import subprocess
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text("")
+    flags = [str(ssh_config) if f == "SSH_CONFIG" else f for f in flags]
+    r = subprocess.run([str(Path(sys.executable).parent / "fab"), "-r", str(ROOT), *flags, "runs"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,45 @@
+"""Where a job runs: --include/--exclude in DeepSpeed's launcher syntax, --num-nodes."""
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli
+from orchestrator.errors import UserError
+from orchestrator.inventory import parse
+
+INV = parse("""\
+hosts:
+  - {name: node1, address: 10.0.0.1, interface: eth0}
+  - {name: node2, address: 10.0.0.2, interface: eth0}
+  - {name: node3, address: 10.0.0.3, interface: eth0}
+spares:
+  - {name: node4, address: 10.0.0.4, interface: eth0}
+""", Path("inv.yaml"))
+
+
+def names(inv):
+    return [(h.name, h.rank) for h in inv.hosts], [s.name for s in inv.spares]
+
+
+def test_include_exclude_and_num_nodes_renumber_the_ranks():
+    assert names(cli.select_hosts(INV, "node3@node2", None)) == ([("node2", 0), ("node3", 1)], ["node4"])
+    assert names(cli.select_hosts(INV, None, "node1")) == ([("node2", 0), ("node3", 1)], ["node4"])
+    assert names(cli.select_hosts(INV, "node4", None)) == ([("node4", 0)], [])  # a spare, chosen by name
+    assert names(cli.select_hosts(INV, None, None, busy={"node1"}, num_nodes="2")) == (
+        [("node2", 0), ("node3", 1)], ["node4"])
+    assert cli.select_hosts(INV, None, None).hosts == INV.hosts
+
+
+@pytest.mark.parametrize("include, exclude, num, busy, message", [
+    ("node1@nodeX", None, None, set(), "--include 'node1@nodeX': no host 'nodeX' in inv.yaml; hosts are node1, node2, "
+                                       "node3, node4"),
+    ("node1@@node2", None, None, set(), "an empty host name; write hosts joined by @, e.g. --include node1@node2"),
+    ("node1:0,1", None, None, set(), "GPU subsets (node1:0,1) are not supported yet"),
+    (None, "node1@node2@node3", None, set(), "--include/--exclude leave no host to run on"),
+    (None, None, "3", {"node2"}, "--num-nodes 3: only 2 of node1, node2, node3 are free (node2 run other jobs)"),
+    (None, None, "zero", set(), "--num-nodes 'zero': give a number of hosts, 1 or more"),
+])
+def test_bad_selections_say_what_is_wrong(include, exclude, num, busy, message):
+    with pytest.raises(UserError) as err:
+        cli.select_hosts(INV, include, exclude, busy, num)
+    assert message in str(err.value) and err.value.exit_code == 2
