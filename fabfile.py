@@ -21,7 +21,7 @@ from orchestrator import cluster as _cluster
 from orchestrator import export as _export
 from orchestrator import inventory as _inventory
 from orchestrator import images as _images
-from orchestrator import cli, hostops, plan
+from orchestrator import claims, cli, hostops, plan
 from orchestrator import job as _job
 from orchestrator import jobs
 from orchestrator import preflight as _preflight
@@ -143,9 +143,13 @@ JOB_HELP = {
     "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
               "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args, --image, --code and "
               "--checkpoint may change what was recorded (a finished job continues with new --epochs or --args)",
-    "include": "run on these hosts only, joined by @ (DeepSpeed's syntax): --include node1@node3",
+    "include": "run on these hosts only, joined by @ (DeepSpeed's syntax), each optionally with its GPUs (CPU "
+               "slots on a host without GPUs): --include node1@node3, --include node1:0,1@node2:2,3",
     "exclude": "run on every host but these: --exclude node2",
-    "num_nodes": "run on the first N hosts (of --include's, or hosts:) that no other job holds",
+    "num_nodes": "run on the first N hosts (of --include's, or hosts:) where the job fits beside other jobs",
+    "gpus": "take N free GPUs on each host (N CPU slots on a host without GPUs); one process each unless "
+            "--nproc says otherwise (default: every GPU of the host; one slot)",
+    "cpuset": "pin each CPU host's container to the CPUs of its slots (docker --cpuset-cpus)",
     "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, from its "
                  "newest snapshot or checkpoint, finished or not; a new job when there is none",
     "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
@@ -159,7 +163,7 @@ JOB_HELP = {
 def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
-          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None):
+          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None, cpuset=False):
     """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
@@ -180,6 +184,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         resume = cli.find_named(RUNS, cli.default_name(given, TRAINERS))
         if resume is None:
             print(f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one")
+    asked_include = include
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
         inv = _inventory.load(inventory or record.inventory)
@@ -199,17 +204,27 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         inv = _inventory.load(inventory)
         record = None
     selected = include or exclude or num_nodes is not None
+    units = cli.units_asked(inv, asked_include)
+    gpus = cli.count("--gpus", gpus)
     if selected:
         busy = set()
         if num_nodes is not None:
+            want = claims.want_of(plan.JobSpec(job_id="-", script="", units=units, gpus=gpus, nproc_per_node=nproc),
+                                  inv.job.nproc_per_node)
             with Session(inv.all_hosts) as session:
-                busy = {h for hosts in hostops.live_jobs(hostops.survey(session, inv)).values() for h in hosts}
+                busy = hostops.busy_hosts(hostops.survey(session, inv), inv, want)
         inv = cli.select_hosts(inv, include, exclude, busy, num_nodes)
     if record is not None:
         record.selected = [h.name for h in inv.hosts] if selected else record.selected
     else:
         policy = cli.policy(inv, restarts or 0, min_nodes, hang_timeout)
         spec = cli.new_spec({**given, "checkpoint": checkpoint or cli.inventory_checkpoint(inv)}, TRAINERS)
+    # Who runs it now (fab stop ends only its own), and the GPUs or slots asked for (a resume keeps
+    # the recorded ones unless given again).
+    spec = replace(spec, owner=claims.me(), units=units if asked_include else spec.units,
+                   gpus=spec.gpus if gpus is None else gpus, cpuset=cpuset or spec.cpuset)
+    if record is not None:
+        record.spec.update(owner=spec.owner, units=spec.units, gpus=spec.gpus, cpuset=spec.cpuset)
     reporter = JsonLines() if json else Terminal(console)
     live = not (plain or json)
     j = _job.Job(inv, spec, policy, RUNS, reporter, record=record, checks=not skip_preflight, smoke=smoke,
@@ -233,21 +248,31 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "stop only this job (default: every fabtrain job)",
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "stop this job only (an id from 'fab status')",
+                                   "all": "stop every fabtrain job on the hosts, other people's too (asks first)",
+                                   "yes": "with --all: do not ask",
                                    "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
 @user_errors
-def stop(c, inventory=None, job=None, grace=None):
-    """Stop and remove this project's containers on every host, found by label, and end their jobs:
-    a `fab train` watching one (between two attempts too) ends it without restarting. Left-over
-    runtime files (secrets included) of jobs no longer looked after are removed. Safe to repeat.
-    A host whose engine does not answer within grace + 15 s is named; the others are still served."""
+def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
+    """Stop the jobs you started (user@machine) on every host: their containers, found by label,
+    removed and their GPUs released; a `fab train` watching one (between two attempts too) ends it
+    without restarting. Jobs of others are listed and left alone; --job JOB stops that one, --all
+    every one. Left-over runtime files (secrets included) of jobs no longer looked after are
+    removed. Safe to repeat. A host whose engine does not answer within grace + 15 s is named;
+    the others are still served."""
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
+    if job and not plan.valid_job_id(job):
+        raise UserError(f"--job {sanitize(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
     with Session(inv.all_hosts) as session:
         found = hostops.survey(session, inv)
-        live = hostops.live_jobs(found)
-        hostops.mark_stopped(session, inv, {job: live.get(job, [])} if job else live)
-        results = hostops.stop(session, job, grace, inv.all_hosts)
+        views = hostops.job_views(found)
+        chosen, others = jobs.to_stop(views, job, all, claims.me())
+        if all and others and not yes:
+            jobs.confirm_all(others)
+        targets = sorted(chosen)
+        hostops.mark_stopped(session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets})
+        results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
         cleared = hostops.clear_stale(session, inv, hostops.survey(session, inv))
     failed = []
     for host in inv.all_hosts:
@@ -258,39 +283,35 @@ def stop(c, inventory=None, job=None, grace=None):
             print(f"{host.name}: could not stop: {why}", file=sys.stderr)
         else:
             print(f"{host.name}: removed {len(r.stdout.split())} container(s)")
+    for j in targets:
+        print(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else ""))
+    for v in others.values():
+        if v.job not in chosen:
+            print(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; 'fab stop --job {v.job}' ends it")
     for line in cleared:
         print(line)
     if failed:
         raise UserError(f"stop failed on {', '.join(failed)}; run 'fab stop' again once they answer")
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP})
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the jobs as JSON"})
 @user_errors
-def status(c, inventory=None):
-    """List this project's containers (job, rank, state) on every host. A host that does not answer
-    within 10 s (SSH down, or a stuck Docker engine) is named; exits non-zero then."""
-    from rich.table import Table
-    from rich.text import Text
+def status(c, inventory=None, json=False):
+    """List the jobs on the hosts: id, who started it, hosts with their GPUs (CPU slots), state,
+    attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
+    stuck Docker engine) is named; exits non-zero then."""
     inv = _inventory.load(inventory)
     with Session(inv.all_hosts) as session:
-        results = hostops.list_containers(session)
-    table = Table(title="fabtrain containers")
-    for col in ("host", "job", "rank", "container", "state", "status"):
-        table.add_column(col)
-    bad = []
-    for host in inv.all_hosts:
-        r = results[host.name]
-        why = failure(host, r, "docker ps")
-        if why:
-            bad.append(why)
-            state = "stuck" if isinstance(r, CommandTimedOut) else "unreachable" if results.error(host.name) else "error"
-            table.add_row(host.name, "-", "-", "-", Text(state, style="red"), Text(bad[-1][:80]))
-            continue
-        for line in r.stdout.splitlines():
-            table.add_row(host.name, *(Text(sanitize(f)) for f in line.split("\t")))
-        if not r.stdout.strip():
-            table.add_row(host.name, "-", "-", "-", Text("none", style="dim"), "no fabtrain containers")
-    console.print(table)
+        found = hostops.survey(session, inv)
+        views = hostops.job_views(found)
+        steps = hostops.last_steps(session, inv, views)
+    bad = [failure(h, found[h.name], "listing jobs") for h in inv.all_hosts if found.error(h.name)]
+    if json:
+        print(jobs.status_json(views, steps, bad))
+    else:
+        console.print(jobs.status_table(views, steps, inv))
+        for line in bad:
+            console.print(f"[red]{sanitize(line)}[/]")
     if bad:
         raise UserError("\n".join(bad))
 

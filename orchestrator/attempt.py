@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import plan, resources
+from . import claims, plan, resources
 from .errors import UserError
 from .inventory import Host, Inventory
 from .remote import put_command
@@ -83,6 +83,7 @@ class AttemptPlan:
     facts: tuple[Fact, ...] = ()
     steps: tuple[Step, ...] = ()
     grace: float = 30.0
+    units: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)  # host -> GPUs (slots) held
 
     @property
     def master(self) -> Host:
@@ -101,7 +102,8 @@ class AttemptPlan:
         """Every command, per host, in order; conditional ones under the condition that runs them."""
         ranks = {h.name: h.rank for h in self.hosts}
         lines = [f"# ---- job {self.job_id} attempt {self.number}: "
-                 + ", ".join(f"{h.name}=rank {h.rank}" for h in self.hosts)
+                 + ", ".join(f"{h.name}=rank {h.rank}" + (f" {claims.kind(h)}s {claims.units_text(self.units[h.name])}"
+                                                          if h.name in self.units else "") for h in self.hosts)
                  + f"; master {self.master.hostname}:{self.port}"
                  + (f"; from snapshot {self.snapshot}" if self.snapshot else "")]
         if self.facts:
@@ -160,18 +162,23 @@ def remote_step(host: Host, key: str, command: str, timeout: float | None, when:
 def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: str | None = None,
           snapshot_missing: tuple[str, ...] = (), access: dict[str, plan.GpuAccess | None] | None = None,
           facts: tuple[Fact, ...] = (), sync: bool = True, keep: int = 2, first: bool = True,
-          run_dir: str | None = None) -> AttemptPlan:
+          run_dir: str | None = None, units: dict[str, tuple[int, ...]] | None = None) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
-    host hands out GPUs (None: NVIDIA's runtime hook assumed)."""
-    access = access or {}
+    host hands out GPUs (None: NVIDIA's runtime hook assumed); `units` the GPUs (CPU slots) the job
+    claims on each host (none given: the whole host, claimed as such)."""
+    access, units = access or {}, units or {}
     job = replace(inv.job, master_port=port)
     inv = replace(inv, job=job)
     spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
                                                 ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))))
     hosts = inv.hosts
-    steps = [remote_step(h, "claim", plan.claim_script(inv, spec.job_id, first), STATUS_TIMEOUT,
-                         what="claiming the job's runtime directory") for h in hosts]
+    # One host at a time, in claims.order: of two jobs claiming overlapping hosts at once, exactly one
+    # gets them (claims.py). A claim waits up to claims.LOCK_WAIT for the host's lock.
+    steps = [remote_step(h, "claim", claims.claim_script(inv, spec.job_id, units.get(h.name, ()), spec.owner, first,
+                                                         port if h.rank == 0 else None),
+                         STATUS_TIMEOUT + claims.LOCK_WAIT, what="claiming GPUs/slots and the runtime directory")
+             for h in claims.order(hosts)]
     if sync:
         steps += [local_step(h, "sync", plan.rsync_argv(h, spec.code, plan.code_path(inv, spec), spec.code_only), what="syncing the code")
                   for h in hosts]
@@ -193,7 +200,8 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
             steps.append(remote_step(h, "secrets", put_command(plan.secrets_file(inv, spec), 0o600), 30,
                                      what="writing the secrets file", stdin=secrets,
                                      stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
-        steps.append(remote_step(h, "start", plan.start_script(inv, h, spec, access.get(h.name)), START_TIMEOUT,
+        steps.append(remote_step(h, "start", plan.start_script(inv, h, spec, access.get(h.name), units.get(h.name)),
+                                 START_TIMEOUT,
                                  what="docker run", stdin=plan.ENTRYPOINT_SOURCE.read_bytes(),
                                  stdin_note=resources.ENTRYPOINT_NAME))
     for h in hosts:
@@ -231,7 +239,8 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     for h in hosts:
         steps.append(remote_step(h, "stop-on-interrupt", plan.stop_script(spec.job_id, job.stop_grace),
                                  job.stop_grace + STOP_MARGIN, ON_INTERRUPT, what="stopping containers"))
-    return AttemptPlan(spec.job_id, number, hosts, port, snapshot, spec, inv, facts, tuple(steps), job.stop_grace)
+    return AttemptPlan(spec.job_id, number, hosts, port, snapshot, spec, inv, facts, tuple(steps), job.stop_grace,
+                       units)
 
 
 STACKS_TIMEOUT = 15
@@ -239,12 +248,12 @@ STACKS_TIMEOUT = 15
 
 def end_steps(inv: Inventory, spec: plan.JobSpec, hosts: tuple[Host, ...], run_dir: str) -> list[Step]:
     """At the job's end, on every host it used: its outputs fetched, then its runtime files
-    (entrypoint, secrets, lease) removed."""
+    (entrypoint, secrets, lease) and its claim removed."""
     steps = [local_step(h, "fetch", plan.fetch_argv(h, f"{inv.job.output_dir}/{spec.job_id}",
                                                     f"{run_dir}/outputs/{h.name}"), what="fetching outputs")
              for h in hosts]
-    return steps + [remote_step(h, "cleanup", plan.shell(plan.cleanup_argv(inv, spec)), STATUS_TIMEOUT,
-                                what="removing the job's runtime files") for h in hosts]
+    return steps + [remote_step(h, "cleanup", claims.release_command(inv, [spec.job_id]), STATUS_TIMEOUT,
+                                what="removing the job's runtime files and claim") for h in hosts]
 
 
 def stopped_command(inv: Inventory, job_id: str) -> str:

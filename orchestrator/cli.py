@@ -167,21 +167,32 @@ def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bo
     return spec, changed
 
 
-def host_list(value: str, option: str, inv: Inventory) -> list[str]:
-    """DeepSpeed's launcher syntax, `node1@node3` (hosts joined by @), as inventory host names."""
-    names = [n.strip() for n in value.split("@")]
+def host_list(value: str, option: str, inv: Inventory) -> dict[str, tuple[int, ...]]:
+    """DeepSpeed's launcher syntax, `node1@node3` (hosts joined by @), each host optionally with its
+    GPUs (CPU slots on a host without GPUs): `node1:0,1@node2:2,3`. Inventory host name -> the
+    units asked for (() when the host is named alone)."""
     known = [h.name for h in inv.all_hosts]
-    for n in names:
-        if not n:
-            raise UserError(f"{option} {value!r}: an empty host name; write hosts joined by @, e.g. "
-                            f"{option} {'@'.join(known[:2])}", exit_code=2)
-        if ":" in n:
-            raise UserError(f"{option} {value!r}: GPU subsets ({n}) are not supported yet; select whole hosts",
+    example = f"{option} {'@'.join(known[:2])}"
+    out: dict[str, tuple[int, ...]] = {}
+    for part in (p.strip() for p in value.split("@")):
+        name, colon, units = part.partition(":")
+        if not name:
+            raise UserError(f"{option} {value!r}: an empty host name; write hosts joined by @, e.g. {example}",
                             exit_code=2)
-        if n not in known:
-            raise UserError(f"{option} {value!r}: no host {n!r} in {inv.path}; hosts are {', '.join(known)}",
+        if name not in known:
+            raise UserError(f"{option} {value!r}: no host {name!r} in {inv.path}; hosts are {', '.join(known)}",
                             exit_code=2)
-    return names
+        listed = [u.strip() for u in units.split(",")] if colon else []
+        if colon and (not all(u.isdigit() for u in listed) or len(set(listed)) != len(listed)):
+            raise UserError(f"{option} {value!r}: {part!r} should list distinct GPU (or CPU slot) indices "
+                            f"after the colon, e.g. {name}:0,1", exit_code=2)
+        if colon and option == "--exclude":
+            raise UserError(f"{option} {value!r}: --exclude takes whole hosts; choose GPUs with --include "
+                            f"{name}:i,j", exit_code=2)
+        if name in out:
+            raise UserError(f"{option} {value!r}: {name} is named twice", exit_code=2)
+        out[name] = tuple(sorted(int(u) for u in listed))
+    return out
 
 
 def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy: set[str] = frozenset(),
@@ -190,10 +201,10 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy:
     --num-nodes N, the first N of them that no other job holds (`busy`). Ranks are renumbered."""
     hosts = list(inv.hosts)
     if include:
-        chosen = set(host_list(include, "--include", inv))
+        chosen = host_list(include, "--include", inv)
         hosts = [h for h in inv.all_hosts if h.name in chosen]
     if exclude:
-        dropped = set(host_list(exclude, "--exclude", inv))
+        dropped = host_list(exclude, "--exclude", inv)
         hosts = [h for h in hosts if h.name not in dropped]
     if num_nodes is not None:
         try:
@@ -213,6 +224,26 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy:
     names = {h.name for h in hosts}
     return replace(inv, hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
                    spares=tuple(s for s in inv.spares if s.name not in names))
+
+
+def count(option: str, value) -> int | None:
+    """A whole number option of 1 or more (None when not given)."""
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise UserError(f"{option} {value!r}: give a whole number, 1 or more", exit_code=2)
+    return n
+
+
+def units_asked(inv: Inventory, include: str | None) -> str:
+    """JobSpec.units: --include's hosts that list units, in the same syntax ('' when none do)."""
+    if not include:
+        return ""
+    return "@".join(f"{n}:{','.join(map(str, u))}" for n, u in host_list(include, "--include", inv).items() if u)
 
 
 def resume_entry(record: JobRecord, changed: dict) -> dict:

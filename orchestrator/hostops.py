@@ -8,10 +8,10 @@ and by preflight, which say so.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import codetree, plan
+from . import claims, codetree, plan
 from .attempt import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from .errors import UserError
 from .inventory import Host, Inventory
@@ -60,24 +60,45 @@ class HostJobs:
     running: dict[str, int]           # job -> node rank, containers running
     containers: frozenset[str]        # jobs with any container, running or not
     runtime: dict[str, float | None]  # job -> its lease's age in seconds (None: no lease)
+    owners: dict[str, str] = field(default_factory=dict)    # job -> who started it (container label)
+    attempts: dict[str, str] = field(default_factory=dict)  # job -> its containers' attempt
+    states: dict[str, str] = field(default_factory=dict)    # job -> its container's state here
+    cpus: int = 1                     # the host's CPUs (its slots, without GPUs)
+    claimed: tuple[claims.Holder, ...] = ()  # every claim file there, stale ones included
+
+    def holders(self, but: str = "") -> list[claims.Holder]:
+        """Who holds units here, other than job `but`: claims whose job runs here or has a lease
+        younger than plan.LEASE_STALE (as the claim script judges them), and a job running here
+        with no claim file (it holds the whole host)."""
+        def alive(job: str) -> bool:
+            age = self.runtime.get(job)
+            return job in self.running or (age is not None and age < plan.LEASE_STALE)
+        held = [c for c in self.claimed if c.job != but and alive(c.job)]
+        named = {c.job for c in self.claimed}
+        return held + [claims.Holder(j) for j in sorted(self.running) if j != but and j not in named]
 
 
 def survey_script(inv: Inventory) -> str:
-    """One round trip: our containers, then each runtime directory with its lease's age."""
+    """One round trip: our containers, each runtime directory with its lease's age, the claims."""
     rt = plan.shell([f"{inv.job.output_dir}/.runtime"])
     return (f"{plan.shell(plan.status_argv())}; echo @@runtime; now=$(date +%s); "
             f"for d in {rt}/*/; do [ -d \"$d\" ] || continue; j=$(basename \"$d\"); "
             f"if [ -e \"${{d}}{plan.LEASE}\" ]; then echo \"$j $((now - $(stat -c %Y \"${{d}}{plan.LEASE}\")))\"; "
-            "else echo \"$j none\"; fi; done")
+            "else echo \"$j none\"; fi; done; " + claims.survey_script(inv))
 
 
 def parse_survey(text: str) -> HostJobs:
     containers, _, runtime = text.partition("@@runtime\n")
-    running, any_container = {}, set()
+    runtime, _, claimed = runtime.partition("@@claims\n")
+    cpus, held = claims.parse_survey(claimed)
+    running, any_container, owners, attempts, states = {}, set(), {}, {}, {}
     for line in containers.splitlines():
         f = line.split("\t")
         if len(f) >= 4 and plan.valid_job_id(f[0]):
             any_container.add(f[0])
+            states[f[0]] = f[3]
+            if len(f) >= 7:
+                owners[f[0]], attempts[f[0]] = f[5], f[6]
             if f[3] in ("running", "created", "restarting") and f[1].isdigit():
                 running[f[0]] = int(f[1])
     dirs: dict[str, float | None] = {}
@@ -85,7 +106,7 @@ def parse_survey(text: str) -> HostJobs:
         job, _, age = line.partition(" ")
         if plan.valid_job_id(job) and job != plan.IMAGE_CACHE:
             dirs[job] = float(age) if age.lstrip("-").isdigit() else None
-    return HostJobs(running, frozenset(any_container), dirs)
+    return HostJobs(running, frozenset(any_container), dirs, owners, attempts, states, cpus, tuple(held))
 
 
 def survey(session: Session, inv: Inventory, hosts: tuple[Host, ...] | None = None) -> PerHost:
@@ -116,6 +137,99 @@ def live_jobs(found: PerHost) -> dict[str, list[str]]:
             for job in {*hj.running, *(j for j, age in hj.runtime.items() if age is not None and age < plan.LEASE_LIVE)}:
                 jobs.setdefault(job, []).append(host)
     return jobs
+
+
+@dataclass
+class JobView:
+    """A job as the hosts show it (`fab status`, `fab stop`): from its claims, containers and leases."""
+
+    job: str
+    who: str = ""
+    since: float = 0.0
+    hosts: dict[str, tuple[int, ...] | None] = field(default_factory=dict)  # host -> units (None: not claimed)
+    ranks: dict[str, int] = field(default_factory=dict)    # host -> node rank, where a container runs
+    states: dict[str, str] = field(default_factory=dict)   # host -> container state, or 'claimed'/'left over'
+    attempt: str = ""
+    live: bool = False             # a container runs, or its fab train holds a fresh lease
+
+    @property
+    def state(self) -> str:
+        if self.ranks:
+            return "running"
+        if self.live:
+            return "starting" if not self.states or "claimed" in self.states.values() else "between attempts"
+        return "left over"
+
+
+def job_views(found: PerHost) -> dict[str, JobView]:
+    """Every job the hosts know of (claim files, containers, runtime directories), by id."""
+    views: dict[str, JobView] = {}
+
+    def view(job: str) -> JobView:
+        return views.setdefault(job, JobView(job))
+    for host, hj in found.items():
+        if not isinstance(hj, HostJobs):
+            continue
+        for c in hj.claimed:
+            v = view(c.job)
+            v.who, v.since = v.who or c.who, min(filter(None, (v.since, c.since)), default=0.0)
+            v.hosts[host] = c.units
+            v.states.setdefault(host, "claimed")
+        for job in hj.containers:
+            v = view(job)
+            v.hosts.setdefault(host, None)
+            v.states[host] = hj.states.get(job, "?")
+            v.who = v.who or hj.owners.get(job, "")
+            v.attempt = max(v.attempt, hj.attempts.get(job, ""))
+        for job, rank in hj.running.items():
+            view(job).ranks[host] = rank
+        for job, age in hj.runtime.items():
+            if age is not None and age < plan.LEASE_LIVE:
+                view(job).live = True
+                view(job).hosts.setdefault(host, None)
+    for v in views.values():
+        v.live = v.live or bool(v.ranks)
+    return views
+
+
+def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> dict[str, int]:
+    """The last step each running job's rank-0 node printed (its console file's tail), by job."""
+    from .watch import STEP
+    where = {j: (h, v.ranks[h]) for j, v in views.items() for h in v.ranks if v.ranks[h] == 0}
+    hosts = {h.name: h for h in inv.all_hosts}
+
+    def one(job: str) -> int | None:
+        host, rank = where[job]
+        f = plan.console_file(inv, plan.JobSpec(job_id=job, script=""), rank)
+        r = session.run(hosts[host], plan.shell(["tail", "-c", "8192", f]), timeout=STATUS_TIMEOUT,
+                        what="reading the last step")
+        found = STEP.findall(r.stdout.encode())
+        return int(found[-1]) if found else None
+    got = {}
+    for job in where:
+        if where[job][0] in hosts:
+            try:
+                got[job] = one(job)
+            except Exception:  # noqa: BLE001 - a step not read is shown as '-'
+                pass
+    return {j: s for j, s in got.items() if s is not None}
+
+
+def busy_hosts(found: PerHost, inv: Inventory, want: claims.Want) -> set[str]:
+    """Hosts where a job asking `want` does not fit beside the other jobs' claims (or that did not
+    answer): what --num-nodes passes over."""
+    busy = set()
+    for h in inv.all_hosts:
+        hj = found.value(h.name)
+        if not isinstance(hj, HostJobs):
+            busy.add(h.name)
+            continue
+        cap = claims.capacity(h, hj.cpus)
+        try:
+            claims.choose(h, cap, hj.holders(), want.of(h, cap))
+        except UserError:
+            busy.add(h.name)
+    return busy
 
 
 def stale_runtime(found: PerHost) -> dict[str, list[str]]:
@@ -154,8 +268,15 @@ def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, list[str]]) -
     session.fan_out(mark, tuple(h for h in inv.all_hosts if any(h.name in w for w in jobs.values())))
 
 
-def stop(session: Session, job_id: str | None, grace: float, hosts: tuple[Host, ...] | None = None) -> PerHost:
-    """Stop and remove the job's (or every project) container on each host: host -> Result or error."""
-    script = plan.stop_script(job_id, grace)
+def stop(session: Session, inv: Inventory, job_ids: list[str] | None, grace: float,
+         hosts: tuple[Host, ...] | None = None) -> PerHost:
+    """Stop and remove these jobs' containers (None: every fabtrain container) on each host, all at
+    once, and release their claims there: host -> Result (the removed ids on stdout) or error.
+    Their runtime directories stay for a `fab train` watching them to see the stop marker
+    (clear_stale removes them once no one does)."""
+    ids = [j for j in job_ids if plan.valid_job_id(j)] if job_ids is not None else None
+    script = "true" if ids == [] else plan.stop_script(ids, grace)
+    if ids:
+        script += "; " + claims.release_command(inv, ids, runtime=False)
     return session.fan_out(lambda h: session.run(h, script, timeout=grace + STOP_MARGIN, what="stopping containers"),
                            hosts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import shutil
 import signal
 import threading
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import attempt as attempt_mod
-from . import codetree, hostops, plan, preflight, snapshots
+from . import claims, codetree, hostops, plan, preflight, snapshots
 from .attempt import ALWAYS, ON_FAILURE, ON_INTERRUPT, AttemptPlan, Fact, Step
 from .errors import UserError
 from .events import Reporter
@@ -25,7 +26,7 @@ from .inventory import Host, Inventory
 from .logs import sanitize
 from .policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from .recovery import Attempt, JobRecord
-from .remote import Session, describe
+from .remote import PerHost, Session, describe
 from .watch import NodeEnd, Watched, watch
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
@@ -72,16 +73,24 @@ class Interrupted(KeyboardInterrupt):
 def run(job: "Job") -> JobResult:
     """The life of a job: PLAN -> CLAIM -> GATE -> SNAPSHOT -> START -> WATCH -> TEARDOWN -> DECIDE,
     again from PLAN while the policy allows, then FINISH."""
-    with job.open():
-        try:
-            while True:
-                attempt = job.plan()
-                outcome = job.run_attempt(attempt)
-                decision = job.decide(attempt, outcome)
-                if decision.roster is None or not job.next_attempt(decision):
-                    break
-        finally:
-            result = job.finish()
+    try:
+        with job.open():
+            try:
+                while True:
+                    attempt = job.plan()
+                    try:
+                        outcome = job.run_attempt(attempt)
+                    except Contended:
+                        continue  # planned again with another port (Job.claim)
+                    decision = job.decide(attempt, outcome)
+                    if decision.roster is None or not job.next_attempt(decision):
+                        break
+            finally:
+                result = job.finish()
+    except Refused:
+        if not job.resuming:  # a new job refused its hosts leaves nothing, here either
+            shutil.rmtree(job.run_dir, ignore_errors=True)
+        raise
     return result
 
 
@@ -111,6 +120,9 @@ class Job:
         self.snaps: snapshots.Snapshots | None = None
         self.leasing = threading.Event()
         self.pause = 0.0
+        self.before: AttemptPlan | None = None  # the plan before the last one (Job.claim: planned again)
+        self.claimed_ports: set[int] = set()     # other jobs' master ports on this attempt's rank-0 host
+        self.replans = 0
 
     # ------------------------------------------------------------ around the stages
 
@@ -192,6 +204,7 @@ class Job:
         """PLAN: the facts the attempt depends on, read-only, then the frozen plan."""
         number = len(self.record.attempts) + 1
         self.stage(Stage.PLAN, number)
+        self.before = self.last
         self.key_code()
         inv = replace(self.inv, hosts=self.roster.hosts)
         facts: list[Fact] = []
@@ -204,8 +217,7 @@ class Job:
                 except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
                     facts.append(Fact(h.name, plan.shell(plan.gpu_probe_argv(h)), f"no answer ({describe(h, exc)}); "
                                       "assumed NVIDIA's runtime hook"))
-        if self.last is None:
-            self.refuse_if_running(inv.hosts, facts, dry)
+        units = self.choose_units(inv.hosts, facts, dry)
         port = self.free_port(inv, facts)
         snapshot, missing = None, ()
         if number > 1 or self.resuming:
@@ -215,7 +227,8 @@ class Job:
                           f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job {self.spec.job_id} "
                           "found here or on its hosts: it starts from the beginning", "info" if snapshot else "warning")
         a = attempt_mod.build(inv, self.spec, number, port, snapshot, missing, access, tuple(facts),
-                              keep=self.inv.job.keep_snapshots, first=self.last is None, run_dir=str(self.run_dir))
+                              keep=self.inv.job.keep_snapshots, first=self.last is None, run_dir=str(self.run_dir),
+                              units=units)
         self.last = a
         return a
 
@@ -233,23 +246,39 @@ class Job:
             self.spec = replace(self.spec, code_key=key)
             self.record.spec["code_key"] = key
 
-    def refuse_if_running(self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool) -> None:
-        """One job at a time on these hosts (they share the master port range and the GPUs): a job
-        with containers or a fresh lease on any of them is named, and nothing starts."""
+    def choose_units(self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool) -> dict[str, tuple[int, ...]]:
+        """The GPUs (CPU slots) the attempt claims on each host: those asked for, or the first free
+        ones, from what other jobs hold there now (read-only; the claim stage makes it atomic). On
+        the first attempt a host that cannot give them refuses the job, naming the holder; at a
+        restart the claim of such a host fails and the policy takes another."""
         found = hostops.survey(self.session, self.inv, (*hosts, *self.inv.spares))
-        live = {j: hs for j, hs in hostops.live_jobs(found).items() if j != self.spec.job_id}
-        listing = "; ".join(f"{j} on {', '.join(hs)}" for j, hs in live.items())
-        facts.append(Fact("every host", "docker ps + ls .runtime (hostops.survey)", listing or "no other job"))
-        if live and not dry:
-            taken = {h for hs in live.values() for h in hs}
-            free = [h.name for h in self.inv.all_hosts if h.name not in taken]
-            raise UserError(f"a job is already running on these hosts ({listing}): a host runs one job at a time. "
-                            f"Watch it with 'fab logs', end it with 'fab stop --job JOB', or run on other hosts "
-                            f"with --include/--exclude/--num-nodes ({', '.join(free) or 'none'} free)")
+        want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
+        units, refusals = {}, []
+        master = found.value(hosts[0].name)
+        self.claimed_ports = {c.port for c in master.holders(but=self.spec.job_id) if c.port} if master else set()
+        for h in hosts:
+            hj = found.value(h.name)
+            cap = claims.capacity(h, hj.cpus if hj else 1)
+            holders = hj.holders(but=self.spec.job_id) if hj else []
+            asked = want.of(h, cap)
+            try:
+                units[h.name] = claims.choose(h, cap, holders, asked)
+                answer = f"takes {claims.kind(h)}s {claims.units_text(units[h.name])} of {cap}"
+            except UserError as exc:
+                refusals.append(str(exc))
+                units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))
+                answer = f"refused: {exc}"
+            held = "; ".join(c.describe(h) for c in holders) or "nothing"
+            facts.append(Fact(h.name, "docker ps + ls .runtime + cat .claims (hostops.survey)",
+                              (f"held by other jobs: {held}; " if hj else f"no answer ({describe(h, found.error(h.name))}); ")
+                              + answer))
+        if refusals and self.last is None and not dry:
+            raise Refused("\n".join(refusals))
+        return units
 
     def free_port(self, inv: Inventory, facts: list[Fact]) -> int:
         base = inv.job.master_port
-        taken = {self.last.port} if self.last else set()
+        taken = ({self.last.port} if self.last else set()) | self.claimed_ports
         try:
             r = self.session.run(inv.master, attempt_mod.port_command(), timeout=attempt_mod.STATUS_TIMEOUT,
                                  what="listing ports")
@@ -309,9 +338,9 @@ class Job:
     def prepare(self, a: AttemptPlan) -> Outcome | None:
         """CLAIM, GATE and SNAPSHOT; an outcome when the attempt cannot start."""
         self.stage(Stage.CLAIM, a.number)
-        claimed = self.run_steps(a, a.select("claim"))
-        if claimed.errors():
-            return self.failed_to_start(a, claimed)
+        refused = self.claim(a)
+        if refused:
+            return refused
         self.emit("attempt", attempt=a.number, hosts={h.name: h.rank for h in a.hosts}, port=a.port,
                   snapshot=a.snapshot, run_dir=str(self.run_dir))
         self.stage(Stage.GATE, a.number)
@@ -325,6 +354,57 @@ class Job:
             if placed.errors():
                 return self.failed_to_start(a, placed)
         return None
+
+    def claim(self, a: AttemptPlan) -> Outcome | None:
+        """CLAIM: the attempt's hosts one at a time, in claims.order (the plan's order of the claim
+        steps). A host whose units another job took meanwhile refuses: what this attempt claimed is
+        released, and the first attempt ends with the holder named; a later one fails that host."""
+        done: list[Host] = []
+        for s in a.select("claim"):
+            h = a.host(s.where)
+            try:
+                r = self.session.run(h, s.command, timeout=s.timeout, what=s.what)
+            except Exception as exc:  # noqa: BLE001 - lost or stuck: that host fails to start
+                self.release(done)
+                return self.failed_to_start(a, PerHost({h.name: exc}))
+            held, cleared = claims.parse_claim_output(r.stdout)
+            for c in cleared:
+                self.note(f"{h.name}: cleared the stale claim of {c.describe(h)}: no container of that job "
+                          "runs there and its lease is old", "warning")
+            if r.ok:
+                done.append(h)
+                continue
+            self.release(done)
+            if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and self.replans < 3:
+                # Another job planned at the same moment took these units or this master port: plan
+                # the attempt again from the claims as they are now (other free units and port, or a
+                # refusal naming the holder), as if this one never was.
+                self.replans += 1
+                self.note(f"{h.name}: {'master port ' + str(a.port) if r.exited == claims.PORT_TAKEN else 'its units'} "
+                          "claimed meanwhile by another job; planning again", "warning")
+                self.record.attempts.pop()
+                self.record.save(self.run_dir)
+                if self.before is None:
+                    self.used.clear()
+                self.last = self.before
+                raise Contended()
+            why = (f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
+                   f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
+                   if r.exited == claims.REFUSED else f"{h.name}: {s.what} failed (exit {r.exited}): "
+                   f"{sanitize(r.stderr.strip()[-300:])}")
+            if a.number == 1 and not self.resuming:
+                for name in [x.name for x in a.hosts]:
+                    self.used.pop(name, None)  # nothing of this job is left on them to fetch or clean
+                raise Refused(f"{why}; nothing was started. Wait for that job, or choose other hosts or GPUs "
+                              "(--include/--exclude/--num-nodes/--gpus)")
+            return self.failed_to_start(a, PerHost({h.name: UserError(why)}))
+        return None
+
+    def release(self, hosts: list[Host]) -> None:
+        """Remove this job's claims and runtime directories from these hosts."""
+        command = claims.release_command(self.inv, [self.spec.job_id])
+        self.session.fan_out(lambda h: self.session.run(h, command, timeout=attempt_mod.STATUS_TIMEOUT,
+                                                        what="releasing the claim"), tuple(hosts))
 
     def place(self, a: AttemptPlan):
         """SNAPSHOT: the plan's snapshot pushed to each host that lacks it, checked by size and
@@ -477,6 +557,14 @@ class Job:
         self.result.lost, self.result.stuck_engines = list(self.lost), list(self.stuck)
         self.emit("finished", state=self.result.state, attempts=self.result.attempts, run_dir=str(self.run_dir))
         return self.result
+
+
+class Contended(Exception):
+    """The attempt's units or master port were claimed by another job between its plan and its claim."""
+
+
+class Refused(UserError):
+    """The job's hosts (or GPUs) are held by another job: nothing was started."""
 
 
 class PreflightFailed(UserError):

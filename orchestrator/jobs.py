@@ -3,7 +3,10 @@ and the message a job that did not finish exits with.
 """
 from __future__ import annotations
 
+import json
 import signal
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,3 +85,68 @@ def explain(result: JobResult) -> UserError | None:
             "    " + line for line in sanitize(blamed.tail).splitlines()[-20:])
     return UserError(f"{head}{tail}\n  full logs: {result.run_dir}\n"
                      f"  continue from the newest snapshot with: fab train --resume {result.job_id}")
+
+
+def to_stop(views: dict[str, hostops.JobView], job: str | None, everything: bool, me: str
+            ) -> tuple[set[str], dict[str, hostops.JobView]]:
+    """Which jobs `fab stop` ends: --job's, --all's, or by default those started by `me` (and
+    those whose owner is not recorded); and the others' jobs (left alone unless --all)."""
+    others = {j: v for j, v in views.items() if v.who and v.who != me}
+    if job:
+        return {job}, {}
+    if everything:
+        return set(views), others
+    return {j for j in views if j not in others}, others
+
+
+def confirm_all(others: dict[str, hostops.JobView]) -> None:
+    """--all without --yes: ask on a terminal; elsewhere refuse (nothing is stopped)."""
+    listing = "; ".join(f"{v.job} of {v.who} on {', '.join(v.hosts)}" for v in others.values())
+    if not sys.stdin.isatty():
+        raise UserError(f"--all would also stop other people's jobs ({listing}); add --yes to do it without "
+                        "asking", exit_code=2)
+    answer = input(f"--all also stops other people's jobs: {listing}. Stop them? [y/N] ")
+    if answer.strip().lower() not in ("y", "yes"):
+        raise UserError("nothing was stopped", exit_code=1)
+
+
+def since_text(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def status_rows(views: dict[str, hostops.JobView], steps: dict[str, int]) -> list[dict]:
+    """One dict per job, newest first: what `fab status` shows."""
+    rows = []
+    for v in sorted(views.values(), key=lambda v: (-v.since, v.job)):
+        rows.append({"job": v.job, "who": v.who or None, "state": v.state, "attempt": int(v.attempt) if
+                     v.attempt.isdigit() else None, "step": steps.get(v.job),
+                     "since": v.since or None,
+                     "hosts": {h: {"units": list(u) if u is not None else None, "rank": v.ranks.get(h),
+                                   "container": v.states.get(h)} for h, u in v.hosts.items()}})
+    return rows
+
+
+def status_json(views, steps, errors: list[str]) -> str:
+    return json.dumps({"jobs": status_rows(views, steps), "errors": errors}, indent=2)
+
+
+def status_table(views, steps, inv: Inventory):
+    from rich.table import Table
+    from rich.text import Text
+
+    from . import claims
+    by_name = {h.name: h for h in inv.all_hosts}
+    table = Table(title="fabtrain jobs")
+    table.add_column("job", no_wrap=True)
+    for col in ("who", "hosts (GPUs / slots)", "state", "attempt", "step", "since"):
+        table.add_column(col)
+    for r in status_rows(views, steps):
+        hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claims.units_text(tuple(x['units']))}"
+                                    if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
+        style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
+        table.add_row(r["job"], Text(sanitize(r["who"] or "-")), hosts, Text(r["state"], style=style),
+                      str(r["attempt"] or "-"), str(r["step"] if r["step"] is not None else "-"),
+                      since_text(r["since"] or 0))
+    if not views:
+        table.add_row("-", "-", "-", Text("no jobs", style="dim"), "-", "-", "-")
+    return table

@@ -13,7 +13,8 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import resources
+from . import devices, resources
+from .errors import UserError
 from .codetree import PROJECT_ROOT, rsync_filters
 from .inventory import Host, Inventory
 from .sshconf import SSH
@@ -22,6 +23,8 @@ LABEL_MANAGED = "fabtrain.managed"
 LABEL_JOB = "fabtrain.job"
 LABEL_RANK = "fabtrain.rank"
 LABEL_HOST = "fabtrain.host"
+LABEL_OWNER = "fabtrain.owner"    # user@machine that started the job (fab stop ends only its own)
+LABEL_ATTEMPT = "fabtrain.attempt"
 # Inside the container: the job's working directory (writable, in its outputs: WORK), its code
 # (read-only, codetree.py; the entrypoint links its files into the working directory), its outputs,
 # and its runtime directory (our entrypoint, and secrets as a file, never an env value on a command
@@ -61,6 +64,13 @@ class JobSpec:
     # A program's own checkpoints (fab train --checkpoint): a glob relative to the job's output
     # directory (work/... for the working directory); "" for our trainers' snapshots.
     checkpoint: str = ""
+    # Sharing hosts (claims.py): GPUs (CPU slots) asked for per host, in --include's syntax
+    # ("node1:0,1@node2:2,3"; hosts not named take `gpus` or the default), --gpus N, whether CPU
+    # hosts' containers are pinned to their slots' CPUs, and who started the job (user@machine).
+    units: str = ""
+    gpus: int | None = None
+    cpuset: bool = False
+    owner: str = ""
 
 
 def checkpoint_pattern(value: str) -> str:
@@ -114,6 +124,7 @@ class GpuAccess:
     nvidia_runtime: bool = True   # the NVIDIA runtime hook, which `--gpus` needs
     cdi: bool = False             # CDI specs for nvidia.com/gpu (/etc/cdi, /var/run/cdi)
     gids: tuple[int, ...] = ()    # AMD: the groups owning /dev/kfd and the render nodes
+    render: tuple[int, ...] = ()  # AMD: each GPU's render node minor, in ROCm's GPU order
 
 
 def gpu_probe_argv(host: Host) -> list[str] | None:
@@ -125,7 +136,8 @@ def gpu_probe_argv(host: Host) -> list[str] | None:
                 "echo cdi $(cat /etc/cdi/*.yaml /etc/cdi/*.json /var/run/cdi/*.yaml /var/run/cdi/*.json "
                 "2>/dev/null | grep -c 'nvidia.com/gpu')"]
     if host.gpu_vendor == "amd":
-        return ["sh", "-c", "echo gids $(stat -c %g /dev/kfd /dev/dri/renderD* 2>/dev/null | sort -un)"]
+        return ["sh", "-c", "echo gids $(stat -c %g /dev/kfd /dev/dri/renderD* 2>/dev/null | sort -un); "
+                + devices.AMD_PROBE]
     return None
 
 
@@ -134,23 +146,27 @@ def parse_gpu_probe(text: str) -> GpuAccess:
     gids = tuple(sorted({int(g) for g in fields.get("gids", "").split() if g.isdigit() and g != "0"}))
     cdi = fields.get("cdi", "0")
     return GpuAccess(nvidia_runtime='"nvidia"' in fields.get("runtimes", ""),
-                     cdi=cdi.isdigit() and int(cdi) > 0, gids=gids)
+                     cdi=cdi.isdigit() and int(cdi) > 0, gids=gids, render=devices.parse_amd_render(text))
 
 
-def device_args(host: Host, access: GpuAccess | None = None) -> list[str]:
-    """Docker flags that expose the host's accelerators (and the inventory's devices) to the
-    container. `access` comes from gpu_probe_argv on the host; None assumes NVIDIA's runtime hook."""
+def device_args(host: Host, access: GpuAccess | None = None, gpus: tuple[int, ...] | None = None) -> list[str]:
+    """Docker flags that expose the host's accelerators (`gpus`: only these; None: all) and the
+    inventory's devices to the container. `access` comes from gpu_probe_argv on the host; None
+    assumes NVIDIA's runtime hook."""
     access = access or GpuAccess()
     args: list[str] = []
     if host.gpu_vendor == "nvidia":
         # https://docs.nvidia.com/datacenter/cloud-native/container-toolkit/latest/cdi-support.html:
         # a host with CDI specs and no runtime hook (nvidia-container-toolkit-base) takes GPUs as
         # CDI devices; `--gpus` needs the hook.
-        args += ["--device", "nvidia.com/gpu=all"] if access.cdi and not access.nvidia_runtime else ["--gpus", "all"]
+        args += devices.nvidia_device_args(gpus, cdi=access.cdi and not access.nvidia_runtime)
     elif host.gpu_vendor == "amd":
         # https://rocm.docs.amd.com/projects/install-on-linux/en/latest/how-to/docker.html: the compute
         # interface (kfd) and the render nodes (dri), with the host's groups owning them, by number.
-        args += ["--device", "/dev/kfd", "--device", "/dev/dri"]
+        try:
+            args += devices.amd_device_args(gpus, access.render)
+        except ValueError as exc:
+            raise UserError(f"{host.name}: {exc}") from None
         for gid in access.gids:
             args += ["--group-add", str(gid)]
     for dev in host.devices:
@@ -186,14 +202,17 @@ def container_options(inv: Inventory, host: Host) -> list[str]:
     return args
 
 
-def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
-    """Environment of one node's container, in a stable order (inventory, host, then command line)."""
+def job_env(inv: Inventory, host: Host, spec: JobSpec, units: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
+    """Environment of one node's container, in a stable order (inventory, host, then command line).
+    GPUs or slots asked for (--include HOST:i,j, --gpus N) set the node's processes, one per unit,
+    unless --nproc says otherwise."""
+    asked = units is not None and not spec.nproc_per_node and (bool(spec.units) or spec.gpus is not None)
     env = [
         ("MASTER_ADDR", inv.master.hostname),
         ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
         ("NNODES", str(len(inv.hosts))),
         ("NODE_RANK", str(host.rank)),
-        ("NPROC_PER_NODE", spec.nproc_per_node or inv.job.nproc_per_node),
+        ("NPROC_PER_NODE", str(len(units)) if asked else spec.nproc_per_node or inv.job.nproc_per_node),
         # NCCL matches a name as a prefix (eth0 would take eth0.100 too); '=' asks for exactly it.
         # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname
         ("NCCL_SOCKET_IFNAME", "=" + host.interface),
@@ -209,18 +228,23 @@ def job_env(inv: Inventory, host: Host, spec: JobSpec) -> list[tuple[str, str]]:
     return list(merged.items())
 
 
-def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> list[str]:
-    """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+                    units: tuple[int, ...] | None = None) -> list[str]:
+    """`docker run` of one node of a job, detached so the job outlives a lost SSH session. `units`:
+    the GPUs (CPU slots) the job holds on the host (claims.py); None: the whole host."""
     console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
-    return ["docker", "run", "--detach",
+    labels = ["--label", f"{LABEL_OWNER}={spec.owner}"] if spec.owner else []
+    if "FABTRAIN_ATTEMPT" in dict(spec.env):
+        labels += ["--label", f"{LABEL_ATTEMPT}={dict(spec.env)['FABTRAIN_ATTEMPT']}"]
+    return ["docker", "run", "--detach", *labels,
             *run_options(inv, host, spec, container_name(spec.job_id, host.rank), str(host.rank),
-                         [*job_env(inv, host, spec), console], access),
+                         [*job_env(inv, host, spec, units), console], access, units=units),
             *image_and_command(inv, host, spec)]
 
 
 def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
                 env: list[tuple[str, str | None]], access: GpuAccess | None = None,
-                runtime: str | None = None) -> list[str]:
+                runtime: str | None = None, units: tuple[int, ...] | None = None) -> list[str]:
     """The options of one node's `docker run`, shared with the Slurm export (which gives the name,
     rank and some variables at run time: a None value passes the variable on from the caller, and
     its own `runtime` directory, one per attempt)."""
@@ -231,7 +255,10 @@ def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
             "--network", "host"]
     # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
     argv += ["--shm-size", inv.job.shm_size] if inv.job.shm_size else ["--ipc", "host"]
-    argv += device_args(host, access)
+    whole = units is None or host.gpu_vendor == "none" or tuple(units) == tuple(range(host.gpu_count))
+    argv += device_args(host, access, None if whole else tuple(units))
+    if spec.cpuset and units is not None and host.gpu_vendor == "none":
+        argv += ["--cpuset-cpus", ",".join(map(str, units))]  # a CPU host's slot i is its CPU i
     argv += container_options(inv, host)
     for key, value in env:
         argv += ["--env", key if value is None else f"{key}={value}"]
@@ -296,26 +323,18 @@ LEASE_LIVE = 3 * LEASE_EVERY
 LEASE_STALE = float(os.environ.get("FABTRAIN_LEASE_STALE", "60"))
 
 
-def claim_script(inv: Inventory, job_id: str, first: bool) -> str:
-    """The job's runtime directory on a host, made before anything else of the job happens there,
-    its lease touched: while it exists, `fab stop` can find the job (between two attempts too).
-    The job's first attempt clears a stop marker left from an earlier run of the same job."""
-    rt = f"{inv.job.output_dir}/.runtime/{job_id}"
-    clear = f" && {shell(['rm', '-f', stopped_marker(inv, job_id)])}" if first else ""
-    return f"{shell(['mkdir', '-p', rt])}{clear} && {shell(['touch', f'{rt}/{LEASE}'])}"
-
-
-def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None) -> str:
+def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+                 units: tuple[int, ...] | None = None) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, work_dir(inv, spec)]
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
-    # (The stop marker stays: `fab stop` between two attempts must end the job; see claim_script.)
+    # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
     return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
             f"cat > {shell([f'{rt}/entrypoint.py'])} && "
-            f"{shell(docker_run_argv(inv, host, spec, access))} >/dev/null")
+            f"{shell(docker_run_argv(inv, host, spec, access, units))} >/dev/null")
 
 
 # Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGUSR1 to every
@@ -341,10 +360,6 @@ for f in sizes:
 
 def stacks_argv(spec: JobSpec, rank: int) -> list[str]:
     return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", STACKS_PY]
-
-
-def cleanup_argv(inv: Inventory, spec: JobSpec) -> list[str]:
-    return ["rm", "-rf", runtime_dir(inv, spec)]
 
 
 def console_name(rank: int) -> str:
@@ -415,9 +430,12 @@ def label_filter(job_id: str | None) -> list[str]:
     return args
 
 
-def stop_script(job_id: str | None = None, grace: float = 0) -> str:
-    """Stop (SIGTERM, grace seconds, then SIGKILL) and remove this project's containers, by label."""
-    ids = shell(["docker", "ps", "--all", "--quiet", *label_filter(job_id)])
+def stop_script(job_id: str | list[str] | None = None, grace: float = 0) -> str:
+    """Stop (SIGTERM, grace seconds, then SIGKILL) and remove this project's containers, by label:
+    a job's, several jobs' (all at once, one grace), or every one (None)."""
+    jobs = [job_id] if isinstance(job_id, str) or job_id is None else job_id
+    lists = [shell(["docker", "ps", "--all", "--quiet", *label_filter(j)]) for j in jobs]
+    ids = lists[0] if len(lists) == 1 else "{ " + "; ".join(lists) + "; }"
     parts = []
     if grace > 0:
         parts.append(f"{ids} | xargs -r {shell(['docker', 'stop', '--time', str(int(grace))])} >/dev/null")
@@ -436,7 +454,7 @@ RM_FILTER = ('/is already in progress|No such container/ {next} /^[0-9a-f]+$/ {p
 def status_argv(job_id: str | None = None) -> list[str]:
     return ["docker", "ps", "--all", *label_filter(job_id), "--format",
             "{{.Label \"" + LABEL_JOB + "\"}}\t{{.Label \"" + LABEL_RANK + "\"}}\t{{.Names}}\t"
-            "{{.State}}\t{{.Status}}"]
+            "{{.State}}\t{{.Status}}\t{{.Label \"" + LABEL_OWNER + "\"}}\t{{.Label \"" + LABEL_ATTEMPT + "\"}}"]
 
 
 def ssh_argv(host: Host) -> list[str]:

@@ -280,7 +280,9 @@ class Watcher:
         if not stale:
             return None
         beats = self.read_heartbeats(stale)
-        stale = self.progress.stale(self.pending, self.hang_timeout)
+        # Only nodes whose heartbeat was just read are judged: another may have gone stale meanwhile
+        # (it is judged at the next look, with its own heartbeat).
+        stale = [n for n in self.progress.stale(self.pending, self.hang_timeout) if n in beats]
         if not stale:
             return None
         if any(beats.get(n, "").startswith("unreadable") for n in stale) and self.unreadable < 2:

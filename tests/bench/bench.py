@@ -82,8 +82,8 @@ class Baselines:
                            capture_output=True, check=False)
 
 
-def rm_all(session):
-    hostops.stop(session, None, 0)
+def rm_all(session, inv):
+    hostops.stop(session, inv, None, 0)
 
 
 def bench_launch(inv, base: Baselines, repeat: int) -> dict:
@@ -207,7 +207,7 @@ def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
             _sleep_job(s, inv)
         t0 = time.perf_counter()
         with Session(inv.hosts) as s:
-            hostops.stop(s, None, 0)
+            hostops.stop(s, inv, None, 0)
         res["fabtrain_stop"].append(time.perf_counter() - t0)
         with Session(inv.hosts) as s:
             _sleep_job(s, inv)
@@ -281,7 +281,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
             a = job.start_quiet(session, inv, spec)
             result = watch(session, a, run_dir, out=term, echo=True)
             dt = time.perf_counter() - t0
-            hostops.stop(session, spec.job_id, 0)
+            hostops.stop(session, inv, [spec.job_id], 0)
         term.close()
         got = Path(term.name).read_bytes().splitlines()
         per_host: dict[str, list[int]] = {}
@@ -468,7 +468,7 @@ def main() -> None:
             hostops.sync(s, inv, plan.PROJECT_ROOT)
         base = Baselines(inv)
         with Session(inv.hosts) as s:
-            rm_all(s)
+            rm_all(s, inv)
         r = {}
         if "launch" in only:
             r["launch"] = bench_launch(inv, base, a.repeat)

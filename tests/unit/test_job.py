@@ -6,7 +6,7 @@ import shlex
 import time
 from pathlib import Path
 
-from orchestrator import attempt, hostops, job, jobs, plan
+from orchestrator import claims, attempt, hostops, job, jobs, plan
 from orchestrator.events import JsonLines, Reporter
 from orchestrator.inventory import parse
 from orchestrator.policy import Policy
@@ -165,7 +165,7 @@ def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, mo
     assert "node2 (node rank 1) exited with code 3" in err and "--resume gpt-1" in err
     # The failing attempt still ends with every container removed and the runtime files gone.
     stops = [c for c in rec.calls if c[2] == plan.stop_script("gpt-1", 0)]
-    cleanups = [c for c in rec.calls if c[2].startswith("rm -rf /opt/out/.runtime/gpt-1")]
+    cleanups = [c for c in rec.calls if c[2] == claims.release_command(j.inv, ["gpt-1"])]
     assert {c[0] for c in stops} >= {"node1", "node2"} and {c[0] for c in cleanups} == {"node1", "node2"}
 
 
@@ -215,3 +215,30 @@ def test_a_lost_host_is_never_asked_again_and_the_others_are_torn_down_once(tmp_
     stops = [c for c in rec.calls[lost_at:] if c[0] == "node1" and "docker rm --force" in c[2]]
     assert len(stops) == 2  # the failure's stop of the others, then the attempt's teardown
     assert "lost: " in str(jobs.explain(result))
+
+
+def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_path):
+    """node2's slot went to bob between the plan and the claim: node1 (claimed first, by address) is
+    released and the attempt planned again; when bob still holds it after three plans, nothing is
+    started and the new job's run directory is gone."""
+    class Taken(Recorder):
+        def answer(self, host, command):
+            if host.name == "node2" and "flock -w" in command:
+                return Result("held bob-20261123-101500-ab12 who=bob@ws2 since=1763892900 units=0\n", "",
+                              claims.REFUSED, 0.01)
+            return super().answer(host, command)
+    rec = Taken(inventory(tmp_path).hosts)
+    j = new_job(tmp_path, rec)
+    try:
+        job.run(j)
+        raise AssertionError("the job ran")
+    except job.Refused as exc:
+        text = str(exc)
+    assert text.startswith("node2: slots 0 were claimed meanwhile by bob-20261123-101500-ab12 (started by bob@ws2 at ")
+    assert "nothing was started" in text
+    commands = [(h, c) for h, _, c, _ in rec.calls]
+    claimed = [h for h, c in commands if "flock -w" in c]
+    assert claimed == ["node1", "node2"] * 4  # in claims.order, stopping at the refusal; 3 plans again
+    assert ("node1", claims.release_command(j.inv, ["gpt-1"])) in commands
+    assert not any(c.startswith("mkdir -p /opt/out/gpt-1 ") or "docker run" in c for _, c in commands)
+    assert not j.run_dir.exists()

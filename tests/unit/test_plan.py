@@ -3,7 +3,7 @@ import shlex
 import time
 from pathlib import Path
 
-from orchestrator import plan
+from orchestrator import claims, plan
 from orchestrator.inventory import parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +93,36 @@ def test_docker_run_cpu_with_infiniband_devices_and_mounts():
         + env(2, "cpu2", "eth0") + TAIL + ["--volume", "/data:/data:ro"] + CMD)
 
 
+def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
+    from dataclasses import replace
+    spec = replace(SPEC, units="gpu0:2,5", owner="alice@ws1")
+    argv = plan.docker_run_argv(INV, INV.hosts[0], spec, plan.GpuAccess(nvidia_runtime=True), units=(2, 5))
+    assert argv[:5] == ["docker", "run", "--detach", "--label", "fabtrain.owner=alice@ws1"]
+    assert argv[argv.index("--gpus") + 1] == '"device=2,5"' and "NPROC_PER_NODE=2" in argv
+    assert "--gpus '\"device=2,5\"'" in plan.shell(argv)  # as the docker CLI wants it on the host
+    cdi = plan.docker_run_argv(INV, INV.hosts[0], spec, plan.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5))
+    assert cdi[cdi.index("--device"):cdi.index("--device") + 4] == [
+        "--device", "nvidia.com/gpu=2", "--device", "nvidia.com/gpu=5"]
+    # Every GPU of the host: the same argv as a job that owns the host; --nproc given wins.
+    assert plan.docker_run_argv(INV, INV.hosts[0], SPEC, plan.GpuAccess(), units=tuple(range(8))) == \
+        plan.docker_run_argv(INV, INV.hosts[0], SPEC, plan.GpuAccess())
+    assert "NPROC_PER_NODE=1" in plan.docker_run_argv(INV, INV.hosts[0], replace(spec, nproc_per_node="1"),
+                                                      plan.GpuAccess(), units=(2, 5))
+    # AMD: /dev/kfd and only the chosen GPUs' render nodes, from the KFD topology read on the host.
+    access = plan.parse_gpu_probe("gids 44 110\nrender 128 136 144 152\n")
+    amd = plan.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
+    assert amd[amd.index("/dev/kfd") - 1:amd.index("/dev/kfd") + 5] == [
+        "--device", "/dev/kfd", "--device", "/dev/dri/renderD136", "--device", "/dev/dri/renderD152"]
+
+
+def test_cpu_jobs_pinned_to_their_slots_with_cpuset():
+    from dataclasses import replace
+    h = INV.hosts[2]
+    assert "--cpuset-cpus" not in plan.docker_run_argv(INV, h, SPEC, units=(1,))
+    argv = plan.docker_run_argv(INV, h, replace(SPEC, cpuset=True, units="cpu2:1,3"), units=(1, 3))
+    assert argv[argv.index("--cpuset-cpus") + 1] == "1,3" and "NPROC_PER_NODE=2" in argv
+
+
 def test_inventory_container_options_over_the_vendor_defaults():
     inv = parse("""\
 job:
@@ -128,7 +158,8 @@ def test_start_script_writes_the_entrypoint_from_stdin():
                              "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
     assert script.endswith(" >/dev/null")
     assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
-    assert plan.cleanup_argv(INV, SPEC) == ["rm", "-rf", "/opt/out/.runtime/gpt-1"]
+    assert claims.release_command(INV, ["gpt-1"]) == (
+        "d=/opt/out/.claims/\"$(hostname)\"; rm -rf /opt/out/.runtime/gpt-1; rm -f \"$d\"/gpt-1")
 
 
 def test_shm_size_replaces_ipc_host():

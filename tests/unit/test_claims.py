@@ -1,0 +1,128 @@
+"""Claims (claims.py): choosing GPUs or CPU slots beside other jobs, the refusal's wording, and the
+claim script itself run by a real sh against a directory of claim files, with a stand-in `docker`
+on PATH saying which jobs have containers."""
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import claims, plan
+from orchestrator.errors import UserError
+from orchestrator.inventory import parse
+
+
+def inventory(out: Path | str = "/opt/out"):
+    return parse(f"""\
+job: {{output_dir: {out}}}
+hosts:
+  - {{name: gpu1, address: 10.0.0.1, interface: eth0, gpus: {{vendor: nvidia, count: 4}}}}
+  - {{name: cpu1, address: 10.0.0.2, interface: eth0}}
+""", Path("inv.yaml"))
+
+
+INV = inventory()
+GPU, CPU = INV.hosts
+BOB = claims.Holder("bob-20261123-101500-ab12", "bob@ws2", time.mktime((2026, 11, 23, 10, 15, 0, 0, 0, -1)), (0, 1))
+
+
+def test_defaults_take_every_gpu_or_one_slot_and_counts_take_the_first_free():
+    want = claims.want_of(plan.JobSpec(job_id="j", script="s"))
+    assert want.of(GPU, 4) == 4 and want.of(CPU, 2) == 1 and not want.explicit
+    assert claims.choose(GPU, 4, [], want.of(GPU, 4)) == (0, 1, 2, 3)
+    assert claims.choose(CPU, 2, [claims.Holder("other", units=(0,))], 1) == (1,)
+    # --gpus 2 beside bob's 0,1; --nproc 3 on a CPU host of 2 CPUs takes both slots.
+    assert claims.choose(GPU, 4, [BOB], claims.want_of(plan.JobSpec(job_id="j", script="s", gpus=2)).of(GPU, 4)) \
+        == (2, 3)
+    assert claims.want_of(plan.JobSpec(job_id="j", script="s", nproc_per_node="3")).of(CPU, 2) == 2
+    exact = claims.want_of(plan.JobSpec(job_id="j", script="s", units="gpu1:3,2"))
+    assert exact.of(GPU, 4) == (2, 3) and exact.explicit and claims.choose(GPU, 4, [BOB], (2, 3)) == (2, 3)
+
+
+def test_a_refusal_names_the_holder_who_since_which_gpus_and_what_is_free():
+    with pytest.raises(UserError) as err:
+        claims.choose(GPU, 4, [BOB], (1, 2))
+    text = str(err.value)
+    assert text.startswith("gpu1: this job needs GPUs 1,2, but bob-20261123-101500-ab12 (started by bob@ws2 at "
+                           "2026-11-23 10:15:00, GPUs 0,1) hold(s) 0,1; free there: 2,3.")
+    assert "'fab export.slurm'" in text and err.value.exit_code == 1
+    # A job running with no claim file (started by an older fabtrain) holds the whole host.
+    with pytest.raises(UserError, match=r"needs 1 slot\(s\), but old-1 \(started by unknown at \?, slots all\) "
+                                        r"hold\(s\) 0,1; free there: none"):
+        claims.choose(CPU, 2, [claims.Holder("old-1")], 1)
+    with pytest.raises(UserError, match=r"--include gpu1:3,4: gpu1 has 4 GPU\(s\) \(0..3\); 4 is not one of them"):
+        claims.choose(GPU, 4, [], (3, 4))
+
+
+def test_hosts_are_claimed_in_one_order_whatever_the_inventory_calls_them():
+    other = parse("""\
+hosts:
+  - {name: b, address: 10.0.0.2, interface: eth0}
+  - {name: a, address: 10.0.0.1, interface: eth0}
+""", Path("other.yaml"))
+    assert [h.hostname for h in claims.order(INV.hosts)] == [h.hostname for h in claims.order(other.hosts)]
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A host for the claim script: its output_dir, and a `docker` that lists the containers of
+    the jobs named in tmp_path/running."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "running").write_text("")
+    (bin_dir / "docker").write_text(
+        f"#!/bin/sh\n# docker ps --quiet --filter label=fabtrain.job=JOB\n"
+        f"job=${{4#label=fabtrain.job=}}; grep -qx \"$job\" {tmp_path}/running && echo 0123abcd; exit 0\n")
+    (bin_dir / "docker").chmod(0o755)
+    inv = inventory(tmp_path / "out")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def run(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, timeout=30)
+    claim_dir = tmp_path / "out" / ".claims" / subprocess.run(["hostname"], capture_output=True,
+                                                              text=True).stdout.strip()
+    return inv, run, claim_dir, tmp_path
+
+
+def test_the_claim_script_refuses_overlaps_takes_disjoint_units_and_clears_stale_claims(host):
+    inv, run, claim_dir, root = host
+    a = run(claims.claim_script(inv, "alice-1", (0, 1), "alice@ws1", True))
+    assert a.returncode == 0, a.stderr
+    assert (claim_dir / "alice-1").read_text().startswith("who=alice@ws1\nsince=")
+    assert (root / "out" / ".runtime" / "alice-1" / plan.LEASE).exists()
+    # bob overlaps GPU 1 while alice's lease is fresh: refused, alice named, nothing of bob's written.
+    b = run(claims.claim_script(inv, "bob-1", (1, 2), "bob@ws2", True))
+    assert b.returncode == claims.REFUSED
+    held, cleared = claims.parse_claim_output(b.stdout)
+    assert [(h.job, h.who, h.units) for h in held] == [("alice-1", "alice@ws1", (0, 1))] and cleared == []
+    assert not (claim_dir / "bob-1").exists() and not (root / "out" / ".runtime" / "bob-1").exists()
+    # Disjoint GPUs share the host; a claim of the whole host (no units) is refused while any is held.
+    assert run(claims.claim_script(inv, "bob-1", (2, 3), "bob@ws2", True)).returncode == 0
+    assert run(claims.claim_script(inv, "carol-1", (), "carol@ws3", True)).returncode == claims.REFUSED
+    # alice's fabtrain went away: no container, lease old. Her claim is stale and cleared, saying so;
+    # bob's stays held while a container of his runs, however old his lease.
+    old = time.time() - plan.LEASE_STALE - 5
+    for job in ("alice-1", "bob-1"):
+        os.utime(root / "out" / ".runtime" / job / plan.LEASE, (old, old))
+    (root / "running").write_text("bob-1\n")
+    c = run(claims.claim_script(inv, "carol-1", (0, 1), "carol@ws3", True))
+    assert c.returncode == 0, c.stderr
+    held, cleared = claims.parse_claim_output(c.stdout)
+    assert [h.job for h in cleared] == ["alice-1"] and [h.job for h in held] == ["bob-1"]
+    assert sorted(p.name for p in claim_dir.iterdir() if not p.name.startswith(".")) == ["bob-1", "carol-1"]
+    # The survey reads the same files; release removes a job's claim and runtime directory.
+    cpus, found = claims.parse_survey(run(claims.survey_script(inv)).stdout.partition("@@claims\n")[2])
+    assert cpus == os.cpu_count() and {h.job: h.units for h in found} == {"bob-1": (2, 3), "carol-1": (0, 1)}
+    assert run(claims.release_command(inv, ["carol-1"])).returncode == 0
+    assert not (claim_dir / "carol-1").exists() and not (root / "out" / ".runtime" / "carol-1").exists()
+
+
+def test_an_engine_that_does_not_answer_never_makes_a_claim_stale(host):
+    inv, run, claim_dir, root = host
+    assert run(claims.claim_script(inv, "alice-1", (0,), "alice@ws1", True)).returncode == 0
+    old = time.time() - plan.LEASE_STALE - 5
+    os.utime(root / "out" / ".runtime" / "alice-1" / plan.LEASE, (old, old))
+    (root / "bin" / "docker").write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2; exit 1\n")
+    b = run(claims.claim_script(inv, "bob-1", (0,), "bob@ws2", True))
+    assert b.returncode == claims.REFUSED and (claim_dir / "alice-1").exists()
