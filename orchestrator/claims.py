@@ -21,6 +21,7 @@ other releases what it took and is refused, naming the holder.
 from __future__ import annotations
 
 import getpass
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -36,12 +37,15 @@ LOCK_WAIT = 10    # seconds the claim script waits for another claim on the same
 
 
 def me() -> str:
-    """Who starts a job: user@machine of this process (`fab stop` ends only these by default)."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name in the environment or passwd
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
+    """Who starts a job: user@machine of this process (`fab stop` ends only these by default).
+    FABTRAIN_USER names the user instead, for people who share one account to run fab from."""
+    user = os.environ.get("FABTRAIN_USER", "").strip()
+    if not user:
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name in the environment or passwd
+            user = "unknown"
+    return f"{''.join(ch for ch in user if ch.isalnum() or ch in '._-') or 'unknown'}@{socket.gethostname()}"
 
 
 def kind(host: Host) -> str:

@@ -38,11 +38,14 @@ def inventory_path(tmp_path_factory):
             pytest.fail("no Docker engine: CI must run bash docker/bootstrap.sh first")
         pytest.skip("no Docker engine running (bash docker/bootstrap.sh starts one)")
     folder = tmp_path_factory.mktemp("cluster")
-    # Two hosts, and a third that only the recovery tests use, as a spare (spares_inventory_path).
-    nodes = cluster_mod.up(2, inventory_out=str(folder / "spares.yaml"), spares=1)
+    # Two hosts; a third that the recovery tests use as a spare (spares_inventory_path); a fourth
+    # for two jobs of two hosts each (four_hosts_inventory_path).
+    nodes = cluster_mod.up(2, spares=2)
     path = folder / "inventory.yaml"
     path.write_text(cluster_mod.render_inventory(nodes[:2]))
-    subprocess.run([FAB, "stop", "--inventory", str(folder / "spares.yaml"), "--grace", "0"], cwd=ROOT,
+    (folder / "spares.yaml").write_text(cluster_mod.render_inventory(nodes[:2], spares=nodes[2:3]))
+    (folder / "four.yaml").write_text(cluster_mod.render_inventory(nodes[:4]))
+    subprocess.run([FAB, "stop", "--all", "--yes", "--inventory", str(folder / "four.yaml"), "--grace", "0"], cwd=ROOT,
                    capture_output=True)
     return path
 
@@ -51,6 +54,12 @@ def inventory_path(tmp_path_factory):
 def spares_inventory_path(inventory_path):
     """The same two hosts, with node3 under spares:."""
     return inventory_path.parent / "spares.yaml"
+
+
+@pytest.fixture(scope="session")
+def four_hosts_inventory_path(inventory_path):
+    """node1..node4, all under hosts:."""
+    return inventory_path.parent / "four.yaml"
 
 
 @pytest.fixture(scope="session")

@@ -93,10 +93,12 @@ def test_second_train_is_refused_and_first_keeps_running(inventory_path):
     proc = start_fab(inventory_path, "train", "--script", REPORT, "--args", "--sleep 300")
     try:
         wait_for_containers(["node1", "node2"])
-        second = fab(inventory_path, "train", "--epochs", "1")
-        assert second.returncode == 1
-        assert "a job is already running on these hosts (report-" in second.stderr
-        assert "on node1, node2" in second.stderr and "'fab stop --job JOB'" in second.stderr
+        # The first job holds slots 0 and 1 of each host (2 processes); the second asks for slot 0.
+        second = fab(inventory_path, "train", "--epochs", "1", "--include", "node1:0@node2:0")
+        assert second.returncode == 1, second.stderr
+        assert "node1: this job needs slots 0, but report-" in second.stderr
+        assert "hold(s) 0,1; free there:" in second.stderr and "'fab stop --job JOB'" in second.stderr
+        assert "Traceback" not in second.stderr
         assert running("node1") and running("node2")
         status = fab(inventory_path, "status")
         assert "report-" in status.stdout and "running" in status.stdout

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 p = argparse.ArgumentParser()
 p.add_argument("--sleep", type=float, default=0)
+p.add_argument("--steps", type=int, default=0, help="then this many steps (an all_reduce each), one per --step-time")
+p.add_argument("--step-time", type=float, default=0.5)
 p.add_argument("--env", action="append", default=[], help="print this variable's value")
 p.add_argument("--hash-env", action="append", default=[], help="print a hash of this variable's value")
 known, rest = p.parse_known_args()
@@ -28,4 +30,9 @@ report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item
 sys.stdout.write("REPORT " + json.dumps(report) + "\n")  # one write: ranks share stdout
 sys.stdout.flush()
 time.sleep(known.sleep)
+for step in range(1, known.steps + 1):
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        print(f"step {step}", flush=True)
+    time.sleep(known.step_time)
 dist.barrier()
