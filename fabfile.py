@@ -273,6 +273,9 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
         targets = sorted(chosen)
         hostops.mark_stopped(session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets})
         results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
+        for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
+            if found.error(h.name) and not results.error(h.name):
+                results[h.name] = found[h.name]
         cleared = hostops.clear_stale(session, inv, hostops.survey(session, inv))
     failed = []
     for host in inv.all_hosts:
@@ -305,13 +308,18 @@ def status(c, inventory=None, json=False):
         found = hostops.survey(session, inv)
         views = hostops.job_views(found)
         steps = hostops.last_steps(session, inv, views)
-    bad = [failure(h, found[h.name], "listing jobs") for h in inv.all_hosts if found.error(h.name)]
+    bad = [failure(h, found[h.name], "docker ps") for h in inv.all_hosts if found.error(h.name)]
     if json:
         print(jobs.status_json(views, steps, bad))
     else:
-        console.print(jobs.status_table(views, steps, inv))
-        for line in bad:
-            console.print(f"[red]{sanitize(line)}[/]")
+        # Piped or captured, rows stay whole (rich would fit the table to 80 columns).
+        out = console if console.is_terminal else Console(highlight=False, width=250)
+        out.print(jobs.status_table(views, steps, inv))
+        stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
+        lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
+        out.print(f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
+                  + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
+                  + (f"; unreachable: {', '.join(lost)}" if lost else ""))
     if bad:
         raise UserError("\n".join(bad))
 

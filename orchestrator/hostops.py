@@ -114,7 +114,7 @@ def survey(session: Session, inv: Inventory, hosts: tuple[Host, ...] | None = No
     script = survey_script(inv)
 
     def one(h: Host) -> HostJobs:
-        r = session.run(h, script, timeout=STATUS_TIMEOUT, what="listing jobs")
+        r = session.run(h, script, timeout=STATUS_TIMEOUT, what="docker ps")
         return parse_survey(r.stdout)
     return session.fan_out(one, hosts or inv.all_hosts)
 

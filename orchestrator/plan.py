@@ -233,10 +233,7 @@ def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess
     """`docker run` of one node of a job, detached so the job outlives a lost SSH session. `units`:
     the GPUs (CPU slots) the job holds on the host (claims.py); None: the whole host."""
     console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
-    labels = ["--label", f"{LABEL_OWNER}={spec.owner}"] if spec.owner else []
-    if "FABTRAIN_ATTEMPT" in dict(spec.env):
-        labels += ["--label", f"{LABEL_ATTEMPT}={dict(spec.env)['FABTRAIN_ATTEMPT']}"]
-    return ["docker", "run", "--detach", *labels,
+    return ["docker", "run", "--detach",
             *run_options(inv, host, spec, container_name(spec.job_id, host.rank), str(host.rank),
                          [*job_env(inv, host, spec, units), console], access, units=units),
             *image_and_command(inv, host, spec)]
@@ -251,6 +248,9 @@ def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
     argv = ["--name", name,
             "--label", f"{LABEL_MANAGED}=1", "--label", f"{LABEL_JOB}={spec.job_id}",
             "--label", f"{LABEL_RANK}={rank}", "--label", f"{LABEL_HOST}={host.name}",
+            *(["--label", f"{LABEL_OWNER}={spec.owner}"] if spec.owner else []),
+            *(["--label", f"{LABEL_ATTEMPT}={dict(spec.env)['FABTRAIN_ATTEMPT']}"]
+              if "FABTRAIN_ATTEMPT" in dict(spec.env) else []),
             # Host networking: NCCL/gloo see the real interfaces, no port mapping, no NAT.
             "--network", "host"]
     # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.

@@ -46,7 +46,7 @@ def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(
     dry = fab(inventory_path, "train", "--resume", job, "--dry-run", "--restarts", "0", "--hang-timeout", "30",
               "--args", "--node 0 --code 0")
     assert dry.returncode == 0, dry.stderr
-    assert f"# ---- job {job} attempt {attempts + 1}: node1=rank 0, node2=rank 1" in dry.stdout
+    assert f"# ---- job {job} attempt {attempts + 1}: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in dry.stdout
     assert "--node 0 --code 0" in dry.stdout.replace("'", "") and "--node 1" not in dry.stdout
     assert "docker run" in dry.stdout and project_containers("node1") == []
     assert len(record(job)["attempts"]) == attempts

@@ -208,8 +208,9 @@ def test_lost_terminal_leaves_a_visible_job_that_fab_logs_reattaches_to(inventor
         proc.kill()  # the terminal is gone: no signal handler runs
         proc.wait()
         assert running("node1") and running("node2")  # the job goes on, by design
-        status = fab(inventory_path, "status")
-        assert status.stdout.count("running") == 2 and "report-" in status.stdout
+        status = json.loads(fab(inventory_path, "status", "--json").stdout)["jobs"]
+        assert len(status) == 1 and status[0]["job"].startswith("report-") and status[0]["state"] == "running"
+        assert {h: x["rank"] for h, x in status[0]["hosts"].items()} == {"node1": 0, "node2": 1}
         # Ctrl+C in fab logs detaches: the job keeps running.
         attached = start_fab(inventory_path, "logs")
         for line in attached.stdout:  # attached once node1's output arrives

@@ -89,7 +89,7 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     record = json.loads((ROOT / "runs" / job / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
     assert record["attempts"][0]["outcome"] == "node2 exited with code 137"
-    assert f"# ---- job {job} attempt 2: node1=rank 0, node2=rank 1" in (ROOT / "runs" / job / "plan.txt").read_text()
+    assert f"# ---- job {job} attempt 2: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in (ROOT / "runs" / job / "plan.txt").read_text()
     assert_same_model(job, reference, out)
     assert project_containers("node1") == [] and project_containers("node2") == []
 
