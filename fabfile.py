@@ -92,13 +92,14 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
     """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
-    on the host and in a container, interface, route and MTU, master port free and reachable from
-    every worker, clock offset and NTP, shared memory, disk, synced code, and an all_reduce across
+    on the host and in a container, interface, route and MTU, a master port (the first free one from
+    job.master_port, as fab train takes it) reachable from every worker, clock offset and NTP, shared memory, disk, synced code, and an all_reduce across
     every host in the real containers (--no-smoke skips it)."""
     inv = _inventory.load(inventory)
     limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
         source, only = cli.code_tree(code)
+        inv = hostops.with_free_port(session, inv)
         checks = _preflight.run(session, inv, limits=limits, run_job=_job.run_quiet if smoke else None,
                                 source=source, only=only)
     if json:

@@ -166,8 +166,10 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
     host hands out GPUs (None: NVIDIA's runtime hook assumed); `units` the GPUs (CPU slots) the job
-    claims on each host (none given: the whole host, claimed as such)."""
-    access, units = access or {}, units or {}
+    claims on each host (None: a short job of fabtrain's own that claims nothing, the preflight's
+    smoke test)."""
+    access, claim = access or {}, units is not None
+    units = units or {}
     job = replace(inv.job, master_port=port)
     inv = replace(inv, job=job)
     spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
@@ -175,7 +177,7 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     hosts = inv.hosts
     # One host at a time, in claims.order: of two jobs claiming overlapping hosts at once, exactly one
     # gets them (claims.py). A claim waits up to claims.LOCK_WAIT for the host's lock.
-    steps = [remote_step(h, "claim", claims.claim_script(inv, spec.job_id, units.get(h.name, ()), spec.owner, first,
+    steps = [remote_step(h, "claim", claims.claim_script(inv, spec.job_id, units.get(h.name, ()) if claim else None, spec.owner, first,
                                                          port if h.rank == 0 else None),
                          STATUS_TIMEOUT + claims.LOCK_WAIT, what="claiming GPUs/slots and the runtime directory")
              for h in claims.order(hosts)]

@@ -117,19 +117,23 @@ def parse_survey(text: str) -> tuple[int, list[Holder]]:
     return cpus, [h for line in lines[1:] if line.strip() and (h := parse_holder(line))]
 
 
-def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...], who: str, first: bool,
+def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who: str, first: bool,
                  port: int | None = None) -> str:
     """Under the host's claims lock: each other claim is judged (held: its job has a container here
     or a fresh lease; else stale, removed, and said so); if none of the held ones overlaps `units`,
     this job's claim file is written (replacing its own earlier one) with its runtime directory and
     lease. Prints `held|cleared JOB who=.. since=.. units=..` lines; exits REFUSED when a unit is
     held, PORT_TAKEN when `port` (given on the rank-0 host) is another held claim's. The job's
-    first attempt also clears a stop marker left from an earlier run of it."""
+    first attempt also clears a stop marker left from an earlier run of it. `units` None: a short
+    job of fabtrain's own (the preflight's smoke test) that claims nothing, only its runtime
+    directory and lease."""
     rt = plan.shell([f"{inv.job.output_dir}/.runtime"])
     q = plan.shell
     ps = q(["docker", "ps", "--quiet", "--filter", f"label={plan.LABEL_JOB}="])
     own = plan.runtime_dir(inv, plan.JobSpec(job_id=job_id, script=""))
     clear = f"{q(['rm', '-f', plan.stopped_marker(inv, job_id)])}; " if first else ""
+    if units is None:
+        return f"{clear}mkdir -p {q([own])} && touch {q([f'{own}/{plan.LEASE}'])}"
     body = (
         f'now=$(date +%s); taken=""; ports=""; '
         f'for f in "$d"/*; do [ -f "$f" ] || continue; j=$(basename "$f"); [ "$j" = {q([job_id])} ] && continue; '

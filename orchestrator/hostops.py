@@ -215,6 +215,21 @@ def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> d
     return {j: s for j, s in got.items() if s is not None}
 
 
+def with_free_port(session: Session, inv: Inventory) -> Inventory:
+    """The inventory with job.master_port moved to the first port from it that nothing listens on
+    at rank 0's host, as `fab train` chooses it (other jobs may hold job.master_port). Unchanged
+    when the host does not answer: the preflight names it."""
+    from dataclasses import replace
+
+    from .attempt import free_port, port_command
+    try:
+        r = session.run(inv.master, port_command(), timeout=STATUS_TIMEOUT, what="listing ports")
+    except Exception:  # noqa: BLE001 - the preflight's own checks name the host
+        return inv
+    port = free_port(r.stdout, inv.job.master_port) if r.ok else None
+    return replace(inv, job=replace(inv.job, master_port=port)) if port else inv
+
+
 def busy_hosts(found: PerHost, inv: Inventory, want: claims.Want) -> set[str]:
     """Hosts where a job asking `want` does not fit beside the other jobs' claims (or that did not
     answer): what --num-nodes passes over."""
