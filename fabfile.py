@@ -342,12 +342,17 @@ def logs(c, inventory=None, job=None, plain=False):
         raise error
 
 
-@task(auto_shortflags=False)
+@task(auto_shortflags=False, help={"json": "print the runs as JSON"})
 @user_errors
-def runs(c):
+def runs(c, json=False):
     """List past runs (runs/*/job.json), newest first: job, state, attempts, duration, eval loss, hosts."""
+    import json as _json
+
     from rich.table import Table
     from orchestrator import report
+    if json:
+        print(_json.dumps({"runs": report.runs(RUNS)}, indent=2, default=str))
+        return
     table = Table(title=f"runs in {RUNS}/")
     table.add_column("job", no_wrap=True)  # a job id is what 'fab plot' and '--resume' take: never cut
     for col in ("state", "attempts", "duration", "eval loss", "hosts"):

@@ -133,6 +133,8 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         assert everything.returncode == 0 and f"stopped {job_a}" in everything.stdout
         assert alice.finish(timeout=120) == 1
         assert traces(job_a, ["node1", "node2"]) == [] and traces(job_b, ["node1", "node2"]) == []
+        runs = {r["job"]: r for r in json.loads(fab(inventory_path, "runs", "--json").stdout)["runs"]}
+        assert runs[job_a]["state"] == runs[job_b]["state"] == "stopped"
     finally:
         alice.proc.kill()
         bob.proc.kill()
