@@ -10,7 +10,7 @@ import secrets
 import subprocess
 import time
 
-from .conftest import ROOT, Run, fab, on_host, project_containers
+from .conftest import FAB, ROOT, Run, fab, on_host
 
 REPORT = "tests/integration/scripts/report.py"
 COMMON = ("train", "--script", REPORT, "--skip-preflight", "--plain")
@@ -133,7 +133,8 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         assert everything.returncode == 0 and f"stopped {job_a}" in everything.stdout
         assert alice.finish(timeout=120) == 1
         assert traces(job_a, ["node1", "node2"]) == [] and traces(job_b, ["node1", "node2"]) == []
-        runs = {r["job"]: r for r in json.loads(fab(inventory_path, "runs", "--json").stdout)["runs"]}
+        listed = subprocess.run([FAB, "-r", str(ROOT), "runs", "--json"], cwd=ROOT, capture_output=True, text=True)
+        runs = {r["job"]: r for r in json.loads(listed.stdout)["runs"]}
         assert runs[job_a]["state"] == runs[job_b]["state"] == "stopped"
     finally:
         alice.proc.kill()
