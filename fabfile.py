@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import json as _json
 import shlex
 from dataclasses import replace
 import sys
@@ -25,6 +26,7 @@ from orchestrator import claims, cli, hostops, plan
 from orchestrator import job as _job
 from orchestrator import jobs
 from orchestrator import preflight as _preflight
+from orchestrator.preflight import deep as _deep
 from orchestrator import recovery
 from orchestrator.events import JsonLines, Terminal
 from orchestrator.policy import HANG_TIMEOUT
@@ -85,10 +87,13 @@ def sync(c, inventory=None, code=None):
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
             "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
             "clock_warn": "warn above this clock offset, seconds (default 0.05)",
-            "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": TREE_HELP})
+            "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": TREE_HELP,
+            "deep": "also measure: disk write speed and space, compute per host (GPU) against its peers, "
+                    "bandwidth and round trips between every pair of hosts, GPU health (ECC, XID, throttling, "
+                    "PCIe, dcgmi); kept in runs/health.json for fab train --health"})
 @user_errors
 def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_warn="0.05",
-              clock_fail="0.5", code=None):
+              clock_fail="0.5", code=None, deep=False):
     """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
@@ -102,10 +107,21 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
         inv = hostops.with_free_port(session, inv)
         checks = _preflight.run(session, inv, limits=limits, run_job=_job.run_quiet if smoke else None,
                                 source=source, only=only)
+        measured = None
+        if deep:
+            more, measured = _deep.run_deep(session, inv)
+            _deep.save(measured, more)
+            checks = checks + more
     if json:
-        print(_preflight.to_json(checks, strict))
+        out = _json.loads(_preflight.to_json(checks, strict))
+        if measured is not None:
+            out["deep"] = measured
+        print(_json.dumps(out, indent=2))
     else:
         _preflight.render(checks, console)
+        if measured is not None and len(inv.hosts) > 1:
+            console.print("network, Mbit/s (row sends to column):\n" + measured["network"]["matrix"],
+                          markup=False)
     bad = _preflight.failed(checks, strict)
     if bad:
         raise Exit(code=1)
@@ -151,6 +167,8 @@ JOB_HELP = {
     "gpus": "take N free GPUs on each host (N CPU slots on a host without GPUs); one process each unless "
             "--nproc says otherwise (default: every GPU of the host; one slot)",
     "cpuset": "pin each CPU host's container to the CPUs of its slots (docker --cpuset-cpus)",
+    "health": "first the deep check (fab preflight --deep; results under an hour old are reused) of the "
+              "hosts and spares: unhealthy hosts are left out and healthy spares take their places",
     "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, from its "
                  "newest snapshot or checkpoint, finished or not; a new job when there is none",
     "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
@@ -164,7 +182,7 @@ JOB_HELP = {
 def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
-          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None, cpuset=False):
+          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None, cpuset=False, health=False):
     """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
@@ -215,6 +233,12 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
             with Session(inv.all_hosts) as session:
                 busy = hostops.busy_hosts(hostops.survey(session, inv), inv, want)
         inv = cli.select_hosts(inv, include, exclude, busy, num_nodes)
+    if health:
+        with Session(inv.all_hosts) as session:
+            inv, lines = _deep.gate(session, inv)
+        for line in lines if not json else ():
+            console.print(f"health: {line}")
+        selected = True
     if record is not None:
         record.selected = [h.name for h in inv.hosts] if selected else record.selected
     else:

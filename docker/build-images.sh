@@ -2,7 +2,8 @@
 # Builds the project's images on the local Docker engine with no registry:
 #   fabtrain/base:bookworm  Debian minbase + python3, made with debootstrap from this machine's mirror
 #   fabtrain/host:latest    a test host: sshd, its own Docker engine, rsync, chrony, iptables, faketime,
-#                           Slurm and munge (started by fab cluster.up --slurm)
+#                           Slurm and munge (started by fab cluster.up --slurm), iperf3 (the network
+#                           bench's reference)
 #   fabtrain/trainer:latest base + CPU torch + hydra-core (so the many hydra-configured training
 #                           programs, pytorch/examples' minGPT-DDP among them, run as they are) +
 #                           the environment-driven entrypoint
@@ -68,7 +69,7 @@ if ! have "$HOST" "$HOST_KEY"; then
   mount -t proc proc "$hostfs/proc"
   trap 'umount "$hostfs/proc" 2>/dev/null || true' EXIT
   chroot "$hostfs" sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      openssh-server docker.io rsync chrony iptables faketime kmod slurm-wlm munge >/dev/null' >"$work/host-apt.log" 2>&1 \
+      openssh-server docker.io rsync chrony iptables faketime kmod slurm-wlm munge iperf3 >/dev/null' >"$work/host-apt.log" 2>&1 \
     || { tail -20 "$work/host-apt.log" >&2; exit 1; }
   umount "$hostfs/proc"; trap - EXIT
   rm -f "$hostfs/usr/sbin/policy-rc.d" "$hostfs"/etc/ssh/ssh_host_*

@@ -96,13 +96,7 @@ def split_args(args: str) -> list[str]:
 
 
 def epochs(value) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1:
-        raise UserError(f"--epochs {value!r}: give a whole number of epochs, 1 or more", exit_code=2)
-    return n
+    return count("--epochs", value)
 
 
 # What a resumed job keeps, because its snapshots and ranks depend on it: given again with the
@@ -207,12 +201,7 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy:
         dropped = host_list(exclude, "--exclude", inv)
         hosts = [h for h in hosts if h.name not in dropped]
     if num_nodes is not None:
-        try:
-            n = int(num_nodes)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise UserError(f"--num-nodes {num_nodes!r}: give a number of hosts, 1 or more", exit_code=2)
+        n = count("--num-nodes", num_nodes)
         free = [h for h in hosts if h.name not in busy]
         if len(free) < n:
             raise UserError(f"--num-nodes {n}: only {len(free)} of {', '.join(h.name for h in hosts)} are free "
@@ -227,7 +216,7 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy:
 
 
 def count(option: str, value) -> int | None:
-    """A whole number option of 1 or more (None when not given)."""
+    """A whole number option of 1 or more (None when not given): --epochs, --gpus, --num-nodes."""
     if value is None:
         return None
     try:

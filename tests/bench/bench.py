@@ -19,6 +19,9 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
            from the kill to the failure being seen, to the restart, to the first step after resume
   hang     (--only hang) a script hung in all_reduce: seconds from its last output to the watchdog's
            stacks, against --hang-timeout
+  deep     (--only deep) `fab preflight --deep --no-smoke` against `fab preflight --no-smoke`, whole
+           command lines; at 2 hosts also the deep check's node1 -> node2 bandwidth (both directions
+           at once, in the job's image) against iperf3 --bidir on the same pair, alternately
   slurm    (--only slurm) the same tiny GPT job, alternately: `fab train` (sync, preflight, start)
            and `sbatch` of the `fab export.slurm` script on the hosts' own Slurm (cluster.up
            --slurm): seconds from the command to the first training step, and to the end
@@ -421,6 +424,27 @@ def bench_hang(inv_path: Path, repeat: int) -> dict:
     return r
 
 
+def bench_deep(inv, inv_path: Path, repeat: int) -> dict:
+    r = {"preflight": [], "deep": [], "deep_mbit_s": [], "iperf3_mbit_s": []}
+    a, b = inv.hosts[0], inv.hosts[1]
+    for _ in range(repeat):
+        r["preflight"].append(timed(subprocess.run, [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
+                                    cwd=ROOT, capture_output=True)[0])
+        t, out = timed(subprocess.run, [FAB, "preflight", "--deep", "--no-smoke", "--json", "--inventory",
+                                        str(inv_path)], cwd=ROOT, capture_output=True, text=True)
+        r["deep"].append(t)
+        if len(inv.hosts) == 2:
+            links = {(x, y): v for x, y, v in json.loads(out.stdout)["deep"]["network"]["mbit_s"]}
+            r["deep_mbit_s"].append(links[(a.name, b.name)])
+            subprocess.run(["docker", "exec", "-d", f"fabtrain-{b.name}", "iperf3", "-s", "-1", "-p", "5299"], check=True)
+            time.sleep(0.5)
+            got = subprocess.run(["docker", "exec", f"fabtrain-{a.name}", "iperf3", "-c", b.address, "-p", "5299",
+                                  "-t", "2", "--bidir", "-J"], capture_output=True, text=True, check=True)
+            # The stream a -> b as b received it (the "sum_received" of the forward direction).
+            r["iperf3_mbit_s"].append(json.loads(got.stdout)["end"]["sum_received"]["bits_per_second"] / 1e6)
+    return r
+
+
 SLURM_GPT = ["--model", "tiny", "--epochs", "1", "--args", "--max-steps-per-epoch 20 --sample-chars 0"]
 
 
@@ -492,6 +516,8 @@ def main() -> None:
             r["hang"] = bench_hang(inv_path, a.repeat)
         if "slurm" in only:
             r["slurm"] = bench_slurm(inv_path, a.repeat)
+        if "deep" in only:
+            r["deep"] = bench_deep(inv, inv_path, a.repeat)
         results[n] = r
         if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
             print(table(n, r), flush=True)

@@ -49,7 +49,7 @@ def test_gpu_sets_per_host_in_deepspeed_syntax():
     (None, "node1:0", None, set(), "--exclude takes whole hosts; choose GPUs with --include node1:i,j"),
     (None, "node1@node2@node3", None, set(), "--include/--exclude leave no host to run on"),
     (None, None, "3", {"node2"}, "--num-nodes 3: only 2 of node1, node2, node3 are free (node2 run other jobs)"),
-    (None, None, "zero", set(), "--num-nodes 'zero': give a number of hosts, 1 or more"),
+    (None, None, "zero", set(), "--num-nodes 'zero': give a whole number, 1 or more"),
 ])
 def test_bad_selections_say_what_is_wrong(include, exclude, num, busy, message):
     with pytest.raises(UserError) as err:

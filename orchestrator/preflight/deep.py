@@ -1,0 +1,255 @@
+"""The deep check (`fab preflight --deep`): not only that things exist, but that they are fast and
+healthy. Each phase runs on every host at once, each step under a deadline (a host that passes it
+is named, the others are still measured):
+
+  1. disk: free space and write + fsync speed of job.output_dir and job.code_dir, on the host;
+  2. compute: matrix multiplies in the job's image, per host (per GPU), against its peers;
+  3. network: every pair of hosts, in rounds (health.rounds), a bulk stream both ways and round
+     trips over the job's interface, in the job's image with the host's network;
+  4. GPUs, where present: ECC, retired/remapped rows, XID errors, throttling, PCIe link, dcgmi
+     diag -r 1 (NVIDIA) or RAS/ECC and link state (AMD), parsed by gpuhealth.
+
+What it measured is kept per host in runs/health.json with the time, for `fab train --health`.
+The collective all_reduce in the job's image is the ordinary preflight's smoke test, run with it.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .. import health, plan
+from ..health import THRESHOLDS, Thresholds
+from ..inventory import Host, Inventory
+from ..remote import Session, describe
+from .checks import FAIL, OK, WARN, Check
+
+DISK_TIMEOUT = 60
+COMPUTE_SECONDS = 2.0
+CONTAINER_TIMEOUT = 90      # a measuring container: start, run, exit
+RESULTS = Path("runs") / "health.json"
+
+
+def container(inv: Inventory, host: Host, name: str, code: str, args: list[str], image: str | None,
+              access=None, gpus: bool = False) -> str:
+    """`docker run` of a measuring script in the job's image with the host's network, removed after."""
+    argv = ["docker", "run", "--rm", "--name", name, "--network", "host", "--pull", "never",
+            *(plan.device_args(host, access) if gpus else []),
+            "--entrypoint", "python3", image or inv.image_for(host), "-c", code, *args]
+    return f"{plan.shell(argv)}; rc=$?; {plan.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc"
+
+
+def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thresholds = THRESHOLDS,
+             access: dict | None = None) -> tuple[list[Check], dict]:
+    """Every phase on every host of `inv`: the checks, and what was measured (for --json and the
+    matrix)."""
+    hosts = list(inv.hosts)
+    tag = secrets.token_hex(3)
+    access = access or {}
+    checks: list[Check] = []
+    data: dict = {"time": time.time()}
+
+    # 1. disk
+    script = health.disk_script([inv.job.output_dir, inv.job.code_dir])
+    got = session.fan_out(lambda h: session.run(h, script, timeout=DISK_TIMEOUT, what="disk write + fsync"), hosts)
+    data["disk"] = {}
+    for h in hosts:
+        if got.error(h.name):
+            checks.append(Check(h.name, "disk-speed", FAIL, describe(h, got.error(h.name)),
+                                f"check the disks of {inv.job.output_dir} and {inv.job.code_dir} on {h.name}"))
+            continue
+        found = health.parse_disk(got[h.name].stdout)
+        data["disk"][h.name] = {d: {"free_gb": f, "write_mb_s": s, "error": e} for d, (f, s, e) in found.items()}
+        rows = health.judge_disk(h.name, found, t)
+        worst = next((c for c in rows if c.status == FAIL), None) or next((c for c in rows if c.status == WARN), None)
+        checks.append(worst or Check(h.name, "disk-speed", OK, "; ".join(c.detail for c in rows)))
+
+    # 2. compute
+    def compute(h: Host):
+        name = f"fabtrain-health-{tag}-{h.name}-compute"
+        return session.run(h, container(inv, h, name, health.COMPUTE_PY, [str(COMPUTE_SECONDS)], image,
+                                        access.get(h.name), gpus=h.gpu_vendor != "none"),
+                           timeout=CONTAINER_TIMEOUT, what="compute benchmark")
+    got = session.fan_out(compute, hosts)
+    speed, kind = {}, {}
+    for h in hosts:
+        r = got.value(h.name)
+        out = health.parse_line("COMPUTE", r.stdout) if r is not None else None
+        if not out:
+            why = describe(h, got.error(h.name)) if got.error(h.name) else f"no result: {(r.stderr or r.stdout).strip()[-200:]}"
+            checks.append(Check(h.name, "compute", FAIL, why, f"run the image on {h.name}: docker run --rm "
+                                f"{image or inv.image_for(h)} python3 -c 'import torch'"))
+            continue
+        for unit, (gflops, model) in out.items():
+            key = h.name if unit == "cpu" else f"{h.name}/{unit}"
+            speed[key], kind[key] = float(gflops), model
+    data["compute"] = {k: {"gflop_s": v, "kind": kind[k]} for k, v in speed.items()}
+    slow = health.compute_outliers(speed, kind, t)
+    for h in hosts:
+        mine = {k: v for k, v in speed.items() if k == h.name or k.startswith(h.name + "/")}
+        if not mine:
+            continue
+        bad = {k: why for k, why in slow.items() if k in mine}
+        if bad:
+            checks.append(Check(h.name, "compute", FAIL, "slow: " + "; ".join(f"{k} {why}" for k, why in bad.items()),
+                                f"look for throttling or a busy CPU/GPU on {h.name} (nvidia-smi -q -d PERFORMANCE, top)"))
+        else:
+            checks.append(Check(h.name, "compute", OK, ", ".join(f"{k.split('/')[-1]} {v:.1f} GFLOP/s"
+                                                                   for k, v in mine.items())))
+
+    # 3. network
+    names = [h.name for h in hosts]
+    by_name = {h.name: h for h in hosts}
+    port = inv.job.master_port + health.PORT_OFFSET
+    bw: dict[tuple[str, str], float] = {}
+    rtt: dict[tuple[str, str], float] = {}
+    failed_pairs: dict[tuple[str, str], str] = {}
+    for rnd in health.rounds(names):
+        peer = {a: b for a, b in rnd} | {b: a for a, b in rnd}
+
+        def measure(h: Host):
+            other = by_name[peer[h.name]]
+            name = f"fabtrain-health-{tag}-{h.name}-net"
+            return session.run(h, container(inv, h, name, health.NET_PY,
+                                            [h.hostname, other.hostname, str(port), str(health.NET_SECONDS)], image),
+                               timeout=CONTAINER_TIMEOUT, what=f"network test with {other.name}")
+        got = session.fan_out(measure, tuple(by_name[n] for n in peer))
+        for n in peer:
+            r = got.value(n)
+            out = health.parse_line("NET", r.stdout) if r is not None else None
+            if out and "rx_mbit_s" in out:
+                bw[(peer[n], n)] = float(out["rx_mbit_s"])
+                rtt[(n, peer[n])] = float(out["rtt_ms"])
+            else:
+                failed_pairs[(peer[n], n)] = (describe(by_name[n], got.error(n)) if got.error(n)
+                                              else (r.stderr or r.stdout).strip()[-200:] or "no result")
+    verdict = health.network_outliers(bw, rtt, names, t)
+    data["network"] = {"hosts": names, "mbit_s": [[a, b, v] for (a, b), v in bw.items()],
+                       "rtt_ms": [[a, b, v] for (a, b), v in rtt.items()], "median_mbit_s": verdict.reference,
+                       "slow_hosts": verdict.slow_hosts,
+                       "slow_links": [[a, b, why] for (a, b), why in verdict.slow_links.items()],
+                       "failed": [[a, b, why] for (a, b), why in failed_pairs.items()],
+                       "matrix": health.matrix_text(names, bw, rtt)}
+    for h in names:
+        if len(names) < 2:
+            break
+        if h in verdict.slow_hosts:
+            checks.append(Check(h, "net", FAIL, verdict.slow_hosts[h],
+                                f"check {by_name[h].interface} on {h}: link speed (ethtool), errors (ip -s link), "
+                                "traffic shaping (tc qdisc show)"))
+        else:
+            outs = [v for (a, _), v in bw.items() if a == h]
+            checks.append(Check(h, "net", OK, f"sends {min(outs):.0f}-{max(outs):.0f} Mbit/s to its peers" if outs
+                                else "not measured"))
+    for (a, b), why in verdict.slow_links.items():
+        checks.append(Check(a, "link", FAIL, f"link {a} -> {b}: {why}",
+                            f"the path from {a} to {b} (a switch port, a cable, a route or tc filter); "
+                            "the hosts themselves are fast with their other peers"))
+    for (a, b), why in failed_pairs.items():
+        checks.append(Check(b, "link", FAIL, f"link {a} -> {b} not measured: {why}",
+                            f"can {b} listen on port {port} and {a} reach it? (firewall)"))
+
+    # 4. GPUs
+    checks += gpu_checks(session, inv, data)
+    return checks, data
+
+
+def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
+    """ECC, retired/remapped rows, XID, throttling, PCIe and dcgmi on NVIDIA hosts; RAS/ECC and links
+    on AMD hosts (gpuhealth parses and judges; its thresholds are one table there)."""
+    from .. import gpuhealth
+    gpu_hosts = [h for h in inv.hosts if h.gpu_vendor in ("nvidia", "amd")]
+    if not gpu_hosts:
+        return []
+
+    def one(h: Host):
+        if h.gpu_vendor == "nvidia":
+            smi = session.run(h, plan.shell(gpuhealth.NVIDIA_COMMAND), timeout=60, what="nvidia-smi -q")
+            xid = session.run(h, gpuhealth.XID_COMMAND, timeout=30, what="kernel log (XID)")
+            diag = session.run(h, gpuhealth.DCGMI_COMMAND, timeout=300, what="dcgmi diag -r 1")
+            found = gpuhealth.judge_nvidia(gpuhealth.parse_nvidia_smi_q(smi.stdout), xid.stdout)
+            found += gpuhealth.parse_dcgmi_diag(diag.stdout)
+        else:
+            smi = session.run(h, plan.shell(gpuhealth.ROCM_COMMAND), timeout=60, what="rocm-smi")
+            found = gpuhealth.judge_amd(gpuhealth.parse_rocm_smi(smi.stdout))
+        return found
+    got = session.fan_out(one, tuple(gpu_hosts))
+    out = []
+    data["gpus"] = {}
+    for h in gpu_hosts:
+        if got.error(h.name):
+            out.append(Check(h.name, "gpu-health", FAIL, describe(h, got.error(h.name)), ""))
+            continue
+        found = got[h.name]
+        data["gpus"][h.name] = [asdict(f) for f in found]
+        worst = FAIL if any(f.level == "fail" for f in found) else WARN if found else OK
+        detail = "; ".join(f.detail for f in found) or "no ECC, XID, throttling or link problems found"
+        out.append(Check(h.name, "gpu-health", worst, detail,
+                         f"drain {h.name} and check the GPUs named (nvidia-smi -q, dcgmi diag -r 3)" if found else ""))
+    return out
+
+
+def save(data: dict, checks: list[Check], path: Path = RESULTS) -> None:
+    """Keep each host's verdict with its time (merged with earlier ones), for fab train --health."""
+    kept = load(path)
+    for host in {c.host for c in checks}:
+        mine = [asdict(c) for c in checks if c.host == host]
+        kept[host] = {"time": data["time"], "ok": not any(c["status"] == FAIL for c in mine), "checks": mine}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(kept, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load(path: Path = RESULTS) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Path = RESULTS,
+         now: float | None = None) -> tuple[Inventory, list[str]]:
+    """fab train --health: the job's hosts and spares judged by the deep check (results younger than
+    t.fresh_s are reused; otherwise every one is measured again, together, so that the network is
+    measured between them). Unhealthy hosts are left out and spares, healthy ones, take their places
+    in order; UserError naming them when too few are left. Returns the inventory to run on and
+    what was done, one line each."""
+    from dataclasses import replace
+
+    from ..errors import UserError
+    now = time.time() if now is None else now
+    everyone = (*inv.hosts, *inv.spares)
+    kept = load(path)
+    lines = []
+    if any(h.name not in kept or now - kept[h.name]["time"] > t.fresh_s for h in everyone):
+        checks, data = run_deep(session, replace(inv, hosts=everyone, spares=()), t=t)
+        save(data, checks, path)
+        kept = load(path)
+        lines.append(f"deep check of {len(everyone)} host(s) done")
+    else:
+        lines.append("deep check results from the last hour reused (runs/health.json)")
+
+    def why(name: str) -> str:
+        return "; ".join(f"{c['check']}: {c['detail']}" for c in kept[name]["checks"] if c["status"] == FAIL)
+    sick = [h for h in everyone if not kept.get(h.name, {}).get("ok", False)]
+    healthy_spares = [s for s in inv.spares if s not in sick]
+    hosts = []
+    for h in inv.hosts:
+        if h not in sick:
+            hosts.append(h)
+        elif healthy_spares:
+            spare = healthy_spares.pop(0)
+            hosts.append(spare)
+            lines.append(f"{h.name} left out ({why(h.name)}); spare {spare.name} takes its place")
+        else:
+            raise UserError(f"{h.name} is not healthy ({why(h.name)}) and no healthy spare is left; fix it, "
+                            f"add a spare to the inventory, or leave it out with --exclude {h.name}")
+    for s in inv.spares:
+        if s in sick:
+            lines.append(f"spare {s.name} is not healthy either ({why(s.name)})")
+    used = {h.name for h in hosts}
+    return replace(inv, hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
+                   spares=tuple(s for s in healthy_spares if s.name not in used)), lines
