@@ -78,8 +78,8 @@ class NetVerdict:
 def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str], float],
                      hosts: list[str], t: Thresholds = THRESHOLDS) -> NetVerdict:
     """bw[(a, b)]: Mbit/s from a to b; rtt[(a, b)]: ms between them, as a measured it. A host is
-    slow when it is slow with every peer in one direction (with at least two peers); the other slow
-    links are named as links."""
+    slow when it is slow with every peer in one direction (with at least two peers); the slow links
+    that do not touch a slow host are named as links."""
     # The reference is a typical good link: the upper quartile of bandwidths (the lower one of round
     # trips), so that one host slow both ways (2/N of the links) does not drag it down.
     ref = quantile(bw.values(), 0.75)
@@ -102,13 +102,18 @@ def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str]
             if len(pairs) >= 2 and all(k in laggy for k in pairs):
                 hosts_bad[h] = f"slow round trips with every peer (typical {ref_rtt:.2f} ms)"
     links: dict[tuple[str, str], str] = {}
+    # A round trip crosses both directions: one made slow by a slow link (its queue) is that link's.
+    laggy = {k for k in laggy if (k[1], k[0]) not in slow}
     for k in sorted(slow | laggy):
-        if (k[0] in hosts_bad and hosts_bad[k[0]].startswith(("sends", "slow round"))) or \
-                (k[1] in hosts_bad and hosts_bad[k[1]].startswith(("receives", "slow round"))):
+        if k[0] in hosts_bad or k[1] in hosts_bad:  # a slow host slows the round trips through it too
             continue
+        back = (k[1], k[0])
+        if k in slow and back in slow and bw[back] < bw[k]:
+            continue  # the slower direction names the link (its queue also holds the other's ACKs)
         why = []
         if k in slow:
-            why.append(f"{bw[k]:.0f} Mbit/s (typical link {ref:.0f})")
+            why.append(f"{bw[k]:.0f} Mbit/s (typical link {ref:.0f})"
+                       + (f"; back {bw[back]:.0f}" if back in slow else ""))
         if k in laggy:
             why.append(f"round trip {rtt[k]:.2f} ms (typical {ref_rtt:.2f})")
         links[k] = ", ".join(why)

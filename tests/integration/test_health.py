@@ -16,10 +16,12 @@ HEALTH = ROOT / "runs" / "health.json"
 
 
 def shape_link(to_address: str) -> str:
-    """Only traffic to one address goes through the slow band (prio band 3 with a tbf)."""
-    return ("tc qdisc add dev eth0 root handle 1: prio && "
-            "tc qdisc add dev eth0 parent 1:3 handle 30: tbf rate 50mbit burst 32kbit latency 400ms && "
-            f"tc filter add dev eth0 protocol ip parent 1:0 prio 3 u32 match ip dst {to_address}/32 flowid 1:3")
+    """Only traffic to one address goes through a 50 Mbit/s class (htb with a u32 filter; this
+    kernel has no prio qdisc)."""
+    return ("tc qdisc add dev eth0 root handle 1: htb default 10 && "
+            "tc class add dev eth0 parent 1: classid 1:10 htb rate 100gbit && "
+            "tc class add dev eth0 parent 1: classid 1:30 htb rate 50mbit ceil 50mbit && "
+            f"tc filter add dev eth0 protocol ip parent 1: prio 1 u32 match ip dst {to_address}/32 flowid 1:30")
 
 
 def unshape(*nodes):
@@ -53,9 +55,9 @@ def tiny_output(four_hosts_inventory_path, tmp_path):
 
 
 def test_deep_check_names_a_slow_host_a_slow_link_and_a_full_disk(tiny_output):
-    on_host("node2", SHAPE)
-    on_host("node1", shape_link("172.28.5.13"))
     try:
+        on_host("node2", SHAPE)
+        on_host("node1", shape_link("172.28.5.13"))
         r, data, checks = deep(tiny_output)
     finally:
         unshape("node1", "node2")
@@ -91,8 +93,8 @@ def test_a_host_starved_of_cpu_is_named_as_slow(four_hosts_inventory_path):
 
 def test_train_with_health_puts_a_spare_in_place_of_a_shaped_host(spares_inventory_path):
     HEALTH.unlink(missing_ok=True)  # measured now, not taken from the tests above
-    on_host("node2", SHAPE)
     try:
+        on_host("node2", SHAPE)
         run = Run(spares_inventory_path, "train", "--health", "--script", "tests/integration/scripts/report.py",
                   "--nproc", "1", "--skip-preflight", "--plain")
         code = run.finish(timeout=400)

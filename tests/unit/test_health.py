@@ -51,6 +51,9 @@ def test_one_slow_link_is_named_as_a_link():
     v = health.network_outliers(bw, rtt, HOSTS)
     assert v.slow_hosts == {} and list(v.slow_links) == [("n1", "n3")]
     assert v.slow_links[("n1", "n3")] == "45 Mbit/s (typical link 9000)"
+    # Shaping n1 -> n3 also queues n1's ACKs of the stream n3 -> n1: one link, the slower way named.
+    bw, rtt = links(HOSTS, n1_n3=47, n3_n1=1031)
+    assert health.network_outliers(bw, rtt, HOSTS).slow_links == {("n1", "n3"): "47 Mbit/s (typical link 9000); back 1031"}
     # Round trips: one laggy pair is a link, a host laggy with everyone is the host.
     bw, rtt = links(HOSTS)
     rtt[("n1", "n2")] = 30.0
