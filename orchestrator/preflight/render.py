@@ -13,6 +13,11 @@ def to_json(checks: list[Check], strict: bool = False) -> str:
     return json.dumps({"ok": not failed(checks, strict), "checks": [asdict(c) for c in checks]}, indent=2)
 
 
+def short(detail: str, width: int = 60) -> str:
+    """A cell's text: cut at a word, marked, never inside a number (the full text is below the table)."""
+    return detail if len(detail) <= width else detail[:width - 1].rsplit(" ", 1)[0] + " …"
+
+
 def render(checks: list[Check], console) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -29,7 +34,7 @@ def render(checks: list[Check], console) -> None:
         cells = []
         for h in hosts:
             c = by.get((h, name))
-            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(sanitize(c.detail[:60]))}" if c else "[dim]-[/]")
+            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(sanitize(short(c.detail)))}" if c else "[dim]-[/]")
         table.add_row(name, *cells)
     console.print(table)
     for c in checks:
