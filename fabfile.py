@@ -430,14 +430,15 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     print(f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: sbatch {target}")
 
 
-@task(auto_shortflags=False, help={**JOB_HELP, "out": "directory to write pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
+@task(auto_shortflags=False, help={**JOB_HELP, "out": "directory to write trainjob.yaml, pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
             "restarts": "pod failures the job tolerates (backoffLimit, default 0)"})
 @user_errors
 def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
         image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
-    """Write the job as Kubernetes manifests: a Kubeflow PyTorchJob, and an Indexed Job with a headless
-    Service for clusters without the training operator. Same image, env, GPUs and entrypoint;
-    secrets as references to a Secret, never values."""
+    """Write the job as Kubernetes manifests: a Kubeflow Trainer v2 TrainJob (trainjob.yaml, on the
+    cluster's torch-distributed runtime), a Kubeflow PyTorchJob (Training Operator v1, deprecated), and
+    an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
+    entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
     inv = _inventory.load(inventory)
     spec = cli.new_spec(dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image,
                                    nproc=nproc, name=name, code=code, module=module), TRAINERS)
@@ -447,8 +448,8 @@ def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, a
     target.mkdir(parents=True, exist_ok=True)
     for file, documents in docs.items():
         (target / file).write_text(_export.k8s_text(inv, spec, file, documents))
-    print(f"wrote {target}/pytorchjob.yaml and {target}/indexed-job.yaml (job {spec.job_id}); "
-          f"apply one with kubectl apply -f")
+    print(f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with kubectl apply -f "
+          f"(trainjob.yaml on Kubeflow Trainer v2)")
 
 
 @task(auto_shortflags=False, help={"nodes": "number of test hosts (default 2)",

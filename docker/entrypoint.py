@@ -4,7 +4,8 @@
 - This orchestrator sets NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, and
   FABTRAIN_CONSOLE: the file that receives the node's output (see redirect_output).
 - A platform (a Kubernetes PyTorchJob, a Slurm wrapper) sets WORLD_SIZE = number of nodes and
-  RANK = this node's rank, with MASTER_ADDR and MASTER_PORT.
+  RANK = this node's rank, with MASTER_ADDR and MASTER_PORT; Kubeflow Trainer's torch runtime (a
+  TrainJob) sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, PET_NPROC_PER_NODE.
 - A Slurm step with one task per node (srun in a container, e.g. pyxis) gives SLURM_JOB_NUM_NODES
   and SLURM_NODEID; MASTER_ADDR and MASTER_PORT come from its batch script (fab export.slurm).
 
@@ -116,11 +117,13 @@ def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:
 
 def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], dict[str, str], str]:
     """(torchrun argv, the workers' environment, a banner) from the node-level environment."""
-    nnodes = int(env.get("NNODES") or env.get("WORLD_SIZE") or env.get("SLURM_JOB_NUM_NODES") or 1)
-    node_rank = int(env.get("NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or 0)
-    master_addr = env.get("MASTER_ADDR", "127.0.0.1")
-    master_port = env.get("MASTER_PORT", "29500")
-    nproc = env.get("NPROC_PER_NODE", "auto")
+    # PET_*: what Kubeflow Trainer's torch runtime gives torchrun (a TrainJob, fab export.k8s).
+    nnodes = int(env.get("NNODES") or env.get("PET_NNODES") or env.get("WORLD_SIZE")
+                 or env.get("SLURM_JOB_NUM_NODES") or 1)
+    node_rank = int(env.get("NODE_RANK") or env.get("PET_NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or 0)
+    master_addr = env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR") or "127.0.0.1"
+    master_port = env.get("MASTER_PORT") or env.get("PET_MASTER_PORT") or "29500"
+    nproc = env.get("NPROC_PER_NODE") or env.get("PET_NPROC_PER_NODE") or "auto"
     nproc = str(gpus or 1) if nproc == "auto" else nproc
     child = dict(env)
     # torchrun gives each worker its own RANK and WORLD_SIZE; node-level values must not leak in.

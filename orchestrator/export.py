@@ -298,14 +298,40 @@ def _container(inv: Inventory, spec: plan.JobSpec, host: Host, env: list[dict]) 
 
 def _pod_spec(inv: Inventory, spec: plan.JobSpec, host: Host, config_map: str, env: list[dict],
               **extra) -> dict:
+    return {**extra, "containers": [_container(inv, spec, host, env)], "volumes": _volumes(inv, host, config_map)}
+
+
+def _volumes(inv: Inventory, host: Host, config_map: str) -> list[dict]:
+    """The entrypoint (a ConfigMap), shared memory, the outputs on the job's PersistentVolumeClaim
+    (snapshots outlive a pod: a restarted pod resumes from them), the inventory's host mounts."""
     shm: dict = {"medium": "Memory"}
     if inv.job.shm_size:
         shm["sizeLimit"] = _quantity(inv.job.shm_size)
     volumes = [{"name": "fabtrain", "configMap": {"name": config_map}},
                {"name": "shm", "emptyDir": shm},
-               {"name": "output", "emptyDir": {}}]
-    volumes += [{"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(host.mounts)]
-    return {**extra, "containers": [_container(inv, spec, host, env)], "volumes": volumes}
+               {"name": "output", "persistentVolumeClaim": {"claimName": output_claim(config_map)}}]
+    return volumes + [{"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(host.mounts)]
+
+
+def output_claim(config_map: str) -> str:
+    return config_map.removesuffix("-entrypoint") + "-output"
+
+
+OUTPUT_SIZE = "100Gi"  # what the claim asks for: snapshots and outputs of one job (edit to taste)
+
+
+def _output_pvc(name: str, job_id: str) -> dict:
+    """ReadWriteMany: every node's pod writes its own files into the job's one output directory."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": f"{name}-output", "labels": {"fabtrain.job": job_id}},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": OUTPUT_SIZE}}}}
+
+
+# Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1): the cluster's torch runtime names its
+# replicated job and its trainer container "node"; it sets PET_NNODES, PET_NODE_RANK,
+# PET_MASTER_ADDR, PET_MASTER_PORT and PET_NPROC_PER_NODE, which the entrypoint reads.
+TRAINER_RUNTIME = "torch-distributed"
+TRAINER_NODE = "node"
 
 
 def _config_map(name: str, job_id: str) -> dict:
@@ -354,9 +380,33 @@ def k8s_manifests(inv: Inventory, spec: plan.JobSpec, restarts: int = 0) -> tupl
                     "template": {"metadata": {"labels": labels},
                                  "spec": _pod_spec(inv, spec, host, cm, rank_env, subdomain=name,
                                                    restartPolicy="Never")}}}
-    docs = {"pytorchjob.yaml": [_config_map(cm, spec.job_id), pytorchjob],
-            "indexed-job.yaml": [_config_map(cm, spec.job_id), service, job]}
+    pvc = _output_pvc(name, spec.job_id)
+    docs = {"trainjob.yaml": [_config_map(cm, spec.job_id), pvc, _trainjob(inv, spec, host, name, cm)],
+            "pytorchjob.yaml": [_config_map(cm, spec.job_id), pvc, pytorchjob],
+            "indexed-job.yaml": [_config_map(cm, spec.job_id), pvc, service, job]}
     return docs, warnings
+
+
+def _trainjob(inv: Inventory, spec: plan.JobSpec, host: Host, name: str, cm: str) -> dict:
+    """A Kubeflow Trainer v2 TrainJob on the cluster's torch runtime: the trainer's image, command,
+    environment and GPUs per node, and (a runtime patch, as Trainer v2 takes pod changes) the
+    entrypoint, shared memory, output claim and mounts on its "node" container."""
+    c = _container(inv, spec, host, [])
+    trainer = {"numNodes": len(inv.hosts), "image": c["image"], "command": c["command"], "args": c["args"],
+               "env": c["env"]}
+    if "resources" in c:
+        trainer["resourcesPerNode"] = c["resources"]
+    container = {"name": TRAINER_NODE, "volumeMounts": c["volumeMounts"]}
+    if "securityContext" in c:
+        container["securityContext"] = c["securityContext"]
+    pod = {"volumes": _volumes(inv, host, cm), "containers": [container]}
+    patch = {"manager": "fabtrain", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
+        {"name": TRAINER_NODE, "template": {"spec": {"template": {"spec": pod}}}}]}}}}
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": {"name": name, "labels": {"fabtrain.job": spec.job_id}},
+            "spec": {"runtimeRef": {"name": TRAINER_RUNTIME, "apiGroup": "trainer.kubeflow.org",
+                                    "kind": "ClusterTrainingRuntime"},
+                     "trainer": trainer, "runtimePatches": [patch]}}
 
 
 def k8s_header(inv: Inventory, spec: plan.JobSpec, kind: str) -> str:
@@ -364,9 +414,10 @@ def k8s_header(inv: Inventory, spec: plan.JobSpec, kind: str) -> str:
     lines = [f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from {comment(str(inv.path))}:",
              *_summary(inv, spec, len(inv.hosts), host),
              "# Apply with: kubectl apply -f FILE. The image must hold the code at /workspace (or mount it",
-             "# there); /output is an emptyDir: use a PersistentVolumeClaim to keep snapshots across pods.",
-             "# Checked offline against the Kubernetes API schemas and the PyTorchJob model; not run on a",
-             "# live cluster by fabtrain's tests."]
+             f"# there); /output is the PersistentVolumeClaim {k8s_name(spec.job_id)}-output (ReadWriteMany, "
+             f"{OUTPUT_SIZE}), so",
+             "# snapshots outlive a pod. Checked offline against the Kubernetes API schemas and the Kubeflow",
+             "# models (TrainJob, PyTorchJob); not run on a live cluster by fabtrain's tests."]
     if inv.job.secret_files:
         files = " ".join(f"--from-file={name}={comment(path)}" for name, path in inv.job.secret_files)
         lines.append(f"# Secrets come from the Secret {SECRET_NAME}: kubectl create secret generic {SECRET_NAME} {files}")
@@ -388,5 +439,7 @@ _Dumper.add_representer(str, _str)
 
 
 def k8s_text(inv: Inventory, spec: plan.JobSpec, file: str, docs: list[dict]) -> str:
-    kind = "a Kubeflow PyTorchJob" if file == "pytorchjob.yaml" else "an Indexed Job and a headless Service"
+    kind = {"trainjob.yaml": "a Kubeflow Trainer v2 TrainJob (runtime torch-distributed)",
+            "pytorchjob.yaml": "a Kubeflow PyTorchJob (Training Operator v1, deprecated)"}.get(
+        file, "an Indexed Job and a headless Service")
     return k8s_header(inv, spec, kind) + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, width=100)

@@ -120,6 +120,9 @@ def validate(doc: dict) -> None:
     """A document against the published schemas: Kubernetes' own kinds with kubernetes-validate
     (strict: unknown fields fail), a PyTorchJob with the Kubeflow training SDK's model (a field it
     does not know would be dropped on the way through) and its pod templates as Kubernetes'."""
+    if doc["kind"] == "TrainJob":
+        validate_trainjob(doc)
+        return
     if doc["kind"] != "PyTorchJob":
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         return
@@ -131,13 +134,45 @@ def validate(doc: dict) -> None:
     assert client.sanitize_for_serialization(model) == doc
 
 
+def validate_trainjob(doc: dict) -> None:
+    """A TrainJob against the Kubeflow Trainer API's pydantic models (strict types; a field they do
+    not know would be dropped, so the document must come back whole), and its runtime patch's pod
+    (volumes, mounts) as a Kubernetes PodTemplate with the trainer's image."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+    model = TrainerV1alpha1TrainJob.from_dict(doc)
+    assert model.to_dict() == doc
+    pod = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    container = {**pod["containers"][0], "image": doc["spec"]["trainer"]["image"]}
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                  "template": {"spec": {**pod, "containers": [container]}}}, K8S_VERSION, strict=True)
+
+
+def test_a_broken_trainjob_is_rejected():
+    import pydantic
+    docs, _ = export.k8s_manifests(inv("nvidia"), SPEC)
+    trainjob = docs["trainjob.yaml"][2]
+    assert trainjob["spec"]["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+                                              "kind": "ClusterTrainingRuntime"}
+    assert trainjob["spec"]["trainer"]["numNodes"] == 2
+    assert trainjob["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "8"}}
+    validate(trainjob)
+    for broken in ({**trainjob["spec"]["trainer"], "numNodes": "two"}, {**trainjob["spec"]["trainer"], "nodes": 2}):
+        doc = {**trainjob, "spec": {**trainjob["spec"], "trainer": broken}}
+        with pytest.raises((pydantic.ValidationError, AssertionError)):
+            validate(doc)
+    without_runtime = {**trainjob, "spec": {k: v for k, v in trainjob["spec"].items() if k != "runtimeRef"}}
+    with pytest.raises(pydantic.ValidationError):
+        validate(without_runtime)
+
+
 def test_validation_catches_a_wrong_field():
     docs, _ = export.k8s_manifests(inv("nvidia"), SPEC)
-    job = docs["pytorchjob.yaml"][1]
+    job = docs["pytorchjob.yaml"][2]
     job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"] = 8
     with pytest.raises(Exception, match="gpus"):
         validate(job)
-    job = docs["pytorchjob.yaml"][1]
+    job = docs["pytorchjob.yaml"][2]
     del job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"]
     job["spec"]["replicas"] = 2  # not a PyTorchJob field
     with pytest.raises(AssertionError):
@@ -146,7 +181,7 @@ def test_validation_catches_a_wrong_field():
 
 def test_nvidia_manifests_carry_gpus_shm_capabilities_and_secret_references():
     docs, warnings = export.k8s_manifests(inv("nvidia"), SPEC)
-    pod = docs["indexed-job.yaml"][2]["spec"]["template"]["spec"]
+    pod = docs["indexed-job.yaml"][3]["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
     assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
@@ -154,7 +189,7 @@ def test_nvidia_manifests_carry_gpus_shm_capabilities_and_secret_references():
     assert {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "fabtrain-secrets",
                                                                      "key": "WANDB_API_KEY"}}} in c["env"]
     assert "infiniband" in warnings[0]
-    amd = export.k8s_manifests(inv("amd"), SPEC)[0]["pytorchjob.yaml"][1]
+    amd = export.k8s_manifests(inv("amd"), SPEC)[0]["pytorchjob.yaml"][2]
     amd_c = amd["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert amd_c["resources"] == {"limits": {"amd.com/gpu": "4"}}
     assert amd_c["securityContext"] == {"seccompProfile": {"type": "Unconfined"}}
@@ -241,7 +276,7 @@ def test_k8s_hostile_values_stay_data(tmp_path):
     spec = plan.JobSpec(job_id="J_1.x", script="trainers/gpt.py", args=(HOSTILE,))
     docs, _ = export.k8s_manifests(i, spec)
     text = export.k8s_text(i, spec, "indexed-job.yaml", docs["indexed-job.yaml"])
-    job = list(yaml.safe_load_all(text))[2]
+    job = list(yaml.safe_load_all(text))[3]
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == ["trainers/gpt.py", HOSTILE]
     assert {"name": "WEIRD", "value": HOSTILE} in c["env"]

@@ -294,6 +294,17 @@ def test_torchrun_argv_from_platform_env():
     assert "RANK" not in child and "WORLD_SIZE" not in child
 
 
+def test_torchrun_argv_from_kubeflow_trainer_env():
+    """Kubeflow Trainer's torch-distributed runtime (a TrainJob) gives torchrun's PET_* variables."""
+    ep = _entrypoint()
+    env = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "4",
+           "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"}
+    argv, _, banner = ep.plan(env, ["train.py"], gpus=4)
+    assert argv[3:] == ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "4",
+                        "--master_addr", "job-node-0-0.job", "--master_port", "29400", "--", "train.py"]
+    assert "world_size=8" in banner
+
+
 def test_entrypoint_reads_secrets_file(tmp_path):
     ep = _entrypoint()
     f = tmp_path / "s.env"
