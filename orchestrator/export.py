@@ -9,6 +9,7 @@ by a YAML library, and secrets are referenced by name, never written out.
 """
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from dataclasses import replace
@@ -21,7 +22,7 @@ from .inventory import Host, Inventory
 
 # A word of a generated script that Slurm's environment fills in at run time: VAR + NAME + VAR.
 VAR = "\x00"
-RUNTIME_VARS = ("NODE_RANK", "FABTRAIN_NODE", "fabtrain_container", "fabtrain_attempt")
+RUNTIME_VARS = ("NODE_RANK", "FABTRAIN_NODE", "fabtrain_container", "fabtrain_attempt", "SLURM_NODEID")
 # Set per node at run time, passed on to the container by name (docker run --env NAME).
 PASSED_ON = ("MASTER_ADDR", "NNODES", "NODE_RANK", "FABTRAIN_NODE")
 HEREDOC = "FABTRAIN_ENTRYPOINT"
@@ -111,9 +112,11 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
     nodes = len(inv.hosts)
     out_dir = f"{inv.job.output_dir}/{spec.job_id}"
     # One runtime directory per attempt: a requeued job's new tasks can start on a node while the
-    # old task's cleanup there is still running, and must not lose their entrypoint to it.
-    rt = f"{plan.runtime_dir(inv, spec)}/{var('fabtrain_attempt')}"
-    grace = f"{inv.job.stop_grace:g}"
+    # old task's cleanup there is still running, and must not lose their entrypoint to it. With
+    # docker, one per node too: with job.output_dir shared between nodes, each keeps its own cidfile
+    # and secrets there. (pyxis names the directory once, in its --container-mounts, and has no cidfile.)
+    rt = f"{plan.runtime_dir(inv, spec)}/{var('fabtrain_attempt')}" + ("" if pyxis else f".{var('SLURM_NODEID')}")
+    grace = str(max(1, math.ceil(inv.job.stop_grace)))  # docker stop --time takes whole seconds
     flavour = "pyxis/enroot (srun --container-image)" if pyxis else "docker run on each node"
     lines = ["#!/bin/bash",
              f"# fabtrain job {spec.job_id} for Slurm, written by `fab export.slurm` from {comment(str(inv.path))}:",
@@ -199,6 +202,11 @@ def _docker_steps(inv: Inventory, spec: plan.JobSpec, host: Host, rt: str, grace
             "# signalled (scancel, --kill-on-bad-exit), removed when it exits. The trap stops this",
             "# attempt's container by its id: after a requeue the next attempt's has the same name.",
             "fabtrain_node() {",
+            "  # A node whose Docker engine does not answer fails its task at once, named, not later.",
+            "  if ! timeout -k 5 30 docker info >/dev/null 2>&1; then",
+            '    echo "[fabtrain] $SLURMD_NODENAME: no Docker engine answers (docker info, 30 s): start or fix '
+            'it, or exclude the node (sbatch --exclude)" >&2; return 1',
+            "  fi",
             "  fabtrain_prepare || return 1",
             '  export NODE_RANK="$SLURM_NODEID" FABTRAIN_NODE="$SLURMD_NODENAME"',
             f"  fabtrain_container={word(container)} fabtrain_rt={word(rt)}",

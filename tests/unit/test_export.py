@@ -1,6 +1,7 @@
 """The Slurm and Kubernetes exports: exact text for an NVIDIA, an AMD and a CPU inventory (golden
 files; UPDATE_GOLDEN=1 rewrites them), hostile values kept as data, manifests valid against the
 published schemas."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -252,12 +253,14 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "master 10.1.1.1" in r.stdout
     calls = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
-    assert calls[0] == ["rm", "--force", "fabtrain-j1-r1"]
-    run = calls[1]
-    # A requeued attempt has a runtime directory of its own (the old attempt's cleanup cannot remove it).
-    assert run[:8] == ["run", "--rm", "--cidfile", f"{tmp_path}/out/.runtime/j1/7.1/cid",
+    assert calls[0] == ["info"]  # the node's engine answers before anything starts
+    assert calls[1] == ["rm", "--force", "fabtrain-j1-r1"]
+    run = calls[2]
+    # A requeued attempt has a runtime directory of its own (the old attempt's cleanup cannot remove
+    # it), one per node (a shared output_dir holds every node's cidfile and secrets).
+    assert run[:8] == ["run", "--rm", "--cidfile", f"{tmp_path}/out/.runtime/j1/7.1.1/cid",
                        "--name", "fabtrain-j1-r1", "--label", "fabtrain.managed=1"]
-    assert f"{tmp_path}/out/.runtime/j1/7.1:/run/fabtrain:ro" in run
+    assert f"{tmp_path}/out/.runtime/j1/7.1.1:/run/fabtrain:ro" in run
     assert "fabtrain.rank=1" in run and "fabtrain.host=node2" in run
     assert f"WEIRD={HOSTILE}" in run
     assert ["--env", "MASTER_ADDR", "--env", "MASTER_PORT=29500", "--env", "NNODES", "--env", "NODE_RANK"] == \
@@ -265,10 +268,22 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     assert f"{tmp_path}/code dir/k1:/run/fabtrain-code:ro" in run
     assert f"{tmp_path}/out/j1/work:/workspace" in run and (tmp_path / "out/j1/work").is_dir()
     assert run[-4:] == ["trainers/gpt.py", HOSTILE, "--x", "$(touch PWNED)"]
-    assert calls[2] == ["stop", "--time", "30", "c0ffee"]  # the EXIT trap: this attempt's container
+    assert calls[3] == ["stop", "--time", "30", "c0ffee"]  # the EXIT trap: this attempt's container
     assert not list(tmp_path.rglob("PWNED"))
     assert not (tmp_path / "out" / ".runtime" / "j1").exists()  # removed at the end
-    assert len(calls) == 3
+    assert len(calls) == 4
+    # A node whose engine does not answer fails its task at once, named; nothing is started there.
+    (bin_dir / "docker").write_text('#!/bin/sh\necho "$@" >> "$STUB_OUT.fail"; [ "$1" != info ]\n')
+    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "[fabtrain] node2: no Docker engine answers (docker info, 30 s)" in r.stderr
+    assert (tmp_path / "calls.fail").read_text() == "info\n"
+
+
+def test_a_fractional_stop_grace_is_a_whole_number_of_seconds_for_docker(tmp_path):
+    i = hostile_inventory(tmp_path)
+    i = dataclasses.replace(i, job=dataclasses.replace(i.job, stop_grace=2.5))
+    text, _ = export.slurm_script(i, plan.JobSpec(job_id="j1", script="trainers/gpt.py", code_key="k1"))
+    assert "docker stop --time 3 " in text and "--time 2.5" not in text
 
 
 def test_k8s_hostile_values_stay_data(tmp_path):
