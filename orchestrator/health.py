@@ -209,11 +209,13 @@ print("NET " + json.dumps({"rtt_ms": statistics.median(rtts[5:]), **got}), flush
 """
 
 # In the job's image: float32 matrix multiplies for about SECONDS on the CPU (one thread: what a
-# host gives each process) or on each GPU. Prints one JSON line: GFLOP/s per unit, and GPU names.
+# host gives each process) or on each GPU, from START (an epoch time: every host measures over the
+# same seconds, none while another is still starting its container and importing torch). Prints one
+# JSON line: GFLOP/s per unit, and GPU names.
 COMPUTE_PY = r"""
 import json, sys, time
 import torch
-secs = float(sys.argv[1])
+secs, start = float(sys.argv[1]), float(sys.argv[2])
 def bench(dev, n):
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     (a @ b).sum().item()
@@ -224,6 +226,8 @@ def bench(dev, n):
         if dev != "cpu":
             torch.cuda.synchronize(dev)
     return 2 * n ** 3 * done / (time.perf_counter() - t0) / 1e9
+torch.randn(64, 64) @ torch.randn(64, 64)
+time.sleep(max(0.0, start - time.time()))
 out = {}
 if torch.cuda.is_available():
     for i in range(torch.cuda.device_count()):

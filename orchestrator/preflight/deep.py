@@ -28,6 +28,7 @@ from .checks import FAIL, OK, WARN, Check
 
 DISK_TIMEOUT = 60
 COMPUTE_SECONDS = 2.0
+COMPUTE_START = 5.0         # seconds for every host to start its container and import torch
 CONTAINER_TIMEOUT = 90      # a measuring container: start, run, exit
 RESULTS = Path("runs") / "health.json"
 
@@ -66,10 +67,12 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
         worst = next((c for c in rows if c.status == FAIL), None) or next((c for c in rows if c.status == WARN), None)
         checks.append(worst or Check(h.name, "disk-speed", OK, "; ".join(c.detail for c in rows)))
 
-    # 2. compute
+    # 2. compute, every host over the same seconds (after all have started their containers)
+    start = time.time() + COMPUTE_START + 0.5 * len(hosts)
+
     def compute(h: Host):
         name = f"fabtrain-health-{tag}-{h.name}-compute"
-        return session.run(h, container(inv, h, name, health.COMPUTE_PY, [str(COMPUTE_SECONDS)], image,
+        return session.run(h, container(inv, h, name, health.COMPUTE_PY, [str(COMPUTE_SECONDS), f"{start:.3f}"], image,
                                         access.get(h.name), gpus=h.gpu_vendor != "none"),
                            timeout=CONTAINER_TIMEOUT, what="compute benchmark")
     got = session.fan_out(compute, hosts)

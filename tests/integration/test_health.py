@@ -78,17 +78,19 @@ def test_deep_check_names_a_slow_host_a_slow_link_and_a_full_disk(tiny_output):
     assert kept["node2"]["ok"] is False and kept["node4"]["ok"] is True
 
 
-def test_a_host_starved_of_cpu_is_named_as_slow(four_hosts_inventory_path):
-    subprocess.run(["docker", "update", "--cpus", "0.2", "fabtrain-node4"], check=True, capture_output=True)
+def test_a_host_starved_of_cpu_is_named_as_slow(inventory_path):
+    """Two hosts (with four, three healthy test hosts would share this machine's two CPUs unevenly
+    and the comparison would measure that): node2 limited to 0.2 CPU is named, node1 is not."""
+    subprocess.run(["docker", "update", "--cpus", "0.2", "fabtrain-node2"], check=True, capture_output=True)
     try:
-        r, data, checks = deep(four_hosts_inventory_path)
+        r, data, checks = deep(inventory_path)
     finally:
         # --cpus 0 leaves the quota in place; all of this machine's CPUs is no limit.
-        subprocess.run(["docker", "update", "--cpus", str(os.cpu_count()), "fabtrain-node4"], capture_output=True)
+        subprocess.run(["docker", "update", "--cpus", str(os.cpu_count()), "fabtrain-node2"], capture_output=True)
     assert r.returncode == 1
-    assert checks[("node4", "compute")]["status"] == "fail", checks[("node4", "compute")]
-    assert checks[("node4", "compute")]["detail"].startswith("slow: node4 ")
-    assert all(checks[(n, "compute")]["status"] == "ok" for n in ("node1", "node2", "node3"))
+    assert checks[("node2", "compute")]["status"] == "fail", checks[("node2", "compute")]
+    assert checks[("node2", "compute")]["detail"].startswith("slow: node2 ")
+    assert checks[("node1", "compute")]["status"] == "ok", data["deep"]["compute"]
 
 
 def test_train_with_health_puts_a_spare_in_place_of_a_shaped_host(spares_inventory_path):

@@ -99,8 +99,10 @@ def test_sshd_stopped_on_one_host(inventory_path):
 
 
 def test_docker_engine_stopped_on_one_host(inventory_path):
-    with fault("node2", "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done",
-               "dockerd --host unix:///var/run/docker.sock >/var/log/dockerd.log 2>&1 & "
+    # The engine comes back as the host started it (host-init's flags), kept before it is stopped.
+    with fault("node2", "tr '\\0' ' ' < /proc/$(pgrep -x dockerd)/cmdline > /run/dockerd.cmdline; "
+                        "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done",
+               "$(cat /run/dockerd.cmdline) >/var/log/dockerd.log 2>&1 & "
                "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1"):
         code, checks = preflight(inventory_path)
     assert code == 1
