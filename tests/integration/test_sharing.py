@@ -81,8 +81,12 @@ def test_two_jobs_on_four_hosts_one_killed_and_one_stopped_never_touch_the_other
         assert a.finish(timeout=120) == 1 and "ended by 'fab stop'" in a.text, a.text[-2000:]
         assert containers_of(job_a, "node1") == [] and containers_of(job_a, "node2") == []
         assert {n: containers_of(job_b, n) for n in ("node3", "node4")} == ids_b
-        time.sleep(2)
-        step_after = last_step(inv, job_b)
+        # B's step, read again by fab status until it has risen (this machine's two CPUs are busy
+        # with A's teardown meanwhile; a read may find no step line in the tail yet).
+        deadline, step_after = time.monotonic() + 60, None
+        while time.monotonic() < deadline and not (step_after and step_before and step_after > step_before):
+            time.sleep(2)
+            step_after = last_step(inv, job_b)
         assert step_before is not None and step_after is not None and step_after > step_before, (step_before, step_after)
         assert "attempt 2" not in b.text and "exited with code" not in b.text
         assert b.finish(timeout=180) == 0, b.text[-2000:]
