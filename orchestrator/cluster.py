@@ -35,6 +35,10 @@ SUBNET = "172.28.5.0/24"
 LABEL = "fabtrain.cluster"
 # Training containers share their host's /dev/shm (--ipc host); Docker's 64 MB default is too small.
 SHM_BYTES = 2 * 1024 ** 3
+# One directory every test host sees (a volume of this machine's engine), as a shared filesystem
+# (NFS, Lustre) is seen by the nodes of a Slurm cluster.
+SHARED_VOLUME = "fabtrain-shared"
+SHARED_DIR = "/shared"
 # Docker-in-Docker without --privileged: every capability but the one this VM lacks, no seccomp,
 # AppArmor or masked /proc paths (the CLI's systempaths=unconfined), the cgroup tree writable, and a
 # volume for the inner engine.
@@ -108,7 +112,8 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
         # not replaced.
         addr = (net.get("IPAMConfig") or {}).get("IPv4Address") or net.get("IPAddress")
         shm = c.attrs["HostConfig"].get("ShmSize")
-        if c.image.id == host_image_id and addr == node.address and shm == SHM_BYTES:
+        shared = any(m.get("Destination") == SHARED_DIR for m in c.attrs.get("Mounts", []))
+        if c.image.id == host_image_id and addr == node.address and shm == SHM_BYTES and shared:
             if c.status != "running":
                 c.start()
             return c
@@ -119,7 +124,8 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
     host_config = api.create_host_config(
         shm_size=SHM_BYTES,
         binds={"/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
-               f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"}},
+               f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"},
+               SHARED_VOLUME: {"bind": SHARED_DIR, "mode": "rw"}},
         **DIND_OPTS)
     host_config.update(MaskedPaths=[], ReadonlyPaths=[])
     net_config = api.create_networking_config(
@@ -322,6 +328,10 @@ def down(log=print) -> None:
             pass
     for v in client.volumes.list(filters={"name": "fabtrain-node"}):
         v.remove(force=True)
+    try:
+        client.volumes.get(SHARED_VOLUME).remove(force=True)
+    except docker.errors.NotFound:
+        pass
     try:
         client.networks.get(NETWORK).remove()
     except docker.errors.NotFound:

@@ -18,7 +18,7 @@ import yaml
 
 from . import plan
 from .errors import UserError
-from .inventory import Host, Inventory
+from .inventory import SLURM_VALUE_RE, Host, Inventory
 
 # A word of a generated script that Slurm's environment fills in at run time: VAR + NAME + VAR.
 VAR = "\x00"
@@ -26,7 +26,8 @@ RUNTIME_VARS = ("NODE_RANK", "FABTRAIN_NODE", "fabtrain_container", "fabtrain_at
 # Set per node at run time, passed on to the container by name (docker run --env NAME).
 PASSED_ON = ("MASTER_ADDR", "NNODES", "NODE_RANK", "FABTRAIN_NODE")
 HEREDOC = "FABTRAIN_ENTRYPOINT"
-SLURM_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:=+-]+$")
+# Every fabtrain job's Slurm comment: how fab status and fab stop tell them from other jobs.
+COMMENT = "fabtrain"
 # Per-host fields a Slurm job cannot vary (Slurm, not the inventory, picks the nodes).
 UNIFORM_FIELDS = ("gpu_vendor", "gpu_count", "interface", "image", "env", "mounts", "devices",
                   "ulimits", "cap_add", "security_opt")
@@ -102,14 +103,15 @@ def _secrets_note(inv: Inventory) -> list[str]:
 
 
 def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partition: str | None = None,
-                 time_limit: str | None = None) -> tuple[str, list[str]]:
-    """(the sbatch script, warnings). One task per node; `pyxis` runs the image with pyxis/enroot
-    (srun --container-image) instead of `docker run` on each node."""
-    for name, value in (("--partition", partition), ("--time", time_limit)):
-        if value is not None and not SLURM_VALUE_RE.match(value):
+                 time_limit: str | None = None, account: str | None = None,
+                 nodes: int | None = None) -> tuple[str, list[str]]:
+    """(the sbatch script, warnings). One task per node (`nodes`, default one per host); `pyxis`
+    runs the image with pyxis/enroot (srun --container-image) instead of `docker run` on each node."""
+    for name, value in (("--partition", partition), ("--time", time_limit), ("--account", account)):
+        if value is not None and not SLURM_VALUE_RE.fullmatch(value):
             raise UserError(f"{name} {value!r}: use letters, digits and _.,:=+- only", exit_code=2)
     host, warnings = template_host(inv)
-    nodes = len(inv.hosts)
+    nodes = nodes or len(inv.hosts)
     out_dir = f"{inv.job.output_dir}/{spec.job_id}"
     # One runtime directory per attempt: a requeued job's new tasks can start on a node while the
     # old task's cleanup there is still running, and must not lose their entrypoint to it. With
@@ -135,6 +137,7 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
              "# on a shared filesystem so that any node finds it. Submitting this file again continues",
              "# this job the same way; export again for a new job.",
              f"#SBATCH --job-name={spec.job_id}",
+             f"#SBATCH --comment={COMMENT}",
              f"#SBATCH --nodes={nodes}",
              "#SBATCH --ntasks-per-node=1",
              "#SBATCH --exclusive",
@@ -147,6 +150,8 @@ def slurm_script(inv: Inventory, spec: plan.JobSpec, pyxis: bool = False, partit
         lines.append(f"#SBATCH --partition={partition}")
     if time_limit:
         lines.append(f"#SBATCH --time={time_limit}")
+    if account:
+        lines.append(f"#SBATCH --account={account}")
     lines += ["set -euo pipefail",
               "",
               "# Rank 0 runs on the allocation's first node; its address comes from Slurm (NodeAddr).",
@@ -206,6 +211,10 @@ def _docker_steps(inv: Inventory, spec: plan.JobSpec, host: Host, rt: str, grace
             "  if ! timeout -k 5 30 docker info >/dev/null 2>&1; then",
             '    echo "[fabtrain] $SLURMD_NODENAME: no Docker engine answers (docker info, 30 s): start or fix '
             'it, or exclude the node (sbatch --exclude)" >&2; return 1',
+            "  fi",
+            f"  if [ ! -d {word(plan.code_path(inv, spec))} ]; then",
+            f'    echo "[fabtrain] $SLURMD_NODENAME: the code is not at" {word(plan.code_path(inv, spec) + ":")} "put '
+            'job.code_dir on a filesystem the nodes share, or fab sync to the nodes" >&2; return 1',
             "  fi",
             "  fabtrain_prepare || return 1",
             '  export NODE_RANK="$SLURM_NODEID" FABTRAIN_NODE="$SLURMD_NODENAME"',

@@ -93,6 +93,20 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Slurm:
+    """The inventory's slurm: section, for fab train --on slurm: where jobs are submitted and how.
+    The hosts: entries describe the nodes (GPUs, interface, image); Slurm picks which ones."""
+
+    login: Host                      # reached with the same SSH settings as the hosts
+    workdir: str                     # on the login node: scripts and JOB-ID.out (the compute nodes see it)
+    nodes: int
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    runtime: str = "docker"          # docker | pyxis
+
+
+@dataclass(frozen=True)
 class Inventory:
     path: Path
     hosts: tuple[Host, ...]
@@ -100,6 +114,7 @@ class Inventory:
     # Hosts that take a failed host's place (and node rank) when a job restarts (fab train
     # --restarts); their `rank` is only their place in this list, set when one is used.
     spares: tuple[Host, ...] = ()
+    slurm: Slurm | None = None
 
     @property
     def master(self) -> Host:
@@ -635,7 +650,7 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
         raise UserError(f"{path}:{line}: not valid YAML: the control character U+{exc.character:04X} is not "
                         f"allowed; remove it") from None
     top = _Reader(path, data, "", 1, "write the inventory as ssh:, job: and hosts: sections (see inventory.yaml)")
-    top.check_keys(("ssh", "job", "hosts", "spares"))
+    top.check_keys(("ssh", "job", "hosts", "spares", "slurm"))
     ssh = _ssh(top.sub("ssh"), Settings(), check_files)
     host_entry = "the host's address: and interface: (indented under it)"
     hosts_items = top.items("hosts", host_entry, required=True, fix="list at least one host; the first is rank 0")
@@ -652,8 +667,39 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
                 top.fail(where, f"{_show(key)} is also {seen[key]}",
                          "list each host once, in hosts: (rank order) or spares:", getattr(item, "line", line))
             seen[key] = where
-    return Inventory(path=path, hosts=tuple(hosts[:len(hosts_items)]), job=_job(top.sub("job")),
-                     spares=tuple(hosts[len(hosts_items):]))
+    job = _job(top.sub("job"))
+    slurm = _slurm(top.sub("slurm"), ssh, check_files, configs, job, len(hosts_items)) if top.given("slurm") else None
+    return Inventory(path=path, hosts=tuple(hosts[:len(hosts_items)]), job=job,
+                     spares=tuple(hosts[len(hosts_items):]), slurm=slurm)
+
+
+SLURM_RUNTIMES = ("docker", "pyxis")
+# What sbatch takes as a partition, account or time limit (no spaces, quotes or shell characters).
+SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:=+-]+")
+
+
+def _slurm(reader: _Reader, base: Settings, check_files: bool, configs: dict, job: Job, hosts: int) -> Slurm:
+    reader.check_keys(("login", "ssh", "workdir", "nodes", "partition", "account", "time", "runtime"))
+    login = reader.get("login", str, required=True,
+                       fix="give the login node's name or address, where sbatch runs, e.g. login1.example.com")
+    if not ADDRESS_RE.fullmatch(login):
+        reader.fail(reader._field("login"), f"{_show(login)} is neither a host name, an IP address nor an "
+                    "ssh_config alias", "write e.g. login1.example.com (user and port go in ssh:)")
+    values = {}
+    for key, example in (("partition", "gpu"), ("account", "myproject"), ("time", "04:00:00")):
+        value = reader.get(key, (str, int), None)
+        if value is not None and not SLURM_VALUE_RE.fullmatch(str(value)):
+            reader.fail(reader._field(key), f"{_show(value)} is not a Slurm {key}",
+                        f"use letters, digits and _.,:=+- only, e.g. {key}: {example}")
+        values[key] = None if value is None else str(value)
+    runtime = reader.get("runtime", str, "docker")
+    if runtime not in SLURM_RUNTIMES:
+        reader.fail(reader._field("runtime"), f"{_show(runtime)} is not a container runtime fabtrain runs under Slurm",
+                    "use docker (docker run on each node) or pyxis (srun --container-image, enroot)")
+    host = Host(name=login.replace(":", "-") if not NAME_RE.fullmatch(login) else login, address=login, rank=0,
+                ssh=_resolve(reader, login, _ssh(reader.sub("ssh"), base, check_files), configs), interface="lo")
+    return Slurm(login=host, workdir=_remote_path(reader, "workdir", f"{job.output_dir}/slurm"),
+                 nodes=reader.integer("nodes", hosts, 1, 100_000, "a number of nodes"), runtime=runtime, **values)
 
 
 INVENTORY_ENV = "FABTRAIN_INVENTORY"

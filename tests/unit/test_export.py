@@ -246,6 +246,7 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(text)
+    (tmp_path / "code dir" / "k1").mkdir(parents=True)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(tmp_path / "calls"),
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7",
            "SLURM_RESTART_COUNT": "1"}
@@ -277,6 +278,12 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "[fabtrain] node2: no Docker engine answers (docker info, 30 s)" in r.stderr
     assert (tmp_path / "calls.fail").read_text() == "info\n"
+    # A node without the code (no shared filesystem, no fab sync there) is named with the path.
+    (bin_dir / "docker").write_text('#!/bin/sh\necho "$@" >> "$STUB_OUT.nocode"\n')
+    (tmp_path / "code dir" / "k1").rmdir()
+    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and f"[fabtrain] node2: the code is not at {tmp_path}/code dir/k1: put" in r.stderr
+    assert (tmp_path / "calls.nocode").read_text() == "info\n"
 
 
 def test_a_fractional_stop_grace_is_a_whole_number_of_seconds_for_docker(tmp_path):
