@@ -28,6 +28,7 @@ from orchestrator import jobs
 from orchestrator import preflight as _preflight
 from orchestrator.preflight import deep as _deep
 from orchestrator import recovery
+from orchestrator import slurm as _slurm
 from orchestrator.events import JsonLines, Terminal
 from orchestrator.policy import HANG_TIMEOUT
 from orchestrator.errors import UserError
@@ -177,12 +178,15 @@ JOB_HELP = {
                     f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
     "plain": PLAIN_HELP,
     "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
+    "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's login node "
+          "and follow the job there (README: On Slurm)",
 })
 @user_errors
 def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
-          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None, cpuset=False, health=False):
+          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None, cpuset=False,
+          health=False, on=None):
     """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
@@ -197,6 +201,13 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
                         "arguments with --args \"...\" instead", exit_code=2)
     given = dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image, nproc=nproc,
                  name=name, code=code, module=module, checkpoint=checkpoint)
+    if on not in (None, "ssh", "slurm"):
+        raise UserError(f"--on {sanitize(str(on))!r}: give ssh or slurm", exit_code=2)
+    if on == "slurm":
+        ssh_only = dict(resume=resume, continue_=continue_, restarts=restarts, min_nodes=min_nodes,
+                        hang_timeout=hang_timeout, include=include, exclude=exclude, num_nodes=num_nodes, gpus=gpus,
+                        cpuset=cpuset, health=health, smoke=smoke, json=json, skip_preflight=skip_preflight)
+        return _train_on_slurm(inventory, given, dry_run, plain, [k for k, v in ssh_only.items() if v not in (None, False)])
     if resume and continue_:
         raise UserError("--resume names the job to continue and --continue finds it by --name; give one", exit_code=2)
     if continue_:
@@ -264,13 +275,36 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     except _job.PreflightFailed as exc:
         _preflight.render(exc.checks, console)
         raise
-    cli.present(result, console)
+    cli.present(result.run_dir, console)
     error = jobs.explain(result)
     if error:
         raise error
     again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
     if not json:
         console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
+
+
+def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str]) -> None:
+    """fab train --on slurm (orchestrator/slurm.py): submit, follow, exit with the job's own result."""
+    if ssh_only:
+        names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in ssh_only)
+        raise UserError(f"{names}: not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own "
+                        "checks); set nodes, partition and time in the inventory's slurm: section", exit_code=2)
+    inv = _inventory.load(inventory)
+    spec = replace(cli.new_spec(given, TRAINERS), owner=claims.me())
+    if dry_run:
+        print(_slurm.dry_run(inv, spec))
+        return
+    try:
+        end, run_dir, _ = _slurm.train(inv, spec, RUNS, console, live=not plain)
+    except KeyboardInterrupt:
+        raise UserError(f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
+                        exit_code=130) from None
+    cli.present(run_dir, console)
+    if end.exit_code:
+        raise UserError(f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code {end.code}); "
+                        f"logs in {run_dir}", exit_code=end.exit_code)
+    console.print(f"job {spec.job_id} finished on Slurm (slurm job {end.slurm_id}); logs and curves in {run_dir}")
 
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "stop this job only (an id from 'fab status')",
@@ -289,6 +323,15 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     grace = inv.job.stop_grace if grace is None else float(grace)
     if job and not plan.valid_job_id(job):
         raise UserError(f"--job {sanitize(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
+    if job and _slurm.recorded(RUNS, job):
+        for line in _slurm.stop(inv, [job], RUNS, grace):
+            print(line)
+        return
+    if inv.slurm is not None and not job:  # your fabtrain jobs on Slurm (squeue --me) end too
+        with Session((inv.slurm.login,)) as session:
+            mine = [r["slurm_id"] for r in _slurm.status_rows(session, inv)]
+        for line in _slurm.stop(inv, mine, RUNS, grace):
+            print(line)
     with Session(inv.all_hosts) as session:
         found = hostops.survey(session, inv)
         views = hostops.job_views(found)
@@ -329,17 +372,26 @@ def status(c, inventory=None, json=False):
     attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
     stuck Docker engine) is named; exits non-zero then."""
     inv = _inventory.load(inventory)
+    on_slurm = None
+    if inv.slurm is not None:  # the fabtrain jobs you submitted there (squeue --me)
+        with Session((inv.slurm.login,)) as session:
+            on_slurm = _slurm.status_rows(session, inv)
     with Session(inv.all_hosts) as session:
         found = hostops.survey(session, inv)
         views = hostops.job_views(found)
         steps = hostops.last_steps(session, inv, views)
     bad = [failure(h, found[h.name], "docker ps") for h in inv.all_hosts if found.error(h.name)]
     if json:
-        print(jobs.status_json(views, steps, bad))
+        doc = _json.loads(jobs.status_json(views, steps, bad))
+        if on_slurm is not None:
+            doc["slurm"] = on_slurm
+        print(_json.dumps(doc, indent=2))
     else:
         # Piped or captured, rows stay whole (rich would fit the table to 80 columns).
         out = console if console.is_terminal else Console(highlight=False, width=250)
         out.print(jobs.status_table(views, steps, inv))
+        if on_slurm is not None:
+            out.print(_slurm.status_table(on_slurm))
         stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
         lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
         out.print(f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
@@ -355,6 +407,15 @@ def status(c, inventory=None, json=False):
 def logs(c, inventory=None, job=None, plain=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     inv = _inventory.load(inventory)
+    if job and _slurm.recorded(RUNS, job):
+        try:
+            end = _slurm.follow_recorded(inv, job, RUNS, console, live=not plain)
+        except KeyboardInterrupt:
+            print("detached; the job goes on ('fab stop --job' ends it)")
+            return
+        if end.exit_code:
+            raise UserError(f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})", exit_code=end.exit_code)
+        return
     with Session(inv.all_hosts) as session:
         try:
             result = jobs.attach(session, inv, job, RUNS, console, live=not plain)

@@ -277,11 +277,11 @@ def policy(inv: Inventory, restarts, min_nodes, hang_timeout) -> Policy:
     return p
 
 
-def present(result, console) -> None:
+def present(run_dir: Path, console) -> None:
     """The end of a run: curves and summary.json (failed runs included), the step-time table and
     the stragglers."""
     try:
-        data, _ = report.finish(result.run_dir)
+        data, _ = report.finish(run_dir)
         if data["per_host"]:
             console.print(report.timing_table(data))
         for st in data["stragglers"]:

@@ -185,7 +185,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     # The trainer image reaches the hosts the way it reaches real ones: pushed over SSH, and only
     # where the id differs.
     state_inventory = STATE_DIR / "inventory.yaml"
-    state_inventory.write_text(render_inventory(nodes[:count], key, known_hosts, nodes[count:]))
+    state_inventory.write_text(render_inventory(nodes[:count], key, known_hosts, nodes[count:], slurm=slurm))
     inv = inventory.load(state_inventory)
     with Session(inv.all_hosts) as session:
         for image in images:
@@ -304,7 +304,10 @@ def slurm_up(client: docker.DockerClient, nodes: list[NodeInfo], log=print, time
 
 
 def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519",
-                     known_hosts: Path = STATE_DIR / "known_hosts", spares: list[NodeInfo] = ()) -> str:
+                     known_hosts: Path = STATE_DIR / "known_hosts", spares: list[NodeInfo] = (),
+                     slurm: bool = False) -> str:
+    """The inventory of these test hosts; with `slurm`, a slurm: section whose login node is the
+    first host (Slurm's controller, where sbatch runs: fab train --on slurm)."""
     lines = ["# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
              "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}", "  config: none",
              "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2"]
@@ -314,6 +317,8 @@ def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519"
         for n in group:
             lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",
                       "    gpus: {vendor: none, count: 0}"]
+    if slurm:
+        lines += ["slurm:", f"  login: {nodes[0].address}"]
     return "\n".join(lines) + "\n"
 
 

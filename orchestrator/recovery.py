@@ -46,6 +46,8 @@ class JobRecord:
     resumes: list[dict] = field(default_factory=list)
     # The hosts chosen with --include/--exclude/--num-nodes (None: the inventory's hosts:).
     selected: list[str] | None = None
+    # Where it ran when not over SSH: {"on": "slurm", "login": ..., "workdir": ..., "slurm_id": ...}.
+    backend: dict = field(default_factory=dict)
 
     @property
     def job_id(self) -> str:

@@ -1,0 +1,539 @@
+"""fab train --on slurm: the same job, submitted to Slurm from its login node and followed from here.
+
+Submit: the code synced to the login node (job.code_dir/KEY, as on SSH hosts), the batch script
+(export.slurm_script) written to slurm.workdir and given to sbatch there. Follow: the job's output
+file (workdir/JOB-SLURMID.out, every node's lines labelled by srun --label) read with `tail -F` over
+SSH; each node's lines go to runs/JOB/NODE.log and the terminal with the same prefixes and live view
+as an SSH job. The job's state is polled with scontrol every POLL seconds; a requeue (its Restarts
+rising) is a new attempt. The end: state and exit code from sacct (the job completion log where
+the cluster keeps no accounting database), rank 0's metrics fetched, curves drawn. Ctrl+C and
+`fab stop --job` cancel with scancel; `fab logs` follows the same way and Ctrl+C only detaches;
+`fab status` lists the user's fabtrain jobs from squeue.
+
+Everything that talks to Slurm is a command string built here (quoted once) and run on the login
+node through the project's Session, so each has a deadline and a recording stand-in sees it.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.live import Live
+
+from . import codetree, export, hostops, plan, recovery
+from .attempt import secrets_body
+from .errors import UserError
+from .inventory import Inventory, Slurm
+from .live import Board
+from .logs import Multiplexer, sanitize
+from .remote import Session
+
+POLL = 1.0             # seconds between two reads of the job's state
+QUERY_TIMEOUT = 30     # a Slurm command that has not answered by then names the login node
+DRAIN_TIMEOUT = 15     # seconds to read the rest of the output file once the job has ended
+# States a job does not leave (PREEMPTED and NODE_FAIL jobs that Slurm requeues go back to PENDING).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+LABELLED = re.compile(rb"^\s*(\d+): ?")  # srun --label: "0: text" (" 0: " with ten tasks or more)
+ATTEMPT_LINE = re.compile(rb"^\[fabtrain\] job \S+: slurm job \d+ \(restart (\d+)\)")
+BATCH = "slurm"        # the log of the batch script's own lines (runs/JOB/slurm.log)
+
+
+# ---------------------------------------------------------------- commands (pure)
+
+def out_file(cfg: Slurm, job_id: str, slurm_id: str) -> str:
+    """Where Slurm writes the job's output: the script's --output=JOB-%j.out in the submit dir."""
+    return f"{cfg.workdir}/{job_id}-{slurm_id}.out"
+
+
+def submit_command(cfg: Slurm, job_id: str, secrets: bool = False) -> str:
+    """sbatch in the workdir (the job's output file lands there); the secrets file, if any, is named
+    to the script by FABTRAIN_SECRETS (sbatch passes the environment on)."""
+    script = f"{job_id}.sbatch"
+    env = f"FABTRAIN_SECRETS={plan.shell([secrets_path(cfg, job_id)])} " if secrets else ""
+    return f"cd {plan.shell([cfg.workdir])} && {env}sbatch --parsable {plan.shell([script])}"
+
+
+def show_command(slurm_id: str) -> str:
+    return plan.shell(["scontrol", "show", "job", "--oneliner", slurm_id])
+
+
+def hostnames_command(nodelist: str) -> str:
+    return plan.shell(["scontrol", "show", "hostnames", nodelist])
+
+
+def sacct_command(slurm_id: str) -> str:
+    """The job's end from the accounting database, or, where the cluster keeps none, from the job
+    completion log (sacct --completion)."""
+    fields = ["--noheader", "--parsable2", "--format", "JobID,State,ExitCode", "--jobs", slurm_id]
+    return (f"{plan.shell(['sacct', '--allocations', *fields])} 2>/dev/null"
+            f" || {plan.shell(['sacct', '--completion', *fields])}")
+
+
+def follow_command(path: str) -> str:
+    """Every line of the output file from its start, then what is appended (the file may not
+    exist yet while the job is pending)."""
+    q = plan.shell([path])
+    return f"while [ ! -e {q} ]; do sleep 0.2; done; exec tail -n +1 -s 0.2 -F {q}"
+
+
+def squeue_command() -> str:
+    return plan.shell(["squeue", "--me", "--noheader", "--format", "%i|%j|%T|%N|%S|%k|%u|%r"])
+
+
+def parse_show(text: str) -> dict[str, str]:
+    """scontrol show job --oneliner: KEY=VALUE fields separated by spaces."""
+    return dict(f.split("=", 1) for f in text.split() if "=" in f)
+
+
+def parse_sacct(text: str, slurm_id: str) -> tuple[str, str] | None:
+    """(state, exit code "N:SIG") of the job's last record ("CANCELLED by 1000" -> CANCELLED)."""
+    found = None
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) >= 3 and parts[0] == slurm_id:
+            found = (parts[1].split()[0] if parts[1] else "", parts[2])
+    return found
+
+
+def exit_code(state: str, code: str) -> int:
+    """The exit code `fab train --on slurm` ends with: the job's own (N of N:SIG), 128+SIG for a
+    signal, and 1 for a job that failed with neither (NODE_FAIL, TIMEOUT)."""
+    n, _, sig = code.partition(":")
+    n_, sig_ = int(n) if n.isdigit() else 0, int(sig) if sig.isdigit() else 0
+    if state == "COMPLETED" and n_ == 0 and sig_ == 0:
+        return 0
+    return n_ or (128 + sig_ if sig_ else 1)
+
+
+def parse_squeue(text: str) -> list[dict]:
+    """The user's fabtrain jobs in squeue (comment fabtrain)."""
+    rows = []
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 8 or parts[5] != export.COMMENT:
+            continue
+        rows.append({"slurm_id": parts[0], "job": parts[1], "state": parts[2], "nodes": parts[3],
+                     "start": parts[4], "who": parts[6], "reason": parts[7]})
+    return rows
+
+
+# ---------------------------------------------------------------- the output file, per node
+
+class Demux:
+    """Splits the job's output file into one log per node: `N: text` lines (srun --label) go to
+    node N's sink, the batch script's own lines to runs/JOB/slurm.log. At each attempt's first line
+    (the script's `slurm job ID (restart K)`), `on_attempt(K)` gives the node names of that
+    allocation, in node-rank order."""
+
+    def __init__(self, mux: Multiplexer, on_attempt) -> None:
+        self.mux, self.on_attempt = mux, on_attempt
+        self.names: list[str] = []
+        self.sinks: dict[tuple[str, int], object] = {}
+        self.batch = mux.sink(BATCH, 0)
+        self.partial = b""
+        self.received = 0
+
+    def sink(self, index: int):
+        name = self.names[index] if index < len(self.names) else f"node{index}"
+        key = (name, index)
+        if key not in self.sinks:
+            width = max([len(f"{n} r{i}") for i, n in enumerate(self.names)] + [len(f"{name} r{index}")])
+            self.sinks[key] = self.mux.sink(name, index, width)
+        return self.sinks[key]
+
+    def feed(self, data: bytes) -> None:
+        self.received += len(data)
+        data = self.partial + data
+        cut = data.rfind(b"\n") + 1
+        self.partial = data[cut:]
+        for line in data[:cut].splitlines(keepends=True):
+            m = LABELLED.match(line)
+            if m:
+                self.sink(int(m.group(1))).feed(line[m.end():])
+                continue
+            attempt = ATTEMPT_LINE.match(line)
+            if attempt:
+                self.names = self.on_attempt(int(attempt.group(1)))
+            self.batch.feed(line)
+
+    def close(self) -> None:
+        if self.partial:
+            self.feed(b"\n")
+        for s in (*self.sinks.values(), self.batch):
+            s.close()
+
+
+# ---------------------------------------------------------------- one job on Slurm
+
+@dataclass
+class End:
+    state: str
+    code: str
+    slurm_id: str
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.state, self.code)
+
+
+class SlurmJob:
+    """A submitted job: its state, nodes and end, read on the login node."""
+
+    def __init__(self, session: Session, cfg: Slurm, job_id: str, slurm_id: str) -> None:
+        self.session, self.cfg, self.job_id, self.slurm_id = session, cfg, job_id, slurm_id
+
+    def query(self, command: str, what: str):
+        return self.session.run(self.cfg.login, command, timeout=QUERY_TIMEOUT, what=what)
+
+    def show(self) -> dict[str, str]:
+        """The job as scontrol shows it; {} once slurmctld has forgotten it (MinJobAge)."""
+        r = self.query(show_command(self.slurm_id), "scontrol show job")
+        return parse_show(r.stdout) if r.ok else {}
+
+    def nodes(self, nodelist: str) -> list[str]:
+        r = self.query(hostnames_command(nodelist), "scontrol show hostnames")
+        return r.stdout.split() if r.ok else []
+
+    def end(self, shown: dict[str, str]) -> End:
+        r = self.query(sacct_command(self.slurm_id), "sacct")
+        found = parse_sacct(r.stdout, self.slurm_id)
+        if found and found[0] in ENDED:
+            return End(found[0], found[1], self.slurm_id)
+        return End(shown.get("JobState", "UNKNOWN"), shown.get("ExitCode", "0:0"), self.slurm_id)
+
+    def cancel(self) -> None:
+        r = self.query(plan.shell(["scancel", self.slurm_id]), "scancel")
+        if not r.ok:
+            raise UserError(f"scancel {self.slurm_id} on {self.cfg.login.name} failed: {sanitize(r.stderr.strip())}")
+
+
+def cfg_of(inv: Inventory) -> Slurm:
+    if inv.slurm is None:
+        raise UserError(f"{inv.path}: no slurm: section; add one with at least login: (the node where sbatch "
+                        "runs), see the README's 'On Slurm'", exit_code=2)
+    return inv.slurm
+
+
+def submit(session: Session, inv: Inventory, spec: plan.JobSpec, script: str, note) -> SlurmJob:
+    """Code to the login node, the script (and secrets) to slurm.workdir, sbatch: the submitted job."""
+    cfg = cfg_of(inv)
+    login = cfg.login
+    dest, _ = hostops.sync(session, inv, Path(spec.code), spec.code_only, hosts=(login,))
+    note(f"code synced to {login.name}:{dest}")
+    r = session.run(login, f"mkdir -p {plan.shell([cfg.workdir])}", timeout=QUERY_TIMEOUT, what="mkdir workdir")
+    if not r.ok:
+        raise UserError(f"{login.name}: cannot create slurm.workdir {cfg.workdir}: {sanitize(r.stderr.strip())}")
+    session.put(login, script.encode(), f"{cfg.workdir}/{spec.job_id}.sbatch", mode=0o644)
+    if inv.job.secret_files:
+        r = session.run(login, f"mkdir -p -m 700 {plan.shell([cfg.workdir + '/.secrets'])}", timeout=QUERY_TIMEOUT)
+        session.put(login, secrets_body(inv), secrets_path(cfg, spec.job_id), mode=0o600)
+    r = session.run(login, submit_command(cfg, spec.job_id, bool(inv.job.secret_files)), timeout=QUERY_TIMEOUT,
+                    what="sbatch")
+    slurm_id = r.stdout.strip().split(";")[0]
+    if not r.ok or not slurm_id.isdigit():
+        raise UserError(f"sbatch on {login.name} refused the job: {sanitize((r.stderr or r.stdout).strip()[-600:])}"
+                        f"; the script is {cfg.workdir}/{spec.job_id}.sbatch there")
+    return SlurmJob(session, cfg, spec.job_id, slurm_id)
+
+
+class Follower:
+    """Streams a submitted job's output into runs/JOB until the job ends (see the module's
+    docstring); `detach`: Ctrl+C only stops following."""
+
+    def __init__(self, job: SlurmJob, run_dir: Path, console=None, live: bool = False, echo: bool = True,
+                 record: recovery.JobRecord | None = None, detach: bool = False) -> None:
+        self.job, self.run_dir, self.record, self.detach = job, run_dir, record, detach
+        self.console = console
+        self.live = live and echo and console is not None and console.is_terminal
+        self.board = Board([])
+        self.mux = Multiplexer(run_dir, echo=echo, console=console if self.live else None, board=self.board)
+        self.demux = Demux(self.mux, self.attempt_nodes)
+        self.shown: dict[str, str] = {}
+        self.restarts = -1
+        self.cancelled = False
+        self.first_step: float | None = None
+
+    def note(self, line: str) -> None:
+        self.mux.note(line)
+
+    def attempt_nodes(self, restart: int) -> list[str]:
+        """The nodes of the allocation that printed `restart`'s first line, in node-rank order."""
+        shown = self.job.show()
+        names = self.job.nodes(shown["NodeList"]) if shown.get("NodeList") not in (None, "", "(null)") else []
+        self.board = Board([(n, i) for i, n in enumerate(names)])
+        self.mux.board = self.board
+        if self.record is not None and names:
+            attempts = self.record.attempts
+            if attempts and attempts[-1].number == restart + 1:
+                attempts[-1].hosts = names
+            self.record.save(self.run_dir)
+        return names
+
+    def track(self, shown: dict[str, str]) -> None:
+        """Say what changed: pending (and why), running where, requeued (a new attempt)."""
+        restarts = int(shown.get("Restarts", "0") or 0)
+        if restarts != self.restarts:
+            if self.restarts >= 0:
+                self.note(f"attempt {restarts + 1}: Slurm requeued job {self.job.slurm_id} (restart {restarts}); "
+                          "it resumes from its newest snapshot")
+            if self.record is not None:
+                if self.record.attempts and self.record.attempts[-1].ended is None:
+                    self.record.attempts[-1].ended, self.record.attempts[-1].outcome = time.time(), "requeued"
+                self.record.attempts.append(recovery.Attempt(restarts + 1, [], time.time()))
+                self.record.save(self.run_dir)
+            self.restarts = restarts
+        old = (self.shown.get("JobState"), self.shown.get("Reason"))
+        new = (shown.get("JobState"), shown.get("Reason"))
+        if new != old:
+            state, reason = new
+            where = f" on {shown.get('NodeList')}" if state == "RUNNING" else ""
+            why = f" ({reason})" if reason and reason != "None" else ""
+            self.note(f"slurm job {self.job.slurm_id}: {state}{where}{why}")
+        self.shown = shown
+
+    def stream(self, stop: threading.Event) -> None:
+        path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
+        try:
+            with self.job.session.command(self.job.cfg.login, follow_command(path), None, "tail") as cmd:
+                self._cmd = cmd
+                while not stop.is_set():
+                    data = cmd.recv()
+                    if not data:
+                        break
+                    if self.first_step is None and b"| step " in data:
+                        self.first_step = time.monotonic()
+                    self.demux.feed(data)
+        except Exception as exc:  # noqa: BLE001 - the poller still sees the job's end
+            if not stop.is_set():
+                self.note(f"reading {path} on {self.job.cfg.login.name} stopped: {sanitize(str(exc))}")
+
+    def drain(self, stop: threading.Event, reader: threading.Thread) -> None:
+        """Once the job has ended: read on until the file's whole length has come (bounded)."""
+        path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
+        r = self.job.query(plan.shell(["stat", "--format", "%s", path]), "stat")
+        size = int(r.stdout.strip()) if r.ok and r.stdout.strip().isdigit() else 0
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        while self.demux.received < size and time.monotonic() < deadline and reader.is_alive():
+            time.sleep(0.1)
+        stop.set()
+        cmd = getattr(self, "_cmd", None)
+        if cmd is not None and cmd.chan is not None:
+            cmd.chan.close()
+        reader.join(timeout=5)
+        self.demux.close()
+
+    def run(self) -> End:
+        stop = threading.Event()
+        reader = threading.Thread(target=self.stream, args=(stop,), daemon=True, name="slurm-tail")
+        reader.start()
+        view = (Live(get_renderable=lambda: self.board.render(), console=self.console, refresh_per_second=2,
+                     transient=True, redirect_stdout=False, redirect_stderr=False) if self.live
+                else contextlib.nullcontext())
+        shown: dict[str, str] = {}
+        try:
+            with view:
+                while True:
+                    try:
+                        shown = self.job.show()
+                        if not shown:
+                            break  # forgotten by slurmctld: sacct has it
+                        self.track(shown)
+                        if shown.get("JobState") in ENDED:
+                            break
+                        time.sleep(POLL)
+                    except KeyboardInterrupt:
+                        if self.detach:
+                            raise
+                        if self.cancelled:  # a second Ctrl+C: stop waiting for Slurm
+                            raise
+                        self.cancelled = True
+                        self.note(f"Ctrl+C: cancelling slurm job {self.job.slurm_id} (scancel); Ctrl+C again to "
+                                  "stop waiting for its end")
+                        self.job.cancel()
+        finally:
+            self.drain(stop, reader)
+        return self.job.end(shown)
+
+
+def finish_record(record: recovery.JobRecord, run_dir: Path, end: End, cancelled: bool) -> None:
+    state = "finished" if end.exit_code == 0 else ("interrupted" if cancelled else
+                                                     "stopped" if end.state == "CANCELLED" else "failed")
+    record.state = state
+    if record.attempts:
+        last = record.attempts[-1]
+        last.ended = last.ended or time.time()
+        last.outcome = "finished" if state == "finished" else f"{end.state} {end.code}"
+    record.save(run_dir)
+
+
+def fetch_metrics(session: Session, inv: Inventory, job_id: str, run_dir: Path, rank0: str) -> str | None:
+    """Rank 0's metrics.jsonl, read through the login node (output_dir shared with the nodes, or the
+    login node is rank 0's); a note when it cannot be read there."""
+    cfg = cfg_of(inv)
+    path = f"{inv.job.output_dir}/{job_id}/metrics.jsonl"
+    r = session.run(cfg.login, plan.shell(["cat", path]), timeout=120, what="reading metrics")
+    if not r.ok:
+        return (f"{path} is not readable on {cfg.login.name} (job.output_dir is not shared with the nodes): "
+                "the curves come from the step lines only")
+    out = run_dir / "outputs" / rank0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text(r.stdout)
+    return None
+
+
+def status_rows(session: Session, inv: Inventory) -> list[dict]:
+    """The user's fabtrain jobs on Slurm (fab status)."""
+    cfg = cfg_of(inv)
+    r = session.run(cfg.login, squeue_command(), timeout=QUERY_TIMEOUT, what="squeue")
+    if not r.ok:
+        raise UserError(f"squeue on {cfg.login.name} failed: {sanitize(r.stderr.strip()[-300:])}")
+    return parse_squeue(r.stdout)
+
+
+def recorded(run_root: Path, job_id: str) -> tuple[recovery.JobRecord, dict] | None:
+    """A job's record when it ran on Slurm (its backend entry), else None."""
+    try:
+        record = recovery.JobRecord.load(run_root, job_id)
+    except UserError:
+        return None
+    return (record, record.backend) if record.backend.get("on") == "slurm" else None
+
+
+# ---------------------------------------------------------------- fab train --on slurm
+
+def secrets_path(cfg: Slurm, job_id: str) -> str:
+    """The job's secrets on the login node (mode 600, in workdir, which the nodes see): passed to
+    the script as FABTRAIN_SECRETS, never on a command line; removed when the job ends."""
+    return f"{cfg.workdir}/.secrets/{job_id}.env"
+
+
+def prepared(inv: Inventory, spec: plan.JobSpec) -> tuple[plan.JobSpec, str]:
+    """The spec with its code key, and the batch script that `fab train --on slurm` submits."""
+    cfg = cfg_of(inv)
+    spec = replace(spec, code_key=codetree.key(spec.code, spec.code_only))
+    script, _ = export.slurm_script(inv, spec, pyxis=cfg.runtime == "pyxis", partition=cfg.partition,
+                                    time_limit=cfg.time, account=cfg.account, nodes=cfg.nodes)
+    return spec, script
+
+
+def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
+    """What --dry-run prints: every command on the login node, in order, then the script."""
+    cfg = cfg_of(inv)
+    spec, script = prepared(inv, spec)
+    login = cfg.login
+    steps = [plan.shell(plan.rsync_argv(login, spec.code, plan.code_path(inv, spec), spec.code_only)),
+             f"mkdir -p {plan.shell([cfg.workdir])}",
+             f"write {cfg.workdir}/{spec.job_id}.sbatch (below)"]
+    if inv.job.secret_files:
+        steps.append(f"write {secrets_path(cfg, spec.job_id)} (mode 600: "
+                     f"{', '.join(n for n, _ in inv.job.secret_files)})")
+    steps += [submit_command(cfg, spec.job_id, bool(inv.job.secret_files)),
+              follow_command(out_file(cfg, spec.job_id, "SLURMID")),
+              f"every {POLL:g}s: {show_command('SLURMID')}",
+              f"at the end: {sacct_command('SLURMID')}",
+              f"Ctrl+C or fab stop --job {spec.job_id}: {plan.shell(['scancel', 'SLURMID'])}"]
+    head = [f"job {spec.job_id} on Slurm, from {login.name} ({login.ssh.where()}):"]
+    head += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
+    return "\n".join(head) + f"\n\n--- {cfg.workdir}/{spec.job_id}.sbatch ---\n" + script
+
+
+def train(inv: Inventory, spec: plan.JobSpec, run_root: Path, console, live: bool, echo: bool = True):
+    """Submit, follow to the end, record, fetch rank 0's metrics: (End, run_dir, Follower)."""
+    cfg = cfg_of(inv)
+    spec, script = prepared(inv, spec)
+    run_dir = run_root / spec.job_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = recovery.JobRecord.new(spec, inv, 0, None, 0)
+    record.backend = {"on": "slurm", "login": cfg.login.name, "workdir": cfg.workdir}
+    record.save(run_dir)
+    (run_dir / "job.sbatch").write_text(script)
+    with Session((cfg.login,)) as session:
+        def note(line: str) -> None:
+            if echo:
+                console.print(f"[fabtrain] {sanitize(line)}", highlight=False, markup=False)
+        job = submit(session, inv, spec, script, note)
+        record.backend["slurm_id"] = job.slurm_id
+        record.save(run_dir)
+        note(f"submitted job {spec.job_id} as slurm job {job.slurm_id} on {cfg.login.name}")
+        follower = Follower(job, run_dir, console, live, echo, record=record)
+        try:
+            end = follower.run()
+        except KeyboardInterrupt:
+            record.state = "interrupted"
+            record.save(run_dir)
+            raise
+        finally:
+            if inv.job.secret_files:
+                session.run(cfg.login, plan.shell(["rm", "-f", secrets_path(cfg, spec.job_id)]), timeout=QUERY_TIMEOUT)
+        finish_record(record, run_dir, end, follower.cancelled)
+        rank0 = record.attempts[-1].hosts[0] if record.attempts and record.attempts[-1].hosts else "node0"
+        missing = fetch_metrics(session, inv, spec.job_id, run_dir, rank0)
+        if missing:
+            note(missing)
+    return end, run_dir, follower
+
+
+# ---------------------------------------------------------------- fab stop / fab logs / fab status
+
+def wait_gone(job: SlurmJob, timeout: float) -> str:
+    """Wait until the job has ended and left its nodes (no longer COMPLETING): its state then."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        r = job.query(plan.shell(["squeue", "--noheader", "--states", "all", "--format", "%T", "--jobs",
+                                  job.slurm_id]), "squeue")
+        state = r.stdout.strip() if r.ok else ""
+        if state in ENDED or (r.ok and not state) or "Invalid job id" in r.stderr:
+            return state or "ended"
+        time.sleep(POLL)
+    raise UserError(f"slurm job {job.slurm_id} is still {state or 'there'} {timeout:g}s after scancel; "
+                    f"see: squeue --jobs {job.slurm_id} on {job.cfg.login.name}")
+
+
+def stop(inv: Inventory, job_ids: list[str], run_root: Path, grace: float) -> list[str]:
+    """scancel each job (a fabtrain job id recorded in runs/, or a Slurm job id from squeue) and wait
+    until it has left its nodes (its containers stopped by the script's trap): a line per job."""
+    cfg = cfg_of(inv)
+    lines = []
+    with Session((cfg.login,)) as session:
+        for job_id in job_ids:
+            found = recorded(run_root, job_id)
+            slurm_id = found[1].get("slurm_id") if found else job_id
+            if not slurm_id or not slurm_id.isdigit():
+                raise UserError(f"job {job_id} has no Slurm job id recorded in {run_root}/{job_id}")
+            job = SlurmJob(session, cfg, job_id, slurm_id)
+            job.cancel()
+            state = wait_gone(job, grace + 90)
+            lines.append(f"stopped {job_id} (slurm job {slurm_id}: {state})")
+    return lines
+
+
+def follow_recorded(inv: Inventory, job_id: str, run_root: Path, console, live: bool) -> End:
+    """fab logs --job JOB for a Slurm job: its output from the start into runs/JOB/attach until it
+    ends; Ctrl+C detaches."""
+    cfg = cfg_of(inv)
+    _, backend = recorded(run_root, job_id)
+    with Session((cfg.login,)) as session:
+        job = SlurmJob(session, cfg, job_id, backend["slurm_id"])
+        return Follower(job, run_root / job_id / "attach", console, live, detach=True).run()
+
+
+def status_table(rows: list[dict]):
+    from rich.table import Table
+    from rich.text import Text
+    table = Table(title="fabtrain jobs on Slurm")
+    for col in ("job", "slurm job", "who", "nodes", "state", "since"):
+        table.add_column(col, no_wrap=col == "job")
+    for r in rows:
+        why = f" ({r['reason']})" if r["reason"] and r["reason"] != "None" else ""
+        table.add_row(sanitize(r["job"]), r["slurm_id"], sanitize(r["who"]), sanitize(r["nodes"] or "-"),
+                      Text(sanitize(r["state"] + why), style="green" if r["state"] == "RUNNING" else ""),
+                      sanitize(r["start"]))
+    if not rows:
+        table.add_row("-", "-", "-", "-", Text("no jobs", style="dim"), "-")
+    return table
