@@ -162,7 +162,7 @@ def describe_run(run_dir: Path) -> dict:
     ends = [a["ended"] for a in attempts if a.get("ended")]
     return {"job": rec.get("spec", {}).get("job_id", run_dir.name), "state": rec.get("state"),
             "attempts": len(attempts), "hosts": hosts, "model": model,
-            "script": rec.get("spec", {}).get("script"),
+            "script": rec.get("spec", {}).get("script"), "on": rec.get("backend", {}).get("on", "ssh"),
             "seconds": round(max(ends) - attempts[0]["started"], 1) if attempts and ends else None}
 
 

@@ -1,5 +1,6 @@
 """The exported sbatch script on a real Slurm: the test hosts run munged and slurmd (slurmctld on
 node1), started by cluster.slurm_up next to their sshd and Docker engine."""
+import json
 import re
 import subprocess
 import time
@@ -8,7 +9,7 @@ import pytest
 
 from orchestrator import cluster as cluster_mod
 
-from .conftest import ROOT, fab, on_host, project_containers
+from .conftest import ROOT, Run, command, fab, on_host, project_containers
 
 GPT = ["--model", "tiny", "--epochs", "2", "--args", "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0"]
 
@@ -127,4 +128,104 @@ def test_job_requeued_after_a_node_failure_resumes_from_its_snapshot(slurm, tmp_
     assert re.search(r"^0: \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M)
     assert re.search(r"^1: \[node2 rank2\] resumed from .*\(rank 0's copy\)", after, re.M), after[:3000]
     assert "| step 1 |" not in after and "epoch 1 done | eval loss" in after
+    assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+# ---------------------------------------------------------------- fab train --on slurm
+
+@pytest.fixture(scope="module")
+def slurm_inventory(slurm):
+    """The test hosts' inventory with a slurm: section (login node: node1, Slurm's controller)."""
+    path = slurm.parent / "slurm.yaml"
+    path.write_text(cluster_mod.render_inventory(cluster_mod.node_infos(2), slurm=True))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared_inventory(slurm):
+    """As slurm_inventory, with job.output_dir (and so slurm.workdir) in /shared: one directory
+    bind-mounted into both test hosts, as a shared filesystem is on a Slurm cluster."""
+    path = slurm.parent / "slurm-shared.yaml"
+    text = cluster_mod.render_inventory(cluster_mod.node_infos(2), slurm=True)
+    path.write_text(text.replace("job:\n", "job:\n  output_dir: /shared/output\n", 1))
+    return path
+
+
+def record(job: str) -> dict:
+    return json.loads((ROOT / "runs" / job / "job.json").read_text())
+
+
+def job_of(text: str) -> str:
+    return re.search(r"submitted job (\S+) as slurm job (\d+)", text).group(1)
+
+
+def test_fab_train_on_slurm_streams_both_nodes_and_exits_with_the_jobs_result(slurm_inventory):
+    r = fab(slurm_inventory, "train", "--on", "slurm", "--plain", *GPT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    job = job_of(r.stdout)
+    slurm_id = record(job)["backend"]["slurm_id"]
+    # Every node's lines, with the same prefixes as an SSH job, in the terminal and in runs/JOB/NODE.log.
+    assert re.search(r"^node1 r0 \| \[node1 rank0\] epoch 1 \| step \d+ \| loss", r.stdout, re.M), r.stdout[-3000:]
+    assert re.search(r"^node2 r1 \| \[node2 rank2\] epoch 1 \| step \d+ \| loss", r.stdout, re.M)
+    assert f"[fabtrain] slurm job {slurm_id}: RUNNING on node[1-2]" in r.stdout
+    run = ROOT / "runs" / job
+    assert "[node2 rank3] epoch 1 done" not in (run / "node1.log").read_text()
+    assert "eval loss" in (run / "node1.log").read_text() and "[node2 rank2]" in (run / "node2.log").read_text()
+    assert f"slurm job {slurm_id} (restart 0)" in (run / "slurm.log").read_text()
+    # The curve, drawn from rank 0's metrics fetched through the login node, and the record.
+    assert (run / "loss.png").stat().st_size > 10_000 and (run / "outputs/node1/metrics.jsonl").is_file()
+    rec = record(job)
+    assert rec["state"] == "finished" and [a["hosts"] for a in rec["attempts"]] == [["node1", "node2"]]
+    runs = json.loads(subprocess.run([*command(ROOT), "runs", "--json"], cwd=ROOT, capture_output=True, text=True).stdout)["runs"]
+    assert any(x["job"] == job and x["state"] == "finished" and x["on"] == "slurm" for x in runs)
+    assert sacct_state(slurm_id) == "COMPLETED"
+    assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_fab_stop_job_cancels_a_slurm_job_and_its_containers(slurm_inventory):
+    run = Run(slurm_inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "50",
+              "--args", "--log-every 1 --sample-chars 0")
+    run.wait_for("| step ", timeout=180)
+    job = job_of(run.text)
+    slurm_id = record(job)["backend"]["slurm_id"]
+    status = json.loads(fab(slurm_inventory, "status", "--json").stdout)
+    assert [(s["job"], s["state"], s["nodes"]) for s in status["slurm"]] == [(job, "RUNNING", "node[1-2]")]
+    stopped = fab(slurm_inventory, "stop", "--job", job)
+    assert stopped.returncode == 0 and f"stopped {job} (slurm job {slurm_id}: CANCELLED)" in stopped.stdout, \
+        stopped.stdout + stopped.stderr
+    code = run.finish(timeout=120)
+    assert code != 0 and f"slurm job {slurm_id} ended CANCELLED" in run.text, run.text[-2000:]
+    assert sacct_state(slurm_id) == "CANCELLED"
+    assert project_containers("node1") == [] and project_containers("node2") == []
+    assert record(job)["state"] == "stopped"
+    assert json.loads(fab(slurm_inventory, "status", "--json").stdout)["slurm"] == []
+
+
+def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(shared_inventory):
+    """output_dir shared by both nodes (each keeps its own runtime files there); node2 set DOWN
+    mid-run: Slurm requeues the job, the stream shows attempt 2, every rank resumes from the newest
+    snapshot in the shared directory, and the job finishes."""
+    run = Run(shared_inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "2", "--args",
+              "--max-steps-per-epoch 40 --snapshot-every 10 --log-every 1 --sample-chars 0")
+    run.wait_for("| step 25 |", timeout=180)
+    job = job_of(run.text)
+    slurm_id = record(job)["backend"]["slurm_id"]
+    # Both nodes' runtime directories side by side in the one shared directory.
+    assert on_host("node2", f"ls /shared/output/.runtime/{job}").stdout.split() == [f"{slurm_id}.0.0", f"{slurm_id}.0.1"]
+    on_host("node1", "scontrol update nodename=node2 state=down reason=fabtrain-test")
+    run.wait_for(f"attempt 2: Slurm requeued job {slurm_id} (restart 1)", timeout=60)
+    on_host("node1", "scontrol update nodename=node2 state=resume", check=False)
+    deadline = time.monotonic() + 60
+    while on_host("node1", "sinfo --noheader --nodes node2 --format %T").stdout.strip() != "idle":
+        assert time.monotonic() < deadline, "node2 not idle 60s after resume"
+        time.sleep(0.5)
+    on_host("node1", f"scontrol update jobid={slurm_id} StartTime=now")  # skip Slurm's 2-minute hold
+    assert run.finish(timeout=240) == 0, run.text[-3000:]
+    after = run.text.split("(restart 1)", 1)[1]
+    assert re.search(r"^node1 r0 \| \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M), after[:3000]
+    assert re.search(r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M)
+    assert "| step 1 |" not in after and "epoch 1 done | eval loss" in after
+    rec = record(job)
+    assert [a["outcome"] for a in rec["attempts"]] == ["requeued", "finished"] and rec["state"] == "finished"
+    assert sacct_state(slurm_id) == "COMPLETED"
     assert project_containers("node1") == [] and project_containers("node2") == []
