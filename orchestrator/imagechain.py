@@ -528,8 +528,12 @@ def run_round(session: Session, hosts: tuple[Host, ...], chunks, size: int, dead
         linked_by = time.monotonic() + connect + 10
         unreachable = []
         for i, r in enumerate(relays[:-1]):
-            if not r.wait_for("link", linked_by) or r.link:
+            if r.wait_for("link", linked_by) and r.link:
                 unreachable.append(relays[i + 1].host.name)
+            elif r.link is None:  # it said nothing: the relay itself is the one that failed
+                dead[r.host.name] = r.error or f"{r.host.name}: the image relay did not link within {connect + 10:g}s"
+        if dead:
+            return RoundResult({}, dead=dead)
         if unreachable:
             return RoundResult({}, unreachable=tuple(unreachable))
         head = relays[0]

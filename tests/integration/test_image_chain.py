@@ -136,3 +136,21 @@ def test_second_push_sends_only_the_changed_layer(four, four_hosts_inventory_pat
     assert out.returncode == 0, out.stdout + out.stderr
     assert [line for line in out.stdout.splitlines() if line.startswith("node")] == \
         [f"node{i}: present" for i in range(1, 5)]
+
+
+def test_host_no_other_host_can_reach_is_sent_to_directly(four, tmp_path):
+    want = build(tmp_path, "one", TAG)
+    others = [h.address for h in four.hosts if h.name != "node3"]
+    rules = [f"INPUT -p tcp --syn -s {a} -j DROP" for a in others]  # this machine's SSH still gets in
+    on_host("node3", "; ".join(f"iptables -I {r}" for r in rules))
+    try:
+        with Session(four.hosts) as session:
+            results = images.push(session, TAG)
+    finally:
+        on_host("node3", "; ".join(f"iptables -D {r}" for r in rules))
+    by = {r.host: r for r in results}
+    assert {r.action for r in results} == {"sent"}, results
+    assert by["node3"].detail.startswith("direct (node2 could not connect to it)"), by["node3"].detail
+    assert [by[n].detail[:9] for n in ("node1", "node2", "node4")] == ["chain 1/3", "chain 2/3", "chain 3/3"]
+    for node in ("node1", "node2", "node3", "node4"):
+        assert host_id(node) == want

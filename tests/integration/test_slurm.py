@@ -214,6 +214,10 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     assert on_host("node2", f"ls /shared/output/.runtime/{job}").stdout.split() == [f"{slurm_id}.0.0", f"{slurm_id}.0.1"]
     on_host("node1", "scontrol update nodename=node2 state=down reason=fabtrain-test")
     run.wait_for(f"attempt 2: Slurm requeued job {slurm_id} (restart 1)", timeout=60)
+    deadline = time.monotonic() + 60
+    while job_state(slurm_id).get("JobState") != "PENDING":  # requeued once the old attempt has left
+        assert time.monotonic() < deadline, job_state(slurm_id)
+        time.sleep(0.5)
     on_host("node1", "scontrol update nodename=node2 state=resume", check=False)
     deadline = time.monotonic() + 60
     while on_host("node1", "sinfo --noheader --nodes node2 --format %T").stdout.strip() != "idle":
