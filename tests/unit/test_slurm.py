@@ -1,0 +1,181 @@
+"""fab train --on slurm without a cluster: the inventory's slurm: section, the commands run on the
+login node (exact text), what Slurm prints parsed, each node's lines split out of the output
+file, and --dry-run == what is submitted (a recording stand-in for the SSH session)."""
+import shlex
+from pathlib import Path
+
+import pytest
+
+from orchestrator import plan, slurm
+from orchestrator.errors import UserError
+from orchestrator.inventory import parse
+from orchestrator.logs import Multiplexer
+from orchestrator.remote import Result, put_command
+
+SECRET = "tok-never-on-a-command-line"
+HOSTS = """\
+hosts:
+  - {name: node1, address: 10.0.0.1, interface: eth0}
+  - {name: node2, address: 10.0.0.2, interface: eth0}
+"""
+
+
+def inv(tmp_path: Path, slurm_section: str, job: str = ""):
+    return parse(f"ssh: {{user: alice}}\n{job}{HOSTS}slurm:\n{slurm_section}", tmp_path / "inventory.yaml")
+
+
+def test_the_slurm_section_defaults_and_the_login_node_uses_the_hosts_ssh_settings(tmp_path):
+    i = inv(tmp_path, "  login: login1.example.com\n")
+    s = i.slurm
+    assert (s.login.name, s.login.address, s.login.ssh.user) == ("login1.example.com", "login1.example.com", "alice")
+    assert (s.workdir, s.nodes, s.runtime, s.partition, s.account, s.time) == \
+        ("/opt/fabtrain/output/slurm", 2, "docker", None, None, None)
+    i = inv(tmp_path, "  login: l1\n  ssh: {user: bob, port: 2222}\n  workdir: /home/bob/jobs/\n  nodes: 4\n"
+                      "  partition: gpu\n  account: proj1\n  time: '04:00:00'\n  runtime: pyxis\n")
+    s = i.slurm
+    assert (s.login.ssh.user, s.login.ssh.port, s.workdir, s.nodes, s.partition, s.account, s.time, s.runtime) == \
+        ("bob", 2222, "/home/bob/jobs", 4, "gpu", "proj1", "04:00:00", "pyxis")
+    assert parse(HOSTS, tmp_path / "i.yaml").slurm is None
+
+
+@pytest.mark.parametrize("section,expected", [
+    ("  partition: gpu\n", "inventory.yaml:5: slurm.login: is missing; add 'login:' to slurm"),
+    ("  login: '-oProxyCommand=x'\n", "slurm.login: '-oProxyCommand=x' is neither a host name"),
+    ("  login: l1\n  partition: 'gpu; rm -rf /'\n", "inventory.yaml:7: slurm.partition: 'gpu; rm -rf /' is not a Slurm partition"),
+    ("  login: l1\n  runtime: singularity\n", "slurm.runtime: 'singularity' is not a container runtime"),
+    ("  login: l1\n  nodes: 0\n", "slurm.nodes: 0 is not a number of nodes; use a number from 1"),
+    ("  login: l1\n  workdir: jobs\n", "slurm.workdir: 'jobs' is not an absolute path"),
+    ("  login: l1\n  queue: gpu\n", "inventory.yaml:7: slurm.queue: unknown field; use one of: login, ssh, workdir"),
+])
+def test_slurm_section_mistakes_name_the_line_and_field(tmp_path, section, expected):
+    with pytest.raises(UserError) as e:
+        inv(tmp_path, section)
+    assert expected in str(e.value)
+
+
+def test_commands_on_the_login_node_are_quoted_once(tmp_path):
+    s = inv(tmp_path, "  login: l1\n  workdir: /home/a b/jobs\n").slurm
+    assert slurm.submit_command(s, "gpt-1") == "cd '/home/a b/jobs' && sbatch --parsable gpt-1.sbatch"
+    assert slurm.submit_command(s, "gpt-1", secrets=True) == \
+        "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable gpt-1.sbatch"
+    assert slurm.follow_command(slurm.out_file(s, "gpt-1", "42")) == (
+        "while [ ! -e '/home/a b/jobs/gpt-1-42.out' ]; do sleep 0.2; done; "
+        "exec tail -n +1 -s 0.2 -F '/home/a b/jobs/gpt-1-42.out'")
+    assert slurm.show_command("42") == "scontrol show job --oneliner 42"
+    assert slurm.sacct_command("42") == (
+        "sacct --allocations --noheader --parsable2 --format JobID,State,ExitCode --jobs 42 2>/dev/null || "
+        "sacct --completion --noheader --parsable2 --format JobID,State,ExitCode --jobs 42")
+    assert slurm.squeue_command() == "squeue --me --noheader --format '%i|%j|%T|%N|%S|%k|%u|%r'"
+
+
+def test_what_slurm_prints_is_read_right():
+    shown = slurm.parse_show("JobId=42 JobName=gpt-1 UserId=root(0) JobState=PENDING Reason=BeginTime "
+                             "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 NodeList=(null) Comment=fabtrain")
+    assert (shown["JobState"], shown["Reason"], shown["Restarts"], shown["NodeList"]) == \
+        ("PENDING", "BeginTime", "1", "(null)")
+    # sacct --completion keeps a record per end of a requeued job; the last one is the job's end.
+    text = "42|NODE_FAIL|0:0\n42|COMPLETED|0:0\n43|FAILED|1:0\n"
+    assert slurm.parse_sacct(text, "42") == ("COMPLETED", "0:0")
+    assert slurm.parse_sacct("42|CANCELLED by 0|0:15\n", "42") == ("CANCELLED", "0:15")
+    assert slurm.parse_sacct("", "42") is None
+    assert [slurm.exit_code(*a) for a in (("COMPLETED", "0:0"), ("FAILED", "3:0"), ("CANCELLED", "0:15"),
+                                          ("TIMEOUT", "0:0"), ("NODE_FAIL", "0:0"))] == [0, 3, 143, 1, 1]
+    rows = slurm.parse_squeue("42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
+                              "43|other|RUNNING|node3|2026-11-23T21:00:00|(null)|alice|None\n")
+    assert rows == [{"slurm_id": "42", "job": "gpt-1", "state": "RUNNING", "nodes": "node[1-2]",
+                     "start": "2026-11-23T21:00:00", "who": "alice", "reason": "None"}]
+
+
+def test_each_nodes_lines_go_to_its_log_with_the_ssh_jobs_prefix(tmp_path):
+    out = tmp_path / "terminal"
+    with out.open("wb") as f:
+        mux = Multiplexer(tmp_path / "run", out=f, colour=False)
+        allocations = {0: ["node1", "node2"], 1: ["node1", "node3"]}
+        d = slurm.Demux(mux, lambda restart: allocations[restart])
+        stream = (b"[fabtrain] job gpt-1: slurm job 42 (restart 0), 2 node(s), master 10.0.0.1\n"
+                  b"0: [node1 rank0] step 1\n1: [node2 ra" b"nk2] step 1\n"
+                  b"slurmstepd: error: *** JOB 42 ON node1 CANCELLED ***\n"
+                  b"[fabtrain] job gpt-1: slurm job 42 (restart 1), 2 node(s), master 10.0.0.1\n"
+                  b"1: [node3 rank2] resumed\n 0: padded label\n")
+        for i in range(0, len(stream), 7):  # arriving in pieces that cut lines
+            d.feed(stream[i:i + 7])
+        d.close()
+    run = tmp_path / "run"
+    assert (run / "node1.log").read_text() == "[node1 rank0] step 1\npadded label\n"
+    assert (run / "node2.log").read_text() == "[node2 rank2] step 1\n"
+    assert (run / "node3.log").read_text() == "[node3 rank2] resumed\n"
+    assert (run / "slurm.log").read_text().count("[fabtrain] job gpt-1") == 2
+    assert "node1 r0 | [node1 rank0] step 1\n" in out.read_text()
+    assert "node3 r1 | [node3 rank2] resumed\n" in out.read_text()
+    assert d.received == len(stream)
+
+
+class Recorder:
+    """The Session calls slurm.submit makes, recorded; sbatch answers with a job id."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, bytes | None]] = []
+
+    def local(self, argv, timeout):
+        self.calls.append(("local", shlex.join(argv), None))
+        return Result("", "", 0, 0.01)
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        assert timeout is not None
+        self.calls.append((host.name, command, stdin))
+        return Result("42;cluster\n" if "sbatch" in command else "", "", 0, 0.01)
+
+    def put(self, host, data, path, mode=0o600, timeout=30):
+        self.run(host, put_command(path, mode), timeout, stdin=data)
+
+    def fan_out(self, fn, hosts):
+        from orchestrator.remote import PerHost
+        return PerHost({h.name: fn(h) for h in hosts})
+
+
+def test_dry_run_is_what_is_submitted_and_secrets_travel_on_stdin(tmp_path):
+    (tmp_path / "token").write_text(SECRET + "\n")
+    code = tmp_path / "project"
+    (code / "trainers").mkdir(parents=True)
+    (code / "trainers" / "gpt.py").write_text("print('hi')\n")
+    i = inv(tmp_path, "  login: l1\n  workdir: /jobs\n  partition: gpu\n",
+            job=f"job: {{secret_files: {{API_TOKEN: {tmp_path}/token}}}}\n")
+    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--epochs", "2"), code=str(code))
+    text = slurm.dry_run(i, spec)
+    spec, script = slurm.prepared(i, spec)
+    rec = Recorder()
+    job = slurm.submit(rec, i, spec, script, note=lambda line: None)
+    assert job.slurm_id == "42"
+    steps = [c[1] for c in rec.calls]
+    listed = [line.split(". ", 1)[1] for line in text.split("\n\n--- ")[0].splitlines()[1:]]
+    assert steps[0] == listed[0] and steps[1] == listed[1]  # rsync to the login node, mkdir
+    assert steps[2] == put_command("/jobs/gpt-1.sbatch", 0o644) and rec.calls[2][2].decode() == script
+    assert listed[2] == "write /jobs/gpt-1.sbatch (below)" and text.endswith("---\n" + script)
+    assert rec.calls[4] == ("l1", put_command("/jobs/.secrets/gpt-1.env", 0o600), f"API_TOKEN={SECRET}\n".encode())
+    assert steps[5] == listed[4] == slurm.submit_command(i.slurm, "gpt-1", secrets=True)
+    assert "#SBATCH --partition=gpu" in script and "--comment=fabtrain" in script
+    assert all(SECRET not in c[1] for c in rec.calls) and SECRET not in text + script
+
+
+def test_a_job_sbatch_refuses_is_a_clear_error(tmp_path):
+    code = tmp_path / "project"
+    code.mkdir()
+    i = inv(tmp_path, "  login: l1\n")
+    spec, script = slurm.prepared(i, plan.JobSpec(job_id="gpt-1", script="x.py", code=str(code)))
+
+    class Refusing(Recorder):
+        def run(self, host, command, timeout=60, stdin=None, what=""):
+            if "sbatch" in command:
+                return Result("", "sbatch: error: invalid partition specified: gpu\n", 1, 0.01)
+            return super().run(host, command, timeout, stdin, what)
+
+    with pytest.raises(UserError) as e:
+        slurm.submit(Refusing(), i, spec, script, note=lambda line: None)
+    assert str(e.value).startswith("sbatch on l1 refused the job: sbatch: error: invalid partition specified: gpu; "
+                                   "the script is /opt/fabtrain/output/slurm/gpt-1.sbatch there")
+
+
+def test_without_a_slurm_section_on_slurm_says_what_to_add(tmp_path):
+    with pytest.raises(UserError) as e:
+        slurm.cfg_of(parse(HOSTS, tmp_path / "i.yaml"))
+    assert "no slurm: section; add one with at least login:" in str(e.value) and e.value.exit_code == 2
