@@ -22,9 +22,11 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
   deep     (--only deep) `fab preflight --deep --no-smoke` against `fab preflight --no-smoke`, whole
            command lines; at 2 hosts also the deep check's node1 -> node2 bandwidth (both directions
            at once, in the job's image) against iperf3 --bidir on the same pair, alternately
-  slurm    (--only slurm) the same tiny GPT job, alternately: `fab train` (sync, preflight, start)
-           and `sbatch` of the `fab export.slurm` script on the hosts' own Slurm (cluster.up
-           --slurm): seconds from the command to the first training step, and to the end
+  slurm    (--only slurm) the same tiny GPT job, alternately: `fab train` (sync, preflight, start),
+           `fab train --on slurm` (sync to the login node, sbatch, following the output file from
+           this machine) and `sbatch` of the `fab export.slurm` script typed on the login node, on
+           the hosts' own Slurm (cluster.up --slurm): seconds from the command to the first
+           training step in the terminal, and to the end
 Prints a table per size and writes the raw numbers as JSON. Only the project's own test hosts and
 loopback are contacted.
 """
@@ -454,8 +456,14 @@ SLURM_GPT = ["--model", "tiny", "--epochs", "1", "--args", "--max-steps-per-epoc
 def bench_slurm(inv_path: Path, repeat: int) -> dict:
     script = inv_path.parent / "job.sbatch"
     subprocess.run([FAB, "sync", "--inventory", str(inv_path)], cwd=ROOT, check=True, capture_output=True)
-    r = {"fab_train_first_step": [], "fab_train_end": [], "sbatch_first_step": [], "sbatch_end": []}
+    r = {"fab_train_first_step": [], "fab_train_end": [], "sbatch_first_step": [], "sbatch_end": [],
+         "on_slurm_first_step": [], "on_slurm_end": []}
     for _ in range(repeat):
+        run = Lines([FAB, "train", "--on", "slurm", "--plain", "--inventory", str(inv_path), *SLURM_GPT])
+        start = time.monotonic()
+        r["on_slurm_first_step"].append(run.wait_for("| step ") - start)
+        run.proc.wait(timeout=300)
+        r["on_slurm_end"].append(run.seen[-1][0] - start)
         run = Lines([FAB, "train", "--inventory", str(inv_path), *SLURM_GPT])
         start = time.monotonic()
         r["fab_train_first_step"].append(run.wait_for("| step ") - start)
