@@ -2,6 +2,7 @@
 node1), started by cluster.slurm_up next to their sshd and Docker engine."""
 import json
 import re
+import signal
 import subprocess
 import time
 
@@ -233,3 +234,20 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     assert [a["outcome"] for a in rec["attempts"]] == ["requeued", "finished"] and rec["state"] == "finished"
     assert sacct_state(slurm_id) == "COMPLETED"
     assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def test_ctrl_c_on_fab_train_on_slurm_cancels_the_job(slurm_inventory):
+    run = Run(slurm_inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "50",
+              "--args", "--log-every 1 --sample-chars 0")
+    run.wait_for("| step ", timeout=180)
+    job = job_of(run.text)
+    slurm_id = record(job)["backend"]["slurm_id"]
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(timeout=120)
+    assert code != 0 and f"Ctrl+C: cancelling slurm job {slurm_id} (scancel)" in run.text, run.text[-2000:]
+    assert f"slurm job {slurm_id} ended CANCELLED" in run.text
+    assert sacct_state(slurm_id) == "CANCELLED" and record(job)["state"] == "interrupted"
+    deadline = time.monotonic() + 60  # the tasks' traps stop the containers as the job leaves its nodes
+    while project_containers("node1") or project_containers("node2"):
+        assert time.monotonic() < deadline, "containers left 60s after the job was cancelled"
+        time.sleep(0.5)
