@@ -18,6 +18,9 @@ TAG = f"{REPO}:push"
 BIG_MB = 48
 
 
+BUILT: list[str] = []  # ids built by the tests: removed from the hosts after each, tagged or not
+
+
 def build(tmp_path, small: str, tag: str) -> str:
     """FROM the base image: a 48 MB layer (the same one, from the build cache, in every version) and
     a small layer that differs between versions."""
@@ -27,7 +30,8 @@ def build(tmp_path, small: str, tag: str) -> str:
         f"RUN echo {small} > /small\n")
     subprocess.run(["docker", "build", "-q", "-t", tag, "-f", str(tmp_path / f"Dockerfile.{small}"), str(tmp_path)],
                    check=True, capture_output=True, env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/bin:/bin"})
-    return images.local_image(tag)[0]
+    BUILT.append(images.local_image(tag)[0])
+    return BUILT[-1]
 
 
 def host_id(node: str, tag: str = TAG) -> str:
@@ -35,8 +39,12 @@ def host_id(node: str, tag: str = TAG) -> str:
 
 
 def forget_test_images(nodes):
+    """The test images off the hosts: by tag, and by id (a version replaced under the tag is left
+    untagged, and would keep its layers there)."""
+    ids = " ".join(BUILT)
     for node in nodes:
-        on_host(node, f"docker image ls --quiet {REPO} | xargs -r docker rmi -f >/dev/null; true", check=False)
+        on_host(node, f"docker image ls --quiet {REPO} | xargs -r docker rmi -f >/dev/null 2>&1; "
+                      f"for i in {ids}; do docker rmi -f $i >/dev/null 2>&1; done; true", check=False)
 
 
 @pytest.fixture
@@ -83,8 +91,11 @@ def engine_stopped_later(node):
 
 def test_engine_stopped_mid_chain_is_named_and_the_others_get_the_image(four, tmp_path):
     want = build(tmp_path, "one", TAG)
+    progress = None
     with engine_stopped_later("node2") as stop, Session(four.hosts) as session:
-        results = images.push(session, TAG, progress=OnProgress(8 << 20, stop))
+        progress = OnProgress(8 << 20, stop)
+        results = images.push(session, TAG, progress=progress)
+    assert progress.done  # stopped with 8 of the 48+ MB sent
     by = {r.host: r for r in results}
     assert by["node2"].action == "failed"
     assert by["node2"].detail.startswith("node2: docker load exited 1:"), by["node2"].detail
@@ -97,12 +108,13 @@ def test_engine_stopped_mid_chain_is_named_and_the_others_get_the_image(four, tm
 
 def test_host_frozen_mid_chain_is_named_and_the_chain_reformed_without_it(four, tmp_path):
     want = build(tmp_path, "one", TAG)
+    progress = OnProgress(8 << 20, lambda: cluster.freeze("node2"))
     try:
         with Session(four.hosts) as session:
-            results = images.push(session, TAG, stall=5,
-                                  progress=OnProgress(8 << 20, lambda: cluster.freeze("node2")))
+            results = images.push(session, TAG, stall=5, progress=progress)
     finally:
         cluster.thaw("node2")
+    assert progress.done
     by = {r.host: r for r in results}
     assert by["node2"].action == "failed"
     assert by["node2"].detail.startswith("node2: "), by["node2"].detail
