@@ -30,10 +30,12 @@ from .errors import UserError
 from .inventory import Inventory, Slurm
 from .live import Board
 from .logs import Multiplexer, sanitize
-from .remote import Session
+from .remote import Session, describe
 
 POLL = 1.0             # seconds between two reads of the job's state
 QUERY_TIMEOUT = 30     # a Slurm command that has not answered by then names the login node
+UNSEEN_AFTER = 20      # seconds a running job may go without its output file before fab says why
+LOGIN_TRIES = 3        # reads of the job's state failing in a row before fab gives up following
 DRAIN_TIMEOUT = 15     # seconds to read the rest of the output file once the job has ended
 # States a job does not leave (PREEMPTED and NODE_FAIL jobs that Slurm requeues go back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -190,10 +192,15 @@ class SlurmJob:
     def query(self, command: str, what: str):
         return self.session.run(self.cfg.login, command, timeout=QUERY_TIMEOUT, what=what)
 
-    def show(self) -> dict[str, str]:
-        """The job as scontrol shows it; {} once slurmctld has forgotten it (MinJobAge)."""
+    def show(self) -> dict[str, str] | None:
+        """The job as scontrol shows it; None once slurmctld has forgotten it (MinJobAge)."""
         r = self.query(show_command(self.slurm_id), "scontrol show job")
-        return parse_show(r.stdout) if r.ok else {}
+        if r.ok:
+            return parse_show(r.stdout)
+        if "Invalid job id" in r.stderr:
+            return None
+        raise UserError(f"scontrol show job {self.slurm_id} on {self.cfg.login.name} failed: "
+                        f"{sanitize(r.stderr.strip()[-300:])}")
 
     def nodes(self, nodelist: str) -> list[str]:
         r = self.query(hostnames_command(nodelist), "scontrol show hostnames")
@@ -256,14 +263,18 @@ class Follower:
         self.shown: dict[str, str] = {}
         self.restarts = -1
         self.cancelled = False
-        self.first_step: float | None = None
+        self.running_since: float | None = None
+        self.told_unseen = False
 
     def note(self, line: str) -> None:
         self.mux.note(line)
 
     def attempt_nodes(self, restart: int) -> list[str]:
         """The nodes of the allocation that printed `restart`'s first line, in node-rank order."""
-        shown = self.job.show()
+        try:
+            shown = self.job.show() or {}
+        except Exception:  # noqa: BLE001 - the poller names a login node that stops answering
+            shown = {}
         names = self.job.nodes(shown["NodeList"]) if shown.get("NodeList") not in (None, "", "(null)") else []
         self.board = Board([(n, i) for i, n in enumerate(names)])
         self.mux.board = self.board
@@ -295,6 +306,15 @@ class Follower:
             why = f" ({reason})" if reason and reason != "None" else ""
             self.note(f"slurm job {self.job.slurm_id}: {state}{where}{why}")
         self.shown = shown
+        if new[0] == "RUNNING" and self.running_since is None:
+            self.running_since = time.monotonic()
+        if (self.running_since is not None and not self.demux.received and not self.told_unseen
+                and time.monotonic() - self.running_since > UNSEEN_AFTER):
+            path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
+            if not self.job.query(plan.shell(["test", "-e", path]), "test -e").ok:
+                self.told_unseen = True
+                self.note(f"the job runs but {path} is not there on {self.job.cfg.login.name}: Slurm writes it on the "
+                          "job's first node; put slurm.workdir on a filesystem the login node and the nodes share")
 
     def stream(self, stop: threading.Event) -> None:
         path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
@@ -305,8 +325,6 @@ class Follower:
                     data = cmd.recv()
                     if not data:
                         break
-                    if self.first_step is None and b"| step " in data:
-                        self.first_step = time.monotonic()
                     self.demux.feed(data)
         except Exception as exc:  # noqa: BLE001 - the poller still sees the job's end
             if not stop.is_set():
@@ -335,13 +353,26 @@ class Follower:
                      transient=True, redirect_stdout=False, redirect_stderr=False) if self.live
                 else contextlib.nullcontext())
         shown: dict[str, str] = {}
+        unanswered: list[str] = []
         try:
             with view:
                 while True:
                     try:
-                        shown = self.job.show()
-                        if not shown:
+                        try:
+                            now = self.job.show()
+                            unanswered.clear()
+                        except Exception as exc:  # noqa: BLE001 - a login node or slurmctld not answering
+                            unanswered.append(describe(self.job.cfg.login, exc))
+                            if len(unanswered) >= LOGIN_TRIES:
+                                raise UserError(
+                                    f"the job's state could not be read {LOGIN_TRIES} times in a row: {unanswered[-1]}; "
+                                    f"the job may still run: 'fab status' or 'fab logs --job {self.job.job_id}' once "
+                                    f"{self.job.cfg.login.name} answers") from None
+                            time.sleep(POLL)
+                            continue
+                        if now is None:
                             break  # forgotten by slurmctld: sacct has it
+                        shown = now
                         self.track(shown)
                         if shown.get("JobState") in ENDED:
                             break

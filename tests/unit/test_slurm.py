@@ -179,3 +179,80 @@ def test_without_a_slurm_section_on_slurm_says_what_to_add(tmp_path):
     with pytest.raises(UserError) as e:
         slurm.cfg_of(parse(HOSTS, tmp_path / "i.yaml"))
     assert "no slurm: section; add one with at least login:" in str(e.value) and e.value.exit_code == 2
+
+
+class FakeJob:
+    """A SlurmJob whose login node answers from a list of scontrol results (an exception: no answer)."""
+
+    def __init__(self, cfg, answers, files_exist=True):
+        self.cfg, self.job_id, self.slurm_id = cfg, "gpt-1", "42"
+        self.answers, self.queries, self.files_exist = list(answers), [], files_exist
+        job = self
+
+        class Cmd:
+            chan = None
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                pass
+
+            def recv(self, n=0):
+                return b""
+
+        class Sess:
+            def command(self, *a):
+                return Cmd()
+        self.session = Sess()
+
+    def show(self):
+        a = self.answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    def query(self, command, what):
+        self.queries.append(command)
+        return Result("", "", 0 if self.files_exist else 1, 0.01)
+
+    def nodes(self, nodelist):
+        return ["node1", "node2"]
+
+    def end(self, shown):
+        return slurm.End(shown.get("JobState", "UNKNOWN"), shown.get("ExitCode", "0:0"), self.slurm_id)
+
+    def cancel(self):
+        pass
+
+
+def test_a_login_node_that_stops_answering_is_named_and_following_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(slurm, "POLL", 0)
+    s = inv(tmp_path, "  login: l1\n").slurm
+    job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node[1-2]", "Restarts": "0"}, OSError("x"),
+                      {"JobState": "RUNNING", "Restarts": "0"}] + [UserError("l1 (alice@l1:22): no route")] * 3)
+    with pytest.raises(UserError) as e:
+        slurm.Follower(job, tmp_path / "run", echo=False).run()
+    assert str(e.value).startswith("the job's state could not be read 3 times in a row: l1 (alice@l1:22): no route; "
+                                   "the job may still run: 'fab status' or 'fab logs --job gpt-1' once l1 answers")
+    # One failed read between good ones is not enough; the job ending is followed to its end.
+    job = FakeJob(s, [{"JobState": "PENDING", "Reason": "Priority"}, OSError("x"),
+                      {"JobState": "COMPLETED", "ExitCode": "0:0"}])
+    assert slurm.Follower(job, tmp_path / "run2", echo=False).run().exit_code == 0
+
+
+def test_a_running_job_whose_output_file_the_login_node_cannot_see_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setattr(slurm, "POLL", 0)
+    monkeypatch.setattr(slurm, "UNSEEN_AFTER", 0)
+    s = inv(tmp_path, "  login: l1\n").slurm
+    job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node1"}] * 3 + [{"JobState": "FAILED", "ExitCode": "1:0"}],
+                  files_exist=False)
+    out = tmp_path / "terminal"
+    with out.open("wb") as f:
+        follower = slurm.Follower(job, tmp_path / "run", echo=True)
+        follower.mux.out, follower.mux.colour = f, False
+        assert follower.run().exit_code == 1
+    text = out.read_text()
+    assert text.count("/opt/fabtrain/output/slurm/gpt-1-42.out is not there on l1: Slurm writes it on the job's "
+                      "first node; put slurm.workdir on a filesystem") == 1
+    assert "[fabtrain] slurm job 42: RUNNING on node1\n" in text and "[fabtrain] slurm job 42: FAILED\n" in text
