@@ -191,6 +191,13 @@ def test_fab_stop_job_cancels_a_slurm_job_and_its_containers(slurm_inventory):
     slurm_id = record(job)["backend"]["slurm_id"]
     status = json.loads(fab(slurm_inventory, "status", "--json").stdout)
     assert [(s["job"], s["state"], s["nodes"]) for s in status["slurm"]] == [(job, "RUNNING", "node[1-2]")]
+    # fab logs follows it from the start, each node's lines prefixed; Ctrl+C only detaches.
+    logs = Run(slurm_inventory, "logs", "--job", job, "--plain")
+    logs.wait_for("node2 r1 | [node2 rank2] epoch 0 | step ", timeout=60)
+    assert "node1 r0 | [fabtrain] nodes=2 node_rank=0" in logs.text
+    logs.proc.send_signal(signal.SIGINT)
+    assert logs.finish(timeout=30) == 0 and "detached; the job goes on" in logs.text
+    assert record(job)["state"] == "running" and job_state(slurm_id)["JobState"] == "RUNNING"
     stopped = fab(slurm_inventory, "stop", "--job", job)
     assert stopped.returncode == 0 and f"stopped {job} (slurm job {slurm_id}: CANCELLED)" in stopped.stdout, \
         stopped.stdout + stopped.stderr
