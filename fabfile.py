@@ -532,11 +532,16 @@ def down(c):
 
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "image": "image to push (default: job.image)",
-            "only": "comma-separated host names (default: every host)"})
+            "only": "comma-separated host names (default: every host)",
+            "method": "chain (hosts forward to each other, only the layers they lack; default) or direct "
+                      "(one stream per host from here)"})
 @user_errors
-def push(c, inventory=None, image=None, only=None):
-    """Copy a local image to every host over SSH (docker save | docker load, streamed to all hosts at
-    once), skipping hosts that hold the same image id and verifying the id after."""
+def push(c, inventory=None, image=None, only=None, method="chain"):
+    """Copy a local image to every host over SSH: by a chain of hosts forwarding to each other,
+    sending only the layers they lack (--method direct: one stream per host), skipping hosts that
+    hold the same image id and verifying the id after."""
+    if method not in ("chain", "direct"):
+        raise UserError(f"--method {sanitize(str(method))!r}: give chain or direct", exit_code=2)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
     inv = _inventory.load(inventory)
     image = image or inv.job.image
@@ -544,7 +549,7 @@ def push(c, inventory=None, image=None, only=None):
     with Session(selected) as session, Progress(
             "{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
             console=console, transient=True) as progress:
-        results = _images.push(session, image, progress=progress)
+        results = _images.push(session, image, progress=progress, method=method)
     for r in results:
         extra = f" ({r.bytes / 1e6:.0f} MB in {r.seconds:.1f}s)" if r.action == "sent" else ""
         print(f"{r.host}: {r.action}{extra}{': ' + r.detail if r.detail else ''}")
