@@ -204,10 +204,11 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if on not in (None, "ssh", "slurm"):
         raise UserError(f"--on {sanitize(str(on))!r}: give ssh or slurm", exit_code=2)
     if on == "slurm":
-        ssh_only = dict(resume=resume, continue_=continue_, restarts=restarts, min_nodes=min_nodes,
+        ssh_only = dict(continue_=continue_, restarts=restarts, min_nodes=min_nodes,
                         hang_timeout=hang_timeout, include=include, exclude=exclude, num_nodes=num_nodes, gpus=gpus,
                         cpuset=cpuset, health=health, smoke=smoke, json=json, skip_preflight=skip_preflight)
-        return _train_on_slurm(inventory, given, dry_run, plain, [k for k, v in ssh_only.items() if v not in (None, False)])
+        return _train_on_slurm(inventory, given, dry_run, plain, [k for k, v in ssh_only.items() if v not in (None, False)],
+                               resume)
     if resume and continue_:
         raise UserError("--resume names the job to continue and --continue finds it by --name; give one", exit_code=2)
     if continue_:
@@ -284,19 +285,32 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
 
 
-def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str]) -> None:
+def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str],
+                    resume: str | None) -> None:
     """fab train --on slurm (orchestrator/slurm.py): submit, follow, exit with the job's own result."""
     if ssh_only:
         names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in ssh_only)
         raise UserError(f"{names}: not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own "
                         "checks); set nodes, partition and time in the inventory's slurm: section", exit_code=2)
-    inv = _inventory.load(inventory)
-    spec = replace(cli.new_spec(given, TRAINERS), owner=claims.me())
+    record = None
+    if resume:
+        record = recovery.JobRecord.load(RUNS, resume)
+        if record.backend.get("on") != "slurm":
+            raise UserError(f"job {resume} ran over SSH; resume it without --on slurm", exit_code=2)
+        spec, changed = cli.resumed_spec(record, given, TRAINERS)
+        record.resumes.append(cli.resume_entry(record, changed))
+        inv = _inventory.load(inventory or record.inventory)
+        console.print(f"resuming job {spec.job_id} on Slurm ({len(record.attempts)} attempt(s) so far, "
+                      f"{record.state}){cli.changes_line(changed)}")
+    else:
+        inv = _inventory.load(inventory)
+        spec = cli.new_spec(given, TRAINERS)
+    spec = replace(spec, owner=claims.me())
     if dry_run:
         print(_slurm.dry_run(inv, spec))
         return
     try:
-        end, run_dir, _ = _slurm.train(inv, spec, RUNS, console, live=not plain)
+        end, run_dir, _ = _slurm.train(inv, spec, RUNS, console, live=not plain, record=record)
     except KeyboardInterrupt:
         raise UserError(f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
                         exit_code=130) from None

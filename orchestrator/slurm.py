@@ -278,10 +278,8 @@ class Follower:
         names = self.job.nodes(shown["NodeList"]) if shown.get("NodeList") not in (None, "", "(null)") else []
         self.board = Board([(n, i) for i, n in enumerate(names)])
         self.mux.board = self.board
-        if self.record is not None and names:
-            attempts = self.record.attempts
-            if attempts and attempts[-1].number == restart + 1:
-                attempts[-1].hosts = names
+        if self.record is not None and names and self.record.attempts:
+            self.record.attempts[-1].hosts = names
             self.record.save(self.run_dir)
         return names
 
@@ -290,12 +288,13 @@ class Follower:
         restarts = int(shown.get("Restarts", "0") or 0)
         if restarts != self.restarts:
             if self.restarts >= 0:
-                self.note(f"attempt {restarts + 1}: Slurm requeued job {self.job.slurm_id} (restart {restarts}); "
+                number = len(self.record.attempts) + 1 if self.record is not None else restarts + 1
+                self.note(f"attempt {number}: Slurm requeued job {self.job.slurm_id} (restart {restarts}); "
                           "it resumes from its newest snapshot")
             if self.record is not None:
                 if self.record.attempts and self.record.attempts[-1].ended is None:
                     self.record.attempts[-1].ended, self.record.attempts[-1].outcome = time.time(), "requeued"
-                self.record.attempts.append(recovery.Attempt(restarts + 1, [], time.time()))
+                self.record.attempts.append(recovery.Attempt(len(self.record.attempts) + 1, [], time.time()))
                 self.record.save(self.run_dir)
             self.restarts = restarts
         old = (self.shown.get("JobState"), self.shown.get("Reason"))
@@ -473,14 +472,20 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
     return "\n".join(head) + f"\n\n--- {cfg.workdir}/{spec.job_id}.sbatch ---\n" + script
 
 
-def train(inv: Inventory, spec: plan.JobSpec, run_root: Path, console, live: bool, echo: bool = True):
-    """Submit, follow to the end, record, fetch rank 0's metrics: (End, run_dir, Follower)."""
+def train(inv: Inventory, spec: plan.JobSpec, run_root: Path, console, live: bool, echo: bool = True,
+          record: recovery.JobRecord | None = None):
+    """Submit, follow to the end, record, fetch rank 0's metrics: (End, run_dir, Follower). With
+    the `record` of an earlier run (fab train --on slurm --resume JOB), the same job id and output
+    directory: its trainer resumes from its newest snapshot, and the attempts go on counting."""
     cfg = cfg_of(inv)
     spec, script = prepared(inv, spec)
     run_dir = run_root / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = recovery.JobRecord.new(spec, inv, 0, None, 0)
-    record.backend = {"on": "slurm", "login": cfg.login.name, "workdir": cfg.workdir}
+    if record is None:
+        record = recovery.JobRecord.new(spec, inv, 0, None, 0)
+    record.state, record.spec["code_key"] = "running", spec.code_key
+    earlier = [*record.backend.get("earlier", []), record.backend["slurm_id"]] if "slurm_id" in record.backend else []
+    record.backend = {"on": "slurm", "login": cfg.login.name, "workdir": cfg.workdir, "earlier": earlier}
     record.save(run_dir)
     (run_dir / "job.sbatch").write_text(script)
     with Session((cfg.login,)) as session:

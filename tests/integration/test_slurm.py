@@ -241,6 +241,15 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     assert [a["outcome"] for a in rec["attempts"]] == ["requeued", "finished"] and rec["state"] == "finished"
     assert sacct_state(slurm_id) == "COMPLETED"
     assert project_containers("node1") == [] and project_containers("node2") == []
+    # The finished job trained further: the same id and shared output directory, a new Slurm job.
+    more = fab(shared_inventory, "train", "--on", "slurm", "--plain", "--resume", job, "--epochs", "3")
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr
+    assert f"resuming job {job} on Slurm (2 attempt(s) so far, finished); now args '--model tiny --epochs 3" in more.stdout
+    assert re.search(r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-\d+\.pt", more.stdout, re.M)
+    assert "epoch 2 done | eval loss" in more.stdout and "epoch 1 done" not in more.stdout
+    rec = record(job)
+    assert len(rec["attempts"]) == 3 and rec["state"] == "finished" and rec["backend"]["earlier"] == [slurm_id]
+    assert rec["attempts"][2]["hosts"] == ["node1", "node2"] and len(rec["resumes"]) == 1
 
 
 def test_ctrl_c_on_fab_train_on_slurm_cancels_the_job(slurm_inventory):
