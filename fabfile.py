@@ -386,15 +386,19 @@ def status(c, inventory=None, json=False):
     attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
     stuck Docker engine) is named; exits non-zero then."""
     inv = _inventory.load(inventory)
-    on_slurm = None
+    on_slurm, slurm_error = None, None
     if inv.slurm is not None:  # the fabtrain jobs you submitted there (squeue --me)
         with Session((inv.slurm.login,)) as session:
-            on_slurm = _slurm.status_rows(session, inv)
+            try:
+                on_slurm = _slurm.status_rows(session, inv)
+            except Exception as exc:  # noqa: BLE001 - the hosts' jobs are still listed; this is named
+                slurm_error = f"slurm: {failure(inv.slurm.login, exc, 'squeue')}"
     with Session(inv.all_hosts) as session:
         found = hostops.survey(session, inv)
         views = hostops.job_views(found)
         steps = hostops.last_steps(session, inv, views)
     bad = [failure(h, found[h.name], "docker ps") for h in inv.all_hosts if found.error(h.name)]
+    bad += [slurm_error] if slurm_error else []
     if json:
         doc = _json.loads(jobs.status_json(views, steps, bad))
         if on_slurm is not None:

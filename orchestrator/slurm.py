@@ -492,7 +492,12 @@ def train(inv: Inventory, spec: plan.JobSpec, run_root: Path, console, live: boo
         def note(line: str) -> None:
             if echo:
                 console.print(f"[fabtrain] {sanitize(line)}", highlight=False, markup=False)
-        job = submit(session, inv, spec, script, note)
+        try:
+            job = submit(session, inv, spec, script, note)
+        except BaseException:
+            record.state = "failed"  # nothing was submitted: the record says so, the error says why
+            record.save(run_dir)
+            raise
         record.backend["slurm_id"] = job.slurm_id
         record.save(run_dir)
         note(f"submitted job {spec.job_id} as slurm job {job.slurm_id} on {cfg.login.name}")
