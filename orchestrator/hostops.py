@@ -192,27 +192,46 @@ def job_views(found: PerHost) -> dict[str, JobView]:
     return views
 
 
-def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> dict[str, int]:
-    """The last step each running job's rank-0 node printed (its console file's tail), by job."""
-    from .watch import STEP
-    where = {j: (h, v.ranks[h]) for j, v in views.items() for h in v.ranks if v.ranks[h] == 0}
-    hosts = {h.name: h for h in inv.all_hosts}
+STEP_MARK = "@@fabtrain-step "  # before each job's console tail in last_steps_script's output
 
-    def one(job: str) -> int | None:
-        host, rank = where[job]
-        f = plan.console_file(inv, plan.JobSpec(job_id=job, script=""), rank)
-        r = session.run(hosts[host], plan.shell(["tail", "-c", "8192", f]), timeout=STATUS_TIMEOUT,
-                        what="reading the last step")
-        found = STEP.findall(r.stdout.encode())
-        return int(found[-1]) if found else None
-    got = {}
-    for job in where:
-        if where[job][0] in hosts:
-            try:
-                got[job] = one(job)
-            except Exception:  # noqa: BLE001 - a step not read is shown as '-'
-                pass
-    return {j: s for j, s in got.items() if s is not None}
+
+def last_steps_script(files: dict[str, str]) -> str:
+    """One round trip for every job whose rank 0 runs on a host: each job's console file tail
+    (job -> its path), after a marker line naming the job."""
+    return "; ".join(f"echo; echo {plan.shell([STEP_MARK + job])}; tail -c 8192 {plan.shell([path])} 2>/dev/null"
+                     for job, path in files.items()) + "; true"
+
+
+def parse_last_steps(text: bytes) -> dict[str, int]:
+    """job -> the last step its tail shows, from last_steps_script's output (jobs with none left out)."""
+    from .watch import STEP
+    out = {}
+    for part in text.split(b"\n" + STEP_MARK.encode())[1:]:
+        job, _, tail = part.partition(b"\n")
+        found = STEP.findall(tail)
+        if found:
+            out[job.decode(errors="replace")] = int(found[-1])
+    return out
+
+
+def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> dict[str, int]:
+    """The last step each running job's rank-0 node printed (its console file's tail), by job: one
+    command per host holding a rank 0, all hosts at once (a host with many jobs is still one round
+    trip, and many jobs do not add up to many round trips one after another)."""
+    hosts = {h.name: h for h in inv.all_hosts}
+    files: dict[str, dict[str, str]] = {}
+    for job, v in views.items():
+        for host, rank in v.ranks.items():
+            if rank == 0 and host in hosts:
+                files.setdefault(host, {})[job] = plan.console_file(inv, plan.JobSpec(job_id=job, script=""), 0)
+
+    def one(h: Host) -> dict[str, int]:
+        r = session.run(h, last_steps_script(files[h.name]), timeout=STATUS_TIMEOUT, what="reading the last steps")
+        return parse_last_steps(r.stdout.encode())
+    got: dict[str, int] = {}
+    for steps in session.fan_out(one, tuple(hosts[n] for n in files)).values_ok():  # a step not read is '-'
+        got.update(steps)
+    return got
 
 
 def with_free_port(session: Session, inv: Inventory) -> Inventory:
