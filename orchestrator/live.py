@@ -22,6 +22,10 @@ PROGRESS = re.compile(r"progress \[[# ]*\] +[\d.]+% epoch \d+/\d+ step (?P<step>
 RECENT = 5        # a rank's straggler test uses the median of its last RECENT compute times
 MIN_SAMPLES = 3   # and only once every rank has reported this many
 SILENT_AFTER = 30.0  # seconds without output before a host's status line turns yellow
+# Host lines the board shows at most: a taller live display than the terminal is cropped by rich
+# and pushes the log lines out of sight (64 hosts). Beyond it, the hosts worth a look (stragglers,
+# silent, furthest behind) and one line summing up the others.
+MAX_ROWS = 16
 
 
 @dataclass
@@ -82,15 +86,18 @@ class Board:
                 lines.append(report.straggler_line(rank, ms, times))
         return lines
 
-    def render(self):
-        """The status lines, one per host, as a rich renderable."""
+    def render(self, max_rows: int = MAX_ROWS):
+        """The status lines, one per host (at most `max_rows`, see MAX_ROWS), as a rich renderable."""
+        from rich.console import Group
         from rich.table import Table
         from rich.text import Text
         slow = {rank: times for rank, _, times in self.stragglers()}
         now = self.clock()
         table = Table.grid(padding=(0, 2))
         with self._lock:
-            for st in sorted(self.hosts.values(), key=lambda s: s.node_rank):
+            states = sorted(self.hosts.values(), key=lambda s: s.node_rank)
+            shown = states if len(states) <= max_rows else self._worth_a_look(states, slow, now, max_rows - 1)
+            for st in shown:
                 silent = now - st.last_output
                 cells = [Text(st.name, style="bold"), f"r{st.node_rank}"]
                 if st.step is None:
@@ -103,7 +110,29 @@ class Board:
                 cells.append(Text(f"last output {silent:.0f}s ago",
                                   style="yellow" if silent > SILENT_AFTER else "dim"))
                 table.add_row(*cells)
-        return table
+            if len(shown) == len(states):
+                return table
+            rest = [st for st in states if st not in shown]
+            summary = self._summary(rest, len(states), now)
+        return Group(table, Text(summary, style="dim"))
+
+    @staticmethod
+    def _worth_a_look(states: list[HostState], slow: dict[str, float], now: float, rows: int) -> list[HostState]:
+        """The `rows` hosts to show when not all fit, in rank order: stragglers first, then silent
+        hosts, then those furthest behind (no step info counts as furthest)."""
+        def urgency(st: HostState):
+            straggling = any(r in slow for r in st.compute_ms)
+            silent = now - st.last_output > SILENT_AFTER
+            return (not straggling, not silent, -1 if st.step is None else st.step, st.last_output, st.node_rank)
+        return sorted(sorted(states, key=urgency)[:rows], key=lambda s: s.node_rank)
+
+    def _summary(self, rest: list[HostState], total: int, now: float) -> str:
+        steps = [st.step for st in rest if st.step is not None]
+        of = f"/{self.total}" if self.total else ""
+        where = (f"step {min(steps)}{of}" if min(steps) == max(steps) else f"steps {min(steps)}-{max(steps)}{of}"
+                 ) if steps else "no step info"
+        quiet = max(now - st.last_output for st in rest)
+        return f"... and {len(rest)} more of {total} hosts: {where}, last output at most {quiet:.0f}s ago"
 
     @staticmethod
     def _compute_cell(st: HostState, slow: dict[str, float]):
