@@ -237,7 +237,9 @@ def submit(session: Session, inv: Inventory, spec: plan.JobSpec, script: str, no
         raise UserError(f"{login.name}: cannot create slurm.workdir {cfg.workdir}: {sanitize(r.stderr.strip())}")
     session.put(login, script.encode(), f"{cfg.workdir}/{spec.job_id}.sbatch", mode=0o644)
     if inv.job.secret_files:
-        r = session.run(login, f"mkdir -p -m 700 {plan.shell([cfg.workdir + '/.secrets'])}", timeout=QUERY_TIMEOUT)
+        r = session.run(login, secrets_dir_command(cfg), timeout=QUERY_TIMEOUT, what="mkdir .secrets")
+        if not r.ok:
+            raise UserError(f"{login.name}: cannot create {cfg.workdir}/.secrets: {sanitize(r.stderr.strip())}")
         session.put(login, secrets_body(inv), secrets_path(cfg, spec.job_id), mode=0o600)
     r = session.run(login, submit_command(cfg, spec.job_id, bool(inv.job.secret_files)), timeout=QUERY_TIMEOUT,
                     what="sbatch")
@@ -442,6 +444,10 @@ def secrets_path(cfg: Slurm, job_id: str) -> str:
     return f"{cfg.workdir}/.secrets/{job_id}.env"
 
 
+def secrets_dir_command(cfg: Slurm) -> str:
+    return f"mkdir -p -m 700 {plan.shell([cfg.workdir + '/.secrets'])}"
+
+
 def prepared(inv: Inventory, spec: plan.JobSpec) -> tuple[plan.JobSpec, str]:
     """The spec with its code key, and the batch script that `fab train --on slurm` submits."""
     cfg = cfg_of(inv)
@@ -460,6 +466,7 @@ def dry_run(inv: Inventory, spec: plan.JobSpec) -> str:
              f"mkdir -p {plan.shell([cfg.workdir])}",
              f"write {cfg.workdir}/{spec.job_id}.sbatch (below)"]
     if inv.job.secret_files:
+        steps.append(secrets_dir_command(cfg))
         steps.append(f"write {secrets_path(cfg, spec.job_id)} (mode 600: "
                      f"{', '.join(n for n, _ in inv.job.secret_files)})")
     steps += [submit_command(cfg, spec.job_id, bool(inv.job.secret_files)),

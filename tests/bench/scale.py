@@ -26,7 +26,12 @@ benchmark writes names that image as job.image. Then, medians of --repeat:
              `fab train` and `fab logs`) follows every host until all have ended, echoing to a file:
              lines/s from the start of the containers to the last host's end, lines lost
 
-It also samples this process's threads and open file descriptors during each operation. Prints a
+  pdsh       baseline: the same `docker run -d` through pdsh (an ssh process per host, all at once),
+             what the test rig costs by itself: every test host's engine and sshd share this
+             machine's 2 CPUs, so work that runs in parallel on real hosts queues here
+
+It also counts the CPU seconds each operation costs on this machine (the fab process, or this one),
+samples this process's threads and open file descriptors during each operation. Prints a
 table with seconds at each N and the growth per doubling of N, and writes the raw numbers as JSON
 (--json). Only the project's own test hosts and loopback are contacted.
 """
@@ -37,6 +42,7 @@ import io
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -49,12 +55,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from orchestrator import attempt as attempt_mod  # noqa: E402
 from orchestrator import claims, cluster, hostops, plan  # noqa: E402
 from orchestrator.inventory import load  # noqa: E402
 from orchestrator.remote import Session  # noqa: E402
 from orchestrator.watch import watch  # noqa: E402
+from bench import Baselines  # noqa: E402 - tests/bench/bench.py: pdsh with the same SSH options
 
 FAB = str(Path(sys.executable).parent / "fab")
 TINY = "fabtrain/tiny:latest"
@@ -87,6 +95,11 @@ class Sampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._t.join()
+
+
+def cpu(who: int) -> float:
+    u = resource.getrusage(who)
+    return u.ru_utime + u.ru_stime
 
 
 def build_tiny() -> str:
@@ -137,10 +150,14 @@ def bring_up(n: int, inv_path: Path, image_id: str) -> dict:
     return {"up_s": up_s, "load_tiny_s": load_s}
 
 
+CPU: dict[str, float] = {}  # the last cli() call's CPU seconds on this machine (the fab process)
+
+
 def cli(*args, inv_path: Path, timeout: float = 600):
-    t0 = time.perf_counter()
+    c0, t0 = cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
     p = subprocess.run([FAB, *args, "--inventory", str(inv_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout)
+    CPU["last"] = cpu(resource.RUSAGE_CHILDREN) - c0
     return time.perf_counter() - t0, p
 
 
@@ -170,7 +187,7 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     # preflight, whole command line
     with Sampler():
         dt, p = cli("preflight", "--no-smoke", "--json", inv_path=inv_path)
-    r["preflight"] = dt
+    r["preflight"], r["preflight_cpu"] = dt, CPU["last"]
     try:
         doc = json.loads(p.stdout)
         failed = sorted({c.get("check", "?") for c in doc.get("checks", []) if c.get("status") == "fail"})
@@ -181,20 +198,21 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     # connect + start of one container per host, on one session
     spec = plan.JobSpec(job_id=plan.new_job_id("scale"), script="")
     with Sampler() as s_start:
-        t0 = time.perf_counter()
+        c0, t0 = cpu(resource.RUSAGE_SELF), time.perf_counter()
         with Session(inv.hosts) as session:
             got = session.fan_out(lambda h: session.run(h, "true", timeout=60, what="true"))
             r["connect"] = time.perf_counter() - t0
             assert all(not isinstance(v, BaseException) and v.ok for v in got.values()), got
             r["start"] = start_all(session, inv, spec, lambda h: ["sleep", "600"])
+        r["connect_start_cpu"] = cpu(resource.RUSAGE_SELF) - c0
     r["start_threads"], r["start_fds"] = s_start.threads, s_start.fds
 
     # status and stop, whole command lines
     dt, p = cli("status", inv_path=inv_path)
-    r["status"] = dt
+    r["status"], r["status_cpu"] = dt, CPU["last"]
     r["status_ok"] = p.returncode == 0 and spec.job_id in p.stdout and f"hosts: {len(inv.hosts)} answering" in p.stdout
     dt, p = cli("stop", "--grace", "0", inv_path=inv_path)
-    r["stop"] = dt
+    r["stop"], r["stop_cpu"] = dt, CPU["last"]
     r["stop_removed"] = sum(int(line.split("removed ")[1].split()[0]) for line in p.stdout.splitlines()
                             if ": removed " in line and "container" in line)
 
@@ -204,13 +222,14 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="scale-logs-"))
     term_path = run_dir / "terminal.out"
     with Session(inv.hosts) as session, Sampler() as s_logs, term_path.open("wb") as term:
-        t0 = time.perf_counter()
+        c0, t0 = cpu(resource.RUSAGE_SELF), time.perf_counter()
         start_all(session, inv, spec, lambda h: [
             "sh", "-c", 'mkdir -p "$1" && seq -f "line %g the quick brown fox" 0 "$3" > "$1/$2"', "sh",
             "/out/" + plan.console_name(h.rank).rsplit("/", 1)[0], plan.console_name(h.rank).rsplit("/", 1)[1],
             str(lines - 1)])
         result = watch(session, a, run_dir, echo=True, out=term)
         dt = time.perf_counter() - t0
+        r["logs_cpu"] = cpu(resource.RUSAGE_SELF) - c0
         hostops.stop(session, inv, [spec.job_id], 0)
         session.fan_out(lambda h: session.run(h, plan.shell(["rm", "-rf", f"{inv.job.output_dir}/{spec.job_id}"]),
                                               timeout=60))
@@ -222,12 +241,25 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     r["logs_lost"] = (expected - got_term) + (expected - got_files)
     r["logs_ok"] = result.ok
     r["logs_threads"], r["logs_fds"] = s_logs.threads, s_logs.fds
+
+    # The same `docker run -d` through pdsh (one ssh process per host, all at once): what the test
+    # rig itself costs (every host's engine shares this machine's CPUs), beside our start.
+    base = Baselines(inv)
+    name = f"scale-pdsh-{os.getpid()}"
+    t0 = time.perf_counter()
+    p = base.pdsh(plan.shell(["docker", "run", "-d", "--name", name, TINY, "sleep", "600"]))
+    r["pdsh_start"] = time.perf_counter() - t0
+    r["pdsh_started"] = p.stdout.count("\n")
+    base.pdsh(plan.shell(["docker", "rm", "-f", name]))
     return r
 
 
 OPS = (("preflight", "fab preflight --no-smoke (CLI)"), ("connect", "connect (Session, true on all)"),
        ("start", "start: docker run -d on all"), ("status", "fab status (CLI)"), ("stop", "fab stop --grace 0 (CLI)"),
-       ("logs", "logs: start + follow to the end"))
+       ("logs", "logs: start + follow to the end"), ("pdsh_start", "baseline: pdsh docker run -d on all"))
+CPU_OPS = (("preflight_cpu", "CPU s here: fab preflight"), ("connect_start_cpu", "CPU s here: connect + start"),
+           ("status_cpu", "CPU s here: fab status"), ("stop_cpu", "CPU s here: fab stop"),
+           ("logs_cpu", "CPU s here: logs"))
 
 
 def per_doubling(sizes: list[int], values: list[float]) -> str:
@@ -246,8 +278,11 @@ def table(results: dict[int, dict]) -> str:
     head = ["operation"] + [f"N={n}" for n in sizes] + ["x per doubling (goal <= 1.3)"]
     rows = [head]
     for key, label in OPS:
-        vals = [med([x[key] for x in results[n]["rounds"]]) for n in sizes]
+        vals = [med([x.get(key) for x in results[n]["rounds"]]) for n in sizes]
         rows.append([label] + [f"{v:.2f} s" for v in vals] + [per_doubling(sizes, vals)])
+    for key, label in CPU_OPS:
+        vals = [med([x.get(key) for x in results[n]["rounds"]]) for n in sizes]
+        rows.append([label] + [f"{v:.2f}" for v in vals] + [per_doubling(sizes, vals)])
     lps = [med([x["logs_lines_per_s"] for x in results[n]["rounds"]]) for n in sizes]
     rows.append(["logs: lines/s received"] + [f"{v:,.0f}" for v in lps] + [""])
     rows.append(["logs: lines lost"] + [str(sum(x["logs_lost"] for x in results[n]["rounds"])) for n in sizes] + [""])

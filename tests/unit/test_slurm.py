@@ -151,8 +151,11 @@ def test_dry_run_is_what_is_submitted_and_secrets_travel_on_stdin(tmp_path):
     assert steps[0] == listed[0] and steps[1] == listed[1]  # rsync to the login node, mkdir
     assert steps[2] == put_command("/jobs/gpt-1.sbatch", 0o644) and rec.calls[2][2].decode() == script
     assert listed[2] == "write /jobs/gpt-1.sbatch (below)" and text.endswith("---\n" + script)
+    assert steps[3] == listed[3] == "mkdir -p -m 700 /jobs/.secrets"
     assert rec.calls[4] == ("l1", put_command("/jobs/.secrets/gpt-1.env", 0o600), f"API_TOKEN={SECRET}\n".encode())
-    assert steps[5] == listed[4] == slurm.submit_command(i.slurm, "gpt-1", secrets=True)
+    assert listed[4] == "write /jobs/.secrets/gpt-1.env (mode 600: API_TOKEN)"
+    assert steps[5] == listed[5] == slurm.submit_command(i.slurm, "gpt-1", secrets=True)
+    assert len(steps) == 6
     assert "#SBATCH --partition=gpu" in script and "--comment=fabtrain" in script
     assert all(SECRET not in c[1] for c in rec.calls) and SECRET not in text + script
 
