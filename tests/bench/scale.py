@@ -142,12 +142,21 @@ def load_tiny(nodes, image_id: str) -> float:
 
 def bring_up(n: int, inv_path: Path, image_id: str) -> dict:
     t0 = time.perf_counter()
-    nodes = cluster.up(n, images=(), log=lambda line: print(f"  [cluster] {line}", flush=True))
+    for tries in range(1, 4):
+        try:
+            nodes = cluster.up(n, images=(), log=lambda line: print(f"  [cluster] {line}", flush=True))
+            break
+        except IndexError as exc:
+            # cluster.up reads each new host's key with `docker exec cat`; under the load of dozens
+            # of hosts starting at once, the engine now and then returns an empty output for it.
+            print(f"  [cluster] try {tries} failed reading a host key ({exc!r}); again", flush=True)
+    else:
+        raise RuntimeError(f"cluster.up({n}) failed 3 times")
     up_s = time.perf_counter() - t0
     load_s = load_tiny(nodes, image_id)
     text = (cluster.STATE_DIR / "inventory.yaml").read_text()
     inv_path.write_text(text.replace(f"image: {cluster.TRAINER_IMAGE}", f"image: {TINY}"))
-    return {"up_s": up_s, "load_tiny_s": load_s}
+    return {"up_s": up_s, "load_tiny_s": load_s, "up_tries": tries}
 
 
 CPU: dict[str, float] = {}  # the last cli() call's CPU seconds on this machine (the fab process)
