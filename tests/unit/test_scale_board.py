@@ -52,10 +52,8 @@ def test_few_hosts_are_all_shown_as_before():
     assert len(text(board.render(max_rows=4))) == 2
 
 
-def test_rendering_64_hosts_stays_cheap():
-    import time
+def test_by_default_64_hosts_take_at_most_max_rows_lines_and_the_summary():
+    from orchestrator.live import MAX_ROWS
     board = Board([(f"node{i}", i) for i in range(64)], clock=Clock())
-    t = time.perf_counter()
-    for _ in range(20):
-        text(board.render())
-    assert (time.perf_counter() - t) / 20 < 0.05  # twice a second beside 64 streams
+    lines = text(board.render())
+    assert len(lines) == MAX_ROWS and lines[-1].startswith(f"... and {64 - MAX_ROWS + 1} more of 64 hosts")
