@@ -259,3 +259,20 @@ def test_a_running_job_whose_output_file_the_login_node_cannot_see_is_explained(
     assert text.count("/opt/fabtrain/output/slurm/gpt-1-42.out is not there on l1: Slurm writes it on the job's "
                       "first node; put slurm.workdir on a filesystem") == 1
     assert "[fabtrain] slurm job 42: RUNNING on node1\n" in text and "[fabtrain] slurm job 42: FAILED\n" in text
+
+
+def test_the_live_view_follows_a_job_on_a_terminal(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+    monkeypatch.setattr(slurm, "POLL", 0)
+    s = inv(tmp_path, "  login: l1\n").slurm
+    job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node[1-2]"}] * 2 + [{"JobState": "COMPLETED"}])
+    term = io.StringIO()
+    follower = slurm.Follower(job, tmp_path / "run", console=Console(file=term, force_terminal=True, width=120),
+                              live=True)
+    assert follower.live and follower.run().exit_code == 0
+    job.answers.append({"JobState": "RUNNING", "NodeList": "node[1-2]"})
+    follower.demux.on_attempt(0)  # the allocation's nodes become the board's hosts
+    assert [h for h in follower.board.hosts] == ["node1", "node2"]
+    assert "slurm job 42: RUNNING on node[1-2]" in term.getvalue()
