@@ -7,7 +7,9 @@ hosts, `ssh-keyscan` after comparing the fingerprint).
 """
 from __future__ import annotations
 
+import heapq
 import io
+import itertools
 import socket
 import subprocess
 import threading
@@ -132,6 +134,59 @@ def failure(host: Host, result: "Result | BaseException", what: str) -> str | No
     return None
 
 
+class Deadlines:
+    """Every pending command deadline, kept by one thread instead of a timer thread per command
+    (a fan-out to 64 hosts started 64 more threads). A deadline that passes runs its action on a
+    thread of its own, so one slow close (a frozen host's channel) cannot hold up the others;
+    the common case, a command done in time, costs no thread at all."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, spawn: Callable | None = None) -> None:
+        self.clock = clock
+        self._spawn = spawn or (lambda action: threading.Thread(target=action, daemon=True, name="deadline").start())
+        self._heap: list[list] = []  # [when, sequence, action or None once cancelled]
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, seconds: float, action: Callable[[], None]) -> list:
+        """Run `action` once `seconds` have passed, unless cancelled; the handle for cancel()."""
+        entry = [self.clock() + seconds, next(self._seq), action]
+        with self._cond:
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="deadlines")
+                self._thread.start()
+            self._cond.notify()
+        return entry
+
+    def cancel(self, entry: list) -> None:
+        with self._cond:
+            entry[2] = None  # dropped when it reaches the top of the heap
+
+    def due(self) -> list[Callable[[], None]]:
+        """The actions whose time has come, in deadline order, taken off the heap."""
+        out = []
+        with self._cond:
+            now = self.clock()
+            while self._heap and (self._heap[0][2] is None or self._heap[0][0] <= now):
+                action = heapq.heappop(self._heap)[2]
+                if action is not None:
+                    out.append(action)
+        return out
+
+    def _run(self) -> None:
+        while True:
+            for action in self.due():
+                self._spawn(action)
+            with self._cond:
+                wait = self._heap[0][0] - self.clock() if self._heap else None
+                if wait is None or wait > 0:
+                    self._cond.wait(wait)
+
+
+DEADLINES = Deadlines()
+
+
 class Command:
     """One remote command on an open connection, bounded by a deadline.
 
@@ -147,7 +202,7 @@ class Command:
         self.what = what or command[:60]
         self.expired = False
         self.chan: paramiko.Channel | None = None
-        self._timer: threading.Timer | None = None
+        self._timer: list | None = None
 
     def __enter__(self) -> "Command":
         start = time.monotonic()
@@ -156,9 +211,7 @@ class Command:
             left = self.timeout - (time.monotonic() - start)
             if left <= 0:
                 raise CommandTimedOut(self.host, self.what, self.timeout)
-            self._timer = threading.Timer(left, self._expire)
-            self._timer.daemon = True
-            self._timer.start()
+            self._timer = DEADLINES.add(left, self._expire)
         try:
             self.chan = conn.transport.open_session(timeout=self.host.ssh.connect_timeout)
             if self.expired:
@@ -178,7 +231,7 @@ class Command:
 
     def _cancel(self) -> None:
         if self._timer is not None:
-            self._timer.cancel()
+            DEADLINES.cancel(self._timer)
 
     def __exit__(self, kind, exc, tb) -> None:  # noqa: ANN001
         self._cancel()
@@ -207,6 +260,8 @@ class Session:
         self.hosts = tuple(hosts)
         self._conns: dict[str, Connection] = {}
         self._lock = threading.Lock()
+        self.gateways = Gateways()
+        raise_fd_limit(fds_needed(len(self.hosts)))
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.hosts)),
                                         thread_name_prefix="ssh")
 
@@ -215,7 +270,7 @@ class Session:
             conn = self._conns.get(host.name)
         if conn is not None and conn.is_connected:
             return conn
-        conn = _connect(host)
+        conn = _connect(host, self.gateways)
         with self._lock:
             self._conns[host.name] = conn
         return conn
@@ -288,10 +343,9 @@ class Session:
         for conn in list(self._conns.values()):
             try:
                 conn.close()
-                for gateway in getattr(conn, "_fabtrain_gateways", ()):
-                    gateway.close()
             except Exception:  # noqa: BLE001 - closing a dead link must not mask the real error
                 pass
+        self.gateways.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Session":
@@ -301,6 +355,25 @@ class Session:
         self.close()
 
 
+def fds_needed(hosts: int) -> int:
+    """File descriptors a command over `hosts` hosts may hold at once: a socket per host, a log
+    file per host while following a job, and a margin for the interpreter and rsync pipes."""
+    return 3 * hosts + 256
+
+
+def raise_fd_limit(want: int, resource_module=None) -> int:  # noqa: ANN001 - `resource`, or a stand-in
+    """Raise this process's soft limit of open files to `want` (at most the hard limit): the
+    usual soft limit of 1024 is met from about 300 hosts. The limit in force after."""
+    import resource
+    res = resource_module or resource
+    soft, hard = res.getrlimit(res.RLIMIT_NOFILE)
+    target = want if hard == res.RLIM_INFINITY else min(want, hard)
+    if soft != res.RLIM_INFINITY and soft < target:
+        res.setrlimit(res.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
+
+
 def put_command(path: str, mode: int = 0o600) -> str:
     """Write the command's stdin to `path` (its directory made if missing), created private and then
     given `mode`: the bytes (a secret, our entrypoint) travel on stdin, never on a command line."""
@@ -308,9 +381,31 @@ def put_command(path: str, mode: int = 0o600) -> str:
     return plan.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
 
 
+class _AlsoSets(threading.Event):
+    """An event that sets another one with itself (the channel's exit status wakes _drain)."""
+
+    def __init__(self, other: threading.Event) -> None:
+        super().__init__()
+        self.other = other
+
+    def set(self) -> None:
+        super().set()
+        self.other.set()
+
+
 def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
+    """A command's stdout and stderr until it ends. The thread sleeps until data, EOF or a close
+    (the deadline's) arrives: polling every few milliseconds, N waiting commands cost CPU in
+    proportion to N times their duration, which itself grows with N on a loaded machine."""
     out, err = io.BytesIO(), io.BytesIO()
-    while not (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()):
+    wake = threading.Event()  # set by paramiko when either buffer gets data or is closed
+    chan.in_buffer.set_event(wake)
+    chan.in_stderr_buffer.set_event(wake)
+    old_status, chan.status_event = chan.status_event, _AlsoSets(wake)  # and when the exit status comes
+    if old_status.is_set():  # it came before the swap
+        chan.status_event.set()
+    while True:
+        wake.clear()  # before looking, so that data arriving after the look wakes the wait below
         got = False
         if chan.recv_ready():
             out.write(chan.recv(1 << 16))
@@ -318,10 +413,11 @@ def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
         if chan.recv_stderr_ready():
             err.write(chan.recv_stderr(1 << 16))
             got = True
-        if not got:
-            if chan.closed or chan.eof_received and chan.exit_status_ready():
-                break
-            chan.status_event.wait(0.005)
+        if got:
+            continue
+        if chan.closed or chan.eof_received or chan.exit_status_ready():
+            break  # EOF comes after all the data; the exit status follows it (exit_status waits)
+        wake.wait(1.0)  # a safety net only: every change of the buffers sets `wake`
     while chan.recv_ready():
         out.write(chan.recv(1 << 16))
     while chan.recv_stderr_ready():
@@ -355,23 +451,55 @@ def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a pa
     return conn
 
 
-def _connect(host: Host) -> Connection:
-    """Connect through the host's jump hosts (each checked like the host itself), then to it."""
-    gateways: list[Connection] = []
-    sock = None
-    hops = (*host.ssh.jump, host.ssh)
-    try:
-        for i, hop in enumerate(hops[:-1]):
-            gateways.append(_open(hop, f"jump host {hop.hostname} (for {host.name})", sock))
-            nxt = hops[i + 1]
-            sock = gateways[-1].transport.open_channel("direct-tcpip", (nxt.hostname, nxt.port), ("", 0),
-                                                       timeout=hop.connect_timeout)
-        conn = _open(host.ssh, host.name, sock)
-    except BaseException:
-        for g in gateways:
-            g.close()
-        raise
-    conn._fabtrain_gateways = gateways
+class Gateways:
+    """The open connections to jump hosts, one per chain of hops, shared by every host behind it.
+
+    Without sharing, N hosts behind one bastion open N SSH connections to it at once, and its sshd
+    drops unauthenticated connections beyond MaxStartups (OpenSSH's default 10:30:100 starts
+    refusing at 10): a connection storm that fails hosts at random from a few dozen on. Shared,
+    the bastion sees one connection per chain, and each host is a direct-tcpip channel in it.
+    """
+
+    def __init__(self, open_hop=None) -> None:  # noqa: ANN001 - _open, or a stand-in in tests
+        self._open = open_hop or _open
+        self._conns: dict[tuple[SSH, ...], Connection] = {}
+        self._locks: dict[tuple[SSH, ...], threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(self, hops: tuple[SSH, ...], host: Host) -> Connection:
+        """The connection to the last of `hops` (through the ones before it), opened once."""
+        with self._lock:
+            lock = self._locks.setdefault(hops, threading.Lock())
+        with lock:  # one opener per chain; the others wait for it instead of opening their own
+            conn = self._conns.get(hops)
+            if conn is not None and conn.is_connected:
+                return conn
+            hop = hops[-1]
+            sock = self.channel(hops[:-1], hop, host) if len(hops) > 1 else None
+            conn = self._open(hop, f"jump host {hop.hostname} (for {host.name})", sock)
+            self._conns[hops] = conn
+            return conn
+
+    def channel(self, hops: tuple[SSH, ...], to: SSH, host: Host):
+        """A direct-tcpip channel to `to` through the chain `hops` (None when there is none)."""
+        if not hops:
+            return None
+        return self.get(hops, host).transport.open_channel("direct-tcpip", (to.hostname, to.port), ("", 0),
+                                                          timeout=hops[-1].connect_timeout)
+
+    def close(self) -> None:
+        for conn in reversed(list(self._conns.values())):  # the last hops first
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - closing a dead link must not mask the real error
+                pass
+        self._conns.clear()
+
+
+def _connect(host: Host, gateways: Gateways) -> Connection:
+    """Connect through the host's jump hosts (each checked like the host itself, and opened once
+    for all the hosts behind it, see Gateways), then to it."""
+    conn = _open(host.ssh, host.name, gateways.channel(tuple(host.ssh.jump), host.ssh, host))
     conn.transport.set_keepalive(int(host.ssh.keepalive))
     conn._fabtrain_alive = time.monotonic()
     threading.Thread(target=_heartbeat, args=(conn, host.ssh.keepalive), daemon=True,
