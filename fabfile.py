@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json as _json
+import logging
 import shlex
 from dataclasses import replace
 import sys
@@ -35,6 +36,8 @@ from orchestrator.errors import UserError
 from orchestrator.logs import sanitize
 from orchestrator.remote import CommandTimedOut, Session, failure
 
+# paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
+logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
 RUNS = Path("runs")
 console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in logs and pipes
 INV_HELP = "inventory file (default: $FABTRAIN_INVENTORY, else inventory.yaml here)"

@@ -173,10 +173,16 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
         _wait_ready(c)
         _exec(c, ["sh", "-c", 'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
                   "sh", pubkey])
-        host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
-        return f"{node.address} {host_key[0]} {host_key[1]}\n"
+        # Under the load of dozens of new hosts the key file can still be empty for a moment.
+        for _ in range(10):
+            host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
+            if len(host_key) >= 2:
+                return f"{node.address} {host_key[0]} {host_key[1]}\n"
+            time.sleep(0.5)
+        raise UserError(f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh")
 
-    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+    # Bounded: 64 containers created at once overload the local engine.
+    with ThreadPoolExecutor(max_workers=min(len(nodes), 16)) as pool:
         known = list(pool.map(prepare, nodes))
     known_hosts = STATE_DIR / "known_hosts"
     known_hosts.write_text("".join(known))
