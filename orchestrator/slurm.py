@@ -288,7 +288,7 @@ class Follower:
     def track(self, shown: dict[str, str]) -> None:
         """Say what changed: pending (and why), running where, requeued (a new attempt)."""
         restarts = int(shown.get("Restarts", "0") or 0)
-        if restarts != self.restarts:
+        if restarts > self.restarts:  # only a rise is a requeue (a read without the field is not)
             if self.restarts >= 0:
                 number = len(self.record.attempts) + 1 if self.record is not None else restarts + 1
                 self.note(f"attempt {number}: Slurm requeued job {self.job.slurm_id} (restart {restarts}); "

@@ -71,6 +71,26 @@ def sacct_state(slurm_id: str) -> str:
     return dict(line.split("|") for line in out.split())[slurm_id]
 
 
+@pytest.fixture(autouse=True)
+def slurm_idle(slurm):
+    """Each test starts and leaves the Slurm cluster idle: a test that fails midway must not leave a
+    job holding the nodes (and their claims) for the tests after it."""
+    def settle():
+        on_host("node1", "scancel --user root", check=False)
+        deadline = time.monotonic() + 90
+        while on_host("node1", "squeue --noheader", check=False).stdout.strip() or \
+                on_host("node1", "sinfo --noheader --format %T", check=False).stdout.split() != ["idle"]:
+            if time.monotonic() > deadline:
+                break
+            on_host("node1", "scontrol update nodename=node[1-2] state=resume", check=False)
+            time.sleep(1)
+        for node in ("node1", "node2"):
+            on_host(node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f", check=False)
+    settle()
+    yield
+    settle()
+
+
 def test_exported_script_trains_across_two_slurm_nodes(slurm, tmp_path):
     slurm_id, job, submitted = submit(slurm, tmp_path, *GPT)
     first_step = wait_for(job, slurm_id, "| step ")
@@ -238,18 +258,22 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     assert re.search(r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M)
     assert "| step 1 |" not in after and "epoch 1 done | eval loss" in after
     rec = record(job)
-    assert [a["outcome"] for a in rec["attempts"]] == ["requeued", "finished"] and rec["state"] == "finished"
+    # Slurm may requeue more than once while node2 comes back; each requeue is an attempt.
+    outcomes = [a["outcome"] for a in rec["attempts"]]
+    assert len(outcomes) >= 2 and set(outcomes[:-1]) == {"requeued"} and outcomes[-1] == "finished", outcomes
+    assert rec["state"] == "finished"
     assert sacct_state(slurm_id) == "COMPLETED"
     assert project_containers("node1") == [] and project_containers("node2") == []
     # The finished job trained further: the same id and shared output directory, a new Slurm job.
     more = fab(shared_inventory, "train", "--on", "slurm", "--plain", "--resume", job, "--epochs", "3")
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr
-    assert f"resuming job {job} on Slurm (2 attempt(s) so far, finished); now args '--model tiny --epochs 3" in more.stdout
+    assert f"resuming job {job} on Slurm ({len(outcomes)} attempt(s) so far, finished); now args '--model tiny --epochs 3" in more.stdout
     assert re.search(r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-\d+\.pt", more.stdout, re.M)
     assert "epoch 2 done | eval loss" in more.stdout and "epoch 1 done" not in more.stdout
     rec = record(job)
-    assert len(rec["attempts"]) == 3 and rec["state"] == "finished" and rec["backend"]["earlier"] == [slurm_id]
-    assert rec["attempts"][2]["hosts"] == ["node1", "node2"] and len(rec["resumes"]) == 1
+    assert len(rec["attempts"]) == len(outcomes) + 1 and rec["state"] == "finished"
+    assert rec["backend"]["earlier"] == [slurm_id]
+    assert rec["attempts"][-1]["hosts"] == ["node1", "node2"] and len(rec["resumes"]) == 1
 
 
 def test_ctrl_c_on_fab_train_on_slurm_cancels_the_job(slurm_inventory):
