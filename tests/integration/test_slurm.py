@@ -203,12 +203,17 @@ def test_fab_train_on_slurm_streams_both_nodes_and_exits_with_the_jobs_result(sl
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 
-def test_fab_stop_job_cancels_a_slurm_job_and_its_containers(slurm_inventory):
-    run = Run(slurm_inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "50",
+def long_job(inventory) -> tuple[Run, str, str]:
+    """A 50-epoch fab train --on slurm in the background, once it trains: (run, job, slurm id)."""
+    run = Run(inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "50",
               "--args", "--log-every 1 --sample-chars 0")
     run.wait_for("| step ", timeout=180)
     job = job_of(run.text)
-    slurm_id = record(job)["backend"]["slurm_id"]
+    return run, job, record(job)["backend"]["slurm_id"]
+
+
+def test_fab_stop_job_cancels_a_slurm_job_and_its_containers(slurm_inventory):
+    run, job, slurm_id = long_job(slurm_inventory)
     status = json.loads(fab(slurm_inventory, "status", "--json").stdout)
     assert [(s["job"], s["state"], s["nodes"]) for s in status["slurm"]] == [(job, "RUNNING", "node[1-2]")]
     # fab logs follows it from the start, each node's lines prefixed; Ctrl+C only detaches.
@@ -277,11 +282,7 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
 
 
 def test_ctrl_c_on_fab_train_on_slurm_cancels_the_job(slurm_inventory):
-    run = Run(slurm_inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "50",
-              "--args", "--log-every 1 --sample-chars 0")
-    run.wait_for("| step ", timeout=180)
-    job = job_of(run.text)
-    slurm_id = record(job)["backend"]["slurm_id"]
+    run, job, slurm_id = long_job(slurm_inventory)
     run.proc.send_signal(signal.SIGINT)
     code = run.finish(timeout=120)
     assert code != 0 and f"Ctrl+C: cancelling slurm job {slurm_id} (scancel)" in run.text, run.text[-2000:]
