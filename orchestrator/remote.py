@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import io
 import itertools
+import os
 import socket
 import subprocess
 import threading
@@ -28,6 +29,8 @@ from .logs import sanitize
 from .sshconf import SSH
 
 T = TypeVar("T")
+# How long a finished command's output may still arrive before its EOF (see _drain).
+EOF_GRACE = 2.0
 
 if tuple(int(x) for x in paramiko.__version__.split(".")[:2]) < (3, 4):
     raise ImportError(f"paramiko {paramiko.__version__} is too old: 3.4 or newer is required "
@@ -404,6 +407,7 @@ def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
     old_status, chan.status_event = chan.status_event, _AlsoSets(wake)  # and when the exit status comes
     if old_status.is_set():  # it came before the swap
         chan.status_event.set()
+    ended = 0.0  # when the exit status came
     while True:
         wake.clear()  # before looking, so that data arriving after the look wakes the wait below
         got = False
@@ -415,9 +419,16 @@ def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
             got = True
         if got:
             continue
-        if chan.closed or chan.eof_received or chan.exit_status_ready():
-            break  # EOF comes after all the data; the exit status follows it (exit_status waits)
-        wake.wait(1.0)  # a safety net only: every change of the buffers sets `wake`
+        if chan.closed or chan.eof_received:
+            break  # EOF comes after all the data
+        if chan.exit_status_ready():
+            # OpenSSH's sshd sends the exit status as the command ends, and then what is still in
+            # its stdout pipe, then EOF: ending here lost a command's last lines under load. A
+            # command whose background child keeps the pipe open sends no EOF: wait only so long.
+            ended = ended or time.monotonic()
+            if time.monotonic() - ended > EOF_GRACE:
+                break
+        wake.wait(0.1 if ended else 1.0)  # a safety net only: every change of the buffers sets `wake`
     while chan.recv_ready():
         out.write(chan.recv(1 << 16))
     while chan.recv_stderr_ready():
@@ -435,6 +446,25 @@ def connect_kwargs(ssh: SSH) -> dict:
     return kwargs
 
 
+_KNOWN_HOSTS: dict[str, tuple[tuple[int, int, int], paramiko.HostKeys]] = {}
+_KNOWN_HOSTS_LOCK = threading.Lock()
+
+
+def known_hosts(path: str) -> paramiko.HostKeys:
+    """A known_hosts file as paramiko parses it, read again only when it changed (inode, mtime or size);
+    empty when there is no such file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return paramiko.HostKeys()
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    with _KNOWN_HOSTS_LOCK:
+        cached = _KNOWN_HOSTS.get(path)
+        if cached is None or cached[0] != stamp:
+            cached = _KNOWN_HOSTS[path] = (stamp, paramiko.HostKeys(path))
+        return cached[1]
+
+
 def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a paramiko Channel
     """One connected hop, its host key checked against its known_hosts files."""
     conn = Connection(ssh.hostname, user=ssh.user, port=ssh.port,
@@ -442,11 +472,13 @@ def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a pa
                       connect_timeout=ssh.connect_timeout,
                       connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
     conn.client.set_missing_host_key_policy(_RejectUnknown(label, ssh))
+    # Only this host's entries (paramiko looks the host up under this name): each file is parsed
+    # once, not once per connection (N hosts reading a known_hosts of N or more entries each).
+    name = ssh.hostname if ssh.port == 22 else f"[{ssh.hostname}]:{ssh.port}"
+    mine = conn.client.get_host_keys()
     for path in ssh.known_hosts:
-        try:
-            conn.client.load_host_keys(path)
-        except FileNotFoundError:
-            pass  # every key is then unknown, and the policy's error names the file
+        for key_type, key in (known_hosts(path).lookup(name) or {}).items():
+            mine.add(name, key_type, key)  # a missing file: every key is unknown, and the error names it
     conn.open()
     return conn
 

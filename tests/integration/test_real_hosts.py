@@ -243,3 +243,18 @@ def test_hostile_output_reaches_this_machine_defused(inventory_path, tmp_path):
     assert not (out / "escape").exists() and not (out / "escape").is_symlink()
     assert os.readlink(out / "inside") == "suid"
     assert not (out / "fifo").exists() and not (out / "null").exists()
+
+
+def test_output_after_the_exit_status_is_kept_and_a_held_pipe_is_not_waited_for(inv):
+    """sshd sends a command's exit status as it ends, then what is still in its stdout pipe: lines
+    written after that (here by a background child) are part of the output. A child that holds the
+    pipe open and writes nothing delays the result by no more than remote.EOF_GRACE."""
+    from orchestrator import remote
+
+    node1 = inv.hosts[0]
+    with remote.Session(inv.hosts[:1]) as session:
+        r = session.run(node1, "(sleep 0.5; echo late) & echo early")
+        assert (r.exited, r.stdout.split()) == (0, ["early", "late"]), r
+        r = session.run(node1, "sleep 20 & echo started; exit 3", timeout=15)
+        assert (r.exited, r.stdout.strip()) == (3, "started"), r
+        assert r.seconds < 10, r
