@@ -8,6 +8,14 @@ alternate within each repeat. Prints medians (seconds, whole push: save, probe, 
 id check) and writes the raw numbers as JSON. Hosts beyond the running cluster's (node5..8) are
 brought up for the run and removed after; the cluster's own files (.cluster/inventory.yaml,
 known_hosts) are put back as they were. Only the project's test hosts and loopback are contacted.
+
+    .venv/bin/python tests/bench/image_push.py --uplink 100 --mb 256
+
+--uplink MBIT limits this machine's link to the test hosts to MBIT Mbit/s (a `tc` token bucket on
+the cluster bridge's egress, as root; removed after). It stands for the usual case the chain is
+for: the machine running fab (a laptop, a login node) reaches the cluster through a link slower
+than the cluster's own network. Only traffic from this machine to the hosts is limited; host to
+host traffic (the chain's forwarding) is not.
 """
 from __future__ import annotations
 
@@ -47,6 +55,23 @@ def make_image(mb: int) -> str:
     return images.local_image(IMAGE)[0]
 
 
+def bridge_device() -> str:
+    """The Linux bridge behind the cluster's Docker network: this machine's link to the hosts."""
+    net_id = subprocess.run(["docker", "network", "inspect", "--format", "{{.Id}}", cluster.NETWORK],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    return "br-" + net_id[:12]
+
+
+def limit_uplink(mbit: int | None) -> None:
+    """Limit (or, with None, stop limiting) what this machine sends to the hosts to `mbit` Mbit/s."""
+    dev = bridge_device()
+    if mbit is None:
+        subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        return
+    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                    "burst", "256kb", "latency", "100ms"], check=True)
+
+
 def forget(names: list[str]) -> None:
     procs = [subprocess.Popen(["docker", "exec", f"fabtrain-{n}", "sh", "-c",
                                f"docker image rm -f {IMAGE} >/dev/null 2>&1; true"]) for n in names]
@@ -73,6 +98,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench-image-push.json"))
+    ap.add_argument("--uplink", type=int, default=None, metavar="MBIT",
+                    help="limit this machine's link to the hosts to MBIT Mbit/s during the pushes")
     args = ap.parse_args()
     sizes = [int(x) for x in args.hosts.split(",")]
     most = max(sizes)
@@ -83,7 +110,7 @@ def main() -> None:
                                          text=True, check=True).stdout.split() if c.startswith("fabtrain-node")}
     nodes = cluster.node_infos(max(most, len(running)))
     extra = [n for n in nodes if n.container not in running]
-    raw: dict = {"mb": args.mb, "runs": {}}
+    raw: dict = {"mb": args.mb, "uplink_mbit": args.uplink, "runs": {}}
     try:
         cluster.up(len(nodes), images=(), log=lambda *_: None)
         inv_path = Path(tempfile.mkdtemp(prefix="bench-push-")) / "inventory.yaml"
@@ -91,6 +118,9 @@ def main() -> None:
         image_id = make_image(args.mb)
         size = images.local_image(IMAGE)[1]
         print(f"image {IMAGE} {image_id[7:19]}, {size / 1e6:.0f} MB, one layer", flush=True)
+        if args.uplink:
+            limit_uplink(args.uplink)
+            print(f"link from here to the hosts limited to {args.uplink} Mbit/s ({bridge_device()})", flush=True)
         for n in sizes:
             for method in ("direct", "chain"):
                 raw["runs"].setdefault(f"{n}/{method}", [])
@@ -101,6 +131,8 @@ def main() -> None:
                     print(f"  {n} host(s) {method}: {dt:.1f}s", flush=True)
         forget([n.name for n in nodes[:most]])
     finally:
+        if args.uplink:
+            limit_uplink(None)
         subprocess.run(["docker", "image", "rm", "-f", IMAGE], capture_output=True)
         for n in extra:  # hosts this run brought up
             subprocess.run(["docker", "rm", "-f", "-v", n.container], capture_output=True)
@@ -110,7 +142,8 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in raw["runs"].items()}
     one = med.get("1/chain")
-    print(f"\nimage push, {args.mb} MB image held by no host, median of {args.repeat} (s)")
+    link = f", link from here limited to {args.uplink} Mbit/s" if args.uplink else ""
+    print(f"\nimage push, {args.mb} MB image held by no host{link}, median of {args.repeat} (s)")
     print(f"{'hosts':>5}  {'direct':>7}  {'chain':>7}  {'chain/direct':>12}  {'chain/chain@1':>13}")
     for n in sizes:
         d, c = med[f"{n}/direct"], med[f"{n}/chain"]
