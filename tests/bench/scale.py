@@ -15,6 +15,8 @@ benchmark writes names that image as job.image. Then, medians of --repeat:
              failed are recorded: the tiny image has no python3 and no torch, and the code tree is
              not synced, so those checks fail by design; every host is still probed)
   connect    a new remote.Session running `true` on every host (the SSH handshakes)
+  idle       those connections left open and idle for 5 s: the CPU they cost here meanwhile, with
+             remote.IDLE_WAKE and then with paramiko's own 0.1 s wake-up, side by side
   start      on that open session, `docker run -d` of the tiny image on every host with the job's
              labels (plan.LABEL_*), through Session.fan_out and Session.run: the fan-out and the
              engine's start of one container per host. NOT the full `fab train` start path (claim,
@@ -60,12 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from orchestrator import attempt as attempt_mod  # noqa: E402
 from orchestrator import claims, cluster, hostops, plan  # noqa: E402
 from orchestrator.inventory import load  # noqa: E402
+from orchestrator import remote  # noqa: E402
 from orchestrator.remote import Session  # noqa: E402
 from orchestrator.watch import watch  # noqa: E402
 from bench import Baselines  # noqa: E402 - tests/bench/bench.py: pdsh with the same SSH options
 
 FAB = str(Path(sys.executable).parent / "fab")
 TINY = "fabtrain/tiny:latest"
+IDLE = 5.0  # seconds the open connections are left idle, for their CPU cost
 TINY_TOOLS = ("/bin/sh", "/usr/bin/seq", "/bin/sleep", "/bin/cat", "/bin/mkdir")
 
 
@@ -212,8 +216,19 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
             got = session.fan_out(lambda h: session.run(h, "true", timeout=60, what="true"))
             r["connect"] = time.perf_counter() - t0
             assert all(not isinstance(v, BaseException) and v.ok for v in got.values()), got
+            i0 = cpu(resource.RUSAGE_SELF)
+            time.sleep(IDLE)
+            r["idle_cpu"] = cpu(resource.RUSAGE_SELF) - i0
+            # The same with paramiko's own wake-up every 0.1 s (remote.IDLE_WAKE's predecessor), side by side.
+            for conn in session._conns.values():
+                conn.transport.sock.settimeout(0.1)
+            i0 = cpu(resource.RUSAGE_SELF)
+            time.sleep(IDLE)
+            r["idle_cpu_wake_0.1"] = cpu(resource.RUSAGE_SELF) - i0
+            for conn in session._conns.values():
+                conn.transport.sock.settimeout(remote.IDLE_WAKE)
             r["start"] = start_all(session, inv, spec, lambda h: ["sleep", "600"])
-        r["connect_start_cpu"] = cpu(resource.RUSAGE_SELF) - c0
+        r["connect_start_cpu"] = cpu(resource.RUSAGE_SELF) - c0 - r["idle_cpu"] - r["idle_cpu_wake_0.1"]
     r["start_threads"], r["start_fds"] = s_start.threads, s_start.fds
 
     # status and stop, whole command lines
@@ -268,7 +283,8 @@ OPS = (("preflight", "fab preflight --no-smoke (CLI)"), ("connect", "connect (Se
        ("logs", "logs: start + follow to the end"), ("pdsh_start", "baseline: pdsh docker run -d on all"))
 CPU_OPS = (("preflight_cpu", "CPU s here: fab preflight"), ("connect_start_cpu", "CPU s here: connect + start"),
            ("status_cpu", "CPU s here: fab status"), ("stop_cpu", "CPU s here: fab stop"),
-           ("logs_cpu", "CPU s here: logs"))
+           ("logs_cpu", "CPU s here: logs"), ("idle_cpu", f"CPU s here: connections idle {IDLE:.0f} s"),
+           ("idle_cpu_wake_0.1", "  the same, paramiko waking every 0.1 s"))
 
 
 def per_doubling(sizes: list[int], values: list[float]) -> str:
