@@ -423,14 +423,16 @@ def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
             continue
         if chan.closed or chan.eof_received:
             break  # EOF comes after all the data
+        wait = 1.0  # a safety net only: every change of the buffers sets `wake`
         if chan.exit_status_ready():
             # OpenSSH's sshd sends the exit status as the command ends, and then what is still in
             # its stdout pipe, then EOF: ending here lost a command's last lines under load. A
             # command whose background child keeps the pipe open sends no EOF: wait only so long.
             ended = ended or time.monotonic()
-            if time.monotonic() - ended > EOF_GRACE:
+            wait = ended + EOF_GRACE - time.monotonic()
+            if wait <= 0:
                 break
-        wake.wait(0.1 if ended else 1.0)  # a safety net only: every change of the buffers sets `wake`
+        wake.wait(wait)
     while chan.recv_ready():
         out.write(chan.recv(1 << 16))
     while chan.recv_stderr_ready():

@@ -195,6 +195,12 @@ def start_all(session: Session, inv, spec: plan.JobSpec, command_for) -> float:
     return dt
 
 
+def wake_every(session: Session, seconds: float) -> None:
+    """How often each open connection's paramiko thread wakes when idle (its socket timeout)."""
+    for conn in session._conns.values():
+        conn.transport.sock.settimeout(seconds)
+
+
 def one_round(inv, inv_path: Path, lines: int) -> dict:
     r: dict = {}
     # preflight, whole command line
@@ -216,17 +222,13 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
             got = session.fan_out(lambda h: session.run(h, "true", timeout=60, what="true"))
             r["connect"] = time.perf_counter() - t0
             assert all(not isinstance(v, BaseException) and v.ok for v in got.values()), got
-            i0 = cpu(resource.RUSAGE_SELF)
-            time.sleep(IDLE)
-            r["idle_cpu"] = cpu(resource.RUSAGE_SELF) - i0
-            # The same with paramiko's own wake-up every 0.1 s (remote.IDLE_WAKE's predecessor), side by side.
-            for conn in session._conns.values():
-                conn.transport.sock.settimeout(0.1)
-            i0 = cpu(resource.RUSAGE_SELF)
-            time.sleep(IDLE)
-            r["idle_cpu_wake_0.1"] = cpu(resource.RUSAGE_SELF) - i0
-            for conn in session._conns.values():
-                conn.transport.sock.settimeout(remote.IDLE_WAKE)
+            # Idle, as fab leaves them and with paramiko's own wake-up every 0.1 s, side by side.
+            for key, wake in (("idle_cpu", remote.IDLE_WAKE), ("idle_cpu_wake_0.1", 0.1)):
+                wake_every(session, wake)
+                i0 = cpu(resource.RUSAGE_SELF)
+                time.sleep(IDLE)
+                r[key] = cpu(resource.RUSAGE_SELF) - i0
+            wake_every(session, remote.IDLE_WAKE)
             r["start"] = start_all(session, inv, spec, lambda h: ["sleep", "600"])
         r["connect_start_cpu"] = cpu(resource.RUSAGE_SELF) - c0 - r["idle_cpu"] - r["idle_cpu_wake_0.1"]
     r["start_threads"], r["start_fds"] = s_start.threads, s_start.fds
