@@ -33,7 +33,7 @@ from orchestrator import slurm as _slurm
 from orchestrator.events import JsonLines, Terminal
 from orchestrator.policy import HANG_TIMEOUT
 from orchestrator.errors import UserError
-from orchestrator.logs import sanitize
+from orchestrator import hostile
 from orchestrator.remote import CommandTimedOut, Session, failure
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
@@ -65,7 +65,7 @@ def user_errors(fn):
             fabric_core_flags(args[0])
             return fn(*args, **kwargs)
         except UserError as exc:
-            print(f"error: {sanitize(str(exc))}", file=sys.stderr)
+            print(f"error: {hostile.text(str(exc))}", file=sys.stderr)
             raise Exit(code=exc.exit_code) from None
     return wrapper
 
@@ -205,7 +205,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     given = dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image, nproc=nproc,
                  name=name, code=code, module=module, checkpoint=checkpoint)
     if on not in (None, "ssh", "slurm"):
-        raise UserError(f"--on {sanitize(str(on))!r}: give ssh or slurm", exit_code=2)
+        raise UserError(f"--on {hostile.text(str(on))!r}: give ssh or slurm", exit_code=2)
     if on == "slurm":
         ssh_only = dict(continue_=continue_, restarts=restarts, min_nodes=min_nodes,
                         hang_timeout=hang_timeout, include=include, exclude=exclude, num_nodes=num_nodes, gpus=gpus,
@@ -339,7 +339,7 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
     if job and not plan.valid_job_id(job):
-        raise UserError(f"--job {sanitize(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
+        raise UserError(f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
     if job and _slurm.recorded(RUNS, job):
         for line in _slurm.stop(inv, [job], RUNS, grace):
             print(line)
@@ -480,7 +480,7 @@ def plot(c, jobs, out=None):
     dirs = []
     for name in names:
         if not plan.valid_job_id(name) or not (RUNS / name).is_dir():
-            raise UserError(f"no run {sanitize(name)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
+            raise UserError(f"no run {hostile.text(name)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
         dirs.append(RUNS / name)
     target = Path(out) if out else (dirs[0] / "loss.png" if len(dirs) == 1 else RUNS / "compare.png")
     print(f"wrote {report.write_plot(dirs, target)}")
@@ -488,7 +488,7 @@ def plot(c, jobs, out=None):
 
 def _warn(warnings) -> None:
     for w in warnings:
-        print(f"warning: {sanitize(w)}", file=sys.stderr)
+        print(f"warning: {hostile.text(w)}", file=sys.stderr)
 
 
 @task(auto_shortflags=False, help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
@@ -562,7 +562,7 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
     sending only the layers they lack (--method direct: one stream per host), skipping hosts that
     hold the same image id and verifying the id after."""
     if method not in ("chain", "direct"):
-        raise UserError(f"--method {sanitize(str(method))!r}: give chain or direct", exit_code=2)
+        raise UserError(f"--method {hostile.text(str(method))!r}: give chain or direct", exit_code=2)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
     inv = _inventory.load(inventory)
     image = image or inv.job.image

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import codetree, plan, report
 from .errors import UserError
 from .inventory import Inventory
-from .logs import sanitize
+from . import hostile
 from .policy import HANG_TIMEOUT, Policy
 from .recovery import JobRecord
 
@@ -42,7 +42,7 @@ def new_spec(o: dict, trainers: dict[str, str]) -> plan.JobSpec:
         raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
     if module:
         if not plan.MODULE_RE.match(module):
-            raise UserError(f"--module {sanitize(module)!r} is not a Python module name; write e.g. "
+            raise UserError(f"--module {hostile.text(module)!r} is not a Python module name; write e.g. "
                             "mypkg.train (dotted names, no .py)", exit_code=2)
         script, extra = module, split_args(args)
     elif script:
@@ -59,7 +59,7 @@ def new_spec(o: dict, trainers: dict[str, str]) -> plan.JobSpec:
         extra = ["--model", o.get("model") or "tiny", "--epochs", str(epochs(o.get("epochs") or 5)), *split_args(args)]
     job_name = default_name(o, trainers)
     if not plan.valid_job_id(job_name):
-        raise UserError(f"--name {sanitize(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
+        raise UserError(f"--name {hostile.text(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
     nproc = o.get("nproc")
     checkpoint = checkpoint_option(o.get("checkpoint"))
     if checkpoint and script in trainers.values() and not module:
@@ -246,7 +246,7 @@ def changes_line(changed: dict) -> str:
     if not changed:
         return ""
     shown = {k: shlex.join(v) if isinstance(v, tuple) else v for k, v in changed.items()}
-    return "; now " + ", ".join(f"{k} {sanitize(str(v))!r}" for k, v in shown.items())
+    return "; now " + ", ".join(f"{k} {hostile.text(str(v))!r}" for k, v in shown.items())
 
 
 def inventory_checkpoint(inv: Inventory) -> str | None:
@@ -285,7 +285,7 @@ def present(run_dir: Path, console) -> None:
         if data["per_host"]:
             console.print(report.timing_table(data))
         for st in data["stragglers"]:
-            console.print(f"[red]{sanitize(report.straggler_line(st['rank'], st['compute_ms_median'], st['times_median']))}[/]",
+            console.print(f"[red]{hostile.text(report.straggler_line(st['rank'], st['compute_ms_median'], st['times_median']))}[/]",
                           highlight=False)
     except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended
-        console.print(f"[yellow]could not write the run's curves and summary: {sanitize(str(exc))}[/]")
+        console.print(f"[yellow]could not write the run's curves and summary: {hostile.text(str(exc))}[/]")

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .logs import sanitize
+from . import hostile
 
 # Every event kind and its fields (README: --json).
 KINDS = {
@@ -63,13 +63,13 @@ class Terminal(Reporter):
                     f"(port {f['port']})" + (f", from snapshot {f['snapshot']}" if f.get("snapshot") else "")
                     + f"; logs in {f['run_dir']}")
         if kind == "note":
-            return sanitize(f["text"])
+            return hostile.text(f["text"])
         if kind == "host_failed":
-            return f"{f['host']} {f['kind']}: {sanitize(f['detail'])}" if f.get("detail") else None
+            return f"{f['host']} {f['kind']}: {hostile.text(f['detail'])}" if f.get("detail") else None
         if kind == "hang":
-            return "hang watchdog: no progress; where each rank is:\n  " + "\n  ".join(sanitize(s) for s in f["ranks"])
+            return "hang watchdog: no progress; where each rank is:\n  " + "\n  ".join(hostile.text(s) for s in f["ranks"])
         if kind == "decision" and f["next"]:
-            return f"job {f['job']}: {sanitize(f['reason'])}"
+            return f"job {f['job']}: {hostile.text(f['reason'])}"
         return None  # stages, progress and the end are shown by the log lines and the final message
 
 

@@ -15,7 +15,7 @@ from . import claims, codetree, plan
 from .attempt import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from .errors import UserError
 from .inventory import Host, Inventory
-from .logs import sanitize
+from . import hostile
 from .remote import PerHost, Session
 
 
@@ -30,7 +30,7 @@ def sync(session: Session, inv: Inventory, source: Path, only: str = "",
         r = session.local(plan.rsync_argv(host, str(source), dest, only), COPY_TIMEOUT)
         if not r.ok:
             raise UserError(f"sync to {host.name} ({host.ssh.where()}) failed (rsync exit {r.exited}): "
-                            f"{sanitize(r.stderr.strip()[-400:])}; check SSH access with: "
+                            f"{hostile.text(r.stderr.strip()[-400:])}; check SSH access with: "
                             f"{plan.shell([*plan.ssh_argv(host), host.hostname, 'true'])}")
         return r.seconds
 

@@ -23,7 +23,7 @@ from .attempt import ALWAYS, ON_FAILURE, ON_INTERRUPT, AttemptPlan, Fact, Step
 from .errors import UserError
 from .events import Reporter
 from .inventory import Host, Inventory
-from .logs import sanitize
+from . import hostile
 from .policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from .recovery import Attempt, JobRecord
 from .remote import PerHost, Session, describe
@@ -187,7 +187,7 @@ class Job:
                 r = (self.session.local(list(s.argv), s.timeout) if s.where == attempt_mod.LOCAL else
                      self.session.run(h, s.command, timeout=s.timeout, stdin=s.stdin, what=s.what))
                 if not r.ok:
-                    raise UserError(f"{h.name}: {s.what} failed (exit {r.exited}): {sanitize(r.stderr.strip()[-300:])}")
+                    raise UserError(f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}")
             return r
         return self.session.fan_out(one, tuple(hosts[n] for n in by_host))
 
@@ -391,7 +391,7 @@ class Job:
             why = (f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
                    f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
                    if r.exited == claims.REFUSED else f"{h.name}: {s.what} failed (exit {r.exited}): "
-                   f"{sanitize(r.stderr.strip()[-300:])}")
+                   f"{hostile.text(r.stderr.strip()[-300:])}")
             if a.number == 1 and not self.resuming:
                 for name in [x.name for x in a.hosts]:
                     self.used.pop(name, None)  # nothing of this job is left on them to fetch or clean

@@ -16,7 +16,7 @@ from .errors import UserError
 from .events import Terminal
 from .inventory import Inventory
 from .job import Job, JobResult
-from .logs import sanitize
+from . import hostile
 from .remote import Session
 from .watch import Watcher, worker_failure
 
@@ -42,7 +42,7 @@ def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path,
             raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
         job_id = next(iter(jobs))
     if not plan.valid_job_id(job_id):
-        raise UserError(f"job id {sanitize(job_id)!r} is not a fabtrain job id; pass --job with the right id")
+        raise UserError(f"job id {hostile.text(job_id)!r} is not a fabtrain job id; pass --job with the right id")
     # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
     ranks = jobs.get(job_id) or {h.name: h.rank for h in inv.hosts}
     hosts = tuple(sorted((replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks),
@@ -78,11 +78,11 @@ def explain(result: JobResult) -> UserError | None:
         if result.reason and result.reason not in head:
             head += f"\n  the job ended: {result.reason}"
     if len(result.failures) > 1:
-        head += (f"\n  every attempt failed ({result.attempts}):\n" + "\n".join("    " + sanitize(f) for f in result.failures))
+        head += (f"\n  every attempt failed ({result.attempts}):\n" + "\n".join("    " + hostile.text(f) for f in result.failures))
     tail = ""
     if blamed:
         tail = f"\n  last lines of {blamed.host.name}:\n" + "\n".join(
-            "    " + line for line in sanitize(blamed.tail).splitlines()[-20:])
+            "    " + line for line in hostile.text(blamed.tail).splitlines()[-20:])
     return UserError(f"{head}{tail}\n  full logs: {result.run_dir}\n"
                      f"  continue from the newest snapshot with: fab train --resume {result.job_id}")
 
@@ -144,7 +144,7 @@ def status_table(views, steps, inv: Inventory):
         hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claims.units_text(tuple(x['units']))}"
                                     if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
         style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
-        table.add_row(r["job"], Text(sanitize(r["who"] or "-")), hosts, Text(r["state"], style=style),
+        table.add_row(r["job"], Text(hostile.text(r["who"] or "-")), hosts, Text(r["state"], style=style),
                       str(r["attempt"] or "-"), str(r["step"] if r["step"] is not None else "-"),
                       since_text(r["since"] or 0))
     if not views:

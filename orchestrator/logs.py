@@ -7,31 +7,13 @@ gone); only complete lines go to the terminal, each whole, so lines of different
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
-# What a host may not send to this terminal: C0 controls but tab and newline (ESC starts colour,
-# clear-screen, title and OSC-8 link sequences; CR and BS overwrite our prefix), DEL, and the C1
-# controls (U+0080-U+009F, two bytes in UTF-8), which some terminals also obey.
-_C0 = bytes(c for c in range(32) if c not in (9, 10)) + b"\x7f"
-_C1 = re.compile(rb"\xc2[\x80-\x9f]")
-_C_TEXT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def sanitize_bytes(data: bytes) -> bytes:
-    """Remote output made safe for a terminal: control bytes removed (the log file keeps them)."""
-    data = data.translate(None, _C0)
-    return _C1.sub(b"", data) if b"\xc2" in data else data
-
-
-def sanitize(text: str) -> str:
-    """Remote text (an error, a probe's output) made safe to print: control characters removed."""
-    return _C_TEXT.sub("", text)
-
+from . import hostile
 
 COLOURS = (36, 33, 35, 32, 34, 31, 96, 93)  # cyan, yellow, magenta, green, blue, red, bright...
 
@@ -83,6 +65,7 @@ class HostSink:
         self.mux, self.path, self.prefix, self.name = mux, path, prefix, name
         self._file = path.open("ab")
         self._partial = b""
+        self._cut = hostile.LineCutter()  # a line with no end costs bounded memory, here and in the file
         self.tail: deque[bytes] = deque(maxlen=tail_lines)
         self._lock = threading.Lock()  # the follower and the hang watchdog both write here
 
@@ -92,6 +75,9 @@ class HostSink:
                 self._feed(data)
 
     def _feed(self, data: bytes) -> None:
+        data = self._cut.feed(data)
+        if not data:
+            return
         self._file.write(data)
         self._file.flush()
         data = self._partial + data
@@ -99,7 +85,7 @@ class HostSink:
         self._partial = data[cut:]
         if not cut:
             return
-        block = sanitize_bytes(data[:cut - 1])  # complete lines, without the last newline
+        block = hostile.text_bytes(data[:cut - 1])  # complete lines, without the last newline
         self.tail.extend(block.rsplit(b"\n", self.tail.maxlen)[-self.tail.maxlen:])
         if self.mux.board is not None:
             self.mux.board.observe(self.name, block)
@@ -115,7 +101,7 @@ class HostSink:
 
     def _close(self) -> None:
         if self._partial:
-            partial = sanitize_bytes(self._partial)
+            partial = hostile.text_bytes(self._partial)
             self.tail.append(partial)
             if self.mux.echo:
                 self.mux.write(self.prefix + partial + b"\n")

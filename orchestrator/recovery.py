@@ -14,7 +14,7 @@ from pathlib import Path
 from . import plan
 from .errors import UserError
 from .inventory import Inventory
-from .logs import sanitize
+from . import hostile
 
 RECORD = "job.json"
 
@@ -73,7 +73,7 @@ class JobRecord:
     @classmethod
     def load(cls, run_root: Path, job_id: str) -> "JobRecord":
         if not plan.valid_job_id(job_id):
-            raise UserError(f"--resume {sanitize(job_id)!r} is not a job id; 'ls {run_root}' lists them",
+            raise UserError(f"--resume {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them",
                             exit_code=2)
         path = run_root / job_id / RECORD
         try:

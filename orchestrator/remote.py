@@ -25,7 +25,7 @@ from fabric import Config, Connection
 from .errors import UserError
 from . import plan
 from .inventory import Host
-from .logs import sanitize
+from . import hostile
 from .sshconf import SSH
 
 T = TypeVar("T")
@@ -135,7 +135,7 @@ def failure(host: Host, result: "Result | BaseException", what: str) -> str | No
     if isinstance(result, BaseException):
         return describe(host, result)
     if not result.ok:
-        return f"{host.name}: {what} failed (exit {result.exited}): {sanitize(result.stderr.strip())[-200:]}"
+        return f"{host.name}: {what} failed (exit {result.exited}): {hostile.text(result.stderr.strip())[-200:]}"
     return None
 
 

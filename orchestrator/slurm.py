@@ -29,7 +29,8 @@ from .attempt import secrets_body
 from .errors import UserError
 from .inventory import Inventory, Slurm
 from .live import Board
-from .logs import Multiplexer, sanitize
+from . import hostile
+from .logs import Multiplexer
 from .remote import Session, describe
 
 POLL = 1.0             # seconds between two reads of the job's state
@@ -200,7 +201,7 @@ class SlurmJob:
         if "Invalid job id" in r.stderr:
             return None
         raise UserError(f"scontrol show job {self.slurm_id} on {self.cfg.login.name} failed: "
-                        f"{sanitize(r.stderr.strip()[-300:])}")
+                        f"{hostile.text(r.stderr.strip()[-300:])}")
 
     def nodes(self, nodelist: str) -> list[str]:
         r = self.query(hostnames_command(nodelist), "scontrol show hostnames")
@@ -216,7 +217,7 @@ class SlurmJob:
     def cancel(self) -> None:
         r = self.query(plan.shell(["scancel", self.slurm_id]), "scancel")
         if not r.ok:
-            raise UserError(f"scancel {self.slurm_id} on {self.cfg.login.name} failed: {sanitize(r.stderr.strip())}")
+            raise UserError(f"scancel {self.slurm_id} on {self.cfg.login.name} failed: {hostile.text(r.stderr.strip())}")
 
 
 def cfg_of(inv: Inventory) -> Slurm:
@@ -234,18 +235,18 @@ def submit(session: Session, inv: Inventory, spec: plan.JobSpec, script: str, no
     note(f"code synced to {login.name}:{dest}")
     r = session.run(login, f"mkdir -p {plan.shell([cfg.workdir])}", timeout=QUERY_TIMEOUT, what="mkdir workdir")
     if not r.ok:
-        raise UserError(f"{login.name}: cannot create slurm.workdir {cfg.workdir}: {sanitize(r.stderr.strip())}")
+        raise UserError(f"{login.name}: cannot create slurm.workdir {cfg.workdir}: {hostile.text(r.stderr.strip())}")
     session.put(login, script.encode(), f"{cfg.workdir}/{spec.job_id}.sbatch", mode=0o644)
     if inv.job.secret_files:
         r = session.run(login, secrets_dir_command(cfg), timeout=QUERY_TIMEOUT, what="mkdir .secrets")
         if not r.ok:
-            raise UserError(f"{login.name}: cannot create {cfg.workdir}/.secrets: {sanitize(r.stderr.strip())}")
+            raise UserError(f"{login.name}: cannot create {cfg.workdir}/.secrets: {hostile.text(r.stderr.strip())}")
         session.put(login, secrets_body(inv), secrets_path(cfg, spec.job_id), mode=0o600)
     r = session.run(login, submit_command(cfg, spec.job_id, bool(inv.job.secret_files)), timeout=QUERY_TIMEOUT,
                     what="sbatch")
     slurm_id = r.stdout.strip().split(";")[0]
     if not r.ok or not slurm_id.isdigit():
-        raise UserError(f"sbatch on {login.name} refused the job: {sanitize((r.stderr or r.stdout).strip()[-600:])}"
+        raise UserError(f"sbatch on {login.name} refused the job: {hostile.text((r.stderr or r.stdout).strip()[-600:])}"
                         f"; the script is {cfg.workdir}/{spec.job_id}.sbatch there")
     return SlurmJob(session, cfg, spec.job_id, slurm_id)
 
@@ -329,7 +330,7 @@ class Follower:
                     self.demux.feed(data)
         except Exception as exc:  # noqa: BLE001 - the poller still sees the job's end
             if not stop.is_set():
-                self.note(f"reading {path} on {self.job.cfg.login.name} stopped: {sanitize(str(exc))}")
+                self.note(f"reading {path} on {self.job.cfg.login.name} stopped: {hostile.text(str(exc))}")
 
     def drain(self, stop: threading.Event, reader: threading.Thread) -> None:
         """Once the job has ended: read on until the file's whole length has come (bounded)."""
@@ -423,7 +424,7 @@ def status_rows(session: Session, inv: Inventory) -> list[dict]:
     cfg = cfg_of(inv)
     r = session.run(cfg.login, squeue_command(), timeout=QUERY_TIMEOUT, what="squeue")
     if not r.ok:
-        raise UserError(f"squeue on {cfg.login.name} failed: {sanitize(r.stderr.strip()[-300:])}")
+        raise UserError(f"squeue on {cfg.login.name} failed: {hostile.text(r.stderr.strip()[-300:])}")
     return parse_squeue(r.stdout)
 
 
@@ -498,7 +499,7 @@ def train(inv: Inventory, spec: plan.JobSpec, run_root: Path, console, live: boo
     with Session((cfg.login,)) as session:
         def note(line: str) -> None:
             if echo:
-                console.print(f"[fabtrain] {sanitize(line)}", highlight=False, markup=False)
+                console.print(f"[fabtrain] {hostile.text(line)}", highlight=False, markup=False)
         try:
             job = submit(session, inv, spec, script, note)
         except BaseException:
@@ -579,9 +580,9 @@ def status_table(rows: list[dict]):
         table.add_column(col, no_wrap=col == "job")
     for r in rows:
         why = f" ({r['reason']})" if r["reason"] and r["reason"] != "None" else ""
-        table.add_row(sanitize(r["job"]), r["slurm_id"], sanitize(r["who"]), sanitize(r["nodes"] or "-"),
-                      Text(sanitize(r["state"] + why), style="green" if r["state"] == "RUNNING" else ""),
-                      sanitize(r["start"]))
+        table.add_row(hostile.text(r["job"]), r["slurm_id"], hostile.text(r["who"]), hostile.text(r["nodes"] or "-"),
+                      Text(hostile.text(r["state"] + why), style="green" if r["state"] == "RUNNING" else ""),
+                      hostile.text(r["start"]))
     if not rows:
         table.add_row("-", "-", "-", "-", Text("no jobs", style="dim"), "-")
     return table

@@ -36,7 +36,7 @@ from typing import Callable
 from . import plan
 from .errors import UserError
 from .inventory import Host, Inventory
-from .logs import sanitize
+from . import hostile
 from .remote import Session, describe
 
 SNAPSHOT_RE = re.compile(r"^snapshot-\d{9}\.pt$")
@@ -242,11 +242,11 @@ def remote_digest(session: Session, host: Host, remote_file: str) -> Digest:
         raise _CopyFailed(f"no checksum from the host: {describe(host, exc)}") from None
     if not r.ok:
         raise _CopyFailed(f"stat/sha256sum on the host exited {r.exited}: "
-                          f"{sanitize(r.stderr.strip())[-200:]}")
+                          f"{hostile.text(r.stderr.strip())[-200:]}")
     try:
         return parse_checksum(r.stdout)
     except ValueError as exc:
-        raise _CopyFailed(f"unreadable checksum from the host: {sanitize(str(exc))}") from None
+        raise _CopyFailed(f"unreadable checksum from the host: {hostile.text(str(exc))}") from None
 
 
 def remote_newest(session: Session, host: Host, inv: Inventory, spec: plan.JobSpec,
@@ -302,7 +302,7 @@ class Snapshots:
         except OSError as exc:  # rsync missing or not runnable
             raise _CopyFailed(f"{argv[0]} could not run: {exc}") from None
         if proc.returncode != 0:
-            raise _CopyFailed(f"rsync exited {proc.returncode}: {sanitize((proc.stderr or '').strip())[-200:]}")
+            raise _CopyFailed(f"rsync exited {proc.returncode}: {hostile.text((proc.stderr or '').strip())[-200:]}")
 
     def fetch(self, session: Session, host: Host, name: str) -> bool:
         """Copy snapshot `name` from a host into runs/JOB/snapshots, checked (see the module's
@@ -423,7 +423,7 @@ class Snapshots:
                 except Exception as exc:  # noqa: BLE001 - this try failed; the next one says more
                     raise _CopyFailed(f"mv on the host failed: {describe(host, exc)}") from None
                 if not r.ok:
-                    raise _CopyFailed(f"mv on the host exited {r.exited}: {sanitize(r.stderr.strip())[-200:]}")
+                    raise _CopyFailed(f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}")
                 return
             except _CopyFailed as exc:
                 why = str(exc)

@@ -34,7 +34,8 @@ from .errors import UserError
 from .events import Reporter
 from .inventory import Host
 from .live import Board
-from .logs import Multiplexer, missing_output, sanitize
+from . import hostile
+from .logs import Multiplexer, missing_output
 from .policy import Failure, HostFailure
 from .remote import CommandTimedOut, Session, describe
 
@@ -320,7 +321,7 @@ class Watcher:
                 seen[n] = "none"
             else:
                 err = got.error(n)
-                seen[n] = "unreadable: " + sanitize(str(err) if err else (r.stderr.strip()[-100:] or answer[-100:]))
+                seen[n] = "unreadable: " + hostile.text(str(err) if err else (r.stderr.strip()[-100:] or answer[-100:]))
         return seen
 
     def blame(self, stale: list[str]) -> Host:
@@ -346,7 +347,7 @@ class Watcher:
             text = r.stdout if r else ""
             if not text.strip():
                 why = describe(h, err) if err else (r.stderr.strip()[-200:] or "no stacks")
-                summary.append(f"{h.name}: stacks unreadable ({sanitize(why)})")
+                summary.append(f"{h.name}: stacks unreadable ({hostile.text(why)})")
                 continue
             self.sinks[h.name].feed(f"[fabtrain] hang watchdog: stacks of every rank on {h.name}\n{text}".encode())
             for line in recovery.stack_summary(text):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from ..logs import sanitize
+from .. import hostile
 from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, failed
 
 
@@ -34,11 +34,11 @@ def render(checks: list[Check], console) -> None:
         cells = []
         for h in hosts:
             c = by.get((h, name))
-            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(sanitize(short(c.detail)))}" if c else "[dim]-[/]")
+            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(hostile.text(short(c.detail)))}" if c else "[dim]-[/]")
         table.add_row(name, *cells)
     console.print(table)
     for c in checks:
         if c.status in (FAIL, WARN):
             colour = "red" if c.status == FAIL else "yellow"
-            console.print(f"[{colour}]{c.status.upper()}[/] {c.host} {c.check}: {escape(sanitize(c.detail))}"
-                          + (f"\n      fix: {escape(sanitize(c.fix))}" if c.fix else ""), highlight=False, soft_wrap=True)
+            console.print(f"[{colour}]{c.status.upper()}[/] {c.host} {c.check}: {escape(hostile.text(c.detail))}"
+                          + (f"\n      fix: {escape(hostile.text(c.fix))}" if c.fix else ""), highlight=False, soft_wrap=True)
