@@ -38,6 +38,7 @@ from orchestrator.remote import CommandTimedOut, Session, failure
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
+cli.quiet_on_closed_pipe()
 RUNS = Path("runs")
 console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in logs and pipes
 INV_HELP = "inventory file (default: $FABTRAIN_INVENTORY, else inventory.yaml here)"
@@ -252,7 +253,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         with Session(inv.all_hosts) as session:
             inv, lines = _deep.gate(session, inv)
         for line in lines if not json else ():
-            console.print(f"health: {line}")
+            console.print(hostile.rich_text(f"health: {line}"))
         selected = True
     if record is not None:
         record.selected = [h.name for h in inv.hosts] if selected else record.selected
@@ -342,13 +343,13 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
         raise UserError(f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
     if job and _slurm.recorded(RUNS, job):
         for line in _slurm.stop(inv, [job], RUNS, grace):
-            print(line)
+            print(hostile.text(line))
         return
     if inv.slurm is not None and not job:  # your fabtrain jobs on Slurm (squeue --me) end too
         with Session((inv.slurm.login,)) as session:
             mine = [r["slurm_id"] for r in _slurm.status_rows(session, inv)]
         for line in _slurm.stop(inv, mine, RUNS, grace):
-            print(line)
+            print(hostile.text(line))
     with Session(inv.all_hosts) as session:
         found = hostops.survey(session, inv)
         views = hostops.job_views(found)
@@ -372,12 +373,12 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
         else:
             print(f"{host.name}: removed {len(r.stdout.split())} container(s)")
     for j in targets:
-        print(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else ""))
+        print(hostile.text(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else "")))
     for v in others.values():
         if v.job not in chosen:
-            print(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; 'fab stop --job {v.job}' ends it")
+            print(hostile.text(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; 'fab stop --job {v.job}' ends it"))
     for line in cleared:
-        print(line)
+        print(hostile.text(line))
     if failed:
         raise UserError(f"stop failed on {', '.join(failed)}; run 'fab stop' again once they answer")
 
@@ -466,7 +467,8 @@ def runs(c, json=False):
     for r in report.runs(RUNS):
         loss = f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "-"
         took = f"{r['seconds']:.0f}s" if r["seconds"] is not None else "-"
-        table.add_row(r["job"], r["state"] or "-", str(r["attempts"]), took, loss, ", ".join(r["hosts"]))
+        table.add_row(*(hostile.rich_text(str(x)) for x in (r["job"], r["state"] or "-", r["attempts"], took, loss,
+                                                            ", ".join(r["hosts"]))))
     console.print(table)
 
 
@@ -573,7 +575,7 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
         results = _images.push(session, image, progress=progress, method=method)
     for r in results:
         extra = f" ({r.bytes / 1e6:.0f} MB in {r.seconds:.1f}s)" if r.action == "sent" else ""
-        print(f"{r.host}: {r.action}{extra}{': ' + r.detail if r.detail else ''}")
+        print(hostile.text(f"{r.host}: {r.action}{extra}{': ' + r.detail if r.detail else ''}"))
     bad = [r.host for r in results if r.action == "failed"]
     if bad:
         raise UserError(f"image push failed on {', '.join(bad)}")

@@ -3,17 +3,40 @@ what is shown when a job ends. fabfile.py's tasks only parse options and call th
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from . import codetree, plan, report
+from . import hostile
 from .errors import UserError
 from .inventory import Inventory
-from . import hostile
 from .policy import HANG_TIMEOUT, Policy
 from .recovery import JobRecord
+
+
+def quiet_on_closed_pipe() -> None:
+    """`fab --help train | head -1`, `fab status | head`: a reader that closes the pipe early ends
+    the command quietly, as it ends `yes | head` (exit 141, 128 + SIGPIPE), never with a
+    traceback. Only a BrokenPipeError that reaches the top is taken: while a job runs, its
+    terminal output already stops at a closed pipe and the job goes on (logs.Multiplexer)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):  # noqa: ANN001 - sys.excepthook's signature
+        if issubclass(kind, BrokenPipeError):
+            # Python would flush stdout again at exit and print "Exception ignored": point it at
+            # /dev/null first.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            os._exit(141)
+        previous(kind, value, tb)
+    sys.excepthook = hook
 
 
 def code_dir(path: str | None) -> Path:
@@ -285,7 +308,7 @@ def present(run_dir: Path, console) -> None:
         if data["per_host"]:
             console.print(report.timing_table(data))
         for st in data["stragglers"]:
-            console.print(f"[red]{hostile.text(report.straggler_line(st['rank'], st['compute_ms_median'], st['times_median']))}[/]",
-                          highlight=False)
+            console.print(hostile.rich_text(report.straggler_line(st['rank'], st['compute_ms_median'],
+                                                                  st['times_median']), "red"))
     except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended
-        console.print(f"[yellow]could not write the run's curves and summary: {hostile.text(str(exc))}[/]")
+        console.print(hostile.rich_text(f"could not write the run's curves and summary: {exc}", "yellow"))

@@ -52,7 +52,8 @@ class Terminal(Reporter):
         style = self.STYLE.get(f.get("level", ""), "yellow" if kind in ("host_failed", "decision") else "")
         if kind == "hang":
             style = "red"
-        self.console.print(f"[{style}]{_escape(text)}[/]" if style else _escape(text), highlight=False)
+        # The whole line as plain text: host-derived fields can never be read as markup.
+        self.console.print(hostile.rich_text(text, style), highlight=False)
 
     @staticmethod
     def line(kind: str, f: dict) -> str | None:
@@ -92,8 +93,3 @@ class JsonLines(Reporter):
         with self.lock:
             self.out.write(line + "\n")
             self.out.flush()
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-    return escape(text)

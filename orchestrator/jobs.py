@@ -144,7 +144,8 @@ def status_table(views, steps, inv: Inventory):
         hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claims.units_text(tuple(x['units']))}"
                                     if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
         style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
-        table.add_row(r["job"], Text(hostile.text(r["who"] or "-")), hosts, Text(r["state"], style=style),
+        table.add_row(hostile.rich_text(r["job"]), hostile.rich_text(r["who"] or "-"), hostile.rich_text(hosts),
+                      hostile.rich_text(r["state"], style),
                       str(r["attempt"] or "-"), str(r["step"] if r["step"] is not None else "-"),
                       since_text(r["since"] or 0))
     if not views:

@@ -56,7 +56,7 @@ class Multiplexer:
     def note(self, line: str) -> None:
         """A line of our own between the hosts' lines (not in any host's log)."""
         if self.echo:
-            text = f"[fabtrain] {line}"
+            text = f"[fabtrain] {hostile.text(line)}"
             self.write((f"\x1b[1;31m{text}\x1b[0m\n" if self.colour else text + "\n").encode())
 
 
@@ -112,14 +112,14 @@ class HostSink:
         return "\n".join(line.decode(errors="replace") for line in self.tail)
 
 
-def missing_output(received_total: int, received_tail: bytes, tail: bytes, tail_lines: int) -> bytes | None:
-    """What a stream missed, given the last bytes it received and the log's last `tail_lines`
-    lines; None when that cannot be told from the tail (then read the log again from an offset).
+def missing_output(received_total: int, received_tail: bytes, tail: bytes, tail_bytes: int) -> bytes | None:
+    """What a stream missed, given the last bytes it received and the log's last `tail_bytes`
+    bytes; None when that cannot be told from the tail (then read the log again from an offset).
 
-    If the tail holds fewer lines than asked, it is the whole log. Otherwise the received bytes'
+    If the tail holds fewer bytes than asked, it is the whole log. Otherwise the received bytes'
     end must be found exactly once in the tail; several matches (repeated output) are ambiguous.
     """
-    if tail.count(b"\n") < tail_lines:
+    if len(tail) < tail_bytes:
         return tail[received_total:] if received_total <= len(tail) else b""
     if not received_tail:
         return None

@@ -385,18 +385,20 @@ def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
             "2>/dev/null; wait")
 
 
-TAIL_LINES = 1000
+# The end of a node's output read after it exits, in bytes, not lines: one line can be any size.
+TAIL_BYTES = 256 * 1024
 
 
 def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
     """After following ends: print the container's exit code (255 if it is gone) on the first
-    line, then the last TAIL_LINES lines of its output: of its console file, or of Docker's log
+    line, then the last TAIL_BYTES bytes of its output: of its console file, or of Docker's log
     when the container ended before the entrypoint made the file (an image without python3).
     `logs.missing_output` finds in this tail anything the follow did not deliver."""
     name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
     return (f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); echo \"${{code:-255}}\"; "
-            f"if [ -f {f} ]; then tail -n {TAIL_LINES} {f}; "
-            f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', str(TAIL_LINES), name])} 2>&1; fi")
+            f"if [ -f {f} ]; then {shell(['tail', '-c', str(TAIL_BYTES)])} {f}; "
+            f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', '1000', name])} 2>&1 "
+            f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; fi")
 
 
 def remainder_logs_script(inv: Inventory, spec: JobSpec, rank: int, start: int | str) -> str:

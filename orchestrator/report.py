@@ -11,7 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
-from . import recovery
+from . import hostile, recovery
 
 # "[node1 rank0] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | step 24.0 ms |
 # compute 20.5 ms" (trainers/gpt.py; the two times are the log interval's mean per step)
@@ -131,18 +131,17 @@ def straggler_line(rank: str, compute_ms: float, times: float) -> str:
 def timing_table(data: dict):
     """The end-of-run table: one row per host, then one per rank; stragglers in red."""
     from rich.table import Table
-    from rich.text import Text
     slow = {s["rank"] for s in data.get("stragglers", [])}
     table = Table(title="step times (ms per optimizer step: median / p95)", title_justify="left")
     for col in ("host / rank", "step ms", "compute ms", "tokens/s", "samples"):
         table.add_column(col, justify="left" if col == "host / rank" else "right")
     for host, h in data.get("per_host", {}).items():
         flag = any(r in slow for r in h["ranks"])
-        table.add_row(Text(host, style="bold red" if flag else "bold"), f"{h['step_ms_median']} / {h['step_ms_p95']}",
+        table.add_row(hostile.rich_text(host, "bold red" if flag else "bold"), f"{h['step_ms_median']} / {h['step_ms_p95']}",
                       f"{h['compute_ms_median']} / {h['compute_ms_p95']}", f"{h['tokens_per_s_median']:,.0f}", "")
         for r in h["ranks"]:
             e = data["ranks"][r]
-            table.add_row(Text("  " + r + ("  straggler" if r in slow else ""), style="red" if r in slow else ""),
+            table.add_row(hostile.rich_text("  " + r + ("  straggler" if r in slow else ""), "red" if r in slow else ""),
                           f"{e['step_ms_median']} / {e['step_ms_p95']}",
                           f"{e['compute_ms_median']} / {e['compute_ms_p95']}",
                           f"{e['tokens_per_s_median']:,.0f}", str(e["samples"]))

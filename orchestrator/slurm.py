@@ -580,9 +580,10 @@ def status_table(rows: list[dict]):
         table.add_column(col, no_wrap=col == "job")
     for r in rows:
         why = f" ({r['reason']})" if r["reason"] and r["reason"] != "None" else ""
-        table.add_row(hostile.text(r["job"]), r["slurm_id"], hostile.text(r["who"]), hostile.text(r["nodes"] or "-"),
-                      Text(hostile.text(r["state"] + why), style="green" if r["state"] == "RUNNING" else ""),
-                      hostile.text(r["start"]))
+        table.add_row(hostile.rich_text(r["job"]), hostile.rich_text(r["slurm_id"]), hostile.rich_text(r["who"]),
+                      hostile.rich_text(r["nodes"] or "-"),
+                      hostile.rich_text(r["state"] + why, "green" if r["state"] == "RUNNING" else ""),
+                      hostile.rich_text(r["start"]))
     if not rows:
         table.add_row("-", "-", "-", "-", Text("no jobs", style="dim"), "-")
     return table

@@ -184,7 +184,7 @@ class Watcher:
             r = self.session.run(host, finish.command, timeout=finish.timeout, what=finish.what)
             code, _, tail = r.stdout.encode().partition(b"\n")
             end.exit_code = int(code or 255)
-            missed = missing_output(received, bytes(window), tail, plan.TAIL_LINES)
+            missed = missing_output(received, bytes(window), tail, plan.TAIL_BYTES)
             if missed is None:
                 rest = self.attempt.step(host.name, "remainder")
                 self.session.stream(host, rest.command.replace("+OFFSET", f"+{received + 1}"), sink.feed,

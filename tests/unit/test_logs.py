@@ -47,19 +47,19 @@ LOG = b"".join(b"step %d loss 1.0\n" % i for i in range(5000))
 
 
 def test_missing_output_from_the_tail():
-    tail = b"".join(LOG.splitlines(keepends=True)[-1000:])
+    tail = LOG[-20000:]  # `tail -c 20000`: it may begin in the middle of a line
     got = LOG[:-3000]  # the follow stopped 3000 bytes short
-    assert missing_output(len(got), got[-4096:], tail, 1000) == LOG[-3000:]
-    assert missing_output(len(LOG), LOG[-4096:], tail, 1000) == b""  # nothing missed
+    assert missing_output(len(got), got[-4096:], tail, 20000) == LOG[-3000:]
+    assert missing_output(len(LOG), LOG[-4096:], tail, 20000) == b""  # nothing missed
     short = LOG[:500]  # a short log: the tail is the whole log
-    assert missing_output(200, short[:200][-4096:], short, 1000) == short[200:]
+    assert missing_output(200, short[:200][-4096:], short, 20000) == short[200:]
 
 
 def test_missing_output_gives_up_when_the_tail_cannot_tell():
-    tail = b"".join(LOG.splitlines(keepends=True)[-1000:])
-    assert missing_output(100, LOG[:100], tail, 1000) is None  # stopped before the tail begins
+    tail = LOG[-20000:]
+    assert missing_output(100, LOG[:100], tail, 20000) is None  # stopped before the tail begins
     repeated = b"same line\n" * 2000
-    assert missing_output(500, repeated[:500], repeated[-10000:], 1000) is None  # ambiguous
+    assert missing_output(500, repeated[:500], repeated[-10000:], 10000) is None  # ambiguous
 
 
 def test_terminal_gets_no_control_characters_but_the_file_keeps_them(tmp_path):

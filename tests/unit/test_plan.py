@@ -206,8 +206,8 @@ def test_follow_finish_and_remainder_commands():
         f"docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & tail -c +1 -s 0.2 -F --pid=$! {f} 2>/dev/null; wait")
     assert plan.finish_logs_script(INV, SPEC, 1) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
-        f"if [ -f {f} ]; then tail -n 1000 {f}; "
-        "elif [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1; fi")
+        f"if [ -f {f} ]; then tail -c 262144 {f}; "
+        "elif [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1 | tail -c 262144; fi")
     assert plan.remainder_logs_script(INV, SPEC, 1, 2346) == (
         f"if [ -f {f} ]; then tail -c +2346 {f}; else docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; fi")
 
