@@ -473,6 +473,10 @@ def ssh_options(ssh: SSH) -> list[str]:
             # Never prompt; a host whose key is unknown or changed is refused, not trusted.
             "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", "UserKnownHostsFile=" + " ".join(_ssh_escape(k) for k in ssh.known_hosts),
+            # The system-wide files too, the same ones paramiko reads (remote.host_trust); none
+            # is /dev/null, as ssh would open a file named 'none'.
+            "-o", "GlobalKnownHostsFile=" + (" ".join(_ssh_escape(k, False) for k in ssh.global_known_hosts)
+                                             or "/dev/null"),
             "-o", f"ConnectTimeout={int(ssh.connect_timeout)}",
             # Notice a dead link during a long transfer instead of hanging.
             "-o", f"ServerAliveInterval={int(ssh.keepalive)}", "-o", "ServerAliveCountMax=3"]
@@ -490,9 +494,15 @@ def ssh_options(ssh: SSH) -> list[str]:
     return argv
 
 
-def _ssh_escape(path: str) -> str:
-    """A known_hosts path for ssh's option parser, which splits on spaces and honours quotes."""
-    return f'"{path}"' if " " in path else path
+def _ssh_escape(path: str, tokens: bool = True) -> str:
+    """A known_hosts path for ssh's option parser, which splits on spaces and honours quotes and
+    backslashes; with `tokens` (UserKnownHostsFile, not GlobalKnownHostsFile) ssh also reads '%' as
+    a token, so it is doubled."""
+    if tokens:
+        path = path.replace("%", "%%")
+    if any(c in path for c in ' \t"\\\''):
+        path = '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return path
 
 
 def rsync_argv(host: Host, source: str, dest: str, only: str = "") -> list[str]:

@@ -1,22 +1,32 @@
 """The one place that talks SSH: Fabric connections with host keys checked, fan-out, streaming.
 
 Fabric's default is to auto-add unknown host keys and load no known_hosts; here every connection
-loads the inventory's known_hosts and refuses a host whose key is missing or changed. First contact
-is accepted only deliberately (`fab cluster.up` records keys it read through `docker exec`; for real
-hosts, `ssh-keyscan` after comparing the fingerprint).
+loads the inventory's known_hosts (and the system-wide ones, as OpenSSH does) and refuses a host
+whose key is missing, changed or revoked. First contact is accepted only deliberately (`fab
+cluster.up` records keys it read through `docker exec`; for real hosts, `ssh-keyscan` after
+comparing the fingerprint).
+
+known_hosts files are read here line by line as OpenSSH reads them (KnownHosts), not by
+paramiko.HostKeys, which fails the whole file on one `@cert-authority` line and knows neither
+`@revoked` nor wildcards. Host certificates are not checked (paramiko cannot): a host known only
+through a `@cert-authority` line is refused with the way to add its plain key.
 """
 from __future__ import annotations
 
+import binascii
+import functools
 import heapq
-import io
+import hmac
 import itertools
 import os
+import re
 import socket
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from hashlib import sha1
 from typing import Callable, TypeVar
 
 import paramiko
@@ -53,19 +63,32 @@ class CommandTimedOut(UserError):
 
 
 class _RejectUnknown(paramiko.MissingHostKeyPolicy):
-    """Refuse a host missing from known_hosts, keeping its fingerprint for the error message."""
+    """Decide on a host none of whose usable keys paramiko was given (see _open): accept a key the
+    known_hosts files list for it; refuse a revoked one, one known only through a CA, and an
+    unknown one, each with its fix."""
 
-    def __init__(self, label: str, ssh: SSH) -> None:
+    def __init__(self, label: str, ssh: SSH, trust: "HostTrust | None" = None) -> None:
         self.label, self.ssh = label, ssh
+        self.trust = trust or host_trust(ssh)
 
     def missing_host_key(self, client, hostname, key) -> None:  # noqa: ANN001 - paramiko's signature
-        fp = key.fingerprint  # e.g. SHA256:abc...
-        raise HostKeyError(
-            f"{self.label} ({hostname}): host key unknown ({key.get_name()} {fp}), not in "
-            f"{', '.join(self.ssh.known_hosts)}. Check that fingerprint on the host "
-            f"(ssh-keygen -lf /etc/ssh/ssh_host_{key.get_name().split('-')[-1]}_key.pub), then accept "
-            f"it deliberately: ssh-keyscan -p {self.ssh.port} {self.ssh.hostname} "
-            f">> {self.ssh.known_hosts_file}")
+        problem = self.trust.refusal(self.label, self.ssh, key)
+        if problem is not None:
+            raise HostKeyError(problem)
+        if not self.trust.known(key):
+            raise HostKeyError(unknown_key(self.label, self.ssh, hostname, key))
+
+
+def _keyscan(ssh: SSH, key: paramiko.PKey) -> str:
+    """How to check a host's key on the host and then accept it deliberately."""
+    return (f"Check that fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_"
+            f"{key.get_name().split('-')[-1]}_key.pub), then accept it deliberately: ssh-keyscan -p "
+            f"{ssh.port} {ssh.hostname} >> {ssh.known_hosts_file}")
+
+
+def unknown_key(label: str, ssh: SSH, hostname: str, key: paramiko.PKey) -> str:
+    return (f"{label} ({hostname}): host key unknown ({key.get_name()} {key.fingerprint}), not in "
+            f"{', '.join(ssh.known_hosts + ssh.global_known_hosts)}. {_keyscan(ssh, key)}")
 
 
 @dataclass
@@ -83,8 +106,8 @@ class Result:
 def describe(host: Host, exc: BaseException) -> str:
     """One line saying why a host could not be reached or a command failed, with the fix."""
     where = f"{host.name} ({host.ssh.where()}{' via ' + ','.join(j.hostname for j in host.ssh.jump) if host.ssh.jump else ''})"
-    if isinstance(exc, UserError):
-        return str(exc)
+    if isinstance(exc, UserError):  # ours, but it may quote a host's text
+        return hostile.line(str(exc), 2000)
     if isinstance(exc, paramiko.PasswordRequiredException):
         keys = " ".join(host.ssh.keys) or "your key"
         return (f"{where}: the key {keys} is encrypted and no ssh-agent holds it; fabtrain never asks "
@@ -98,7 +121,8 @@ def describe(host: Host, exc: BaseException) -> str:
                 f"{host.ssh.key or 'your agent'} in ~{host.ssh.user}/.ssh/authorized_keys there")
     if isinstance(exc, paramiko.ChannelException):
         return (f"{where}: the jump host could not open a connection to {host.ssh.hostname}:"
-                f"{host.ssh.port} ({exc.text}); check the address as the jump host sees it")
+                f"{host.ssh.port} ({hostile.line(str(exc.text), 200)}); check the address as the jump "
+                f"host sees it")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return f"{where}: no answer within {host.ssh.connect_timeout:g}s; is the host up and sshd running?"
     if isinstance(exc, (ConnectionRefusedError, paramiko.ssh_exception.NoValidConnectionsError)):
@@ -107,8 +131,9 @@ def describe(host: Host, exc: BaseException) -> str:
         return (f"{where}: cannot resolve {host.ssh.hostname}; check the address, or the Host entry in "
                 f"your ssh_config")
     if isinstance(exc, OSError):
-        return f"{where}: cannot connect: {exc.strerror or exc}; check the address and the network"
-    return f"{where}: {type(exc).__name__}: {exc}"
+        return f"{where}: cannot connect: {hostile.line(str(exc.strerror or exc))}; check the address and the network"
+    # paramiko's SSHException text quotes what the server sent (a banner it could not read).
+    return f"{where}: {type(exc).__name__}: {hostile.line(str(exc))}"
 
 
 class PerHost(dict):
@@ -135,8 +160,14 @@ def failure(host: Host, result: "Result | BaseException", what: str) -> str | No
     if isinstance(result, BaseException):
         return describe(host, result)
     if not result.ok:
-        return f"{host.name}: {what} failed (exit {result.exited}): {hostile.text(result.stderr.strip())[-200:]}"
+        return f"{host.name}: {what} failed (exit {result.exited}): {_tail(result.stderr)}"
     return None
+
+
+def _tail(stderr: str, limit: int = 200) -> str:
+    """The end of a command's stderr (where its error is) as one safe line of at most `limit`."""
+    end = stderr[-8 * limit:]
+    return hostile.line(end, 3 * len(end))[-limit:]  # each newline becomes ' | ': never cut there
 
 
 class Deadlines:
@@ -326,7 +357,7 @@ class Session:
         """Write bytes to a remote file (put_command), under the same deadline as every command."""
         r = self.run(host, put_command(path, mode), timeout=timeout, stdin=data, what=f"writing {path}")
         if not r.ok:
-            raise UserError(f"{host.name}: cannot write {path}: {r.stderr.strip()[-200:]}")
+            raise UserError(f"{host.name}: cannot write {path}: {_tail(r.stderr)}")
 
     def local(self, argv: list[str], timeout: float) -> Result:
         """Run a command on this machine (rsync to or from a host): the one place a job starts a
@@ -401,8 +432,10 @@ class _AlsoSets(threading.Event):
 def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
     """A command's stdout and stderr until it ends. The thread sleeps until data, EOF or a close
     (the deadline's) arrives: polling every few milliseconds, N waiting commands cost CPU in
-    proportion to N times their duration, which itself grows with N on a loaded machine."""
-    out, err = io.BytesIO(), io.BytesIO()
+    proportion to N times their duration, which itself grows with N on a loaded machine. Each of
+    stdout and stderr keeps its first OUTPUT_MAX bytes (the rest is read and counted): a command
+    printing 1 GB costs bounded memory."""
+    out, err = hostile.Capped(), hostile.Capped()
     wake = threading.Event()  # set by paramiko when either buffer gets data or is closed
     chan.in_buffer.set_event(wake)
     chan.in_stderr_buffer.set_event(wake)
@@ -450,40 +483,242 @@ def connect_kwargs(ssh: SSH) -> dict:
     return kwargs
 
 
-_KNOWN_HOSTS: dict[str, tuple[tuple[int, int, int], paramiko.HostKeys]] = {}
+# ---------------------------------------------------------------- known_hosts, as OpenSSH reads it
+
+MARKERS = ("@cert-authority", "@revoked")
+
+
+def pattern_matches(name: str, pattern: str) -> bool:
+    """One known_hosts host pattern ('*' any run, '?' one character, nothing else special; no
+    case) against a host name as ssh looks it up ('host', or '[host]:port' off port 22)."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
+    return re.fullmatch(regex, name.lower(), re.S) is not None
+
+
+@functools.lru_cache(maxsize=65536)
+def _salted(field: str) -> tuple[bytes, bytes] | None:
+    """A hashed host field's salt and hash, decoded once (None: not a valid one)."""
+    parts = field.split("|")
+    if len(parts) != 4:
+        return None
+    try:
+        return binascii.a2b_base64(parts[2]), binascii.a2b_base64(parts[3])
+    except (binascii.Error, ValueError):
+        return None
+
+
+def hosts_match(name: str, field: str) -> bool:
+    """Whether a known_hosts line's host field names `name`, as OpenSSH decides: a hashed field
+    (|1|salt|hash) by its HMAC; otherwise comma-separated patterns, any one matching, and a
+    matching negated one (!pattern) vetoing the whole line."""
+    if field.startswith("|1|"):
+        salted = _salted(field)
+        # ssh looks a host up by its name in lower case; a file written by another tool may not.
+        return salted is not None and any(
+            hmac.compare_digest(hmac.new(salted[0], n.encode(), sha1).digest(), salted[1])
+            for n in {name, name.lower()})
+    found = False
+    for pattern in field.split(","):
+        if pattern.startswith("!"):
+            if pattern_matches(name, pattern[1:]):
+                return False
+        elif pattern and pattern_matches(name, pattern):
+            found = True
+    return found
+
+
+@dataclass(frozen=True)
+class KnownKey:
+    """One usable line of a known_hosts file."""
+
+    marker: str            # "", "@revoked" or "@cert-authority"
+    hosts: str             # the host field as written (patterns, or one hashed name)
+    key: paramiko.PKey
+    path: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+_PLAIN_NAME = re.compile(r"^[^*?!|,]+$")
+
+
+class KnownHosts(paramiko.HostKeys):
+    """A known_hosts file read as OpenSSH reads it, line by line: `@revoked` and `@cert-authority`
+    lines kept for what they are, hashed names, wildcards, negations and [host]:port forms matched
+    as ssh matches them, and a line that cannot be read (garbage, a key type paramiko does not
+    know) skipped on its own. paramiko.HostKeys reads the same file as a whole and fails it, every
+    host included, on one `@cert-authority` line (InvalidHostKey: '@cert-authority' is taken as
+    the host field, the pattern as the key type and the key type as base64)."""
+
+    def __init__(self, path: str | None = None, text: str = "") -> None:
+        super().__init__()
+        self.path = path or "known_hosts"
+        self.lines: list[KnownKey] = []
+        self.skipped: list[int] = []  # line numbers of lines that could not be read
+        # Lines naming plain hosts only, by name; the others (patterns, hashes) are matched in turn.
+        self._by_name: dict[str, list[KnownKey]] = {}
+        self._scan: list[KnownKey] = []
+        for number, raw in enumerate(text.splitlines(), 1):
+            entry = self._parse(raw, number)
+            if entry is None:
+                continue
+            self.lines.append(entry)
+            names = entry.hosts.split(",")
+            if all(_PLAIN_NAME.match(n) for n in names):
+                for n in names:
+                    self._by_name.setdefault(n.lower(), []).append(entry)
+            else:
+                self._scan.append(entry)
+
+    @classmethod
+    def read(cls, path: str) -> "KnownHosts":
+        with open(path, "rb") as f:
+            return cls(path, f.read().decode(errors="replace"))
+
+    def _parse(self, raw: str, number: int) -> KnownKey | None:
+        fields = raw.split()
+        if not fields or fields[0].startswith("#"):
+            return None
+        marker = ""
+        if fields[0].startswith("@"):
+            marker, fields = fields[0], fields[1:]
+            if marker not in MARKERS:
+                self.skipped.append(number)
+                return None
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(" ".join(fields[:3]), number)
+        except Exception:  # noqa: BLE001 - bad base64 or key data: this line only, as ssh does
+            entry = None
+        if entry is None or entry.key is None:
+            self.skipped.append(number)
+            return None
+        return KnownKey(marker, fields[0], entry.key, self.path, number)
+
+    def matching(self, name: str) -> list[KnownKey]:
+        """The lines naming `name` ('host', or '[host]:port'), in file order."""
+        found = [e for e in self._by_name.get(name.lower(), ()) if hosts_match(name, e.hosts)]
+        found += [e for e in self._scan if hosts_match(name, e.hosts)]
+        return sorted(found, key=lambda e: e.line) if len(found) > 1 else found
+
+    def lookup(self, hostname: str) -> dict | None:
+        """The plain (unmarked) keys for a host, by type, as paramiko.HostKeys.lookup answers;
+        revoked keys left out."""
+        found = self.matching(hostname)
+        revoked = [e.key for e in found if e.marker == "@revoked"]
+        keys: dict = {}
+        for e in found:
+            if not e.marker and e.key not in revoked:
+                keys.setdefault(e.key.get_name(), e.key)
+        return keys or None
+
+
+_KNOWN_HOSTS: dict[str, tuple[tuple[int, int, int], KnownHosts]] = {}
 _KNOWN_HOSTS_LOCK = threading.Lock()
 
 
-def known_hosts(path: str) -> paramiko.HostKeys:
-    """A known_hosts file as paramiko parses it, read again only when it changed (inode, mtime or size);
-    empty when there is no such file."""
+def known_hosts(path: str) -> KnownHosts:
+    """A known_hosts file (KnownHosts), read again only when it changed (inode, mtime or size);
+    empty when there is no such file or it cannot be read."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return paramiko.HostKeys()
+    except OSError:
+        return KnownHosts(path)
     stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
     with _KNOWN_HOSTS_LOCK:
         cached = _KNOWN_HOSTS.get(path)
-        if cached is None or cached[0] != stamp:
-            cached = _KNOWN_HOSTS[path] = (stamp, paramiko.HostKeys(path))
-        return cached[1]
+    if cached is None or cached[0] != stamp:
+        try:
+            parsed = KnownHosts.read(path)
+        except OSError:  # unreadable (a directory, no permission): no keys, as ssh treats it
+            parsed = KnownHosts(path)
+        cached = (stamp, parsed)
+        with _KNOWN_HOSTS_LOCK:
+            _KNOWN_HOSTS[path] = cached
+    return cached[1]
+
+
+@dataclass(frozen=True)
+class HostTrust:
+    """What a host's known_hosts lines (user and system-wide files) say about it, under the name
+    ssh looks it up by."""
+
+    name: str
+    keys: tuple[KnownKey, ...]          # plain lines, revoked keys left out
+    revoked: tuple[KnownKey, ...]
+    authorities: tuple[KnownKey, ...]   # @cert-authority lines (certificates are not checked)
+
+    def known(self, key: paramiko.PKey) -> bool:
+        return any(e.key == key for e in self.keys)
+
+    def refusal(self, label: str, ssh: SSH, key: paramiko.PKey) -> str | None:
+        """Why `key`, presented by the host, is refused beyond being unknown (None if not)."""
+        for e in self.revoked:
+            if e.key == key:
+                return (f"{label} ({self.name}): host key {key.get_name()} {key.fingerprint} is REVOKED "
+                        f"(@revoked line {e.where}); refused, as ssh refuses it. The host needs a new "
+                        f"host key: make one there (ssh-keygen -A after removing the old "
+                        f"/etc/ssh/ssh_host_{key.get_name().split('-')[-1]}_key*), then check its "
+                        f"fingerprint and add it: ssh-keyscan -p {ssh.port} {ssh.hostname} >> "
+                        f"{ssh.known_hosts_file}; if the revocation is a mistake, remove line {e.line} "
+                        f"of {e.path}")
+        if self.authorities and not self.keys:
+            first = self.authorities[0]
+            return (f"{label} ({self.name}): known only through the @cert-authority line {first.where}; "
+                    f"fabtrain checks host keys with paramiko, which does not verify host certificates, "
+                    f"so it does not accept CA-signed host keys. Add the host's plain key: "
+                    f"{_keyscan(ssh, key)}")
+        return None
+
+
+def lookup_name(ssh: SSH) -> str:
+    """The name ssh and paramiko look a host's key up by."""
+    return ssh.hostname if ssh.port == 22 else f"[{ssh.hostname}]:{ssh.port}"
+
+
+def host_trust(ssh: SSH) -> HostTrust:
+    """What the user's and the system-wide known_hosts files (the same ones plan.ssh_options gives
+    OpenSSH) say about the host `ssh` reaches."""
+    name = lookup_name(ssh)
+    found = [e for path in ssh.known_hosts + ssh.global_known_hosts for e in known_hosts(path).matching(name)]
+    revoked = tuple(e for e in found if e.marker == "@revoked")
+    keys = tuple(e for e in found if not e.marker and not any(r.key == e.key for r in revoked))
+    return HostTrust(name, keys, revoked, tuple(e for e in found if e.marker == "@cert-authority"))
 
 
 def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a paramiko Channel
-    """One connected hop, its host key checked against its known_hosts files."""
-    conn = Connection(ssh.hostname, user=ssh.user, port=ssh.port,
-                      config=Config(overrides={"load_ssh_configs": False}),
-                      connect_timeout=ssh.connect_timeout,
-                      connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
-    conn.client.set_missing_host_key_policy(_RejectUnknown(label, ssh))
-    # Only this host's entries (paramiko looks the host up under this name): each file is parsed
-    # once, not once per connection (N hosts reading a known_hosts of N or more entries each).
-    name = ssh.hostname if ssh.port == 22 else f"[{ssh.hostname}]:{ssh.port}"
-    mine = conn.client.get_host_keys()
-    for path in ssh.known_hosts:
-        for key_type, key in (known_hosts(path).lookup(name) or {}).items():
-            mine.add(name, key_type, key)  # a missing file: every key is unknown, and the error names it
-    conn.open()
+    """One connected hop, its host key checked against its known_hosts files (see host_trust):
+    paramiko is given the host's keys, one per type (it asks the server for the first type), and
+    the policy decides on anything else it is shown."""
+    trust = host_trust(ssh)
+    prefer: paramiko.PKey | None = None
+    for attempt in range(2):
+        conn = Connection(ssh.hostname, user=ssh.user, port=ssh.port,
+                          config=Config(overrides={"load_ssh_configs": False}),
+                          connect_timeout=ssh.connect_timeout,
+                          connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
+        conn.client.set_missing_host_key_policy(_RejectUnknown(label, ssh, trust))
+        mine, given = conn.client.get_host_keys(), {}
+        for e in trust.keys:  # only this host's entries; each file is parsed once (known_hosts)
+            given.setdefault(e.key.get_name(), e.key)
+        if prefer is not None:
+            given[prefer.get_name()] = prefer
+        for key_type, key in given.items():
+            mine.add(trust.name, key_type, key)
+        try:
+            conn.open()
+        except paramiko.BadHostKeyException as exc:
+            problem = trust.refusal(label, ssh, exc.key)
+            if problem is not None:
+                raise HostKeyError(problem) from None
+            if attempt == 0 and sock is None and trust.known(exc.key):
+                # Another line of the same type lists the key the host showed: again, with that one.
+                prefer = exc.key
+                continue
+            raise
+        break
     # Paramiko's thread for the connection wakes every 0.1 s to look for a close (its socket
     # timeout): 64 idle connections cost 5% of a core. Data and closes wake it anyway; our own
     # heartbeat, not paramiko's wake-ups, tells a frozen host (see _heartbeat).

@@ -3,8 +3,8 @@ defaults. Paramiko (remote.py) and the OpenSSH client that rsync runs (plan.ssh_
 built from the same resolved `SSH` value, so they reach the same host with the same trust.
 
 What is honoured from ssh_config: Host/Match blocks, HostName, User, Port, IdentityFile,
-IdentitiesOnly, UserKnownHostsFile, ProxyJump (several hops, and a first hop's own ProxyJump),
-Include (its files are read in place; OpenSSH applies an Include inside a Host block only to
+IdentitiesOnly, UserKnownHostsFile, GlobalKnownHostsFile, ProxyJump (several hops, and a first
+hop's own ProxyJump), Include (its files are read in place; OpenSSH applies an Include inside a Host block only to
 that block, so keep Include lines at the top, as is usual). A ProxyCommand is refused with a clear error: it cannot be checked or bounded here.
 """
 from __future__ import annotations
@@ -22,6 +22,9 @@ from .errors import UserError
 
 DEFAULT_CONFIG = "~/.ssh/config"
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+# OpenSSH reads these as well as the user's files (its GlobalKnownHostsFile default); paramiko
+# (remote.py) is given the same ones, and the ssh that rsync runs is told them explicitly.
+DEFAULT_GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
 # What an address may be: a DNS name or ssh_config alias, an IPv4 or an IPv6 address. Anything
 # else ('/', spaces, a leading '-', '@') would make rsync copy to a local path or ssh read an option.
 ADDRESS_RE = re.compile(r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$")
@@ -41,6 +44,8 @@ class SSH:
     # True when the inventory or ssh_config said IdentitiesOnly: only these keys, no agent.
     keys_only: bool = False
     known_hosts: tuple[str, ...] = ()
+    # The system-wide files, read too (OpenSSH's GlobalKnownHostsFile); () for none.
+    global_known_hosts: tuple[str, ...] = DEFAULT_GLOBAL_KNOWN_HOSTS
     connect_timeout: float = 10.0
     # Seconds between keepalives; a host missing 3 in a row counts as lost.
     keepalive: float = 5.0
@@ -114,6 +119,15 @@ def _inline_includes(path: Path, depth: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def global_known_hosts(value: str | None) -> tuple[str, ...]:
+    """ssh_config's GlobalKnownHostsFile (None: not set) as the files it names: OpenSSH's default
+    when not set, none for 'none'."""
+    if value is None:
+        return DEFAULT_GLOBAL_KNOWN_HOSTS
+    files = tuple(os.path.expanduser(f) for f in value.split())
+    return () if files == ("none",) else files
+
+
 def parse_jump(spec: str) -> list[tuple[str | None, str, int | None]]:
     """'[user@]host[:port][,...]' (ssh -J / ProxyJump syntax) -> [(user, host, port), ...]."""
     hops = []
@@ -152,6 +166,7 @@ def resolve(address: str, settings: Settings, config: paramiko.SSHConfig | None,
              tuple(os.path.expanduser(k) for k in cfg.get("userknownhostsfile", "").split())
              or ((inherit.known_hosts,) if inherit.known_hosts else ())
              or (os.path.expanduser(DEFAULT_KNOWN_HOSTS),))
+    global_known = global_known_hosts(cfg.get("globalknownhostsfile"))
     jump_spec = settings.jump if settings.jump is not None else cfg.get("proxyjump")
     chain: list[SSH] = []
     if jump_spec and jump_spec.lower() != "none":
@@ -165,5 +180,6 @@ def resolve(address: str, settings: Settings, config: paramiko.SSHConfig | None,
             hop = resolve(jhost, hop_settings, config, inherit if _depth else settings, _depth + 1)
             chain += [*hop.jump, replace(hop, jump=())]
     return SSH(hostname=cfg.get("hostname", address), user=user, port=port, keys=keys,
-               keys_only=keys_only, known_hosts=known, connect_timeout=settings.connect_timeout,
+               keys_only=keys_only, known_hosts=known, global_known_hosts=global_known,
+               connect_timeout=settings.connect_timeout,
                keepalive=settings.keepalive, jump=tuple(chain))

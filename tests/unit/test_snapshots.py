@@ -384,6 +384,7 @@ def test_fetch_argv_leaves_the_snapshots_out():
 
 def shell_ssh() -> str:
     return ("ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
+            "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
             "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes")
 
 
