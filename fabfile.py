@@ -223,6 +223,8 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
         inv = _inventory.load(inventory or record.inventory)
+        if not dry_run:
+            jobs.refuse_if_running(inv, resume, "--continue" if continue_ else "--resume")
         if record.selected and not (include or exclude or num_nodes):
             include = "@".join(record.selected)
         spec, changed = cli.resumed_spec(record, given, TRAINERS, again=continue_)

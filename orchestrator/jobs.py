@@ -31,6 +31,19 @@ def dry_run(job: Job) -> str:
         return job.plan(dry=True).render()
 
 
+def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
+    """A job that still runs (a container of it, or the fresh lease of the `fab train` that looks
+    after it) is never continued by another command: that would remove its console files,
+    containers, claim and secrets. UserError (exit 2) naming it and where it runs."""
+    with Session(inv.all_hosts) as session:
+        found = hostops.survey(session, inv)
+    where = hostops.live_jobs(found).get(job_id)
+    if where:
+        raise UserError(f"{how} {job_id}: that job is still running on {', '.join(sorted(where))}; it was left "
+                        f"alone. Follow it with 'fab logs --job {job_id}', or end it with 'fab stop --job {job_id}' "
+                        "and then continue it", exit_code=2)
+
+
 def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console,
            live: bool = True) -> JobResult:
     """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches."""

@@ -56,7 +56,9 @@ def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
     steps: dict[str, list[re.Match]] = {}
     for log in sorted(run_dir.glob("*.log")):
         for m in STEP_LINE.finditer(log.read_text(errors="replace")):
-            steps.setdefault(rank_of(m), []).append(m)
+            # A rank's name is what its program printed: made plain text once, here, for the
+            # table, the straggler line, the figure's legend and summary.json alike.
+            steps.setdefault(hostile.text(rank_of(m)), []).append(m)
     return dict(sorted(steps.items(), key=lambda kv: int(kv[0].rsplit("rank", 1)[1])))
 
 
