@@ -1,0 +1,139 @@
+"""orchestrator/hostile.py: the one place for what hosts and containers send back."""
+import io
+import random
+import string
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from orchestrator import hostile
+from orchestrator.logs import Multiplexer
+
+ATTACK = "\x1b]52;c;cGF5bG9hZA==\x07\x1b[2J\u009b31m\u202e[/red][link=file:///etc/passwd]x[/link]\r\bok"
+
+
+# ---------------------------------------------------------------- text
+
+def test_text_removes_everything_a_terminal_obeys_and_keeps_the_rest():
+    assert hostile.text(ATTACK) == "]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]ok"
+    assert hostile.text("tab\tand\nnewline stay, é and 日本 too") == "tab\tand\nnewline stay, é and 日本 too"
+
+
+def test_text_bytes_matches_text_on_utf8():
+    assert hostile.text_bytes(ATTACK.encode()).decode() == hostile.text(ATTACK)
+
+
+def test_line_is_one_bounded_line():
+    assert hostile.line("a\n\nb\x1b[31m\n", 100) == "a | b[31m"
+    assert hostile.line("x" * 500, 10) == "x" * 10 + "...[cut]"
+
+
+def test_rich_text_is_never_markup_and_never_raises():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=300)
+    console.print(hostile.rich_text(ATTACK, "red"))
+    printed = out.getvalue()
+    assert "\x1b" not in printed and "[/red][link=file:///etc/passwd]x[/link]" in printed
+    # On a terminal the style's own colour codes are there, but the text's links are not.
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, width=300).print(hostile.rich_text(ATTACK, "red"))
+    assert "\x1b]8;" not in out.getvalue() and "\x1b]52" not in out.getvalue() and "\x1b[2J" not in out.getvalue()
+
+
+# ---------------------------------------------------------------- names and paths
+
+@pytest.mark.parametrize("name, why", [
+    ("", "empty"), ("/etc/passwd", "absolute"), ("~/x", "absolute"), ("../x", "'..'"),
+    ("a/../../b", "'..'"), ("ok\n00000000000000000000 /tmp/pwned", "control"), ("a\x1b[2Jb", "control"),
+    ("a\\..\\b", "backslash"), ("x" * 300, "longer"), ("./.", "no file name"),
+])
+def test_relpath_refuses(name, why):
+    with pytest.raises(hostile.UnsafeName, match=why):
+        hostile.relpath(name)
+
+
+def test_relpath_normalises_harmless_forms():
+    assert hostile.relpath("./a//b/./c.pt") == "a/b/c.pt"
+    assert hostile.relpath("$(touch x)") == "$(touch x)"  # a name, never run: it stays one
+    assert hostile.component("node1") == "node1"
+    with pytest.raises(hostile.UnsafeName):
+        hostile.component("a/b")
+
+
+def test_relpath_refuses_a_symlink_that_leads_out(tmp_path):
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "out").symlink_to(tmp_path)
+    with pytest.raises(hostile.UnsafeName, match="leads out"):
+        hostile.relpath("out/x", tmp_path / "root")
+    assert hostile.relpath("in/x", tmp_path / "root") == "in/x"
+
+
+def test_relpath_fuzzed_never_leads_out(tmp_path):
+    """Generated names, hostile alphabet: each one is refused, or stays inside its directory."""
+    rng = random.Random(31)
+    alphabet = list("/.\\~$()`;'\" \n\r\t\x00\x1b\x7f\u009b\u202e") + list(string.ascii_letters[:6]) + ["..", "é"]
+    root = (tmp_path / "runs" / "JOB").resolve()
+    root.mkdir(parents=True)
+    accepted = 0
+    for _ in range(20000):
+        name = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        try:
+            clean = hostile.relpath(name, root)
+        except hostile.UnsafeName:
+            continue
+        accepted += 1
+        where = (root / clean).resolve()
+        assert root in where.parents, (name, clean)
+        assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in clean)
+        assert ".." not in clean.split("/") and not clean.startswith("/")
+    assert accepted > 1000  # the fuzz reached the accepting side too
+
+
+# ---------------------------------------------------------------- sizes
+
+def test_line_cutter_cuts_long_lines_only():
+    cut = hostile.LineCutter(limit=10)
+    assert cut.feed(b"short\n") == b"short\n"
+    # A long line arriving in pieces: 10 bytes kept, the marker once, the rest dropped to its newline.
+    assert cut.feed(b"0123456") + cut.feed(b"789abc") + cut.feed(b"defg\nnext\n") == \
+        b"0123456789" + hostile.CUT + b"\nnext\n"
+
+
+def test_line_cutter_costs_bounded_memory_and_linear_time():
+    cut = hostile.LineCutter()
+    chunk = b"A" * (1 << 16)
+    tracemalloc.start()
+    start = time.process_time()
+    kept = sum(len(cut.feed(chunk)) for _ in range(4096))  # 256 MB, no newline
+    seconds = time.process_time() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert kept == hostile.LINE_MAX + len(hostile.CUT)
+    assert peak < 4 << 20, peak
+    assert seconds < 5, seconds  # ~0.1 s here; the old concatenation took tens of seconds
+
+
+def test_capped_keeps_the_first_bytes_and_says_how_many_were_dropped():
+    c = hostile.Capped(limit=8)
+    c.write(b"12345")
+    c.write(b"67890")
+    c.write(b"xyz")
+    assert c.getvalue() == b"12345678\n...[cut] (5 more bytes)\n"
+    small = hostile.Capped(limit=8)
+    small.write(b"1234")
+    assert small.getvalue() == b"1234"
+
+
+def test_a_host_sink_keeps_a_huge_line_cut_in_the_file_and_the_terminal(tmp_path):
+    out = io.BytesIO()
+    sink = Multiplexer(tmp_path, out=out, colour=False).sink("node1", 0)
+    for _ in range(64):  # 4 MB with no newline, then a newline and one more line
+        sink.feed(b"B" * (1 << 16))
+    sink.feed(b"\nafter\n")
+    sink.close()
+    expected = b"B" * hostile.LINE_MAX + hostile.CUT + b"\nafter\n"
+    assert (tmp_path / "node1.log").read_bytes() == expected
+    assert out.getvalue() == b"node1 r0 | " + b"B" * hostile.LINE_MAX + hostile.CUT + b"\nnode1 r0 | after\n"
