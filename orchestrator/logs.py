@@ -37,6 +37,7 @@ class Multiplexer:
         run_dir.mkdir(parents=True, exist_ok=True)
 
     def sink(self, name: str, rank: int, width: int = 0) -> "HostSink":
+        name = hostile.component(name)  # it names a file in run_dir: never a path out of it
         label = f"{name} r{rank}".ljust(width)
         prefix = (f"\x1b[{COLOURS[rank % len(COLOURS)]}m{label} |\x1b[0m " if self.colour
                   else f"{label} | ").encode()

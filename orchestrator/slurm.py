@@ -125,6 +125,14 @@ def parse_squeue(text: str) -> list[dict]:
     return rows
 
 
+
+def node_name(name: str, index: int) -> str:
+    """A node name Slurm gave, as the name of its log here; nodeINDEX when it is not a plain name."""
+    try:
+        return hostile.component(name)
+    except hostile.UnsafeName:
+        return f"node{index}"
+
 # ---------------------------------------------------------------- the output file, per node
 
 class Demux:
@@ -204,8 +212,10 @@ class SlurmJob:
                         f"{hostile.text(r.stderr.strip()[-300:])}")
 
     def nodes(self, nodelist: str) -> list[str]:
+        """The allocation's node names, in node-rank order. Each names a log file here
+        (runs/JOB/NODE.log): one that is not a plain name becomes nodeK."""
         r = self.query(hostnames_command(nodelist), "scontrol show hostnames")
-        return r.stdout.split() if r.ok else []
+        return [node_name(n, i) for i, n in enumerate(r.stdout.split())] if r.ok else []
 
     def end(self, shown: dict[str, str]) -> End:
         r = self.query(sacct_command(self.slurm_id), "sacct")

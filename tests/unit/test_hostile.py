@@ -137,3 +137,12 @@ def test_a_host_sink_keeps_a_huge_line_cut_in_the_file_and_the_terminal(tmp_path
     expected = b"B" * hostile.LINE_MAX + hostile.CUT + b"\nafter\n"
     assert (tmp_path / "node1.log").read_bytes() == expected
     assert out.getvalue() == b"node1 r0 | " + b"B" * hostile.LINE_MAX + hostile.CUT + b"\nnode1 r0 | after\n"
+
+
+def test_slurm_node_names_that_are_not_plain_names_never_name_a_file(tmp_path):
+    from orchestrator import slurm
+    assert slurm.node_name("gpu-a17", 0) == "gpu-a17"
+    assert [slurm.node_name(n, i) for i, n in enumerate(["../../x", "/etc/y", "a\x1bb", ".."])] == \
+        ["node0", "node1", "node2", "node3"]
+    with pytest.raises(hostile.UnsafeName):
+        Multiplexer(tmp_path, out=io.BytesIO()).sink("../escape", 0)
