@@ -81,6 +81,8 @@ class JobRecord:
             attempts = [Attempt(**a) for a in doc.pop("attempts", [])]
             record = cls(**doc, attempts=attempts)
             record.job_spec()
+            if record.job_id != job_id:  # it names directories on the hosts and here
+                raise ValueError(f"it names job {hostile.line(repr(record.job_id), 80)}, not {job_id}")
         except FileNotFoundError:
             raise UserError(f"--resume {job_id}: no {path}; only jobs started by 'fab train' from this "
                             f"directory can be resumed ('ls {run_root}' lists them)", exit_code=2) from None

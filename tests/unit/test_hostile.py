@@ -146,3 +146,14 @@ def test_slurm_node_names_that_are_not_plain_names_never_name_a_file(tmp_path):
         ["node0", "node1", "node2", "node3"]
     with pytest.raises(hostile.UnsafeName):
         Multiplexer(tmp_path, out=io.BytesIO()).sink("../escape", 0)
+
+
+def test_a_job_record_naming_another_job_is_refused(tmp_path):
+    import json
+    from orchestrator import recovery
+    from orchestrator.errors import UserError
+    (tmp_path / "gpt-1").mkdir()
+    doc = {"spec": {"job_id": "../../etc", "script": "x.py"}, "inventory": "inventory.yaml"}
+    (tmp_path / "gpt-1" / "job.json").write_text(json.dumps(doc))
+    with pytest.raises(UserError, match=r"names job '\.\./\.\./etc', not gpt-1"):
+        recovery.JobRecord.load(tmp_path, "gpt-1")
