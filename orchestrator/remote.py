@@ -361,14 +361,15 @@ class Session:
 
     def local(self, argv: list[str], timeout: float) -> Result:
         """Run a command on this machine (rsync to or from a host): the one place a job starts a
-        local process, so a recording stand-in sees those too."""
+        local process, so a recording stand-in sees those too. Its stdout and stderr are capped like
+        a remote command's (_drain): what rsync prints can be the host's (its shell's stderr)."""
         start = time.monotonic()
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-            return Result("", f"{err}\n{argv[0]} did not finish within {timeout:g}s", 124, time.monotonic() - start)
-        return Result(proc.stdout, proc.stderr, proc.returncode, time.monotonic() - start)
+        code, out, err = run_capped(argv, timeout)
+        out_text, err_text = out.decode(errors="replace"), err.decode(errors="replace")
+        if code is None:
+            return Result(out_text, f"{err_text}\n{argv[0]} did not finish within {timeout:g}s", 124,
+                          time.monotonic() - start)
+        return Result(out_text, err_text, code, time.monotonic() - start)
 
     def alive_since(self, host: Host) -> float | None:
         """Monotonic time of the last keepalive answer from the host (see heartbeat)."""
@@ -389,6 +390,33 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_capped(argv: list[str], timeout: float) -> tuple[int | None, bytes, bytes]:
+    """Run a local command, keeping at most OUTPUT_MAX bytes of each of its stdout and stderr:
+    its exit status (None when it was killed at `timeout`), stdout, stderr."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    bufs = (hostile.Capped(), hostile.Capped())
+
+    def pump(pipe, buf: hostile.Capped) -> None:  # noqa: ANN001 - a binary pipe
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
+                buf.write(chunk)
+
+    pumps = [threading.Thread(target=pump, args=(pipe, buf), daemon=True, name="local-output")
+             for pipe, buf in zip((proc.stdout, proc.stderr), bufs)]
+    for t in pumps:
+        t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        code: int | None = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for t in pumps:  # a child (rsync's ssh) may hold the pipes a little longer
+        t.join(max(5.0, deadline - time.monotonic()))
+    return code, bufs[0].getvalue(), bufs[1].getvalue()
 
 
 def fds_needed(hosts: int) -> int:

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import tracemalloc
 
@@ -359,3 +360,19 @@ def test_drain_keeps_a_bounded_part_of_a_flood():
 def test_drain_passes_small_output_whole():
     out, err = remote._drain(Flood(1000, b"oops\n"))
     assert (out, err) == (b"x" * 1000, b"oops\n")
+
+
+def test_a_local_command_flooding_its_output_is_capped(tmp_path):
+    """rsync's output can be a host's (its shell's stderr): Session.local keeps a bounded part."""
+    flood = "import os; os.write(1, b'o' * (20 << 20)); os.write(2, b'e' * (9 << 20)); print('end', flush=True)"
+    session = remote.Session(())
+    try:
+        r = session.local([sys.executable, "-c", flood], timeout=60)
+        assert r.exited == 0
+        assert r.stdout == "o" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % ((20 << 20) - hostile.OUTPUT_MAX + 4)
+        assert r.stderr == "e" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % ((9 << 20) - hostile.OUTPUT_MAX)
+        r = session.local([sys.executable, "-c", "import sys, time; sys.stderr.write('partial'); sys.stderr.flush(); time.sleep(30)"],
+                          timeout=1)
+        assert r.exited == 124 and r.stderr == f"partial\n{sys.executable} did not finish within 1s" and r.seconds < 10
+    finally:
+        session.close()
