@@ -17,6 +17,9 @@ that host and no fresh lease (plan.LEASE_STALE) is stale: the next claim there r
 so. A job claims its hosts one at a time in one order (`order`), so two jobs started at the same
 moment over overlapping hosts meet first on the same host and exactly one of them gets it; the
 other releases what it took and is refused, naming the holder.
+
+Several Unix accounts of one group share these directories (plan.shared_dir_script): any of them
+claims, and clears another's stale claim; none reads another's runtime files (secrets).
 """
 from __future__ import annotations
 
@@ -104,10 +107,21 @@ def host_dir(inv: Inventory) -> str:
     return f"{plan.shell([f'{inv.job.output_dir}/{DIR}'])}/\"$(hostname)\""
 
 
+def dirs_script(inv: Inventory) -> str:
+    """`d` set to the host's claims directory, made if missing: `.claims` and `.claims/HOSTNAME`
+    shared by the group without a sticky bit (plan.shared_dir_script), so the next claim of any
+    account of the group removes a stale claim of another; NOT_WRITABLE, naming the fix, when
+    this account cannot write there."""
+    return (f"d={host_dir(inv)}; " + plan.shared_dir_script(plan.shell([f"{inv.job.output_dir}/{DIR}"]), check=False)
+            + plan.shared_dir_script('"$d"'))
+
+
 def survey_script(inv: Inventory) -> str:
-    """Read-only: the host's CPU count, then one line per claim file (parse_survey)."""
+    """Read-only: the host's CPU count, then one line per claim file (parse_survey); links (which
+    another account of the group may put there) are not claims and are never read."""
     return (f"echo @@claims; nproc; d={host_dir(inv)}; "
-            'for f in "$d"/*; do [ -f "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done; true')
+            'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
+            'done; true')
 
 
 def parse_survey(text: str) -> tuple[int, list[Holder]]:
@@ -125,18 +139,26 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
     lease. Prints `held|cleared JOB who=.. since=.. units=..` lines; exits REFUSED when a unit is
     held, PORT_TAKEN when `port` (given on the rank-0 host) is another held claim's. The job's
     first attempt also clears a stop marker left from an earlier run of it. `units` None: a short
-    job of fabtrain's own (the preflight's smoke test) that claims nothing, only its runtime
-    directory and lease."""
+    job of fabtrain's own that claims nothing, only its runtime directory and lease (the
+    preflight's smoke test claims its units itself beforehand, preflight/smoke.py).
+
+    Several accounts of one group share these directories (plan.shared_dir_script): the lock is
+    opened read-write where this account may (flock over NFS needs that), else read-only (a lock
+    file an older version made 0644); the claim file is written new (noclobber, after removing
+    whatever another account put at its temporary name), 0644 for every account's survey, and
+    renamed into place; links in the directory are not claims; the runtime directory is the job's
+    account's own (plan.own_runtime_script)."""
     rt = plan.shell([f"{inv.job.output_dir}/.runtime"])
     q = plan.shell
     ps = q(["docker", "ps", "--quiet", "--filter", f"label={plan.LABEL_JOB}="])
-    own = plan.runtime_dir(inv, plan.JobSpec(job_id=job_id, script=""))
     clear = f"{q(['rm', '-f', plan.stopped_marker(inv, job_id)])}; " if first else ""
     if units is None:
-        return f"{clear}mkdir -p {q([own])} && touch {q([f'{own}/{plan.LEASE}'])}"
+        return f"{clear}{plan.own_runtime_script(inv, job_id)}"
+    tmp = f'"$d"/.{job_id}.tmp'
     body = (
         f'now=$(date +%s); taken=""; ports=""; '
-        f'for f in "$d"/*; do [ -f "$f" ] || continue; j=$(basename "$f"); [ "$j" = {q([job_id])} ] && continue; '
+        f'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
+        f'[ "$j" = {q([job_id])} ] && continue; '
         f'line="$j $(tr "\\n" " " < "$f")"; l={rt}/"$j"/{plan.LEASE}; '
         # A job whose engine does not answer counts as live: never clear what cannot be checked.
         f'ids=$(timeout -k 2 8 {ps}"$j" 2>/dev/null) || ids=unknown; '
@@ -148,21 +170,25 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         f'for u in {" ".join(str(u) for u in units) or "all"}; do case " $taken " in *" all "*|*" $u "*) exit {REFUSED};; '
         f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && exit {REFUSED}; done; '
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
-        + f'{clear}mkdir -p {q([own])} && touch {q([f"{own}/{plan.LEASE}"])} && '
-        f'printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" {q([units_text(units)])} '
-        f'{q([str(port or "")])} > "$d"/.{job_id}.tmp && '
-        f'mv "$d"/.{job_id}.tmp "$d"/{job_id}')
-    return (f"d={host_dir(inv)}; mkdir -p \"$d\" && ( flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host "
-            f"held its lock for {LOCK_WAIT}s' >&2; exit 4; }}; {body} ) 9>>\"$d\"/.lock")
+        + f'{clear}{plan.own_runtime_script(inv, job_id)} && rm -f {tmp} && '
+        f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" {q([units_text(units)])} '
+        f'{q([str(port or "")])} > {tmp} ) && chmod 0644 {tmp} && mv {tmp} "$d"/{job_id}')
+    lock = '"$d"/.lock'
+    return (f"{dirs_script(inv)}( umask 022; {{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} "
+            f"|| exit {plan.NOT_WRITABLE}; {{ [ -O {lock} ] && chmod 0664 {lock}; }} 2>/dev/null; "
+            f"flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host held its lock for {LOCK_WAIT}s' >&2; "
+            f"exit 4; }}; {body} )")
 
 
 def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True) -> str:
-    """Remove these jobs' claims on the host it runs on, and (`runtime`) their runtime directories."""
+    """Remove these jobs' claims on the host it runs on, and (`runtime`) their runtime directories
+    and stop markers (`fab stop` leaves both for the job's own `fab train` to see)."""
     ids = [j for j in job_ids if plan.valid_job_id(j)]
     if not ids:
         return "true"
     rt = f"{inv.job.output_dir}/.runtime"
-    return (f"d={host_dir(inv)}; " + (f"rm -rf {plan.shell([f'{rt}/{j}' for j in ids])}; " if runtime else "")
+    gone = [p for j in ids for p in (f"{rt}/{j}", plan.stopped_marker(inv, j))]
+    return (f"d={host_dir(inv)}; " + (f"rm -rf {plan.shell(gone)}; " if runtime else "")
             + "; ".join(f'rm -f "$d"/{j}' for j in ids))
 
 

@@ -4,7 +4,9 @@ A job is found on a host by its containers (labels) and by its runtime directory
 (output_dir/.runtime/JOB), which exists from the job's claim to its end, between attempts too. A
 runtime directory with no container of its job and a lease older than plan.LEASE_STALE is left
 over (its `fab train` is gone, or the host was lost while the job ran) and is cleared by `fab stop`
-and by preflight, which say so.
+and by preflight, which say so. Several Unix accounts of one group may share a host's directories
+(plan.shared_dir_script): a left-over runtime directory of another account is never read or removed
+(its secrets are its own), only named, and blocks no one.
 """
 from __future__ import annotations
 
@@ -234,18 +236,36 @@ def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> d
     return got
 
 
+def port_script(inv: Inventory) -> str:
+    """One round trip to rank 0's host: the ports listening there, then its claims (claims.survey_script)."""
+    from .attempt import port_command
+    return f"{port_command()}; {claims.survey_script(inv)}"
+
+
+def parse_ports(text: str, base: int) -> int | None:
+    """The first port from `base` that nothing listens on and no claim file there names (as
+    `fab train` chooses it: another job's claim holds its master port before its rank 0 listens),
+    from port_script's output."""
+    from .attempt import free_port
+    listening, _, claimed = text.partition("@@claims\n")
+    return free_port(listening, base, {h.port for h in claims.parse_survey(claimed)[1] if h.port})
+
+
+def free_port(session: Session, inv: Inventory) -> int | None:
+    """parse_ports at rank 0's host from job.master_port; None when it does not answer."""
+    try:
+        r = session.run(inv.master, port_script(inv), timeout=STATUS_TIMEOUT, what="listing ports")
+    except Exception:  # noqa: BLE001 - the preflight's own checks name the host
+        return None
+    return parse_ports(r.stdout, inv.job.master_port) if r.ok else None
+
+
 def with_free_port(session: Session, inv: Inventory) -> Inventory:
     """The inventory with job.master_port moved to the first port from it that nothing listens on
-    at rank 0's host, as `fab train` chooses it (other jobs may hold job.master_port). Unchanged
-    when the host does not answer: the preflight names it."""
+    and no job claims at rank 0's host, as `fab train` chooses it (other jobs may hold
+    job.master_port). Unchanged when the host does not answer: the preflight names it."""
     from dataclasses import replace
-
-    from .attempt import free_port, port_command
-    try:
-        r = session.run(inv.master, port_command(), timeout=STATUS_TIMEOUT, what="listing ports")
-    except Exception:  # noqa: BLE001 - the preflight's own checks name the host
-        return inv
-    port = free_port(r.stdout, inv.job.master_port) if r.ok else None
+    port = free_port(session, inv)
     return replace(inv, job=replace(inv.job, master_port=port)) if port else inv
 
 
@@ -278,26 +298,63 @@ def stale_runtime(found: PerHost) -> dict[str, list[str]]:
     return out
 
 
+def clear_stale_script(inv: Inventory, jobs: list[str]) -> str:
+    """Remove these left-over runtime directories (and stop markers) that are this account's own
+    (root: any), printing `removed JOB`; one of another account is kept, printing `kept JOB OWNER`:
+    its secrets are not ours to read or remove, and a stale job blocks no one."""
+    rt = f"{inv.job.output_dir}/.runtime"
+    parts = []
+    for j in (j for j in jobs if plan.valid_job_id(j)):
+        d, word = plan.shell([f"{rt}/{j}"]), plan.shell([j])
+        parts.append(f"if [ -O {d} ] || [ \"$(id -u)\" = 0 ]; then rm -rf {d} {plan.shell([plan.stopped_marker(inv, j)])} "
+                     f"&& echo removed {word}; else echo kept {word} \"$(stat -c %U {d} 2>/dev/null)\"; fi")
+    return "; ".join(parts) or "true"
+
+
+def parse_clear_stale(text: str) -> tuple[list[str], dict[str, str]]:
+    """(removed jobs, kept job -> its owner) from clear_stale_script's output."""
+    removed, kept = [], {}
+    for line in text.splitlines():
+        word, job, *owner = line.split(" ", 2)
+        if not plan.valid_job_id(job):
+            continue
+        if word == "removed":
+            removed.append(job)
+        elif word == "kept":
+            kept[job] = hostile.line(owner[0] if owner else "") or "?"
+    return removed, kept
+
+
 def clear_stale(session: Session, inv: Inventory, found: PerHost) -> list[str]:
-    """Remove left-over runtime directories (secrets files included); one line per host saying so."""
+    """Remove left-over runtime directories (secrets files included) this account may; one line per
+    host saying what was removed, and which were kept as another account's."""
     stale = stale_runtime(found)
     hosts = {h.name: h for h in inv.all_hosts}
 
-    def one(h: Host) -> None:
-        argv = ["rm", "-rf", *(f"{inv.job.output_dir}/.runtime/{j}" for j in stale[h.name])]
-        session.run(h, plan.shell(argv), timeout=STATUS_TIMEOUT, what="removing left-over runtime files")
+    def one(h: Host) -> tuple[list[str], dict[str, str]]:
+        r = session.run(h, clear_stale_script(inv, stale[h.name]), timeout=STATUS_TIMEOUT,
+                        what="removing left-over runtime files")
+        return parse_clear_stale(r.stdout)
     done = session.fan_out(one, tuple(hosts[n] for n in stale if n in hosts))
-    return [f"{n}: removed the left-over runtime files (secrets included) of {', '.join(stale[n])}"
-            for n in stale if n in done and done.error(n) is None]
+    lines = []
+    for n in stale:
+        if n in done and done.error(n) is None:
+            removed, kept = done.value(n)
+            if removed:
+                lines.append(f"{n}: removed the left-over runtime files (secrets included) of {', '.join(removed)}")
+            if kept:
+                lines.append(f"{n}: left-over runtime files of another account kept (only it or root can remove "
+                             f"them): {', '.join(f'{j} ({o})' for j, o in kept.items())}")
+    return lines
 
 
 def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, list[str]]) -> None:
     """Tell a watching `fab train` that these jobs (job -> its hosts) were ended on purpose: a
     marker in the job's runtime directory on its hosts, which the job looks for between stages."""
     def mark(h: Host) -> None:
-        for job_id, where in jobs.items():
-            if h.name in where and plan.valid_job_id(job_id):
-                session.put(h, b"", plan.stopped_marker(inv, job_id), 0o644, timeout=STATUS_TIMEOUT)
+        ids = [j for j, where in jobs.items() if h.name in where and plan.valid_job_id(j)]
+        if ids:  # in a directory the group shares: the job's account removes a marker another left
+            session.run(h, plan.stop_mark_script(inv, ids), timeout=STATUS_TIMEOUT, what="leaving the stop marker")
     # A host that cannot take its marker is still stopped afterwards (and named there).
     session.fan_out(mark, tuple(h for h in inv.all_hosts if any(h.name in w for w in jobs.values())))
 

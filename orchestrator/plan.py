@@ -304,9 +304,60 @@ def secrets_file(inv: Inventory, spec: JobSpec) -> str:
 
 
 def stopped_marker(inv: Inventory, job_id: str) -> str:
-    """Left by `fab stop` in the job's runtime directory: the job was ended on purpose, so a failure
-    it causes is not restarted (fab train --restarts)."""
-    return f"{inv.job.output_dir}/.runtime/{job_id}/stopped"
+    """Left by `fab stop` (hostops.mark_stopped) for the job: it was ended on purpose, so a failure
+    it causes is not restarted (fab train --restarts). Beside the job's runtime directory, in one
+    the group shares (STOPPED_DIR), so another account of the group that stops the job can leave it
+    and the job's own account can remove it."""
+    return f"{inv.job.output_dir}/.runtime/{STOPPED_DIR}/{job_id}"
+
+
+# Directories on a host that several Unix accounts of one group share (the admin gives output_dir
+# to the group, `chgrp GROUP DIR; chmod 2775 DIR`): the group can write them and what is made in
+# them takes their group (setgid). `.claims` and `.claims/HOSTNAME` have no sticky bit: a stale
+# claim of an account that left is removed by the next claim of any account (claims.py). `.runtime`
+# has one: only a job's own account (or root) renames or removes its runtime directory, which is
+# 0711: no one else lists it, reads the secrets file (0600) or writes there, while everyone can
+# still stat its lease by name (hostops.survey, the claim script) and a container's non-root user
+# can read the entrypoint (0644) through the read-only mount. STOPPED_DIR (in `.runtime`, no
+# sticky bit) holds the stop markers any account of the group leaves and removes.
+SHARED_MODE = "g+rwxs"           # only added, by the directory's owner: what it took from others stays taken
+RUNTIME_MODE = "0711"
+STOPPED_DIR = ".stopped"
+NOT_WRITABLE = 6   # exit status: a shared directory this account cannot write (made narrower by another)
+NOT_OWN = 7        # ... the job's runtime directory is there and not this account's (or not a directory)
+
+
+def shared_dir_script(path: str, sticky: bool = False, check: bool = True) -> str:
+    """Make the directory `path` (a shell word, expanded on the host) if missing; when this account
+    owns it, add the group's rights and setgid (and the sticky bit); with `check`, end with
+    NOT_WRITABLE, naming its owner and the fix, when this account still cannot write it (one an
+    older version, or another account with a narrow umask, made)."""
+    mode = SHARED_MODE + (",+t" if sticky else "")
+    fix = f"{mode} %s; chgrp GROUP %s"
+    return (f"mkdir -p {path} || exit {NOT_WRITABLE}; {{ [ -O {path} ] && chmod {mode} {path}; }} 2>/dev/null; "
+            + (f"[ -w {path} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with "
+               f"the group: chmod {fix}\\n' {path} \"$(id -un)\" \"$(stat -c %U {path})\" {path} {path} >&2; "
+               f"exit {NOT_WRITABLE}; }}; " if check else ""))
+
+
+def own_runtime_script(inv: Inventory, job_id: str) -> str:
+    """Make the job's runtime directory (mode RUNTIME_MODE) in the shared `.runtime`, or end with
+    NOT_OWN when it is there and not this account's own directory (another account made it first,
+    or put a link there), then touch the job's lease."""
+    rt, own = shell([f"{inv.job.output_dir}/.runtime"]), shell([f"{inv.job.output_dir}/.runtime/{job_id}"])
+    return (shared_dir_script(rt, sticky=True) + f"mkdir -m {RUNTIME_MODE} {own} 2>/dev/null; "
+            f"if [ -L {own} ] || [ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; "
+            f"another account made it: job ids are never reused, so remove it (its owner or root)\\n' {own} "
+            f"\"$(id -un)\" >&2; exit {NOT_OWN}; fi; chmod {RUNTIME_MODE} {own} && touch {shell([f'{inv.job.output_dir}/.runtime/{job_id}/{LEASE}'])}")
+
+
+def stop_mark_script(inv: Inventory, job_ids: list[str] | tuple[str, ...]) -> str:
+    """Leave the stop marker (stopped_marker) of these jobs on the host, in the shared STOPPED_DIR
+    (an existing marker, of any account, is kept)."""
+    d = shell([f"{inv.job.output_dir}/.runtime/{STOPPED_DIR}"])
+    marks = "; ".join(f"[ -e {m} ] || : > {m}" for m in (shell([stopped_marker(inv, j)]) for j in job_ids))
+    return (shared_dir_script(shell([f"{inv.job.output_dir}/.runtime"]), sticky=True, check=False)
+            + shared_dir_script(d) + f"umask 022; {marks}")
 
 
 # Not a job: the preflight's cache of image facts (python, torch, CUDA per image id), kept in the

@@ -32,7 +32,7 @@ from .probe import (DOCKER_FACTS, DOCKER_TIMEOUT, GPU_CONTAINER_TIMEOUT, IMAGE_I
                     count_gpus, gpu_access, image_info, image_info_argv, local_code_hash, parse_addrs,
                     parse_links, parse_probe, probe_commands, probe_script)
 from .render import render, to_json
-from .smoke import judge_transport, nccl_transport, smoke_test
+from .smoke import judge_transport, nccl_transport, read_ends, smoke_test
 
 __all__ = [
     "CHECKS", "CLOCK_TIMEOUT", "CONNECT", "DOCKER_FACTS", "DOCKER_TIMEOUT", "FAIL", "GPU_CONTAINER_TIMEOUT",
@@ -41,7 +41,7 @@ __all__ = [
     "judge_dirs", "judge_disk", "judge_docker", "judge_gpus", "judge_host", "judge_image", "judge_interface",
     "judge_port", "judge_route", "judge_shm", "judge_time", "judge_transport", "local_code_hash",
     "measure_clock", "nccl_transport", "parse_addrs", "parse_links", "parse_probe", "plan", "probe_commands",
-    "probe_script", "reachability", "render", "run", "smoke_test", "suggest_interface", "to_json",
+    "probe_script", "reachability", "read_ends", "render", "run", "smoke_test", "suggest_interface", "to_json",
 ]
 
 

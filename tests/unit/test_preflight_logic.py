@@ -177,7 +177,7 @@ def test_hosts_whose_images_hold_different_versions_are_warned():
                                "run one image everywhere (job.image), or the same versions in each")]
 
 
-def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended():
+def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended(tmp_path):
     from orchestrator.watch import NodeEnd, Watched
     from orchestrator.policy import Failure
     inv = parse("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n"
@@ -189,7 +189,7 @@ def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended():
         (run_dir / "b.log").write_text("boom\n")
         return Watched(ends={"a": NodeEnd(inv.hosts[0], exit_code=0),
                              "b": NodeEnd(inv.hosts[1], exit_code=3, failure=Failure.EXIT, detail="exited with code 3")})
-    checks = pf.smoke_test(None, inv, None, [], run_job)
+    checks = pf.read_ends(inv, run_job(None, inv, None, tmp_path), tmp_path)
     assert [(c.host, c.status) for c in checks] == [("a", pf.OK), ("b", pf.FAIL)]
     assert "all_reduce over 4 ranks (gloo), bus bw 700 MB/s" in checks[0].detail
     assert checks[1].detail == "collective failed (exited with code 3: boom)"
