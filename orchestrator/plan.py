@@ -556,30 +556,41 @@ def _ssh_escape(path: str, tokens: bool = True) -> str:
     return path
 
 
+# In every rsync argv, before --rsh: the remote paths (names from hosts among them: snapshots,
+# outputs) go to the host's rsync through rsync's protocol, never through the host's shell, so
+# no '$(...)', quote or space in one is read by a shell. rsync 3.2.4 and later escape them by
+# default, but RSYNC_OLD_ARGS in this machine's environment, or an older rsync here, turns that
+# off; an explicit -s wins over both variables (and over RSYNC_PROTECT_ARGS=0) and works back to
+# rsync 3.0. A server rsync reads neither variable. ('-s': rsync's most compatible spelling of
+# --protect-args, called --secluded-args since 3.2.6.) Preflight's rsync check judges versions.
+RSYNC_PROTECT = ("-s",)
+
+
 def rsync_argv(host: Host, source: str, dest: str, only: str = "") -> list[str]:
     """Mirror the local tree `source` (with `only`, its top folder of that name) to `dest` on the
     host (same path on every host), with codetree's filters."""
     return ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
-            "--rsh", shell(ssh_argv(host)), *rsync_filters(only),
+            *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)), *rsync_filters(only),
             source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
 
 
 def rsync_remote(host: Host, path: str) -> str:
-    """rsync's HOST:PATH for a remote path (the user comes from ssh's -l)."""
+    """rsync's HOST:PATH for a remote path (the user comes from ssh's -l). The path reaches the
+    host's rsync through rsync's protocol, never its shell (RSYNC_PROTECT in every argv)."""
     address = host.ssh.hostname
     return f"[{address}]:{path}" if ":" in address else f"{address}:{path}"
 
 
 def fetch_file_argv(host: Host, remote_file: str, dest: str) -> list[str]:
     """Copy one file (a snapshot) from a host; rsync writes a temporary file and renames it."""
-    return ["rsync", "--times", f"--timeout={RSYNC_IO_TIMEOUT}", "--rsh", shell(ssh_argv(host)),
+    return ["rsync", "--times", f"--timeout={RSYNC_IO_TIMEOUT}", *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)),
             rsync_remote(host, remote_file), dest]
 
 
 def push_file_argv(host: Host, source: str, remote_file: str) -> list[str]:
     """Copy one local file (a snapshot) to a host, its directory made if missing."""
-    return ["rsync", "--times", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}", "--rsh", shell(ssh_argv(host)),
-            source, rsync_remote(host, remote_file)]
+    return ["rsync", "--times", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}", *RSYNC_PROTECT,
+            "--rsh", shell(ssh_argv(host)), source, rsync_remote(host, remote_file)]
 
 
 # The job's snapshots, complete (snapshot-NNNNNNNNN.pt) and being written or copied (.snapshot-*):
@@ -598,5 +609,5 @@ def fetch_argv(host: Host, remote_dir: str, dest: str) -> list[str]:
     return ["rsync", "--recursive", "--times", "--links", "--safe-links", f"--timeout={RSYNC_IO_TIMEOUT}",
             f"--exclude=/{CONSOLE_DIR}/",  # the nodes' output: already here, in runs/JOB/HOST.log
             *(f"--exclude={pattern}" for pattern in SNAPSHOT_EXCLUDES),
-            "--rsh", shell(ssh_argv(host)),
+            *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)),
             rsync_remote(host, remote_dir.rstrip("/") + "/"), dest]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 OK, WARN, FAIL, NA, SKIP = "ok", "warn", "fail", "n/a", "skipped"
 CHECKS = ("ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
-          "shm", "disk", "dirs", "code", "runtime", "smoke",
+          "shm", "disk", "dirs", "rsync", "code", "runtime", "smoke",
           # the deep check (preflight/deep.py)
           "disk-speed", "compute", "net", "link", "gpu-health")
 

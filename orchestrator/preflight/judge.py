@@ -8,11 +8,12 @@ import ipaddress
 import re
 from collections import Counter
 
-from .. import plan
+from .. import hostile, plan
+from ..attempt import LOCAL
 from ..inventory import Host, Inventory
 from .checks import FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
-from .probe import (DOCKER_TIMEOUT, GPU_CONTAINER_TIMEOUT, TIMED_OUT, count_gpus, image_info, parse_addrs,
-                    parse_links)
+from .probe import (DOCKER_TIMEOUT, GPU_CONTAINER_TIMEOUT, RSYNC_CVES, TIMED_OUT, count_gpus, image_info,
+                    parse_addrs, parse_links, parse_rsync_fact, parse_rsync_version)
 
 
 def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], image: str,
@@ -30,7 +31,56 @@ def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], im
     out.append(judge_shm(inv, host, facts.get("shm", (1, "")), limits))
     out.append(judge_disk(inv, host, facts.get("dirs", (1, "")), limits))
     out.append(judge_dirs(host, facts.get("dirs", (1, ""))))
+    if "rsync" in facts:
+        out.append(judge_rsync(n, facts["rsync"]))
     return out
+
+
+# rsync before 3.2.4 handles remote arguments the old way (a remote shell splits and expands them
+# unless -s is given); 3.4.0 fixed two flaws of the receiving client, which is this machine when
+# fab fetches a host's outputs and snapshots: CVE-2024-12087 (a sending server writes outside the
+# destination) and CVE-2024-12088 (--safe-links bypassed).
+RSYNC_MIN = (3, 2, 4)
+RSYNC_SAFE = (3, 4, 0)
+
+
+def judge_rsync(name: str, fact: tuple[int, str]) -> Check:
+    """The rsync of a host (`name` its name; the fact from its probe) or of this machine (LOCAL;
+    probe.local_rsync): refused before 3.2.4 or when missing or unreadable, a warning before 3.4
+    unless its package names the fixes for both CVEs (a distribution's backport). RSYNC_OLD_ARGS
+    and RSYNC_PROTECT_ARGS are shown where set: fab's explicit -s (plan.RSYNC_PROTECT) overrides
+    both here, and a server rsync reads neither, so they change nothing."""
+    here = name == LOCAL
+    where = "on this machine" if here else f"on {name}"
+    upgrade = f"{where}: upgrade rsync to 3.4 or later (a distribution's build of 3.2.7 with the fixes will do)"
+    rc, text = fact
+    info = parse_rsync_fact(text)
+    shown = hostile.line(info["version"], 120)
+    if not info["version"]:
+        return Check(name, "rsync", FAIL, "no rsync" if rc == 0 else f"could not run rsync: {_last(hostile.line(text))}",
+                     f"{where}: install rsync 3.4 or later (e.g. sudo apt-get install rsync)")
+    version = parse_rsync_version(info["version"])
+    if version is None:
+        return Check(name, "rsync", FAIL, f"cannot read rsync's version from {shown!r} (not rsync 3.x?)",
+                     f"{where}: install rsync 3.4 or later, first in PATH")
+    number = ".".join(map(str, version))
+    env = info["env"]
+    note = ""
+    if env:
+        names = ", ".join(f"{k}={hostile.line(v, 40)}" for k, v in sorted(env.items()))
+        note = (f"; {names} set (no effect: fab passes -s, which overrides it)" if here else
+                f"; {names} in its SSH environment (no effect: rsync's server side reads neither)")
+    if version < RSYNC_MIN:
+        return Check(name, "rsync", FAIL, f"rsync {number} is older than 3.2.4: its argument handling differs "
+                     "(old style: remote paths split and expanded by the remote shell unless protected)" + note,
+                     upgrade)
+    if version < RSYNC_SAFE:
+        if info["fixed"] >= set(RSYNC_CVES):
+            return Check(name, "rsync", OK, f"{number}, its package fixes {' and '.join(RSYNC_CVES)}" + note)
+        return Check(name, "rsync", WARN, f"rsync {number} is older than 3.4 and its package names no fix for "
+                     f"CVE-2024-12087 (a server can make the receiving rsync write outside its destination) and "
+                     f"CVE-2024-12088 (--safe-links bypass)" + note, upgrade)
+    return Check(name, "rsync", OK, number + note)
 
 
 def describe_image(info: dict) -> str:

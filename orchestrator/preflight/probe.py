@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 from .. import codetree, plan
@@ -63,6 +64,7 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAcces
         "ntp": ["sh", "-c", "timedatectl show -p NTPSynchronized --value 2>/dev/null "
                 "|| chronyc -n tracking 2>/dev/null | grep -i 'leap status' || echo unknown"],
         "python": ["python3", "-c", "print('ok')"],
+        "rsync": rsync_fact_argv(),
     }
     if host.rank == 0:
         cmds["port"] = ["ss", "-Htlnp", f"sport = :{inv.job.master_port}"]
@@ -75,6 +77,71 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAcces
                        "cat /sys/class/kfd/kfd/topology/nodes/*/gpu_id 2>/dev/null"]
         cmds["runtime"] = ["ls", "-d", "/dev/kfd", "/dev/dri"]
     return cmds
+
+
+# What the rsync check judges (judge.judge_rsync), printed as key=value lines by the same script on
+# a host (in its probe, so in the environment a non-interactive SSH command gets, the one rsync's
+# server side gets) and on this machine (local_rsync): the first line of `rsync --version`
+# (version=, empty when there is no rsync); the CVE ids of the two client-side flaws fixed in 3.4
+# that the rsync package's changelog names (fixed=: a distribution's build of an older version
+# with the fixes backported, as Debian 12's 3.2.7-1+deb12u1 and later); and RSYNC_OLD_ARGS and
+# RSYNC_PROTECT_ARGS where set (env=NAME=VALUE, the value cut and kept to one line).
+RSYNC_CVES = ("CVE-2024-12087", "CVE-2024-12088")
+RSYNC_FACT = (
+    'if command -v rsync >/dev/null 2>&1; then v=$(rsync --version 2>&1 | head -n 1 | cut -c 1-200); '
+    'else v=; fi; printf "version=%s\n" "$v"; '
+    '{ for f in /usr/share/doc/rsync/changelog.Debian.gz /usr/share/doc/rsync/changelog.gz; do '
+    '[ -f "$f" ] && gzip -dc "$f"; done; command -v rpm >/dev/null && rpm -q --changelog rsync; } 2>/dev/null '
+    "| grep -oE '" + "|".join(RSYNC_CVES) + "' | sort -u | sed 's/^/fixed=/'; "
+    'for n in RSYNC_OLD_ARGS RSYNC_PROTECT_ARGS; do x=$(printenv "$n") && '
+    'printf "env=%s=%s\n" "$n" "$(printf %s "$x" | tr -c "[:alnum:]._-" "?" | cut -c 1-40)"; done; true')
+LOCAL_RSYNC_TIMEOUT = 10
+
+
+def rsync_fact_argv() -> list[str]:
+    """The rsync fact's command (RSYNC_FACT), run on a host by its probe and here by local_rsync."""
+    return ["sh", "-c", RSYNC_FACT]
+
+
+def local_rsync() -> tuple[int, str]:
+    """The rsync fact of this machine (the one running fab, whose rsync copies to and from the
+    hosts), as the probe gives a host's: (exit code, output)."""
+    try:
+        r = subprocess.run(rsync_fact_argv(), capture_output=True, text=True, errors="replace",
+                           timeout=LOCAL_RSYNC_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 1, f"{type(exc).__name__}: {exc}"
+    return r.returncode, (r.stdout + r.stderr).strip()
+
+
+def parse_rsync_fact(text: str) -> dict:
+    """RSYNC_FACT's output -> {'version': first line of rsync --version ('' for none), 'fixed':
+    the RSYNC_CVES its package's changelog names, 'env': {name: value}}; lines of any other form
+    are ignored."""
+    out: dict = {"version": "", "fixed": set(), "env": {}}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if not sep:
+            continue
+        if key == "version" and not out["version"]:
+            out["version"] = value.strip()
+        elif key == "fixed" and value in RSYNC_CVES:
+            out["fixed"].add(value)
+        elif key == "env":
+            name, _, val = value.partition("=")
+            if name in ("RSYNC_OLD_ARGS", "RSYNC_PROTECT_ARGS"):
+                out["env"][name] = val
+    return out
+
+
+def parse_rsync_version(line: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) from the first line of `rsync --version` ('rsync  version 3.2.7
+    protocol version 31'; 3.2.0 to 3.2.3 print 'version v3.2.3'), or None for any other text
+    (openrsync, an error, a wrapper's output)."""
+    m = re.match(r"\s*rsync\s+version\s+v?(\d{1,4})\.(\d{1,4})(?:\.(\d{1,4}))?(?!\d)", line)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None) -> list[str]:

@@ -179,7 +179,7 @@ def test_hostile_values_are_quoted_once():
 def test_rsync_argv():
     h = INV.hosts[1]
     assert plan.rsync_argv(h, "/src/proj/", "/opt/code") == [
-        "rsync", "--archive", "--compress", "--delete", "--mkpath", "--timeout=60", "--rsh",
+        "rsync", "--archive", "--compress", "--delete", "--mkpath", "--timeout=60", "-s", "--rsh",
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
         "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes",

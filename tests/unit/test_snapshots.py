@@ -379,7 +379,7 @@ def test_fetch_argv_leaves_the_snapshots_out():
         "--exclude=/.console/",
         "--exclude=/snapshots/snapshot-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9].pt",
         "--exclude=/snapshots/.snapshot-*",
-        "--rsh", shell_ssh(), "10.0.0.2:/out/gpt-1/", "runs/gpt-1/outputs/b"]
+        "-s", "--rsh", shell_ssh(), "10.0.0.2:/out/gpt-1/", "runs/gpt-1/outputs/b"]
 
 
 def shell_ssh() -> str:
