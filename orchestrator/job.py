@@ -295,7 +295,8 @@ class Job:
         """The newest complete snapshot on this machine or any host answering (the attempt's and
         every earlier one's), copied here; and the attempt's hosts that lack it."""
         asked = {h.name: h for h in self.answering((*inv.hosts, *self.used.values()))}
-        found = self.session.fan_out(lambda h: snapshots.remote_newest(self.session, h, inv, self.spec),
+        warn = self.open_snapshots().warn  # a name refused: told once, naming the host
+        found = self.session.fan_out(lambda h: snapshots.remote_newest(self.session, h, inv, self.spec, warn=warn),
                                      tuple(asked.values()))
         for name in asked:
             facts.append(Fact(name, snapshots.list_command(inv, self.spec), str(found.value(name) or "none")))

@@ -88,10 +88,15 @@ def checkpoint_pattern(value: str) -> str:
     if rel.endswith("/"):
         rel += "*"  # a directory: every file in it
     parts = rel.split("/")
-    if ".." in parts or "" in parts or any(c in rel for c in "\n\0"):
-        raise ValueError(f"{value!r} is not a plain path (no '..', no empty parts)")
-    if parts[0] in (CONSOLE_DIR, PROGRESS_DIR, "snapshots"):
-        raise ValueError(f"{value!r} is fabtrain's own folder; name where your program writes")
+    if ".." in parts or "" in parts or "." in parts or any(c < " " or c in "\x7f\\" for c in rel):
+        raise ValueError(f"{value!r} is not a plain path (no '..', no empty parts, no control characters "
+                         "or backslashes)")
+    # The first folder is named, not matched: a glob there would take in fabtrain's own folders
+    # (.console, .progress, snapshots) and the temporary folders a checkpoint is placed through.
+    if parts[0] in (CONSOLE_DIR, PROGRESS_DIR, "snapshots") or parts[0].startswith(".") \
+            or any(c in parts[0] for c in "*?["):
+        raise ValueError(f"{value!r} is fabtrain's own folder or a pattern over the whole output folder; "
+                         f"name the folder your program writes its checkpoints in ({OUTDIR}/ckpt/*)")
     return rel
 
 

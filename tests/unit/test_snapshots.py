@@ -2,6 +2,7 @@
 recording stand-in for Session (files on the hosts held in memory) and real local files, with
 rsync replaced by a scripted copy that can write wrong bytes or fail."""
 import hashlib
+import os
 import shlex
 import shutil
 import subprocess
@@ -424,39 +425,107 @@ def local_rsync(argv, **kw):
     return subprocess.run(argv, **kw)
 
 
-def test_a_programs_checkpoint_is_listed_settled_copied_with_its_time_and_put_back(tmp_path):
+def checkpoint_job(tmp_path, pattern="checkpoints/*"):
     inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
                 Path("/i/inv.yaml"))
-    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern("checkpoints/*.pt"))
-    work = tmp_path / "host" / "j" / "work" / "checkpoints"
-    work.mkdir(parents=True)
-    (work / "epoch_9.pt").write_bytes(b"nine")
-    (work / "epoch_10.pt").write_bytes(b"ten " * 100)
-    (work / ".epoch_11.pt.tmp").write_bytes(b"partial")  # hidden: never a checkpoint
-    (work / "notes.txt").write_text("x")
+    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern(pattern))
+    return inv, spec, tmp_path / "host" / "j" / "work" / "checkpoints"
+
+
+def write_at(path: Path, data: bytes, ns: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    os.utime(path, ns=(ns, ns))
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp_path):
+    """model.pt + optim.pt of one epoch and a DCP directory: one set, copied here whole (real sh,
+    find and rsync; the 'host' is a folder here), then placed whole on a host that lost it and holds
+    an older, partial checkpoint instead."""
+    inv, spec, work = checkpoint_job(tmp_path)
     old = time.time_ns() - 60 * 10**9
-    import os
-    os.utime(work / "epoch_9.pt", ns=(old, old))
-    os.utime(work / "epoch_10.pt", ns=(old + 10**9, old + 10**9))
+    write_at(work / "model.pt", b"model 9 " * 100, old)
+    write_at(work / "optim.pt", b"optim 9 " * 100, old + 10**6)
+    write_at(work / "dcp" / "__0_0.distcp", b"shard 0", old)
+    write_at(work / "dcp" / ".metadata", b"meta", old + 2 * 10**6)
+    write_at(work / "half" / "__0_0.distcp", b"being written", old)  # no .metadata yet: left out
+    write_at(work / ".optim.pt.tmp", b"partial", old)  # hidden: never part of a set
     session, host = LocalSession(), inv.hosts[0]
     shape = snapshots.layout(spec)
-    names = shape.names(session.run(host, shape.list_command(inv, spec)).stdout)
-    assert sorted(n.split(" ", 1)[1] for n in names) == ["work/checkpoints/epoch_10.pt", "work/checkpoints/epoch_9.pt"]
-    newest = snapshots.remote_newest(session, host, inv, spec)
-    assert newest == f"{old + 10**9:020d} work/checkpoints/epoch_10.pt"  # by time, not by name
-    (work / "epoch_11.pt").write_bytes(b"being written")
-    assert snapshots.remote_newest(session, host, inv, spec, settle=snapshots.SETTLE) == newest  # not settled yet
-    assert snapshots.remote_newest(session, host, inv, spec).endswith("epoch_11.pt")  # no job running: at once
-    (work / "epoch_11.pt").unlink()
+    name = f"{old + 2 * 10**6:020d}"
+    assert shape.names(session.run(host, shape.list_command(inv, spec)).stdout) == [name]
+    assert snapshots.remote_newest(session, host, inv, spec) == name
+    assert shape.describe(name).startswith("checkpoints/* (written ")
     reports = []
     snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=local_rsync)
-    assert snaps.fetch(session, host, newest) and reports == []
-    here = tmp_path / "runs" / "j" / "checkpoints" / "work" / "checkpoints" / "epoch_10.pt"
-    assert here.read_bytes() == b"ten " * 100 and snaps.local_newest() == newest  # the copy keeps its time
-    assert snaps.fetch(session, host, newest)  # already here: nothing copied
-    # A restart on a host that lost it: put back at its path, checked, with its time.
+    assert snaps.fetch(session, host, name) and reports == []
+    here = tmp_path / "runs" / "j" / "checkpoints" / name
+    assert tree(here) == {"work/checkpoints/dcp/.metadata": b"meta", "work/checkpoints/dcp/__0_0.distcp": b"shard 0",
+                          "work/checkpoints/model.pt": b"model 9 " * 100, "work/checkpoints/optim.pt": b"optim 9 " * 100}
+    assert snaps.local_newest() == name and sorted(p.name for p in here.parent.iterdir()) == [name]
+    assert snaps.fetch(session, host, name)  # already here: nothing copied
+    # A host that lost it and holds another epoch's model.pt alone and a stray file: after the push
+    # it holds exactly the set; the stray file is kept aside, not deleted.
     shutil.rmtree(tmp_path / "host" / "j")
-    snaps.push(session, host, newest, snapshots.local_digest(here))
-    assert (work / "epoch_10.pt").read_bytes() == b"ten " * 100
-    assert snapshots.remote_newest(session, host, inv, spec) == newest
-    assert not list(work.glob(".*"))  # no temporary copy left
+    write_at(work / "model.pt", b"model 10", old + 10**9)
+    write_at(work / "stray.pt", b"stray", old)
+    digest = snapshots.local_digest(here)
+    assert not snaps.holds(session, host, snaps.remote_path(name), digest)
+    snaps.push(session, host, name, digest)
+    assert tree(tmp_path / "host" / "j" / "work") == {k.removeprefix("work/"): v for k, v in tree(here).items()}
+    assert tree(tmp_path / "host" / "j" / snapshots.REPLACED) == {"work/checkpoints/stray.pt": b"stray"}
+    assert snaps.holds(session, host, snaps.remote_path(name), digest)
+    assert snapshots.remote_newest(session, host, inv, spec) == name  # the copies keep their times
+    assert not list((tmp_path / "host" / "j").glob(".fabtrain-set-*"))  # no temporary copy left
+    assert reports == []
+
+
+def test_a_set_that_changes_while_it_is_copied_is_dropped_quietly(tmp_path):
+    inv, spec, work = checkpoint_job(tmp_path)
+    old = time.time_ns() - 60 * 10**9
+    write_at(work / "model.pt", b"model 1", old)
+    write_at(work / "optim.pt", b"optim 1", old)
+    session, host = LocalSession(), inv.hosts[0]
+    name = snapshots.remote_newest(session, host, inv, spec)
+
+    def rsync_then_the_program_writes(argv, **kw):
+        r = local_rsync(argv, **kw)
+        write_at(work / "model.pt", b"model 2", old + 10**9)  # epoch 2 starts being written
+        return r
+    reports = []
+    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
+                                copy=rsync_then_the_program_writes)
+    assert not snaps.fetch(session, host, name)
+    assert snaps.local_newest() is None and list(snaps.dir.iterdir()) == [] and reports == []
+    # Asked for a name that is no longer the host's set: nothing copied, nothing reported.
+    assert not snaps.fetch(session, host, name) and reports == []
+
+
+def test_keep_one_removes_the_only_copy_here_only_after_its_successor_is_checked(tmp_path):
+    inv, spec, work = checkpoint_job(tmp_path, "checkpoints/ckpt.pt")
+    old = time.time_ns() - 60 * 10**9
+    write_at(work / "ckpt.pt", b"epoch 1", old)
+    session, host = LocalSession(), inv.hosts[0]
+    first = snapshots.remote_newest(session, host, inv, spec)
+    copies = {"n": 0}
+
+    def corrupting(argv, **kw):
+        copies["n"] += 1
+        r = local_rsync(argv, **kw)
+        if copies["n"] > 1:  # every copy of the second checkpoint arrives with wrong bytes
+            for p in Path(argv[-1]).rglob("ckpt.pt"):
+                p.write_bytes(b"garbage")
+        return r
+    reports = []
+    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=corrupting)
+    assert snaps.fetch(session, host, first)
+    write_at(work / "ckpt.pt", b"epoch 2", old + 10**9)
+    second = snapshots.remote_newest(session, host, inv, spec)
+    assert not snaps.fetch(session, host, second)
+    assert snaps.local_newest() == first  # the one complete copy is still here
+    assert tree(snaps.local_path(first)) == {"work/checkpoints/ckpt.pt": b"epoch 1"}
+    assert len(reports) == 1 and "differs from the host's files" in reports[0] and f"still {first} here" in reports[0]

@@ -1,0 +1,302 @@
+"""Names of checkpoints and snapshots read back from hosts are hostile: the NUL-separated listing
+parser, checkpoint sets (which files belong together, when one is complete), and the local paths
+they become. A real sh, find and rsync on this machine stand in for a host (a folder here)."""
+import os
+import posixpath
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import hostile, plan, snapshots
+from orchestrator.inventory import parse
+from orchestrator.remote import Result
+
+PATTERN = "work/checkpoints/*"
+NOW = 1_700_000_100 * 10**9
+
+
+def listing(*records: str, now: str = "1700000100.000000000", end: bool = True) -> str:
+    return "".join(r + "\0" for r in (now, *records, *(["end"] if end else [])))
+
+
+def rec(path: str, size: int = 10, stamp: str = "1700000000.500000000") -> str:
+    return f"{stamp} {size} {path}"
+
+
+# ---------------------------------------------------------------- the parser
+
+FAKE = "work/checkpoints/x\n00000000000000000000 /tmp/pwned-1234"
+
+
+@pytest.mark.parametrize("name,why", [
+    (FAKE, "control characters or a newline"),
+    ("/abs/ckpt.pt", "an absolute path"),
+    ("work/checkpoints/../../../.ssh/authorized_keys", "'..' in"),
+    ("work/checkpoints/a/../../b", "'..' in"),
+    ("../x", "'..' in"),
+    ("work/checkpoints/\x1b]52;c;aGk=\x07", "control characters"),
+    ("work/checkpoints/a\rb", "control characters"),
+    ("work/checkpoints/bad\x85", "control characters"),
+    ("work/checkpoints/\ufffd.pt", "not UTF-8"),
+    ("work/checkpoints//x", "not a plain path"),           # not as find writes it: refused, not cleaned
+    ("work/other/ckpt.pt", "not a plain path matching"),   # a host naming a file outside the glob
+    ("etc/passwd", "not a plain path matching"),
+])
+def test_hostile_names_are_refused_with_why(name, why):
+    got = snapshots.parse_listing(listing(rec("work/checkpoints/good.pt"), rec(name)), PATTERN)
+    assert [e.path for e in got.entries] == ["work/checkpoints/good.pt"]
+    assert len(got.refused) == 1 and got.refused[0][0] == name and why in got.refused[0][1], got.refused
+    assert got.whole
+
+
+def test_a_newline_cannot_forge_a_record():
+    """The finding of issue 31: a directory name holding a newline and a fake `STAMP /abs/path` line.
+    The old newline-separated parser took the second line as a checkpoint at /tmp/pwned-1234."""
+    out = listing(rec(FAKE + "/ckpt.pt"))
+    got = snapshots.parse_listing(out, PATTERN)
+    assert got.entries == () and got.refused[0][0] == FAKE + "/ckpt.pt"
+    assert snapshots.Layout(PATTERN).names(out) == []
+
+
+@pytest.mark.parametrize("name", ["work/checkpoints/$(touch x)", "work/checkpoints/x..", "work/checkpoints/ a b ",
+                                  "work/checkpoints/-rf", "work/checkpoints/'q\"", "work/checkpoints/é/ü.pt"])
+def test_odd_but_safe_names_are_kept_as_they_are(name):
+    got = snapshots.parse_listing(listing(rec(name)), PATTERN)
+    assert [e.path for e in got.entries] == [name] and got.refused == ()
+
+
+def test_hidden_files_are_skipped_but_dcp_metadata():
+    got = snapshots.parse_listing(listing(rec("work/checkpoints/.x.pt.tmp"), rec("work/checkpoints/.tmp/a.pt"),
+                                          rec("work/checkpoints/..x"), rec("work/checkpoints/..d/a.pt"),
+                                          rec("work/checkpoints/s/.metadata")), PATTERN)
+    assert [e.path for e in got.entries] == ["work/checkpoints/s/.metadata"] and got.refused == ()
+
+
+@pytest.mark.parametrize("stdout", [
+    listing(rec("work/checkpoints/a.pt"), end=False),                       # find failed somewhere
+    listing(rec("work/checkpoints/a.pt")) + "\n...[cut] (99 more bytes)\n",  # the output cap cut it
+    listing(rec("work/checkpoints/a.pt"))[:-3],                              # cut inside END
+])
+def test_a_listing_without_its_end_is_never_a_set(stdout):
+    got = snapshots.parse_listing(stdout, PATTERN)
+    assert not got.whole
+    assert snapshots.Layout(PATTERN).names(stdout) == []
+
+
+@pytest.mark.parametrize("record", ["x 10 work/checkpoints/a", "1.5 ten work/checkpoints/a", "1.5", "",
+                                    "999999999999.0 1 work/checkpoints/a"])
+def test_records_that_are_not_finds_are_refused(record):
+    got = snapshots.parse_listing(listing(record), PATTERN)
+    assert got.entries == () and len(got.refused) == 1
+
+
+def test_no_listing_at_all():
+    assert snapshots.parse_listing("", PATTERN) is None
+    assert snapshots.parse_listing("not a clock\0end\0", PATTERN) is None
+
+
+def test_our_snapshot_names_are_whole_names_only():
+    out = "snapshot-000000010.pt\n../snapshot-000000099.pt\n/tmp/snapshot-000000098.pt\nsnapshot-000000020.pt \n" \
+          ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\n"
+    assert snapshots.parse_names(out) == ["snapshot-000000010.pt"]
+    assert snapshots.Layout().names(out) == ["snapshot-000000010.pt"]
+
+
+# ---------------------------------------------------------------- fuzzed
+
+ALPHABET = ["/", ".", "..", "../", "\n", "\0", "\x1b", " ", "\\", "~", "*", "$(", "\ufffd", "\u202e", "\x85",
+            "work/checkpoints/", "00000000000000000000 ", "a", "é", "\U0001f600"]
+
+
+def random_name(rng: random.Random) -> str:
+    kind = rng.random()
+    if kind < 0.3:  # random bytes, decoded as remote.py decodes a host's output
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))).decode(errors="replace")
+    if kind < 0.5:  # random code points
+        return "".join(chr(rng.randrange(1, 0x3000)) for _ in range(rng.randrange(1, 30)))
+    return "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(1, 12)))
+
+
+def test_fuzzed_names_are_refused_or_stay_inside_their_root(tmp_path):
+    rng = random.Random(31)
+    root = tmp_path / "runs" / "j" / "checkpoints" / "00000000000000000001"
+    root.mkdir(parents=True)
+    kept = refused = 0
+    for _ in range(20000):
+        name = random_name(rng)
+        prefix = "work/checkpoints/" if rng.random() < 0.7 else ""
+        out = listing(rec(prefix + name, rng.randrange(10**6)))
+        got = snapshots.parse_listing(out, PATTERN)  # never raises
+        names = [e.path for e in got.entries]
+        refused += len(got.refused)
+        for path in names:
+            kept += 1
+            assert not path.startswith("/") and ".." not in path.split("/") and "\0" not in path
+            assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in path), repr(path)
+            assert posixpath.normpath(path) == path and snapshots.glob_matches(PATTERN, path)
+            where = (root / path).resolve()
+            assert root.resolve() in where.parents
+            assert hostile.relpath(path, root=root) == path
+    assert kept > 1000 and refused > 1000  # both kinds were exercised
+
+
+def test_fuzzed_listings_never_raise_and_never_yield_an_unsafe_path():
+    rng = random.Random(1031)
+    pieces = ["\0", "end\0", " ", "1700000000.5", "10", "work/checkpoints/a", "/tmp/x", "\n", "..", "/"]
+    for _ in range(5000):
+        out = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 20)))
+        got = snapshots.parse_listing(out, PATTERN)
+        for e in got.entries if got else ():
+            assert hostile.relpath(e.path) == e.path and snapshots.glob_matches(PATTERN, e.path)
+
+
+# ---------------------------------------------------------------- sets
+
+def entries(*specs) -> tuple:
+    return tuple(snapshots.Entry(p, 1, ns) for p, ns in specs)
+
+
+def test_a_set_is_every_file_named_by_the_newest():
+    s = snapshots.checkpoint_set(entries(("work/checkpoints/model.pt", 5), ("work/checkpoints/optim.pt", 7)))
+    assert s.name == "00000000000000000007" and s.paths == ("work/checkpoints/model.pt", "work/checkpoints/optim.pt")
+
+
+def test_a_dcp_directory_counts_once_its_metadata_is_written():
+    done = (("work/checkpoints/step_100/__0_0.distcp", 1), ("work/checkpoints/step_100/__1_0.distcp", 2),
+            ("work/checkpoints/step_100/.metadata", 3))
+    writing = (("work/checkpoints/step_200/__0_0.distcp", 9),)
+    s = snapshots.checkpoint_set(entries(*done, *writing))
+    assert s.name == f"{3:020d}" and s.partial == ("work/checkpoints/step_200",)
+    assert s.paths == tuple(sorted(p for p, _ in done))
+    assert snapshots.checkpoint_set(entries(*writing)) is None
+    whole = snapshots.checkpoint_set(entries(*done, *writing, ("work/checkpoints/step_200/.metadata", 10)))
+    assert whole.name == f"{10:020d}" and whole.partial == () and len(whole.files) == 5
+
+
+def test_settle_needs_two_equal_looks_apart_and_an_old_enough_newest_file():
+    settle = snapshots.Settle(1.0)
+    a = snapshots.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9)))
+    b = snapshots.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9),
+                                       ("work/checkpoints/optim.pt", NOW - 5 * 10**9)))
+    assert settle.see(a, 0.0) is None      # first look
+    assert settle.see(b, 0.5) is None      # changed (optim.pt came): starts again
+    assert settle.see(b, 1.0) is None      # same, but only 0.5 s apart
+    got = settle.see(b, 1.6)
+    assert got is not None and got.paths == ("work/checkpoints/model.pt", "work/checkpoints/optim.pt")
+    fresh = snapshots.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 10**8)))
+    settle = snapshots.Settle(1.0)
+    settle.see(fresh, 0.0)
+    assert settle.see(fresh, 5.0) is None  # by the host's clock it was written 0.1 s ago
+    cut = snapshots.Listing(NOW, b.entries, whole=False)
+    settle = snapshots.Settle(1.0)
+    settle.see(b, 0.0)
+    assert settle.see(cut, 2.0) is None and settle.see(b, 2.5) is None  # a cut listing starts again
+
+
+# ---------------------------------------------------------------- local paths
+
+@pytest.mark.parametrize("pattern,name", [
+    ("", "../x"), ("", "/tmp/x"), ("", "snapshot-000000001.pt\n"), ("", "a/b"),
+    (PATTERN, "snapshot-000000001.pt"), (PATTERN, "/tmp/pwned"), (PATTERN, "../00000000000000000001"),
+])
+def test_local_paths_only_for_well_formed_names(tmp_path, pattern, name):
+    with pytest.raises(hostile.UnsafeName):
+        snapshots.Layout(pattern).local(tmp_path, name)
+
+
+def test_a_symlink_in_the_local_directory_cannot_lead_out(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    local = tmp_path / "checkpoints"
+    local.mkdir()
+    os.symlink(tmp_path / "elsewhere", local / "00000000000000000001")
+    with pytest.raises(hostile.UnsafeName, match="leads out"):
+        snapshots.Layout(PATTERN).local(local, "00000000000000000001")
+    assert snapshots.Layout(PATTERN).local_names(local) == []
+
+
+def test_a_plan_placeholder_after_the_stamp_never_reaches_a_path(tmp_path):
+    shape = snapshots.Layout(PATTERN)
+    assert shape.local(tmp_path, "00000000000000000000 PATH") == tmp_path / "00000000000000000000"
+
+
+# ---------------------------------------------------------------- the commands, exactly
+
+def test_set_commands_are_quoted_once():
+    inv = parse("job: {output_dir: /out}\nhosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n",
+                Path("/i/inv.yaml"))
+    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=PATTERN)
+    assert snapshots.list_command(inv, spec) == (
+        "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path './work/checkpoints/*' "
+        "-o -path './work/checkpoints/*/*' ')' -type f '(' '!' -name '.*' -o -name .metadata ')' "
+        "-printf '%T@ %s %P\\0' && printf 'end\\0'; true")
+    assert snapshots.manifest_command("/out/j", ["work/checkpoints/$(touch x)"]).endswith(
+        "sh 'work/checkpoints/$(touch x)'")
+    push, check, rename = snapshots.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j",
+                                                  PATTERN)
+    assert push[-2:] == ["runs/j/checkpoints/00000000000000000007/", "10.0.0.1:/out/j/.fabtrain-set-00000000000000000007.tmp/"]
+    assert "-s" in push and check.startswith("cd /out/j/.fabtrain-set-00000000000000000007.tmp && find . -type f")
+    assert rename.startswith("cd /out/j && find . '(' -path './work/checkpoints/*' -o -path './work/checkpoints/*/*' ')'")
+    assert rename.endswith("&& rm -rf -- .fabtrain-set-00000000000000000007.tmp")
+
+
+# ---------------------------------------------------------------- end to end, on this machine
+
+class LocalSession:
+    """Session.run as `sh -c` on this machine: the 'host' is a folder here (its output_dir)."""
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        r = subprocess.run(["sh", "-c", command], capture_output=True, timeout=timeout)
+        return Result(r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"), r.returncode, 0.01)
+
+
+def local_rsync(argv, **kw):
+    argv = list(argv)
+    i = argv.index("--rsh")
+    del argv[i:i + 2]
+    argv[-2:] = [a.split(":", 1)[1] if a.startswith("10.0.0.") else a for a in argv[-2:]]
+    return subprocess.run(argv, **kw)
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(tmp_path, monkeypatch):
+    """The finding, end to end with the real find, sh and rsync: a checkpoint directory whose name
+    holds a newline and a fake line naming /tmp/pwned-*, names starting with '..' and holding
+    `$(touch x)`: the good checkpoint and the odd-but-safe names are copied into runs/j, the forged
+    one refused (once, naming the host), and nothing is written anywhere else."""
+    monkeypatch.chdir(tmp_path)
+    pwned = f"/tmp/pwned-{os.getpid()}-{time.time_ns()}"
+    inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+                Path("/i/inv.yaml"))
+    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern("checkpoints/"))
+    ck = tmp_path / "host" / "j" / "work" / "checkpoints"
+    evil = ck / f"x\n00000000000000000000 {pwned}"
+    evil.mkdir(parents=True)
+    (evil / "ckpt.pt").write_bytes(b"evil")
+    (Path(str(evil) + "2")).write_bytes(b"evil file")
+    (ck / "..hidden-ish").write_bytes(b"dots")
+    (ck / "$(touch x)").write_bytes(b"shell")
+    (ck / "model.pt").write_bytes(b"good")
+    old = time.time_ns() - 60 * 10**9
+    for p in ck.rglob("*"):
+        os.utime(p, ns=(old, old))
+    reports = []
+    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append, copy=local_rsync)
+    session, host = LocalSession(), inv.hosts[0]
+    for _ in range(3):  # as the follow thread and the planning look would, again and again
+        name = snapshots.remote_newest(session, host, inv, spec, warn=snaps.warn)
+    assert name and snaps.fetch(session, host, name)
+    got = {p.relative_to(snaps.local_path(name)).as_posix() for p in snaps.local_path(name).rglob("*") if p.is_file()}
+    # '..hidden-ish' is a hidden file (a temporary file, as rsync's): never part of a set, never refused.
+    assert got == {"work/checkpoints/model.pt", "work/checkpoints/$(touch x)"}
+    assert not os.path.exists(pwned) and not (tmp_path / "x").exists() and not Path("x").exists()
+    assert len(reports) == 2 and all(r.startswith("a: ignored checkpoint ") for r in reports), reports
+    assert all("control characters or a newline" in r and "\n" not in r for r in reports)
+    # And back onto a host that lost it: the same names, nothing outside.
+    shutil.rmtree(tmp_path / "host" / "j")
+    snaps.push(session, host, name, snapshots.local_digest(snaps.local_path(name)))
+    assert (ck / "$(touch x)").read_bytes() == b"shell" and (ck / "model.pt").read_bytes() == b"good"
+    assert not os.path.exists(pwned) and not (tmp_path / "x").exists()
