@@ -50,14 +50,17 @@ def test_odd_names_arrive_exactly_and_preflight_judges_rsync(inventory_path, inv
         dest = r.stdout.split("synced to ", 1)[1].split(" in ")[0]
         assert dest.startswith(CODE_DIR + "/") and len(dest.rsplit("/", 1)[1]) == 16
         for node in nodes:
+            assert pwned(node) == [], node
             listed = host_exec(node, "find", dest, "-type", "f", "-printf", "%P\\0").stdout
             assert sorted(listed.split("\0")[:-1]) == sorted([*NAMES, "sub dir/train.py"]), node
             for name in NAMES:
                 assert host_exec(node, "cat", f"{dest}/{name}").stdout == name
-            assert pwned(node) == [], node
     finally:
-        for node in nodes:
-            host_exec(node, "rm", "-rf", "--", CODE_DIR, check=False)
+        for node in nodes:  # what a shell-run substitution would have made goes too
+            host_exec(node, "rm", "-rf", "--", CODE_DIR, *pwned(node), check=False)
+            # and where a shell split the path ('/tmp/fabtrain' ...), when it holds this tree
+            host_exec(node, "sh", "-c", '[ -e "$1/$2" ] && rm -rf -- "$1"', "sh", "/tmp/fabtrain", NAMES[1],
+                      check=False)
     assert all(host_exec(n, "test", "-e", CODE_DIR, check=False).returncode == 1 for n in nodes)
 
     # Preflight's rsync row per host, as judged from the host's own rsync (read here directly).
