@@ -9,6 +9,7 @@ the hosts first, read-only, and shown in the rendering with the commands that re
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from .snapshots import CHECKSUM_TIMEOUT, layout, local_dir_name, push_commands
 # Deadlines of the remote steps, seconds. A host that passes one is named as stuck; the other
 # hosts are still served.
 STATUS_TIMEOUT = 10
-START_TIMEOUT = 120   # docker run: may create the output directory and start a large image
+# docker run: may create the output directory and start a large image; ended on the host before
+# this passes (plan.bounded). FABTRAIN_START_TIMEOUT: tests wait seconds, not two minutes.
+START_TIMEOUT = float(os.environ.get("FABTRAIN_START_TIMEOUT", "120"))
 STOP_MARGIN = 15      # beyond the stop grace period
 COPY_TIMEOUT = 600    # one rsync (code, a snapshot, the outputs); rsync's own I/O timeout is shorter
 PORT_RANGE = 100      # master ports tried above job.master_port
@@ -131,6 +134,7 @@ STAGE_OF = {"claim": "claim (fab stop finds the job from here on)", "sync": "syn
             "follow": "watch", "finish": "watch", "stopped": "decide", "stop-check": "sync + preflight",
             "stop": "teardown", "fetch": "finish (at the job's end, on every host it used)",
             "cleanup": "finish (at the job's end, on every host it used)",
+            "sweep": "finish (at the job's end, on every host it used)",
             "snapshot-list": "watch", "snapshot-fetch": "watch", "progress": "watch", "stacks": "watch",
             "remainder": "watch", "stop-on-failure": "teardown", "stop-on-interrupt": "teardown", "lease": "watch"}
 
@@ -202,7 +206,8 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
             steps.append(remote_step(h, "secrets", put_command(plan.secrets_file(inv, spec), 0o600), 30,
                                      what="writing the secrets file", stdin=secrets,
                                      stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
-        steps.append(remote_step(h, "start", plan.start_script(inv, h, spec, access.get(h.name), units.get(h.name)),
+        steps.append(remote_step(h, "start", plan.start_script(inv, h, spec, access.get(h.name), units.get(h.name),
+                                                               START_TIMEOUT),
                                  START_TIMEOUT,
                                  what="docker run", stdin=plan.ENTRYPOINT_SOURCE.read_bytes(),
                                  stdin_note=resources.ENTRYPOINT_NAME))
@@ -249,11 +254,14 @@ STACKS_TIMEOUT = 15
 
 
 def end_steps(inv: Inventory, spec: plan.JobSpec, hosts: tuple[Host, ...], run_dir: str) -> list[Step]:
-    """At the job's end, on every host it used: its outputs fetched, then its runtime files
-    (entrypoint, secrets, lease) and its claim removed."""
-    steps = [local_step(h, "fetch", plan.fetch_argv(h, f"{inv.job.output_dir}/{spec.job_id}",
-                                                    f"{run_dir}/outputs/{h.name}"), what="fetching outputs")
-             for h in hosts]
+    """At the job's end, on every host it used: any container of the job removed again (one whose
+    `docker run` returned after its deadline, or after the teardown looked), its outputs fetched,
+    then its runtime files (entrypoint, secrets, lease) and its claim removed."""
+    steps = [remote_step(h, "sweep", plan.stop_script(spec.job_id, 0), STOP_MARGIN,
+                         what="removing containers of the job left after its teardown") for h in hosts]
+    steps += [local_step(h, "fetch", plan.fetch_argv(h, f"{inv.job.output_dir}/{spec.job_id}",
+                                                     f"{run_dir}/outputs/{h.name}"), what="fetching outputs")
+              for h in hosts]
     return steps + [remote_step(h, "cleanup", claims.release_command(inv, [spec.job_id]), STATUS_TIMEOUT,
                                 what="removing the job's runtime files and claim") for h in hosts]
 

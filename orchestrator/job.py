@@ -535,13 +535,14 @@ class Job:
         self.record.state = self.result.state
         self.record.save(self.run_dir)
         reachable = tuple(h for h in self.used.values() if h.name not in self.lost)
+        ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir)) if a is not None else []
+        self.sweep([s for s in ends if s.key == "sweep" and s.where not in self.stuck])
         if a is not None and reachable and self.snaps is not None:
             # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each). No
             # attempt follows, so no host's copy needs checking for placement (hosts=()): every
             # host used is still asked where the newest is.
             self.find_snapshot(replace(a.inv, hosts=()), [], fetch=True)
         if a is not None and reachable:
-            ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir))
             for h in reachable:
                 (self.run_dir / "outputs" / h.name).mkdir(parents=True, exist_ok=True)
             fetched = self.run_steps(a, [s for s in ends if s.key == "fetch"])
@@ -558,6 +559,21 @@ class Job:
         self.result.lost, self.result.stuck_engines = list(self.lost), list(self.stuck)
         self.emit("finished", state=self.result.state, attempts=self.result.attempts, run_dir=str(self.run_dir))
         return self.result
+
+    def sweep(self, steps: list[Step]) -> None:
+        """Every container of the job removed again, by its label, from the hosts it used: what a
+        `docker run` that came back late (after its deadline, or after the teardown looked) left
+        behind is named and gone before the job's claim on those GPUs is released."""
+        if not steps:
+            return
+        swept = self.run_steps(self.last, steps)
+        for name, r in swept.items():
+            if name in swept.errors():
+                self.note(f"{name}: could not look for containers of the job left after its teardown: "
+                          f"{describe(self.used[name], r)}; 'fab stop' removes them", "warning")
+            elif r.stdout.split():
+                self.note(f"{name}: removed {len(r.stdout.split())} container(s) of the job still there after its "
+                          "teardown (a docker run that came back after its deadline?)", "warning")
 
 
 class Contended(Exception):

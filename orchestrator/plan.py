@@ -379,18 +379,54 @@ LEASE_LIVE = 3 * LEASE_EVERY
 LEASE_STALE = float(os.environ.get("FABTRAIN_LEASE_STALE", "60"))
 
 
+# A command that starts something is ended on the host too when fab stops waiting for it: sshd
+# does not end a command whose channel closes (no pty), so a `docker run` that returned after its
+# deadline would leave a container running, untracked, on GPUs the job has released. GNU timeout
+# (coreutils, on every host) sends SIGTERM to the command's process group a margin before fab's
+# deadline, SIGKILL a few seconds later, and exits TIMED_OUT; the teardown and the job's finish
+# then remove by label whatever the engine made of a request cut short.
+HOST_MARGIN = 10.0    # seconds before fab's deadline that the host's SIGTERM comes (at most)
+KILL_AFTER = 5.0      # seconds from that SIGTERM to the SIGKILL (at most)
+TIMED_OUT = (124, 137)  # timeout's exit status: SIGTERM sent, or SIGKILL needed
+
+
+def host_deadline(timeout: float) -> tuple[float, float]:
+    """(seconds to the host's SIGTERM, seconds more to its SIGKILL) for a command fab waits `timeout`
+    s for: both before fab gives up (half of a short deadline is kept as the margin)."""
+    margin = min(HOST_MARGIN, timeout / 2)
+    return timeout - margin, min(KILL_AFTER, margin / 2)
+
+
+def bounded(argv: list[str], timeout: float) -> list[str]:
+    """argv run under GNU timeout on the host, ended there before fab's own `timeout` passes."""
+    term, kill = host_deadline(timeout)
+    return ["timeout", "-k", f"{kill:g}", f"{term:g}", *argv]
+
+
+def timed_out_note(timeout: float) -> str:
+    """Shell text after a bounded command: when timeout ended it, say so on stderr (fab quotes it),
+    keeping the exit status."""
+    term, _ = host_deadline(timeout)
+    why = f"not done within {term:g}s: ended on the host (timeout); check its Docker engine and disks"
+    return (f" || {{ rc=$?; case $rc in {'|'.join(map(str, TIMED_OUT))}) echo {shell([why])} >&2;; esac; "
+            "exit $rc; }")
+
+
 def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                 units: tuple[int, ...] | None = None) -> str:
+                 units: tuple[int, ...] | None = None, timeout: float | None = None) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
-    the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container."""
+    the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container. With the
+    step's `timeout`, `docker run` is ended on the host before it passes (bounded)."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, work_dir(inv, spec)]
+    run = docker_run_argv(inv, host, spec, access, units)
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
     return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
             f"cat > {shell([f'{rt}/entrypoint.py'])} && "
-            f"{shell(docker_run_argv(inv, host, spec, access, units))} >/dev/null")
+            + (f"{shell(run)} >/dev/null" if timeout is None else
+               f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
 
 
 # Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGUSR1 to every
