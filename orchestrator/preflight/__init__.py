@@ -21,15 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import codetree, hostops, plan
+from ..attempt import LOCAL
 from ..inventory import Host, Inventory
 from ..remote import HostKeyError, Session, describe
 from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, Limits, failed
 from .judge import (describe_image, judge_across, judge_dirs, judge_disk, judge_docker, judge_gpus, judge_host,
-                    judge_image, judge_interface, judge_port, judge_route, judge_shm, judge_time,
+                    judge_image, judge_interface, judge_port, judge_route, judge_rsync, judge_shm, judge_time,
                     suggest_interface)
 from .network import CLOCK_TIMEOUT, CONNECT, LISTENER, measure_clock, reachability
 from .probe import (DOCKER_FACTS, DOCKER_TIMEOUT, GPU_CONTAINER_TIMEOUT, IMAGE_INFO_PY, PROBE_TIMEOUT, TIMED_OUT,
-                    count_gpus, gpu_access, image_info, image_info_argv, local_code_hash, parse_addrs,
+                    count_gpus, gpu_access, image_info, image_info_argv, local_code_hash, local_rsync, parse_addrs,
                     parse_links, parse_probe, probe_commands, probe_script)
 from .render import render, to_json
 from .smoke import judge_transport, nccl_transport, read_ends, smoke_test
@@ -103,11 +104,12 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
     checks = [c for c in checks if (c.host, c.check) not in replaced] + across
     checks += _reach(session, inv, checks, per_host)
     checks += left_over_runtime(session, inv)
+    checks.append(judge_rsync(LOCAL, local_rsync()))  # this machine's rsync: the other end of every copy
     if run_job:
         checks += smoke_test(session, inv, image, checks, run_job)
     order = {name: i for i, name in enumerate(CHECKS)}
     ranks = {h.name: h.rank for h in inv.hosts}
-    return sorted(checks, key=lambda c: (ranks.get(c.host, 0), order.get(c.check, 99)))
+    return sorted(checks, key=lambda c: (ranks.get(c.host, -1), order.get(c.check, 99)))
 
 
 def _reach(session: Session, inv: Inventory, checks: list[Check], per_host: dict[str, dict]) -> list[Check]:
