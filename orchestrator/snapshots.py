@@ -422,18 +422,22 @@ def set_place_command(root: str, tmp: str, pattern: str) -> str:
     command: the host's files matching `pattern` that the set does not hold are first moved aside
     to REPLACED (an older or half-written checkpoint must not sit beside it; kept, not deleted),
     directories left empty by that removed, then each of the set's files renamed into place
-    (renames within one file system: nothing is copied again), and `tmp` removed."""
+    (renames within one file system: nothing is copied again), and `tmp` removed. Without a
+    pattern, nothing is moved aside (an empty one would match every file of the job)."""
+    move = 'for f; do mkdir -p "$0/${f%/*}" && mv -f -- "$f" "$0/$f" || exit 1; done'
+    into = (f"(cd {plan.shell([tmp])} && "
+            + plan.shell(["find", ".", "-type", "f", "-exec", "sh", "-c", move, root, "{}", "+"]) + ") && "
+            + plan.shell(["rm", "-rf", "--", tmp]))
+    if not pattern:
+        return f"cd {plan.shell([root])} && " + into
     p = "./" + pattern
     match = ["(", "-path", p, "-o", "-path", p + "/*", ")"]
     aside = ('for f; do [ -e "$0/$f" ] && continue; '
              f'mkdir -p "{REPLACED}/${{f%/*}}" && mv -f -- "$f" "{REPLACED}/$f" || exit 1; done')
-    move = 'for f; do mkdir -p "$0/${f%/*}" && mv -f -- "$f" "$0/$f" || exit 1; done'
     return (f"cd {plan.shell([root])} && "
             + plan.shell(["find", ".", *match, "-type", "f", "-exec", "sh", "-c", aside, tmp, "{}", "+"]) + " && "
             + plan.shell(["find", ".", "-mindepth", "2", *match, "-type", "d", "-empty", "-delete"]) + " && "
-            + f"(cd {plan.shell([tmp])} && "
-            + plan.shell(["find", ".", "-type", "f", "-exec", "sh", "-c", move, root, "{}", "+"]) + ") && "
-            + plan.shell(["rm", "-rf", "--", tmp]))
+            + into)
 
 
 def rename_command(source: str, dest: str) -> str:

@@ -241,6 +241,10 @@ def test_set_commands_are_quoted_once():
     assert "-s" in push and check.startswith("cd /out/j/.fabtrain-set-00000000000000000007.tmp && find . -type f")
     assert rename.startswith("cd /out/j && find . '(' -path './work/checkpoints/*' -o -path './work/checkpoints/*/*' ')'")
     assert rename.endswith("&& rm -rf -- .fabtrain-set-00000000000000000007.tmp")
+    # Without the glob (a caller that does not pass it), nothing is moved aside: "" would match every file.
+    bare = snapshots.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j")[2]
+    assert bare.startswith("cd /out/j && (cd .fabtrain-set-00000000000000000007.tmp && find . -type f")
+    assert "-path" not in bare and snapshots.REPLACED not in bare
 
 
 # ---------------------------------------------------------------- end to end, on this machine
