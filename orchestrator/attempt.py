@@ -17,7 +17,7 @@ from . import claims, plan, resources
 from .errors import UserError
 from .inventory import Host, Inventory
 from .remote import put_command
-from .snapshots import CHECKSUM_TIMEOUT, layout, local_dir_name, push_commands
+from .snapshots import CHECKSUM_TIMEOUT, layout, local_dir_name
 
 # Deadlines of the remote steps, seconds. A host that passes one is named as stuck; the other
 # hosts are still served.
@@ -196,7 +196,7 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     local = Path(run_dir) / local_dir_name(spec)
     for h in hosts if snapshot else ():
         if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
-            push, check, rename = push_commands(h, str(shape.local(local, snapshot)), shape.remote(inv, spec, snapshot))
+            push, check, rename = shape.push_commands(h, inv, spec, snapshot, local)
             steps += [local_step(h, "place", push, what="placing the snapshot"),
                       remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
                       remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy")]
@@ -225,7 +225,7 @@ def build(inv: Inventory, spec: plan.JobSpec, number: int, port: int, snapshot: 
     m = inv.master
     steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT, ON_SNAPSHOT,
                              what="listing snapshots"))
-    some = "NAME" if not spec.checkpoint else "00000000000000000000 PATH"  # the name found, when it runs
+    some = "NAME" if not spec.checkpoint else "00000000000000000000"  # the name found, when it runs
     steps.append(local_step(m, "snapshot-fetch", plan.fetch_file_argv(m, shape.remote(inv, spec, some),
                                                                       str(shape.local(local, some))),
                             ON_SNAPSHOT, what="copying a snapshot"))

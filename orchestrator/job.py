@@ -427,12 +427,17 @@ class Job:
             synced = pool.submit(self.run_steps, a, syncs)
             checks = preflight.run(self.session, a.inv, image=a.spec.image, code=False)
             synced = synced.result()
-        bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks)}
+        here = [c for c in preflight.failed(checks) if c.host == attempt_mod.LOCAL]
+        if here and a.number == 1 and not self.resuming:  # this machine's own check (rsync): no host to leave out
+            raise PreflightFailed(checks, [], f"preflight failed on this machine ({here[0].check}); nothing was "
+                                  "started. Fix the checks above, then run the command again")
+        bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != attempt_mod.LOCAL}
         bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
         if bad and a.number == 1 and not self.resuming:
             raise PreflightFailed(checks, sorted(bad, key=[h.name for h in a.hosts].index))
         if not bad and self.smoke and a.number == 1:
-            smoke = preflight.smoke_test(self.session, a.inv, a.spec.image, checks, run_quiet)
+            smoke = preflight.smoke_test(self.session, a.inv, a.spec.image, checks, run_quiet,
+                                         within=a.spec.job_id)
             if preflight.failed(smoke):
                 raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
         if not bad:

@@ -424,7 +424,7 @@ def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
     return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
-            f"cat > {shell([f'{rt}/entrypoint.py'])} && "
+            f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
             + (f"{shell(run)} >/dev/null" if timeout is None else
                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
 

@@ -32,7 +32,7 @@ def test_the_start_step_runs_docker_run_under_timeout_quoted_once(tmp_path, monk
     assert step.timeout == attempt.START_TIMEOUT == 120
     run = plan.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
     bounded = plan.shell(["timeout", "-k", "5", "110", *run])
-    assert f"/entrypoint.py && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within " \
+    assert f"/entrypoint.py) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within " \
            "110s: ended on the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }" \
            in step.command
     # One quoting: the part after `timeout -k 5 110` splits back into docker run's exact argv.

@@ -155,7 +155,8 @@ def test_start_script_writes_the_entrypoint_from_stdin():
     assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
                              "/opt/out/gpt-1/work && "
                              "rm -f /opt/out/gpt-1/.console/node-2.log && "
-                             "cat > /opt/out/.runtime/gpt-1/entrypoint.py && docker run --detach ")
+                             # readable by a non-root image user whatever the SSH user's umask
+                             "(umask 022 && cat > /opt/out/.runtime/gpt-1/entrypoint.py) && docker run --detach ")
     assert script.endswith(" >/dev/null")
     assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
     assert claims.release_command(INV, ["gpt-1"]) == (
