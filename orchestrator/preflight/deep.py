@@ -39,7 +39,9 @@ def container(inv: Inventory, host: Host, name: str, code: str, args: list[str],
     argv = ["docker", "run", "--rm", "--name", name, "--network", "host", "--pull", "never",
             *(plan.device_args(host, access) if gpus else []),
             "--entrypoint", "python3", image or inv.image_for(host), "-c", code, *args]
-    return f"{plan.shell(argv)}; rc=$?; {plan.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc"
+    # Bounded on the host too: past fab's deadline the client is ended there and the container removed.
+    return (f"{plan.shell(plan.bounded(argv, CONTAINER_TIMEOUT))}; rc=$?; "
+            f"{plan.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc")
 
 
 def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thresholds = THRESHOLDS,

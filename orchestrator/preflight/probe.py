@@ -149,15 +149,15 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAcce
     started with the job's device flags sees. Never pulled here (--pull never).
 
     Starting a container and importing torch takes seconds, so on a CPU host the answer is kept
-    on the host under the image id (an id names one immutable image); a GPU host always looks
-    again, since what it must show is that the GPUs work now."""
+    on the host under the image id (an id names one immutable image), in a directory the group
+    shares (several accounts use one cache, as .runtime); a GPU host always looks again, since what it must show is that the GPUs work now."""
     run = ["docker", "run", "--rm", "--pull", "never", "--network", "none", *plan.device_args(host, access),
            "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY]
     if host.gpu_vendor != "none":
         return run
     script = ('id=$(docker image inspect --format "{{.Id}}" "$1") || exit 1; f="$2/${id#sha256:}"; '
               'if [ -s "$f" ]; then cat "$f"; exit 0; fi; shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
-              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && mkdir -p "${f%/*}" && printf "%s\\n" "$out" > "$f.$$" '
+              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && mkdir -p "${f%/*}" && { [ ! -O "${f%/*}" ] || chmod g+ws "${f%/*}"; } && printf "%s\\n" "$out" > "$f.$$" '
               '&& mv "$f.$$" "$f";; esac 2>/dev/null; exit $rc')
     return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/{plan.IMAGE_CACHE}", *run]
 
