@@ -14,6 +14,7 @@ import pytest
 from orchestrator import hostile, plan, snapshots
 from orchestrator.inventory import parse
 from orchestrator.remote import Result
+from test_snapshots import local_rsync  # the real rsync, the 'host' a folder here
 
 PATTERN = "work/checkpoints/*"
 NOW = 1_700_000_100 * 10**9
@@ -255,14 +256,6 @@ class LocalSession:
     def run(self, host, command, timeout=60, stdin=None, what=""):
         r = subprocess.run(["sh", "-c", command], capture_output=True, timeout=timeout)
         return Result(r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"), r.returncode, 0.01)
-
-
-def local_rsync(argv, **kw):
-    argv = list(argv)
-    i = argv.index("--rsh")
-    del argv[i:i + 2]
-    argv[-2:] = [a.split(":", 1)[1] if a.startswith("10.0.0.") else a for a in argv[-2:]]
-    return subprocess.run(argv, **kw)
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")

@@ -13,6 +13,7 @@ from orchestrator.inventory import parse
 from orchestrator.preflight import smoke
 from orchestrator.remote import PerHost, Result
 from orchestrator.watch import NodeEnd, Watched
+from test_job import Recorder
 
 INV = parse("job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n",
             Path("i.yaml"))
@@ -162,14 +163,7 @@ class Stand:
             return Result("", "", self.claim_codes.pop(0) if self.claim_codes else 0, 0.01)
         return Result("", "", 0, 0.01)
 
-    def fan_out(self, fn, hosts=None):
-        out = PerHost()
-        for h in self.hosts if hosts is None else hosts:
-            try:
-                out[h.name] = fn(h)
-            except Exception as exc:  # noqa: BLE001 - as Session.fan_out
-                out[h.name] = exc
-        return out
+    fan_out = Recorder.fan_out  # as Session.fan_out, one host after the other
 
 
 def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(tmp_path, monkeypatch):
