@@ -19,8 +19,9 @@ def short(detail: str, width: int = 60) -> str:
 
 
 def render(checks: list[Check], console) -> None:
-    from rich.markup import escape
+    """Details and fixes name what hosts said: plain text (hostile.rich_text), never markup."""
     from rich.table import Table
+    from rich.text import Text
 
     hosts = list(dict.fromkeys(c.host for c in checks))
     names = [n for n in CHECKS if any(c.check == n for c in checks)]
@@ -34,11 +35,14 @@ def render(checks: list[Check], console) -> None:
         cells = []
         for h in hosts:
             c = by.get((h, name))
-            cells.append(f"[{style[c.status]}]{c.status}[/] {escape(hostile.text(short(c.detail)))}" if c else "[dim]-[/]")
+            cells.append(Text.assemble((c.status, style[c.status]), " ", hostile.rich_text(short(c.detail)))
+                         if c else Text("-", style="dim"))
         table.add_row(name, *cells)
     console.print(table)
     for c in checks:
         if c.status in (FAIL, WARN):
             colour = "red" if c.status == FAIL else "yellow"
-            console.print(f"[{colour}]{c.status.upper()}[/] {c.host} {c.check}: {escape(hostile.text(c.detail))}"
-                          + (f"\n      fix: {escape(hostile.text(c.fix))}" if c.fix else ""), highlight=False, soft_wrap=True)
+            line = Text.assemble((c.status.upper(), colour), " ",
+                                 hostile.rich_text(f"{c.host} {c.check}: {c.detail}"
+                                                   + (f"\n      fix: {c.fix}" if c.fix else "")))
+            console.print(line, highlight=False, soft_wrap=True)

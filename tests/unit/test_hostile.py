@@ -157,3 +157,16 @@ def test_a_job_record_naming_another_job_is_refused(tmp_path):
     (tmp_path / "gpt-1" / "job.json").write_text(json.dumps(doc))
     with pytest.raises(UserError, match=r"names job '\.\./\.\./etc', not gpt-1"):
         recovery.JobRecord.load(tmp_path, "gpt-1")
+
+
+def test_preflight_details_from_hosts_are_shown_as_plain_text():
+    import importlib
+    from orchestrator.preflight.checks import FAIL, OK, Check
+    render = importlib.import_module("orchestrator.preflight.render")
+    out = io.StringIO()
+    render.render([Check("node1", "ssh", OK, "ok " + ATTACK), Check("node1", "docker", FAIL, ATTACK, "fix [/]it")],
+                  Console(file=out, width=200))
+    printed = out.getvalue()
+    assert "\x1b" not in printed and "\x07" not in printed
+    assert "FAIL node1 docker: ]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]ok" in printed
+    assert "fix: fix [/]it" in printed
