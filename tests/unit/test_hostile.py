@@ -170,3 +170,17 @@ def test_preflight_details_from_hosts_are_shown_as_plain_text():
     assert "\x1b" not in printed and "\x07" not in printed
     assert "FAIL node1 docker: ]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]ok" in printed
     assert "fix: fix [/]it" in printed
+
+
+@pytest.mark.parametrize("args", [["--help", "train"], ["--list"]])
+def test_a_closed_pipe_ends_fab_quietly(args):
+    import shlex
+    import subprocess
+    import sys
+    fab = str(Path(sys.executable).parent / "fab")
+    root = Path(__file__).resolve().parents[2]
+    # `true` reads nothing and is gone long before fab (0.5 s to start) writes: the pipe is closed.
+    cmd = f"{shlex.join([fab, '-r', str(root), *args])} | true; echo \"rc=${{PIPESTATUS[0]}}\""
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    assert r.stdout.strip() == "rc=141", r.stdout  # as `yes | true`: 128 + SIGPIPE
