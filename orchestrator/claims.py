@@ -120,7 +120,8 @@ def survey_script(inv: Inventory) -> str:
     """Read-only: the host's CPU count, then one line per claim file (parse_survey); links (which
     another account of the group may put there) are not claims and are never read."""
     return (f"echo @@claims; nproc; d={host_dir(inv)}; "
-            'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
+            'for f in "$d"/*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+            '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
             'done; true')
 
 

@@ -85,6 +85,8 @@ def survey_script(inv: Inventory) -> str:
     rt = plan.shell([f"{inv.job.output_dir}/.runtime"])
     return (f"{plan.shell(plan.status_argv())}; echo @@runtime; now=$(date +%s); "
             f"for d in {rt}/*/; do [ -d \"$d\" ] || continue; j=$(basename \"$d\"); "
+            # Only a job id's characters: a name with a newline cannot add a line of its own.
+            f"case \"$j\" in *[!A-Za-z0-9._-]*) continue;; esac; "
             f"if [ -e \"${{d}}{plan.LEASE}\" ]; then echo \"$j $((now - $(stat -c %Y \"${{d}}{plan.LEASE}\")))\"; "
             "else echo \"$j none\"; fi; done; " + claims.survey_script(inv))
 

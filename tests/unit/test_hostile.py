@@ -184,3 +184,18 @@ def test_a_closed_pipe_ends_fab_quietly(args):
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
     assert r.stdout.strip() == "rc=141", r.stdout  # as `yes | true`: 128 + SIGPIPE
+
+
+def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
+    import subprocess
+    from orchestrator import claims
+    from orchestrator.inventory import parse
+    inv = parse(f"job: {{output_dir: {tmp_path}}}\nhosts:\n  - {{name: n1, address: 10.0.0.1, interface: eth0}}\n",
+                Path("i.yaml"))
+    d = tmp_path / ".claims" / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    d.mkdir(parents=True)
+    (d / "gpt-1").write_text("who=al@ws\nsince=1\nunits=0\n")
+    (d / "x\nvictim-2 who=me since=1 units=0,1").write_text("who=me\n")
+    out = subprocess.run(["sh", "-c", claims.survey_script(inv)], capture_output=True, text=True).stdout
+    _, held = claims.parse_survey(out.split("@@claims\n", 1)[1])
+    assert [h.job for h in held] == ["gpt-1"]

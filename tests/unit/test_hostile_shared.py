@@ -61,7 +61,8 @@ def test_the_claim_script_shares_its_lock_and_files_with_the_group():
                       '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
                       'chmod 0644 "$d"/.gpt-1.tmp && mv "$d"/.gpt-1.tmp "$d"/gpt-1 )')
     assert claims.survey_script(INV).endswith(
-        'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done; true')
+        'for f in "$d"/*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+        '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done; true')
 
 
 def mode(path: Path) -> int:
