@@ -11,7 +11,6 @@ import re
 import secrets as _secrets
 import shlex
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from . import devices, resources
 from .errors import UserError

@@ -2,7 +2,6 @@
 to escape runs/JOB (a newline and a fake `STAMP /tmp/...` line, a hidden '..' name, `$(touch x)`)
 write nothing outside it; model.pt + optim.pt written each epoch reach a spare that takes a frozen
 rank 0's place as one set, both of the same epoch."""
-import os
 import re
 import secrets
 import time

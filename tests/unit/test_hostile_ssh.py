@@ -98,7 +98,7 @@ def test_a_file_with_every_kind_of_line(tmp_path):
         f"@bogus 10.0.0.4 {node1}",                                       # 12: unknown marker
         "10.0.0.4 ssh-unknown AAAAB3NzaC1yc2E=",                          # 13: unknown key type
         "\x1b]52;c;aGk=\x07 \x00\xff junk",                              # 14: binary junk
-        f"@revoked",                                                      # 15: marker alone
+        "@revoked",                                                      # 15: marker alone
         f"10.0.0.2\t  {node2}   # trailing comment",                      # 16: tabs and spaces
         f"10.0.0.2 {ecdsa}",                                              # 17
         f"@revoked 10.0.0.2 {ecdsa}",                                     # 18: node2's ecdsa revoked
