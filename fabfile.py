@@ -236,7 +236,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
                          resumes=[*record.resumes, cli.resume_entry(record, changed)])
         if not json:
             console.print(f"{'continuing' if continue_ else 'resuming'} job {spec.job_id} ({len(record.attempts)} "
-                          f"attempt(s) so far, {record.state}){cli.changes_line(changed)}")
+                          f"attempt(s) so far, {record.state}){cli.changes_line(changed)}", markup=False)
     else:
         inv = _inventory.load(inventory)
         record = None
@@ -307,7 +307,7 @@ def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only
         record.resumes.append(cli.resume_entry(record, changed))
         inv = _inventory.load(inventory or record.inventory)
         console.print(f"resuming job {spec.job_id} on Slurm ({len(record.attempts)} attempt(s) so far, "
-                      f"{record.state}){cli.changes_line(changed)}")
+                      f"{record.state}){cli.changes_line(changed)}", markup=False)
     else:
         inv = _inventory.load(inventory)
         spec = cli.new_spec(given, TRAINERS)

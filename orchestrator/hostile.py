@@ -29,9 +29,8 @@ from pathlib import Path
 # OSC-52 clipboard writes; CR and BS overwrite what is already shown), DEL, the C1 controls
 # (U+0080-U+009F, which some terminals obey as CSI/OSC), and the bidirectional overrides and
 # isolates, which make text read differently from what it is.
-_CONTROL_TEXT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_TEXT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _C0_BYTES = bytes(c for c in range(32) if c not in (9, 10)) + b"\x7f"
-_C1_BYTES = re.compile(rb"\xc2[\x80-\x9f]|\xe2\x80[\x8e\x8f\xaa-\xae]|\xe2\x81[\xa6-\xa9]")
 
 
 def text(value: str) -> str:
@@ -47,9 +46,11 @@ def line(value: str, limit: int = 300) -> str:
 
 
 def text_bytes(data: bytes) -> bytes:
-    """`text` for raw bytes on their way to a terminal (the per-host log files keep them)."""
-    data = data.translate(None, _C0_BYTES)
-    return _C1_BYTES.sub(b"", data) if (b"\xc2" in data or b"\xe2" in data) else data
+    """`text` for raw bytes on their way to a terminal (the per-host log files keep them). Bytes
+    that are not UTF-8 become U+FFFD: a bare 0x9B is CSI to a terminal in 8-bit mode."""
+    if data.isascii():  # the common case, at C speed
+        return data.translate(None, _C0_BYTES)
+    return text(data.decode("utf-8", "replace")).encode()
 
 
 def rich_text(value: str, style: str = ""):  # noqa: ANN201 - rich.text.Text, imported lazily
@@ -66,7 +67,7 @@ class UnsafeName(ValueError):
 
 NAME_MAX = 255    # bytes in one path component (Linux's NAME_MAX)
 PATH_MAX = 4096   # bytes in a whole path
-_CONTROL_NAME = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_NAME = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def relpath(name: str, root: Path | None = None) -> str:

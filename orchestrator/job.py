@@ -428,7 +428,7 @@ class Job:
             checks = preflight.run(self.session, a.inv, image=a.spec.image, code=False)
             synced = synced.result()
         here = [c for c in preflight.failed(checks) if c.host == attempt_mod.LOCAL]
-        if here and a.number == 1 and not self.resuming:  # this machine's own check (rsync): no host to leave out
+        if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
             raise PreflightFailed(checks, [], f"preflight failed on this machine ({here[0].check}); nothing was "
                                   "started. Fix the checks above, then run the command again")
         bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != attempt_mod.LOCAL}

@@ -45,6 +45,8 @@ def make_program() -> Fab:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script entry point (pyproject.toml: fabtrain = orchestrator.program:main)."""
+    from .cli import quiet_on_closed_pipe
+    quiet_on_closed_pipe()  # before the tasks load: `fabtrain --help | head` too
     make_program().run(argv)
 
 

@@ -188,8 +188,9 @@ def figure(run_dirs: list[Path]):
             loss_ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o--", color=colour,
                          label=f"{label} eval (per epoch)".strip())
         for name, points in rank_rates(run_dir).items():
+            # A rank's name is what its program printed: never matplotlib's $math$ markup.
             rate_ax.plot([s for s, _ in points], [r for _, r in points],
-                         label=f"{label} {name}".strip(), linewidth=1)
+                         label=f"{label} {name}".strip().replace("$", r"\$"), linewidth=1)
         parts = [info["job"]]
         if info.get("model"):
             parts.append(f"model {info['model']}")

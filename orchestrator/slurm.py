@@ -148,6 +148,9 @@ class Demux:
         self.batch = mux.sink(BATCH, 0)
         self.partial = b""
         self.received = 0
+        # The unfinished line is held here, so cut here: room for the `N: ` label, the node's sink
+        # then cuts its own part at LINE_MAX.
+        self.cut = hostile.LineCutter(hostile.LINE_MAX + 64)
 
     def sink(self, index: int):
         name = self.names[index] if index < len(self.names) else f"node{index}"
@@ -159,7 +162,7 @@ class Demux:
 
     def feed(self, data: bytes) -> None:
         self.received += len(data)
-        data = self.partial + data
+        data = self.partial + self.cut.feed(data)
         cut = data.rfind(b"\n") + 1
         self.partial = data[cut:]
         for line in data[:cut].splitlines(keepends=True):

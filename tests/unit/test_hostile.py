@@ -199,3 +199,31 @@ def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
     out = subprocess.run(["sh", "-c", claims.survey_script(inv)], capture_output=True, text=True).stdout
     _, held = claims.parse_survey(out.split("@@claims\n", 1)[1])
     assert [h.job for h in held] == ["gpt-1"]
+
+
+def test_the_slurm_demultiplexer_holds_a_line_with_no_end_cut(tmp_path):
+    from orchestrator import slurm
+    mux = Multiplexer(tmp_path, out=io.BytesIO(), colour=False)
+    demux = slurm.Demux(mux, lambda restart: ["gpu1"])
+    tracemalloc.start()
+    for _ in range(512):  # 32 MB with no newline, on node 0's labelled line
+        demux.feed((b"0: " if not _ else b"") + b"C" * (1 << 16))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    demux.feed(b"\n0: after\n")
+    demux.close()
+    assert len(demux.partial) == 0 and peak < 4 << 20, peak
+    assert (tmp_path / "node0.log").read_bytes() == b"C" * hostile.LINE_MAX + hostile.CUT + b"\nafter\n"
+
+
+def test_bytes_that_are_not_utf8_never_reach_a_terminal_as_c1_controls():
+    assert hostile.text_bytes(b"a\x9b2Jb\xc2\x9bc") == "a\ufffd2Jbc".encode()
+    assert hostile.text_bytes("é\u061cx\u202e".encode()) == "éx".encode()
+    assert hostile.text_bytes(b"plain\tascii\x1b[0m\n") == b"plain\tascii[0m\n"
+
+
+def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
+    from orchestrator import report
+    line = "[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | compute 10.0 ms\n"
+    (tmp_path / "node1.log").write_text("".join(line.format(r=r, s=s) for r in (0, 1) for s in (1, 2, 3)))
+    assert report.write_plot([tmp_path], tmp_path / "loss.png").stat().st_size > 0
