@@ -28,7 +28,7 @@ def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     snapshot; the newest record of a step wins."""
     by_key: dict[tuple[str, int], dict] = {}
     for path in sorted(run_dir.glob("outputs/*/metrics.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
+        for line in _lines(path):
             try:
                 rec = json.loads(line)
                 key = (rec["kind"], int(rec["step"]))
@@ -39,6 +39,14 @@ def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     train = sorted((r for (k, _), r in by_key.items() if k == "train"), key=lambda r: r["step"])
     evals = sorted((r for (k, _), r in by_key.items() if k == "eval"), key=lambda r: r["step"])
     return train, evals
+
+
+def _lines(path: Path):
+    """A file's lines one at a time (what a container wrote may be any size; a line at most
+    hostile.LINE_MAX in a host's log, a bounded read each in a fetched file)."""
+    with path.open(errors="replace") as fh:
+        while line := fh.readline(hostile.LINE_MAX + 64):
+            yield line
 
 
 def rank_of(m: re.Match) -> str:
@@ -55,7 +63,7 @@ def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
     """'node1 rank0' -> its step lines (STEP_LINE matches) from every host's log, by rank."""
     steps: dict[str, list[re.Match]] = {}
     for log in sorted(run_dir.glob("*.log")):
-        for m in STEP_LINE.finditer(log.read_text(errors="replace")):
+        for m in filter(None, map(STEP_LINE.search, _lines(log))):
             # A rank's name is what its program printed: made plain text once, here, for the
             # table, the straggler line, the figure's legend and summary.json alike.
             steps.setdefault(hostile.text(rank_of(m)), []).append(m)
