@@ -47,6 +47,24 @@ once, naming the host (`Snapshots.warn`). `keep` may be 1: the only complete cop
 only after its successor is checked and renamed into place, and a host's copy is replaced only by
 a checked one.
 
+What `keep: 1` cannot do for a program's set: a program that crashes (or whose host is lost)
+between writing two files of one checkpoint (model.pt of epoch 8 written, optim.pt still epoch 7's)
+leaves a set that no longer changes, so it settles, and it is the newest by name (its newest
+file's time): it is copied here, and with `keep: 1` it replaces the last whole one, which is
+gone. Whether a set's files belong to one step is the program's knowledge, not fabtrain's. Keep 2
+or more (the default) so the one before it is still here to resume from by hand, or have the
+program write each checkpoint into a new directory and rename it into place, or use DCP (whose
+`.metadata`, written last, marks a whole one).
+
+Links: the job's output directory is the container's (/output), and so is every symbolic link in
+it. Nothing is written through one: the host's rsync starts only once the temporary directory's
+name is cleared (push_set_argv), and set_place_command refuses a link or a non-directory on the
+way to any file it moves, naming it (Snapshots.push reports it, untried again). Nothing is read
+through one either: the checksums refuse a file whose real path is not its path in the job's
+output directory (manifest_command), and the sizes they read must be the listing's, so a folder
+swapped for a link to the host's files between two looks is never copied here. Links elsewhere
+in the output directory (the working directory's links into the code) are left alone.
+
 The commands are built by pure functions (Layout.list_command, checksum_command, manifest_command,
 rename_command, set_place_command, remove_command, and plan.fetch_file_argv / push_file_argv,
 fetch_set_argv / push_set_argv for the copies, with temp_name for the temporary names), so a
@@ -74,8 +92,9 @@ from .inventory import Host, Inventory
 from . import hostile
 from .remote import Session, describe
 
-SNAPSHOT_RE = re.compile(r"snapshot-\d{9}\.pt")   # ours, whole names only (fullmatch)
-SET_RE = re.compile(r"\d{20}")                     # a program's checkpoint set (fullmatch)
+# Whole names only (fullmatch), in ASCII digits: [0-9], not \d, which takes other scripts' digits too.
+SNAPSHOT_RE = re.compile(r"snapshot-[0-9]{9}\.pt")  # ours
+SET_RE = re.compile(r"[0-9]{20}")                    # a program's checkpoint set
 # A program's checkpoint set is complete, while the job runs, once two looks this far apart saw
 # the same files and its newest file is this old by the host's clock (see the module's docstring).
 SETTLE = 1.0
@@ -109,10 +128,6 @@ def newest(names) -> str | None:
     snapshots' file names, or checkpoint sets' names."""
     found = sorted(n for n in names if SNAPSHOT_RE.fullmatch(n) or SET_RE.fullmatch(n))
     return found[-1] if found else None
-
-
-# Kept for callers that recognise a set's name by its start ("NNNN...N" and anything after it).
-CHECKPOINT_NAME_RE = re.compile(r"^\d{20}")
 
 
 # ---------------------------------------------------------------- listings from hosts (pure)
@@ -299,10 +314,6 @@ class Layout:
             return [], listing.refused
         return [found.name], listing.refused
 
-    def names(self, stdout: str, settle: float = 0.0) -> list[str]:
-        """The complete ones in list_command's output (see read)."""
-        return self.read(stdout, settle)[0]
-
     def path(self, name: str) -> str:
         """Where our snapshot `name` is, relative to the job's output directory (here: runs/JOB/snapshots)."""
         return f"snapshots/{_ours(name)}"
@@ -348,7 +359,7 @@ def _ours(name: str) -> str:
 
 def _set_name(name: str) -> str:
     """A set's name: its first 20 characters, digits (a plan may show a placeholder after them)."""
-    if not CHECKPOINT_NAME_RE.match(name):
+    if not SET_RE.fullmatch(name[:20]):
         raise hostile.UnsafeName(f"{name!r} is not a checkpoint set's name (20 digits)")
     return name[:20]
 
@@ -401,10 +412,17 @@ def checksum_command(remote_file: str) -> str:
     return plan.shell(["stat", "-c", "%s", remote_file]) + " && " + plan.shell(["sha256sum", remote_file])
 
 
-# For each file given: `SIZE SHA256 PATH` and a NUL. sha256sum reads the file on its stdin, so no
-# name is ever escaped or parsed out of its output.
-_MANIFEST_SH = ('for f; do s=$(stat -c %s -- "$f") && h=$(sha256sum < "$f") || exit 1; '
-                'printf \'%s %.64s %s\\0\' "$s" "$h" "$f"; done')
+# For each file given: `SIZE SHA256 PATH` and a NUL. The file is opened once, as the shell's
+# stdin, and everything is read from that open file: its real path (readlink of /proc/self/fd/0)
+# must be the literal path in the directory, so a file reached through a symbolic link (the
+# program swapped a folder of its set for a link to ~/.ssh between two looks) is refused, not
+# read; then its size and SHA-256, by sha256sum reading stdin, so no name is ever escaped or
+# parsed out of its output.
+_MANIFEST_SH = ('r=$(pwd -P) || exit 1; for f; do '
+                '{ [ "$(readlink /proc/self/fd/0)" = "$r/${f#./}" ] || { printf '
+                '"fabtrain: refused: %s is not a plain file at its path in %s (a symbolic link on the way?)\\n" '
+                '"$f" "$r" >&2; exit 1; }; s=$(stat -L -c %s /proc/self/fd/0) && h=$(sha256sum); } < "$f" '
+                '|| exit 1; printf \'%s %.64s %s\\0\' "$s" "$h" "$f"; done')
 
 
 def manifest_command(directory: str, files: tuple[str, ...] | list[str] | None = None) -> str:
@@ -417,27 +435,60 @@ def manifest_command(directory: str, files: tuple[str, ...] | list[str] | None =
     return head + plan.shell(["find", ".", "-type", "f", "-exec", "sh", "-c", _MANIFEST_SH, "sh", "{}", "+"])
 
 
+# The start of what a set's placing commands print when they refuse (Snapshots.push tells it from
+# a failure worth another try).
+REFUSED_MARK = "fabtrain: refused: "
+
+# The scripts of set_place_command run with the job's output directory as their working
+# directory. `no PATH WHY` refuses (exit 3, one line naming the path); `dir D` makes sure
+# every component of the relative directory D is a real directory, making the missing ones one at
+# a time (never `mkdir -p`, which goes through links), and refuses at a symbolic link or a
+# non-directory; `spot P` readies P, a file's place: a symbolic link there is removed (mv would
+# move into the directory it points to), a directory there refused. Nothing is followed: `[ -L ]`
+# on each component before anything is written through it. A check, then an act: fine here, as
+# a set is placed between attempts, when no container of the job runs to swap a folder for a
+# link in between (Snapshots.push, attempt.py's place steps).
+_NO_SH = ('no() { printf "' + REFUSED_MARK + '%s %s in the job output directory %s; nothing is written '
+          'through it\\n" "$1" "$2" "$(pwd)" >&2; exit 3; }; ')
+_PLACE_FUNCS = ('set -f; ' + _NO_SH
+                + 'dir() { p=; IFS=/; for c in $1; do '
+                '[ -z "$c" ] || [ "$c" = . ] && continue; [ "$c" = .. ] && no "$1" "goes up (..)"; '
+                'p=${p:+$p/}$c; if [ -L "$p" ]; then no "$p" "is a symbolic link"; '
+                'elif [ ! -e "$p" ]; then mkdir -- "$p" || exit 1; '
+                'elif [ ! -d "$p" ]; then no "$p" "is not a directory"; fi; done; unset IFS; }; '
+                'spot() { if [ -L "$1" ]; then rm -f -- "$1" || exit 1; '
+                'elif [ -d "$1" ]; then no "$1" "is a directory where a file goes"; fi; }; ')
+
+
 def set_place_command(root: str, tmp: str, pattern: str) -> str:
     """Move a set, checked in `root`/`tmp`, into place in `root` (the job's output directory) in one
     command: the host's files matching `pattern` that the set does not hold are first moved aside
     to REPLACED (an older or half-written checkpoint must not sit beside it; kept, not deleted),
     directories left empty by that removed, then each of the set's files renamed into place
     (renames within one file system: nothing is copied again), and `tmp` removed. Without a
-    pattern, nothing is moved aside (an empty one would match every file of the job)."""
-    move = 'for f; do mkdir -p "$0/${f%/*}" && mv -f -- "$f" "$0/$f" || exit 1; done'
-    into = (f"(cd {plan.shell([tmp])} && "
-            + plan.shell(["find", ".", "-type", "f", "-exec", "sh", "-c", move, root, "{}", "+"]) + ") && "
-            + plan.shell(["rm", "-rf", "--", tmp]))
-    if not pattern:
-        return f"cd {plan.shell([root])} && " + into
-    p = "./" + pattern
-    match = ["(", "-path", p, "-o", "-path", p + "/*", ")"]
-    aside = ('for f; do [ -e "$0/$f" ] && continue; '
-             f'mkdir -p "{REPLACED}/${{f%/*}}" && mv -f -- "$f" "{REPLACED}/$f" || exit 1; done')
-    return (f"cd {plan.shell([root])} && "
-            + plan.shell(["find", ".", *match, "-type", "f", "-exec", "sh", "-c", aside, tmp, "{}", "+"]) + " && "
-            + plan.shell(["find", ".", "-mindepth", "2", *match, "-type", "d", "-empty", "-delete"]) + " && "
-            + into)
+    pattern, nothing is moved aside (an empty one would match every file of the job).
+
+    Everything under `root` is the container's: no write goes through a symbolic link there.
+    `tmp` must be a real directory; every directory on the way to a file's place (the set's and
+    REPLACED's) a real directory, made one at a time where missing; a link at a file's own place
+    is replaced, not followed. Anything else is refused, before that file is moved, with one
+    line starting REFUSED_MARK naming the path (the command fails). Symbolic links elsewhere
+    under `root` (the working directory's links into the code) are none of this command's business."""
+    check = _NO_SH + '[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"'
+    move = _PLACE_FUNCS + ('for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; '
+                           'mv -f -- "$f" "$d" || exit 1; done')
+    steps = [plan.shell(["sh", "-c", check, "./" + tmp])]
+    if pattern:
+        p = "./" + pattern
+        match = ["(", "-path", p, "-o", "-path", p + "/*", ")"]
+        aside = _PLACE_FUNCS + ('for f; do [ -e "$0/$f" ] && continue; '
+                                f'dir "{REPLACED}/${{f%/*}}"; spot "{REPLACED}/$f"; '
+                                f'mv -f -- "$f" "{REPLACED}/$f" || exit 1; done')
+        steps += [plan.shell(["find", ".", *match, "-type", "f", "-exec", "sh", "-c", aside, "./" + tmp, "{}", "+"]),
+                  plan.shell(["find", ".", "-mindepth", "2", *match, "-type", "d", "-empty", "-delete"])]
+    steps += [plan.shell(["find", "./" + tmp, "-type", "f", "-exec", "sh", "-c", move, "./" + tmp, "{}", "+"]),
+              plan.shell(["rm", "-rf", "--", tmp])]
+    return f"cd {plan.shell([root])} && " + " && ".join(steps)
 
 
 def rename_command(source: str, dest: str) -> str:
@@ -467,10 +518,19 @@ def fetch_set_argv(host: Host, root: str, files_from: str, dest: str, link_dest:
 
 
 def push_set_argv(host: Host, local_dir: str, remote_dir: str) -> list[str]:
-    """Copy a set's local directory to a (temporary) directory on a host, made if missing."""
+    """Copy a set's local directory to a (temporary) directory on a host, made if missing.
+
+    The host's rsync is started by `rm -rf -- REMOTE_DIR && rsync` (--rsync-path), so whatever
+    stands at that name is gone first, and rsync makes a fresh directory: the name is predictable
+    (the set's time, which the program sets), and a symbolic link the container left there would
+    have rsync write the set into the link's target. rm -rf removes a link itself, never what it
+    points to (the name is given without a trailing slash, which would follow it). The path is
+    quoted for the host's shell; it is the inventory's output directory and fabtrain's own name."""
+    target = remote_dir.rstrip("/")
     return ["rsync", "--recursive", "--times", "--mkpath", f"--timeout={plan.RSYNC_IO_TIMEOUT}",
-            *plan.RSYNC_PROTECT, "--rsh", plan.shell(plan.ssh_argv(host)),
-            local_dir.rstrip("/") + "/", plan.rsync_remote(host, remote_dir.rstrip("/") + "/")]
+            *plan.RSYNC_PROTECT, "--rsync-path", f"rm -rf -- {plan.shell([target])} && rsync",
+            "--rsh", plan.shell(plan.ssh_argv(host)),
+            local_dir.rstrip("/") + "/", plan.rsync_remote(host, target + "/")]
 
 
 # ---------------------------------------------------------------- checking a copy
@@ -572,6 +632,11 @@ def local_manifest(directory: Path) -> Manifest:
 
 class _CopyFailed(Exception):
     """One try of a copy that did not succeed; its text says what was wrong."""
+
+
+class _Refused(_CopyFailed):
+    """Placing a set refused a path on its host (set_place_command: a symbolic link or a file where
+    a directory goes, left by the job's program): not tried again."""
 
 
 class _Changed(Exception):
@@ -751,8 +816,14 @@ class Snapshots:
                 raise _CopyFailed(f"refused: {exc}") from None
         root = job_root(self.inv, self.spec)
         want = remote_manifest(session, host, root, found.paths)
+        # The manifest read each file at its literal path (manifest_command refuses one reached
+        # through a link); the listing's sizes must be what it read too.
         if want.paths != found.paths:
             raise _CopyFailed(f"the host's checksums name other files than its listing: {want.differs(manifest([]))}")
+        resized = [p for (p, d), e in zip(want.files, found.files) if d.size != e.size]
+        if resized:
+            raise _CopyFailed(f"the host's checksums read other sizes than its listing: "
+                              f"{hostile.line(repr(resized[0]), 80)}" + (f" and {len(resized) - 1} more" if len(resized) > 1 else ""))
         listfile = tmp.with_name(tmp.name + ".files")
         listfile.write_bytes(b"".join(p.encode() + b"\0" for p in found.paths))
         link = self.local_newest()
@@ -877,6 +948,9 @@ class Snapshots:
                                     what=f"renaming {tmp}")
                 except Exception as exc:  # noqa: BLE001 - this try failed; the next one says more
                     raise _CopyFailed(f"mv on the host failed: {describe(host, exc)}") from None
+                if not r.ok and REFUSED_MARK in r.stderr:
+                    refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK):]
+                    raise _Refused(hostile.line(refused.split("\n", 1)[0].strip(), 300))
                 if not r.ok:
                     raise _CopyFailed(f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}")
                 return
@@ -888,6 +962,12 @@ class Snapshots:
                                 timeout=LIST_TIMEOUT, what=f"removing {tmp}")
                 except Exception:  # noqa: BLE001 - a host that does not answer fails the next try anyway
                     pass
+                if isinstance(exc, _Refused):  # the same the next time: not tried again
+                    line = (f"{host.name}: did not place snapshot {name} in {final}: {why}. The job's program "
+                            f"left that there; remove it on {host.name}, or leave the host out so a spare "
+                            "takes its place")
+                    self.report(line)
+                    raise UserError(line) from None
         where = final if is_set else posixpath.dirname(final)
         line = (f"{host.name}: could not place snapshot {name} in {where} in {COPY_TRIES} tries (last: {why}); "
                 f"check the host's disk space and SSH access, or leave it out so a spare takes its place")

@@ -4,6 +4,7 @@ they become. A real sh, find and rsync on this machine stand in for a host (a fo
 import os
 import posixpath
 import random
+import shlex
 import shutil
 import subprocess
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import hostile, plan, snapshots
+from orchestrator.errors import UserError
 from orchestrator.inventory import parse
 from orchestrator.remote import Result
 from test_snapshots import local_rsync  # the real rsync, the 'host' a folder here
@@ -60,7 +62,7 @@ def test_a_newline_cannot_forge_a_record():
     out = listing(rec(FAKE + "/ckpt.pt"))
     got = snapshots.parse_listing(out, PATTERN)
     assert got.entries == () and got.refused[0][0] == FAKE + "/ckpt.pt"
-    assert snapshots.Layout(PATTERN).names(out) == []
+    assert snapshots.Layout(PATTERN).read(out)[0] == []
 
 
 @pytest.mark.parametrize("name", ["work/checkpoints/$(touch x)", "work/checkpoints/x..", "work/checkpoints/ a b ",
@@ -85,7 +87,7 @@ def test_hidden_files_are_skipped_but_dcp_metadata():
 def test_a_listing_without_its_end_is_never_a_set(stdout):
     got = snapshots.parse_listing(stdout, PATTERN)
     assert not got.whole
-    assert snapshots.Layout(PATTERN).names(stdout) == []
+    assert snapshots.Layout(PATTERN).read(stdout)[0] == []
 
 
 @pytest.mark.parametrize("record", ["x 10 work/checkpoints/a", "1.5 ten work/checkpoints/a", "1.5", "",
@@ -102,9 +104,9 @@ def test_no_listing_at_all():
 
 def test_our_snapshot_names_are_whole_names_only():
     out = "snapshot-000000010.pt\n../snapshot-000000099.pt\n/tmp/snapshot-000000098.pt\nsnapshot-000000020.pt \n" \
-          ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\n"
+          ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\nsnapshot-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0669.pt\n"
     assert snapshots.parse_names(out) == ["snapshot-000000010.pt"]
-    assert snapshots.Layout().names(out) == ["snapshot-000000010.pt"]
+    assert snapshots.Layout().read(out)[0] == ["snapshot-000000010.pt"]
 
 
 # ---------------------------------------------------------------- fuzzed
@@ -203,6 +205,7 @@ def test_settle_needs_two_equal_looks_apart_and_an_old_enough_newest_file():
 @pytest.mark.parametrize("pattern,name", [
     ("", "../x"), ("", "/tmp/x"), ("", "snapshot-000000001.pt\n"), ("", "a/b"),
     (PATTERN, "snapshot-000000001.pt"), (PATTERN, "/tmp/pwned"), (PATTERN, "../00000000000000000001"),
+    (PATTERN, "\u0660" * 20),  # Arabic-Indic digits: \d takes them, a set's name is ASCII
 ])
 def test_local_paths_only_for_well_formed_names(tmp_path, pattern, name):
     with pytest.raises(hostile.UnsafeName):
@@ -238,14 +241,33 @@ def test_set_commands_are_quoted_once():
         "sh 'work/checkpoints/$(touch x)'")
     push, check, rename = snapshots.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j",
                                                   PATTERN)
-    assert push[-2:] == ["runs/j/checkpoints/00000000000000000007/", "10.0.0.1:/out/j/.fabtrain-set-00000000000000000007.tmp/"]
-    assert "-s" in push and check.startswith("cd /out/j/.fabtrain-set-00000000000000000007.tmp && find . -type f")
-    assert rename.startswith("cd /out/j && find . '(' -path './work/checkpoints/*' -o -path './work/checkpoints/*/*' ')'")
-    assert rename.endswith("&& rm -rf -- .fabtrain-set-00000000000000000007.tmp")
+    tmp = ".fabtrain-set-00000000000000000007.tmp"
+    assert push[-2:] == ["runs/j/checkpoints/00000000000000000007/", f"10.0.0.1:/out/j/{tmp}/"]
+    # The host's rsync starts only once whatever stood at the temporary name is gone (a link itself, not
+    # its target: no trailing slash).
+    assert push[push.index("--rsync-path") + 1] == f"rm -rf -- /out/j/{tmp} && rsync"
+    assert "-s" in push and check.startswith(f"cd /out/j/{tmp} && find . -type f")
+    words = shlex.split(rename)
+    scripts = [w for w in words if "no()" in w]
+    assert [w for w in words if w not in scripts] == [
+        "cd", "/out/j", "&&", "sh", "-c", f"./{tmp}", "&&",
+        "find", ".", "(", "-path", "./work/checkpoints/*", "-o", "-path", "./work/checkpoints/*/*", ")", "-type", "f",
+        "-exec", "sh", "-c", f"./{tmp}", "{}", "+", "&&",
+        "find", ".", "-mindepth", "2", "(", "-path", "./work/checkpoints/*", "-o", "-path", "./work/checkpoints/*/*",
+        ")", "-type", "d", "-empty", "-delete", "&&",
+        "find", f"./{tmp}", "-type", "f", "-exec", "sh", "-c", f"./{tmp}", "{}", "+", "&&", "rm", "-rf", "--", tmp]
+    check_tmp, aside, move = scripts
+    assert check_tmp.endswith('[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"')
+    assert aside.endswith('for f; do [ -e "$0/$f" ] && continue; dir ".fabtrain-replaced/${f%/*}"; '
+                          'spot ".fabtrain-replaced/$f"; mv -f -- "$f" ".fabtrain-replaced/$f" || exit 1; done')
+    assert move.endswith('for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; mv -f -- "$f" "$d" || exit 1; done')
+    assert "mkdir -p" not in rename  # mkdir -p goes through links; dir() makes one component at a time
     # Without the glob (a caller that does not pass it), nothing is moved aside: "" would match every file.
     bare = snapshots.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j")[2]
-    assert bare.startswith("cd /out/j && (cd .fabtrain-set-00000000000000000007.tmp && find . -type f")
-    assert "-path" not in bare and snapshots.REPLACED not in bare
+    assert [w for w in shlex.split(bare) if "no()" not in w] == [
+        "cd", "/out/j", "&&", "sh", "-c", f"./{tmp}", "&&",
+        "find", f"./{tmp}", "-type", "f", "-exec", "sh", "-c", f"./{tmp}", "{}", "+", "&&", "rm", "-rf", "--", tmp]
+    assert snapshots.REPLACED not in bare
 
 
 # ---------------------------------------------------------------- end to end, on this machine
@@ -297,3 +319,218 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     snaps.push(session, host, name, snapshots.local_digest(snaps.local_path(name)))
     assert (ck / "$(touch x)").read_bytes() == b"shell" and (ck / "model.pt").read_bytes() == b"good"
     assert not os.path.exists(pwned) and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- links the container leaves
+
+# Everything under the job's output directory (/output) is the container's: a link it leaves there
+# must never have fabtrain write, or read back, through it. Real sh, find, mv and rsync on this
+# machine; the 'host' is a folder here, the victim a folder beside it.
+
+SET = f"{1_700_000_000 * 10**9:020d}"
+FAKE_SSH = ("#!/bin/sh\n# ssh HOST COMMAND...: the command run here by sh, as sshd runs it with the user's shell\n"
+            'shift\nexec sh -c "$*"\n')
+
+
+def ssh_rsync(tmp_path: Path):
+    """The real rsync through a stand-in for ssh that runs the host's side here with sh: what runs
+    there before the host's rsync (--rsync-path) runs too, as on a host."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text(FAKE_SSH)
+    fake.chmod(0o755)
+
+    def copy(argv, **kw):
+        argv = list(argv)
+        argv[argv.index("--rsh") + 1] = str(fake)
+        return subprocess.run(argv, **kw)
+    return copy
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file and link under root (links by their target), to tell whether anything changed."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            out[rel] = b"-> " + os.readlink(p).encode()
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+        else:
+            out[rel] = b"<dir>"
+    return out
+
+
+def placing(tmp_path: Path, local: dict[str, bytes], copy=None):
+    """A job with --checkpoint /output/ckpt/* whose set `local` (paths under the job's output
+    directory) is here in runs/j, its host's output directory (empty) and a victim: ~/.ssh."""
+    inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+                Path("/i/inv.yaml"))
+    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern("/output/ckpt/*"))
+    root = tmp_path / "host" / "j"
+    root.mkdir(parents=True)
+    victim = tmp_path / "victim" / ".ssh"
+    victim.mkdir(parents=True)
+    (victim / "authorized_keys").write_bytes(b"ssh-ed25519 AAAA the user's own key\n")
+    (victim / "id_ed25519").write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY----- the user's secret\n")
+    reports: list[str] = []
+    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
+                                copy=copy or ssh_rsync(tmp_path))
+    for rel, data in local.items():
+        (snaps.local_path(SET) / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snaps.local_path(SET) / rel).write_bytes(data)
+    return snaps, reports, inv.hosts[0], root, victim
+
+
+ATTACKER_KEY = b"ssh-ed25519 AAAA the attacker's key\n"
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+@pytest.mark.parametrize("link,target,refused", [
+    # The review's finding: .fabtrain-replaced/ckpt -> ../../../victim/.ssh and a real
+    # ckpt/authorized_keys outside the set: moving it aside wrote it over the victim's.
+    (".fabtrain-replaced/ckpt", "../../../victim/.ssh", ".fabtrain-replaced/ckpt is a symbolic link"),
+    (".fabtrain-replaced", "../../victim", ".fabtrain-replaced is a symbolic link"),
+])
+def test_moving_aside_never_goes_through_a_link(tmp_path, link, target, refused):
+    snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7"})
+    (root / "ckpt").mkdir()
+    (root / "ckpt" / "authorized_keys").write_bytes(ATTACKER_KEY)
+    (root / link).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(target, root / link)
+    before = files_under(tmp_path / "victim")
+    with pytest.raises(UserError) as err:
+        snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+    assert files_under(tmp_path / "victim") == before  # nothing written there
+    assert (root / "ckpt" / "authorized_keys").read_bytes() == ATTACKER_KEY  # not moved anywhere
+    assert not (root / "ckpt" / "model.pt").exists() and not list(root.glob(".fabtrain-set-*"))
+    assert str(err.value).startswith(f"a: did not place snapshot {SET} in {root}: {refused} in the job output "
+                                     f"directory {root}; nothing is written through it. ")
+    assert reports == [str(err.value)]  # refused once, not tried COPY_TRIES times
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+@pytest.mark.parametrize("make,refused", [
+    # The set's own folder a link to ~/.ssh: the set's ckpt/authorized_keys went over the victim's.
+    (lambda root, victim: os.symlink(victim, root / "ckpt"), "ckpt is a symbolic link"),
+    (lambda root, victim: (root / "ckpt").write_bytes(b"a file where the folder goes"), "ckpt is not a directory"),
+])
+def test_placing_a_set_never_goes_through_a_link_to_its_folder(tmp_path, make, refused):
+    snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/authorized_keys": ATTACKER_KEY,
+                                                            "ckpt/model.pt": b"model 7"})
+    make(root, victim)
+    before = files_under(tmp_path / "victim")
+    with pytest.raises(UserError, match=f": {refused} in the job output directory"):
+        snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+    assert files_under(tmp_path / "victim") == before
+    assert len(reports) == 1 and not list(root.glob(".fabtrain-set-*"))
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+def test_a_link_at_a_files_own_place_is_replaced_and_links_elsewhere_are_left_alone(tmp_path):
+    """A link where a file of the set goes is replaced by the file (mv would have moved the file
+    into the folder the link points to); the working directory's links into the code, and any
+    other link under the job's output directory, are none of placing's business."""
+    snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7", "ckpt/sub/optim.pt": b"o"})
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "main.py").write_text("print()")
+    (root / "work").mkdir()
+    os.symlink(tmp_path / "code" / "main.py", root / "work" / "main.py")
+    os.symlink(tmp_path / "code", root / "code-link")
+    (root / "ckpt").mkdir()
+    os.symlink(victim, root / "ckpt" / "model.pt")
+    before = files_under(tmp_path / "victim")
+    snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+    assert files_under(tmp_path / "victim") == before and reports == []
+    assert files_under(root) == {"ckpt": b"<dir>", "ckpt/model.pt": b"model 7", "ckpt/sub": b"<dir>",
+                                 "ckpt/sub/optim.pt": b"o", "code-link": b"-> " + str(tmp_path / "code").encode(),
+                                 "work": b"<dir>", "work/main.py": b"-> " + str(tmp_path / "code" / "main.py").encode()}
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+def test_a_link_at_the_temporary_folders_name_is_removed_before_rsync_writes(tmp_path):
+    """The temporary folder's name is predictable (the set's time, which the program sets): made a
+    link to the victim beforehand, rsync --mkpath wrote the set into the link's target."""
+    snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7"})
+    os.symlink(victim, root / snapshots.PLACE_TMP.format(SET))
+    before = files_under(tmp_path / "victim")
+    snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+    assert files_under(tmp_path / "victim") == before and reports == []
+    assert files_under(root) == {"ckpt": b"<dir>", "ckpt/model.pt": b"model 7"}
+
+
+class SwappingSession(LocalSession):
+    """The program's move between fabtrain's looks: just before the host's checksums are taken, the
+    set's folder becomes a link to the victim's ~/.ssh; it is put back right after (the failed
+    checksums, or the rsync that follows them), before the second listing."""
+
+    def __init__(self, root: Path, victim: Path) -> None:
+        self.root, self.victim, self.swapped = root, victim, False
+
+    def swap(self) -> None:
+        (self.root / "ckpt").rename(self.root / "ckpt.real")
+        os.symlink(self.victim, self.root / "ckpt")
+        self.swapped = True
+
+    def back(self) -> None:
+        if self.swapped:
+            (self.root / "ckpt").unlink()
+            (self.root / "ckpt.real").rename(self.root / "ckpt")
+            self.swapped = False
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        if "sha256sum" in command:
+            self.swap()
+        r = super().run(host, command, timeout, stdin, what)
+        if not r.ok:
+            self.back()
+        return r
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+def test_a_set_folder_swapped_for_a_link_between_two_looks_is_never_read(tmp_path):
+    """_fetch_set compared only the paths of its listing and the host's checksums: the checksums and
+    rsync read the victim's files through the link, and the second listing, after the folder was
+    put back, matched the first. Now the checksums refuse a file whose real path is not its path."""
+    snaps, reports, host, root, victim = placing(tmp_path, {}, copy=None)
+    session = SwappingSession(root, victim)
+    old = time.time_ns() - 60 * 10**9
+    for name in ("id_ed25519", "authorized_keys"):
+        (root / "ckpt").mkdir(exist_ok=True)
+        (root / "ckpt" / name).write_bytes(b"a decoy of the same name")
+        os.utime(root / "ckpt" / name, ns=(old, old))
+
+    def rsync_then_put_back(argv, **kw):
+        r = local_rsync(argv, **kw)
+        session.back()
+        return r
+    snaps.copy = rsync_then_put_back
+    name = snapshots.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
+    assert name and not snaps.fetch(session, host, name)
+    secret = (victim / "id_ed25519").read_bytes()
+    assert not any(p.is_file() and p.read_bytes() == secret for p in (tmp_path / "runs").rglob("*"))
+    assert snaps.local_newest() is None
+    assert len(reports) == 1 and "fabtrain: refused: ckpt/authorized_keys is not a plain file at its path in" \
+        in reports[0] and "\n" not in reports[0], reports
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
+def test_checksums_that_read_other_sizes_than_the_listing_are_not_copied(tmp_path):
+    snaps, reports, host, root, victim = placing(tmp_path, {}, copy=None)
+    old = time.time_ns() - 60 * 10**9
+    (root / "ckpt").mkdir()
+    (root / "ckpt" / "model.pt").write_bytes(b"model 1")
+    os.utime(root / "ckpt" / "model.pt", ns=(old, old))
+    copies = []
+
+    class Growing(LocalSession):  # the file grows between the listing and the checksums, its time kept
+        def run(self, host, command, timeout=60, stdin=None, what=""):
+            if "sha256sum" in command:
+                with open(root / "ckpt" / "model.pt", "ab") as fh:
+                    fh.write(b"+")
+                os.utime(root / "ckpt" / "model.pt", ns=(old, old))
+            return super().run(host, command, timeout, stdin, what)
+    snaps.copy = lambda argv, **kw: copies.append(argv) or local_rsync(argv, **kw)
+    name = snapshots.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
+    assert not snaps.fetch(Growing(), host, name)
+    assert copies == []  # nothing copied on checksums that do not match the listing
+    assert len(reports) == 1 and "the host's checksums read other sizes than its listing: 'ckpt/model.pt'" in reports[0]

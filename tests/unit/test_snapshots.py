@@ -457,7 +457,7 @@ def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp
     session, host = LocalSession(), inv.hosts[0]
     shape = snapshots.layout(spec)
     name = f"{old + 2 * 10**6:020d}"
-    assert shape.names(session.run(host, shape.list_command(inv, spec)).stdout) == [name]
+    assert shape.read(session.run(host, shape.list_command(inv, spec)).stdout)[0] == [name]
     assert snapshots.remote_newest(session, host, inv, spec) == name
     assert shape.describe(name).startswith("checkpoints/* (written ")
     reports = []
