@@ -145,10 +145,18 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
 
     Several accounts of one group share these directories (plan.shared_dir_script): the lock is
     opened read-write where this account may (flock over NFS needs that), else read-only (a lock
-    file an older version made 0644); the claim file is written new (noclobber, after removing
-    whatever another account put at its temporary name), 0644 for every account's survey, and
-    renamed into place; links in the directory are not claims; the runtime directory is the job's
-    account's own (plan.own_runtime_script)."""
+    file an older version made 0644). Since any account of the group can put a link anywhere in
+    them, nothing there is followed: the script works in the claims directory it entered and
+    checked (plan.enter_script: one renamed meanwhile and replaced by a link to this account's
+    ~/.ssh is never listed, read or cleared), a link at the lock's name is removed before it is
+    opened, and what was opened must be the directory's own plain file, no link (else NOT_WRITABLE,
+    naming the fix); the lock is made group-writable through the open descriptor (/dev/fd/9), and
+    only when it is this account's and has no other name (a hard link to another of its files).
+    The claim file is written new (noclobber, after removing whatever another account put at its
+    temporary name), 0644 by the umask for every account's survey (no chmod, which would follow a
+    link swapped in), and renamed into place (`mv -T`: never into a directory put at its name);
+    links in the directory are not claims; the runtime directory is the job's account's own
+    (plan.own_runtime_script)."""
     rt = plan.shell([f"{inv.job.output_dir}/.runtime"])
     q = plan.shell
     ps = q(["docker", "ps", "--quiet", "--filter", f"label={plan.LABEL_JOB}="])
@@ -173,10 +181,14 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
         + f'{clear}{plan.own_runtime_script(inv, job_id)} && rm -f {tmp} && '
         f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" {q([units_text(units)])} '
-        f'{q([str(port or "")])} > {tmp} ) && chmod 0644 {tmp} && mv {tmp} "$d"/{job_id}')
-    lock = '"$d"/.lock'
-    return (f"{dirs_script(inv)}( umask 022; {{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} "
-            f"|| exit {plan.NOT_WRITABLE}; {{ [ -O {lock} ] && chmod 0664 {lock}; }} 2>/dev/null; "
+        f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}')
+    lock, enter = '"$d"/.lock', plan.enter_script('"$d"')
+    return (f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
+            f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || exit {plan.NOT_WRITABLE}; "
+            f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || {{ printf '%s/.lock is not a plain file "
+            f"(another account may have put a link there): remove it (rm %s/.lock) and run again\\n' \"$PWD\" "
+            f"\"$PWD\" >&2; exit {plan.NOT_WRITABLE}; }}; {{ [ -O /dev/fd/9 ] && "
+            f"[ \"$(stat -L -c %h /dev/fd/9)\" = 1 ] && chmod 0664 /dev/fd/9; }} 2>/dev/null; "
             f"flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host held its lock for {LOCK_WAIT}s' >&2; "
             f"exit 4; }}; {body} )")
 

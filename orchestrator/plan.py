@@ -323,7 +323,13 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
 # 0711: no one else lists it, reads the secrets file (0600) or writes there, while everyone can
 # still stat its lease by name (hostops.survey, the claim script) and a container's non-root user
 # can read the entrypoint (0644) through the read-only mount. STOPPED_DIR (in `.runtime`, no
-# sticky bit) holds the stop markers any account of the group leaves and removes.
+# sticky bit) holds the stop markers any account of the group leaves and removes. Any member can put
+# a link where one of these directories or files goes: the scripts refuse a link for a directory
+# (not_link_script), change modes only of what they entered or opened and found their own
+# (own_dir_chmod, claims.claim_script) and make files new (noclobber). The owner of a directory
+# holding others' (output_dir, `.runtime`) can still rename what they hold, the sticky bit
+# notwithstanding, so the admin makes those root's (README: install -d -o root -g GROUP -m 3775),
+# and the scripts use them as they are.
 SHARED_MODE = "g+rwxs"           # only added, by the directory's owner: what it took from others stays taken
 RUNTIME_MODE = "0711"
 STOPPED_DIR = ".stopped"
@@ -331,14 +337,42 @@ NOT_WRITABLE = 6   # exit status: a shared directory this account cannot write (
 NOT_OWN = 7        # ... the job's runtime directory is there and not this account's (or not a directory)
 
 
+def not_link_script(path: str) -> str:
+    """End with NOT_WRITABLE, naming the path and the fix, when the shared directory `path` (a shell
+    word) is a symbolic link: any member of the group can put one where a shared directory goes
+    (in a directory the group writes), and what this account then did there (chmod, files) would
+    land where the link points: its own ~/.ssh, say."""
+    return (f"if [ -L {path} ]; then printf '%s is a symbolic link, not a directory: another account may have "
+            f"put it there; remove it (rm %s) and run again\\n' {path} {path} >&2; exit {NOT_WRITABLE}; fi; ")
+
+
+def enter_script(path: str) -> str:
+    """`cd` into the shared directory `path` (an absolute path, a shell word), then check that the
+    path, no link, still names the directory entered (else NOT_WRITABLE): what follows works in `.`,
+    which stays that directory whatever another account renames or links in its place meanwhile."""
+    return (f"cd -P {path} && [ ! -L {path} ] && [ {path} -ef . ] || {{ printf '%s changed while this command "
+            f"entered it (another account may have put a link there): run again\\n' {path} >&2; "
+            f"exit {NOT_WRITABLE}; }}; ")
+
+
+def own_dir_chmod(path: str, mode: str, then: str = "") -> str:
+    """`chmod mode` of the directory `path` (an absolute path, a shell word) only when it is this
+    account's own and no link, without a race: a subshell enters it (`cd -P`), checks that the path,
+    still no link, names the directory it is in, and changes `.` (then runs `then` there), so a link
+    another account swaps in meanwhile is never followed."""
+    return f"( cd -P {path} && [ ! -L {path} ] && [ {path} -ef . ] && [ -O . ] && chmod {mode} .{then} )"
+
+
 def shared_dir_script(path: str, sticky: bool = False, check: bool = True) -> str:
-    """Make the directory `path` (a shell word, expanded on the host) if missing; when this account
-    owns it, add the group's rights and setgid (and the sticky bit); with `check`, end with
-    NOT_WRITABLE, naming its owner and the fix, when this account still cannot write it (one an
-    older version, or another account with a narrow umask, made)."""
+    """Make the directory `path` (an absolute path, a shell word, expanded on the host) if missing,
+    refusing a link there (not_link_script); when this account owns it, add the group's rights and
+    setgid (and the sticky bit); with `check`, end with NOT_WRITABLE, naming its owner and the fix,
+    when this account still cannot write it (one an older version, or another account with a narrow
+    umask, made). One root made (the admin's setup, README) is used as it is."""
     mode = SHARED_MODE + (",+t" if sticky else "")
     fix = f"{mode} %s; chgrp GROUP %s"
-    return (f"mkdir -p {path} || exit {NOT_WRITABLE}; {{ [ -O {path} ] && chmod {mode} {path}; }} 2>/dev/null; "
+    return (not_link_script(path) + f"mkdir -p {path} || exit {NOT_WRITABLE}; "
+            f"{{ {own_dir_chmod(path, mode)}; }} 2>/dev/null; "
             + (f"[ -w {path} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with "
                f"the group: chmod {fix}\\n' {path} \"$(id -un)\" \"$(stat -c %U {path})\" {path} {path} >&2; "
                f"exit {NOT_WRITABLE}; }}; " if check else ""))
@@ -347,19 +381,20 @@ def shared_dir_script(path: str, sticky: bool = False, check: bool = True) -> st
 def own_runtime_script(inv: Inventory, job_id: str) -> str:
     """Make the job's runtime directory (mode RUNTIME_MODE) in the shared `.runtime`, or end with
     NOT_OWN when it is there and not this account's own directory (another account made it first,
-    or put a link there), then touch the job's lease."""
+    or put a link there), then touch the job's lease (in the directory entered: own_dir_chmod)."""
     rt, own = shell([f"{inv.job.output_dir}/.runtime"]), shell([f"{inv.job.output_dir}/.runtime/{job_id}"])
     return (shared_dir_script(rt, sticky=True) + f"mkdir -m {RUNTIME_MODE} {own} 2>/dev/null; "
             f"if [ -L {own} ] || [ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; "
             f"another account made it: job ids are never reused, so remove it (its owner or root)\\n' {own} "
-            f"\"$(id -un)\" >&2; exit {NOT_OWN}; fi; chmod {RUNTIME_MODE} {own} && touch {shell([f'{inv.job.output_dir}/.runtime/{job_id}/{LEASE}'])}")
+            f"\"$(id -un)\" >&2; exit {NOT_OWN}; fi; {own_dir_chmod(own, RUNTIME_MODE, f' && touch {LEASE}')}")
 
 
 def stop_mark_script(inv: Inventory, job_ids: list[str] | tuple[str, ...]) -> str:
     """Leave the stop marker (stopped_marker) of these jobs on the host, in the shared STOPPED_DIR
-    (an existing marker, of any account, is kept)."""
+    (an existing marker, of any account, is kept); made new (noclobber), so a link another account
+    put at its name is never written through."""
     d = shell([f"{inv.job.output_dir}/.runtime/{STOPPED_DIR}"])
-    marks = "; ".join(f"[ -e {m} ] || : > {m}" for m in (shell([stopped_marker(inv, j)]) for j in job_ids))
+    marks = "; ".join(f"[ -e {m} ] || ( set -C; : > {m} )" for m in (shell([stopped_marker(inv, j)]) for j in job_ids))
     return (shared_dir_script(shell([f"{inv.job.output_dir}/.runtime"]), sticky=True, check=False)
             + shared_dir_script(d) + f"umask 022; {marks}")
 

@@ -440,8 +440,20 @@ def raise_fd_limit(want: int, resource_module=None) -> int:  # noqa: ANN001 - `r
 
 def put_command(path: str, mode: int = 0o600) -> str:
     """Write the command's stdin to `path` (its directory made if missing), created private and then
-    given `mode`: the bytes (a secret, our entrypoint) travel on stdin, never on a command line."""
-    script = 'mkdir -p "$(dirname "$1")" && umask 077 && cat > "$1" && chmod "$2" "$1"'
+    given `mode`: the bytes (a secret, a batch script) travel on stdin, never on a command line.
+
+    The directory must be this account's own and no link: whoever owns the directory above it (as
+    the first account to use a shared output_dir owns `.runtime`) can rename this account's job
+    directory away and put its own there, with a 0666 file waiting at the secrets' name. The command
+    enters the directory and checks that its path, no link, still names it (nothing renamed in its
+    place meanwhile is written into), removes whatever is at the file's name, and makes the file new
+    (noclobber: never written through a file or link put there meanwhile); `mode` is given through
+    the open descriptor."""
+    script = ('d=$(dirname "$1"); case "$d" in /*) ;; *) d="$PWD/$d";; esac; '
+              'mkdir -p "$d" && cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || '
+              '{ printf "%s is not a directory of %s (a link, or one of another account): %s is not written\\n" '
+              '"$d" "$(id -un)" "$1" >&2; exit 1; }; '
+              'f="./${1##*/}"; umask 077 && rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )')
     return plan.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
 
 

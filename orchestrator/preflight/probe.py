@@ -155,10 +155,17 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAcce
            "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY]
     if host.gpu_vendor != "none":
         return run
+    # The cache directory is the group's: any member can put a link or a file at any name there, so
+    # the answer is written new (noclobber), readable by all whatever the umask, in the directory
+    # entered and checked (never through a link at the directory's name), and a link is never read
+    # as an answer.
     script = ('id=$(docker image inspect --format "{{.Id}}" "$1") || exit 1; f="$2/${id#sha256:}"; '
-              'if [ -s "$f" ]; then cat "$f"; exit 0; fi; shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
-              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && mkdir -p "${f%/*}" && { [ ! -O "${f%/*}" ] || chmod g+ws "${f%/*}"; } && printf "%s\\n" "$out" > "$f.$$" '
-              '&& mv "$f.$$" "$f";; esac 2>/dev/null; exit $rc')
+              'if [ -s "$f" ] && [ -r "$f" ] && [ ! -L "$f" ]; then cat "$f"; exit 0; fi; '
+              'shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
+              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && d="${f%/*}" && [ ! -L "$d" ] && mkdir -p "$d" && '
+              'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && { [ ! -O . ] || chmod g+ws .; } && '
+              't="./${f##*/}.$$" && rm -f "$t" && ( umask 022; set -C; printf "%s\\n" "$out" > "$t" ) && '
+              'mv -T "$t" "./${f##*/}";; esac 2>/dev/null; exit $rc')
     return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/{plan.IMAGE_CACHE}", *run]
 
 

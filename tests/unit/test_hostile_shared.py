@@ -1,17 +1,22 @@
 """Shared directories on hosts (plan.shared_dir_script, claims, hostops) and the preflight's smoke
 test sharing hosts like any job (preflight/smoke.py): the exact scripts, the modes they leave when
-run by sh on this machine, and the smoke test's choice, claim and release against a stand-in session."""
+run by sh on this machine, and the smoke test's choice, claim and release against a stand-in session.
+Also what another account of the group can plant there (links at a lock's, a directory's, a stop
+marker's, a secrets file's or an image-cache file's name, a directory swapped while a claim waits for
+the lock): run by sh, nothing is followed, read, chmod-ed or written through."""
+import fcntl
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator import claims, hostops, plan
 from orchestrator.inventory import parse
-from orchestrator.preflight import smoke
-from orchestrator.remote import PerHost, Result
+from orchestrator.preflight import probe, smoke
+from orchestrator.remote import PerHost, Result, put_command
 from orchestrator.watch import NodeEnd, Watched
 from test_job import Recorder
 
@@ -20,13 +25,19 @@ INV = parse("job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.
 
 
 def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_fix():
-    assert plan.shared_dir_script("'/opt/o ut/.claims'") == (
-        "mkdir -p '/opt/o ut/.claims' || exit 6; { [ -O '/opt/o ut/.claims' ] && chmod g+rwxs '/opt/o ut/.claims'; } "
-        "2>/dev/null; [ -w '/opt/o ut/.claims' ] || { printf '%s is not writable by %s (owner %s): its owner can "
-        "share it with the group: chmod g+rwxs %s; chgrp GROUP %s\\n' '/opt/o ut/.claims' \"$(id -un)\" "
-        "\"$(stat -c %U '/opt/o ut/.claims')\" '/opt/o ut/.claims' '/opt/o ut/.claims' >&2; exit 6; }; ")
+    c = "'/opt/o ut/.claims'"
+    assert plan.shared_dir_script(c) == (
+        f"if [ -L {c} ]; then printf '%s is a symbolic link, not a directory: another account may have put it "
+        f"there; remove it (rm %s) and run again\\n' {c} {c} >&2; exit 6; fi; mkdir -p {c} || exit 6; "
+        f"{{ ( cd -P {c} && [ ! -L {c} ] && [ {c} -ef . ] && [ -O . ] && chmod g+rwxs . ); }} 2>/dev/null; "
+        f"[ -w {c} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with the group: "
+        f"chmod g+rwxs %s; chgrp GROUP %s\\n' {c} \"$(id -un)\" \"$(stat -c %U {c})\" {c} {c} >&2; exit 6; }}; ")
     assert plan.shared_dir_script('"$d"', sticky=True, check=False) == (
-        'mkdir -p "$d" || exit 6; { [ -O "$d" ] && chmod g+rwxs,+t "$d"; } 2>/dev/null; ')
+        plan.not_link_script('"$d"') + 'mkdir -p "$d" || exit 6; { ( cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] '
+        '&& [ -O . ] && chmod g+rwxs,+t . ); } 2>/dev/null; ')
+    assert plan.enter_script('"$d"') == (
+        'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] || { printf \'%s changed while this command entered it '
+        '(another account may have put a link there): run again\\n\' "$d" >&2; exit 6; }; ')
 
 
 def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_beside_it():
@@ -36,12 +47,12 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
         plan.shared_dir_script(rt, sticky=True) + f"mkdir -m 0711 {own} 2>/dev/null; if [ -L {own} ] || "
         f"[ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; another account made it: "
         f"job ids are never reused, so remove it (its owner or root)\\n' {own} \"$(id -un)\" >&2; exit 7; fi; "
-        f"chmod 0711 {own} && touch '/opt/o ut/.runtime/gpt-1/lease'")
+        f"( cd -P {own} && [ ! -L {own} ] && [ {own} -ef . ] && [ -O . ] && chmod 0711 . && touch lease )")
     assert plan.stopped_marker(INV, "gpt-1") == "/opt/o ut/.runtime/.stopped/gpt-1"
     assert plan.stop_mark_script(INV, ["a-1", "b-2"]) == (
         plan.shared_dir_script(rt, sticky=True, check=False) + plan.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
-        + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || : > '/opt/o ut/.runtime/.stopped/a-1'; "
-          "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || : > '/opt/o ut/.runtime/.stopped/b-2'")
+        + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/a-1' ); "
+          "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/b-2' )")
     # A smoke test's own runtime directory (no units): the stop marker cleared, the directory made.
     assert claims.claim_script(INV, "gpt-1", None, "al@ws", True) == (
         "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + plan.own_runtime_script(INV, "gpt-1"))
@@ -53,13 +64,17 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
 def test_the_claim_script_shares_its_lock_and_files_with_the_group():
     s = claims.claim_script(INV, "gpt-1", (0, 1), "al@ws", True, 29500)
     assert s.startswith("d='/opt/o ut/.claims'/\"$(hostname)\"; " + plan.shared_dir_script("'/opt/o ut/.claims'", check=False)
-                        + plan.shared_dir_script('"$d"') + "( umask 022; { command exec 9<>\"$d\"/.lock; } 2>/dev/null "
-                        "|| command exec 9<\"$d\"/.lock || exit 6; { [ -O \"$d\"/.lock ] && chmod 0664 \"$d\"/.lock; } "
-                        "2>/dev/null; flock -w 10 9 || ")
+                        + plan.shared_dir_script('"$d"') + "( umask 022; " + plan.enter_script('"$d"')
+                        + 'd=.; { [ ! -L "$d"/.lock ] || rm -f "$d"/.lock; }; { command exec 9<>"$d"/.lock; } '
+                        '2>/dev/null || command exec 9<"$d"/.lock || exit 6; [ -f "$d"/.lock ] && [ ! -L "$d"/.lock ] '
+                        '&& [ "$d"/.lock -ef /dev/fd/9 ] || { printf \'%s/.lock is not a plain file (another account '
+                        'may have put a link there): remove it (rm %s/.lock) and run again\\n\' "$PWD" "$PWD" >&2; '
+                        'exit 6; }; { [ -O /dev/fd/9 ] && [ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; '
+                        '} 2>/dev/null; flock -w 10 9 || ')
     assert 'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; ' in s
     assert s.endswith(plan.own_runtime_script(INV, "gpt-1") + ' && rm -f "$d"/.gpt-1.tmp && ( set -C; printf '
                       '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
-                      'chmod 0644 "$d"/.gpt-1.tmp && mv "$d"/.gpt-1.tmp "$d"/gpt-1 )')
+                      'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1 )')
     assert claims.survey_script(INV).endswith(
         'for f in "$d"/*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
         '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done; true')
@@ -199,3 +214,218 @@ def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(
     rows = smoke.smoke_test(s, CPU2, None, [], ends)
     assert [c.status for c in rows] == [smoke.OK, smoke.OK]
     assert sum(c == smoke.release_script(seen[-1][0], seen[-1][1].job_id) for _, c in s.calls) == 2
+
+
+# ------------------------------------------------------------------ links and files another account plants
+# Run by sh on this machine: the "other account" is played by links and files put where any member of
+# the group may put them; what they point at stands for this account's own files.
+
+def cpu_inv(tmp_path):
+    return parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
+
+
+def sh(tmp_path, script, stdin=None):
+    """Run a script by sh with a stand-in docker (no containers) first on PATH."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / "docker").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "bin" / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, input=stdin)
+
+
+def secret(tmp_path, name="id_rsa"):
+    """One of this account's private files, and the directory that holds it (as ~/.ssh)."""
+    home = tmp_path / "home" / ".ssh"
+    home.mkdir(parents=True, mode=0o700, exist_ok=True)
+    home.chmod(0o700)
+    f = home / name
+    f.write_text("PRIVATE KEY\n")
+    f.chmod(0o600)
+    return home, f
+
+
+def host_claims(tmp_path) -> Path:
+    return tmp_path / "out" / ".claims" / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_lock_link_another_account_planted_is_replaced_never_followed(tmp_path):
+    inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
+    d = host_claims(tmp_path)
+    d.mkdir(parents=True)
+    (d / ".lock").symlink_to(key)
+    r = sh(tmp_path, claims.claim_script(inv, "gpt-1", (0,), "al@ws", True, 29500))
+    assert r.returncode == 0, r.stderr
+    assert mode(key) == 0o600 and key.read_text() == "PRIVATE KEY\n"
+    assert not (d / ".lock").is_symlink() and mode(d / ".lock") == 0o664
+    # A dangling link makes nothing where it points.
+    (d / ".lock").unlink()
+    (d / ".lock").symlink_to(home / "planted")
+    assert sh(tmp_path, claims.claim_script(inv, "gpt-2", (1,), "al@ws", True)).returncode == 0
+    assert not (home / "planted").exists() and not (d / ".lock").is_symlink()
+
+
+@pytest.mark.parametrize("where", [".claims/HOST", ".claims", ".runtime"])
+def test_a_shared_directory_that_is_a_link_is_refused_naming_it_and_the_fix(tmp_path, where):
+    inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
+    link = host_claims(tmp_path) if where == ".claims/HOST" else tmp_path / "out" / where
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(home)
+    r = sh(tmp_path, claims.claim_script(inv, "gpt-1", (0,), "al@ws", True, 29500))
+    assert r.returncode == plan.NOT_WRITABLE
+    assert f"{link} is a symbolic link" in r.stderr and f"rm {link}" in r.stderr
+    assert mode(home) == 0o700 and sorted(p.name for p in home.iterdir()) == ["id_rsa"]
+    if where == ".runtime":
+        m = sh(tmp_path, plan.stop_mark_script(inv, ["gpt-1"]))
+        assert m.returncode == plan.NOT_WRITABLE and mode(home) == 0o700
+        assert sorted(p.name for p in home.iterdir()) == ["id_rsa"]
+
+
+def test_the_claim_file_is_left_by_the_umask_not_a_chmod_that_follows_links():
+    s = claims.claim_script(INV, "gpt-1", (0,), "al@ws", True)
+    assert "chmod 0644" not in s and 'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1' in s
+
+
+def test_a_stop_marker_link_is_never_written_through(tmp_path):
+    inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
+    stopped = tmp_path / "out" / ".runtime" / ".stopped"
+    stopped.mkdir(parents=True)
+    (stopped / "gpt-1").symlink_to(home / "planted")   # dangling: `: >` would make it
+    (stopped / "gpt-2").symlink_to(key)
+    sh(tmp_path, plan.stop_mark_script(inv, ["gpt-1", "gpt-2", "gpt-3"]))
+    assert not (home / "planted").exists() and key.read_text() == "PRIVATE KEY\n"
+    assert (stopped / "gpt-3").is_file()
+
+
+def put(path, data="TOKEN=s3cret\n", mode=0o600):
+    return subprocess.run(["sh", "-c", put_command(str(path), mode)], input=data, capture_output=True, text=True)
+
+
+def test_put_makes_its_file_new_in_a_directory_of_its_own(tmp_path):
+    assert put_command("/o/.runtime/gpt-1/secrets.env") == (
+        """sh -c 'd=$(dirname "$1"); case "$d" in /*) ;; *) d="$PWD/$d";; esac; mkdir -p "$d" && cd -P "$d" && """
+        """[ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || { printf "%s is not a directory of %s (a link, or one of """
+        """another account): %s is not written\\n" "$d" "$(id -un)" "$1" >&2; exit 1; }; f="./${1##*/}"; umask 077 """
+        """&& rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )' sh """
+        """/o/.runtime/gpt-1/secrets.env 600""")
+    home, key = secret(tmp_path)
+    job = tmp_path / "out" / ".runtime" / "gpt-1"
+    assert put(job / "secrets.env").returncode == 0          # the directory made, the file 0600
+    assert (job / "secrets.env").read_text() == "TOKEN=s3cret\n" and mode(job / "secrets.env") == 0o600
+    assert put(job / "run.sbatch", "#!/bin/sh\n", 0o644).returncode == 0 and mode(job / "run.sbatch") == 0o644
+    # A file another account left there, open to all: replaced, never written into.
+    (job / "secrets.env").unlink()
+    (job / "secrets.env").write_text("")
+    (job / "secrets.env").chmod(0o666)
+    planted = os.stat(job / "secrets.env").st_ino
+    os.link(job / "secrets.env", tmp_path / "what-the-other-reads")
+    assert put(job / "secrets.env").returncode == 0
+    assert (tmp_path / "what-the-other-reads").read_text() == "" and mode(job / "secrets.env") == 0o600
+    assert os.stat(job / "secrets.env").st_ino != planted
+    # A link at the file's name: removed, never written through.
+    (job / "secrets.env").unlink()
+    (job / "secrets.env").symlink_to(key)
+    assert put(job / "secrets.env").returncode == 0
+    assert key.read_text() == "PRIVATE KEY\n" and not (job / "secrets.env").is_symlink()
+    # A link where the directory goes (another account renamed the job's away and put one there).
+    (tmp_path / "others").mkdir()
+    (tmp_path / "out" / ".runtime" / "gpt-2").symlink_to(tmp_path / "others")
+    r = put(tmp_path / "out" / ".runtime" / "gpt-2" / "secrets.env")
+    assert r.returncode == 1 and "is not a directory of" in r.stderr and "secrets.env is not written" in r.stderr
+    assert list((tmp_path / "others").iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another account")
+def test_put_never_writes_into_a_directory_of_another_account(tmp_path):
+    """The owner of `.runtime` renamed this account's job directory and made its own, with a file
+    anyone may write waiting at the secrets' name: nothing is written there."""
+    job = tmp_path / "gpt-1"
+    job.mkdir(mode=0o777)
+    job.chmod(0o777)
+    (job / "secrets.env").write_text("")
+    (job / "secrets.env").chmod(0o666)
+    os.chown(job, 65534, 65534)
+    os.chown(job / "secrets.env", 65534, 65534)
+    r = put(job / "secrets.env")
+    assert r.returncode == 1 and f"{job} is not a directory of root" in r.stderr
+    assert (job / "secrets.env").read_text() == ""
+
+
+def image_cache_run(tmp_path, plant):
+    """The CPU host's image probe by sh, with a stand-in docker whose `run` calls `plant` (shell) with
+    the probe's own pid as $PPID: the moment another account could put a link at its temporary name."""
+    inv = cpu_inv(tmp_path)
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / "docker").write_text(
+        '#!/bin/sh\ncase "$1" in image) echo sha256:abc;; run) ' + plant + '; echo "IMAGEINFO {}";; esac\n')
+    (tmp_path / "bin" / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
+    argv = probe.image_info_argv(inv, inv.hosts[0], "img:1", None)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, umask=0o077)
+
+
+def test_the_image_cache_never_writes_through_a_link_at_its_temporary_name(tmp_path):
+    home, key = secret(tmp_path)
+    cache = tmp_path / "out" / ".runtime" / plan.IMAGE_CACHE
+    cache.mkdir(parents=True)
+    r = image_cache_run(tmp_path, f'ln -s {key} {cache}/abc.$PPID')
+    assert r.returncode == 0 and "IMAGEINFO" in r.stdout
+    assert key.read_text() == "PRIVATE KEY\n"
+    assert (cache / "abc").read_text() == "IMAGEINFO {}\n" and not (cache / "abc").is_symlink()
+    assert mode(cache / "abc") == 0o644  # every account of the group reads it, whatever this one's umask
+    assert list(cache.iterdir()) == [cache / "abc"]
+    # Read back from the cache next time; a link there is no answer.
+    assert image_cache_run(tmp_path, "echo ran >&2").stderr == ""
+    (cache / "abc").unlink()
+    (cache / "abc").symlink_to(key)
+    assert "PRIVATE KEY" not in image_cache_run(tmp_path, "true").stdout
+
+
+def test_the_image_cache_directory_as_a_link_is_not_written(tmp_path):
+    home, key = secret(tmp_path)
+    (tmp_path / "out" / ".runtime").mkdir(parents=True)
+    (tmp_path / "out" / ".runtime" / plan.IMAGE_CACHE).symlink_to(home)
+    r = image_cache_run(tmp_path, "true")
+    assert r.returncode == 0 and "IMAGEINFO" in r.stdout
+    assert mode(home) == 0o700 and sorted(p.name for p in home.iterdir()) == ["id_rsa"]
+
+
+def waiting_on_flock(pid: int) -> bool:
+    """Whether a descendant of `pid` is the claim script's `flock -w` (waiting for the lock)."""
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and (p / "cmdline").read_bytes().startswith(b"flock\0-w\0"):
+                parent = int((p / "stat").read_text().rpartition(")")[2].split()[1])
+                grand = int((Path("/proc") / str(parent) / "stat").read_text().rpartition(")")[2].split()[1])
+                if pid in (parent, grand):
+                    return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+def test_a_claims_directory_swapped_for_a_link_while_the_claim_waits_for_the_lock_is_never_listed(tmp_path):
+    """Another account holds the lock, renames the host's claims directory away and puts a link to
+    this account's ~/.ssh in its place: the claim goes on in the directory it entered, so no file
+    of ~/.ssh is read as a claim, cleared as a stale one, or joined by a claim file."""
+    inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
+    d = host_claims(tmp_path)
+    d.mkdir(parents=True)
+    (d / ".lock").write_text("")
+    holder = open(d / ".lock")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        sh(tmp_path, ":")  # the stand-in docker
+        env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
+        claim = subprocess.Popen(["sh", "-c", claims.claim_script(inv, "gpt-1", (0,), "al@ws", True)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 10
+        while not waiting_on_flock(claim.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        d.rename(d.with_name("away"))
+        d.symlink_to(home)
+    finally:
+        holder.close()
+    out, err = claim.communicate(timeout=30)
+    assert claim.returncode == 0, err
+    assert sorted(p.name for p in home.iterdir()) == ["id_rsa"] and "id_rsa" not in out
+    assert (d.with_name("away") / "gpt-1").read_text().startswith("who=al@ws\n")
