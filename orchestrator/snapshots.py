@@ -384,7 +384,9 @@ def push_commands(host: Host, local_file: str, remote_file: str, pattern: str = 
         return (push_set_argv(host, local_file, tmp), manifest_command(tmp),
                 set_place_command(remote_file, PLACE_TMP.format(name), pattern))
     tmp = temp_path(remote_file)
-    return plan.push_file_argv(host, local_file, tmp), checksum_command(tmp), rename_command(tmp, remote_file)
+    guard = no_link_command(posixpath.dirname(remote_file))
+    return (plan.push_file_argv(host, local_file, tmp, guard), checksum_command(tmp),
+            rename_command(tmp, remote_file))
 
 
 def temp_name(name: str) -> str:
@@ -491,9 +493,17 @@ def set_place_command(root: str, tmp: str, pattern: str) -> str:
     return f"cd {plan.shell([root])} && " + " && ".join(steps)
 
 
+def no_link_command(directory: str) -> str:
+    """Fails, saying so, when `directory` on a host is a symbolic link: the container may have made
+    its snapshots/ directory one, and a copy written through it would land outside the job."""
+    why = f"{directory} is a symbolic link; nothing is written through it"
+    return f"{{ [ ! -L {plan.shell([directory])} ] || {{ echo {plan.shell([why])} >&2; exit 1; }}; }}"
+
+
 def rename_command(source: str, dest: str) -> str:
-    """Rename a checked copy into place on a host (atomic within the directory)."""
-    return plan.shell(["mv", "-f", source, dest])
+    """Rename a checked copy into place on a host (atomic within the directory), never through a
+    link: not when the directory is one, and a link at `dest` is replaced, not followed (-T)."""
+    return f"{no_link_command(posixpath.dirname(dest))} && {plan.shell(['mv', '-fT', source, dest])}"
 
 
 def remove_command(remote_file: str) -> str:

@@ -227,3 +227,28 @@ def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
     line = "[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | compute 10.0 ms\n"
     (tmp_path / "node1.log").write_text("".join(line.format(r=r, s=s) for r in (0, 1) for s in (1, 2, 3)))
     assert report.write_plot([tmp_path], tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_our_snapshots_are_never_renamed_through_a_link_the_container_left(tmp_path):
+    import subprocess
+    from orchestrator import snapshots
+    victim, job = tmp_path / "victim", tmp_path / "job"
+    victim.mkdir()
+    job.mkdir()
+    (job / "snapshots").symlink_to(victim)  # the container owns /output: snapshots/ may be a link
+    (victim / ".snapshot-000000001.pt.copy.tmp").write_bytes(b"x")
+    cmd = snapshots.rename_command(f"{job}/snapshots/.snapshot-000000001.pt.copy.tmp",
+                                   f"{job}/snapshots/snapshot-000000001.pt")
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+    assert r.returncode == 1 and "is a symbolic link; nothing is written through it" in r.stderr
+    assert sorted(p.name for p in victim.iterdir()) == [".snapshot-000000001.pt.copy.tmp"]
+    # A link at the snapshot's own name is replaced, not followed into the directory it names.
+    (job / "snapshots").unlink()
+    (job / "snapshots").mkdir()
+    (job / "snapshots" / ".snapshot-000000001.pt.copy.tmp").write_bytes(b"y")
+    (job / "snapshots" / "snapshot-000000001.pt").symlink_to(victim)
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (job / "snapshots" / "snapshot-000000001.pt").read_bytes() == b"y"
+    assert not (job / "snapshots" / "snapshot-000000001.pt").is_symlink()
+    assert sorted(p.name for p in victim.iterdir()) == [".snapshot-000000001.pt.copy.tmp"]

@@ -68,6 +68,8 @@ class FakeSession:
             return answer
         fs = self.files[host.name]
         argv = shlex.split(command)
+        if argv[:4] == ["{", "[", "!", "-L"]:  # snapshots.no_link_command: no links here
+            argv = argv[argv.index("&&") + 1:]
         if argv[:2] == ["ls", "-1"]:
             return ok("".join(f"{p.rsplit('/', 1)[1]}\n" for p in sorted(fs) if p.rsplit("/", 1)[0] == argv[2]))
         if argv[0] == "stat":
@@ -75,7 +77,7 @@ class FakeSession:
             if path not in fs:
                 return Result("", f"stat: cannot statx '{path}': No such file or directory\n", 1, 0.01)
             return ok(f"{len(fs[path])}\n{sha(fs[path])}  {path}\n")
-        if argv[:2] == ["mv", "-f"]:
+        if argv[:2] == ["mv", "-fT"]:
             fs[argv[3]] = fs.pop(argv[2])
             return ok()
         if argv[:2] == ["rm", "-f"]:
@@ -158,7 +160,8 @@ def digest(data: bytes) -> str:
     (snapshots.checksum_command("/o u t/it's.pt"),
      "stat -c %s '/o u t/it'\"'\"'s.pt' && sha256sum '/o u t/it'\"'\"'s.pt'"),
     (snapshots.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
-     f"mv -f {DIR}/.{S20}.copy.tmp {DIR}/{S20}"),
+     f"{{ [ ! -L {DIR} ] || {{ echo '{DIR} is a symbolic link; nothing is written through it' >&2; exit 1; }}; }} "
+     f"&& mv -fT {DIR}/.{S20}.copy.tmp {DIR}/{S20}"),
     (snapshots.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
 ])
 def test_commands_are_quoted_once(command, expected):
@@ -292,7 +295,8 @@ def test_place_checks_each_push_and_retries(tmp_path, copies, b_commands, why, c
         assert session.files["b"] == {}  # neither the snapshot's name nor a bad copy is left there
     assert session.of("a") == [LIST, (snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)]
     assert session.of("b") == b_commands
-    assert rsync.calls == [plan.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP)] * len(copies)
+    assert rsync.calls == [plan.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP,
+                                               snapshots.no_link_command(DIR))] * len(copies)
     assert capsys.readouterr() == ("", "")
 
 
