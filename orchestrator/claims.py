@@ -118,11 +118,14 @@ def dirs_script(inv: Inventory) -> str:
 
 def survey_script(inv: Inventory) -> str:
     """Read-only: the host's CPU count, then one line per claim file (parse_survey); links (which
-    another account of the group may put there) are not claims and are never read."""
+    another account of the group may put there) are not claims and are never read, nor is a claims
+    directory that is one (the files are listed in the directory entered and checked, as in
+    claim_script)."""
     return (f"echo @@claims; nproc; d={host_dir(inv)}; "
-            'for f in "$d"/*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+            '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && '
+            'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
             '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
-            'done; true')
+            'done ); true')
 
 
 def parse_survey(text: str) -> tuple[int, list[Holder]]:

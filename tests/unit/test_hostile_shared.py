@@ -76,8 +76,9 @@ def test_the_claim_script_shares_its_lock_and_files_with_the_group():
                       '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
                       'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1 )')
     assert claims.survey_script(INV).endswith(
-        'for f in "$d"/*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
-        '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done; true')
+        '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && for f in ./*; do case "${f##*/}" in '
+        '*[!A-Za-z0-9._-]*) continue;; esac; [ -f "$f" ] && [ ! -L "$f" ] && '
+        'echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done ); true')
 
 
 def mode(path: Path) -> int:
@@ -274,6 +275,10 @@ def test_a_shared_directory_that_is_a_link_is_refused_naming_it_and_the_fix(tmp_
     assert r.returncode == plan.NOT_WRITABLE
     assert f"{link} is a symbolic link" in r.stderr and f"rm {link}" in r.stderr
     assert mode(home) == 0o700 and sorted(p.name for p in home.iterdir()) == ["id_rsa"]
+    if where != ".runtime":  # nor does the survey read what the link points at
+        (home / "gpt-9").write_text("who=x\nunits=0\n")
+        assert sh(tmp_path, claims.survey_script(inv)).stdout.split("@@claims\n")[1].count("\n") == 1
+        (home / "gpt-9").unlink()
     if where == ".runtime":
         m = sh(tmp_path, plan.stop_mark_script(inv, ["gpt-1"]))
         assert m.returncode == plan.NOT_WRITABLE and mode(home) == 0o700
