@@ -250,8 +250,10 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
             hosts.append(spare)
             lines.append(f"{h.name} left out ({why(h.name)}); spare {spare.name} takes its place")
         else:
-            raise UserError(f"{h.name} is not healthy ({why(h.name)}) and no healthy spare is left; fix it, "
-                            f"add a spare to the inventory, or leave it out with --exclude {h.name}")
+            spares = "".join(f"; spare {s.name} is not healthy either ({why(s.name)})"
+                             for s in inv.spares if s in sick)
+            raise UserError(f"{h.name} is not healthy ({why(h.name)}) and no healthy spare is left{spares}; "
+                            f"fix it, add a spare to the inventory, or leave it out with --exclude {h.name}")
     for s in inv.spares:
         if s in sick:
             lines.append(f"spare {s.name} is not healthy either ({why(s.name)})")

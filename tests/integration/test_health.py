@@ -24,6 +24,11 @@ def shape_link(to_address: str) -> str:
             f"tc filter add dev eth0 protocol ip parent 1: prio 1 u32 match ip dst {to_address}/32 flowid 1:30")
 
 
+def cpus(nodes, n):
+    for node in nodes:
+        subprocess.run(["docker", "update", "--cpus", str(n), f"fabtrain-{node}"], check=True, capture_output=True)
+
+
 def unshape(*nodes):
     for n in nodes:
         on_host(n, "tc qdisc del dev eth0 root 2>/dev/null; true", check=False)
@@ -86,7 +91,7 @@ def test_a_host_starved_of_cpu_is_named_as_slow(inventory_path):
         r, data, checks = deep(inventory_path)
     finally:
         # --cpus 0 leaves the quota in place; all of this machine's CPUs is no limit.
-        subprocess.run(["docker", "update", "--cpus", str(os.cpu_count()), "fabtrain-node2"], capture_output=True)
+        cpus(["node2"], os.cpu_count())
     assert r.returncode == 1
     assert checks[("node2", "compute")]["status"] == "fail", checks[("node2", "compute")]
     assert checks[("node2", "compute")]["detail"].startswith("slow: node2 ")
@@ -94,14 +99,19 @@ def test_a_host_starved_of_cpu_is_named_as_slow(inventory_path):
 
 
 def test_train_with_health_puts_a_spare_in_place_of_a_shaped_host(spares_inventory_path):
+    """Three hosts' compute is measured at once on this machine's CPUs: each is held to the same
+    share (0.6 CPU), or the one that started last could get less and be named slow."""
     HEALTH.unlink(missing_ok=True)  # measured now, not taken from the tests above
+    three = ("node1", "node2", "node3")
     try:
+        cpus(three, 0.6)
         on_host("node2", SHAPE)
         run = Run(spares_inventory_path, "train", "--health", "--script", "tests/integration/scripts/report.py",
                   "--nproc", "1", "--skip-preflight", "--plain")
         code = run.finish(timeout=400)
     finally:
         unshape("node2")
+        cpus(three, os.cpu_count())
         HEALTH.unlink(missing_ok=True)
     assert code == 0, run.text[-3000:]
     assert "health: node2 left out (net: sends slowly to every peer" in run.text

@@ -153,5 +153,5 @@ spares:
   - {name: node3, address: 10.0.0.3, interface: eth0}
 """, Path("inv3.yaml"))
     with pytest.raises(UserError, match=r"node2 is not healthy \(net: sends slowly to every peer\) and no healthy "
-                                        r"spare is left; .* --exclude node2"):
+                                        r"spare is left; spare node3 is not healthy either \(compute: slow\); .* --exclude node2"):
         deep.gate(None, three, path=results, now=1000.0 + 60)
