@@ -215,10 +215,13 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
                                resume)
     if resume and continue_:
         raise UserError("--resume names the job to continue and --continue finds it by --name; give one", exit_code=2)
+    # With --json, stdout carries JSON lines only: what people read goes to stderr.
+    say = Console(stderr=True, highlight=False, soft_wrap=True) if json else console
     if continue_:
         resume = cli.find_named(RUNS, cli.default_name(given, TRAINERS))
         if resume is None:
-            print(f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one")
+            say.print(f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one",
+                      markup=False)
     asked_include = include
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
@@ -234,9 +237,8 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         record = replace(record, restarts=policy.restarts, min_nodes=policy.min_nodes,
                          hang_timeout=policy.hang_timeout,
                          resumes=[*record.resumes, cli.resume_entry(record, changed)])
-        if not json:
-            console.print(f"{'continuing' if continue_ else 'resuming'} job {spec.job_id} ({len(record.attempts)} "
-                          f"attempt(s) so far, {record.state}){cli.changes_line(changed)}", markup=False)
+        say.print(f"{'continuing' if continue_ else 'resuming'} job {spec.job_id} ({len(record.attempts)} "
+                  f"attempt(s) so far, {record.state}){cli.changes_line(changed)}", markup=False)
     else:
         inv = _inventory.load(inventory)
         record = None
@@ -254,8 +256,8 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if health:
         with Session(inv.all_hosts) as session:
             inv, lines = _deep.gate(session, inv)
-        for line in lines if not json else ():
-            console.print(hostile.rich_text(f"health: {line}"))
+        for line in lines:
+            say.print(hostile.rich_text(f"health: {line}"))
         selected = True
     if record is not None:
         record.selected = [h.name for h in inv.hosts] if selected else record.selected
@@ -280,15 +282,14 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     try:
         result = _job.run(j)
     except _job.PreflightFailed as exc:
-        _preflight.render(exc.checks, console)
+        _preflight.render(exc.checks, say)
         raise
-    cli.present(result.run_dir, console)
+    cli.present(result.run_dir, say)
     error = jobs.explain(result)
     if error:
         raise error
     again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
-    if not json:
-        console.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}")
+    say.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}", markup=False)
 
 
 def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str],

@@ -73,6 +73,18 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 
+def test_train_json_writes_json_lines_only_to_stdout(inventory_path):
+    """--json: every stdout line an event; the end-of-run table and the last line go to stderr."""
+    r = fab(inventory_path, "train", "--json", "--model", "tiny", "--epochs", "1", "--nproc", "1",
+            "--skip-preflight", "--args", "--max-steps-per-epoch 6 --log-every 2 --sample-chars 0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert all(isinstance(e, dict) and "event" in e for e in events)
+    assert any(e["event"] == "progress" for e in events), [e["event"] for e in events]
+    assert "step times (ms per optimizer step: median / p95)" in r.stderr
+    assert "finished on every host" in r.stderr
+
+
 def test_a_cpu_starved_host_is_named_as_the_straggler(inventory_path):
     """node2's training container limited to 0.3 CPU as soon as it starts (docker update --cpus on
     node2's engine): its ranks are named while the job runs and at the end, node1's never."""
