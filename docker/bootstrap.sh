@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes this machine ready to run fabtrain and its tests, idempotently:
 #   Debian packages (Docker engine, OpenSSH client, rsync, debootstrap, pdsh), a running Docker
-#   engine, and the project's virtualenv (.venv) with the pinned requirements.
+#   engine, and the project's virtualenv (.venv) with requirements.lock's exact versions (checked
+#   by hash: the runtime, the tests' and the linters'), and this clone installed in it.
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,17 +31,23 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "bootstrap: dockerd did not start; see /var/log/dockerd.log" >&2; tail -20 /var/log/dockerd.log >&2; exit 1; }
 fi
 
-if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements 2>/dev/null; then
+# requirements.lock (docker/lock.sh makes it) pins every distribution with its hashes; torch is
+# the CPU build, from the local wheel the machine's pip configuration finds (find-links).
+if [ ! -x .venv/bin/python ] || ! cmp -s requirements.lock .venv/.requirements.lock 2>/dev/null; then
   echo "==> virtualenv .venv"
   python3 -m venv .venv
   # The machine's pip configuration names optional local indexes; their "ignored" warnings are noise.
-  .venv/bin/pip install -q -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
-  cp requirements.txt .venv/.requirements
+  .venv/bin/pip install -q --require-hashes -r requirements.lock 2> >(grep -v "^WARNING: Location" >&2)
+  cp requirements.lock .venv/.requirements.lock
+  rm -f .venv/.requirements  # the marker of the unhashed requirements.txt this replaced
 fi
 
 # The `fabtrain` command (.venv/bin/fabtrain), runnable from any directory: this clone, installed
-# in place (its dependencies are the pinned ones above).
-if [ ! -x .venv/bin/fabtrain ] || ! .venv/bin/python -c 'import orchestrator.program' >/dev/null 2>&1; then
+# in place (its dependencies are the locked ones above; the build backend, setuptools, too).
+# Installed means: outside this directory (-I), `import orchestrator` finds this clone's.
+if [ ! -x .venv/bin/fabtrain ] || ! .venv/bin/python -I -c 'import orchestrator, os, sys
+sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(orchestrator.__file__))) != os.path.realpath(sys.argv[1]))' \
+    "$root" >/dev/null 2>&1; then
   echo "==> fabtrain command (.venv/bin/fabtrain)"
   .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "^WARNING: Location" >&2)
 fi
