@@ -11,30 +11,30 @@ import functools
 import json as _json
 import logging
 import shlex
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from fabric import Connection
 from invoke import Collection, Exit, task
 from rich.console import Console
 
-from orchestrator import cluster as _cluster
-from orchestrator import export as _export
-from orchestrator import inventory as _inventory
-from orchestrator import images as _images
-from orchestrator import claims, cli, hostops, plan
-from orchestrator import job as _job
-from orchestrator import jobs
 from orchestrator import preflight as _preflight
+from orchestrator.backends import export as _export
+from orchestrator.backends.slurm import slurm as _slurm
+from orchestrator.backends.ssh import job as _job
+from orchestrator.backends.ssh import jobs
+from orchestrator.commandline import cli
+from orchestrator.config import inventory as _inventory
+from orchestrator.core import hostile, jobspec, recovery
+from orchestrator.core.errors import UserError
+from orchestrator.core.events import JsonLines, Terminal
+from orchestrator.core.policy import HANG_TIMEOUT
+from orchestrator.hosts import claims, hostops
+from orchestrator.images import images as _images
 from orchestrator.preflight import deep as _deep
-from orchestrator import recovery
-from orchestrator import slurm as _slurm
-from orchestrator.events import JsonLines, Terminal
-from orchestrator.policy import HANG_TIMEOUT
-from orchestrator.errors import UserError
-from orchestrator import hostile
-from orchestrator.remote import CommandTimedOut, Session, failure
+from orchestrator.testbed import cluster as _cluster
+from orchestrator.transport.remote import CommandTimedOut, Session, failure
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
@@ -248,7 +248,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if selected:
         busy = set()
         if num_nodes is not None:
-            want = claims.want_of(plan.JobSpec(job_id="-", script="", units=units, gpus=gpus, nproc_per_node=nproc),
+            want = claims.want_of(jobspec.JobSpec(job_id="-", script="", units=units, gpus=gpus, nproc_per_node=nproc),
                                   inv.job.nproc_per_node)
             with Session(inv.all_hosts) as session:
                 busy = hostops.busy_hosts(hostops.survey(session, inv), inv, want)
@@ -294,7 +294,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
 
 def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str],
                     resume: str | None) -> None:
-    """fab train --on slurm (orchestrator/slurm.py): submit, follow, exit with the job's own result."""
+    """fab train --on slurm (orchestrator/backends/slurm/slurm.py): submit, follow, exit with the job's own result."""
     if ssh_only:
         names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in ssh_only)
         raise UserError(f"{names}: not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own "
@@ -342,7 +342,7 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     the others are still served."""
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
-    if job and not plan.valid_job_id(job):
+    if job and not jobspec.valid_job_id(job):
         raise UserError(f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
     if job and _slurm.recorded(RUNS, job):
         for line in _slurm.stop(inv, [job], RUNS, grace):
@@ -459,7 +459,8 @@ def runs(c, json=False):
     import json as _json
 
     from rich.table import Table
-    from orchestrator import report
+
+    from orchestrator.progress import report
     if json:
         print(_json.dumps({"runs": report.runs(RUNS)}, indent=2, default=str))
         return
@@ -480,11 +481,11 @@ def runs(c, json=False):
 @user_errors
 def plot(c, jobs, out=None):
     """Draw loss (train per step, eval per epoch) and tokens/s per rank of one or several runs."""
-    from orchestrator import report
+    from orchestrator.progress import report
     names = [j for j in jobs.replace(" ", ",").split(",") if j]
     dirs = []
     for name in names:
-        if not plan.valid_job_id(name) or not (RUNS / name).is_dir():
+        if not jobspec.valid_job_id(name) or not (RUNS / name).is_dir():
             raise UserError(f"no run {hostile.text(name)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
         dirs.append(RUNS / name)
     target = Path(out) if out else (dirs[0] / "loss.png" if len(dirs) == 1 else RUNS / "compare.png")

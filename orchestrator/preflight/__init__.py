@@ -20,20 +20,73 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import codetree, hostops, plan
-from ..attempt import LOCAL
-from ..inventory import Host, Inventory
-from ..remote import HostKeyError, Session, describe
-from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, Limits, failed
-from .judge import (describe_image, judge_across, judge_dirs, judge_disk, judge_docker, judge_gpus, judge_host,
-                    judge_image, judge_interface, judge_port, judge_route, judge_rsync, judge_shm, judge_time,
-                    suggest_interface)
-from .network import CLOCK_TIMEOUT, CONNECT, LISTENER, measure_clock, reachability
-from .probe import (DOCKER_FACTS, DOCKER_TIMEOUT, GPU_CONTAINER_TIMEOUT, IMAGE_INFO_PY, PROBE_TIMEOUT, TIMED_OUT,
-                    count_gpus, gpu_access, image_info, image_info_argv, local_code_hash, local_rsync, parse_addrs,
-                    parse_links, parse_probe, probe_commands, probe_script)
-from .render import render, to_json
-from .smoke import judge_transport, nccl_transport, read_ends, smoke_test
+from orchestrator.config import codetree
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import jobspec
+from orchestrator.core.jobspec import LOCAL
+from orchestrator.hosts import hostops
+from orchestrator.preflight.checks import (
+    CHECKS,
+    FAIL,
+    NA,
+    OK,
+    SKIP,
+    WARN,
+    Check,
+    Limits,
+    failed,
+)
+from orchestrator.preflight.judge import (
+    describe_image,
+    judge_across,
+    judge_dirs,
+    judge_disk,
+    judge_docker,
+    judge_gpus,
+    judge_host,
+    judge_image,
+    judge_interface,
+    judge_port,
+    judge_route,
+    judge_rsync,
+    judge_shm,
+    judge_time,
+    suggest_interface,
+)
+from orchestrator.preflight.network import (
+    CLOCK_TIMEOUT,
+    CONNECT,
+    LISTENER,
+    measure_clock,
+    reachability,
+)
+from orchestrator.preflight.probe import (
+    DOCKER_FACTS,
+    DOCKER_TIMEOUT,
+    GPU_CONTAINER_TIMEOUT,
+    IMAGE_INFO_PY,
+    PROBE_TIMEOUT,
+    TIMED_OUT,
+    count_gpus,
+    gpu_access,
+    image_info,
+    image_info_argv,
+    local_code_hash,
+    local_rsync,
+    parse_addrs,
+    parse_links,
+    parse_probe,
+    probe_commands,
+    probe_script,
+)
+from orchestrator.preflight.render import render, to_json
+from orchestrator.preflight.smoke import (
+    judge_transport,
+    nccl_transport,
+    read_ends,
+    smoke_test,
+)
+from orchestrator.transport.remote import HostKeyError, Session, describe
 
 __all__ = [
     "CHECKS", "CLOCK_TIMEOUT", "CONNECT", "DOCKER_FACTS", "DOCKER_TIMEOUT", "FAIL", "GPU_CONTAINER_TIMEOUT",
@@ -47,7 +100,7 @@ __all__ = [
 
 
 def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
-        run_job=None, code: bool = True, source: Path = plan.PROJECT_ROOT, only: str = "trainers") -> list[Check]:
+        run_job=None, code: bool = True, source: Path = jobspec.PROJECT_ROOT, only: str = "trainers") -> list[Check]:
     """Every check on every host of `inv`. With `run_job` (job.run_quiet: the job lifecycle's one
     short run), the collective smoke test too."""
     marker = "@@fabtrain-" + secrets.token_hex(4)

@@ -20,11 +20,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import health, plan
-from ..health import THRESHOLDS, Thresholds
-from ..inventory import Host, Inventory
-from ..remote import Session, describe
-from .checks import FAIL, OK, WARN, Check
+from orchestrator.commands import dockerargs, sshargs
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.preflight import health
+from orchestrator.preflight.checks import FAIL, OK, WARN, Check
+from orchestrator.preflight.health import THRESHOLDS, Thresholds
+from orchestrator.transport.remote import Session, describe
 
 DISK_TIMEOUT = 60
 COMPUTE_SECONDS = 2.0
@@ -37,11 +38,11 @@ def container(inv: Inventory, host: Host, name: str, code: str, args: list[str],
               access=None, gpus: bool = False) -> str:
     """`docker run` of a measuring script in the job's image with the host's network, removed after."""
     argv = ["docker", "run", "--rm", "--name", name, "--network", "host", "--pull", "never",
-            *(plan.device_args(host, access) if gpus else []),
+            *(dockerargs.device_args(host, access) if gpus else []),
             "--entrypoint", "python3", image or inv.image_for(host), "-c", code, *args]
     # Bounded on the host too: past fab's deadline the client is ended there and the container removed.
-    return (f"{plan.shell(plan.bounded(argv, CONTAINER_TIMEOUT))}; rc=$?; "
-            f"{plan.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc")
+    return (f"{sshargs.shell(sshargs.bounded(argv, CONTAINER_TIMEOUT))}; rc=$?; "
+            f"{sshargs.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc")
 
 
 def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thresholds = THRESHOLDS,
@@ -164,20 +165,20 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
 def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
     """ECC, retired/remapped rows, XID, throttling, PCIe and dcgmi on NVIDIA hosts; RAS/ECC and links
     on AMD hosts (gpuhealth parses and judges; its thresholds are one table there)."""
-    from .. import gpuhealth
+    from orchestrator.preflight import gpuhealth
     gpu_hosts = [h for h in inv.hosts if h.gpu_vendor in ("nvidia", "amd")]
     if not gpu_hosts:
         return []
 
     def one(h: Host):
         if h.gpu_vendor == "nvidia":
-            smi = session.run(h, plan.shell(gpuhealth.NVIDIA_COMMAND), timeout=60, what="nvidia-smi -q")
+            smi = session.run(h, sshargs.shell(gpuhealth.NVIDIA_COMMAND), timeout=60, what="nvidia-smi -q")
             xid = session.run(h, gpuhealth.XID_COMMAND, timeout=30, what="kernel log (XID)")
             diag = session.run(h, gpuhealth.DCGMI_COMMAND, timeout=300, what="dcgmi diag -r 1")
             found = gpuhealth.judge_nvidia(gpuhealth.parse_nvidia_smi_q(smi.stdout), xid.stdout)
             found += gpuhealth.parse_dcgmi_diag(diag.stdout)
         else:
-            smi = session.run(h, plan.shell(gpuhealth.ROCM_COMMAND), timeout=60, what="rocm-smi")
+            smi = session.run(h, sshargs.shell(gpuhealth.ROCM_COMMAND), timeout=60, what="rocm-smi")
             found = gpuhealth.judge_amd(gpuhealth.parse_rocm_smi(smi.stdout))
         return found
     got = session.fan_out(one, tuple(gpu_hosts))
@@ -224,7 +225,7 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
     what was done, one line each."""
     from dataclasses import replace
 
-    from ..errors import UserError
+    from orchestrator.core.errors import UserError
     now = time.time() if now is None else now
     everyone = (*inv.hosts, *inv.spares)
     kept = load(path)

@@ -8,16 +8,27 @@ import ipaddress
 import re
 from collections import Counter
 
-from .. import hostile, plan
-from ..attempt import LOCAL
-from ..inventory import Host, Inventory
-from .checks import FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
-from .probe import (DOCKER_TIMEOUT, GPU_CONTAINER_TIMEOUT, RSYNC_CVES, TIMED_OUT, count_gpus, image_info,
-                    parse_addrs, parse_links, parse_rsync_fact, parse_rsync_version)
+from orchestrator.commands import dockerargs
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import hostile
+from orchestrator.core.jobspec import LOCAL
+from orchestrator.preflight.checks import FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
+from orchestrator.preflight.probe import (
+    DOCKER_TIMEOUT,
+    GPU_CONTAINER_TIMEOUT,
+    RSYNC_CVES,
+    TIMED_OUT,
+    count_gpus,
+    image_info,
+    parse_addrs,
+    parse_links,
+    parse_rsync_fact,
+    parse_rsync_version,
+)
 
 
 def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], image: str,
-               limits: Limits = Limits(), access: plan.GpuAccess | None = None) -> list[Check]:
+               limits: Limits = Limits(), access: dockerargs.GpuAccess | None = None) -> list[Check]:
     n = host.name
     out = [judge_docker(host, facts, access), judge_image(host, facts, image)]
     out.append(judge_gpus(host, facts))
@@ -48,7 +59,7 @@ def judge_rsync(name: str, fact: tuple[int, str]) -> Check:
     """The rsync of a host (`name` its name; the fact from its probe) or of this machine (LOCAL;
     probe.local_rsync): refused before 3.2.4 or when missing or unreadable, a warning before 3.4
     unless its package names the fixes for both CVEs (a distribution's backport). RSYNC_OLD_ARGS
-    and RSYNC_PROTECT_ARGS are shown where set: fab's explicit -s (plan.RSYNC_PROTECT) overrides
+    and RSYNC_PROTECT_ARGS are shown where set: fab's explicit -s (sshargs.RSYNC_PROTECT) overrides
     both here, and a server rsync reads neither, so they change nothing."""
     here = name == LOCAL
     where = "on this machine" if here else f"on {name}"
@@ -140,7 +151,7 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
                  f"job.output_dir to directories {user} owns)")
 
 
-def judge_docker(host: Host, facts, access: plan.GpuAccess | None = None) -> Check:
+def judge_docker(host: Host, facts, access: dockerargs.GpuAccess | None = None) -> Check:
     n = host.name
     rc, text = facts.get("docker", (127, "no answer"))
     if rc == 0 and text:
@@ -184,7 +195,7 @@ def judge_gpus(host: Host, facts) -> Check:
             return Check(n, "gpus", FAIL, f"{count} x {model} on the host; a GPU container did not start in time",
                          f"on {n}: check the Docker engine and the container toolkit")
         return Check(n, "gpus", FAIL, f"{count} x {model} on the host, but a container cannot use them: {_last(text)}",
-                     f"on {n}: check the container toolkit (docker run {' '.join(plan.device_args(host))} ...)")
+                     f"on {n}: check the container toolkit (docker run {' '.join(dockerargs.device_args(host))} ...)")
     seen = int(info["gpus"])
     if seen != count:
         return Check(n, "gpus", FAIL, f"{count} on the host, {seen} visible in the container",

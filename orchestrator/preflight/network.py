@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from ..inventory import Host, Inventory
-from ..plan import shell
-from ..remote import Session, describe
-from .checks import FAIL, OK, Check, _last
+from orchestrator.commands.sshargs import shell
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.preflight.checks import FAIL, OK, Check, _last
+from orchestrator.transport.remote import Session, describe
 
 CLOCK_TIMEOUT = 10
 

@@ -10,10 +10,11 @@ import re
 import subprocess
 from pathlib import Path
 
-from .. import codetree, plan
-from ..inventory import Host, Inventory
-from ..plan import shell
-from ..remote import Session
+from orchestrator.commands import dockerargs, hostfiles
+from orchestrator.commands.sshargs import shell
+from orchestrator.config import codetree
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.transport.remote import Session
 
 # Seconds a Docker command of the probe may take: a stuck engine answers SSH but never this. The
 # whole probe of a host is bounded by PROBE_TIMEOUT; a GPU container start gets longer.
@@ -38,10 +39,10 @@ print("IMAGEINFO " + json.dumps(info))
 TIMED_OUT = 124
 
 
-def probe_commands(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None = None,
+def probe_commands(inv: Inventory, host: Host, image: str, access: dockerargs.GpuAccess | None = None,
                    code: str | None = None) -> dict[str, list[str]]:
     """The raw facts gathered on one host, as name -> argv (run in one script). `access`: how the
-    host gives containers its GPUs (plan.gpu_probe_argv, read before this probe); `code`: where
+    host gives containers its GPUs (dockerargs.gpu_probe_argv, read before this probe); `code`: where
     the local tree's copy would be (job.code_dir/KEY)."""
     cmds = {
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
@@ -144,14 +145,14 @@ def parse_rsync_version(line: str) -> tuple[int, int, int] | None:
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
-def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAccess | None) -> list[str]:
+def image_info_argv(inv: Inventory, host: Host, image: str, access: dockerargs.GpuAccess | None) -> list[str]:
     """The image as the job runs it: its python3, torch and CUDA/ROCm, and the GPUs a container
     started with the job's device flags sees. Never pulled here (--pull never).
 
     Starting a container and importing torch takes seconds, so on a CPU host the answer is kept
     on the host under the image id (an id names one immutable image), in a directory the group
     shares (several accounts use one cache, as .runtime); a GPU host always looks again, since what it must show is that the GPUs work now."""
-    run = ["docker", "run", "--rm", "--pull", "never", "--network", "none", *plan.device_args(host, access),
+    run = ["docker", "run", "--rm", "--pull", "never", "--network", "none", *dockerargs.device_args(host, access),
            "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY]
     if host.gpu_vendor != "none":
         return run
@@ -166,7 +167,7 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: plan.GpuAcce
               'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && { [ ! -O . ] || chmod g+ws .; } && '
               't="./${f##*/}.$$" && rm -f "$t" && ( umask 022; set -C; printf "%s\\n" "$out" > "$t" ) && '
               'mv -T "$t" "./${f##*/}";; esac 2>/dev/null; exit $rc')
-    return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/{plan.IMAGE_CACHE}", *run]
+    return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/{hostfiles.IMAGE_CACHE}", *run]
 
 
 def count_gpus(vendor: str, text: str) -> tuple[int, str]:
@@ -183,13 +184,13 @@ def count_gpus(vendor: str, text: str) -> tuple[int, str]:
     return sum(1 for i in ids if int(i) != 0), "AMD GPU"
 
 
-def gpu_access(session: Session, host: Host) -> plan.GpuAccess | None:
+def gpu_access(session: Session, host: Host) -> dockerargs.GpuAccess | None:
     """How this GPU host gives containers its GPUs (None for a CPU host), read on the host; the
     same flags serve the preflight's GPU container and the job's."""
-    probe = plan.gpu_probe_argv(host)
+    probe = dockerargs.gpu_probe_argv(host)
     if probe is None:
         return None
-    return plan.parse_gpu_probe(session.run(host, shell(probe), timeout=DOCKER_TIMEOUT + 5,
+    return dockerargs.parse_gpu_probe(session.run(host, shell(probe), timeout=DOCKER_TIMEOUT + 5,
                                             what="reading the GPU runtime").stdout)
 
 

@@ -5,8 +5,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from .. import hostile
-from .checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, failed
+from orchestrator.core import hostile
+from orchestrator.preflight.checks import (
+    CHECKS,
+    FAIL,
+    NA,
+    OK,
+    SKIP,
+    WARN,
+    Check,
+    failed,
+)
 
 
 def to_json(checks: list[Check], strict: bool = False) -> str:

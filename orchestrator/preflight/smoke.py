@@ -13,11 +13,14 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from .. import claims, codetree, hostile, hostops, plan
-from ..attempt import STATUS_TIMEOUT, STOP_MARGIN
-from ..inventory import Host, Inventory
-from ..remote import PerHost, Session
-from .checks import FAIL, OK, SKIP, WARN, Check, _last
+from orchestrator.commands import dockerargs
+from orchestrator.config import codetree
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import hostile, jobspec
+from orchestrator.hosts import claims, hostops
+from orchestrator.preflight.checks import FAIL, OK, SKIP, WARN, Check, _last
+from orchestrator.transport.deadlines import STATUS_TIMEOUT, STOP_MARGIN
+from orchestrator.transport.remote import PerHost, Session
 
 # Like fabfile.RUNS: runs/ in the current directory (the user's project), never beside the installed code.
 RUNS = Path("runs")
@@ -38,7 +41,7 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
         return [Check(h.name, "smoke", SKIP, "other checks failed") for h in inv.hosts]
     # NCCL says which transport it took (NET/IB or NET/Socket) at INFO level; gloo ignores these.
     # The built-in trainers' tree (smoke.py among them), synced by the short job itself.
-    spec = plan.JobSpec(job_id=plan.new_job_id("preflight"), script="trainers/smoke.py", image=image,
+    spec = jobspec.JobSpec(job_id=jobspec.new_job_id("preflight"), script="trainers/smoke.py", image=image,
                         code_only=codetree.BUILTIN_ONLY, owner=claims.me(),
                         env=(("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET")))
     run_dir = RUNS / spec.job_id
@@ -54,8 +57,8 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
     return read_ends(inv, result, run_dir)
 
 
-def take(session: Session, inv: Inventory, spec: plan.JobSpec, within: str,
-         claimed: list[Host]) -> tuple[Inventory, plan.JobSpec] | list[Check]:
+def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
+         claimed: list[Host]) -> tuple[Inventory, jobspec.JobSpec] | list[Check]:
     """The inventory and spec the smoke test runs with (its units and port), claimed on every host
     (each host claimed is added to `claimed` at once, for release), or the rows saying why it
     cannot run now."""
@@ -95,7 +98,7 @@ def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[
     processes per node ask, job.nproc_per_node; every GPU or one slot for `auto`), at most as many
     as the host with the fewest free ones has; `within` a job, that job's own units. Or SKIP rows
     naming the holders where a host has none free (or did not answer)."""
-    want = claims.want_of(plan.JobSpec(job_id="", script=""), inv.job.nproc_per_node)
+    want = claims.want_of(jobspec.JobSpec(job_id="", script=""), inv.job.nproc_per_node)
     free: dict[str, list[int]] = {}
     rows = []
     for h in inv.hosts:
@@ -134,10 +137,10 @@ def narrow(inv: Inventory, units: dict[str, tuple[int, ...]], port: int) -> Inve
 
 def release_script(inv: Inventory, job_id: str) -> str:
     """The smoke test's containers removed, then its claim and runtime files."""
-    return f"{plan.stop_script(job_id, 0)}; {claims.release_command(inv, [job_id])}"
+    return f"{dockerargs.stop_script(job_id, 0)}; {claims.release_command(inv, [job_id])}"
 
 
-def release(session: Session, inv: Inventory, spec: plan.JobSpec, hosts: list[Host]) -> None:
+def release(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts: list[Host]) -> None:
     """Release the smoke test's claims on these hosts (after the job's own clean up, or when it was
     interrupted before it): never leave a claim behind, whatever a host answers."""
     if hosts:

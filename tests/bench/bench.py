@@ -33,7 +33,6 @@ loopback are contacted.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shlex
@@ -48,10 +47,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import cluster, hostops, job, plan  # noqa: E402
-from orchestrator.watch import watch  # noqa: E402
-from orchestrator.inventory import load  # noqa: E402
-from orchestrator.remote import Session  # noqa: E402
+from orchestrator.backends.ssh import job
+from orchestrator.backends.ssh.watch import watch  # noqa: E402
+from orchestrator.commands import dockerargs, hostfiles, sshargs
+from orchestrator.config.inventory import load  # noqa: E402
+from orchestrator.core import jobspec
+from orchestrator.hosts import hostops
+from orchestrator.testbed import cluster  # noqa: E402
+from orchestrator.transport.remote import Session  # noqa: E402
 
 FAB = str(Path(sys.executable).parent / "fab")
 
@@ -72,7 +75,7 @@ class Baselines:
     def __init__(self, inv):
         self.inv = inv
         h = inv.hosts[0]
-        self.ssh_opts = plan.ssh_argv(h)[1:]  # same key, known_hosts and strict host-key checking
+        self.ssh_opts = sshargs.ssh_argv(h)[1:]  # same key, known_hosts and strict host-key checking
         self.env = dict(os.environ, PDSH_RCMD_TYPE="ssh",
                         PDSH_SSH_ARGS_APPEND=" ".join(shlex.quote(x) for x in self.ssh_opts[2:]))
         self.hostlist = ",".join(f"{x.ssh.user}@{x.address}" for x in inv.hosts)
@@ -95,7 +98,7 @@ def bench_launch(inv, base: Baselines, repeat: int) -> dict:
     res = {"fabtrain_started": [], "pdsh_started": [], "serial_started": [], "all_initialised": [],
            "all_gone": []}
     for i in range(repeat):
-        spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/bench/scripts/init_exit.py",
+        spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/bench/scripts/init_exit.py",
                             nproc_per_node="1")
         t0 = time.perf_counter()
         wall0 = time.time()
@@ -113,17 +116,17 @@ def bench_launch(inv, base: Baselines, repeat: int) -> dict:
         res["all_initialised"].append(max(inits) - wall0)
         res["all_gone"].append(gone)
         # The same docker run through pdsh and through a serial ssh loop (containers removed after).
-        argv = plan.docker_run_argv(inv, inv.hosts[0], spec)
+        argv = dockerargs.docker_run_argv(inv, inv.hosts[0], spec)
         name_at = argv.index("--name") + 1
         pdsh_argv = list(argv)
         pdsh_argv[name_at] = f"bench-pdsh-{i}"
-        dt, _ = timed(base.pdsh, plan.shell(pdsh_argv))
+        dt, _ = timed(base.pdsh, sshargs.shell(pdsh_argv))
         res["pdsh_started"].append(dt)
         serial_cmds = {}
         for h in inv.hosts:
             a = list(argv)
             a[name_at] = f"bench-serial-{i}"
-            serial_cmds[h.name] = plan.shell(a)
+            serial_cmds[h.name] = sshargs.shell(a)
         dt, _ = timed(base.serial, serial_cmds)
         res["serial_started"].append(dt)
         base.pdsh("docker rm -f $(docker ps -aq --filter name=bench-) >/dev/null 2>&1; true")
@@ -143,7 +146,7 @@ def bench_sync(inv, base: Baselines, repeat: int) -> dict:
     res = {"fabtrain_nochange": [], "rsync_loop_nochange": [], "fabtrain_50mb": [], "rsync_loop_50mb": []}
 
     def rsync_loop():
-        procs = [subprocess.Popen(plan.rsync_argv(h, str(src), code_dir), stdout=subprocess.DEVNULL,
+        procs = [subprocess.Popen(sshargs.rsync_argv(h, str(src), code_dir), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL) for h in inv.hosts]
         for p in procs:
             p.wait()
@@ -200,7 +203,7 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
 
 
 def _sleep_job(session, inv):
-    spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/integration/scripts/report.py",
+    spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/integration/scripts/report.py",
                         args=("--sleep", "300"), nproc_per_node="1")
     return job.start_quiet(session, inv, spec)
 
@@ -220,7 +223,7 @@ def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
                                          cwd=ROOT, capture_output=True)[0])
         with Session(inv.hosts) as s:
             _sleep_job(s, inv)
-        res["pdsh_rm"].append(timed(base.pdsh, plan.stop_script())[0])
+        res["pdsh_rm"].append(timed(base.pdsh, dockerargs.stop_script())[0])
     return res
 
 
@@ -242,8 +245,8 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
         try:
             t.join()
             rest = tuple(h for h in inv.hosts if h.name != victim.name)
-            left = session.fan_out(lambda h: session.run(h, plan.shell(
-                ["docker", "ps", "-q", *plan.label_filter(spec.job_id)])).stdout.strip(), rest)
+            left = session.fan_out(lambda h: session.run(h, sshargs.shell(
+                ["docker", "ps", "-q", *dockerargs.label_filter(spec.job_id)])).stdout.strip(), rest)
             took = time.perf_counter() - t_fault
             assert not any(left.values()) and not holder["r"].ok, left
         finally:
@@ -258,7 +261,7 @@ def bench_failure(inv, repeat: int) -> dict:
     """One container killed: time until every other container of the job is gone."""
     def kill(victim, spec):
         subprocess.run(["docker", "exec", f"fabtrain-{victim.name}", "docker", "kill",
-                        plan.container_name(spec.job_id, victim.rank)], capture_output=True)
+                        jobspec.container_name(spec.job_id, victim.rank)], capture_output=True)
     return {"kill_to_all_gone": [_time_to_rest_gone(inv, kill) for _ in range(repeat)]}
 
 
@@ -277,7 +280,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
     n_hosts = len(inv.hosts)
     for _ in range(repeat):
         # One process per node (the entrypoint and torchrun as in any job, then the printing script).
-        spec = plan.JobSpec(job_id=plan.new_job_id("bench"), script="tests/bench/scripts/spew.py",
+        spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/bench/scripts/spew.py",
                             args=(str(lines),), nproc_per_node="1")
         term = tempfile.NamedTemporaryFile(prefix="bench-term-", delete=False)
         run_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
@@ -303,9 +306,9 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
         assert result.ok, result
         # pdsh: the same container (entrypoint, torchrun, script), attached, its output carried by
         # `docker run` over ssh. Each node is a job of its own there (no rendezvous across nodes).
-        cmd = plan.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{plan.code_path(inv, a.spec)}:/workspace:ro",
-                          "-v", f"{plan.runtime_dir(inv, spec)}:{plan.RUNTIME_MOUNT}:ro", "-e", "NPROC_PER_NODE=1",
-                          "-w", "/workspace", "--entrypoint", "python3", inv.job.image, plan.ENTRYPOINT_PATH,
+        cmd = sshargs.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{hostfiles.code_path(inv, a.spec)}:/workspace:ro",
+                          "-v", f"{hostfiles.runtime_dir(inv, spec)}:{jobspec.RUNTIME_MOUNT}:ro", "-e", "NPROC_PER_NODE=1",
+                          "-w", "/workspace", "--entrypoint", "python3", inv.job.image, jobspec.ENTRYPOINT_PATH,
                           "tests/bench/scripts/spew.py", str(lines)])
         dt, p = timed(base.pdsh, cmd, capture=True)
         with Session(inv.hosts) as session:
@@ -500,7 +503,7 @@ def main() -> None:
         cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only)
         inv = load(inv_path)
         with Session(inv.hosts) as s:
-            hostops.sync(s, inv, plan.PROJECT_ROOT)
+            hostops.sync(s, inv, jobspec.PROJECT_ROOT)
         base = Baselines(inv)
         with Session(inv.hosts) as s:
             rm_all(s, inv)

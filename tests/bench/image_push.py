@@ -33,9 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import cluster, images  # noqa: E402
-from orchestrator.inventory import load  # noqa: E402
-from orchestrator.remote import Session  # noqa: E402
+from orchestrator.config.inventory import load  # noqa: E402
+from orchestrator.images import images
+from orchestrator.testbed import cluster  # noqa: E402
+from orchestrator.transport.remote import Session  # noqa: E402
 
 IMAGE = "fabtrain/benchpush:latest"
 

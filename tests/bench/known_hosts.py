@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from orchestrator import remote  # noqa: E402
+from orchestrator.transport import remote  # noqa: E402
 
 
 def write_file(path: Path, entries: int) -> list[str]:

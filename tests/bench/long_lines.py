@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from orchestrator import hostile  # noqa: E402
-from orchestrator.logs import Multiplexer  # noqa: E402
+from orchestrator.core import hostile  # noqa: E402
+from orchestrator.transport.logs import Multiplexer  # noqa: E402
 
 CHUNK = 1 << 16
 

@@ -24,7 +24,7 @@ benchmark writes names that image as job.image. Then, medians of --repeat:
   status     `fab status`, the whole command line, with that job running on every host
   stop       `fab stop --grace 0`, the whole command line (every host's container removed)
   logs       every host's container writes --lines lines to its console file (the entrypoint's
-             file, plan.console_file) and exits; the project's Watcher (watch.watch, the code path of
+             file, hostfiles.console_file) and exits; the project's Watcher (watch.watch, the code path of
              `fab train` and `fab logs`) follows every host until all have ended, echoing to a file:
              lines/s from the start of the containers to the last host's end, lines lost
 
@@ -59,13 +59,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from orchestrator import attempt as attempt_mod  # noqa: E402
-from orchestrator import claims, cluster, hostops, plan  # noqa: E402
-from orchestrator.inventory import load  # noqa: E402
-from orchestrator import remote  # noqa: E402
-from orchestrator.remote import Session  # noqa: E402
-from orchestrator.watch import watch  # noqa: E402
 from bench import Baselines  # noqa: E402 - tests/bench/bench.py: pdsh with the same SSH options
+
+from orchestrator.backends.ssh import attempt as attempt_mod  # noqa: E402
+from orchestrator.backends.ssh import # noqa: E402     hostops
+from orchestrator.hosts import claims
+from orchestrator.backends.ssh.watch import watch  # noqa: E402
+from orchestrator.commands import sshargs
+from orchestrator.config.inventory import load  # noqa: E402
+from orchestrator.core import jobspec
+from orchestrator.testbed import cluster
+from orchestrator.transport import remote  # noqa: E402
+from orchestrator.transport.remote import Session  # noqa: E402
 
 FAB = str(Path(sys.executable).parent / "fab")
 TINY = "fabtrain/tiny:latest"
@@ -174,19 +179,19 @@ def cli(*args, inv_path: Path, timeout: float = 600):
     return time.perf_counter() - t0, p
 
 
-def run_argv(inv, host, spec: plan.JobSpec, command: list[str], out_dir: str) -> list[str]:
+def run_argv(inv, host, spec: jobspec.JobSpec, command: list[str], out_dir: str) -> list[str]:
     """`docker run -d` of the tiny image, labelled as a job's node, its output dir at /out."""
-    return ["docker", "run", "-d", "--name", plan.container_name(spec.job_id, host.rank),
-            "--label", f"{plan.LABEL_MANAGED}=1", "--label", f"{plan.LABEL_JOB}={spec.job_id}",
-            "--label", f"{plan.LABEL_RANK}={host.rank}", "--label", f"{plan.LABEL_HOST}={host.name}",
-            "--label", f"{plan.LABEL_OWNER}={claims.me()}", "--label", f"{plan.LABEL_ATTEMPT}=1",
+    return ["docker", "run", "-d", "--name", jobspec.container_name(spec.job_id, host.rank),
+            "--label", f"{jobspec.LABEL_MANAGED}=1", "--label", f"{jobspec.LABEL_JOB}={spec.job_id}",
+            "--label", f"{jobspec.LABEL_RANK}={host.rank}", "--label", f"{jobspec.LABEL_HOST}={host.name}",
+            "--label", f"{jobspec.LABEL_OWNER}={claims.me()}", "--label", f"{jobspec.LABEL_ATTEMPT}=1",
             "-v", f"{out_dir}:/out", TINY, *command]
 
 
-def start_all(session: Session, inv, spec: plan.JobSpec, command_for) -> float:
+def start_all(session: Session, inv, spec: jobspec.JobSpec, command_for) -> float:
     out_dir = f"{inv.job.output_dir}/{spec.job_id}"
     t0 = time.perf_counter()
-    results = session.fan_out(lambda h: session.run(h, plan.shell(run_argv(inv, h, spec, command_for(h), out_dir)),
+    results = session.fan_out(lambda h: session.run(h, sshargs.shell(run_argv(inv, h, spec, command_for(h), out_dir)),
                                                     timeout=120, what="docker run"))
     dt = time.perf_counter() - t0
     bad = {n: r for n, r in results.items() if isinstance(r, BaseException) or not r.ok}
@@ -215,7 +220,7 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     r["preflight_failed_checks"] = failed
 
     # connect + start of one container per host, on one session
-    spec = plan.JobSpec(job_id=plan.new_job_id("scale"), script="")
+    spec = jobspec.JobSpec(job_id=jobspec.new_job_id("scale"), script="")
     with Sampler() as s_start:
         c0, t0 = cpu(resource.RUSAGE_SELF), time.perf_counter()
         with Session(inv.hosts) as session:
@@ -243,7 +248,7 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
                             if ": removed " in line and "container" in line)
 
     # log streaming through the Watcher
-    spec = plan.JobSpec(job_id=plan.new_job_id("scale"), script="")
+    spec = jobspec.JobSpec(job_id=jobspec.new_job_id("scale"), script="")
     a = attempt_mod.build(inv, spec, 1, inv.job.master_port)
     run_dir = Path(tempfile.mkdtemp(prefix="scale-logs-"))
     term_path = run_dir / "terminal.out"
@@ -251,13 +256,13 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
         c0, t0 = cpu(resource.RUSAGE_SELF), time.perf_counter()
         start_all(session, inv, spec, lambda h: [
             "sh", "-c", 'mkdir -p "$1" && seq -f "line %g the quick brown fox" 0 "$3" > "$1/$2"', "sh",
-            "/out/" + plan.console_name(h.rank).rsplit("/", 1)[0], plan.console_name(h.rank).rsplit("/", 1)[1],
+            "/out/" + jobspec.console_name(h.rank).rsplit("/", 1)[0], jobspec.console_name(h.rank).rsplit("/", 1)[1],
             str(lines - 1)])
         result = watch(session, a, run_dir, echo=True, out=term)
         dt = time.perf_counter() - t0
         r["logs_cpu"] = cpu(resource.RUSAGE_SELF) - c0
         hostops.stop(session, inv, [spec.job_id], 0)
-        session.fan_out(lambda h: session.run(h, plan.shell(["rm", "-rf", f"{inv.job.output_dir}/{spec.job_id}"]),
+        session.fan_out(lambda h: session.run(h, sshargs.shell(["rm", "-rf", f"{inv.job.output_dir}/{spec.job_id}"]),
                                               timeout=60))
     expected = lines * len(inv.hosts)
     got_term = term_path.read_bytes().count(b" the quick brown fox")
@@ -273,10 +278,10 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     base = Baselines(inv)
     name = f"scale-pdsh-{os.getpid()}"
     t0 = time.perf_counter()
-    p = base.pdsh(plan.shell(["docker", "run", "-d", "--name", name, TINY, "sleep", "600"]))
+    p = base.pdsh(sshargs.shell(["docker", "run", "-d", "--name", name, TINY, "sleep", "600"]))
     r["pdsh_start"] = time.perf_counter() - t0
     r["pdsh_started"] = p.stdout.count("\n")
-    base.pdsh(plan.shell(["docker", "rm", "-f", name]))
+    base.pdsh(sshargs.shell(["docker", "rm", "-f", name]))
     return r
 
 

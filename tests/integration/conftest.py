@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster as cluster_mod
-from orchestrator.inventory import load
+from orchestrator.config.inventory import load
+from orchestrator.testbed import cluster as cluster_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 FAB = str(Path(sys.executable).parent / "fab")

@@ -7,7 +7,7 @@ import secrets
 import time
 from pathlib import Path
 
-from orchestrator import cluster
+from orchestrator.testbed import cluster
 
 from .conftest import Run, fab, on_host, project_containers
 

@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 
-from orchestrator import hostile
+from orchestrator.core import hostile
 from orchestrator.preflight import judge, probe
 
 from .conftest import fab

@@ -12,9 +12,11 @@ import threading
 import time
 from pathlib import Path
 
-from orchestrator import claims, hostops, plan
-from orchestrator.inventory import parse
-from orchestrator.remote import put_command
+from orchestrator.commands import hostfiles
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.hosts import claims, hostops
+from orchestrator.transport.remote import put_command
 
 from .conftest import fab, on_host
 
@@ -39,31 +41,31 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
                   f"&& mkdir -p {out} && chgrp {group} {out} && chmod 2775 {out}")
     try:
         # alice claims slot 0 (with a narrow umask), writes her secrets and the entrypoint as a job does.
-        spec = plan.JobSpec(job_id=f"alice-{tag}", script="s")
+        spec = jobspec.JobSpec(job_id=f"alice-{tag}", script="s")
         r = as_user(alice, "umask 077; " + claims.claim_script(inv, spec.job_id, (0,), "alice@ws", True, 29500))
         assert r.returncode == 0, r.stderr
-        assert as_user(alice, put_command(plan.secrets_file(inv, spec), 0o600), "TOKEN=s3cret-of-alice\n").returncode == 0
-        assert as_user(alice, f"cat > {shlex.quote(plan.runtime_dir(inv, spec) + '/entrypoint.py')}",
+        assert as_user(alice, put_command(hostfiles.secrets_file(inv, spec), 0o600), "TOKEN=s3cret-of-alice\n").returncode == 0
+        assert as_user(alice, f"cat > {shlex.quote(hostfiles.runtime_dir(inv, spec) + '/entrypoint.py')}",
                        "print('entrypoint ok')\n").returncode == 0
         # bob sees her claim and her lease's age, is refused her slot, and takes the other one.
         survey = hostops.parse_survey(as_user(bob, hostops.survey_script(inv)).stdout)
         assert {c.job: (c.who, c.units) for c in survey.claimed} == {spec.job_id: ("alice@ws", (0,))}
-        assert survey.runtime[spec.job_id] is not None and survey.runtime[spec.job_id] < plan.LEASE_LIVE
+        assert survey.runtime[spec.job_id] is not None and survey.runtime[spec.job_id] < hostfiles.LEASE_LIVE
         r = as_user(bob, claims.claim_script(inv, f"bob-{tag}", (0,), "bob@ws", True))
         assert r.returncode == claims.REFUSED and claims.parse_claim_output(r.stdout)[0][0].job == spec.job_id
         r = as_user(bob, claims.claim_script(inv, f"bob-{tag}", (1,), "bob@ws", True, 29501))
         assert r.returncode == 0, r.stderr
         # bob never reads, lists, writes or moves alice's runtime files; her secrets stay hers.
-        secret = plan.secrets_file(inv, spec)
-        for attempt in (f"cat {secret}", f"ls {plan.runtime_dir(inv, spec)}", f"touch {plan.runtime_dir(inv, spec)}/x",
-                        f"rm -f {secret}", f"mv {plan.runtime_dir(inv, spec)} {rt}/moved"):
+        secret = hostfiles.secrets_file(inv, spec)
+        for attempt in (f"cat {secret}", f"ls {hostfiles.runtime_dir(inv, spec)}", f"touch {hostfiles.runtime_dir(inv, spec)}/x",
+                        f"rm -f {secret}", f"mv {hostfiles.runtime_dir(inv, spec)} {rt}/moved"):
             r = as_user(bob, attempt)
             assert r.returncode != 0 and ("Permission denied" in r.stderr or "not permitted" in r.stderr), (attempt, r)
         # bob stops alice's job: his marker lands beside her runtime directory.
-        assert as_user(bob, plan.stop_mark_script(inv, [spec.job_id])).returncode == 0
+        assert as_user(bob, hostfiles.stop_mark_script(inv, [spec.job_id])).returncode == 0
         # alice's fabtrain went away (lease old, no container): bob's next claim clears her stale claim;
         # her runtime files are not his to remove, and are kept, named.
-        on_host(NODE, f"touch -d '-1 hour' {plan.runtime_dir(inv, spec)}/{plan.LEASE}")
+        on_host(NODE, f"touch -d '-1 hour' {hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}")
         r = as_user(bob, claims.claim_script(inv, f"bob2-{tag}", (0,), "bob@ws", True))
         assert r.returncode == 0 and [c.job for c in claims.parse_claim_output(r.stdout)[1]] == [spec.job_id], r
         r = as_user(bob, hostops.clear_stale_script(inv, [spec.job_id]))
@@ -71,8 +73,8 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         assert as_user(bob, f"cat {secret}").returncode != 0
         # In alice's container the entrypoint runs from the read-only mount, as root and as a
         # non-root image user; only root there reads the secrets.
-        mount = f"{plan.runtime_dir(inv, spec)}:{plan.RUNTIME_MOUNT}:ro"
-        read = f"python3 {plan.ENTRYPOINT_PATH} && python3 -c \"open('{plan.SECRETS_PATH}').read(); print('secrets read')\""
+        mount = f"{hostfiles.runtime_dir(inv, spec)}:{jobspec.RUNTIME_MOUNT}:ro"
+        read = f"python3 {jobspec.ENTRYPOINT_PATH} && python3 -c \"open('{jobspec.SECRETS_PATH}').read(); print('secrets read')\""
         for user, want in (("0", "entrypoint ok\nsecrets read"), ("65534", "entrypoint ok")):
             c = on_host(NODE, f"docker run --rm --user {user} --network none -v {mount} --entrypoint sh "
                               f"fabtrain/trainer:latest -c {shlex.quote(read)}", check=False)
@@ -94,8 +96,8 @@ def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owner
     tag = secrets.token_hex(3)
     other, port = f"other-{tag}", inv.job.master_port
     # Another owner's job on node1: its container, and its claim of slot 0 and the master port.
-    on_host(NODE, f"docker run -d --name {other} --label {plan.LABEL_MANAGED}=1 --label {plan.LABEL_JOB}={other} "
-                  f"--label {plan.LABEL_OWNER}=bob@elsewhere --entrypoint sleep fabtrain/trainer:latest 300")
+    on_host(NODE, f"docker run -d --name {other} --label {jobspec.LABEL_MANAGED}=1 --label {jobspec.LABEL_JOB}={other} "
+                  f"--label {jobspec.LABEL_OWNER}=bob@elsewhere --entrypoint sleep fabtrain/trainer:latest 300")
     r = on_host(NODE, claims.claim_script(inv, other, (0,), "bob@elsewhere", True, port), check=False)
     assert r.returncode == 0, r.stderr
     claim = f"{inv.job.output_dir}/.claims/*/{other}"

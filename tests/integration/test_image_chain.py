@@ -7,9 +7,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from orchestrator import cluster, images
-from orchestrator.inventory import load
-from orchestrator.remote import Session
+from orchestrator.config.inventory import load
+from orchestrator.images import images
+from orchestrator.testbed import cluster
+from orchestrator.transport.remote import Session
 
 from .conftest import fab, on_host
 

@@ -121,12 +121,12 @@ def fabtrain(venv: Path, cwd: Path, *args: str, timeout: float = 120) -> subproc
 def test_installed_package_uses_its_own_files_and_pinned_dependencies(installed, project):
     venv, purelib = installed
     assert (venv / "bin" / "fabtrain").is_file()
-    for name in ("fabfile.py", "orchestrator/program.py", "orchestrator/resources.py", "orchestrator/preflight/smoke.py",
+    for name in ("fabfile.py", "orchestrator/commandline/program.py", "orchestrator/config/resources.py", "orchestrator/preflight/smoke.py",
                  "trainers/gpt.py", "trainers/smoke.py", "fabtrain_docker/entrypoint.py"):
         assert (purelib / name).is_file(), name
     assert not (purelib / "docker" / "entrypoint.py").exists()  # docker/ is fabtrain_docker, never `docker`
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import fabfile, orchestrator, trainers; from orchestrator import resources; "
+                            "import fabfile, orchestrator, trainers; from orchestrator.config import resources; "
                             "print(fabfile.__file__, orchestrator.__file__, resources.entrypoint(), sep='\\n')"],
                            cwd=project, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
     assert where.returncode == 0, where.stderr

@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-from orchestrator import cluster
+from orchestrator.testbed import cluster
 
 from .conftest import FAB, ROOT, Run, fab, on_host, project_containers
 from .test_lifecycle import wait_for_containers

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from orchestrator import cluster
+from orchestrator.testbed import cluster
 
 from .conftest import FAB, ROOT, fab, on_host, project_containers
 

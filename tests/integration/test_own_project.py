@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from orchestrator import plan
+from orchestrator.core import jobspec
 
 from .conftest import Run, fab, on_host, project_containers
 
@@ -31,7 +31,7 @@ def test_a_hydra_program_runs_unmodified_resumes_from_its_own_checkpoint_and_con
     run = Run(inventory_path, "train", *common, "--restarts", "1", "--args", "epochs=10", cwd=proj)
     # Once the program's checkpoint has been copied here, a node's container is killed mid-run.
     deadline = time.monotonic() + 150
-    while not list(proj.glob(f"runs/{name}-*/checkpoints/*/{plan.WORK}/checkpoints/ckpt.pt")):
+    while not list(proj.glob(f"runs/{name}-*/checkpoints/*/{jobspec.WORK}/checkpoints/ckpt.pt")):
         assert time.monotonic() < deadline and run.proc.poll() is None, run.text[-3000:]
         time.sleep(0.2)
     job = list(proj.glob(f"runs/{name}-*"))[0].name

@@ -3,13 +3,10 @@ port, a jump host (the target refuses this machine), agent-held and encrypted ke
 engine, a non-root user, and hostile output. Every test undoes what it changes on the hosts."""
 import json
 import os
-import signal
 import stat
 import subprocess
 import time
 from contextlib import contextmanager
-
-import pytest
 
 from orchestrator import preflight as pf
 
@@ -249,7 +246,7 @@ def test_output_after_the_exit_status_is_kept_and_a_held_pipe_is_not_waited_for(
     """sshd sends a command's exit status as it ends, then what is still in its stdout pipe: lines
     written after that (here by a background child) are part of the output. A child that holds the
     pipe open and writes nothing delays the result by no more than remote.EOF_GRACE."""
-    from orchestrator import remote
+    from orchestrator.transport import remote
 
     node1 = inv.hosts[0]
     with remote.Session(inv.hosts[:1]) as session:

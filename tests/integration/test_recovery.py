@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import cluster
+from orchestrator.testbed import cluster
 
 from .conftest import ROOT, fab, on_host, project_containers
 from .test_lifecycle import running, start_fab, wait_for_containers

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator import cluster as cluster_mod
+from orchestrator.testbed import cluster as cluster_mod
 
 from .conftest import ROOT, Run, command, fab, on_host, project_containers
 

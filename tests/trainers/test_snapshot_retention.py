@@ -3,11 +3,10 @@ just written, K from FABTRAIN_KEEP_SNAPSHOTS (default 2, at least 1)."""
 import os
 
 import pytest
+import snapshot  # noqa: E402
 import torch
 
 from .conftest import TRAINERS  # noqa: F401 - puts trainers/ on the path
-
-import snapshot  # noqa: E402
 
 
 def names(d):

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import claims, plan
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
+from orchestrator.commands import hostfiles
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.hosts import claims
 
 
 def inventory(out: Path | str = "/opt/out"):
@@ -28,15 +30,15 @@ BOB = claims.Holder("bob-20261123-101500-ab12", "bob@ws2", time.mktime((2026, 11
 
 
 def test_defaults_take_every_gpu_or_one_slot_and_counts_take_the_first_free():
-    want = claims.want_of(plan.JobSpec(job_id="j", script="s"))
+    want = claims.want_of(jobspec.JobSpec(job_id="j", script="s"))
     assert want.of(GPU, 4) == 4 and want.of(CPU, 2) == 1 and not want.explicit
     assert claims.choose(GPU, 4, [], want.of(GPU, 4)) == (0, 1, 2, 3)
     assert claims.choose(CPU, 2, [claims.Holder("other", units=(0,))], 1) == (1,)
     # --gpus 2 beside bob's 0,1; --nproc 3 on a CPU host of 2 CPUs takes both slots.
-    assert claims.choose(GPU, 4, [BOB], claims.want_of(plan.JobSpec(job_id="j", script="s", gpus=2)).of(GPU, 4)) \
+    assert claims.choose(GPU, 4, [BOB], claims.want_of(jobspec.JobSpec(job_id="j", script="s", gpus=2)).of(GPU, 4)) \
         == (2, 3)
-    assert claims.want_of(plan.JobSpec(job_id="j", script="s", nproc_per_node="3")).of(CPU, 2) == 2
-    exact = claims.want_of(plan.JobSpec(job_id="j", script="s", units="gpu1:3,2"))
+    assert claims.want_of(jobspec.JobSpec(job_id="j", script="s", nproc_per_node="3")).of(CPU, 2) == 2
+    exact = claims.want_of(jobspec.JobSpec(job_id="j", script="s", units="gpu1:3,2"))
     assert exact.of(GPU, 4) == (2, 3) and exact.explicit and claims.choose(GPU, 4, [BOB], (2, 3)) == (2, 3)
 
 
@@ -90,7 +92,7 @@ def test_the_claim_script_refuses_overlaps_takes_disjoint_units_and_clears_stale
     a = run(claims.claim_script(inv, "alice-1", (0, 1), "alice@ws1", True))
     assert a.returncode == 0, a.stderr
     assert (claim_dir / "alice-1").read_text().startswith("who=alice@ws1\nsince=")
-    assert (root / "out" / ".runtime" / "alice-1" / plan.LEASE).exists()
+    assert (root / "out" / ".runtime" / "alice-1" / hostfiles.LEASE).exists()
     # bob overlaps GPU 1 while alice's lease is fresh: refused, alice named, nothing of bob's written.
     b = run(claims.claim_script(inv, "bob-1", (1, 2), "bob@ws2", True))
     assert b.returncode == claims.REFUSED
@@ -102,9 +104,9 @@ def test_the_claim_script_refuses_overlaps_takes_disjoint_units_and_clears_stale
     assert run(claims.claim_script(inv, "carol-1", (), "carol@ws3", True)).returncode == claims.REFUSED
     # alice's fabtrain went away: no container, lease old. Her claim is stale and cleared, saying so;
     # bob's stays held while a container of his runs, however old his lease.
-    old = time.time() - plan.LEASE_STALE - 5
+    old = time.time() - hostfiles.LEASE_STALE - 5
     for job in ("alice-1", "bob-1"):
-        os.utime(root / "out" / ".runtime" / job / plan.LEASE, (old, old))
+        os.utime(root / "out" / ".runtime" / job / hostfiles.LEASE, (old, old))
     (root / "running").write_text("bob-1\n")
     c = run(claims.claim_script(inv, "carol-1", (0, 1), "carol@ws3", True))
     assert c.returncode == 0, c.stderr
@@ -121,8 +123,8 @@ def test_the_claim_script_refuses_overlaps_takes_disjoint_units_and_clears_stale
 def test_an_engine_that_does_not_answer_never_makes_a_claim_stale(host):
     inv, run, claim_dir, root = host
     assert run(claims.claim_script(inv, "alice-1", (0,), "alice@ws1", True)).returncode == 0
-    old = time.time() - plan.LEASE_STALE - 5
-    os.utime(root / "out" / ".runtime" / "alice-1" / plan.LEASE, (old, old))
+    old = time.time() - hostfiles.LEASE_STALE - 5
+    os.utime(root / "out" / ".runtime" / "alice-1" / hostfiles.LEASE, (old, old))
     (root / "bin" / "docker").write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2; exit 1\n")
     b = run(claims.claim_script(inv, "bob-1", (0,), "bob@ws2", True))
     assert b.returncode == claims.REFUSED and (claim_dir / "alice-1").exists()

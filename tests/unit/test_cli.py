@@ -9,8 +9,9 @@ from fabric.main import make_program as make_fab
 from invoke.parser import ParserContext
 
 import fabfile
-from orchestrator import inventory, program
-from orchestrator.errors import UserError
+from orchestrator.commandline import program
+from orchestrator.config import inventory
+from orchestrator.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = sorted(fabfile.ns.task_names)

@@ -4,7 +4,8 @@ import os
 import time
 from pathlib import Path
 
-from orchestrator import codetree, plan
+from orchestrator.config import codetree
+from orchestrator.core import jobspec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,11 +42,11 @@ def test_the_key_names_the_files_rsync_copies(tmp_path):
 
 
 def test_this_project_sends_only_its_trainers():
-    files = codetree.files(plan.PROJECT_ROOT, codetree.BUILTIN_ONLY)
+    files = codetree.files(jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
     assert files and all(f.startswith("./trainers/") for f in files)
     assert "./trainers/gpt.py" in files
     assert codetree.rsync_filters("trainers")[-2:] == ["--include=/trainers/***", "--exclude=*"]
-    assert codetree.key(plan.PROJECT_ROOT, "trainers") != codetree.key(plan.PROJECT_ROOT)
+    assert codetree.key(jobspec.PROJECT_ROOT, "trainers") != codetree.key(jobspec.PROJECT_ROOT)
 
 
 def test_the_working_directory_links_the_code_and_keeps_what_the_program_wrote(tmp_path, monkeypatch):

@@ -1,12 +1,18 @@
-"""orchestrator.devices: the docker flags to the exact argv, and the AMD render-node probe and its
+"""orchestrator.core.devices: the docker flags to the exact argv, and the AMD render-node probe and its
 parsers on KFD topologies recorded from real machines."""
 import shlex
 import subprocess
 
 import pytest
 
-from orchestrator.devices import (AMD_PROBE, KFD_NODES, amd_device_args, nvidia_device_args, parse_amd_render,
-                                  parse_kfd_properties)
+from orchestrator.core.devices import (
+    AMD_PROBE,
+    KFD_NODES,
+    amd_device_args,
+    nvidia_device_args,
+    parse_amd_render,
+    parse_kfd_properties,
+)
 
 # Recorded KFD topologies, in `grep -H` form (path:line), trimmed to the lines that matter. Each is a
 # copy of /sys/class/kfd/kfd/topology taken from a real machine, from the testdata of

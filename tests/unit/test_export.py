@@ -13,13 +13,15 @@ import pytest
 import yaml
 from kubeflow.training.api_client import ApiClient
 
-from orchestrator import export, plan
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
+from orchestrator.backends import export
+from orchestrator.commands import dockerargs
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.core.errors import UserError
 
 GOLDEN = Path(__file__).parent / "golden" / "export"
 K8S_VERSION = "1.30.0"
-SPEC = plan.JobSpec(job_id="gpt-demo", script="trainers/gpt.py", args=("--model", "tiny", "--epochs", "5"),
+SPEC = jobspec.JobSpec(job_id="gpt-demo", script="trainers/gpt.py", args=("--model", "tiny", "--epochs", "5"),
                     code_key="c0de0000c0de0000")
 
 INVENTORIES = {
@@ -78,7 +80,7 @@ def without_entrypoint(text: str) -> str:
     """The script with the entrypoint's text (checked on its own) cut out of its heredoc."""
     head, sep, rest = text.partition(f"<<'{export.HEREDOC}' || return 1\n")
     body, sep2, tail = rest.partition(f"\n{export.HEREDOC}\n")
-    assert sep and sep2 and body + "\n" == plan.ENTRYPOINT_SOURCE.read_text()
+    assert sep and sep2 and body + "\n" == dockerargs.ENTRYPOINT_SOURCE.read_text()
     return head + sep + "<docker/entrypoint.py>" + sep2 + tail
 
 
@@ -109,7 +111,7 @@ def k8s_texts(kind: str) -> dict[str, str]:
 def test_k8s_manifests_exact_text_and_valid(kind):
     for file, text in k8s_texts(kind).items():
         docs = list(yaml.safe_load_all(text))
-        assert docs[0]["kind"] == "ConfigMap" and docs[0]["data"]["entrypoint.py"] == plan.ENTRYPOINT_SOURCE.read_text()
+        assert docs[0]["kind"] == "ConfigMap" and docs[0]["data"]["entrypoint.py"] == dockerargs.ENTRYPOINT_SOURCE.read_text()
         docs[0]["data"]["entrypoint.py"] = "<docker/entrypoint.py>"
         check_golden(f"{kind}-{file}", text.split("\napiVersion:", 1)[0] + "\n"
                      + yaml.dump_all(docs, Dumper=export._Dumper, sort_keys=False, width=100))
@@ -237,7 +239,7 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     """The docker flavour run by bash with scontrol, srun and docker stubbed: the container gets
     every value exactly, and nothing in a value runs."""
     i = hostile_inventory(tmp_path)
-    spec = plan.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"),
+    spec = jobspec.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"),
                         code_key="k1")
     text, _ = export.slurm_script(i, spec)
     bin_dir = tmp_path / "bin"
@@ -289,13 +291,13 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
 def test_a_fractional_stop_grace_is_a_whole_number_of_seconds_for_docker(tmp_path):
     i = hostile_inventory(tmp_path)
     i = dataclasses.replace(i, job=dataclasses.replace(i.job, stop_grace=2.5))
-    text, _ = export.slurm_script(i, plan.JobSpec(job_id="j1", script="trainers/gpt.py", code_key="k1"))
+    text, _ = export.slurm_script(i, jobspec.JobSpec(job_id="j1", script="trainers/gpt.py", code_key="k1"))
     assert "docker stop --time 3 " in text and "--time 2.5" not in text
 
 
 def test_k8s_hostile_values_stay_data(tmp_path):
     i = hostile_inventory(tmp_path)
-    spec = plan.JobSpec(job_id="J_1.x", script="trainers/gpt.py", args=(HOSTILE,))
+    spec = jobspec.JobSpec(job_id="J_1.x", script="trainers/gpt.py", args=(HOSTILE,))
     docs, _ = export.k8s_manifests(i, spec)
     text = export.k8s_text(i, spec, "indexed-job.yaml", docs["indexed-job.yaml"])
     job = list(yaml.safe_load_all(text))[3]

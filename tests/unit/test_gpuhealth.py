@@ -1,4 +1,4 @@
-"""orchestrator.gpuhealth: the parsers and the judgement, on outputs recorded on real machines.
+"""orchestrator.preflight.gpuhealth: the parsers and the judgement, on outputs recorded on real machines.
 
 Every sample below is a real output, trimmed to the lines that matter (whole sections or lines left
 out, none reworded; trailing blanks dropped), with a comment naming where it was recorded. Where no
@@ -8,10 +8,23 @@ comment says so. The shell commands run here with stub tools on PATH (no GPU, no
 import subprocess
 from pathlib import Path
 
-from orchestrator import gpuhealth
-from orchestrator.gpuhealth import (DCGMI_ABSENT, DCGMI_COMMAND, NVIDIA_COMMAND, ROCM_COMMAND, THRESHOLDS,
-                                    XID_COMMAND, Finding, judge_amd, judge_nvidia, parse_dcgmi_diag,
-                                    parse_nvidia_smi_q, parse_rocm_smi, parse_xid, thresholds_for)
+from orchestrator.preflight import gpuhealth
+from orchestrator.preflight.gpuhealth import (
+    DCGMI_ABSENT,
+    DCGMI_COMMAND,
+    NVIDIA_COMMAND,
+    ROCM_COMMAND,
+    THRESHOLDS,
+    XID_COMMAND,
+    Finding,
+    judge_amd,
+    judge_nvidia,
+    parse_dcgmi_diag,
+    parse_nvidia_smi_q,
+    parse_rocm_smi,
+    parse_xid,
+    thresholds_for,
+)
 
 RECORDED = Path(__file__).parent / "recorded" / "nvidia-h100"
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from orchestrator import health
+from orchestrator.preflight import health
 from orchestrator.preflight.checks import FAIL, OK, WARN
 
 
@@ -120,8 +120,8 @@ def test_matrix_text():
 def test_the_gate_leaves_sick_hosts_out_and_takes_healthy_spares(tmp_path):
     from pathlib import Path
 
-    from orchestrator.errors import UserError
-    from orchestrator.inventory import parse
+    from orchestrator.config.inventory import parse
+    from orchestrator.core.errors import UserError
     from orchestrator.preflight import deep
     inv = parse("""\
 hosts:

@@ -1,4 +1,4 @@
-"""orchestrator/hostile.py: the one place for what hosts and containers send back."""
+"""orchestrator/core/hostile.py: the one place for what hosts and containers send back."""
 import io
 import random
 import string
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator import hostile
-from orchestrator.logs import Multiplexer
+from orchestrator.core import hostile
+from orchestrator.transport.logs import Multiplexer
 
 ATTACK = "\x1b]52;c;cGF5bG9hZA==\x07\x1b[2J\u009b31m\u202e[/red][link=file:///etc/passwd]x[/link]\r\bok"
 
@@ -140,7 +140,7 @@ def test_a_host_sink_keeps_a_huge_line_cut_in_the_file_and_the_terminal(tmp_path
 
 
 def test_slurm_node_names_that_are_not_plain_names_never_name_a_file(tmp_path):
-    from orchestrator import slurm
+    from orchestrator.backends.slurm import slurm
     assert slurm.node_name("gpu-a17", 0) == "gpu-a17"
     assert [slurm.node_name(n, i) for i, n in enumerate(["../../x", "/etc/y", "a\x1bb", ".."])] == \
         ["node0", "node1", "node2", "node3"]
@@ -150,8 +150,9 @@ def test_slurm_node_names_that_are_not_plain_names_never_name_a_file(tmp_path):
 
 def test_a_job_record_naming_another_job_is_refused(tmp_path):
     import json
-    from orchestrator import recovery
-    from orchestrator.errors import UserError
+
+    from orchestrator.core import recovery
+    from orchestrator.core.errors import UserError
     (tmp_path / "gpt-1").mkdir()
     doc = {"spec": {"job_id": "../../etc", "script": "x.py"}, "inventory": "inventory.yaml"}
     (tmp_path / "gpt-1" / "job.json").write_text(json.dumps(doc))
@@ -161,6 +162,7 @@ def test_a_job_record_naming_another_job_is_refused(tmp_path):
 
 def test_preflight_details_from_hosts_are_shown_as_plain_text():
     import importlib
+
     from orchestrator.preflight.checks import FAIL, OK, Check
     render = importlib.import_module("orchestrator.preflight.render")
     out = io.StringIO()
@@ -188,8 +190,9 @@ def test_a_closed_pipe_ends_fab_quietly(args):
 
 def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
     import subprocess
-    from orchestrator import claims
-    from orchestrator.inventory import parse
+
+    from orchestrator.config.inventory import parse
+    from orchestrator.hosts import claims
     inv = parse(f"job: {{output_dir: {tmp_path}}}\nhosts:\n  - {{name: n1, address: 10.0.0.1, interface: eth0}}\n",
                 Path("i.yaml"))
     d = tmp_path / ".claims" / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
@@ -202,7 +205,7 @@ def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
 
 
 def test_the_slurm_demultiplexer_holds_a_line_with_no_end_cut(tmp_path):
-    from orchestrator import slurm
+    from orchestrator.backends.slurm import slurm
     mux = Multiplexer(tmp_path, out=io.BytesIO(), colour=False)
     demux = slurm.Demux(mux, lambda restart: ["gpu1"])
     tracemalloc.start()
@@ -223,7 +226,7 @@ def test_bytes_that_are_not_utf8_never_reach_a_terminal_as_c1_controls():
 
 
 def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
-    from orchestrator import report
+    from orchestrator.progress import report
     line = "[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | compute 10.0 ms\n"
     (tmp_path / "node1.log").write_text("".join(line.format(r=r, s=s) for r in (0, 1) for s in (1, 2, 3)))
     assert report.write_plot([tmp_path], tmp_path / "loss.png").stat().st_size > 0
@@ -231,7 +234,8 @@ def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
 
 def test_our_snapshots_are_never_renamed_through_a_link_the_container_left(tmp_path):
     import subprocess
-    from orchestrator import snapshots
+
+    from orchestrator.backends.ssh import snapshots
     victim, job = tmp_path / "victim", tmp_path / "job"
     victim.mkdir()
     job.mkdir()

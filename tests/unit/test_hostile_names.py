@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from orchestrator import hostile, plan, snapshots
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
-from orchestrator.remote import Result
 from test_snapshots import local_rsync  # the real rsync, the 'host' a folder here
+
+from orchestrator.backends.ssh import snapshots
+from orchestrator.config.inventory import parse
+from orchestrator.core import hostile, jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.transport.remote import Result
 
 PATTERN = "work/checkpoints/*"
 NOW = 1_700_000_100 * 10**9
@@ -232,7 +233,7 @@ def test_a_plan_placeholder_after_the_stamp_never_reaches_a_path(tmp_path):
 def test_set_commands_are_quoted_once():
     inv = parse("job: {output_dir: /out}\nhosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n",
                 Path("/i/inv.yaml"))
-    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=PATTERN)
+    spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=PATTERN)
     assert snapshots.list_command(inv, spec) == (
         "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path './work/checkpoints/*' "
         "-o -path './work/checkpoints/*/*' ')' -type f '(' '!' -name '.*' -o -name .metadata ')' "
@@ -290,7 +291,7 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     pwned = f"/tmp/pwned-{os.getpid()}-{time.time_ns()}"
     inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
                 Path("/i/inv.yaml"))
-    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern("checkpoints/"))
+    spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern("checkpoints/"))
     ck = tmp_path / "host" / "j" / "work" / "checkpoints"
     evil = ck / f"x\n00000000000000000000 {pwned}"
     evil.mkdir(parents=True)
@@ -365,7 +366,7 @@ def placing(tmp_path: Path, local: dict[str, bytes], copy=None):
     directory) is here in runs/j, its host's output directory (empty) and a victim: ~/.ssh."""
     inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
                 Path("/i/inv.yaml"))
-    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern("/output/ckpt/*"))
+    spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern("/output/ckpt/*"))
     root = tmp_path / "host" / "j"
     root.mkdir(parents=True)
     victim = tmp_path / "victim" / ".ssh"

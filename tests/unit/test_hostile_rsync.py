@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import plan
-from orchestrator.attempt import LOCAL
-from orchestrator.inventory import parse
+from orchestrator.commands import sshargs
+from orchestrator.config.inventory import parse
+from orchestrator.core.jobspec import LOCAL
 from orchestrator.preflight import CHECKS, FAIL, OK, WARN, judge, probe
 
 INV = parse("""
@@ -24,8 +24,8 @@ HOSTILE = "/out/$(touch pwned)/it's a `name`.pt"
 
 
 def every_rsync_argv() -> list[list[str]]:
-    return [plan.rsync_argv(A, "/src", "/opt/code/k"), plan.fetch_file_argv(A, HOSTILE, "/tmp/x"),
-            plan.push_file_argv(A, "/tmp/x", HOSTILE), plan.fetch_argv(A, HOSTILE, "runs/j/outputs/a")]
+    return [sshargs.rsync_argv(A, "/src", "/opt/code/k"), sshargs.fetch_file_argv(A, HOSTILE, "/tmp/x"),
+            sshargs.push_file_argv(A, "/tmp/x", HOSTILE), sshargs.fetch_argv(A, HOSTILE, "runs/j/outputs/a")]
 
 
 def test_every_rsync_argv_protects_its_remote_arguments():
@@ -35,8 +35,8 @@ def test_every_rsync_argv_protects_its_remote_arguments():
         assert argv[argv.index("--rsh") - 1] == "-s" and argv.count("-s") == 1
         assert not any(a.startswith("--old-args") or a in ("--no-s", "--no-protect-args") for a in argv)
     # The remote path is one argument, exactly as given: rsync sends it through its protocol.
-    assert plan.fetch_file_argv(A, HOSTILE, "/tmp/x")[-2] == f"10.0.0.1:{HOSTILE}"
-    assert plan.push_file_argv(A, "/tmp/x", HOSTILE)[-1] == f"10.0.0.1:{HOSTILE}"
+    assert sshargs.fetch_file_argv(A, HOSTILE, "/tmp/x")[-2] == f"10.0.0.1:{HOSTILE}"
+    assert sshargs.push_file_argv(A, "/tmp/x", HOSTILE)[-1] == f"10.0.0.1:{HOSTILE}"
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
@@ -48,7 +48,7 @@ def test_rsync_sends_no_remote_path_to_the_shell_even_with_RSYNC_OLD_ARGS(tmp_pa
     fake_ssh = tmp_path / "ssh"
     fake_ssh.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\nexit 1\n')
     fake_ssh.chmod(0o755)
-    argv = plan.fetch_file_argv(A, HOSTILE, str(tmp_path / "got"))
+    argv = sshargs.fetch_file_argv(A, HOSTILE, str(tmp_path / "got"))
     argv[argv.index("--rsh") + 1] = str(fake_ssh)
     env = {**os.environ, "RSYNC_OLD_ARGS": "1", "RSYNC_PROTECT_ARGS": "0"}
     subprocess.run(argv, env=env, capture_output=True, timeout=30)

@@ -1,4 +1,4 @@
-"""Shared directories on hosts (plan.shared_dir_script, claims, hostops) and the preflight's smoke
+"""Shared directories on hosts (hostfiles.shared_dir_script, claims, hostops) and the preflight's smoke
 test sharing hosts like any job (preflight/smoke.py): the exact scripts, the modes they leave when
 run by sh on this machine, and the smoke test's choice, claim and release against a stand-in session.
 Also what another account of the group can plant there (links at a lock's, a directory's, a stop
@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from orchestrator import claims, hostops, plan
-from orchestrator.inventory import parse
-from orchestrator.preflight import probe, smoke
-from orchestrator.remote import PerHost, Result, put_command
-from orchestrator.watch import NodeEnd, Watched
 from test_job import Recorder
+
+from orchestrator.backends.ssh.watch import NodeEnd, Watched
+from orchestrator.commands import hostfiles
+from orchestrator.config.inventory import parse
+from orchestrator.hosts import claims, hostops
+from orchestrator.preflight import probe, smoke
+from orchestrator.transport.remote import PerHost, Result, put_command
 
 INV = parse("job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n",
             Path("i.yaml"))
@@ -26,16 +27,16 @@ INV = parse("job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.
 
 def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_fix():
     c = "'/opt/o ut/.claims'"
-    assert plan.shared_dir_script(c) == (
+    assert hostfiles.shared_dir_script(c) == (
         f"if [ -L {c} ]; then printf '%s is a symbolic link, not a directory: another account may have put it "
         f"there; remove it (rm %s) and run again\\n' {c} {c} >&2; exit 6; fi; mkdir -p {c} || exit 6; "
         f"{{ ( cd -P {c} && [ ! -L {c} ] && [ {c} -ef . ] && [ -O . ] && chmod g+rwxs . ); }} 2>/dev/null; "
         f"[ -w {c} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with the group: "
         f"chmod g+rwxs %s; chgrp GROUP %s\\n' {c} \"$(id -un)\" \"$(stat -c %U {c})\" {c} {c} >&2; exit 6; }}; ")
-    assert plan.shared_dir_script('"$d"', sticky=True, check=False) == (
-        plan.not_link_script('"$d"') + 'mkdir -p "$d" || exit 6; { ( cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] '
+    assert hostfiles.shared_dir_script('"$d"', sticky=True, check=False) == (
+        hostfiles.not_link_script('"$d"') + 'mkdir -p "$d" || exit 6; { ( cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] '
         '&& [ -O . ] && chmod g+rwxs,+t . ); } 2>/dev/null; ')
-    assert plan.enter_script('"$d"') == (
+    assert hostfiles.enter_script('"$d"') == (
         'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] || { printf \'%s changed while this command entered it '
         '(another account may have put a link there): run again\\n\' "$d" >&2; exit 6; }; ')
 
@@ -43,19 +44,19 @@ def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_
 def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_beside_it():
     rt = "'/opt/o ut/.runtime'"
     own = "'/opt/o ut/.runtime/gpt-1'"
-    assert plan.own_runtime_script(INV, "gpt-1") == (
-        plan.shared_dir_script(rt, sticky=True) + f"mkdir -m 0711 {own} 2>/dev/null; if [ -L {own} ] || "
+    assert hostfiles.own_runtime_script(INV, "gpt-1") == (
+        hostfiles.shared_dir_script(rt, sticky=True) + f"mkdir -m 0711 {own} 2>/dev/null; if [ -L {own} ] || "
         f"[ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; another account made it: "
         f"job ids are never reused, so remove it (its owner or root)\\n' {own} \"$(id -un)\" >&2; exit 7; fi; "
         f"( cd -P {own} && [ ! -L {own} ] && [ {own} -ef . ] && [ -O . ] && chmod 0711 . && touch lease )")
-    assert plan.stopped_marker(INV, "gpt-1") == "/opt/o ut/.runtime/.stopped/gpt-1"
-    assert plan.stop_mark_script(INV, ["a-1", "b-2"]) == (
-        plan.shared_dir_script(rt, sticky=True, check=False) + plan.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
+    assert hostfiles.stopped_marker(INV, "gpt-1") == "/opt/o ut/.runtime/.stopped/gpt-1"
+    assert hostfiles.stop_mark_script(INV, ["a-1", "b-2"]) == (
+        hostfiles.shared_dir_script(rt, sticky=True, check=False) + hostfiles.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
         + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/a-1' ); "
           "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/b-2' )")
     # A smoke test's own runtime directory (no units): the stop marker cleared, the directory made.
     assert claims.claim_script(INV, "gpt-1", None, "al@ws", True) == (
-        "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + plan.own_runtime_script(INV, "gpt-1"))
+        "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + hostfiles.own_runtime_script(INV, "gpt-1"))
     assert claims.release_command(INV, ["gpt-1"]) == (
         "d='/opt/o ut/.claims'/\"$(hostname)\"; rm -rf '/opt/o ut/.runtime/gpt-1' '/opt/o ut/.runtime/.stopped/gpt-1'; "
         'rm -f "$d"/gpt-1')
@@ -63,8 +64,8 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
 
 def test_the_claim_script_shares_its_lock_and_files_with_the_group():
     s = claims.claim_script(INV, "gpt-1", (0, 1), "al@ws", True, 29500)
-    assert s.startswith("d='/opt/o ut/.claims'/\"$(hostname)\"; " + plan.shared_dir_script("'/opt/o ut/.claims'", check=False)
-                        + plan.shared_dir_script('"$d"') + "( umask 022; " + plan.enter_script('"$d"')
+    assert s.startswith("d='/opt/o ut/.claims'/\"$(hostname)\"; " + hostfiles.shared_dir_script("'/opt/o ut/.claims'", check=False)
+                        + hostfiles.shared_dir_script('"$d"') + "( umask 022; " + hostfiles.enter_script('"$d"')
                         + 'd=.; { [ ! -L "$d"/.lock ] || rm -f "$d"/.lock; }; { command exec 9<>"$d"/.lock; } '
                         '2>/dev/null || command exec 9<"$d"/.lock || exit 6; [ -f "$d"/.lock ] && [ ! -L "$d"/.lock ] '
                         '&& [ "$d"/.lock -ef /dev/fd/9 ] || { printf \'%s/.lock is not a plain file (another account '
@@ -72,7 +73,7 @@ def test_the_claim_script_shares_its_lock_and_files_with_the_group():
                         'exit 6; }; { [ -O /dev/fd/9 ] && [ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; '
                         '} 2>/dev/null; flock -w 10 9 || ')
     assert 'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; ' in s
-    assert s.endswith(plan.own_runtime_script(INV, "gpt-1") + ' && rm -f "$d"/.gpt-1.tmp && ( set -C; printf '
+    assert s.endswith(hostfiles.own_runtime_script(INV, "gpt-1") + ' && rm -f "$d"/.gpt-1.tmp && ( set -C; printf '
                       '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
                       'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1 )')
     assert claims.survey_script(INV).endswith(
@@ -103,15 +104,15 @@ def test_modes_left_by_a_claim_under_a_narrow_umask(tmp_path):
     assert mode(tmp_path / "out" / ".runtime") == 0o770 | setgid | stat.S_ISVTX
     assert mode(host / ".lock") == 0o664 and mode(host / "gpt-1") == 0o644
     assert mode(tmp_path / "out" / ".runtime" / "gpt-1") & 0o777 == 0o711
-    m = subprocess.run(["sh", "-c", "umask 077; " + plan.stop_mark_script(inv, ["gpt-1"])], env=env)
-    assert m.returncode == 0 and Path(plan.stopped_marker(inv, "gpt-1")).exists()
+    m = subprocess.run(["sh", "-c", "umask 077; " + hostfiles.stop_mark_script(inv, ["gpt-1"])], env=env)
+    assert m.returncode == 0 and Path(hostfiles.stopped_marker(inv, "gpt-1")).exists()
     assert mode(tmp_path / "out" / ".runtime" / ".stopped") == 0o770 | setgid
     # A link where the job's runtime directory goes is refused, never followed.
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "out" / ".runtime" / "gpt-2").symlink_to(tmp_path / "elsewhere")
     r = subprocess.run(["sh", "-c", claims.claim_script(inv, "gpt-2", (1,), "al@ws", True)], capture_output=True,
                        text=True, env=env)
-    assert r.returncode == plan.NOT_OWN and "is not a directory of" in r.stderr
+    assert r.returncode == hostfiles.NOT_OWN and "is not a directory of" in r.stderr
     assert not (host / "gpt-2").exists() and list((tmp_path / "elsewhere").iterdir()) == []
 
 
@@ -272,7 +273,7 @@ def test_a_shared_directory_that_is_a_link_is_refused_naming_it_and_the_fix(tmp_
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(home)
     r = sh(tmp_path, claims.claim_script(inv, "gpt-1", (0,), "al@ws", True, 29500))
-    assert r.returncode == plan.NOT_WRITABLE
+    assert r.returncode == hostfiles.NOT_WRITABLE
     assert f"{link} is a symbolic link" in r.stderr and f"rm {link}" in r.stderr
     assert mode(home) == 0o700 and sorted(p.name for p in home.iterdir()) == ["id_rsa"]
     if where != ".runtime":  # nor does the survey read what the link points at
@@ -280,8 +281,8 @@ def test_a_shared_directory_that_is_a_link_is_refused_naming_it_and_the_fix(tmp_
         assert sh(tmp_path, claims.survey_script(inv)).stdout.split("@@claims\n")[1].count("\n") == 1
         (home / "gpt-9").unlink()
     if where == ".runtime":
-        m = sh(tmp_path, plan.stop_mark_script(inv, ["gpt-1"]))
-        assert m.returncode == plan.NOT_WRITABLE and mode(home) == 0o700
+        m = sh(tmp_path, hostfiles.stop_mark_script(inv, ["gpt-1"]))
+        assert m.returncode == hostfiles.NOT_WRITABLE and mode(home) == 0o700
         assert sorted(p.name for p in home.iterdir()) == ["id_rsa"]
 
 
@@ -296,7 +297,7 @@ def test_a_stop_marker_link_is_never_written_through(tmp_path):
     stopped.mkdir(parents=True)
     (stopped / "gpt-1").symlink_to(home / "planted")   # dangling: `: >` would make it
     (stopped / "gpt-2").symlink_to(key)
-    sh(tmp_path, plan.stop_mark_script(inv, ["gpt-1", "gpt-2", "gpt-3"]))
+    sh(tmp_path, hostfiles.stop_mark_script(inv, ["gpt-1", "gpt-2", "gpt-3"]))
     assert not (home / "planted").exists() and key.read_text() == "PRIVATE KEY\n"
     assert (stopped / "gpt-3").is_file()
 
@@ -370,7 +371,7 @@ def image_cache_run(tmp_path, plant):
 
 def test_the_image_cache_never_writes_through_a_link_at_its_temporary_name(tmp_path):
     home, key = secret(tmp_path)
-    cache = tmp_path / "out" / ".runtime" / plan.IMAGE_CACHE
+    cache = tmp_path / "out" / ".runtime" / hostfiles.IMAGE_CACHE
     cache.mkdir(parents=True)
     r = image_cache_run(tmp_path, f'ln -s {key} {cache}/abc.$PPID')
     assert r.returncode == 0 and "IMAGEINFO" in r.stdout
@@ -388,7 +389,7 @@ def test_the_image_cache_never_writes_through_a_link_at_its_temporary_name(tmp_p
 def test_the_image_cache_directory_as_a_link_is_not_written(tmp_path):
     home, key = secret(tmp_path)
     (tmp_path / "out" / ".runtime").mkdir(parents=True)
-    (tmp_path / "out" / ".runtime" / plan.IMAGE_CACHE).symlink_to(home)
+    (tmp_path / "out" / ".runtime" / hostfiles.IMAGE_CACHE).symlink_to(home)
     r = image_cache_run(tmp_path, "true")
     assert r.returncode == 0 and "IMAGEINFO" in r.stdout
     assert mode(home) == 0o700 and sorted(p.name for p in home.iterdir()) == ["id_rsa"]

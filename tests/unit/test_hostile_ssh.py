@@ -19,13 +19,20 @@ import tracemalloc
 import paramiko
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519, ec
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from orchestrator import hostile, plan, remote
-from orchestrator.errors import UserError
-from orchestrator.inventory import Host
-from orchestrator.sshconf import DEFAULT_GLOBAL_KNOWN_HOSTS, SSH, Settings, resolve
-from orchestrator.remote import KnownHosts, hosts_match, pattern_matches
+from orchestrator.commands import sshargs
+from orchestrator.config.inventory import Host
+from orchestrator.config.sshconf import (
+    DEFAULT_GLOBAL_KNOWN_HOSTS,
+    SSH,
+    Settings,
+    resolve,
+)
+from orchestrator.core import hostile
+from orchestrator.core.errors import UserError
+from orchestrator.transport import remote
+from orchestrator.transport.remote import KnownHosts, hosts_match, pattern_matches
 
 
 def ed_key() -> str:
@@ -197,15 +204,15 @@ def test_the_global_file_counts_like_the_users(tmp_path):
 
 def test_ssh_argv_passes_the_global_files_explicitly():
     ssh = SSH(hostname="10.0.0.2", user="u", known_hosts=("/k/kh",), keys=("/k/id",), keys_only=True)
-    assert plan.ssh_options(ssh) == [
+    assert sshargs.ssh_options(ssh) == [
         "ssh", "-F", "none", "-p", "22", "-l", "u", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
         "-o", "UserKnownHostsFile=/k/kh",
         "-o", "GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2",
         "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
         "-i", "/k/id", "-o", "IdentitiesOnly=yes"]
-    none = plan.ssh_options(SSH(hostname="h", user="u", known_hosts=("/k/kh",), global_known_hosts=()))
+    none = sshargs.ssh_options(SSH(hostname="h", user="u", known_hosts=("/k/kh",), global_known_hosts=()))
     assert none[13:15] == ["-o", "GlobalKnownHostsFile=/dev/null"]
-    odd = plan.ssh_options(SSH(hostname="h", user="u", known_hosts=("/a b/%h",), global_known_hosts=("/g 1/%h", "/g2")))
+    odd = sshargs.ssh_options(SSH(hostname="h", user="u", known_hosts=("/a b/%h",), global_known_hosts=("/g 1/%h", "/g2")))
     assert odd[12] == 'UserKnownHostsFile="/a b/%%h"'  # ssh expands '%' there
     assert odd[14] == 'GlobalKnownHostsFile="/g 1/%h" /g2'  # and not there
 
@@ -217,7 +224,7 @@ def test_openssh_reads_exactly_the_files_paramiko_reads(tmp_path):
     for ssh in (SSH(hostname="10.0.0.2", user="u", known_hosts=odd, global_known_hosts=odd[::-1], jump=(jump,)),
                 SSH(hostname="10.0.0.2", user="u", known_hosts=odd[:1], global_known_hosts=()),
                 SSH(hostname="10.0.0.2", user="u", known_hosts=("/k/kh",))):
-        argv = plan.ssh_options(ssh)
+        argv = sshargs.ssh_options(ssh)
         out = subprocess.run(["ssh", "-G", *argv[1:], ssh.hostname], capture_output=True, text=True, check=True).stdout
         got = dict(line.partition(" ")[::2] for line in out.splitlines())
         assert got["userknownhostsfile"] == " ".join(ssh.known_hosts)

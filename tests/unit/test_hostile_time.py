@@ -8,18 +8,22 @@ import subprocess
 import time
 from pathlib import Path
 
-from orchestrator import attempt, claims, job, jobs, plan
-from orchestrator.inventory import parse
-from orchestrator.remote import CommandTimedOut, Result
-
 from test_job import Recorder, inventory, new_job
+
+from orchestrator.backends.ssh import job, jobs
+from orchestrator.commands import dockerargs, sshargs
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.hosts import claims
+from orchestrator.transport import deadlines
+from orchestrator.transport.remote import CommandTimedOut, Result
 
 
 def test_the_host_ends_a_command_before_fab_stops_waiting_for_it():
-    assert plan.host_deadline(120) == (110, 5)
-    assert plan.bounded(["docker", "run", "x"], 120) == ["timeout", "-k", "5", "110", "docker", "run", "x"]
+    assert sshargs.host_deadline(120) == (110, 5)
+    assert sshargs.bounded(["docker", "run", "x"], 120) == ["timeout", "-k", "5", "110", "docker", "run", "x"]
     for timeout in (1, 4, 8, 20, 30, 120, 600):
-        term, kill = plan.host_deadline(timeout)
+        term, kill = sshargs.host_deadline(timeout)
         assert 0 < term and 0 < kill and term + kill < timeout, timeout
 
 
@@ -29,9 +33,9 @@ def test_the_start_step_runs_docker_run_under_timeout_quoted_once(tmp_path, monk
     a = j.plan(dry=True)
     h = a.hosts[1]
     step = a.step(h.name, "start")
-    assert step.timeout == attempt.START_TIMEOUT == 120
-    run = plan.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
-    bounded = plan.shell(["timeout", "-k", "5", "110", *run])
+    assert step.timeout == deadlines.START_TIMEOUT == 120
+    run = dockerargs.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
+    bounded = sshargs.shell(["timeout", "-k", "5", "110", *run])
     assert f"/entrypoint.py) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within " \
            "110s: ended on the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }" \
            in step.command
@@ -49,14 +53,14 @@ def test_a_late_docker_run_is_ended_on_the_host_and_never_starts(tmp_path):
     out = tmp_path / "out"
     inv = parse(f"job: {{output_dir: {out}, code_dir: {tmp_path}/code}}\n"
                 "hosts:\n  - {name: node2, address: 10.0.0.2, interface: eth0}\n", tmp_path / "i.yaml")
-    spec = plan.JobSpec(job_id="late-1", script="t.py")
+    spec = jobspec.JobSpec(job_id="late-1", script="t.py")
     made, pidfile = tmp_path / "made", tmp_path / "pid"
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "docker").write_text(f"#!/bin/sh\necho $$ > {pidfile}\nsleep 30\ntouch {made}\n")
     (bin_ / "docker").chmod(0o755)
     deadline = 4  # the host ends it after 2 s (SIGKILL 1 s later at most), fab would give up at 4
-    script = plan.start_script(inv, inv.hosts[0], spec, timeout=deadline)
+    script = dockerargs.start_script(inv, inv.hosts[0], spec, timeout=deadline)
     start = time.monotonic()
     r = subprocess.run(["sh", "-c", script], input=b"print('entrypoint')\n", capture_output=True, timeout=30,
                        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
@@ -90,7 +94,7 @@ class LateStart(Recorder):
         if host.name == "node2" and "docker run" in command:
             return Result("", "not done within 110s: ended on the host (timeout); check its Docker engine and "
                               "disks\n", 124, 110.0)
-        if host.name == "node2" and command == plan.stop_script("gpt-1", 0):
+        if host.name == "node2" and command == dockerargs.stop_script("gpt-1", 0):
             stops = sum(1 for c in self.calls if c[0] == "node2" and c[2] == command)
             if stops == 2:  # the sweep at the finish: one came up after the teardown looked
                 return Result("0123456789ab\n", "", 0, 0.01)
@@ -116,7 +120,7 @@ def test_a_host_whose_start_ran_late_is_torn_down_and_swept_not_skipped_as_lost(
         err = str(jobs.explain(result))
         assert "node2" in err and said in err, err
         node2 = [c[2] for c in rec.calls if c[0] == "node2" and c[1] == "node2"]
-        stop = plan.stop_script("gpt-1", 0)
+        stop = dockerargs.stop_script("gpt-1", 0)
         release = claims.release_command(j.inv, ["gpt-1"])
         started = max(i for i, c in enumerate(node2) if "docker run" in c)
         # After the late start: the teardown's stop, then the finish's sweep, before its claim goes.
@@ -135,7 +139,7 @@ def test_the_plan_shows_the_sweep_at_the_finish(tmp_path, monkeypatch):
     finish = text.index("## finish (at the job's end, on every host it used)")
     for h in a.hosts:
         sweep = a.step(h.name, "sweep")
-        assert sweep.command == plan.stop_script("gpt-1", 0) and sweep.timeout == attempt.STOP_MARGIN
+        assert sweep.command == dockerargs.stop_script("gpt-1", 0) and sweep.timeout == deadlines.STOP_MARGIN
         line = sweep.render(h.rank)
         assert text.index(line, finish) < text.index(a.step(h.name, "cleanup").render(h.rank), finish)
 
@@ -145,6 +149,6 @@ def test_the_deep_checks_measuring_container_is_ended_on_the_host_and_removed(tm
     inv = inventory(tmp_path)
     h = inv.hosts[0]
     cmd = deep.container(inv, h, "fabtrain-health-x", "print(1)", ["2"], "img:1")
-    term, kill = plan.host_deadline(deep.CONTAINER_TIMEOUT)
+    term, kill = sshargs.host_deadline(deep.CONTAINER_TIMEOUT)
     assert cmd.startswith(f"timeout -k {kill:g} {term:g} docker run --rm --name fabtrain-health-x ")
     assert cmd.endswith("; rc=$?; docker rm -f fabtrain-health-x >/dev/null 2>&1; exit $rc")

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from orchestrator import imagechain as ic
-from orchestrator.errors import UserError
+from orchestrator.core.errors import UserError
+from orchestrator.images import imagechain as ic
 
 A, B, C, D = (f"sha256:{c * 64}" for c in "abcd")
 

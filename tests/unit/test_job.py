@@ -6,11 +6,14 @@ import shlex
 import time
 from pathlib import Path
 
-from orchestrator import claims, attempt, hostops, job, jobs, plan
-from orchestrator.events import JsonLines, Reporter
-from orchestrator.inventory import parse
-from orchestrator.policy import Policy
-from orchestrator.remote import PerHost, Result
+from orchestrator.backends.ssh import attempt, job, jobs
+from orchestrator.commands import dockerargs, ports, sshargs
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.core.events import JsonLines, Reporter
+from orchestrator.core.policy import Policy
+from orchestrator.hosts import claims, hostops
+from orchestrator.transport.remote import PerHost, Result
 
 SECRET = "s3cr3t-value-never-shown"
 
@@ -36,7 +39,7 @@ class Recorder:
         self.listening = listening
 
     def answer(self, host, command: str) -> Result:
-        if command == attempt.port_command():
+        if command == ports.port_command():
             return Result(self.listening, "", 0, 0.01)
         if command.startswith("sh -c 'echo runtimes"):
             return Result("runtimes {}\ncdi 2\n", "", 0, 0.01)  # CDI specs, no runtime hook
@@ -89,7 +92,7 @@ def new_job(tmp_path, rec, **kw):
     if not code.is_dir():
         (code / "trainers").mkdir(parents=True)
         (code / "trainers" / "gpt.py").write_text("print('hi')\n")
-    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code=str(code))
+    spec = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code=str(code))
     return job.Job(inv, spec, Policy(hang_timeout=0), tmp_path / "runs", Reporter(), session=rec, checks=False,
                    watch_options={"echo": False}, **kw)
 
@@ -117,7 +120,7 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     assert (tmp_path / "runs/gpt-1/plan.txt").read_text() == text + "\n"
     ran = [c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 "))]  # periodic: lease, snapshot copies
     # The plan stage's read-only look (other jobs, free port, GPU access), then exactly the steps.
-    looks = {hostops.survey_script(j.inv), attempt.port_command(), plan.shell(plan.gpu_probe_argv(hosts[0]))}
+    looks = {hostops.survey_script(j.inv), ports.port_command(), sshargs.shell(dockerargs.gpu_probe_argv(hosts[0]))}
     want = expected(a)
     got = [c[:3] for c in ran]
     for n in ("node1", "node2"):
@@ -133,7 +136,7 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
 
 def test_plan_lists_conditional_steps_under_their_condition(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    a = job.Job(inventory(tmp_path), plan.JobSpec(job_id="j-1", script="x.py"), Policy(), tmp_path, Reporter(),
+    a = job.Job(inventory(tmp_path), jobspec.JobSpec(job_id="j-1", script="x.py"), Policy(), tmp_path, Reporter(),
                 session=Recorder(inventory(tmp_path).hosts))
     text = a.plan(dry=True).render()
     for when in (attempt.ON_FAILURE, attempt.ON_INTERRUPT, attempt.ON_HANG, attempt.ON_MISSED, attempt.ON_FAILED):
@@ -164,7 +167,7 @@ def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, mo
     err = str(jobs.explain(result))
     assert "node2 (node rank 1) exited with code 3" in err and "--resume gpt-1" in err
     # The failing attempt still ends with every container removed and the runtime files gone.
-    stops = [c for c in rec.calls if c[2] == plan.stop_script("gpt-1", 0)]
+    stops = [c for c in rec.calls if c[2] == dockerargs.stop_script("gpt-1", 0)]
     cleanups = [c for c in rec.calls if c[2] == claims.release_command(j.inv, ["gpt-1"])]
     assert {c[0] for c in stops} >= {"node1", "node2"} and {c[0] for c in cleanups} == {"node1", "node2"}
 
@@ -184,7 +187,7 @@ def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_p
     rec = FailFirstStart(inventory(tmp_path).hosts)
     j = new_job(tmp_path, rec)
     j.policy = Policy(restarts=1, hang_timeout=0)
-    import orchestrator.job as jm
+    import orchestrator.backends.ssh.job as jm
     monkeypatch.setattr(jm, "backoff", lambda n: 0)
     monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: [])  # a restart's preflight: all well
     result = job.run(j)

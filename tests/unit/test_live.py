@@ -5,8 +5,8 @@ import io
 from rich.console import Console
 from rich.live import Live
 
-from orchestrator.live import Board
-from orchestrator.logs import Multiplexer
+from orchestrator.progress.live import Board
+from orchestrator.transport.logs import Multiplexer
 
 
 class Clock:

@@ -1,7 +1,7 @@
 import io
 import threading
 
-from orchestrator.logs import Multiplexer, missing_output
+from orchestrator.transport.logs import Multiplexer, missing_output
 
 
 def test_lines_prefixed_whole_and_files_complete(tmp_path):

@@ -3,8 +3,11 @@ import shlex
 import time
 from pathlib import Path
 
-from orchestrator import claims, plan
-from orchestrator.inventory import parse
+from orchestrator.commands import dockerargs, hostfiles, sshargs
+from orchestrator.config import inventory
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.hosts import claims
 
 ROOT = Path(__file__).resolve().parents[2]
 INV = parse("""\
@@ -23,7 +26,7 @@ hosts:
     devices: [/dev/infiniband/uverbs0]
     mounts: ["/data:/data:ro"]
 """, Path("/i/inv.yaml"))
-SPEC = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code_key="ab12")
+SPEC = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code_key="ab12")
 
 
 def common(rank: int, name: str, ifname: str) -> list[str]:
@@ -34,7 +37,7 @@ def common(rank: int, name: str, ifname: str) -> list[str]:
 
 
 def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
-    pairs = [f"MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
+    pairs = ["MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
              "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME=={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
              "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "FABTRAIN_CODE=/run/fabtrain-code",
              "OMP_NUM_THREADS=1",
@@ -53,26 +56,26 @@ NGC_LIMITS = ["--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
 
 def test_docker_run_nvidia_with_the_runtime_hook():
     h = INV.hosts[0]
-    assert plan.docker_run_argv(INV, h, SPEC, plan.GpuAccess(nvidia_runtime=True, cdi=True)) == (
+    assert dockerargs.docker_run_argv(INV, h, SPEC, dockerargs.GpuAccess(nvidia_runtime=True, cdi=True)) == (
         common(0, "gpu0", "ib0") + ["--gpus", "all"] + NGC_LIMITS + env(0, "gpu0", "ib0") + TAIL + CMD)
 
 
 def test_docker_run_nvidia_cdi_only():
     h = INV.hosts[0]
-    access = plan.parse_gpu_probe("runtimes {\"io.containerd.runc.v2\":{\"path\":\"runc\"},\"runc\":{}}\ncdi 3\n")
-    assert access == plan.GpuAccess(nvidia_runtime=False, cdi=True)
-    assert plan.docker_run_argv(INV, h, SPEC, access) == (
+    access = dockerargs.parse_gpu_probe("runtimes {\"io.containerd.runc.v2\":{\"path\":\"runc\"},\"runc\":{}}\ncdi 3\n")
+    assert access == dockerargs.GpuAccess(nvidia_runtime=False, cdi=True)
+    assert dockerargs.docker_run_argv(INV, h, SPEC, access) == (
         common(0, "gpu0", "ib0") + ["--device", "nvidia.com/gpu=all"] + NGC_LIMITS + env(0, "gpu0", "ib0")
         + TAIL + CMD)
-    hook = plan.parse_gpu_probe('runtimes {"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}\ncdi 0\n')
-    assert hook == plan.GpuAccess(nvidia_runtime=True, cdi=False)
+    hook = dockerargs.parse_gpu_probe('runtimes {"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}\ncdi 0\n')
+    assert hook == dockerargs.GpuAccess(nvidia_runtime=True, cdi=False)
 
 
 def test_docker_run_amd_groups_by_number_read_on_the_host():
     h = INV.hosts[1]
     # /dev/kfd owned by render (gid 110 on this host), the render nodes too; video (44) on card nodes.
-    access = plan.parse_gpu_probe("gids 44 110\n")
-    assert plan.docker_run_argv(INV, h, SPEC, access) == (
+    access = dockerargs.parse_gpu_probe("gids 44 110\n")
+    assert dockerargs.docker_run_argv(INV, h, SPEC, access) == (
         common(1, "rocm1", "eth1")
         + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "44", "--group-add", "110",
            "--security-opt", "seccomp=unconfined"]
@@ -82,13 +85,13 @@ def test_docker_run_amd_groups_by_number_read_on_the_host():
 def test_docker_run_amd_without_a_render_group():
     # Devices owned by root only (gid 0): no group to add, and never a group name the image lacks.
     h = INV.hosts[1]
-    argv = plan.docker_run_argv(INV, h, SPEC, plan.parse_gpu_probe("gids 0\n"))
+    argv = dockerargs.docker_run_argv(INV, h, SPEC, dockerargs.parse_gpu_probe("gids 0\n"))
     assert "--group-add" not in argv and argv[argv.index("/dev/dri") + 1] == "--security-opt"
 
 
 def test_docker_run_cpu_with_infiniband_devices_and_mounts():
     h = INV.hosts[2]
-    assert plan.docker_run_argv(INV, h, SPEC) == (
+    assert dockerargs.docker_run_argv(INV, h, SPEC) == (
         common(2, "cpu2", "eth0") + ["--device", "/dev/infiniband/uverbs0", "--cap-add", "IPC_LOCK"]
         + env(2, "cpu2", "eth0") + TAIL + ["--volume", "/data:/data:ro"] + CMD)
 
@@ -96,21 +99,21 @@ def test_docker_run_cpu_with_infiniband_devices_and_mounts():
 def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
     from dataclasses import replace
     spec = replace(SPEC, units="gpu0:2,5", owner="alice@ws1")
-    argv = plan.docker_run_argv(INV, INV.hosts[0], spec, plan.GpuAccess(nvidia_runtime=True), units=(2, 5))
+    argv = dockerargs.docker_run_argv(INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=True), units=(2, 5))
     assert argv[argv.index("fabtrain.host=gpu0") + 1:][:2] == ["--label", "fabtrain.owner=alice@ws1"]
     assert argv[argv.index("--gpus") + 1] == '"device=2,5"' and "NPROC_PER_NODE=2" in argv
-    assert "--gpus '\"device=2,5\"'" in plan.shell(argv)  # as the docker CLI wants it on the host
-    cdi = plan.docker_run_argv(INV, INV.hosts[0], spec, plan.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5))
+    assert "--gpus '\"device=2,5\"'" in sshargs.shell(argv)  # as the docker CLI wants it on the host
+    cdi = dockerargs.docker_run_argv(INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5))
     assert cdi[cdi.index("--device"):cdi.index("--device") + 4] == [
         "--device", "nvidia.com/gpu=2", "--device", "nvidia.com/gpu=5"]
     # Every GPU of the host: the same argv as a job that owns the host; --nproc given wins.
-    assert plan.docker_run_argv(INV, INV.hosts[0], SPEC, plan.GpuAccess(), units=tuple(range(8))) == \
-        plan.docker_run_argv(INV, INV.hosts[0], SPEC, plan.GpuAccess())
-    assert "NPROC_PER_NODE=1" in plan.docker_run_argv(INV, INV.hosts[0], replace(spec, nproc_per_node="1"),
-                                                      plan.GpuAccess(), units=(2, 5))
+    assert dockerargs.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess(), units=tuple(range(8))) == \
+        dockerargs.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess())
+    assert "NPROC_PER_NODE=1" in dockerargs.docker_run_argv(INV, INV.hosts[0], replace(spec, nproc_per_node="1"),
+                                                      dockerargs.GpuAccess(), units=(2, 5))
     # AMD: /dev/kfd and only the chosen GPUs' render nodes, from the KFD topology read on the host.
-    access = plan.parse_gpu_probe("gids 44 110\nrender 128 136 144 152\n")
-    amd = plan.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
+    access = dockerargs.parse_gpu_probe("gids 44 110\nrender 128 136 144 152\n")
+    amd = dockerargs.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
     assert amd[amd.index("/dev/kfd") - 1:amd.index("/dev/kfd") + 5] == [
         "--device", "/dev/kfd", "--device", "/dev/dri/renderD136", "--device", "/dev/dri/renderD152"]
 
@@ -118,8 +121,8 @@ def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
 def test_cpu_jobs_pinned_to_their_slots_with_cpuset():
     from dataclasses import replace
     h = INV.hosts[2]
-    assert "--cpuset-cpus" not in plan.docker_run_argv(INV, h, SPEC, units=(1,))
-    argv = plan.docker_run_argv(INV, h, replace(SPEC, cpuset=True, units="cpu2:1,3"), units=(1, 3))
+    assert "--cpuset-cpus" not in dockerargs.docker_run_argv(INV, h, SPEC, units=(1,))
+    argv = dockerargs.docker_run_argv(INV, h, replace(SPEC, cpuset=True, units="cpu2:1,3"), units=(1, 3))
     assert argv[argv.index("--cpuset-cpus") + 1] == "1,3" and "NPROC_PER_NODE=2" in argv
 
 
@@ -138,27 +141,27 @@ hosts:
     cap_add: [SYS_NICE]
     security_opt: [apparmor=unconfined]
 """, Path("i.yaml"))
-    assert plan.container_options(inv, inv.hosts[0]) == [
+    assert dockerargs.container_options(inv, inv.hosts[0]) == [
         "--ulimit", "memlock=68719476736", "--ulimit", "stack=-1", "--ulimit", "nofile=4096:8192",
         "--cap-add", "IPC_LOCK", "--cap-add", "SYS_PTRACE", "--cap-add", "SYS_NICE",
         "--security-opt", "apparmor=unconfined"]
 
 
 def test_module_runs_through_the_entrypoint():
-    spec = plan.JobSpec(job_id="gpt-1", script="mypkg.train", module=True, args=("--lr", "1"))
-    argv = plan.docker_run_argv(INV, INV.hosts[2], spec)
+    spec = jobspec.JobSpec(job_id="gpt-1", script="mypkg.train", module=True, args=("--lr", "1"))
+    argv = dockerargs.docker_run_argv(INV, INV.hosts[2], spec)
     assert argv[argv.index("img:1"):] == ["img:1", "/run/fabtrain/entrypoint.py", "-m", "mypkg.train", "--lr", "1"]
 
 
 def test_start_script_writes_the_entrypoint_from_stdin():
-    script = plan.start_script(INV, INV.hosts[2], SPEC)
+    script = dockerargs.start_script(INV, INV.hosts[2], SPEC)
     assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
                              "/opt/out/gpt-1/work && "
                              "rm -f /opt/out/gpt-1/.console/node-2.log && "
                              # readable by a non-root image user whatever the SSH user's umask
                              "(umask 022 && cat > /opt/out/.runtime/gpt-1/entrypoint.py) && docker run --detach ")
     assert script.endswith(" >/dev/null")
-    assert plan.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
+    assert hostfiles.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
     assert claims.release_command(INV, ["gpt-1"]) == (
         "d=/opt/out/.claims/\"$(hostname)\"; rm -rf /opt/out/.runtime/gpt-1 /opt/out/.runtime/.stopped/gpt-1; "
         "rm -f \"$d\"/gpt-1")
@@ -166,20 +169,20 @@ def test_start_script_writes_the_entrypoint_from_stdin():
 
 def test_shm_size_replaces_ipc_host():
     inv = parse("job: {shm_size: 64g}\nhosts:\n  - {address: h, interface: eth0}\n", Path("i.yaml"))
-    argv = plan.docker_run_argv(inv, inv.hosts[0], SPEC)
+    argv = dockerargs.docker_run_argv(inv, inv.hosts[0], SPEC)
     assert "--ipc" not in argv and argv[argv.index("--shm-size") + 1] == "64g"
 
 
 def test_hostile_values_are_quoted_once():
-    spec = plan.JobSpec(job_id="j", script="s.py", args=("'; touch /tmp/pwned #", "$(id)", "a b\nc"),
+    spec = jobspec.JobSpec(job_id="j", script="s.py", args=("'; touch /tmp/pwned #", "$(id)", "a b\nc"),
                         env=(("X", "`id` $HOME"),))
-    argv = plan.docker_run_argv(INV, INV.hosts[2], spec)
-    assert shlex.split(plan.shell(argv)) == argv
+    argv = dockerargs.docker_run_argv(INV, INV.hosts[2], spec)
+    assert shlex.split(sshargs.shell(argv)) == argv
 
 
 def test_rsync_argv():
     h = INV.hosts[1]
-    assert plan.rsync_argv(h, "/src/proj/", "/opt/code") == [
+    assert sshargs.rsync_argv(h, "/src/proj/", "/opt/code") == [
         "rsync", "--archive", "--compress", "--delete", "--mkpath", "--timeout=60", "-s", "--rsh",
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
@@ -188,30 +191,30 @@ def test_rsync_argv():
         "--exclude=.cache", "--exclude=.cluster", "--exclude=runs", "--exclude=.pytest_cache",
         "--exclude=*.egg-info", "/src/proj/", "10.0.0.2:/opt/code/"]
     # This project's own tree: only its trainers go to the hosts.
-    argv = plan.rsync_argv(h, str(plan.PROJECT_ROOT), "/opt/code", "trainers")
-    assert argv[-4:] == ["--include=/trainers/***", "--exclude=*", str(plan.PROJECT_ROOT) + "/", "10.0.0.2:/opt/code/"]
+    argv = sshargs.rsync_argv(h, str(jobspec.PROJECT_ROOT), "/opt/code", "trainers")
+    assert argv[-4:] == ["--include=/trainers/***", "--exclude=*", str(jobspec.PROJECT_ROOT) + "/", "10.0.0.2:/opt/code/"]
 
 
 def test_stop_script_by_label_with_grace():
-    assert plan.stop_script("gpt-1", 30) == (
+    assert dockerargs.stop_script("gpt-1", 30) == (
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
         " | xargs -r docker stop --time 30 >/dev/null; "
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
-        " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(plan.RM_FILTER))
-    assert plan.stop_script() == ("docker ps --all --quiet --filter label=fabtrain.managed=1"
-                                  " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(plan.RM_FILTER))
+        " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER))
+    assert dockerargs.stop_script() == ("docker ps --all --quiet --filter label=fabtrain.managed=1"
+                                  " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER))
 
 
 def test_follow_finish_and_remainder_commands():
     f = "/opt/out/gpt-1/.console/node-1.log"
-    assert plan.console_file(INV, SPEC, 1) == f
-    assert plan.follow_logs_script(INV, SPEC, 1) == (
+    assert hostfiles.console_file(INV, SPEC, 1) == f
+    assert hostfiles.follow_logs_script(INV, SPEC, 1) == (
         f"docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & tail -c +1 -s 0.2 -F --pid=$! {f} 2>/dev/null; wait")
-    assert plan.finish_logs_script(INV, SPEC, 1) == (
+    assert hostfiles.finish_logs_script(INV, SPEC, 1) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
         f"if [ -f {f} ]; then tail -c 262144 {f}; "
         "elif [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1 | tail -c 262144; fi")
-    assert plan.remainder_logs_script(INV, SPEC, 1, 2346) == (
+    assert hostfiles.remainder_logs_script(INV, SPEC, 1, 2346) == (
         f"if [ -f {f} ]; then tail -c +2346 {f}; else docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; fi")
 
 
@@ -221,7 +224,7 @@ def fake_docker(tmp_path, script: str) -> dict:
     return {"PATH": f"{tmp_path}:/usr/bin:/bin"}
 
 
-def on_this_machine(tmp_path) -> plan.Inventory:
+def on_this_machine(tmp_path) -> inventory.Inventory:
     return parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
 
 
@@ -231,7 +234,7 @@ def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_p
     import subprocess
     import threading
     inv = on_this_machine(tmp_path)
-    f = Path(plan.console_file(inv, SPEC, 0))
+    f = Path(hostfiles.console_file(inv, SPEC, 0))
     f.parent.mkdir(parents=True)
     env = fake_docker(tmp_path, f"while [ ! -e {tmp_path}/exited ]; do sleep 0.05; done\necho 0\n")
 
@@ -245,7 +248,7 @@ def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_p
         (tmp_path / "exited").touch()
     t = threading.Thread(target=container)
     t.start()
-    r = subprocess.run(["sh", "-c", plan.follow_logs_script(inv, SPEC, 0)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", hostfiles.follow_logs_script(inv, SPEC, 0)], capture_output=True, text=True,
                        env=env, timeout=20)
     t.join()
     assert r.stdout == "".join(f"line {i}\n" for i in range(3000))
@@ -257,13 +260,13 @@ def test_remainder_script_sends_exactly_the_rest(tmp_path):
     full = "".join(f"line {i}\n" for i in range(1000))
     (tmp_path / "full").write_text(full)
     env = fake_docker(tmp_path, f"cat {tmp_path}/full\n")  # no console file: Docker's log
-    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", hostfiles.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
                        env=env)
     assert full[:2345] + r.stdout == full
-    f = Path(plan.console_file(inv, SPEC, 1))
+    f = Path(hostfiles.console_file(inv, SPEC, 1))
     f.parent.mkdir(parents=True)
     f.write_text(full)
-    r = subprocess.run(["sh", "-c", plan.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", hostfiles.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
                        env=fake_docker(tmp_path, "echo wrong\n"))
     assert full[:2345] + r.stdout == full
 

@@ -1,12 +1,18 @@
 """policy.decide, table-driven: (outcome, policy, roster) -> the next roster or why the job ends."""
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from orchestrator.inventory import parse
-from orchestrator.policy import Failure as F
-from orchestrator.policy import HostFailure, Outcome, Policy, Roster, backoff, decide
+from orchestrator.config.inventory import parse
+from orchestrator.core.policy import Failure as F
+from orchestrator.core.policy import (
+    HostFailure,
+    Outcome,
+    Policy,
+    Roster,
+    backoff,
+    decide,
+)
 
 INV = parse("""\
 hosts:

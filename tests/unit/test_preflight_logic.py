@@ -3,7 +3,8 @@ import time
 from pathlib import Path
 
 from orchestrator import preflight as pf
-from orchestrator.inventory import parse
+from orchestrator.commands import dockerargs
+from orchestrator.config.inventory import parse
 
 INV = parse("hosts:\n  - {name: a, address: 10.1.0.1, interface: eth0}\n"
             "  - {name: b, address: 10.1.0.2, interface: ens9}\n", Path("i.yaml"))
@@ -138,9 +139,9 @@ def test_nvidia_host_without_hook_or_cdi_fails_docker_check():
     gpu = parse("hosts:\n  - {name: g, address: 10.1.0.9, interface: eth0, gpus: {vendor: nvidia, count: 8}}\n",
                 Path("i.yaml")).hosts[0]
     facts = {"docker": (0, "27.1")}
-    none = pf.judge_docker(gpu, facts, pf.plan.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 0\n"))
+    none = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 0\n"))
     assert none.status == "fail" and "no nvidia runtime and no CDI specs" in none.detail
-    cdi = pf.judge_docker(gpu, facts, pf.plan.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 2\n"))
+    cdi = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 2\n"))
     assert cdi.status == "ok"
 
 
@@ -178,8 +179,8 @@ def test_hosts_whose_images_hold_different_versions_are_warned():
 
 
 def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended(tmp_path):
-    from orchestrator.watch import NodeEnd, Watched
-    from orchestrator.policy import Failure
+    from orchestrator.backends.ssh.watch import NodeEnd, Watched
+    from orchestrator.core.policy import Failure
     inv = parse("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n"
                 "  - {name: b, address: 10.0.0.2, interface: eth0}\n", Path("i.yaml"))
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import plan, recovery
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec, recovery
+from orchestrator.core.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainers"))
 
@@ -46,7 +46,7 @@ def test_source_line(tmp_path):
 
 
 def test_job_record_round_trip_keeps_the_spec(tmp_path):
-    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--lr", "a b"), env=(("K", "v"),))
+    spec = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--lr", "a b"), env=(("K", "v"),))
     rec = recovery.JobRecord.new(spec, inv(), restarts=2, min_nodes=1, hang_timeout=30)
     rec.attempts.append(recovery.Attempt(1, ["a", "b"], 1.0, 2.0, "a exited with code 137"))
     (tmp_path / "gpt-1").mkdir()
@@ -63,7 +63,7 @@ def test_job_record_round_trip_keeps_the_spec(tmp_path):
 
 
 def test_newest_complete_snapshot_ignores_partial_files():
-    from orchestrator import snapshots
+    from orchestrator.backends.ssh import snapshots
     assert snapshots.newest(["snapshot-000000020.pt", ".snapshot-000000030.pt.7.tmp", "snapshot-000000010.pt",
                              ".snapshot-000000040.pt.copy.tmp", "notes.txt"]) == "snapshot-000000020.pt"
 

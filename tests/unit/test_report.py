@@ -1,7 +1,7 @@
 """Run reports: metrics merged across attempts, the figure's axes and series, summary, runs list."""
 import json
 
-from orchestrator import report
+from orchestrator.progress import report
 
 
 def make_run(root, job="gpt-1", hosts=("node1", "node2")):

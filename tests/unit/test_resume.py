@@ -4,16 +4,17 @@ import json
 
 import pytest
 
-from orchestrator import cli, plan, recovery
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
+from orchestrator.commandline import cli
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec, recovery
+from orchestrator.core.errors import UserError
 
 TRAINERS = {"gpt": "trainers/gpt.py"}
 INV = parse("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n", __import__("pathlib").Path("i.yaml"))
 
 
 def record(state="running", **spec_kw) -> recovery.JobRecord:
-    spec = plan.JobSpec(**{"job_id": "gpt-20261123-101500-ab12", "script": "trainers/gpt.py",
+    spec = jobspec.JobSpec(**{"job_id": "gpt-20261123-101500-ab12", "script": "trainers/gpt.py",
                            "args": ("--model", "tiny", "--epochs", "5"), **spec_kw})
     rec = recovery.JobRecord.new(spec, INV, 0, None, 0)
     rec.state = state
@@ -66,11 +67,11 @@ def test_find_named_takes_the_newest_run_of_that_name_only(tmp_path):
                                            ("./snapshot.pt", "work/snapshot.pt"),
                                            ("/output/ckpt/*.pt", "ckpt/*.pt"), ("ckpts/", "work/ckpts/*")])
 def test_checkpoint_paths(given, stored):
-    assert plan.checkpoint_pattern(given) == stored
+    assert jobspec.checkpoint_pattern(given) == stored
     inv = parse(f"job: {{checkpoint: '{given}'}}\nhosts:\n  - {{address: h, interface: eth0}}\n",
                 __import__("pathlib").Path("i.yaml"))
     assert inv.job.checkpoint == stored
-    assert plan.checkpoint_pattern(cli.inventory_checkpoint(inv)) == stored
+    assert jobspec.checkpoint_pattern(cli.inventory_checkpoint(inv)) == stored
 
 
 @pytest.mark.parametrize("given, message", [

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from orchestrator.live import Board
+from orchestrator.progress.live import Board
 
 
 class Clock:
@@ -53,7 +53,7 @@ def test_few_hosts_are_all_shown_as_before():
 
 
 def test_by_default_64_hosts_take_at_most_max_rows_lines_and_the_summary():
-    from orchestrator.live import MAX_ROWS
+    from orchestrator.progress.live import MAX_ROWS
     board = Board([(f"node{i}", i) for i in range(64)], clock=Clock())
     lines = text(board.render())
     assert len(lines) == MAX_ROWS and lines[-1].startswith(f"... and {64 - MAX_ROWS + 1} more of 64 hosts")

@@ -4,9 +4,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from orchestrator.inventory import Host
-from orchestrator.remote import Gateways
-from orchestrator.sshconf import SSH
+from orchestrator.config.inventory import Host
+from orchestrator.config.sshconf import SSH
+from orchestrator.transport.remote import Gateways
 
 
 class FakeConn:

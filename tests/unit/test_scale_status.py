@@ -1,7 +1,7 @@
 """fab status reads every job's last step in one command per host, not one per job in turn."""
 import subprocess
 
-from orchestrator import hostops
+from orchestrator.hosts import hostops
 
 
 def run_local(script: str) -> bytes:
@@ -29,18 +29,18 @@ class FakeSession:
         self.outputs, self.commands = outputs, []
 
     def run(self, host, command, timeout, what=""):
-        from orchestrator.remote import Result
+        from orchestrator.transport.remote import Result
         self.commands.append((host.name, command))
         return Result(self.outputs[host.name], "", 0, 0.0)
 
     def fan_out(self, fn, hosts):
-        from orchestrator.remote import PerHost
+        from orchestrator.transport.remote import PerHost
         return PerHost({h.name: fn(h) for h in hosts})
 
 
 def test_many_jobs_on_few_hosts_cost_one_command_per_host():
-    from orchestrator.inventory import Host, Inventory, Job
-    from orchestrator.sshconf import SSH
+    from orchestrator.config.inventory import Host, Inventory, Job
+    from orchestrator.config.sshconf import SSH
     hosts = tuple(Host(name=f"node{i}", address=f"10.0.0.{i}", rank=i - 1, ssh=SSH(hostname=f"10.0.0.{i}", user="root"), interface="eth0")
                   for i in (1, 2))
     inv = Inventory(path=None, hosts=hosts, job=Job())

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cli
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
+from orchestrator.commandline import cli
+from orchestrator.config.inventory import parse
+from orchestrator.core.errors import UserError
 
 INV = parse("""\
 hosts:

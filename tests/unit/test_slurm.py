@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import plan, slurm
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
-from orchestrator.logs import Multiplexer
-from orchestrator.remote import Result, put_command
+from orchestrator.backends.slurm import slurm
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.transport.logs import Multiplexer
+from orchestrator.transport.remote import Result, put_command
 
 SECRET = "tok-never-on-a-command-line"
 HOSTS = """\
@@ -129,7 +130,7 @@ class Recorder:
         self.run(host, put_command(path, mode), timeout, stdin=data)
 
     def fan_out(self, fn, hosts):
-        from orchestrator.remote import PerHost
+        from orchestrator.transport.remote import PerHost
         return PerHost({h.name: fn(h) for h in hosts})
 
 
@@ -140,7 +141,7 @@ def test_dry_run_is_what_is_submitted_and_secrets_travel_on_stdin(tmp_path):
     (code / "trainers" / "gpt.py").write_text("print('hi')\n")
     i = inv(tmp_path, "  login: l1\n  workdir: /jobs\n  partition: gpu\n",
             job=f"job: {{secret_files: {{API_TOKEN: {tmp_path}/token}}}}\n")
-    spec = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--epochs", "2"), code=str(code))
+    spec = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--epochs", "2"), code=str(code))
     text = slurm.dry_run(i, spec)
     spec, script = slurm.prepared(i, spec)
     rec = Recorder()
@@ -164,7 +165,7 @@ def test_a_job_sbatch_refuses_is_a_clear_error(tmp_path):
     code = tmp_path / "project"
     code.mkdir()
     i = inv(tmp_path, "  login: l1\n")
-    spec, script = slurm.prepared(i, plan.JobSpec(job_id="gpt-1", script="x.py", code=str(code)))
+    spec, script = slurm.prepared(i, jobspec.JobSpec(job_id="gpt-1", script="x.py", code=str(code)))
 
     class Refusing(Recorder):
         def run(self, host, command, timeout=60, stdin=None, what=""):

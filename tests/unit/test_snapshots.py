@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import plan, snapshots
-from orchestrator.errors import UserError
-from orchestrator.inventory import parse
-from orchestrator.remote import CommandTimedOut, PerHost, Result
+from orchestrator.backends.ssh import snapshots
+from orchestrator.commands import sshargs
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.transport.remote import CommandTimedOut, PerHost, Result
 
 INV = parse("""\
 ssh: {user: u, key: /k/id, known_hosts: /k/kh}
@@ -24,7 +26,7 @@ hosts:
   - {name: a, address: 10.0.0.1, interface: eth0}
   - {name: b, address: 10.0.0.2, interface: eth0}
 """, Path("/i/inv.yaml"))
-SPEC = plan.JobSpec(job_id="gpt-1", script="trainers/gpt.py")
+SPEC = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py")
 A, B = INV.hosts
 DIR = "/out/gpt-1/snapshots"
 S10, S20, S30 = (f"snapshot-{s:09d}.pt" for s in (10, 20, 30))
@@ -99,7 +101,7 @@ class FakeSession:
 
 
 class FakeRsync:
-    """subprocess.run for plan.fetch_file_argv / push_file_argv: copies between real local files and
+    """subprocess.run for sshargs.fetch_file_argv / push_file_argv: copies between real local files and
     the session's host files. `plan` scripts the calls per host: "ok", "corrupt" (wrong bytes
     written, exit 0) or "fail" (nothing written, exit 12); "ok" once the script runs out."""
 
@@ -224,7 +226,7 @@ def test_fetch_checks_each_copy_and_retries(tmp_path, copies, checksum_answers, 
     # Every try asks the host for the file's size and hash again, under its deadline.
     assert session.of("a") == [(snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)] * tries
     tmp = snaps.dir / snapshots.temp_name(S20)
-    assert rsync.calls == [plan.fetch_file_argv(A, REMOTE20, str(tmp))] * n_copies
+    assert rsync.calls == [sshargs.fetch_file_argv(A, REMOTE20, str(tmp))] * n_copies
     assert not tmp.exists()
     if why is None:
         assert fetched and reports == []
@@ -295,7 +297,7 @@ def test_place_checks_each_push_and_retries(tmp_path, copies, b_commands, why, c
         assert session.files["b"] == {}  # neither the snapshot's name nor a bad copy is left there
     assert session.of("a") == [LIST, (snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)]
     assert session.of("b") == b_commands
-    assert rsync.calls == [plan.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP,
+    assert rsync.calls == [sshargs.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP,
                                                snapshots.no_link_command(DIR))] * len(copies)
     assert capsys.readouterr() == ("", "")
 
@@ -317,8 +319,8 @@ def test_place_takes_the_newest_from_any_host_and_another_holder_when_one_copy_f
     assert (snaps.dir / S30).read_bytes() == DATA[S30]
     assert sorted(p.name for p in snaps.dir.iterdir()) == [S10, S30]
     assert len(reports) == 1 and reports[0].startswith(f"b: could not copy snapshot {S30} to ")
-    assert rsync.calls == [plan.fetch_file_argv(B, r30, str(snaps.dir / snapshots.temp_name(S30)))] * 3 + [
-        plan.fetch_file_argv(A, r30, str(snaps.dir / snapshots.temp_name(S30)))]
+    assert rsync.calls == [sshargs.fetch_file_argv(B, r30, str(snaps.dir / snapshots.temp_name(S30)))] * 3 + [
+        sshargs.fetch_file_argv(A, r30, str(snaps.dir / snapshots.temp_name(S30)))]
 
 
 def test_place_with_no_snapshot_anywhere_places_nothing(tmp_path):
@@ -379,7 +381,7 @@ def test_follow_looks_once_more_after_stop(tmp_path, monkeypatch):
 
 def test_fetch_argv_leaves_the_snapshots_out():
     h = INV.hosts[1]
-    assert plan.fetch_argv(h, "/out/gpt-1", "runs/gpt-1/outputs/b") == [
+    assert sshargs.fetch_argv(h, "/out/gpt-1", "runs/gpt-1/outputs/b") == [
         "rsync", "--recursive", "--times", "--links", "--safe-links", "--timeout=60",
         "--exclude=/.console/",
         "--exclude=/snapshots/snapshot-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9].pt",
@@ -403,7 +405,7 @@ def test_fetch_argv_filters_with_a_real_rsync(tmp_path):
     for rel, text in files.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(text)
-    argv = plan.fetch_argv(INV.hosts[0], str(src), str(dest))
+    argv = sshargs.fetch_argv(INV.hosts[0], str(src), str(dest))
     i = argv.index("--rsh")
     subprocess.run([*argv[:i], str(src) + "/", str(dest)], check=True)
     got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
@@ -432,7 +434,7 @@ def local_rsync(argv, **kw):
 def checkpoint_job(tmp_path, pattern="checkpoints/*"):
     inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
                 Path("/i/inv.yaml"))
-    spec = plan.JobSpec(job_id="j", script="main.py", checkpoint=plan.checkpoint_pattern(pattern))
+    spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern(pattern))
     return inv, spec, tmp_path / "host" / "j" / "work" / "checkpoints"
 
 

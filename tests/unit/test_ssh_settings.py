@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import plan, remote
-from orchestrator.errors import UserError
-from orchestrator.inventory import load, parse
+from orchestrator.commands import sshargs
+from orchestrator.config.inventory import load, parse
+from orchestrator.core.errors import UserError
+from orchestrator.transport import remote
 
 CONFIG = """\
 Include {d}/more.conf
@@ -84,7 +85,7 @@ def test_rsync_ssh_argv_equals_what_paramiko_is_given(cfg):
     inv = parse(inventory(cfg, ssh=f"  user: trainer\n  key: {key}\n").read_text(), cfg / "inv.yaml")
     for host in inv.hosts:
         ssh = host.ssh
-        ref = ssh_g(*plan.ssh_argv(host)[1:], ssh.hostname)
+        ref = ssh_g(*sshargs.ssh_argv(host)[1:], ssh.hostname)
         kwargs = remote.connect_kwargs(ssh)
         assert ref["hostname"] == [ssh.hostname] and ref["port"] == [str(ssh.port)]
         assert ref["user"] == [ssh.user] == ["trainer"]
@@ -113,7 +114,7 @@ def test_agent_when_no_key_is_given():
     assert ssh.keys == () and ssh.known_hosts == (os.path.expanduser("~/.ssh/known_hosts"),)
     assert remote.connect_kwargs(ssh) == {"banner_timeout": 10.0, "auth_timeout": 10.0, "allow_agent": True,
                                           "look_for_keys": True}
-    assert "-i" not in plan.ssh_argv(inv.hosts[0])
+    assert "-i" not in sshargs.ssh_argv(inv.hosts[0])
 
 
 def test_inventory_jump_for_every_host_and_per_host_none(cfg):
@@ -171,7 +172,7 @@ def test_binary_and_non_utf8_inventories(tmp_path):
 
 
 def test_an_include_of_a_directory_is_a_clear_error(tmp_path):
-    from orchestrator import sshconf
+    from orchestrator.config import sshconf
     (tmp_path / "conf.d").mkdir()
     cfg = tmp_path / "config"
     cfg.write_text(f"Include {tmp_path}/conf.d\nHost x\n  HostName 10.0.0.9\n")

@@ -1,6 +1,6 @@
 """The watcher's decisions without a cluster: progress per node, the node's own exit line, blame."""
-from orchestrator import recovery
-from orchestrator.watch import Progress, worker_failure
+from orchestrator.backends.ssh.watch import Progress, worker_failure
+from orchestrator.core import recovery
 
 
 class Clock:

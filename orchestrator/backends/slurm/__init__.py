@@ -1,0 +1,1 @@
+"""The Slurm backend: submit to a login node, follow the job, requeue and resume."""

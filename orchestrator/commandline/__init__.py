@@ -1,0 +1,1 @@
+"""The command-line layer: options turned into requests (cli) and the fabtrain program."""

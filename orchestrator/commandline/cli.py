@@ -1,0 +1,315 @@
+"""From command-line options to a job: a new job's spec, a resumed job's changes, the policy, and
+what is shown when a job ends. fabfile.py's tasks only parse options and call these.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from orchestrator.config import codetree
+from orchestrator.config.inventory import Inventory
+from orchestrator.core import hostile, jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.core.policy import HANG_TIMEOUT, Policy
+from orchestrator.core.recovery import JobRecord
+from orchestrator.progress import report
+
+
+def quiet_on_closed_pipe() -> None:
+    """`fab --help train | head -1`, `fab status | head`: a reader that closes the pipe early ends
+    the command quietly, as it ends `yes | head` (exit 141, 128 + SIGPIPE), never with a
+    traceback. Only a BrokenPipeError that reaches the top is taken: while a job runs, its
+    terminal output already stops at a closed pipe and the job goes on (logs.Multiplexer)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):  # noqa: ANN001 - sys.excepthook's signature
+        if issubclass(kind, BrokenPipeError):
+            # Python would flush stdout again at exit and print "Exception ignored": point it at
+            # /dev/null first.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            os._exit(141)
+        previous(kind, value, tb)
+    sys.excepthook = hook
+
+
+def code_dir(path: str | None) -> Path:
+    """--code DIR, checked; without it, the current directory (where a user runs their own script from)."""
+    p = Path(path or ".").expanduser().resolve()
+    if not p.is_dir():
+        raise UserError(f"--code {path}: not a directory; give the folder holding your training code", exit_code=2)
+    return p
+
+
+def code_tree(path: str | None) -> tuple[Path, str]:
+    """What `fab sync` and `fab preflight` check: --code DIR, or the built-in trainers."""
+    return (code_dir(path), "") if path else (jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
+
+
+def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
+    """A new job from the command line (`o`: the job options, None where not given): a built-in
+    trainer (this project's trainers/), or --script or --module in --code DIR (default: the
+    current directory), with its arguments."""
+    script, module, args = o.get("script"), o.get("module"), o.get("args") or ""
+    if not (script or module) and o.get("code"):
+        raise UserError("--code is the folder of your own --script or --module; the built-in trainers bring "
+                        "their own", exit_code=2)
+    source, only = (code_dir(o.get("code")), "") if script or module else (jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
+    if script and module:
+        raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
+    if module:
+        if not jobspec.MODULE_RE.match(module):
+            raise UserError(f"--module {hostile.text(module)!r} is not a Python module name; write e.g. "
+                            "mypkg.train (dotted names, no .py)", exit_code=2)
+        script, extra = module, split_args(args)
+    elif script:
+        if not (source / script).is_file():
+            raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code DIR "
+                            "(default: the current directory)", exit_code=2)
+        extra = split_args(args)
+    else:
+        trainer = o.get("trainer") or "gpt"
+        if trainer not in trainers:
+            raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(trainers)} or --script PATH",
+                            exit_code=2)
+        script = trainers[trainer]
+        extra = ["--model", o.get("model") or "tiny", "--epochs", str(epochs(o.get("epochs") or 5)), *split_args(args)]
+    job_name = default_name(o, trainers)
+    if not jobspec.valid_job_id(job_name):
+        raise UserError(f"--name {hostile.text(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
+    nproc = o.get("nproc")
+    checkpoint = checkpoint_option(o.get("checkpoint"))
+    if checkpoint and script in trainers.values() and not module:
+        raise UserError("--checkpoint names where your own program writes its checkpoints; the built-in "
+                        "trainers' snapshots are kept without it", exit_code=2)
+    return jobspec.JobSpec(job_id=jobspec.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra),
+                        image=o.get("image"), nproc_per_node=str(nproc) if nproc else None, code=str(source),
+                        code_only=only, code_key=codetree.key(source, only), checkpoint=checkpoint)
+
+
+def checkpoint_option(value: str | None) -> str:
+    """--checkpoint as JobSpec.checkpoint ("" when not given)."""
+    if not value:
+        return ""
+    try:
+        return jobspec.checkpoint_pattern(value)
+    except ValueError as exc:
+        raise UserError(f"--checkpoint {exc}", exit_code=2) from None
+
+
+def default_name(o: dict, trainers: dict[str, str]) -> str:
+    """--name, else the module's, script's or trainer's name (what --continue looks for in runs/)."""
+    if o.get("name"):
+        return o["name"]
+    module, script = o.get("module"), o.get("script") or trainers.get(o.get("trainer") or "gpt", "job")
+    return (module.rsplit(".", 1)[-1] if module else Path(script).stem).replace("_", "-")
+
+
+def split_args(args: str) -> list[str]:
+    try:
+        return shlex.split(args)
+    except ValueError as exc:
+        raise UserError(f"--args {args!r}: {exc}; quote it as a shell would", exit_code=2) from None
+
+
+def epochs(value) -> int:
+    return count("--epochs", value)
+
+
+# What a resumed job keeps, because its snapshots and ranks depend on it: given again with the
+# recorded value, fine (the same command run again with --continue); with another, refused.
+FIXED_ON_RESUME = {
+    "trainer": "what the job runs", "script": "what the job runs", "module": "what the job runs",
+    "model": "the model its snapshots hold", "nproc": "its processes per node (the snapshots' world size)",
+    "name": "its id and output directory",
+}
+
+
+def recorded(spec: jobspec.JobSpec, key: str, trainers: dict[str, str]) -> str | None:
+    """The value option `key` had when the job was started, as the command line gives it."""
+    builtin = not spec.module and spec.script in trainers.values()
+    return {"trainer": next((t for t, s in trainers.items() if s == spec.script and builtin), None),
+            "script": None if spec.module or builtin else spec.script,
+            "module": spec.script if spec.module else None,
+            "model": spec.args[1] if builtin and len(spec.args) > 1 else None,
+            "nproc": spec.nproc_per_node,
+            "name": job_name(spec.job_id)}.get(key)
+
+
+def job_name(job_id: str) -> str:
+    """The --name part of a job id (NAME-YYYYmmdd-HHMMSS-xxxx)."""
+    m = re.match(r"^(.*)-\d{8}-\d{6}-[0-9a-f]{4}$", job_id)
+    return m.group(1) if m else job_id
+
+
+def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bool = False
+                 ) -> tuple[jobspec.JobSpec, dict]:
+    """The recorded job with the options a resume may change (--epochs, --args, --image, --code,
+    --checkpoint), and what changed; an option that would make it another job is refused, never
+    dropped. A finished job is resumed (--resume) only with something new to do (--epochs or
+    --args), or `again` (--continue: the program decides what is left)."""
+    spec = record.job_spec()
+    for key, why in FIXED_ON_RESUME.items():
+        if o.get(key) is not None and str(o[key]) != str(recorded(spec, key, trainers)):
+            raise UserError(f"--{key} cannot change when resuming job {spec.job_id}: it fixes {why}. Leave "
+                            f"--{key} out to continue the job, or start a new job without --resume", exit_code=2)
+    if record.state == "finished" and not again and o.get("epochs") is None and o.get("args") is None:
+        raise UserError(f"job {spec.job_id} already finished; to train it further give --epochs N (the built-in "
+                        "trainers) or --args \"...\" (your script's own options), e.g. more epochs", exit_code=2)
+    before = spec
+    args = list(spec.args)
+    builtin = not spec.module and args[:1] == ["--model"] and args[2:3] == ["--epochs"]
+    if o.get("epochs") is not None:
+        if not builtin:
+            raise UserError(f"--epochs applies to the built-in trainers; job {spec.job_id} runs {spec.script}: "
+                            "give its own option with --args instead", exit_code=2)
+        args[3] = str(epochs(o["epochs"]))
+    if o.get("args") is not None:
+        args = [*args[:4], *split_args(o["args"])] if builtin else split_args(o["args"])
+    spec = replace(spec, args=tuple(args))
+    if o.get("image") is not None:
+        spec = replace(spec, image=o["image"])
+    if o.get("code") is not None:
+        spec = replace(spec, code=str(code_dir(o["code"])), code_only="")
+    if o.get("checkpoint") is not None:
+        spec = replace(spec, checkpoint=checkpoint_option(o["checkpoint"]))
+    changed = {k: getattr(spec, k) for k in ("args", "image", "code", "checkpoint")
+               if getattr(spec, k) != getattr(before, k)}
+    return spec, changed
+
+
+def host_list(value: str, option: str, inv: Inventory) -> dict[str, tuple[int, ...]]:
+    """DeepSpeed's launcher syntax, `node1@node3` (hosts joined by @), each host optionally with its
+    GPUs (CPU slots on a host without GPUs): `node1:0,1@node2:2,3`. Inventory host name -> the
+    units asked for (() when the host is named alone)."""
+    known = [h.name for h in inv.all_hosts]
+    example = f"{option} {'@'.join(known[:2])}"
+    out: dict[str, tuple[int, ...]] = {}
+    for part in (p.strip() for p in value.split("@")):
+        name, colon, units = part.partition(":")
+        if not name:
+            raise UserError(f"{option} {value!r}: an empty host name; write hosts joined by @, e.g. {example}",
+                            exit_code=2)
+        if name not in known:
+            raise UserError(f"{option} {value!r}: no host {name!r} in {inv.path}; hosts are {', '.join(known)}",
+                            exit_code=2)
+        listed = [u.strip() for u in units.split(",")] if colon else []
+        if colon and (not all(u.isdigit() for u in listed) or len(set(listed)) != len(listed)):
+            raise UserError(f"{option} {value!r}: {part!r} should list distinct GPU (or CPU slot) indices "
+                            f"after the colon, e.g. {name}:0,1", exit_code=2)
+        if colon and option == "--exclude":
+            raise UserError(f"{option} {value!r}: --exclude takes whole hosts; choose GPUs with --include "
+                            f"{name}:i,j", exit_code=2)
+        if name in out:
+            raise UserError(f"{option} {value!r}: {name} is named twice", exit_code=2)
+        out[name] = tuple(sorted(int(u) for u in listed))
+    return out
+
+
+def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy: set[str] = frozenset(),
+                 num_nodes=None) -> Inventory:
+    """The job's hosts: the inventory's (in its rank order), only --include's, less --exclude's; with
+    --num-nodes N, the first N of them that no other job holds (`busy`). Ranks are renumbered."""
+    hosts = list(inv.hosts)
+    if include:
+        chosen = host_list(include, "--include", inv)
+        hosts = [h for h in inv.all_hosts if h.name in chosen]
+    if exclude:
+        dropped = host_list(exclude, "--exclude", inv)
+        hosts = [h for h in hosts if h.name not in dropped]
+    if num_nodes is not None:
+        n = count("--num-nodes", num_nodes)
+        free = [h for h in hosts if h.name not in busy]
+        if len(free) < n:
+            raise UserError(f"--num-nodes {n}: only {len(free)} of {', '.join(h.name for h in hosts)} are free "
+                            f"({', '.join(sorted(busy & {h.name for h in hosts})) or 'none'} run other jobs); "
+                            f"wait, or ask for fewer", exit_code=2)
+        hosts = free[:n]
+    if not hosts:
+        raise UserError("--include/--exclude leave no host to run on", exit_code=2)
+    names = {h.name for h in hosts}
+    return replace(inv, hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
+                   spares=tuple(s for s in inv.spares if s.name not in names))
+
+
+def count(option: str, value) -> int | None:
+    """A whole number option of 1 or more (None when not given): --epochs, --gpus, --num-nodes."""
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise UserError(f"{option} {value!r}: give a whole number, 1 or more", exit_code=2)
+    return n
+
+
+def units_asked(inv: Inventory, include: str | None) -> str:
+    """JobSpec.units: --include's hosts that list units, in the same syntax ('' when none do)."""
+    if not include:
+        return ""
+    return "@".join(f"{n}:{','.join(map(str, u))}" for n, u in host_list(include, "--include", inv).items() if u)
+
+
+def resume_entry(record: JobRecord, changed: dict) -> dict:
+    """What JobRecord.resumes keeps of one resume."""
+    import time
+    return {"time": time.time(), "after_attempt": len(record.attempts), "state": record.state,
+            "changed": {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()}}
+
+
+def changes_line(changed: dict) -> str:
+    if not changed:
+        return ""
+    shown = {k: shlex.join(v) if isinstance(v, tuple) else v for k, v in changed.items()}
+    return "; now " + ", ".join(f"{k} {hostile.text(str(v))!r}" for k, v in shown.items())
+
+
+def inventory_checkpoint(inv: Inventory) -> str | None:
+    """job.checkpoint as --checkpoint would give it (the inventory stores the normalised form)."""
+    c = inv.job.checkpoint
+    if not c:
+        return None
+    return c[len(jobspec.WORK) + 1:] if c.startswith(jobspec.WORK + "/") else f"{jobspec.OUTDIR}/{c}"
+
+
+def find_named(run_root: Path, name: str) -> str | None:
+    """The newest job started with --name NAME under run_root (None: none), for --continue."""
+    found = [p for p in run_root.glob(f"{name}-*") if job_name(p.name) == name and (p / "job.json").is_file()]
+    return max(found, key=lambda p: p.name.split("-")[-3:-1]).name if found else None
+
+
+def policy(inv: Inventory, restarts, min_nodes, hang_timeout) -> Policy:
+    try:
+        p = Policy(restarts=int(restarts), min_nodes=int(min_nodes) if min_nodes else None,
+                   hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
+    except ValueError as exc:
+        raise UserError(f"--restarts, --min-nodes and --hang-timeout take numbers: {exc}", exit_code=2) from None
+    if p.restarts < 0 or p.hang_timeout < 0:
+        raise UserError("--restarts and --hang-timeout cannot be negative", exit_code=2)
+    if p.min_nodes is not None and not 1 <= p.min_nodes <= len(inv.hosts):
+        raise UserError(f"--min-nodes {p.min_nodes}: give 1 to {len(inv.hosts)} (the hosts in {inv.path})",
+                        exit_code=2)
+    return p
+
+
+def present(run_dir: Path, console) -> None:
+    """The end of a run: curves and summary.json (failed runs included), the step-time table and
+    the stragglers."""
+    try:
+        data, _ = report.finish(run_dir)
+        if data["per_host"]:
+            console.print(report.timing_table(data))
+        for st in data["stragglers"]:
+            console.print(hostile.rich_text(report.straggler_line(st['rank'], st['compute_ms_median'],
+                                                                  st['times_median']), "red"))
+    except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended
+        console.print(hostile.rich_text(f"could not write the run's curves and summary: {exc}", "yellow"))

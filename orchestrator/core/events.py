@@ -1,0 +1,95 @@
+"""What happens to a job, as events, and who hears them: the terminal or a JSON-lines stream.
+
+The lifecycle (job.py) and the watcher (watch.py) never print; they call `Reporter.emit(event,
+**fields)`. `Terminal` turns events into the lines a person reads; `JsonLines` writes one JSON
+object a line (`fab train --json`) for scripts: every object has `event` and `time` (Unix
+seconds), and the fields listed in KINDS.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+from orchestrator.core import hostile
+
+# Every event kind and its fields (README: --json).
+KINDS = {
+    "stage": "job, attempt, stage (plan, sync+preflight, snapshot, start, watch, teardown, decide, finish)",
+    "attempt": "job, attempt, hosts ({host: node rank}), port, snapshot, run_dir",
+    "note": "job, level (info, warning, error), text",
+    "host_failed": "job, attempt, host, kind (exited, failed to start, hung, lost, engine stuck, failed "
+                   "preflight), detail",
+    "progress": "job, attempt, host, step (the newest step a node reported; at most one a second per host)",
+    "hang": "job, attempt, ranks (one line per rank: where it is)",
+    "attempt_end": "job, attempt, ok, outcome (one line)",
+    "decision": "job, attempt, next (true: another attempt follows), reason, notes",
+    "finished": "job, state (finished, failed, stopped, interrupted), attempts, run_dir",
+}
+
+
+class Reporter:
+    """Events go nowhere (a job run quietly, such as the preflight's smoke test)."""
+
+    def emit(self, event: str, **fields) -> None:
+        pass
+
+
+class Terminal(Reporter):
+    """Events as lines for a person, through a rich console."""
+
+    STYLE = {"warning": "yellow", "error": "red"}
+
+    def __init__(self, console) -> None:
+        self.console = console
+
+    def emit(self, event: str, **f) -> None:
+        kind = event
+        text = self.line(kind, f)
+        if text is None:
+            return
+        style = self.STYLE.get(f.get("level", ""), "yellow" if kind in ("host_failed", "decision") else "")
+        if kind == "hang":
+            style = "red"
+        # The whole line as plain text: host-derived fields can never be read as markup.
+        self.console.print(hostile.rich_text(text, style), highlight=False)
+
+    @staticmethod
+    def line(kind: str, f: dict) -> str | None:
+        if kind == "attempt":
+            hosts = f["hosts"]
+            rank0 = next(h for h, r in hosts.items() if r == 0)
+            return (f"job {f['job']} attempt {f['attempt']}: starting {len(hosts)} node(s), rank 0 on {rank0} "
+                    f"(port {f['port']})" + (f", from snapshot {f['snapshot']}" if f.get("snapshot") else "")
+                    + f"; logs in {f['run_dir']}")
+        if kind == "note":
+            return hostile.text(f["text"])
+        if kind == "host_failed":
+            return f"{f['host']} {f['kind']}: {hostile.text(f['detail'])}" if f.get("detail") else None
+        if kind == "hang":
+            return "hang watchdog: no progress; where each rank is:\n  " + "\n  ".join(hostile.text(s) for s in f["ranks"])
+        if kind == "decision" and f["next"]:
+            return f"job {f['job']}: {hostile.text(f['reason'])}"
+        return None  # stages, progress and the end are shown by the log lines and the final message
+
+
+class JsonLines(Reporter):
+    """One JSON object a line on `out` (stdout by default), flushed at once."""
+
+    def __init__(self, out=None) -> None:
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()
+        self.last_progress: dict[str, float] = {}
+
+    def emit(self, event: str, **fields) -> None:
+        now = time.time()
+        if event == "progress":
+            host = fields.get("host", "")
+            if now - self.last_progress.get(host, 0) < 1.0:
+                return
+            self.last_progress[host] = now
+        line = json.dumps({"event": event, "time": round(now, 3), **fields}, default=str)
+        with self.lock:
+            self.out.write(line + "\n")
+            self.out.flush()

@@ -1,0 +1,153 @@
+"""What lets a job outlive a failure: its record under runs/JOB and the stacks of a hung job (the
+next attempt's hosts are policy.py's decision, its snapshots snapshots.py's).
+
+A job keeps one id, one output directory and one set of arguments across attempts (fab train
+--restarts) and across invocations (fab train --resume JOB).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.core import hostile, jobspec
+from orchestrator.core.errors import UserError
+
+if TYPE_CHECKING:  # the core imports no other layer
+    from orchestrator.config.inventory import Inventory
+
+RECORD = "job.json"
+
+
+# ---------------------------------------------------------------- the job's record
+
+@dataclass
+class Attempt:
+    number: int
+    hosts: list[str]
+    started: float
+    ended: float | None = None
+    outcome: str = "running"
+    resumed_from: str | None = None
+
+
+@dataclass
+class JobRecord:
+    """runs/JOB/job.json: what `fab train --resume JOB` needs to continue the same job."""
+
+    spec: dict
+    inventory: str
+    state: str = "running"  # running, finished, failed, interrupted, stopped
+    restarts: int = 0
+    min_nodes: int | None = None
+    hang_timeout: float = 0
+    attempts: list[Attempt] = field(default_factory=list)
+    # Each later `fab train --resume/--continue` of the job: when, after which attempt, what changed.
+    resumes: list[dict] = field(default_factory=list)
+    # The hosts chosen with --include/--exclude/--num-nodes (None: the inventory's hosts:).
+    selected: list[str] | None = None
+    # Where it ran when not over SSH: {"on": "slurm", "login": ..., "workdir": ..., "slurm_id": ...}.
+    backend: dict = field(default_factory=dict)
+
+    @property
+    def job_id(self) -> str:
+        return self.spec["job_id"]
+
+    def job_spec(self) -> jobspec.JobSpec:
+        s = dict(self.spec)
+        s["args"] = tuple(s.get("args", ()))
+        s["env"] = tuple(tuple(kv) for kv in s.get("env", ()))
+        return jobspec.JobSpec(**s)
+
+    def save(self, run_dir: Path) -> None:
+        tmp = run_dir / f".{RECORD}.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(run_dir / RECORD)
+
+    @classmethod
+    def new(cls, spec: jobspec.JobSpec, inv: Inventory, restarts: int, min_nodes: int | None,
+            hang_timeout: float) -> "JobRecord":
+        return cls(spec=asdict(spec), inventory=str(inv.path), restarts=restarts, min_nodes=min_nodes,
+                   hang_timeout=hang_timeout)
+
+    @classmethod
+    def load(cls, run_root: Path, job_id: str) -> "JobRecord":
+        if not jobspec.valid_job_id(job_id):
+            raise UserError(f"--resume {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them",
+                            exit_code=2)
+        path = run_root / job_id / RECORD
+        try:
+            doc = json.loads(path.read_text())
+            attempts = [Attempt(**a) for a in doc.pop("attempts", [])]
+            record = cls(**doc, attempts=attempts)
+            record.job_spec()
+            if record.job_id != job_id:  # it names directories on the hosts and here
+                raise ValueError(f"it names job {hostile.line(repr(record.job_id), 80)}, not {job_id}")
+        except FileNotFoundError:
+            raise UserError(f"--resume {job_id}: no {path}; only jobs started by 'fab train' from this "
+                            f"directory can be resumed ('ls {run_root}' lists them)", exit_code=2) from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"{path}: not a job record this version can read ({exc}); start a new job "
+                            "instead", exit_code=2) from None
+        return record
+
+
+# ---------------------------------------------------------------- stacks of a hung job
+
+def stack_summary(dump: str) -> list[str]:
+    """One line per rank from the dumped stacks: the innermost frame of its main thread (the one
+    running <module>) and the innermost frame of the user's code below it."""
+    lines = []
+    for block in re.split(r"(?m)^(?=--- rank )", dump):
+        head = re.match(r"--- rank (\S+) \(local rank (\S+), pid (\d+)\)", block)
+        if not head:
+            continue
+        threads = re.split(r"(?m)^(?=(?:Current thread|Thread) 0x)", block)
+        frames = []
+        for t in threads:
+            fs = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', t)
+            # The main thread: a script's runs <module> outermost; a module's (torchrun -m, runpy)
+            # runs _run_module_as_main.
+            if fs and fs[-1][2] in ("<module>", "_run_module_as_main"):
+                frames = [f for f in fs if not f[0].endswith(("/runpy.py", "<frozen runpy>"))] or fs
+        if not frames:
+            continue
+        inner = frames[0]
+        user = next((f for f in frames if _in_code(f[0])), None)
+        where = f"{inner[2]} ({inner[0].rsplit('/', 1)[-1]}:{inner[1]})"
+        if user and user is not inner:
+            where += f" called from {_in_code(user[0])}:{user[1]}"
+        elif user:
+            where = f"{_in_code(user[0])}:{user[1]} in {user[2]}"
+        lines.append(f"rank {head.group(1)}: {where}")
+    return lines
+
+
+def _in_code(path: str) -> str:
+    """A frame's file as a path in the user's code ('' when it is not there): the working directory
+    links to the code, and modules imported from it show the code's own mount."""
+    for root in (jobspec.WORKDIR, jobspec.CODE_MOUNT):
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+    return ""
+
+
+# Innermost frames that mean "waiting for the other ranks" (torch.distributed's collectives).
+COLLECTIVE_FILES = ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py")
+
+
+def in_collective(where: str) -> bool:
+    """Whether a rank's stack_summary place is inside a collective (it waits for another rank)."""
+    return any(f"({name}:" in where for name in COLLECTIVE_FILES)
+
+
+def source_line(code_root: str, path_line: str) -> str:
+    """The source text at 'relpath:line' in the local code tree, when it is there."""
+    rel, _, line = path_line.rpartition(":")
+    try:
+        text = (Path(code_root) / rel).read_text(encoding="utf-8", errors="replace").splitlines()
+        return text[int(line) - 1].strip()
+    except (OSError, ValueError, IndexError):
+        return ""

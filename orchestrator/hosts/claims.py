@@ -1,0 +1,284 @@
+"""Claims: which GPUs of a host (CPU slots on a host without GPUs) each job holds.
+
+A host's units are its GPUs 0..count-1 (the inventory's gpus: count), or on a CPU host its slots
+0..CPUs-1 (one per CPU, `nproc` on the host). A job holds some units of each of its hosts; jobs
+holding disjoint units run on the same host at once.
+
+On each host, a job's claim is a file `job.output_dir/.claims/HOSTNAME/JOB` (HOSTNAME as the host
+itself says, so inventories that name the host differently still see each other's claims):
+
+    who=alice@laptop
+    since=1763900000
+    units=0,1
+
+Claiming is atomic on the host: the check of the other claims and the write of this one happen
+under `flock` of the directory's lock file (`claim_script`). A claim whose job has no container on
+that host and no fresh lease (hostfiles.LEASE_STALE) is stale: the next claim there removes it and says
+so. A job claims its hosts one at a time in one order (`order`), so two jobs started at the same
+moment over overlapping hosts meet first on the same host and exactly one of them gets it; the
+other releases what it took and is refused, naming the holder.
+
+Several Unix accounts of one group share these directories (hostfiles.shared_dir_script): any of them
+claims, and clears another's stale claim; none reads another's runtime files (secrets).
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from orchestrator.commands import hostfiles, sshargs
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import jobspec
+from orchestrator.core.errors import UserError
+
+DIR = ".claims"
+REFUSED = 3       # the claim script's exit code when a unit it wants is held
+PORT_TAKEN = 5    # ... when its master port was claimed by another job on this host meanwhile
+LOCK_WAIT = 10    # seconds the claim script waits for another claim on the same host
+
+
+def me() -> str:
+    """Who starts a job: user@machine of this process (`fab stop` ends only these by default).
+    FABTRAIN_USER names the user instead, for people who share one account to run fab from."""
+    user = os.environ.get("FABTRAIN_USER", "").strip()
+    if not user:
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name in the environment or passwd
+            user = "unknown"
+    return f"{''.join(ch for ch in user if ch.isalnum() or ch in '._-') or 'unknown'}@{socket.gethostname()}"
+
+
+def kind(host: Host) -> str:
+    return "GPU" if host.gpu_vendor != "none" else "slot"
+
+
+def capacity(host: Host, cpus: int) -> int:
+    """How many units the host has: its GPUs, or one slot per CPU."""
+    return host.gpu_count if host.gpu_vendor != "none" else max(cpus, 1)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One job's claim on one host."""
+
+    job: str
+    who: str = ""
+    since: float = 0.0
+    units: tuple[int, ...] = ()
+    port: int | None = None       # the job's master port, in its claim of its rank-0 host
+
+    def describe(self, host: Host | None = None) -> str:
+        what = f"{kind(host)}s " if host is not None else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since)) if self.since else "?"
+        return (f"{self.job} (started by {self.who or 'unknown'} at {when}, "
+                f"{what}{units_text(self.units) or 'all'})")
+
+
+def units_text(units: tuple[int, ...]) -> str:
+    return ",".join(str(u) for u in units)
+
+
+def parse_units(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(u) for u in text.split(",") if u.strip().isdigit()}))
+
+
+def parse_holder(line: str) -> Holder | None:
+    """'JOB who=... since=... units=...' (how the survey and the claim script print a claim file)."""
+    job, *fields = line.split()
+    if not jobspec.valid_job_id(job):
+        return None
+    kv = dict(f.partition("=")[::2] for f in fields)
+    try:
+        since = float(kv.get("since", "0"))
+    except ValueError:
+        since = 0.0
+    port = kv.get("port", "")
+    return Holder(job, kv.get("who", ""), since, parse_units(kv.get("units", "")),
+                  int(port) if port.isdigit() else None)
+
+
+# ------------------------------------------------------------------ on the hosts
+
+def host_dir(inv: Inventory) -> str:
+    """The claims directory of the host a command runs on (a shell word, expanded there)."""
+    return f"{sshargs.shell([f'{inv.job.output_dir}/{DIR}'])}/\"$(hostname)\""
+
+
+def dirs_script(inv: Inventory) -> str:
+    """`d` set to the host's claims directory, made if missing: `.claims` and `.claims/HOSTNAME`
+    shared by the group without a sticky bit (hostfiles.shared_dir_script), so the next claim of any
+    account of the group removes a stale claim of another; NOT_WRITABLE, naming the fix, when
+    this account cannot write there."""
+    return (f"d={host_dir(inv)}; " + hostfiles.shared_dir_script(sshargs.shell([f"{inv.job.output_dir}/{DIR}"]), check=False)
+            + hostfiles.shared_dir_script('"$d"'))
+
+
+def survey_script(inv: Inventory) -> str:
+    """Read-only: the host's CPU count, then one line per claim file (parse_survey); links (which
+    another account of the group may put there) are not claims and are never read, nor is a claims
+    directory that is one (the files are listed in the directory entered and checked, as in
+    claim_script)."""
+    return (f"echo @@claims; nproc; d={host_dir(inv)}; "
+            '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && '
+            'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+            '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
+            'done ); true')
+
+
+def parse_survey(text: str) -> tuple[int, list[Holder]]:
+    """(CPUs, claims) from survey_script's output (after its @@claims line)."""
+    lines = text.splitlines()
+    cpus = int(lines[0]) if lines and lines[0].strip().isdigit() else 1
+    return cpus, [h for line in lines[1:] if line.strip() and (h := parse_holder(line))]
+
+
+def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who: str, first: bool,
+                 port: int | None = None) -> str:
+    """Under the host's claims lock: each other claim is judged (held: its job has a container here
+    or a fresh lease; else stale, removed, and said so); if none of the held ones overlaps `units`,
+    this job's claim file is written (replacing its own earlier one) with its runtime directory and
+    lease. Prints `held|cleared JOB who=.. since=.. units=..` lines; exits REFUSED when a unit is
+    held, PORT_TAKEN when `port` (given on the rank-0 host) is another held claim's. The job's
+    first attempt also clears a stop marker left from an earlier run of it. `units` None: a short
+    job of fabtrain's own that claims nothing, only its runtime directory and lease (the
+    preflight's smoke test claims its units itself beforehand, preflight/smoke.py).
+
+    Several accounts of one group share these directories (hostfiles.shared_dir_script): the lock is
+    opened read-write where this account may (flock over NFS needs that), else read-only (a lock
+    file an older version made 0644). Since any account of the group can put a link anywhere in
+    them, nothing there is followed: the script works in the claims directory it entered and
+    checked (hostfiles.enter_script: one renamed meanwhile and replaced by a link to this account's
+    ~/.ssh is never listed, read or cleared), a link at the lock's name is removed before it is
+    opened, and what was opened must be the directory's own plain file, no link (else NOT_WRITABLE,
+    naming the fix); the lock is made group-writable through the open descriptor (/dev/fd/9), and
+    only when it is this account's and has no other name (a hard link to another of its files).
+    The claim file is written new (noclobber, after removing whatever another account put at its
+    temporary name), 0644 by the umask for every account's survey (no chmod, which would follow a
+    link swapped in), and renamed into place (`mv -T`: never into a directory put at its name);
+    links in the directory are not claims; the runtime directory is the job's account's own
+    (hostfiles.own_runtime_script)."""
+    rt = sshargs.shell([f"{inv.job.output_dir}/.runtime"])
+    q = sshargs.shell
+    ps = q(["docker", "ps", "--quiet", "--filter", f"label={jobspec.LABEL_JOB}="])
+    clear = f"{q(['rm', '-f', hostfiles.stopped_marker(inv, job_id)])}; " if first else ""
+    if units is None:
+        return f"{clear}{hostfiles.own_runtime_script(inv, job_id)}"
+    tmp = f'"$d"/.{job_id}.tmp'
+    body = (
+        f'now=$(date +%s); taken=""; ports=""; '
+        f'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
+        f'[ "$j" = {q([job_id])} ] && continue; '
+        f'line="$j $(tr "\\n" " " < "$f")"; l={rt}/"$j"/{hostfiles.LEASE}; '
+        # A job whose engine does not answer counts as live: never clear what cannot be checked.
+        f'ids=$(timeout -k 2 8 {ps}"$j" 2>/dev/null) || ids=unknown; '
+        f'if [ -n "$ids" ] || {{ [ -e "$l" ] && [ $((now - $(stat -c %Y "$l"))) -lt {int(hostfiles.LEASE_STALE)} ]; }}; then '
+        f'echo "held $line"; u=$(sed -n "s/^units=//p" "$f" | tr , " "); taken="$taken ${{u:-all}}"; '
+        f'ports="$ports $(sed -n "s/^port=//p" "$f")"; '
+        f'else rm -f "$f"; echo "cleared $line"; fi; done; '
+        # A claim of no units in particular (units=) is the whole host.
+        f'for u in {" ".join(str(u) for u in units) or "all"}; do case " $taken " in *" all "*|*" $u "*) exit {REFUSED};; '
+        f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && exit {REFUSED}; done; '
+        + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
+        + f'{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && '
+        f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" {q([units_text(units)])} '
+        f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}')
+    lock, enter = '"$d"/.lock', hostfiles.enter_script('"$d"')
+    return (f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
+            f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || exit {hostfiles.NOT_WRITABLE}; "
+            f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || {{ printf '%s/.lock is not a plain file "
+            f"(another account may have put a link there): remove it (rm %s/.lock) and run again\\n' \"$PWD\" "
+            f"\"$PWD\" >&2; exit {hostfiles.NOT_WRITABLE}; }}; {{ [ -O /dev/fd/9 ] && "
+            f"[ \"$(stat -L -c %h /dev/fd/9)\" = 1 ] && chmod 0664 /dev/fd/9; }} 2>/dev/null; "
+            f"flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host held its lock for {LOCK_WAIT}s' >&2; "
+            f"exit 4; }}; {body} )")
+
+
+def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True) -> str:
+    """Remove these jobs' claims on the host it runs on, and (`runtime`) their runtime directories
+    and stop markers (`fab stop` leaves both for the job's own `fab train` to see)."""
+    ids = [j for j in job_ids if jobspec.valid_job_id(j)]
+    if not ids:
+        return "true"
+    rt = f"{inv.job.output_dir}/.runtime"
+    gone = [p for j in ids for p in (f"{rt}/{j}", hostfiles.stopped_marker(inv, j))]
+    return (f"d={host_dir(inv)}; " + (f"rm -rf {sshargs.shell(gone)}; " if runtime else "")
+            + "; ".join(f'rm -f "$d"/{j}' for j in ids))
+
+
+def parse_claim_output(text: str) -> tuple[list[Holder], list[Holder]]:
+    """(held, cleared) claims of other jobs, from claim_script's output."""
+    held, cleared = [], []
+    for line in text.splitlines():
+        word, _, rest = line.partition(" ")
+        h = parse_holder(rest) if rest else None
+        if h is not None and word in ("held", "cleared"):
+            (held if word == "held" else cleared).append(h)
+    return held, cleared
+
+
+# ------------------------------------------------------------------ choosing units
+
+@dataclass(frozen=True)
+class Want:
+    """What a job asks of each host: exact units (--include node1:0,1), or a count."""
+
+    exact: dict[str, tuple[int, ...]]
+    count: int | None = None      # --gpus N (or --nproc N): N units on each host
+    explicit: bool = False        # the units were asked for (sets each node's processes)
+
+    def of(self, host: Host, cap: int) -> tuple[int, ...] | int:
+        if host.name in self.exact:
+            return self.exact[host.name]
+        if self.count is not None:
+            return min(self.count, cap) if host.gpu_vendor == "none" else self.count
+        return cap if host.gpu_vendor != "none" else 1
+
+
+def want_of(spec: jobspec.JobSpec, nproc: str = "auto") -> Want:
+    """What the job asks of each host: JobSpec.units (--include's unit lists), --gpus N, or N
+    processes per node (--nproc, else the inventory's job.nproc_per_node: `nproc`) take N units."""
+    exact = {}
+    for part in filter(None, spec.units.split("@")):
+        name, _, listed = part.partition(":")
+        exact[name] = parse_units(listed)
+    count, per_node = spec.gpus, str(spec.nproc_per_node or nproc)
+    if count is None and per_node.isdigit() and int(per_node) > 0:
+        count = int(per_node)
+    return Want(exact, count, explicit=bool(exact) or spec.gpus is not None)
+
+
+def held_units(holders: list[Holder], cap: int) -> set[int]:
+    """Units held by these claims (a claim listing none holds the whole host)."""
+    return {u for h in holders for u in (h.units or range(cap))}
+
+
+def choose(host: Host, cap: int, holders: list[Holder], asked: tuple[int, ...] | int) -> tuple[int, ...]:
+    """The units this job takes on the host, or UserError naming who holds what it asks for and
+    what is free."""
+    taken = held_units(holders, cap)
+    free = [u for u in range(cap) if u not in taken]
+    if isinstance(asked, tuple):
+        beyond = [u for u in asked if u >= cap]
+        if beyond:
+            raise UserError(f"--include {host.name}:{units_text(asked)}: {host.name} has {cap} {kind(host)}(s) "
+                            f"(0..{cap - 1}); {units_text(tuple(beyond))} is not one of them", exit_code=2)
+        if not set(asked) & taken:
+            return asked
+    elif len(free) >= asked:
+        return tuple(free[:asked])
+    need = f"{kind(host)}s {units_text(asked)}" if isinstance(asked, tuple) else f"{asked} {kind(host)}(s)"
+    holding = "; ".join(h.describe(host) for h in holders)
+    raise UserError(f"{host.name}: this job needs {need}, but {holding} hold(s) "
+                    f"{units_text(tuple(sorted(taken)))}; free there: {units_text(tuple(free)) or 'none'}. "
+                    "Wait for that job, stop it if it is yours ('fab stop --job JOB'), or ask for free ones "
+                    "(--include HOST:i,j, --gpus N, --num-nodes N). To queue jobs, use a scheduler: "
+                    "'fab export.slurm' writes this job as a Slurm batch script", exit_code=1)
+
+
+def order(hosts: tuple[Host, ...]) -> list[Host]:
+    """The order every job claims hosts in: by address, the same for every inventory naming them."""
+    return sorted(hosts, key=lambda h: (h.hostname, h.ssh.port))

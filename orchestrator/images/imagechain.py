@@ -1,0 +1,563 @@
+"""Image distribution in about the time of one transfer: a pipelined chain of hosts, and only the
+layers they lack.
+
+This machine sends one stream to the first host of a chain; a small relay there (RELAY, run with
+the host's python3) feeds it to the host's own `docker load` and, at the same time, forwards every
+chunk over the cluster network to the next host's relay, and so on. N hosts then cost about one
+transfer through this machine's link, and the chain runs at the pace of its slowest host.
+
+What is sent: the image's `docker save` tarball, less the `layer.tar` of every layer that every
+host of the chain already holds. A host "holds" a layer when it holds an image whose layers start
+with the same layers up to it (the layer's chain ID, as Docker's layer store keys layers). Docker
+20.10's `docker load` reads a layer's file only when its store lacks that chain ID, so such a
+tarball loads where those layers are, and fails (names the missing file) where they are not: that
+host is then sent the whole image directly.
+
+Everything about which host gets what is pure (plan_hosts, relink, judge_round) and unit-tested;
+run_round is the one function that runs a chain on real hosts. Every step has a deadline: the
+relays time out on a stalled socket (`stall` seconds) and on their whole run, and run_round
+stops waiting for a host that has said nothing for `stall` seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import secrets
+import subprocess
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.commands import sshargs
+from orchestrator.config.inventory import Host
+from orchestrator.core.errors import UserError
+from orchestrator.transport.remote import Session, describe
+
+CHUNK = 1 << 20
+
+
+# ---- layers: which ones a host lacks -------------------------------------------------------------
+
+def chain_ids(diff_ids: list[str] | tuple[str, ...]) -> list[str]:
+    """The chain ID of each layer prefix (OCI image spec): what Docker's layer store keys a layer by,
+    so a layer counts as present only on top of the same layers below it."""
+    out: list[str] = []
+    for diff in diff_ids:
+        out.append(diff if not out else "sha256:" + hashlib.sha256(f"{out[-1]} {diff}".encode()).hexdigest())
+    return out
+
+
+def held_chain_ids(layer_lists: list[list[str]]) -> frozenset[str]:
+    """Every chain ID a host holds, from the layer lists (RootFS.Layers) of all its images."""
+    return frozenset(c for layers in layer_lists for c in chain_ids(layers))
+
+
+def missing_layers(diff_ids: list[str] | tuple[str, ...], held: frozenset[str]) -> tuple[int, ...]:
+    """Indices of the image's layers whose chain ID the host does not hold."""
+    return tuple(i for i, c in enumerate(chain_ids(diff_ids)) if c not in held)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one look at a host found: the id under the tag (None: absent), the chain IDs of
+    everything it holds, and whether it has a python3 to run the relay."""
+    image_id: str | None
+    held: frozenset[str]
+    python: bool
+
+
+PROBE_SCRIPT = r"""
+command -v python3 >/dev/null 2>&1 && echo python yes || echo python no
+ids=$(docker image ls --all --quiet --no-trunc) || exit 3
+printf 'id %s\n' "$(docker image inspect --format '{{.Id}}' "$1" 2>/dev/null)"
+[ -z "$ids" ] || docker image inspect --format 'layers {{json .RootFS.Layers}}' $(printf '%s\n' $ids | sort -u)
+"""
+
+
+def probe_command(image: str) -> str:
+    return sshargs.shell(["sh", "-c", PROBE_SCRIPT, "sh", image])
+
+
+def parse_probe(stdout: str) -> Probe:
+    image_id, python, lists = None, False, []
+    for line in stdout.splitlines():
+        key, _, rest = line.partition(" ")
+        if key == "python":
+            python = rest.strip() == "yes"
+        elif key == "id":
+            image_id = rest.strip() or None
+        elif key == "layers":
+            lists.append(json.loads(rest) or [])
+    return Probe(image_id, held_chain_ids(lists), python)
+
+
+# ---- the plan: who is already done, who goes in the chain, who is sent directly -----------------
+
+@dataclass(frozen=True)
+class HostPlan:
+    present: tuple[str, ...]            # same image id: nothing to send
+    chain: tuple[str, ...]              # in chain order: this machine -> chain[0] -> chain[1] ...
+    direct: tuple[str, ...]             # sent straight from this machine (see plan_hosts)
+    failed: dict = field(default_factory=dict)   # host -> why it could not be looked at
+    send: tuple[int, ...] = ()          # layer indices the chain's stream carries
+    need: dict = field(default_factory=dict)     # host -> layer indices it lacks
+
+
+def plan_hosts(want_id: str, diff_ids: tuple[str, ...], hosts: tuple[str, ...], probes: dict,
+               method: str = "chain") -> HostPlan:
+    """Who needs what. probes: host -> Probe, or a string saying why the host could not be probed.
+    The chain keeps the inventory's order; a host without python3 (no relay) is sent directly, as is
+    every host with method="direct". The stream carries the union of the layers the chain's hosts
+    lack, so one stream serves all of them."""
+    if method not in ("chain", "direct"):
+        raise UserError(f"image push method {method!r}: use chain or direct")
+    present, chain, direct, failed, need = [], [], [], {}, {}
+    for h in hosts:
+        p = probes[h]
+        if isinstance(p, str):
+            failed[h] = p
+        elif p.image_id == want_id:
+            present.append(h)
+        else:
+            need[h] = missing_layers(diff_ids, p.held)
+            (chain if method == "chain" and p.python else direct).append(h)
+    send = tuple(sorted({i for h in chain for i in need[h]}))
+    return HostPlan(tuple(present), tuple(chain), tuple(direct), failed, send, need)
+
+
+def relink(chain: tuple[str, ...], unreachable: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A host its upstream could not connect to leaves the chain (it is sent directly); the chain
+    closes over the gap. Returns (new chain, hosts to send directly)."""
+    return tuple(h for h in chain if h not in unreachable), tuple(h for h in chain if h in unreachable)
+
+
+@dataclass(frozen=True)
+class Report:
+    """A relay's last line (None fields where the relay never said it)."""
+    received: int
+    load_exit: int | None
+    load_error: str = ""
+    next_error: str = ""
+    source_error: str = ""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    loaded: tuple[str, ...]
+    failed: dict            # host -> why (named to the user)
+    retry: tuple[str, ...]  # got a short stream because a host before it failed: goes in the next chain
+    load_failed: tuple[str, ...] = ()  # its own `docker load` failed on a stream it received whole
+
+
+def judge_round(chain: tuple[str, ...], reports: dict, size: int) -> RoundOutcome:
+    """What a chain's round means for each host. reports: host -> Report, or a string saying why
+    the relay gave no report (lost, timed out).
+
+    A host whose relay gave no report is named (it stopped mid-chain). A host that got the whole
+    stream and whose `docker load` failed is named with its error (its relay still forwarded, so
+    the hosts after it are unaffected). A host that got a short stream is retried in a chain
+    reformed without the named hosts when something before it failed; otherwise (nothing upstream
+    explains it) it is named too, so every round ends with each host loaded, named, or retried for
+    a reason, and the rounds end."""
+    loaded, failed, retry, load_failed = [], {}, [], []
+    broken_before = False
+    for i, h in enumerate(chain):
+        r = reports.get(h)
+        upstream = chain[i - 1] if i else "this machine"
+        if isinstance(r, str) or r is None:
+            failed[h] = r or f"{h}: the image relay gave no report"
+            broken_before = True
+            continue
+        if r.received < size:
+            if broken_before or (i and isinstance(reports.get(chain[i - 1]), Report) and reports[chain[i - 1]].next_error):
+                retry.append(h)
+            else:
+                failed[h] = (f"{h}: received {r.received} of {size} bytes from {upstream}"
+                             + (f" ({r.source_error})" if r.source_error else ""))
+            broken_before = True
+            continue
+        if r.load_exit == 0:
+            loaded.append(h)
+        else:
+            load_failed.append(h)
+            failed[h] = f"{h}: docker load exited {r.load_exit}: {r.load_error.strip()[-300:]}"
+        if r.next_error:
+            broken_before = True
+    return RoundOutcome(tuple(loaded), failed, tuple(retry), tuple(load_failed))
+
+
+# ---- the local tarball: saved once, sent less the layers nobody lacks ---------------------------
+
+class Spool:
+    """`docker save` of the image into a local file, indexed so that a stream can leave out
+    layer files: byte ranges of the saved tarball, which stays valid for `docker load` as long as
+    the left-out layers are in the receiving engine's store."""
+
+    def __init__(self, path: Path, folder: tempfile.TemporaryDirectory | None = None) -> None:
+        self.path, self._dir = Path(path), folder
+        self.total = self.path.stat().st_size
+        with tarfile.open(self.path) as tar:
+            members = tar.getmembers()
+            manifest = json.load(tar.extractfile("manifest.json"))
+        if len(manifest) != 1:
+            raise UserError(f"{path}: expected one image in manifest.json, found {len(manifest)}")
+        self.layer_paths: list[str] = manifest[0]["Layers"]
+        # Each member's bytes: from its first header block to the end of its padded data.
+        self._spans = [(m.name, m.offset, m.offset_data + -(-m.size // 512) * 512) for m in members]
+        self._end = self._spans[-1][2] if self._spans else 0
+
+    def ranges(self, layers: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+        """Byte ranges of a tarball carrying only these layer indices (None: all), merged."""
+        skip = set() if layers is None else {p for i, p in enumerate(self.layer_paths) if i not in layers}
+        out: list[tuple[int, int]] = []
+        # The members, then the end-of-archive blocks.
+        for start, end in [(a, b) for name, a, b in self._spans if name not in skip] + [(self._end, self.total)]:
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], end)
+            elif end > start:
+                out.append((start, end))
+        return out
+
+    @classmethod
+    def save(cls, image: str, directory: str | None = None, timeout: float = 3600) -> "Spool":
+        """`docker save` of a local image into a private temporary folder (removed by close)."""
+        folder = tempfile.TemporaryDirectory(prefix="fabtrain-push-", dir=directory)
+        path = Path(folder.name) / "image.tar"
+        try:
+            with open(path, "wb") as f:
+                proc = subprocess.run(["docker", "save", image], stdout=f, stderr=subprocess.PIPE, timeout=timeout)
+            if proc.returncode != 0:
+                raise UserError(f"docker save {image} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}")
+            return cls(path, folder)
+        except subprocess.TimeoutExpired:
+            folder.cleanup()
+            raise UserError(f"docker save {image} did not finish within {timeout:g}s") from None
+        except BaseException:
+            folder.cleanup()
+            raise
+
+    @staticmethod
+    def size(ranges: list[tuple[int, int]]) -> int:
+        return sum(b - a for a, b in ranges)
+
+    def chunks(self, ranges: list[tuple[int, int]]):
+        with open(self.path, "rb") as f:
+            for a, b in ranges:
+                f.seek(a)
+                left = b - a
+                while left:
+                    data = f.read(min(CHUNK, left))
+                    if not data:
+                        raise UserError(f"{self.path}: shorter than its own index")
+                    left -= len(data)
+                    yield data
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.cleanup()
+
+
+# ---- the relay that runs on each host -----------------------------------------------------------
+
+# Run as `python3 -c RELAY first|relay BIND_ADDRESS` on a host. Says `port N` (its listener; 0 for
+# the first host, which reads the stream from stdin), then reads one JSON line on stdin: token,
+# next [address, port] or null, size, stall, deadline, connect. It connects to the next host and
+# says `linked` or `nolink WHY`, takes the stream (from stdin, or from the one upstream connection
+# that sends the token), forwards each chunk and writes it to `docker load`, says `got N` about
+# once a second, and ends with `result {json}`. A relay that is not first leaves as soon as its
+# stdin closes: the orchestrator gave up on the round.
+RELAY = r'''
+import hmac, json, os, socket, subprocess, sys, threading, time
+CHUNK = 1 << 20
+def say(*words):
+    sys.stdout.write(" ".join(str(w) for w in words) + "\n")
+    sys.stdout.flush()
+first = sys.argv[1] == "first"
+listener = None
+if not first:
+    listener = socket.socket()
+    try:
+        listener.bind((sys.argv[2], 0))
+    except OSError:
+        listener.bind(("", 0))
+    listener.listen(4)
+say("port", listener.getsockname()[1] if listener else 0)
+ctl = json.loads(sys.stdin.buffer.readline())
+token = ctl["token"].encode()
+stall = ctl["stall"]
+end = time.monotonic() + ctl["deadline"]
+if not first:
+    def leave_when_stdin_closes():
+        sys.stdin.buffer.read()
+        os._exit(3)
+    threading.Thread(target=leave_when_stdin_closes, daemon=True).start()
+nxt = None
+if ctl["next"]:
+    try:
+        nxt = socket.create_connection((ctl["next"][0], ctl["next"][1]), timeout=ctl["connect"])
+        nxt.settimeout(stall)
+        nxt.sendall(token)
+        say("linked")
+    except OSError as exc:
+        nxt = None
+        say("nolink", exc)
+report = {"received": 0, "load_exit": None, "load_error": "", "next_error": "", "source_error": ""}
+def finish():
+    say("result", json.dumps(report))
+    sys.exit(0)
+if first:
+    read = lambda: sys.stdin.buffer.read1(CHUNK)
+else:
+    conn = None
+    while conn is None:
+        left = end - time.monotonic()
+        if left <= 0:
+            report["source_error"] = "no upstream connection with the token"
+            finish()
+        listener.settimeout(min(left, stall))
+        try:
+            conn, peer = listener.accept()
+        except OSError as exc:
+            report["source_error"] = "no upstream connection: %s" % exc
+            finish()
+        conn.settimeout(stall)
+        got = b""
+        try:
+            while len(got) < len(token):
+                part = conn.recv(len(token) - len(got))
+                if not part:
+                    break
+                got += part
+        except OSError:
+            pass
+        if not hmac.compare_digest(got, token):
+            conn.close()
+            conn = None
+    listener.close()
+    read = lambda: conn.recv(CHUNK)
+load = None
+last = time.monotonic()
+while True:
+    if time.monotonic() > end:
+        report["source_error"] = "deadline passed"
+        break
+    try:
+        data = read()
+    except OSError as exc:
+        report["source_error"] = "upstream: %s" % (exc or "stalled")
+        break
+    if not data:
+        break
+    report["received"] += len(data)
+    if nxt is not None:
+        try:
+            nxt.sendall(data)
+        except OSError as exc:
+            report["next_error"] = str(exc) or "stalled"
+            nxt.close()
+            nxt = None
+    if load is None and report["load_exit"] is None:
+        load = subprocess.Popen(["docker", "load", "--quiet"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if load is not None:
+        try:
+            load.stdin.write(data)
+        except OSError:
+            report["load_exit"] = load.wait()
+            report["load_error"] = load.stderr.read().decode(errors="replace")[-500:]
+            load = None
+    if time.monotonic() - last >= 1:
+        last = time.monotonic()
+        say("got", report["received"])
+if nxt is not None:
+    try:
+        nxt.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    nxt.close()
+if load is not None:
+    if report["received"] == ctl["size"]:
+        try:
+            load.stdin.close()
+            while load.poll() is None:
+                if time.monotonic() > end:
+                    raise subprocess.TimeoutExpired("docker load", ctl["deadline"])
+                try:
+                    load.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    say("loading")
+            report["load_exit"] = load.returncode
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            load.kill()
+            report["load_exit"] = load.wait()
+            report["load_error"] = "docker load: %s" % exc
+        report["load_error"] = report["load_error"] or load.stderr.read().decode(errors="replace")[-500:]
+    else:
+        load.kill()
+        load.wait()
+finish()
+'''
+
+
+def relay_command(first: bool, bind: str) -> str:
+    return sshargs.shell(["python3", "-c", RELAY, "first" if first else "relay", bind])
+
+
+def control_line(token: str, next_hop: tuple[str, int] | None, size: int, stall: float, deadline: float,
+                 connect: float) -> bytes:
+    return (json.dumps({"token": token, "next": list(next_hop) if next_hop else None, "size": size,
+                        "stall": stall, "deadline": deadline, "connect": connect}) + "\n").encode()
+
+
+# ---- one round of a chain on real hosts ---------------------------------------------------------
+
+class _Relay:
+    """One host's relay command and what it has said so far (read on a thread of its own)."""
+
+    def __init__(self, session: Session, host: Host, first: bool, deadline: float) -> None:
+        self.host = host
+        self.cmd = session.command(host, relay_command(first, host.address), deadline, "image relay")
+        self.events: queue.Queue = queue.Queue()
+        self.port: int | None = None
+        self.link: str | None = None     # "" linked, else why not
+        self.report: Report | None = None
+        self.error: str | None = None
+        self.got = 0
+        self.heard = time.monotonic()
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        try:
+            self.cmd.__enter__()
+        except BaseException as exc:  # noqa: BLE001 - this host fails, the round goes on without it
+            self.error = describe(self.host, exc)
+            self.done.set()
+            return
+        threading.Thread(target=self._read, daemon=True, name=f"relay-{self.host.name}").start()
+
+    def _read(self) -> None:
+        buf = b""
+        try:
+            while True:
+                data = self.cmd.recv()
+                if not data:
+                    break
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    self._line(line.decode(errors="replace"))
+        except Exception as exc:  # noqa: BLE001 - a closed or expired channel
+            self.error = self.error or describe(self.host, exc)
+        if self.report is None and self.error is None:
+            err = b""
+            try:
+                while self.cmd.chan.recv_stderr_ready():
+                    err += self.cmd.chan.recv_stderr(65536)
+            except Exception:  # noqa: BLE001 - only for the message
+                pass
+            self.error = (f"{self.host.name}: the image relay ended without a report"
+                          + (f": {err.decode(errors='replace').strip()[-300:]}" if err.strip() else ""))
+        self.done.set()
+        self.events.put("end")
+
+    def _line(self, line: str) -> None:
+        self.heard = time.monotonic()
+        word, _, rest = line.partition(" ")
+        if word == "port":
+            self.port = int(rest)
+        elif word == "linked":
+            self.link = ""
+        elif word == "nolink":
+            self.link = rest or "connection failed"
+        elif word == "got":
+            self.got = int(rest)
+        elif word == "result":
+            self.report = Report(**json.loads(rest))
+        self.events.put(word)
+
+    def wait_for(self, attr: str, until: float) -> bool:
+        while getattr(self, attr) is None and not self.done.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self.events.get(timeout=left)
+            except queue.Empty:
+                return False
+        return getattr(self, attr) is not None
+
+    def close(self) -> None:
+        try:
+            self.cmd.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - an expired deadline: already judged from what it said
+            pass
+
+
+@dataclass
+class RoundResult:
+    reports: dict          # host -> Report, or why there is none (the round ran)
+    unreachable: tuple[str, ...] = ()   # its upstream could not connect to it (the round did not run)
+    dead: dict = field(default_factory=dict)  # host -> why its relay did not start (the round did not run)
+    sent: int = 0
+
+
+def run_round(session: Session, hosts: tuple[Host, ...], chunks, size: int, deadline: float,
+              stall: float = 60, connect: float = 5, on_sent=None) -> RoundResult:
+    """Run one chain over `hosts` (in order), feeding it `chunks` (bytes, `size` in all)."""
+    relays = [_Relay(session, h, i == 0, deadline) for i, h in enumerate(hosts)]
+    threads = [threading.Thread(target=r.start, daemon=True) for r in relays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        started = time.monotonic() + connect + 10
+        dead = {r.host.name: r.error or f"{r.host.name}: the image relay did not start within {connect + 10:g}s"
+                for r in relays if not r.wait_for("port", started)}
+        if dead:  # named; the others go on in a chain reformed without them
+            return RoundResult({}, dead=dead)
+        token = secrets.token_hex(16)
+        for i, r in enumerate(relays):
+            nxt = relays[i + 1] if i + 1 < len(relays) else None
+            r.cmd.send(control_line(token, (nxt.host.address, nxt.port) if nxt else None, size, stall,
+                                    deadline, connect))
+        linked_by = time.monotonic() + connect + 10
+        unreachable = []
+        for i, r in enumerate(relays[:-1]):
+            if r.wait_for("link", linked_by) and r.link:
+                unreachable.append(relays[i + 1].host.name)
+            elif r.link is None:  # it said nothing: the relay itself is the one that failed
+                dead[r.host.name] = r.error or f"{r.host.name}: the image relay did not link within {connect + 10:g}s"
+        if dead:
+            return RoundResult({}, dead=dead)
+        if unreachable:
+            return RoundResult({}, unreachable=tuple(unreachable))
+        head = relays[0]
+        sent = 0
+        try:
+            for data in chunks:
+                head.cmd.send(data)
+                sent += len(data)
+                if on_sent:
+                    on_sent(sent)
+            head.cmd.close_stdin()
+        except Exception:  # noqa: BLE001 - the first host failed: judged from its report below
+            pass
+        # Every live relay reports within `stall` s of its upstream stopping; a host silent for
+        # longer than that (frozen, lost) gets no more waiting.
+        while True:
+            pending = [r for r in relays if r.report is None and not r.done.is_set()]
+            if not pending or time.monotonic() - max(r.heard for r in relays) > stall + 10:
+                break
+            pending[0].done.wait(0.2)
+        reports = {r.host.name: r.report if r.report is not None else
+                   (r.error or f"{r.host.name}: stopped answering mid-chain (nothing for {stall:g}s)")
+                   for r in relays}
+        return RoundResult(reports, sent=sent)
+    finally:
+        for r in relays:
+            r.close()

@@ -1,0 +1,302 @@
+"""Getting the right image onto every host, with no registry: push over SSH, and derived builds.
+
+push: by default a pipelined chain of hosts carrying only the layers they lack (imagechain); or,
+method="direct", one local `docker save` streamed at once to `docker load` on every host that
+lacks the image. Either way a host with the same id gets nothing and the id is verified after.
+build: a derived image from a base image plus the user's requirements file and this project's
+entrypoint, so any image starts the same way (see docker/entrypoint.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.commands import dockerargs, sshargs
+from orchestrator.config.inventory import Host
+from orchestrator.core.errors import UserError
+from orchestrator.images import imagechain
+from orchestrator.transport.remote import Session, describe
+
+CHUNK = 1 << 20
+
+
+@dataclass
+class PushResult:
+    host: str
+    action: str  # "present" | "sent" | "failed"
+    seconds: float = 0.0
+    bytes: int = 0
+    detail: str = ""
+
+
+def local_image(image: str) -> tuple[str, int]:
+    """(id, size in bytes) of an image in the local engine."""
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}} {{.Size}}", image],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"image {image} is not in the local Docker engine ({proc.stderr.strip()}); "
+                        f"build or pull it here first (fab images, fab image.build, docker pull)")
+    image_id, size = proc.stdout.split()
+    return image_id, int(size)
+
+
+def remote_image_id(session: Session, host: Host, image: str) -> str | None:
+    r = session.run(host, sshargs.shell(["docker", "image", "inspect", "--format", "{{.Id}}", image]), timeout=30)
+    return r.stdout.strip() if r.ok else None
+
+
+def local_layers(image: str) -> tuple[str, ...]:
+    """The image's layer diff IDs (RootFS.Layers), bottom first."""
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", image],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"image {image} is not in the local Docker engine ({proc.stderr.strip()})")
+    return tuple(json.loads(proc.stdout) or ())
+
+
+def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, progress=None,
+         method: str = "chain", stall: float = 60) -> list[PushResult]:
+    """Load `image` into every host's engine that does not hold the same id; verify after.
+
+    method="chain" (see imagechain): the hosts forward the stream to each other, and only the layers
+    they lack are sent; a host without python3, or that its upstream cannot reach, is sent to
+    directly, and a host that fails mid-chain is named while the hosts after it get the image from
+    a chain reformed without it. method="direct": one `docker save` streamed from this machine to
+    every host at once, the whole image to each. `stall`: seconds a chain's link may carry nothing
+    before the host is given up."""
+    hosts = session.hosts if hosts is None else hosts
+    if method == "direct":
+        return _push_direct(session, image, hosts, progress)
+    want, _ = local_image(image)
+    diff_ids = local_layers(image)
+    by_name = {h.name: h for h in hosts}
+    probed = session.fan_out(lambda h: _probe(session, h, image), hosts)
+    probes = {h.name: describe(h, probed.error(h.name)) if probed.error(h.name) else probed[h.name] for h in hosts}
+    hp = imagechain.plan_hosts(want, diff_ids, tuple(by_name), probes, method)
+    results: dict[str, PushResult] = {h: PushResult(h, "present") for h in hp.present}
+    results.update({h: PushResult(h, "failed", detail=why) for h, why in hp.failed.items()})
+    if hp.chain or hp.direct:
+        spool = imagechain.Spool.save(image)
+        try:
+            direct = _run_chain(session, image, spool, hp, by_name, progress, stall, results)
+            direct += [(h, hp.need[h], "no python3 to run the relay" if method == "chain" else "")
+                       for h in hp.direct]
+            if direct:
+                _push_spool_direct(session, image, spool, direct, by_name, progress, results)
+        finally:
+            spool.close()
+        _verify(session, want, image, [by_name[h] for h, r in results.items() if r.action == "sent"], results)
+    return [results[h.name] for h in hosts]
+
+
+def _probe(session: Session, host: Host, image: str) -> imagechain.Probe:
+    r = session.run(host, imagechain.probe_command(image), timeout=30, what="looking at its images")
+    if not r.ok:
+        raise UserError(f"{host.name}: cannot list its images (exit {r.exited}): {r.stderr.strip()[-200:]}; "
+                        f"is its Docker engine running?")
+    return imagechain.parse_probe(r.stdout)
+
+
+def _deadline(size: int) -> float:
+    return PUSH_MARGIN + size / PUSH_MIN_RATE
+
+
+def _layers_note(sent: tuple[int, ...], spool: imagechain.Spool) -> str:
+    count = len(spool.layer_paths)
+    return "" if len(sent) == count else f", {count - len(sent)} of {count} layers already there"
+
+
+def _run_chain(session, image, spool, hp, by_name, progress, stall, results) -> list:
+    """Chain rounds until every chain host is loaded, named, or moved to a direct push (returned:
+    (host, layer indices, why))."""
+    chain = list(hp.chain)
+    direct: list = []
+    for _ in range(len(hp.chain) + 1):
+        if not chain:
+            break
+        send = tuple(sorted({i for h in chain for i in hp.need[h]}))
+        ranges = spool.ranges(send)
+        size = imagechain.Spool.size(ranges)
+        task = progress.add_task(f"push {image} (chain of {len(chain)})", total=size) if progress else None
+        on_sent = (lambda n: progress.update(task, completed=n)) if progress else None
+        start = time.monotonic()
+        rr = imagechain.run_round(session, tuple(by_name[h] for h in chain), spool.chunks(ranges), size,
+                                  _deadline(size), stall=stall, on_sent=on_sent)
+        seconds = time.monotonic() - start
+        if progress:
+            progress.remove_task(task)
+        if rr.dead:
+            for h, why in rr.dead.items():
+                results[h] = PushResult(h, "failed", detail=why)
+            chain = [h for h in chain if h not in rr.dead]
+            continue
+        if rr.unreachable:
+            ups = {h: chain[chain.index(h) - 1] for h in rr.unreachable}
+            kept, moved = imagechain.relink(tuple(chain), rr.unreachable)
+            direct += [(h, hp.need[h], f"{ups[h]} could not connect to it") for h in moved]
+            chain = list(kept)
+            continue
+        out = imagechain.judge_round(tuple(chain), rr.reports, size)
+        for i, h in enumerate(chain):
+            if h in out.loaded:
+                results[h] = PushResult(h, "sent", seconds, size,
+                                        f"chain {i + 1}/{len(chain)}{_layers_note(send, spool)}")
+            elif h in out.load_failed and "layer.tar" in rr.reports[h].load_error:
+                # It no longer holds a layer it held when looked at: the whole image, directly.
+                direct.append((h, tuple(range(len(spool.layer_paths))), f"after: {out.failed[h]}"))
+            elif h in out.failed:
+                results[h] = PushResult(h, "failed", detail=out.failed[h])
+        chain = list(out.retry)
+    direct += [(h, hp.need[h], "still short after every chain round") for h in chain]
+    return direct
+
+
+def _push_spool_direct(session, image, spool, direct, by_name, progress, results) -> None:
+    """One stream from the saved tarball to every host in `direct` at once (the union of the
+    layers they lack)."""
+    send = tuple(sorted({i for _, need, _ in direct for i in need}))
+    ranges = spool.ranges(send)
+    size = imagechain.Spool.size(ranges)
+    why = {h: w for h, _, w in direct}
+    for r in _stream(session, f"push {image} (direct)", size, [by_name[h] for h in why], progress,
+                     spool.chunks(ranges)):
+        if r.action == "sent":
+            r.detail = f"direct{' (' + why[r.host] + ')' if why[r.host] else ''}{_layers_note(send, spool)}"
+        results[r.host] = r
+
+
+def _verify(session: Session, want: str, image: str, hosts: list[Host], results: dict) -> None:
+    ids = session.fan_out(lambda h: remote_image_id(session, h, image), tuple(hosts))
+    for h in hosts:
+        r = results[h.name]
+        if ids.value(h.name) != want:
+            r.action, r.detail = "failed", f"after loading, {h.name} holds {ids.value(h.name)}, not {want}"
+
+
+def _push_direct(session: Session, image: str, hosts: tuple[Host, ...], progress) -> list[PushResult]:
+    """One local `docker save` streamed at once to every host that lacks the image, whole."""
+    want, size = local_image(image)
+    have = session.fan_out(lambda h: remote_image_id(session, h, image), hosts)
+    results: dict[str, PushResult] = {}
+    targets = []
+    for h in hosts:
+        got = have.value(h.name)
+        if have.error(h.name):
+            results[h.name] = PushResult(h.name, "failed", detail=describe(h, have.error(h.name)))
+        elif got == want:
+            results[h.name] = PushResult(h.name, "present")
+        else:
+            targets.append(h)
+    if targets:
+        save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+        try:
+            streamed = _stream(session, f"push {image}", size, targets, progress, iter(lambda: save.stdout.read(CHUNK), b""))
+        finally:
+            save.stdout.close()
+            save.wait()
+        for r in streamed:
+            if r.action == "sent" and save.returncode != 0:
+                r.action, r.detail = "failed", f"docker save {image} exited {save.returncode}"
+            results[r.host] = r
+        _verify(session, want, image, [h for h in targets if results[h.name].action == "sent"], results)
+    return [results[h.name] for h in hosts]
+
+
+# A push may take as long as the image needs at PUSH_MIN_RATE bytes/s, plus a margin; a host that
+# stops taking data for longer is named as failed and the others go on.
+PUSH_MIN_RATE = 2e6
+PUSH_MARGIN = 120
+
+
+def _stream(session: Session, label: str, size: int, targets: list[Host], progress, chunks) -> list[PushResult]:
+    """Send one stream of chunks to a `docker load` per host, each bounded by the push deadline."""
+    cmds = {}
+    failed: dict[str, str] = {}
+    deadline = _deadline(size)
+    for h in targets:
+        try:
+            cmd = session.command(h, sshargs.shell(["docker", "load", "--quiet"]), deadline, "docker load")
+            cmds[h.name] = cmd.__enter__()
+        except Exception as exc:  # noqa: BLE001 - this host fails, the others go on
+            failed[h.name] = describe(h, exc)
+    task = progress.add_task(label, total=size) if progress else None
+    start = time.monotonic()
+    sent = 0
+    for chunk in chunks:
+        if len(failed) == len(targets):
+            break
+        sent += len(chunk)
+        # Every host gets each chunk before the next is read: one source, N loads, in step, on the
+        # session's own worker threads.
+        live = tuple(h for h in targets if h.name not in failed)
+        for name, exc in session.fan_out(lambda h: cmds[h.name].send(chunk), live).errors().items():
+            failed[name] = f"{name}: transfer failed: {exc}"
+        if progress:
+            progress.update(task, completed=min(sent, size or sent))
+    if progress:
+        progress.remove_task(task)
+    out = []
+    for h in targets:
+        cmd = cmds.get(h.name)
+        try:
+            if h.name not in failed:
+                cmd.close_stdin()
+                code = cmd.exit_status()
+                err = b""
+                while cmd.chan.recv_stderr_ready():
+                    err += cmd.chan.recv_stderr(65536)
+            if cmd is not None:
+                cmd.__exit__(None, None, None)
+        except Exception as exc:  # noqa: BLE001 - e.g. the deadline passed on this host
+            failed[h.name] = describe(h, exc)
+        if h.name in failed:
+            out.append(PushResult(h.name, "failed", detail=failed[h.name]))
+        elif code != 0:
+            out.append(PushResult(h.name, "failed", detail=f"docker load exited {code}: {err.decode(errors='replace')[-300:]}"))
+        else:
+            out.append(PushResult(h.name, "sent", time.monotonic() - start, sent))
+    return out
+
+
+DERIVED_DOCKERFILE = """\
+FROM {base}
+COPY context/ /tmp/fabtrain-build/
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir {pip_flags}-r /tmp/fabtrain-build/requirements.txt \\
+ && rm -rf /tmp/fabtrain-build
+COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint
+LABEL fabtrain.base="{base}"
+ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]
+"""
+
+
+def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool = False) -> str:
+    """The Dockerfile of a derived image. Offline, pip installs only from wheels in the context
+    (downloaded on this machine), so the build needs no index: hosts are often air-gapped."""
+    flags = ("--no-index", "--find-links", "/tmp/fabtrain-build/wheels") if offline else ()
+    return DERIVED_DOCKERFILE.format(base=base, pip_flags="".join(f"{sshargs.shell([f])} " for f in (*flags, *pip_flags)))
+
+
+def build(base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None) -> str:
+    """Build `tag` from `base` + requirements + the entrypoint on the local engine; its id."""
+    if not requirements.is_file():
+        raise UserError(f"{requirements}: requirements file not found")
+    if wheels is not None and not wheels.is_dir():
+        raise UserError(f"--wheels {wheels}: not a directory (fill one with: pip download -r REQUIREMENTS -d DIR)")
+    with tempfile.TemporaryDirectory(prefix="fabtrain-build-") as ctx:
+        ctxp = Path(ctx)
+        (ctxp / "Dockerfile").write_text(derived_dockerfile(base, pip_flags, offline=wheels is not None))
+        (ctxp / "context").mkdir()
+        (ctxp / "context" / "requirements.txt").write_bytes(requirements.read_bytes())
+        if wheels is not None:
+            shutil.copytree(wheels, ctxp / "context" / "wheels")
+        (ctxp / "entrypoint.py").write_bytes(dockerargs.ENTRYPOINT_SOURCE.read_bytes())
+        proc = subprocess.run(["docker", "build", "--quiet", "--tag", tag, ctx], capture_output=True, text=True,
+                              env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    if proc.returncode != 0:
+        raise UserError(f"building {tag} from {base} failed:\n{proc.stderr.strip()[-1500:]}")
+    return local_image(tag)[0]

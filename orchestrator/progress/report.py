@@ -1,0 +1,261 @@
+"""What a finished (or failed) run leaves for a person: curves, a summary, the list of runs.
+
+Drawn on this machine with matplotlib from what was fetched into runs/JOB: the trainers' metrics
+(`outputs/HOST/metrics.jsonl`, written by global rank 0 wherever it ran in each attempt) and every
+rank's step lines in `HOST.log`. The training image needs no plotting library.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from orchestrator.core import hostile, recovery
+
+# "[node1 rank0] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | step 24.0 ms |
+# compute 20.5 ms" (trainers/gpt.py; the two times are the log interval's mean per step)
+STEP_LINE = re.compile(r"\[(?P<node>\S+) rank(?P<rank>\d+)\] epoch \d+ \| step (?P<step>\d+) \| "
+                       r"loss (?P<loss>[\d.]+) \| lr \S+ \| (?P<rate>[\d,]+) tok/s"
+                       r"(?: \| step (?P<step_ms>[\d.]+) ms \| compute (?P<compute_ms>[\d.]+) ms)?")
+# A rank whose median compute time per step is more than this much above the median rank's is a
+# straggler: the whole job runs at its speed.
+STRAGGLER_MARGIN = 0.2
+
+
+def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) by step. A resumed attempt logs again the steps after its
+    snapshot; the newest record of a step wins."""
+    by_key: dict[tuple[str, int], dict] = {}
+    for path in sorted(run_dir.glob("outputs/*/metrics.jsonl")):
+        for line in _lines(path):
+            try:
+                rec = json.loads(line)
+                key = (rec["kind"], int(rec["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if key not in by_key or rec.get("time", 0) >= by_key[key].get("time", 0):
+                by_key[key] = rec
+    train = sorted((r for (k, _), r in by_key.items() if k == "train"), key=lambda r: r["step"])
+    evals = sorted((r for (k, _), r in by_key.items() if k == "eval"), key=lambda r: r["step"])
+    return train, evals
+
+
+def _lines(path: Path):
+    """A file's lines one at a time (what a container wrote may be any size; a line at most
+    hostile.LINE_MAX in a host's log, a bounded read each in a fetched file)."""
+    with path.open(errors="replace") as fh:
+        while line := fh.readline(hostile.LINE_MAX + 64):
+            yield line
+
+
+def rank_of(m: re.Match) -> str:
+    """A step line's rank, as 'node1 rank0'."""
+    return f"{m['node']} rank{m['rank']}"
+
+
+def rate_of(m: re.Match) -> float:
+    """A step line's tokens/s."""
+    return float(m["rate"].replace(",", ""))
+
+
+def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
+    """'node1 rank0' -> its step lines (STEP_LINE matches) from every host's log, by rank."""
+    steps: dict[str, list[re.Match]] = {}
+    for log in sorted(run_dir.glob("*.log")):
+        for m in filter(None, map(STEP_LINE.search, _lines(log))):
+            # A rank's name is what its program printed: made plain text once, here, for the
+            # table, the straggler line, the figure's legend and summary.json alike.
+            steps.setdefault(hostile.text(rank_of(m)), []).append(m)
+    return dict(sorted(steps.items(), key=lambda kv: int(kv[0].rsplit("rank", 1)[1])))
+
+
+def rank_rates(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """'node1 rank0' -> [(step, tokens/s)] from every host's log."""
+    return {name: [(int(m["step"]), rate_of(m)) for m in ms]
+            for name, ms in rank_steps(run_dir).items()}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th quantile (0..1) of values, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def stragglers(compute: dict[str, float], margin: float = STRAGGLER_MARGIN) -> list[tuple[str, float, float]]:
+    """(rank, its compute time, times the median rank's) for each rank slower than the median rank
+    by more than margin, slowest first. The median is the lower one, so that with two hosts the
+    faster host is the reference."""
+    if len(compute) < 2:
+        return []
+    median = statistics.median_low(compute.values())
+    if median <= 0:
+        return []
+    slow = [(name, t, t / median) for name, t in compute.items() if t > (1 + margin) * median]
+    return sorted(slow, key=lambda x: -x[2])
+
+
+def host_of(rank_name: str) -> str:
+    return rank_name.rsplit(" rank", 1)[0]
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 1), "p95": round(percentile(values, 0.95), 1)}
+
+
+def timings(run_dir: Path) -> dict:
+    """Per rank and per host: step time and compute time (ms, median and p95 over the logged
+    intervals), tokens/s, samples; and the stragglers."""
+    ranks, by_host = {}, {}
+    for name, ms in rank_steps(run_dir).items():
+        rates = [rate_of(m) for m in ms]
+        entry = {"tokens_per_s_median": round(statistics.median(rates), 1),
+                 "tokens_per_s_p5": round(percentile(rates, 0.05), 1), "samples": len(ms)}
+        timed = [m for m in ms if m["compute_ms"]]
+        if timed:
+            step_ms = [float(m["step_ms"]) for m in timed]
+            compute_ms = [float(m["compute_ms"]) for m in timed]
+            entry.update({f"step_ms_{k}": v for k, v in _stats(step_ms).items()})
+            entry.update({f"compute_ms_{k}": v for k, v in _stats(compute_ms).items()})
+            host = by_host.setdefault(host_of(name), {"ranks": [], "step_ms": [], "compute_ms": [], "rates": []})
+            host["ranks"].append(name)
+            host["step_ms"] += step_ms
+            host["compute_ms"] += compute_ms
+            host["rates"] += rates
+        ranks[name] = entry
+    hosts = {h: {"ranks": v["ranks"], **{f"step_ms_{k}": x for k, x in _stats(v["step_ms"]).items()},
+                 **{f"compute_ms_{k}": x for k, x in _stats(v["compute_ms"]).items()},
+                 "tokens_per_s_median": round(statistics.median(v["rates"]), 1)}
+             for h, v in by_host.items()}
+    slow = stragglers({n: r["compute_ms_median"] for n, r in ranks.items() if "compute_ms_median" in r})
+    return {"ranks": ranks, "per_host": hosts, "straggler_margin": STRAGGLER_MARGIN,
+            "stragglers": [{"rank": n, "host": host_of(n), "compute_ms_median": t, "times_median": round(x, 2)}
+                           for n, t, x in slow]}
+
+
+def straggler_line(rank: str, compute_ms: float, times: float) -> str:
+    return (f"straggler: {rank} takes {compute_ms:.1f} ms of compute per step, {times:.1f}x the median rank "
+            f"(more than {STRAGGLER_MARGIN:.0%} slower); the job runs at its pace")
+
+
+def timing_table(data: dict):
+    """The end-of-run table: one row per host, then one per rank; stragglers in red."""
+    from rich.table import Table
+    slow = {s["rank"] for s in data.get("stragglers", [])}
+    table = Table(title="step times (ms per optimizer step: median / p95)", title_justify="left")
+    for col in ("host / rank", "step ms", "compute ms", "tokens/s", "samples"):
+        table.add_column(col, justify="left" if col == "host / rank" else "right")
+    for host, h in data.get("per_host", {}).items():
+        flag = any(r in slow for r in h["ranks"])
+        table.add_row(hostile.rich_text(host, "bold red" if flag else "bold"), f"{h['step_ms_median']} / {h['step_ms_p95']}",
+                      f"{h['compute_ms_median']} / {h['compute_ms_p95']}", f"{h['tokens_per_s_median']:,.0f}", "")
+        for r in h["ranks"]:
+            e = data["ranks"][r]
+            table.add_row(hostile.rich_text("  " + r + ("  straggler" if r in slow else ""), "red" if r in slow else ""),
+                          f"{e['step_ms_median']} / {e['step_ms_p95']}",
+                          f"{e['compute_ms_median']} / {e['compute_ms_p95']}",
+                          f"{e['tokens_per_s_median']:,.0f}", str(e["samples"]))
+    return table
+
+
+def describe_run(run_dir: Path) -> dict:
+    """The job's record (runs/JOB/job.json) in a few fields; {} when there is none."""
+    try:
+        rec = json.loads((run_dir / recovery.RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    attempts = rec.get("attempts", [])
+    args = rec.get("spec", {}).get("args", [])
+    model = args[args.index("--model") + 1] if "--model" in args[:-1] else None
+    hosts = list(dict.fromkeys(h for a in attempts for h in a.get("hosts", [])))
+    ends = [a["ended"] for a in attempts if a.get("ended")]
+    return {"job": rec.get("spec", {}).get("job_id", run_dir.name), "state": rec.get("state"),
+            "attempts": len(attempts), "hosts": hosts, "model": model,
+            "script": rec.get("spec", {}).get("script"), "on": rec.get("backend", {}).get("on", "ssh"),
+            "seconds": round(max(ends) - attempts[0]["started"], 1) if attempts and ends else None}
+
+
+def figure(run_dirs: list[Path]):
+    """Loss per step (train line, eval markers) and tokens/s per rank, one colour per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
+    titles = []
+    for run_dir in run_dirs:
+        info = describe_run(run_dir) or {"job": run_dir.name}
+        train, evals = load_metrics(run_dir)
+        label = info["job"] if len(run_dirs) > 1 else ""
+        if train:
+            line, = loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train],
+                                 label=f"{label} train".strip())
+            colour = line.get_color()
+        else:
+            colour = None
+        if evals:
+            loss_ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o--", color=colour,
+                         label=f"{label} eval (per epoch)".strip())
+        for name, points in rank_rates(run_dir).items():
+            # A rank's name is what its program printed: never matplotlib's $math$ markup.
+            rate_ax.plot([s for s, _ in points], [r for _, r in points],
+                         label=f"{label} {name}".strip().replace("$", r"\$"), linewidth=1)
+        parts = [info["job"]]
+        if info.get("model"):
+            parts.append(f"model {info['model']}")
+        if info.get("hosts"):
+            parts.append(f"hosts {', '.join(info['hosts'])}")
+        if info.get("attempts"):
+            parts.append(f"{info['attempts']} attempt{'s' if info['attempts'] > 1 else ''}")
+        titles.append(" - ".join(parts))
+    loss_ax.set_title("\n".join(titles), fontsize=10)
+    loss_ax.set_xlabel("optimizer step")
+    loss_ax.set_ylabel("cross-entropy loss (nats per token)")
+    rate_ax.set_xlabel("optimizer step")
+    rate_ax.set_ylabel("throughput (tokens/s, as each rank measured it)")
+    rate_ax.set_title("tokens/s per rank", fontsize=10)
+    for ax in (loss_ax, rate_ax):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    return fig
+
+
+def write_plot(run_dirs: list[Path], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig = figure(run_dirs)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    """runs/JOB/summary.json: the run's record, final losses, per-rank and per-host step times and
+    throughput, stragglers."""
+    train, evals = load_metrics(run_dir)
+    return {**describe_run(run_dir), "final_train_loss": train[-1]["loss"] if train else None,
+            "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "steps": train[-1]["step"] if train else None, **timings(run_dir)}
+
+
+def finish(run_dir: Path) -> tuple[dict, list[Path]]:
+    """At the end of every run (failed ones too): summary.json, and loss.png when there are
+    metrics to draw. Returns the summary and the files written."""
+    data = summary(run_dir)
+    written = [run_dir / "summary.json"]
+    written[0].write_text(json.dumps(data, indent=2) + "\n")
+    if data["final_train_loss"] is not None or data["ranks"]:
+        written.append(write_plot([run_dir], run_dir / "loss.png"))
+    return data, written
+
+
+def runs(run_root: Path) -> list[dict]:
+    """Every run with a record under run_root, newest first."""
+    out = []
+    for path in run_root.glob(f"*/{recovery.RECORD}"):
+        info = describe_run(path.parent)
+        if info:
+            _, evals = load_metrics(path.parent)
+            info["final_eval_loss"] = evals[-1]["loss"] if evals else None
+            info["mtime"] = path.stat().st_mtime
+            out.append(info)
+    return sorted(out, key=lambda i: i["mtime"], reverse=True)

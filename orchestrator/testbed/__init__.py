@@ -1,0 +1,1 @@
+"""The local cluster of Docker-in-Docker test hosts (fab cluster.up)."""

@@ -1,0 +1,372 @@
+"""The local cluster: Docker-in-Docker test hosts standing in for bare-metal GPU servers.
+
+Each host is a container on a private bridge network with a fixed address, its own sshd and host
+key, and its own Docker engine (started without --privileged). `up` is idempotent: it reuses hosts
+that run the current host image, replaces stale ones, and loads the trainer image only where the
+image id differs. Host keys are read through `docker exec` (a trusted channel) and written to a
+known_hosts file, so host-key checking stays on.
+"""
+from __future__ import annotations
+
+import io
+import ipaddress
+import os
+import subprocess
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker.errors
+
+import docker
+from orchestrator.config import inventory
+from orchestrator.core.errors import UserError
+from orchestrator.images.images import push
+from orchestrator.transport.remote import Session
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+STATE_DIR = PROJECT_ROOT / ".cluster"
+HOST_IMAGE = "fabtrain/host:latest"
+TRAINER_IMAGE = "fabtrain/trainer:latest"
+NETWORK = "fabtrain-net"
+SUBNET = "172.28.5.0/24"
+LABEL = "fabtrain.cluster"
+# Training containers share their host's /dev/shm (--ipc host); Docker's 64 MB default is too small.
+SHM_BYTES = 2 * 1024 ** 3
+# One directory every test host sees (a volume of this machine's engine), as a shared filesystem
+# (NFS, Lustre) is seen by the nodes of a Slurm cluster.
+SHARED_VOLUME = "fabtrain-shared"
+SHARED_DIR = "/shared"
+# Docker-in-Docker without --privileged: every capability but the one this VM lacks, no seccomp,
+# AppArmor or masked /proc paths (the CLI's systempaths=unconfined), the cgroup tree writable, and a
+# volume for the inner engine.
+DIND_OPTS = dict(cap_add=["ALL"], cap_drop=["SYS_RESOURCE"],
+                 security_opt=["seccomp=unconfined", "apparmor=unconfined"])
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    container: str
+    address: str
+
+
+def node_infos(count: int, subnet: str = SUBNET) -> list[NodeInfo]:
+    net = ipaddress.ip_network(subnet)
+    return [NodeInfo(f"node{i}", f"fabtrain-node{i}", str(net.network_address + 10 + i))
+            for i in range(1, count + 1)]
+
+
+def _client() -> docker.DockerClient:
+    try:
+        client = docker.from_env(timeout=300)
+        client.ping()
+        return client
+    except docker.errors.DockerException as exc:
+        raise UserError(f"local Docker engine not reachable ({exc}); start it (sudo dockerd &) or run "
+                        f"bash docker/bootstrap.sh") from None
+
+
+def build_images() -> None:
+    script = PROJECT_ROOT / "docker" / "build-images.sh"
+    if subprocess.run(["bash", str(script)]).returncode != 0:
+        raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
+
+
+def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:
+    state.mkdir(mode=0o700, exist_ok=True)
+    key = state / "id_ed25519"
+    if not key.exists():
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fabtrain-local-cluster",
+                        "-f", str(key)], check=True)
+    return key, (state / "id_ed25519.pub").read_text().strip()
+
+
+def _exec(container, argv: list[str]) -> str:
+    code, out = container.exec_run(argv)
+    if code != 0:
+        raise UserError(f"{container.name}: {' '.join(argv[:3])}... failed ({code}): {out.decode()[-300:]}")
+    return out.decode()
+
+
+def _ensure_network(client: docker.DockerClient, subnet: str):
+    try:
+        net = client.networks.get(NETWORK)
+        have = net.attrs["IPAM"]["Config"][0]["Subnet"]
+        if have != subnet:
+            raise UserError(f"network {NETWORK} exists with subnet {have}, not {subnet}; "
+                            f"run 'fab cluster.down' first")
+        return net
+    except docker.errors.NotFound:
+        ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet)])
+        return client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LABEL: "1"})
+
+
+def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str):
+    try:
+        c = client.containers.get(node.container)
+        net = c.attrs["NetworkSettings"]["Networks"].get(NETWORK) or {}
+        # The configured address: a stopped container reports no IPAddress, and must be restarted,
+        # not replaced.
+        addr = (net.get("IPAMConfig") or {}).get("IPv4Address") or net.get("IPAddress")
+        shm = c.attrs["HostConfig"].get("ShmSize")
+        shared = any(m.get("Destination") == SHARED_DIR for m in c.attrs.get("Mounts", []))
+        if c.image.id == host_image_id and addr == node.address and shm == SHM_BYTES and shared:
+            if c.status != "running":
+                c.start()
+            return c
+        c.remove(force=True)  # stale: an older host image or another address
+    except docker.errors.NotFound:
+        pass
+    api = client.api
+    host_config = api.create_host_config(
+        shm_size=SHM_BYTES,
+        binds={"/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
+               f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"},
+               SHARED_VOLUME: {"bind": SHARED_DIR, "mode": "rw"}},
+        **DIND_OPTS)
+    host_config.update(MaskedPaths=[], ReadonlyPaths=[])
+    net_config = api.create_networking_config(
+        {NETWORK: api.create_endpoint_config(ipv4_address=node.address)})
+    created = api.create_container(HOST_IMAGE, name=node.container, hostname=node.name,
+                                   host_config=host_config, networking_config=net_config,
+                                   labels={LABEL: "1"}, detach=True)
+    api.start(created["Id"])
+    return client.containers.get(created["Id"])
+
+
+def _wait_ready(container, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code, _ = container.exec_run(["sh", "-c", "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub "
+                                            "&& test -s /run/sshd.pid"])
+        if code == 0:
+            return
+        time.sleep(0.5)
+    raise UserError(f"{container.name}: its Docker engine or sshd did not start within {timeout:g}s; "
+                    f"see: docker exec {container.name} cat /var/log/dockerd.log")
+
+
+def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
+       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print, spares: int = 0,
+       slurm: bool = False) -> list[NodeInfo]:
+    """`count` hosts and `spares` spare hosts (listed under spares: in the inventory); with `slurm`,
+    the hosts (not the spares) are also a Slurm cluster."""
+    if count < 1 or spares < 0:
+        raise UserError("--hosts must be at least 1 and --spares at least 0")
+    build_images()
+    client = _client()
+    key, pubkey = ensure_key()
+    nodes = node_infos(count + spares, subnet)
+    _ensure_network(client, subnet)
+    host_image_id = client.images.get(HOST_IMAGE).id
+    wanted = {n.container for n in nodes}
+    for c in client.containers.list(all=True, filters={"label": LABEL}):
+        if c.name not in wanted:
+            log(f"removing {c.name} (not in a {len(nodes)}-host cluster)")
+            c.remove(force=True, v=False)
+
+    def prepare(node: NodeInfo) -> str:
+        c = _ensure_node(client, node, host_image_id)
+        _wait_ready(c)
+        _exec(c, ["sh", "-c", 'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
+                  "sh", pubkey])
+        # Under the load of dozens of new hosts the key file can still be empty for a moment.
+        for _ in range(10):
+            host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
+            if len(host_key) >= 2:
+                return f"{node.address} {host_key[0]} {host_key[1]}\n"
+            time.sleep(0.5)
+        raise UserError(f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh")
+
+    # Bounded: 64 containers created at once overload the local engine.
+    with ThreadPoolExecutor(max_workers=min(len(nodes), 16)) as pool:
+        known = list(pool.map(prepare, nodes))
+    known_hosts = STATE_DIR / "known_hosts"
+    known_hosts.write_text("".join(known))
+    known_hosts.chmod(0o600)
+
+    # The trainer image reaches the hosts the way it reaches real ones: pushed over SSH, and only
+    # where the id differs.
+    state_inventory = STATE_DIR / "inventory.yaml"
+    state_inventory.write_text(render_inventory(nodes[:count], key, known_hosts, nodes[count:], slurm=slurm))
+    inv = inventory.load(state_inventory)
+    with Session(inv.all_hosts) as session:
+        for image in images:
+            results = push(session, image)
+            bad = [r for r in results if r.action == "failed"]
+            if bad:
+                raise UserError("loading the trainer image failed: " + "; ".join(f"{r.host}: {r.detail}" for r in bad))
+            sent = [r for r in results if r.action == "sent"]
+            log(f"{image}: sent to {len(sent)} host(s)"
+                + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
+                + f", already present on {len(nodes) - len(sent)}")
+    if slurm:
+        slurm_up(client, nodes[:count], log)
+    if inventory_out:
+        Path(inventory_out).write_text(state_inventory.read_text())
+        log(f"wrote {inventory_out}")
+    log("cluster up: " + ", ".join(f"{n.name}={n.address}" for n in nodes))
+    return nodes
+
+
+SLURM_CONF = """\
+# Written by fab cluster.up --slurm: the test hosts as a Slurm cluster, controller on the first.
+ClusterName=fabtrain
+SlurmctldHost={first}({first_address})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+# No cgroup delegation in these containers: processes tracked by parentage, no task binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SchedulerType=sched/backfill
+ReturnToService=2
+MpiDefault=none
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurmctld.log
+SlurmdLogFile=/var/log/slurmd.log
+# Finished jobs: their state in sacct --completion (no accounting database here) and in
+# scontrol show job for 10 minutes.
+JobCompType=jobcomp/filetxt
+JobCompLoc=/var/log/slurm-jobcomp.log
+AccountingStorageType=accounting_storage/none
+MinJobAge=600
+KillWait=30
+{nodes}
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+# Start (or keep) munge, slurmd and, on the controller, slurmctld: restarted only when the config
+# or the key changed or a daemon is not running.
+SLURM_START = r"""
+set -eu
+want=$(cat /etc/slurm/slurm.conf /etc/munge/munge.key.new | sha256sum | cut -c1-16)
+if [ "$(cat /etc/slurm/.fabtrain 2>/dev/null)" = "$want" ] && pgrep -x munged >/dev/null \
+   && pgrep -x slurmd >/dev/null && { [ "$2" = 0 ] || pgrep -x slurmctld >/dev/null; }; then
+  rm -f /etc/munge/munge.key.new; echo kept; exit 0
+fi
+pkill -x slurmctld || true; pkill -x slurmd || true; pkill -x munged || true
+sleep 0.5
+install -o munge -g munge -m 0400 /etc/munge/munge.key.new /etc/munge/munge.key
+rm -f /etc/munge/munge.key.new
+mkdir -p /run/munge /var/spool/slurmd /var/spool/slurmctld
+chown munge:munge /run/munge
+runuser -u munge -- /usr/sbin/munged
+if [ "$2" = 1 ]; then slurmctld; fi
+slurmd -N "$1"
+echo "$want" > /etc/slurm/.fabtrain
+echo started
+"""
+
+
+def slurm_up(client: docker.DockerClient, nodes: list[NodeInfo], log=print, timeout: float = 60) -> None:
+    """The test hosts as a Slurm cluster (Debian's slurm-wlm and munge, in the host image): one
+    munge key, one slurm.conf, slurmd everywhere, slurmctld on the first. Idempotent; SSH jobs on
+    the same hosts are unaffected."""
+    key_file = STATE_DIR / "munge.key"
+    if not key_file.exists():
+        key_file.write_bytes(os.urandom(1024))
+        key_file.chmod(0o600)
+    conf = SLURM_CONF.format(first=nodes[0].name, first_address=nodes[0].address, nodes="\n".join(
+        f"NodeName={n.name} NodeAddr={n.address} State=UNKNOWN" for n in nodes))
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for name, data, mode in (("slurm/slurm.conf", conf.encode(), 0o644),
+                                 ("munge/munge.key.new", key_file.read_bytes(), 0o400)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+
+    def start(i_node: tuple[int, NodeInfo]) -> str:
+        i, node = i_node
+        c = client.containers.get(node.container)
+        c.put_archive("/etc", archive.getvalue())
+        return _exec(c, ["sh", "-c", SLURM_START, "sh", node.name, "1" if i == 0 else "0"]).strip()
+
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        actions = list(pool.map(start, enumerate(nodes)))
+    controller = client.containers.get(nodes[0].container)
+    deadline = time.monotonic() + timeout
+    while True:
+        code, out = controller.exec_run(["sinfo", "--noheader", "--Node", "--format", "%N %t"])
+        states = dict(line.split() for line in out.decode().splitlines() if len(line.split()) == 2)
+        if code == 0 and all(states.get(n.name) in ("idle", "alloc", "mix") for n in nodes):
+            break
+        if time.monotonic() > deadline:
+            raise UserError(f"Slurm did not come up within {timeout:g}s (sinfo: {states or out.decode().strip()}); "
+                            f"see: docker exec {nodes[0].container} cat /var/log/slurmctld.log /var/log/slurmd.log")
+        time.sleep(0.5)
+    started = sum(a == "started" for a in actions)
+    log(f"slurm up: controller on {nodes[0].name}, {len(nodes)} node(s) idle "
+        f"({started} started, {len(nodes) - started} already running)")
+
+
+def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519",
+                     known_hosts: Path = STATE_DIR / "known_hosts", spares: list[NodeInfo] = (),
+                     slurm: bool = False) -> str:
+    """The inventory of these test hosts; with `slurm`, a slurm: section whose login node is the
+    first host (Slurm's controller, where sbatch runs: fab train --on slurm)."""
+    lines = ["# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
+             "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}", "  config: none",
+             "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2"]
+    for title, group in (("hosts:", nodes), ("spares:", spares)):
+        if group:
+            lines.append(title)
+        for n in group:
+            lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",
+                      "    gpus: {vendor: none, count: 0}"]
+    if slurm:
+        lines += ["slurm:", f"  login: {nodes[0].address}"]
+    return "\n".join(lines) + "\n"
+
+
+def down(log=print) -> None:
+    client = _client()
+    for c in client.containers.list(all=True, filters={"label": LABEL}):
+        log(f"removing {c.name}")
+        c.remove(force=True)
+        try:
+            client.volumes.get(f"{c.name}-docker").remove(force=True)
+        except docker.errors.NotFound:
+            pass
+    for v in client.volumes.list(filters={"name": "fabtrain-node"}):
+        v.remove(force=True)
+    try:
+        client.volumes.get(SHARED_VOLUME).remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    try:
+        client.networks.get(NETWORK).remove()
+    except docker.errors.NotFound:
+        pass
+    log("cluster down")
+
+
+def freeze(name: str, tries: int = 10) -> None:
+    """Freeze a whole test host (docker pause): a machine that stops answering without closing a
+    connection. The cgroup freezer gives up ("unable to freeze") when the host's processes are busy
+    forking at that moment, so the pause is tried again."""
+    container = _client().containers.get(f"fabtrain-{name}")
+    for attempt in range(tries):
+        try:
+            container.pause()
+            return
+        except docker.errors.APIError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.2)
+
+
+def thaw(name: str) -> None:
+    try:
+        _client().containers.get(f"fabtrain-{name}").unpause()
+    except docker.errors.APIError:
+        pass  # not paused (the freeze never happened) or already gone
