@@ -48,14 +48,23 @@ def fabric_core_flags(c) -> None:
     """Fabric's -H, -i and -S choose hosts, keys and an ssh_config for Fabric's own connections;
     fabtrain takes all three from the inventory, so they stop with a clear error, never ignored."""
     if isinstance(c, Connection):
-        raise UserError(f"-H/--hosts ({c.host}) is Fabric's host list; fabtrain's hosts come from the inventory "
-                        "(--inventory PATH). Leave -H out", exit_code=2)
+        raise UserError(
+            f"-H/--hosts ({c.host}) is Fabric's host list; fabtrain's hosts come from the inventory "
+            "(--inventory PATH). Leave -H out",
+            exit_code=2,
+        )
     if c.config.connect_kwargs.get("key_filename"):
-        raise UserError("-i/--identity is Fabric's key option; fabtrain takes keys from the inventory (ssh: key:, "
-                        "or per host) or your ssh-agent and ~/.ssh/config. Leave -i out", exit_code=2)
+        raise UserError(
+            "-i/--identity is Fabric's key option; fabtrain takes keys from the inventory (ssh: key:, "
+            "or per host) or your ssh-agent and ~/.ssh/config. Leave -i out",
+            exit_code=2,
+        )
     if getattr(c.config, "_runtime_ssh_path", None):
-        raise UserError("-S/--ssh-config is Fabric's option; fabtrain reads ~/.ssh/config, or the file named by the "
-                        "inventory's ssh: config: field. Leave -S out", exit_code=2)
+        raise UserError(
+            "-S/--ssh-config is Fabric's option; fabtrain reads ~/.ssh/config, or the file named by the "
+            "inventory's ssh: config: field. Leave -S out",
+            exit_code=2,
+        )
 
 
 def user_errors(fn):
@@ -71,8 +80,10 @@ def user_errors(fn):
     return wrapper
 
 
-CODE_HELP = ("your project's folder, with --script/--module: synced to job.code_dir/KEY (KEY names its "
-             "contents) and linked into the job's writable working directory (default: the current directory)")
+CODE_HELP = (
+    "your project's folder, with --script/--module: synced to job.code_dir/KEY (KEY names its "
+    "contents) and linked into the job's writable working directory (default: the current directory)"
+)
 
 
 TREE_HELP = "your project's folder (default: this project's built-in trainers)"
@@ -89,13 +100,21 @@ def sync(c, inventory=None, code=None):
         print(f"{host}: synced to {dest} in {seconds:.2f}s")
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the results as JSON", "strict": "fail on warnings too",
-            "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
-            "clock_warn": "warn above this clock offset, seconds (default 0.05)",
-            "clock_fail": "fail above this clock offset, seconds (default 0.5)", "code": TREE_HELP,
-            "deep": "also measure: disk write speed and space, compute per host (GPU) against its peers, "
-                    "bandwidth and round trips between every pair of hosts, GPU health (ECC, XID, throttling, "
-                    "PCIe, dcgmi); kept in runs/health.json for fab train --health"})
+@task(
+    auto_shortflags=False,
+    help={
+        "inventory": INV_HELP,
+        "json": "print the results as JSON",
+        "strict": "fail on warnings too",
+        "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
+        "clock_warn": "warn above this clock offset, seconds (default 0.05)",
+        "clock_fail": "fail above this clock offset, seconds (default 0.5)",
+        "code": TREE_HELP,
+        "deep": "also measure: disk write speed and space, compute per host (GPU) against its peers, "
+        "bandwidth and round trips between every pair of hosts, GPU health (ECC, XID, throttling, "
+        "PCIe, dcgmi); kept in runs/health.json for fab train --health",
+    },
+)
 @user_errors
 def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_warn="0.05",
               clock_fail="0.5", code=None, deep=False):
@@ -154,43 +173,73 @@ JOB_HELP = {
 }
 
 
-@task(auto_shortflags=False, help={
-    **JOB_HELP,
-    "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working directory, "
-                  "or under /output; default: job.checkpoint): kept here and put back on every host for a restart, "
-                  "--resume or --continue",
-    "dry_run": "print the attempt's plan (every command per host, in order) and start nothing",
-    "skip_preflight": "start without the preflight checks (code is still synced)",
-    "smoke": "also run the collective smoke test before starting",
-    "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
-              "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args, --image, --code and "
-              "--checkpoint may change what was recorded (a finished job continues with new --epochs or --args)",
-    "include": "run on these hosts only, joined by @ (DeepSpeed's syntax), each optionally with its GPUs (CPU "
-               "slots on a host without GPUs): --include node1@node3, --include node1:0,1@node2:2,3",
-    "exclude": "run on every host but these: --exclude node2",
-    "num_nodes": "run on the first N hosts (of --include's, or hosts:) where the job fits beside other jobs",
-    "gpus": "take N free GPUs on each host (N CPU slots on a host without GPUs); one process each unless "
-            "--nproc says otherwise (default: every GPU of the host; one slot)",
-    "cpuset": "pin each CPU host's container to the CPUs of its slots (docker --cpuset-cpus)",
-    "health": "first the deep check (fab preflight --deep; results under an hour old are reused) of the "
-              "hosts and spares: unhealthy hosts are left out and healthy spares take their places",
-    "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, from its "
-                 "newest snapshot or checkpoint, finished or not; a new job when there is none",
-    "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
-    "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
-    "hang_timeout": f"seconds without progress (README: progress) before the stacks are dumped and the "
-                    f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
-    "plain": PLAIN_HELP,
-    "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
-    "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's login node "
-          "and follow the job there (README: On Slurm)",
-})
+@task(
+    auto_shortflags=False,
+    help={
+        **JOB_HELP,
+        "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working directory, "
+        "or under /output; default: job.checkpoint): kept here and put back on every host for a restart, "
+        "--resume or --continue",
+        "dry_run": "print the attempt's plan (every command per host, in order) and start nothing",
+        "skip_preflight": "start without the preflight checks (code is still synced)",
+        "smoke": "also run the collective smoke test before starting",
+        "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
+        "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args, --image, --code and "
+        "--checkpoint may change what was recorded (a finished job continues with new --epochs or --args)",
+        "include": "run on these hosts only, joined by @ (DeepSpeed's syntax), each optionally with its GPUs (CPU "
+        "slots on a host without GPUs): --include node1@node3, --include node1:0,1@node2:2,3",
+        "exclude": "run on every host but these: --exclude node2",
+        "num_nodes": "run on the first N hosts (of --include's, or hosts:) where the job fits beside other jobs",
+        "gpus": "take N free GPUs on each host (N CPU slots on a host without GPUs); one process each unless "
+        "--nproc says otherwise (default: every GPU of the host; one slot)",
+        "cpuset": "pin each CPU host's container to the CPUs of its slots (docker --cpuset-cpus)",
+        "health": "first the deep check (fab preflight --deep; results under an hour old are reused) of the "
+        "hosts and spares: unhealthy hosts are left out and healthy spares take their places",
+        "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, from its "
+        "newest snapshot or checkpoint, finished or not; a new job when there is none",
+        "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
+        "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
+        "hang_timeout": f"seconds without progress (README: progress) before the stacks are dumped and the "
+        f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
+        "plain": PLAIN_HELP,
+        "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
+        "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's login node "
+        "and follow the job there (README: On Slurm)",
+    },
+)
 @user_errors
-def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
-          nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
-          resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
-          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None, cpuset=False,
-          health=False, on=None):
+def train(
+    c,
+    inventory=None,
+    model=None,
+    epochs=None,
+    trainer=None,
+    script=None,
+    args=None,
+    image=None,
+    nproc=None,
+    dry_run=False,
+    skip_preflight=False,
+    name=None,
+    smoke=False,
+    code=None,
+    module=None,
+    resume=None,
+    restarts=None,
+    min_nodes=None,
+    hang_timeout=None,
+    plain=False,
+    json=False,
+    checkpoint=None,
+    continue_=False,
+    include=None,
+    exclude=None,
+    num_nodes=None,
+    gpus=None,
+    cpuset=False,
+    health=False,
+    on=None,
+):
     """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
@@ -203,25 +252,58 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if "--" in sys.argv:
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)
-    given = dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image, nproc=nproc,
-                 name=name, code=code, module=module, checkpoint=checkpoint)
+    given = dict(
+        model=model,
+        epochs=epochs,
+        trainer=trainer,
+        script=script,
+        args=args,
+        image=image,
+        nproc=nproc,
+        name=name,
+        code=code,
+        module=module,
+        checkpoint=checkpoint,
+    )
     if on not in (None, "ssh", "slurm"):
         raise UserError(f"--on {hostile.text(str(on))!r}: give ssh or slurm", exit_code=2)
     if on == "slurm":
-        ssh_only = dict(continue_=continue_, restarts=restarts, min_nodes=min_nodes,
-                        hang_timeout=hang_timeout, include=include, exclude=exclude, num_nodes=num_nodes, gpus=gpus,
-                        cpuset=cpuset, health=health, smoke=smoke, json=json, skip_preflight=skip_preflight)
-        return _train_on_slurm(inventory, given, dry_run, plain, [k for k, v in ssh_only.items() if v not in (None, False)],
-                               resume)
+        ssh_only = dict(
+            continue_=continue_,
+            restarts=restarts,
+            min_nodes=min_nodes,
+            hang_timeout=hang_timeout,
+            include=include,
+            exclude=exclude,
+            num_nodes=num_nodes,
+            gpus=gpus,
+            cpuset=cpuset,
+            health=health,
+            smoke=smoke,
+            json=json,
+            skip_preflight=skip_preflight,
+        )
+        return _train_on_slurm(
+            inventory,
+            given,
+            dry_run,
+            plain,
+            [k for k, v in ssh_only.items() if v not in (None, False)],
+            resume,
+        )
     if resume and continue_:
-        raise UserError("--resume names the job to continue and --continue finds it by --name; give one", exit_code=2)
+        raise UserError(
+            "--resume names the job to continue and --continue finds it by --name; give one", exit_code=2
+        )
     # With --json, stdout carries JSON lines only: what people read goes to stderr.
     say = Console(stderr=True, highlight=False, soft_wrap=True) if json else console
     if continue_:
         resume = cli.find_named(RUNS, cli.default_name(given, TRAINERS))
         if resume is None:
-            say.print(f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one",
-                      markup=False)
+            say.print(
+                f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one",
+                markup=False,
+            )
     asked_include = include
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
@@ -248,8 +330,10 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if selected:
         busy = set()
         if num_nodes is not None:
-            want = claims.want_of(jobspec.JobSpec(job_id="-", script="", units=units, gpus=gpus, nproc_per_node=nproc),
-                                  inv.job.nproc_per_node)
+            want = claims.want_of(
+                jobspec.JobSpec(job_id="-", script="", units=units, gpus=gpus, nproc_per_node=nproc),
+                inv.job.nproc_per_node,
+            )
             with Session(inv.all_hosts) as session:
                 busy = hostops.busy_hosts(hostops.survey(session, inv), inv, want)
         inv = cli.select_hosts(inv, include, exclude, busy, num_nodes)
@@ -289,7 +373,9 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     if error:
         raise error
     again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
-    say.print(f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}", markup=False)
+    say.print(
+        f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}", markup=False
+    )
 
 
 def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str],
@@ -297,8 +383,11 @@ def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only
     """fab train --on slurm (orchestrator/backends/slurm/slurm.py): submit, follow, exit with the job's own result."""
     if ssh_only:
         names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in ssh_only)
-        raise UserError(f"{names}: not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own "
-                        "checks); set nodes, partition and time in the inventory's slurm: section", exit_code=2)
+        raise UserError(
+            f"{names}: not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own "
+            "checks); set nodes, partition and time in the inventory's slurm: section",
+            exit_code=2,
+        )
     record = None
     if resume:
         record = recovery.JobRecord.load(RUNS, resume)
@@ -319,19 +408,32 @@ def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only
     try:
         end, run_dir, _ = _slurm.train(inv, spec, RUNS, console, live=not plain, record=record)
     except KeyboardInterrupt:
-        raise UserError(f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
-                        exit_code=130) from None
+        raise UserError(
+            f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
+            exit_code=130,
+        ) from None
     cli.present(run_dir, console)
     if end.exit_code:
-        raise UserError(f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code {end.code}); "
-                        f"logs in {run_dir}", exit_code=end.exit_code)
-    console.print(f"job {spec.job_id} finished on Slurm (slurm job {end.slurm_id}); logs and curves in {run_dir}")
+        raise UserError(
+            f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code {end.code}); "
+            f"logs in {run_dir}",
+            exit_code=end.exit_code,
+        )
+    console.print(
+        f"job {spec.job_id} finished on Slurm (slurm job {end.slurm_id}); logs and curves in {run_dir}"
+    )
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "stop this job only (an id from 'fab status')",
-                                   "all": "stop every fabtrain job on the hosts, other people's too (asks first)",
-                                   "yes": "with --all: do not ask",
-                                   "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)"})
+@task(
+    auto_shortflags=False,
+    help={
+        "inventory": INV_HELP,
+        "job": "stop this job only (an id from 'fab status')",
+        "all": "stop every fabtrain job on the hosts, other people's too (asks first)",
+        "yes": "with --all: do not ask",
+        "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)",
+    },
+)
 @user_errors
 def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     """Stop the jobs you started (user@machine) on every host: their containers, found by label,
@@ -343,7 +445,9 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     inv = _inventory.load(inventory)
     grace = inv.job.stop_grace if grace is None else float(grace)
     if job and not jobspec.valid_job_id(job):
-        raise UserError(f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2)
+        raise UserError(
+            f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2
+        )
     if job and _slurm.recorded(RUNS, job):
         for line in _slurm.stop(inv, [job], RUNS, grace):
             print(hostile.text(line))
@@ -379,7 +483,11 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
         print(hostile.text(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else "")))
     for v in others.values():
         if v.job not in chosen:
-            print(hostile.text(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; 'fab stop --job {v.job}' ends it"))
+            print(
+                hostile.text(
+                    f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; 'fab stop --job {v.job}' ends it"
+                )
+            )
     for line in cleared:
         print(hostile.text(line))
     if failed:
@@ -439,7 +547,9 @@ def logs(c, inventory=None, job=None, plain=False):
             print("detached; the job goes on ('fab stop --job' ends it)")
             return
         if end.exit_code:
-            raise UserError(f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})", exit_code=end.exit_code)
+            raise UserError(
+                f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})", exit_code=end.exit_code
+            )
         return
     with Session(inv.all_hosts) as session:
         try:
@@ -471,8 +581,12 @@ def runs(c, json=False):
     for r in report.runs(RUNS):
         loss = f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "-"
         took = f"{r['seconds']:.0f}s" if r["seconds"] is not None else "-"
-        table.add_row(*(hostile.rich_text(str(x)) for x in (r["job"], r["state"] or "-", r["attempts"], took, loss,
-                                                            ", ".join(r["hosts"]))))
+        table.add_row(
+            *(
+                hostile.rich_text(str(x))
+                for x in (r["job"], r["state"] or "-", r["attempts"], took, loss, ", ".join(r["hosts"]))
+            )
+        )
     console.print(table)
 
 
@@ -508,18 +622,39 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
     inv = _inventory.load(inventory)
-    spec = cli.new_spec(dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image,
-                                   nproc=nproc, name=name, code=code, module=module), TRAINERS)
+    spec = cli.new_spec(
+        dict(
+            model=model,
+            epochs=epochs,
+            trainer=trainer,
+            script=script,
+            args=args,
+            image=image,
+            nproc=nproc,
+            name=name,
+            code=code,
+            module=module,
+        ),
+        TRAINERS,
+    )
     text, warnings = _export.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
     _warn(warnings)
     target = Path(out or f"{spec.job_id}.sbatch")
     target.write_text(text)
     target.chmod(0o755)
-    print(f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: sbatch {target}")
+    print(
+        f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: sbatch {target}"
+    )
 
 
-@task(auto_shortflags=False, help={**JOB_HELP, "out": "directory to write trainjob.yaml, pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
-            "restarts": "pod failures the job tolerates (backoffLimit, default 0)"})
+@task(
+    auto_shortflags=False,
+    help={
+        **JOB_HELP,
+        "out": "directory to write trainjob.yaml, pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
+        "restarts": "pod failures the job tolerates (backoffLimit, default 0)",
+    },
+)
 @user_errors
 def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
         image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
@@ -528,16 +663,31 @@ def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, a
     an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
     inv = _inventory.load(inventory)
-    spec = cli.new_spec(dict(model=model, epochs=epochs, trainer=trainer, script=script, args=args, image=image,
-                                   nproc=nproc, name=name, code=code, module=module), TRAINERS)
+    spec = cli.new_spec(
+        dict(
+            model=model,
+            epochs=epochs,
+            trainer=trainer,
+            script=script,
+            args=args,
+            image=image,
+            nproc=nproc,
+            name=name,
+            code=code,
+            module=module,
+        ),
+        TRAINERS,
+    )
     docs, warnings = _export.k8s_manifests(inv, spec, restarts=int(restarts))
     _warn(warnings)
     target = Path(out or f"{spec.job_id}-k8s")
     target.mkdir(parents=True, exist_ok=True)
     for file, documents in docs.items():
         (target / file).write_text(_export.k8s_text(inv, spec, file, documents))
-    print(f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with kubectl apply -f "
-          f"(trainjob.yaml on Kubeflow Trainer v2)")
+    print(
+        f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with kubectl apply -f "
+        f"(trainjob.yaml on Kubeflow Trainer v2)"
+    )
 
 
 @task(auto_shortflags=False, help={"nodes": "number of test hosts (default 2)",
@@ -585,9 +735,16 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
         raise UserError(f"image push failed on {', '.join(bad)}")
 
 
-@task(auto_shortflags=False, help={"base": "base image (e.g. nvcr.io/nvidia/pytorch:24.01-py3)", "requirements": "a pip requirements file",
-            "tag": "name of the new image", "pip_args": "extra pip arguments, split like a shell would",
-            "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index needed"})
+@task(
+    auto_shortflags=False,
+    help={
+        "base": "base image (e.g. nvcr.io/nvidia/pytorch:24.01-py3)",
+        "requirements": "a pip requirements file",
+        "tag": "name of the new image",
+        "pip_args": "extra pip arguments, split like a shell would",
+        "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index needed",
+    },
+)
 @user_errors
 def build(c, base, requirements, tag, pip_args="", wheels=None):
     """Build an image from a base image plus your requirements file and fabtrain's entrypoint, on

@@ -102,7 +102,9 @@ def route_interface(address: str) -> str | None:
         address = socket.gethostbyname(address)  # a platform may give a name (job-master-0)
     except OSError:
         return None
-    return pick_interface(address, _run(["ip", "-o", "route", "get", address]), _run(["ip", "-o", "-4", "addr", "show"]))
+    return pick_interface(
+        address, _run(["ip", "-o", "route", "get", address]), _run(["ip", "-o", "-4", "addr", "show"])
+    )
 
 
 def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:
@@ -120,7 +122,9 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     # PET_*: what Kubeflow Trainer's torch runtime gives torchrun (a TrainJob, fab export.k8s).
     nnodes = int(env.get("NNODES") or env.get("PET_NNODES") or env.get("WORLD_SIZE")
                  or env.get("SLURM_JOB_NUM_NODES") or 1)
-    node_rank = int(env.get("NODE_RANK") or env.get("PET_NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or 0)
+    node_rank = int(
+        env.get("NODE_RANK") or env.get("PET_NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or 0
+    )
     master_addr = env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR") or "127.0.0.1"
     master_port = env.get("MASTER_PORT") or env.get("PET_MASTER_PORT") or "29500"
     nproc = env.get("NPROC_PER_NODE") or env.get("PET_NPROC_PER_NODE") or "auto"

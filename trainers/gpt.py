@@ -65,9 +65,18 @@ PRESETS = {
     "medium": (ModelConfig(n_layer=24, n_head=16, n_embd=1088), TrainConfig(batch_size=4, grad_accum=32)),
 }
 CPU_SCALE = {
-    "tiny": (dict(n_layer=2, n_head=2, n_embd=64, block_size=64), dict(batch_size=16, grad_accum=1, lr=3e-3, min_lr=3e-4, warmup_steps=20)),
-    "small": (dict(n_layer=4, n_head=4, n_embd=128, block_size=128), dict(batch_size=8, grad_accum=2, lr=2e-3, min_lr=2e-4, warmup_steps=20)),
-    "medium": (dict(n_layer=6, n_head=6, n_embd=192, block_size=128), dict(batch_size=4, grad_accum=4, lr=1e-3, min_lr=1e-4, warmup_steps=20)),
+    "tiny": (
+        dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
+        dict(batch_size=16, grad_accum=1, lr=3e-3, min_lr=3e-4, warmup_steps=20),
+    ),
+    "small": (
+        dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+        dict(batch_size=8, grad_accum=2, lr=2e-3, min_lr=2e-4, warmup_steps=20),
+    ),
+    "medium": (
+        dict(n_layer=6, n_head=6, n_embd=192, block_size=128),
+        dict(batch_size=4, grad_accum=4, lr=1e-3, min_lr=1e-4, warmup_steps=20),
+    ),
 }
 
 
@@ -127,7 +136,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = (
+            None
+            if targets is None
+            else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        )
         return logits, loss
 
     @torch.no_grad()
@@ -318,7 +331,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None) if d.enabled else model
     timer = StepTimer(ddp if d.enabled else None)
 
-    train_sampler = DistributedSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=tc.seed)
+    train_sampler = DistributedSampler(
+        train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=tc.seed
+    )
     val_sampler = DistributedSampler(val_ds, num_replicas=d.world, rank=d.rank, shuffle=False)
     train_dl = DataLoader(train_ds, batch_size=tc.batch_size, sampler=train_sampler, drop_last=True)
     val_dl = DataLoader(val_ds, batch_size=tc.batch_size, sampler=val_sampler)
@@ -336,7 +351,10 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     if d.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     tokens_per_step = tc.batch_size * tc.grad_accum * mc.block_size * d.world
-    fpt, peak = flops_per_token(mc, n_params(model)), peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    fpt, peak = (
+        flops_per_token(mc, n_params(model)),
+        peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None),
+    )
     result = {}
     run_start, run_start_step = time.perf_counter(), step
     for epoch in range(start_epoch, tc.epochs):
@@ -384,7 +402,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         val = evaluate(ddp, val_dl, device, d)
         if d.rank == 0:
             log(f"{tag} epoch {epoch} done | eval loss {val:.4f} | train loss {loss_sum:.4f}")
-            _append(metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()})
+            _append(
+                metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()}
+            )
             writer.save(model, optimizer, epoch + 1, step)
         result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
     writer.wait()

@@ -50,8 +50,10 @@ def tp_plan(model: MLP) -> dict:
 
 def make_mesh(world: int, tp: int, device_type: str) -> DeviceMesh:
     if tp < 1 or world % tp:
-        raise SystemExit(f"mlp_tp: world size {world} is not divisible by --tp {tp}; "
-                         f"choose a tp that divides {world} (e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})")
+        raise SystemExit(
+            f"mlp_tp: world size {world} is not divisible by --tp {tp}; "
+            f"choose a tp that divides {world} (e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
+        )
     return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
@@ -73,7 +75,9 @@ def average_dp_grads(model: nn.Module, mesh: DeviceMesh) -> None:
         local.div_(size)
 
 
-def synthetic_batch(step: int, dp_rank: int, batch: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    step: int, dp_rank: int, batch: int, dim: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable target (a fixed random linear map + tanh); each dp rank gets its own batch."""
     g = torch.Generator().manual_seed(10_000 * step + dp_rank)
     x = torch.randn(batch, dim, generator=g)

@@ -90,8 +90,10 @@ def _entrypoint() -> str:
 def _summary(inv: Inventory, spec: jobspec.JobSpec, nodes: int, host: Host) -> list[str]:
     nproc = spec.nproc_per_node or inv.job.nproc_per_node
     what = " ".join(dockerargs.command(spec))
-    return [f"#   {nodes} node(s) x {comment(nproc)} process(es), image {comment(spec.image or inv.image_for(host))}",
-            f"#   runs: {comment(what)}"]
+    return [
+        f"#   {nodes} node(s) x {comment(nproc)} process(es), image {comment(spec.image or inv.image_for(host))}",
+        f"#   runs: {comment(what)}",
+    ]
 
 
 def _secrets_note(inv: Inventory) -> list[str]:
@@ -118,33 +120,38 @@ def slurm_script(inv: Inventory, spec: jobspec.JobSpec, pyxis: bool = False, par
     # old task's cleanup there is still running, and must not lose their entrypoint to it. With
     # docker, one per node too: with job.output_dir shared between nodes, each keeps its own cidfile
     # and secrets there. (pyxis names the directory once, in its --container-mounts, and has no cidfile.)
-    rt = f"{hostfiles.runtime_dir(inv, spec)}/{var('fabtrain_attempt')}" + ("" if pyxis else f".{var('SLURM_NODEID')}")
+    rt = f"{hostfiles.runtime_dir(inv, spec)}/{var('fabtrain_attempt')}" + (
+        "" if pyxis else f".{var('SLURM_NODEID')}"
+    )
     grace = str(max(1, math.ceil(inv.job.stop_grace)))  # docker stop --time takes whole seconds
     flavour = "pyxis/enroot (srun --container-image)" if pyxis else "docker run on each node"
-    lines = ["#!/bin/bash",
-             f"# fabtrain job {spec.job_id} for Slurm, written by `fab export.slurm` from {comment(str(inv.path))}:",
-             *_summary(inv, spec, nodes, host),
-             f"# Submit with: sbatch FILE (the output goes to {spec.job_id}-JOBID.out in the submit directory).",
-             "# Before you submit:",
-             f"#  - the code is at {comment(hostfiles.code_path(inv, spec))} on every node (fab sync --code DIR",
-             "#    prints where it put DIR; or a shared filesystem);",
-             "#  - the image is on every node (fab image.push, or a registry they pull from);"
-             if not pyxis else "#  - enroot can import the image on every node (a registry they pull from);",
-             *_secrets_note(inv),
-             f"# One task per node starts the job ({flavour}); a task that fails ends the job",
-             "# (--kill-on-bad-exit) and the other nodes' containers are stopped. After a node failure",
-             "# Slurm requeues the job with the same output directory and the trainer resumes from its",
-             f"# newest snapshot in {comment(out_dir)} on the node that runs rank 0: put job.output_dir",
-             "# on a shared filesystem so that any node finds it. Submitting this file again continues",
-             "# this job the same way; export again for a new job.",
-             f"#SBATCH --job-name={spec.job_id}",
-             f"#SBATCH --comment={COMMENT}",
-             f"#SBATCH --nodes={nodes}",
-             "#SBATCH --ntasks-per-node=1",
-             "#SBATCH --exclusive",
-             "#SBATCH --requeue",
-             "#SBATCH --open-mode=append",
-             f"#SBATCH --output={spec.job_id}-%j.out"]
+    lines = [
+        "#!/bin/bash",
+        f"# fabtrain job {spec.job_id} for Slurm, written by `fab export.slurm` from {comment(str(inv.path))}:",
+        *_summary(inv, spec, nodes, host),
+        f"# Submit with: sbatch FILE (the output goes to {spec.job_id}-JOBID.out in the submit directory).",
+        "# Before you submit:",
+        f"#  - the code is at {comment(hostfiles.code_path(inv, spec))} on every node (fab sync --code DIR",
+        "#    prints where it put DIR; or a shared filesystem);",
+        "#  - the image is on every node (fab image.push, or a registry they pull from);"
+        if not pyxis
+        else "#  - enroot can import the image on every node (a registry they pull from);",
+        *_secrets_note(inv),
+        f"# One task per node starts the job ({flavour}); a task that fails ends the job",
+        "# (--kill-on-bad-exit) and the other nodes' containers are stopped. After a node failure",
+        "# Slurm requeues the job with the same output directory and the trainer resumes from its",
+        f"# newest snapshot in {comment(out_dir)} on the node that runs rank 0: put job.output_dir",
+        "# on a shared filesystem so that any node finds it. Submitting this file again continues",
+        "# this job the same way; export again for a new job.",
+        f"#SBATCH --job-name={spec.job_id}",
+        f"#SBATCH --comment={COMMENT}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={spec.job_id}-%j.out",
+    ]
     if host.gpu_count and host.gpu_vendor != "none":
         lines.append(f"#SBATCH --gpus-per-node={host.gpu_count}")
     if partition:
@@ -153,28 +160,30 @@ def slurm_script(inv: Inventory, spec: jobspec.JobSpec, pyxis: bool = False, par
         lines.append(f"#SBATCH --time={time_limit}")
     if account:
         lines.append(f"#SBATCH --account={account}")
-    lines += ["set -euo pipefail",
-              "",
-              "# Rank 0 runs on the allocation's first node; its address comes from Slurm (NodeAddr).",
-              # sed reads to the end: `head -n 1` leaves scontrol writing into a closed pipe, and
-              # pipefail turns its SIGPIPE into a failed job (seen now and then with two nodes).
-              'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
-              "MASTER_ADDR=$(scontrol show node \"$first\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
-              'export MASTER_ADDR="${MASTER_ADDR:-$first}" NNODES="$SLURM_JOB_NUM_NODES" '
-              'FABTRAIN_SECRETS="${FABTRAIN_SECRETS:-}" fabtrain_attempt="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',
-              f'echo "[fabtrain] job {spec.job_id}: slurm job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}),'
-              ' $NNODES node(s), master $MASTER_ADDR"',
-              "",
-              "# On each node: the job's directories, the entrypoint, the secrets file.",
-              "fabtrain_prepare() {",
-              f"  mkdir -p {line([out_dir, hostfiles.work_dir(inv, spec), rt])} || return 1",
-              f"  cat > {word(rt + '/entrypoint.py')} <<'{HEREDOC}' || return 1",
-              _entrypoint() + HEREDOC,
-              '  if [ -n "$FABTRAIN_SECRETS" ]; then',
-              f'    install -m 600 "$FABTRAIN_SECRETS" {word(rt + "/secrets.env")} || return 1',
-              "  fi",
-              "}",
-              "export -f fabtrain_prepare"]
+    lines += [
+        "set -euo pipefail",
+        "",
+        "# Rank 0 runs on the allocation's first node; its address comes from Slurm (NodeAddr).",
+        # sed reads to the end: `head -n 1` leaves scontrol writing into a closed pipe, and
+        # pipefail turns its SIGPIPE into a failed job (seen now and then with two nodes).
+        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        "MASTER_ADDR=$(scontrol show node \"$first\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
+        'export MASTER_ADDR="${MASTER_ADDR:-$first}" NNODES="$SLURM_JOB_NUM_NODES" '
+        'FABTRAIN_SECRETS="${FABTRAIN_SECRETS:-}" fabtrain_attempt="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',
+        f'echo "[fabtrain] job {spec.job_id}: slurm job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}),'
+        ' $NNODES node(s), master $MASTER_ADDR"',
+        "",
+        "# On each node: the job's directories, the entrypoint, the secrets file.",
+        "fabtrain_prepare() {",
+        f"  mkdir -p {line([out_dir, hostfiles.work_dir(inv, spec), rt])} || return 1",
+        f"  cat > {word(rt + '/entrypoint.py')} <<'{HEREDOC}' || return 1",
+        _entrypoint() + HEREDOC,
+        '  if [ -n "$FABTRAIN_SECRETS" ]; then',
+        f'    install -m 600 "$FABTRAIN_SECRETS" {word(rt + "/secrets.env")} || return 1',
+        "  fi",
+        "}",
+        "export -f fabtrain_prepare",
+    ]
     if pyxis:
         lines += _pyxis_steps(inv, spec, host, rt)
     else:
@@ -203,33 +212,35 @@ def _docker_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str, gr
            *dockerargs.run_options(inv, node, spec, var("fabtrain_container"), var("NODE_RANK"),
                              _slurm_env(inv, host, spec), runtime=rt),
            *image_and_command[:at]]
-    return ["",
-            "# One node's container, in the foreground of its task: stopped when the task ends or is",
-            "# signalled (scancel, --kill-on-bad-exit), removed when it exits. The trap stops this",
-            "# attempt's container by its id: after a requeue the next attempt's has the same name.",
-            "fabtrain_node() {",
-            "  # A node whose Docker engine does not answer fails its task at once, named, not later.",
-            "  if ! timeout -k 5 30 docker info >/dev/null 2>&1; then",
-            '    echo "[fabtrain] $SLURMD_NODENAME: no Docker engine answers (docker info, 30 s): start or fix '
-            'it, or exclude the node (sbatch --exclude)" >&2; return 1',
-            "  fi",
-            f"  if [ ! -d {word(hostfiles.code_path(inv, spec))} ]; then",
-            f'    echo "[fabtrain] $SLURMD_NODENAME: the code is not at" {word(hostfiles.code_path(inv, spec) + ":")} "put '
-            'job.code_dir on a filesystem the nodes share, or fab sync to the nodes" >&2; return 1',
-            "  fi",
-            "  fabtrain_prepare || return 1",
-            '  export NODE_RANK="$SLURM_NODEID" FABTRAIN_NODE="$SLURMD_NODENAME"',
-            f"  fabtrain_container={word(container)} fabtrain_rt={word(rt)}",
-            '  docker rm --force "$fabtrain_container" >/dev/null 2>&1  # left by an earlier run of this job',
-            f"  trap '[ -s \"$fabtrain_rt/cid\" ] && docker stop --time {grace} \"$(cat \"$fabtrain_rt/cid\")\" "
-            ">/dev/null 2>&1; rm -rf \"$fabtrain_rt\"; rmdir \"${fabtrain_rt%/*}\" 2>/dev/null' EXIT",
-            "  trap 'exit 143' TERM",
-            "  trap 'exit 130' INT",
-            f"  {long_line(run, image_and_command[at:], '  ')} &",
-            "  wait $!",
-            "}",
-            "export -f fabtrain_node",
-            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label bash -c fabtrain_node"]
+    return [
+        "",
+        "# One node's container, in the foreground of its task: stopped when the task ends or is",
+        "# signalled (scancel, --kill-on-bad-exit), removed when it exits. The trap stops this",
+        "# attempt's container by its id: after a requeue the next attempt's has the same name.",
+        "fabtrain_node() {",
+        "  # A node whose Docker engine does not answer fails its task at once, named, not later.",
+        "  if ! timeout -k 5 30 docker info >/dev/null 2>&1; then",
+        '    echo "[fabtrain] $SLURMD_NODENAME: no Docker engine answers (docker info, 30 s): start or fix '
+        'it, or exclude the node (sbatch --exclude)" >&2; return 1',
+        "  fi",
+        f"  if [ ! -d {word(hostfiles.code_path(inv, spec))} ]; then",
+        f'    echo "[fabtrain] $SLURMD_NODENAME: the code is not at" {word(hostfiles.code_path(inv, spec) + ":")} "put '
+        'job.code_dir on a filesystem the nodes share, or fab sync to the nodes" >&2; return 1',
+        "  fi",
+        "  fabtrain_prepare || return 1",
+        '  export NODE_RANK="$SLURM_NODEID" FABTRAIN_NODE="$SLURMD_NODENAME"',
+        f"  fabtrain_container={word(container)} fabtrain_rt={word(rt)}",
+        '  docker rm --force "$fabtrain_container" >/dev/null 2>&1  # left by an earlier run of this job',
+        f'  trap \'[ -s "$fabtrain_rt/cid" ] && docker stop --time {grace} "$(cat "$fabtrain_rt/cid")" '
+        '>/dev/null 2>&1; rm -rf "$fabtrain_rt"; rmdir "${fabtrain_rt%/*}" 2>/dev/null\' EXIT',
+        "  trap 'exit 143' TERM",
+        "  trap 'exit 130' INT",
+        f"  {long_line(run, image_and_command[at:], '  ')} &",
+        "  wait $!",
+        "}",
+        "export -f fabtrain_node",
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label bash -c fabtrain_node",
+    ]
 
 
 def enroot_image(image: str) -> str:
@@ -241,9 +252,13 @@ def enroot_image(image: str) -> str:
 
 
 def _pyxis_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str) -> list[str]:
-    mounts = [(hostfiles.code_path(inv, spec), jobspec.CODE_MOUNT, True), (hostfiles.work_dir(inv, spec), jobspec.WORKDIR, False),
-              (f"{inv.job.output_dir}/{spec.job_id}", jobspec.OUTDIR, False),
-              (rt, jobspec.RUNTIME_MOUNT, True), *((m.source, m.target, m.read_only) for m in host.mounts)]
+    mounts = [
+        (hostfiles.code_path(inv, spec), jobspec.CODE_MOUNT, True),
+        (hostfiles.work_dir(inv, spec), jobspec.WORKDIR, False),
+        (f"{inv.job.output_dir}/{spec.job_id}", jobspec.OUTDIR, False),
+        (rt, jobspec.RUNTIME_MOUNT, True),
+        *((m.source, m.target, m.read_only) for m in host.mounts),
+    ]
     for source, target, _ in mounts:
         if "," in source + target or ":" in source + target:
             raise UserError(f"{inv.path}: the mount {source}:{target} holds ',' or ':', which pyxis's "
@@ -256,12 +271,17 @@ def _pyxis_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str) -> 
     notes = ["# pyxis gives the container the task's environment, so NODE_RANK comes from SLURM_NODEID",
              "# (docker/entrypoint.py) and GPUs from --gpus-per-node; Docker-only settings (ulimits,",
              "# capabilities, devices, shm size) are the cluster's enroot configuration here."]
-    return ["", "srun --ntasks-per-node=1 bash -c fabtrain_prepare", "", *notes,
-            f"export {line(exports)}" if exports else "",
-            "status=0",
-            f"{long_line(srun, ['python3', jobspec.ENTRYPOINT_PATH, *dockerargs.command(spec)], '')} || status=$?",
-            f"srun --ntasks-per-node=1 rm -rf {word(rt)}",
-            "exit $status"]
+    return [
+        "",
+        "srun --ntasks-per-node=1 bash -c fabtrain_prepare",
+        "",
+        *notes,
+        f"export {line(exports)}" if exports else "",
+        "status=0",
+        f"{long_line(srun, ['python3', jobspec.ENTRYPOINT_PATH, *dockerargs.command(spec)], '')} || status=$?",
+        f"srun --ntasks-per-node=1 rm -rf {word(rt)}",
+        "exit $status",
+    ]
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------------
@@ -292,12 +312,20 @@ def _container(inv: Inventory, spec: jobspec.JobSpec, host: Host, env: list[dict
     env = env + [{"name": k, "value": v} for k, v in dockerargs.job_env(inv, host, spec) if k not in skip]
     env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": name}}}
             for name, _ in inv.job.secret_files]
-    c: dict = {"name": "pytorch", "image": spec.image or inv.image_for(host), "imagePullPolicy": "IfNotPresent",
-               "command": ["python3", jobspec.ENTRYPOINT_PATH], "args": dockerargs.command(spec),
-               "workingDir": jobspec.WORKDIR, "env": env,
-               "volumeMounts": [{"name": "fabtrain", "mountPath": jobspec.RUNTIME_MOUNT, "readOnly": True},
-                                {"name": "shm", "mountPath": "/dev/shm"},
-                                {"name": "output", "mountPath": jobspec.OUTDIR}]}
+    c: dict = {
+        "name": "pytorch",
+        "image": spec.image or inv.image_for(host),
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", jobspec.ENTRYPOINT_PATH],
+        "args": dockerargs.command(spec),
+        "workingDir": jobspec.WORKDIR,
+        "env": env,
+        "volumeMounts": [
+            {"name": "fabtrain", "mountPath": jobspec.RUNTIME_MOUNT, "readOnly": True},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "output", "mountPath": jobspec.OUTDIR},
+        ],
+    }
     if host.gpu_vendor in GPU_RESOURCE and host.gpu_count:
         c["resources"] = {"limits": {GPU_RESOURCE[host.gpu_vendor]: str(host.gpu_count)}}
     caps = ["IPC_LOCK"] if host.infiniband else []
@@ -316,7 +344,11 @@ def _container(inv: Inventory, spec: jobspec.JobSpec, host: Host, env: list[dict
 
 def _pod_spec(inv: Inventory, spec: jobspec.JobSpec, host: Host, config_map: str, env: list[dict],
               **extra) -> dict:
-    return {**extra, "containers": [_container(inv, spec, host, env)], "volumes": _volumes(inv, host, config_map)}
+    return {
+        **extra,
+        "containers": [_container(inv, spec, host, env)],
+        "volumes": _volumes(inv, host, config_map),
+    }
 
 
 def _volumes(inv: Inventory, host: Host, config_map: str) -> list[dict]:
@@ -328,7 +360,9 @@ def _volumes(inv: Inventory, host: Host, config_map: str) -> list[dict]:
     volumes = [{"name": "fabtrain", "configMap": {"name": config_map}},
                {"name": "shm", "emptyDir": shm},
                {"name": "output", "persistentVolumeClaim": {"claimName": output_claim(config_map)}}]
-    return volumes + [{"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(host.mounts)]
+    return volumes + [
+        {"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(host.mounts)
+    ]
 
 
 def output_claim(config_map: str) -> str:
@@ -358,7 +392,9 @@ def _config_map(name: str, job_id: str) -> dict:
             "data": {"entrypoint.py": _entrypoint()}}
 
 
-def k8s_manifests(inv: Inventory, spec: jobspec.JobSpec, restarts: int = 0) -> tuple[dict[str, list[dict]], list[str]]:
+def k8s_manifests(
+    inv: Inventory, spec: jobspec.JobSpec, restarts: int = 0
+) -> tuple[dict[str, list[dict]], list[str]]:
     """({file name: documents}, warnings): a Kubeflow PyTorchJob, and plain Kubernetes (an Indexed
     Job with a headless Service for the pods' names). Both carry the entrypoint in a ConfigMap."""
     host, warnings = template_host(inv)
@@ -429,16 +465,20 @@ def _trainjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: 
 
 def k8s_header(inv: Inventory, spec: jobspec.JobSpec, kind: str) -> str:
     host = inv.hosts[0]
-    lines = [f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from {comment(str(inv.path))}:",
-             *_summary(inv, spec, len(inv.hosts), host),
-             "# Apply with: kubectl apply -f FILE. The image must hold the code at /workspace (or mount it",
-             f"# there); /output is the PersistentVolumeClaim {k8s_name(spec.job_id)}-output (ReadWriteMany, "
-             f"{OUTPUT_SIZE}), so",
-             "# snapshots outlive a pod. Checked offline against the Kubernetes API schemas and the Kubeflow",
-             "# models (TrainJob, PyTorchJob); not run on a live cluster by fabtrain's tests."]
+    lines = [
+        f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from {comment(str(inv.path))}:",
+        *_summary(inv, spec, len(inv.hosts), host),
+        "# Apply with: kubectl apply -f FILE. The image must hold the code at /workspace (or mount it",
+        f"# there); /output is the PersistentVolumeClaim {k8s_name(spec.job_id)}-output (ReadWriteMany, "
+        f"{OUTPUT_SIZE}), so",
+        "# snapshots outlive a pod. Checked offline against the Kubernetes API schemas and the Kubeflow",
+        "# models (TrainJob, PyTorchJob); not run on a live cluster by fabtrain's tests.",
+    ]
     if inv.job.secret_files:
         files = " ".join(f"--from-file={name}={comment(path)}" for name, path in inv.job.secret_files)
-        lines.append(f"# Secrets come from the Secret {SECRET_NAME}: kubectl create secret generic {SECRET_NAME} {files}")
+        lines.append(
+            f"# Secrets come from the Secret {SECRET_NAME}: kubectl create secret generic {SECRET_NAME} {files}"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -44,7 +44,9 @@ def code_dir(path: str | None) -> Path:
     """--code DIR, checked; without it, the current directory (where a user runs their own script from)."""
     p = Path(path or ".").expanduser().resolve()
     if not p.is_dir():
-        raise UserError(f"--code {path}: not a directory; give the folder holding your training code", exit_code=2)
+        raise UserError(
+            f"--code {path}: not a directory; give the folder holding your training code", exit_code=2
+        )
     return p
 
 
@@ -61,7 +63,9 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
     if not (script or module) and o.get("code"):
         raise UserError("--code is the folder of your own --script or --module; the built-in trainers bring "
                         "their own", exit_code=2)
-    source, only = (code_dir(o.get("code")), "") if script or module else (jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
+    source, only = (
+        (code_dir(o.get("code")), "") if script or module else (jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
+    )
     if script and module:
         raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
     if module:
@@ -71,8 +75,11 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
         script, extra = module, split_args(args)
     elif script:
         if not (source / script).is_file():
-            raise UserError(f"--script {script}: no such file in {source}; give a path relative to --code DIR "
-                            "(default: the current directory)", exit_code=2)
+            raise UserError(
+                f"--script {script}: no such file in {source}; give a path relative to --code DIR "
+                "(default: the current directory)",
+                exit_code=2,
+            )
         extra = split_args(args)
     else:
         trainer = o.get("trainer") or "gpt"
@@ -80,18 +87,35 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
             raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(trainers)} or --script PATH",
                             exit_code=2)
         script = trainers[trainer]
-        extra = ["--model", o.get("model") or "tiny", "--epochs", str(epochs(o.get("epochs") or 5)), *split_args(args)]
+        extra = [
+            "--model",
+            o.get("model") or "tiny",
+            "--epochs",
+            str(epochs(o.get("epochs") or 5)),
+            *split_args(args),
+        ]
     job_name = default_name(o, trainers)
     if not jobspec.valid_job_id(job_name):
-        raise UserError(f"--name {hostile.text(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2)
+        raise UserError(
+            f"--name {hostile.text(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2
+        )
     nproc = o.get("nproc")
     checkpoint = checkpoint_option(o.get("checkpoint"))
     if checkpoint and script in trainers.values() and not module:
         raise UserError("--checkpoint names where your own program writes its checkpoints; the built-in "
                         "trainers' snapshots are kept without it", exit_code=2)
-    return jobspec.JobSpec(job_id=jobspec.new_job_id(job_name), script=script, module=bool(module), args=tuple(extra),
-                        image=o.get("image"), nproc_per_node=str(nproc) if nproc else None, code=str(source),
-                        code_only=only, code_key=codetree.key(source, only), checkpoint=checkpoint)
+    return jobspec.JobSpec(
+        job_id=jobspec.new_job_id(job_name),
+        script=script,
+        module=bool(module),
+        args=tuple(extra),
+        image=o.get("image"),
+        nproc_per_node=str(nproc) if nproc else None,
+        code=str(source),
+        code_only=only,
+        code_key=codetree.key(source, only),
+        checkpoint=checkpoint,
+    )
 
 
 def checkpoint_option(value: str | None) -> str:
@@ -158,18 +182,27 @@ def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bo
     spec = record.job_spec()
     for key, why in FIXED_ON_RESUME.items():
         if o.get(key) is not None and str(o[key]) != str(recorded(spec, key, trainers)):
-            raise UserError(f"--{key} cannot change when resuming job {spec.job_id}: it fixes {why}. Leave "
-                            f"--{key} out to continue the job, or start a new job without --resume", exit_code=2)
+            raise UserError(
+                f"--{key} cannot change when resuming job {spec.job_id}: it fixes {why}. Leave "
+                f"--{key} out to continue the job, or start a new job without --resume",
+                exit_code=2,
+            )
     if record.state == "finished" and not again and o.get("epochs") is None and o.get("args") is None:
-        raise UserError(f"job {spec.job_id} already finished; to train it further give --epochs N (the built-in "
-                        "trainers) or --args \"...\" (your script's own options), e.g. more epochs", exit_code=2)
+        raise UserError(
+            f"job {spec.job_id} already finished; to train it further give --epochs N (the built-in "
+            'trainers) or --args "..." (your script\'s own options), e.g. more epochs',
+            exit_code=2,
+        )
     before = spec
     args = list(spec.args)
     builtin = not spec.module and args[:1] == ["--model"] and args[2:3] == ["--epochs"]
     if o.get("epochs") is not None:
         if not builtin:
-            raise UserError(f"--epochs applies to the built-in trainers; job {spec.job_id} runs {spec.script}: "
-                            "give its own option with --args instead", exit_code=2)
+            raise UserError(
+                f"--epochs applies to the built-in trainers; job {spec.job_id} runs {spec.script}: "
+                "give its own option with --args instead",
+                exit_code=2,
+            )
         args[3] = str(epochs(o["epochs"]))
     if o.get("args") is not None:
         args = [*args[:4], *split_args(o["args"])] if builtin else split_args(o["args"])
@@ -195,11 +228,15 @@ def host_list(value: str, option: str, inv: Inventory) -> dict[str, tuple[int, .
     for part in (p.strip() for p in value.split("@")):
         name, colon, units = part.partition(":")
         if not name:
-            raise UserError(f"{option} {value!r}: an empty host name; write hosts joined by @, e.g. {example}",
-                            exit_code=2)
+            raise UserError(
+                f"{option} {value!r}: an empty host name; write hosts joined by @, e.g. {example}",
+                exit_code=2,
+            )
         if name not in known:
-            raise UserError(f"{option} {value!r}: no host {name!r} in {inv.path}; hosts are {', '.join(known)}",
-                            exit_code=2)
+            raise UserError(
+                f"{option} {value!r}: no host {name!r} in {inv.path}; hosts are {', '.join(known)}",
+                exit_code=2,
+            )
         listed = [u.strip() for u in units.split(",")] if colon else []
         if colon and (not all(u.isdigit() for u in listed) or len(set(listed)) != len(listed)):
             raise UserError(f"{option} {value!r}: {part!r} should list distinct GPU (or CPU slot) indices "
@@ -228,9 +265,12 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy:
         n = count("--num-nodes", num_nodes)
         free = [h for h in hosts if h.name not in busy]
         if len(free) < n:
-            raise UserError(f"--num-nodes {n}: only {len(free)} of {', '.join(h.name for h in hosts)} are free "
-                            f"({', '.join(sorted(busy & {h.name for h in hosts})) or 'none'} run other jobs); "
-                            f"wait, or ask for fewer", exit_code=2)
+            raise UserError(
+                f"--num-nodes {n}: only {len(free)} of {', '.join(h.name for h in hosts)} are free "
+                f"({', '.join(sorted(busy & {h.name for h in hosts})) or 'none'} run other jobs); "
+                f"wait, or ask for fewer",
+                exit_code=2,
+            )
         hosts = free[:n]
     if not hosts:
         raise UserError("--include/--exclude leave no host to run on", exit_code=2)
@@ -256,7 +296,9 @@ def units_asked(inv: Inventory, include: str | None) -> str:
     """JobSpec.units: --include's hosts that list units, in the same syntax ('' when none do)."""
     if not include:
         return ""
-    return "@".join(f"{n}:{','.join(map(str, u))}" for n, u in host_list(include, "--include", inv).items() if u)
+    return "@".join(
+        f"{n}:{','.join(map(str, u))}" for n, u in host_list(include, "--include", inv).items() if u
+    )
 
 
 def resume_entry(record: JobRecord, changed: dict) -> dict:
@@ -292,7 +334,9 @@ def policy(inv: Inventory, restarts, min_nodes, hang_timeout) -> Policy:
         p = Policy(restarts=int(restarts), min_nodes=int(min_nodes) if min_nodes else None,
                    hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
     except ValueError as exc:
-        raise UserError(f"--restarts, --min-nodes and --hang-timeout take numbers: {exc}", exit_code=2) from None
+        raise UserError(
+            f"--restarts, --min-nodes and --hang-timeout take numbers: {exc}", exit_code=2
+        ) from None
     if p.restarts < 0 or p.hang_timeout < 0:
         raise UserError("--restarts and --hang-timeout cannot be negative", exit_code=2)
     if p.min_nodes is not None and not 1 <= p.min_nodes <= len(inv.hosts):

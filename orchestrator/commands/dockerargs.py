@@ -51,9 +51,13 @@ def gpu_probe_argv(host: Host) -> list[str] | None:
     groups of AMD's device nodes (a group name such as `render` may not exist in the image)."""
     if host.gpu_vendor == "nvidia":
         # Bounded like every Docker call of the preflight: a stuck engine must not hold the start.
-        return ["sh", "-c", "echo runtimes $(timeout -k 2 8 docker info --format '{{json .Runtimes}}' 2>/dev/null); "
-                "echo cdi $(cat /etc/cdi/*.yaml /etc/cdi/*.json /var/run/cdi/*.yaml /var/run/cdi/*.json "
-                "2>/dev/null | grep -c 'nvidia.com/gpu')"]
+        return [
+            "sh",
+            "-c",
+            "echo runtimes $(timeout -k 2 8 docker info --format '{{json .Runtimes}}' 2>/dev/null); "
+            "echo cdi $(cat /etc/cdi/*.yaml /etc/cdi/*.json /var/run/cdi/*.yaml /var/run/cdi/*.json "
+            "2>/dev/null | grep -c 'nvidia.com/gpu')",
+        ]
     if host.gpu_vendor == "amd":
         return ["sh", "-c", "echo gids $(stat -c %g /dev/kfd /dev/dri/renderD* 2>/dev/null | sort -un); "
                 + devices.AMD_PROBE]
@@ -68,7 +72,9 @@ def parse_gpu_probe(text: str) -> GpuAccess:
                      cdi=cdi.isdigit() and int(cdi) > 0, gids=gids, render=devices.parse_amd_render(text))
 
 
-def device_args(host: Host, access: GpuAccess | None = None, gpus: tuple[int, ...] | None = None) -> list[str]:
+def device_args(
+    host: Host, access: GpuAccess | None = None, gpus: tuple[int, ...] | None = None
+) -> list[str]:
     """Docker flags that expose the host's accelerators (`gpus`: only these; None: all) and the
     inventory's devices to the container. `access` comes from gpu_probe_argv on the host; None
     assumes NVIDIA's runtime hook."""
@@ -121,7 +127,9 @@ def container_options(inv: Inventory, host: Host) -> list[str]:
     return args
 
 
-def job_env(inv: Inventory, host: Host, spec: JobSpec, units: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
+def job_env(
+    inv: Inventory, host: Host, spec: JobSpec, units: tuple[int, ...] | None = None
+) -> list[tuple[str, str]]:
     """Environment of one node's container, in a stable order (inventory, host, then command line).
     GPUs or slots asked for (--include HOST:i,j, --gpus N) set the node's processes, one per unit,
     unless --nproc says otherwise."""
@@ -210,7 +218,14 @@ def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     step's `timeout`, `docker run` is ended on the host before it passes (bounded)."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
-    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt, work_dir(inv, spec)]
+    dirs = [
+        "mkdir",
+        "-p",
+        f"{inv.job.output_dir}/{spec.job_id}",
+        console.rsplit("/", 1)[0],
+        rt,
+        work_dir(inv, spec),
+    ]
     run = docker_run_argv(inv, host, spec, access, units)
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
@@ -274,6 +289,12 @@ RM_FILTER = ('/is already in progress|No such container/ {next} /^[0-9a-f]+$/ {p
 
 
 def status_argv(job_id: str | None = None) -> list[str]:
-    return ["docker", "ps", "--all", *label_filter(job_id), "--format",
-            "{{.Label \"" + LABEL_JOB + "\"}}\t{{.Label \"" + LABEL_RANK + "\"}}\t{{.Names}}\t"
-            "{{.State}}\t{{.Status}}\t{{.Label \"" + LABEL_OWNER + "\"}}\t{{.Label \"" + LABEL_ATTEMPT + "\"}}"]
+    return [
+        "docker",
+        "ps",
+        "--all",
+        *label_filter(job_id),
+        "--format",
+        '{{.Label "' + LABEL_JOB + '"}}\t{{.Label "' + LABEL_RANK + '"}}\t{{.Names}}\t'
+        '{{.State}}\t{{.Status}}\t{{.Label "' + LABEL_OWNER + '"}}\t{{.Label "' + LABEL_ATTEMPT + '"}}',
+    ]

@@ -70,17 +70,21 @@ def not_link_script(path: str) -> str:
     word) is a symbolic link: any member of the group can put one where a shared directory goes
     (in a directory the group writes), and what this account then did there (chmod, files) would
     land where the link points: its own ~/.ssh, say."""
-    return (f"if [ -L {path} ]; then printf '%s is a symbolic link, not a directory: another account may have "
-            f"put it there; remove it (rm %s) and run again\\n' {path} {path} >&2; exit {NOT_WRITABLE}; fi; ")
+    return (
+        f"if [ -L {path} ]; then printf '%s is a symbolic link, not a directory: another account may have "
+        f"put it there; remove it (rm %s) and run again\\n' {path} {path} >&2; exit {NOT_WRITABLE}; fi; "
+    )
 
 
 def enter_script(path: str) -> str:
     """`cd` into the shared directory `path` (an absolute path, a shell word), then check that the
     path, no link, still names the directory entered (else NOT_WRITABLE): what follows works in `.`,
     which stays that directory whatever another account renames or links in its place meanwhile."""
-    return (f"cd -P {path} && [ ! -L {path} ] && [ {path} -ef . ] || {{ printf '%s changed while this command "
-            f"entered it (another account may have put a link there): run again\\n' {path} >&2; "
-            f"exit {NOT_WRITABLE}; }}; ")
+    return (
+        f"cd -P {path} && [ ! -L {path} ] && [ {path} -ef . ] || {{ printf '%s changed while this command "
+        f"entered it (another account may have put a link there): run again\\n' {path} >&2; "
+        f"exit {NOT_WRITABLE}; }}; "
+    )
 
 
 def own_dir_chmod(path: str, mode: str, then: str = "") -> str:
@@ -99,11 +103,17 @@ def shared_dir_script(path: str, sticky: bool = False, check: bool = True) -> st
     umask, made). One root made (the admin's setup, README) is used as it is."""
     mode = SHARED_MODE + (",+t" if sticky else "")
     fix = f"{mode} %s; chgrp GROUP %s"
-    return (not_link_script(path) + f"mkdir -p {path} || exit {NOT_WRITABLE}; "
-            f"{{ {own_dir_chmod(path, mode)}; }} 2>/dev/null; "
-            + (f"[ -w {path} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with "
-               f"the group: chmod {fix}\\n' {path} \"$(id -un)\" \"$(stat -c %U {path})\" {path} {path} >&2; "
-               f"exit {NOT_WRITABLE}; }}; " if check else ""))
+    return (
+        not_link_script(path) + f"mkdir -p {path} || exit {NOT_WRITABLE}; "
+        f"{{ {own_dir_chmod(path, mode)}; }} 2>/dev/null; "
+        + (
+            f"[ -w {path} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with "
+            f'the group: chmod {fix}\\n\' {path} "$(id -un)" "$(stat -c %U {path})" {path} {path} >&2; '
+            f"exit {NOT_WRITABLE}; }}; "
+            if check
+            else ""
+        )
+    )
 
 
 def own_runtime_script(inv: Inventory, job_id: str) -> str:
@@ -111,10 +121,12 @@ def own_runtime_script(inv: Inventory, job_id: str) -> str:
     NOT_OWN when it is there and not this account's own directory (another account made it first,
     or put a link there), then touch the job's lease (in the directory entered: own_dir_chmod)."""
     rt, own = shell([f"{inv.job.output_dir}/.runtime"]), shell([f"{inv.job.output_dir}/.runtime/{job_id}"])
-    return (shared_dir_script(rt, sticky=True) + f"mkdir -m {RUNTIME_MODE} {own} 2>/dev/null; "
-            f"if [ -L {own} ] || [ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; "
-            f"another account made it: job ids are never reused, so remove it (its owner or root)\\n' {own} "
-            f"\"$(id -un)\" >&2; exit {NOT_OWN}; fi; {own_dir_chmod(own, RUNTIME_MODE, f' && touch {LEASE}')}")
+    return (
+        shared_dir_script(rt, sticky=True) + f"mkdir -m {RUNTIME_MODE} {own} 2>/dev/null; "
+        f"if [ -L {own} ] || [ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; "
+        f"another account made it: job ids are never reused, so remove it (its owner or root)\\n' {own} "
+        f'"$(id -un)" >&2; exit {NOT_OWN}; fi; {own_dir_chmod(own, RUNTIME_MODE, f" && touch {LEASE}")}'
+    )
 
 
 def stop_mark_script(inv: Inventory, job_ids: list[str] | tuple[str, ...]) -> str:
@@ -122,7 +134,9 @@ def stop_mark_script(inv: Inventory, job_ids: list[str] | tuple[str, ...]) -> st
     (an existing marker, of any account, is kept); made new (noclobber), so a link another account
     put at its name is never written through."""
     d = shell([f"{inv.job.output_dir}/.runtime/{STOPPED_DIR}"])
-    marks = "; ".join(f"[ -e {m} ] || ( set -C; : > {m} )" for m in (shell([stopped_marker(inv, j)]) for j in job_ids))
+    marks = "; ".join(
+        f"[ -e {m} ] || ( set -C; : > {m} )" for m in (shell([stopped_marker(inv, j)]) for j in job_ids)
+    )
     return (shared_dir_script(shell([f"{inv.job.output_dir}/.runtime"]), sticky=True, check=False)
             + shared_dir_script(d) + f"umask 022; {marks}")
 
@@ -154,9 +168,11 @@ def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
     console file (waiting for the file to appear), ended by `--pid` on a `docker wait` for the
     container; tail reads the file to its end before it leaves."""
     name = container_name(spec.job_id, rank)
-    return (f"{shell(['docker', 'wait', name])} >/dev/null 2>&1 & "
-            f"{shell(['tail', '-c', '+1', '-s', '0.2', '-F'])} --pid=$! {shell([console_file(inv, spec, rank)])} "
-            "2>/dev/null; wait")
+    return (
+        f"{shell(['docker', 'wait', name])} >/dev/null 2>&1 & "
+        f"{shell(['tail', '-c', '+1', '-s', '0.2', '-F'])} --pid=$! {shell([console_file(inv, spec, rank)])} "
+        "2>/dev/null; wait"
+    )
 
 
 # The end of a node's output read after it exits, in bytes, not lines: one line can be any size.

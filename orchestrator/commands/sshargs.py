@@ -125,8 +125,16 @@ def rsync_remote(host: Host, path: str) -> str:
 
 def fetch_file_argv(host: Host, remote_file: str, dest: str) -> list[str]:
     """Copy one file (a snapshot) from a host; rsync writes a temporary file and renames it."""
-    return ["rsync", "--times", f"--timeout={RSYNC_IO_TIMEOUT}", *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)),
-            rsync_remote(host, remote_file), dest]
+    return [
+        "rsync",
+        "--times",
+        f"--timeout={RSYNC_IO_TIMEOUT}",
+        *RSYNC_PROTECT,
+        "--rsh",
+        shell(ssh_argv(host)),
+        rsync_remote(host, remote_file),
+        dest,
+    ]
 
 
 def push_file_argv(host: Host, source: str, remote_file: str, first: str = "") -> list[str]:

@@ -158,8 +158,12 @@ class _Loader(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise yaml.composer.ComposerError(None, None, f"lists or mappings nested more than {MAX_DEPTH} deep",
-                                                  self.peek_event().start_mark)
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"lists or mappings nested more than {MAX_DEPTH} deep",
+                    self.peek_event().start_mark,
+                )
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
@@ -289,7 +293,9 @@ class _Reader:
         self.path, self.where, self.line = path, where, line
         self.lines: dict[Any, int] = {}
         if _is_blank(data) and where:
-            self.fail(self.where, "is empty", f"give its fields, or remove '{self.where.rsplit('.', 1)[-1]}:'", line)
+            self.fail(
+                self.where, "is empty", f"give its fields, or remove '{self.where.rsplit('.', 1)[-1]}:'", line
+            )
         if _unset(data, (dict,)):
             data = _LineDict()
         if not isinstance(data, dict):
@@ -347,7 +353,9 @@ class _Reader:
         """`key` has a value (a field left empty is as good as absent)."""
         return key in self.data and not _unset(self.data[key], (list, dict))
 
-    def items(self, key: str, entry: str, required: bool = False, fix: str = "") -> list[tuple[str, Any, int]]:
+    def items(
+        self, key: str, entry: str, required: bool = False, fix: str = ""
+    ) -> list[tuple[str, Any, int]]:
         """The entries of list field `key` as (field path, value, line); `entry` says what one
         entry should be, for the error about an entry left empty."""
         values = self.get(key, list, [], required=required, fix=fix)
@@ -363,7 +371,7 @@ class _Reader:
             out.append((where, value, line))
         return out
 
-    def sub(self, key: str) -> "_Reader":
+    def sub(self, key: str) -> _Reader:
         value = self.data.get(key)
         return _Reader(self.path, value, self._field(key), self.line_of(key))
 
@@ -396,8 +404,12 @@ class _Reader:
             # No default here: a variable with no value may be a value forgotten, and "" is a
             # legitimate value, so the user says which one is meant.
             if value is None:
-                env.fail(env._field(name), "is empty", f'write {name}: "" for an empty variable, or remove the line',
-                         env.line_of(name))
+                env.fail(
+                    env._field(name),
+                    "is empty",
+                    f'write {name}: "" for an empty variable, or remove the line',
+                    env.line_of(name),
+                )
             # datetime.date: an unquoted 2024-01-01, which reads back as written.
             if not isinstance(value, (str, int, float, datetime.date)):
                 env.fail(env._field(name), f"must be a single value, not {_kind_name(value)}",
@@ -424,9 +436,12 @@ class _Reader:
         except OSError as exc:  # a name too long, a directory that may not be searched
             self.fail(self._field(key), f"{expanded}: {exc.strerror}", fix, self.line_of(key))
         if not exists:
-            self.fail(self._field(key), f"{expanded} is a directory" if expanded.is_dir() else f"{expanded} does not exist",
-                      "run 'fab cluster.up' to make the local cluster's" if ".cluster" in expanded.parts else fix,
-                      self.line_of(key))
+            self.fail(
+                self._field(key),
+                f"{expanded} is a directory" if expanded.is_dir() else f"{expanded} does not exist",
+                "run 'fab cluster.up' to make the local cluster's" if ".cluster" in expanded.parts else fix,
+                self.line_of(key),
+            )
         return str(expanded)
 
 
@@ -450,13 +465,23 @@ def _ssh(reader: _Reader, base: Settings, check_files: bool) -> Settings:
                 # The same rule as a host's address: a hop such as -oProxyCommand=... would be read
                 # by ssh as an option.
                 if not ADDRESS_RE.fullmatch(host):
-                    raise ValueError(f"{host!r} is neither a host name, an IP address nor an ssh_config alias")
+                    raise ValueError(
+                        f"{host!r} is neither a host name, an IP address nor an ssh_config alias"
+                    )
         except ValueError as exc:
             reader.fail(reader._field("jump"), str(exc), jump_fix, reader.line_of("jump"))
     config = reader.get("config", str, None)
     # Always checked, not only with check_files: the file is read while the inventory is parsed.
-    config_path = None if config is None or config.lower() == "none" else reader.path_field(
-        "config", None, must_exist=True, fix="give the path of an ssh_config file, or none to read no ssh_config")
+    config_path = (
+        None
+        if config is None or config.lower() == "none"
+        else reader.path_field(
+            "config",
+            None,
+            must_exist=True,
+            fix="give the path of an ssh_config file, or none to read no ssh_config",
+        )
+    )
     # At least 1 s: ssh's ConnectTimeout and ServerAliveInterval take whole seconds, and 0 turns
     # them off (sshargs.ssh_options).
     settings = Settings(
@@ -490,7 +515,11 @@ def _mounts(reader: _Reader, key: str) -> tuple[Mount, ...]:
     for where, item, line in reader.items(key, "SOURCE:TARGET[:ro] (e.g. /data/corpus:/data:ro)"):
         if isinstance(item, str):
             parts = item.split(":")
-            if len(parts) not in (2, 3) or not all(parts[:2]) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+            if (
+                len(parts) not in (2, 3)
+                or not all(parts[:2])
+                or (len(parts) == 3 and parts[2] not in ("ro", "rw"))
+            ):
                 reader.fail(where, f"{_show(item)} is not SOURCE:TARGET[:ro]",
                             "write e.g. /data/corpus:/data:ro", line)
             mount = Mount(parts[0], parts[1], len(parts) == 3 and parts[2] == "ro")
@@ -498,9 +527,11 @@ def _mounts(reader: _Reader, key: str) -> tuple[Mount, ...]:
             m = _Reader(reader.path, item, where, line,
                         "write SOURCE:TARGET[:ro], or source:, target: and read_only: under the '-'")
             m.check_keys(("source", "target", "read_only"))
-            mount = Mount(m.get("source", str, required=True, fix="give the path on the host, e.g. /data/corpus"),
-                          m.get("target", str, required=True, fix="give the path in the container, e.g. /data"),
-                          m.get("read_only", bool, False))
+            mount = Mount(
+                m.get("source", str, required=True, fix="give the path on the host, e.g. /data/corpus"),
+                m.get("target", str, required=True, fix="give the path in the container, e.g. /data"),
+                m.get("read_only", bool, False),
+            )
         if not (mount.source.startswith("/") and mount.target.startswith("/")):
             reader.fail(where, f"{_show(mount.source)}:{_show(mount.target)} must use absolute paths",
                         "write both paths starting with /", line)
@@ -547,7 +578,9 @@ def _container_options(reader: _Reader) -> dict:
 def _host(reader: _Reader, rank: int, base: Settings, check_files: bool, configs: dict) -> Host:
     reader.check_keys(("name", "address", "interface", "gpus", "ssh", "image", "env", "mounts",
                        "devices", *CONTAINER_FIELDS))
-    address = reader.get("address", str, required=True, fix="give the host's name or IP address, e.g. 10.0.0.11")
+    address = reader.get(
+        "address", str, required=True, fix="give the host's name or IP address, e.g. 10.0.0.11"
+    )
     if not ADDRESS_RE.fullmatch(address):
         reader.fail(reader._field("address"), f"{_show(address)} is neither a host name, an IP address nor "
                     "an ssh_config alias", "write e.g. 10.0.0.11, gpu1.example.com or an alias from "
@@ -555,8 +588,12 @@ def _host(reader: _Reader, rank: int, base: Settings, check_files: bool, configs
     name = reader.get("name", str, None)
     if name is None and not NAME_RE.fullmatch(address):
         # The name defaults to the address, and an IPv6 address has ':' in it.
-        reader.fail(reader._field("name"), f"is empty, and the address {_show(address)} cannot be the host's name",
-                    "add name: with letters, digits, '.', '_' and '-'", reader.line_of("name"))
+        reader.fail(
+            reader._field("name"),
+            f"is empty, and the address {_show(address)} cannot be the host's name",
+            "add name: with letters, digits, '.', '_' and '-'",
+            reader.line_of("name"),
+        )
     name = address if name is None else name
     if not NAME_RE.fullmatch(name):
         reader.fail(reader._field("name"), f"{_show(name)} has characters not allowed in a host name",
@@ -579,9 +616,12 @@ def _host(reader: _Reader, rank: int, base: Settings, check_files: bool, configs
     interface = reader.get("interface", str, required=True,
                            fix="give the network interface that reaches the other hosts, e.g. eth0")
     if not INTERFACE_RE.fullmatch(interface):
-        reader.fail(reader._field("interface"), f"{_show(interface)} is not a network interface name",
-                    "write it as 'ip link' shows it, e.g. eth0 or ens1f0 (at most 15 letters, digits, '.', '_', "
-                    "'-')", reader.line_of("interface"))
+        reader.fail(
+            reader._field("interface"),
+            f"{_show(interface)} is not a network interface name",
+            "write it as 'ip link' shows it, e.g. eth0 or ens1f0 (at most 15 letters, digits, '.', '_', '-')",
+            reader.line_of("interface"),
+        )
     return Host(
         name=name,
         address=address,
@@ -611,8 +651,22 @@ def _resolve(reader: _Reader, address: str, settings: Settings, configs: dict) -
 
 
 def _job(reader: _Reader) -> Job:
-    reader.check_keys(("image", "master_port", "nproc_per_node", "code_dir", "output_dir", "shm_size",
-                       "env", "secret_files", "stop_grace", "keep_snapshots", "checkpoint", *CONTAINER_FIELDS))
+    reader.check_keys(
+        (
+            "image",
+            "master_port",
+            "nproc_per_node",
+            "code_dir",
+            "output_dir",
+            "shm_size",
+            "env",
+            "secret_files",
+            "stop_grace",
+            "keep_snapshots",
+            "checkpoint",
+            *CONTAINER_FIELDS,
+        )
+    )
     nproc = str(reader.get("nproc_per_node", (int, str), "auto"))
     # [0-9], not isdigit(): '²' is a digit to isdigit() but not to int().
     if nproc != "auto" and not (re.fullmatch(r"[0-9]+", nproc) and int(nproc) > 0):
@@ -624,8 +678,17 @@ def _job(reader: _Reader) -> Job:
         if not isinstance(name, str) or not ENV_KEY_RE.fullmatch(name):
             secrets.fail(secrets._field(name), "is not a valid environment variable name",
                          "use letters, digits and underscores", secrets.line_of(name))
-        secret_files.append((name, secrets.path_field(
-            name, None, required=True, fix=f"give the local file whose contents become {name}, or remove the line")))
+        secret_files.append(
+            (
+                name,
+                secrets.path_field(
+                    name,
+                    None,
+                    required=True,
+                    fix=f"give the local file whose contents become {name}, or remove the line",
+                ),
+            )
+        )
     return Job(
         image=reader.get("image", str, Job.image),
         master_port=reader.port("master_port", Job.master_port),
@@ -656,11 +719,15 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
         line = text[:exc.position].count("\n") + 1
         raise UserError(f"{path}:{line}: not valid YAML: the control character U+{exc.character:04X} is not "
                         f"allowed; remove it") from None
-    top = _Reader(path, data, "", 1, "write the inventory as ssh:, job: and hosts: sections (see inventory.yaml)")
+    top = _Reader(
+        path, data, "", 1, "write the inventory as ssh:, job: and hosts: sections (see inventory.yaml)"
+    )
     top.check_keys(("ssh", "job", "hosts", "spares", "slurm"))
     ssh = _ssh(top.sub("ssh"), Settings(), check_files)
     host_entry = "the host's address: and interface: (indented under it)"
-    hosts_items = top.items("hosts", host_entry, required=True, fix="list at least one host; the first is rank 0")
+    hosts_items = top.items(
+        "hosts", host_entry, required=True, fix="list at least one host; the first is rank 0"
+    )
     items = hosts_items + top.items("spares", host_entry)
     hosts, configs = [], {}
     for rank, (where, item, line) in enumerate(items):
@@ -671,11 +738,19 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
     for h, (where, item, line) in zip(hosts, items):
         for key in (h.name, f"{h.hostname}:{h.ssh.port}"):
             if key in seen:
-                top.fail(where, f"{_show(key)} is also {seen[key]}",
-                         "list each host once, in hosts: (rank order) or spares:", getattr(item, "line", line))
+                top.fail(
+                    where,
+                    f"{_show(key)} is also {seen[key]}",
+                    "list each host once, in hosts: (rank order) or spares:",
+                    getattr(item, "line", line),
+                )
             seen[key] = where
     job = _job(top.sub("job"))
-    slurm = _slurm(top.sub("slurm"), ssh, check_files, configs, job, len(hosts_items)) if top.given("slurm") else None
+    slurm = (
+        _slurm(top.sub("slurm"), ssh, check_files, configs, job, len(hosts_items))
+        if top.given("slurm")
+        else None
+    )
     return Inventory(path=path, hosts=tuple(hosts[:len(hosts_items)]), job=job,
                      spares=tuple(hosts[len(hosts_items):]), slurm=slurm)
 
@@ -687,8 +762,12 @@ SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:=+-]+")
 
 def _slurm(reader: _Reader, base: Settings, check_files: bool, configs: dict, job: Job, hosts: int) -> Slurm:
     reader.check_keys(("login", "ssh", "workdir", "nodes", "partition", "account", "time", "runtime"))
-    login = reader.get("login", str, required=True,
-                       fix="give the login node's name or address, where sbatch runs, e.g. login1.example.com")
+    login = reader.get(
+        "login",
+        str,
+        required=True,
+        fix="give the login node's name or address, where sbatch runs, e.g. login1.example.com",
+    )
     if not ADDRESS_RE.fullmatch(login):
         reader.fail(reader._field("login"), f"{_show(login)} is neither a host name, an IP address nor an "
                     "ssh_config alias", "write e.g. login1.example.com (user and port go in ssh:)")
@@ -701,12 +780,25 @@ def _slurm(reader: _Reader, base: Settings, check_files: bool, configs: dict, jo
         values[key] = None if value is None else str(value)
     runtime = reader.get("runtime", str, "docker")
     if runtime not in SLURM_RUNTIMES:
-        reader.fail(reader._field("runtime"), f"{_show(runtime)} is not a container runtime fabtrain runs under Slurm",
-                    "use docker (docker run on each node) or pyxis (srun --container-image, enroot)")
-    host = Host(name=login.replace(":", "-") if not NAME_RE.fullmatch(login) else login, address=login, rank=0,
-                ssh=_resolve(reader, login, _ssh(reader.sub("ssh"), base, check_files), configs), interface="lo")
-    return Slurm(login=host, workdir=_remote_path(reader, "workdir", f"{job.output_dir}/slurm"),
-                 nodes=reader.integer("nodes", hosts, 1, 100_000, "a number of nodes"), runtime=runtime, **values)
+        reader.fail(
+            reader._field("runtime"),
+            f"{_show(runtime)} is not a container runtime fabtrain runs under Slurm",
+            "use docker (docker run on each node) or pyxis (srun --container-image, enroot)",
+        )
+    host = Host(
+        name=login.replace(":", "-") if not NAME_RE.fullmatch(login) else login,
+        address=login,
+        rank=0,
+        ssh=_resolve(reader, login, _ssh(reader.sub("ssh"), base, check_files), configs),
+        interface="lo",
+    )
+    return Slurm(
+        login=host,
+        workdir=_remote_path(reader, "workdir", f"{job.output_dir}/slurm"),
+        nodes=reader.integer("nodes", hosts, 1, 100_000, "a number of nodes"),
+        runtime=runtime,
+        **values,
+    )
 
 
 INVENTORY_ENV = "FABTRAIN_INVENTORY"

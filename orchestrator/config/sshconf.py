@@ -28,7 +28,9 @@ DEFAULT_GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_ho
 # What an address may be: a DNS name or ssh_config alias, an IPv4 or an IPv6 address. Anything
 # else ('/', spaces, a leading '-', '@') would make rsync copy to a local path or ssh read an option.
 ADDRESS_RE = re.compile(r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$")
-JUMP_RE = re.compile(r"^(?:(?P<user>[^@\s:/]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^@\s:/\[\]]+)(?::(?P<port>\d+))?$")
+JUMP_RE = re.compile(
+    r"^(?:(?P<user>[^@\s:/]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^@\s:/\[\]]+)(?::(?P<port>\d+))?$"
+)
 MAX_HOPS = 8
 
 
@@ -50,7 +52,7 @@ class SSH:
     # Seconds between keepalives; a host missing 3 in a row counts as lost.
     keepalive: float = 5.0
     # Jump hosts, the first one dialled first; each is reached through the ones before it.
-    jump: tuple["SSH", ...] = ()
+    jump: tuple[SSH, ...] = ()
 
     @property
     def key(self) -> str | None:
@@ -78,7 +80,7 @@ class Settings:
     jump: str | None = None  # "[user@]host[:port][,...]", an ssh_config alias, or "none"
     config: str | None = DEFAULT_CONFIG  # ssh_config file, or None for none
 
-    def over(self, base: "Settings", given: set[str]) -> "Settings":
+    def over(self, base: Settings, given: set[str]) -> Settings:
         """These settings where given, base's elsewhere."""
         return replace(base, **{k: getattr(self, k) for k in given})
 

@@ -60,15 +60,20 @@ class Terminal(Reporter):
         if kind == "attempt":
             hosts = f["hosts"]
             rank0 = next(h for h, r in hosts.items() if r == 0)
-            return (f"job {f['job']} attempt {f['attempt']}: starting {len(hosts)} node(s), rank 0 on {rank0} "
-                    f"(port {f['port']})" + (f", from snapshot {f['snapshot']}" if f.get("snapshot") else "")
-                    + f"; logs in {f['run_dir']}")
+            return (
+                f"job {f['job']} attempt {f['attempt']}: starting {len(hosts)} node(s), rank 0 on {rank0} "
+                f"(port {f['port']})"
+                + (f", from snapshot {f['snapshot']}" if f.get("snapshot") else "")
+                + f"; logs in {f['run_dir']}"
+            )
         if kind == "note":
             return hostile.text(f["text"])
         if kind == "host_failed":
             return f"{f['host']} {f['kind']}: {hostile.text(f['detail'])}" if f.get("detail") else None
         if kind == "hang":
-            return "hang watchdog: no progress; where each rank is:\n  " + "\n  ".join(hostile.text(s) for s in f["ranks"])
+            return "hang watchdog: no progress; where each rank is:\n  " + "\n  ".join(
+                hostile.text(s) for s in f["ranks"]
+            )
         if kind == "decision" and f["next"]:
             return f"job {f['job']}: {hostile.text(f['reason'])}"
         return None  # stages, progress and the end are shown by the log lines and the final message

@@ -148,7 +148,9 @@ def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str],
         elif spares:
             spare = spares.pop(0)
             out.append(replace(spare, rank=h.rank))
-            notes.append(f"spare {spare.name} takes the place of {h.name} ({why[h.name]}) as node rank {h.rank}")
+            notes.append(
+                f"spare {spare.name} takes the place of {h.name} ({why[h.name]}) as node rank {h.rank}"
+            )
         else:
             dropped.append(h.name)
     if dropped:

@@ -68,12 +68,12 @@ class JobRecord:
 
     @classmethod
     def new(cls, spec: jobspec.JobSpec, inv: Inventory, restarts: int, min_nodes: int | None,
-            hang_timeout: float) -> "JobRecord":
+            hang_timeout: float) -> JobRecord:
         return cls(spec=asdict(spec), inventory=str(inv.path), restarts=restarts, min_nodes=min_nodes,
                    hang_timeout=hang_timeout)
 
     @classmethod
-    def load(cls, run_root: Path, job_id: str) -> "JobRecord":
+    def load(cls, run_root: Path, job_id: str) -> JobRecord:
         if not jobspec.valid_job_id(job_id):
             raise UserError(f"--resume {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them",
                             exit_code=2)

@@ -113,8 +113,11 @@ def dirs_script(inv: Inventory) -> str:
     shared by the group without a sticky bit (hostfiles.shared_dir_script), so the next claim of any
     account of the group removes a stale claim of another; NOT_WRITABLE, naming the fix, when
     this account cannot write there."""
-    return (f"d={host_dir(inv)}; " + hostfiles.shared_dir_script(sshargs.shell([f"{inv.job.output_dir}/{DIR}"]), check=False)
-            + hostfiles.shared_dir_script('"$d"'))
+    return (
+        f"d={host_dir(inv)}; "
+        + hostfiles.shared_dir_script(sshargs.shell([f"{inv.job.output_dir}/{DIR}"]), check=False)
+        + hostfiles.shared_dir_script('"$d"')
+    )
 
 
 def survey_script(inv: Inventory) -> str:
@@ -183,18 +186,21 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         f'for u in {" ".join(str(u) for u in units) or "all"}; do case " $taken " in *" all "*|*" $u "*) exit {REFUSED};; '
         f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && exit {REFUSED}; done; '
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
-        + f'{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && '
+        + f"{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && "
         f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" {q([units_text(units)])} '
-        f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}')
+        f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}'
+    )
     lock, enter = '"$d"/.lock', hostfiles.enter_script('"$d"')
-    return (f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
-            f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || exit {hostfiles.NOT_WRITABLE}; "
-            f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || {{ printf '%s/.lock is not a plain file "
-            f"(another account may have put a link there): remove it (rm %s/.lock) and run again\\n' \"$PWD\" "
-            f"\"$PWD\" >&2; exit {hostfiles.NOT_WRITABLE}; }}; {{ [ -O /dev/fd/9 ] && "
-            f"[ \"$(stat -L -c %h /dev/fd/9)\" = 1 ] && chmod 0664 /dev/fd/9; }} 2>/dev/null; "
-            f"flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host held its lock for {LOCK_WAIT}s' >&2; "
-            f"exit 4; }}; {body} )")
+    return (
+        f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
+        f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || exit {hostfiles.NOT_WRITABLE}; "
+        f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || {{ printf '%s/.lock is not a plain file "
+        f'(another account may have put a link there): remove it (rm %s/.lock) and run again\\n\' "$PWD" '
+        f'"$PWD" >&2; exit {hostfiles.NOT_WRITABLE}; }}; {{ [ -O /dev/fd/9 ] && '
+        f'[ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; }} 2>/dev/null; '
+        f"flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host held its lock for {LOCK_WAIT}s' >&2; "
+        f"exit 4; }}; {body} )"
+    )
 
 
 def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True) -> str:
@@ -264,8 +270,11 @@ def choose(host: Host, cap: int, holders: list[Holder], asked: tuple[int, ...] |
     if isinstance(asked, tuple):
         beyond = [u for u in asked if u >= cap]
         if beyond:
-            raise UserError(f"--include {host.name}:{units_text(asked)}: {host.name} has {cap} {kind(host)}(s) "
-                            f"(0..{cap - 1}); {units_text(tuple(beyond))} is not one of them", exit_code=2)
+            raise UserError(
+                f"--include {host.name}:{units_text(asked)}: {host.name} has {cap} {kind(host)}(s) "
+                f"(0..{cap - 1}); {units_text(tuple(beyond))} is not one of them",
+                exit_code=2,
+            )
         if not set(asked) & taken:
             return asked
     elif len(free) >= asked:

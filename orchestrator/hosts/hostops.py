@@ -85,12 +85,14 @@ class HostJobs:
 def survey_script(inv: Inventory) -> str:
     """One round trip: our containers, each runtime directory with its lease's age, the claims."""
     rt = sshargs.shell([f"{inv.job.output_dir}/.runtime"])
-    return (f"{sshargs.shell(dockerargs.status_argv())}; echo @@runtime; now=$(date +%s); "
-            f"for d in {rt}/*/; do [ -d \"$d\" ] || continue; j=$(basename \"$d\"); "
-            # Only a job id's characters: a name with a newline cannot add a line of its own.
-            f"case \"$j\" in *[!A-Za-z0-9._-]*) continue;; esac; "
-            f"if [ -e \"${{d}}{hostfiles.LEASE}\" ]; then echo \"$j $((now - $(stat -c %Y \"${{d}}{hostfiles.LEASE}\")))\"; "
-            "else echo \"$j none\"; fi; done; " + claims.survey_script(inv))
+    return (
+        f"{sshargs.shell(dockerargs.status_argv())}; echo @@runtime; now=$(date +%s); "
+        f'for d in {rt}/*/; do [ -d "$d" ] || continue; j=$(basename "$d"); '
+        # Only a job id's characters: a name with a newline cannot add a line of its own.
+        f'case "$j" in *[!A-Za-z0-9._-]*) continue;; esac; '
+        f'if [ -e "${{d}}{hostfiles.LEASE}" ]; then echo "$j $((now - $(stat -c %Y "${{d}}{hostfiles.LEASE}")))"; '
+        'else echo "$j none"; fi; done; ' + claims.survey_script(inv)
+    )
 
 
 def parse_survey(text: str) -> HostJobs:
@@ -140,7 +142,10 @@ def live_jobs(found: PerHost) -> dict[str, list[str]]:
     jobs: dict[str, list[str]] = {}
     for host, hj in found.items():
         if isinstance(hj, HostJobs):
-            for job in {*hj.running, *(j for j, age in hj.runtime.items() if age is not None and age < hostfiles.LEASE_LIVE)}:
+            for job in {
+                *hj.running,
+                *(j for j, age in hj.runtime.items() if age is not None and age < hostfiles.LEASE_LIVE),
+            }:
                 jobs.setdefault(job, []).append(host)
     return jobs
 
@@ -152,7 +157,9 @@ class JobView:
     job: str
     who: str = ""
     since: float = 0.0
-    hosts: dict[str, tuple[int, ...] | None] = field(default_factory=dict)  # host -> units (None: not claimed)
+    hosts: dict[str, tuple[int, ...] | None] = field(
+        default_factory=dict
+    )  # host -> units (None: not claimed)
     ranks: dict[str, int] = field(default_factory=dict)    # host -> node rank, where a container runs
     states: dict[str, str] = field(default_factory=dict)   # host -> container state, or 'claimed'/'left over'
     attempt: str = ""
@@ -204,8 +211,13 @@ STEP_MARK = "@@fabtrain-step "  # before each job's console tail in last_steps_s
 def last_steps_script(files: dict[str, str]) -> str:
     """One round trip for every job whose rank 0 runs on a host: each job's console file tail
     (job -> its path), after a marker line naming the job."""
-    return "; ".join(f"echo; echo {sshargs.shell([STEP_MARK + job])}; tail -c 8192 {sshargs.shell([path])} 2>/dev/null"
-                     for job, path in files.items()) + "; true"
+    return (
+        "; ".join(
+            f"echo; echo {sshargs.shell([STEP_MARK + job])}; tail -c 8192 {sshargs.shell([path])} 2>/dev/null"
+            for job, path in files.items()
+        )
+        + "; true"
+    )
 
 
 def parse_last_steps(text: bytes) -> dict[str, int]:
@@ -229,10 +241,14 @@ def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> d
     for job, v in views.items():
         for host, rank in v.ranks.items():
             if rank == 0 and host in hosts:
-                files.setdefault(host, {})[job] = hostfiles.console_file(inv, jobspec.JobSpec(job_id=job, script=""), 0)
+                files.setdefault(host, {})[job] = hostfiles.console_file(
+                    inv, jobspec.JobSpec(job_id=job, script=""), 0
+                )
 
     def one(h: Host) -> dict[str, int]:
-        r = session.run(h, last_steps_script(files[h.name]), timeout=STATUS_TIMEOUT, what="reading the last steps")
+        r = session.run(
+            h, last_steps_script(files[h.name]), timeout=STATUS_TIMEOUT, what="reading the last steps"
+        )
         return parse_last_steps(r.stdout.encode())
     got: dict[str, int] = {}
     for steps in session.fan_out(one, tuple(hosts[n] for n in files)).values_ok():  # a step not read is '-'
@@ -310,8 +326,10 @@ def clear_stale_script(inv: Inventory, jobs: list[str]) -> str:
     parts = []
     for j in (j for j in jobs if jobspec.valid_job_id(j)):
         d, word = sshargs.shell([f"{rt}/{j}"]), sshargs.shell([j])
-        parts.append(f"if [ -O {d} ] || [ \"$(id -u)\" = 0 ]; then rm -rf {d} {sshargs.shell([hostfiles.stopped_marker(inv, j)])} "
-                     f"&& echo removed {word}; else echo kept {word} \"$(stat -c %U {d} 2>/dev/null)\"; fi")
+        parts.append(
+            f'if [ -O {d} ] || [ "$(id -u)" = 0 ]; then rm -rf {d} {sshargs.shell([hostfiles.stopped_marker(inv, j)])} '
+            f'&& echo removed {word}; else echo kept {word} "$(stat -c %U {d} 2>/dev/null)"; fi'
+        )
     return "; ".join(parts) or "true"
 
 
@@ -345,10 +363,14 @@ def clear_stale(session: Session, inv: Inventory, found: PerHost) -> list[str]:
         if n in done and done.error(n) is None:
             removed, kept = done.value(n)
             if removed:
-                lines.append(f"{n}: removed the left-over runtime files (secrets included) of {', '.join(removed)}")
+                lines.append(
+                    f"{n}: removed the left-over runtime files (secrets included) of {', '.join(removed)}"
+                )
             if kept:
-                lines.append(f"{n}: left-over runtime files of another account kept (only it or root can remove "
-                             f"them): {', '.join(f'{j} ({o})' for j, o in kept.items())}")
+                lines.append(
+                    f"{n}: left-over runtime files of another account kept (only it or root can remove "
+                    f"them): {', '.join(f'{j} ({o})' for j, o in kept.items())}"
+                )
     return lines
 
 
@@ -358,7 +380,13 @@ def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, list[str]]) -
     def mark(h: Host) -> None:
         ids = [j for j, where in jobs.items() if h.name in where and jobspec.valid_job_id(j)]
         if ids:  # in a directory the group shares: the job's account removes a marker another left
-            session.run(h, hostfiles.stop_mark_script(inv, ids), timeout=STATUS_TIMEOUT, what="leaving the stop marker")
+            session.run(
+                h,
+                hostfiles.stop_mark_script(inv, ids),
+                timeout=STATUS_TIMEOUT,
+                what="leaving the stop marker",
+            )
+
     # A host that cannot take its marker is still stopped afterwards (and named there).
     session.fan_out(mark, tuple(h for h in inv.all_hosts if any(h.name in w for w in jobs.values())))
 
@@ -373,5 +401,6 @@ def stop(session: Session, inv: Inventory, job_ids: list[str] | None, grace: flo
     script = "true" if ids == [] else dockerargs.stop_script(ids, grace)
     if ids:
         script += "; " + claims.release_command(inv, ids, runtime=False)
-    return session.fan_out(lambda h: session.run(h, script, timeout=grace + STOP_MARGIN, what="stopping containers"),
-                           hosts)
+    return session.fan_out(
+        lambda h: session.run(h, script, timeout=grace + STOP_MARGIN, what="stopping containers"), hosts
+    )

@@ -173,7 +173,9 @@ def judge_round(chain: tuple[str, ...], reports: dict, size: int) -> RoundOutcom
             broken_before = True
             continue
         if r.received < size:
-            if broken_before or (i and isinstance(reports.get(chain[i - 1]), Report) and reports[chain[i - 1]].next_error):
+            if broken_before or (
+                i and isinstance(reports.get(chain[i - 1]), Report) and reports[chain[i - 1]].next_error
+            ):
                 retry.append(h)
             else:
                 failed[h] = (f"{h}: received {r.received} of {size} bytes from {upstream}"
@@ -215,7 +217,9 @@ class Spool:
         skip = set() if layers is None else {p for i, p in enumerate(self.layer_paths) if i not in layers}
         out: list[tuple[int, int]] = []
         # The members, then the end-of-archive blocks.
-        for start, end in [(a, b) for name, a, b in self._spans if name not in skip] + [(self._end, self.total)]:
+        for start, end in [(a, b) for name, a, b in self._spans if name not in skip] + [
+            (self._end, self.total)
+        ]:
             if out and out[-1][1] == start:
                 out[-1] = (out[-1][0], end)
             elif end > start:
@@ -223,15 +227,19 @@ class Spool:
         return out
 
     @classmethod
-    def save(cls, image: str, directory: str | None = None, timeout: float = 3600) -> "Spool":
+    def save(cls, image: str, directory: str | None = None, timeout: float = 3600) -> Spool:
         """`docker save` of a local image into a private temporary folder (removed by close)."""
         folder = tempfile.TemporaryDirectory(prefix="fabtrain-push-", dir=directory)
         path = Path(folder.name) / "image.tar"
         try:
             with open(path, "wb") as f:
-                proc = subprocess.run(["docker", "save", image], stdout=f, stderr=subprocess.PIPE, timeout=timeout)
+                proc = subprocess.run(
+                    ["docker", "save", image], stdout=f, stderr=subprocess.PIPE, timeout=timeout
+                )
             if proc.returncode != 0:
-                raise UserError(f"docker save {image} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}")
+                raise UserError(
+                    f"docker save {image} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}"
+                )
             return cls(path, folder)
         except subprocess.TimeoutExpired:
             folder.cleanup()
@@ -516,8 +524,11 @@ def run_round(session: Session, hosts: tuple[Host, ...], chunks, size: int, dead
         t.join()
     try:
         started = time.monotonic() + connect + 10
-        dead = {r.host.name: r.error or f"{r.host.name}: the image relay did not start within {connect + 10:g}s"
-                for r in relays if not r.wait_for("port", started)}
+        dead = {
+            r.host.name: r.error or f"{r.host.name}: the image relay did not start within {connect + 10:g}s"
+            for r in relays
+            if not r.wait_for("port", started)
+        }
         if dead:  # named; the others go on in a chain reformed without them
             return RoundResult({}, dead=dead)
         token = secrets.token_hex(16)
@@ -531,7 +542,9 @@ def run_round(session: Session, hosts: tuple[Host, ...], chunks, size: int, dead
             if r.wait_for("link", linked_by) and r.link:
                 unreachable.append(relays[i + 1].host.name)
             elif r.link is None:  # it said nothing: the relay itself is the one that failed
-                dead[r.host.name] = r.error or f"{r.host.name}: the image relay did not link within {connect + 10:g}s"
+                dead[r.host.name] = (
+                    r.error or f"{r.host.name}: the image relay did not link within {connect + 10:g}s"
+                )
         if dead:
             return RoundResult({}, dead=dead)
         if unreachable:

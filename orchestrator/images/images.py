@@ -46,7 +46,9 @@ def local_image(image: str) -> tuple[str, int]:
 
 
 def remote_image_id(session: Session, host: Host, image: str) -> str | None:
-    r = session.run(host, sshargs.shell(["docker", "image", "inspect", "--format", "{{.Id}}", image]), timeout=30)
+    r = session.run(
+        host, sshargs.shell(["docker", "image", "inspect", "--format", "{{.Id}}", image]), timeout=30
+    )
     return r.stdout.strip() if r.ok else None
 
 
@@ -76,7 +78,9 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, pr
     diff_ids = local_layers(image)
     by_name = {h.name: h for h in hosts}
     probed = session.fan_out(lambda h: _probe(session, h, image), hosts)
-    probes = {h.name: describe(h, probed.error(h.name)) if probed.error(h.name) else probed[h.name] for h in hosts}
+    probes = {
+        h.name: describe(h, probed.error(h.name)) if probed.error(h.name) else probed[h.name] for h in hosts
+    }
     hp = imagechain.plan_hosts(want, diff_ids, tuple(by_name), probes, method)
     results: dict[str, PushResult] = {h: PushResult(h, "present") for h in hp.present}
     results.update({h: PushResult(h, "failed", detail=why) for h, why in hp.failed.items()})
@@ -195,7 +199,9 @@ def _push_direct(session: Session, image: str, hosts: tuple[Host, ...], progress
     if targets:
         save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
         try:
-            streamed = _stream(session, f"push {image}", size, targets, progress, iter(lambda: save.stdout.read(CHUNK), b""))
+            streamed = _stream(
+                session, f"push {image}", size, targets, progress, iter(lambda: save.stdout.read(CHUNK), b"")
+            )
         finally:
             save.stdout.close()
             save.wait()
@@ -213,7 +219,9 @@ PUSH_MIN_RATE = 2e6
 PUSH_MARGIN = 120
 
 
-def _stream(session: Session, label: str, size: int, targets: list[Host], progress, chunks) -> list[PushResult]:
+def _stream(
+    session: Session, label: str, size: int, targets: list[Host], progress, chunks
+) -> list[PushResult]:
     """Send one stream of chunks to a `docker load` per host, each bounded by the push deadline."""
     cmds = {}
     failed: dict[str, str] = {}
@@ -257,7 +265,13 @@ def _stream(session: Session, label: str, size: int, targets: list[Host], progre
         if h.name in failed:
             out.append(PushResult(h.name, "failed", detail=failed[h.name]))
         elif code != 0:
-            out.append(PushResult(h.name, "failed", detail=f"docker load exited {code}: {err.decode(errors='replace')[-300:]}"))
+            out.append(
+                PushResult(
+                    h.name,
+                    "failed",
+                    detail=f"docker load exited {code}: {err.decode(errors='replace')[-300:]}",
+                )
+            )
         else:
             out.append(PushResult(h.name, "sent", time.monotonic() - start, sent))
     return out
@@ -278,15 +292,21 @@ def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool
     """The Dockerfile of a derived image. Offline, pip installs only from wheels in the context
     (downloaded on this machine), so the build needs no index: hosts are often air-gapped."""
     flags = ("--no-index", "--find-links", "/tmp/fabtrain-build/wheels") if offline else ()
-    return DERIVED_DOCKERFILE.format(base=base, pip_flags="".join(f"{sshargs.shell([f])} " for f in (*flags, *pip_flags)))
+    return DERIVED_DOCKERFILE.format(
+        base=base, pip_flags="".join(f"{sshargs.shell([f])} " for f in (*flags, *pip_flags))
+    )
 
 
-def build(base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None) -> str:
+def build(
+    base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None
+) -> str:
     """Build `tag` from `base` + requirements + the entrypoint on the local engine; its id."""
     if not requirements.is_file():
         raise UserError(f"{requirements}: requirements file not found")
     if wheels is not None and not wheels.is_dir():
-        raise UserError(f"--wheels {wheels}: not a directory (fill one with: pip download -r REQUIREMENTS -d DIR)")
+        raise UserError(
+            f"--wheels {wheels}: not a directory (fill one with: pip download -r REQUIREMENTS -d DIR)"
+        )
     with tempfile.TemporaryDirectory(prefix="fabtrain-build-") as ctx:
         ctxp = Path(ctx)
         (ctxp / "Dockerfile").write_text(derived_dockerfile(base, pip_flags, offline=wheels is not None))
@@ -295,8 +315,12 @@ def build(base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = 
         if wheels is not None:
             shutil.copytree(wheels, ctxp / "context" / "wheels")
         (ctxp / "entrypoint.py").write_bytes(dockerargs.ENTRYPOINT_SOURCE.read_bytes())
-        proc = subprocess.run(["docker", "build", "--quiet", "--tag", tag, ctx], capture_output=True, text=True,
-                              env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+        proc = subprocess.run(
+            ["docker", "build", "--quiet", "--tag", tag, ctx],
+            capture_output=True,
+            text=True,
+            env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"},
+        )
     if proc.returncode != 0:
         raise UserError(f"building {tag} from {base} failed:\n{proc.stderr.strip()[-1500:]}")
     return local_image(tag)[0]

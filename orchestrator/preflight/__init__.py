@@ -89,18 +89,71 @@ from orchestrator.preflight.smoke import (
 from orchestrator.transport.remote import HostKeyError, Session, describe
 
 __all__ = [
-    "CHECKS", "CLOCK_TIMEOUT", "CONNECT", "DOCKER_FACTS", "DOCKER_TIMEOUT", "FAIL", "GPU_CONTAINER_TIMEOUT",
-    "IMAGE_INFO_PY", "LISTENER", "NA", "OK", "PROBE_TIMEOUT", "SKIP", "TIMED_OUT", "WARN", "Check", "Limits",
-    "count_gpus", "describe_image", "failed", "gpu_access", "image_info", "image_info_argv", "judge_across",
-    "judge_dirs", "judge_disk", "judge_docker", "judge_gpus", "judge_host", "judge_image", "judge_interface",
-    "judge_port", "judge_route", "judge_shm", "judge_time", "judge_transport", "local_code_hash",
-    "measure_clock", "nccl_transport", "parse_addrs", "parse_links", "parse_probe", "plan", "probe_commands",
-    "probe_script", "reachability", "read_ends", "render", "run", "smoke_test", "suggest_interface", "to_json",
+    "CHECKS",
+    "CLOCK_TIMEOUT",
+    "CONNECT",
+    "DOCKER_FACTS",
+    "DOCKER_TIMEOUT",
+    "FAIL",
+    "GPU_CONTAINER_TIMEOUT",
+    "IMAGE_INFO_PY",
+    "LISTENER",
+    "NA",
+    "OK",
+    "PROBE_TIMEOUT",
+    "SKIP",
+    "TIMED_OUT",
+    "WARN",
+    "Check",
+    "Limits",
+    "count_gpus",
+    "describe_image",
+    "failed",
+    "gpu_access",
+    "image_info",
+    "image_info_argv",
+    "judge_across",
+    "judge_dirs",
+    "judge_disk",
+    "judge_docker",
+    "judge_gpus",
+    "judge_host",
+    "judge_image",
+    "judge_interface",
+    "judge_port",
+    "judge_route",
+    "judge_shm",
+    "judge_time",
+    "judge_transport",
+    "local_code_hash",
+    "measure_clock",
+    "nccl_transport",
+    "parse_addrs",
+    "parse_links",
+    "parse_probe",
+    "plan",
+    "probe_commands",
+    "probe_script",
+    "reachability",
+    "read_ends",
+    "render",
+    "run",
+    "smoke_test",
+    "suggest_interface",
+    "to_json",
 ]
 
 
-def run(session: Session, inv: Inventory, image: str | None = None, limits: Limits = Limits(),
-        run_job=None, code: bool = True, source: Path = jobspec.PROJECT_ROOT, only: str = "trainers") -> list[Check]:
+def run(
+    session: Session,
+    inv: Inventory,
+    image: str | None = None,
+    limits: Limits = Limits(),
+    run_job=None,
+    code: bool = True,
+    source: Path = jobspec.PROJECT_ROOT,
+    only: str = "trainers",
+) -> list[Check]:
     """Every check on every host of `inv`. With `run_job` (job.run_quiet: the job lifecycle's one
     short run), the collective smoke test too."""
     marker = "@@fabtrain-" + secrets.token_hex(4)
@@ -122,15 +175,23 @@ def run(session: Session, inv: Inventory, image: str | None = None, limits: Limi
                               timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT)
             facts = parse_probe(res.stdout, marker)
             offset, rtt = measure_clock(session, host)
-            checks = [Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")]
+            checks = [
+                Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")
+            ]
             checks += judge_host(inv, host, facts, img, limits, access)
             checks.append(judge_time(host, offset, rtt, facts.get("ntp", (1, ""))[1], limits))
             addrs = parse_addrs(facts.get("addr", (1, ""))[1])
             links = parse_links(facts.get("link", (1, ""))[1])
-            summary = {"image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
-                       "code": (facts["code"][1].split()[0] if facts.get("code", (1, ""))[0] == 0
-                                and facts["code"][1] else None),
-                       "python": facts.get("python", (1, ""))[0] == 0, "image_info": image_info(facts)}
+            summary = {
+                "image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
+                "code": (
+                    facts["code"][1].split()[0]
+                    if facts.get("code", (1, ""))[0] == 0 and facts["code"][1]
+                    else None
+                ),
+                "python": facts.get("python", (1, ""))[0] == 0,
+                "image_info": image_info(facts),
+            }
             if host.interface in links:
                 summary["mtu"] = links[host.interface]["mtu"]
             if addrs.get(host.interface):

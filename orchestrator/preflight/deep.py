@@ -57,17 +57,30 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
 
     # 1. disk
     script = health.disk_script([inv.job.output_dir, inv.job.code_dir])
-    got = session.fan_out(lambda h: session.run(h, script, timeout=DISK_TIMEOUT, what="disk write + fsync"), hosts)
+    got = session.fan_out(
+        lambda h: session.run(h, script, timeout=DISK_TIMEOUT, what="disk write + fsync"), hosts
+    )
     data["disk"] = {}
     for h in hosts:
         if got.error(h.name):
-            checks.append(Check(h.name, "disk-speed", FAIL, describe(h, got.error(h.name)),
-                                f"check the disks of {inv.job.output_dir} and {inv.job.code_dir} on {h.name}"))
+            checks.append(
+                Check(
+                    h.name,
+                    "disk-speed",
+                    FAIL,
+                    describe(h, got.error(h.name)),
+                    f"check the disks of {inv.job.output_dir} and {inv.job.code_dir} on {h.name}",
+                )
+            )
             continue
         found = health.parse_disk(got[h.name].stdout)
-        data["disk"][h.name] = {d: {"free_gb": f, "write_mb_s": s, "error": e} for d, (f, s, e) in found.items()}
+        data["disk"][h.name] = {
+            d: {"free_gb": f, "write_mb_s": s, "error": e} for d, (f, s, e) in found.items()
+        }
         rows = health.judge_disk(h.name, found, t)
-        worst = next((c for c in rows if c.status == FAIL), None) or next((c for c in rows if c.status == WARN), None)
+        worst = next((c for c in rows if c.status == FAIL), None) or next(
+            (c for c in rows if c.status == WARN), None
+        )
         checks.append(worst or Check(h.name, "disk-speed", OK, "; ".join(c.detail for c in rows)))
 
     # 2. compute, every host over the same seconds (after all have started their containers)
@@ -75,16 +88,32 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
 
     def compute(h: Host):
         name = f"fabtrain-health-{tag}-{h.name}-compute"
-        return session.run(h, container(inv, h, name, health.COMPUTE_PY, [str(COMPUTE_SECONDS), f"{start:.3f}"], image,
-                                        access.get(h.name), gpus=h.gpu_vendor != "none"),
-                           timeout=CONTAINER_TIMEOUT, what="compute benchmark")
+        return session.run(
+            h,
+            container(
+                inv,
+                h,
+                name,
+                health.COMPUTE_PY,
+                [str(COMPUTE_SECONDS), f"{start:.3f}"],
+                image,
+                access.get(h.name),
+                gpus=h.gpu_vendor != "none",
+            ),
+            timeout=CONTAINER_TIMEOUT,
+            what="compute benchmark",
+        )
     got = session.fan_out(compute, hosts)
     speed, kind = {}, {}
     for h in hosts:
         r = got.value(h.name)
         out = health.parse_line("COMPUTE", r.stdout) if r is not None else None
         if not out:
-            why = describe(h, got.error(h.name)) if got.error(h.name) else f"no result: {(r.stderr or r.stdout).strip()[-200:]}"
+            why = (
+                describe(h, got.error(h.name))
+                if got.error(h.name)
+                else f"no result: {(r.stderr or r.stdout).strip()[-200:]}"
+            )
             checks.append(Check(h.name, "compute", FAIL, why, f"run the image on {h.name}: docker run --rm "
                                 f"{image or inv.image_for(h)} python3 -c 'import torch'"))
             continue
@@ -99,8 +128,15 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
             continue
         bad = {k: why for k, why in slow.items() if k in mine}
         if bad:
-            checks.append(Check(h.name, "compute", FAIL, "slow: " + "; ".join(f"{k} {why}" for k, why in bad.items()),
-                                f"look for throttling or a busy CPU/GPU on {h.name} (nvidia-smi -q -d PERFORMANCE, top)"))
+            checks.append(
+                Check(
+                    h.name,
+                    "compute",
+                    FAIL,
+                    "slow: " + "; ".join(f"{k} {why}" for k, why in bad.items()),
+                    f"look for throttling or a busy CPU/GPU on {h.name} (nvidia-smi -q -d PERFORMANCE, top)",
+                )
+            )
         else:
             checks.append(Check(h.name, "compute", OK, ", ".join(f"{k.split('/')[-1]} {v:.1f} GFLOP/s"
                                                                    for k, v in mine.items())))
@@ -118,9 +154,19 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
         def measure(h: Host):
             other = by_name[peer[h.name]]
             name = f"fabtrain-health-{tag}-{h.name}-net"
-            return session.run(h, container(inv, h, name, health.NET_PY,
-                                            [h.hostname, other.hostname, str(port), str(health.NET_SECONDS)], image),
-                               timeout=CONTAINER_TIMEOUT, what=f"network test with {other.name}")
+            return session.run(
+                h,
+                container(
+                    inv,
+                    h,
+                    name,
+                    health.NET_PY,
+                    [h.hostname, other.hostname, str(port), str(health.NET_SECONDS)],
+                    image,
+                ),
+                timeout=CONTAINER_TIMEOUT,
+                what=f"network test with {other.name}",
+            )
         got = session.fan_out(measure, tuple(by_name[n] for n in peer))
         for n in peer:
             r = got.value(n)
@@ -142,13 +188,26 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
         if len(names) < 2:
             break
         if h in verdict.slow_hosts:
-            checks.append(Check(h, "net", FAIL, verdict.slow_hosts[h],
-                                f"check {by_name[h].interface} on {h}: link speed (ethtool), errors (ip -s link), "
-                                "traffic shaping (tc qdisc show)"))
+            checks.append(
+                Check(
+                    h,
+                    "net",
+                    FAIL,
+                    verdict.slow_hosts[h],
+                    f"check {by_name[h].interface} on {h}: link speed (ethtool), errors (ip -s link), "
+                    "traffic shaping (tc qdisc show)",
+                )
+            )
         else:
             outs = [v for (a, _), v in bw.items() if a == h]
-            checks.append(Check(h, "net", OK, f"sends {min(outs):.0f}-{max(outs):.0f} Mbit/s to its peers" if outs
-                                else "not measured"))
+            checks.append(
+                Check(
+                    h,
+                    "net",
+                    OK,
+                    f"sends {min(outs):.0f}-{max(outs):.0f} Mbit/s to its peers" if outs else "not measured",
+                )
+            )
     for (a, b), why in verdict.slow_links.items():
         checks.append(Check(a, "link", FAIL, f"link {a} -> {b}: {why}",
                             f"the path from {a} to {b} (a switch port, a cable, a route or tc filter); "
@@ -192,8 +251,15 @@ def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
         data["gpus"][h.name] = [asdict(f) for f in found]
         worst = FAIL if any(f.level == "fail" for f in found) else WARN if found else OK
         detail = "; ".join(f.detail for f in found) or "no ECC, XID, throttling or link problems found"
-        out.append(Check(h.name, "gpu-health", worst, detail,
-                         f"drain {h.name} and check the GPUs named (nvidia-smi -q, dcgmi diag -r 3)" if found else ""))
+        out.append(
+            Check(
+                h.name,
+                "gpu-health",
+                worst,
+                detail,
+                f"drain {h.name} and check the GPUs named (nvidia-smi -q, dcgmi diag -r 3)" if found else "",
+            )
+        )
     return out
 
 

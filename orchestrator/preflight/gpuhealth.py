@@ -542,7 +542,9 @@ def parse_rocm_smi(text: str) -> list[dict]:
                 elif words[0] != "Block" and re.fullmatch(r"[A-Z0-9_]+", words[0]):
                     nums = words[-2:] if len(words) >= 4 and all(w.isdigit() for w in words[-2:]) else []
                     status = " ".join(words[1:len(words) - len(nums)])
-                    gpu(ras_of)["ras"][words[0]] = (status, *(int(n) for n in nums)) if nums else (status, None, None)
+                    gpu(ras_of)["ras"][words[0]] = (
+                        (status, *(int(n) for n in nums)) if nums else (status, None, None)
+                    )
             continue
         i, rest = int(m.group(1)), m.group(2).strip()
         g = gpu(i)
@@ -571,7 +573,9 @@ def parse_rocm_smi(text: str) -> list[dict]:
     out = []
     for i in sorted(gpus):
         g = gpus[i]
-        g["product"] = " ".join(x for x in (series.get(i, ""), models.get(i, "")) if x and not x.startswith("0x"))
+        g["product"] = " ".join(
+            x for x in (series.get(i, ""), models.get(i, "")) if x and not x.startswith("0x")
+        )
         counts = [ue for _, _, ue in g["ras"].values() if ue is not None]
         g["ecc_uncorrectable"] = sum(counts) if counts else None
         cur, levels = g.pop("current"), g.pop("levels")
@@ -605,6 +609,8 @@ def judge_amd(gpus: list[dict]) -> list[Finding]:
                                f"{name}: {ue} uncorrectable RAS errors ({blocks})"))
         for block, (status, _, _) in g.get("ras", {}).items():
             if "UNCORRECTABLE" in status.upper():
-                out.append(Finding(gpu, FAIL, "uncorrectable RAS state", f"{name}: RAS block {block} {status}"))
+                out.append(
+                    Finding(gpu, FAIL, "uncorrectable RAS state", f"{name}: RAS block {block} {status}")
+                )
         out += _pcie_findings(g, t, idle=False, dpm=True)
     return out

@@ -26,8 +26,8 @@ from orchestrator.preflight.checks import FAIL, OK, WARN, Check
 
 @dataclass(frozen=True)
 class Thresholds:
-    net_slow: float = 0.5         # a link below this share of a typical link's bandwidth is slow
-    rtt_slow: float = 5.0         # ... or with a round trip above this many times a typical one (and 1 ms more)
+    net_slow: float = 0.5  # a link below this share of a typical link's bandwidth is slow
+    rtt_slow: float = 5.0  # ... or with a round trip above this many times a typical one (and 1 ms more)
     compute_slow: float = 0.8     # a host (GPU) below this share of its peers' median speed is slow
     disk_min_free_gb: float = 1.0
     disk_min_write_mb_s: float = 20.0   # sequential write + fsync of DISK_PROBE_MB
@@ -94,9 +94,11 @@ def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str]
         out = [(h, p) for p in peers if (h, p) in bw]
         into = [(p, h) for p in peers if (p, h) in bw]
         if out and all(k in slow for k in out):
-            hosts_bad[h] = (f"sends slowly to every peer ({fmt_links(bw, out)}; typical link {ref:.0f} Mbit/s)")
+            hosts_bad[h] = f"sends slowly to every peer ({fmt_links(bw, out)}; typical link {ref:.0f} Mbit/s)"
         elif into and all(k in slow for k in into):
-            hosts_bad[h] = (f"receives slowly from every peer ({fmt_links(bw, into)}; typical link {ref:.0f} Mbit/s)")
+            hosts_bad[h] = (
+                f"receives slowly from every peer ({fmt_links(bw, into)}; typical link {ref:.0f} Mbit/s)"
+            )
         else:
             pairs = [k for k in rtt if h in k]
             if len(pairs) >= 2 and all(k in laggy for k in pairs):
@@ -125,7 +127,9 @@ def fmt_links(bw, keys) -> str:
                      for a, b in keys)
 
 
-def compute_outliers(speed: dict[str, float], kind: dict[str, str], t: Thresholds = THRESHOLDS) -> dict[str, str]:
+def compute_outliers(
+    speed: dict[str, float], kind: dict[str, str], t: Thresholds = THRESHOLDS
+) -> dict[str, str]:
     """speed[unit]: GFLOP/s of a host (or 'host/gpuN'); kind[unit]: what it is compared with (CPU,
     or the GPU model). A unit below compute_slow of its peers' median is named; one alone is not
     judged."""
@@ -248,9 +252,11 @@ def disk_script(dirs: list[str]) -> str:
     for d in dirs:
         q = shlex.quote(d)
         probe = shlex.quote(f"{d}/.fabtrain-disk-probe")
-        parts.append(f"mkdir -p {q} 2>/dev/null; free=$(df -Pk {q} 2>/dev/null | tail -n 1 | awk '{{print $4}}'); "
-                     f"out=$(dd if=/dev/zero of={probe} bs=1M count={DISK_PROBE_MB} conv=fsync 2>&1 | tail -n 1); "
-                     f"rm -f {probe}; printf 'DISK\\t%s\\t%s\\t%s\\n' {q} \"${{free:-?}}\" \"$out\"")
+        parts.append(
+            f"mkdir -p {q} 2>/dev/null; free=$(df -Pk {q} 2>/dev/null | tail -n 1 | awk '{{print $4}}'); "
+            f"out=$(dd if=/dev/zero of={probe} bs=1M count={DISK_PROBE_MB} conv=fsync 2>&1 | tail -n 1); "
+            f'rm -f {probe}; printf \'DISK\\t%s\\t%s\\t%s\\n\' {q} "${{free:-?}}" "$out"'
+        )
     return "; ".join(parts)
 
 
@@ -278,14 +284,35 @@ def judge_disk(host: str, found: dict[str, tuple[float | None, float | None, str
         free_txt = f"{free * 1024:.1f} MB free" if free is not None and free < 1 else (
             f"{free:.1f} GB free" if free is not None else "free space unknown")
         if speed is None:
-            checks.append(Check(host, "disk-speed", FAIL, f"{d}: {free_txt}; a {DISK_PROBE_MB} MB write failed: "
-                                f"{said or 'no answer'}", f"free space in {d} on {host}, or move it"))
+            checks.append(
+                Check(
+                    host,
+                    "disk-speed",
+                    FAIL,
+                    f"{d}: {free_txt}; a {DISK_PROBE_MB} MB write failed: {said or 'no answer'}",
+                    f"free space in {d} on {host}, or move it",
+                )
+            )
         elif free is not None and free < t.disk_min_free_gb:
-            checks.append(Check(host, "disk-speed", FAIL, f"{d}: {free_txt} (below {t.disk_min_free_gb:g} GB)",
-                                f"free space in {d} on {host}, or move it"))
+            checks.append(
+                Check(
+                    host,
+                    "disk-speed",
+                    FAIL,
+                    f"{d}: {free_txt} (below {t.disk_min_free_gb:g} GB)",
+                    f"free space in {d} on {host}, or move it",
+                )
+            )
         elif speed < t.disk_min_write_mb_s:
-            checks.append(Check(host, "disk-speed", WARN, f"{d}: write + fsync {speed:.0f} MB/s (below "
-                                f"{t.disk_min_write_mb_s:g}), {free_txt}", f"check the disk under {d} on {host}"))
+            checks.append(
+                Check(
+                    host,
+                    "disk-speed",
+                    WARN,
+                    f"{d}: write + fsync {speed:.0f} MB/s (below {t.disk_min_write_mb_s:g}), {free_txt}",
+                    f"check the disk under {d} on {host}",
+                )
+            )
         else:
             checks.append(Check(host, "disk-speed", OK, f"{d}: write + fsync {speed:.0f} MB/s, {free_txt}"))
     return checks
@@ -308,11 +335,19 @@ def matrix_text(hosts: list[str], bw: dict[tuple[str, str], float], rtt: dict[tu
     head = "from \\ to".ljust(w) + "".join(h.rjust(w) for h in hosts)
     rows = [head]
     for a in hosts:
-        rows.append(a.ljust(w) + "".join(("-" if a == b else f"{bw[(a, b)]:.0f}" if (a, b) in bw else "?").rjust(w)
-                                         for b in hosts))
+        rows.append(
+            a.ljust(w)
+            + "".join(
+                ("-" if a == b else f"{bw[(a, b)]:.0f}" if (a, b) in bw else "?").rjust(w) for b in hosts
+            )
+        )
     rows.append("")
     rows.append("round trip, ms".ljust(w) + "".join(h.rjust(w) for h in hosts))
     for a in hosts:
-        rows.append(a.ljust(w) + "".join(("-" if a == b else f"{rtt[(a, b)]:.2f}" if (a, b) in rtt else "?").rjust(w)
-                                         for b in hosts))
+        rows.append(
+            a.ljust(w)
+            + "".join(
+                ("-" if a == b else f"{rtt[(a, b)]:.2f}" if (a, b) in rtt else "?").rjust(w) for b in hosts
+            )
+        )
     return "\n".join(rows)

@@ -63,13 +63,20 @@ def judge_rsync(name: str, fact: tuple[int, str]) -> Check:
     both here, and a server rsync reads neither, so they change nothing."""
     here = name == LOCAL
     where = "on this machine" if here else f"on {name}"
-    upgrade = f"{where}: upgrade rsync to 3.4 or later (a distribution's build of 3.2.7 with the fixes will do)"
+    upgrade = (
+        f"{where}: upgrade rsync to 3.4 or later (a distribution's build of 3.2.7 with the fixes will do)"
+    )
     rc, text = fact
     info = parse_rsync_fact(text)
     shown = hostile.line(info["version"], 120)
     if not info["version"]:
-        return Check(name, "rsync", FAIL, "no rsync" if rc == 0 else f"could not run rsync: {_last(hostile.line(text))}",
-                     f"{where}: install rsync 3.4 or later (e.g. sudo apt-get install rsync)")
+        return Check(
+            name,
+            "rsync",
+            FAIL,
+            "no rsync" if rc == 0 else f"could not run rsync: {_last(hostile.line(text))}",
+            f"{where}: install rsync 3.4 or later (e.g. sudo apt-get install rsync)",
+        )
     version = parse_rsync_version(info["version"])
     if version is None:
         return Check(name, "rsync", FAIL, f"cannot read rsync's version from {shown!r} (not rsync 3.x?)",
@@ -82,15 +89,26 @@ def judge_rsync(name: str, fact: tuple[int, str]) -> Check:
         note = (f"; {names} set (no effect: fab passes -s, which overrides it)" if here else
                 f"; {names} in its SSH environment (no effect: rsync's server side reads neither)")
     if version < RSYNC_MIN:
-        return Check(name, "rsync", FAIL, f"rsync {number} is older than 3.2.4: its argument handling differs "
-                     "(old style: remote paths split and expanded by the remote shell unless protected)" + note,
-                     upgrade)
+        return Check(
+            name,
+            "rsync",
+            FAIL,
+            f"rsync {number} is older than 3.2.4: its argument handling differs "
+            "(old style: remote paths split and expanded by the remote shell unless protected)" + note,
+            upgrade,
+        )
     if version < RSYNC_SAFE:
         if info["fixed"] >= set(RSYNC_CVES):
             return Check(name, "rsync", OK, f"{number}, its package fixes {' and '.join(RSYNC_CVES)}" + note)
-        return Check(name, "rsync", WARN, f"rsync {number} is older than 3.4 and its package names no fix for "
-                     f"CVE-2024-12087 (a server can make the receiving rsync write outside its destination) and "
-                     f"CVE-2024-12088 (--safe-links bypass)" + note, upgrade)
+        return Check(
+            name,
+            "rsync",
+            WARN,
+            f"rsync {number} is older than 3.4 and its package names no fix for "
+            f"CVE-2024-12087 (a server can make the receiving rsync write outside its destination) and "
+            f"CVE-2024-12088 (--safe-links bypass)" + note,
+            upgrade,
+        )
     return Check(name, "rsync", OK, number + note)
 
 
@@ -119,16 +137,26 @@ def judge_image(host: Host, facts, image: str) -> Check:
     info = image_info(facts)
     if info is None:
         if rc == TIMED_OUT:
-            return Check(n, "image", FAIL, f"{ident}: a container of it did not start within "
-                         f"{GPU_CONTAINER_TIMEOUT}s", f"on {n}: check the Docker engine (docker run --rm {image} true)")
+            return Check(
+                n,
+                "image",
+                FAIL,
+                f"{ident}: a container of it did not start within {GPU_CONTAINER_TIMEOUT}s",
+                f"on {n}: check the Docker engine (docker run --rm {image} true)",
+            )
         if "python3" in out and ("not found" in out or "no such file" in out.lower()):
             return Check(n, "image", FAIL, f"{ident} has no python3",
                          "use an image with python3 and torch (e.g. nvcr.io/nvidia/pytorch, rocm/pytorch)")
         return Check(n, "image", FAIL, f"{ident}: python3 in it failed: {_last(out)}",
                      f"on {n}: docker run --rm --entrypoint python3 {image} -c 'import torch'")
     if "error" in info:
-        return Check(n, "image", FAIL, f"{ident}: python {info.get('python')} but no torch ({info['error'][:120]})",
-                     build)
+        return Check(
+            n,
+            "image",
+            FAIL,
+            f"{ident}: python {info.get('python')} but no torch ({info['error'][:120]})",
+            build,
+        )
     return Check(n, "image", OK, f"{ident}: {describe_image(info)}")
 
 
@@ -144,7 +172,9 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
     parts = []
     for fields in denied:
         path, blocker, owner = fields[1], fields[2], fields[3] if len(fields) > 3 else "?"
-        parts.append(f"{path} ({'not writable' if blocker == path else f'cannot be created: {blocker} is owned by {owner}'})")
+        parts.append(
+            f"{path} ({'not writable' if blocker == path else f'cannot be created: {blocker} is owned by {owner}'})"
+        )
     paths = " ".join(f[1] for f in denied)
     return Check(n, "dirs", FAIL, f"{user} cannot write " + ", ".join(parts),
                  f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
@@ -166,9 +196,14 @@ def judge_docker(host: Host, facts, access: dockerargs.GpuAccess | None = None) 
                          f"on {n}: install the ROCm kernel driver (amdgpu-dkms) and reboot")
         return Check(n, "docker", OK, detail)
     if rc == TIMED_OUT:
-        return Check(n, "docker", FAIL, f"engine gave no answer within {DOCKER_TIMEOUT}s (docker version hangs)",
-                     f"on {n}: the Docker engine is stuck; restart it (sudo systemctl restart docker) "
-                     f"and check its disk (journalctl -u docker)")
+        return Check(
+            n,
+            "docker",
+            FAIL,
+            f"engine gave no answer within {DOCKER_TIMEOUT}s (docker version hangs)",
+            f"on {n}: the Docker engine is stuck; restart it (sudo systemctl restart docker) "
+            f"and check its disk (journalctl -u docker)",
+        )
     if "permission denied" in text.lower():
         return Check(n, "docker", FAIL, f"{host.ssh.user} may not use the Docker socket",
                      f"on {n}: sudo usermod -aG docker {host.ssh.user} (then log in again)")
@@ -183,7 +218,9 @@ def judge_gpus(host: Host, facts) -> Check:
     rc, text = facts.get("gpu", (1, ""))
     tool = "nvidia-smi" if host.gpu_vendor == "nvidia" else "rocm-smi"
     if rc != 0:
-        return Check(n, "gpus", FAIL, f"{tool} failed: {_last(text)}", f"on {n}: install or repair the GPU driver")
+        return Check(
+            n, "gpus", FAIL, f"{tool} failed: {_last(text)}", f"on {n}: install or repair the GPU driver"
+        )
     count, model = count_gpus(host.gpu_vendor, text)
     if count != host.gpu_count:
         return Check(n, "gpus", FAIL, f"{count} x {model} found, inventory says {host.gpu_count}",
@@ -192,10 +229,20 @@ def judge_gpus(host: Host, facts) -> Check:
     rc, text = facts.get("image_info", (1, ""))
     if info is None or "gpus" not in info:
         if rc == TIMED_OUT:
-            return Check(n, "gpus", FAIL, f"{count} x {model} on the host; a GPU container did not start in time",
-                         f"on {n}: check the Docker engine and the container toolkit")
-        return Check(n, "gpus", FAIL, f"{count} x {model} on the host, but a container cannot use them: {_last(text)}",
-                     f"on {n}: check the container toolkit (docker run {' '.join(dockerargs.device_args(host))} ...)")
+            return Check(
+                n,
+                "gpus",
+                FAIL,
+                f"{count} x {model} on the host; a GPU container did not start in time",
+                f"on {n}: check the Docker engine and the container toolkit",
+            )
+        return Check(
+            n,
+            "gpus",
+            FAIL,
+            f"{count} x {model} on the host, but a container cannot use them: {_last(text)}",
+            f"on {n}: check the container toolkit (docker run {' '.join(dockerargs.device_args(host))} ...)",
+        )
     seen = int(info["gpus"])
     if seen != count:
         return Check(n, "gpus", FAIL, f"{count} on the host, {seen} visible in the container",
@@ -241,8 +288,13 @@ def judge_route(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
         return Check(n, "route", FAIL, f"no route to MASTER_ADDR {inv.master.hostname}: {_last(text)}",
                      f"on {n}: add a route to {inv.master.hostname} via {host.interface}")
     if m.group(1) != host.interface and not m.group(1) == "lo":
-        return Check(n, "route", FAIL, f"{inv.master.hostname} is reached via {m.group(1)}, not {host.interface}",
-                     f"set interface: {m.group(1)} for {n}, or route {inv.master.hostname} via {host.interface}")
+        return Check(
+            n,
+            "route",
+            FAIL,
+            f"{inv.master.hostname} is reached via {m.group(1)}, not {host.interface}",
+            f"set interface: {m.group(1)} for {n}, or route {inv.master.hostname} via {host.interface}",
+        )
     return Check(n, "route", OK, f"to {inv.master.hostname} via {m.group(1)}")
 
 
@@ -250,7 +302,9 @@ def judge_port(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
     n, port = host.name, inv.job.master_port
     rc, text = fact
     if rc != 0:
-        return Check(n, "port", WARN, f"could not list listeners: {_last(text)}", "install iproute2 (ss) on the host")
+        return Check(
+            n, "port", WARN, f"could not list listeners: {_last(text)}", "install iproute2 (ss) on the host"
+        )
     if text:
         holder = re.search(r'users:\(\("([^"]+)",pid=(\d+)', text)
         who = f" by {holder.group(1)} (pid {holder.group(2)})" if holder else ""
@@ -266,7 +320,9 @@ def judge_shm(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits)
     rc, text = fact
     fields = text.splitlines()[-1].split() if rc == 0 and text else []
     if len(fields) < 4 or not fields[1].isdigit():
-        return Check(n, "shm", WARN, f"could not read /dev/shm: {_last(text)}", "check that /dev/shm is mounted")
+        return Check(
+            n, "shm", WARN, f"could not read /dev/shm: {_last(text)}", "check that /dev/shm is mounted"
+        )
     mb = int(fields[1]) // 1024
     if mb < limits.shm_warn_mb:
         return Check(n, "shm", WARN, f"/dev/shm is {mb} MB (--ipc host)",
@@ -283,9 +339,13 @@ def judge_disk(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits
     worst = min(int(r[3]) for r in rows[:2]) / 1024 ** 2
     paths = f"{inv.job.code_dir}, {inv.job.output_dir}"
     if worst < limits.disk_fail_gb:
-        return Check(n, "disk", FAIL, f"{worst:.1f} GB free at {paths}", f"free space on {n} or move output_dir")
+        return Check(
+            n, "disk", FAIL, f"{worst:.1f} GB free at {paths}", f"free space on {n} or move output_dir"
+        )
     if worst < limits.disk_warn_gb:
-        return Check(n, "disk", WARN, f"{worst:.1f} GB free at {paths}", f"snapshots may not fit; free space on {n}")
+        return Check(
+            n, "disk", WARN, f"{worst:.1f} GB free at {paths}", f"snapshots may not fit; free space on {n}"
+        )
     return Check(n, "disk", OK, f"{worst:.0f} GB free")
 
 
@@ -331,8 +391,15 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
         if "mtu" not in f:
             continue
         if len(set(mtus.values())) > 1:
-            out.append(Check(n, "mtu", FAIL, f"{f['mtu']} (hosts differ: {', '.join(f'{k}={v}' for k, v in mtus.items())})",
-                             "set the same MTU on every host's interface (ip link set IFACE mtu N)"))
+            out.append(
+                Check(
+                    n,
+                    "mtu",
+                    FAIL,
+                    f"{f['mtu']} (hosts differ: {', '.join(f'{k}={v}' for k, v in mtus.items())})",
+                    "set the same MTU on every host's interface (ip link set IFACE mtu N)",
+                )
+            )
         else:
             out.append(Check(n, "mtu", OK, str(f["mtu"])))
     for n, f in per_host.items():
@@ -340,8 +407,15 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
         if code is None:
             out.append(Check(n, "code", WARN, "no code synced yet", "fab sync"))
         elif local_code is not None and code != local_code:
-            out.append(Check(n, "code", WARN, f"tree {code[:12]} differs from this machine's {local_code[:12]}",
-                             "fab sync (fab train syncs first)"))
+            out.append(
+                Check(
+                    n,
+                    "code",
+                    WARN,
+                    f"tree {code[:12]} differs from this machine's {local_code[:12]}",
+                    "fab sync (fab train syncs first)",
+                )
+            )
         else:
             out.append(Check(n, "code", OK, f"tree {code[:12]}"))
     return out

@@ -66,7 +66,9 @@ except OSError as e:
 """
 
 
-def reachability(session: Session, inv: Inventory, sources: dict[str, str], timeout: float = 2.0) -> list[Check]:
+def reachability(
+    session: Session, inv: Inventory, sources: dict[str, str], timeout: float = 2.0
+) -> list[Check]:
     """Open a listener on rank 0's master port for a few seconds; connect from each worker's own
     interface address. A dropped SYN (firewall) times out; a rejected one is refused."""
     master, port = inv.master, inv.job.master_port
@@ -88,14 +90,21 @@ def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], 
 
     def connect(host: Host) -> Check:
         src = sources.get(host.name, "0.0.0.0")
-        r = session.run(host, shell(["python3", "-c", CONNECT, src, master.hostname, str(port), str(timeout)]),
-                        timeout=timeout + 10)
+        r = session.run(
+            host,
+            shell(["python3", "-c", CONNECT, src, master.hostname, str(port), str(timeout)]),
+            timeout=timeout + 10,
+        )
         if r.ok:
             return Check(host.name, "reach", OK, f"{master.hostname}:{port} from {src}")
-        return Check(host.name, "reach", FAIL,
-                     f"cannot reach {master.name} {master.hostname}:{port} from {src}: {_last(r.stdout + r.stderr)}",
-                     f"open TCP {port} on {master.name} for {src} (firewall: iptables/nftables/ufw), "
-                     f"and check the route between the hosts")
+        return Check(
+            host.name,
+            "reach",
+            FAIL,
+            f"cannot reach {master.name} {master.hostname}:{port} from {src}: {_last(r.stdout + r.stderr)}",
+            f"open TCP {port} on {master.name} for {src} (firewall: iptables/nftables/ufw), "
+            f"and check the route between the hosts",
+        )
     workers = tuple(h for h in inv.hosts if h.rank > 0 and h.name in sources)
     results = session.fan_out(connect, workers)
     listener.close_stdin()  # the listener exits on EOF; wait for it so the port is free again

@@ -89,13 +89,14 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: dockerargs.Gp
 # RSYNC_PROTECT_ARGS where set (env=NAME=VALUE, the value cut and kept to one line).
 RSYNC_CVES = ("CVE-2024-12087", "CVE-2024-12088")
 RSYNC_FACT = (
-    'if command -v rsync >/dev/null 2>&1; then v=$(rsync --version 2>&1 | head -n 1 | cut -c 1-200); '
+    "if command -v rsync >/dev/null 2>&1; then v=$(rsync --version 2>&1 | head -n 1 | cut -c 1-200); "
     'else v=; fi; printf "version=%s\n" "$v"; '
-    '{ for f in /usr/share/doc/rsync/changelog.Debian.gz /usr/share/doc/rsync/changelog.gz; do '
+    "{ for f in /usr/share/doc/rsync/changelog.Debian.gz /usr/share/doc/rsync/changelog.gz; do "
     '[ -f "$f" ] && gzip -dc "$f"; done; command -v rpm >/dev/null && rpm -q --changelog rsync; } 2>/dev/null '
     "| grep -oE '" + "|".join(RSYNC_CVES) + "' | sort -u | sed 's/^/fixed=/'; "
     'for n in RSYNC_OLD_ARGS RSYNC_PROTECT_ARGS; do x=$(printenv "$n") && '
-    'printf "env=%s=%s\n" "$n" "$(printf %s "$x" | tr -c "[:alnum:]._-" "?" | cut -c 1-40)"; done; true')
+    'printf "env=%s=%s\n" "$n" "$(printf %s "$x" | tr -c "[:alnum:]._-" "?" | cut -c 1-40)"; done; true'
+)
 LOCAL_RSYNC_TIMEOUT = 10
 
 
@@ -152,8 +153,21 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: dockerargs.G
     Starting a container and importing torch takes seconds, so on a CPU host the answer is kept
     on the host under the image id (an id names one immutable image), in a directory the group
     shares (several accounts use one cache, as .runtime); a GPU host always looks again, since what it must show is that the GPUs work now."""
-    run = ["docker", "run", "--rm", "--pull", "never", "--network", "none", *dockerargs.device_args(host, access),
-           "--entrypoint", "python3", image, "-c", IMAGE_INFO_PY]
+    run = [
+        "docker",
+        "run",
+        "--rm",
+        "--pull",
+        "never",
+        "--network",
+        "none",
+        *dockerargs.device_args(host, access),
+        "--entrypoint",
+        "python3",
+        image,
+        "-c",
+        IMAGE_INFO_PY,
+    ]
     if host.gpu_vendor != "none":
         return run
     # The cache directory is the group's: any member can put a link or a file at any name there, so

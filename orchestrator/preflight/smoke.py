@@ -89,8 +89,16 @@ def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
             return narrowed, spec
         release(session, inv, spec, claimed)
         claimed.clear()
-    return [Check(h.name, "smoke", SKIP, "other jobs claimed the free GPUs/slots or the master port meanwhile, "
-                  f"{CLAIM_TRIES} times; run the preflight again") for h in inv.hosts]
+    return [
+        Check(
+            h.name,
+            "smoke",
+            SKIP,
+            "other jobs claimed the free GPUs/slots or the master port meanwhile, "
+            f"{CLAIM_TRIES} times; run the preflight again",
+        )
+        for h in inv.hosts
+    ]
 
 
 def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[int, ...]] | list[Check]:
@@ -115,14 +123,19 @@ def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[
         holders = hj.holders()
         taken = claims.held_units(holders, cap)
         asked = want.of(h, cap)
-        free[h.name] = [u for u in range(cap) if u not in taken][:asked if isinstance(asked, int) else len(asked)]
+        free[h.name] = [u for u in range(cap) if u not in taken][
+            : asked if isinstance(asked, int) else len(asked)
+        ]
         if not free[h.name]:
             rows.append(Check(h.name, "smoke", SKIP, f"no free {claims.kind(h)} here: held by "
                               + hostile.line("; ".join(c.describe(h) for c in holders))))
     if rows:
         named = {c.host for c in rows}
-        return rows + [Check(h.name, "smoke", SKIP, f"not run: {', '.join(sorted(named))} has no free GPU/slot")
-                       for h in inv.hosts if h.name not in named]
+        return rows + [
+            Check(h.name, "smoke", SKIP, f"not run: {', '.join(sorted(named))} has no free GPU/slot")
+            for h in inv.hosts
+            if h.name not in named
+        ]
     n = min(len(u) for u in free.values())
     return {name: tuple(u[:n]) for name, u in free.items()}
 
@@ -154,7 +167,11 @@ def read_ends(inv: Inventory, result, run_dir: Path) -> list[Check]:
     out = []
     for h in inv.hosts:
         o = result.ends.get(h.name)  # watch.NodeEnd
-        log = (run_dir / f"{h.name}.log").read_text(errors="replace") if (run_dir / f"{h.name}.log").exists() else ""
+        log = (
+            (run_dir / f"{h.name}.log").read_text(errors="replace")
+            if (run_dir / f"{h.name}.log").exists()
+            else ""
+        )
         m = re.search(r"SMOKE ok backend=(\S+) world=(\d+) .*?busbw=([\d.]+) MB/s", log)
         if o and o.exit_code == 0 and m:
             detail = f"all_reduce over {m.group(2)} ranks ({m.group(1)}), bus bw {float(m.group(3)):.0f} MB/s"
@@ -162,8 +179,14 @@ def read_ends(inv: Inventory, result, run_dir: Path) -> list[Check]:
         elif o and o.exit_code == 0:
             out.append(Check(h.name, "smoke", OK, "all_reduce ok"))
         else:
-            why = (o.summary() if o and o.failure else f"exit {o.exit_code if o else '?'}") + f": {_last(log)}"
-            out.append(Check(h.name, "smoke", FAIL, f"collective failed ({why})", f"see {run_dir / (h.name + '.log')}"))
+            why = (
+                o.summary() if o and o.failure else f"exit {o.exit_code if o else '?'}"
+            ) + f": {_last(log)}"
+            out.append(
+                Check(
+                    h.name, "smoke", FAIL, f"collective failed ({why})", f"see {run_dir / (h.name + '.log')}"
+                )
+            )
     return out
 
 
@@ -184,4 +207,6 @@ def judge_transport(host: Host, detail: str, transport: str | None) -> Check:
         return Check(host.name, "smoke", WARN, f"{detail}, NCCL over TCP sockets although InfiniBand devices "
                      "are mapped", f"on {host.name}: check the IB links (ibstat), NCCL_IB_HCA, and that the "
                      "image has libibverbs (rdma-core); the log has NCCL's NET lines")
-    return Check(host.name, "smoke", OK, f"{detail}, NCCL over {'InfiniBand' if transport == 'IB' else 'TCP sockets'}")
+    return Check(
+        host.name, "smoke", OK, f"{detail}, NCCL over {'InfiniBand' if transport == 'IB' else 'TCP sockets'}"
+    )

@@ -65,13 +65,19 @@ class Board:
             for m in report.STEP_LINE.finditer(text) if steps else ():
                 st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), report.rate_of(m)
                 if m["compute_ms"]:
-                    st.compute_ms.setdefault(report.rank_of(m), deque(maxlen=RECENT)).append(float(m["compute_ms"]))
+                    st.compute_ms.setdefault(report.rank_of(m), deque(maxlen=RECENT)).append(
+                        float(m["compute_ms"])
+                    )
             for m in PROGRESS.finditer(text) if progress else ():
                 self.total = int(m["total"])
                 st.step = max(st.step or 0, int(m["step"]))
 
     def _recent(self) -> dict[str, float]:
-        recent = {rank: statistics.median(times) for st in self.hosts.values() for rank, times in st.compute_ms.items()}
+        recent = {
+            rank: statistics.median(times)
+            for st in self.hosts.values()
+            for rank, times in st.compute_ms.items()
+        }
         enough = all(len(t) >= MIN_SAMPLES for st in self.hosts.values() for t in st.compute_ms.values())
         return recent if enough else {}
 
@@ -119,20 +125,32 @@ class Board:
         return Group(table, Text(summary, style="dim"))
 
     @staticmethod
-    def _worth_a_look(states: list[HostState], slow: dict[str, float], now: float, rows: int) -> list[HostState]:
+    def _worth_a_look(
+        states: list[HostState], slow: dict[str, float], now: float, rows: int
+    ) -> list[HostState]:
         """The `rows` hosts to show when not all fit, in rank order: stragglers first, then silent
         hosts, then those furthest behind (no step info counts as furthest)."""
         def urgency(st: HostState):
             straggling = any(r in slow for r in st.compute_ms)
             silent = now - st.last_output > SILENT_AFTER
-            return (not straggling, not silent, -1 if st.step is None else st.step, st.last_output, st.node_rank)
+            return (
+                not straggling,
+                not silent,
+                -1 if st.step is None else st.step,
+                st.last_output,
+                st.node_rank,
+            )
+
         return sorted(sorted(states, key=urgency)[:rows], key=lambda s: s.node_rank)
 
     def _summary(self, rest: list[HostState], total: int, now: float) -> str:
         steps = [st.step for st in rest if st.step is not None]
         of = f"/{self.total}" if self.total else ""
-        where = (f"step {min(steps)}{of}" if min(steps) == max(steps) else f"steps {min(steps)}-{max(steps)}{of}"
-                 ) if steps else "no step info"
+        where = (
+            (f"step {min(steps)}{of}" if min(steps) == max(steps) else f"steps {min(steps)}-{max(steps)}{of}")
+            if steps
+            else "no step info"
+        )
         quiet = max(now - st.last_output for st in rest)
         return f"... and {len(rest)} more of {total} hosts: {where}, last output at most {quiet:.0f}s ago"
 

@@ -117,7 +117,9 @@ def timings(run_dir: Path) -> dict:
             compute_ms = [float(m["compute_ms"]) for m in timed]
             entry.update({f"step_ms_{k}": v for k, v in _stats(step_ms).items()})
             entry.update({f"compute_ms_{k}": v for k, v in _stats(compute_ms).items()})
-            host = by_host.setdefault(host_of(name), {"ranks": [], "step_ms": [], "compute_ms": [], "rates": []})
+            host = by_host.setdefault(
+                host_of(name), {"ranks": [], "step_ms": [], "compute_ms": [], "rates": []}
+            )
             host["ranks"].append(name)
             host["step_ms"] += step_ms
             host["compute_ms"] += compute_ms
@@ -128,9 +130,15 @@ def timings(run_dir: Path) -> dict:
                  "tokens_per_s_median": round(statistics.median(v["rates"]), 1)}
              for h, v in by_host.items()}
     slow = stragglers({n: r["compute_ms_median"] for n, r in ranks.items() if "compute_ms_median" in r})
-    return {"ranks": ranks, "per_host": hosts, "straggler_margin": STRAGGLER_MARGIN,
-            "stragglers": [{"rank": n, "host": host_of(n), "compute_ms_median": t, "times_median": round(x, 2)}
-                           for n, t, x in slow]}
+    return {
+        "ranks": ranks,
+        "per_host": hosts,
+        "straggler_margin": STRAGGLER_MARGIN,
+        "stragglers": [
+            {"rank": n, "host": host_of(n), "compute_ms_median": t, "times_median": round(x, 2)}
+            for n, t, x in slow
+        ],
+    }
 
 
 def straggler_line(rank: str, compute_ms: float, times: float) -> str:
@@ -147,14 +155,24 @@ def timing_table(data: dict):
         table.add_column(col, justify="left" if col == "host / rank" else "right")
     for host, h in data.get("per_host", {}).items():
         flag = any(r in slow for r in h["ranks"])
-        table.add_row(hostile.rich_text(host, "bold red" if flag else "bold"), f"{h['step_ms_median']} / {h['step_ms_p95']}",
-                      f"{h['compute_ms_median']} / {h['compute_ms_p95']}", f"{h['tokens_per_s_median']:,.0f}", "")
+        table.add_row(
+            hostile.rich_text(host, "bold red" if flag else "bold"),
+            f"{h['step_ms_median']} / {h['step_ms_p95']}",
+            f"{h['compute_ms_median']} / {h['compute_ms_p95']}",
+            f"{h['tokens_per_s_median']:,.0f}",
+            "",
+        )
         for r in h["ranks"]:
             e = data["ranks"][r]
-            table.add_row(hostile.rich_text("  " + r + ("  straggler" if r in slow else ""), "red" if r in slow else ""),
-                          f"{e['step_ms_median']} / {e['step_ms_p95']}",
-                          f"{e['compute_ms_median']} / {e['compute_ms_p95']}",
-                          f"{e['tokens_per_s_median']:,.0f}", str(e["samples"]))
+            table.add_row(
+                hostile.rich_text(
+                    "  " + r + ("  straggler" if r in slow else ""), "red" if r in slow else ""
+                ),
+                f"{e['step_ms_median']} / {e['step_ms_p95']}",
+                f"{e['compute_ms_median']} / {e['compute_ms_p95']}",
+                f"{e['tokens_per_s_median']:,.0f}",
+                str(e["samples"]),
+            )
     return table
 
 

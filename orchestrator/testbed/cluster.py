@@ -140,8 +140,14 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
 def _wait_ready(container, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        code, _ = container.exec_run(["sh", "-c", "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub "
-                                            "&& test -s /run/sshd.pid"])
+        code, _ = container.exec_run(
+            [
+                "sh",
+                "-c",
+                "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub "
+                "&& test -s /run/sshd.pid",
+            ]
+        )
         if code == 0:
             return
         time.sleep(0.5)
@@ -171,15 +177,25 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     def prepare(node: NodeInfo) -> str:
         c = _ensure_node(client, node, host_image_id)
         _wait_ready(c)
-        _exec(c, ["sh", "-c", 'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
-                  "sh", pubkey])
+        _exec(
+            c,
+            [
+                "sh",
+                "-c",
+                'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
+                "sh",
+                pubkey,
+            ],
+        )
         # Under the load of dozens of new hosts the key file can still be empty for a moment.
         for _ in range(10):
             host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
             if len(host_key) >= 2:
                 return f"{node.address} {host_key[0]} {host_key[1]}\n"
             time.sleep(0.5)
-        raise UserError(f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh")
+        raise UserError(
+            f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh"
+        )
 
     # Bounded: 64 containers created at once overload the local engine.
     with ThreadPoolExecutor(max_workers=min(len(nodes), 16)) as pool:
@@ -198,7 +214,9 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
             results = push(session, image)
             bad = [r for r in results if r.action == "failed"]
             if bad:
-                raise UserError("loading the trainer image failed: " + "; ".join(f"{r.host}: {r.detail}" for r in bad))
+                raise UserError(
+                    "loading the trainer image failed: " + "; ".join(f"{r.host}: {r.detail}" for r in bad)
+                )
             sent = [r for r in results if r.action == "sent"]
             log(f"{image}: sent to {len(sent)} host(s)"
                 + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
@@ -301,8 +319,10 @@ def slurm_up(client: docker.DockerClient, nodes: list[NodeInfo], log=print, time
         if code == 0 and all(states.get(n.name) in ("idle", "alloc", "mix") for n in nodes):
             break
         if time.monotonic() > deadline:
-            raise UserError(f"Slurm did not come up within {timeout:g}s (sinfo: {states or out.decode().strip()}); "
-                            f"see: docker exec {nodes[0].container} cat /var/log/slurmctld.log /var/log/slurmd.log")
+            raise UserError(
+                f"Slurm did not come up within {timeout:g}s (sinfo: {states or out.decode().strip()}); "
+                f"see: docker exec {nodes[0].container} cat /var/log/slurmctld.log /var/log/slurmd.log"
+            )
         time.sleep(0.5)
     started = sum(a == "started" for a in actions)
     log(f"slurm up: controller on {nodes[0].name}, {len(nodes)} node(s) idle "

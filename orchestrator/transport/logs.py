@@ -36,7 +36,7 @@ class Multiplexer:
         self._lock = threading.Lock()
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    def sink(self, name: str, rank: int, width: int = 0) -> "HostSink":
+    def sink(self, name: str, rank: int, width: int = 0) -> HostSink:
         name = hostile.component(name)  # it names a file in run_dir: never a path out of it
         label = f"{name} r{rank}".ljust(width)
         prefix = (f"\x1b[{COLOURS[rank % len(COLOURS)]}m{label} |\x1b[0m " if self.colour
@@ -62,7 +62,9 @@ class Multiplexer:
 
 
 class HostSink:
-    def __init__(self, mux: Multiplexer, path: Path, prefix: bytes, name: str = "", tail_lines: int = 20) -> None:
+    def __init__(
+        self, mux: Multiplexer, path: Path, prefix: bytes, name: str = "", tail_lines: int = 20
+    ) -> None:
         self.mux, self.path, self.prefix, self.name = mux, path, prefix, name
         self._file = path.open("ab")
         self._partial = b""

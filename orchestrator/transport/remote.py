@@ -24,10 +24,11 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha1
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import paramiko
 from fabric import Config, Connection
@@ -67,7 +68,7 @@ class _RejectUnknown(paramiko.MissingHostKeyPolicy):
     known_hosts files list for it; refuse a revoked one, one known only through a CA, and an
     unknown one, each with its fix."""
 
-    def __init__(self, label: str, ssh: SSH, trust: "HostTrust | None" = None) -> None:
+    def __init__(self, label: str, ssh: SSH, trust: HostTrust | None = None) -> None:
         self.label, self.ssh = label, ssh
         self.trust = trust or host_trust(ssh)
 
@@ -155,7 +156,7 @@ class PerHost(dict):
         return [v for v in self.values() if not isinstance(v, BaseException)]
 
 
-def failure(host: Host, result: "Result | BaseException", what: str) -> str | None:
+def failure(host: Host, result: Result | BaseException, what: str) -> str | None:
     """Why a command fanned out to a host did not succeed there (None if it did), for the user."""
     if isinstance(result, BaseException):
         return describe(host, result)
@@ -178,7 +179,9 @@ class Deadlines:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, spawn: Callable | None = None) -> None:
         self.clock = clock
-        self._spawn = spawn or (lambda action: threading.Thread(target=action, daemon=True, name="deadline").start())
+        self._spawn = spawn or (
+            lambda action: threading.Thread(target=action, daemon=True, name="deadline").start()
+        )
         self._heap: list[list] = []  # [when, sequence, action or None once cancelled]
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -232,7 +235,7 @@ class Command:
     following only, whose liveness the keepalive watcher bounds instead.
     """
 
-    def __init__(self, session: "Session", host: Host, command: str, timeout: float | None,
+    def __init__(self, session: Session, host: Host, command: str, timeout: float | None,
                  what: str = "") -> None:
         self.session, self.host, self.command, self.timeout = session, host, command, timeout
         self.what = what or command[:60]
@@ -240,7 +243,7 @@ class Command:
         self.chan: paramiko.Channel | None = None
         self._timer: list | None = None
 
-    def __enter__(self) -> "Command":
+    def __enter__(self) -> Command:
         start = time.monotonic()
         conn = self.session.connection(self.host)
         if self.timeout is not None:
@@ -385,7 +388,7 @@ class Session:
         self.gateways.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -449,11 +452,13 @@ def put_command(path: str, mode: int = 0o600) -> str:
     place meanwhile is written into), removes whatever is at the file's name, and makes the file new
     (noclobber: never written through a file or link put there meanwhile); `mode` is given through
     the open descriptor."""
-    script = ('d=$(dirname "$1"); case "$d" in /*) ;; *) d="$PWD/$d";; esac; '
-              'mkdir -p "$d" && cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || '
-              '{ printf "%s is not a directory of %s (a link, or one of another account): %s is not written\\n" '
-              '"$d" "$(id -un)" "$1" >&2; exit 1; }; '
-              'f="./${1##*/}"; umask 077 && rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )')
+    script = (
+        'd=$(dirname "$1"); case "$d" in /*) ;; *) d="$PWD/$d";; esac; '
+        'mkdir -p "$d" && cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || '
+        '{ printf "%s is not a directory of %s (a link, or one of another account): %s is not written\\n" '
+        '"$d" "$(id -un)" "$1" >&2; exit 1; }; '
+        'f="./${1##*/}"; umask 077 && rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )'
+    )
     return sshargs.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
 
 
@@ -614,7 +619,7 @@ class KnownHosts(paramiko.HostKeys):
                 self._scan.append(entry)
 
     @classmethod
-    def read(cls, path: str) -> "KnownHosts":
+    def read(cls, path: str) -> KnownHosts:
         with open(path, "rb") as f:
             return cls(path, f.read().decode(errors="replace"))
 

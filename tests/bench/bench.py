@@ -139,7 +139,9 @@ def bench_sync(inv, base: Baselines, repeat: int) -> dict:
     for j in range(50):
         (src / "data" / f"blob{j}.bin").write_bytes(os.urandom(1 << 20))
     code_dir = "/opt/fabtrain/bench-sync"
-    inv_b = type(inv)(path=inv.path, hosts=inv.hosts, job=type(inv.job)(**{**inv.job.__dict__, "code_dir": code_dir}))
+    inv_b = type(inv)(
+        path=inv.path, hosts=inv.hosts, job=type(inv.job)(**{**inv.job.__dict__, "code_dir": code_dir})
+    )
     session = Session(inv.hosts)
     fab_sync = lambda: hostops.sync(session, inv_b, src)  # noqa: E731 - one open session, as fab sync
     fab_sync()
@@ -184,21 +186,34 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
                             "frozen_stop": [], "named": []}
 
     def cli(*args):
-        return timed(subprocess.run, [FAB, *args, "--inventory", str(inv_path)], cwd=ROOT, capture_output=True,
-                     text=True, timeout=300)
+        return timed(
+            subprocess.run,
+            [FAB, *args, "--inventory", str(inv_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     for _ in range(repeat):
         res["healthy_preflight"].append(cli("preflight", "--no-smoke")[0])
-        subprocess.run(["docker", "exec", victim, "sh", "-c", "pkill -STOP -x dockerd; pkill -STOP -x containerd"],
-                       check=True)
+        subprocess.run(
+            ["docker", "exec", victim, "sh", "-c", "pkill -STOP -x dockerd; pkill -STOP -x containerd"],
+            check=True,
+        )
         try:
-            for key, args in (("frozen_preflight", ("preflight", "--no-smoke")), ("frozen_status", ("status",)),
-                              ("frozen_stop", ("stop", "--grace", "0"))):
+            for key, args in (
+                ("frozen_preflight", ("preflight", "--no-smoke")),
+                ("frozen_status", ("status",)),
+                ("frozen_stop", ("stop", "--grace", "0")),
+            ):
                 dt, p = cli(*args)
                 res[key].append(dt)
                 res["named"].append(p.returncode != 0 and inv.hosts[-1].name in p.stdout + p.stderr)
         finally:
-            subprocess.run(["docker", "exec", victim, "sh", "-c", "pkill -CONT -x containerd; pkill -CONT -x dockerd"],
-                           check=True)
+            subprocess.run(
+                ["docker", "exec", victim, "sh", "-c", "pkill -CONT -x containerd; pkill -CONT -x dockerd"],
+                check=True,
+            )
     return res
 
 
@@ -219,8 +234,14 @@ def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
         res["fabtrain_stop"].append(time.perf_counter() - t0)
         with Session(inv.hosts) as s:
             _sleep_job(s, inv)
-        res["fab_stop_cli"].append(timed(subprocess.run, [FAB, "stop", "--grace", "0", "--inventory", str(inv_path)],
-                                         cwd=ROOT, capture_output=True)[0])
+        res["fab_stop_cli"].append(
+            timed(
+                subprocess.run,
+                [FAB, "stop", "--grace", "0", "--inventory", str(inv_path)],
+                cwd=ROOT,
+                capture_output=True,
+            )[0]
+        )
         with Session(inv.hosts) as s:
             _sleep_job(s, inv)
         res["pdsh_rm"].append(timed(base.pdsh, dockerargs.stop_script())[0])
@@ -298,18 +319,41 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
             parts = body.split()
             if len(parts) > 1 and parts[1].isdigit():
                 per_host.setdefault(prefix.split()[0].decode(), []).append(int(parts[1]))
-        file_lines = sum((run_dir / f"{h.name}.log").read_bytes().count(b" the quick brown fox ") for h in inv.hosts)
+        file_lines = sum(
+            (run_dir / f"{h.name}.log").read_bytes().count(b" the quick brown fox ") for h in inv.hosts
+        )
         expected = lines * n_hosts
         res["fabtrain_lines_per_s"].append(expected / dt)
         res["lost"].append(expected - sum(len(v) for v in per_host.values()) + (expected - file_lines))
-        res["order_kept"].append(all(v == list(range(lines)) for v in per_host.values()) and len(per_host) == n_hosts)
+        res["order_kept"].append(
+            all(v == list(range(lines)) for v in per_host.values()) and len(per_host) == n_hosts
+        )
         assert result.ok, result
         # pdsh: the same container (entrypoint, torchrun, script), attached, its output carried by
         # `docker run` over ssh. Each node is a job of its own there (no rendezvous across nodes).
-        cmd = sshargs.shell(["docker", "run", "--rm", "--network", "host", "-v", f"{hostfiles.code_path(inv, a.spec)}:/workspace:ro",
-                          "-v", f"{hostfiles.runtime_dir(inv, spec)}:{jobspec.RUNTIME_MOUNT}:ro", "-e", "NPROC_PER_NODE=1",
-                          "-w", "/workspace", "--entrypoint", "python3", inv.job.image, jobspec.ENTRYPOINT_PATH,
-                          "tests/bench/scripts/spew.py", str(lines)])
+        cmd = sshargs.shell(
+            [
+                "docker",
+                "run",
+                "--rm",
+                "--network",
+                "host",
+                "-v",
+                f"{hostfiles.code_path(inv, a.spec)}:/workspace:ro",
+                "-v",
+                f"{hostfiles.runtime_dir(inv, spec)}:{jobspec.RUNTIME_MOUNT}:ro",
+                "-e",
+                "NPROC_PER_NODE=1",
+                "-w",
+                "/workspace",
+                "--entrypoint",
+                "python3",
+                inv.job.image,
+                jobspec.ENTRYPOINT_PATH,
+                "tests/bench/scripts/spew.py",
+                str(lines),
+            ]
+        )
         dt, p = timed(base.pdsh, cmd, capture=True)
         with Session(inv.hosts) as session:
             job.end_quiet(session, a)
@@ -323,23 +367,46 @@ def table(n: int, r: dict) -> str:
     def ms(x):
         return f"{med(x) * 1000:.0f} ms"
     rows = [
-        ("launch: all containers started", ms(r["launch"]["fabtrain_started"]),
-         f"pdsh {ms(r['launch']['pdsh_started'])}, serial {ms(r['launch']['serial_started'])}",
-         f"{med(r['launch']['fabtrain_started']) / med(r['launch']['pdsh_started']):.2f}x pdsh (target <= 1.2x)"),
+        (
+            "launch: all containers started",
+            ms(r["launch"]["fabtrain_started"]),
+            f"pdsh {ms(r['launch']['pdsh_started'])}, serial {ms(r['launch']['serial_started'])}",
+            f"{med(r['launch']['fabtrain_started']) / med(r['launch']['pdsh_started']):.2f}x pdsh (target <= 1.2x)",
+        ),
         ("launch: all ranks initialised", ms(r["launch"]["all_initialised"]), "", ""),
         ("launch: all containers gone", ms(r["launch"]["all_gone"]), "", ""),
-        ("sync, no change", ms(r["sync"]["fabtrain_nochange"]), f"rsync loop {ms(r['sync']['rsync_loop_nochange'])}",
-         f"{med(r['sync']['fabtrain_nochange']) / med(r['sync']['rsync_loop_nochange']):.2f}x (target <= 1.2x)"),
-        ("sync, 50 MB changed", ms(r["sync"]["fabtrain_50mb"]), f"rsync loop {ms(r['sync']['rsync_loop_50mb'])}",
-         f"{med(r['sync']['fabtrain_50mb']) / med(r['sync']['rsync_loop_50mb']):.2f}x"),
-        ("preflight --no-smoke (CLI)", ms(r["preflight"]["fab_preflight_no_smoke"]), "", "target <= 3 s at 8 hosts"),
-        ("stop a running job", ms(r["stop"]["fabtrain_stop"]), f"pdsh rm -f {ms(r['stop']['pdsh_rm'])}",
-         f"{med(r['stop']['fabtrain_stop']) / med(r['stop']['pdsh_rm']):.2f}x (target <= 1.2x); CLI {ms(r['stop']['fab_stop_cli'])}"),
+        (
+            "sync, no change",
+            ms(r["sync"]["fabtrain_nochange"]),
+            f"rsync loop {ms(r['sync']['rsync_loop_nochange'])}",
+            f"{med(r['sync']['fabtrain_nochange']) / med(r['sync']['rsync_loop_nochange']):.2f}x (target <= 1.2x)",
+        ),
+        (
+            "sync, 50 MB changed",
+            ms(r["sync"]["fabtrain_50mb"]),
+            f"rsync loop {ms(r['sync']['rsync_loop_50mb'])}",
+            f"{med(r['sync']['fabtrain_50mb']) / med(r['sync']['rsync_loop_50mb']):.2f}x",
+        ),
+        (
+            "preflight --no-smoke (CLI)",
+            ms(r["preflight"]["fab_preflight_no_smoke"]),
+            "",
+            "target <= 3 s at 8 hosts",
+        ),
+        (
+            "stop a running job",
+            ms(r["stop"]["fabtrain_stop"]),
+            f"pdsh rm -f {ms(r['stop']['pdsh_rm'])}",
+            f"{med(r['stop']['fabtrain_stop']) / med(r['stop']['pdsh_rm']):.2f}x (target <= 1.2x); CLI {ms(r['stop']['fab_stop_cli'])}",
+        ),
         ("failure: kill -> all gone", ms(r["failure"]["kill_to_all_gone"]), "", "target <= 5 s"),
-        ("logs: lines/s (prefix + files)", f"{med(r['logs']['fabtrain_lines_per_s']):,.0f}",
-         f"pdsh {med(r['logs']['pdsh_lines_per_s']):,.0f}",
-         f"{med(r['logs']['fabtrain_lines_per_s']) / med(r['logs']['pdsh_lines_per_s']):.2f}x (target >= 1.0x); "
-         f"lost {max(r['logs']['lost'])}, order kept {all(r['logs']['order_kept'])}"),
+        (
+            "logs: lines/s (prefix + files)",
+            f"{med(r['logs']['fabtrain_lines_per_s']):,.0f}",
+            f"pdsh {med(r['logs']['pdsh_lines_per_s']):,.0f}",
+            f"{med(r['logs']['fabtrain_lines_per_s']) / med(r['logs']['pdsh_lines_per_s']):.2f}x (target >= 1.0x); "
+            f"lost {max(r['logs']['lost'])}, order kept {all(r['logs']['order_kept'])}",
+        ),
     ]
     w = max(len(x[0]) for x in rows)
     out = [f"\n## {n} hosts (medians of {len(r['launch']['fabtrain_started'])})", "",
@@ -352,7 +419,9 @@ class Lines:
     """A command's output, with the moment each line arrived (polled every 20 ms)."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.seen: list[tuple[float, str]] = []
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -394,19 +463,47 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
     last = inv.hosts[-1].name
     r: dict[str, list[float]] = {"detected": [], "first_step": []}
     for _ in range(repeat):
-        run = Lines([FAB, "train", "--inventory", str(inv_path), "--model", "tiny", "--epochs", "50", "--json",
-                     "--restarts", "1", "--skip-preflight", "--args", "--snapshot-every 10 --log-every 1"])
+        run = Lines(
+            [
+                FAB,
+                "train",
+                "--inventory",
+                str(inv_path),
+                "--model",
+                "tiny",
+                "--epochs",
+                "50",
+                "--json",
+                "--restarts",
+                "1",
+                "--skip-preflight",
+                "--args",
+                "--snapshot-every 10 --log-every 1",
+            ]
+        )
         try:
             run.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20)
-            subprocess.run(["docker", "exec", f"fabtrain-{last}", "sh", "-c",
-                            "docker kill $(docker ps -q --filter label=fabtrain.managed=1)"], capture_output=True)
+            subprocess.run(
+                [
+                    "docker",
+                    "exec",
+                    f"fabtrain-{last}",
+                    "sh",
+                    "-c",
+                    "docker kill $(docker ps -q --filter label=fabtrain.managed=1)",
+                ],
+                capture_output=True,
+            )
             killed = time.monotonic()
             r["detected"].append(run.wait_event(lambda e: e["event"] == "host_failed", killed) - killed)
             for stage in ("plan", "claim", "sync+preflight", "snapshot", "start", "watch"):
-                t = run.wait_event(lambda e: e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage, killed)
+                t = run.wait_event(
+                    lambda e: e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage, killed
+                )
                 r.setdefault(f"stage_{stage}", []).append(t - killed)
-            r["first_step"].append(run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2, killed)
-                                   - killed)
+            r["first_step"].append(
+                run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2, killed) - killed
+            )
         finally:
             run.proc.send_signal(2)
             run.proc.wait(timeout=120)
@@ -418,8 +515,19 @@ def bench_hang(inv_path: Path, repeat: int) -> dict:
     for timeout, times in ((10, repeat), (30, max(1, repeat // 2))):
         r[f"timeout_{timeout}"] = []
         for _ in range(times):
-            run = Lines([FAB, "train", "--inventory", str(inv_path), "--script", "tests/integration/scripts/hang.py",
-                         "--hang-timeout", str(timeout), "--skip-preflight"])
+            run = Lines(
+                [
+                    FAB,
+                    "train",
+                    "--inventory",
+                    str(inv_path),
+                    "--script",
+                    "tests/integration/scripts/hang.py",
+                    "--hang-timeout",
+                    str(timeout),
+                    "--skip-preflight",
+                ]
+            )
             ready = run.wait_for("ready")
             quiet = max(t for t, line in run.seen if "ready" in line)
             dumped = run.wait_for("hang watchdog:", ready, timeout=timeout + 120)
@@ -433,8 +541,14 @@ def bench_deep(inv, inv_path: Path, repeat: int) -> dict:
     r = {"preflight": [], "deep": [], "deep_mbit_s": [], "iperf3_mbit_s": [], "iperf3_1m_mbit_s": []}
     a, b = inv.hosts[0], inv.hosts[1]
     for _ in range(repeat):
-        r["preflight"].append(timed(subprocess.run, [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
-                                    cwd=ROOT, capture_output=True)[0])
+        r["preflight"].append(
+            timed(
+                subprocess.run,
+                [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
+                cwd=ROOT,
+                capture_output=True,
+            )[0]
+        )
         t, out = timed(subprocess.run, [FAB, "preflight", "--deep", "--no-smoke", "--json", "--inventory",
                                         str(inv_path)], cwd=ROOT, capture_output=True, text=True)
         r["deep"].append(t)
@@ -443,11 +557,31 @@ def bench_deep(inv, inv_path: Path, repeat: int) -> dict:
             r["deep_mbit_s"].append(links[(a.name, b.name)])
             # iperf3 with its default 128 KiB writes, and with 1 MiB writes as the deep check makes.
             for key, extra in (("iperf3_mbit_s", []), ("iperf3_1m_mbit_s", ["-l", "1M"])):
-                subprocess.run(["docker", "exec", "-d", f"fabtrain-{b.name}", "iperf3", "-s", "-1", "-p", "5299"],
-                               check=True)
+                subprocess.run(
+                    ["docker", "exec", "-d", f"fabtrain-{b.name}", "iperf3", "-s", "-1", "-p", "5299"],
+                    check=True,
+                )
                 time.sleep(0.5)
-                got = subprocess.run(["docker", "exec", f"fabtrain-{a.name}", "iperf3", "-c", b.address, "-p", "5299",
-                                      "-t", "2", "--bidir", "-J", *extra], capture_output=True, text=True, check=True)
+                got = subprocess.run(
+                    [
+                        "docker",
+                        "exec",
+                        f"fabtrain-{a.name}",
+                        "iperf3",
+                        "-c",
+                        b.address,
+                        "-p",
+                        "5299",
+                        "-t",
+                        "2",
+                        "--bidir",
+                        "-J",
+                        *extra,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 # The stream a -> b as b received it (the "sum_received" of the forward direction).
                 r[key].append(json.loads(got.stdout)["end"]["sum_received"]["bits_per_second"] / 1e6)
     return r
@@ -472,15 +606,28 @@ def bench_slurm(inv_path: Path, repeat: int) -> dict:
         r["fab_train_first_step"].append(run.wait_for("| step ") - start)
         run.proc.wait(timeout=300)
         r["fab_train_end"].append(run.seen[-1][0] - start)
-        out = subprocess.run([FAB, "export.slurm", "--inventory", str(inv_path), *SLURM_GPT, "--out", str(script)],
-                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [FAB, "export.slurm", "--inventory", str(inv_path), *SLURM_GPT, "--out", str(script)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         job = out.split("(job ", 1)[1].split(")")[0]
         subprocess.run(["docker", "cp", str(script), "fabtrain-node1:/root/job.sbatch"], check=True)
         # sbatch, then the job's output file as it grows, until the job has left the queue.
-        run = Lines(["docker", "exec", "fabtrain-node1", "sh", "-c",
-                     f"cd /root && id=$(sbatch --parsable job.sbatch) && f={job}-$id.out && "
-                     "while [ ! -e $f ]; do sleep 0.05; done; tail -s 0.05 -n +1 -F $f & "
-                     "while squeue -h -j $id | grep -q .; do sleep 0.2; done; sleep 0.3; kill $!; echo JOB-DONE"])
+        run = Lines(
+            [
+                "docker",
+                "exec",
+                "fabtrain-node1",
+                "sh",
+                "-c",
+                f"cd /root && id=$(sbatch --parsable job.sbatch) && f={job}-$id.out && "
+                "while [ ! -e $f ]; do sleep 0.05; done; tail -s 0.05 -n +1 -F $f & "
+                "while squeue -h -j $id | grep -q .; do sleep 0.2; done; sleep 0.3; kill $!; echo JOB-DONE",
+            ]
+        )
         start = time.monotonic()
         r["sbatch_first_step"].append(run.wait_for("| step ") - start)
         r["sbatch_end"].append(run.wait_for("JOB-DONE") - start)

@@ -105,10 +105,18 @@ def main() -> None:
     sizes = [int(x) for x in args.hosts.split(",")]
     most = max(sizes)
 
-    state = {p: p.read_text() for p in (cluster.STATE_DIR / "inventory.yaml", cluster.STATE_DIR / "known_hosts")
-             if p.exists()}
-    running = {c for c in subprocess.run(["docker", "ps", "-a", "--format", "{{.Names}}"], capture_output=True,
-                                         text=True, check=True).stdout.split() if c.startswith("fabtrain-node")}
+    state = {
+        p: p.read_text()
+        for p in (cluster.STATE_DIR / "inventory.yaml", cluster.STATE_DIR / "known_hosts")
+        if p.exists()
+    }
+    running = {
+        c
+        for c in subprocess.run(
+            ["docker", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        if c.startswith("fabtrain-node")
+    }
     nodes = cluster.node_infos(max(most, len(running)))
     extra = [n for n in nodes if n.container not in running]
     raw: dict = {"mb": args.mb, "uplink_mbit": args.uplink, "runs": {}}
@@ -121,7 +129,9 @@ def main() -> None:
         print(f"image {IMAGE} {image_id[7:19]}, {size / 1e6:.0f} MB, one layer", flush=True)
         if args.uplink:
             limit_uplink(args.uplink)
-            print(f"link from here to the hosts limited to {args.uplink} Mbit/s ({bridge_device()})", flush=True)
+            print(
+                f"link from here to the hosts limited to {args.uplink} Mbit/s ({bridge_device()})", flush=True
+            )
         for n in sizes:
             for method in ("direct", "chain"):
                 raw["runs"].setdefault(f"{n}/{method}", [])

@@ -74,7 +74,10 @@ def main() -> None:
                 row += ["-", "-"]
                 continue
             runs = [measure(kind, mb) for _ in range(a.repeat)]
-            row += [f"{statistics.median(r[0] for r in runs):.2f}", f"{statistics.median(r[1] for r in runs):.1f}"]
+            row += [
+                f"{statistics.median(r[0] for r in runs):.2f}",
+                f"{statistics.median(r[1] for r in runs):.1f}",
+            ]
         print(f"{mb:>8} | {row[0]:>9} | {row[1]:>11} | {row[2]:>9} | {row[3]:>11}")
 
 

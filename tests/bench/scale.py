@@ -62,13 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import Baselines  # noqa: E402 - tests/bench/bench.py: pdsh with the same SSH options
 
 from orchestrator.backends.ssh import attempt as attempt_mod  # noqa: E402
-from orchestrator.backends.ssh import # noqa: E402     hostops
-from orchestrator.hosts import claims
 from orchestrator.backends.ssh.watch import watch  # noqa: E402
-from orchestrator.commands import sshargs
+from orchestrator.commands import sshargs  # noqa: E402
 from orchestrator.config.inventory import load  # noqa: E402
-from orchestrator.core import jobspec
-from orchestrator.testbed import cluster
+from orchestrator.core import jobspec  # noqa: E402
+from orchestrator.hosts import claims, hostops  # noqa: E402
+from orchestrator.testbed import cluster  # noqa: E402
 from orchestrator.transport import remote  # noqa: E402
 from orchestrator.transport.remote import Session  # noqa: E402
 
@@ -96,7 +95,7 @@ class Sampler:
             self.fds = max(self.fds, len(os.listdir("/proc/self/fd")))
             self._stop.wait(0.05)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self
@@ -129,8 +128,9 @@ def build_tiny() -> str:
             info.type, info.mode = tarfile.DIRTYPE, 0o1777
             tar.addfile(info)
     subprocess.run(["docker", "import", "-", TINY], input=buf.getvalue(), capture_output=True, check=True)
-    return subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", TINY], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", TINY], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def load_tiny(nodes, image_id: str) -> float:
@@ -138,8 +138,11 @@ def load_tiny(nodes, image_id: str) -> float:
     saved = subprocess.run(["docker", "save", TINY], capture_output=True, check=True).stdout
 
     def one(node) -> None:
-        have = subprocess.run(["docker", "exec", node.container, "docker", "image", "inspect", "-f", "{{.Id}}", TINY],
-                              capture_output=True, text=True).stdout.strip()
+        have = subprocess.run(
+            ["docker", "exec", node.container, "docker", "image", "inspect", "-f", "{{.Id}}", TINY],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         if have != image_id:
             subprocess.run(["docker", "exec", "-i", node.container, "docker", "load"], input=saved,
                            capture_output=True, check=True)
@@ -191,8 +194,11 @@ def run_argv(inv, host, spec: jobspec.JobSpec, command: list[str], out_dir: str)
 def start_all(session: Session, inv, spec: jobspec.JobSpec, command_for) -> float:
     out_dir = f"{inv.job.output_dir}/{spec.job_id}"
     t0 = time.perf_counter()
-    results = session.fan_out(lambda h: session.run(h, sshargs.shell(run_argv(inv, h, spec, command_for(h), out_dir)),
-                                                    timeout=120, what="docker run"))
+    results = session.fan_out(
+        lambda h: session.run(
+            h, sshargs.shell(run_argv(inv, h, spec, command_for(h), out_dir)), timeout=120, what="docker run"
+        )
+    )
     dt = time.perf_counter() - t0
     bad = {n: r for n, r in results.items() if isinstance(r, BaseException) or not r.ok}
     if bad:
@@ -241,7 +247,9 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     # status and stop, whole command lines
     dt, p = cli("status", inv_path=inv_path)
     r["status"], r["status_cpu"] = dt, CPU["last"]
-    r["status_ok"] = p.returncode == 0 and spec.job_id in p.stdout and f"hosts: {len(inv.hosts)} answering" in p.stdout
+    r["status_ok"] = (
+        p.returncode == 0 and spec.job_id in p.stdout and f"hosts: {len(inv.hosts)} answering" in p.stdout
+    )
     dt, p = cli("stop", "--grace", "0", inv_path=inv_path)
     r["stop"], r["stop_cpu"] = dt, CPU["last"]
     r["stop_removed"] = sum(int(line.split("removed ")[1].split()[0]) for line in p.stdout.splitlines()
@@ -254,19 +262,34 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     term_path = run_dir / "terminal.out"
     with Session(inv.hosts) as session, Sampler() as s_logs, term_path.open("wb") as term:
         c0, t0 = cpu(resource.RUSAGE_SELF), time.perf_counter()
-        start_all(session, inv, spec, lambda h: [
-            "sh", "-c", 'mkdir -p "$1" && seq -f "line %g the quick brown fox" 0 "$3" > "$1/$2"', "sh",
-            "/out/" + jobspec.console_name(h.rank).rsplit("/", 1)[0], jobspec.console_name(h.rank).rsplit("/", 1)[1],
-            str(lines - 1)])
+        start_all(
+            session,
+            inv,
+            spec,
+            lambda h: [
+                "sh",
+                "-c",
+                'mkdir -p "$1" && seq -f "line %g the quick brown fox" 0 "$3" > "$1/$2"',
+                "sh",
+                "/out/" + jobspec.console_name(h.rank).rsplit("/", 1)[0],
+                jobspec.console_name(h.rank).rsplit("/", 1)[1],
+                str(lines - 1),
+            ],
+        )
         result = watch(session, a, run_dir, echo=True, out=term)
         dt = time.perf_counter() - t0
         r["logs_cpu"] = cpu(resource.RUSAGE_SELF) - c0
         hostops.stop(session, inv, [spec.job_id], 0)
-        session.fan_out(lambda h: session.run(h, sshargs.shell(["rm", "-rf", f"{inv.job.output_dir}/{spec.job_id}"]),
-                                              timeout=60))
+        session.fan_out(
+            lambda h: session.run(
+                h, sshargs.shell(["rm", "-rf", f"{inv.job.output_dir}/{spec.job_id}"]), timeout=60
+            )
+        )
     expected = lines * len(inv.hosts)
     got_term = term_path.read_bytes().count(b" the quick brown fox")
-    got_files = sum((run_dir / f"{h.name}.log").read_bytes().count(b" the quick brown fox") for h in inv.hosts)
+    got_files = sum(
+        (run_dir / f"{h.name}.log").read_bytes().count(b" the quick brown fox") for h in inv.hosts
+    )
     r["logs"] = dt
     r["logs_lines_per_s"] = expected / dt
     r["logs_lost"] = (expected - got_term) + (expected - got_files)
@@ -285,13 +308,24 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     return r
 
 
-OPS = (("preflight", "fab preflight --no-smoke (CLI)"), ("connect", "connect (Session, true on all)"),
-       ("start", "start: docker run -d on all"), ("status", "fab status (CLI)"), ("stop", "fab stop --grace 0 (CLI)"),
-       ("logs", "logs: start + follow to the end"), ("pdsh_start", "baseline: pdsh docker run -d on all"))
-CPU_OPS = (("preflight_cpu", "CPU s here: fab preflight"), ("connect_start_cpu", "CPU s here: connect + start"),
-           ("status_cpu", "CPU s here: fab status"), ("stop_cpu", "CPU s here: fab stop"),
-           ("logs_cpu", "CPU s here: logs"), ("idle_cpu", f"CPU s here: connections idle {IDLE:.0f} s"),
-           ("idle_cpu_wake_0.1", "  the same, paramiko waking every 0.1 s"))
+OPS = (
+    ("preflight", "fab preflight --no-smoke (CLI)"),
+    ("connect", "connect (Session, true on all)"),
+    ("start", "start: docker run -d on all"),
+    ("status", "fab status (CLI)"),
+    ("stop", "fab stop --grace 0 (CLI)"),
+    ("logs", "logs: start + follow to the end"),
+    ("pdsh_start", "baseline: pdsh docker run -d on all"),
+)
+CPU_OPS = (
+    ("preflight_cpu", "CPU s here: fab preflight"),
+    ("connect_start_cpu", "CPU s here: connect + start"),
+    ("status_cpu", "CPU s here: fab status"),
+    ("stop_cpu", "CPU s here: fab stop"),
+    ("logs_cpu", "CPU s here: logs"),
+    ("idle_cpu", f"CPU s here: connections idle {IDLE:.0f} s"),
+    ("idle_cpu_wake_0.1", "  the same, paramiko waking every 0.1 s"),
+)
 
 
 def per_doubling(sizes: list[int], values: list[float]) -> str:
@@ -317,7 +351,9 @@ def table(results: dict[int, dict]) -> str:
         rows.append([label] + [f"{v:.2f}" for v in vals] + [per_doubling(sizes, vals)])
     lps = [med([x["logs_lines_per_s"] for x in results[n]["rounds"]]) for n in sizes]
     rows.append(["logs: lines/s received"] + [f"{v:,.0f}" for v in lps] + [""])
-    rows.append(["logs: lines lost"] + [str(sum(x["logs_lost"] for x in results[n]["rounds"])) for n in sizes] + [""])
+    rows.append(
+        ["logs: lines lost"] + [str(sum(x["logs_lost"] for x in results[n]["rounds"])) for n in sizes] + [""]
+    )
     for key, label in (("start_threads", "threads (peak, start)"), ("logs_threads", "threads (peak, logs)"),
                        ("logs_fds", "open fds (peak, logs)")):
         rows.append([label] + [str(max(x[key] for x in results[n]["rounds"])) for n in sizes] + [""])

@@ -24,7 +24,11 @@ def main() -> None:
                       "--sample-chars", "0", "--snapshot-every", "0", "--out", str(out)])
         rates = [json.loads(x)["tokens_per_s"] for x in (out / "metrics.jsonl").read_text().splitlines()
                  if '"train"' in x]
-        params = next(line.split(": ")[1].split(" params")[0] for line in text.getvalue().splitlines() if "params" in line)
+        params = next(
+            line.split(": ")[1].split(" params")[0]
+            for line in text.getvalue().splitlines()
+            if "params" in line
+        )
         print(f"| {preset} | {params} | {statistics.median(rates):,.0f} |")
 
 

@@ -45,8 +45,11 @@ def inventory_path(tmp_path_factory):
     path.write_text(cluster_mod.render_inventory(nodes[:2]))
     (folder / "spares.yaml").write_text(cluster_mod.render_inventory(nodes[:2], spares=nodes[2:3]))
     (folder / "four.yaml").write_text(cluster_mod.render_inventory(nodes[:4]))
-    subprocess.run([FAB, "stop", "--all", "--yes", "--inventory", str(folder / "four.yaml"), "--grace", "0"], cwd=ROOT,
-                   capture_output=True)
+    subprocess.run(
+        [FAB, "stop", "--all", "--yes", "--inventory", str(folder / "four.yaml"), "--grace", "0"],
+        cwd=ROOT,
+        capture_output=True,
+    )
     return path
 
 
@@ -102,7 +105,9 @@ class Run:
                 self.reader.join(5)
                 if needle in self.text:
                     return
-                raise AssertionError(f"{needle!r} never came; fab exited {self.proc.returncode}:\n{self.text[-3000:]}")
+                raise AssertionError(
+                    f"{needle!r} never came; fab exited {self.proc.returncode}:\n{self.text[-3000:]}"
+                )
             time.sleep(0.1)
         raise AssertionError(f"{needle!r} never came:\n{self.text[-3000:]}")
 

@@ -4,7 +4,7 @@ import subprocess
 
 from .conftest import FAB, ROOT, fab, on_host
 
-USER_SCRIPT = '''\
+USER_SCRIPT = """\
 import argparse, json, os, sys
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ data = open("/data/hello.txt").read().strip() if os.path.exists("/data/hello.txt
 sys.stdout.write("USER " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
                  "name": a.name, "quote": a.quote, "steps": a.steps, "colour": os.environ.get("COLOUR"),
                  "data": data, "cwd_files": sorted(os.listdir("."))}) + "\\n")
-'''
+"""
 
 
 def with_host_extras(text: str) -> str:
@@ -37,7 +37,10 @@ def test_user_script_outside_the_project(inventory_path, tmp_path):
     (proj / "train_user.py").write_text(USER_SCRIPT)
     inv = tmp_path / "byo.yaml"
     inv.write_text(with_host_extras(inventory_path.read_text()))
-    on_host("node2", "mkdir -p /srv/fabtrain-test-data && echo from-node2-disk > /srv/fabtrain-test-data/hello.txt")
+    on_host(
+        "node2",
+        "mkdir -p /srv/fabtrain-test-data && echo from-node2-disk > /srv/fabtrain-test-data/hello.txt",
+    )
     try:
         r = fab(inv, "train", "--code", str(proj), "--script", "train_user.py", "--nproc", "2",
                 "--args", "--name 'a b  c' --quote \"it's \\\"quoted\\\"\" --steps=3")
@@ -63,9 +66,11 @@ def test_dry_run_prints_every_command_per_host(inventory_path):
     assert runs[0].startswith("[node1 rank 0] mkdir -p /opt/fabtrain/output/gpt-")
     assert " && (umask 022 && cat > /opt/fabtrain/output/.runtime/gpt-" in runs[0]
     assert "/entrypoint.py) && timeout -k 5 110 docker run --detach --name fabtrain-gpt-" in runs[0]
-    assert runs[0].endswith(" >/dev/null || { rc=$?; case $rc in 124|137) echo 'not done within 110s: ended on "
-                            "the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }  "
-                            "# stdin: docker/entrypoint.py")
+    assert runs[0].endswith(
+        " >/dev/null || { rc=$?; case $rc in 124|137) echo 'not done within 110s: ended on "
+        "the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }  "
+        "# stdin: docker/entrypoint.py"
+    )
     assert runs[1].startswith("[node2 rank 1] mkdir -p ")
     assert "--env NODE_RANK=1" in runs[1] and "trainers/gpt.py --model tiny --epochs 1" in runs[1]
     assert sum(line.startswith("[local] rsync --archive") for line in lines) == 2
@@ -87,9 +92,14 @@ def test_image_push_is_idempotent_and_corrects_drift(inventory_path):
         assert "node1: sent" in first.stdout and "node2: sent" in first.stdout
         again = fab(inventory_path, "image.push", "--image", tag)
         assert again.returncode == 0
-        assert [x for x in again.stdout.splitlines() if x] == ["node1: present", "node2: present"]  # nothing sent
+        assert [x for x in again.stdout.splitlines() if x] == [
+            "node1: present",
+            "node2: present",
+        ]  # nothing sent
         # node2 gets a different image under the same tag; the next push corrects only node2.
-        on_host("node2", f"printf 'FROM {tag}\\nLABEL drift=1\\n' | DOCKER_BUILDKIT=0 docker build -q -t {tag} -")
+        on_host(
+            "node2", f"printf 'FROM {tag}\\nLABEL drift=1\\n' | DOCKER_BUILDKIT=0 docker build -q -t {tag} -"
+        )
         assert on_host("node2", f"docker image inspect --format '{{{{.Id}}}}' {tag}").stdout.strip() != want
         fixed = fab(inventory_path, "image.push", "--image", tag)
         assert fixed.returncode == 0

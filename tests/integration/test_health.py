@@ -18,15 +18,19 @@ HEALTH = ROOT / "runs" / "health.json"
 def shape_link(to_address: str) -> str:
     """Only traffic to one address goes through a 50 Mbit/s class (htb with a u32 filter; this
     kernel has no prio qdisc)."""
-    return ("tc qdisc add dev eth0 root handle 1: htb default 10 && "
-            "tc class add dev eth0 parent 1: classid 1:10 htb rate 100gbit && "
-            "tc class add dev eth0 parent 1: classid 1:30 htb rate 50mbit ceil 50mbit && "
-            f"tc filter add dev eth0 protocol ip parent 1: prio 1 u32 match ip dst {to_address}/32 flowid 1:30")
+    return (
+        "tc qdisc add dev eth0 root handle 1: htb default 10 && "
+        "tc class add dev eth0 parent 1: classid 1:10 htb rate 100gbit && "
+        "tc class add dev eth0 parent 1: classid 1:30 htb rate 50mbit ceil 50mbit && "
+        f"tc filter add dev eth0 protocol ip parent 1: prio 1 u32 match ip dst {to_address}/32 flowid 1:30"
+    )
 
 
 def cpus(nodes, n):
     for node in nodes:
-        subprocess.run(["docker", "update", "--cpus", str(n), f"fabtrain-{node}"], check=True, capture_output=True)
+        subprocess.run(
+            ["docker", "update", "--cpus", str(n), f"fabtrain-{node}"], check=True, capture_output=True
+        )
 
 
 def unshape(*nodes):
@@ -35,9 +39,24 @@ def unshape(*nodes):
 
 
 def deep(inventory, *extra, timeout=300):
-    r = subprocess.run([str(ROOT / ".venv/bin/fab"), "-r", str(ROOT), "preflight", "--deep", "--no-smoke", "--json",
-                        "--inventory", str(inventory), *extra], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        [
+            str(ROOT / ".venv/bin/fab"),
+            "-r",
+            str(ROOT),
+            "preflight",
+            "--deep",
+            "--no-smoke",
+            "--json",
+            "--inventory",
+            str(inventory),
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     data = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
     return r, data, {(c["host"], c["check"]): c for c in data.get("checks", [])}
 
@@ -68,7 +87,9 @@ def test_deep_check_names_a_slow_host_a_slow_link_and_a_full_disk(tiny_output):
         unshape("node1", "node2")
     assert r.returncode == 1, r.stderr[-2000:]
     net = data["deep"]["network"]
-    assert list(net["slow_hosts"]) == ["node2"] and net["slow_hosts"]["node2"].startswith("sends slowly to every peer")
+    assert list(net["slow_hosts"]) == ["node2"] and net["slow_hosts"]["node2"].startswith(
+        "sends slowly to every peer"
+    )
     assert [link[:2] for link in net["slow_links"]] == [["node1", "node3"]], net
     assert checks[("node2", "net")]["status"] == "fail" and checks[("node1", "link")]["status"] == "fail"
     for n in ("node1", "node3", "node4"):
@@ -77,7 +98,9 @@ def test_deep_check_names_a_slow_host_a_slow_link_and_a_full_disk(tiny_output):
     assert len(net["mbit_s"]) == 12 and len(net["rtt_ms"]) == 12
     assert net["matrix"].splitlines()[0].split() == ["from", "\\", "to", "node1", "node2", "node3", "node4"]
     disk = checks[("node3", "disk-speed")]
-    assert disk["status"] == "fail" and disk["detail"].startswith(f"{TINY}: ") and " MB free" in disk["detail"]
+    assert (
+        disk["status"] == "fail" and disk["detail"].startswith(f"{TINY}: ") and " MB free" in disk["detail"]
+    )
     assert all(checks[(n, "disk-speed")]["status"] == "ok" for n in ("node1", "node2", "node4"))
     kept = json.loads(HEALTH.read_text())
     assert kept["node2"]["ok"] is False and kept["node4"]["ok"] is True
@@ -106,8 +129,17 @@ def test_train_with_health_puts_a_spare_in_place_of_a_shaped_host(spares_invento
     try:
         cpus(three, 0.6)
         on_host("node2", SHAPE)
-        run = Run(spares_inventory_path, "train", "--health", "--script", "tests/integration/scripts/report.py",
-                  "--nproc", "1", "--skip-preflight", "--plain")
+        run = Run(
+            spares_inventory_path,
+            "train",
+            "--health",
+            "--script",
+            "tests/integration/scripts/report.py",
+            "--nproc",
+            "1",
+            "--skip-preflight",
+            "--plain",
+        )
         code = run.finish(timeout=400)
     finally:
         unshape("node2")

@@ -86,7 +86,9 @@ def test_checkpoint_names_made_to_escape_write_nothing_outside_the_run(inventory
     assert (kept[0] / "model.pt").read_text() == "good" and (kept[0] / "$(touch x)").read_text() == "shell"
     assert not (kept[0] / "..up").exists()  # hidden: never part of a checkpoint
     for node in ("node1", "node2"):
-        on_host(node, f"test ! -e {pwned} && test ! -e ~/x && test ! -e /x && test ! -e /opt/fabtrain/output/x")
+        on_host(
+            node, f"test ! -e {pwned} && test ! -e ~/x && test ! -e /x && test ! -e /opt/fabtrain/output/x"
+        )
         assert project_containers(node) == []
 
 

@@ -33,7 +33,9 @@ def test_ca_and_revoked_lines_in_the_users_and_the_global_known_hosts(inventory_
     config = tmp_path / "ssh_config"
     config.write_text(f"Host *\n  GlobalKnownHostsFile {system}\n")
     inv = tmp_path / "inv.yaml"
-    inv.write_text(text.replace(kh_line, f"  known_hosts: {user}").replace("  config: none", f"  config: {config}"))
+    inv.write_text(
+        text.replace(kh_line, f"  known_hosts: {user}").replace("  config: none", f"  config: {config}")
+    )
     code = tmp_path / "code"
     code.mkdir()
     (code / "train.py").write_text("print('hi')\n")

@@ -22,7 +22,9 @@ def job_of(text: str, name: str) -> str:
     return m.group(1) if m else sorted(p.name for p in (ROOT / "runs").glob(f"{name}-*"))[-1]
 
 
-def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continued_and_stop_ends_it(inventory_path):
+def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continued_and_stop_ends_it(
+    inventory_path,
+):
     run = Run(inventory_path, "train", "--script", SCRIPT, "--name", "bigline", "--nproc", "1",
               "--skip-preflight", "--plain", "--args", "--big-mb 256 --wait 300")
     try:
@@ -31,7 +33,9 @@ def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continue
         run.wait_for("BIG DONE rank 0", timeout=180)
         peak = rss_kib(run.proc.pid, "VmHWM")
         job_id = job_of(run.text, "bigline")
-        print(f"fab RSS while idle {idle / 1024:.0f} MB, peak after 256 MB without a newline {peak / 1024:.0f} MB")
+        print(
+            f"fab RSS while idle {idle / 1024:.0f} MB, peak after 256 MB without a newline {peak / 1024:.0f} MB"
+        )
         assert peak - idle < 200 * 1024, f"fab grew by {(peak - idle) / 1024:.0f} MB for one 256 MB line"
 
         # The job runs: continuing it by name, or resuming it by id, is refused and harms nothing.
@@ -53,7 +57,9 @@ def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continue
             run.proc.kill()
     out = run.text
     # (torchrun's own traceback, in node1's last lines, is the node's; none is fab's)
-    assert "was ended by 'fab stop'" in out and "orchestrator/" not in out and "fabfile.py" not in out, out[-2000:]
+    assert "was ended by 'fab stop'" in out and "orchestrator/" not in out and "fabfile.py" not in out, out[
+        -2000:
+    ]
     # The 256 MB line was cut at 64 KiB, in the terminal and in the host's log file.
     assert "...[cut]" in out
     log = ROOT / "runs" / job_id / "node1.log"
@@ -70,5 +76,7 @@ def test_escape_sequences_and_markup_from_ranks_reach_no_terminal(inventory_path
         assert bad not in out, f"{bad!r} reached the output"
     assert "Traceback" not in out and "MarkupError" not in out
     # The markup was printed as text, in the end-of-run table and the straggler line.
-    assert "straggler: ]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]node1 rank1" in out, out[-3000:]
+    assert "straggler: ]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]node1 rank1" in out, (
+        out[-3000:]
+    )
     assert "log line 5 ]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]" in out

@@ -40,8 +40,13 @@ def test_odd_names_arrive_exactly_and_preflight_judges_rsync(inventory_path, inv
     (tree / "sub dir" / "train.py").write_text("print('ok')\n")
     text = inventory_path.read_text()
     edited = tmp_path / "odd-code-dir.yaml"
-    edited.write_text(text.replace("  nproc_per_node: 2\n",
-                                   "  nproc_per_node: 2\n  code_dir: \"" + CODE_DIR.replace('"', '\\"') + "\"\n", 1))
+    edited.write_text(
+        text.replace(
+            "  nproc_per_node: 2\n",
+            '  nproc_per_node: 2\n  code_dir: "' + CODE_DIR.replace('"', '\\"') + '"\n',
+            1,
+        )
+    )
     nodes = [h.name for h in inv.hosts]
     assert all(pwned(n) == [] for n in nodes)
     try:

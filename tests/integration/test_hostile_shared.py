@@ -25,26 +25,43 @@ NODE = "node1"
 
 def as_user(user: str, script: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """`script` run by sh as `user` on the test host (as fabtrain's SSH session would run it)."""
-    return subprocess.run(["docker", "exec", "-i", f"fabtrain-{NODE}", "su", user, "-s", "/bin/sh", "-c", script],
-                          input=stdin, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["docker", "exec", "-i", f"fabtrain-{NODE}", "su", user, "-s", "/bin/sh", "-c", script],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secrets():
     tag = secrets.token_hex(3)
     group, alice, bob = f"ft{tag}", f"alice{tag}", f"bob{tag}"
     out = f"/tmp/fabshare-{tag}/out"
-    inv = parse(f"job: {{output_dir: {out}}}\nhosts:\n  - {{name: {NODE}, address: 10.0.0.1, interface: eth0}}\n",
-                Path("i.yaml"))
+    inv = parse(
+        f"job: {{output_dir: {out}}}\nhosts:\n  - {{name: {NODE}, address: 10.0.0.1, interface: eth0}}\n",
+        Path("i.yaml"),
+    )
     rt = f"{out}/.runtime"
     # The admin's part: the group, its accounts (with Docker access), an output directory for the group.
-    on_host(NODE, f"groupadd {group} && useradd -M -g {group} -G docker {alice} && useradd -M -g {group} -G docker {bob} "
-                  f"&& mkdir -p {out} && chgrp {group} {out} && chmod 2775 {out}")
+    on_host(
+        NODE,
+        f"groupadd {group} && useradd -M -g {group} -G docker {alice} && useradd -M -g {group} -G docker {bob} "
+        f"&& mkdir -p {out} && chgrp {group} {out} && chmod 2775 {out}",
+    )
     try:
         # alice claims slot 0 (with a narrow umask), writes her secrets and the entrypoint as a job does.
         spec = jobspec.JobSpec(job_id=f"alice-{tag}", script="s")
-        r = as_user(alice, "umask 077; " + claims.claim_script(inv, spec.job_id, (0,), "alice@ws", True, 29500))
+        r = as_user(
+            alice, "umask 077; " + claims.claim_script(inv, spec.job_id, (0,), "alice@ws", True, 29500)
+        )
         assert r.returncode == 0, r.stderr
-        assert as_user(alice, put_command(hostfiles.secrets_file(inv, spec), 0o600), "TOKEN=s3cret-of-alice\n").returncode == 0
+        assert (
+            as_user(
+                alice, put_command(hostfiles.secrets_file(inv, spec), 0o600), "TOKEN=s3cret-of-alice\n"
+            ).returncode
+            == 0
+        )
         assert as_user(alice, f"cat > {shlex.quote(hostfiles.runtime_dir(inv, spec) + '/entrypoint.py')}",
                        "print('entrypoint ok')\n").returncode == 0
         # bob sees her claim and her lease's age, is refused her slot, and takes the other one.
@@ -57,17 +74,27 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         assert r.returncode == 0, r.stderr
         # bob never reads, lists, writes or moves alice's runtime files; her secrets stay hers.
         secret = hostfiles.secrets_file(inv, spec)
-        for attempt in (f"cat {secret}", f"ls {hostfiles.runtime_dir(inv, spec)}", f"touch {hostfiles.runtime_dir(inv, spec)}/x",
-                        f"rm -f {secret}", f"mv {hostfiles.runtime_dir(inv, spec)} {rt}/moved"):
+        for attempt in (
+            f"cat {secret}",
+            f"ls {hostfiles.runtime_dir(inv, spec)}",
+            f"touch {hostfiles.runtime_dir(inv, spec)}/x",
+            f"rm -f {secret}",
+            f"mv {hostfiles.runtime_dir(inv, spec)} {rt}/moved",
+        ):
             r = as_user(bob, attempt)
-            assert r.returncode != 0 and ("Permission denied" in r.stderr or "not permitted" in r.stderr), (attempt, r)
+            assert r.returncode != 0 and ("Permission denied" in r.stderr or "not permitted" in r.stderr), (
+                attempt,
+                r,
+            )
         # bob stops alice's job: his marker lands beside her runtime directory.
         assert as_user(bob, hostfiles.stop_mark_script(inv, [spec.job_id])).returncode == 0
         # alice's fabtrain went away (lease old, no container): bob's next claim clears her stale claim;
         # her runtime files are not his to remove, and are kept, named.
         on_host(NODE, f"touch -d '-1 hour' {hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}")
         r = as_user(bob, claims.claim_script(inv, f"bob2-{tag}", (0,), "bob@ws", True))
-        assert r.returncode == 0 and [c.job for c in claims.parse_claim_output(r.stdout)[1]] == [spec.job_id], r
+        assert r.returncode == 0 and [c.job for c in claims.parse_claim_output(r.stdout)[1]] == [
+            spec.job_id
+        ], r
         r = as_user(bob, hostops.clear_stale_script(inv, [spec.job_id]))
         assert hostops.parse_clear_stale(r.stdout) == ([], {spec.job_id: alice})
         assert as_user(bob, f"cat {secret}").returncode != 0
@@ -80,7 +107,10 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
                               f"fabtrain/trainer:latest -c {shlex.quote(read)}", check=False)
             assert c.stdout.strip() == want, (user, c.stdout, c.stderr)
         # alice's own clean up removes her runtime files and bob's stop marker.
-        assert as_user(alice, hostops.clear_stale_script(inv, [spec.job_id])).stdout.strip() == f"removed {spec.job_id}"
+        assert (
+            as_user(alice, hostops.clear_stale_script(inv, [spec.job_id])).stdout.strip()
+            == f"removed {spec.job_id}"
+        )
         left = on_host(NODE, f"ls -A {rt} {rt}/.stopped").stdout
         assert spec.job_id not in left and f"bob-{tag}" in left, left
         modes = on_host(NODE, f"stat -c '%a %G %n' {out}/.claims {out}/.claims/* {rt} {rt}/bob-{tag} "
@@ -89,15 +119,20 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         assert [m.split()[:2] for m in modes if m] == [["2770", group], ["2770", group], ["3775", group],
                                                        ["2711", group], ["644", group]], modes
     finally:
-        on_host(NODE, f"rm -rf /tmp/fabshare-{tag}; userdel {alice}; userdel {bob}; groupdel {group}", check=False)
+        on_host(
+            NODE, f"rm -rf /tmp/fabshare-{tag}; userdel {alice}; userdel {bob}; groupdel {group}", check=False
+        )
 
 
 def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owners_job(inventory_path, inv):
     tag = secrets.token_hex(3)
     other, port = f"other-{tag}", inv.job.master_port
     # Another owner's job on node1: its container, and its claim of slot 0 and the master port.
-    on_host(NODE, f"docker run -d --name {other} --label {jobspec.LABEL_MANAGED}=1 --label {jobspec.LABEL_JOB}={other} "
-                  f"--label {jobspec.LABEL_OWNER}=bob@elsewhere --entrypoint sleep fabtrain/trainer:latest 300")
+    on_host(
+        NODE,
+        f"docker run -d --name {other} --label {jobspec.LABEL_MANAGED}=1 --label {jobspec.LABEL_JOB}={other} "
+        f"--label {jobspec.LABEL_OWNER}=bob@elsewhere --entrypoint sleep fabtrain/trainer:latest 300",
+    )
     r = on_host(NODE, claims.claim_script(inv, other, (0,), "bob@elsewhere", True, port), check=False)
     assert r.returncode == 0, r.stderr
     claim = f"{inv.job.output_dir}/.claims/*/{other}"
@@ -124,8 +159,12 @@ def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owner
         checks = {(c["host"], c["check"]): c for c in json.loads(p.stdout)["checks"]}
         assert checks[(NODE, "port")]["detail"] == f"master port {port + 1} free"
         # One free slot on node1: one process per node, on both hosts.
-        assert all("all_reduce over 2 ranks (gloo)" in checks[(h, "smoke")]["detail"] for h in ("node1", "node2"))
-        owners = {line.split()[1] for line in seen if line.startswith("preflight-") and len(line.split()) == 2}
+        assert all(
+            "all_reduce over 2 ranks (gloo)" in checks[(h, "smoke")]["detail"] for h in ("node1", "node2")
+        )
+        owners = {
+            line.split()[1] for line in seen if line.startswith("preflight-") and len(line.split()) == 2
+        }
         assert owners and all(o.startswith("carol@") for o in owners), seen
         assert "units=1" in seen and f"port={port + 1}" in seen and "who=carol@" in " ".join(seen), seen
         # The other job is as it was; nothing of the smoke test is left.
@@ -136,4 +175,6 @@ def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owner
         print(f"preflight with the smoke test beside another job: {took:.1f}s")
     finally:
         done.set()
-        on_host(NODE, f"docker rm -f {other} >/dev/null; " + claims.release_command(inv, [other]), check=False)
+        on_host(
+            NODE, f"docker rm -f {other} >/dev/null; " + claims.release_command(inv, [other]), check=False
+        )

@@ -30,11 +30,27 @@ def sleeping(node: str) -> int:
 
 
 def test_a_docker_run_past_its_deadline_leaves_no_container_on_its_host(inventory_path, inv):
-    on_host("node2", f"rm -f {MARK}.started {MARK}.ran; cat > {WRAPPER} <<'EOF'\n{SLOW_DOCKER}EOF\nchmod 755 {WRAPPER}")
+    on_host(
+        "node2",
+        f"rm -f {MARK}.started {MARK}.ran; cat > {WRAPPER} <<'EOF'\n{SLOW_DOCKER}EOF\nchmod 755 {WRAPPER}",
+    )
     job_id = None
     try:
-        run = Run(inventory_path, "train", "--model", "tiny", "--epochs", "1", "--nproc", "1", "--name", "late",
-                  "--skip-preflight", "--plain", env={"FABTRAIN_START_TIMEOUT": str(START_TIMEOUT)})
+        run = Run(
+            inventory_path,
+            "train",
+            "--model",
+            "tiny",
+            "--epochs",
+            "1",
+            "--nproc",
+            "1",
+            "--name",
+            "late",
+            "--skip-preflight",
+            "--plain",
+            env={"FABTRAIN_START_TIMEOUT": str(START_TIMEOUT)},
+        )
         code = run.finish(timeout=180)
         out = run.text
         found = re.search(r"runs/(late-[\w.-]+)", out) or re.search(r"job (late-[\w.-]+)", out)
@@ -52,7 +68,9 @@ def test_a_docker_run_past_its_deadline_leaves_no_container_on_its_host(inventor
         assert sleeping("node2") == 0
         # Wait until the slow docker would have run the real one, and a little more.
         time.sleep(max(0.0, started + SLEEP + 3 - time.time()))
-        assert on_host("node2", f"test -e {MARK}.ran", check=False).returncode != 0, "the late docker run went on"
+        assert on_host("node2", f"test -e {MARK}.ran", check=False).returncode != 0, (
+            "the late docker run went on"
+        )
         assert job_containers("node2", job_id) == [] and job_containers("node1", job_id) == []
         # node2 was not skipped as lost: its claim and runtime files are gone too.
         left = on_host("node2", f"ls -d {inv.job.output_dir}/.runtime/{job_id} 2>/dev/null || true").stdout

@@ -29,8 +29,12 @@ def build(tmp_path, small: str, tag: str) -> str:
         "FROM fabtrain/base:bookworm\n"
         f"RUN head -c {BIG_MB * 1000 * 1000} /dev/urandom > /big\n"
         f"RUN echo {small} > /small\n")
-    subprocess.run(["docker", "build", "-q", "-t", tag, "-f", str(tmp_path / f"Dockerfile.{small}"), str(tmp_path)],
-                   check=True, capture_output=True, env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/bin:/bin"})
+    subprocess.run(
+        ["docker", "build", "-q", "-t", tag, "-f", str(tmp_path / f"Dockerfile.{small}"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/bin:/bin"},
+    )
     BUILT.append(images.local_image(tag)[0])
     return BUILT[-1]
 

@@ -70,13 +70,34 @@ def installed(tmp_path_factory):
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  check=True, capture_output=True, text=True).stdout.strip())
+    purelib = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     deps = Path(fabric.__file__).resolve().parent.parent  # pip, setuptools and the pinned runtime live there
     (purelib / "fabtrain-test-deps.pth").write_text(f"{deps}\n")
-    r = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                        "--quiet", "--disable-pip-version-check", str(source)], capture_output=True, text=True,
-                       cwd=base, timeout=300)
+    r = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            "--disable-pip-version-check",
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=base,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return venv, purelib
 
@@ -111,32 +132,54 @@ hosts:
 
 
 def fabtrain(venv: Path, cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FABTRAIN_INVENTORY", "VIRTUAL_ENV")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FABTRAIN_INVENTORY", "VIRTUAL_ENV")
+    }
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", HOME=str(cwd.parent / "home"),
                COLUMNS="200")
     (cwd.parent / "home").mkdir(exist_ok=True)
-    return subprocess.run(["fabtrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["fabtrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_installed_package_uses_its_own_files_and_pinned_dependencies(installed, project):
     venv, purelib = installed
     assert (venv / "bin" / "fabtrain").is_file()
-    for name in ("fabfile.py", "orchestrator/commandline/program.py", "orchestrator/config/resources.py", "orchestrator/preflight/smoke.py",
-                 "trainers/gpt.py", "trainers/smoke.py", "fabtrain_docker/entrypoint.py"):
+    for name in (
+        "fabfile.py",
+        "orchestrator/commandline/program.py",
+        "orchestrator/config/resources.py",
+        "orchestrator/preflight/smoke.py",
+        "trainers/gpt.py",
+        "trainers/smoke.py",
+        "fabtrain_docker/entrypoint.py",
+    ):
         assert (purelib / name).is_file(), name
     assert not (purelib / "docker" / "entrypoint.py").exists()  # docker/ is fabtrain_docker, never `docker`
-    where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import fabfile, orchestrator, trainers; from orchestrator.config import resources; "
-                            "print(fabfile.__file__, orchestrator.__file__, resources.entrypoint(), sep='\\n')"],
-                           cwd=project, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    where = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import fabfile, orchestrator, trainers; from orchestrator.config import resources; "
+            "print(fabfile.__file__, orchestrator.__file__, resources.entrypoint(), sep='\\n')",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert where.returncode == 0, where.stderr
     fab_file, orch, entry = where.stdout.split()
     assert Path(fab_file).parent == purelib and Path(orch).parent.parent == purelib
     assert Path(entry) == purelib / "fabtrain_docker" / "entrypoint.py"
     assert Path(entry).read_bytes() == (ROOT / "docker" / "entrypoint.py").read_bytes()
     # The pins in pyproject.toml hold for the dependencies the tests run with (requirements.txt).
-    check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check", "--disable-pip-version-check"],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "check", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0 and "fabtrain" not in check.stdout, check.stdout + check.stderr
     # And nothing the package imports is left out of them (they reach this virtualenv only
     # through the .pth file, so a missing one would not show otherwise).
@@ -144,7 +187,9 @@ def test_installed_package_uses_its_own_files_and_pinned_dependencies(installed,
     undeclared = subprocess.run([str(venv / "bin" / "python"), "-c", UNDECLARED, deps], cwd=project,
                                 capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
     assert undeclared.returncode == 0, undeclared.stderr
-    assert undeclared.stdout.split() == [], f"imported but not in pyproject.toml's dependencies: {undeclared.stdout}"
+    assert undeclared.stdout.split() == [], (
+        f"imported but not in pyproject.toml's dependencies: {undeclared.stdout}"
+    )
 
 
 def test_fabtrain_runs_from_a_project_outside_the_checkout(installed, project):

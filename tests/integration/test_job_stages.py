@@ -43,15 +43,32 @@ def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(
 
     # --resume --dry-run: the next attempt's plan with the changed options; nothing starts.
     attempts = len(rec["attempts"])
-    dry = fab(inventory_path, "train", "--resume", job, "--dry-run", "--restarts", "0", "--hang-timeout", "30",
-              "--args", "--node 0 --code 0")
+    dry = fab(
+        inventory_path,
+        "train",
+        "--resume",
+        job,
+        "--dry-run",
+        "--restarts",
+        "0",
+        "--hang-timeout",
+        "30",
+        "--args",
+        "--node 0 --code 0",
+    )
     assert dry.returncode == 0, dry.stderr
-    assert f"# ---- job {job} attempt {attempts + 1}: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in dry.stdout
+    assert (
+        f"# ---- job {job} attempt {attempts + 1}: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1"
+        in dry.stdout
+    )
     assert "--node 0 --code 0" in dry.stdout.replace("'", "") and "--node 1" not in dry.stdout
     assert "docker run" in dry.stdout and project_containers("node1") == []
     assert len(record(job)["attempts"]) == attempts
     # Options that would make it another job are refused, never dropped.
-    for bad, why in ((["--module", "x.y"], "--module cannot change"), (["--epochs", "3"], "--epochs applies to")):
+    for bad, why in (
+        (["--module", "x.y"], "--module cannot change"),
+        (["--epochs", "3"], "--epochs applies to"),
+    ):
         r = fab(inventory_path, "train", "--resume", job, "--dry-run", *bad)
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
     # --restarts 0 overrides the recorded 3: the resumed job fails once and ends.
@@ -116,7 +133,9 @@ def test_a_lost_hosts_secrets_are_removed_once_it_answers_again(inventory_path, 
     secret = tmp_path / "token"
     secret.write_text("s3cr3t\n")
     inv2 = tmp_path / "secret.yaml"
-    inv2.write_text(inventory_path.read_text().replace("job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n"))
+    inv2.write_text(
+        inventory_path.read_text().replace("job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n")
+    )
     run = Run(inv2, "train", "--script", REPORT, "--args", "--sleep 300", "--skip-preflight")
     try:
         wait_for_containers(["node1", "node2"])

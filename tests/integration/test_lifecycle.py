@@ -138,8 +138,12 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
     inv2 = tmp_path / "secret.yaml"
     text = inventory_path.read_text().replace(
         "job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n  cap_add: [SYS_PTRACE]\n")
-    inv2.write_text(text.replace("  - name: node2\n", "  - name: node2\n    ulimits: {nofile: \"4096:8192\"}\n"
-                                                     "    security_opt: [no-new-privileges]\n"))
+    inv2.write_text(
+        text.replace(
+            "  - name: node2\n",
+            '  - name: node2\n    ulimits: {nofile: "4096:8192"}\n    security_opt: [no-new-privileges]\n',
+        )
+    )
     proc = start_fab(inv2, "train", "--script", REPORT, "--args", "--hash-env API_TOKEN --sleep 8")
     try:
         wait_for_containers(["node1", "node2"])
@@ -149,10 +153,17 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
         for node in ("node1", "node2"):
             cmdlines = on_host(node, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
             assert "torch.distributed.run" in cmdlines and token not in cmdlines
-            inspect = on_host(node, "docker inspect $(docker ps -aq --filter label=fabtrain.managed=1)").stdout
+            inspect = on_host(
+                node, "docker inspect $(docker ps -aq --filter label=fabtrain.managed=1)"
+            ).stdout
             assert "FABTRAIN_JOB" in inspect and token not in inspect
-            job = on_host(node, "docker ps --filter label=fabtrain.managed=1 --format '{{.Label \"fabtrain.job\"}}'").stdout.strip()
-            assert on_host(node, f"stat -c %a /opt/fabtrain/output/.runtime/{job}/secrets.env").stdout.strip() == "600"
+            job = on_host(
+                node, "docker ps --filter label=fabtrain.managed=1 --format '{{.Label \"fabtrain.job\"}}'"
+            ).stdout.strip()
+            assert (
+                on_host(node, f"stat -c %a /opt/fabtrain/output/.runtime/{job}/secrets.env").stdout.strip()
+                == "600"
+            )
             config = json.loads(on_host(node, "docker inspect --format '{{json .HostConfig}}' "
                                               "$(docker ps -q --filter label=fabtrain.managed=1)").stdout)
             assert config["CapAdd"] == ["SYS_PTRACE"]

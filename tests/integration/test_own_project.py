@@ -21,7 +21,9 @@ def resumed_epochs(text: str) -> dict[int, int]:
     return {int(r): int(e) for r, e in re.findall(r"RESUMED rank (\d+) epoch (\d+)", text)}
 
 
-def test_a_hydra_program_runs_unmodified_resumes_from_its_own_checkpoint_and_continues(inventory_path, tmp_path):
+def test_a_hydra_program_runs_unmodified_resumes_from_its_own_checkpoint_and_continues(
+    inventory_path, tmp_path
+):
     proj = tmp_path / "my-gpt"
     shutil.copytree(PROJECT, proj)
     before = sorted(p.relative_to(proj).as_posix() for p in proj.rglob("*"))
@@ -52,8 +54,10 @@ def test_a_hydra_program_runs_unmodified_resumes_from_its_own_checkpoint_and_con
     # Kept as a whole set, in a folder named by its time.
     assert list(run_dir.glob("checkpoints/*/work/checkpoints/ckpt.pt"))
     # The project folder holds only what it held, plus runs/.
-    assert sorted(p.relative_to(proj).as_posix() for p in proj.rglob("*") if p.parts[len(proj.parts)] != "runs") \
+    assert (
+        sorted(p.relative_to(proj).as_posix() for p in proj.rglob("*") if p.parts[len(proj.parts)] != "runs")
         == before
+    )
     # The same command with --continue (two more epochs) goes on from the last checkpoint.
     r = fab(inventory_path, "train", *common, "--continue", "--args", "epochs=12", cwd=proj, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -86,11 +90,23 @@ def test_two_projects_one_after_the_other_each_run_their_own_code(inventory_path
         if which == "alpha":
             r = fab(inventory_path, "preflight", "--no-smoke", cwd=proj, timeout=240)
             assert r.returncode == 0 and "ssh" in r.stdout, (r.stdout + r.stderr)[-3000:]
-        r = fab(inventory_path, "train", "--script", "train.py", "--nproc", "1", "--skip-preflight", "--plain",
-                cwd=proj, timeout=240)
+        r = fab(
+            inventory_path,
+            "train",
+            "--script",
+            "train.py",
+            "--nproc",
+            "1",
+            "--skip-preflight",
+            "--plain",
+            cwd=proj,
+            timeout=240,
+        )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-        assert f"PROJECT {which} rank 1" in r.stdout and f"PROJECT {'beta' if which == 'alpha' else 'alpha'}" \
-            not in r.stdout
+        assert (
+            f"PROJECT {which} rank 1" in r.stdout
+            and f"PROJECT {'beta' if which == 'alpha' else 'alpha'}" not in r.stdout
+        )
         job = re.search(r"job (train-\S+) finished", r.stdout).group(1)
         keys[which] = json.loads((proj / "runs" / job / "job.json").read_text())["spec"]["code_key"]
     # Each tree keeps its own directory on the hosts: the second sync changed nothing of the first.

@@ -95,7 +95,10 @@ def test_sshd_stopped_on_one_host(inventory_path):
         code, checks = preflight(inventory_path)
     assert code == 1
     assert failures(checks) == [("node2", "ssh")]
-    assert "node2 (root@172.28.5.12:22): connection refused; start sshd there" in checks[("node2", "ssh")]["detail"]
+    assert (
+        "node2 (root@172.28.5.12:22): connection refused; start sshd there"
+        in checks[("node2", "ssh")]["detail"]
+    )
 
 
 def test_docker_engine_stopped_on_one_host(inventory_path):
@@ -118,7 +121,9 @@ TEST_TAG = "fabtrain/trainer:preflight-test"
 def test_image_missing_on_one_host(inventory_path, inv, tmp_path):
     on_host("node1", f"docker tag {inv.job.image} {TEST_TAG}")
     try:
-        code, checks = preflight(edited(inventory_path, tmp_path, f"image: {inv.job.image}", f"image: {TEST_TAG}"))
+        code, checks = preflight(
+            edited(inventory_path, tmp_path, f"image: {inv.job.image}", f"image: {TEST_TAG}")
+        )
     finally:
         on_host("node1", f"docker rmi {TEST_TAG}")
     assert code == 1
@@ -129,9 +134,14 @@ def test_image_missing_on_one_host(inventory_path, inv, tmp_path):
 
 def test_different_image_under_the_same_tag(inventory_path, inv, tmp_path):
     on_host("node1", f"docker tag {inv.job.image} {TEST_TAG}")
-    on_host("node2", f"printf 'FROM {inv.job.image}\\nLABEL drift=1\\n' | DOCKER_BUILDKIT=0 docker build -q -t {TEST_TAG} -")
+    on_host(
+        "node2",
+        f"printf 'FROM {inv.job.image}\\nLABEL drift=1\\n' | DOCKER_BUILDKIT=0 docker build -q -t {TEST_TAG} -",
+    )
     try:
-        code, checks = preflight(edited(inventory_path, tmp_path, f"image: {inv.job.image}", f"image: {TEST_TAG}"))
+        code, checks = preflight(
+            edited(inventory_path, tmp_path, f"image: {inv.job.image}", f"image: {TEST_TAG}")
+        )
     finally:
         on_host("node1", f"docker rmi {TEST_TAG}")
         on_host("node2", f"docker rmi {TEST_TAG}")
@@ -162,7 +172,9 @@ def test_worker_interface_that_cannot_reach_the_master(inventory_path, tmp_path)
         iface = on_host("node2", "ip -o -4 addr show | awk '/172.28.6.12/ {print $2}'").stdout.strip()
         code, checks = preflight(node2_interface(inventory_path, tmp_path, iface))
     finally:
-        subprocess.run(["docker", "network", "disconnect", "fabtrain-test-side", "fabtrain-node2"], capture_output=True)
+        subprocess.run(
+            ["docker", "network", "disconnect", "fabtrain-test-side", "fabtrain-node2"], capture_output=True
+        )
         subprocess.run(["docker", "network", "rm", "fabtrain-test-side"], capture_output=True)
     assert code == 1
     assert ("node2", "route") in failures(checks)

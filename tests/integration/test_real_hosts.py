@@ -23,7 +23,9 @@ def host_key(node: str) -> str:
 
 def write_inventory(tmp_path, ssh: str, hosts: str, name="inv.yaml", job: str = ""):
     path = tmp_path / name
-    path.write_text(f"ssh:\n{ssh}job:\n  nproc_per_node: 2\n  env: {{OMP_NUM_THREADS: '1'}}\n{job}hosts:\n{hosts}")
+    path.write_text(
+        f"ssh:\n{ssh}job:\n  nproc_per_node: 2\n  env: {{OMP_NUM_THREADS: '1'}}\n{job}hosts:\n{hosts}"
+    )
     return path
 
 
@@ -58,9 +60,11 @@ def test_ssh_config_aliases_hashed_known_hosts_and_a_second_port(inventory_path,
         subprocess.run(["ssh-keygen", "-H", "-f", str(kh)], check=True, capture_output=True)
         assert "172.28.5" not in kh.read_text()  # hashed: no address in clear
         config = tmp_path / "ssh_config"
-        config.write_text(f"Host gpu1\n  HostName 172.28.5.11\n  User root\n  IdentityFile {CLUSTER}/id_ed25519\n"
-                          f"Host gpu2\n  HostName 172.28.5.12\n  Port 2222\n  User root\n"
-                          f"  IdentityFile {CLUSTER}/id_ed25519\n")
+        config.write_text(
+            f"Host gpu1\n  HostName 172.28.5.11\n  User root\n  IdentityFile {CLUSTER}/id_ed25519\n"
+            f"Host gpu2\n  HostName 172.28.5.12\n  Port 2222\n  User root\n"
+            f"  IdentityFile {CLUSTER}/id_ed25519\n"
+        )
         path = write_inventory(tmp_path, f"  config: {config}\n  known_hosts: {kh}\n",
                                "  - {name: node1, address: gpu1, interface: eth0}\n"
                                "  - {name: node2, address: gpu2, interface: eth0}\n")
@@ -69,7 +73,9 @@ def test_ssh_config_aliases_hashed_known_hosts_and_a_second_port(inventory_path,
         assert checks[("node2", "ssh")]["status"] == "ok"
         r = fab(path, "train", "--epochs", "1")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        assert "node2 r1 | [fabtrain] nodes=2 node_rank=1 master=172.28.5.11:" in r.stdout  # the alias resolved
+        assert (
+            "node2 r1 | [fabtrain] nodes=2 node_rank=1 master=172.28.5.11:" in r.stdout
+        )  # the alias resolved
         assert "port 2222" in on_host("node2", "cat /var/log/sshd-2222.log").stdout  # really came in on 2222
 
 
@@ -136,7 +142,9 @@ def test_agent_key_and_an_encrypted_key(inventory_path, tmp_path):
     locked = tmp_path / "id_locked"
     locked.write_bytes((CLUSTER / "id_ed25519").read_bytes())
     locked.chmod(0o600)
-    subprocess.run(["ssh-keygen", "-p", "-q", "-N", "secret-pass", "-f", str(locked)], check=True, capture_output=True)
+    subprocess.run(
+        ["ssh-keygen", "-p", "-q", "-N", "secret-pass", "-f", str(locked)], check=True, capture_output=True
+    )
     path = write_inventory(tmp_path, ssh + f"  key: {locked}\n", hosts, "locked.yaml")
     env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
     r = fab(path, "preflight", "--no-smoke", "--json", env=env)
@@ -154,7 +162,10 @@ def test_frozen_docker_engine_is_named_and_bounded(inventory_path, inv):
         r, took, checks = preflight_json(inventory_path, timeout=90)
         assert r.returncode == 1
         assert failures(checks) == [("node2", "docker")], checks
-        assert checks[("node2", "docker")]["detail"] == f"engine gave no answer within {pf.DOCKER_TIMEOUT}s (docker version hangs)"
+        assert (
+            checks[("node2", "docker")]["detail"]
+            == f"engine gave no answer within {pf.DOCKER_TIMEOUT}s (docker version hangs)"
+        )
         assert "restart it" in checks[("node2", "docker")]["fix"]
         # Every other check of both hosts is still reported.
         for check in ("ssh", "interface", "route", "time", "shm", "disk", "dirs", "mtu"):
@@ -163,7 +174,9 @@ def test_frozen_docker_engine_is_named_and_bounded(inventory_path, inv):
         assert took < 60, took  # a hang guard, not a benchmark: the bound is measured in BENCHMARKS.md
 
         r = fab(inventory_path, "status", timeout=90)
-        assert r.returncode == 1 and "node2: no answer within 10s (docker ps)" in r.stderr, r.stdout + r.stderr
+        assert r.returncode == 1 and "node2: no answer within 10s (docker ps)" in r.stderr, (
+            r.stdout + r.stderr
+        )
         assert "hosts: 1 answering; stuck (Docker engine or host): node2" in r.stdout
 
         r = fab(inventory_path, "stop", "--grace", "0", timeout=90)
@@ -179,9 +192,11 @@ def test_frozen_docker_engine_is_named_and_bounded(inventory_path, inv):
 def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
     """A user in the docker group whose code_dir is root-owned: preflight names the directory and
     the exact fix; with directories it owns, preflight and sync pass."""
-    setup = ("id alice >/dev/null 2>&1 || useradd -m -G docker alice; install -d -m 700 -o alice /home/alice/.ssh; "
-             "install -m 600 -o alice /root/.ssh/authorized_keys /home/alice/.ssh/authorized_keys; "
-             "mkdir -p /opt/fabtrain/code")
+    setup = (
+        "id alice >/dev/null 2>&1 || useradd -m -G docker alice; install -d -m 700 -o alice /home/alice/.ssh; "
+        "install -m 600 -o alice /root/.ssh/authorized_keys /home/alice/.ssh/authorized_keys; "
+        "mkdir -p /opt/fabtrain/code"
+    )
     for node in ("node1", "node2"):
         on_host(node, setup)
     ssh = f"  user: alice\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n"
@@ -192,7 +207,10 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
     assert r.returncode == 1
     assert failures(checks) == [("node1", "dirs"), ("node2", "dirs")]
     c = checks[("node2", "dirs")]
-    assert c["detail"] == "alice cannot write /opt/fabtrain/code (not writable), /opt/fabtrain/output (not writable)"
+    assert (
+        c["detail"]
+        == "alice cannot write /opt/fabtrain/code (not writable), /opt/fabtrain/output (not writable)"
+    )
     assert c["fix"].startswith("on node2: sudo install -d -o alice -g $(id -gn alice) /opt/fabtrain/code "
                                "/opt/fabtrain/output")
     job = "  code_dir: /home/alice/fabtrain/code\n  output_dir: /home/alice/fabtrain/output\n"
@@ -203,7 +221,7 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
     assert fab(path, "sync").returncode == 0
 
 
-HOSTILE = r'''
+HOSTILE = r"""
 import os, stat, sys
 out = os.environ["FABTRAIN_OUTPUT"]
 sys.stdout.write("clear\x1b[2J\x1b[H title\x1b]0;pwned\x07 link \x1b]8;;http://example.invalid\x07x\x1b]8;;\x07 "
@@ -215,7 +233,7 @@ os.symlink("/etc/shadow", os.path.join(out, "escape"))
 os.symlink("suid", os.path.join(out, "inside"))
 os.mkfifo(os.path.join(out, "fifo"))
 os.mknod(os.path.join(out, "null"), 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-'''
+"""
 
 
 def test_hostile_output_reaches_this_machine_defused(inventory_path, tmp_path):
@@ -233,7 +251,9 @@ def test_hostile_output_reaches_this_machine_defused(inventory_path, tmp_path):
     for line in lines:
         assert not any(ord(ch) < 32 and ch != "\t" or 0x7f <= ord(ch) <= 0x9f for ch in line), repr(line)
         assert "markup [/x] [bold red]not bold[/]" in line
-    run_dir = next(p for p in (ROOT / "runs").iterdir() if p.name in r.stdout and p.name.startswith("hostile-"))
+    run_dir = next(
+        p for p in (ROOT / "runs").iterdir() if p.name in r.stdout and p.name.startswith("hostile-")
+    )
     assert b"\x1b[2J" in (run_dir / "node1.log").read_bytes()  # the file keeps what was sent
     out = run_dir / "outputs" / "node1"
     assert not (out / "suid").stat().st_mode & (stat.S_ISUID | stat.S_ISGID)

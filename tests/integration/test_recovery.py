@@ -17,7 +17,14 @@ from .conftest import ROOT, fab, on_host, project_containers
 from .test_lifecycle import running, start_fab, wait_for_containers
 
 # A short GPT run: 2 epochs of 40 steps, a snapshot every 10 steps (4 ranks on 2 hosts).
-GPT = ["--model", "tiny", "--epochs", "2", "--args", "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0"]
+GPT = [
+    "--model",
+    "tiny",
+    "--epochs",
+    "2",
+    "--args",
+    "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0",
+]
 
 
 def job_id(text: str) -> str:
@@ -48,8 +55,13 @@ def wait_for_line(proc_out: Path, needle: str, timeout: float = 120) -> None:
 
 def run_in_background(inventory_path, log: Path, *args) -> subprocess.Popen:
     fh = log.open("w")
-    return subprocess.Popen([str(ROOT / ".venv/bin/fab"), *args, "--inventory", str(inventory_path)], cwd=ROOT,
-                            stdout=fh, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [str(ROOT / ".venv/bin/fab"), *args, "--inventory", str(inventory_path)],
+        cwd=ROOT,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +96,17 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     out = log.read_text()
     job = job_id(out)
     assert "attempt 1 failed (node2 exited with code 137); restart 1 of 1" in out
-    assert re.search(r"attempt 2: starting 2 node\(s\), rank 0 on node1 \(port \d+\), from snapshot snapshot-0000000", out)
+    assert re.search(
+        r"attempt 2: starting 2 node\(s\), rank 0 on node1 \(port \d+\), from snapshot snapshot-0000000", out
+    )
     assert "resumed from /output/snapshots/snapshot-0000000" in out
     record = json.loads((ROOT / "runs" / job / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
     assert record["attempts"][0]["outcome"] == "node2 exited with code 137"
-    assert f"# ---- job {job} attempt 2: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in (ROOT / "runs" / job / "plan.txt").read_text()
+    assert (
+        f"# ---- job {job} attempt 2: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1"
+        in (ROOT / "runs" / job / "plan.txt").read_text()
+    )
     assert_same_model(job, reference, out)
     assert project_containers("node1") == [] and project_containers("node2") == []
 
@@ -137,7 +154,9 @@ def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_p
     job = job_id(out)
     assert "attempt 1 failed (node1 lost: no SSH keepalive answer for" in out
     assert "spare node3 takes the place of node1 (lost) as node rank 0" in out
-    assert re.search(r"attempt 2: starting 2 node\(s\), rank 0 on node3 \(port \d+\), from snapshot snapshot-0000000", out)
+    assert re.search(
+        r"attempt 2: starting 2 node\(s\), rank 0 on node3 \(port \d+\), from snapshot snapshot-0000000", out
+    )
     assert "[node3 rank0] resumed from /output/snapshots/snapshot-0000000" in out
     assert "lost during the job: node1" in out
     # The snapshot came off node1 before it froze: it was copied here as it was written.

@@ -27,7 +27,9 @@ def wait_for_job(name: str, nodes: list[str], timeout: float = 120) -> str:
         runs = list((ROOT / "runs").glob(f"{name}-*"))
         if runs:
             job = runs[0].name
-            if all(on_host(n, f"docker ps -q --filter label=fabtrain.job={job}").stdout.strip() for n in nodes):
+            if all(
+                on_host(n, f"docker ps -q --filter label=fabtrain.job={job}").stdout.strip() for n in nodes
+            ):
                 return job
         time.sleep(0.3)
     raise AssertionError(f"job {name} never ran on {nodes}")
@@ -59,8 +61,18 @@ def test_two_jobs_on_four_hosts_one_killed_and_one_stopped_never_touch_the_other
     tag = secrets.token_hex(2)
     steps = ("--nproc", "1", "--args", "--steps 400 --step-time 0.25")
     a = Run(inv, *COMMON, *steps, "--include", "node1@node2", "--restarts", "1", "--name", f"share-a-{tag}")
-    b = Run(inv, *COMMON, "--nproc", "1", "--args", "--steps 120 --step-time 0.25", "--include", "node3@node4",
-            "--name", f"share-b-{tag}")
+    b = Run(
+        inv,
+        *COMMON,
+        "--nproc",
+        "1",
+        "--args",
+        "--steps 120 --step-time 0.25",
+        "--include",
+        "node3@node4",
+        "--name",
+        f"share-b-{tag}",
+    )
     try:
         job_a = wait_for_job(f"share-a-{tag}", ["node1", "node2"])
         job_b = wait_for_job(f"share-b-{tag}", ["node3", "node4"])
@@ -87,7 +99,10 @@ def test_two_jobs_on_four_hosts_one_killed_and_one_stopped_never_touch_the_other
         while time.monotonic() < deadline and not (step_after and step_before and step_after > step_before):
             time.sleep(2)
             step_after = last_step(inv, job_b)
-        assert step_before is not None and step_after is not None and step_after > step_before, (step_before, step_after)
+        assert step_before is not None and step_after is not None and step_after > step_before, (
+            step_before,
+            step_after,
+        )
         assert "attempt 2" not in b.text and "exited with code" not in b.text
         assert b.finish(timeout=180) == 0, b.text[-2000:]
         assert f"job {job_b} finished on every host" in b.text
@@ -101,11 +116,29 @@ def test_two_jobs_on_four_hosts_one_killed_and_one_stopped_never_touch_the_other
 def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path):
     tag = secrets.token_hex(2)
     # alice and bob each take one CPU slot of the same two hosts; each gets its own master port.
-    alice = Run(inventory_path, *COMMON, "--args", "--steps 400 --step-time 0.25", "--include", "node1:0@node2:0",
-                "--name", f"alice-{tag}", env={**os.environ, "FABTRAIN_USER": "alice"})
+    alice = Run(
+        inventory_path,
+        *COMMON,
+        "--args",
+        "--steps 400 --step-time 0.25",
+        "--include",
+        "node1:0@node2:0",
+        "--name",
+        f"alice-{tag}",
+        env={**os.environ, "FABTRAIN_USER": "alice"},
+    )
     job_a = wait_for_job(f"alice-{tag}", ["node1", "node2"])
-    bob = Run(inventory_path, *COMMON, "--args", "--steps 400 --step-time 0.25", "--include", "node1:1@node2:1",
-              "--name", f"bob-{tag}", env={**os.environ, "FABTRAIN_USER": "bob"})
+    bob = Run(
+        inventory_path,
+        *COMMON,
+        "--args",
+        "--steps 400 --step-time 0.25",
+        "--include",
+        "node1:1@node2:1",
+        "--name",
+        f"bob-{tag}",
+        env={**os.environ, "FABTRAIN_USER": "bob"},
+    )
     try:
         job_b = wait_for_job(f"bob-{tag}", ["node1", "node2"])
         alice.wait_for("step 2")
@@ -137,7 +170,9 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         assert everything.returncode == 0 and f"stopped {job_a}" in everything.stdout
         assert alice.finish(timeout=120) == 1
         assert traces(job_a, ["node1", "node2"]) == [] and traces(job_b, ["node1", "node2"]) == []
-        listed = subprocess.run([FAB, "-r", str(ROOT), "runs", "--json"], cwd=ROOT, capture_output=True, text=True)
+        listed = subprocess.run(
+            [FAB, "-r", str(ROOT), "runs", "--json"], cwd=ROOT, capture_output=True, text=True
+        )
         runs = {r["job"]: r for r in json.loads(listed.stdout)["runs"]}
         assert runs[job_a]["state"] == runs[job_b]["state"] == "stopped"
     finally:

@@ -24,8 +24,12 @@ def test_sync_reaches_every_host(inventory_path, inv):
 
 def test_a_busy_master_port_is_passed_over_by_preflight_and_train_alike(inventory_path, inv):
     port = inv.job.master_port
-    on_host("node1", f"exec python3 -c 'import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((\"0.0.0.0\", {port})); "
-                     f"s.listen(); time.sleep(120)' port-holder", detach=True)
+    on_host(
+        "node1",
+        f'exec python3 -c \'import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", {port})); '
+        f"s.listen(); time.sleep(120)' port-holder",
+        detach=True,
+    )
     try:
         for _ in range(100):
             if on_host("node1", f"ss -Htln 'sport = :{port}'").stdout.strip():
@@ -68,7 +72,10 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
     assert summary["hosts"] == ["node1", "node2"] and summary["state"] == "finished"
     assert round(summary["final_eval_loss"], 4) == evals[1]
     assert sorted(summary["ranks"]) == ["node1 rank0", "node1 rank1", "node2 rank2", "node2 rank3"]
-    assert sorted(summary["per_host"]) == ["node1", "node2"] and summary["ranks"]["node2 rank3"]["step_ms_median"] > 0
+    assert (
+        sorted(summary["per_host"]) == ["node1", "node2"]
+        and summary["ranks"]["node2 rank3"]["step_ms_median"] > 0
+    )
     assert "step times (ms per optimizer step: median / p95)" in r.stdout
     assert project_containers("node1") == [] and project_containers("node2") == []
 
@@ -94,7 +101,9 @@ def test_a_cpu_starved_host_is_named_as_the_straggler(inventory_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (names := on_host("node2", "docker ps -q --filter label=fabtrain.managed=1").stdout.split()):
+        while not (
+            names := on_host("node2", "docker ps -q --filter label=fabtrain.managed=1").stdout.split()
+        ):
             assert time.monotonic() < deadline and proc.poll() is None, "node2's container never started"
             time.sleep(0.2)
         on_host("node2", f"docker update --cpus 0.3 {names[0]}")
@@ -104,12 +113,16 @@ def test_a_cpu_starved_host_is_named_as_the_straggler(inventory_path):
     r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     live = [line for line in r.stdout.splitlines() if line.startswith("[fabtrain] straggler: ")]
-    assert live and all(line.startswith("[fabtrain] straggler: node2 rank") for line in live), r.stdout[-3000:]
+    assert live and all(line.startswith("[fabtrain] straggler: node2 rank") for line in live), r.stdout[
+        -3000:
+    ]
     run_dir = ROOT / r.stdout.split("logs and outputs in ")[-1].split()[0]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert {s["host"] for s in summary["stragglers"]} == {"node2"}, summary
     assert all(s["times_median"] > 1 + summary["straggler_margin"] for s in summary["stragglers"])
-    assert summary["per_host"]["node2"]["compute_ms_median"] > summary["per_host"]["node1"]["compute_ms_median"]
+    assert (
+        summary["per_host"]["node2"]["compute_ms_median"] > summary["per_host"]["node1"]["compute_ms_median"]
+    )
     # The end of the run names them too (after the table).
     assert re.search(r"^straggler: node2 rank[23] takes [\d.]+ ms of compute per step", r.stdout, re.M)
 
@@ -119,8 +132,9 @@ def test_failed_node_is_named_and_job_exits_nonzero(inventory_path):
             "--args", "--node 1 --code 7")
     assert r.returncode == 1
     # Both of node2's workers exit 7; torchrun reports whichever it saw first as the root cause.
-    assert re.search(r"failed: node2 \(node rank 1\) exited with code 1 \(worker rank [23] exited with code 7\)",
-                     r.stderr), r.stderr
+    assert re.search(
+        r"failed: node2 \(node rank 1\) exited with code 1 \(worker rank [23] exited with code 7\)", r.stderr
+    ), r.stderr
     assert "exitcode  : 7" in r.stderr  # the last lines of that host's log
     run_dir = ROOT / r.stderr.split("full logs: ")[1].split()[0]
     assert "node 1 giving up with code 7" in (run_dir / "node2.log").read_text()

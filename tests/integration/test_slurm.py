@@ -12,7 +12,14 @@ from orchestrator.testbed import cluster as cluster_mod
 
 from .conftest import ROOT, Run, command, fab, on_host, project_containers
 
-GPT = ["--model", "tiny", "--epochs", "2", "--args", "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0"]
+GPT = [
+    "--model",
+    "tiny",
+    "--epochs",
+    "2",
+    "--args",
+    "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +74,9 @@ def wait_for(job: str, slurm_id: str, needle: str, timeout: float = 180) -> floa
 
 def sacct_state(slurm_id: str) -> str:
     """The job's state in sacct (from the job completion log: no accounting database here)."""
-    out = on_host("node1", f"sacct --completion --noheader --parsable2 -j {slurm_id} --format JobID,State").stdout
+    out = on_host(
+        "node1", f"sacct --completion --noheader --parsable2 -j {slurm_id} --format JobID,State"
+    ).stdout
     return dict(line.split("|") for line in out.split())[slurm_id]
 
 
@@ -85,7 +94,10 @@ def slurm_idle(slurm):
             on_host("node1", "scontrol update nodename=node[1-2] state=resume", check=False)
             time.sleep(1)
         for node in ("node1", "node2"):
-            on_host(node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f", check=False)
+            on_host(
+                node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f", check=False
+            )
+
     settle()
     yield
     settle()
@@ -99,7 +111,9 @@ def test_exported_script_trains_across_two_slurm_nodes(slurm, tmp_path):
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-3000:]
     print(f"sbatch -> first training step: {first_step - submitted:.1f}s")
     # srun --label: both nodes' containers reported, 2 nodes x 2 processes = world 4.
-    assert re.search(r"^0: \[fabtrain\] nodes=2 node_rank=0 master=172\.28\.5\.11:29500 .*world_size=4", text, re.M)
+    assert re.search(
+        r"^0: \[fabtrain\] nodes=2 node_rank=0 master=172\.28\.5\.11:29500 .*world_size=4", text, re.M
+    )
     assert re.search(r"^1: \[fabtrain\] nodes=2 node_rank=1 ", text, re.M)
     evals = [float(m) for m in re.findall(r"eval loss (\d+\.\d+)", text)]
     assert len(evals) == 2 and evals[1] < evals[0], text[-3000:]
@@ -146,7 +160,9 @@ def test_job_requeued_after_a_node_failure_resumes_from_its_snapshot(slurm, tmp_
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, text[-3000:])
     assert f"slurm job {slurm_id} (restart 1)" in text
     after = text.split("(restart 1)", 1)[1]
-    assert re.search(r"^0: \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M)
+    assert re.search(
+        r"^0: \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M
+    )
     assert re.search(r"^1: \[node2 rank2\] resumed from .*\(rank 0's copy\)", after, re.M), after[:3000]
     assert "| step 1 |" not in after and "epoch 1 done | eval loss" in after
     assert project_containers("node1") == [] and project_containers("node2") == []
@@ -186,18 +202,24 @@ def test_fab_train_on_slurm_streams_both_nodes_and_exits_with_the_jobs_result(sl
     job = job_of(r.stdout)
     slurm_id = record(job)["backend"]["slurm_id"]
     # Every node's lines, with the same prefixes as an SSH job, in the terminal and in runs/JOB/NODE.log.
-    assert re.search(r"^node1 r0 \| \[node1 rank0\] epoch 1 \| step \d+ \| loss", r.stdout, re.M), r.stdout[-3000:]
+    assert re.search(r"^node1 r0 \| \[node1 rank0\] epoch 1 \| step \d+ \| loss", r.stdout, re.M), r.stdout[
+        -3000:
+    ]
     assert re.search(r"^node2 r1 \| \[node2 rank2\] epoch 1 \| step \d+ \| loss", r.stdout, re.M)
     assert f"[fabtrain] slurm job {slurm_id}: RUNNING on node[1-2]" in r.stdout
     run = ROOT / "runs" / job
     assert "[node2 rank3] epoch 1 done" not in (run / "node1.log").read_text()
-    assert "eval loss" in (run / "node1.log").read_text() and "[node2 rank2]" in (run / "node2.log").read_text()
+    assert (
+        "eval loss" in (run / "node1.log").read_text() and "[node2 rank2]" in (run / "node2.log").read_text()
+    )
     assert f"slurm job {slurm_id} (restart 0)" in (run / "slurm.log").read_text()
     # The curve, drawn from rank 0's metrics fetched through the login node, and the record.
     assert (run / "loss.png").stat().st_size > 10_000 and (run / "outputs/node1/metrics.jsonl").is_file()
     rec = record(job)
     assert rec["state"] == "finished" and [a["hosts"] for a in rec["attempts"]] == [["node1", "node2"]]
-    runs = json.loads(subprocess.run([*command(ROOT), "runs", "--json"], cwd=ROOT, capture_output=True, text=True).stdout)["runs"]
+    runs = json.loads(
+        subprocess.run([*command(ROOT), "runs", "--json"], cwd=ROOT, capture_output=True, text=True).stdout
+    )["runs"]
     assert any(x["job"] == job and x["state"] == "finished" and x["on"] == "slurm" for x in runs)
     assert sacct_state(slurm_id) == "COMPLETED"
     assert project_containers("node1") == [] and project_containers("node2") == []
@@ -238,13 +260,27 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     """output_dir shared by both nodes (each keeps its own runtime files there); node2 set DOWN
     mid-run: Slurm requeues the job, the stream shows attempt 2, every rank resumes from the newest
     snapshot in the shared directory, and the job finishes."""
-    run = Run(shared_inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "2", "--args",
-              "--max-steps-per-epoch 40 --snapshot-every 10 --log-every 1 --sample-chars 0")
+    run = Run(
+        shared_inventory,
+        "train",
+        "--on",
+        "slurm",
+        "--plain",
+        "--model",
+        "tiny",
+        "--epochs",
+        "2",
+        "--args",
+        "--max-steps-per-epoch 40 --snapshot-every 10 --log-every 1 --sample-chars 0",
+    )
     run.wait_for("| step 25 |", timeout=180)
     job = job_of(run.text)
     slurm_id = record(job)["backend"]["slurm_id"]
     # Both nodes' runtime directories side by side in the one shared directory.
-    assert on_host("node2", f"ls /shared/output/.runtime/{job}").stdout.split() == [f"{slurm_id}.0.0", f"{slurm_id}.0.1"]
+    assert on_host("node2", f"ls /shared/output/.runtime/{job}").stdout.split() == [
+        f"{slurm_id}.0.0",
+        f"{slurm_id}.0.1",
+    ]
     on_host("node1", "scontrol update nodename=node2 state=down reason=fabtrain-test")
     run.wait_for(f"attempt 2: Slurm requeued job {slurm_id} (restart 1)", timeout=60)
     deadline = time.monotonic() + 60
@@ -259,8 +295,12 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     on_host("node1", f"scontrol update jobid={slurm_id} StartTime=now")  # skip Slurm's 2-minute hold
     assert run.finish(timeout=240) == 0, run.text[-3000:]
     after = run.text.split("(restart 1)", 1)[1]
-    assert re.search(r"^node1 r0 \| \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M), after[:3000]
-    assert re.search(r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M)
+    assert re.search(
+        r"^node1 r0 \| \[node1 rank0\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M
+    ), after[:3000]
+    assert re.search(
+        r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-0000000[23]0\.pt", after, re.M
+    )
     assert "| step 1 |" not in after and "epoch 1 done | eval loss" in after
     rec = record(job)
     # Slurm may requeue more than once while node2 comes back; each requeue is an attempt.
@@ -272,8 +312,13 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     # The finished job trained further: the same id and shared output directory, a new Slurm job.
     more = fab(shared_inventory, "train", "--on", "slurm", "--plain", "--resume", job, "--epochs", "3")
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr
-    assert f"resuming job {job} on Slurm ({len(outcomes)} attempt(s) so far, finished); now args '--model tiny --epochs 3" in more.stdout
-    assert re.search(r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-\d+\.pt", more.stdout, re.M)
+    assert (
+        f"resuming job {job} on Slurm ({len(outcomes)} attempt(s) so far, finished); now args '--model tiny --epochs 3"
+        in more.stdout
+    )
+    assert re.search(
+        r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-\d+\.pt", more.stdout, re.M
+    )
     assert "epoch 2 done | eval loss" in more.stdout and "epoch 1 done" not in more.stdout
     rec = record(job)
     assert len(rec["attempts"]) == len(outcomes) + 1 and rec["state"] == "finished"

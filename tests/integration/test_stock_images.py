@@ -29,7 +29,9 @@ def build(tag: str, dockerfile: str) -> None:
 
 def copy_to_node2(*tags: str) -> None:
     """The same image ids on both hosts (a build on each would differ, which preflight refuses)."""
-    save = subprocess.Popen(["docker", "exec", "fabtrain-node1", "docker", "save", *tags], stdout=subprocess.PIPE)
+    save = subprocess.Popen(
+        ["docker", "exec", "fabtrain-node1", "docker", "save", *tags], stdout=subprocess.PIPE
+    )
     subprocess.run(["docker", "exec", "-i", "fabtrain-node2", "docker", "load", "-q"], stdin=save.stdout,
                    check=True, capture_output=True, timeout=300)
     assert save.wait(timeout=60) == 0
@@ -66,7 +68,9 @@ def test_module_installed_only_in_the_image(inventory_path, stock_images):
     r = fab(inventory_path, "train", "--image", STOCK, "--module", "fabmod_probe", "--nproc", "2",
             "--skip-preflight")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
-    reports = [json.loads(line.split("MODULE ", 1)[1]) for line in r.stdout.splitlines() if "| MODULE " in line]
+    reports = [
+        json.loads(line.split("MODULE ", 1)[1]) for line in r.stdout.splitlines() if "| MODULE " in line
+    ]
     assert sorted(rep["rank"] for rep in reports) == [0, 1, 2, 3]
     assert all((rep["world"], rep["sum"]) == (4, 4.0) for rep in reports)
     assert all(rep["file"] == "/usr/local/lib/python3.11/dist-packages/fabmod_probe.py" for rep in reports)
@@ -83,5 +87,6 @@ def test_image_without_torch_fails_preflight_naming_it(inventory_path, stock_ima
     ok = fab(inventory_path, "preflight", "--no-smoke", "--json")
     checks = json.loads(ok.stdout)
     image = [c for c in checks["checks"] if c["check"] == "image"]
-    assert len(image) == 2 and all(c["status"] == "ok" and ": python 3." in c["detail"] and ", torch 2." in c["detail"]
-                                   for c in image), image
+    assert len(image) == 2 and all(
+        c["status"] == "ok" and ": python 3." in c["detail"] and ", torch 2." in c["detail"] for c in image
+    ), image

@@ -18,7 +18,10 @@ CFG = dict(vocab_size=17, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 def batches(n_total: int):
     g = torch.Generator().manual_seed(3)
-    data = [torch.randint(0, CFG["vocab_size"], (n_total, CFG["block_size"] + 1), generator=g) for _ in range(STEPS)]
+    data = [
+        torch.randint(0, CFG["vocab_size"], (n_total, CFG["block_size"] + 1), generator=g)
+        for _ in range(STEPS)
+    ]
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
@@ -123,7 +126,9 @@ def test_killed_writer_never_leaves_a_broken_snapshot(tmp_path):
         before = len(list(d.glob("snapshot-*.pt"))) if d.exists() else 0
         proc = subprocess.Popen([sys.executable, "-c", script])
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not d.exists() or len(list(d.glob("snapshot-*.pt"))) <= before):
+        while time.monotonic() < deadline and (
+            not d.exists() or len(list(d.glob("snapshot-*.pt"))) <= before
+        ):
             time.sleep(0.01)
         time.sleep(0.011 * i)  # land the kill at different points of a write
         proc.send_signal(signal.SIGKILL)
@@ -135,7 +140,9 @@ def test_killed_writer_never_leaves_a_broken_snapshot(tmp_path):
         newest = max(newest, latest["step"])
     assert newest > 1
     # A killed writer's temp file is never taken for a snapshot, and the next save removes it.
-    snapshot.save(d, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1), 0, newest + 1)
+    snapshot.save(
+        d, torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1), 0, newest + 1
+    )
     assert list(d.glob(".snapshot-*.tmp")) == []
     assert snapshot.load_latest(d)["step"] == newest + 1
 
@@ -170,7 +177,9 @@ def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatc
     import snapshot
     disk = threading.Event()
     real_write = snapshot.write
-    monkeypatch.setattr(snapshot, "write", lambda d, state, step: (disk.wait(), real_write(d, state, step))[1])
+    monkeypatch.setattr(
+        snapshot, "write", lambda d, state, step: (disk.wait(), real_write(d, state, step))[1]
+    )
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     writer = snapshot.Writer(tmp_path)
@@ -199,7 +208,9 @@ def _agreed_worker(rank, world, port, root):
         snapshot.save(snapshot.Path(own), model, opt, epoch=0, step=step)
     snap = snapshot.load_agreed(snapshot.Path(own))
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump({"step": snap["step"], "weight": snap["model"]["weight"][0, 0].item(), "path": snap["path"]}, f)
+        json.dump(
+            {"step": snap["step"], "weight": snap["model"]["weight"][0, 0].item(), "path": snap["path"]}, f
+        )
     finish_gloo()
 
 

@@ -42,5 +42,8 @@ def test_tp_forward_and_backward_equal_unsharded(tmp_path, world, tp):
 
 def test_world_not_divisible_by_tp_is_a_clear_error():
     import mlp_tp
-    with pytest.raises(SystemExit, match="world size 3 is not divisible by --tp 2; choose a tp that divides 3"):
+
+    with pytest.raises(
+        SystemExit, match="world size 3 is not divisible by --tp 2; choose a tp that divides 3"
+    ):
         mlp_tp.make_mesh(3, 2, "cpu")

@@ -97,8 +97,13 @@ def test_pruning_happens_only_after_the_new_snapshot_is_durable(tmp_path, monkey
 
 def test_keep_none_keeps_every_snapshot(tmp_path):
     for step in range(1, 6):
-        snapshot.save(tmp_path, torch.nn.Linear(1, 1), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1),
-                      0, step)
+        snapshot.save(
+            tmp_path,
+            torch.nn.Linear(1, 1),
+            torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1),
+            0,
+            step,
+        )
     assert names(tmp_path) == [snap(s) for s in range(1, 6)]
 
 

@@ -26,7 +26,9 @@ hosts:
 
 INV = inventory()
 GPU, CPU = INV.hosts
-BOB = claims.Holder("bob-20261123-101500-ab12", "bob@ws2", time.mktime((2026, 11, 23, 10, 15, 0, 0, 0, -1)), (0, 1))
+BOB = claims.Holder(
+    "bob-20261123-101500-ab12", "bob@ws2", time.mktime((2026, 11, 23, 10, 15, 0, 0, 0, -1)), (0, 1)
+)
 
 
 def test_defaults_take_every_gpu_or_one_slot_and_counts_take_the_first_free():
@@ -35,8 +37,9 @@ def test_defaults_take_every_gpu_or_one_slot_and_counts_take_the_first_free():
     assert claims.choose(GPU, 4, [], want.of(GPU, 4)) == (0, 1, 2, 3)
     assert claims.choose(CPU, 2, [claims.Holder("other", units=(0,))], 1) == (1,)
     # --gpus 2 beside bob's 0,1; --nproc 3 on a CPU host of 2 CPUs takes both slots.
-    assert claims.choose(GPU, 4, [BOB], claims.want_of(jobspec.JobSpec(job_id="j", script="s", gpus=2)).of(GPU, 4)) \
-        == (2, 3)
+    assert claims.choose(
+        GPU, 4, [BOB], claims.want_of(jobspec.JobSpec(job_id="j", script="s", gpus=2)).of(GPU, 4)
+    ) == (2, 3)
     assert claims.want_of(jobspec.JobSpec(job_id="j", script="s", nproc_per_node="3")).of(CPU, 2) == 2
     exact = claims.want_of(jobspec.JobSpec(job_id="j", script="s", units="gpu1:3,2"))
     assert exact.of(GPU, 4) == (2, 3) and exact.explicit and claims.choose(GPU, 4, [BOB], (2, 3)) == (2, 3)
@@ -46,14 +49,21 @@ def test_a_refusal_names_the_holder_who_since_which_gpus_and_what_is_free():
     with pytest.raises(UserError) as err:
         claims.choose(GPU, 4, [BOB], (1, 2))
     text = str(err.value)
-    assert text.startswith("gpu1: this job needs GPUs 1,2, but bob-20261123-101500-ab12 (started by bob@ws2 at "
-                           "2026-11-23 10:15:00, GPUs 0,1) hold(s) 0,1; free there: 2,3.")
+    assert text.startswith(
+        "gpu1: this job needs GPUs 1,2, but bob-20261123-101500-ab12 (started by bob@ws2 at "
+        "2026-11-23 10:15:00, GPUs 0,1) hold(s) 0,1; free there: 2,3."
+    )
     assert "'fab export.slurm'" in text and err.value.exit_code == 1
     # A job running with no claim file (started by an older fabtrain) holds the whole host.
-    with pytest.raises(UserError, match=r"needs 1 slot\(s\), but old-1 \(started by unknown at \?, slots all\) "
-                                        r"hold\(s\) 0,1; free there: none"):
+    with pytest.raises(
+        UserError,
+        match=r"needs 1 slot\(s\), but old-1 \(started by unknown at \?, slots all\) "
+        r"hold\(s\) 0,1; free there: none",
+    ):
         claims.choose(CPU, 2, [claims.Holder("old-1")], 1)
-    with pytest.raises(UserError, match=r"--include gpu1:3,4: gpu1 has 4 GPU\(s\) \(0..3\); 4 is not one of them"):
+    with pytest.raises(
+        UserError, match=r"--include gpu1:3,4: gpu1 has 4 GPU\(s\) \(0..3\); 4 is not one of them"
+    ):
         claims.choose(GPU, 4, [], (3, 4))
 
 
@@ -125,6 +135,8 @@ def test_an_engine_that_does_not_answer_never_makes_a_claim_stale(host):
     assert run(claims.claim_script(inv, "alice-1", (0,), "alice@ws1", True)).returncode == 0
     old = time.time() - hostfiles.LEASE_STALE - 5
     os.utime(root / "out" / ".runtime" / "alice-1" / hostfiles.LEASE, (old, old))
-    (root / "bin" / "docker").write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2; exit 1\n")
+    (root / "bin" / "docker").write_text(
+        "#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2; exit 1\n"
+    )
     b = run(claims.claim_script(inv, "bob-1", (0,), "bob@ws2", True))
     assert b.returncode == claims.REFUSED and (claim_dir / "alice-1").exists()

@@ -182,7 +182,12 @@ def test_fabric_core_flags_that_fabtrain_cannot_honour_stop_with_a_clear_error(f
     ssh_config = tmp_path / "ssh_config"
     ssh_config.write_text("")
     flags = [str(ssh_config) if f == "SSH_CONFIG" else f for f in flags]
-    r = subprocess.run([str(Path(sys.executable).parent / "fab"), "-r", str(ROOT), *flags, "runs"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "fab"), "-r", str(ROOT), *flags, "runs"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()

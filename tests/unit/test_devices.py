@@ -160,7 +160,11 @@ def files(recorded: str) -> dict[str, str]:
 
 
 def properties(recorded: str) -> dict[int, str]:
-    return {int(path.split("/")[1]): text for path, text in files(recorded).items() if path.endswith("/properties")}
+    return {
+        int(path.split("/")[1]): text
+        for path, text in files(recorded).items()
+        if path.endswith("/properties")
+    }
 
 
 def run_probe(topology) -> str:
@@ -192,7 +196,12 @@ def test_nvidia_chosen_gpus_with_the_runtime_hook():
 
 
 def test_nvidia_chosen_gpus_as_cdi_devices():
-    assert nvidia_device_args((0, 1), cdi=True) == ["--device", "nvidia.com/gpu=0", "--device", "nvidia.com/gpu=1"]
+    assert nvidia_device_args((0, 1), cdi=True) == [
+        "--device",
+        "nvidia.com/gpu=0",
+        "--device",
+        "nvidia.com/gpu=1",
+    ]
     assert nvidia_device_args((6,), cdi=True) == ["--device", "nvidia.com/gpu=6"]
 
 

@@ -94,8 +94,13 @@ def check_golden(name: str, text: str) -> None:
 
 @pytest.mark.parametrize("kind,pyxis", [("nvidia", False), ("nvidia", True), ("amd", False), ("cpu", False)])
 def test_sbatch_script_exact_text(kind, pyxis):
-    text, warnings = export.slurm_script(inv(kind), SPEC, pyxis=pyxis, partition="gpu" if kind != "cpu" else None,
-                                         time_limit="12:00:00" if kind == "nvidia" else None)
+    text, warnings = export.slurm_script(
+        inv(kind),
+        SPEC,
+        pyxis=pyxis,
+        partition="gpu" if kind != "cpu" else None,
+        time_limit="12:00:00" if kind == "nvidia" else None,
+    )
     assert warnings == []
     check_golden(f"{kind}{'-pyxis' if pyxis else ''}.sbatch", without_entrypoint(text))
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
@@ -111,7 +116,10 @@ def k8s_texts(kind: str) -> dict[str, str]:
 def test_k8s_manifests_exact_text_and_valid(kind):
     for file, text in k8s_texts(kind).items():
         docs = list(yaml.safe_load_all(text))
-        assert docs[0]["kind"] == "ConfigMap" and docs[0]["data"]["entrypoint.py"] == dockerargs.ENTRYPOINT_SOURCE.read_text()
+        assert (
+            docs[0]["kind"] == "ConfigMap"
+            and docs[0]["data"]["entrypoint.py"] == dockerargs.ENTRYPOINT_SOURCE.read_text()
+        )
         docs[0]["data"]["entrypoint.py"] = "<docker/entrypoint.py>"
         check_golden(f"{kind}-{file}", text.split("\napiVersion:", 1)[0] + "\n"
                      + yaml.dump_all(docs, Dumper=export._Dumper, sort_keys=False, width=100))
@@ -147,8 +155,16 @@ def validate_trainjob(doc: dict) -> None:
     pod = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
         "template"]["spec"]["template"]["spec"]
     container = {**pod["containers"][0], "image": doc["spec"]["trainer"]["image"]}
-    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                                  "template": {"spec": {**pod, "containers": [container]}}}, K8S_VERSION, strict=True)
+    kubernetes_validate.validate(
+        {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": {"spec": {**pod, "containers": [container]}},
+        },
+        K8S_VERSION,
+        strict=True,
+    )
 
 
 def test_a_broken_trainjob_is_rejected():
@@ -160,7 +176,10 @@ def test_a_broken_trainjob_is_rejected():
     assert trainjob["spec"]["trainer"]["numNodes"] == 2
     assert trainjob["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "8"}}
     validate(trainjob)
-    for broken in ({**trainjob["spec"]["trainer"], "numNodes": "two"}, {**trainjob["spec"]["trainer"], "nodes": 2}):
+    for broken in (
+        {**trainjob["spec"]["trainer"], "numNodes": "two"},
+        {**trainjob["spec"]["trainer"], "nodes": 2},
+    ):
         doc = {**trainjob, "spec": {**trainjob["spec"], "trainer": broken}}
         with pytest.raises((pydantic.ValidationError, AssertionError)):
             validate(doc)
@@ -252,7 +271,9 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(tmp_path / "calls"),
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7",
            "SLURM_RESTART_COUNT": "1"}
-    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert "master 10.1.1.1" in r.stdout
     calls = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
@@ -266,8 +287,16 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     assert f"{tmp_path}/out/.runtime/j1/7.1.1:/run/fabtrain:ro" in run
     assert "fabtrain.rank=1" in run and "fabtrain.host=node2" in run
     assert f"WEIRD={HOSTILE}" in run
-    assert ["--env", "MASTER_ADDR", "--env", "MASTER_PORT=29500", "--env", "NNODES", "--env", "NODE_RANK"] == \
-        run[run.index("MASTER_ADDR") - 1:run.index("NODE_RANK") + 1]
+    assert [
+        "--env",
+        "MASTER_ADDR",
+        "--env",
+        "MASTER_PORT=29500",
+        "--env",
+        "NNODES",
+        "--env",
+        "NODE_RANK",
+    ] == run[run.index("MASTER_ADDR") - 1 : run.index("NODE_RANK") + 1]
     assert f"{tmp_path}/code dir/k1:/run/fabtrain-code:ro" in run
     assert f"{tmp_path}/out/j1/work:/workspace" in run and (tmp_path / "out/j1/work").is_dir()
     assert run[-4:] == ["trainers/gpt.py", HOSTILE, "--x", "$(touch PWNED)"]
@@ -277,14 +306,20 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     assert len(calls) == 4
     # A node whose engine does not answer fails its task at once, named; nothing is started there.
     (bin_dir / "docker").write_text('#!/bin/sh\necho "$@" >> "$STUB_OUT.fail"; [ "$1" != info ]\n')
-    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert r.returncode != 0 and "[fabtrain] node2: no Docker engine answers (docker info, 30 s)" in r.stderr
     assert (tmp_path / "calls.fail").read_text() == "info\n"
     # A node without the code (no shared filesystem, no fab sync there) is named with the path.
     (bin_dir / "docker").write_text('#!/bin/sh\necho "$@" >> "$STUB_OUT.nocode"\n')
     (tmp_path / "code dir" / "k1").rmdir()
-    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and f"[fabtrain] node2: the code is not at {tmp_path}/code dir/k1: put" in r.stderr
+    r = subprocess.run(
+        ["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert (
+        r.returncode != 0 and f"[fabtrain] node2: the code is not at {tmp_path}/code dir/k1: put" in r.stderr
+    )
     assert (tmp_path / "calls.nocode").read_text() == "info\n"
 
 
@@ -312,8 +347,10 @@ def test_k8s_hostile_values_stay_data(tmp_path):
 def test_bad_input_is_refused_clearly():
     with pytest.raises(UserError, match="--partition"):
         export.slurm_script(inv("cpu"), SPEC, partition="gpu\n#SBATCH --uid=0")
-    odd = parse(INVENTORIES["cpu"].replace("interface: eth0}\n", "interface: eth0, mounts: ['/a,b:/data']}\n", 1),
-                Path("inv.yaml"))
+    odd = parse(
+        INVENTORIES["cpu"].replace("interface: eth0}\n", "interface: eth0, mounts: ['/a,b:/data']}\n", 1),
+        Path("inv.yaml"),
+    )
     with pytest.raises(UserError, match="container-mounts"):
         export.slurm_script(odd, SPEC, pyxis=True)
     text, warnings = export.slurm_script(odd, SPEC)

@@ -258,11 +258,19 @@ GPU 00000000:1C:00.0
 def test_recorded_h100_parses_and_is_healthy():
     [g] = parse_nvidia_smi_q(H100)
     assert g["index"] == "0" and g["bus_id"] == "00000000:00:06.0" and g["product"] == "NVIDIA H100 80GB HBM3"
-    assert (g["ecc_mode"], g["ecc_volatile_uncorrectable"], g["ecc_aggregate_uncorrectable"]) == ("Enabled", 0, 0)
+    assert (g["ecc_mode"], g["ecc_volatile_uncorrectable"], g["ecc_aggregate_uncorrectable"]) == (
+        "Enabled",
+        0,
+        0,
+    )
     assert g["retired_pages_pending"] is None                     # Hopper: N/A, rows are remapped instead
     assert (g["remapped_rows_uncorrectable"], g["remapped_rows_pending"]) == (0, False)
     assert g["remapping_failure"] is False
-    assert (g["repair_pending"], g["unrepairable_memory"], g["sram_threshold_exceeded"]) == (False, False, False)
+    assert (g["repair_pending"], g["unrepairable_memory"], g["sram_threshold_exceeded"]) == (
+        False,
+        False,
+        False,
+    )
     assert g["recovery_action"] == "None"
     assert g["throttle_active"] == ["Idle"]          # not the "Clocks Event Reasons Counters" below it
     assert (g["pcie_gen_current"], g["pcie_gen_max"]) == (5, 5)
@@ -341,7 +349,11 @@ def test_recorded_4090s_idle_link_downtrain_warns_and_power_cap_is_no_problem():
 def test_recorded_v100_legacy_counters_and_the_attached_count():
     gpus = parse_nvidia_smi_q(V100)
     g = gpus[0]
-    assert (g["bus_id"], g["product"], g["ecc_mode"]) == ("00000000:1C:00.0", "Tesla V100-PCIE-32GB", "Enabled")
+    assert (g["bus_id"], g["product"], g["ecc_mode"]) == (
+        "00000000:1C:00.0",
+        "Tesla V100-PCIE-32GB",
+        "Enabled",
+    )
     assert (g["ecc_volatile_uncorrectable"], g["ecc_aggregate_uncorrectable"]) == (0, 0)   # Double Bit totals
     assert (g["retired_pages_sbe"], g["retired_pages_dbe"], g["retired_pages_pending"]) == (1, 0, False)
     assert g["remapped_rows_pending"] is None and g["throttle_active"] == ["Idle"]
@@ -391,7 +403,12 @@ def test_recorded_unreadable_gpu_and_no_gpus_fail():
     gpus = parse_nvidia_smi_q("Unable to determine the device handle for GPU0000:03:00.0: Unknown Error\n")
     assert gpus == [{"index": "", "bus_id": "0000:03:00.0", "error": "Unknown Error"}]
     [f] = judge_nvidia(gpus)
-    assert (f.gpu, f.level, f.what, f.detail) == ("", "fail", "GPU not readable", "GPU at 0000:03:00.0: Unknown Error")
+    assert (f.gpu, f.level, f.what, f.detail) == (
+        "",
+        "fail",
+        "GPU not readable",
+        "GPU at 0000:03:00.0: Unknown Error",
+    )
     assert levels(judge_nvidia(parse_nvidia_smi_q(""))) == [("", "fail", "no GPUs read")]
 
 
@@ -405,7 +422,9 @@ def test_thresholds_come_from_the_one_table(monkeypatch):
     assert thresholds_for("Tesla V100-PCIE-32GB")["max_uncorrectable_ecc"] == 0   # from default
     # the rules read the table: allow 10 uncorrectable errors and a pending remap on H100s, make
     # SW Power Cap a failure on 4090s (DERIVED H100 sample: 4 volatile errors, a remap pending)
-    monkeypatch.setitem(THRESHOLDS, "H100", {**THRESHOLDS["H100"], "max_uncorrectable_ecc": 10, "max_pending_rows": 1})
+    monkeypatch.setitem(
+        THRESHOLDS, "H100", {**THRESHOLDS["H100"], "max_uncorrectable_ecc": 10, "max_pending_rows": 1}
+    )
     monkeypatch.setitem(THRESHOLDS, "4090", {"throttle_fail": ("SW Power Cap",)})
     sick = derive(H100, (q(12, "DRAM Uncorrectable", "0") + "        Aggregate\n",
                          q(12, "DRAM Uncorrectable", "4") + "        Aggregate\n"),
@@ -707,17 +726,21 @@ def test_recorded_passing_diags_find_nothing():
 def test_recorded_failure_on_one_gpu_is_that_gpus():
     [f] = parse_dcgmi_diag(DCGM_R3_POWER_FAIL)
     assert (f.gpu, f.level, f.what) == ("1", "fail", "dcgmi Targeted Power failed")
-    assert f.detail == ("dcgmi diag: Targeted Power: Fail on GPU 1: GPU 1 Max power of 224.1 did not reach "
-                        "desired power minimum target_power_min_ratio of 224.2 for GPU 1 Verify that the clock "
-                        "speeds and GPU utilization are high.")
+    assert f.detail == (
+        "dcgmi diag: Targeted Power: Fail on GPU 1: GPU 1 Max power of 224.1 did not reach "
+        "desired power minimum target_power_min_ratio of 224.2 for GPU 1 Verify that the clock "
+        "speeds and GPU utilization are high."
+    )
 
 
 def test_recorded_failure_on_all_gpus_is_the_hosts_and_info_under_a_pass_is_nothing():
     [f] = parse_dcgmi_diag(DCGM_CUDA_FAIL)
     assert (f.gpu, f.level, f.what) == ("", "fail", "dcgmi GPU Memory failed")
-    assert f.detail.startswith("dcgmi diag: GPU Memory: Fail: GPU 0 Error using CUDA API cuInit Check DCGM and "
-                               "system logs for errors. Reset GPU. Restart DCGM. Rerun diagnostics. Unable to "
-                               "initialize CUDA library: 'system not yet initialized'")
+    assert f.detail.startswith(
+        "dcgmi diag: GPU Memory: Fail: GPU 0 Error using CUDA API cuInit Check DCGM and "
+        "system logs for errors. Reset GPU. Restart DCGM. Rerun diagnostics. Unable to "
+        "initialize CUDA library: 'system not yet initialized'"
+    )
     assert f.detail.endswith("(+1 more)")
 
 
@@ -730,7 +753,10 @@ def test_dcgm4_per_gpu_failure_and_a_warning_derived():
                    "|                           | GPU0: Fail                                     |\n"),
                   ("| pcie                      | Pass                                           |\n",
                    "| pcie                      | Warn                                           |\n"))
-    assert levels(parse_dcgmi_diag(sick)) == [("0", "fail", "dcgmi memory failed"), ("", "warn", "dcgmi pcie warned")]
+    assert levels(parse_dcgmi_diag(sick)) == [
+        ("0", "fail", "dcgmi memory failed"),
+        ("", "warn", "dcgmi pcie warned"),
+    ]
 
 
 def test_dcgmi_command_absent_timed_out_or_not_running(tmp_path):
@@ -746,7 +772,9 @@ def test_dcgmi_command_absent_timed_out_or_not_running(tmp_path):
     # No table at all (dcgmi could not run). The message is dcgmi's connection error as its
     # source prints it (NVIDIA/DCGM dcgmi/Command.cpp, "Error: Unable to connect to host engine. "
     # + the error string): a composed line, not a recording.
-    [f] = parse_dcgmi_diag("Error: Unable to connect to host engine. Host engine connection invalid/disconnected.\n")
+    [f] = parse_dcgmi_diag(
+        "Error: Unable to connect to host engine. Host engine connection invalid/disconnected.\n"
+    )
     assert (f.gpu, f.level, f.what) == ("", "warn", "dcgmi diag gave no result")
     assert parse_dcgmi_diag("") == []
 
@@ -895,8 +923,13 @@ def test_mi50_uncorrectable_errors_derived():
 def test_recorded_rx6900xt_link_and_product():
     [g] = parse_rocm_smi(RX6900XT)
     assert g["bus_id"] == "0000:2F:00.0"
-    assert g["product"] == "Navi 21 [Radeon RX 6800/6800 XT / 6900 XT] Radeon RX 6900 XT"   # series and model
-    assert (g["pcie_gen_current"], g["pcie_width_current"], g["pcie_gen_max"], g["pcie_width_max"]) == (4, 16, 4, 16)
+    assert g["product"] == "Navi 21 [Radeon RX 6800/6800 XT / 6900 XT] Radeon RX 6900 XT"  # series and model
+    assert (g["pcie_gen_current"], g["pcie_width_current"], g["pcie_gen_max"], g["pcie_width_max"]) == (
+        4,
+        16,
+        4,
+        16,
+    )
     assert g["ras"] == {} and g["ecc_uncorrectable"] is None
     assert judge_amd([g]) == []
 
@@ -906,8 +939,9 @@ def test_recorded_vega_on_x1_risers_warns():
     assert [(g["index"], g["bus_id"], g["product"]) for g in gpus] == [
         ("0", "0000:04:00.0", "Vega 10 XL/XT [Radeon RX Vega 56/64]"),
         ("1", "0000:07:00.0", "Vega 10 XL/XT [Radeon RX Vega 56/64]")]
-    assert [(g["pcie_gen_current"], g["pcie_width_current"], g["pcie_gen_max"], g["pcie_width_max"]) for g in gpus] \
-        == [(2, 1, 2, 1)] * 2
+    assert [
+        (g["pcie_gen_current"], g["pcie_width_current"], g["pcie_gen_max"], g["pcie_width_max"]) for g in gpus
+    ] == [(2, 1, 2, 1)] * 2
     found = judge_amd(gpus)
     assert levels(found) == [("0", "warn", "PCIe link narrower than expected"),
                              ("1", "warn", "PCIe link narrower than expected")]

@@ -39,7 +39,9 @@ HOSTS = ["n1", "n2", "n3", "n4"]
 def test_a_host_slow_with_every_peer_is_named_not_its_peers():
     bw, rtt = links(HOSTS, n2_n1=48, n2_n3=47, n2_n4=49)  # n2's egress shaped
     v = health.network_outliers(bw, rtt, HOSTS)
-    assert list(v.slow_hosts) == ["n2"] and v.slow_hosts["n2"].startswith("sends slowly to every peer (to n1 48")
+    assert list(v.slow_hosts) == ["n2"] and v.slow_hosts["n2"].startswith(
+        "sends slowly to every peer (to n1 48"
+    )
     assert v.slow_links == {}
     bw, rtt = links(HOSTS, n1_n3=40, n2_n3=41, n4_n3=39)  # n3 receives slowly
     v = health.network_outliers(bw, rtt, HOSTS)
@@ -53,7 +55,9 @@ def test_one_slow_link_is_named_as_a_link():
     assert v.slow_links[("n1", "n3")] == "45 Mbit/s (typical link 9000)"
     # Shaping n1 -> n3 also queues n1's ACKs of the stream n3 -> n1: one link, the slower way named.
     bw, rtt = links(HOSTS, n1_n3=47, n3_n1=1031)
-    assert health.network_outliers(bw, rtt, HOSTS).slow_links == {("n1", "n3"): "47 Mbit/s (typical link 9000); back 1031"}
+    assert health.network_outliers(bw, rtt, HOSTS).slow_links == {
+        ("n1", "n3"): "47 Mbit/s (typical link 9000); back 1031"
+    }
     # Round trips: one laggy pair is a link, a host laggy with everyone is the host.
     bw, rtt = links(HOSTS)
     rtt[("n1", "n2")] = 30.0
@@ -81,21 +85,27 @@ def test_compute_against_peers_of_the_same_kind():
 
 
 def test_disk_probe_output_and_verdicts():
-    text = ("DISK\t/opt/fabtrain/output\t5120\tdd: error writing '/opt/fabtrain/output/.fabtrain-disk-probe': "
-            "No space left on device\n"
-            "DISK\t/opt/fabtrain/code\t52428800\t16777216 bytes (17 MB, 16 MiB) copied, 0.0461 s, 364 MB/s\n")
+    text = (
+        "DISK\t/opt/fabtrain/output\t5120\tdd: error writing '/opt/fabtrain/output/.fabtrain-disk-probe': "
+        "No space left on device\n"
+        "DISK\t/opt/fabtrain/code\t52428800\t16777216 bytes (17 MB, 16 MiB) copied, 0.0461 s, 364 MB/s\n"
+    )
     found = health.parse_disk(text)
     assert found["/opt/fabtrain/code"][0] == 50.0 and round(found["/opt/fabtrain/code"][1]) == 364
     assert found["/opt/fabtrain/output"][:2] == (5120 / 1024 ** 2, None)
     checks = health.judge_disk("node3", found)
     assert [c.status for c in checks] == [FAIL, OK]
-    assert checks[0].detail.startswith("/opt/fabtrain/output: 5.0 MB free; a 16 MB write failed: dd: error writing")
+    assert checks[0].detail.startswith(
+        "/opt/fabtrain/output: 5.0 MB free; a 16 MB write failed: dd: error writing"
+    )
     slow = health.judge_disk("n", {"/d": (100.0, 5.0, "")})
     assert slow[0].status == WARN and "write + fsync 5 MB/s (below 20)" in slow[0].detail
 
 
 def test_disk_script_runs_here(tmp_path):
-    out = subprocess.run(["sh", "-c", health.disk_script([str(tmp_path / "a b")])], capture_output=True, text=True)
+    out = subprocess.run(
+        ["sh", "-c", health.disk_script([str(tmp_path / "a b")])], capture_output=True, text=True
+    )
     (free, speed, said), = health.parse_disk(out.stdout).values()
     assert free > 0 and speed > 0 and said == "" and not (tmp_path / "a b" / ".fabtrain-disk-probe").exists()
 
@@ -113,7 +123,11 @@ def test_the_network_script_measures_both_ways_on_loopback():
 def test_matrix_text():
     bw, rtt = links(["a", "b"], a_b=50)
     text = health.matrix_text(["a", "b"], bw, rtt)
-    assert text.splitlines()[1].split() == ["a", "-", "50"] and text.splitlines()[2].split() == ["b", "9000", "-"]
+    assert text.splitlines()[1].split() == ["a", "-", "50"] and text.splitlines()[2].split() == [
+        "b",
+        "9000",
+        "-",
+    ]
     assert json.dumps(text)
 
 
@@ -152,6 +166,9 @@ hosts:
 spares:
   - {name: node3, address: 10.0.0.3, interface: eth0}
 """, Path("inv3.yaml"))
-    with pytest.raises(UserError, match=r"node2 is not healthy \(net: sends slowly to every peer\) and no healthy "
-                                        r"spare is left; spare node3 is not healthy either \(compute: slow\); .* --exclude node2"):
+    with pytest.raises(
+        UserError,
+        match=r"node2 is not healthy \(net: sends slowly to every peer\) and no healthy "
+        r"spare is left; spare node3 is not healthy either \(compute: slow\); .* --exclude node2",
+    ):
         deep.gate(None, three, path=results, now=1000.0 + 60)

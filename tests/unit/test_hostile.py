@@ -40,7 +40,11 @@ def test_rich_text_is_never_markup_and_never_raises():
     # On a terminal the style's own colour codes are there, but the text's links are not.
     out = io.StringIO()
     Console(file=out, force_terminal=True, width=300).print(hostile.rich_text(ATTACK, "red"))
-    assert "\x1b]8;" not in out.getvalue() and "\x1b]52" not in out.getvalue() and "\x1b[2J" not in out.getvalue()
+    assert (
+        "\x1b]8;" not in out.getvalue()
+        and "\x1b]52" not in out.getvalue()
+        and "\x1b[2J" not in out.getvalue()
+    )
 
 
 # ---------------------------------------------------------------- names and paths
@@ -74,7 +78,9 @@ def test_relpath_refuses_a_symlink_that_leads_out(tmp_path):
 def test_relpath_fuzzed_never_leads_out(tmp_path):
     """Generated names, hostile alphabet: each one is refused, or stays inside its directory."""
     rng = random.Random(31)
-    alphabet = list("/.\\~$()`;'\" \n\r\t\x00\x1b\x7f\u009b\u202e") + list(string.ascii_letters[:6]) + ["..", "é"]
+    alphabet = (
+        list("/.\\~$()`;'\" \n\r\t\x00\x1b\x7f\u009b\u202e") + list(string.ascii_letters[:6]) + ["..", "é"]
+    )
     root = (tmp_path / "runs" / "JOB").resolve()
     root.mkdir(parents=True)
     accepted = 0
@@ -166,8 +172,10 @@ def test_preflight_details_from_hosts_are_shown_as_plain_text():
     from orchestrator.preflight.checks import FAIL, OK, Check
     render = importlib.import_module("orchestrator.preflight.render")
     out = io.StringIO()
-    render.render([Check("node1", "ssh", OK, "ok " + ATTACK), Check("node1", "docker", FAIL, ATTACK, "fix [/]it")],
-                  Console(file=out, width=200))
+    render.render(
+        [Check("node1", "ssh", OK, "ok " + ATTACK), Check("node1", "docker", FAIL, ATTACK, "fix [/]it")],
+        Console(file=out, width=200),
+    )
     printed = out.getvalue()
     assert "\x1b" not in printed and "\x07" not in printed
     assert "FAIL node1 docker: ]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]ok" in printed
@@ -193,8 +201,11 @@ def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
 
     from orchestrator.config.inventory import parse
     from orchestrator.hosts import claims
-    inv = parse(f"job: {{output_dir: {tmp_path}}}\nhosts:\n  - {{name: n1, address: 10.0.0.1, interface: eth0}}\n",
-                Path("i.yaml"))
+
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}}}\nhosts:\n  - {{name: n1, address: 10.0.0.1, interface: eth0}}\n",
+        Path("i.yaml"),
+    )
     d = tmp_path / ".claims" / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
     d.mkdir(parents=True)
     (d / "gpt-1").write_text("who=al@ws\nsince=1\nunits=0\n")
@@ -227,6 +238,7 @@ def test_bytes_that_are_not_utf8_never_reach_a_terminal_as_c1_controls():
 
 def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
     from orchestrator.progress import report
+
     line = "[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | compute 10.0 ms\n"
     (tmp_path / "node1.log").write_text("".join(line.format(r=r, s=s) for r in (0, 1) for s in (1, 2, 3)))
     assert report.write_plot([tmp_path], tmp_path / "loss.png").stat().st_size > 0

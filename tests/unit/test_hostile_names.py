@@ -66,17 +66,33 @@ def test_a_newline_cannot_forge_a_record():
     assert snapshots.Layout(PATTERN).read(out)[0] == []
 
 
-@pytest.mark.parametrize("name", ["work/checkpoints/$(touch x)", "work/checkpoints/x..", "work/checkpoints/ a b ",
-                                  "work/checkpoints/-rf", "work/checkpoints/'q\"", "work/checkpoints/é/ü.pt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "work/checkpoints/$(touch x)",
+        "work/checkpoints/x..",
+        "work/checkpoints/ a b ",
+        "work/checkpoints/-rf",
+        "work/checkpoints/'q\"",
+        "work/checkpoints/é/ü.pt",
+    ],
+)
 def test_odd_but_safe_names_are_kept_as_they_are(name):
     got = snapshots.parse_listing(listing(rec(name)), PATTERN)
     assert [e.path for e in got.entries] == [name] and got.refused == ()
 
 
 def test_hidden_files_are_skipped_but_dcp_metadata():
-    got = snapshots.parse_listing(listing(rec("work/checkpoints/.x.pt.tmp"), rec("work/checkpoints/.tmp/a.pt"),
-                                          rec("work/checkpoints/..x"), rec("work/checkpoints/..d/a.pt"),
-                                          rec("work/checkpoints/s/.metadata")), PATTERN)
+    got = snapshots.parse_listing(
+        listing(
+            rec("work/checkpoints/.x.pt.tmp"),
+            rec("work/checkpoints/.tmp/a.pt"),
+            rec("work/checkpoints/..x"),
+            rec("work/checkpoints/..d/a.pt"),
+            rec("work/checkpoints/s/.metadata"),
+        ),
+        PATTERN,
+    )
     assert [e.path for e in got.entries] == ["work/checkpoints/s/.metadata"] and got.refused == ()
 
 
@@ -104,8 +120,10 @@ def test_no_listing_at_all():
 
 
 def test_our_snapshot_names_are_whole_names_only():
-    out = "snapshot-000000010.pt\n../snapshot-000000099.pt\n/tmp/snapshot-000000098.pt\nsnapshot-000000020.pt \n" \
-          ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\nsnapshot-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0669.pt\n"
+    out = (
+        "snapshot-000000010.pt\n../snapshot-000000099.pt\n/tmp/snapshot-000000098.pt\nsnapshot-000000020.pt \n"
+        ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\nsnapshot-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0669.pt\n"
+    )
     assert snapshots.parse_names(out) == ["snapshot-000000010.pt"]
     assert snapshots.Layout().read(out)[0] == ["snapshot-000000010.pt"]
 
@@ -166,7 +184,10 @@ def entries(*specs) -> tuple:
 
 def test_a_set_is_every_file_named_by_the_newest():
     s = snapshots.checkpoint_set(entries(("work/checkpoints/model.pt", 5), ("work/checkpoints/optim.pt", 7)))
-    assert s.name == "00000000000000000007" and s.paths == ("work/checkpoints/model.pt", "work/checkpoints/optim.pt")
+    assert s.name == "00000000000000000007" and s.paths == (
+        "work/checkpoints/model.pt",
+        "work/checkpoints/optim.pt",
+    )
 
 
 def test_a_dcp_directory_counts_once_its_metadata_is_written():
@@ -237,11 +258,13 @@ def test_set_commands_are_quoted_once():
     assert snapshots.list_command(inv, spec) == (
         "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path './work/checkpoints/*' "
         "-o -path './work/checkpoints/*/*' ')' -type f '(' '!' -name '.*' -o -name .metadata ')' "
-        "-printf '%T@ %s %P\\0' && printf 'end\\0'; true")
+        "-printf '%T@ %s %P\\0' && printf 'end\\0'; true"
+    )
     assert snapshots.manifest_command("/out/j", ["work/checkpoints/$(touch x)"]).endswith(
         "sh 'work/checkpoints/$(touch x)'")
-    push, check, rename = snapshots.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j",
-                                                  PATTERN)
+    push, check, rename = snapshots.push_commands(
+        inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j", PATTERN
+    )
     tmp = ".fabtrain-set-00000000000000000007.tmp"
     assert push[-2:] == ["runs/j/checkpoints/00000000000000000007/", f"10.0.0.1:/out/j/{tmp}/"]
     # The host's rsync starts only once whatever stood at the temporary name is gone (a link itself, not
@@ -251,23 +274,101 @@ def test_set_commands_are_quoted_once():
     words = shlex.split(rename)
     scripts = [w for w in words if "no()" in w]
     assert [w for w in words if w not in scripts] == [
-        "cd", "/out/j", "&&", "sh", "-c", f"./{tmp}", "&&",
-        "find", ".", "(", "-path", "./work/checkpoints/*", "-o", "-path", "./work/checkpoints/*/*", ")", "-type", "f",
-        "-exec", "sh", "-c", f"./{tmp}", "{}", "+", "&&",
-        "find", ".", "-mindepth", "2", "(", "-path", "./work/checkpoints/*", "-o", "-path", "./work/checkpoints/*/*",
-        ")", "-type", "d", "-empty", "-delete", "&&",
-        "find", f"./{tmp}", "-type", "f", "-exec", "sh", "-c", f"./{tmp}", "{}", "+", "&&", "rm", "-rf", "--", tmp]
+        "cd",
+        "/out/j",
+        "&&",
+        "sh",
+        "-c",
+        f"./{tmp}",
+        "&&",
+        "find",
+        ".",
+        "(",
+        "-path",
+        "./work/checkpoints/*",
+        "-o",
+        "-path",
+        "./work/checkpoints/*/*",
+        ")",
+        "-type",
+        "f",
+        "-exec",
+        "sh",
+        "-c",
+        f"./{tmp}",
+        "{}",
+        "+",
+        "&&",
+        "find",
+        ".",
+        "-mindepth",
+        "2",
+        "(",
+        "-path",
+        "./work/checkpoints/*",
+        "-o",
+        "-path",
+        "./work/checkpoints/*/*",
+        ")",
+        "-type",
+        "d",
+        "-empty",
+        "-delete",
+        "&&",
+        "find",
+        f"./{tmp}",
+        "-type",
+        "f",
+        "-exec",
+        "sh",
+        "-c",
+        f"./{tmp}",
+        "{}",
+        "+",
+        "&&",
+        "rm",
+        "-rf",
+        "--",
+        tmp,
+    ]
     check_tmp, aside, move = scripts
-    assert check_tmp.endswith('[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"')
-    assert aside.endswith('for f; do [ -e "$0/$f" ] && continue; dir ".fabtrain-replaced/${f%/*}"; '
-                          'spot ".fabtrain-replaced/$f"; mv -f -- "$f" ".fabtrain-replaced/$f" || exit 1; done')
-    assert move.endswith('for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; mv -f -- "$f" "$d" || exit 1; done')
+    assert check_tmp.endswith(
+        '[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"'
+    )
+    assert aside.endswith(
+        'for f; do [ -e "$0/$f" ] && continue; dir ".fabtrain-replaced/${f%/*}"; '
+        'spot ".fabtrain-replaced/$f"; mv -f -- "$f" ".fabtrain-replaced/$f" || exit 1; done'
+    )
+    assert move.endswith(
+        'for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; mv -f -- "$f" "$d" || exit 1; done'
+    )
     assert "mkdir -p" not in rename  # mkdir -p goes through links; dir() makes one component at a time
     # Without the glob (a caller that does not pass it), nothing is moved aside: "" would match every file.
     bare = snapshots.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j")[2]
     assert [w for w in shlex.split(bare) if "no()" not in w] == [
-        "cd", "/out/j", "&&", "sh", "-c", f"./{tmp}", "&&",
-        "find", f"./{tmp}", "-type", "f", "-exec", "sh", "-c", f"./{tmp}", "{}", "+", "&&", "rm", "-rf", "--", tmp]
+        "cd",
+        "/out/j",
+        "&&",
+        "sh",
+        "-c",
+        f"./{tmp}",
+        "&&",
+        "find",
+        f"./{tmp}",
+        "-type",
+        "f",
+        "-exec",
+        "sh",
+        "-c",
+        f"./{tmp}",
+        "{}",
+        "+",
+        "&&",
+        "rm",
+        "-rf",
+        "--",
+        tmp,
+    ]
     assert snapshots.REPLACED not in bare
 
 
@@ -278,7 +379,9 @@ class LocalSession:
 
     def run(self, host, command, timeout=60, stdin=None, what=""):
         r = subprocess.run(["sh", "-c", command], capture_output=True, timeout=timeout)
-        return Result(r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"), r.returncode, 0.01)
+        return Result(
+            r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"), r.returncode, 0.01
+        )
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
@@ -289,9 +392,13 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     one refused (once, naming the host), and nothing is written anywhere else."""
     monkeypatch.chdir(tmp_path)
     pwned = f"/tmp/pwned-{os.getpid()}-{time.time_ns()}"
-    inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
-                Path("/i/inv.yaml"))
-    spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern("checkpoints/"))
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+        Path("/i/inv.yaml"),
+    )
+    spec = jobspec.JobSpec(
+        job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern("checkpoints/")
+    )
     ck = tmp_path / "host" / "j" / "work" / "checkpoints"
     evil = ck / f"x\n00000000000000000000 {pwned}"
     evil.mkdir(parents=True)
@@ -304,12 +411,18 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     for p in ck.rglob("*"):
         os.utime(p, ns=(old, old))
     reports = []
-    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append, copy=local_rsync)
+    snaps = snapshots.Snapshots(
+        tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append, copy=local_rsync
+    )
     session, host = LocalSession(), inv.hosts[0]
     for _ in range(3):  # as the follow thread and the planning look would, again and again
         name = snapshots.remote_newest(session, host, inv, spec, warn=snaps.warn)
     assert name and snaps.fetch(session, host, name)
-    got = {p.relative_to(snaps.local_path(name)).as_posix() for p in snaps.local_path(name).rglob("*") if p.is_file()}
+    got = {
+        p.relative_to(snaps.local_path(name)).as_posix()
+        for p in snaps.local_path(name).rglob("*")
+        if p.is_file()
+    }
     # '..hidden-ish' is a hidden file (a temporary file, as rsync's): never part of a set, never refused.
     assert got == {"work/checkpoints/model.pt", "work/checkpoints/$(touch x)"}
     assert not os.path.exists(pwned) and not (tmp_path / "x").exists() and not Path("x").exists()
@@ -329,8 +442,10 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
 # machine; the 'host' is a folder here, the victim a folder beside it.
 
 SET = f"{1_700_000_000 * 10**9:020d}"
-FAKE_SSH = ("#!/bin/sh\n# ssh HOST COMMAND...: the command run here by sh, as sshd runs it with the user's shell\n"
-            'shift\nexec sh -c "$*"\n')
+FAKE_SSH = (
+    "#!/bin/sh\n# ssh HOST COMMAND...: the command run here by sh, as sshd runs it with the user's shell\n"
+    'shift\nexec sh -c "$*"\n'
+)
 
 
 def ssh_rsync(tmp_path: Path):
@@ -364,9 +479,13 @@ def files_under(root: Path) -> dict[str, bytes]:
 def placing(tmp_path: Path, local: dict[str, bytes], copy=None):
     """A job with --checkpoint /output/ckpt/* whose set `local` (paths under the job's output
     directory) is here in runs/j, its host's output directory (empty) and a victim: ~/.ssh."""
-    inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
-                Path("/i/inv.yaml"))
-    spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern("/output/ckpt/*"))
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+        Path("/i/inv.yaml"),
+    )
+    spec = jobspec.JobSpec(
+        job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern("/output/ckpt/*")
+    )
     root = tmp_path / "host" / "j"
     root.mkdir(parents=True)
     victim = tmp_path / "victim" / ".ssh"
@@ -404,17 +523,25 @@ def test_moving_aside_never_goes_through_a_link(tmp_path, link, target, refused)
     assert files_under(tmp_path / "victim") == before  # nothing written there
     assert (root / "ckpt" / "authorized_keys").read_bytes() == ATTACKER_KEY  # not moved anywhere
     assert not (root / "ckpt" / "model.pt").exists() and not list(root.glob(".fabtrain-set-*"))
-    assert str(err.value).startswith(f"a: did not place snapshot {SET} in {root}: {refused} in the job output "
-                                     f"directory {root}; nothing is written through it. ")
+    assert str(err.value).startswith(
+        f"a: did not place snapshot {SET} in {root}: {refused} in the job output "
+        f"directory {root}; nothing is written through it. "
+    )
     assert reports == [str(err.value)]  # refused once, not tried COPY_TRIES times
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
-@pytest.mark.parametrize("make,refused", [
-    # The set's own folder a link to ~/.ssh: the set's ckpt/authorized_keys went over the victim's.
-    (lambda root, victim: os.symlink(victim, root / "ckpt"), "ckpt is a symbolic link"),
-    (lambda root, victim: (root / "ckpt").write_bytes(b"a file where the folder goes"), "ckpt is not a directory"),
-])
+@pytest.mark.parametrize(
+    "make,refused",
+    [
+        # The set's own folder a link to ~/.ssh: the set's ckpt/authorized_keys went over the victim's.
+        (lambda root, victim: os.symlink(victim, root / "ckpt"), "ckpt is a symbolic link"),
+        (
+            lambda root, victim: (root / "ckpt").write_bytes(b"a file where the folder goes"),
+            "ckpt is not a directory",
+        ),
+    ],
+)
 def test_placing_a_set_never_goes_through_a_link_to_its_folder(tmp_path, make, refused):
     snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/authorized_keys": ATTACKER_KEY,
                                                             "ckpt/model.pt": b"model 7"})
@@ -431,7 +558,9 @@ def test_a_link_at_a_files_own_place_is_replaced_and_links_elsewhere_are_left_al
     """A link where a file of the set goes is replaced by the file (mv would have moved the file
     into the folder the link points to); the working directory's links into the code, and any
     other link under the job's output directory, are none of placing's business."""
-    snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7", "ckpt/sub/optim.pt": b"o"})
+    snaps, reports, host, root, victim = placing(
+        tmp_path, {"ckpt/model.pt": b"model 7", "ckpt/sub/optim.pt": b"o"}
+    )
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "main.py").write_text("print()")
     (root / "work").mkdir()
@@ -442,9 +571,15 @@ def test_a_link_at_a_files_own_place_is_replaced_and_links_elsewhere_are_left_al
     before = files_under(tmp_path / "victim")
     snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
     assert files_under(tmp_path / "victim") == before and reports == []
-    assert files_under(root) == {"ckpt": b"<dir>", "ckpt/model.pt": b"model 7", "ckpt/sub": b"<dir>",
-                                 "ckpt/sub/optim.pt": b"o", "code-link": b"-> " + str(tmp_path / "code").encode(),
-                                 "work": b"<dir>", "work/main.py": b"-> " + str(tmp_path / "code" / "main.py").encode()}
+    assert files_under(root) == {
+        "ckpt": b"<dir>",
+        "ckpt/model.pt": b"model 7",
+        "ckpt/sub": b"<dir>",
+        "ckpt/sub/optim.pt": b"o",
+        "code-link": b"-> " + str(tmp_path / "code").encode(),
+        "work": b"<dir>",
+        "work/main.py": b"-> " + str(tmp_path / "code" / "main.py").encode(),
+    }
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
@@ -510,8 +645,11 @@ def test_a_set_folder_swapped_for_a_link_between_two_looks_is_never_read(tmp_pat
     secret = (victim / "id_ed25519").read_bytes()
     assert not any(p.is_file() and p.read_bytes() == secret for p in (tmp_path / "runs").rglob("*"))
     assert snaps.local_newest() is None
-    assert len(reports) == 1 and "fabtrain: refused: ckpt/authorized_keys is not a plain file at its path in" \
-        in reports[0] and "\n" not in reports[0], reports
+    assert (
+        len(reports) == 1
+        and "fabtrain: refused: ckpt/authorized_keys is not a plain file at its path in" in reports[0]
+        and "\n" not in reports[0]
+    ), reports
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
@@ -534,4 +672,7 @@ def test_checksums_that_read_other_sizes_than_the_listing_are_not_copied(tmp_pat
     name = snapshots.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
     assert not snaps.fetch(Growing(), host, name)
     assert copies == []  # nothing copied on checksums that do not match the listing
-    assert len(reports) == 1 and "the host's checksums read other sizes than its listing: 'ckpt/model.pt'" in reports[0]
+    assert (
+        len(reports) == 1
+        and "the host's checksums read other sizes than its listing: 'ckpt/model.pt'" in reports[0]
+    )

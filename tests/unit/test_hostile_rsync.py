@@ -84,28 +84,41 @@ def fact(version: str, *extra: str, rc: int = 0) -> tuple[int, str]:
 FIXED = ("fixed=CVE-2024-12087", "fixed=CVE-2024-12088")
 
 
-@pytest.mark.parametrize("given, status, detail", [
-    (fact("rsync  version 3.1.3  protocol version 31"), FAIL, "rsync 3.1.3 is older than 3.2.4"),
-    (fact("rsync  version v3.2.3  protocol version 31"), FAIL, "rsync 3.2.3 is older than 3.2.4"),
-    (fact("rsync  version 3.2.3  protocol version 31", *FIXED), FAIL, "rsync 3.2.3 is older than 3.2.4"),
-    (fact("rsync  version 3.2.4  protocol version 31"), WARN, "rsync 3.2.4 is older than 3.4"),
-    (fact("rsync  version 3.2.7  protocol version 31"), WARN, "rsync 3.2.7 is older than 3.4"),
-    (fact("rsync  version 3.2.7  protocol version 31", FIXED[0]), WARN, "rsync 3.2.7 is older than 3.4"),
-    (fact("rsync  version 3.2.7  protocol version 31", *FIXED), OK,
-     "3.2.7, its package fixes CVE-2024-12087 and CVE-2024-12088"),
-    (fact("rsync  version 3.4.0  protocol version 32"), OK, "3.4.0"),
-    (fact("rsync  version 3.4.1  protocol version 32"), OK, "3.4.1"),
-    (fact(""), FAIL, "no rsync"),
-    ((1, "sh: probe broke"), FAIL, "could not run rsync: sh: probe broke"),
-    (fact("openrsync: protocol version 29"), FAIL, "cannot read rsync's version from 'openrsync: protocol version 29'"),
-])
+@pytest.mark.parametrize(
+    "given, status, detail",
+    [
+        (fact("rsync  version 3.1.3  protocol version 31"), FAIL, "rsync 3.1.3 is older than 3.2.4"),
+        (fact("rsync  version v3.2.3  protocol version 31"), FAIL, "rsync 3.2.3 is older than 3.2.4"),
+        (fact("rsync  version 3.2.3  protocol version 31", *FIXED), FAIL, "rsync 3.2.3 is older than 3.2.4"),
+        (fact("rsync  version 3.2.4  protocol version 31"), WARN, "rsync 3.2.4 is older than 3.4"),
+        (fact("rsync  version 3.2.7  protocol version 31"), WARN, "rsync 3.2.7 is older than 3.4"),
+        (fact("rsync  version 3.2.7  protocol version 31", FIXED[0]), WARN, "rsync 3.2.7 is older than 3.4"),
+        (
+            fact("rsync  version 3.2.7  protocol version 31", *FIXED),
+            OK,
+            "3.2.7, its package fixes CVE-2024-12087 and CVE-2024-12088",
+        ),
+        (fact("rsync  version 3.4.0  protocol version 32"), OK, "3.4.0"),
+        (fact("rsync  version 3.4.1  protocol version 32"), OK, "3.4.1"),
+        (fact(""), FAIL, "no rsync"),
+        ((1, "sh: probe broke"), FAIL, "could not run rsync: sh: probe broke"),
+        (
+            fact("openrsync: protocol version 29"),
+            FAIL,
+            "cannot read rsync's version from 'openrsync: protocol version 29'",
+        ),
+    ],
+)
 def test_judge_rsync_by_version(given, status, detail):
     c = judge.judge_rsync("a", given)
     assert (c.host, c.check, c.status) == ("a", "rsync", status)
     assert c.detail.startswith(detail), c.detail
     if status == FAIL and "older" in detail:
         assert "argument handling differs" in c.detail
-        assert c.fix == "on a: upgrade rsync to 3.4 or later (a distribution's build of 3.2.7 with the fixes will do)"
+        assert (
+            c.fix
+            == "on a: upgrade rsync to 3.4 or later (a distribution's build of 3.2.7 with the fixes will do)"
+        )
     if status == WARN:
         assert "CVE-2024-12087" in c.detail and "CVE-2024-12088" in c.detail and "upgrade rsync" in c.fix
     if status == OK:
@@ -121,7 +134,9 @@ def test_judge_rsync_on_this_machine_names_it():
 
 
 def test_argument_environment_is_shown_but_changes_nothing():
-    old = fact("rsync  version 3.4.1  protocol version 32", "env=RSYNC_OLD_ARGS=1", "env=RSYNC_PROTECT_ARGS=0")
+    old = fact(
+        "rsync  version 3.4.1  protocol version 32", "env=RSYNC_OLD_ARGS=1", "env=RSYNC_PROTECT_ARGS=0"
+    )
     c = judge.judge_rsync("a", old)
     assert c.status == OK
     assert c.detail == ("3.4.1; RSYNC_OLD_ARGS=1, RSYNC_PROTECT_ARGS=0 in its SSH environment "

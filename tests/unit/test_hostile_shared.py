@@ -32,13 +32,17 @@ def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_
         f"there; remove it (rm %s) and run again\\n' {c} {c} >&2; exit 6; fi; mkdir -p {c} || exit 6; "
         f"{{ ( cd -P {c} && [ ! -L {c} ] && [ {c} -ef . ] && [ -O . ] && chmod g+rwxs . ); }} 2>/dev/null; "
         f"[ -w {c} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with the group: "
-        f"chmod g+rwxs %s; chgrp GROUP %s\\n' {c} \"$(id -un)\" \"$(stat -c %U {c})\" {c} {c} >&2; exit 6; }}; ")
+        f'chmod g+rwxs %s; chgrp GROUP %s\\n\' {c} "$(id -un)" "$(stat -c %U {c})" {c} {c} >&2; exit 6; }}; '
+    )
     assert hostfiles.shared_dir_script('"$d"', sticky=True, check=False) == (
-        hostfiles.not_link_script('"$d"') + 'mkdir -p "$d" || exit 6; { ( cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] '
-        '&& [ -O . ] && chmod g+rwxs,+t . ); } 2>/dev/null; ')
+        hostfiles.not_link_script('"$d"')
+        + 'mkdir -p "$d" || exit 6; { ( cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] '
+        "&& [ -O . ] && chmod g+rwxs,+t . ); } 2>/dev/null; "
+    )
     assert hostfiles.enter_script('"$d"') == (
         'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] || { printf \'%s changed while this command entered it '
-        '(another account may have put a link there): run again\\n\' "$d" >&2; exit 6; }; ')
+        '(another account may have put a link there): run again\\n\' "$d" >&2; exit 6; }; '
+    )
 
 
 def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_beside_it():
@@ -47,35 +51,46 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
     assert hostfiles.own_runtime_script(INV, "gpt-1") == (
         hostfiles.shared_dir_script(rt, sticky=True) + f"mkdir -m 0711 {own} 2>/dev/null; if [ -L {own} ] || "
         f"[ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; another account made it: "
-        f"job ids are never reused, so remove it (its owner or root)\\n' {own} \"$(id -un)\" >&2; exit 7; fi; "
-        f"( cd -P {own} && [ ! -L {own} ] && [ {own} -ef . ] && [ -O . ] && chmod 0711 . && touch lease )")
+        f'job ids are never reused, so remove it (its owner or root)\\n\' {own} "$(id -un)" >&2; exit 7; fi; '
+        f"( cd -P {own} && [ ! -L {own} ] && [ {own} -ef . ] && [ -O . ] && chmod 0711 . && touch lease )"
+    )
     assert hostfiles.stopped_marker(INV, "gpt-1") == "/opt/o ut/.runtime/.stopped/gpt-1"
     assert hostfiles.stop_mark_script(INV, ["a-1", "b-2"]) == (
-        hostfiles.shared_dir_script(rt, sticky=True, check=False) + hostfiles.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
+        hostfiles.shared_dir_script(rt, sticky=True, check=False)
+        + hostfiles.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
         + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/a-1' ); "
-          "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/b-2' )")
+        "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/b-2' )"
+    )
     # A smoke test's own runtime directory (no units): the stop marker cleared, the directory made.
     assert claims.claim_script(INV, "gpt-1", None, "al@ws", True) == (
         "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + hostfiles.own_runtime_script(INV, "gpt-1"))
     assert claims.release_command(INV, ["gpt-1"]) == (
         "d='/opt/o ut/.claims'/\"$(hostname)\"; rm -rf '/opt/o ut/.runtime/gpt-1' '/opt/o ut/.runtime/.stopped/gpt-1'; "
-        'rm -f "$d"/gpt-1')
+        'rm -f "$d"/gpt-1'
+    )
 
 
 def test_the_claim_script_shares_its_lock_and_files_with_the_group():
     s = claims.claim_script(INV, "gpt-1", (0, 1), "al@ws", True, 29500)
-    assert s.startswith("d='/opt/o ut/.claims'/\"$(hostname)\"; " + hostfiles.shared_dir_script("'/opt/o ut/.claims'", check=False)
-                        + hostfiles.shared_dir_script('"$d"') + "( umask 022; " + hostfiles.enter_script('"$d"')
-                        + 'd=.; { [ ! -L "$d"/.lock ] || rm -f "$d"/.lock; }; { command exec 9<>"$d"/.lock; } '
-                        '2>/dev/null || command exec 9<"$d"/.lock || exit 6; [ -f "$d"/.lock ] && [ ! -L "$d"/.lock ] '
-                        '&& [ "$d"/.lock -ef /dev/fd/9 ] || { printf \'%s/.lock is not a plain file (another account '
-                        'may have put a link there): remove it (rm %s/.lock) and run again\\n\' "$PWD" "$PWD" >&2; '
-                        'exit 6; }; { [ -O /dev/fd/9 ] && [ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; '
-                        '} 2>/dev/null; flock -w 10 9 || ')
+    assert s.startswith(
+        "d='/opt/o ut/.claims'/\"$(hostname)\"; "
+        + hostfiles.shared_dir_script("'/opt/o ut/.claims'", check=False)
+        + hostfiles.shared_dir_script('"$d"')
+        + "( umask 022; "
+        + hostfiles.enter_script('"$d"')
+        + 'd=.; { [ ! -L "$d"/.lock ] || rm -f "$d"/.lock; }; { command exec 9<>"$d"/.lock; } '
+        '2>/dev/null || command exec 9<"$d"/.lock || exit 6; [ -f "$d"/.lock ] && [ ! -L "$d"/.lock ] '
+        '&& [ "$d"/.lock -ef /dev/fd/9 ] || { printf \'%s/.lock is not a plain file (another account '
+        'may have put a link there): remove it (rm %s/.lock) and run again\\n\' "$PWD" "$PWD" >&2; '
+        'exit 6; }; { [ -O /dev/fd/9 ] && [ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; '
+        "} 2>/dev/null; flock -w 10 9 || "
+    )
     assert 'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; ' in s
-    assert s.endswith(hostfiles.own_runtime_script(INV, "gpt-1") + ' && rm -f "$d"/.gpt-1.tmp && ( set -C; printf '
-                      '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
-                      'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1 )')
+    assert s.endswith(
+        hostfiles.own_runtime_script(INV, "gpt-1") + ' && rm -f "$d"/.gpt-1.tmp && ( set -C; printf '
+        '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
+        'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1 )'
+    )
     assert claims.survey_script(INV).endswith(
         '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && for f in ./*; do case "${f##*/}" in '
         '*[!A-Za-z0-9._-]*) continue;; esac; [ -f "$f" ] && [ ! -L "$f" ] && '
@@ -89,14 +104,20 @@ def mode(path: Path) -> int:
 def test_modes_left_by_a_claim_under_a_narrow_umask(tmp_path):
     """Run by sh here (one account): what the other accounts of the group are given, whatever this
     one's umask; an older version's narrow directories of this account are widened."""
-    inv = parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml")
+    )
     (tmp_path / "out" / ".runtime").mkdir(parents=True, mode=0o700)  # as an older version left it
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "docker").write_text("#!/bin/sh\nexit 0\n")
     (tmp_path / "bin" / "docker").chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
-    r = subprocess.run(["sh", "-c", "umask 077; " + claims.claim_script(inv, "gpt-1", (0,), "al@ws", True, 29500)],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        ["sh", "-c", "umask 077; " + claims.claim_script(inv, "gpt-1", (0,), "al@ws", True, 29500)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     host = next((tmp_path / "out" / ".claims").iterdir())
     setgid = stat.S_ISGID
@@ -110,8 +131,12 @@ def test_modes_left_by_a_claim_under_a_narrow_umask(tmp_path):
     # A link where the job's runtime directory goes is refused, never followed.
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "out" / ".runtime" / "gpt-2").symlink_to(tmp_path / "elsewhere")
-    r = subprocess.run(["sh", "-c", claims.claim_script(inv, "gpt-2", (1,), "al@ws", True)], capture_output=True,
-                       text=True, env=env)
+    r = subprocess.run(
+        ["sh", "-c", claims.claim_script(inv, "gpt-2", (1,), "al@ws", True)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == hostfiles.NOT_OWN and "is not a directory of" in r.stderr
     assert not (host / "gpt-2").exists() and list((tmp_path / "elsewhere").iterdir()) == []
 
@@ -134,8 +159,11 @@ def test_the_master_port_passes_over_ports_other_jobs_claimed():
 
 CPU2 = parse("job: {nproc_per_node: 2}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n"
              "  - {name: n2, address: 10.0.0.2, interface: eth0}\n", Path("i.yaml"))
-GPU = parse("hosts:\n  - {name: g1, address: 10.0.0.1, interface: eth0, gpus: {vendor: nvidia, count: 4}}\n"
-            "  - {name: g2, address: 10.0.0.2, interface: eth0, gpus: {vendor: amd, count: 2}}\n", Path("g.yaml"))
+GPU = parse(
+    "hosts:\n  - {name: g1, address: 10.0.0.1, interface: eth0, gpus: {vendor: nvidia, count: 4}}\n"
+    "  - {name: g2, address: 10.0.0.2, interface: eth0, gpus: {vendor: amd, count: 2}}\n",
+    Path("g.yaml"),
+)
 
 
 def jobs(cpus=2, claimed=(), running=None) -> hostops.HostJobs:
@@ -153,7 +181,10 @@ def test_the_smoke_test_takes_only_free_units_the_same_number_everywhere():
     g = PerHost(g1=jobs(claimed=[claims.Holder("bob-1", units=(0, 2))]), g2=jobs())
     assert smoke.choose(GPU, g) == {"g1": (1, 3), "g2": (0, 1)}
     narrowed = smoke.narrow(GPU, {"g1": (1, 3), "g2": (0, 1)}, 29501)
-    assert [h.env for h in narrowed.hosts] == [(("CUDA_VISIBLE_DEVICES", "1,3"),), (("HIP_VISIBLE_DEVICES", "0,1"),)]
+    assert [h.env for h in narrowed.hosts] == [
+        (("CUDA_VISIBLE_DEVICES", "1,3"),),
+        (("HIP_VISIBLE_DEVICES", "0,1"),),
+    ]
     assert narrowed.job.master_port == 29501
     # A host with nothing free (a job with no claim file holds the whole host): skipped, naming it.
     rows = smoke.choose(CPU2, PerHost(n1=jobs(running={"old-1": 0}), n2=jobs()))
@@ -210,7 +241,9 @@ def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(
     def ends(session, inv, spec, run_dir):
         run_dir.mkdir(parents=True)
         for h in inv.hosts:
-            (run_dir / f"{h.name}.log").write_text("SMOKE ok backend=gloo world=4 size=8MB time=1ms busbw=70.0 MB/s\n")
+            (run_dir / f"{h.name}.log").write_text(
+                "SMOKE ok backend=gloo world=4 size=8MB time=1ms busbw=70.0 MB/s\n"
+            )
         seen.append((inv, spec))
         return Watched(ends={h.name: NodeEnd(h, exit_code=0) for h in inv.hosts})
     rows = smoke.smoke_test(s, CPU2, None, [], ends)
@@ -223,7 +256,9 @@ def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(
 # the group may put them; what they point at stands for this account's own files.
 
 def cpu_inv(tmp_path):
-    return parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
+    return parse(
+        f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml")
+    )
 
 
 def sh(tmp_path, script, stdin=None):
@@ -247,7 +282,12 @@ def secret(tmp_path, name="id_rsa"):
 
 
 def host_claims(tmp_path) -> Path:
-    return tmp_path / "out" / ".claims" / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    return (
+        tmp_path
+        / "out"
+        / ".claims"
+        / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    )
 
 
 def test_a_lock_link_another_account_planted_is_replaced_never_followed(tmp_path):
@@ -303,7 +343,9 @@ def test_a_stop_marker_link_is_never_written_through(tmp_path):
 
 
 def put(path, data="TOKEN=s3cret\n", mode=0o600):
-    return subprocess.run(["sh", "-c", put_command(str(path), mode)], input=data, capture_output=True, text=True)
+    return subprocess.run(
+        ["sh", "-c", put_command(str(path), mode)], input=data, capture_output=True, text=True
+    )
 
 
 def test_put_makes_its_file_new_in_a_directory_of_its_own(tmp_path):
@@ -312,7 +354,8 @@ def test_put_makes_its_file_new_in_a_directory_of_its_own(tmp_path):
         """[ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || { printf "%s is not a directory of %s (a link, or one of """
         """another account): %s is not written\\n" "$d" "$(id -un)" "$1" >&2; exit 1; }; f="./${1##*/}"; umask 077 """
         """&& rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )' sh """
-        """/o/.runtime/gpt-1/secrets.env 600""")
+        """/o/.runtime/gpt-1/secrets.env 600"""
+    )
     home, key = secret(tmp_path)
     job = tmp_path / "out" / ".runtime" / "gpt-1"
     assert put(job / "secrets.env").returncode == 0          # the directory made, the file 0600
@@ -336,7 +379,9 @@ def test_put_makes_its_file_new_in_a_directory_of_its_own(tmp_path):
     (tmp_path / "others").mkdir()
     (tmp_path / "out" / ".runtime" / "gpt-2").symlink_to(tmp_path / "others")
     r = put(tmp_path / "out" / ".runtime" / "gpt-2" / "secrets.env")
-    assert r.returncode == 1 and "is not a directory of" in r.stderr and "secrets.env is not written" in r.stderr
+    assert (
+        r.returncode == 1 and "is not a directory of" in r.stderr and "secrets.env is not written" in r.stderr
+    )
     assert list((tmp_path / "others").iterdir()) == []
 
 

@@ -117,8 +117,17 @@ def test_a_file_with_every_kind_of_line(tmp_path):
     kh = remote.known_hosts(str(path))
     assert isinstance(kh, KnownHosts)
     assert kh.skipped == [9, 10, 11, 12, 13, 14, 15]
-    assert [(e.line, e.marker) for e in kh.lines] == [(3, ""), (4, "@cert-authority"), (5, "@revoked"), (6, ""),
-                                                      (7, ""), (8, ""), (16, ""), (17, ""), (18, "@revoked")]
+    assert [(e.line, e.marker) for e in kh.lines] == [
+        (3, ""),
+        (4, "@cert-authority"),
+        (5, "@revoked"),
+        (6, ""),
+        (7, ""),
+        (8, ""),
+        (16, ""),
+        (17, ""),
+        (18, "@revoked"),
+    ]
 
     def plain(name):
         return {t: k.get_base64() for t, k in (kh.lookup(name) or {}).items()}
@@ -165,7 +174,9 @@ def test_a_key_revoked_in_the_global_file_is_refused_naming_host_file_and_line(t
     msg = str(err.value)
     assert msg.startswith(f"node2 (10.0.0.2): host key ssh-ed25519 {pkey(key).fingerprint} is REVOKED "
                           f"(@revoked line {tmp_path}/global:2)")
-    assert f"ssh-keyscan -p 22 10.0.0.2 >> {tmp_path}/kh" in msg and f"remove line 2 of {tmp_path}/global" in msg
+    assert (
+        f"ssh-keyscan -p 22 10.0.0.2 >> {tmp_path}/kh" in msg and f"remove line 2 of {tmp_path}/global" in msg
+    )
 
 
 def test_known_only_through_a_ca_says_so_and_how_to_add_the_plain_key(tmp_path):
@@ -212,7 +223,9 @@ def test_ssh_argv_passes_the_global_files_explicitly():
         "-i", "/k/id", "-o", "IdentitiesOnly=yes"]
     none = sshargs.ssh_options(SSH(hostname="h", user="u", known_hosts=("/k/kh",), global_known_hosts=()))
     assert none[13:15] == ["-o", "GlobalKnownHostsFile=/dev/null"]
-    odd = sshargs.ssh_options(SSH(hostname="h", user="u", known_hosts=("/a b/%h",), global_known_hosts=("/g 1/%h", "/g2")))
+    odd = sshargs.ssh_options(
+        SSH(hostname="h", user="u", known_hosts=("/a b/%h",), global_known_hosts=("/g 1/%h", "/g2"))
+    )
     assert odd[12] == 'UserKnownHostsFile="/a b/%%h"'  # ssh expands '%' there
     assert odd[14] == 'GlobalKnownHostsFile="/g 1/%h" /g2'  # and not there
 
@@ -221,11 +234,15 @@ def test_ssh_argv_passes_the_global_files_explicitly():
 def test_openssh_reads_exactly_the_files_paramiko_reads(tmp_path):
     odd = ("/x/a%b", "/x/c d", '/x/e"f', "/x/g\\h", "/x/i'j", "/x/plain")
     jump = SSH(hostname="bastion", user="j", known_hosts=odd[:2], global_known_hosts=odd[2:])
-    for ssh in (SSH(hostname="10.0.0.2", user="u", known_hosts=odd, global_known_hosts=odd[::-1], jump=(jump,)),
-                SSH(hostname="10.0.0.2", user="u", known_hosts=odd[:1], global_known_hosts=()),
-                SSH(hostname="10.0.0.2", user="u", known_hosts=("/k/kh",))):
+    for ssh in (
+        SSH(hostname="10.0.0.2", user="u", known_hosts=odd, global_known_hosts=odd[::-1], jump=(jump,)),
+        SSH(hostname="10.0.0.2", user="u", known_hosts=odd[:1], global_known_hosts=()),
+        SSH(hostname="10.0.0.2", user="u", known_hosts=("/k/kh",)),
+    ):
         argv = sshargs.ssh_options(ssh)
-        out = subprocess.run(["ssh", "-G", *argv[1:], ssh.hostname], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["ssh", "-G", *argv[1:], ssh.hostname], capture_output=True, text=True, check=True
+        ).stdout
         got = dict(line.partition(" ")[::2] for line in out.splitlines())
         assert got["userknownhostsfile"] == " ".join(ssh.known_hosts)
         assert got["globalknownhostsfile"] == (" ".join(ssh.global_known_hosts) or "/dev/null")
@@ -240,7 +257,10 @@ def test_openssh_reads_exactly_the_files_paramiko_reads(tmp_path):
 def test_ssh_config_global_known_hosts_file_is_honoured(tmp_path):
     config = paramiko.SSHConfig.from_text(
         f"Host gpu1\n  GlobalKnownHostsFile {tmp_path}/g1 ~/g2\nHost gpu2\n  GlobalKnownHostsFile none\n")
-    assert resolve("gpu1", Settings(), config).global_known_hosts == (f"{tmp_path}/g1", os.path.expanduser("~/g2"))
+    assert resolve("gpu1", Settings(), config).global_known_hosts == (
+        f"{tmp_path}/g1",
+        os.path.expanduser("~/g2"),
+    )
     assert resolve("gpu2", Settings(), config).global_known_hosts == ()
     assert resolve("gpu3", Settings(), config).global_known_hosts == DEFAULT_GLOBAL_KNOWN_HOSTS
     assert resolve("gpu3", Settings(), None).global_known_hosts == DEFAULT_GLOBAL_KNOWN_HOSTS
@@ -252,8 +272,13 @@ EVIL = "\x1b]52;c;aGk=\x07\x1b[2J\x9b31m[/red][link=file:///etc/passwd]"
 
 
 def host(port: int = 22, known_hosts: tuple[str, ...] = ()) -> Host:
-    return Host(name="node2", address="127.0.0.1", rank=1, interface="lo",
-                ssh=SSH(hostname="127.0.0.1", user="root", port=port, connect_timeout=5, known_hosts=known_hosts))
+    return Host(
+        name="node2",
+        address="127.0.0.1",
+        rank=1,
+        interface="lo",
+        ssh=SSH(hostname="127.0.0.1", user="root", port=port, connect_timeout=5, known_hosts=known_hosts),
+    )
 
 
 def assert_clean(text: str) -> None:
@@ -371,15 +396,31 @@ def test_drain_passes_small_output_whole():
 
 def test_a_local_command_flooding_its_output_is_capped(tmp_path):
     """rsync's output can be a host's (its shell's stderr): Session.local keeps a bounded part."""
-    flood = "import os; os.write(1, b'o' * (20 << 20)); os.write(2, b'e' * (9 << 20)); print('end', flush=True)"
+    flood = (
+        "import os; os.write(1, b'o' * (20 << 20)); os.write(2, b'e' * (9 << 20)); print('end', flush=True)"
+    )
     session = remote.Session(())
     try:
         r = session.local([sys.executable, "-c", flood], timeout=60)
         assert r.exited == 0
-        assert r.stdout == "o" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % ((20 << 20) - hostile.OUTPUT_MAX + 4)
-        assert r.stderr == "e" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % ((9 << 20) - hostile.OUTPUT_MAX)
-        r = session.local([sys.executable, "-c", "import sys, time; sys.stderr.write('partial'); sys.stderr.flush(); time.sleep(30)"],
-                          timeout=1)
-        assert r.exited == 124 and r.stderr == f"partial\n{sys.executable} did not finish within 1s" and r.seconds < 10
+        assert r.stdout == "o" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % (
+            (20 << 20) - hostile.OUTPUT_MAX + 4
+        )
+        assert r.stderr == "e" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % (
+            (9 << 20) - hostile.OUTPUT_MAX
+        )
+        r = session.local(
+            [
+                sys.executable,
+                "-c",
+                "import sys, time; sys.stderr.write('partial'); sys.stderr.flush(); time.sleep(30)",
+            ],
+            timeout=1,
+        )
+        assert (
+            r.exited == 124
+            and r.stderr == f"partial\n{sys.executable} did not finish within 1s"
+            and r.seconds < 10
+        )
     finally:
         session.close()

@@ -36,9 +36,11 @@ def test_the_start_step_runs_docker_run_under_timeout_quoted_once(tmp_path, monk
     assert step.timeout == deadlines.START_TIMEOUT == 120
     run = dockerargs.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
     bounded = sshargs.shell(["timeout", "-k", "5", "110", *run])
-    assert f"/entrypoint.py) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within " \
-           "110s: ended on the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }" \
-           in step.command
+    assert (
+        f"/entrypoint.py) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within "
+        "110s: ended on the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }"
+        in step.command
+    )
     # One quoting: the part after `timeout -k 5 110` splits back into docker run's exact argv.
     words = shlex.split(step.command.split(" && ")[-1].split(" >/dev/null")[0])
     assert words == ["timeout", "-k", "5", "110", *run]
@@ -92,8 +94,12 @@ class LateStart(Recorder):
 
     def answer(self, host, command):
         if host.name == "node2" and "docker run" in command:
-            return Result("", "not done within 110s: ended on the host (timeout); check its Docker engine and "
-                              "disks\n", 124, 110.0)
+            return Result(
+                "",
+                "not done within 110s: ended on the host (timeout); check its Docker engine and disks\n",
+                124,
+                110.0,
+            )
         if host.name == "node2" and command == dockerargs.stop_script("gpt-1", 0):
             stops = sum(1 for c in self.calls if c[0] == "node2" and c[2] == command)
             if stops == 2:  # the sweep at the finish: one came up after the teardown looked
@@ -128,8 +134,11 @@ def test_a_host_whose_start_ran_late_is_torn_down_and_swept_not_skipped_as_lost(
         assert after == [stop, stop, release], (how, after)
         # node1, which started, was stopped at the failure, at the teardown and swept at the finish.
         assert sum(c[2] == stop for c in rec.calls if c[0] == "node1") == 3
-        assert ("warning", "node2: removed 1 container(s) of the job still there after its teardown (a docker run "
-                "that came back after its deadline?)") in notes, notes
+        assert (
+            "warning",
+            "node2: removed 1 container(s) of the job still there after its teardown (a docker run "
+            "that came back after its deadline?)",
+        ) in notes, notes
 
 
 def test_the_plan_shows_the_sweep_at_the_finish(tmp_path, monkeypatch):

@@ -104,8 +104,12 @@ def test_judge_all_loaded():
 
 
 def test_judge_a_host_lost_mid_chain_is_named_and_the_hosts_after_it_are_retried():
-    reports = {"n1": ok(10, next_error="timed out"), "n2": "n2: stopped answering mid-chain (nothing for 60s)",
-               "n3": ic.Report(4, None, source_error="upstream: timed out"), "n4": ic.Report(4, None)}
+    reports = {
+        "n1": ok(10, next_error="timed out"),
+        "n2": "n2: stopped answering mid-chain (nothing for 60s)",
+        "n3": ic.Report(4, None, source_error="upstream: timed out"),
+        "n4": ic.Report(4, None),
+    }
     out = ic.judge_round(("n1", "n2", "n3", "n4"), reports, 10)
     assert out.loaded == ("n1",)
     assert out.failed == {"n2": "n2: stopped answering mid-chain (nothing for 60s)"}
@@ -120,7 +124,9 @@ def test_judge_a_host_whose_engine_failed_is_named_and_the_chain_after_it_is_una
 
 
 def test_judge_a_short_stream_nothing_upstream_explains_is_named():
-    out = ic.judge_round(("n1", "n2"), {"n1": ic.Report(3, None, source_error="upstream: reset"), "n2": ic.Report(3, None)}, 10)
+    out = ic.judge_round(
+        ("n1", "n2"), {"n1": ic.Report(3, None, source_error="upstream: reset"), "n2": ic.Report(3, None)}, 10
+    )
     assert out.failed == {"n1": "n1: received 3 of 10 bytes from this machine (upstream: reset)"}
     assert out.retry == ("n2",)   # its upstream n1 broke first
 
@@ -164,12 +170,16 @@ def save_like_tar(path, layers):
 
 
 def test_spool_ranges_leave_out_the_layers_nobody_lacks(tmp_path):
-    save_like_tar(tmp_path / "img.tar", [("f1", os.urandom(5000)), ("a2", os.urandom(70000)), ("c3", b"top" * 100)])
+    save_like_tar(
+        tmp_path / "img.tar", [("f1", os.urandom(5000)), ("a2", os.urandom(70000)), ("c3", b"top" * 100)]
+    )
     spool = ic.Spool(tmp_path / "img.tar")
     assert spool.layer_paths == ["f1/layer.tar", "a2/layer.tar", "c3/layer.tar"]
     assert spool.ranges() == [(0, spool.total)]
     partial = b"".join(spool.chunks(spool.ranges((2,))))
-    assert len(partial) == ic.Spool.size(spool.ranges((2,))) < spool.total // 4  # the 75 kB of layers left out
+    assert (
+        len(partial) == ic.Spool.size(spool.ranges((2,))) < spool.total // 4
+    )  # the 75 kB of layers left out
     with tarfile.open(fileobj=io.BytesIO(partial)) as tar:
         names = tar.getnames()
         assert "c3/layer.tar" in names and "f1/layer.tar" not in names and "a2/layer.tar" not in names
@@ -192,7 +202,9 @@ def start_relay(tmp_path, name, first, fail=False):
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "LOAD_OUT": str(tmp_path / f"{name}.out"),
            **({"LOAD_FAIL": "1"} if fail else {})}
     argv = shlex.split(ic.relay_command(first, "127.0.0.1"))  # the host's python3, as on a host
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     word, port = proc.stdout.readline().decode().split()
     assert word == "port"
     return proc, int(port)

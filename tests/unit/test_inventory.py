@@ -168,16 +168,20 @@ def test_commented_examples_parse_and_give_the_documented_flags():
             for flag in ("--gpus", "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "memlock=-1"):
                 assert flag in argv, (name, flag)
         else:
-            assert inv.job.image == "rocm/pytorch:latest" and "seccomp=unconfined" in argv and "/dev/kfd" in argv
+            assert (
+                inv.job.image == "rocm/pytorch:latest" and "seccomp=unconfined" in argv and "/dev/kfd" in argv
+            )
     assert {i.hosts[0].gpu_vendor for i in ngc_amd} == {"nvidia", "amd"}
 
 
 def test_container_option_mistakes_name_the_field():
     base = "hosts:\n  - {address: h, interface: eth0, %s}\n"
-    for field, problem in (("ulimits: {nofiles: 10}", "hosts[0].ulimits.nofiles: is not a ulimit Docker knows"),
-                           ("ulimits: {nofile: lots}", "hosts[0].ulimits.nofile: 'lots' is not a limit"),
-                           ("cap_add: ['SYS_ADMIN; id']", "hosts[0].cap_add[0]: 'SYS_ADMIN; id' is not a valid cap_add entry"),
-                           ("security_opt: ['seccomp=$(id)']", "is not a valid security_opt entry")):
+    for field, problem in (
+        ("ulimits: {nofiles: 10}", "hosts[0].ulimits.nofiles: is not a ulimit Docker knows"),
+        ("ulimits: {nofile: lots}", "hosts[0].ulimits.nofile: 'lots' is not a limit"),
+        ("cap_add: ['SYS_ADMIN; id']", "hosts[0].cap_add[0]: 'SYS_ADMIN; id' is not a valid cap_add entry"),
+        ("security_opt: ['seccomp=$(id)']", "is not a valid security_opt entry"),
+    ):
         with pytest.raises(UserError) as e:
             parse(base % field, Path("i.yaml"))
         assert problem in str(e.value), str(e.value)
@@ -207,18 +211,48 @@ ssh:
 # A key with nothing after it (or ~, or an empty list / mapping where one goes) is as if the line
 # were not there: the field takes its default (for a host's ssh: field, the global ssh: value).
 EMPTY_MEANS_DEFAULT = [
-    ("ssh", "  port:"), ("ssh", "  port: ~"), ("ssh", "  user:"), ("ssh", "  key:"), ("ssh", "  known_hosts:"),
-    ("ssh", "  connect_timeout:"), ("ssh", "  keepalive: null"), ("ssh", "  jump:"), ("ssh", "  jump: []"),
-    ("job", "  image:"), ("job", "  master_port:"), ("job", "  nproc_per_node:"), ("job", "  code_dir:"),
-    ("job", "  output_dir:"), ("job", "  shm_size:"), ("job", "  env:"), ("job", "  env: {}"),
-    ("job", "  secret_files:"), ("job", "  stop_grace:"), ("job", "  keep_snapshots:"), ("job", "  ulimits:"),
-    ("job", "  cap_add:"), ("job", "  cap_add: []"), ("job", "  security_opt:"),
-    ("host", "    name:"), ("host", "    image:"), ("host", "    gpus:"), ("host", "    gpus: {}"),
-    ("host", "    gpus: {vendor: , count: }"), ("host", "    env:"), ("host", "    mounts:"),
-    ("host", "    mounts: []"), ("host", "    devices:"), ("host", "    ulimits:"), ("host", "    cap_add:"),
+    ("ssh", "  port:"),
+    ("ssh", "  port: ~"),
+    ("ssh", "  user:"),
+    ("ssh", "  key:"),
+    ("ssh", "  known_hosts:"),
+    ("ssh", "  connect_timeout:"),
+    ("ssh", "  keepalive: null"),
+    ("ssh", "  jump:"),
+    ("ssh", "  jump: []"),
+    ("job", "  image:"),
+    ("job", "  master_port:"),
+    ("job", "  nproc_per_node:"),
+    ("job", "  code_dir:"),
+    ("job", "  output_dir:"),
+    ("job", "  shm_size:"),
+    ("job", "  env:"),
+    ("job", "  env: {}"),
+    ("job", "  secret_files:"),
+    ("job", "  stop_grace:"),
+    ("job", "  keep_snapshots:"),
+    ("job", "  ulimits:"),
+    ("job", "  cap_add:"),
+    ("job", "  cap_add: []"),
+    ("job", "  security_opt:"),
+    ("host", "    name:"),
+    ("host", "    image:"),
+    ("host", "    gpus:"),
+    ("host", "    gpus: {}"),
+    ("host", "    gpus: {vendor: , count: }"),
+    ("host", "    env:"),
+    ("host", "    mounts:"),
+    ("host", "    mounts: []"),
+    ("host", "    devices:"),
+    ("host", "    ulimits:"),
+    ("host", "    cap_add:"),
     ("host", "    security_opt:"),
-    ("host_ssh", "      port:"), ("host_ssh", "      user:"), ("host_ssh", "      key:"),
-    ("host_ssh", "      jump:"), ("host_ssh", "      keepalive:"), ("host_ssh", "      config:"),
+    ("host_ssh", "      port:"),
+    ("host_ssh", "      user:"),
+    ("host_ssh", "      key:"),
+    ("host_ssh", "      jump:"),
+    ("host_ssh", "      keepalive:"),
+    ("host_ssh", "      config:"),
 ]
 
 
@@ -229,7 +263,9 @@ def _text(slot: str = "", line: str = "") -> str:
     return TEMPLATE.format(**slots)
 
 
-@pytest.mark.parametrize("slot, line", EMPTY_MEANS_DEFAULT, ids=[f"{s}:{ln.strip()}" for s, ln in EMPTY_MEANS_DEFAULT])
+@pytest.mark.parametrize(
+    "slot, line", EMPTY_MEANS_DEFAULT, ids=[f"{s}:{ln.strip()}" for s, ln in EMPTY_MEANS_DEFAULT]
+)
 def test_an_empty_optional_field_is_its_default(home, slot, line):
     assert parse(_text(slot, line), Path("inv.yaml")) == parse(_text(), Path("inv.yaml"))
 
@@ -238,11 +274,20 @@ def test_empty_sections_and_the_documented_defaults(home):
     minimal = "hosts:\n  - {address: h, interface: eth0}\n"
     for empty in ("ssh:\n", "ssh: {}\n", "job:\n", "job: ~\n", "spares:\n", "spares: []\n"):
         assert parse(empty + minimal, Path("i.yaml")) == parse(minimal, Path("i.yaml")), empty
-    inv = parse("job:\n  keep_snapshots:\n  stop_grace:\nssh:\n  port:\n  connect_timeout:\n" + minimal, Path("i.yaml"))
-    assert (inv.job.keep_snapshots, inv.job.stop_grace, inv.hosts[0].ssh.port, inv.hosts[0].ssh.connect_timeout) == (
-        2, 30.0, 22, 10.0)
+    inv = parse(
+        "job:\n  keep_snapshots:\n  stop_grace:\nssh:\n  port:\n  connect_timeout:\n" + minimal,
+        Path("i.yaml"),
+    )
+    assert (
+        inv.job.keep_snapshots,
+        inv.job.stop_grace,
+        inv.hosts[0].ssh.port,
+        inv.hosts[0].ssh.connect_timeout,
+    ) == (2, 30.0, 22, 10.0)
     # A host's empty ssh port is not set: the global one applies.
-    inv = parse("ssh: {port: 2222}\nhosts:\n  - {address: h, interface: eth0, ssh: {port: }}\n", Path("i.yaml"))
+    inv = parse(
+        "ssh: {port: 2222}\nhosts:\n  - {address: h, interface: eth0, ssh: {port: }}\n", Path("i.yaml")
+    )
     assert inv.hosts[0].ssh.port == 2222
     inv = parse("hosts:\n  - address: h\n    interface: eth0\n    ssh: {port: }\n", Path("i.yaml"))
     assert inv.hosts[0].ssh.port == 22
@@ -252,57 +297,97 @@ EMPTY_IS_AN_ERROR = [
     # Required values: nothing to default to.
     ("hosts:\n", "inv.yaml:1: hosts: is empty; list at least one host; the first is rank 0"),
     ("hosts: []\n", "inv.yaml:1: hosts: is empty; list at least one host; the first is rank 0"),
-    ("hosts:\n  - {address: a, interface: eth0}\n  -\n",
-     "inv.yaml:3: hosts[1]: is empty; write the host's address: and interface: (indented under it) after the '-', "
-     "or remove that line"),
-    ("hosts:\n  - {address: a, interface: eth0}\nspares:\n  - {}\n",
-     "inv.yaml:4: spares[0]: is empty; write the host's address: and interface: (indented under it) after the '-', "
-     "or remove that line"),
-    ("hosts:\n  - interface: eth0\n    address:\n",
-     "inv.yaml:3: hosts[0].address: is empty; give the host's name or IP address, e.g. 10.0.0.11"),
-    ("hosts:\n  - address: fe80::1\n    interface: eth0\n    name:\n",
-     "inv.yaml:4: hosts[0].name: is empty, and the address 'fe80::1' cannot be the host's name; add name: with "
-     "letters, digits, '.', '_' and '-'"),
-    ("hosts:\n  - address: a\n    interface: ~\n",
-     "inv.yaml:3: hosts[0].interface: is empty; give the network interface that reaches the other hosts, e.g. eth0"),
-    ("hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - {source: , target: /d}\n",
-     "inv.yaml:5: hosts[0].mounts[0].source: is empty; give the path on the host, e.g. /data/corpus"),
-    ("hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - source: /d\n        target:\n",
-     "inv.yaml:6: hosts[0].mounts[0].target: is empty; give the path in the container, e.g. /data"),
+    (
+        "hosts:\n  - {address: a, interface: eth0}\n  -\n",
+        "inv.yaml:3: hosts[1]: is empty; write the host's address: and interface: (indented under it) after the '-', "
+        "or remove that line",
+    ),
+    (
+        "hosts:\n  - {address: a, interface: eth0}\nspares:\n  - {}\n",
+        "inv.yaml:4: spares[0]: is empty; write the host's address: and interface: (indented under it) after the '-', "
+        "or remove that line",
+    ),
+    (
+        "hosts:\n  - interface: eth0\n    address:\n",
+        "inv.yaml:3: hosts[0].address: is empty; give the host's name or IP address, e.g. 10.0.0.11",
+    ),
+    (
+        "hosts:\n  - address: fe80::1\n    interface: eth0\n    name:\n",
+        "inv.yaml:4: hosts[0].name: is empty, and the address 'fe80::1' cannot be the host's name; add name: with "
+        "letters, digits, '.', '_' and '-'",
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: ~\n",
+        "inv.yaml:3: hosts[0].interface: is empty; give the network interface that reaches the other hosts, e.g. eth0",
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - {source: , target: /d}\n",
+        "inv.yaml:5: hosts[0].mounts[0].source: is empty; give the path on the host, e.g. /data/corpus",
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - source: /d\n        target:\n",
+        "inv.yaml:6: hosts[0].mounts[0].target: is empty; give the path in the container, e.g. /data",
+    ),
     # List entries that are only '-'.
-    ("hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - /a:/b\n      -\n",
-     "inv.yaml:6: hosts[0].mounts[1]: is empty; write SOURCE:TARGET[:ro] (e.g. /data/corpus:/data:ro) after the "
-     "'-', or remove that line"),
-    ("hosts:\n  - address: a\n    interface: eth0\n    devices:\n      -\n",
-     "inv.yaml:5: hosts[0].devices[0]: is empty; write a device path such as /dev/infiniband after the '-', "
-     "or remove that line"),
-    ("job:\n  cap_add:\n    - IPC_LOCK\n    - ''\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:4: job.cap_add[1]: is empty; write an entry such as IPC_LOCK after the '-', or remove that line"),
-    ("job:\n  security_opt: [~]\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:2: job.security_opt[0]: is empty; write an entry such as seccomp=unconfined after the '-', "
-     "or remove that line"),
-    ("ssh:\n  jump:\n    - gw\n    -\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:4: ssh.jump[1]: is empty; write [user@]host[:port] after the '-', or remove that line"),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - /a:/b\n      -\n",
+        "inv.yaml:6: hosts[0].mounts[1]: is empty; write SOURCE:TARGET[:ro] (e.g. /data/corpus:/data:ro) after the "
+        "'-', or remove that line",
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    devices:\n      -\n",
+        "inv.yaml:5: hosts[0].devices[0]: is empty; write a device path such as /dev/infiniband after the '-', "
+        "or remove that line",
+    ),
+    (
+        "job:\n  cap_add:\n    - IPC_LOCK\n    - ''\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:4: job.cap_add[1]: is empty; write an entry such as IPC_LOCK after the '-', or remove that line",
+    ),
+    (
+        "job:\n  security_opt: [~]\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:2: job.security_opt[0]: is empty; write an entry such as seccomp=unconfined after the '-', "
+        "or remove that line",
+    ),
+    (
+        "ssh:\n  jump:\n    - gw\n    -\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:4: ssh.jump[1]: is empty; write [user@]host[:port] after the '-', or remove that line",
+    ),
     # Values of a mapping of names: a variable, limit or secret with nothing after it.
-    ("job:\n  env:\n    A: 1\n    FOO:\nhosts:\n  - {address: a, interface: eth0}\n",
-     'inv.yaml:4: job.env.FOO: is empty; write FOO: "" for an empty variable, or remove the line'),
-    ("hosts:\n  - address: a\n    interface: eth0\n    ulimits: {nofile: }\n",
-     "inv.yaml:4: hosts[0].ulimits.nofile: is empty; write a number, SOFT:HARD, or -1 / unlimited, "
-     "or remove the line"),
-    ("job:\n  secret_files:\n    TOKEN:\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:3: job.secret_files.TOKEN: is empty; give the local file whose contents become TOKEN, "
-     "or remove the line"),
+    (
+        "job:\n  env:\n    A: 1\n    FOO:\nhosts:\n  - {address: a, interface: eth0}\n",
+        'inv.yaml:4: job.env.FOO: is empty; write FOO: "" for an empty variable, or remove the line',
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    ulimits: {nofile: }\n",
+        "inv.yaml:4: hosts[0].ulimits.nofile: is empty; write a number, SOFT:HARD, or -1 / unlimited, "
+        "or remove the line",
+    ),
+    (
+        "job:\n  secret_files:\n    TOKEN:\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:3: job.secret_files.TOKEN: is empty; give the local file whose contents become TOKEN, "
+        "or remove the line",
+    ),
     # A blank string is a value, and not a valid one, for every kind of field.
-    ("ssh: {port: ''}\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:1: ssh.port: is empty; give a value, or remove 'port:'"),
-    ("job:\n  stop_grace: ' '\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:2: job.stop_grace: is empty; give a value, or remove 'stop_grace:'"),
-    ("job:\n  image: ''\nhosts:\n  - {address: a, interface: eth0}\n",
-     "inv.yaml:2: job.image: is empty; give a value, or remove 'image:'"),
-    ("hosts:\n  - address: a\n    interface: eth0\n    devices: ''\n",
-     "inv.yaml:4: hosts[0].devices: is empty; give a value, or remove 'devices:'"),
-    ("hosts:\n  - address: a\n    interface: eth0\n    env: ''\n",
-     "inv.yaml:4: hosts[0].env: is empty; give its fields, or remove 'env:'"),
+    (
+        "ssh: {port: ''}\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:1: ssh.port: is empty; give a value, or remove 'port:'",
+    ),
+    (
+        "job:\n  stop_grace: ' '\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:2: job.stop_grace: is empty; give a value, or remove 'stop_grace:'",
+    ),
+    (
+        "job:\n  image: ''\nhosts:\n  - {address: a, interface: eth0}\n",
+        "inv.yaml:2: job.image: is empty; give a value, or remove 'image:'",
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    devices: ''\n",
+        "inv.yaml:4: hosts[0].devices: is empty; give a value, or remove 'devices:'",
+    ),
+    (
+        "hosts:\n  - address: a\n    interface: eth0\n    env: ''\n",
+        "inv.yaml:4: hosts[0].env: is empty; give its fields, or remove 'env:'",
+    ),
 ]
 
 
@@ -317,42 +402,72 @@ def test_keep_snapshots():
     minimal = "hosts:\n  - {address: h, interface: eth0}\n"
     assert parse(minimal, Path("i.yaml")).job.keep_snapshots == 2
     assert parse("job: {keep_snapshots: 5}\n" + minimal, Path("i.yaml")).job.keep_snapshots == 5
-    for value, problem in (("0", "0 is not a number of snapshots to keep; use a number from 1 to 1000000"),
-                           ("-3", "-3 is not a number of snapshots to keep; use a number from 1 to 1000000"),
-                           ("10000000", "10000000 is not a number of snapshots to keep; use a number from 1 to 1000000"),
-                           ("1.5", "must be int, got 1.5; write an int value"),
-                           ("two", "must be int, got 'two'; write an int value"),
-                           ("true", "must be int, got True; write an int value")):
-        assert error(f"job:\n  keep_snapshots: {value}\n" + minimal) == f"inv.yaml:2: job.keep_snapshots: {problem}"
+    for value, problem in (
+        ("0", "0 is not a number of snapshots to keep; use a number from 1 to 1000000"),
+        ("-3", "-3 is not a number of snapshots to keep; use a number from 1 to 1000000"),
+        ("10000000", "10000000 is not a number of snapshots to keep; use a number from 1 to 1000000"),
+        ("1.5", "must be int, got 1.5; write an int value"),
+        ("two", "must be int, got 'two'; write an int value"),
+        ("true", "must be int, got True; write an int value"),
+    ):
+        assert (
+            error(f"job:\n  keep_snapshots: {value}\n" + minimal)
+            == f"inv.yaml:2: job.keep_snapshots: {problem}"
+        )
 
 
 # ---------------------------------------------------------------- hostile input
 
 HOSTILE = [
     # Scalars PyYAML's own constructors choke on.
-    ("job:\n  image: 2024-13-45\n", "inv.yaml:2: not valid YAML: '2024-13-45' is not a valid timestamp; check"),
+    (
+        "job:\n  image: 2024-13-45\n",
+        "inv.yaml:2: not valid YAML: '2024-13-45' is not a valid timestamp; check",
+    ),
     ("job:\n  shm_size: !!bool maybe\n", "inv.yaml:2: not valid YAML: 'maybe' is not a valid bool; check"),
     ("job:\n  master_port: " + "9" * 5000 + "\n", "inv.yaml:2: not valid YAML: '999"),
     ("job:\n  stop_grace: 0x" + "f" * 400 + "\n", "inv.yaml:2: not valid YAML: '0xfff"),
-    ("job:\n  env:\n    ? [a]\n    : 1\n", "inv.yaml:3: not valid YAML: a list or mapping used as a key; check"),
-    ("job:\n  image: a\x07b\n", "inv.yaml:2: not valid YAML: the control character U+0007 is not allowed; remove it"),
-    ("job:\n  env:\n    A: " + "[" * 400 + "]" * 400 + "\n", "inv.yaml:3: not valid YAML: lists or mappings nested more than 64 deep"),
+    (
+        "job:\n  env:\n    ? [a]\n    : 1\n",
+        "inv.yaml:3: not valid YAML: a list or mapping used as a key; check",
+    ),
+    (
+        "job:\n  image: a\x07b\n",
+        "inv.yaml:2: not valid YAML: the control character U+0007 is not allowed; remove it",
+    ),
+    (
+        "job:\n  env:\n    A: " + "[" * 400 + "]" * 400 + "\n",
+        "inv.yaml:3: not valid YAML: lists or mappings nested more than 64 deep",
+    ),
     # Values that would fail later, in int(), float(), ssh or the OS.
     ("job: {nproc_per_node: '²'}\n", "inv.yaml:1: job.nproc_per_node: '²' is not a process count;"),
-    ("job: {stop_grace: .inf}\n", "inv.yaml:1: job.stop_grace: inf is not a number of seconds; use a number from 0 to 86400"),
+    (
+        "job: {stop_grace: .inf}\n",
+        "inv.yaml:1: job.stop_grace: inf is not a number of seconds; use a number from 0 to 86400",
+    ),
     ("job: {stop_grace: .nan}\n", "inv.yaml:1: job.stop_grace: nan is not a number of seconds;"),
-    ("ssh: {keepalive: 0.5}\n", "inv.yaml:1: ssh.keepalive: 0.5 is not a number of seconds; use a number from 1 to 86400"),
-    ("ssh: {key: ~nosuchuser/id}\n", "inv.yaml:1: ssh.key: '~nosuchuser/id': no home directory for ~nosuchuser; "
-                                     "write the full path"),
+    (
+        "ssh: {keepalive: 0.5}\n",
+        "inv.yaml:1: ssh.keepalive: 0.5 is not a number of seconds; use a number from 1 to 86400",
+    ),
+    (
+        "ssh: {key: ~nosuchuser/id}\n",
+        "inv.yaml:1: ssh.key: '~nosuchuser/id': no home directory for ~nosuchuser; write the full path",
+    ),
     ("ssh: {known_hosts: " + "k" * 300 + "}\n", "inv.yaml:1: ssh.known_hosts: "),
     # Text a pattern's '$' would let through before a trailing newline, and a jump host ssh would read
     # as an option.
     ('ssh: {user: "me\\n"}\n', "inv.yaml:1: ssh.user: contains the control character U+000A; remove it"),
     ('job: {env: {"A\\n": x}}\n', "inv.yaml:1: job.env.'A\\n': is not a valid environment variable name"),
-    ("spares:\n  - {address: s, interface: \"\\u200b\"}\n",
-     "inv.yaml:2: spares[0].interface: '\\u200b' is not a network interface name; write it as 'ip link' shows it"),
-    ("ssh: {jump: -oProxyCommand=id}\n", "inv.yaml:1: ssh.jump: '-oProxyCommand=id' is neither a host name, an IP "
-                                         "address nor an ssh_config alias;"),
+    (
+        'spares:\n  - {address: s, interface: "\\u200b"}\n',
+        "inv.yaml:2: spares[0].interface: '\\u200b' is not a network interface name; write it as 'ip link' shows it",
+    ),
+    (
+        "ssh: {jump: -oProxyCommand=id}\n",
+        "inv.yaml:1: ssh.jump: '-oProxyCommand=id' is neither a host name, an IP "
+        "address nor an ssh_config alias;",
+    ),
     ("job: {ulimits: {nofile: '٣'}}\n", "inv.yaml:1: job.ulimits.nofile: '٣' is not a limit;"),
 ]
 
@@ -370,9 +485,13 @@ def test_hostile_values_are_named_not_raised(home, text, start):
 
 def test_an_alias_bomb_is_shown_short():
     # 8**9 strings if expanded: a message must not print (or even build) the whole value.
-    levels = ["&a [x, x, x, x, x, x, x, x]"] + [f"&{n} [{', '.join([f'*{p}'] * 8)}]" for p, n in zip("abcdefgh", "bcdefghi")]
+    levels = ["&a [x, x, x, x, x, x, x, x]"] + [
+        f"&{n} [{', '.join([f'*{p}'] * 8)}]" for p, n in zip("abcdefgh", "bcdefghi")
+    ]
     msg = error(f"job:\n  cap_add: [[{', '.join(levels)}]]\nhosts:\n  - {{address: h, interface: eth0}}\n")
-    assert msg.startswith("inv.yaml:2: job.cap_add[0]: [['x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], ...],")
+    assert msg.startswith(
+        "inv.yaml:2: job.cap_add[0]: [['x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], ...],"
+    )
     assert msg.endswith("is not a valid cap_add entry; write e.g. IPC_LOCK or SYS_PTRACE") and len(msg) < 300
 
 
@@ -397,11 +516,58 @@ FUZZ_DOC = {
     "spares": [{"address": "10.0.0.3", "interface": "eth0", "gpus": {"vendor": "amd", "count": 4}}],
 }
 FUZZ_KEEP = ("hosts", "address", "interface", "source", "target", "vendor", "count")
-GARBAGE = [None, "", " ", "\t", [], {}, 0, 1, -1, 2**63, -(2**63), 2**64 + 1, 10**30, 1.5, -0.0, float("inf"),
-           float("-inf"), float("nan"), True, False, "x", "none", "auto", "unlimited", "/", "~", "~nosuchuser/k",
-           "-oProxyCommand=x", "a b", "a\nb", "a:b:c", "@", "[::1]", "0", "-5", "1e9", "2024-13-45",
-           "ü", "日本語", "٣", "²", "\u200b", "🙂" * 3, "x" * 300, "/dev/x", datetime.date(2024, 1, 1),
-           ["a"], [None], [[]], {"a": None}]
+GARBAGE = [
+    None,
+    "",
+    " ",
+    "\t",
+    [],
+    {},
+    0,
+    1,
+    -1,
+    2**63,
+    -(2**63),
+    2**64 + 1,
+    10**30,
+    1.5,
+    -0.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    True,
+    False,
+    "x",
+    "none",
+    "auto",
+    "unlimited",
+    "/",
+    "~",
+    "~nosuchuser/k",
+    "-oProxyCommand=x",
+    "a b",
+    "a\nb",
+    "a:b:c",
+    "@",
+    "[::1]",
+    "0",
+    "-5",
+    "1e9",
+    "2024-13-45",
+    "ü",
+    "日本語",
+    "٣",
+    "²",
+    "\u200b",
+    "🙂" * 3,
+    "x" * 300,
+    "/dev/x",
+    datetime.date(2024, 1, 1),
+    ["a"],
+    [None],
+    [[]],
+    {"a": None},
+]
 KEYS = ["zz", "port", "address", "hosts", 1, None, True, 1.5, "", "日本", "a\nb"]
 
 

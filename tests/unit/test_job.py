@@ -58,7 +58,9 @@ class Recorder:
         self.calls.append((host.name, host.name, command, None))
         if "tail -c +1" in command:
             code = self.exit_codes.get(host.name, 0)
-            on_data(f"[{host.name} rank0] epoch 0 | step 1 | loss 4.0\n[fabtrain] node exit code {code}\n".encode())
+            on_data(
+                f"[{host.name} rank0] epoch 0 | step 1 | loss 4.0\n[fabtrain] node exit code {code}\n".encode()
+            )
         return 0
 
     def local(self, argv, timeout):
@@ -93,8 +95,17 @@ def new_job(tmp_path, rec, **kw):
         (code / "trainers").mkdir(parents=True)
         (code / "trainers" / "gpt.py").write_text("print('hi')\n")
     spec = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code=str(code))
-    return job.Job(inv, spec, Policy(hang_timeout=0), tmp_path / "runs", Reporter(), session=rec, checks=False,
-                   watch_options={"echo": False}, **kw)
+    return job.Job(
+        inv,
+        spec,
+        Policy(hang_timeout=0),
+        tmp_path / "runs",
+        Reporter(),
+        session=rec,
+        checks=False,
+        watch_options={"echo": False},
+        **kw,
+    )
 
 
 def expected(a: attempt.AttemptPlan) -> list[tuple[str, str, str]]:
@@ -118,9 +129,15 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     # --dry-run and plan.txt are the same text, and it is the plan the job ran.
     assert text == a.render()
     assert (tmp_path / "runs/gpt-1/plan.txt").read_text() == text + "\n"
-    ran = [c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 "))]  # periodic: lease, snapshot copies
+    ran = [
+        c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 "))
+    ]  # periodic: lease, snapshot copies
     # The plan stage's read-only look (other jobs, free port, GPU access), then exactly the steps.
-    looks = {hostops.survey_script(j.inv), ports.port_command(), sshargs.shell(dockerargs.gpu_probe_argv(hosts[0]))}
+    looks = {
+        hostops.survey_script(j.inv),
+        ports.port_command(),
+        sshargs.shell(dockerargs.gpu_probe_argv(hosts[0])),
+    }
     want = expected(a)
     got = [c[:3] for c in ran]
     for n in ("node1", "node2"):
@@ -136,12 +153,29 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
 
 def test_plan_lists_conditional_steps_under_their_condition(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    a = job.Job(inventory(tmp_path), jobspec.JobSpec(job_id="j-1", script="x.py"), Policy(), tmp_path, Reporter(),
-                session=Recorder(inventory(tmp_path).hosts))
+    a = job.Job(
+        inventory(tmp_path),
+        jobspec.JobSpec(job_id="j-1", script="x.py"),
+        Policy(),
+        tmp_path,
+        Reporter(),
+        session=Recorder(inventory(tmp_path).hosts),
+    )
     text = a.plan(dry=True).render()
-    for when in (attempt.ON_FAILURE, attempt.ON_INTERRUPT, attempt.ON_HANG, attempt.ON_MISSED, attempt.ON_FAILED):
+    for when in (
+        attempt.ON_FAILURE,
+        attempt.ON_INTERRUPT,
+        attempt.ON_HANG,
+        attempt.ON_MISSED,
+        attempt.ON_FAILED,
+    ):
         assert f"## {when}:" in text
-    assert text.index("## claim") < text.index("## sync + preflight") < text.index("## start") < text.index("## watch")
+    assert (
+        text.index("## claim")
+        < text.index("## sync + preflight")
+        < text.index("## start")
+        < text.index("## watch")
+    )
 
 
 def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, monkeypatch):
@@ -194,7 +228,11 @@ def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_p
     assert result.ok and result.attempts == 2
     rec_ = j.record.attempts
     assert "node2 failed to start" in rec_[0].outcome and rec_[1].outcome == "ok"
-    ports = [line for line in (tmp_path / "runs/gpt-1/plan.txt").read_text().splitlines() if line.startswith("# ---- job")]
+    ports = [
+        line
+        for line in (tmp_path / "runs/gpt-1/plan.txt").read_text().splitlines()
+        if line.startswith("# ---- job")
+    ]
     assert "10.0.0.1:29501" in ports[0] and "10.0.0.1:29502" in ports[1]
 
 
@@ -238,7 +276,9 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
         raise AssertionError("the job ran")
     except job.Refused as exc:
         text = str(exc)
-    assert text.startswith("node2: slots 0 were claimed meanwhile by bob-20261123-101500-ab12 (started by bob@ws2 at ")
+    assert text.startswith(
+        "node2: slots 0 were claimed meanwhile by bob-20261123-101500-ab12 (started by bob@ws2 at "
+    )
     assert "nothing was started" in text
     commands = [(h, c) for h, _, c, _ in rec.calls]
     claimed = [h for h, c in commands if "flock -w" in c]

@@ -117,8 +117,13 @@ def test_the_core_loads_no_io_and_no_other_layer():
 def test_the_layer_check_sees_an_upward_import(tmp_path):
     """The check itself: a core module importing the transport is caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from orchestrator.transport import remote\n\ndef f():\n    from orchestrator.backends.ssh import job\n")
-    assert imports(bad, top_level_only=False) == {"orchestrator.transport.remote", "orchestrator.backends.ssh.job"}
+    bad.write_text(
+        "from orchestrator.transport import remote\n\ndef f():\n    from orchestrator.backends.ssh import job\n"
+    )
+    assert imports(bad, top_level_only=False) == {
+        "orchestrator.transport.remote",
+        "orchestrator.backends.ssh.job",
+    }
     assert imports(bad, top_level_only=True) == {"orchestrator.transport.remote"}
 
 

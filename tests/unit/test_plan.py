@@ -37,11 +37,22 @@ def common(rank: int, name: str, ifname: str) -> list[str]:
 
 
 def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
-    pairs = ["MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "NNODES=3", f"NODE_RANK={rank}",
-             "NPROC_PER_NODE=auto", f"NCCL_SOCKET_IFNAME=={ifname}", f"GLOO_SOCKET_IFNAME={ifname}",
-             "FABTRAIN_JOB=gpt-1", f"FABTRAIN_NODE={name}", "FABTRAIN_OUTPUT=/output", "FABTRAIN_CODE=/run/fabtrain-code",
-             "OMP_NUM_THREADS=1",
-             *extra, f"FABTRAIN_CONSOLE=/output/.console/node-{rank}.log"]
+    pairs = [
+        "MASTER_ADDR=10.0.0.1",
+        "MASTER_PORT=29500",
+        "NNODES=3",
+        f"NODE_RANK={rank}",
+        "NPROC_PER_NODE=auto",
+        f"NCCL_SOCKET_IFNAME=={ifname}",
+        f"GLOO_SOCKET_IFNAME={ifname}",
+        "FABTRAIN_JOB=gpt-1",
+        f"FABTRAIN_NODE={name}",
+        "FABTRAIN_OUTPUT=/output",
+        "FABTRAIN_CODE=/run/fabtrain-code",
+        "OMP_NUM_THREADS=1",
+        *extra,
+        f"FABTRAIN_CONSOLE=/output/.console/node-{rank}.log",
+    ]
     return [x for p in pairs for x in ("--env", p)]
 
 
@@ -62,12 +73,16 @@ def test_docker_run_nvidia_with_the_runtime_hook():
 
 def test_docker_run_nvidia_cdi_only():
     h = INV.hosts[0]
-    access = dockerargs.parse_gpu_probe("runtimes {\"io.containerd.runc.v2\":{\"path\":\"runc\"},\"runc\":{}}\ncdi 3\n")
+    access = dockerargs.parse_gpu_probe(
+        'runtimes {"io.containerd.runc.v2":{"path":"runc"},"runc":{}}\ncdi 3\n'
+    )
     assert access == dockerargs.GpuAccess(nvidia_runtime=False, cdi=True)
     assert dockerargs.docker_run_argv(INV, h, SPEC, access) == (
         common(0, "gpu0", "ib0") + ["--device", "nvidia.com/gpu=all"] + NGC_LIMITS + env(0, "gpu0", "ib0")
         + TAIL + CMD)
-    hook = dockerargs.parse_gpu_probe('runtimes {"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}\ncdi 0\n')
+    hook = dockerargs.parse_gpu_probe(
+        'runtimes {"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}\ncdi 0\n'
+    )
     assert hook == dockerargs.GpuAccess(nvidia_runtime=True, cdi=False)
 
 
@@ -99,18 +114,24 @@ def test_docker_run_cpu_with_infiniband_devices_and_mounts():
 def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
     from dataclasses import replace
     spec = replace(SPEC, units="gpu0:2,5", owner="alice@ws1")
-    argv = dockerargs.docker_run_argv(INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=True), units=(2, 5))
+    argv = dockerargs.docker_run_argv(
+        INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=True), units=(2, 5)
+    )
     assert argv[argv.index("fabtrain.host=gpu0") + 1:][:2] == ["--label", "fabtrain.owner=alice@ws1"]
     assert argv[argv.index("--gpus") + 1] == '"device=2,5"' and "NPROC_PER_NODE=2" in argv
     assert "--gpus '\"device=2,5\"'" in sshargs.shell(argv)  # as the docker CLI wants it on the host
-    cdi = dockerargs.docker_run_argv(INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5))
+    cdi = dockerargs.docker_run_argv(
+        INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5)
+    )
     assert cdi[cdi.index("--device"):cdi.index("--device") + 4] == [
         "--device", "nvidia.com/gpu=2", "--device", "nvidia.com/gpu=5"]
     # Every GPU of the host: the same argv as a job that owns the host; --nproc given wins.
-    assert dockerargs.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess(), units=tuple(range(8))) == \
-        dockerargs.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess())
-    assert "NPROC_PER_NODE=1" in dockerargs.docker_run_argv(INV, INV.hosts[0], replace(spec, nproc_per_node="1"),
-                                                      dockerargs.GpuAccess(), units=(2, 5))
+    assert dockerargs.docker_run_argv(
+        INV, INV.hosts[0], SPEC, dockerargs.GpuAccess(), units=tuple(range(8))
+    ) == dockerargs.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess())
+    assert "NPROC_PER_NODE=1" in dockerargs.docker_run_argv(
+        INV, INV.hosts[0], replace(spec, nproc_per_node="1"), dockerargs.GpuAccess(), units=(2, 5)
+    )
     # AMD: /dev/kfd and only the chosen GPUs' render nodes, from the KFD topology read on the host.
     access = dockerargs.parse_gpu_probe("gids 44 110\nrender 128 136 144 152\n")
     amd = dockerargs.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
@@ -150,21 +171,31 @@ hosts:
 def test_module_runs_through_the_entrypoint():
     spec = jobspec.JobSpec(job_id="gpt-1", script="mypkg.train", module=True, args=("--lr", "1"))
     argv = dockerargs.docker_run_argv(INV, INV.hosts[2], spec)
-    assert argv[argv.index("img:1"):] == ["img:1", "/run/fabtrain/entrypoint.py", "-m", "mypkg.train", "--lr", "1"]
+    assert argv[argv.index("img:1") :] == [
+        "img:1",
+        "/run/fabtrain/entrypoint.py",
+        "-m",
+        "mypkg.train",
+        "--lr",
+        "1",
+    ]
 
 
 def test_start_script_writes_the_entrypoint_from_stdin():
     script = dockerargs.start_script(INV, INV.hosts[2], SPEC)
-    assert script.startswith("mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
-                             "/opt/out/gpt-1/work && "
-                             "rm -f /opt/out/gpt-1/.console/node-2.log && "
-                             # readable by a non-root image user whatever the SSH user's umask
-                             "(umask 022 && cat > /opt/out/.runtime/gpt-1/entrypoint.py) && docker run --detach ")
+    assert script.startswith(
+        "mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
+        "/opt/out/gpt-1/work && "
+        "rm -f /opt/out/gpt-1/.console/node-2.log && "
+        # readable by a non-root image user whatever the SSH user's umask
+        "(umask 022 && cat > /opt/out/.runtime/gpt-1/entrypoint.py) && docker run --detach "
+    )
     assert script.endswith(" >/dev/null")
     assert hostfiles.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
     assert claims.release_command(INV, ["gpt-1"]) == (
-        "d=/opt/out/.claims/\"$(hostname)\"; rm -rf /opt/out/.runtime/gpt-1 /opt/out/.runtime/.stopped/gpt-1; "
-        "rm -f \"$d\"/gpt-1")
+        'd=/opt/out/.claims/"$(hostname)"; rm -rf /opt/out/.runtime/gpt-1 /opt/out/.runtime/.stopped/gpt-1; '
+        'rm -f "$d"/gpt-1'
+    )
 
 
 def test_shm_size_replaces_ipc_host():
@@ -183,16 +214,37 @@ def test_hostile_values_are_quoted_once():
 def test_rsync_argv():
     h = INV.hosts[1]
     assert sshargs.rsync_argv(h, "/src/proj/", "/opt/code") == [
-        "rsync", "--archive", "--compress", "--delete", "--mkpath", "--timeout=60", "-s", "--rsh",
+        "rsync",
+        "--archive",
+        "--compress",
+        "--delete",
+        "--mkpath",
+        "--timeout=60",
+        "-s",
+        "--rsh",
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
         "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes",
-        "--exclude=.git", "--exclude=__pycache__", "--exclude=*.pyc", "--exclude=.venv",
-        "--exclude=.cache", "--exclude=.cluster", "--exclude=runs", "--exclude=.pytest_cache",
-        "--exclude=*.egg-info", "/src/proj/", "10.0.0.2:/opt/code/"]
+        "--exclude=.git",
+        "--exclude=__pycache__",
+        "--exclude=*.pyc",
+        "--exclude=.venv",
+        "--exclude=.cache",
+        "--exclude=.cluster",
+        "--exclude=runs",
+        "--exclude=.pytest_cache",
+        "--exclude=*.egg-info",
+        "/src/proj/",
+        "10.0.0.2:/opt/code/",
+    ]
     # This project's own tree: only its trainers go to the hosts.
     argv = sshargs.rsync_argv(h, str(jobspec.PROJECT_ROOT), "/opt/code", "trainers")
-    assert argv[-4:] == ["--include=/trainers/***", "--exclude=*", str(jobspec.PROJECT_ROOT) + "/", "10.0.0.2:/opt/code/"]
+    assert argv[-4:] == [
+        "--include=/trainers/***",
+        "--exclude=*",
+        str(jobspec.PROJECT_ROOT) + "/",
+        "10.0.0.2:/opt/code/",
+    ]
 
 
 def test_stop_script_by_label_with_grace():
@@ -201,15 +253,18 @@ def test_stop_script_by_label_with_grace():
         " | xargs -r docker stop --time 30 >/dev/null; "
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
         " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER))
-    assert dockerargs.stop_script() == ("docker ps --all --quiet --filter label=fabtrain.managed=1"
-                                  " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER))
+    assert dockerargs.stop_script() == (
+        "docker ps --all --quiet --filter label=fabtrain.managed=1"
+        " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER)
+    )
 
 
 def test_follow_finish_and_remainder_commands():
     f = "/opt/out/gpt-1/.console/node-1.log"
     assert hostfiles.console_file(INV, SPEC, 1) == f
     assert hostfiles.follow_logs_script(INV, SPEC, 1) == (
-        f"docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & tail -c +1 -s 0.2 -F --pid=$! {f} 2>/dev/null; wait")
+        f"docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & tail -c +1 -s 0.2 -F --pid=$! {f} 2>/dev/null; wait"
+    )
     assert hostfiles.finish_logs_script(INV, SPEC, 1) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
         f"if [ -f {f} ]; then tail -c 262144 {f}; "
@@ -225,7 +280,9 @@ def fake_docker(tmp_path, script: str) -> dict:
 
 
 def on_this_machine(tmp_path) -> inventory.Inventory:
-    return parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
+    return parse(
+        f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml")
+    )
 
 
 def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_path):
@@ -248,8 +305,13 @@ def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_p
         (tmp_path / "exited").touch()
     t = threading.Thread(target=container)
     t.start()
-    r = subprocess.run(["sh", "-c", hostfiles.follow_logs_script(inv, SPEC, 0)], capture_output=True, text=True,
-                       env=env, timeout=20)
+    r = subprocess.run(
+        ["sh", "-c", hostfiles.follow_logs_script(inv, SPEC, 0)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=20,
+    )
     t.join()
     assert r.stdout == "".join(f"line {i}\n" for i in range(3000))
 
@@ -260,14 +322,22 @@ def test_remainder_script_sends_exactly_the_rest(tmp_path):
     full = "".join(f"line {i}\n" for i in range(1000))
     (tmp_path / "full").write_text(full)
     env = fake_docker(tmp_path, f"cat {tmp_path}/full\n")  # no console file: Docker's log
-    r = subprocess.run(["sh", "-c", hostfiles.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
-                       env=env)
+    r = subprocess.run(
+        ["sh", "-c", hostfiles.remainder_logs_script(inv, SPEC, 1, 2346)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert full[:2345] + r.stdout == full
     f = Path(hostfiles.console_file(inv, SPEC, 1))
     f.parent.mkdir(parents=True)
     f.write_text(full)
-    r = subprocess.run(["sh", "-c", hostfiles.remainder_logs_script(inv, SPEC, 1, 2346)], capture_output=True, text=True,
-                       env=fake_docker(tmp_path, "echo wrong\n"))
+    r = subprocess.run(
+        ["sh", "-c", hostfiles.remainder_logs_script(inv, SPEC, 1, 2346)],
+        capture_output=True,
+        text=True,
+        env=fake_docker(tmp_path, "echo wrong\n"),
+    )
     assert full[:2345] + r.stdout == full
 
 
@@ -342,11 +412,16 @@ def test_entrypoint_sends_all_output_to_the_console_file(tmp_path):
     import subprocess
     import sys
     f = tmp_path / "console" / "node-0.log"
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import entrypoint as e; env = dict(os.environ); "
-            "e.redirect_output(env); print('out', flush=True); "
-            "os.system('echo child; echo err >&2'); print('FABTRAIN_CONSOLE' in env, file=sys.stderr)")
+    code = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); import entrypoint as e; env = dict(os.environ); "
+        "e.redirect_output(env); print('out', flush=True); "
+        "os.system('echo child; echo err >&2'); print('FABTRAIN_CONSOLE' in env, file=sys.stderr)"
+    )
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "docker")], capture_output=True, text=True,
                        env={"FABTRAIN_CONSOLE": str(f), "PATH": "/usr/bin:/bin"})
-    assert r.stdout == f"[fabtrain] this container's output goes to {f} (in the job's output directory on the host; `fab logs` follows it)\n"
+    assert (
+        r.stdout
+        == f"[fabtrain] this container's output goes to {f} (in the job's output directory on the host; `fab logs` follows it)\n"
+    )
     assert r.stderr == ""
     assert f.read_text() == "out\nchild\nerr\nFalse\n"

@@ -31,7 +31,11 @@ def test_probe_script_skips_docker_once_the_engine_hangs(tmp_path):
     fake = tmp_path / "docker"
     fake.write_text("#!/bin/sh\nexec sleep 30\n")
     fake.chmod(0o755)
-    cmds = {"docker": ["docker", "version"], "image": ["docker", "image", "inspect", "x"], "after": ["echo", "ok"]}
+    cmds = {
+        "docker": ["docker", "version"],
+        "image": ["docker", "image", "inspect", "x"],
+        "after": ["echo", "ok"],
+    }
     script = pf.probe_script(cmds, "@@m").replace(f"timeout -k 2 {pf.DOCKER_TIMEOUT} ", "timeout -k 1 1 ")
     start = time.monotonic()
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
@@ -83,8 +87,13 @@ def test_judge_dirs_names_the_path_and_the_exact_fix():
     facts = (0, "denied /opt/fabtrain/code /opt root\nok /data/out")
     c = pf.judge_dirs(host, facts)
     assert c.status == "fail"
-    assert c.detail == f"{host.ssh.user} cannot write /opt/fabtrain/code (cannot be created: /opt is owned by root)"
-    assert c.fix.startswith(f"on b: sudo install -d -o {host.ssh.user} -g $(id -gn {host.ssh.user}) /opt/fabtrain/code  (")
+    assert (
+        c.detail
+        == f"{host.ssh.user} cannot write /opt/fabtrain/code (cannot be created: /opt is owned by root)"
+    )
+    assert c.fix.startswith(
+        f"on b: sudo install -d -o {host.ssh.user} -g $(id -gn {host.ssh.user}) /opt/fabtrain/code  ("
+    )
     assert pf.judge_dirs(host, (0, "ok /a\nok /b")).status == "ok"
 
 
@@ -105,25 +114,59 @@ def test_image_check_reports_versions_and_names_what_is_missing():
     present = {"image": (0, "sha256:" + "b" * 64)}
     ok = pf.judge_image(host, {**present, "image_info": IMAGE_OK}, "img:1")
     assert (ok.status, ok.detail) == ("ok", "img:1 bbbbbbbbbbbb: python 3.11.2, torch 2.5.1+cpu")
-    ngc = pf.judge_image(host, {**present, "image_info": (0, 'IMAGEINFO {"python": "3.10.12", "torch": '
-                                                            '"2.2.0a0+81ea7a4", "cuda": "12.3", "hip": null, "gpus": 8}')}, "ngc")
+    ngc = pf.judge_image(
+        host,
+        {
+            **present,
+            "image_info": (
+                0,
+                'IMAGEINFO {"python": "3.10.12", "torch": '
+                '"2.2.0a0+81ea7a4", "cuda": "12.3", "hip": null, "gpus": 8}',
+            ),
+        },
+        "ngc",
+    )
     assert ngc.detail.endswith("python 3.10.12, torch 2.2.0a0+81ea7a4, CUDA 12.3")
-    no_torch = pf.judge_image(host, {**present, "image_info": (0, 'IMAGEINFO {"python": "3.11.2", "error": '
-                                                                 '"ModuleNotFoundError: No module named \'torch\'"}')}, "img:1")
+    no_torch = pf.judge_image(
+        host,
+        {
+            **present,
+            "image_info": (
+                0,
+                'IMAGEINFO {"python": "3.11.2", "error": "ModuleNotFoundError: No module named \'torch\'"}',
+            ),
+        },
+        "img:1",
+    )
     assert no_torch.status == "fail" and "python 3.11.2 but no torch (ModuleNotFoundError" in no_torch.detail
     assert no_torch.fix.startswith("fab image.build --base img:1 ")
     # What Docker prints when the image has no python3 at all.
-    no_python = pf.judge_image(host, {**present, "image_info": (127, 'docker: Error response from daemon: failed to '
-                                      'create task: exec: "python3": executable file not found in $PATH')}, "img:1")
+    no_python = pf.judge_image(
+        host,
+        {
+            **present,
+            "image_info": (
+                127,
+                "docker: Error response from daemon: failed to "
+                'create task: exec: "python3": executable file not found in $PATH',
+            ),
+        },
+        "img:1",
+    )
     assert (no_python.status, no_python.detail) == ("fail", "img:1 bbbbbbbbbbbb has no python3")
     missing = pf.judge_image(host, {"image": (1, "Error: No such image: img:1")}, "img:1")
     assert (missing.status, missing.detail) == ("fail", "img:1 not present")
 
 
 NVIDIA_SMI = "NVIDIA H100 80GB HBM3\n" * 8
-ROCM_SMI = ("device,Card series,Card model,Card vendor,Card SKU,Subsystem ID,Device Rev,Node ID,GUID,GFX Version\n"
-            + "".join(f"card{i},AMD Instinct MI250X,0x740c,Advanced Micro Devices Inc. [AMD/ATI],D65209,0x0b0c,"
-                      f"0x01,{i + 2},1234,gfx90a\n" for i in range(8)))
+ROCM_SMI = (
+    "device,Card series,Card model,Card vendor,Card SKU,Subsystem ID,Device Rev,Node ID,GUID,GFX Version\n"
+    + "".join(
+        f"card{i},AMD Instinct MI250X,0x740c,Advanced Micro Devices Inc. [AMD/ATI],D65209,0x0b0c,"
+        f"0x01,{i + 2},1234,gfx90a\n"
+        for i in range(8)
+    )
+)
 # KFD topology of a 2-socket MI250X server without rocm-smi: two CPU nodes (gpu_id 0), 8 GCDs.
 SYSFS = "0\n0\n" + "".join(f"{40000 + i}\n" for i in range(8))
 
@@ -136,8 +179,10 @@ def test_gpu_count_from_captured_tool_output():
 
 
 def test_nvidia_host_without_hook_or_cdi_fails_docker_check():
-    gpu = parse("hosts:\n  - {name: g, address: 10.1.0.9, interface: eth0, gpus: {vendor: nvidia, count: 8}}\n",
-                Path("i.yaml")).hosts[0]
+    gpu = parse(
+        "hosts:\n  - {name: g, address: 10.1.0.9, interface: eth0, gpus: {vendor: nvidia, count: 8}}\n",
+        Path("i.yaml"),
+    ).hosts[0]
     facts = {"docker": (0, "27.1")}
     none = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 0\n"))
     assert none.status == "fail" and "no nvidia runtime and no CDI specs" in none.detail
@@ -159,10 +204,15 @@ def test_nccl_transport_from_debug_lines():
     assert pf.nccl_transport(NCCL_IB) == "IB"
     assert pf.nccl_transport(NCCL_SOCKET) == "Socket"
     assert pf.nccl_transport("SMOKE ok backend=gloo world=4") is None
-    ib_host = parse("hosts:\n  - {name: d, address: 10.0.0.11, interface: ens1f0, devices: [/dev/infiniband]}\n",
-                    Path("i.yaml")).hosts[0]
+    ib_host = parse(
+        "hosts:\n  - {name: d, address: 10.0.0.11, interface: ens1f0, devices: [/dev/infiniband]}\n",
+        Path("i.yaml"),
+    ).hosts[0]
     warn = pf.judge_transport(ib_host, "all_reduce over 16 ranks (nccl)", "Socket")
-    assert warn.status == "warn" and "NCCL over TCP sockets although InfiniBand devices are mapped" in warn.detail
+    assert (
+        warn.status == "warn"
+        and "NCCL over TCP sockets although InfiniBand devices are mapped" in warn.detail
+    )
     assert pf.judge_transport(ib_host, "x", "IB") == pf.Check("d", "smoke", "ok", "x, NCCL over InfiniBand")
     assert pf.judge_transport(INV.hosts[0], "x", "Socket").status == "ok"
 
@@ -188,8 +238,13 @@ def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended(tmp_path):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "a.log").write_text("SMOKE ok backend=gloo world=4 size=8MB time=1ms busbw=700.0 MB/s\n")
         (run_dir / "b.log").write_text("boom\n")
-        return Watched(ends={"a": NodeEnd(inv.hosts[0], exit_code=0),
-                             "b": NodeEnd(inv.hosts[1], exit_code=3, failure=Failure.EXIT, detail="exited with code 3")})
+        return Watched(
+            ends={
+                "a": NodeEnd(inv.hosts[0], exit_code=0),
+                "b": NodeEnd(inv.hosts[1], exit_code=3, failure=Failure.EXIT, detail="exited with code 3"),
+            }
+        )
+
     checks = pf.read_ends(inv, run_job(None, inv, None, tmp_path), tmp_path)
     assert [(c.host, c.status) for c in checks] == [("a", pf.OK), ("b", pf.FAIL)]
     assert "all_reduce over 4 ranks (gloo), bus bw 700 MB/s" in checks[0].detail

@@ -84,7 +84,9 @@ def test_gpt_global_batch_rule(planned, world, want):
     import gpt
     batch, accum, nodes, procs = planned
     tc = gpt.TrainConfig(batch_size=batch, grad_accum=accum)
-    got, note = gpt.keep_global_batch(tc, world, {"FABTRAIN_TARGET_NODES": str(nodes), "LOCAL_WORLD_SIZE": str(procs)})
+    got, note = gpt.keep_global_batch(
+        tc, world, {"FABTRAIN_TARGET_NODES": str(nodes), "LOCAL_WORLD_SIZE": str(procs)}
+    )
     if want is None:
         assert got is tc and note is None
         return

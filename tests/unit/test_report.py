@@ -12,17 +12,36 @@ def make_run(root, job="gpt-1", hosts=("node1", "node2")):
     first = [{"kind": "train", "step": s, "loss": 3.0 - s / 100, "time": 100 + s} for s in (10, 20, 30)]
     second = [{"kind": "train", "step": s, "loss": 2.5 - s / 100, "time": 200 + s} for s in (30, 40)]
     second.append({"kind": "eval", "epoch": 0, "step": 40, "loss": 2.0, "time": 300})
-    (run / "outputs" / "node1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first) + "{broken\n")
+    (run / "outputs" / "node1" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in first) + "{broken\n"
+    )
     (run / "outputs" / "node3" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in second))
     (run / "node1.log").write_text("".join(f"[node1 rank{r}] epoch 0 | step {s} | loss 2.9 | lr 3.00e-03 | "
                                            f"{1000 + s:,} tok/s\n" for s in (10, 20) for r in (0, 1)))
     (run / "node2.log").write_text("[node2 rank2] epoch 0 | step 10 | loss 2.9 | lr 3.00e-03 | 1,500 tok/s\n"
                                    "some other line\n")
-    (run / "job.json").write_text(json.dumps({
-        "spec": {"job_id": job, "script": "trainers/gpt.py", "args": ["--model", "tiny", "--epochs", "1"]},
-        "state": "finished", "attempts": [
-            {"number": 1, "hosts": list(hosts), "started": 1000.0, "ended": 1030.0, "outcome": "x"},
-            {"number": 2, "hosts": ["node3", "node2"], "started": 1035.0, "ended": 1090.5, "outcome": "ok"}]}))
+    (run / "job.json").write_text(
+        json.dumps(
+            {
+                "spec": {
+                    "job_id": job,
+                    "script": "trainers/gpt.py",
+                    "args": ["--model", "tiny", "--epochs", "1"],
+                },
+                "state": "finished",
+                "attempts": [
+                    {"number": 1, "hosts": list(hosts), "started": 1000.0, "ended": 1030.0, "outcome": "x"},
+                    {
+                        "number": 2,
+                        "hosts": ["node3", "node2"],
+                        "started": 1035.0,
+                        "ended": 1090.5,
+                        "outcome": "ok",
+                    },
+                ],
+            }
+        )
+    )
     return run
 
 
@@ -60,7 +79,11 @@ def test_finish_writes_summary_and_png_and_runs_lists_them(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert (s["job"], s["state"], s["attempts"], s["seconds"]) == ("gpt-1", "finished", 2, 90.5)
     assert (s["final_eval_loss"], s["steps"], s["hosts"]) == (2.0, 40, ["node1", "node2", "node3"])
-    assert s["ranks"]["node1 rank0"] == {"tokens_per_s_median": 1015.0, "tokens_per_s_p5": 1010.0, "samples": 2}
+    assert s["ranks"]["node1 rank0"] == {
+        "tokens_per_s_median": 1015.0,
+        "tokens_per_s_p5": 1010.0,
+        "samples": 2,
+    }
     assert s == data and s["per_host"] == {} and s["stragglers"] == []  # these logs carry no step times
     (tmp_path / "no-record").mkdir()
     listed = report.runs(tmp_path)
@@ -95,11 +118,20 @@ def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
     (run / "node1.log").write_text(timed_log("node1", range(0, 2), 20.0) + "noise\n")
     (run / "node2.log").write_text(timed_log("node2", range(2, 4), 60.0))
     t = report.timings(run)
-    assert t["ranks"]["node1 rank0"] == {"tokens_per_s_median": 80000.0, "tokens_per_s_p5": 80000.0, "samples": 10,
-                                         "step_ms_median": 26.1, "step_ms_p95": 27.0,
-                                         "compute_ms_median": 21.1, "compute_ms_p95": 22.0}
+    assert t["ranks"]["node1 rank0"] == {
+        "tokens_per_s_median": 80000.0,
+        "tokens_per_s_p5": 80000.0,
+        "samples": 10,
+        "step_ms_median": 26.1,
+        "step_ms_p95": 27.0,
+        "compute_ms_median": 21.1,
+        "compute_ms_p95": 22.0,
+    }
     assert t["per_host"]["node2"]["ranks"] == ["node2 rank2", "node2 rank3"]
-    assert (t["per_host"]["node2"]["compute_ms_median"], t["per_host"]["node1"]["compute_ms_median"]) == (61.1, 21.1)
+    assert (t["per_host"]["node2"]["compute_ms_median"], t["per_host"]["node1"]["compute_ms_median"]) == (
+        61.1,
+        21.1,
+    )
     assert [(s["rank"], s["host"], s["times_median"]) for s in t["stragglers"]] == \
         [("node2 rank2", "node2", 2.9), ("node2 rank3", "node2", 2.9)]
     from rich.console import Console

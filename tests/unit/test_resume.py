@@ -10,7 +10,9 @@ from orchestrator.core import jobspec, recovery
 from orchestrator.core.errors import UserError
 
 TRAINERS = {"gpt": "trainers/gpt.py"}
-INV = parse("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n", __import__("pathlib").Path("i.yaml"))
+INV = parse(
+    "hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n", __import__("pathlib").Path("i.yaml")
+)
 
 
 def record(state="running", **spec_kw) -> recovery.JobRecord:

@@ -56,7 +56,10 @@ def test_a_chain_of_two_jump_hosts_opens_each_once_the_second_through_the_first(
     gw = Gateways(opener)
     for h in hosts(5, (outer, inner)):
         gw.channel(tuple(h.ssh.jump), h.ssh, h)
-    assert [(o[0], o[2]) for o in opener.opened] == [("outer", None), ("inner", ("channel", "outer", ("inner", 2222)))]
+    assert [(o[0], o[2]) for o in opener.opened] == [
+        ("outer", None),
+        ("inner", ("channel", "outer", ("inner", 2222))),
+    ]
 
 
 def test_no_jump_host_no_channel_and_a_dead_gateway_is_opened_again():

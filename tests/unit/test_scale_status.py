@@ -41,13 +41,24 @@ class FakeSession:
 def test_many_jobs_on_few_hosts_cost_one_command_per_host():
     from orchestrator.config.inventory import Host, Inventory, Job
     from orchestrator.config.sshconf import SSH
-    hosts = tuple(Host(name=f"node{i}", address=f"10.0.0.{i}", rank=i - 1, ssh=SSH(hostname=f"10.0.0.{i}", user="root"), interface="eth0")
-                  for i in (1, 2))
+
+    hosts = tuple(
+        Host(
+            name=f"node{i}",
+            address=f"10.0.0.{i}",
+            rank=i - 1,
+            ssh=SSH(hostname=f"10.0.0.{i}", user="root"),
+            interface="eth0",
+        )
+        for i in (1, 2)
+    )
     inv = Inventory(path=None, hosts=hosts, job=Job())
     views = {f"job-{k}": hostops.JobView(f"job-{k}", ranks={f"node{1 + k % 2}": 0}) for k in range(10)}
     views["job-x"] = hostops.JobView("job-x", ranks={"node1": 1})  # not rank 0 here: not read
-    outputs = {h: "".join(f"\n{hostops.STEP_MARK}job-{k}\nstep {k}\n" for k in range(10) if f"node{1 + k % 2}" == h)
-               for h in ("node1", "node2")}
+    outputs = {
+        h: "".join(f"\n{hostops.STEP_MARK}job-{k}\nstep {k}\n" for k in range(10) if f"node{1 + k % 2}" == h)
+        for h in ("node1", "node2")
+    }
     session = FakeSession(outputs)
     assert hostops.last_steps(session, inv, views) == {f"job-{k}": k for k in range(10)}
     assert sorted(name for name, _ in session.commands) == ["node1", "node2"]

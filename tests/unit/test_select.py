@@ -38,19 +38,44 @@ def test_gpu_sets_per_host_in_deepspeed_syntax():
     assert cli.units_asked(INV, None) == ""
 
 
-@pytest.mark.parametrize("include, exclude, num, busy, message", [
-    ("node1@nodeX", None, None, set(), "--include 'node1@nodeX': no host 'nodeX' in inv.yaml; hosts are node1, node2, "
-                                       "node3, node4"),
-    ("node1@@node2", None, None, set(), "an empty host name; write hosts joined by @, e.g. --include node1@node2"),
-    ("node1:0,x", None, None, set(), "'node1:0,x' should list distinct GPU (or CPU slot) indices after the colon, "
-                                     "e.g. node1:0,1"),
-    ("node1:1,1", None, None, set(), "should list distinct GPU (or CPU slot) indices"),
-    ("node1:0@node1:1", None, None, set(), "node1 is named twice"),
-    (None, "node1:0", None, set(), "--exclude takes whole hosts; choose GPUs with --include node1:i,j"),
-    (None, "node1@node2@node3", None, set(), "--include/--exclude leave no host to run on"),
-    (None, None, "3", {"node2"}, "--num-nodes 3: only 2 of node1, node2, node3 are free (node2 run other jobs)"),
-    (None, None, "zero", set(), "--num-nodes 'zero': give a whole number, 1 or more"),
-])
+@pytest.mark.parametrize(
+    "include, exclude, num, busy, message",
+    [
+        (
+            "node1@nodeX",
+            None,
+            None,
+            set(),
+            "--include 'node1@nodeX': no host 'nodeX' in inv.yaml; hosts are node1, node2, node3, node4",
+        ),
+        (
+            "node1@@node2",
+            None,
+            None,
+            set(),
+            "an empty host name; write hosts joined by @, e.g. --include node1@node2",
+        ),
+        (
+            "node1:0,x",
+            None,
+            None,
+            set(),
+            "'node1:0,x' should list distinct GPU (or CPU slot) indices after the colon, e.g. node1:0,1",
+        ),
+        ("node1:1,1", None, None, set(), "should list distinct GPU (or CPU slot) indices"),
+        ("node1:0@node1:1", None, None, set(), "node1 is named twice"),
+        (None, "node1:0", None, set(), "--exclude takes whole hosts; choose GPUs with --include node1:i,j"),
+        (None, "node1@node2@node3", None, set(), "--include/--exclude leave no host to run on"),
+        (
+            None,
+            None,
+            "3",
+            {"node2"},
+            "--num-nodes 3: only 2 of node1, node2, node3 are free (node2 run other jobs)",
+        ),
+        (None, None, "zero", set(), "--num-nodes 'zero': give a whole number, 1 or more"),
+    ],
+)
 def test_bad_selections_say_what_is_wrong(include, exclude, num, busy, message):
     with pytest.raises(UserError) as err:
         cli.select_hosts(INV, include, exclude, busy, num)

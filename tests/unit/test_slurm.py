@@ -28,26 +28,47 @@ def inv(tmp_path: Path, slurm_section: str, job: str = ""):
 def test_the_slurm_section_defaults_and_the_login_node_uses_the_hosts_ssh_settings(tmp_path):
     i = inv(tmp_path, "  login: login1.example.com\n")
     s = i.slurm
-    assert (s.login.name, s.login.address, s.login.ssh.user) == ("login1.example.com", "login1.example.com", "alice")
+    assert (s.login.name, s.login.address, s.login.ssh.user) == (
+        "login1.example.com",
+        "login1.example.com",
+        "alice",
+    )
     assert (s.workdir, s.nodes, s.runtime, s.partition, s.account, s.time) == \
         ("/opt/fabtrain/output/slurm", 2, "docker", None, None, None)
     i = inv(tmp_path, "  login: l1\n  ssh: {user: bob, port: 2222}\n  workdir: /home/bob/jobs/\n  nodes: 4\n"
                       "  partition: gpu\n  account: proj1\n  time: '04:00:00'\n  runtime: pyxis\n")
     s = i.slurm
-    assert (s.login.ssh.user, s.login.ssh.port, s.workdir, s.nodes, s.partition, s.account, s.time, s.runtime) == \
-        ("bob", 2222, "/home/bob/jobs", 4, "gpu", "proj1", "04:00:00", "pyxis")
+    assert (
+        s.login.ssh.user,
+        s.login.ssh.port,
+        s.workdir,
+        s.nodes,
+        s.partition,
+        s.account,
+        s.time,
+        s.runtime,
+    ) == ("bob", 2222, "/home/bob/jobs", 4, "gpu", "proj1", "04:00:00", "pyxis")
     assert parse(HOSTS, tmp_path / "i.yaml").slurm is None
 
 
-@pytest.mark.parametrize("section,expected", [
-    ("  partition: gpu\n", "inventory.yaml:5: slurm.login: is missing; add 'login:' to slurm"),
-    ("  login: '-oProxyCommand=x'\n", "slurm.login: '-oProxyCommand=x' is neither a host name"),
-    ("  login: l1\n  partition: 'gpu; rm -rf /'\n", "inventory.yaml:7: slurm.partition: 'gpu; rm -rf /' is not a Slurm partition"),
-    ("  login: l1\n  runtime: singularity\n", "slurm.runtime: 'singularity' is not a container runtime"),
-    ("  login: l1\n  nodes: 0\n", "slurm.nodes: 0 is not a number of nodes; use a number from 1"),
-    ("  login: l1\n  workdir: jobs\n", "slurm.workdir: 'jobs' is not an absolute path"),
-    ("  login: l1\n  queue: gpu\n", "inventory.yaml:7: slurm.queue: unknown field; use one of: login, ssh, workdir"),
-])
+@pytest.mark.parametrize(
+    "section,expected",
+    [
+        ("  partition: gpu\n", "inventory.yaml:5: slurm.login: is missing; add 'login:' to slurm"),
+        ("  login: '-oProxyCommand=x'\n", "slurm.login: '-oProxyCommand=x' is neither a host name"),
+        (
+            "  login: l1\n  partition: 'gpu; rm -rf /'\n",
+            "inventory.yaml:7: slurm.partition: 'gpu; rm -rf /' is not a Slurm partition",
+        ),
+        ("  login: l1\n  runtime: singularity\n", "slurm.runtime: 'singularity' is not a container runtime"),
+        ("  login: l1\n  nodes: 0\n", "slurm.nodes: 0 is not a number of nodes; use a number from 1"),
+        ("  login: l1\n  workdir: jobs\n", "slurm.workdir: 'jobs' is not an absolute path"),
+        (
+            "  login: l1\n  queue: gpu\n",
+            "inventory.yaml:7: slurm.queue: unknown field; use one of: login, ssh, workdir",
+        ),
+    ],
+)
 def test_slurm_section_mistakes_name_the_line_and_field(tmp_path, section, expected):
     with pytest.raises(UserError) as e:
         inv(tmp_path, section)
@@ -57,8 +78,10 @@ def test_slurm_section_mistakes_name_the_line_and_field(tmp_path, section, expec
 def test_commands_on_the_login_node_are_quoted_once(tmp_path):
     s = inv(tmp_path, "  login: l1\n  workdir: /home/a b/jobs\n").slurm
     assert slurm.submit_command(s, "gpt-1") == "cd '/home/a b/jobs' && sbatch --parsable gpt-1.sbatch"
-    assert slurm.submit_command(s, "gpt-1", secrets=True) == \
-        "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable gpt-1.sbatch"
+    assert (
+        slurm.submit_command(s, "gpt-1", secrets=True)
+        == "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable gpt-1.sbatch"
+    )
     assert slurm.follow_command(slurm.out_file(s, "gpt-1", "42")) == (
         "while [ ! -e '/home/a b/jobs/gpt-1-42.out' ]; do sleep 0.2; done; "
         "exec tail -n +1 -s 0.2 -F '/home/a b/jobs/gpt-1-42.out'")
@@ -153,7 +176,11 @@ def test_dry_run_is_what_is_submitted_and_secrets_travel_on_stdin(tmp_path):
     assert steps[2] == put_command("/jobs/gpt-1.sbatch", 0o644) and rec.calls[2][2].decode() == script
     assert listed[2] == "write /jobs/gpt-1.sbatch (below)" and text.endswith("---\n" + script)
     assert steps[3] == listed[3] == "mkdir -p -m 700 /jobs/.secrets"
-    assert rec.calls[4] == ("l1", put_command("/jobs/.secrets/gpt-1.env", 0o600), f"API_TOKEN={SECRET}\n".encode())
+    assert rec.calls[4] == (
+        "l1",
+        put_command("/jobs/.secrets/gpt-1.env", 0o600),
+        f"API_TOKEN={SECRET}\n".encode(),
+    )
     assert listed[4] == "write /jobs/.secrets/gpt-1.env (mode 600: API_TOKEN)"
     assert steps[5] == listed[5] == slurm.submit_command(i.slurm, "gpt-1", secrets=True)
     assert len(steps) == 6
@@ -175,8 +202,10 @@ def test_a_job_sbatch_refuses_is_a_clear_error(tmp_path):
 
     with pytest.raises(UserError) as e:
         slurm.submit(Refusing(), i, spec, script, note=lambda line: None)
-    assert str(e.value).startswith("sbatch on l1 refused the job: sbatch: error: invalid partition specified: gpu; "
-                                   "the script is /opt/fabtrain/output/slurm/gpt-1.sbatch there")
+    assert str(e.value).startswith(
+        "sbatch on l1 refused the job: sbatch: error: invalid partition specified: gpu; "
+        "the script is /opt/fabtrain/output/slurm/gpt-1.sbatch there"
+    )
 
 
 def test_without_a_slurm_section_on_slurm_says_what_to_add(tmp_path):
@@ -233,12 +262,21 @@ class FakeJob:
 def test_a_login_node_that_stops_answering_is_named_and_following_ends(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm, "POLL", 0)
     s = inv(tmp_path, "  login: l1\n").slurm
-    job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node[1-2]", "Restarts": "0"}, OSError("x"),
-                      {"JobState": "RUNNING", "Restarts": "0"}] + [UserError("l1 (alice@l1:22): no route")] * 3)
+    job = FakeJob(
+        s,
+        [
+            {"JobState": "RUNNING", "NodeList": "node[1-2]", "Restarts": "0"},
+            OSError("x"),
+            {"JobState": "RUNNING", "Restarts": "0"},
+        ]
+        + [UserError("l1 (alice@l1:22): no route")] * 3,
+    )
     with pytest.raises(UserError) as e:
         slurm.Follower(job, tmp_path / "run", echo=False).run()
-    assert str(e.value).startswith("the job's state could not be read 3 times in a row: l1 (alice@l1:22): no route; "
-                                   "the job may still run: 'fab status' or 'fab logs --job gpt-1' once l1 answers")
+    assert str(e.value).startswith(
+        "the job's state could not be read 3 times in a row: l1 (alice@l1:22): no route; "
+        "the job may still run: 'fab status' or 'fab logs --job gpt-1' once l1 answers"
+    )
     # One failed read between good ones is not enough; the job ending is followed to its end.
     job = FakeJob(s, [{"JobState": "PENDING", "Reason": "Priority"}, OSError("x"),
                       {"JobState": "COMPLETED", "ExitCode": "0:0"}])
@@ -249,17 +287,27 @@ def test_a_running_job_whose_output_file_the_login_node_cannot_see_is_explained(
     monkeypatch.setattr(slurm, "POLL", 0)
     monkeypatch.setattr(slurm, "UNSEEN_AFTER", 0)
     s = inv(tmp_path, "  login: l1\n").slurm
-    job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node1"}] * 3 + [{"JobState": "FAILED", "ExitCode": "1:0"}],
-                  files_exist=False)
+    job = FakeJob(
+        s,
+        [{"JobState": "RUNNING", "NodeList": "node1"}] * 3 + [{"JobState": "FAILED", "ExitCode": "1:0"}],
+        files_exist=False,
+    )
     out = tmp_path / "terminal"
     with out.open("wb") as f:
         follower = slurm.Follower(job, tmp_path / "run", echo=True)
         follower.mux.out, follower.mux.colour = f, False
         assert follower.run().exit_code == 1
     text = out.read_text()
-    assert text.count("/opt/fabtrain/output/slurm/gpt-1-42.out is not there on l1: Slurm writes it on the job's "
-                      "first node; put slurm.workdir on a filesystem") == 1
-    assert "[fabtrain] slurm job 42: RUNNING on node1\n" in text and "[fabtrain] slurm job 42: FAILED\n" in text
+    assert (
+        text.count(
+            "/opt/fabtrain/output/slurm/gpt-1-42.out is not there on l1: Slurm writes it on the job's "
+            "first node; put slurm.workdir on a filesystem"
+        )
+        == 1
+    )
+    assert (
+        "[fabtrain] slurm job 42: RUNNING on node1\n" in text and "[fabtrain] slurm job 42: FAILED\n" in text
+    )
 
 
 def test_the_live_view_follows_a_job_on_a_terminal(tmp_path, monkeypatch):
@@ -270,8 +318,9 @@ def test_the_live_view_follows_a_job_on_a_terminal(tmp_path, monkeypatch):
     s = inv(tmp_path, "  login: l1\n").slurm
     job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node[1-2]"}] * 2 + [{"JobState": "COMPLETED"}])
     term = io.StringIO()
-    follower = slurm.Follower(job, tmp_path / "run", console=Console(file=term, force_terminal=True, width=120),
-                              live=True)
+    follower = slurm.Follower(
+        job, tmp_path / "run", console=Console(file=term, force_terminal=True, width=120), live=True
+    )
     assert follower.live and follower.run().exit_code == 0
     job.answers.append({"JobState": "RUNNING", "NodeList": "node[1-2]"})
     follower.demux.on_attempt(0)  # the allocation's nodes become the board's hosts

@@ -73,7 +73,9 @@ class FakeSession:
         if argv[:4] == ["{", "[", "!", "-L"]:  # snapshots.no_link_command: no links here
             argv = argv[argv.index("&&") + 1:]
         if argv[:2] == ["ls", "-1"]:
-            return ok("".join(f"{p.rsplit('/', 1)[1]}\n" for p in sorted(fs) if p.rsplit("/", 1)[0] == argv[2]))
+            return ok(
+                "".join(f"{p.rsplit('/', 1)[1]}\n" for p in sorted(fs) if p.rsplit("/", 1)[0] == argv[2])
+            )
         if argv[0] == "stat":
             path = argv[3]
             if path not in fs:
@@ -155,17 +157,23 @@ def digest(data: bytes) -> str:
 
 # ---------------------------------------------------------------- the commands
 
-@pytest.mark.parametrize("command,expected", [
-    (snapshots.list_command(INV, SPEC), "ls -1 /out/gpt-1/snapshots 2>/dev/null; true"),
-    (snapshots.checksum_command(f"{DIR}/{S20}"),
-     f"stat -c %s {DIR}/{S20} && sha256sum {DIR}/{S20}"),
-    (snapshots.checksum_command("/o u t/it's.pt"),
-     "stat -c %s '/o u t/it'\"'\"'s.pt' && sha256sum '/o u t/it'\"'\"'s.pt'"),
-    (snapshots.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
-     f"{{ [ ! -L {DIR} ] || {{ echo '{DIR} is a symbolic link; nothing is written through it' >&2; exit 1; }}; }} "
-     f"&& mv -fT {DIR}/.{S20}.copy.tmp {DIR}/{S20}"),
-    (snapshots.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
-])
+@pytest.mark.parametrize(
+    "command,expected",
+    [
+        (snapshots.list_command(INV, SPEC), "ls -1 /out/gpt-1/snapshots 2>/dev/null; true"),
+        (snapshots.checksum_command(f"{DIR}/{S20}"), f"stat -c %s {DIR}/{S20} && sha256sum {DIR}/{S20}"),
+        (
+            snapshots.checksum_command("/o u t/it's.pt"),
+            "stat -c %s '/o u t/it'\"'\"'s.pt' && sha256sum '/o u t/it'\"'\"'s.pt'",
+        ),
+        (
+            snapshots.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
+            f"{{ [ ! -L {DIR} ] || {{ echo '{DIR} is a symbolic link; nothing is written through it' >&2; exit 1; }}; }} "
+            f"&& mv -fT {DIR}/.{S20}.copy.tmp {DIR}/{S20}",
+        ),
+        (snapshots.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
+    ],
+)
 def test_commands_are_quoted_once(command, expected):
     assert command == expected
 
@@ -205,16 +213,37 @@ GONE = f"stat/sha256sum on the host exited 1: stat: cannot statx '{REMOTE20}': N
 TIMED_OUT = CommandTimedOut(A, f"checksumming {REMOTE20}", snapshots.CHECKSUM_TIMEOUT)
 
 
-@pytest.mark.parametrize("copies,checksum_answers,n_copies,why", [
-    (["ok"], [], 1, None),
-    (["corrupt", "ok"], [], 2, None),
-    (["fail", "ok"], [], 2, None),
-    (["corrupt"] * 3, [], 3,
-     f"the copy ({digest(corrupt(DATA[S20]))}) differs from the host's file ({digest(DATA[S20])})"),
-    (["fail"] * 3, [], 3, f"rsync exited 12: {RSYNC_ERROR}"),
-    ([], [Result("", f"stat: cannot statx '{REMOTE20}': No such file or directory\n", 1, 0.01)] * 3, 0, GONE),
-    ([], [TIMED_OUT] * 3, 0, f"no checksum from the host: {TIMED_OUT}"),
-], ids=["first-try", "corrupt-then-ok", "fail-then-ok", "always-corrupt", "always-fail", "gone", "checksum-hangs"])
+@pytest.mark.parametrize(
+    "copies,checksum_answers,n_copies,why",
+    [
+        (["ok"], [], 1, None),
+        (["corrupt", "ok"], [], 2, None),
+        (["fail", "ok"], [], 2, None),
+        (
+            ["corrupt"] * 3,
+            [],
+            3,
+            f"the copy ({digest(corrupt(DATA[S20]))}) differs from the host's file ({digest(DATA[S20])})",
+        ),
+        (["fail"] * 3, [], 3, f"rsync exited 12: {RSYNC_ERROR}"),
+        (
+            [],
+            [Result("", f"stat: cannot statx '{REMOTE20}': No such file or directory\n", 1, 0.01)] * 3,
+            0,
+            GONE,
+        ),
+        ([], [TIMED_OUT] * 3, 0, f"no checksum from the host: {TIMED_OUT}"),
+    ],
+    ids=[
+        "first-try",
+        "corrupt-then-ok",
+        "fail-then-ok",
+        "always-corrupt",
+        "always-fail",
+        "gone",
+        "checksum-hangs",
+    ],
+)
 def test_fetch_checks_each_copy_and_retries(tmp_path, copies, checksum_answers, n_copies, why, capsys):
     session = FakeSession({"a": {REMOTE20: DATA[S20]}})
     session.script[("a", snapshots.checksum_command(REMOTE20))] = list(checksum_answers)
@@ -359,7 +388,11 @@ def test_follow_reports_a_snapshot_that_fails_every_try_once(tmp_path, monkeypat
     stop.set()
     t.join(10)
     assert not t.is_alive()
-    assert len(rsync.calls) == 3 and len(reports) == 1 and reports[0].startswith(f"a: could not copy snapshot {S20}")
+    assert (
+        len(rsync.calls) == 3
+        and len(reports) == 1
+        and reports[0].startswith(f"a: could not copy snapshot {S20}")
+    )
 
 
 def test_follow_looks_once_more_after_stop(tmp_path, monkeypatch):
@@ -390,18 +423,27 @@ def test_fetch_argv_leaves_the_snapshots_out():
 
 
 def shell_ssh() -> str:
-    return ("ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
-            "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
-            "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes")
+    return (
+        "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
+        "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
+        "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes"
+    )
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
 def test_fetch_argv_filters_with_a_real_rsync(tmp_path):
     """The same filter rules, run by rsync on local directories: what the end-of-job fetch copies."""
     src, dest = tmp_path / "out", tmp_path / "fetched"
-    files = {"metrics.jsonl": "m", ".console/node-0.log": "log", f"snapshots/{S10}": "s10", f"snapshots/{S20}": "s20",
-             f"snapshots/.{S30}.123.tmp": "partial", f"snapshots/{snapshots.temp_name(S30)}": "copy",
-             "snapshots/tokenizer.json": "mine", "sub/snapshots/snapshot-000000001.pt": "not the job's"}
+    files = {
+        "metrics.jsonl": "m",
+        ".console/node-0.log": "log",
+        f"snapshots/{S10}": "s10",
+        f"snapshots/{S20}": "s20",
+        f"snapshots/.{S30}.123.tmp": "partial",
+        f"snapshots/{snapshots.temp_name(S30)}": "copy",
+        "snapshots/tokenizer.json": "mine",
+        "sub/snapshots/snapshot-000000001.pt": "not the job's",
+    }
     for rel, text in files.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(text)
@@ -432,8 +474,10 @@ def local_rsync(argv, **kw):
 
 
 def checkpoint_job(tmp_path, pattern="checkpoints/*"):
-    inv = parse(f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
-                Path("/i/inv.yaml"))
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+        Path("/i/inv.yaml"),
+    )
     spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern(pattern))
     return inv, spec, tmp_path / "host" / "j" / "work" / "checkpoints"
 
@@ -467,11 +511,17 @@ def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp
     assert snapshots.remote_newest(session, host, inv, spec) == name
     assert shape.describe(name).startswith("checkpoints/* (written ")
     reports = []
-    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=local_rsync)
+    snaps = snapshots.Snapshots(
+        tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=local_rsync
+    )
     assert snaps.fetch(session, host, name) and reports == []
     here = tmp_path / "runs" / "j" / "checkpoints" / name
-    assert tree(here) == {"work/checkpoints/dcp/.metadata": b"meta", "work/checkpoints/dcp/__0_0.distcp": b"shard 0",
-                          "work/checkpoints/model.pt": b"model 9 " * 100, "work/checkpoints/optim.pt": b"optim 9 " * 100}
+    assert tree(here) == {
+        "work/checkpoints/dcp/.metadata": b"meta",
+        "work/checkpoints/dcp/__0_0.distcp": b"shard 0",
+        "work/checkpoints/model.pt": b"model 9 " * 100,
+        "work/checkpoints/optim.pt": b"optim 9 " * 100,
+    }
     assert snaps.local_newest() == name and sorted(p.name for p in here.parent.iterdir()) == [name]
     assert snaps.fetch(session, host, name)  # already here: nothing copied
     # A host that lost it and holds another epoch's model.pt alone and a stray file: after the push
@@ -482,7 +532,9 @@ def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp
     digest = snapshots.local_digest(here)
     assert not snaps.holds(session, host, snaps.remote_path(name), digest)
     snaps.push(session, host, name, digest)
-    assert tree(tmp_path / "host" / "j" / "work") == {k.removeprefix("work/"): v for k, v in tree(here).items()}
+    assert tree(tmp_path / "host" / "j" / "work") == {
+        k.removeprefix("work/"): v for k, v in tree(here).items()
+    }
     assert tree(tmp_path / "host" / "j" / snapshots.REPLACED) == {"work/checkpoints/stray.pt": b"stray"}
     assert snaps.holds(session, host, snaps.remote_path(name), digest)
     assert snapshots.remote_newest(session, host, inv, spec) == name  # the copies keep their times
@@ -527,11 +579,17 @@ def test_keep_one_removes_the_only_copy_here_only_after_its_successor_is_checked
                 p.write_bytes(b"garbage")
         return r
     reports = []
-    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=corrupting)
+    snaps = snapshots.Snapshots(
+        tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=corrupting
+    )
     assert snaps.fetch(session, host, first)
     write_at(work / "ckpt.pt", b"epoch 2", old + 10**9)
     second = snapshots.remote_newest(session, host, inv, spec)
     assert not snaps.fetch(session, host, second)
     assert snaps.local_newest() == first  # the one complete copy is still here
     assert tree(snaps.local_path(first)) == {"work/checkpoints/ckpt.pt": b"epoch 1"}
-    assert len(reports) == 1 and "differs from the host's files" in reports[0] and f"still {first} here" in reports[0]
+    assert (
+        len(reports) == 1
+        and "differs from the host's files" in reports[0]
+        and f"still {first} here" in reports[0]
+    )

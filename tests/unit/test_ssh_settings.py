@@ -65,7 +65,11 @@ def test_aliases_resolve_as_openssh_resolves_them(cfg):
     inv = parse(inventory(cfg).read_text(), cfg / "inv.yaml")
     gpu1, gpu2, gpu3 = (h.ssh for h in inv.hosts)
     assert (gpu1.hostname, gpu1.user, gpu1.port, gpu1.keys) == ("10.9.0.11", "alice", 22, (f"{cfg}/id_gpu",))
-    assert (gpu2.hostname, gpu2.port, gpu2.known_hosts) == ("10.9.0.12", 2222, (f"{cfg}/kh",))  # inventory wins
+    assert (gpu2.hostname, gpu2.port, gpu2.known_hosts) == (
+        "10.9.0.12",
+        2222,
+        (f"{cfg}/kh",),
+    )  # inventory wins
     assert [(j.user, j.hostname, j.port, j.keys) for j in gpu2.jump] == [("bob", "192.0.2.7", 2200,
                                                                            (f"{cfg}/id_bastion",))]
     # Two hops from an Include'd file; the second hop (gpu1) takes its own settings.
@@ -137,27 +141,46 @@ def test_bad_addresses_and_empty_fields():
     base = "hosts:\n  - {{address: {a}, interface: {i}}}\n"
     assert error(base.format(a="'/tmp/x'", i="eth0")) == (
         "inv.yaml:2: hosts[0].address: '/tmp/x' is neither a host name, an IP address nor an ssh_config "
-        "alias; write e.g. 10.0.0.11, gpu1.example.com or an alias from ~/.ssh/config (user and port go in ssh:)")
+        "alias; write e.g. 10.0.0.11, gpu1.example.com or an alias from ~/.ssh/config (user and port go in ssh:)"
+    )
     assert "hosts[0].address: 'root@h' is neither" in error(base.format(a="root@h", i="eth0"))
-    assert "hosts[0].address: '-oProxyCommand=x' is neither" in error(base.format(a="-oProxyCommand=x", i="eth0"))
-    assert error(base.format(a="h", i="''")) == "inv.yaml:2: hosts[0].interface: is empty; give a value, or remove 'interface:'"
+    assert "hosts[0].address: '-oProxyCommand=x' is neither" in error(
+        base.format(a="-oProxyCommand=x", i="eth0")
+    )
+    assert (
+        error(base.format(a="h", i="''"))
+        == "inv.yaml:2: hosts[0].interface: is empty; give a value, or remove 'interface:'"
+    )
     assert error("ssh: {user: ''}\n" + base.format(a="h", i="eth0")) == (
         "inv.yaml:1: ssh.user: is empty; give a value, or remove 'user:'")
-    assert "ssh.jump: 'a b' is not [user@]host[:port]" in error("ssh: {jump: 'a b'}\n" + base.format(a="h", i="e"))
-    assert parse("hosts:\n  - {name: v6, address: \"fe80::1\", interface: eth0}\n", Path("i.yaml")).hosts[0].hostname == "fe80::1"
+    assert "ssh.jump: 'a b' is not [user@]host[:port]" in error(
+        "ssh: {jump: 'a b'}\n" + base.format(a="h", i="e")
+    )
+    assert (
+        parse('hosts:\n  - {name: v6, address: "fe80::1", interface: eth0}\n', Path("i.yaml"))
+        .hosts[0]
+        .hostname
+        == "fe80::1"
+    )
 
 
 def test_missing_files_are_named(tmp_path):
     text = f"ssh: {{key: {tmp_path}/nokey, config: none}}\nhosts:\n  - {{address: h, interface: eth0}}\n"
-    assert error(text, check_files=True) == (f"inv.yaml:1: ssh.key: {tmp_path}/nokey does not exist; "
-                                             "fix the path (relative paths are relative to the inventory file)")
+    assert error(text, check_files=True) == (
+        f"inv.yaml:1: ssh.key: {tmp_path}/nokey does not exist; "
+        "fix the path (relative paths are relative to the inventory file)"
+    )
     text = "ssh:\n  known_hosts: kh\nhosts:\n  - {address: h, interface: eth0}\n"
-    assert error(text, tmp_path / "i.yaml", True).startswith(f"{tmp_path}/i.yaml:2: ssh.known_hosts: {tmp_path}/kh does not exist")
+    assert error(text, tmp_path / "i.yaml", True).startswith(
+        f"{tmp_path}/i.yaml:2: ssh.known_hosts: {tmp_path}/kh does not exist"
+    )
     text = "ssh:\n  config: nocfg\nhosts:\n  - {address: h, interface: eth0}\n"
     assert f"ssh.config: {tmp_path}/nocfg does not exist" in error(text, tmp_path / "i.yaml", True)
     (tmp_path / "pc").write_text("Host h\n  ProxyCommand nc %h %p\n")
     text = f"ssh:\n  config: {tmp_path}/pc\nhosts:\n  - {{address: h, interface: eth0}}\n"
-    assert "ProxyCommand, which fabtrain cannot check or bound; use ProxyJump" in error(text, tmp_path / "i.yaml", True)
+    assert "ProxyCommand, which fabtrain cannot check or bound; use ProxyJump" in error(
+        text, tmp_path / "i.yaml", True
+    )
 
 
 def test_binary_and_non_utf8_inventories(tmp_path):
@@ -167,7 +190,9 @@ def test_binary_and_non_utf8_inventories(tmp_path):
         load(binary)
     latin = tmp_path / "latin.yaml"
     latin.write_bytes(b"hosts:\n  - {address: h, interface: caf\xe9}\n")
-    with pytest.raises(UserError, match=r"latin.yaml:2: not UTF-8 text \(byte 0xe9\); save the inventory as UTF-8"):
+    with pytest.raises(
+        UserError, match=r"latin.yaml:2: not UTF-8 text \(byte 0xe9\); save the inventory as UTF-8"
+    ):
         load(latin)
 
 

@@ -89,5 +89,7 @@ def test_a_module_started_by_runpy_is_summarised_like_a_script():
 
 
 def test_torchrun_root_cause_names_the_worker():
-    tail = "Root Cause (first observed failure):\n[0]:\n  time : x\n  rank : 3 (local_rank: 1)\n  exitcode : -9"
+    tail = (
+        "Root Cause (first observed failure):\n[0]:\n  time : x\n  rank : 3 (local_rank: 1)\n  exitcode : -9"
+    )
     assert worker_failure(tail) == " (worker rank 3 exited with code -9)"

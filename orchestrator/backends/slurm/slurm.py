@@ -233,7 +233,9 @@ class SlurmJob:
     def cancel(self) -> None:
         r = self.query(sshargs.shell(["scancel", self.slurm_id]), "scancel")
         if not r.ok:
-            raise UserError(f"scancel {self.slurm_id} on {self.cfg.login.name} failed: {hostile.text(r.stderr.strip())}")
+            raise UserError(
+                f"scancel {self.slurm_id} on {self.cfg.login.name} failed: {hostile.text(r.stderr.strip())}"
+            )
 
 
 def cfg_of(inv: Inventory) -> Slurm:
@@ -249,21 +251,33 @@ def submit(session: Session, inv: Inventory, spec: jobspec.JobSpec, script: str,
     login = cfg.login
     dest, _ = hostops.sync(session, inv, Path(spec.code), spec.code_only, hosts=(login,))
     note(f"code synced to {login.name}:{dest}")
-    r = session.run(login, f"mkdir -p {sshargs.shell([cfg.workdir])}", timeout=QUERY_TIMEOUT, what="mkdir workdir")
+    r = session.run(
+        login, f"mkdir -p {sshargs.shell([cfg.workdir])}", timeout=QUERY_TIMEOUT, what="mkdir workdir"
+    )
     if not r.ok:
-        raise UserError(f"{login.name}: cannot create slurm.workdir {cfg.workdir}: {hostile.text(r.stderr.strip())}")
+        raise UserError(
+            f"{login.name}: cannot create slurm.workdir {cfg.workdir}: {hostile.text(r.stderr.strip())}"
+        )
     session.put(login, script.encode(), f"{cfg.workdir}/{spec.job_id}.sbatch", mode=0o644)
     if inv.job.secret_files:
         r = session.run(login, secrets_dir_command(cfg), timeout=QUERY_TIMEOUT, what="mkdir .secrets")
         if not r.ok:
-            raise UserError(f"{login.name}: cannot create {cfg.workdir}/.secrets: {hostile.text(r.stderr.strip())}")
+            raise UserError(
+                f"{login.name}: cannot create {cfg.workdir}/.secrets: {hostile.text(r.stderr.strip())}"
+            )
         session.put(login, secrets_body(inv), secrets_path(cfg, spec.job_id), mode=0o600)
-    r = session.run(login, submit_command(cfg, spec.job_id, bool(inv.job.secret_files)), timeout=QUERY_TIMEOUT,
-                    what="sbatch")
+    r = session.run(
+        login,
+        submit_command(cfg, spec.job_id, bool(inv.job.secret_files)),
+        timeout=QUERY_TIMEOUT,
+        what="sbatch",
+    )
     slurm_id = r.stdout.strip().split(";")[0]
     if not r.ok or not slurm_id.isdigit():
-        raise UserError(f"sbatch on {login.name} refused the job: {hostile.text((r.stderr or r.stdout).strip()[-600:])}"
-                        f"; the script is {cfg.workdir}/{spec.job_id}.sbatch there")
+        raise UserError(
+            f"sbatch on {login.name} refused the job: {hostile.text((r.stderr or r.stdout).strip()[-600:])}"
+            f"; the script is {cfg.workdir}/{spec.job_id}.sbatch there"
+        )
     return SlurmJob(session, cfg, spec.job_id, slurm_id)
 
 
@@ -331,8 +345,10 @@ class Follower:
             path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
             if not self.job.query(sshargs.shell(["test", "-e", path]), "test -e").ok:
                 self.told_unseen = True
-                self.note(f"the job runs but {path} is not there on {self.job.cfg.login.name}: Slurm writes it on the "
-                          "job's first node; put slurm.workdir on a filesystem the login node and the nodes share")
+                self.note(
+                    f"the job runs but {path} is not there on {self.job.cfg.login.name}: Slurm writes it on the "
+                    "job's first node; put slurm.workdir on a filesystem the login node and the nodes share"
+                )
 
     def stream(self, stop: threading.Event) -> None:
         path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
@@ -385,7 +401,8 @@ class Follower:
                                 raise UserError(
                                     f"the job's state could not be read {LOGIN_TRIES} times in a row: {unanswered[-1]}; "
                                     f"the job may still run: 'fab status' or 'fab logs --job {self.job.job_id}' once "
-                                    f"{self.job.cfg.login.name} answers") from None
+                                    f"{self.job.cfg.login.name} answers"
+                                ) from None
                             time.sleep(POLL)
                             continue
                         if now is None:
@@ -401,8 +418,10 @@ class Follower:
                         if self.cancelled:  # a second Ctrl+C: stop waiting for Slurm
                             raise
                         self.cancelled = True
-                        self.note(f"Ctrl+C: cancelling slurm job {self.job.slurm_id} (scancel); Ctrl+C again to "
-                                  "stop waiting for its end")
+                        self.note(
+                            f"Ctrl+C: cancelling slurm job {self.job.slurm_id} (scancel); Ctrl+C again to "
+                            "stop waiting for its end"
+                        )
                         self.job.cancel()
         finally:
             self.drain(stop, reader)
@@ -479,9 +498,11 @@ def dry_run(inv: Inventory, spec: jobspec.JobSpec) -> str:
     cfg = cfg_of(inv)
     spec, script = prepared(inv, spec)
     login = cfg.login
-    steps = [sshargs.shell(sshargs.rsync_argv(login, spec.code, hostfiles.code_path(inv, spec), spec.code_only)),
-             f"mkdir -p {sshargs.shell([cfg.workdir])}",
-             f"write {cfg.workdir}/{spec.job_id}.sbatch (below)"]
+    steps = [
+        sshargs.shell(sshargs.rsync_argv(login, spec.code, hostfiles.code_path(inv, spec), spec.code_only)),
+        f"mkdir -p {sshargs.shell([cfg.workdir])}",
+        f"write {cfg.workdir}/{spec.job_id}.sbatch (below)",
+    ]
     if inv.job.secret_files:
         steps.append(secrets_dir_command(cfg))
         steps.append(f"write {secrets_path(cfg, spec.job_id)} (mode 600: "
@@ -508,7 +529,11 @@ def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console, live: 
     if record is None:
         record = recovery.JobRecord.new(spec, inv, 0, None, 0)
     record.state, record.spec["code_key"] = "running", spec.code_key
-    earlier = [*record.backend.get("earlier", []), record.backend["slurm_id"]] if "slurm_id" in record.backend else []
+    earlier = (
+        [*record.backend.get("earlier", []), record.backend["slurm_id"]]
+        if "slurm_id" in record.backend
+        else []
+    )
     record.backend = {"on": "slurm", "login": cfg.login.name, "workdir": cfg.workdir, "earlier": earlier}
     record.save(run_dir)
     (run_dir / "job.sbatch").write_text(script)
@@ -534,7 +559,11 @@ def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console, live: 
             raise
         finally:
             if inv.job.secret_files:
-                session.run(cfg.login, sshargs.shell(["rm", "-f", secrets_path(cfg, spec.job_id)]), timeout=QUERY_TIMEOUT)
+                session.run(
+                    cfg.login,
+                    sshargs.shell(["rm", "-f", secrets_path(cfg, spec.job_id)]),
+                    timeout=QUERY_TIMEOUT,
+                )
         finish_record(record, run_dir, end, follower.cancelled)
         rank0 = record.attempts[-1].hosts[0] if record.attempts and record.attempts[-1].hosts else "node0"
         missing = fetch_metrics(session, inv, spec.job_id, run_dir, rank0)
@@ -596,10 +625,14 @@ def status_table(rows: list[dict]):
         table.add_column(col, no_wrap=col == "job")
     for r in rows:
         why = f" ({r['reason']})" if r["reason"] and r["reason"] != "None" else ""
-        table.add_row(hostile.rich_text(r["job"]), hostile.rich_text(r["slurm_id"]), hostile.rich_text(r["who"]),
-                      hostile.rich_text(r["nodes"] or "-"),
-                      hostile.rich_text(r["state"] + why, "green" if r["state"] == "RUNNING" else ""),
-                      hostile.rich_text(r["start"]))
+        table.add_row(
+            hostile.rich_text(r["job"]),
+            hostile.rich_text(r["slurm_id"]),
+            hostile.rich_text(r["who"]),
+            hostile.rich_text(r["nodes"] or "-"),
+            hostile.rich_text(r["state"] + why, "green" if r["state"] == "RUNNING" else ""),
+            hostile.rich_text(r["start"]),
+        )
     if not rows:
         table.add_row("-", "-", "-", "-", Text("no jobs", style="dim"), "-")
     return table

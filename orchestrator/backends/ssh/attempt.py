@@ -82,7 +82,9 @@ class AttemptPlan:
     facts: tuple[Fact, ...] = ()
     steps: tuple[Step, ...] = ()
     grace: float = 30.0
-    units: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)  # host -> GPUs (slots) held
+    units: dict[str, tuple[int, ...]] = field(
+        default_factory=dict, compare=False
+    )  # host -> GPUs (slots) held
 
     @property
     def master(self) -> Host:
@@ -92,7 +94,9 @@ class AttemptPlan:
         return next(s for s in self.steps if s.where == where and s.key == key)
 
     def select(self, key: str, when: str = ALWAYS, where: str | None = None) -> list[Step]:
-        return [s for s in self.steps if s.key == key and s.when == when and (where is None or s.where == where)]
+        return [
+            s for s in self.steps if s.key == key and s.when == when and (where is None or s.where == where)
+        ]
 
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
@@ -100,11 +104,20 @@ class AttemptPlan:
     def render(self) -> str:
         """Every command, per host, in order; conditional ones under the condition that runs them."""
         ranks = {h.name: h.rank for h in self.hosts}
-        lines = [f"# ---- job {self.job_id} attempt {self.number}: "
-                 + ", ".join(f"{h.name}=rank {h.rank}" + (f" {claims.kind(h)}s {claims.units_text(self.units[h.name])}"
-                                                          if h.name in self.units else "") for h in self.hosts)
-                 + f"; master {self.master.hostname}:{self.port}"
-                 + (f"; from snapshot {self.snapshot}" if self.snapshot else "")]
+        lines = [
+            f"# ---- job {self.job_id} attempt {self.number}: "
+            + ", ".join(
+                f"{h.name}=rank {h.rank}"
+                + (
+                    f" {claims.kind(h)}s {claims.units_text(self.units[h.name])}"
+                    if h.name in self.units
+                    else ""
+                )
+                for h in self.hosts
+            )
+            + f"; master {self.master.hostname}:{self.port}"
+            + (f"; from snapshot {self.snapshot}" if self.snapshot else "")
+        ]
         if self.facts:
             lines.append("# built from (read-only, on the hosts):")
             lines += [f"#   [{f.where}] {f.command}  -> {f.answer}" for f in self.facts]
@@ -117,7 +130,16 @@ class AttemptPlan:
                     lines.append("# preflight: read-only checks on every host at once (fab preflight), "
                                  "beside the sync")
             lines.append(s.render(ranks.get(s.where)))
-        for when in (ON_LEASE, ON_SNAPSHOT, ON_SILENT, ON_HANG, ON_MISSED, ON_FAILURE, ON_INTERRUPT, ON_FAILED):
+        for when in (
+            ON_LEASE,
+            ON_SNAPSHOT,
+            ON_SILENT,
+            ON_HANG,
+            ON_MISSED,
+            ON_FAILURE,
+            ON_INTERRUPT,
+            ON_FAILED,
+        ):
             steps = [s for s in self.steps if s.when == when]
             if steps:
                 lines.append(f"## {when}:")
@@ -126,13 +148,31 @@ class AttemptPlan:
 
 
 # The stage each unconditional step belongs to, in the order they run.
-STAGE_OF = {"claim": "claim (fab stop finds the job from here on)", "sync": "sync + preflight", "place": "snapshot", "place-check": "snapshot", "place-rename": "snapshot", "secrets": "start", "start": "start",
-            "follow": "watch", "finish": "watch", "stopped": "decide", "stop-check": "sync + preflight",
-            "stop": "teardown", "fetch": "finish (at the job's end, on every host it used)",
-            "cleanup": "finish (at the job's end, on every host it used)",
-            "sweep": "finish (at the job's end, on every host it used)",
-            "snapshot-list": "watch", "snapshot-fetch": "watch", "progress": "watch", "stacks": "watch",
-            "remainder": "watch", "stop-on-failure": "teardown", "stop-on-interrupt": "teardown", "lease": "watch"}
+STAGE_OF = {
+    "claim": "claim (fab stop finds the job from here on)",
+    "sync": "sync + preflight",
+    "place": "snapshot",
+    "place-check": "snapshot",
+    "place-rename": "snapshot",
+    "secrets": "start",
+    "start": "start",
+    "follow": "watch",
+    "finish": "watch",
+    "stopped": "decide",
+    "stop-check": "sync + preflight",
+    "stop": "teardown",
+    "fetch": "finish (at the job's end, on every host it used)",
+    "cleanup": "finish (at the job's end, on every host it used)",
+    "sweep": "finish (at the job's end, on every host it used)",
+    "snapshot-list": "watch",
+    "snapshot-fetch": "watch",
+    "progress": "watch",
+    "stacks": "watch",
+    "remainder": "watch",
+    "stop-on-failure": "teardown",
+    "stop-on-interrupt": "teardown",
+    "lease": "watch",
+}
 
 
 def secrets_body(inv: Inventory) -> bytes:
@@ -142,7 +182,9 @@ def secrets_body(inv: Inventory) -> bytes:
         try:
             value = Path(path).read_text().strip()
         except OSError as exc:
-            raise UserError(f"{inv.path}: job.secret_files.{name}: cannot read {path}: {exc.strerror}") from None
+            raise UserError(
+                f"{inv.path}: job.secret_files.{name}: cannot read {path}: {exc.strerror}"
+            ) from None
         if "\n" in value:
             raise UserError(f"{inv.path}: job.secret_files.{name}: {path} holds several lines; "
                             "a secret must be one line")
@@ -151,7 +193,9 @@ def secrets_body(inv: Inventory) -> bytes:
 
 
 def local_step(host: Host, key: str, argv: list[str], when: str = ALWAYS, what: str = "") -> Step:
-    return Step(LOCAL, key, sshargs.shell(argv), COPY_TIMEOUT, when, tuple(argv), what=what or key, host=host.name)
+    return Step(
+        LOCAL, key, sshargs.shell(argv), COPY_TIMEOUT, when, tuple(argv), what=what or key, host=host.name
+    )
 
 
 def remote_step(host: Host, key: str, command: str, timeout: float | None, when: str = ALWAYS,
@@ -159,10 +203,21 @@ def remote_step(host: Host, key: str, command: str, timeout: float | None, when:
     return Step(host.name, key, command, timeout, when, stdin=stdin, stdin_note=stdin_note, what=what or key)
 
 
-def build(inv: Inventory, spec: jobspec.JobSpec, number: int, port: int, snapshot: str | None = None,
-          snapshot_missing: tuple[str, ...] = (), access: dict[str, dockerargs.GpuAccess | None] | None = None,
-          facts: tuple[Fact, ...] = (), sync: bool = True, keep: int = 2, first: bool = True,
-          run_dir: str | None = None, units: dict[str, tuple[int, ...]] | None = None) -> AttemptPlan:
+def build(
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    number: int,
+    port: int,
+    snapshot: str | None = None,
+    snapshot_missing: tuple[str, ...] = (),
+    access: dict[str, dockerargs.GpuAccess | None] | None = None,
+    facts: tuple[Fact, ...] = (),
+    sync: bool = True,
+    keep: int = 2,
+    first: bool = True,
+    run_dir: str | None = None,
+    units: dict[str, tuple[int, ...]] | None = None,
+) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
     host hands out GPUs (None: NVIDIA's runtime hook assumed); `units` the GPUs (CPU slots) the job
@@ -177,13 +232,33 @@ def build(inv: Inventory, spec: jobspec.JobSpec, number: int, port: int, snapsho
     hosts = inv.hosts
     # One host at a time, in claims.order: of two jobs claiming overlapping hosts at once, exactly one
     # gets them (claims.py). A claim waits up to claims.LOCK_WAIT for the host's lock.
-    steps = [remote_step(h, "claim", claims.claim_script(inv, spec.job_id, units.get(h.name, ()) if claim else None, spec.owner, first,
-                                                         port if h.rank == 0 else None),
-                         STATUS_TIMEOUT + claims.LOCK_WAIT, what="claiming GPUs/slots and the runtime directory")
-             for h in claims.order(hosts)]
+    steps = [
+        remote_step(
+            h,
+            "claim",
+            claims.claim_script(
+                inv,
+                spec.job_id,
+                units.get(h.name, ()) if claim else None,
+                spec.owner,
+                first,
+                port if h.rank == 0 else None,
+            ),
+            STATUS_TIMEOUT + claims.LOCK_WAIT,
+            what="claiming GPUs/slots and the runtime directory",
+        )
+        for h in claims.order(hosts)
+    ]
     if sync:
-        steps += [local_step(h, "sync", sshargs.rsync_argv(h, spec.code, hostfiles.code_path(inv, spec), spec.code_only), what="syncing the code")
-                  for h in hosts]
+        steps += [
+            local_step(
+                h,
+                "sync",
+                sshargs.rsync_argv(h, spec.code, hostfiles.code_path(inv, spec), spec.code_only),
+                what="syncing the code",
+            )
+            for h in hosts
+        ]
     # After the gate: `fab stop` during the preflight ends the job before anything starts.
     steps += [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
                           what="checking for fab stop") for h in hosts]
@@ -193,31 +268,59 @@ def build(inv: Inventory, spec: jobspec.JobSpec, number: int, port: int, snapsho
     for h in hosts if snapshot else ():
         if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
             push, check, rename = shape.push_commands(h, inv, spec, snapshot, local)
-            steps += [local_step(h, "place", push, what="placing the snapshot"),
-                      remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
-                      remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy")]
+            steps += [
+                local_step(h, "place", push, what="placing the snapshot"),
+                remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
+                remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy"),
+            ]
     secrets = secrets_body(inv) if job.secret_files else None
     for h in hosts:
         if secrets is not None:
             steps.append(remote_step(h, "secrets", put_command(hostfiles.secrets_file(inv, spec), 0o600), 30,
                                      what="writing the secrets file", stdin=secrets,
                                      stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
-        steps.append(remote_step(h, "start", dockerargs.start_script(inv, h, spec, access.get(h.name), units.get(h.name),
-                                                               START_TIMEOUT),
-                                 START_TIMEOUT,
-                                 what="docker run", stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),
-                                 stdin_note=resources.ENTRYPOINT_NAME))
+        steps.append(
+            remote_step(
+                h,
+                "start",
+                dockerargs.start_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT),
+                START_TIMEOUT,
+                what="docker run",
+                stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),
+                stdin_note=resources.ENTRYPOINT_NAME,
+            )
+        )
     for h in hosts:
         steps.append(remote_step(h, "follow", hostfiles.follow_logs_script(inv, spec, h.rank), None,
                                  what="following the node's output"))
-        steps.append(remote_step(h, "finish", hostfiles.finish_logs_script(inv, spec, h.rank), STATUS_TIMEOUT + 20,
-                                 what="reading the node's exit"))
-    steps += [remote_step(h, "stop", dockerargs.stop_script(spec.job_id, 0), STOP_MARGIN, what="removing containers")
-              for h in hosts]
+        steps.append(
+            remote_step(
+                h,
+                "finish",
+                hostfiles.finish_logs_script(inv, spec, h.rank),
+                STATUS_TIMEOUT + 20,
+                what="reading the node's exit",
+            )
+        )
+    steps += [
+        remote_step(
+            h, "stop", dockerargs.stop_script(spec.job_id, 0), STOP_MARGIN, what="removing containers"
+        )
+        for h in hosts
+    ]
     steps += end_steps(inv, spec, hosts, run_dir)
     # Conditional steps: which run depends on what happens.
-    steps += [remote_step(h, "lease", sshargs.shell(["touch", f"{hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}"]),
-                          STATUS_TIMEOUT, ON_LEASE, what="touching the job's lease") for h in hosts]
+    steps += [
+        remote_step(
+            h,
+            "lease",
+            sshargs.shell(["touch", f"{hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}"]),
+            STATUS_TIMEOUT,
+            ON_LEASE,
+            what="touching the job's lease",
+        )
+        for h in hosts
+    ]
     m = inv.master
     steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT, ON_SNAPSHOT,
                              what="listing snapshots"))
@@ -226,24 +329,49 @@ def build(inv: Inventory, spec: jobspec.JobSpec, number: int, port: int, snapsho
                                                                       str(shape.local(local, some))),
                             ON_SNAPSHOT, what="copying a snapshot"))
     for h in hosts:
-        steps.append(remote_step(h, "progress", hostfiles.progress_script(inv, spec, h.rank), STATUS_TIMEOUT, ON_SILENT,
-                                 what="reading the heartbeat"))
+        steps.append(
+            remote_step(
+                h,
+                "progress",
+                hostfiles.progress_script(inv, spec, h.rank),
+                STATUS_TIMEOUT,
+                ON_SILENT,
+                what="reading the heartbeat",
+            )
+        )
     for h in hosts:
-        steps.append(remote_step(h, "stacks", sshargs.shell(dockerargs.stacks_argv(spec, h.rank)), STACKS_TIMEOUT, ON_HANG,
-                                 what="reading stacks"))
+        steps.append(
+            remote_step(
+                h,
+                "stacks",
+                sshargs.shell(dockerargs.stacks_argv(spec, h.rank)),
+                STACKS_TIMEOUT,
+                ON_HANG,
+                what="reading stacks",
+            )
+        )
     for h in hosts:
         steps.append(remote_step(h, "remainder", hostfiles.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
                                  STATUS_TIMEOUT + 20, ON_MISSED, what="reading the rest of the output"))
     steps += [remote_step(h, "stopped", stopped_command(inv, spec.job_id), STATUS_TIMEOUT, ON_FAILED,
                           what="checking for fab stop") for h in hosts]
     for h in hosts:
-        steps.append(remote_step(h, "stop-on-failure", dockerargs.stop_script(spec.job_id, 0), STOP_MARGIN, ON_FAILURE,
-                                 what="stopping containers"))
+        steps.append(
+            remote_step(
+                h,
+                "stop-on-failure",
+                dockerargs.stop_script(spec.job_id, 0),
+                STOP_MARGIN,
+                ON_FAILURE,
+                what="stopping containers",
+            )
+        )
     for h in hosts:
         steps.append(remote_step(h, "stop-on-interrupt", dockerargs.stop_script(spec.job_id, job.stop_grace),
                                  job.stop_grace + STOP_MARGIN, ON_INTERRUPT, what="stopping containers"))
-    return AttemptPlan(spec.job_id, number, hosts, port, snapshot, spec, inv, facts, tuple(steps), job.stop_grace,
-                       units)
+    return AttemptPlan(
+        spec.job_id, number, hosts, port, snapshot, spec, inv, facts, tuple(steps), job.stop_grace, units
+    )
 
 
 STACKS_TIMEOUT = 15

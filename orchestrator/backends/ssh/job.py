@@ -91,7 +91,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def run(job: "Job") -> JobResult:
+def run(job: Job) -> JobResult:
     """The life of a job: PLAN -> CLAIM -> GATE -> SNAPSHOT -> START -> WATCH -> TEARDOWN -> DECIDE,
     again from PLAN while the policy allows, then FINISH."""
     try:
@@ -118,9 +118,19 @@ def run(job: "Job") -> JobResult:
 class Job:
     """One job's state across its attempts, and one method per stage."""
 
-    def __init__(self, inv: Inventory, spec: jobspec.JobSpec, policy: Policy, run_root: Path, reporter: Reporter,
-                 session: Session | None = None, record: JobRecord | None = None, checks: bool = True,
-                 smoke: bool = False, watch_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        inv: Inventory,
+        spec: jobspec.JobSpec,
+        policy: Policy,
+        run_root: Path,
+        reporter: Reporter,
+        session: Session | None = None,
+        record: JobRecord | None = None,
+        checks: bool = True,
+        smoke: bool = False,
+        watch_options: dict | None = None,
+    ) -> None:
         self.inv, self.policy, self.reporter = inv, policy, reporter
         self.run_dir = run_root / spec.job_id
         self.resuming = record is not None and bool(record.attempts)
@@ -180,8 +190,13 @@ class Job:
         """runs/JOB/snapshots (or checkpoints/), made when the job starts, or when a dry run of a
         resumed job looks for what it would resume from."""
         if self.snaps is None:
-            self.snaps = snapshots.Snapshots(self.run_dir, self.inv, self.spec, keep=self.inv.job.keep_snapshots,
-                                             report=lambda line: self.note(line, "warning"))
+            self.snaps = snapshots.Snapshots(
+                self.run_dir,
+                self.inv,
+                self.spec,
+                keep=self.inv.job.keep_snapshots,
+                report=lambda line: self.note(line, "warning"),
+            )
         return self.snaps
 
     def keep_lease(self) -> None:
@@ -208,15 +223,21 @@ class Job:
                 r = (self.session.local(list(s.argv), s.timeout) if s.where == jobspec.LOCAL else
                      self.session.run(h, s.command, timeout=s.timeout, stdin=s.stdin, what=s.what))
                 if not r.ok:
-                    raise UserError(f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}")
+                    raise UserError(
+                        f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
+                    )
             return r
         return self.session.fan_out(one, tuple(hosts[n] for n in by_host))
 
     def stopped(self, hosts: tuple[Host, ...]) -> bool:
         """Whether `fab stop` left its marker on any of these hosts (never asking a lost one)."""
         command = attempt_mod.stopped_command(self.inv, self.spec.job_id)
-        got = self.session.fan_out(lambda h: self.session.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
-                                                              what="checking for fab stop"), self.answering(hosts))
+        got = self.session.fan_out(
+            lambda h: self.session.run(
+                h, command, timeout=deadlines.STATUS_TIMEOUT, what="checking for fab stop"
+            ),
+            self.answering(hosts),
+        )
         return any(r.ok for r in got.values_ok())
 
     # ------------------------------------------------------------ the stages
@@ -234,22 +255,44 @@ class Job:
             if dockerargs.gpu_probe_argv(h):
                 try:
                     access[h.name] = preflight.gpu_access(self.session, h)
-                    facts.append(Fact(h.name, sshargs.shell(dockerargs.gpu_probe_argv(h)), str(access[h.name])))
+                    facts.append(
+                        Fact(h.name, sshargs.shell(dockerargs.gpu_probe_argv(h)), str(access[h.name]))
+                    )
                 except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
-                    facts.append(Fact(h.name, sshargs.shell(dockerargs.gpu_probe_argv(h)), f"no answer ({describe(h, exc)}); "
-                                      "assumed NVIDIA's runtime hook"))
+                    facts.append(
+                        Fact(
+                            h.name,
+                            sshargs.shell(dockerargs.gpu_probe_argv(h)),
+                            f"no answer ({describe(h, exc)}); assumed NVIDIA's runtime hook",
+                        )
+                    )
         units = self.choose_units(inv.hosts, facts, dry)
         port = self.free_port(inv, facts)
         snapshot, missing = None, ()
         if number > 1 or self.resuming:
             snapshot, missing = self.find_snapshot(inv, facts, fetch=not dry)
             if self.last is None:  # what a resumed job goes on from, said once
-                self.note(f"resuming from {self.snaps.layout.describe(snapshot)}" if snapshot else
-                          f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job {self.spec.job_id} "
-                          "found here or on its hosts: it starts from the beginning", "info" if snapshot else "warning")
-        a = attempt_mod.build(inv, self.spec, number, port, snapshot, missing, access, tuple(facts),
-                              keep=self.inv.job.keep_snapshots, first=self.last is None, run_dir=str(self.run_dir),
-                              units=units)
+                self.note(
+                    f"resuming from {self.snaps.layout.describe(snapshot)}"
+                    if snapshot
+                    else f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job {self.spec.job_id} "
+                    "found here or on its hosts: it starts from the beginning",
+                    "info" if snapshot else "warning",
+                )
+        a = attempt_mod.build(
+            inv,
+            self.spec,
+            number,
+            port,
+            snapshot,
+            missing,
+            access,
+            tuple(facts),
+            keep=self.inv.job.keep_snapshots,
+            first=self.last is None,
+            run_dir=str(self.run_dir),
+            units=units,
+        )
         self.last = a
         return a
 
@@ -262,12 +305,17 @@ class Job:
         key = codetree.key(self.spec.code, self.spec.code_only)
         if key != self.spec.code_key:
             if self.spec.code_key:
-                self.note(f"the code in {self.spec.code} changed since the last attempt: this one runs tree {key} "
-                          f"(was {self.spec.code_key})", "warning")
+                self.note(
+                    f"the code in {self.spec.code} changed since the last attempt: this one runs tree {key} "
+                    f"(was {self.spec.code_key})",
+                    "warning",
+                )
             self.spec = replace(self.spec, code_key=key)
             self.record.spec["code_key"] = key
 
-    def choose_units(self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool) -> dict[str, tuple[int, ...]]:
+    def choose_units(
+        self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool
+    ) -> dict[str, tuple[int, ...]]:
         """The GPUs (CPU slots) the attempt claims on each host: those asked for, or the first free
         ones, from what other jobs hold there now (read-only; the claim stage makes it atomic). On
         the first attempt a host that cannot give them refuses the job, naming the holder; at a
@@ -276,7 +324,9 @@ class Job:
         want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
         units, refusals = {}, []
         master = found.value(hosts[0].name)
-        self.claimed_ports = {c.port for c in master.holders(but=self.spec.job_id) if c.port} if master else set()
+        self.claimed_ports = (
+            {c.port for c in master.holders(but=self.spec.job_id) if c.port} if master else set()
+        )
         for h in hosts:
             hj = found.value(h.name)
             cap = claims.capacity(h, hj.cpus if hj else 1)
@@ -290,9 +340,18 @@ class Job:
                 units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))
                 answer = f"refused: {exc}"
             held = "; ".join(c.describe(h) for c in holders) or "nothing"
-            facts.append(Fact(h.name, "docker ps + ls .runtime + cat .claims (hostops.survey)",
-                              (f"held by other jobs: {held}; " if hj else f"no answer ({describe(h, found.error(h.name))}); ")
-                              + answer))
+            facts.append(
+                Fact(
+                    h.name,
+                    "docker ps + ls .runtime + cat .claims (hostops.survey)",
+                    (
+                        f"held by other jobs: {held}; "
+                        if hj
+                        else f"no answer ({describe(h, found.error(h.name))}); "
+                    )
+                    + answer,
+                )
+            )
         if refusals and self.last is None and not dry:
             raise Refused("\n".join(refusals))
         return units
@@ -312,13 +371,17 @@ class Job:
             port = next(p for p in range(base, base + ports.PORT_RANGE) if p not in taken)
         return port
 
-    def find_snapshot(self, inv: Inventory, facts: list[Fact], fetch: bool) -> tuple[str | None, tuple[str, ...]]:
+    def find_snapshot(
+        self, inv: Inventory, facts: list[Fact], fetch: bool
+    ) -> tuple[str | None, tuple[str, ...]]:
         """The newest complete snapshot on this machine or any host answering (the attempt's and
         every earlier one's), copied here; and the attempt's hosts that lack it."""
         asked = {h.name: h for h in self.answering((*inv.hosts, *self.used.values()))}
         warn = self.open_snapshots().warn  # a name refused: told once, naming the host
-        found = self.session.fan_out(lambda h: snapshots.remote_newest(self.session, h, inv, self.spec, warn=warn),
-                                     tuple(asked.values()))
+        found = self.session.fan_out(
+            lambda h: snapshots.remote_newest(self.session, h, inv, self.spec, warn=warn),
+            tuple(asked.values()),
+        )
         for name in asked:
             facts.append(Fact(name, snapshots.list_command(inv, self.spec), str(found.value(name) or "none")))
         remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
@@ -402,18 +465,23 @@ class Job:
                 # the attempt again from the claims as they are now (other free units and port, or a
                 # refusal naming the holder), as if this one never was.
                 self.replans += 1
-                self.note(f"{h.name}: {'master port ' + str(a.port) if r.exited == claims.PORT_TAKEN else 'its units'} "
-                          "claimed meanwhile by another job; planning again", "warning")
+                self.note(
+                    f"{h.name}: {'master port ' + str(a.port) if r.exited == claims.PORT_TAKEN else 'its units'} "
+                    "claimed meanwhile by another job; planning again",
+                    "warning",
+                )
                 self.record.attempts.pop()
                 self.record.save(self.run_dir)
                 if self.before is None:
                     self.used.clear()
                 self.last = self.before
                 raise Contended()
-            why = (f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
-                   f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
-                   if r.exited == claims.REFUSED else f"{h.name}: {s.what} failed (exit {r.exited}): "
-                   f"{hostile.text(r.stderr.strip()[-300:])}")
+            why = (
+                f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
+                f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
+                if r.exited == claims.REFUSED
+                else f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
+            )
             if a.number == 1 and not self.resuming:
                 for name in [x.name for x in a.hosts]:
                     self.used.pop(name, None)  # nothing of this job is left on them to fetch or clean
@@ -435,7 +503,9 @@ class Job:
         digest = snapshots.local_digest(self.snaps.local_path(a.snapshot))
         targets = tuple(a.host(s.host) for s in a.select("place"))
         with self.snaps.lock:  # the copier of the last attempt must not prune it meanwhile
-            return self.session.fan_out(lambda h: self.snaps.push(self.session, h, a.snapshot, digest), targets)
+            return self.session.fan_out(
+                lambda h: self.snaps.push(self.session, h, a.snapshot, digest), targets
+            )
 
     def gate(self, a: AttemptPlan) -> dict[str, str]:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
@@ -450,8 +520,12 @@ class Job:
             synced = synced.result()
         here = [c for c in preflight.failed(checks) if c.host == jobspec.LOCAL]
         if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
-            raise PreflightFailed(checks, [], f"preflight failed on this machine ({here[0].check}); nothing was "
-                                  "started. Fix the checks above, then run the command again")
+            raise PreflightFailed(
+                checks,
+                [],
+                f"preflight failed on this machine ({here[0].check}); nothing was "
+                "started. Fix the checks above, then run the command again",
+            )
         bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != jobspec.LOCAL}
         bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
         if bad and a.number == 1 and not self.resuming:
@@ -462,15 +536,19 @@ class Job:
             if preflight.failed(smoke):
                 raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
         if not bad:
-            self.note(f"synced code to {len(syncs)} host(s) in {max((r.seconds for r in synced.values_ok()), default=0):.1f}s; "
-                      "preflight ok")
+            self.note(
+                f"synced code to {len(syncs)} host(s) in {max((r.seconds for r in synced.values_ok()), default=0):.1f}s; "
+                "preflight ok"
+            )
         return bad
 
     def start(self, a: AttemptPlan) -> Outcome | None:
         """START: the secrets file and docker run on every host at once, rank 0's issued first.
         Nothing waits for rank 0: torchrun's workers retry the rendezvous until it listens."""
         self.stage(Stage.START, a.number)
-        started = self.run_steps(a, [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS])
+        started = self.run_steps(
+            a, [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]
+        )
         return self.failed_to_start(a, started) if started.errors() else None
 
     def failed_to_start(self, a: AttemptPlan, results) -> Outcome:
@@ -576,14 +654,19 @@ class Job:
                 self.note(f"could not fetch outputs from {name}: {exc}", "warning")
             self.run_steps(a, [s for s in ends if s.key == "cleanup"])
         if self.lost:
-            self.note(f"lost during the job: {', '.join(self.lost)}; its container and runtime files may still "
-                      "exist: 'fab stop' removes them once it answers again", "warning")
+            self.note(
+                f"lost during the job: {', '.join(self.lost)}; its container and runtime files may still "
+                "exist: 'fab stop' removes them once it answers again",
+                "warning",
+            )
         if self.stuck:
             self.note(f"Docker engine stuck on {', '.join(self.stuck)}: its container may still exist; run "
                       "'fab stop' once the engine answers", "warning")
         self.result.attempts = len(self.record.attempts)
         self.result.lost, self.result.stuck_engines = list(self.lost), list(self.stuck)
-        self.emit("finished", state=self.result.state, attempts=self.result.attempts, run_dir=str(self.run_dir))
+        self.emit(
+            "finished", state=self.result.state, attempts=self.result.attempts, run_dir=str(self.run_dir)
+        )
         return self.result
 
     def sweep(self, steps: list[Step]) -> None:
@@ -598,8 +681,11 @@ class Job:
                 self.note(f"{name}: could not look for containers of the job left after its teardown: "
                           f"{describe(self.used[name], r)}; 'fab stop' removes them", "warning")
             elif r.stdout.split():
-                self.note(f"{name}: removed {len(r.stdout.split())} container(s) of the job still there after its "
-                          "teardown (a docker run that came back after its deadline?)", "warning")
+                self.note(
+                    f"{name}: removed {len(r.stdout.split())} container(s) of the job still there after its "
+                    "teardown (a docker run that came back after its deadline?)",
+                    "warning",
+                )
 
 
 class Contended(Exception):
@@ -614,8 +700,11 @@ class PreflightFailed(UserError):
     """The first attempt's gate failed: nothing was started."""
 
     def __init__(self, checks, hosts: list[str], text: str = "") -> None:
-        super().__init__(text or f"preflight failed on {', '.join(hosts)}; nothing was started. Fix the checks "
-                         "above, then run the command again")
+        super().__init__(
+            text
+            or f"preflight failed on {', '.join(hosts)}; nothing was started. Fix the checks "
+            "above, then run the command again"
+        )
         self.checks = checks
 
 
@@ -643,7 +732,9 @@ def start_quiet(session: Session, inv: Inventory, spec: jobspec.JobSpec) -> Atte
 
 def end_quiet(session: Session, a: AttemptPlan) -> None:
     """Remove a short job's containers and runtime files from every host."""
-    Job(a.inv, a.spec, Policy(), Path("runs"), Reporter(), session=session).run_steps(a, a.select("stop") + a.select("cleanup"))
+    Job(a.inv, a.spec, Policy(), Path("runs"), Reporter(), session=session).run_steps(
+        a, a.select("stop") + a.select("cleanup")
+    )
 
 
 def run_quiet(session: Session, inv: Inventory, spec: jobspec.JobSpec, run_dir: Path) -> Watched:

@@ -39,9 +39,12 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
         found = hostops.survey(session, inv)
     where = hostops.live_jobs(found).get(job_id)
     if where:
-        raise UserError(f"{how} {job_id}: that job is still running on {', '.join(sorted(where))}; it was left "
-                        f"alone. Follow it with 'fab logs --job {job_id}', or end it with 'fab stop --job {job_id}' "
-                        "and then continue it", exit_code=2)
+        raise UserError(
+            f"{how} {job_id}: that job is still running on {', '.join(sorted(where))}; it was left "
+            f"alone. Follow it with 'fab logs --job {job_id}', or end it with 'fab stop --job {job_id}' "
+            "and then continue it",
+            exit_code=2,
+        )
 
 
 def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console,
@@ -55,13 +58,17 @@ def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path,
             raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
         job_id = next(iter(jobs))
     if not jobspec.valid_job_id(job_id):
-        raise UserError(f"job id {hostile.text(job_id)!r} is not a fabtrain job id; pass --job with the right id")
+        raise UserError(
+            f"job id {hostile.text(job_id)!r} is not a fabtrain job id; pass --job with the right id"
+        )
     # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
     ranks = jobs.get(job_id) or {h.name: h.rank for h in inv.hosts}
     hosts = tuple(sorted((replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks),
                          key=lambda h: h.rank))
     quiet = replace(inv, hosts=hosts, job=replace(inv.job, secret_files=()))
-    a = attempt_mod.build(quiet, jobspec.JobSpec(job_id=job_id, script=""), 0, inv.job.master_port, sync=False)
+    a = attempt_mod.build(
+        quiet, jobspec.JobSpec(job_id=job_id, script=""), 0, inv.job.master_port, sync=False
+    )
     run_dir = run_root / job_id / "attach"
     w = Watcher(session, a, run_dir, Terminal(console), detach=True, console=console, live=live).run()
     return JobResult(job_id, run_dir, "finished" if w.ok else "failed", 1, watched=w,
@@ -77,11 +84,17 @@ def explain(result: JobResult) -> UserError | None:
     if result.interrupted is not None:
         name = signal.Signals(result.interrupted).name
         took = f" (teardown {w.teardown_seconds:.1f}s)" if w and w.teardown_seconds is not None else ""
-        return UserError(f"job {result.job_id} interrupted ({name}); every container was stopped{took}. Continue "
-                         f"it with: fab train --resume {result.job_id}. Logs: {result.run_dir}",
-                         exit_code=128 + int(result.interrupted))
+        return UserError(
+            f"job {result.job_id} interrupted ({name}); every container was stopped{took}. Continue "
+            f"it with: fab train --resume {result.job_id}. Logs: {result.run_dir}",
+            exit_code=128 + int(result.interrupted),
+        )
     blamed = w.failures[0] if w and w.failures else None
-    what = f"{blamed.host.name} (node rank {blamed.host.rank}) {blamed.summary()}{worker_failure(blamed.tail)}" if blamed else ""
+    what = (
+        f"{blamed.host.name} (node rank {blamed.host.rank}) {blamed.summary()}{worker_failure(blamed.tail)}"
+        if blamed
+        else ""
+    )
     if result.state == "stopped":
         head = f"job {result.job_id} was ended by 'fab stop'" + (f" ({what})." if what else ".")
     else:
@@ -91,7 +104,9 @@ def explain(result: JobResult) -> UserError | None:
         if result.reason and result.reason not in head:
             head += f"\n  the job ended: {result.reason}"
     if len(result.failures) > 1:
-        head += (f"\n  every attempt failed ({result.attempts}):\n" + "\n".join("    " + hostile.text(f) for f in result.failures))
+        head += f"\n  every attempt failed ({result.attempts}):\n" + "\n".join(
+            "    " + hostile.text(f) for f in result.failures
+        )
     tail = ""
     if blamed:
         tail = f"\n  last lines of {blamed.host.name}:\n" + "\n".join(
@@ -157,10 +172,15 @@ def status_table(views, steps, inv: Inventory):
         hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claims.units_text(tuple(x['units']))}"
                                     if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
         style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
-        table.add_row(hostile.rich_text(r["job"]), hostile.rich_text(r["who"] or "-"), hostile.rich_text(hosts),
-                      hostile.rich_text(r["state"], style),
-                      str(r["attempt"] or "-"), str(r["step"] if r["step"] is not None else "-"),
-                      since_text(r["since"] or 0))
+        table.add_row(
+            hostile.rich_text(r["job"]),
+            hostile.rich_text(r["who"] or "-"),
+            hostile.rich_text(hosts),
+            hostile.rich_text(r["state"], style),
+            str(r["attempt"] or "-"),
+            str(r["step"] if r["step"] is not None else "-"),
+            since_text(r["since"] or 0),
+        )
     if not views:
         table.add_row("-", "-", "-", Text("no jobs", style="dim"), "-", "-", "-")
     return table

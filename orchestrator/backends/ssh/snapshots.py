@@ -82,9 +82,9 @@ import stat as stat_mod
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host, Inventory
@@ -99,7 +99,7 @@ SET_RE = re.compile(r"[0-9]{20}")                    # a program's checkpoint se
 # the same files and its newest file is this old by the host's clock (see the module's docstring).
 SETTLE = 1.0
 SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (a find on an open SSH link)
-DEFAULT_KEEP = 2      # job.keep_snapshots when the inventory does not say (trainers/snapshot.py's default too)
+DEFAULT_KEEP = 2  # job.keep_snapshots when the inventory does not say (trainers/snapshot.py's default too)
 LIST_TIMEOUT = 10     # find, mv, rm in the snapshot directory: metadata only
 # sha256sum reads the whole file: at a slow disk's 100 MB/s that is 30 GB of snapshot, well beyond
 # the medium preset's ~4 GB (weights and AdamW state), while a stuck disk is still named in time.
@@ -206,7 +206,9 @@ def parse_listing(stdout: str, pattern: str) -> Listing | None:
             refused.append((path, hostile.UnsafeName(f"{path!r} is not a plain path matching {pattern!r}")))
             continue
         parts = clean.split("/")
-        if any(p.startswith(".") for p in parts[:-1]) or (parts[-1].startswith(".") and parts[-1] != DCP_METADATA):
+        if any(p.startswith(".") for p in parts[:-1]) or (
+            parts[-1].startswith(".") and parts[-1] != DCP_METADATA
+        ):
             continue
         entries.append(Entry(clean, int(size), ns))
     if len(entries) > MAX_SET_FILES:
@@ -239,7 +241,9 @@ def checkpoint_set(entries) -> CheckpointSet | None:
     partial = sorted(d for d, es in by_dir.items()
                      if any(e.path.endswith(".distcp") for e in es)
                      and not any(posixpath.basename(e.path) == DCP_METADATA for e in es))
-    files = tuple(sorted((e for e in entries if posixpath.dirname(e.path) not in partial), key=lambda e: e.path))
+    files = tuple(
+        sorted((e for e in entries if posixpath.dirname(e.path) not in partial), key=lambda e: e.path)
+    )
     if not files:
         return None
     return CheckpointSet(f"{max(e.ns for e in files):020d}", files, tuple(partial))
@@ -294,11 +298,35 @@ class Layout:
         if not self.pattern:
             return sshargs.shell(["ls", "-1", snapshots_dir(inv, spec)]) + " 2>/dev/null; true"
         p = "./" + self.pattern
-        return (f"cd {sshargs.shell([job_root(inv, spec)])} 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && "
-                + sshargs.shell(["find", ".", "(", "-path", p, "-o", "-path", p + "/*", ")", "-type", "f",
-                              "(", "!", "-name", ".*", "-o", "-name", DCP_METADATA, ")",
-                              "-printf", "%T@ %s %P\\0"])
-                + f" && printf '{END}\\0'; true")
+        return (
+            f"cd {sshargs.shell([job_root(inv, spec)])} 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && "
+            + sshargs.shell(
+                [
+                    "find",
+                    ".",
+                    "(",
+                    "-path",
+                    p,
+                    "-o",
+                    "-path",
+                    p + "/*",
+                    ")",
+                    "-type",
+                    "f",
+                    "(",
+                    "!",
+                    "-name",
+                    ".*",
+                    "-o",
+                    "-name",
+                    DCP_METADATA,
+                    ")",
+                    "-printf",
+                    "%T@ %s %P\\0",
+                ]
+            )
+            + f" && printf '{END}\\0'; true"
+        )
 
     def read(self, stdout: str, settle: float = 0.0) -> tuple[list[str], tuple[tuple[str, str], ...]]:
         """The complete snapshots in list_command's output (a set: at most one, the host's whole
@@ -343,13 +371,19 @@ class Layout:
         if not self.pattern:
             return [p.name for p in local_dir.iterdir() if SNAPSHOT_RE.fullmatch(p.name) and p.is_file()
                     and not p.is_symlink()]
-        return [p.name for p in local_dir.iterdir() if SET_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+        return [
+            p.name
+            for p in local_dir.iterdir()
+            if SET_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+        ]
 
     def push_commands(self, host: Host, inv: Inventory, spec: jobspec.JobSpec, name: str,
                       local_dir: Path) -> tuple[list[str], str, str]:
         """One checked push of snapshot `name` (Snapshots.push): the rsync to a temporary name on the
         host, the host's sizes and SHA-256 of it, the rename into place."""
-        return push_commands(host, str(self.local(local_dir, name)), self.remote(inv, spec, name), self.pattern)
+        return push_commands(
+            host, str(self.local(local_dir, name)), self.remote(inv, spec, name), self.pattern
+        )
 
 
 def _ours(name: str) -> str:
@@ -373,7 +407,9 @@ def local_dir_name(spec: jobspec.JobSpec) -> str:
     return "checkpoints" if spec.checkpoint else "snapshots"
 
 
-def push_commands(host: Host, local_file: str, remote_file: str, pattern: str = "") -> tuple[list[str], str, str]:
+def push_commands(
+    host: Host, local_file: str, remote_file: str, pattern: str = ""
+) -> tuple[list[str], str, str]:
     """One checked push (Snapshots.push): the local rsync to a temporary name on the host, the
     host's size and SHA-256 of it (compared with this machine's), the rename into place. A set
     (`local_file` a directory named by 20 digits, `remote_file` the job's output directory): the
@@ -411,7 +447,9 @@ def list_command(inv: Inventory, spec: jobspec.JobSpec) -> str:
 
 def checksum_command(remote_file: str) -> str:
     """Size in bytes, then SHA-256, of a file on a host, in one SSH command (parse_checksum reads it)."""
-    return sshargs.shell(["stat", "-c", "%s", remote_file]) + " && " + sshargs.shell(["sha256sum", remote_file])
+    return (
+        sshargs.shell(["stat", "-c", "%s", remote_file]) + " && " + sshargs.shell(["sha256sum", remote_file])
+    )
 
 
 # For each file given: `SIZE SHA256 PATH` and a NUL. The file is opened once, as the shell's
@@ -420,11 +458,13 @@ def checksum_command(remote_file: str) -> str:
 # program swapped a folder of its set for a link to ~/.ssh between two looks) is refused, not
 # read; then its size and SHA-256, by sha256sum reading stdin, so no name is ever escaped or
 # parsed out of its output.
-_MANIFEST_SH = ('r=$(pwd -P) || exit 1; for f; do '
-                '{ [ "$(readlink /proc/self/fd/0)" = "$r/${f#./}" ] || { printf '
-                '"fabtrain: refused: %s is not a plain file at its path in %s (a symbolic link on the way?)\\n" '
-                '"$f" "$r" >&2; exit 1; }; s=$(stat -L -c %s /proc/self/fd/0) && h=$(sha256sum); } < "$f" '
-                '|| exit 1; printf \'%s %.64s %s\\0\' "$s" "$h" "$f"; done')
+_MANIFEST_SH = (
+    "r=$(pwd -P) || exit 1; for f; do "
+    '{ [ "$(readlink /proc/self/fd/0)" = "$r/${f#./}" ] || { printf '
+    '"fabtrain: refused: %s is not a plain file at its path in %s (a symbolic link on the way?)\\n" '
+    '"$f" "$r" >&2; exit 1; }; s=$(stat -L -c %s /proc/self/fd/0) && h=$(sha256sum); } < "$f" '
+    '|| exit 1; printf \'%s %.64s %s\\0\' "$s" "$h" "$f"; done'
+)
 
 
 def manifest_command(directory: str, files: tuple[str, ...] | list[str] | None = None) -> str:
@@ -434,7 +474,9 @@ def manifest_command(directory: str, files: tuple[str, ...] | list[str] | None =
     head = f"cd {sshargs.shell([directory])} && "
     if files is not None:
         return head + sshargs.shell(["sh", "-c", _MANIFEST_SH, "sh", *files])
-    return head + sshargs.shell(["find", ".", "-type", "f", "-exec", "sh", "-c", _MANIFEST_SH, "sh", "{}", "+"])
+    return head + sshargs.shell(
+        ["find", ".", "-type", "f", "-exec", "sh", "-c", _MANIFEST_SH, "sh", "{}", "+"]
+    )
 
 
 # The start of what a set's placing commands print when they refuse (Snapshots.push tells it from
@@ -476,7 +518,9 @@ def set_place_command(root: str, tmp: str, pattern: str) -> str:
     is replaced, not followed. Anything else is refused, before that file is moved, with one
     line starting REFUSED_MARK naming the path (the command fails). Symbolic links elsewhere
     under `root` (the working directory's links into the code) are none of this command's business."""
-    check = _NO_SH + '[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"'
+    check = (
+        _NO_SH + '[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"'
+    )
     move = _PLACE_FUNCS + ('for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; '
                            'mv -f -- "$f" "$d" || exit 1; done')
     steps = [sshargs.shell(["sh", "-c", check, "./" + tmp])]
@@ -486,10 +530,16 @@ def set_place_command(root: str, tmp: str, pattern: str) -> str:
         aside = _PLACE_FUNCS + ('for f; do [ -e "$0/$f" ] && continue; '
                                 f'dir "{REPLACED}/${{f%/*}}"; spot "{REPLACED}/$f"; '
                                 f'mv -f -- "$f" "{REPLACED}/$f" || exit 1; done')
-        steps += [sshargs.shell(["find", ".", *match, "-type", "f", "-exec", "sh", "-c", aside, "./" + tmp, "{}", "+"]),
-                  sshargs.shell(["find", ".", "-mindepth", "2", *match, "-type", "d", "-empty", "-delete"])]
-    steps += [sshargs.shell(["find", "./" + tmp, "-type", "f", "-exec", "sh", "-c", move, "./" + tmp, "{}", "+"]),
-              sshargs.shell(["rm", "-rf", "--", tmp])]
+        steps += [
+            sshargs.shell(
+                ["find", ".", *match, "-type", "f", "-exec", "sh", "-c", aside, "./" + tmp, "{}", "+"]
+            ),
+            sshargs.shell(["find", ".", "-mindepth", "2", *match, "-type", "d", "-empty", "-delete"]),
+        ]
+    steps += [
+        sshargs.shell(["find", "./" + tmp, "-type", "f", "-exec", "sh", "-c", move, "./" + tmp, "{}", "+"]),
+        sshargs.shell(["rm", "-rf", "--", tmp]),
+    ]
     return f"cd {sshargs.shell([root])} && " + " && ".join(steps)
 
 
@@ -516,15 +566,26 @@ def remove_tree_command(remote_dir: str) -> str:
     return sshargs.shell(["rm", "-rf", "--", remote_dir])
 
 
-def fetch_set_argv(host: Host, root: str, files_from: str, dest: str, link_dest: str | None = None) -> list[str]:
+def fetch_set_argv(
+    host: Host, root: str, files_from: str, dest: str, link_dest: str | None = None
+) -> list[str]:
     """Copy a set's files (their paths relative to `root`, NUL-separated in the local file
     `files_from`) from a host into the local directory `dest`, at their paths; files unchanged since
     the set in `link_dest` are hard-linked from it. The names reach the host's rsync through rsync's
     protocol, never a shell; no links, devices or permissions are kept."""
-    return ["rsync", "--times", f"--timeout={sshargs.RSYNC_IO_TIMEOUT}", "--from0", f"--files-from={files_from}",
-            *([f"--link-dest={link_dest}"] if link_dest else []),
-            *sshargs.RSYNC_PROTECT, "--rsh", sshargs.shell(sshargs.ssh_argv(host)),
-            sshargs.rsync_remote(host, root.rstrip("/") + "/"), dest.rstrip("/") + "/"]
+    return [
+        "rsync",
+        "--times",
+        f"--timeout={sshargs.RSYNC_IO_TIMEOUT}",
+        "--from0",
+        f"--files-from={files_from}",
+        *([f"--link-dest={link_dest}"] if link_dest else []),
+        *sshargs.RSYNC_PROTECT,
+        "--rsh",
+        sshargs.shell(sshargs.ssh_argv(host)),
+        sshargs.rsync_remote(host, root.rstrip("/") + "/"),
+        dest.rstrip("/") + "/",
+    ]
 
 
 def push_set_argv(host: Host, local_dir: str, remote_dir: str) -> list[str]:
@@ -568,14 +629,18 @@ class Manifest:
 
     def __str__(self) -> str:
         size = sum(d.size for _, d in self.files)
-        digest = hashlib.sha256("".join(f"{p}\0{d.size}\0{d.sha256}\0" for p, d in self.files).encode()).hexdigest()
+        digest = hashlib.sha256(
+            "".join(f"{p}\0{d.size}\0{d.sha256}\0" for p, d in self.files).encode()
+        ).hexdigest()
         return f"{len(self.files)} file(s), {size} bytes, sha256 of the list {digest[:12]}"
 
-    def differs(self, other: "Manifest") -> str:
+    def differs(self, other: Manifest) -> str:
         """What differs from `other`, for people (the first few paths)."""
         mine, theirs = dict(self.files), dict(other.files)
         bad = sorted(p for p in mine.keys() | theirs.keys() if mine.get(p) != theirs.get(p))
-        return ", ".join(hostile.line(repr(p), 80) for p in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        return ", ".join(hostile.line(repr(p), 80) for p in bad[:3]) + (
+            f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        )
 
 
 def manifest(entries) -> Manifest:
@@ -758,7 +823,9 @@ class Snapshots:
         except OSError as exc:  # rsync missing or not runnable
             raise _CopyFailed(f"{argv[0]} could not run: {exc}") from None
         if proc.returncode != 0:
-            raise _CopyFailed(f"rsync exited {proc.returncode}: {hostile.text((proc.stderr or '').strip())[-200:]}")
+            raise _CopyFailed(
+                f"rsync exited {proc.returncode}: {hostile.text((proc.stderr or '').strip())[-200:]}"
+            )
 
     def fetch(self, session: Session, host: Host, name: str) -> bool:
         """Copy snapshot `name` from a host into runs/JOB/snapshots, checked (see the module's
@@ -829,11 +896,16 @@ class Snapshots:
         # The manifest read each file at its literal path (manifest_command refuses one reached
         # through a link); the listing's sizes must be what it read too.
         if want.paths != found.paths:
-            raise _CopyFailed(f"the host's checksums name other files than its listing: {want.differs(manifest([]))}")
+            raise _CopyFailed(
+                f"the host's checksums name other files than its listing: {want.differs(manifest([]))}"
+            )
         resized = [p for (p, d), e in zip(want.files, found.files) if d.size != e.size]
         if resized:
-            raise _CopyFailed(f"the host's checksums read other sizes than its listing: "
-                              f"{hostile.line(repr(resized[0]), 80)}" + (f" and {len(resized) - 1} more" if len(resized) > 1 else ""))
+            raise _CopyFailed(
+                f"the host's checksums read other sizes than its listing: "
+                f"{hostile.line(repr(resized[0]), 80)}"
+                + (f" and {len(resized) - 1} more" if len(resized) > 1 else "")
+            )
         listfile = tmp.with_name(tmp.name + ".files")
         listfile.write_bytes(b"".join(p.encode() + b"\0" for p in found.paths))
         link = self.local_newest()
@@ -923,7 +995,11 @@ class Snapshots:
         try:
             if isinstance(digest, Manifest):
                 listing = _list_set(session, host, self.inv, self.spec)
-                if listing is None or not listing.whole or tuple(e.path for e in listing.entries) != digest.paths:
+                if (
+                    listing is None
+                    or not listing.whole
+                    or tuple(e.path for e in listing.entries) != digest.paths
+                ):
                     return False
                 return remote_manifest(session, host, remote_file, digest.paths) == digest
             return remote_digest(session, host, remote_file) == digest
@@ -962,7 +1038,9 @@ class Snapshots:
                     refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK):]
                     raise _Refused(hostile.line(refused.split("\n", 1)[0].strip(), 300))
                 if not r.ok:
-                    raise _CopyFailed(f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}")
+                    raise _CopyFailed(
+                        f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}"
+                    )
                 return
             except _CopyFailed as exc:
                 why = str(exc)
@@ -973,14 +1051,18 @@ class Snapshots:
                 except Exception:  # noqa: BLE001 - a host that does not answer fails the next try anyway
                     pass
                 if isinstance(exc, _Refused):  # the same the next time: not tried again
-                    line = (f"{host.name}: did not place snapshot {name} in {final}: {why}. The job's program "
-                            f"left that there; remove it on {host.name}, or leave the host out so a spare "
-                            "takes its place")
+                    line = (
+                        f"{host.name}: did not place snapshot {name} in {final}: {why}. The job's program "
+                        f"left that there; remove it on {host.name}, or leave the host out so a spare "
+                        "takes its place"
+                    )
                     self.report(line)
                     raise UserError(line) from None
         where = final if is_set else posixpath.dirname(final)
-        line = (f"{host.name}: could not place snapshot {name} in {where} in {COPY_TRIES} tries (last: {why}); "
-                f"check the host's disk space and SSH access, or leave it out so a spare takes its place")
+        line = (
+            f"{host.name}: could not place snapshot {name} in {where} in {COPY_TRIES} tries (last: {why}); "
+            f"check the host's disk space and SSH access, or leave it out so a spare takes its place"
+        )
         self.report(line)
         raise UserError(line)
 

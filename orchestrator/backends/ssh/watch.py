@@ -61,7 +61,9 @@ class NodeEnd:
     by_us: bool = False                # stopped because another node failed, or by Ctrl+C
 
     def failure_line(self) -> HostFailure:
-        return HostFailure(self.host.name, self.failure or Failure.EXIT, self.detail + worker_failure(self.tail))
+        return HostFailure(
+            self.host.name, self.failure or Failure.EXIT, self.detail + worker_failure(self.tail)
+        )
 
     def summary(self) -> str:
         """'exited with code 3', 'lost: no SSH keepalive answer ...', 'hung: no progress ...'."""
@@ -211,8 +213,18 @@ class Watcher:
     def run(self) -> Watched:
         for h in self.hosts:
             threading.Thread(target=self.follow, args=(h,), daemon=True, name=f"follow-{h.name}").start()
-        view = (Live(get_renderable=self.board.render, console=self.console, refresh_per_second=2, transient=True,
-                     redirect_stdout=False, redirect_stderr=False) if self.live else contextlib.nullcontext())
+        view = (
+            Live(
+                get_renderable=self.board.render,
+                console=self.console,
+                refresh_per_second=2,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            if self.live
+            else contextlib.nullcontext()
+        )
         try:
             with view:
                 self.until_done()
@@ -268,10 +280,14 @@ class Watcher:
             if name in self.pending and now - seen > ENGINE_GRACE:
                 h = self.attempt.host(name)
                 self.result.stuck_engines.append(name)
-                self.reporter.emit("note", job=self.attempt.job_id, level="warning",
-                                   text=f"{name}: its ranks exited with code {code}, but its Docker engine has not "
-                                        f"confirmed it for {ENGINE_GRACE:g}s (engine stuck?); judging the node by its "
-                                        "own exit")
+                self.reporter.emit(
+                    "note",
+                    job=self.attempt.job_id,
+                    level="warning",
+                    text=f"{name}: its ranks exited with code {code}, but its Docker engine has not "
+                    f"confirmed it for {ENGINE_GRACE:g}s (engine stuck?); judging the node by its "
+                    "own exit",
+                )
                 end = NodeEnd(h, exit_code=code, tail=self.sinks[name].last_lines())
                 if code != 0:
                     end.failure, end.detail = Failure.EXIT, f"exited with code {code}"
@@ -296,7 +312,9 @@ class Watcher:
         self.unreadable = 0
         silent = time.monotonic() - max(self.progress.last[n] for n in stale)
         self.result.hung = self.dump_stacks()
-        self.reporter.emit("hang", job=self.attempt.job_id, attempt=self.attempt.number, ranks=self.result.hung)
+        self.reporter.emit(
+            "hang", job=self.attempt.job_id, attempt=self.attempt.number, ranks=self.result.hung
+        )
         blamed = self.blame(stale)
         whole = set(stale) == self.pending and len(self.pending) > 1
         what = "no progress from any node" if whole else f"no progress from {blamed.name}"
@@ -325,7 +343,9 @@ class Watcher:
                 seen[n] = "none"
             else:
                 err = got.error(n)
-                seen[n] = "unreadable: " + hostile.text(str(err) if err else (r.stderr.strip()[-100:] or answer[-100:]))
+                seen[n] = "unreadable: " + hostile.text(
+                    str(err) if err else (r.stderr.strip()[-100:] or answer[-100:])
+                )
         return seen
 
     def blame(self, stale: list[str]) -> Host:
@@ -334,7 +354,12 @@ class Watcher:
         hosts = {h.name: h for h in self.hosts}
         for line in self.result.hung:
             m = re.match(r"rank \S+ on (\S+): (.*)", line)
-            if m and m.group(1) in hosts and m.group(1) in self.pending and not recovery.in_collective(m.group(2)):
+            if (
+                m
+                and m.group(1) in hosts
+                and m.group(1) in self.pending
+                and not recovery.in_collective(m.group(2))
+            ):
                 return hosts[m.group(1)]
         return hosts[stale[0]]
 
@@ -343,8 +368,11 @@ class Watcher:
         host's log; one line per rank saying where it is."""
         hosts = tuple(h for h in self.hosts if h.name in self.pending)
         results = self.session.fan_out(
-            lambda h: self.session.run(h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.timeout,
-                                       what=s.what), hosts)
+            lambda h: self.session.run(
+                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.timeout, what=s.what
+            ),
+            hosts,
+        )
         summary = []
         for h in hosts:
             r, err = results.value(h.name), results.error(h.name)
@@ -353,10 +381,14 @@ class Watcher:
                 why = describe(h, err) if err else (r.stderr.strip()[-200:] or "no stacks")
                 summary.append(f"{h.name}: stacks unreadable ({hostile.text(why)})")
                 continue
-            self.sinks[h.name].feed(f"[fabtrain] hang watchdog: stacks of every rank on {h.name}\n{text}".encode())
+            self.sinks[h.name].feed(
+                f"[fabtrain] hang watchdog: stacks of every rank on {h.name}\n{text}".encode()
+            )
             for line in recovery.stack_summary(text):
                 rank, _, where = line.partition(": ")
-                src = recovery.source_line(self.attempt.spec.code, where.rsplit(" from ", 1)[-1].split(" in ")[0])
+                src = recovery.source_line(
+                    self.attempt.spec.code, where.rsplit(" from ", 1)[-1].split(" in ")[0]
+                )
                 summary.append(f"{rank} on {h.name}: {where}" + (f" `{src}`" if src else ""))
         return summary
 
@@ -367,8 +399,12 @@ class Watcher:
         steps: dict[str, Step] = {s.where: s for s in self.attempt.steps if s.when == when}
         hosts = tuple(h for h in self.hosts if h.name in self.pending and h.name not in lost)
         start = time.monotonic()
-        self.session.fan_out(lambda h: self.session.run(h, steps[h.name].command, timeout=steps[h.name].timeout,
-                                                        what=steps[h.name].what), hosts)
+        self.session.fan_out(
+            lambda h: self.session.run(
+                h, steps[h.name].command, timeout=steps[h.name].timeout, what=steps[h.name].what
+            ),
+            hosts,
+        )
         self.result.teardown_seconds = time.monotonic() - start
         deadline = time.monotonic() + DRAIN
         while self.pending and time.monotonic() < deadline:
@@ -382,7 +418,9 @@ class Watcher:
                 self.result.ends.setdefault(end.host.name, end)
 
 
-def watch(session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter = Reporter(), **options) -> Watched:
+def watch(
+    session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter = Reporter(), **options
+) -> Watched:
     """Follow an attempt's nodes until they end (see Watcher)."""
     return Watcher(session, attempt, run_dir, reporter, **options).run()
 

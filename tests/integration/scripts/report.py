@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 p = argparse.ArgumentParser()
 p.add_argument("--sleep", type=float, default=0)
-p.add_argument("--steps", type=int, default=0, help="then this many steps (an all_reduce each), one per --step-time")
+p.add_argument(
+    "--steps", type=int, default=0, help="then this many steps (an all_reduce each), one per --step-time"
+)
 p.add_argument("--step-time", type=float, default=0.5)
 p.add_argument("--env", action="append", default=[], help="print this variable's value")
 p.add_argument("--hash-env", action="append", default=[], help="print a hash of this variable's value")
