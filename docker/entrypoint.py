@@ -225,7 +225,7 @@ def link_code(env: dict[str, str]) -> None:
             path = os.path.join(dirpath, name)
             if os.path.islink(path) and os.readlink(path).startswith(code + "/") and not os.path.exists(path):
                 os.unlink(path)
-    for dirpath, dirnames, filenames in os.walk(code):
+    for dirpath, _dirnames, filenames in os.walk(code):
         rel = os.path.relpath(dirpath, code)
         target_dir = os.path.normpath(os.path.join(here, rel))
         os.makedirs(target_dir, exist_ok=True)

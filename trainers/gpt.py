@@ -459,7 +459,8 @@ class StepTimer:
     def report(self) -> str:
         if not self.steps:
             return ""
-        text = f" | step {1000 * self.step_s / self.steps:.1f} ms | compute {1000 * self.compute_s / self.steps:.1f} ms"
+        step_ms, compute_ms = 1000 * self.step_s / self.steps, 1000 * self.compute_s / self.steps
+        text = f" | step {step_ms:.1f} ms | compute {compute_ms:.1f} ms"
         self.reset()
         return text
 

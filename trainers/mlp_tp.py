@@ -52,7 +52,8 @@ def make_mesh(world: int, tp: int, device_type: str) -> DeviceMesh:
     if tp < 1 or world % tp:
         raise SystemExit(
             f"mlp_tp: world size {world} is not divisible by --tp {tp}; "
-            f"choose a tp that divides {world} (e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
+            f"choose a tp that divides {world} (e.g. "
+            f"{', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
         )
     return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 

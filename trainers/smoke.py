@@ -41,6 +41,7 @@ dt = (time.perf_counter() - t0) / ITERS
 busbw = MB / dt * 2 * (world - 1) / max(world, 1)
 if int(os.environ.get("LOCAL_RANK", 0)) == 0:
     log(
-        f"SMOKE ok backend={dist.get_backend()} world={world} size={MB}MB time={dt * 1000:.1f}ms busbw={busbw:.1f} MB/s"
+        f"SMOKE ok backend={dist.get_backend()} world={world} size={MB}MB time={dt * 1000:.1f}ms "
+        f"busbw={busbw:.1f} MB/s"
     )
 finish_distributed(hard_exit=True)

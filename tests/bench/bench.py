@@ -371,7 +371,8 @@ def table(n: int, r: dict) -> str:
             "launch: all containers started",
             ms(r["launch"]["fabtrain_started"]),
             f"pdsh {ms(r['launch']['pdsh_started'])}, serial {ms(r['launch']['serial_started'])}",
-            f"{med(r['launch']['fabtrain_started']) / med(r['launch']['pdsh_started']):.2f}x pdsh (target <= 1.2x)",
+            f"{med(r['launch']['fabtrain_started']) / med(r['launch']['pdsh_started']):.2f}x pdsh (target "
+            "<= 1.2x)",
         ),
         ("launch: all ranks initialised", ms(r["launch"]["all_initialised"]), "", ""),
         ("launch: all containers gone", ms(r["launch"]["all_gone"]), "", ""),
@@ -379,7 +380,8 @@ def table(n: int, r: dict) -> str:
             "sync, no change",
             ms(r["sync"]["fabtrain_nochange"]),
             f"rsync loop {ms(r['sync']['rsync_loop_nochange'])}",
-            f"{med(r['sync']['fabtrain_nochange']) / med(r['sync']['rsync_loop_nochange']):.2f}x (target <= 1.2x)",
+            f"{med(r['sync']['fabtrain_nochange']) / med(r['sync']['rsync_loop_nochange']):.2f}x (target <= "
+            "1.2x)",
         ),
         (
             "sync, 50 MB changed",
@@ -397,14 +399,16 @@ def table(n: int, r: dict) -> str:
             "stop a running job",
             ms(r["stop"]["fabtrain_stop"]),
             f"pdsh rm -f {ms(r['stop']['pdsh_rm'])}",
-            f"{med(r['stop']['fabtrain_stop']) / med(r['stop']['pdsh_rm']):.2f}x (target <= 1.2x); CLI {ms(r['stop']['fab_stop_cli'])}",
+            f"{med(r['stop']['fabtrain_stop']) / med(r['stop']['pdsh_rm']):.2f}x (target <= 1.2x); CLI "
+            f"{ms(r['stop']['fab_stop_cli'])}",
         ),
         ("failure: kill -> all gone", ms(r["failure"]["kill_to_all_gone"]), "", "target <= 5 s"),
         (
             "logs: lines/s (prefix + files)",
             f"{med(r['logs']['fabtrain_lines_per_s']):,.0f}",
             f"pdsh {med(r['logs']['pdsh_lines_per_s']):,.0f}",
-            f"{med(r['logs']['fabtrain_lines_per_s']) / med(r['logs']['pdsh_lines_per_s']):.2f}x (target >= 1.0x); "
+            f"{med(r['logs']['fabtrain_lines_per_s']) / med(r['logs']['pdsh_lines_per_s']):.2f}x (target >= "
+            "1.0x); "
             f"lost {max(r['logs']['lost'])}, order kept {all(r['logs']['order_kept'])}",
         ),
     ]
@@ -442,7 +446,7 @@ class Lines:
                     except (ValueError, KeyError, TypeError):
                         pass
             time.sleep(0.02)
-        raise RuntimeError(f"no such event; last lines: {''.join(l for _, l in self.seen[-20:])}")
+        raise RuntimeError(f"no such event; last lines: {''.join(text for _, text in self.seen[-20:])}")
 
     def wait_for(self, needle: str, after: float = 0, timeout: float = 300) -> float:
         deadline = time.monotonic() + timeout
@@ -453,7 +457,8 @@ class Lines:
             if self.proc.poll() is not None and not self.thread.is_alive():
                 break
             time.sleep(0.02)
-        raise RuntimeError(f"{needle!r} never came; last lines: {''.join(l for _, l in self.seen[-20:])}")
+        last = "".join(text for _, text in self.seen[-20:])
+        raise RuntimeError(f"{needle!r} never came; last lines: {last}")
 
 
 def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
@@ -497,9 +502,10 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
             killed = time.monotonic()
             r["detected"].append(run.wait_event(lambda e: e["event"] == "host_failed", killed) - killed)
             for stage in ("plan", "claim", "sync+preflight", "snapshot", "start", "watch"):
-                t = run.wait_event(
-                    lambda e: e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage, killed
-                )
+                def begun(e, stage=stage):
+                    return e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage
+
+                t = run.wait_event(begun, killed)
                 r.setdefault(f"stage_{stage}", []).append(t - killed)
             r["first_step"].append(
                 run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2, killed) - killed

@@ -37,7 +37,7 @@ def write_file(path: Path, entries: int) -> list[str]:
 
 
 def per_connection(path: str, names: list[str]) -> None:
-    for name in names:
+    for _ in names:
         paramiko.SSHClient().load_host_keys(path)
 
 

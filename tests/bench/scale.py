@@ -331,7 +331,8 @@ CPU_OPS = (
 def per_doubling(sizes: list[int], values: list[float]) -> str:
     """Growth per doubling of N between consecutive sizes, and over the whole range."""
     steps = []
-    for (n1, v1), (n2, v2) in zip(zip(sizes, values), zip(sizes[1:], values[1:])):
+    points = list(zip(sizes, values, strict=True))
+    for (n1, v1), (n2, v2) in zip(points, points[1:], strict=False):
         steps.append(f"{(v2 / v1) ** (1 / math.log2(n2 / n1)):.2f}")
     if len(sizes) > 2:
         total = (values[-1] / values[0]) ** (1 / math.log2(sizes[-1] / sizes[0]))
@@ -359,7 +360,7 @@ def table(results: dict[int, dict]) -> str:
         rows.append([label] + [str(max(x[key] for x in results[n]["rounds"])) for n in sizes] + [""])
     rows.append(["bring-up (cluster.up)"] + [f"{results[n]['up']['up_s']:.0f} s" for n in sizes] + [""])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def main() -> None:

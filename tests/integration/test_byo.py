@@ -18,7 +18,8 @@ dist.init_process_group("gloo")
 t = torch.tensor([1.0])
 dist.all_reduce(t)
 data = open("/data/hello.txt").read().strip() if os.path.exists("/data/hello.txt") else None
-sys.stdout.write("USER " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+sys.stdout.write("USER " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(),
+                 "sum": t.item(),
                  "name": a.name, "quote": a.quote, "steps": a.steps, "colour": os.environ.get("COLOUR"),
                  "data": data, "cwd_files": sorted(os.listdir("."))}) + "\\n")
 """
@@ -126,12 +127,12 @@ def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory
                             f"-v {code}:/workspace -w /workspace {inv.job.image} "
                             f"tests/integration/scripts/report.py")
         logs = {}
-        for h, name in zip(inv.hosts, names):
+        for h, name in zip(inv.hosts, names, strict=True):
             code = on_host(h.name, f"docker wait {name}").stdout.strip()
             logs[h.name] = on_host(h.name, f"docker logs {name} 2>&1").stdout
             assert code == "0", logs[h.name]
     finally:
-        for h, name in zip(inv.hosts, names):
+        for h, name in zip(inv.hosts, names, strict=True):
             on_host(h.name, f"docker rm -f {name}", check=False)
     for node, rank in (("node1", 0), ("node2", 1)):
         banner = next(line for line in logs[node].splitlines() if line.startswith("[fabtrain]"))

@@ -34,7 +34,8 @@ def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continue
         peak = rss_kib(run.proc.pid, "VmHWM")
         job_id = job_of(run.text, "bigline")
         print(
-            f"fab RSS while idle {idle / 1024:.0f} MB, peak after 256 MB without a newline {peak / 1024:.0f} MB"
+            f"fab RSS while idle {idle / 1024:.0f} MB, peak after 256 MB without a newline "
+            f"{peak / 1024:.0f} MB"
         )
         assert peak - idle < 200 * 1024, f"fab grew by {(peak - idle) / 1024:.0f} MB for one 256 MB line"
 

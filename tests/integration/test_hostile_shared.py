@@ -46,7 +46,8 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
     # The admin's part: the group, its accounts (with Docker access), an output directory for the group.
     on_host(
         NODE,
-        f"groupadd {group} && useradd -M -g {group} -G docker {alice} && useradd -M -g {group} -G docker {bob} "
+        f"groupadd {group} && useradd -M -g {group} -G docker {alice} && useradd -M -g {group} -G docker "
+        f"{bob} "
         f"&& mkdir -p {out} && chgrp {group} {out} && chmod 2775 {out}",
     )
     try:
@@ -101,7 +102,8 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         # In alice's container the entrypoint runs from the read-only mount, as root and as a
         # non-root image user; only root there reads the secrets.
         mount = f"{hostfiles.runtime_dir(inv, spec)}:{jobspec.RUNTIME_MOUNT}:ro"
-        read = f"python3 {jobspec.ENTRYPOINT_PATH} && python3 -c \"open('{jobspec.SECRETS_PATH}').read(); print('secrets read')\""
+        read = (f"python3 {jobspec.ENTRYPOINT_PATH} && "
+                f"python3 -c \"open('{jobspec.SECRETS_PATH}').read(); print('secrets read')\"")
         for user, want in (("0", "entrypoint ok\nsecrets read"), ("65534", "entrypoint ok")):
             c = on_host(NODE, f"docker run --rm --user {user} --network none -v {mount} --entrypoint sh "
                               f"fabtrain/trainer:latest -c {shlex.quote(read)}", check=False)

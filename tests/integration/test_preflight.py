@@ -136,7 +136,8 @@ def test_different_image_under_the_same_tag(inventory_path, inv, tmp_path):
     on_host("node1", f"docker tag {inv.job.image} {TEST_TAG}")
     on_host(
         "node2",
-        f"printf 'FROM {inv.job.image}\\nLABEL drift=1\\n' | DOCKER_BUILDKIT=0 docker build -q -t {TEST_TAG} -",
+        f"printf 'FROM {inv.job.image}\\nLABEL drift=1\\n' | DOCKER_BUILDKIT=0 docker build -q -t "
+        f"{TEST_TAG} -",
     )
     try:
         code, checks = preflight(
@@ -152,7 +153,8 @@ def test_different_image_under_the_same_tag(inventory_path, inv, tmp_path):
 
 
 def test_clock_two_seconds_off_on_one_host(inventory_path):
-    skew = f"cp /etc/environment /etc/environment.orig; printf 'LD_PRELOAD={FAKETIME}\\nFAKETIME=+2s\\n' >> /etc/environment"
+    skew = ("cp /etc/environment /etc/environment.orig; "
+            f"printf 'LD_PRELOAD={FAKETIME}\\nFAKETIME=+2s\\n' >> /etc/environment")
     with fault("node2", skew, "mv /etc/environment.orig /etc/environment"):
         code, checks = preflight(inventory_path)
     assert code == 1

@@ -86,7 +86,8 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
     rule = f"INPUT -p tcp --dport 22 -s {GATEWAY} -j DROP"
     on_host("node2", f"iptables -I {rule}")
     with undo("node2", f"iptables -D {rule}"):
-        ssh = f"  user: root\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n  connect_timeout: 3\n"
+        ssh = (f"  user: root\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n"
+               "  connect_timeout: 3\n")
         direct = write_inventory(tmp_path, ssh, "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
                                  "  - {name: node2, address: 172.28.5.12, interface: eth0}\n", "direct.yaml")
         r, _, checks = preflight_json(direct)
@@ -193,7 +194,8 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
     """A user in the docker group whose code_dir is root-owned: preflight names the directory and
     the exact fix; with directories it owns, preflight and sync pass."""
     setup = (
-        "id alice >/dev/null 2>&1 || useradd -m -G docker alice; install -d -m 700 -o alice /home/alice/.ssh; "
+        "id alice >/dev/null 2>&1 || useradd -m -G docker alice; install -d -m 700 -o alice "
+        "/home/alice/.ssh; "
         "install -m 600 -o alice /root/.ssh/authorized_keys /home/alice/.ssh/authorized_keys; "
         "mkdir -p /opt/fabtrain/code"
     )
@@ -224,7 +226,8 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
 HOSTILE = r"""
 import os, stat, sys
 out = os.environ["FABTRAIN_OUTPUT"]
-sys.stdout.write("clear\x1b[2J\x1b[H title\x1b]0;pwned\x07 link \x1b]8;;http://example.invalid\x07x\x1b]8;;\x07 "
+sys.stdout.write("clear\x1b[2J\x1b[H title\x1b]0;pwned\x07 "
+                 "link \x1b]8;;http://example.invalid\x07x\x1b]8;;\x07 "
                  "markup [/x] [bold red]not bold[/] cr\rback c1\u009b31m end\n")
 sys.stdout.flush()
 open(os.path.join(out, "suid"), "w").write("x")

@@ -26,7 +26,8 @@ def test_a_busy_master_port_is_passed_over_by_preflight_and_train_alike(inventor
     port = inv.job.master_port
     on_host(
         "node1",
-        f'exec python3 -c \'import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", {port})); '
+        'exec python3 -c \'import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, '
+        f'socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", {port})); '
         f"s.listen(); time.sleep(120)' port-holder",
         detach=True,
     )

@@ -313,7 +313,8 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     more = fab(shared_inventory, "train", "--on", "slurm", "--plain", "--resume", job, "--epochs", "3")
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr
     assert (
-        f"resuming job {job} on Slurm ({len(outcomes)} attempt(s) so far, finished); now args '--model tiny --epochs 3"
+        f"resuming job {job} on Slurm ({len(outcomes)} attempt(s) so far, finished); now args '--model tiny "
+        "--epochs 3"
         in more.stdout
     )
     assert re.search(

@@ -239,7 +239,8 @@ def test_bytes_that_are_not_utf8_never_reach_a_terminal_as_c1_controls():
 def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
     from orchestrator.progress import report
 
-    line = "[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | compute 10.0 ms\n"
+    line = ("[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | "
+            "compute 10.0 ms\n")
     (tmp_path / "node1.log").write_text("".join(line.format(r=r, s=s) for r in (0, 1) for s in (1, 2, 3)))
     assert report.write_plot([tmp_path], tmp_path / "loss.png").stat().st_size > 0
 

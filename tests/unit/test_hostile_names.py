@@ -121,7 +121,8 @@ def test_no_listing_at_all():
 
 def test_our_snapshot_names_are_whole_names_only():
     out = (
-        "snapshot-000000010.pt\n../snapshot-000000099.pt\n/tmp/snapshot-000000098.pt\nsnapshot-000000020.pt \n"
+        "snapshot-000000010.pt\n../snapshot-000000099.pt\n/tmp/snapshot-000000098.pt\nsnapshot-000000020.pt "
+        "\n"
         ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\nsnapshot-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0669.pt\n"
     )
     assert snapshots.parse_names(out) == ["snapshot-000000010.pt"]
@@ -256,7 +257,8 @@ def test_set_commands_are_quoted_once():
                 Path("/i/inv.yaml"))
     spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=PATTERN)
     assert snapshots.list_command(inv, spec) == (
-        "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path './work/checkpoints/*' "
+        "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path "
+        "'./work/checkpoints/*' "
         "-o -path './work/checkpoints/*/*' ')' -type f '(' '!' -name '.*' -o -name .metadata ')' "
         "-printf '%T@ %s %P\\0' && printf 'end\\0'; true"
     )
@@ -393,7 +395,8 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     monkeypatch.chdir(tmp_path)
     pwned = f"/tmp/pwned-{os.getpid()}-{time.time_ns()}"
     inv = parse(
-        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - "
+        f"{{name: a, address: 10.0.0.1, interface: eth0}}\n",
         Path("/i/inv.yaml"),
     )
     spec = jobspec.JobSpec(
@@ -480,7 +483,8 @@ def placing(tmp_path: Path, local: dict[str, bytes], copy=None):
     """A job with --checkpoint /output/ckpt/* whose set `local` (paths under the job's output
     directory) is here in runs/j, its host's output directory (empty) and a victim: ~/.ssh."""
     inv = parse(
-        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - "
+        f"{{name: a, address: 10.0.0.1, interface: eth0}}\n",
         Path("/i/inv.yaml"),
     )
     spec = jobspec.JobSpec(

@@ -28,10 +28,12 @@ INV = parse("job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.
 def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_fix():
     c = "'/opt/o ut/.claims'"
     assert hostfiles.shared_dir_script(c) == (
-        f"if [ -L {c} ]; then printf '%s is a symbolic link, not a directory: another account may have put it "
+        f"if [ -L {c} ]; then printf '%s is a symbolic link, not a directory: another account may have put "
+        "it "
         f"there; remove it (rm %s) and run again\\n' {c} {c} >&2; exit 6; fi; mkdir -p {c} || exit 6; "
         f"{{ ( cd -P {c} && [ ! -L {c} ] && [ {c} -ef . ] && [ -O . ] && chmod g+rwxs . ); }} 2>/dev/null; "
-        f"[ -w {c} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with the group: "
+        f"[ -w {c} ] || {{ printf '%s is not writable by %s (owner %s): its owner can share it with the "
+        "group: "
         f'chmod g+rwxs %s; chgrp GROUP %s\\n\' {c} "$(id -un)" "$(stat -c %U {c})" {c} {c} >&2; exit 6; }}; '
     )
     assert hostfiles.shared_dir_script('"$d"', sticky=True, check=False) == (
@@ -40,7 +42,8 @@ def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_
         "&& [ -O . ] && chmod g+rwxs,+t . ); } 2>/dev/null; "
     )
     assert hostfiles.enter_script('"$d"') == (
-        'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] || { printf \'%s changed while this command entered it '
+        'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] || { printf \'%s changed while this command entered '
+        'it '
         '(another account may have put a link there): run again\\n\' "$d" >&2; exit 6; }; '
     )
 
@@ -50,7 +53,8 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
     own = "'/opt/o ut/.runtime/gpt-1'"
     assert hostfiles.own_runtime_script(INV, "gpt-1") == (
         hostfiles.shared_dir_script(rt, sticky=True) + f"mkdir -m 0711 {own} 2>/dev/null; if [ -L {own} ] || "
-        f"[ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; another account made it: "
+        f"[ ! -d {own} ] || [ ! -O {own} ]; then printf '%s is not a directory of %s; another account made "
+        "it: "
         f'job ids are never reused, so remove it (its owner or root)\\n\' {own} "$(id -un)" >&2; exit 7; fi; '
         f"( cd -P {own} && [ ! -L {own} ] && [ {own} -ef . ] && [ -O . ] && chmod 0711 . && touch lease )"
     )
@@ -58,14 +62,16 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
     assert hostfiles.stop_mark_script(INV, ["a-1", "b-2"]) == (
         hostfiles.shared_dir_script(rt, sticky=True, check=False)
         + hostfiles.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
-        + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/a-1' ); "
+        + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || ( set -C; : > '/opt/o "
+          "ut/.runtime/.stopped/a-1' ); "
         "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/b-2' )"
     )
     # A smoke test's own runtime directory (no units): the stop marker cleared, the directory made.
     assert claims.claim_script(INV, "gpt-1", None, "al@ws", True) == (
         "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + hostfiles.own_runtime_script(INV, "gpt-1"))
     assert claims.release_command(INV, ["gpt-1"]) == (
-        "d='/opt/o ut/.claims'/\"$(hostname)\"; rm -rf '/opt/o ut/.runtime/gpt-1' '/opt/o ut/.runtime/.stopped/gpt-1'; "
+        "d='/opt/o ut/.claims'/\"$(hostname)\"; rm -rf '/opt/o ut/.runtime/gpt-1' '/opt/o "
+        "ut/.runtime/.stopped/gpt-1'; "
         'rm -f "$d"/gpt-1'
     )
 
@@ -308,7 +314,7 @@ def test_a_lock_link_another_account_planted_is_replaced_never_followed(tmp_path
 
 @pytest.mark.parametrize("where", [".claims/HOST", ".claims", ".runtime"])
 def test_a_shared_directory_that_is_a_link_is_refused_naming_it_and_the_fix(tmp_path, where):
-    inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
+    inv, (home, _key) = cpu_inv(tmp_path), secret(tmp_path)
     link = host_claims(tmp_path) if where == ".claims/HOST" else tmp_path / "out" / where
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(home)
@@ -350,9 +356,12 @@ def put(path, data="TOKEN=s3cret\n", mode=0o600):
 
 def test_put_makes_its_file_new_in_a_directory_of_its_own(tmp_path):
     assert put_command("/o/.runtime/gpt-1/secrets.env") == (
-        """sh -c 'd=$(dirname "$1"); case "$d" in /*) ;; *) d="$PWD/$d";; esac; mkdir -p "$d" && cd -P "$d" && """
-        """[ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || { printf "%s is not a directory of %s (a link, or one of """
-        """another account): %s is not written\\n" "$d" "$(id -un)" "$1" >&2; exit 1; }; f="./${1##*/}"; umask 077 """
+        """sh -c 'd=$(dirname "$1"); case "$d" in /*) ;; *) d="$PWD/$d";; esac; """
+        """mkdir -p "$d" && cd -P "$d" && """
+        """[ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || """
+        """{ printf "%s is not a directory of %s (a link, or one of """
+        """another account): %s is not written\\n" "$d" "$(id -un)" "$1" >&2; exit 1; }; """
+        """f="./${1##*/}"; umask 077 """
         """&& rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )' sh """
         """/o/.runtime/gpt-1/secrets.env 600"""
     )
@@ -458,7 +467,7 @@ def test_a_claims_directory_swapped_for_a_link_while_the_claim_waits_for_the_loc
     """Another account holds the lock, renames the host's claims directory away and puts a link to
     this account's ~/.ssh in its place: the claim goes on in the directory it entered, so no file
     of ~/.ssh is read as a claim, cleared as a stale one, or joined by a claim file."""
-    inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
+    inv, (home, _key) = cpu_inv(tmp_path), secret(tmp_path)
     d = host_claims(tmp_path)
     d.mkdir(parents=True)
     (d / ".lock").write_text("")

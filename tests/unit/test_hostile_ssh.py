@@ -403,12 +403,9 @@ def test_a_local_command_flooding_its_output_is_capped(tmp_path):
     try:
         r = session.local([sys.executable, "-c", flood], timeout=60)
         assert r.exited == 0
-        assert r.stdout == "o" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % (
-            (20 << 20) - hostile.OUTPUT_MAX + 4
-        )
-        assert r.stderr == "e" * hostile.OUTPUT_MAX + "\n...[cut] (%d more bytes)\n" % (
-            (9 << 20) - hostile.OUTPUT_MAX
-        )
+        more_out, more_err = (20 << 20) - hostile.OUTPUT_MAX + 4, (9 << 20) - hostile.OUTPUT_MAX
+        assert r.stdout == "o" * hostile.OUTPUT_MAX + f"\n...[cut] ({more_out} more bytes)\n"
+        assert r.stderr == "e" * hostile.OUTPUT_MAX + f"\n...[cut] ({more_err} more bytes)\n"
         r = session.local(
             [
                 sys.executable,

@@ -224,7 +224,7 @@ def run_local_chain(tmp_path, data, fail=()):
         head.stdin.write(data[i:i + (1 << 16)])
     head.stdin.close()
     reports = {}
-    for name, (proc, _) in zip(names, relays):
+    for name, (proc, _) in zip(names, relays, strict=True):
         lines = proc.stdout.read().decode().splitlines()
         proc.wait(timeout=30)
         result = [ln for ln in lines if ln.startswith("result ")]

@@ -299,12 +299,14 @@ EMPTY_IS_AN_ERROR = [
     ("hosts: []\n", "inv.yaml:1: hosts: is empty; list at least one host; the first is rank 0"),
     (
         "hosts:\n  - {address: a, interface: eth0}\n  -\n",
-        "inv.yaml:3: hosts[1]: is empty; write the host's address: and interface: (indented under it) after the '-', "
+        "inv.yaml:3: hosts[1]: is empty; write the host's address: and interface: (indented under it) after "
+        "the '-', "
         "or remove that line",
     ),
     (
         "hosts:\n  - {address: a, interface: eth0}\nspares:\n  - {}\n",
-        "inv.yaml:4: spares[0]: is empty; write the host's address: and interface: (indented under it) after the '-', "
+        "inv.yaml:4: spares[0]: is empty; write the host's address: and interface: (indented under it) "
+        "after the '-', "
         "or remove that line",
     ),
     (
@@ -313,12 +315,14 @@ EMPTY_IS_AN_ERROR = [
     ),
     (
         "hosts:\n  - address: fe80::1\n    interface: eth0\n    name:\n",
-        "inv.yaml:4: hosts[0].name: is empty, and the address 'fe80::1' cannot be the host's name; add name: with "
+        "inv.yaml:4: hosts[0].name: is empty, and the address 'fe80::1' cannot be the host's name; add "
+        "name: with "
         "letters, digits, '.', '_' and '-'",
     ),
     (
         "hosts:\n  - address: a\n    interface: ~\n",
-        "inv.yaml:3: hosts[0].interface: is empty; give the network interface that reaches the other hosts, e.g. eth0",
+        "inv.yaml:3: hosts[0].interface: is empty; give the network interface that reaches the other hosts, "
+        "e.g. eth0",
     ),
     (
         "hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - {source: , target: /d}\n",
@@ -331,17 +335,20 @@ EMPTY_IS_AN_ERROR = [
     # List entries that are only '-'.
     (
         "hosts:\n  - address: a\n    interface: eth0\n    mounts:\n      - /a:/b\n      -\n",
-        "inv.yaml:6: hosts[0].mounts[1]: is empty; write SOURCE:TARGET[:ro] (e.g. /data/corpus:/data:ro) after the "
+        "inv.yaml:6: hosts[0].mounts[1]: is empty; write SOURCE:TARGET[:ro] (e.g. /data/corpus:/data:ro) "
+        "after the "
         "'-', or remove that line",
     ),
     (
         "hosts:\n  - address: a\n    interface: eth0\n    devices:\n      -\n",
-        "inv.yaml:5: hosts[0].devices[0]: is empty; write a device path such as /dev/infiniband after the '-', "
+        "inv.yaml:5: hosts[0].devices[0]: is empty; write a device path such as /dev/infiniband after the "
+        "'-', "
         "or remove that line",
     ),
     (
         "job:\n  cap_add:\n    - IPC_LOCK\n    - ''\nhosts:\n  - {address: a, interface: eth0}\n",
-        "inv.yaml:4: job.cap_add[1]: is empty; write an entry such as IPC_LOCK after the '-', or remove that line",
+        "inv.yaml:4: job.cap_add[1]: is empty; write an entry such as IPC_LOCK after the '-', or remove "
+        "that line",
     ),
     (
         "job:\n  security_opt: [~]\nhosts:\n  - {address: a, interface: eth0}\n",
@@ -461,7 +468,8 @@ HOSTILE = [
     ('job: {env: {"A\\n": x}}\n', "inv.yaml:1: job.env.'A\\n': is not a valid environment variable name"),
     (
         'spares:\n  - {address: s, interface: "\\u200b"}\n',
-        "inv.yaml:2: spares[0].interface: '\\u200b' is not a network interface name; write it as 'ip link' shows it",
+        "inv.yaml:2: spares[0].interface: '\\u200b' is not a network interface name; write it as 'ip link' "
+        "shows it",
     ),
     (
         "ssh: {jump: -oProxyCommand=id}\n",
@@ -486,7 +494,7 @@ def test_hostile_values_are_named_not_raised(home, text, start):
 def test_an_alias_bomb_is_shown_short():
     # 8**9 strings if expanded: a message must not print (or even build) the whole value.
     levels = ["&a [x, x, x, x, x, x, x, x]"] + [
-        f"&{n} [{', '.join([f'*{p}'] * 8)}]" for p, n in zip("abcdefgh", "bcdefghi")
+        f"&{n} [{', '.join([f'*{p}'] * 8)}]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)
     ]
     msg = error(f"job:\n  cap_add: [[{', '.join(levels)}]]\nhosts:\n  - {{address: h, interface: eth0}}\n")
     assert msg.startswith(

@@ -59,7 +59,8 @@ class Recorder:
         if "tail -c +1" in command:
             code = self.exit_codes.get(host.name, 0)
             on_data(
-                f"[{host.name} rank0] epoch 0 | step 1 | loss 4.0\n[fabtrain] node exit code {code}\n".encode()
+                f"[{host.name} rank0] epoch 0 | step 1 | loss 4.0\n[fabtrain] node exit code "
+                f"{code}\n".encode()
             )
         return 0
 

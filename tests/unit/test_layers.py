@@ -118,7 +118,8 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
     """The check itself: a core module importing the transport is caught."""
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "from orchestrator.transport import remote\n\ndef f():\n    from orchestrator.backends.ssh import job\n"
+        "from orchestrator.transport import remote\n\ndef f():\n    from orchestrator.backends.ssh import "
+        "job\n"
     )
     assert imports(bad, top_level_only=False) == {
         "orchestrator.transport.remote",

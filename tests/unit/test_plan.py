@@ -224,7 +224,8 @@ def test_rsync_argv():
         "--rsh",
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
-        "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes",
+        "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o "
+        "IdentitiesOnly=yes",
         "--exclude=.git",
         "--exclude=__pycache__",
         "--exclude=*.pyc",
@@ -421,7 +422,8 @@ def test_entrypoint_sends_all_output_to_the_console_file(tmp_path):
                        env={"FABTRAIN_CONSOLE": str(f), "PATH": "/usr/bin:/bin"})
     assert (
         r.stdout
-        == f"[fabtrain] this container's output goes to {f} (in the job's output directory on the host; `fab logs` follows it)\n"
+        == f"[fabtrain] this container's output goes to {f} (in the job's output directory on the host; "
+           "`fab logs` follows it)\n"
     )
     assert r.stderr == ""
     assert f.read_text() == "out\nchild\nerr\nFalse\n"

@@ -93,7 +93,7 @@ def test_gpt_global_batch_rule(planned, world, want):
     G = batch * accum * nodes * procs
     assert got.batch_size <= batch  # a micro-batch never grows: memory holds
     assert got.batch_size * got.grad_accum * world == (G if want[2] else round(G / world) * world)
-    assert ("keeps the global batch of %d sequences" % G in note) is want[2]
+    assert (f"keeps the global batch of {G} sequences" in note) is want[2]
     assert ("WARNING" in note) is (not want[2])
     assert (got.batch_size, got.grad_accum) == want[:2]
 

@@ -37,7 +37,7 @@ def test_64_hosts_show_the_ones_worth_a_look_and_sum_up_the_rest():
             at = 5 if name == "node7" and s == 30 else s  # node7 is behind
             board.observe(name, step(name, rank, at, 70.0 if name == "node12" else 20.0))
     clock.now += 45
-    for name, rank in names:
+    for name, _rank in names:
         if name not in ("node40",):
             board.observe(name, b"still here")
     lines = text(board.render(max_rows=4))

@@ -80,7 +80,8 @@ def test_commands_on_the_login_node_are_quoted_once(tmp_path):
     assert slurm.submit_command(s, "gpt-1") == "cd '/home/a b/jobs' && sbatch --parsable gpt-1.sbatch"
     assert (
         slurm.submit_command(s, "gpt-1", secrets=True)
-        == "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable gpt-1.sbatch"
+        == "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable "
+           "gpt-1.sbatch"
     )
     assert slurm.follow_command(slurm.out_file(s, "gpt-1", "42")) == (
         "while [ ! -e '/home/a b/jobs/gpt-1-42.out' ]; do sleep 0.2; done; "
@@ -220,7 +221,6 @@ class FakeJob:
     def __init__(self, cfg, answers, files_exist=True):
         self.cfg, self.job_id, self.slurm_id = cfg, "gpt-1", "42"
         self.answers, self.queries, self.files_exist = list(answers), [], files_exist
-        job = self
 
         class Cmd:
             chan = None

@@ -168,7 +168,8 @@ def digest(data: bytes) -> str:
         ),
         (
             snapshots.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
-            f"{{ [ ! -L {DIR} ] || {{ echo '{DIR} is a symbolic link; nothing is written through it' >&2; exit 1; }}; }} "
+            f"{{ [ ! -L {DIR} ] || {{ echo '{DIR} is a symbolic link; nothing is written through it' >&2; "
+            "exit 1; }; } "
             f"&& mv -fT {DIR}/.{S20}.copy.tmp {DIR}/{S20}",
         ),
         (snapshots.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
@@ -426,7 +427,8 @@ def shell_ssh() -> str:
     return (
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
         "-o 'GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2' "
-        "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o IdentitiesOnly=yes"
+        "-o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3 -i /k/id -o "
+        "IdentitiesOnly=yes"
     )
 
 
@@ -475,7 +477,8 @@ def local_rsync(argv, **kw):
 
 def checkpoint_job(tmp_path, pattern="checkpoints/*"):
     inv = parse(
-        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - {{name: a, address: 10.0.0.1, interface: eth0}}\n",
+        f"job: {{output_dir: {tmp_path}/host}}\nhosts:\n  - "
+        f"{{name: a, address: 10.0.0.1, interface: eth0}}\n",
         Path("/i/inv.yaml"),
     )
     spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=jobspec.checkpoint_pattern(pattern))

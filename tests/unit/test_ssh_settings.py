@@ -141,7 +141,8 @@ def test_bad_addresses_and_empty_fields():
     base = "hosts:\n  - {{address: {a}, interface: {i}}}\n"
     assert error(base.format(a="'/tmp/x'", i="eth0")) == (
         "inv.yaml:2: hosts[0].address: '/tmp/x' is neither a host name, an IP address nor an ssh_config "
-        "alias; write e.g. 10.0.0.11, gpu1.example.com or an alias from ~/.ssh/config (user and port go in ssh:)"
+        "alias; write e.g. 10.0.0.11, gpu1.example.com or an alias from ~/.ssh/config (user and port go in "
+        "ssh:)"
     )
     assert "hosts[0].address: 'root@h' is neither" in error(base.format(a="root@h", i="eth0"))
     assert "hosts[0].address: '-oProxyCommand=x' is neither" in error(
