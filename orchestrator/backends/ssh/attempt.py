@@ -55,6 +55,14 @@ class Step:
     what: str = ""                   # for error messages
     host: str = ""                   # a local step's peer host
 
+    @property
+    def deadline(self) -> float:
+        """The timeout of a step that is run to its end: every step but the follow, which is only
+        streamed (its liveness is the keepalive's, remote.Command)."""
+        if self.timeout is None:
+            raise ValueError(f"the {self.key} step on {self.where} has no timeout: it is only streamed")
+        return self.timeout
+
     def render(self, rank: int | None = None) -> str:
         where = f"[{self.where}" + (f" rank {rank}" if rank is not None else "") + "]"
         note = f"  # stdin: {self.stdin_note}" if self.stdin_note else ""
@@ -265,14 +273,16 @@ def build(
     run_dir = run_dir or f"runs/{spec.job_id}"
     shape = layout(spec)  # our snapshots, or the program's own checkpoints
     local = Path(run_dir) / local_dir_name(spec)
-    for h in hosts if snapshot else ():
-        if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
-            push, check, rename = shape.push_commands(h, inv, spec, snapshot, local)
-            steps += [
-                local_step(h, "place", push, what="placing the snapshot"),
-                remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
-                remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy"),
-            ]
+    if snapshot:
+        for h in hosts:
+            if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
+                push, check, rename = shape.push_commands(h, inv, spec, snapshot, local)
+                steps += [
+                    local_step(h, "place", push, what="placing the snapshot"),
+                    remote_step(h, "place-check", check, CHECKSUM_TIMEOUT,
+                                what="checking the snapshot's copy"),
+                    remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy"),
+                ]
     secrets = secrets_body(inv) if job.secret_files else None
     for h in hosts:
         if secrets is not None:

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator import preflight
 from orchestrator.backends.ssh import attempt as attempt_mod
@@ -48,12 +49,17 @@ from orchestrator.core.policy import (
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import claims, hostops
 from orchestrator.transport import deadlines
-from orchestrator.transport.remote import PerHost, Session, describe
+from orchestrator.transport.remote import PerHost, Result, Session, describe
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
+    from orchestrator.preflight.checks import Check
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
 
 
-class Stage(str, enum.Enum):
+class Stage(enum.StrEnum):
     """A job's stages, in order; an attempt walks PLAN to DECIDE, the job ends with FINISH."""
 
     PLAN = "plan"                 # read the facts (GPU access, free port, newest snapshot); freeze the plan
@@ -166,14 +172,28 @@ class Job:
     def stage(self, stage: Stage, number: int | None = None) -> None:
         self.emit("stage", attempt=number, stage=stage.value)
 
+    @property
+    def ssh(self) -> Session:
+        """The session every stage runs in: the one given, or the one `open` made."""
+        if self.session is None:
+            raise RuntimeError(f"job {self.spec.job_id}: no session; the stages run inside Job.open")
+        return self.session
+
+    @property
+    def store(self) -> snapshots.Snapshots:
+        """The job's snapshots, made by `open` (or `open_snapshots`) before any stage needs them."""
+        if self.snaps is None:
+            raise RuntimeError(f"job {self.spec.job_id}: snapshots used before Job.open made them")
+        return self.snaps
+
     @contextlib.contextmanager
-    def open(self):
+    def open(self) -> Iterator[None]:
         """The session, the run directory, signal handlers, and the lease kept while the job lives."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.open_snapshots()
-        own = self.session is None
-        if own:
-            self.session = Session(self.inv.all_hosts)
+        own = None
+        if self.session is None:
+            own = self.session = Session(self.inv.all_hosts)
         install_signal_handlers()
         lease = threading.Thread(target=self.keep_lease, daemon=True, name="lease")
         lease.start()
@@ -183,8 +203,8 @@ class Job:
             self.leasing.set()
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if own:
-                self.session.close()
+            if own is not None:
+                own.close()
 
     def open_snapshots(self) -> snapshots.Snapshots:
         """runs/JOB/snapshots (or checkpoints/), made when the job starts, or when a dry run of a
@@ -207,33 +227,35 @@ class Job:
             if a is not None:
                 self.run_steps(a, [s for s in a.steps if s.key == "lease" and s.where not in self.lost])
 
-    def answering(self, hosts) -> tuple[Host, ...]:
+    def answering(self, hosts: Iterable[Host]) -> tuple[Host, ...]:
         return tuple(h for h in hosts if h.name not in self.lost)
 
-    def run_steps(self, a: AttemptPlan, steps: list[Step]):
-        """Run steps on their hosts at once (several on one host in order): host -> last Result or error."""
+    def run_steps(self, a: AttemptPlan, steps: list[Step]) -> PerHost:
+        """Run steps on their hosts at once (several on one host in order): host -> last Result or
+        error."""
         by_host: dict[str, list[Step]] = {}
         for s in steps:
             by_host.setdefault(s.host or s.where, []).append(s)
         hosts = {h.name: h for h in (*a.hosts, *self.used.values())}
 
-        def one(h: Host):
+        def one(h: Host) -> Result | None:
             r = None
             for s in by_host[h.name]:
-                r = (self.session.local(list(s.argv), s.timeout) if s.where == jobspec.LOCAL else
-                     self.session.run(h, s.command, timeout=s.timeout, stdin=s.stdin, what=s.what))
+                r = (self.ssh.local(list(s.argv), s.deadline) if s.where == jobspec.LOCAL else
+                     self.ssh.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what))
                 if not r.ok:
                     raise UserError(
-                        f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
+                        f"{h.name}: {s.what} failed (exit {r.exited}): "
+                        f"{hostile.text(r.stderr.strip()[-300:])}"
                     )
             return r
-        return self.session.fan_out(one, tuple(hosts[n] for n in by_host))
+        return self.ssh.fan_out(one, tuple(hosts[n] for n in by_host))
 
     def stopped(self, hosts: tuple[Host, ...]) -> bool:
         """Whether `fab stop` left its marker on any of these hosts (never asking a lost one)."""
         command = attempt_mod.stopped_command(self.inv, self.spec.job_id)
-        got = self.session.fan_out(
-            lambda h: self.session.run(
+        got = self.ssh.fan_out(
+            lambda h: self.ssh.run(
                 h, command, timeout=deadlines.STATUS_TIMEOUT, what="checking for fab stop"
             ),
             self.answering(hosts),
@@ -252,31 +274,31 @@ class Job:
         facts: list[Fact] = []
         access = {}
         for h in inv.hosts:
-            if dockerargs.gpu_probe_argv(h):
+            probe = dockerargs.gpu_probe_argv(h)
+            if probe:
                 try:
-                    access[h.name] = preflight.gpu_access(self.session, h)
-                    facts.append(
-                        Fact(h.name, sshargs.shell(dockerargs.gpu_probe_argv(h)), str(access[h.name]))
-                    )
+                    access[h.name] = preflight.gpu_access(self.ssh, h)
+                    facts.append(Fact(h.name, sshargs.shell(probe), str(access[h.name])))
                 except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
                     facts.append(
                         Fact(
                             h.name,
-                            sshargs.shell(dockerargs.gpu_probe_argv(h)),
+                            sshargs.shell(probe),
                             f"no answer ({describe(h, exc)}); assumed NVIDIA's runtime hook",
                         )
                     )
         units = self.choose_units(inv.hosts, facts, dry)
         port = self.free_port(inv, facts)
-        snapshot, missing = None, ()
+        snapshot: str | None = None
+        missing: tuple[str, ...] = ()
         if number > 1 or self.resuming:
             snapshot, missing = self.find_snapshot(inv, facts, fetch=not dry)
             if self.last is None:  # what a resumed job goes on from, said once
                 self.note(
-                    f"resuming from {self.snaps.layout.describe(snapshot)}"
+                    f"resuming from {self.open_snapshots().layout.describe(snapshot)}"
                     if snapshot
-                    else f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job {self.spec.job_id} "
-                    "found here or on its hosts: it starts from the beginning",
+                    else f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job "
+                    f"{self.spec.job_id} found here or on its hosts: it starts from the beginning",
                     "info" if snapshot else "warning",
                 )
         a = attempt_mod.build(
@@ -306,8 +328,8 @@ class Job:
         if key != self.spec.code_key:
             if self.spec.code_key:
                 self.note(
-                    f"the code in {self.spec.code} changed since the last attempt: this one runs tree {key} "
-                    f"(was {self.spec.code_key})",
+                    f"the code in {self.spec.code} changed since the last attempt: this one runs tree "
+                    f"{key} (was {self.spec.code_key})",
                     "warning",
                 )
             self.spec = replace(self.spec, code_key=key)
@@ -320,7 +342,7 @@ class Job:
         ones, from what other jobs hold there now (read-only; the claim stage makes it atomic). On
         the first attempt a host that cannot give them refuses the job, naming the holder; at a
         restart the claim of such a host fails and the policy takes another."""
-        found = hostops.survey(self.session, self.inv, (*hosts, *self.inv.spares))
+        found = hostops.survey(self.ssh, self.inv, (*hosts, *self.inv.spares))
         want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
         units, refusals = {}, []
         master = found.value(hosts[0].name)
@@ -340,17 +362,14 @@ class Job:
                 units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))
                 answer = f"refused: {exc}"
             held = "; ".join(c.describe(h) for c in holders) or "nothing"
+            if hj:
+                seen = f"held by other jobs: {held}; "
+            else:
+                error = found.error(h.name)
+                assert error is not None, "survey: a host without HostJobs raised"  # HostJobs is truthy
+                seen = f"no answer ({describe(h, error)}); "
             facts.append(
-                Fact(
-                    h.name,
-                    "docker ps + ls .runtime + cat .claims (hostops.survey)",
-                    (
-                        f"held by other jobs: {held}; "
-                        if hj
-                        else f"no answer ({describe(h, found.error(h.name))}); "
-                    )
-                    + answer,
-                )
+                Fact(h.name, "docker ps + ls .runtime + cat .claims (hostops.survey)", seen + answer)
             )
         if refusals and self.last is None and not dry:
             raise Refused("\n".join(refusals))
@@ -360,7 +379,7 @@ class Job:
         base = inv.job.master_port
         taken = ({self.last.port} if self.last else set()) | self.claimed_ports
         try:
-            r = self.session.run(inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT,
+            r = self.ssh.run(inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT,
                                  what="listing ports")
             port = ports.free_port(r.stdout, base, taken) if r.ok else None
             answer = f"{port} free" if port else f"no free port in {base}..{base + ports.PORT_RANGE - 1}"
@@ -377,25 +396,26 @@ class Job:
         """The newest complete snapshot on this machine or any host answering (the attempt's and
         every earlier one's), copied here; and the attempt's hosts that lack it."""
         asked = {h.name: h for h in self.answering((*inv.hosts, *self.used.values()))}
-        warn = self.open_snapshots().warn  # a name refused: told once, naming the host
-        found = self.session.fan_out(
-            lambda h: snapshots.remote_newest(self.session, h, inv, self.spec, warn=warn),
+        snaps = self.open_snapshots()
+        warn = snaps.warn  # a name refused: told once, naming the host
+        found = self.ssh.fan_out(
+            lambda h: snapshots.remote_newest(self.ssh, h, inv, self.spec, warn=warn),
             tuple(asked.values()),
         )
         for name in asked:
             facts.append(Fact(name, snapshots.list_command(inv, self.spec), str(found.value(name) or "none")))
         remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
         if remote and fetch:
-            self.snaps.fetch(self.session, asked[remote[1]], remote[0])
-        local = self.open_snapshots().local_newest()
+            snaps.fetch(self.ssh, asked[remote[1]], remote[0])
+        local = snaps.local_newest()
         best = local if fetch else max(filter(None, [local, remote[0] if remote else None]), default=None)
         if best is None:
             return None, ()
         holders = tuple(h for h in inv.hosts if found.value(h.name) == best)
         if fetch and holders:  # the same name is not the same bytes: each holder's copy is checked
-            digest = snapshots.local_digest(self.snaps.local_path(best))
-            dest = self.snaps.remote_path(best)
-            same = self.session.fan_out(lambda h: self.snaps.holds(self.session, h, dest, digest), holders)
+            digest = snapshots.local_digest(snaps.local_path(best))
+            dest = snaps.remote_path(best)
+            same = self.ssh.fan_out(lambda h: snaps.holds(self.ssh, h, dest, digest), holders)
             holders = tuple(h for h in holders if same.value(h.name))
             facts += [Fact(h.name, snapshots.checksum_command(dest), "same bytes" if same.value(h.name) else
                            "different bytes: placed again") for h in inv.hosts if h.name in same]
@@ -414,7 +434,9 @@ class Job:
             outcome = self.prepare(a) or self.start(a) or self.watch(a)
         except KeyboardInterrupt as exc:  # Ctrl+C or SIGTERM outside the watch
             outcome = Outcome(interrupted=getattr(exc, "signum", signal.SIGINT))
-            self.run_steps(a, [s for s in a.steps if s.when == ON_INTERRUPT and s.where not in self.lost])
+            self.run_steps(
+                a, [s for s in a.steps if s.when == ON_INTERRUPT and s.where not in self.lost]
+            )
         finally:  # whatever happened, no container of the attempt is left (lost hosts aside)
             self.stage(Stage.TEARDOWN, a.number)
             self.run_steps(a, [s for s in a.select("stop") if s.where not in self.lost | self.stuck.keys()])
@@ -448,7 +470,7 @@ class Job:
         for s in a.select("claim"):
             h = a.host(s.where)
             try:
-                r = self.session.run(h, s.command, timeout=s.timeout, what=s.what)
+                r = self.ssh.run(h, s.command, timeout=s.deadline, what=s.what)
             except Exception as exc:  # noqa: BLE001 - lost or stuck: that host fails to start
                 self.release(done)
                 return self.failed_to_start(a, PerHost({h.name: exc}))
@@ -465,9 +487,9 @@ class Job:
                 # the attempt again from the claims as they are now (other free units and port, or a
                 # refusal naming the holder), as if this one never was.
                 self.replans += 1
+                taken = "master port " + str(a.port) if r.exited == claims.PORT_TAKEN else "its units"
                 self.note(
-                    f"{h.name}: {'master port ' + str(a.port) if r.exited == claims.PORT_TAKEN else 'its units'} "
-                    "claimed meanwhile by another job; planning again",
+                    f"{h.name}: {taken} claimed meanwhile by another job; planning again",
                     "warning",
                 )
                 self.record.attempts.pop()
@@ -493,19 +515,21 @@ class Job:
     def release(self, hosts: list[Host]) -> None:
         """Remove this job's claims and runtime directories from these hosts."""
         command = claims.release_command(self.inv, [self.spec.job_id])
-        self.session.fan_out(lambda h: self.session.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
-                                                        what="releasing the claim"), tuple(hosts))
+        self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
+                                                what="releasing the claim"), tuple(hosts))
 
-    def place(self, a: AttemptPlan):
+    def place(self, a: AttemptPlan) -> PerHost:
         """SNAPSHOT: the plan's snapshot pushed to each host that lacks it, checked by size and
         SHA-256 and renamed into place (the plan's place steps; up to 3 tries each)."""
+        snapshot = a.snapshot
+        if snapshot is None:
+            raise ValueError(f"attempt {a.number} places no snapshot")
         self.stage(Stage.SNAPSHOT, a.number)
-        digest = snapshots.local_digest(self.snaps.local_path(a.snapshot))
+        snaps = self.store
+        digest = snapshots.local_digest(snaps.local_path(snapshot))
         targets = tuple(a.host(s.host) for s in a.select("place"))
-        with self.snaps.lock:  # the copier of the last attempt must not prune it meanwhile
-            return self.session.fan_out(
-                lambda h: self.snaps.push(self.session, h, a.snapshot, digest), targets
-            )
+        with snaps.lock:  # the copier of the last attempt must not prune it meanwhile
+            return self.ssh.fan_out(lambda h: snaps.push(self.ssh, h, snapshot, digest), targets)
 
     def gate(self, a: AttemptPlan) -> dict[str, str]:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
@@ -515,9 +539,9 @@ class Job:
             synced = self.run_steps(a, syncs)
             return {n: str(e) for n, e in synced.errors().items()}
         with ThreadPoolExecutor(max_workers=1) as pool:
-            synced = pool.submit(self.run_steps, a, syncs)
-            checks = preflight.run(self.session, a.inv, image=a.spec.image, code=False)
-            synced = synced.result()
+            syncing = pool.submit(self.run_steps, a, syncs)
+            checks = preflight.run(self.ssh, a.inv, image=a.spec.image, code=False)
+            synced = syncing.result()
         here = [c for c in preflight.failed(checks) if c.host == jobspec.LOCAL]
         if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
             raise PreflightFailed(
@@ -531,15 +555,13 @@ class Job:
         if bad and a.number == 1 and not self.resuming:
             raise PreflightFailed(checks, sorted(bad, key=[h.name for h in a.hosts].index))
         if not bad and self.smoke and a.number == 1:
-            smoke = preflight.smoke_test(self.session, a.inv, a.spec.image, checks, run_quiet,
+            smoke = preflight.smoke_test(self.ssh, a.inv, a.spec.image, checks, run_quiet,
                                          within=a.spec.job_id)
             if preflight.failed(smoke):
                 raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
         if not bad:
-            self.note(
-                f"synced code to {len(syncs)} host(s) in {max((r.seconds for r in synced.values_ok()), default=0):.1f}s; "
-                "preflight ok"
-            )
+            seconds = max((r.seconds for r in synced.values_ok()), default=0)
+            self.note(f"synced code to {len(syncs)} host(s) in {seconds:.1f}s; preflight ok")
         return bad
 
     def start(self, a: AttemptPlan) -> Outcome | None:
@@ -551,7 +573,7 @@ class Job:
         )
         return self.failed_to_start(a, started) if started.errors() else None
 
-    def failed_to_start(self, a: AttemptPlan, results) -> Outcome:
+    def failed_to_start(self, a: AttemptPlan, results: PerHost) -> Outcome:
         failures = []
         for name, exc in results.errors().items():
             h = a.host(name) if name in {x.name for x in a.hosts} else self.used[name]
@@ -569,9 +591,9 @@ class Job:
         """WATCH: follow every node (watch.py) while snapshots are copied off rank 0's host."""
         self.stage(Stage.WATCH, a.number)
         copying = threading.Event()
-        self.snaps.follow(self.session, a.master, copying)
+        self.store.follow(self.ssh, a.master, copying)
         try:
-            w = watch(self.session, a, self.run_dir, self.reporter, hang_timeout=self.policy.hang_timeout,
+            w = watch(self.ssh, a, self.run_dir, self.reporter, hang_timeout=self.policy.hang_timeout,
                       **self.watch_options)
         finally:
             copying.set()
@@ -619,6 +641,8 @@ class Job:
 
     def next_attempt(self, d: Decision) -> bool:
         """Between attempts: the new roster, after a pause; False when `fab stop` came meanwhile."""
+        if d.roster is None:
+            raise ValueError("the decision ends the job: there is no next attempt")
         self.roster = d.roster
         deadline = time.monotonic() + self.pause
         while True:
@@ -673,9 +697,10 @@ class Job:
         """Every container of the job removed again, by its label, from the hosts it used: what a
         `docker run` that came back late (after its deadline, or after the teardown looked) left
         behind is named and gone before the job's claim on those GPUs is released."""
-        if not steps:
+        a = self.last
+        if not steps or a is None:  # no plan, no steps: the job ended before its first attempt
             return
-        swept = self.run_steps(self.last, steps)
+        swept = self.run_steps(a, steps)
         for name, r in swept.items():
             if name in swept.errors():
                 self.note(f"{name}: could not look for containers of the job left after its teardown: "
@@ -699,7 +724,7 @@ class Refused(UserError):
 class PreflightFailed(UserError):
     """The first attempt's gate failed: nothing was started."""
 
-    def __init__(self, checks, hosts: list[str], text: str = "") -> None:
+    def __init__(self, checks: list[Check], hosts: list[str], text: str = "") -> None:
         super().__init__(
             text
             or f"preflight failed on {', '.join(hosts)}; nothing was started. Fix the checks "

@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh.job import Job, JobResult
@@ -19,6 +20,10 @@ from orchestrator.core.errors import UserError
 from orchestrator.core.events import Terminal
 from orchestrator.hosts import hostops
 from orchestrator.transport.remote import Session
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 def dry_run(job: Job) -> str:
@@ -47,7 +52,7 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
         )
 
 
-def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console,
+def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console: Console,
            live: bool = True) -> JobResult:
     """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches."""
     jobs = hostops.running_jobs(hostops.survey(session, inv))
@@ -100,7 +105,8 @@ def explain(result: JobResult) -> UserError | None:
     else:
         torn = (f"; the other nodes were stopped in {w.teardown_seconds:.1f}s"
                 if w and w.teardown_seconds is not None and blamed else "")
-        head = f"job {result.job_id} failed: {what or result.failures[-1] if result.failures else result.reason}{torn}."
+        cause = (what or result.failures[-1]) if result.failures else result.reason
+        head = f"job {result.job_id} failed: {cause}{torn}."
         if result.reason and result.reason not in head:
             head += f"\n  the job ended: {result.reason}"
     if len(result.failures) > 1:
@@ -154,11 +160,11 @@ def status_rows(views: dict[str, hostops.JobView], steps: dict[str, int]) -> lis
     return rows
 
 
-def status_json(views, steps, errors: list[str]) -> str:
+def status_json(views: dict[str, hostops.JobView], steps: dict[str, int], errors: list[str]) -> str:
     return json.dumps({"jobs": status_rows(views, steps), "errors": errors}, indent=2)
 
 
-def status_table(views, steps, inv: Inventory):
+def status_table(views: dict[str, hostops.JobView], steps: dict[str, int], inv: Inventory) -> Table:
     from rich.table import Table
     from rich.text import Text
 

@@ -82,9 +82,10 @@ import stat as stat_mod
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host, Inventory
@@ -123,7 +124,7 @@ def job_root(inv: Inventory, spec: jobspec.JobSpec) -> str:
     return f"{inv.job.output_dir}/{spec.job_id}"
 
 
-def newest(names) -> str | None:
+def newest(names: Iterable[str]) -> str | None:
     """The newest complete snapshot among names (temporary and other names ignored): our own
     snapshots' file names, or checkpoint sets' names."""
     found = sorted(n for n in names if SNAPSHOT_RE.fullmatch(n) or SET_RE.fullmatch(n))
@@ -186,7 +187,7 @@ def parse_listing(stdout: str, pattern: str) -> Listing | None:
     if now is None:
         return None
     entries: list[Entry] = []
-    refused: list[tuple[str, str]] = []
+    refused: list[tuple[str, str | hostile.UnsafeName]] = []
     for record in body:
         stamp, _, rest = record.partition(" ")
         size, _, path = rest.partition(" ")
@@ -232,7 +233,7 @@ class CheckpointSet:
         return tuple(f.path for f in self.files)
 
 
-def checkpoint_set(entries) -> CheckpointSet | None:
+def checkpoint_set(entries: Sequence[Entry]) -> CheckpointSet | None:
     """The set in a listing's entries: every file, less the DCP directories (those holding a
     `.distcp` file) that have no `.metadata` yet. None when nothing is left."""
     by_dir: dict[str, list[Entry]] = {}
@@ -643,7 +644,7 @@ class Manifest:
         )
 
 
-def manifest(entries) -> Manifest:
+def manifest(entries: Iterable[tuple[str, Digest]]) -> Manifest:
     return Manifest(tuple(sorted(entries)))
 
 
@@ -680,6 +681,11 @@ def local_digest(path: Path) -> Digest | Manifest:
     """The Digest of a file on this machine; a set's directory: its Manifest (local_manifest)."""
     if path.is_dir():
         return local_manifest(path)
+    return file_digest(path)
+
+
+def file_digest(path: Path) -> Digest:
+    """The Digest of a file on this machine."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as fh:
@@ -701,7 +707,7 @@ def local_manifest(directory: Path) -> Manifest:
             full = os.path.join(top, f)
             if not stat_mod.S_ISREG(os.lstat(full).st_mode):
                 raise OSError(f"{full} in a copy is not a regular file")
-            out.append((Path(full).relative_to(directory).as_posix(), local_digest(Path(full))))
+            out.append((Path(full).relative_to(directory).as_posix(), file_digest(Path(full))))
     return manifest(out)
 
 
@@ -723,12 +729,19 @@ def remote_digest(session: Session, host: Host, remote_file: str) -> Digest:
     return _remote_check(session, host, checksum_command(remote_file), parse_checksum, remote_file)
 
 
-def remote_manifest(session: Session, host: Host, directory: str, files=None) -> Manifest:
+def remote_manifest(
+    session: Session, host: Host, directory: str, files: tuple[str, ...] | list[str] | None = None
+) -> Manifest:
     """The Manifest of files on a host (manifest_command, with a deadline); _CopyFailed says why not."""
     return _remote_check(session, host, manifest_command(directory, files), parse_manifest, directory)
 
 
-def _remote_check(session: Session, host: Host, command: str, parse, what: str):
+_Checked = TypeVar("_Checked", Digest, Manifest)
+
+
+def _remote_check(
+    session: Session, host: Host, command: str, parse: Callable[[str], _Checked], what: str
+) -> _Checked:
     try:
         r = session.run(host, command, timeout=CHECKSUM_TIMEOUT, what=f"checksumming {what}")
     except Exception as exc:  # noqa: BLE001 - an unreachable host or a deadline: this try failed
@@ -882,7 +895,9 @@ class Snapshots:
         files, rsync of exactly those files, the copy's manifest compared, listed again (the set must
         not have changed meanwhile). _Changed when it is not (or no longer) the host's set."""
         before = _list_set(session, host, self.inv, self.spec)
-        found = checkpoint_set(before.entries) if before is not None and before.whole else None
+        if before is None or not before.whole:
+            raise _Changed()
+        found = checkpoint_set(before.entries)
         if found is None or found.name != name:
             raise _Changed()
         tmp.mkdir(parents=True)
@@ -899,7 +914,7 @@ class Snapshots:
             raise _CopyFailed(
                 f"the host's checksums name other files than its listing: {want.differs(manifest([]))}"
             )
-        resized = [p for (p, d), e in zip(want.files, found.files) if d.size != e.size]
+        resized = [p for (p, d), e in zip(want.files, found.files, strict=True) if d.size != e.size]
         if resized:
             raise _CopyFailed(
                 f"the host's checksums read other sizes than its listing: "
@@ -1020,11 +1035,11 @@ class Snapshots:
                 time.sleep(RETRY_PAUSE)
             try:
                 self._copy(argv)
-                if is_set:
-                    got = remote_manifest(session, host, tmp)
-                    if got != digest:
-                        raise _CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest}): "
-                                          f"{got.differs(digest)}")
+                if isinstance(digest, Manifest):
+                    got_set = remote_manifest(session, host, tmp)
+                    if got_set != digest:
+                        raise _CopyFailed(f"the host's copy ({got_set}) differs from this machine's "
+                                          f"({digest}): {got_set.differs(digest)}")
                 else:
                     got = remote_digest(session, host, tmp)
                     if got != digest:

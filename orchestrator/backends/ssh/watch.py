@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 from rich.live import Live
 
@@ -43,6 +44,11 @@ from orchestrator.core.policy import Failure, HostFailure
 from orchestrator.progress.live import STEP, Board
 from orchestrator.transport.logs import Multiplexer, missing_output
 from orchestrator.transport.remote import CommandTimedOut, Session, describe
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.console import Console
 
 ENGINE_GRACE = 10.0   # seconds Docker may take to confirm an exit the node itself reported
 DRAIN = 5.0           # seconds to collect the other nodes' ends after a failure
@@ -92,7 +98,7 @@ class Watched:
 class Progress:
     """Per node: when it last made progress (see the module's docstring), with the clock injected."""
 
-    def __init__(self, names: list[str], clock=time.monotonic) -> None:
+    def __init__(self, names: list[str], clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         now = clock()
         self.last = {n: now for n in names}          # progress, or output until `signalled`
@@ -113,11 +119,9 @@ class Progress:
                     self.last[host] = now
                     self.signalled.add(host)
         if b"[fabtrain] node exit code" in block:
-            m = None
-            for m in EXIT_LINE.finditer(block):
-                pass
-            if m:
-                self.exits[host] = (int(m.group(1)), now)
+            exits = list(EXIT_LINE.finditer(block))
+            if exits:  # the last one
+                self.exits[host] = (int(exits[-1].group(1)), now)
 
     def heartbeat(self, host: str, age: float) -> None:
         """The node's heartbeat file was touched `age` seconds ago."""
@@ -152,8 +156,9 @@ class Watcher:
     watching (a re-attached `fab logs`); `known_lost`: hosts never asked again."""
 
     def __init__(self, session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter,
-                 hang_timeout: float = 0, echo: bool = True, out=None, console=None, live: bool = False,
-                 detach: bool = False, lost_after: float | None = None) -> None:
+                 hang_timeout: float = 0, echo: bool = True, out: BinaryIO | None = None,
+                 console: Console | None = None, live: bool = False, detach: bool = False,
+                 lost_after: float | None = None) -> None:
         self.session, self.attempt, self.reporter = session, attempt, reporter
         self.hosts = attempt.hosts
         self.hang_timeout, self.detach = hang_timeout, detach
@@ -187,7 +192,7 @@ class Watcher:
         try:
             self.session.stream(host, self.attempt.step(host.name, "follow").command, feed)
             finish = self.attempt.step(host.name, "finish")
-            r = self.session.run(host, finish.command, timeout=finish.timeout, what=finish.what)
+            r = self.session.run(host, finish.command, timeout=finish.deadline, what=finish.what)
             code, _, tail = r.stdout.encode().partition(b"\n")
             end.exit_code = int(code or 255)
             missed = missing_output(received, bytes(window), tail, hostfiles.TAIL_BYTES)
@@ -240,6 +245,7 @@ class Watcher:
             for line in self.board.new_stragglers():
                 self.mux.note(line)
             self.report_progress()
+            end: NodeEnd | None
             try:
                 end = self.events.get(timeout=0.2)
             except queue.Empty:
@@ -327,7 +333,7 @@ class Watcher:
     def read_heartbeats(self, names: list[str]) -> dict[str, str]:
         """Each node's heartbeat age, read on its host, into Progress; per node what was read
         ('3s ago', 'none': never touched, 'unreadable: ...')."""
-        timeout = self.attempt.step(names[0], "progress").timeout
+        timeout = self.attempt.step(names[0], "progress").deadline
         got = self.session.fan_out(
             lambda h: self.session.run(h, self.attempt.step(h.name, "progress").command, timeout=timeout,
                                        what="reading the heartbeat"),
@@ -369,7 +375,7 @@ class Watcher:
         hosts = tuple(h for h in self.hosts if h.name in self.pending)
         results = self.session.fan_out(
             lambda h: self.session.run(
-                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.timeout, what=s.what
+                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
             ),
             hosts,
         )
@@ -401,7 +407,7 @@ class Watcher:
         start = time.monotonic()
         self.session.fan_out(
             lambda h: self.session.run(
-                h, steps[h.name].command, timeout=steps[h.name].timeout, what=steps[h.name].what
+                h, steps[h.name].command, timeout=steps[h.name].deadline, what=steps[h.name].what
             ),
             hosts,
         )
@@ -419,10 +425,10 @@ class Watcher:
 
 
 def watch(
-    session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter = Reporter(), **options
+    session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter | None = None, **options
 ) -> Watched:
-    """Follow an attempt's nodes until they end (see Watcher)."""
-    return Watcher(session, attempt, run_dir, reporter, **options).run()
+    """Follow an attempt's nodes until they end (see Watcher); events go nowhere without a reporter."""
+    return Watcher(session, attempt, run_dir, Reporter() if reporter is None else reporter, **options).run()
 
 
 def worker_failure(tail: str) -> str:
