@@ -139,7 +139,8 @@ def job_env(
         ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
         ("NNODES", str(len(inv.hosts))),
         ("NODE_RANK", str(host.rank)),
-        ("NPROC_PER_NODE", str(len(units)) if asked else spec.nproc_per_node or inv.job.nproc_per_node),
+        ("NPROC_PER_NODE", str(len(units)) if asked and units is not None
+         else spec.nproc_per_node or inv.job.nproc_per_node),
         # NCCL matches a name as a prefix (eth0 would take eth0.100 too); '=' asks for exactly it.
         # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname
         ("NCCL_SOCKET_IFNAME", "=" + host.interface),
@@ -183,7 +184,7 @@ def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
     # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
     argv += ["--shm-size", inv.job.shm_size] if inv.job.shm_size else ["--ipc", "host"]
     whole = units is None or host.gpu_vendor == "none" or tuple(units) == tuple(range(host.gpu_count))
-    argv += device_args(host, access, None if whole else tuple(units))
+    argv += device_args(host, access, None if whole or units is None else tuple(units))
     if spec.cpuset and units is not None and host.gpu_vendor == "none":
         argv += ["--cpuset-cpus", ",".join(map(str, units))]  # a CPU host's slot i is its CPU i
     argv += container_options(inv, host)

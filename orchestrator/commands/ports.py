@@ -1,6 +1,8 @@
 """The job's master port: what listens on a host, and the first free port above job.master_port."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from orchestrator.commands import sshargs
 
 PORT_RANGE = 100      # master ports tried above job.master_port
@@ -11,7 +13,7 @@ def port_command() -> str:
     return sshargs.shell(["ss", "-Htln"])
 
 
-def free_port(listening: str, base: int, taken: set[int] = frozenset()) -> int | None:
+def free_port(listening: str, base: int, taken: Iterable[int] = frozenset()) -> int | None:
     """The first port from `base` (within PORT_RANGE) that nothing listens on (`ss -Htln` output)
     and no other job of ours was given."""
     busy = set(taken)

@@ -11,7 +11,7 @@ import reprlib
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 import yaml
 
@@ -24,6 +24,9 @@ from orchestrator.config.sshconf import (
     resolve,
 )
 from orchestrator.core.errors import UserError
+
+if TYPE_CHECKING:
+    import paramiko
 
 GPU_VENDORS = ("nvidia", "amd", "none")
 # Used with fullmatch: a '$' match would let a trailing newline through.
@@ -152,7 +155,7 @@ class _Loader(yaml.SafeLoader):
 
     depth = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         # PyYAML composes and constructs recursively: deep enough nesting would end in a
         # RecursionError, with no line to report. An inventory is a few levels deep.
         self.depth += 1
@@ -303,7 +306,7 @@ class _Reader:
         self.data = data
         self.lines = getattr(data, "lines", {})
 
-    def fail(self, fieldname: str, problem: str, fix: str, line: int | None = None) -> None:
+    def fail(self, fieldname: str, problem: str, fix: str, line: int | None = None) -> NoReturn:
         line = line or self.lines.get(fieldname.rsplit(".", 1)[-1]) or self.line
         subject = f"{fieldname}: " if fieldname else ""
         raise UserError(f"{self.path}:{line}: {subject}{problem}; {fix}")
@@ -375,12 +378,22 @@ class _Reader:
         value = self.data.get(key)
         return _Reader(self.path, value, self._field(key), self.line_of(key))
 
+    @overload
+    def integer(self, key: str, default: int, low: int, high: int, what: str) -> int: ...
+    @overload
+    def integer(self, key: str, default: int | None, low: int, high: int, what: str) -> int | None: ...
+
     def integer(self, key: str, default: int | None, low: int, high: int, what: str) -> int | None:
         value = self.get(key, int, default)
         if value is not None and not low <= value <= high:
             self.fail(self._field(key), f"{value} is not {what}", f"use a number from {low} to {high}",
                       self.line_of(key))
         return value
+
+    @overload
+    def port(self, key: str, default: int) -> int: ...
+    @overload
+    def port(self, key: str, default: int | None) -> int | None: ...
 
     def port(self, key: str, default: int | None) -> int | None:
         return self.integer(key, default, 1, 65535, "a TCP port")
@@ -673,22 +686,19 @@ def _job(reader: _Reader) -> Job:
         reader.fail(reader._field("nproc_per_node"), f"{_show(nproc)} is not a process count",
                     "use a positive number, or auto (GPU count, 1 on CPU)", reader.line_of("nproc_per_node"))
     secrets = reader.sub("secret_files")
-    secret_files = []
+    secret_files: list[tuple[str, str]] = []
     for name in secrets.data:
         if not isinstance(name, str) or not ENV_KEY_RE.fullmatch(name):
             secrets.fail(secrets._field(name), "is not a valid environment variable name",
                          "use letters, digits and underscores", secrets.line_of(name))
-        secret_files.append(
-            (
-                name,
-                secrets.path_field(
-                    name,
-                    None,
-                    required=True,
-                    fix=f"give the local file whose contents become {name}, or remove the line",
-                ),
-            )
+        secret = secrets.path_field(
+            name,
+            None,
+            required=True,
+            fix=f"give the local file whose contents become {name}, or remove the line",
         )
+        assert secret is not None  # required: a missing or empty one has failed above
+        secret_files.append((name, secret))
     return Job(
         image=reader.get("image", str, Job.image),
         master_port=reader.port("master_port", Job.master_port),
@@ -729,13 +739,14 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
         "hosts", host_entry, required=True, fix="list at least one host; the first is rank 0"
     )
     items = hosts_items + top.items("spares", host_entry)
-    hosts, configs = [], {}
+    hosts: list[Host] = []
+    configs: dict[str | None, paramiko.SSHConfig | None] = {}
     for rank, (where, item, line) in enumerate(items):
         reader = _Reader(path, item, where, getattr(item, "line", line),
                          "write the host's address:, interface: and other fields indented under its '-'")
         hosts.append(_host(reader, rank, ssh, check_files, configs))
     seen: dict[str, str] = {}
-    for h, (where, item, line) in zip(hosts, items):
+    for h, (where, item, line) in zip(hosts, items, strict=True):
         for key in (h.name, f"{h.hostname}:{h.ssh.port}"):
             if key in seen:
                 top.fail(

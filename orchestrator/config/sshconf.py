@@ -4,8 +4,9 @@ built from the same resolved `SSH` value, so they reach the same host with the s
 
 What is honoured from ssh_config: Host/Match blocks, HostName, User, Port, IdentityFile,
 IdentitiesOnly, UserKnownHostsFile, GlobalKnownHostsFile, ProxyJump (several hops, and a first
-hop's own ProxyJump), Include (its files are read in place; OpenSSH applies an Include inside a Host block only to
-that block, so keep Include lines at the top, as is usual). A ProxyCommand is refused with a clear error: it cannot be checked or bounded here.
+hop's own ProxyJump), Include (its files are read in place; OpenSSH applies an Include inside a
+Host block only to that block, so keep Include lines at the top, as is usual). A ProxyCommand is
+refused with a clear error: it cannot be checked or bounded here.
 """
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def resolve(address: str, settings: Settings, config: paramiko.SSHConfig | None,
     inherit = inherit or Settings()
     port = settings.port or int(cfg.get("port", 22))
     user = settings.user or cfg.get("user") or inherit.user or getpass.getuser()
+    keys: tuple[str, ...]
+    keys_only: bool
     if settings.key:
         keys, keys_only = (settings.key,), True
     elif cfg.get("identityfile"):

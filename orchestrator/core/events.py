@@ -11,8 +11,12 @@ import json
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, TextIO
 
 from orchestrator.core import hostile
+
+if TYPE_CHECKING:  # the core loads no terminal library
+    from rich.console import Console
 
 # Every event kind and its fields (README: --json).
 KINDS = {
@@ -41,7 +45,7 @@ class Terminal(Reporter):
 
     STYLE = {"warning": "yellow", "error": "red"}
 
-    def __init__(self, console) -> None:
+    def __init__(self, console: Console) -> None:
         self.console = console
 
     def emit(self, event: str, **f) -> None:
@@ -82,7 +86,7 @@ class Terminal(Reporter):
 class JsonLines(Reporter):
     """One JSON object a line on `out` (stdout by default), flushed at once."""
 
-    def __init__(self, out=None) -> None:
+    def __init__(self, out: TextIO | None = None) -> None:
         self.out = out or sys.stdout
         self.lock = threading.Lock()
         self.last_progress: dict[str, float] = {}

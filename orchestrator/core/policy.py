@@ -22,7 +22,7 @@ HANG_TIMEOUT = 600.0
 BACKOFF_MAX = 30.0
 
 
-class Failure(str, enum.Enum):
+class Failure(enum.StrEnum):
     """How a host failed an attempt. `value` is the word used in messages and the JSON events."""
 
     EXIT = "exited"               # its container exited non-zero

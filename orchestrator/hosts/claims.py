@@ -178,23 +178,28 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         f'line="$j $(tr "\\n" " " < "$f")"; l={rt}/"$j"/{hostfiles.LEASE}; '
         # A job whose engine does not answer counts as live: never clear what cannot be checked.
         f'ids=$(timeout -k 2 8 {ps}"$j" 2>/dev/null) || ids=unknown; '
-        f'if [ -n "$ids" ] || {{ [ -e "$l" ] && [ $((now - $(stat -c %Y "$l"))) -lt {int(hostfiles.LEASE_STALE)} ]; }}; then '
+        f'if [ -n "$ids" ] || {{ [ -e "$l" ] && '
+        f'[ $((now - $(stat -c %Y "$l"))) -lt {int(hostfiles.LEASE_STALE)} ]; }}; then '
         f'echo "held $line"; u=$(sed -n "s/^units=//p" "$f" | tr , " "); taken="$taken ${{u:-all}}"; '
         f'ports="$ports $(sed -n "s/^port=//p" "$f")"; '
         f'else rm -f "$f"; echo "cleared $line"; fi; done; '
         # A claim of no units in particular (units=) is the whole host.
-        f'for u in {" ".join(str(u) for u in units) or "all"}; do case " $taken " in *" all "*|*" $u "*) exit {REFUSED};; '
+        f'for u in {" ".join(str(u) for u in units) or "all"}; do '
+        f'case " $taken " in *" all "*|*" $u "*) exit {REFUSED};; '
         f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && exit {REFUSED}; done; '
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
         + f"{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && "
-        f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" {q([units_text(units)])} '
+        f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" '
+        f'{q([units_text(units)])} '
         f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}'
     )
     lock, enter = '"$d"/.lock', hostfiles.enter_script('"$d"')
     return (
         f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
-        f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || exit {hostfiles.NOT_WRITABLE}; "
-        f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || {{ printf '%s/.lock is not a plain file "
+        f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || "
+        f"exit {hostfiles.NOT_WRITABLE}; "
+        f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || "
+        f"{{ printf '%s/.lock is not a plain file "
         f'(another account may have put a link there): remove it (rm %s/.lock) and run again\\n\' "$PWD" '
         f'"$PWD" >&2; exit {hostfiles.NOT_WRITABLE}; }}; {{ [ -O /dev/fd/9 ] && '
         f'[ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; }} 2>/dev/null; '
@@ -217,7 +222,8 @@ def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtim
 
 def parse_claim_output(text: str) -> tuple[list[Holder], list[Holder]]:
     """(held, cleared) claims of other jobs, from claim_script's output."""
-    held, cleared = [], []
+    held: list[Holder] = []
+    cleared: list[Holder] = []
     for line in text.splitlines():
         word, _, rest = line.partition(" ")
         h = parse_holder(rest) if rest else None

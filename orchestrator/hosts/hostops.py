@@ -90,7 +90,8 @@ def survey_script(inv: Inventory) -> str:
         f'for d in {rt}/*/; do [ -d "$d" ] || continue; j=$(basename "$d"); '
         # Only a job id's characters: a name with a newline cannot add a line of its own.
         f'case "$j" in *[!A-Za-z0-9._-]*) continue;; esac; '
-        f'if [ -e "${{d}}{hostfiles.LEASE}" ]; then echo "$j $((now - $(stat -c %Y "${{d}}{hostfiles.LEASE}")))"; '
+        f'if [ -e "${{d}}{hostfiles.LEASE}" ]; then '
+        f'echo "$j $((now - $(stat -c %Y "${{d}}{hostfiles.LEASE}")))"; '
         'else echo "$j none"; fi; done; ' + claims.survey_script(inv)
     )
 
@@ -327,7 +328,8 @@ def clear_stale_script(inv: Inventory, jobs: list[str]) -> str:
     for j in (j for j in jobs if jobspec.valid_job_id(j)):
         d, word = sshargs.shell([f"{rt}/{j}"]), sshargs.shell([j])
         parts.append(
-            f'if [ -O {d} ] || [ "$(id -u)" = 0 ]; then rm -rf {d} {sshargs.shell([hostfiles.stopped_marker(inv, j)])} '
+            f'if [ -O {d} ] || [ "$(id -u)" = 0 ]; then '
+            f'rm -rf {d} {sshargs.shell([hostfiles.stopped_marker(inv, j)])} '
             f'&& echo removed {word}; else echo kept {word} "$(stat -c %U {d} 2>/dev/null)"; fi'
         )
     return "; ".join(parts) or "true"

@@ -29,6 +29,7 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,12 +71,14 @@ class Probe:
     python: bool
 
 
-PROBE_SCRIPT = r"""
-command -v python3 >/dev/null 2>&1 && echo python yes || echo python no
-ids=$(docker image ls --all --quiet --no-trunc) || exit 3
-printf 'id %s\n' "$(docker image inspect --format '{{.Id}}' "$1" 2>/dev/null)"
-[ -z "$ids" ] || docker image inspect --format 'layers {{json .RootFS.Layers}}' $(printf '%s\n' $ids | sort -u)
-"""
+PROBE_SCRIPT = (
+    "\n"
+    "command -v python3 >/dev/null 2>&1 && echo python yes || echo python no\n"
+    "ids=$(docker image ls --all --quiet --no-trunc) || exit 3\n"
+    "printf 'id %s\\n' \"$(docker image inspect --format '{{.Id}}' \"$1\" 2>/dev/null)\"\n"
+    "[ -z \"$ids\" ] || docker image inspect --format 'layers {{json .RootFS.Layers}}' "
+    "$(printf '%s\\n' $ids | sort -u)\n"
+)
 
 
 def probe_command(image: str) -> str:
@@ -115,7 +118,11 @@ def plan_hosts(want_id: str, diff_ids: tuple[str, ...], hosts: tuple[str, ...], 
     lack, so one stream serves all of them."""
     if method not in ("chain", "direct"):
         raise UserError(f"image push method {method!r}: use chain or direct")
-    present, chain, direct, failed, need = [], [], [], {}, {}
+    present: list[str] = []
+    chain: list[str] = []
+    direct: list[str] = []
+    failed: dict[str, str] = {}
+    need: dict[str, tuple[int, ...]] = {}
     for h in hosts:
         p = probes[h]
         if isinstance(p, str):
@@ -204,7 +211,10 @@ class Spool:
         self.total = self.path.stat().st_size
         with tarfile.open(self.path) as tar:
             members = tar.getmembers()
-            manifest = json.load(tar.extractfile("manifest.json"))
+            manifest_file = tar.extractfile("manifest.json")
+            if manifest_file is None:  # a link or a folder by that name: no image tarball
+                raise UserError(f"{path}: manifest.json is not a file")
+            manifest = json.load(manifest_file)
         if len(manifest) != 1:
             raise UserError(f"{path}: expected one image in manifest.json, found {len(manifest)}")
         self.layer_paths: list[str] = manifest[0]["Layers"]
@@ -252,7 +262,7 @@ class Spool:
     def size(ranges: list[tuple[int, int]]) -> int:
         return sum(b - a for a, b in ranges)
 
-    def chunks(self, ranges: list[tuple[int, int]]):
+    def chunks(self, ranges: list[tuple[int, int]]) -> Iterator[bytes]:
         with open(self.path, "rb") as f:
             for a, b in ranges:
                 f.seek(a)
@@ -463,8 +473,8 @@ class _Relay:
         if self.report is None and self.error is None:
             err = b""
             try:
-                while self.cmd.chan.recv_stderr_ready():
-                    err += self.cmd.chan.recv_stderr(65536)
+                while self.cmd.channel.recv_stderr_ready():
+                    err += self.cmd.channel.recv_stderr(65536)
             except Exception:  # noqa: BLE001 - only for the message
                 pass
             self.error = (f"{self.host.name}: the image relay ended without a report"
@@ -513,8 +523,9 @@ class RoundResult:
     sent: int = 0
 
 
-def run_round(session: Session, hosts: tuple[Host, ...], chunks, size: int, deadline: float,
-              stall: float = 60, connect: float = 5, on_sent=None) -> RoundResult:
+def run_round(session: Session, hosts: tuple[Host, ...], chunks: Iterable[bytes], size: int,
+              deadline: float, stall: float = 60, connect: float = 5,
+              on_sent: Callable[[int], object] | None = None) -> RoundResult:
     """Run one chain over `hosts` (in order), feeding it `chunks` (bytes, `size` in all)."""
     relays = [_Relay(session, h, i == 0, deadline) for i, h in enumerate(hosts)]
     threads = [threading.Thread(target=r.start, daemon=True) for r in relays]
@@ -534,8 +545,11 @@ def run_round(session: Session, hosts: tuple[Host, ...], chunks, size: int, dead
         token = secrets.token_hex(16)
         for i, r in enumerate(relays):
             nxt = relays[i + 1] if i + 1 < len(relays) else None
-            r.cmd.send(control_line(token, (nxt.host.address, nxt.port) if nxt else None, size, stall,
-                                    deadline, connect))
+            next_hop = None
+            if nxt:
+                assert nxt.port is not None  # every relay said its port (wait_for above)
+                next_hop = (nxt.host.address, nxt.port)
+            r.cmd.send(control_line(token, next_hop, size, stall, deadline, connect))
         linked_by = time.monotonic() + connect + 10
         unreachable = []
         for i, r in enumerate(relays[:-1]):

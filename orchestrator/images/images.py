@@ -13,14 +13,22 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.commands import dockerargs, sshargs
 from orchestrator.config.inventory import Host
 from orchestrator.core.errors import UserError
 from orchestrator.images import imagechain
-from orchestrator.transport.remote import Session, describe
+from orchestrator.transport.remote import Command, Session, describe
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+# A host to push to directly: (host, the layer indices it lacks, why it is not in the chain).
+Direct = tuple[str, tuple[int, ...], str]
 
 CHUNK = 1 << 20
 
@@ -61,8 +69,8 @@ def local_layers(image: str) -> tuple[str, ...]:
     return tuple(json.loads(proc.stdout) or ())
 
 
-def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, progress=None,
-         method: str = "chain", stall: float = 60) -> list[PushResult]:
+def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None,
+         progress: Progress | None = None, method: str = "chain", stall: float = 60) -> list[PushResult]:
     """Load `image` into every host's engine that does not hold the same id; verify after.
 
     method="chain" (see imagechain): the hosts forward the stream to each other, and only the layers
@@ -79,7 +87,7 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None, pr
     by_name = {h.name: h for h in hosts}
     probed = session.fan_out(lambda h: _probe(session, h, image), hosts)
     probes = {
-        h.name: describe(h, probed.error(h.name)) if probed.error(h.name) else probed[h.name] for h in hosts
+        h.name: describe(h, error) if (error := probed.error(h.name)) else probed[h.name] for h in hosts
     }
     hp = imagechain.plan_hosts(want, diff_ids, tuple(by_name), probes, method)
     results: dict[str, PushResult] = {h: PushResult(h, "present") for h in hp.present}
@@ -115,11 +123,23 @@ def _layers_note(sent: tuple[int, ...], spool: imagechain.Spool) -> str:
     return "" if len(sent) == count else f", {count - len(sent)} of {count} layers already there"
 
 
-def _run_chain(session, image, spool, hp, by_name, progress, stall, results) -> list:
+def _sent_to(progress: Progress, task: TaskID) -> Callable[[int], None]:
+    """A callback showing the bytes sent so far on `task`."""
+    return lambda n: progress.update(task, completed=n)
+
+
+def _sender(cmds: dict[str, Command], data: bytes) -> Callable[[Host], None]:
+    """Sends `data` to a host's command."""
+    return lambda h: cmds[h.name].send(data)
+
+
+def _run_chain(session: Session, image: str, spool: imagechain.Spool, hp: imagechain.HostPlan,
+               by_name: dict[str, Host], progress: Progress | None, stall: float,
+               results: dict[str, PushResult]) -> list[Direct]:
     """Chain rounds until every chain host is loaded, named, or moved to a direct push (returned:
     (host, layer indices, why))."""
     chain = list(hp.chain)
-    direct: list = []
+    direct: list[Direct] = []
     for _ in range(len(hp.chain) + 1):
         if not chain:
             break
@@ -127,12 +147,12 @@ def _run_chain(session, image, spool, hp, by_name, progress, stall, results) -> 
         ranges = spool.ranges(send)
         size = imagechain.Spool.size(ranges)
         task = progress.add_task(f"push {image} (chain of {len(chain)})", total=size) if progress else None
-        on_sent = (lambda n: progress.update(task, completed=n)) if progress else None
+        on_sent = _sent_to(progress, task) if progress is not None and task is not None else None
         start = time.monotonic()
         rr = imagechain.run_round(session, tuple(by_name[h] for h in chain), spool.chunks(ranges), size,
                                   _deadline(size), stall=stall, on_sent=on_sent)
         seconds = time.monotonic() - start
-        if progress:
+        if progress is not None and task is not None:
             progress.remove_task(task)
         if rr.dead:
             for h, why in rr.dead.items():
@@ -160,7 +180,9 @@ def _run_chain(session, image, spool, hp, by_name, progress, stall, results) -> 
     return direct
 
 
-def _push_spool_direct(session, image, spool, direct, by_name, progress, results) -> None:
+def _push_spool_direct(session: Session, image: str, spool: imagechain.Spool, direct: list[Direct],
+                       by_name: dict[str, Host], progress: Progress | None,
+                       results: dict[str, PushResult]) -> None:
     """One stream from the saved tarball to every host in `direct` at once (the union of the
     layers they lack)."""
     send = tuple(sorted({i for _, need, _ in direct for i in need}))
@@ -182,7 +204,9 @@ def _verify(session: Session, want: str, image: str, hosts: list[Host], results:
             r.action, r.detail = "failed", f"after loading, {h.name} holds {ids.value(h.name)}, not {want}"
 
 
-def _push_direct(session: Session, image: str, hosts: tuple[Host, ...], progress) -> list[PushResult]:
+def _push_direct(
+    session: Session, image: str, hosts: tuple[Host, ...], progress: Progress | None
+) -> list[PushResult]:
     """One local `docker save` streamed at once to every host that lacks the image, whole."""
     want, size = local_image(image)
     have = session.fan_out(lambda h: remote_image_id(session, h, image), hosts)
@@ -190,20 +214,23 @@ def _push_direct(session: Session, image: str, hosts: tuple[Host, ...], progress
     targets = []
     for h in hosts:
         got = have.value(h.name)
-        if have.error(h.name):
-            results[h.name] = PushResult(h.name, "failed", detail=describe(h, have.error(h.name)))
+        error = have.error(h.name)
+        if error:
+            results[h.name] = PushResult(h.name, "failed", detail=describe(h, error))
         elif got == want:
             results[h.name] = PushResult(h.name, "present")
         else:
             targets.append(h)
     if targets:
         save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+        stdout = save.stdout
+        assert stdout is not None  # stdout=PIPE
         try:
             streamed = _stream(
-                session, f"push {image}", size, targets, progress, iter(lambda: save.stdout.read(CHUNK), b"")
+                session, f"push {image}", size, targets, progress, iter(lambda: stdout.read(CHUNK), b"")
             )
         finally:
-            save.stdout.close()
+            stdout.close()
             save.wait()
         for r in streamed:
             if r.action == "sent" and save.returncode != 0:
@@ -220,10 +247,11 @@ PUSH_MARGIN = 120
 
 
 def _stream(
-    session: Session, label: str, size: int, targets: list[Host], progress, chunks
+    session: Session, label: str, size: int, targets: list[Host], progress: Progress | None,
+    chunks: Iterable[bytes],
 ) -> list[PushResult]:
     """Send one stream of chunks to a `docker load` per host, each bounded by the push deadline."""
-    cmds = {}
+    cmds: dict[str, Command] = {}
     failed: dict[str, str] = {}
     deadline = _deadline(size)
     for h in targets:
@@ -242,24 +270,24 @@ def _stream(
         # Every host gets each chunk before the next is read: one source, N loads, in step, on the
         # session's own worker threads.
         live = tuple(h for h in targets if h.name not in failed)
-        for name, exc in session.fan_out(lambda h: cmds[h.name].send(chunk), live).errors().items():
-            failed[name] = f"{name}: transfer failed: {exc}"
-        if progress:
+        for name, error in session.fan_out(_sender(cmds, chunk), live).errors().items():
+            failed[name] = f"{name}: transfer failed: {error}"
+        if progress is not None and task is not None:
             progress.update(task, completed=min(sent, size or sent))
-    if progress:
+    if progress is not None and task is not None:
         progress.remove_task(task)
     out = []
     for h in targets:
-        cmd = cmds.get(h.name)
+        opened = cmds.get(h.name)
         try:
-            if h.name not in failed:
-                cmd.close_stdin()
-                code = cmd.exit_status()
+            if h.name not in failed and opened is not None:  # every host not failed has its command
+                opened.close_stdin()
+                code = opened.exit_status()
                 err = b""
-                while cmd.chan.recv_stderr_ready():
-                    err += cmd.chan.recv_stderr(65536)
-            if cmd is not None:
-                cmd.__exit__(None, None, None)
+                while opened.channel.recv_stderr_ready():
+                    err += opened.channel.recv_stderr(65536)
+            if opened is not None:
+                opened.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - e.g. the deadline passed on this host
             failed[h.name] = describe(h, exc)
         if h.name in failed:
@@ -277,15 +305,16 @@ def _stream(
     return out
 
 
-DERIVED_DOCKERFILE = """\
-FROM {base}
-COPY context/ /tmp/fabtrain-build/
-RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir {pip_flags}-r /tmp/fabtrain-build/requirements.txt \\
- && rm -rf /tmp/fabtrain-build
-COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint
-LABEL fabtrain.base="{base}"
-ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]
-"""
+DERIVED_DOCKERFILE = (
+    "FROM {base}\n"
+    "COPY context/ /tmp/fabtrain-build/\n"
+    "RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir {pip_flags}"
+    "-r /tmp/fabtrain-build/requirements.txt \\\n"
+    " && rm -rf /tmp/fabtrain-build\n"
+    "COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint\n"
+    'LABEL fabtrain.base="{base}"\n'
+    'ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]\n'
+)
 
 
 def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool = False) -> str:

@@ -27,6 +27,7 @@ from orchestrator.core.jobspec import LOCAL
 from orchestrator.hosts import hostops
 from orchestrator.preflight.checks import (
     CHECKS,
+    DEFAULT_LIMITS,
     FAIL,
     NA,
     OK,
@@ -81,6 +82,7 @@ from orchestrator.preflight.probe import (
 )
 from orchestrator.preflight.render import render, to_json
 from orchestrator.preflight.smoke import (
+    RunJob,
     judge_transport,
     nccl_transport,
     read_ends,
@@ -148,8 +150,8 @@ def run(
     session: Session,
     inv: Inventory,
     image: str | None = None,
-    limits: Limits = Limits(),
-    run_job=None,
+    limits: Limits = DEFAULT_LIMITS,
+    run_job: RunJob | None = None,
     code: bool = True,
     source: Path = jobspec.PROJECT_ROOT,
     only: str = "trainers",

@@ -30,6 +30,9 @@ class Limits:
     disk_fail_gb: float = 1.0
 
 
+DEFAULT_LIMITS = Limits()
+
+
 def failed(checks: list[Check], strict: bool = False) -> list[Check]:
     bad = {FAIL, WARN} if strict else {FAIL}
     return [c for c in checks if c.status in bad]

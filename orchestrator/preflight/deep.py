@@ -25,7 +25,7 @@ from orchestrator.config.inventory import Host, Inventory
 from orchestrator.preflight import health
 from orchestrator.preflight.checks import FAIL, OK, WARN, Check
 from orchestrator.preflight.health import THRESHOLDS, Thresholds
-from orchestrator.transport.remote import Session, describe
+from orchestrator.transport.remote import Result, Session, describe
 
 DISK_TIMEOUT = 60
 COMPUTE_SECONDS = 2.0
@@ -35,7 +35,7 @@ RESULTS = Path("runs") / "health.json"
 
 
 def container(inv: Inventory, host: Host, name: str, code: str, args: list[str], image: str | None,
-              access=None, gpus: bool = False) -> str:
+              access: dockerargs.GpuAccess | None = None, gpus: bool = False) -> str:
     """`docker run` of a measuring script in the job's image with the host's network, removed after."""
     argv = ["docker", "run", "--rm", "--name", name, "--network", "host", "--pull", "never",
             *(dockerargs.device_args(host, access) if gpus else []),
@@ -62,13 +62,14 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
     )
     data["disk"] = {}
     for h in hosts:
-        if got.error(h.name):
+        error = got.error(h.name)
+        if error:
             checks.append(
                 Check(
                     h.name,
                     "disk-speed",
                     FAIL,
-                    describe(h, got.error(h.name)),
+                    describe(h, error),
                     f"check the disks of {inv.job.output_dir} and {inv.job.code_dir} on {h.name}",
                 )
             )
@@ -86,7 +87,7 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
     # 2. compute, every host over the same seconds (after all have started their containers)
     start = time.time() + COMPUTE_START + 0.5 * len(hosts)
 
-    def compute(h: Host):
+    def compute(h: Host) -> Result:
         name = f"fabtrain-health-{tag}-{h.name}-compute"
         return session.run(
             h,
@@ -109,9 +110,10 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
         r = got.value(h.name)
         out = health.parse_line("COMPUTE", r.stdout) if r is not None else None
         if not out:
+            error = got.error(h.name)
             why = (
-                describe(h, got.error(h.name))
-                if got.error(h.name)
+                describe(h, error)
+                if error
                 else f"no result: {(r.stderr or r.stdout).strip()[-200:]}"
             )
             checks.append(Check(h.name, "compute", FAIL, why, f"run the image on {h.name}: docker run --rm "
@@ -151,7 +153,7 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
     for rnd in health.rounds(names):
         peer = {a: b for a, b in rnd} | {b: a for a, b in rnd}
 
-        def measure(h: Host):
+        def measure(h: Host, peer: dict[str, str] = peer) -> Result:
             other = by_name[peer[h.name]]
             name = f"fabtrain-health-{tag}-{h.name}-net"
             return session.run(
@@ -175,7 +177,8 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
                 bw[(peer[n], n)] = float(out["rx_mbit_s"])
                 rtt[(n, peer[n])] = float(out["rtt_ms"])
             else:
-                failed_pairs[(peer[n], n)] = (describe(by_name[n], got.error(n)) if got.error(n)
+                error = got.error(n)
+                failed_pairs[(peer[n], n)] = (describe(by_name[n], error) if error
                                               else (r.stderr or r.stdout).strip()[-200:] or "no result")
     verdict = health.network_outliers(bw, rtt, names, t)
     data["network"] = {"hosts": names, "mbit_s": [[a, b, v] for (a, b), v in bw.items()],
@@ -184,25 +187,25 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
                        "slow_links": [[a, b, why] for (a, b), why in verdict.slow_links.items()],
                        "failed": [[a, b, why] for (a, b), why in failed_pairs.items()],
                        "matrix": health.matrix_text(names, bw, rtt)}
-    for h in names:
+    for name in names:
         if len(names) < 2:
             break
-        if h in verdict.slow_hosts:
+        if name in verdict.slow_hosts:
             checks.append(
                 Check(
-                    h,
+                    name,
                     "net",
                     FAIL,
-                    verdict.slow_hosts[h],
-                    f"check {by_name[h].interface} on {h}: link speed (ethtool), errors (ip -s link), "
+                    verdict.slow_hosts[name],
+                    f"check {by_name[name].interface} on {name}: link speed (ethtool), errors (ip -s link), "
                     "traffic shaping (tc qdisc show)",
                 )
             )
         else:
-            outs = [v for (a, _), v in bw.items() if a == h]
+            outs = [v for (a, _), v in bw.items() if a == name]
             checks.append(
                 Check(
-                    h,
+                    name,
                     "net",
                     OK,
                     f"sends {min(outs):.0f}-{max(outs):.0f} Mbit/s to its peers" if outs else "not measured",
@@ -244,8 +247,9 @@ def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
     out = []
     data["gpus"] = {}
     for h in gpu_hosts:
-        if got.error(h.name):
-            out.append(Check(h.name, "gpu-health", FAIL, describe(h, got.error(h.name)), ""))
+        error = got.error(h.name)
+        if error:
+            out.append(Check(h.name, "gpu-health", FAIL, describe(h, error), ""))
             continue
         found = got[h.name]
         data["gpus"][h.name] = [asdict(f) for f in found]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -243,11 +244,11 @@ def parse_nvidia_smi_q(text: str) -> list[dict]:
             errors.append((bad.group(1).rstrip(":"), bad.group(2).strip() or "unreadable"))
         elif blocks:
             blocks[-1][1].append(line)
-    gpus = []
+    gpus: list[dict[str, Any]] = []
     for bus_id, lines in blocks:
         f = _gpu_fields(lines)
 
-        def get(*path: str) -> str | None:
+        def get(*path: str, f: dict[tuple[str, ...], tuple[str, str]] = f) -> str | None:
             hit = f.get(tuple(p.lower() for p in path))
             return hit[1] if hit else None
 
@@ -463,9 +464,10 @@ def parse_dcgmi_diag(text: str) -> list[Finding]:
             continue
         if name:
             r = _RESULT.match(value_s)
-            current = {"test": name, "results": [], "messages": []} if r else None
+            current = None
             message = None
-            if current is not None:
+            if r:
+                current = {"test": name, "results": [], "messages": []}
                 tests.append(current)
                 current["results"].append((r.group(1), _scope_gpus(r.group(2))))
             continue
@@ -579,7 +581,7 @@ def parse_rocm_smi(text: str) -> list[dict]:
         counts = [ue for _, _, ue in g["ras"].values() if ue is not None]
         g["ecc_uncorrectable"] = sum(counts) if counts else None
         cur, levels = g.pop("current"), g.pop("levels")
-        top = max(levels, key=lambda l: ((l[0] or 0), l[1])) if levels else None
+        top = max(levels, key=lambda level: ((level[0] or 0), level[1])) if levels else None
         g["pcie_gen_current"], g["pcie_width_current"] = cur if cur else (None, None)
         g["pcie_gen_max"], g["pcie_width_max"] = top if top else (None, None)
         out.append(g)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.preflight.checks import FAIL, OK, WARN, Check
@@ -53,12 +54,12 @@ def rounds(hosts: list[str]) -> list[list[tuple[str, str]]]:
     return out
 
 
-def median(values) -> float:
+def median(values: Iterable[float]) -> float:
     values = list(values)
     return statistics.median(values) if values else 0.0
 
 
-def quantile(values, q: float) -> float:
+def quantile(values: Iterable[float], q: float) -> float:
     """The q-quantile by linear interpolation between the sorted values (0.5: the median)."""
     v = sorted(values)
     if not v:
@@ -122,7 +123,7 @@ def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str]
     return NetVerdict(hosts_bad, links, ref)
 
 
-def fmt_links(bw, keys) -> str:
+def fmt_links(bw: dict[tuple[str, str], float], keys: list[tuple[str, str]]) -> str:
     return ", ".join(f"to {b} {bw[(a, b)]:.0f}" if a == keys[0][0] else f"from {a} {bw[(a, b)]:.0f}"
                      for a, b in keys)
 

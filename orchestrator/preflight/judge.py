@@ -12,12 +12,13 @@ from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile
 from orchestrator.core.jobspec import LOCAL
-from orchestrator.preflight.checks import FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
+from orchestrator.preflight.checks import DEFAULT_LIMITS, FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
 from orchestrator.preflight.probe import (
     DOCKER_TIMEOUT,
     GPU_CONTAINER_TIMEOUT,
     RSYNC_CVES,
     TIMED_OUT,
+    Facts,
     count_gpus,
     image_info,
     parse_addrs,
@@ -27,8 +28,8 @@ from orchestrator.preflight.probe import (
 )
 
 
-def judge_host(inv: Inventory, host: Host, facts: dict[str, tuple[int, str]], image: str,
-               limits: Limits = Limits(), access: dockerargs.GpuAccess | None = None) -> list[Check]:
+def judge_host(inv: Inventory, host: Host, facts: Facts, image: str,
+               limits: Limits = DEFAULT_LIMITS, access: dockerargs.GpuAccess | None = None) -> list[Check]:
     n = host.name
     out = [judge_docker(host, facts, access), judge_image(host, facts, image)]
     out.append(judge_gpus(host, facts))
@@ -121,7 +122,7 @@ def describe_image(info: dict) -> str:
     return ", ".join(parts)
 
 
-def judge_image(host: Host, facts, image: str) -> Check:
+def judge_image(host: Host, facts: Facts, image: str) -> Check:
     """The image is on the host and runs the job: python3 and an importable torch."""
     n = host.name
     rc, text = facts.get("image", (1, ""))
@@ -172,16 +173,15 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
     parts = []
     for fields in denied:
         path, blocker, owner = fields[1], fields[2], fields[3] if len(fields) > 3 else "?"
-        parts.append(
-            f"{path} ({'not writable' if blocker == path else f'cannot be created: {blocker} is owned by {owner}'})"
-        )
+        why = "not writable" if blocker == path else f"cannot be created: {blocker} is owned by {owner}"
+        parts.append(f"{path} ({why})")
     paths = " ".join(f[1] for f in denied)
     return Check(n, "dirs", FAIL, f"{user} cannot write " + ", ".join(parts),
                  f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
                  f"job.output_dir to directories {user} owns)")
 
 
-def judge_docker(host: Host, facts, access: dockerargs.GpuAccess | None = None) -> Check:
+def judge_docker(host: Host, facts: Facts, access: dockerargs.GpuAccess | None = None) -> Check:
     n = host.name
     rc, text = facts.get("docker", (127, "no answer"))
     if rc == 0 and text:
@@ -211,7 +211,7 @@ def judge_docker(host: Host, facts, access: dockerargs.GpuAccess | None = None) 
                  f"on {n}: start the engine (sudo systemctl start docker)")
 
 
-def judge_gpus(host: Host, facts) -> Check:
+def judge_gpus(host: Host, facts: Facts) -> Check:
     n = host.name
     if host.gpu_vendor == "none":
         return Check(n, "gpus", NA, "CPU host")

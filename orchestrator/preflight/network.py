@@ -9,7 +9,7 @@ import time
 from orchestrator.commands.sshargs import shell
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.preflight.checks import FAIL, OK, Check, _last
-from orchestrator.transport.remote import Session, describe
+from orchestrator.transport.remote import Command, Session, describe
 
 CLOCK_TIMEOUT = 10
 
@@ -84,8 +84,8 @@ def reachability(
         return _connect_workers(session, inv, sources, listener, timeout)
 
 
-def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], listener, timeout: float
-                     ) -> list[Check]:
+def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], listener: Command,
+                     timeout: float) -> list[Check]:
     master, port = inv.master, inv.job.master_port
 
     def connect(host: Host) -> Check:

@@ -16,6 +16,8 @@ from orchestrator.config import codetree
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.transport.remote import Session
 
+# What the probe found on a host: fact name -> (exit status of its command, its output).
+Facts = dict[str, tuple[int, str]]
 # Seconds a Docker command of the probe may take: a stuck engine answers SSH but never this. The
 # whole probe of a host is bounded by PROBE_TIMEOUT; a GPU container start gets longer.
 DOCKER_TIMEOUT = 8
@@ -92,7 +94,8 @@ RSYNC_FACT = (
     "if command -v rsync >/dev/null 2>&1; then v=$(rsync --version 2>&1 | head -n 1 | cut -c 1-200); "
     'else v=; fi; printf "version=%s\n" "$v"; '
     "{ for f in /usr/share/doc/rsync/changelog.Debian.gz /usr/share/doc/rsync/changelog.gz; do "
-    '[ -f "$f" ] && gzip -dc "$f"; done; command -v rpm >/dev/null && rpm -q --changelog rsync; } 2>/dev/null '
+    '[ -f "$f" ] && gzip -dc "$f"; done; command -v rpm >/dev/null && rpm -q --changelog rsync; } '
+    "2>/dev/null "
     "| grep -oE '" + "|".join(RSYNC_CVES) + "' | sort -u | sed 's/^/fixed=/'; "
     'for n in RSYNC_OLD_ARGS RSYNC_PROTECT_ARGS; do x=$(printenv "$n") && '
     'printf "env=%s=%s\n" "$n" "$(printf %s "$x" | tr -c "[:alnum:]._-" "?" | cut -c 1-40)"; done; true'
@@ -152,7 +155,8 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: dockerargs.G
 
     Starting a container and importing torch takes seconds, so on a CPU host the answer is kept
     on the host under the image id (an id names one immutable image), in a directory the group
-    shares (several accounts use one cache, as .runtime); a GPU host always looks again, since what it must show is that the GPUs work now."""
+    shares (several accounts use one cache, as .runtime); a GPU host always looks again, since
+    what it must show is that the GPUs work now."""
     run = [
         "docker",
         "run",
@@ -227,8 +231,8 @@ def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
     return "; ".join(parts)
 
 
-def parse_probe(output: str, marker: str) -> dict[str, tuple[int, str]]:
-    facts: dict[str, tuple[int, str]] = {}
+def parse_probe(output: str, marker: str) -> Facts:
+    facts: Facts = {}
     pattern = re.compile(rf"^{marker} (\S+)\n(.*?)^{marker}rc (\d+)$", re.S | re.M)
     for m in pattern.finditer(output):
         facts[m.group(1)] = (int(m.group(3)), m.group(2).strip())
@@ -255,7 +259,7 @@ def parse_links(text: str) -> dict[str, dict]:
     return out
 
 
-def image_info(facts) -> dict | None:
+def image_info(facts: Facts) -> dict | None:
     """What IMAGE_INFO_PY printed in the image, or None."""
     m = re.search(r"^IMAGEINFO (\{.*\})$", facts.get("image_info", (1, ""))[1], re.M)
     try:

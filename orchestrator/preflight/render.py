@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from orchestrator.core import hostile
 from orchestrator.preflight.checks import (
@@ -17,6 +18,9 @@ from orchestrator.preflight.checks import (
     failed,
 )
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 
 def to_json(checks: list[Check], strict: bool = False) -> str:
     return json.dumps({"ok": not failed(checks, strict), "checks": [asdict(c) for c in checks]}, indent=2)
@@ -27,7 +31,7 @@ def short(detail: str, width: int = 60) -> str:
     return detail if len(detail) <= width else detail[:width - 1].rsplit(" ", 1)[0] + " …"
 
 
-def render(checks: list[Check], console) -> None:
+def render(checks: list[Check], console: Console) -> None:
     """Details and fixes name what hosts said: plain text (hostile.rich_text), never markup."""
     from rich.table import Table
     from rich.text import Text

@@ -10,8 +10,10 @@ them at its end, on failure and Ctrl+C too. Run by a job before it starts (`fab 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from orchestrator.commands import dockerargs
 from orchestrator.config import codetree
@@ -31,7 +33,30 @@ VISIBLE = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES"}
 CLAIM_TRIES = 3  # surveys and claims again when another job took the units or port meanwhile
 
 
-def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list[Check], run_job,
+class NodeEnding(Protocol):
+    """How one node of the smoke test ended, as read here (the lifecycle's watch.NodeEnd)."""
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    @property
+    def failure(self) -> object: ...  # None unless the node failed
+
+    def summary(self) -> str: ...
+
+
+class JobEnding(Protocol):
+    """How the smoke test's job ended (the lifecycle's watch.Watched)."""
+
+    @property
+    def ends(self) -> Mapping[str, NodeEnding]: ...
+
+
+# The job lifecycle's one short run: (session, inventory, spec, run directory) -> how it ended.
+RunJob = Callable[[Session, Inventory, jobspec.JobSpec, Path], JobEnding]
+
+
+def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list[Check], run_job: RunJob,
                within: str = "") -> list[Check]:
     """An all_reduce across every host inside the real containers, with the measured bus bandwidth.
     `run_job(session, inv, spec, run_dir)` is the job lifecycle's start -> watch -> clean up. The
@@ -82,7 +107,8 @@ def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
                 break
             claimed.append(h)
             if not r.ok:
-                why = f"claiming its {claims.kind(h)}s failed (exit {r.exited}): {hostile.line(r.stderr.strip()[-400:])}"
+                why = (f"claiming its {claims.kind(h)}s failed (exit {r.exited}): "
+                       f"{hostile.line(r.stderr.strip()[-400:])}")
                 return [Check(x.name, "smoke", FAIL if x.name == h.name else SKIP,
                               why if x.name == h.name else f"{h.name}: {why}") for x in inv.hosts]
         if not raced:
@@ -162,7 +188,7 @@ def release(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts: list
                                               what="releasing the smoke test's claim"), tuple(hosts))
 
 
-def read_ends(inv: Inventory, result, run_dir: Path) -> list[Check]:
+def read_ends(inv: Inventory, result: JobEnding, run_dir: Path) -> list[Check]:
     """One row per host from how its node of the smoke test ended (`result`: watch.Watched) and its log."""
     out = []
     for h in inv.hosts:

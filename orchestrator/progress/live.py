@@ -1,7 +1,7 @@
 """Where each host of a running job is, read from its output as it streams by: one status line
-per host (node rank, step, last loss, tokens/s, compute time of its slowest rank, seconds since its last output),
-kept at the bottom of the terminal by rich while the log lines scroll above, and stragglers
-named as soon as their recent steps show it.
+per host (node rank, step, last loss, tokens/s, compute time of its slowest rank, seconds since its
+last output), kept at the bottom of the terminal by rich while the log lines scroll above, and
+stragglers named as soon as their recent steps show it.
 
 Only our trainers' step and progress lines carry step information (report.STEP_LINE); a user's
 script shows "no step info" and is still watched for silence.
@@ -13,9 +13,16 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from orchestrator.progress import report
+
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
 
 # "[node1 rank0] progress [####      ]  50.0% epoch 1/2 step 20/40 eta 1s" (trainers/gpt.py)
 # Progress for the hang watchdog: a step number in a node's output.
@@ -42,7 +49,7 @@ class HostState:
 
 
 class Board:
-    def __init__(self, hosts: list[tuple[str, int]], clock=time.monotonic) -> None:
+    def __init__(self, hosts: list[tuple[str, int]], clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         now = clock()
         self.hosts = {name: HostState(name, rank, now) for name, rank in hosts}
@@ -94,7 +101,7 @@ class Board:
                 lines.append(report.straggler_line(rank, ms, times))
         return lines
 
-    def render(self, max_rows: int = MAX_ROWS):
+    def render(self, max_rows: int = MAX_ROWS) -> Table | Group:
         """The status lines, one per host (at most `max_rows`, see MAX_ROWS), as a rich renderable."""
         from rich.console import Group
         from rich.table import Table
@@ -107,7 +114,7 @@ class Board:
             shown = states if len(states) <= max_rows else self._worth_a_look(states, slow, now, max_rows - 1)
             for st in shown:
                 silent = now - st.last_output
-                cells = [Text(st.name, style="bold"), f"r{st.node_rank}"]
+                cells: list[Text | str] = [Text(st.name, style="bold"), f"r{st.node_rank}"]
                 if st.step is None:
                     cells += ["no step info", "", "", ""]
                 else:
@@ -155,7 +162,7 @@ class Board:
         return f"... and {len(rest)} more of {total} hosts: {where}, last output at most {quiet:.0f}s ago"
 
     @staticmethod
-    def _compute_cell(st: HostState, slow: dict[str, float]):
+    def _compute_cell(st: HostState, slow: dict[str, float]) -> str | Text:
         from rich.text import Text
         if not st.compute_ms:
             return ""

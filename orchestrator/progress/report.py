@@ -10,8 +10,13 @@ import json
 import re
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.core import hostile, recovery
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from rich.table import Table
 
 # "[node1 rank0] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | step 24.0 ms |
 # compute 20.5 ms" (trainers/gpt.py; the two times are the log interval's mean per step)
@@ -106,7 +111,8 @@ def _stats(values: list[float]) -> dict:
 def timings(run_dir: Path) -> dict:
     """Per rank and per host: step time and compute time (ms, median and p95 over the logged
     intervals), tokens/s, samples; and the stragglers."""
-    ranks, by_host = {}, {}
+    ranks: dict[str, dict[str, float]] = {}
+    by_host: dict[str, dict[str, list[Any]]] = {}  # ranks (names), step_ms, compute_ms, rates
     for name, ms in rank_steps(run_dir).items():
         rates = [rate_of(m) for m in ms]
         entry = {"tokens_per_s_median": round(statistics.median(rates), 1),
@@ -146,7 +152,7 @@ def straggler_line(rank: str, compute_ms: float, times: float) -> str:
             f"(more than {STRAGGLER_MARGIN:.0%} slower); the job runs at its pace")
 
 
-def timing_table(data: dict):
+def timing_table(data: dict) -> Table:
     """The end-of-run table: one row per host, then one per rank; stragglers in red."""
     from rich.table import Table
     slow = {s["rank"] for s in data.get("stragglers", [])}
@@ -193,7 +199,7 @@ def describe_run(run_dir: Path) -> dict:
             "seconds": round(max(ends) - attempts[0]["started"], 1) if attempts and ends else None}
 
 
-def figure(run_dirs: list[Path]):
+def figure(run_dirs: list[Path]) -> Figure:
     """Loss per step (train line, eval markers) and tokens/s per rank, one colour per run."""
     import matplotlib
     matplotlib.use("Agg")

@@ -11,11 +11,20 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from orchestrator.core import hostile
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 COLOURS = (36, 33, 35, 32, 34, 31, 96, 93)  # cyan, yellow, magenta, green, blue, red, bright...
+
+
+class LineObserver(Protocol):
+    """What sees every host's complete lines (live.Board, or several observers at once)."""
+
+    def observe(self, host: str, block: bytes) -> None: ...
 
 
 class Multiplexer:
@@ -24,7 +33,8 @@ class Multiplexer:
     every host's complete lines."""
 
     def __init__(self, run_dir: Path, out: BinaryIO | None = None, colour: bool | None = None,
-                 echo: bool = True, console=None, board=None) -> None:
+                 echo: bool = True, console: Console | None = None,
+                 board: LineObserver | None = None) -> None:
         self.run_dir = run_dir
         self.console, self.board = console, board
         self.out = out if out is not None else sys.stdout.buffer
@@ -69,6 +79,7 @@ class HostSink:
         self._file = path.open("ab")
         self._partial = b""
         self._cut = hostile.LineCutter()  # a line with no end costs bounded memory, here and in the file
+        self.tail_lines = tail_lines
         self.tail: deque[bytes] = deque(maxlen=tail_lines)
         self._lock = threading.Lock()  # the follower and the hang watchdog both write here
 
@@ -89,7 +100,7 @@ class HostSink:
         if not cut:
             return
         block = hostile.text_bytes(data[:cut - 1])  # complete lines, without the last newline
-        self.tail.extend(block.rsplit(b"\n", self.tail.maxlen)[-self.tail.maxlen:])
+        self.tail.extend(block.rsplit(b"\n", self.tail_lines)[-self.tail_lines:])
         if self.mux.board is not None:
             self.mux.board.observe(self.name, block)
         if self.mux.echo:

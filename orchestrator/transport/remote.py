@@ -24,11 +24,11 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha1
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import paramiko
 from fabric import Config, Connection
@@ -106,7 +106,8 @@ class Result:
 
 def describe(host: Host, exc: BaseException) -> str:
     """One line saying why a host could not be reached or a command failed, with the fix."""
-    where = f"{host.name} ({host.ssh.where()}{' via ' + ','.join(j.hostname for j in host.ssh.jump) if host.ssh.jump else ''})"
+    via = " via " + ",".join(j.hostname for j in host.ssh.jump) if host.ssh.jump else ""
+    where = f"{host.name} ({host.ssh.where()}{via})"
     if isinstance(exc, UserError):  # ours, but it may quote a host's text
         return hostile.line(str(exc), 2000)
     if isinstance(exc, paramiko.PasswordRequiredException):
@@ -132,7 +133,8 @@ def describe(host: Host, exc: BaseException) -> str:
         return (f"{where}: cannot resolve {host.ssh.hostname}; check the address, or the Host entry in "
                 f"your ssh_config")
     if isinstance(exc, OSError):
-        return f"{where}: cannot connect: {hostile.line(str(exc.strerror or exc))}; check the address and the network"
+        return (f"{where}: cannot connect: {hostile.line(str(exc.strerror or exc))}; check the address and "
+                f"the network")
     # paramiko's SSHException text quotes what the server sent (a banner it could not read).
     return f"{where}: {type(exc).__name__}: {hostile.line(str(exc))}"
 
@@ -144,7 +146,7 @@ class PerHost(dict):
         value = self.get(name)
         return value if isinstance(value, BaseException) else None
 
-    def value(self, name: str, default=None):
+    def value(self, name: str, default: Any = None) -> Any:
         """The host's value; `default` where it raised (or was not asked)."""
         value = self.get(name, default)
         return default if isinstance(value, BaseException) else value
@@ -258,7 +260,7 @@ class Command:
             self.chan.exec_command(self.command)
         except BaseException as exc:
             self._cancel()
-            if self.expired:
+            if self.expired and self.timeout is not None:  # only a command with a timeout expires
                 raise CommandTimedOut(self.host, self.what, self.timeout) from exc
             raise
         return self
@@ -276,20 +278,28 @@ class Command:
         self._cancel()
         if self.chan is not None:
             self.chan.close()
-        if self.expired:
+        if self.expired and self.timeout is not None:  # only a command with a timeout expires
             raise CommandTimedOut(self.host, self.what, self.timeout) from exc
 
+    @property
+    def channel(self) -> paramiko.Channel:
+        """The command's open channel: there is one inside the `with` block (__enter__ opens it)."""
+        if self.chan is None:
+            raise RuntimeError(f"{self.host.name}: {self.what}: the command is not open (use it in a "
+                               f"with block)")
+        return self.chan
+
     def recv(self, n: int = 1 << 16) -> bytes:
-        return self.chan.recv(n)
+        return self.channel.recv(n)
 
     def send(self, data: bytes) -> None:
-        self.chan.sendall(data)
+        self.channel.sendall(data)
 
     def close_stdin(self) -> None:
-        self.chan.shutdown_write()
+        self.channel.shutdown_write()
 
     def exit_status(self) -> int:
-        return self.chan.recv_exit_status()
+        return self.channel.recv_exit_status()
 
 
 class Session:
@@ -314,7 +324,7 @@ class Session:
             self._conns[host.name] = conn
         return conn
 
-    def fan_out(self, fn: Callable[[Host], T], hosts: tuple[Host, ...] | None = None) -> PerHost:
+    def fan_out(self, fn: Callable[[Host], T], hosts: Sequence[Host] | None = None) -> PerHost:
         """Call fn(host) on every host at once; each host's value, or the exception it raised."""
         hosts = self.hosts if hosts is None else hosts
         futures = {h.name: self._pool.submit(fn, h) for h in hosts}
@@ -339,7 +349,7 @@ class Session:
             if stdin is not None:
                 cmd.send(stdin)
                 cmd.close_stdin()
-            out, err = _drain(cmd.chan)
+            out, err = _drain(cmd.channel)
             code = cmd.exit_status()
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code,
                       time.monotonic() - start)
@@ -348,7 +358,7 @@ class Session:
                chunk: int = 1 << 16, timeout: float | None = None) -> int:
         """Run a command, passing its combined stdout/stderr to on_data as it arrives; exit code."""
         with self.command(host, command, timeout) as cmd:
-            cmd.chan.set_combine_stderr(True)
+            cmd.channel.set_combine_stderr(True)
             while True:
                 data = cmd.recv(chunk)
                 if not data:
@@ -407,7 +417,7 @@ def run_capped(argv: list[str], timeout: float) -> tuple[int | None, bytes, byte
                 buf.write(chunk)
 
     pumps = [threading.Thread(target=pump, args=(pipe, buf), daemon=True, name="local-output")
-             for pipe, buf in zip((proc.stdout, proc.stderr), bufs)]
+             for pipe, buf in zip((proc.stdout, proc.stderr), bufs, strict=True)]
     for t in pumps:
         t.start()
     deadline = time.monotonic() + timeout
@@ -457,7 +467,8 @@ def put_command(path: str, mode: int = 0o600) -> str:
         'mkdir -p "$d" && cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && [ -O . ] || '
         '{ printf "%s is not a directory of %s (a link, or one of another account): %s is not written\\n" '
         '"$d" "$(id -un)" "$1" >&2; exit 1; }; '
-        'f="./${1##*/}"; umask 077 && rm -f "$f" && ( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )'
+        'f="./${1##*/}"; umask 077 && rm -f "$f" && '
+        '( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )'
     )
     return sshargs.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
 
@@ -648,12 +659,14 @@ class KnownHosts(paramiko.HostKeys):
         found += [e for e in self._scan if hosts_match(name, e.hosts)]
         return sorted(found, key=lambda e: e.line) if len(found) > 1 else found
 
-    def lookup(self, hostname: str) -> dict | None:
+    # paramiko documents lookup as answering a dict of key type to key; its stubs name the private
+    # mapping class paramiko itself returns (_SubDict), which no other class can return.
+    def lookup(self, hostname: str) -> dict[str, paramiko.PKey] | None:  # type: ignore[override]
         """The plain (unmarked) keys for a host, by type, as paramiko.HostKeys.lookup answers;
         revoked keys left out."""
         found = self.matching(hostname)
         revoked = [e.key for e in found if e.marker == "@revoked"]
-        keys: dict = {}
+        keys: dict[str, paramiko.PKey] = {}
         for e in found:
             if not e.marker and e.key not in revoked:
                 keys.setdefault(e.key.get_name(), e.key)
@@ -745,7 +758,8 @@ def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a pa
                           connect_timeout=ssh.connect_timeout,
                           connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
         conn.client.set_missing_host_key_policy(_RejectUnknown(label, ssh, trust))
-        mine, given = conn.client.get_host_keys(), {}
+        mine = conn.client.get_host_keys()
+        given: dict[str, paramiko.PKey] = {}
         for e in trust.keys:  # only this host's entries; each file is parsed once (known_hosts)
             given.setdefault(e.key.get_name(), e.key)
         if prefer is not None:
@@ -800,7 +814,7 @@ class Gateways:
             self._conns[hops] = conn
             return conn
 
-    def channel(self, hops: tuple[SSH, ...], to: SSH, host: Host):
+    def channel(self, hops: tuple[SSH, ...], to: SSH, host: Host) -> paramiko.Channel | None:
         """A direct-tcpip channel to `to` through the chain `hops` (None when there is none)."""
         if not hops:
             return None
