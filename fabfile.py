@@ -34,7 +34,7 @@ from orchestrator.hosts import claims, hostops
 from orchestrator.images import images as _images
 from orchestrator.preflight import deep as _deep
 from orchestrator.testbed import cluster as _cluster
-from orchestrator.transport.remote import CommandTimedOut, Session, failure
+from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
@@ -122,8 +122,9 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
     on the host and in a container, interface, route and MTU, a master port (the first free one from
-    job.master_port, as fab train takes it) reachable from every worker, clock offset and NTP, shared memory, disk, synced code, and an all_reduce across
-    every host in the real containers (--no-smoke skips it)."""
+    job.master_port, as fab train takes it) reachable from every worker, clock offset and NTP,
+    shared memory, disk, synced code, and an all_reduce across every host in the real containers
+    (--no-smoke skips it)."""
     inv = _inventory.load(inventory)
     limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
     with Session(inv.hosts) as session:
@@ -177,34 +178,35 @@ JOB_HELP = {
     auto_shortflags=False,
     help={
         **JOB_HELP,
-        "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working directory, "
-        "or under /output; default: job.checkpoint): kept here and put back on every host for a restart, "
-        "--resume or --continue",
+        "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working "
+        "directory, or under /output; default: job.checkpoint): kept here and put back on every host for a "
+        "restart, --resume or --continue",
         "dry_run": "print the attempt's plan (every command per host, in order) and start nothing",
         "skip_preflight": "start without the preflight checks (code is still synced)",
         "smoke": "also run the collective smoke test before starting",
         "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
         "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args, --image, --code and "
         "--checkpoint may change what was recorded (a finished job continues with new --epochs or --args)",
-        "include": "run on these hosts only, joined by @ (DeepSpeed's syntax), each optionally with its GPUs (CPU "
-        "slots on a host without GPUs): --include node1@node3, --include node1:0,1@node2:2,3",
+        "include": "run on these hosts only, joined by @ (DeepSpeed's syntax), each optionally with its GPUs "
+        "(CPU slots on a host without GPUs): --include node1@node3, --include node1:0,1@node2:2,3",
         "exclude": "run on every host but these: --exclude node2",
-        "num_nodes": "run on the first N hosts (of --include's, or hosts:) where the job fits beside other jobs",
+        "num_nodes": "run on the first N hosts (of --include's, or hosts:) where the job fits beside other "
+        "jobs",
         "gpus": "take N free GPUs on each host (N CPU slots on a host without GPUs); one process each unless "
         "--nproc says otherwise (default: every GPU of the host; one slot)",
         "cpuset": "pin each CPU host's container to the CPUs of its slots (docker --cpuset-cpus)",
-        "health": "first the deep check (fab preflight --deep; results under an hour old are reused) of the "
-        "hosts and spares: unhealthy hosts are left out and healthy spares take their places",
-        "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, from its "
-        "newest snapshot or checkpoint, finished or not; a new job when there is none",
+        "health": "first the deep check (fab preflight --deep; results under an hour old are reused) of "
+        "the hosts and spares: unhealthy hosts are left out and healthy spares take their places",
+        "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, "
+        "from its newest snapshot or checkpoint, finished or not; a new job when there is none",
         "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
         "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
         "hang_timeout": f"seconds without progress (README: progress) before the stacks are dumped and the "
         f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
         "plain": PLAIN_HELP,
         "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
-        "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's login node "
-        "and follow the job there (README: On Slurm)",
+        "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's "
+        "login node and follow the job there (README: On Slurm)",
     },
 )
 @user_errors
@@ -380,7 +382,8 @@ def train(
 
 def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str],
                     resume: str | None) -> None:
-    """fab train --on slurm (orchestrator/backends/slurm/slurm.py): submit, follow, exit with the job's own result."""
+    """fab train --on slurm (orchestrator/backends/slurm/slurm.py): submit, follow, exit with the
+    job's own result."""
     if ssh_only:
         names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in ssh_only)
         raise UserError(
@@ -485,7 +488,8 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
         if v.job not in chosen:
             print(
                 hostile.text(
-                    f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; 'fab stop --job {v.job}' ends it"
+                    f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; "
+                    f"'fab stop --job {v.job}' ends it"
                 )
             )
     for line in cleared:
@@ -512,7 +516,7 @@ def status(c, inventory=None, json=False):
         found = hostops.survey(session, inv)
         views = hostops.job_views(found)
         steps = hostops.last_steps(session, inv, views)
-    bad = [failure(h, found[h.name], "docker ps") for h in inv.all_hosts if found.error(h.name)]
+    bad = [describe(h, e) for h in inv.all_hosts if (e := found.error(h.name)) is not None]
     bad += [slurm_error] if slurm_error else []
     if json:
         doc = _json.loads(jobs.status_json(views, steps, bad))
@@ -643,7 +647,8 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     target.write_text(text)
     target.chmod(0o755)
     print(
-        f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: sbatch {target}"
+        f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: "
+        f"sbatch {target}"
     )
 
 
@@ -685,8 +690,8 @@ def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, a
     for file, documents in docs.items():
         (target / file).write_text(_export.k8s_text(inv, spec, file, documents))
     print(
-        f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with kubectl apply -f "
-        f"(trainjob.yaml on Kubeflow Trainer v2)"
+        f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with "
+        f"kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)"
     )
 
 
@@ -742,7 +747,8 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
         "requirements": "a pip requirements file",
         "tag": "name of the new image",
         "pip_args": "extra pip arguments, split like a shell would",
-        "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index needed",
+        "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index "
+        "needed",
     },
 )
 @user_errors

@@ -91,7 +91,8 @@ def _summary(inv: Inventory, spec: jobspec.JobSpec, nodes: int, host: Host) -> l
     nproc = spec.nproc_per_node or inv.job.nproc_per_node
     what = " ".join(dockerargs.command(spec))
     return [
-        f"#   {nodes} node(s) x {comment(nproc)} process(es), image {comment(spec.image or inv.image_for(host))}",
+        f"#   {nodes} node(s) x {comment(nproc)} process(es), "
+        f"image {comment(spec.image or inv.image_for(host))}",
         f"#   runs: {comment(what)}",
     ]
 
@@ -127,7 +128,8 @@ def slurm_script(inv: Inventory, spec: jobspec.JobSpec, pyxis: bool = False, par
     flavour = "pyxis/enroot (srun --container-image)" if pyxis else "docker run on each node"
     lines = [
         "#!/bin/bash",
-        f"# fabtrain job {spec.job_id} for Slurm, written by `fab export.slurm` from {comment(str(inv.path))}:",
+        f"# fabtrain job {spec.job_id} for Slurm, written by `fab export.slurm` from "
+        f"{comment(str(inv.path))}:",
         *_summary(inv, spec, nodes, host),
         f"# Submit with: sbatch FILE (the output goes to {spec.job_id}-JOBID.out in the submit directory).",
         "# Before you submit:",
@@ -224,7 +226,8 @@ def _docker_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str, gr
         'it, or exclude the node (sbatch --exclude)" >&2; return 1',
         "  fi",
         f"  if [ ! -d {word(hostfiles.code_path(inv, spec))} ]; then",
-        f'    echo "[fabtrain] $SLURMD_NODENAME: the code is not at" {word(hostfiles.code_path(inv, spec) + ":")} "put '
+        f'    echo "[fabtrain] $SLURMD_NODENAME: the code is not at" '
+        f'{word(hostfiles.code_path(inv, spec) + ":")} "put '
         'job.code_dir on a filesystem the nodes share, or fab sync to the nodes" >&2; return 1',
         "  fi",
         "  fabtrain_prepare || return 1",
@@ -271,6 +274,7 @@ def _pyxis_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str) -> 
     notes = ["# pyxis gives the container the task's environment, so NODE_RANK comes from SLURM_NODEID",
              "# (docker/entrypoint.py) and GPUs from --gpus-per-node; Docker-only settings (ulimits,",
              "# capabilities, devices, shm size) are the cluster's enroot configuration here."]
+    entry = long_line(srun, ["python3", jobspec.ENTRYPOINT_PATH, *dockerargs.command(spec)], "")
     return [
         "",
         "srun --ntasks-per-node=1 bash -c fabtrain_prepare",
@@ -278,7 +282,7 @@ def _pyxis_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str) -> 
         *notes,
         f"export {line(exports)}" if exports else "",
         "status=0",
-        f"{long_line(srun, ['python3', jobspec.ENTRYPOINT_PATH, *dockerargs.command(spec)], '')} || status=$?",
+        f"{entry} || status=$?",
         f"srun --ntasks-per-node=1 rm -rf {word(rt)}",
         "exit $status",
     ]
@@ -419,11 +423,13 @@ def k8s_manifests(
                   "metadata": {"name": name, "labels": labels},
                   "spec": {"runPolicy": {"backoffLimit": restarts}, "pytorchReplicaSpecs": replicas}}
 
-    rank_env = [{"name": "NNODES", "value": str(nodes)},
-                {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
-                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
-                {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
-                {"name": "MASTER_PORT", "value": str(port)}]
+    rank_env: list[dict] = [
+        {"name": "NNODES", "value": str(nodes)},
+        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
+        {"name": "MASTER_PORT", "value": str(port)},
+    ]
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
                "spec": {"clusterIP": "None", "selector": {"job-name": name},
                         "publishNotReadyAddresses": True}}
@@ -466,7 +472,8 @@ def _trainjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: 
 def k8s_header(inv: Inventory, spec: jobspec.JobSpec, kind: str) -> str:
     host = inv.hosts[0]
     lines = [
-        f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from {comment(str(inv.path))}:",
+        f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from "
+        f"{comment(str(inv.path))}:",
         *_summary(inv, spec, len(inv.hosts), host),
         "# Apply with: kubectl apply -f FILE. The image must hold the code at /workspace (or mount it",
         f"# there); /output is the PersistentVolumeClaim {k8s_name(spec.job_id)}-output (ReadWriteMany, "
@@ -477,7 +484,8 @@ def k8s_header(inv: Inventory, spec: jobspec.JobSpec, kind: str) -> str:
     if inv.job.secret_files:
         files = " ".join(f"--from-file={name}={comment(path)}" for name, path in inv.job.secret_files)
         lines.append(
-            f"# Secrets come from the Secret {SECRET_NAME}: kubectl create secret generic {SECRET_NAME} {files}"
+            f"# Secrets come from the Secret {SECRET_NAME}: kubectl create secret generic {SECRET_NAME} "
+            f"{files}"
         )
     return "\n".join(lines) + "\n"
 
@@ -485,7 +493,7 @@ def k8s_header(inv: Inventory, spec: jobspec.JobSpec, kind: str) -> str:
 class _Dumper(yaml.SafeDumper):
     """Plain YAML a person can read: no anchors, multi-line strings (the entrypoint) as blocks."""
 
-    def ignore_aliases(self, data) -> bool:
+    def ignore_aliases(self, data: object) -> bool:
         return True
 
 

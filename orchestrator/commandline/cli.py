@@ -9,6 +9,7 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, overload
 
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Inventory
@@ -17,6 +18,11 @@ from orchestrator.core.errors import UserError
 from orchestrator.core.policy import HANG_TIMEOUT, Policy
 from orchestrator.core.recovery import JobRecord
 from orchestrator.progress import report
+
+if TYPE_CHECKING:
+    from collections.abc import Set as AbstractSet
+
+    from rich.console import Console
 
 
 def quiet_on_closed_pipe() -> None:
@@ -143,7 +149,7 @@ def split_args(args: str) -> list[str]:
         raise UserError(f"--args {args!r}: {exc}; quote it as a shell would", exit_code=2) from None
 
 
-def epochs(value) -> int:
+def epochs(value: str | int) -> int:
     return count("--epochs", value)
 
 
@@ -250,8 +256,8 @@ def host_list(value: str, option: str, inv: Inventory) -> dict[str, tuple[int, .
     return out
 
 
-def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy: set[str] = frozenset(),
-                 num_nodes=None) -> Inventory:
+def select_hosts(inv: Inventory, include: str | None, exclude: str | None,
+                 busy: AbstractSet[str] = frozenset(), num_nodes: str | int | None = None) -> Inventory:
     """The job's hosts: the inventory's (in its rank order), only --include's, less --exclude's; with
     --num-nodes N, the first N of them that no other job holds (`busy`). Ranks are renumbered."""
     hosts = list(inv.hosts)
@@ -279,7 +285,11 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None, busy:
                    spares=tuple(s for s in inv.spares if s.name not in names))
 
 
-def count(option: str, value) -> int | None:
+@overload
+def count(option: str, value: None) -> None: ...
+@overload
+def count(option: str, value: str | int) -> int: ...
+def count(option: str, value: str | int | None) -> int | None:
     """A whole number option of 1 or more (None when not given): --epochs, --gpus, --num-nodes."""
     if value is None:
         return None
@@ -329,7 +339,8 @@ def find_named(run_root: Path, name: str) -> str | None:
     return max(found, key=lambda p: p.name.split("-")[-3:-1]).name if found else None
 
 
-def policy(inv: Inventory, restarts, min_nodes, hang_timeout) -> Policy:
+def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
+           hang_timeout: str | float | None) -> Policy:
     try:
         p = Policy(restarts=int(restarts), min_nodes=int(min_nodes) if min_nodes else None,
                    hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
@@ -345,7 +356,7 @@ def policy(inv: Inventory, restarts, min_nodes, hang_timeout) -> Policy:
     return p
 
 
-def present(run_dir: Path, console) -> None:
+def present(run_dir: Path, console: Console) -> None:
     """The end of a run: curves and summary.json (failed runs included), the step-time table and
     the stragglers."""
     try:

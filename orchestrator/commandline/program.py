@@ -15,6 +15,7 @@ from pathlib import Path
 from fabric import Config, Executor
 from fabric import __version__ as fabric_version
 from fabric.main import Fab
+from invoke import Collection
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 NAME = "fabtrain"
@@ -23,13 +24,15 @@ NAME = "fabtrain"
 FABFILE = Path(__file__).resolve().parents[2] / "fabfile.py"
 
 
-def tasks():
+def tasks() -> Collection:
     """fabfile.py's task collection (`ns`): the module beside this package, never another
     directory's fabfile.py that happens to come first on sys.path."""
     loaded = sys.modules.get("fabfile")
     if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == FABFILE:
         return loaded.ns
     spec = importlib.util.spec_from_file_location("fabfile", FABFILE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{FABFILE} cannot be loaded as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules["fabfile"] = module
     spec.loader.exec_module(module)

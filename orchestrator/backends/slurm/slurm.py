@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.live import Live
 
@@ -33,8 +34,14 @@ from orchestrator.core import hostile, jobspec, recovery
 from orchestrator.core.errors import UserError
 from orchestrator.hosts import hostops
 from orchestrator.progress.live import Board
-from orchestrator.transport.logs import Multiplexer
-from orchestrator.transport.remote import Session, describe
+from orchestrator.transport.logs import HostSink, Multiplexer
+from orchestrator.transport.remote import Result, Session, describe
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.console import Console
+    from rich.table import Table
 
 POLL = 1.0             # seconds between two reads of the job's state
 QUERY_TIMEOUT = 30     # a Slurm command that has not answered by then names the login node
@@ -144,10 +151,10 @@ class Demux:
     (the script's `slurm job ID (restart K)`), `on_attempt(K)` gives the node names of that
     allocation, in node-rank order."""
 
-    def __init__(self, mux: Multiplexer, on_attempt) -> None:
+    def __init__(self, mux: Multiplexer, on_attempt: Callable[[int], list[str]]) -> None:
         self.mux, self.on_attempt = mux, on_attempt
         self.names: list[str] = []
-        self.sinks: dict[tuple[str, int], object] = {}
+        self.sinks: dict[tuple[str, int], HostSink] = {}
         self.batch = mux.sink(BATCH, 0)
         self.partial = b""
         self.received = 0
@@ -155,7 +162,7 @@ class Demux:
         # then cuts its own part at LINE_MAX.
         self.cut = hostile.LineCutter(hostile.LINE_MAX + 64)
 
-    def sink(self, index: int):
+    def sink(self, index: int) -> HostSink:
         name = self.names[index] if index < len(self.names) else f"node{index}"
         key = (name, index)
         if key not in self.sinks:
@@ -204,7 +211,7 @@ class SlurmJob:
     def __init__(self, session: Session, cfg: Slurm, job_id: str, slurm_id: str) -> None:
         self.session, self.cfg, self.job_id, self.slurm_id = session, cfg, job_id, slurm_id
 
-    def query(self, command: str, what: str):
+    def query(self, command: str, what: str) -> Result:
         return self.session.run(self.cfg.login, command, timeout=QUERY_TIMEOUT, what=what)
 
     def show(self) -> dict[str, str] | None:
@@ -245,7 +252,9 @@ def cfg_of(inv: Inventory) -> Slurm:
     return inv.slurm
 
 
-def submit(session: Session, inv: Inventory, spec: jobspec.JobSpec, script: str, note) -> SlurmJob:
+def submit(
+    session: Session, inv: Inventory, spec: jobspec.JobSpec, script: str, note: Callable[[str], None]
+) -> SlurmJob:
     """Code to the login node, the script (and secrets) to slurm.workdir, sbatch: the submitted job."""
     cfg = cfg_of(inv)
     login = cfg.login
@@ -285,8 +294,8 @@ class Follower:
     """Streams a submitted job's output into runs/JOB until the job ends (see the module's
     docstring); `detach`: Ctrl+C only stops following."""
 
-    def __init__(self, job: SlurmJob, run_dir: Path, console=None, live: bool = False, echo: bool = True,
-                 record: recovery.JobRecord | None = None, detach: bool = False) -> None:
+    def __init__(self, job: SlurmJob, run_dir: Path, console: Console | None = None, live: bool = False,
+                 echo: bool = True, record: recovery.JobRecord | None = None, detach: bool = False) -> None:
         self.job, self.run_dir, self.record, self.detach = job, run_dir, record, detach
         self.console = console
         self.live = live and echo and console is not None and console.is_terminal
@@ -346,8 +355,9 @@ class Follower:
             if not self.job.query(sshargs.shell(["test", "-e", path]), "test -e").ok:
                 self.told_unseen = True
                 self.note(
-                    f"the job runs but {path} is not there on {self.job.cfg.login.name}: Slurm writes it on the "
-                    "job's first node; put slurm.workdir on a filesystem the login node and the nodes share"
+                    f"the job runs but {path} is not there on {self.job.cfg.login.name}: Slurm writes it on "
+                    "the job's first node; put slurm.workdir on a filesystem the login node and the nodes "
+                    "share"
                 )
 
     def stream(self, stop: threading.Event) -> None:
@@ -399,9 +409,10 @@ class Follower:
                             unanswered.append(describe(self.job.cfg.login, exc))
                             if len(unanswered) >= LOGIN_TRIES:
                                 raise UserError(
-                                    f"the job's state could not be read {LOGIN_TRIES} times in a row: {unanswered[-1]}; "
-                                    f"the job may still run: 'fab status' or 'fab logs --job {self.job.job_id}' once "
-                                    f"{self.job.cfg.login.name} answers"
+                                    f"the job's state could not be read {LOGIN_TRIES} times in a row: "
+                                    f"{unanswered[-1]}; the job may still run: 'fab status' or "
+                                    f"'fab logs --job {self.job.job_id}' once {self.job.cfg.login.name} "
+                                    "answers"
                                 ) from None
                             time.sleep(POLL)
                             continue
@@ -517,8 +528,8 @@ def dry_run(inv: Inventory, spec: jobspec.JobSpec) -> str:
     return "\n".join(head) + f"\n\n--- {cfg.workdir}/{spec.job_id}.sbatch ---\n" + script
 
 
-def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console, live: bool, echo: bool = True,
-          record: recovery.JobRecord | None = None):
+def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console: Console, live: bool,
+          echo: bool = True, record: recovery.JobRecord | None = None) -> tuple[End, Path, Follower]:
     """Submit, follow to the end, record, fetch rank 0's metrics: (End, run_dir, Follower). With
     the `record` of an earlier run (fab train --on slurm --resume JOB), the same job id and output
     directory: its trainer resumes from its newest snapshot, and the attempts go on counting."""
@@ -607,17 +618,20 @@ def stop(inv: Inventory, job_ids: list[str], run_root: Path, grace: float) -> li
     return lines
 
 
-def follow_recorded(inv: Inventory, job_id: str, run_root: Path, console, live: bool) -> End:
-    """fab logs --job JOB for a Slurm job: its output from the start into runs/JOB/attach until it
-    ends; Ctrl+C detaches."""
+def follow_recorded(inv: Inventory, job_id: str, run_root: Path, console: Console, live: bool) -> End:
+    """fab logs --job JOB for a Slurm job (one `recorded` finds): its output from the start into
+    runs/JOB/attach until it ends; Ctrl+C detaches."""
     cfg = cfg_of(inv)
-    _, backend = recorded(run_root, job_id)
+    found = recorded(run_root, job_id)
+    if found is None:
+        raise UserError(f"job {job_id} has no Slurm job recorded in {run_root}/{job_id}")
+    _, backend = found
     with Session((cfg.login,)) as session:
         job = SlurmJob(session, cfg, job_id, backend["slurm_id"])
         return Follower(job, run_root / job_id / "attach", console, live, detach=True).run()
 
 
-def status_table(rows: list[dict]):
+def status_table(rows: list[dict]) -> Table:
     from rich.table import Table
     from rich.text import Text
     table = Table(title="fabtrain jobs on Slurm")

@@ -231,8 +231,7 @@ class Job:
         return tuple(h for h in hosts if h.name not in self.lost)
 
     def run_steps(self, a: AttemptPlan, steps: list[Step]) -> PerHost:
-        """Run steps on their hosts at once (several on one host in order): host -> last Result or
-        error."""
+        """Run steps on their hosts at once (several on one host in order): host -> last Result or error."""
         by_host: dict[str, list[Step]] = {}
         for s in steps:
             by_host.setdefault(s.host or s.where, []).append(s)
