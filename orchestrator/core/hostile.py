@@ -22,6 +22,10 @@ from __future__ import annotations
 import posixpath
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the core loads no terminal library: rich is imported where it is used
+    from rich.text import Text
 
 # ---------------------------------------------------------------- text
 
@@ -53,7 +57,7 @@ def text_bytes(data: bytes) -> bytes:
     return text(data.decode("utf-8", "replace")).encode()
 
 
-def rich_text(value: str, style: str = ""):  # noqa: ANN201 - rich.text.Text, imported lazily
+def rich_text(value: str, style: str = "") -> Text:
     """Remote text as a rich Text: shown as it is, never parsed as markup (`[/red]`, `[link=...]`)."""
     from rich.text import Text
     return Text(text(value), style=style)

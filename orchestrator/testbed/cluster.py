@@ -14,17 +14,29 @@ import os
 import subprocess
 import tarfile
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+# The library's modules by their full names: to mypy, a bare `docker` is this repository's docker/
+# folder (a namespace package), which has none of the library's names.
 import docker.errors
+import docker.types
+from docker.client import DockerClient
 
-import docker
 from orchestrator.config import inventory
 from orchestrator.core.errors import UserError
 from orchestrator.images.images import push
 from orchestrator.transport.remote import Session
+
+if TYPE_CHECKING:
+    from docker.models.containers import Container
+    from docker.models.networks import Network
+
+# Where progress lines go: print by default, or any callable that takes the line.
+Log = Callable[[str], object]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STATE_DIR = PROJECT_ROOT / ".cluster"
@@ -59,9 +71,9 @@ def node_infos(count: int, subnet: str = SUBNET) -> list[NodeInfo]:
             for i in range(1, count + 1)]
 
 
-def _client() -> docker.DockerClient:
+def _client() -> DockerClient:
     try:
-        client = docker.from_env(timeout=300)
+        client = DockerClient.from_env(timeout=300)
         client.ping()
         return client
     except docker.errors.DockerException as exc:
@@ -84,14 +96,14 @@ def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:
     return key, (state / "id_ed25519.pub").read_text().strip()
 
 
-def _exec(container, argv: list[str]) -> str:
+def _exec(container: Container, argv: list[str]) -> str:
     code, out = container.exec_run(argv)
     if code != 0:
         raise UserError(f"{container.name}: {' '.join(argv[:3])}... failed ({code}): {out.decode()[-300:]}")
     return out.decode()
 
 
-def _ensure_network(client: docker.DockerClient, subnet: str):
+def _ensure_network(client: DockerClient, subnet: str) -> Network:
     try:
         net = client.networks.get(NETWORK)
         have = net.attrs["IPAM"]["Config"][0]["Subnet"]
@@ -104,7 +116,7 @@ def _ensure_network(client: docker.DockerClient, subnet: str):
         return client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LABEL: "1"})
 
 
-def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str):
+def _ensure_node(client: DockerClient, node: NodeInfo, host_image_id: str) -> Container:
     try:
         c = client.containers.get(node.container)
         net = c.attrs["NetworkSettings"]["Networks"].get(NETWORK) or {}
@@ -137,7 +149,7 @@ def _ensure_node(client: docker.DockerClient, node: NodeInfo, host_image_id: str
     return client.containers.get(created["Id"])
 
 
-def _wait_ready(container, timeout: float = 90) -> None:
+def _wait_ready(container: Container, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         code, _ = container.exec_run(
@@ -156,7 +168,7 @@ def _wait_ready(container, timeout: float = 90) -> None:
 
 
 def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
-       images: tuple[str, ...] = (TRAINER_IMAGE,), log=print, spares: int = 0,
+       images: tuple[str, ...] = (TRAINER_IMAGE,), log: Log = print, spares: int = 0,
        slurm: bool = False) -> list[NodeInfo]:
     """`count` hosts and `spares` spare hosts (listed under spares: in the inventory); with `slurm`,
     the hosts (not the spares) are also a Slurm cluster."""
@@ -285,7 +297,7 @@ echo started
 """
 
 
-def slurm_up(client: docker.DockerClient, nodes: list[NodeInfo], log=print, timeout: float = 60) -> None:
+def slurm_up(client: DockerClient, nodes: list[NodeInfo], log: Log = print, timeout: float = 60) -> None:
     """The test hosts as a Slurm cluster (Debian's slurm-wlm and munge, in the host image): one
     munge key, one slurm.conf, slurmd everywhere, slurmctld on the first. Idempotent; SSH jobs on
     the same hosts are unaffected."""
@@ -329,8 +341,8 @@ def slurm_up(client: docker.DockerClient, nodes: list[NodeInfo], log=print, time
         f"({started} started, {len(nodes) - started} already running)")
 
 
-def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519",
-                     known_hosts: Path = STATE_DIR / "known_hosts", spares: list[NodeInfo] = (),
+def render_inventory(nodes: Sequence[NodeInfo], key: Path = STATE_DIR / "id_ed25519",
+                     known_hosts: Path = STATE_DIR / "known_hosts", spares: Sequence[NodeInfo] = (),
                      slurm: bool = False) -> str:
     """The inventory of these test hosts; with `slurm`, a slurm: section whose login node is the
     first host (Slurm's controller, where sbatch runs: fab train --on slurm)."""
@@ -348,7 +360,7 @@ def render_inventory(nodes: list[NodeInfo], key: Path = STATE_DIR / "id_ed25519"
     return "\n".join(lines) + "\n"
 
 
-def down(log=print) -> None:
+def down(log: Log = print) -> None:
     client = _client()
     for c in client.containers.list(all=True, filters={"label": LABEL}):
         log(f"removing {c.name}")

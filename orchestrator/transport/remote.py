@@ -28,7 +28,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha1
-from typing import Any, TypeVar
+from io import BufferedReader
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
 
 import paramiko
 from fabric import Config, Connection
@@ -72,7 +74,7 @@ class _RejectUnknown(paramiko.MissingHostKeyPolicy):
         self.label, self.ssh = label, ssh
         self.trust = trust or host_trust(ssh)
 
-    def missing_host_key(self, client, hostname, key) -> None:  # noqa: ANN001 - paramiko's signature
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         problem = self.trust.refusal(self.label, self.ssh, key)
         if problem is not None:
             raise HostKeyError(problem)
@@ -274,7 +276,8 @@ class Command:
         if self._timer is not None:
             DEADLINES.cancel(self._timer)
 
-    def __exit__(self, kind, exc, tb) -> None:  # noqa: ANN001
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self._cancel()
         if self.chan is not None:
             self.chan.close()
@@ -411,7 +414,7 @@ def run_capped(argv: list[str], timeout: float) -> tuple[int | None, bytes, byte
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     bufs = (hostile.Capped(), hostile.Capped())
 
-    def pump(pipe, buf: hostile.Capped) -> None:  # noqa: ANN001 - a binary pipe
+    def pump(pipe: BufferedReader, buf: hostile.Capped) -> None:
         with pipe:
             for chunk in iter(lambda: pipe.read1(1 << 16), b""):
                 buf.write(chunk)
@@ -438,7 +441,18 @@ def fds_needed(hosts: int) -> int:
     return 3 * hosts + 256
 
 
-def raise_fd_limit(want: int, resource_module=None) -> int:  # noqa: ANN001 - `resource`, or a stand-in
+class ResourceLimits(Protocol):
+    """What raise_fd_limit uses of the `resource` module (a stand-in in tests)."""
+
+    RLIMIT_NOFILE: int
+    RLIM_INFINITY: int
+
+    def getrlimit(self, resource: int, /) -> tuple[int, int]: ...
+
+    def setrlimit(self, resource: int, limits: tuple[int, int], /) -> None: ...
+
+
+def raise_fd_limit(want: int, resource_module: ResourceLimits | None = None) -> int:
     """Raise this process's soft limit of open files to `want` (at most the hard limit): the
     usual soft limit of 1024 is met from about 300 hosts. The limit in force after."""
     import resource
@@ -746,7 +760,7 @@ def host_trust(ssh: SSH) -> HostTrust:
     return HostTrust(name, keys, revoked, tuple(e for e in found if e.marker == "@cert-authority"))
 
 
-def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a paramiko Channel
+def _open(ssh: SSH, label: str, sock: paramiko.Channel | None = None) -> Connection:
     """One connected hop, its host key checked against its known_hosts files (see host_trust):
     paramiko is given the host's keys, one per type (it asks the server for the first type), and
     the policy decides on anything else it is shown."""
@@ -785,6 +799,10 @@ def _open(ssh: SSH, label: str, sock=None) -> Connection:  # noqa: ANN001 - a pa
     return conn
 
 
+# Opens one hop: (its settings, its label for messages, the channel to reach it through) -> connection.
+OpenHop = Callable[[SSH, str, paramiko.Channel | None], Connection]
+
+
 class Gateways:
     """The open connections to jump hosts, one per chain of hops, shared by every host behind it.
 
@@ -794,7 +812,7 @@ class Gateways:
     the bastion sees one connection per chain, and each host is a direct-tcpip channel in it.
     """
 
-    def __init__(self, open_hop=None) -> None:  # noqa: ANN001 - _open, or a stand-in in tests
+    def __init__(self, open_hop: OpenHop | None = None) -> None:
         self._open = open_hop or _open
         self._conns: dict[tuple[SSH, ...], Connection] = {}
         self._locks: dict[tuple[SSH, ...], threading.Lock] = {}
