@@ -13,13 +13,16 @@ import math
 import re
 import shlex
 from dataclasses import replace
+from typing import Any
 
 import yaml
 
 from orchestrator.commands import dockerargs, hostfiles
+from orchestrator.commands.node import job_env, node_spec
 from orchestrator.config.inventory import SLURM_VALUE_RE, Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.core.nodespec import HOST, NodeSpec
 
 # A word of a generated script that Slurm's environment fills in at run time: VAR + NAME + VAR.
 VAR = "\x00"
@@ -89,10 +92,11 @@ def _entrypoint() -> str:
 
 def _summary(inv: Inventory, spec: jobspec.JobSpec, nodes: int, host: Host) -> list[str]:
     nproc = spec.nproc_per_node or inv.job.nproc_per_node
-    what = " ".join(dockerargs.command(spec))
+    n = node_spec(inv, host, spec)
+    what = " ".join(n.command)
     return [
         f"#   {nodes} node(s) x {comment(nproc)} process(es), "
-        f"image {comment(spec.image or inv.image_for(host))}",
+        f"image {comment(n.image)}",
         f"#   runs: {comment(what)}",
     ]
 
@@ -198,7 +202,7 @@ def _slurm_env(inv: Inventory, host: Host, spec: jobspec.JobSpec) -> list[tuple[
     (None). One interface for every node only when the inventory gives all hosts the same one."""
     same_interface = all(h.interface == host.interface for h in inv.hosts)
     env: list[tuple[str, str | None]] = []
-    for key, value in dockerargs.job_env(inv, host, spec):
+    for key, value in job_env(inv, host, spec):
         if key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") and not same_interface:
             continue
         env.append((key, None if key in PASSED_ON else value))
@@ -207,13 +211,12 @@ def _slurm_env(inv: Inventory, host: Host, spec: jobspec.JobSpec) -> list[tuple[
 
 def _docker_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str, grace: str) -> list[str]:
     container = f"fabtrain-{spec.job_id}-r" + var("NODE_RANK")
-    node = replace(host, name=var("FABTRAIN_NODE"))  # the label names the Slurm node, not a host
-    image_and_command = dockerargs.image_and_command(inv, host, spec)
-    at = image_and_command.index(jobspec.ENTRYPOINT_PATH) - 1  # the image
-    run = ["docker", "run", "--rm", "--cidfile", f"{rt}/cid",
-           *dockerargs.run_options(inv, node, spec, var("fabtrain_container"), var("NODE_RANK"),
-                             _slurm_env(inv, host, spec), runtime=rt),
-           *image_and_command[:at]]
+    # The node's name, rank and per-node variables are the Slurm task's, filled in at run time; the
+    # host label names the Slurm node.
+    n = node_spec(inv, replace(host, name=var("FABTRAIN_NODE")), spec, name=var("fabtrain_container"),
+                  rank=var("NODE_RANK"), env=_slurm_env(inv, host, spec), runtime=rt)
+    run = ["docker", "run", "--rm", "--cidfile", f"{rt}/cid", *dockerargs.docker_options(n),
+           *dockerargs.entry_options(n)]
     return [
         "",
         "# One node's container, in the foreground of its task: stopped when the task ends or is",
@@ -238,7 +241,7 @@ def _docker_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str, gr
         '>/dev/null 2>&1; rm -rf "$fabtrain_rt"; rmdir "${fabtrain_rt%/*}" 2>/dev/null\' EXIT',
         "  trap 'exit 143' TERM",
         "  trap 'exit 130' INT",
-        f"  {long_line(run, image_and_command[at:], '  ')} &",
+        f"  {long_line(run, dockerargs.image_and_command(n), '  ')} &",
         "  wait $!",
         "}",
         "export -f fabtrain_node",
@@ -255,26 +258,21 @@ def enroot_image(image: str) -> str:
 
 
 def _pyxis_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str) -> list[str]:
-    mounts = [
-        (hostfiles.code_path(inv, spec), jobspec.CODE_MOUNT, True),
-        (hostfiles.work_dir(inv, spec), jobspec.WORKDIR, False),
-        (f"{inv.job.output_dir}/{spec.job_id}", jobspec.OUTDIR, False),
-        (rt, jobspec.RUNTIME_MOUNT, True),
-        *((m.source, m.target, m.read_only) for m in host.mounts),
-    ]
+    n = node_spec(inv, host, spec, runtime=rt)
+    mounts = [(m.mount.source, m.mount.target, m.mount.read_only) for m in n.mounts]
     for source, target, _ in mounts:
         if "," in source + target or ":" in source + target:
             raise UserError(f"{inv.path}: the mount {source}:{target} holds ',' or ':', which pyxis's "
                             "--container-mounts cannot take; use the docker flavour or another path")
     exports = [f"{k}={v}" for k, v in _slurm_env(inv, host, spec) if v is not None]
     srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "--label",
-            f"--container-image={enroot_image(spec.image or inv.image_for(host))}",
+            f"--container-image={enroot_image(n.image)}",
             "--container-mounts=" + ",".join(f"{s}:{t}" + (":ro" if ro else "") for s, t, ro in mounts),
-            f"--container-workdir={jobspec.WORKDIR}", "--no-container-entrypoint"]
+            f"--container-workdir={n.workdir}", "--no-container-entrypoint"]
     notes = ["# pyxis gives the container the task's environment, so NODE_RANK comes from SLURM_NODEID",
              "# (docker/entrypoint.py) and GPUs from --gpus-per-node; Docker-only settings (ulimits,",
              "# capabilities, devices, shm size) are the cluster's enroot configuration here."]
-    entry = long_line(srun, ["python3", jobspec.ENTRYPOINT_PATH, *dockerargs.command(spec)], "")
+    entry = long_line(srun, [*n.program, *n.command], "")
     return [
         "",
         "srun --ntasks-per-node=1 bash -c fabtrain_prepare",
@@ -309,20 +307,20 @@ def _quantity(docker_size: str) -> str:
     return m.group(1) + {"": "", "b": "", "k": "Ki", "m": "Mi", "g": "Gi"}[m.group(2)]
 
 
-def _container(inv: Inventory, spec: jobspec.JobSpec, host: Host, env: list[dict]) -> dict:
+def _container(n: NodeSpec, env: list[dict]) -> dict:
     skip = {"MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_NODE",
             "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",  # the platform's, or found by the entrypoint
             "FABTRAIN_CODE"}  # the code is in the image
-    env = env + [{"name": k, "value": v} for k, v in dockerargs.job_env(inv, host, spec) if k not in skip]
+    env = env + [{"name": k, "value": v} for k, v in n.env if k not in skip]
     env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": name}}}
-            for name, _ in inv.job.secret_files]
+            for name in n.secrets]
     c: dict = {
         "name": "pytorch",
-        "image": spec.image or inv.image_for(host),
+        "image": n.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", jobspec.ENTRYPOINT_PATH],
-        "args": dockerargs.command(spec),
-        "workingDir": jobspec.WORKDIR,
+        "command": list(n.program),
+        "args": list(n.command),
+        "workingDir": n.workdir,
         "env": env,
         "volumeMounts": [
             {"name": "fabtrain", "mountPath": jobspec.RUNTIME_MOUNT, "readOnly": True},
@@ -330,42 +328,41 @@ def _container(inv: Inventory, spec: jobspec.JobSpec, host: Host, env: list[dict
             {"name": "output", "mountPath": jobspec.OUTDIR},
         ],
     }
-    if host.gpu_vendor in GPU_RESOURCE and host.gpu_count:
-        c["resources"] = {"limits": {GPU_RESOURCE[host.gpu_vendor]: str(host.gpu_count)}}
-    caps = ["IPC_LOCK"] if host.infiniband else []
-    caps += [cap for cap in (*inv.job.cap_add, *host.cap_add) if cap not in caps]
+    if n.gpu_vendor in GPU_RESOURCE and n.gpu_count:
+        c["resources"] = {"limits": {GPU_RESOURCE[n.gpu_vendor]: str(n.gpu_count)}}
     security: dict = {}
-    if caps:
-        security["capabilities"] = {"add": caps}
-    if "seccomp=unconfined" in dockerargs.container_options(inv, host):
+    if n.cap_add:
+        security["capabilities"] = {"add": list(n.cap_add)}
+    if n.seccomp_unconfined:
         security["seccompProfile"] = {"type": "Unconfined"}
     if security:
         c["securityContext"] = security
-    for i, m in enumerate(host.mounts):
+    for i, m in enumerate(n.mounts_of(HOST)):
         c["volumeMounts"].append({"name": f"mount{i}", "mountPath": m.target, "readOnly": m.read_only})
     return c
 
 
 def _pod_spec(inv: Inventory, spec: jobspec.JobSpec, host: Host, config_map: str, env: list[dict],
-              **extra) -> dict:
+              **extra: Any) -> dict:
+    n = node_spec(inv, host, spec)
     return {
         **extra,
-        "containers": [_container(inv, spec, host, env)],
-        "volumes": _volumes(inv, host, config_map),
+        "containers": [_container(n, env)],
+        "volumes": _volumes(n, config_map),
     }
 
 
-def _volumes(inv: Inventory, host: Host, config_map: str) -> list[dict]:
+def _volumes(n: NodeSpec, config_map: str) -> list[dict]:
     """The entrypoint (a ConfigMap), shared memory, the outputs on the job's PersistentVolumeClaim
     (snapshots outlive a pod: a restarted pod resumes from them), the inventory's host mounts."""
     shm: dict = {"medium": "Memory"}
-    if inv.job.shm_size:
-        shm["sizeLimit"] = _quantity(inv.job.shm_size)
+    if n.shm_size:
+        shm["sizeLimit"] = _quantity(n.shm_size)
     volumes = [{"name": "fabtrain", "configMap": {"name": config_map}},
                {"name": "shm", "emptyDir": shm},
                {"name": "output", "persistentVolumeClaim": {"claimName": output_claim(config_map)}}]
     return volumes + [
-        {"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(host.mounts)
+        {"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(n.mounts_of(HOST))
     ]
 
 
@@ -451,7 +448,8 @@ def _trainjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: 
     """A Kubeflow Trainer v2 TrainJob on the cluster's torch runtime: the trainer's image, command,
     environment and GPUs per node, and (a runtime patch, as Trainer v2 takes pod changes) the
     entrypoint, shared memory, output claim and mounts on its "node" container."""
-    c = _container(inv, spec, host, [])
+    n = node_spec(inv, host, spec)
+    c = _container(n, [])
     trainer = {"numNodes": len(inv.hosts), "image": c["image"], "command": c["command"], "args": c["args"],
                "env": c["env"]}
     if "resources" in c:
@@ -459,7 +457,7 @@ def _trainjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: 
     container = {"name": TRAINER_NODE, "volumeMounts": c["volumeMounts"]}
     if "securityContext" in c:
         container["securityContext"] = c["securityContext"]
-    pod = {"volumes": _volumes(inv, host, cm), "containers": [container]}
+    pod = {"volumes": _volumes(n, cm), "containers": [container]}
     patch = {"manager": "fabtrain", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": TRAINER_NODE, "template": {"spec": {"template": {"spec": pod}}}}]}}}}
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",

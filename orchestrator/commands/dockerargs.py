@@ -5,33 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.commands.hostfiles import (
-    code_path,
-    console_file,
-    runtime_dir,
-    work_dir,
-)
-from orchestrator.commands.sshargs import bounded, shell, timed_out_note
+from orchestrator.commands.sshargs import shell
 from orchestrator.config import resources
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import devices
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import (
-    CODE_MOUNT,
-    ENTRYPOINT_PATH,
     LABEL_ATTEMPT,
-    LABEL_HOST,
     LABEL_JOB,
     LABEL_MANAGED,
     LABEL_OWNER,
     LABEL_RANK,
-    OUTDIR,
-    RUNTIME_MOUNT,
-    WORKDIR,
     JobSpec,
-    console_name,
     container_name,
 )
+from orchestrator.core.nodespec import NodeSpec
 
 ENTRYPOINT_SOURCE = resources.entrypoint()
 
@@ -108,8 +96,11 @@ VENDOR_ULIMITS = {"nvidia": (("memlock", "-1"), ("stack", "67108864"))}
 VENDOR_SECURITY = {"amd": ("seccomp=unconfined",)}
 
 
-def container_options(inv: Inventory, host: Host) -> list[str]:
-    """--ulimit, --cap-add and --security-opt: the vendor's defaults, then job:, then the host's."""
+def container_options_of(
+    inv: Inventory, host: Host
+) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], tuple[str, ...]]:
+    """(ulimits, added capabilities, security options) of a node's container: the vendor's defaults,
+    then job:, then the host's; IPC_LOCK first on an InfiniBand host."""
     ulimits = dict(VENDOR_ULIMITS.get(host.gpu_vendor, ()))
     ulimits.update(inv.job.ulimits)
     ulimits.update(host.ulimits)
@@ -117,123 +108,49 @@ def container_options(inv: Inventory, host: Host) -> list[str]:
     if host.infiniband:
         caps.insert(0, "IPC_LOCK")
     security = [*VENDOR_SECURITY.get(host.gpu_vendor, ()), *inv.job.security_opt, *host.security_opt]
-    args: list[str] = []
-    for name, value in ulimits.items():
-        args += ["--ulimit", f"{name}={value}"]
-    for cap in dict.fromkeys(caps):
-        args += ["--cap-add", cap]
-    for opt in dict.fromkeys(security):
-        args += ["--security-opt", opt]
-    return args
+    return tuple(ulimits.items()), tuple(dict.fromkeys(caps)), tuple(dict.fromkeys(security))
 
 
-def job_env(
-    inv: Inventory, host: Host, spec: JobSpec, units: tuple[int, ...] | None = None
-) -> list[tuple[str, str]]:
-    """Environment of one node's container, in a stable order (inventory, host, then command line).
-    GPUs or slots asked for (--include HOST:i,j, --gpus N) set the node's processes, one per unit,
-    unless --nproc says otherwise."""
-    asked = units is not None and not spec.nproc_per_node and (bool(spec.units) or spec.gpus is not None)
-    env = [
-        ("MASTER_ADDR", inv.master.hostname),
-        ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
-        ("NNODES", str(len(inv.hosts))),
-        ("NODE_RANK", str(host.rank)),
-        ("NPROC_PER_NODE", str(len(units)) if asked and units is not None
-         else spec.nproc_per_node or inv.job.nproc_per_node),
-        # NCCL matches a name as a prefix (eth0 would take eth0.100 too); '=' asks for exactly it.
-        # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname
-        ("NCCL_SOCKET_IFNAME", "=" + host.interface),
-        ("GLOO_SOCKET_IFNAME", host.interface),
-        ("FABTRAIN_JOB", spec.job_id),
-        ("FABTRAIN_NODE", host.name),
-        ("FABTRAIN_OUTPUT", OUTDIR),
-        ("FABTRAIN_CODE", CODE_MOUNT),
-    ]
-    merged = dict(env)
-    for key, value in (*inv.job.env, *host.env, *spec.env):
-        merged[key] = value
-    return list(merged.items())
-
-
-def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                    units: tuple[int, ...] | None = None) -> list[str]:
-    """`docker run` of one node of a job, detached so the job outlives a lost SSH session. `units`:
-    the GPUs (CPU slots) the job holds on the host (claims.py); None: the whole host."""
-    console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
-    return ["docker", "run", "--detach",
-            *run_options(inv, host, spec, container_name(spec.job_id, host.rank), str(host.rank),
-                         [*job_env(inv, host, spec, units), console], access, units=units),
-            *image_and_command(inv, host, spec)]
-
-
-def run_options(inv: Inventory, host: Host, spec: JobSpec, name: str, rank: str,
-                env: list[tuple[str, str | None]], access: GpuAccess | None = None,
-                runtime: str | None = None, units: tuple[int, ...] | None = None) -> list[str]:
-    """The options of one node's `docker run`, shared with the Slurm export (which gives the name,
-    rank and some variables at run time: a None value passes the variable on from the caller, and
-    its own `runtime` directory, one per attempt)."""
-    argv = ["--name", name,
-            "--label", f"{LABEL_MANAGED}=1", "--label", f"{LABEL_JOB}={spec.job_id}",
-            "--label", f"{LABEL_RANK}={rank}", "--label", f"{LABEL_HOST}={host.name}",
-            *(["--label", f"{LABEL_OWNER}={spec.owner}"] if spec.owner else []),
-            *(["--label", f"{LABEL_ATTEMPT}={dict(spec.env)['FABTRAIN_ATTEMPT']}"]
-              if "FABTRAIN_ATTEMPT" in dict(spec.env) else []),
-            # Host networking: NCCL/gloo see the real interfaces, no port mapping, no NAT.
-            "--network", "host"]
+def docker_options(node: NodeSpec) -> list[str]:
+    """The options of a node's `docker run` (the Slurm script's too), from its NodeSpec."""
+    argv = ["--name", node.name]
+    for key, value in node.labels:
+        argv += ["--label", f"{key}={value}"]
+    # Host networking: NCCL/gloo see the real interfaces, no port mapping, no NAT.
+    argv += ["--network", node.network]
     # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
-    argv += ["--shm-size", inv.job.shm_size] if inv.job.shm_size else ["--ipc", "host"]
-    whole = units is None or host.gpu_vendor == "none" or tuple(units) == tuple(range(host.gpu_count))
-    argv += device_args(host, access, None if whole or units is None else tuple(units))
-    if spec.cpuset and units is not None and host.gpu_vendor == "none":
-        argv += ["--cpuset-cpus", ",".join(map(str, units))]  # a CPU host's slot i is its CPU i
-    argv += container_options(inv, host)
-    for key, value in env:
-        argv += ["--env", key if value is None else f"{key}={value}"]
-    argv += ["--volume", f"{code_path(inv, spec)}:{CODE_MOUNT}:ro",
-             "--volume", f"{work_dir(inv, spec)}:{WORKDIR}",
-             "--volume", f"{inv.job.output_dir}/{spec.job_id}:{OUTDIR}",
-             "--volume", f"{runtime or runtime_dir(inv, spec)}:{RUNTIME_MOUNT}:ro"]
-    for m in host.mounts:
-        argv += ["--volume", f"{m.source}:{m.target}" + (":ro" if m.read_only else "")]
+    argv += ["--shm-size", node.shm_size] if node.shm_size else ["--ipc", "host"]
+    argv += node.devices
+    if node.cpuset is not None:
+        argv += ["--cpuset-cpus", node.cpuset]
+    for name, value in node.ulimits:
+        argv += ["--ulimit", f"{name}={value}"]
+    for cap in node.cap_add:
+        argv += ["--cap-add", cap]
+    for opt in node.security_opt:
+        argv += ["--security-opt", opt]
+    for key, env_value in node.env:
+        argv += ["--env", key if env_value is None else f"{key}={env_value}"]
+    for m in node.mounts:
+        argv += ["--volume", f"{m.mount.source}:{m.mount.target}" + (":ro" if m.mount.read_only else "")]
     return argv
 
 
-def image_and_command(inv: Inventory, host: Host, spec: JobSpec) -> list[str]:
-    """The image and what runs in it. The image's own ENTRYPOINT is set aside: python3 runs the
-    entrypoint this orchestrator put in the job's runtime directory, so any image with python3 and
-    torch runs as it is."""
-    return ["--workdir", WORKDIR, "--entrypoint", "python3", spec.image or inv.image_for(host),
-            ENTRYPOINT_PATH, *command(spec)]
+def entry_options(node: NodeSpec) -> list[str]:
+    """The working directory and the program run in place of the image's own ENTRYPOINT: python3
+    runs the entrypoint this orchestrator put in the job's runtime directory, so any image with
+    python3 and torch runs as it is."""
+    return ["--workdir", node.workdir, "--entrypoint", node.program[0]]
 
 
-def command(spec: JobSpec) -> list[str]:
-    """The entrypoint's arguments: the script (or -m MODULE) and its arguments."""
-    return [*(["-m", spec.script] if spec.module else [spec.script]), *spec.args]
+def image_and_command(node: NodeSpec) -> list[str]:
+    """The image, then the program's arguments (our entrypoint) and the job's command."""
+    return [node.image, *node.program[1:], *node.command]
 
 
-def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                 units: tuple[int, ...] | None = None, timeout: float | None = None) -> str:
-    """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
-    the command's stdin (ENTRYPOINT_SOURCE; never a command line), start the container. With the
-    step's `timeout`, `docker run` is ended on the host before it passes (bounded)."""
-    rt = runtime_dir(inv, spec)
-    console = console_file(inv, spec, host.rank)
-    dirs = [
-        "mkdir",
-        "-p",
-        f"{inv.job.output_dir}/{spec.job_id}",
-        console.rsplit("/", 1)[0],
-        rt,
-        work_dir(inv, spec),
-    ]
-    run = docker_run_argv(inv, host, spec, access, units)
-    # An earlier attempt's console file goes first: the follower must not read it as this one's.
-    # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
-    return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
-            f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
-            + (f"{shell(run)} >/dev/null" if timeout is None else
-               f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
+def docker_run(node: NodeSpec, *head: str) -> list[str]:
+    """`docker run HEAD...` of the node: every option, the image, then what runs in it."""
+    return ["docker", "run", *head, *docker_options(node), *entry_options(node), *image_and_command(node)]
 
 
 # Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGUSR1 to every

@@ -24,6 +24,7 @@ from orchestrator.config.sshconf import (
     resolve,
 )
 from orchestrator.core.errors import UserError
+from orchestrator.core.nodespec import Mount
 
 if TYPE_CHECKING:
     import paramiko
@@ -42,13 +43,6 @@ MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
-class Mount:
-    source: str
-    target: str
-    read_only: bool = False
-
-
-@dataclass(frozen=True)
 class Host:
     name: str
     address: str
@@ -61,7 +55,7 @@ class Host:
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[Mount, ...] = ()
     devices: tuple[str, ...] = ()
-    # Container options on top of job:'s (see dockerargs.container_options).
+    # Container options on top of job:'s (see dockerargs.container_options_of).
     ulimits: tuple[tuple[str, str], ...] = ()
     cap_add: tuple[str, ...] = ()
     security_opt: tuple[str, ...] = ()

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.backends.ssh import job
 from orchestrator.backends.ssh.watch import watch  # noqa: E402
-from orchestrator.commands import dockerargs, hostfiles, sshargs
+from orchestrator.commands import dockerargs, hostfiles, node, sshargs
 from orchestrator.config.inventory import load  # noqa: E402
 from orchestrator.core import jobspec
 from orchestrator.hosts import hostops
@@ -116,7 +116,7 @@ def bench_launch(inv, base: Baselines, repeat: int) -> dict:
         res["all_initialised"].append(max(inits) - wall0)
         res["all_gone"].append(gone)
         # The same docker run through pdsh and through a serial ssh loop (containers removed after).
-        argv = dockerargs.docker_run_argv(inv, inv.hosts[0], spec)
+        argv = node.docker_run_argv(inv, inv.hosts[0], spec)
         name_at = argv.index("--name") + 1
         pdsh_argv = list(argv)
         pdsh_argv[name_at] = f"bench-pdsh-{i}"

@@ -361,3 +361,34 @@ def test_enroot_image_names():
     assert export.enroot_image("nvcr.io/nvidia/pytorch:24.01-py3") == "nvcr.io#nvidia/pytorch:24.01-py3"
     assert export.enroot_image("localhost:5000/x") == "localhost:5000#x"
     assert export.enroot_image("rocm/pytorch:latest") == "rocm/pytorch:latest"
+
+
+def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
+    """Each renderer reads the NodeSpec's fields (none parses another's output): a capability and a
+    security option added to the node alone reach the docker argv, the sbatch script's docker run
+    and the Kubernetes container."""
+    from orchestrator.commands import node as nodes
+    inv = parse(INVENTORIES["amd"], Path("/i/amd.yaml"))
+    host = inv.hosts[0]
+    n = nodes.node_spec(inv, host, SPEC)
+    argv = dockerargs.docker_run(n, "--detach")
+    started = nodes.docker_run_argv(inv, host, SPEC)  # what fab train runs: the same, plus its console
+    at = started.index("FABTRAIN_CONSOLE=/output/.console/node-0.log") - 1
+    assert started[:at] + started[at + 2:] == argv
+    assert argv[argv.index("--entrypoint") + 1: argv.index(n.image)] == ["python3"]
+    assert argv[argv.index(n.image):] == [n.image, jobspec.ENTRYPOINT_PATH, *n.command]
+    container = export._container(n, [])
+    assert container["command"] == ["python3", jobspec.ENTRYPOINT_PATH] and container["args"] == list(n.command)
+    assert n.seccomp_unconfined and container["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
+    more = dataclasses.replace(n, cap_add=(*n.cap_add, "SYS_PTRACE"), security_opt=("apparmor=unconfined",))
+    docker = dockerargs.docker_options(more)
+    assert docker[docker.index("SYS_PTRACE") - 1] == "--cap-add" and "seccomp=unconfined" not in docker
+    k8s = export._container(more, [])
+    assert k8s["securityContext"]["capabilities"]["add"][-1] == "SYS_PTRACE"
+    assert "seccompProfile" not in k8s["securityContext"]
+    # The sbatch script's docker run is the same options, the Slurm task filling in name and rank.
+    script, _ = export.slurm_script(inv, SPEC)
+    for flag, value in zip(docker[::2], docker[1::2], strict=True):
+        if flag in ("--ulimit", "--cap-add", "--security-opt", "--shm-size", "--device", "--group-add") \
+                and value != "SYS_PTRACE" and value != "apparmor=unconfined":
+            assert f"{flag} {value}" in script or f"{flag} '{value}'" in script, (flag, value)

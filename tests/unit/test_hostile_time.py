@@ -11,7 +11,7 @@ from pathlib import Path
 from test_job import Recorder, inventory, new_job
 
 from orchestrator.backends.ssh import job, jobs
-from orchestrator.commands import dockerargs, sshargs
+from orchestrator.commands import dockerargs, node, sshargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.hosts import claims
@@ -34,7 +34,7 @@ def test_the_start_step_runs_docker_run_under_timeout_quoted_once(tmp_path, monk
     h = a.hosts[1]
     step = a.step(h.name, "start")
     assert step.timeout == deadlines.START_TIMEOUT == 120
-    run = dockerargs.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
+    run = node.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
     bounded = sshargs.shell(["timeout", "-k", "5", "110", *run])
     assert (
         f"/entrypoint.py) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within "
@@ -62,7 +62,7 @@ def test_a_late_docker_run_is_ended_on_the_host_and_never_starts(tmp_path):
     (bin_ / "docker").write_text(f"#!/bin/sh\necho $$ > {pidfile}\nsleep 30\ntouch {made}\n")
     (bin_ / "docker").chmod(0o755)
     deadline = 4  # the host ends it after 2 s (SIGKILL 1 s later at most), fab would give up at 4
-    script = dockerargs.start_script(inv, inv.hosts[0], spec, timeout=deadline)
+    script = node.start_script(inv, inv.hosts[0], spec, timeout=deadline)
     start = time.monotonic()
     r = subprocess.run(["sh", "-c", script], input=b"print('entrypoint')\n", capture_output=True, timeout=30,
                        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})

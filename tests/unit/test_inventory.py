@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from orchestrator.commands import node as nodes
 from orchestrator.config.inventory import load, parse
 from orchestrator.core.errors import UserError
 
@@ -150,7 +151,6 @@ def _examples() -> dict[str, str]:
 
 
 def test_commented_examples_parse_and_give_the_documented_flags():
-    from orchestrator.commands import dockerargs
     from orchestrator.core import jobspec
     examples = _examples()
     assert len(examples) == 4, list(examples)
@@ -162,7 +162,7 @@ def test_commented_examples_parse_and_give_the_documented_flags():
         assert len(inv.hosts) == 2, name
         ngc_amd.append(inv)
         host = inv.hosts[0]
-        argv = dockerargs.docker_run_argv(inv, host, jobspec.JobSpec(job_id="j", script="s.py"))
+        argv = nodes.docker_run_argv(inv, host, jobspec.JobSpec(job_id="j", script="s.py"))
         if host.gpu_vendor == "nvidia":
             assert inv.job.image == "nvcr.io/nvidia/pytorch:24.01-py3"
             for flag in ("--gpus", "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "memlock=-1"):

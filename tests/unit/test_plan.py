@@ -3,7 +3,7 @@ import shlex
 import time
 from pathlib import Path
 
-from orchestrator.commands import dockerargs, hostfiles, sshargs
+from orchestrator.commands import dockerargs, hostfiles, node, sshargs
 from orchestrator.config import inventory
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
@@ -67,7 +67,7 @@ NGC_LIMITS = ["--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
 
 def test_docker_run_nvidia_with_the_runtime_hook():
     h = INV.hosts[0]
-    assert dockerargs.docker_run_argv(INV, h, SPEC, dockerargs.GpuAccess(nvidia_runtime=True, cdi=True)) == (
+    assert node.docker_run_argv(INV, h, SPEC, dockerargs.GpuAccess(nvidia_runtime=True, cdi=True)) == (
         common(0, "gpu0", "ib0") + ["--gpus", "all"] + NGC_LIMITS + env(0, "gpu0", "ib0") + TAIL + CMD)
 
 
@@ -77,7 +77,7 @@ def test_docker_run_nvidia_cdi_only():
         'runtimes {"io.containerd.runc.v2":{"path":"runc"},"runc":{}}\ncdi 3\n'
     )
     assert access == dockerargs.GpuAccess(nvidia_runtime=False, cdi=True)
-    assert dockerargs.docker_run_argv(INV, h, SPEC, access) == (
+    assert node.docker_run_argv(INV, h, SPEC, access) == (
         common(0, "gpu0", "ib0") + ["--device", "nvidia.com/gpu=all"] + NGC_LIMITS + env(0, "gpu0", "ib0")
         + TAIL + CMD)
     hook = dockerargs.parse_gpu_probe(
@@ -90,7 +90,7 @@ def test_docker_run_amd_groups_by_number_read_on_the_host():
     h = INV.hosts[1]
     # /dev/kfd owned by render (gid 110 on this host), the render nodes too; video (44) on card nodes.
     access = dockerargs.parse_gpu_probe("gids 44 110\n")
-    assert dockerargs.docker_run_argv(INV, h, SPEC, access) == (
+    assert node.docker_run_argv(INV, h, SPEC, access) == (
         common(1, "rocm1", "eth1")
         + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "44", "--group-add", "110",
            "--security-opt", "seccomp=unconfined"]
@@ -100,13 +100,13 @@ def test_docker_run_amd_groups_by_number_read_on_the_host():
 def test_docker_run_amd_without_a_render_group():
     # Devices owned by root only (gid 0): no group to add, and never a group name the image lacks.
     h = INV.hosts[1]
-    argv = dockerargs.docker_run_argv(INV, h, SPEC, dockerargs.parse_gpu_probe("gids 0\n"))
+    argv = node.docker_run_argv(INV, h, SPEC, dockerargs.parse_gpu_probe("gids 0\n"))
     assert "--group-add" not in argv and argv[argv.index("/dev/dri") + 1] == "--security-opt"
 
 
 def test_docker_run_cpu_with_infiniband_devices_and_mounts():
     h = INV.hosts[2]
-    assert dockerargs.docker_run_argv(INV, h, SPEC) == (
+    assert node.docker_run_argv(INV, h, SPEC) == (
         common(2, "cpu2", "eth0") + ["--device", "/dev/infiniband/uverbs0", "--cap-add", "IPC_LOCK"]
         + env(2, "cpu2", "eth0") + TAIL + ["--volume", "/data:/data:ro"] + CMD)
 
@@ -114,27 +114,27 @@ def test_docker_run_cpu_with_infiniband_devices_and_mounts():
 def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
     from dataclasses import replace
     spec = replace(SPEC, units="gpu0:2,5", owner="alice@ws1")
-    argv = dockerargs.docker_run_argv(
+    argv = node.docker_run_argv(
         INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=True), units=(2, 5)
     )
     assert argv[argv.index("fabtrain.host=gpu0") + 1:][:2] == ["--label", "fabtrain.owner=alice@ws1"]
     assert argv[argv.index("--gpus") + 1] == '"device=2,5"' and "NPROC_PER_NODE=2" in argv
     assert "--gpus '\"device=2,5\"'" in sshargs.shell(argv)  # as the docker CLI wants it on the host
-    cdi = dockerargs.docker_run_argv(
+    cdi = node.docker_run_argv(
         INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5)
     )
     assert cdi[cdi.index("--device"):cdi.index("--device") + 4] == [
         "--device", "nvidia.com/gpu=2", "--device", "nvidia.com/gpu=5"]
     # Every GPU of the host: the same argv as a job that owns the host; --nproc given wins.
-    assert dockerargs.docker_run_argv(
+    assert node.docker_run_argv(
         INV, INV.hosts[0], SPEC, dockerargs.GpuAccess(), units=tuple(range(8))
-    ) == dockerargs.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess())
-    assert "NPROC_PER_NODE=1" in dockerargs.docker_run_argv(
+    ) == node.docker_run_argv(INV, INV.hosts[0], SPEC, dockerargs.GpuAccess())
+    assert "NPROC_PER_NODE=1" in node.docker_run_argv(
         INV, INV.hosts[0], replace(spec, nproc_per_node="1"), dockerargs.GpuAccess(), units=(2, 5)
     )
     # AMD: /dev/kfd and only the chosen GPUs' render nodes, from the KFD topology read on the host.
     access = dockerargs.parse_gpu_probe("gids 44 110\nrender 128 136 144 152\n")
-    amd = dockerargs.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
+    amd = node.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
     assert amd[amd.index("/dev/kfd") - 1:amd.index("/dev/kfd") + 5] == [
         "--device", "/dev/kfd", "--device", "/dev/dri/renderD136", "--device", "/dev/dri/renderD152"]
 
@@ -142,8 +142,8 @@ def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
 def test_cpu_jobs_pinned_to_their_slots_with_cpuset():
     from dataclasses import replace
     h = INV.hosts[2]
-    assert "--cpuset-cpus" not in dockerargs.docker_run_argv(INV, h, SPEC, units=(1,))
-    argv = dockerargs.docker_run_argv(INV, h, replace(SPEC, cpuset=True, units="cpu2:1,3"), units=(1, 3))
+    assert "--cpuset-cpus" not in node.docker_run_argv(INV, h, SPEC, units=(1,))
+    argv = node.docker_run_argv(INV, h, replace(SPEC, cpuset=True, units="cpu2:1,3"), units=(1, 3))
     assert argv[argv.index("--cpuset-cpus") + 1] == "1,3" and "NPROC_PER_NODE=2" in argv
 
 
@@ -162,7 +162,13 @@ hosts:
     cap_add: [SYS_NICE]
     security_opt: [apparmor=unconfined]
 """, Path("i.yaml"))
-    assert dockerargs.container_options(inv, inv.hosts[0]) == [
+    n = node.node_spec(inv, inv.hosts[0], SPEC)
+    assert (n.ulimits, n.cap_add, n.security_opt) == (
+        (("memlock", "68719476736"), ("stack", "-1"), ("nofile", "4096:8192")),
+        ("IPC_LOCK", "SYS_PTRACE", "SYS_NICE"), ("apparmor=unconfined",))
+    argv = dockerargs.docker_options(n)
+    at = argv.index("--ulimit")
+    assert argv[at:at + 14] == [
         "--ulimit", "memlock=68719476736", "--ulimit", "stack=-1", "--ulimit", "nofile=4096:8192",
         "--cap-add", "IPC_LOCK", "--cap-add", "SYS_PTRACE", "--cap-add", "SYS_NICE",
         "--security-opt", "apparmor=unconfined"]
@@ -170,7 +176,7 @@ hosts:
 
 def test_module_runs_through_the_entrypoint():
     spec = jobspec.JobSpec(job_id="gpt-1", script="mypkg.train", module=True, args=("--lr", "1"))
-    argv = dockerargs.docker_run_argv(INV, INV.hosts[2], spec)
+    argv = node.docker_run_argv(INV, INV.hosts[2], spec)
     assert argv[argv.index("img:1") :] == [
         "img:1",
         "/run/fabtrain/entrypoint.py",
@@ -182,7 +188,7 @@ def test_module_runs_through_the_entrypoint():
 
 
 def test_start_script_writes_the_entrypoint_from_stdin():
-    script = dockerargs.start_script(INV, INV.hosts[2], SPEC)
+    script = node.start_script(INV, INV.hosts[2], SPEC)
     assert script.startswith(
         "mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
         "/opt/out/gpt-1/work && "
@@ -200,14 +206,14 @@ def test_start_script_writes_the_entrypoint_from_stdin():
 
 def test_shm_size_replaces_ipc_host():
     inv = parse("job: {shm_size: 64g}\nhosts:\n  - {address: h, interface: eth0}\n", Path("i.yaml"))
-    argv = dockerargs.docker_run_argv(inv, inv.hosts[0], SPEC)
+    argv = node.docker_run_argv(inv, inv.hosts[0], SPEC)
     assert "--ipc" not in argv and argv[argv.index("--shm-size") + 1] == "64g"
 
 
 def test_hostile_values_are_quoted_once():
     spec = jobspec.JobSpec(job_id="j", script="s.py", args=("'; touch /tmp/pwned #", "$(id)", "a b\nc"),
                         env=(("X", "`id` $HOME"),))
-    argv = dockerargs.docker_run_argv(INV, INV.hosts[2], spec)
+    argv = node.docker_run_argv(INV, INV.hosts[2], spec)
     assert shlex.split(sshargs.shell(argv)) == argv
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.backends.ssh.snapshots import CHECKSUM_TIMEOUT, layout, local_dir_name
-from orchestrator.commands import dockerargs, hostfiles, sshargs
+from orchestrator.commands import dockerargs, hostfiles, node, sshargs
 from orchestrator.config import resources
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
@@ -293,7 +293,7 @@ def build(
             remote_step(
                 h,
                 "start",
-                dockerargs.start_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT),
+                node.start_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT),
                 START_TIMEOUT,
                 what="docker run",
                 stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),

@@ -1,0 +1,132 @@
+"""The one place a node's container is described: node_spec() turns the inventory, one host and the
+job's options into a NodeSpec (core/nodespec.py) that every backend renders: `docker run` here and
+in dockerargs, the sbatch script and the Kubernetes container in backends/export.py."""
+from __future__ import annotations
+
+from orchestrator.commands.dockerargs import GpuAccess, container_options_of, device_args, docker_run
+from orchestrator.commands.hostfiles import code_path, console_file, runtime_dir, work_dir
+from orchestrator.commands.sshargs import bounded, shell, timed_out_note
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core.jobspec import (
+    CODE_MOUNT,
+    ENTRYPOINT_PATH,
+    LABEL_ATTEMPT,
+    LABEL_HOST,
+    LABEL_JOB,
+    LABEL_MANAGED,
+    LABEL_OWNER,
+    LABEL_RANK,
+    OUTDIR,
+    RUNTIME_MOUNT,
+    WORKDIR,
+    JobSpec,
+    console_name,
+    container_name,
+)
+from orchestrator.core.nodespec import CODE, HOST, OUTPUT, RUNTIME, WORK, Mount, NodeMount, NodeSpec
+
+PROGRAM = "python3"  # runs our entrypoint, whatever the image's own ENTRYPOINT is
+
+
+def command(spec: JobSpec) -> list[str]:
+    """The entrypoint's arguments: the script (or -m MODULE) and its arguments."""
+    return [*(["-m", spec.script] if spec.module else [spec.script]), *spec.args]
+
+
+def job_env(
+    inv: Inventory, host: Host, spec: JobSpec, units: tuple[int, ...] | None = None
+) -> list[tuple[str, str]]:
+    """Environment of one node's container, in a stable order (inventory, host, then command line).
+    GPUs or slots asked for (--include HOST:i,j, --gpus N) set the node's processes, one per unit,
+    unless --nproc says otherwise."""
+    asked = units is not None and not spec.nproc_per_node and (bool(spec.units) or spec.gpus is not None)
+    env = [
+        ("MASTER_ADDR", inv.master.hostname),
+        ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
+        ("NNODES", str(len(inv.hosts))),
+        ("NODE_RANK", str(host.rank)),
+        ("NPROC_PER_NODE", str(len(units)) if asked and units is not None
+         else spec.nproc_per_node or inv.job.nproc_per_node),
+        # NCCL matches a name as a prefix (eth0 would take eth0.100 too); '=' asks for exactly it.
+        # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname
+        ("NCCL_SOCKET_IFNAME", "=" + host.interface),
+        ("GLOO_SOCKET_IFNAME", host.interface),
+        ("FABTRAIN_JOB", spec.job_id),
+        ("FABTRAIN_NODE", host.name),
+        ("FABTRAIN_OUTPUT", OUTDIR),
+        ("FABTRAIN_CODE", CODE_MOUNT),
+    ]
+    merged = dict(env)
+    for key, value in (*inv.job.env, *host.env, *spec.env):
+        merged[key] = value
+    return list(merged.items())
+
+
+def node_spec(inv: Inventory, host: Host, spec: JobSpec, *, name: str | None = None, rank: str | None = None,
+              env: list[tuple[str, str | None]] | None = None, access: GpuAccess | None = None,
+              runtime: str | None = None, units: tuple[int, ...] | None = None) -> NodeSpec:
+    """One node of the job on `host`. The Slurm script gives `name`, `rank` and some variables at run
+    time (a None value in `env` passes the variable on from the caller) and its own `runtime`
+    directory, one per attempt. `units`: the GPUs (CPU slots) the job holds on the host
+    (hosts/claims.py); None: all of it."""
+    labels = [(LABEL_MANAGED, "1"), (LABEL_JOB, spec.job_id),
+              (LABEL_RANK, str(host.rank) if rank is None else rank), (LABEL_HOST, host.name)]
+    if spec.owner:
+        labels.append((LABEL_OWNER, spec.owner))
+    if "FABTRAIN_ATTEMPT" in dict(spec.env):
+        labels.append((LABEL_ATTEMPT, dict(spec.env)["FABTRAIN_ATTEMPT"]))
+    whole = units is None or host.gpu_vendor == "none" or tuple(units) == tuple(range(host.gpu_count))
+    cpuset = None
+    if spec.cpuset and units is not None and host.gpu_vendor == "none":
+        cpuset = ",".join(map(str, units))  # a CPU host's slot i is its CPU i
+    ulimits, caps, security = container_options_of(inv, host)
+    mounts = (NodeMount(CODE, Mount(code_path(inv, spec), CODE_MOUNT, True)),
+              NodeMount(WORK, Mount(work_dir(inv, spec), WORKDIR)),
+              NodeMount(OUTPUT, Mount(f"{inv.job.output_dir}/{spec.job_id}", OUTDIR)),
+              NodeMount(RUNTIME, Mount(runtime or runtime_dir(inv, spec), RUNTIME_MOUNT, True)),
+              *(NodeMount(HOST, m) for m in host.mounts))
+    return NodeSpec(
+        name=container_name(spec.job_id, host.rank) if name is None else name,
+        labels=tuple(labels),
+        image=spec.image or inv.image_for(host),
+        program=(PROGRAM, ENTRYPOINT_PATH),
+        command=tuple(command(spec)),
+        workdir=WORKDIR,
+        env=tuple(job_env(inv, host, spec, units) if env is None else env),
+        secrets=tuple(secret for secret, _ in inv.job.secret_files),
+        mounts=mounts,
+        shm_size=inv.job.shm_size or None,
+        devices=tuple(device_args(host, access, None if whole or units is None else tuple(units))),
+        gpu_vendor=host.gpu_vendor,
+        gpu_count=host.gpu_count,
+        cpuset=cpuset,
+        ulimits=ulimits,
+        cap_add=caps,
+        security_opt=security,
+    )
+
+
+def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+                    units: tuple[int, ...] | None = None) -> list[str]:
+    """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+    console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
+    env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console]
+    return docker_run(node_spec(inv, host, spec, env=env, access=access, units=units), "--detach")
+
+
+def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+                 units: tuple[int, ...] | None = None, timeout: float | None = None) -> str:
+    """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
+    the command's stdin (dockerargs.ENTRYPOINT_SOURCE; never a command line), start the container.
+    With the step's `timeout`, `docker run` is ended on the host before it passes (bounded)."""
+    rt = runtime_dir(inv, spec)
+    console = console_file(inv, spec, host.rank)
+    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt,
+            work_dir(inv, spec)]
+    run = docker_run_argv(inv, host, spec, access, units)
+    # An earlier attempt's console file goes first: the follower must not read it as this one's.
+    # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
+    return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
+            f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
+            + (f"{shell(run)} >/dev/null" if timeout is None else
+               f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
