@@ -7,13 +7,7 @@ import os
 
 from orchestrator.commands.sshargs import shell
 from orchestrator.config.inventory import Inventory
-from orchestrator.core.jobspec import (
-    WORK,
-    JobSpec,
-    console_name,
-    container_name,
-    heartbeat_name,
-)
+from orchestrator.core.jobspec import WORK, JobSpec, console_name, container_name, heartbeat_name
 
 
 def code_path(inv: Inventory, spec: JobSpec) -> str:

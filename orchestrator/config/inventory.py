@@ -15,14 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 import yaml
 
-from orchestrator.config.sshconf import (
-    ADDRESS_RE,
-    SSH,
-    Settings,
-    parse_jump,
-    read_config,
-    resolve,
-)
+from orchestrator.config.sshconf import ADDRESS_RE, SSH, Settings, parse_jump, read_config, resolve
 from orchestrator.core.errors import UserError
 from orchestrator.core.nodespec import Mount
 

@@ -54,13 +54,7 @@ from orchestrator.preflight.judge import (
     judge_time,
     suggest_interface,
 )
-from orchestrator.preflight.network import (
-    CLOCK_TIMEOUT,
-    CONNECT,
-    LISTENER,
-    measure_clock,
-    reachability,
-)
+from orchestrator.preflight.network import CLOCK_TIMEOUT, CONNECT, LISTENER, measure_clock, reachability
 from orchestrator.preflight.probe import (
     DOCKER_FACTS,
     DOCKER_TIMEOUT,
@@ -81,13 +75,7 @@ from orchestrator.preflight.probe import (
     probe_script,
 )
 from orchestrator.preflight.render import render, to_json
-from orchestrator.preflight.smoke import (
-    RunJob,
-    judge_transport,
-    nccl_transport,
-    read_ends,
-    smoke_test,
-)
+from orchestrator.preflight.smoke import RunJob, judge_transport, nccl_transport, read_ends, smoke_test
 from orchestrator.transport.remote import HostKeyError, Session, describe
 
 __all__ = [

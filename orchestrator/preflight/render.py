@@ -7,16 +7,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from orchestrator.core import hostile
-from orchestrator.preflight.checks import (
-    CHECKS,
-    FAIL,
-    NA,
-    OK,
-    SKIP,
-    WARN,
-    Check,
-    failed,
-)
+from orchestrator.preflight.checks import CHECKS, FAIL, NA, OK, SKIP, WARN, Check, failed
 
 if TYPE_CHECKING:
     from rich.console import Console

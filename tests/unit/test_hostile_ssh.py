@@ -23,12 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host
-from orchestrator.config.sshconf import (
-    DEFAULT_GLOBAL_KNOWN_HOSTS,
-    SSH,
-    Settings,
-    resolve,
-)
+from orchestrator.config.sshconf import DEFAULT_GLOBAL_KNOWN_HOSTS, SSH, Settings, resolve
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.transport import remote

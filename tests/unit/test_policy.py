@@ -5,14 +5,7 @@ import pytest
 
 from orchestrator.config.inventory import parse
 from orchestrator.core.policy import Failure as F
-from orchestrator.core.policy import (
-    HostFailure,
-    Outcome,
-    Policy,
-    Roster,
-    backoff,
-    decide,
-)
+from orchestrator.core.policy import HostFailure, Outcome, Policy, Roster, backoff, decide
 
 INV = parse("""\
 hosts:

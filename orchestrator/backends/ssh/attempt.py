@@ -20,12 +20,7 @@ from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import LOCAL
 from orchestrator.hosts import claims
-from orchestrator.transport.deadlines import (
-    COPY_TIMEOUT,
-    START_TIMEOUT,
-    STATUS_TIMEOUT,
-    STOP_MARGIN,
-)
+from orchestrator.transport.deadlines import COPY_TIMEOUT, START_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import put_command
 
 # When a step runs; ALWAYS steps run in every attempt that gets that far, in order.

@@ -21,14 +21,7 @@ from typing import TYPE_CHECKING
 from orchestrator import preflight
 from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh import snapshots
-from orchestrator.backends.ssh.attempt import (
-    ALWAYS,
-    ON_FAILURE,
-    ON_INTERRUPT,
-    AttemptPlan,
-    Fact,
-    Step,
-)
+from orchestrator.backends.ssh.attempt import ALWAYS, ON_FAILURE, ON_INTERRUPT, AttemptPlan, Fact, Step
 from orchestrator.backends.ssh.watch import NodeEnd, Watched, watch
 from orchestrator.commands import dockerargs, hostfiles, ports, sshargs
 from orchestrator.config import codetree
@@ -36,16 +29,7 @@ from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
-from orchestrator.core.policy import (
-    Decision,
-    Failure,
-    HostFailure,
-    Outcome,
-    Policy,
-    Roster,
-    backoff,
-    decide,
-)
+from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import claims, hostops
 from orchestrator.transport import deadlines

@@ -29,12 +29,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from rich.live import Live
 
-from orchestrator.backends.ssh.attempt import (
-    ON_FAILURE,
-    ON_INTERRUPT,
-    AttemptPlan,
-    Step,
-)
+from orchestrator.backends.ssh.attempt import ON_FAILURE, ON_INTERRUPT, AttemptPlan, Step
 from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import Host
 from orchestrator.core import hostile, recovery
