@@ -12,7 +12,6 @@ import json as _json
 import logging
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from fabric import Connection
@@ -21,20 +20,17 @@ from rich.console import Console
 
 from orchestrator import preflight as _preflight
 from orchestrator.backends import export as _export
-from orchestrator.backends.slurm import slurm as _slurm
 from orchestrator.backends.ssh import job as _job
-from orchestrator.backends.ssh import jobs
-from orchestrator.commandline import cli
+from orchestrator.commandline import cli, requests
 from orchestrator.config import inventory as _inventory
-from orchestrator.core import hostile, jobspec, recovery
+from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
-from orchestrator.core.events import JsonLines, Terminal
 from orchestrator.core.policy import HANG_TIMEOUT
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import hostops
 from orchestrator.images import images as _images
 from orchestrator.preflight import deep as _deep
 from orchestrator.testbed import cluster as _cluster
-from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
+from orchestrator.transport.remote import Session
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
@@ -254,177 +250,9 @@ def train(
     if "--" in sys.argv:
         raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
                         "arguments with --args \"...\" instead", exit_code=2)
-    given = dict(
-        model=model,
-        epochs=epochs,
-        trainer=trainer,
-        script=script,
-        args=args,
-        image=image,
-        nproc=nproc,
-        name=name,
-        code=code,
-        module=module,
-        checkpoint=checkpoint,
-    )
-    if on not in (None, "ssh", "slurm"):
-        raise UserError(f"--on {hostile.text(str(on))!r}: give ssh or slurm", exit_code=2)
-    if on == "slurm":
-        ssh_only = dict(
-            continue_=continue_,
-            restarts=restarts,
-            min_nodes=min_nodes,
-            hang_timeout=hang_timeout,
-            include=include,
-            exclude=exclude,
-            num_nodes=num_nodes,
-            gpus=gpus,
-            cpuset=cpuset,
-            health=health,
-            smoke=smoke,
-            json=json,
-            skip_preflight=skip_preflight,
-        )
-        return _train_on_slurm(
-            inventory,
-            given,
-            dry_run,
-            plain,
-            [k for k, v in ssh_only.items() if v not in (None, False)],
-            resume,
-        )
-    if resume and continue_:
-        raise UserError(
-            "--resume names the job to continue and --continue finds it by --name; give one", exit_code=2
-        )
-    # With --json, stdout carries JSON lines only: what people read goes to stderr.
-    say = Console(stderr=True, highlight=False, soft_wrap=True) if json else console
-    if continue_:
-        resume = cli.find_named(RUNS, cli.default_name(given, TRAINERS))
-        if resume is None:
-            say.print(
-                f"no earlier job named {cli.default_name(given, TRAINERS)} in {RUNS}/: starting a new one",
-                markup=False,
-            )
-    asked_include = include
-    if resume:
-        record = recovery.JobRecord.load(RUNS, resume)
-        inv = _inventory.load(inventory or record.inventory)
-        if not dry_run:
-            jobs.refuse_if_running(inv, resume, "--continue" if continue_ else "--resume")
-        if record.selected and not (include or exclude or num_nodes):
-            include = "@".join(record.selected)
-        spec, changed = cli.resumed_spec(record, given, TRAINERS, again=continue_)
-        policy = cli.policy(inv, record.restarts if restarts is None else restarts,
-                            record.min_nodes if min_nodes is None else min_nodes,
-                            record.hang_timeout if hang_timeout is None else hang_timeout)
-        record = replace(record, restarts=policy.restarts, min_nodes=policy.min_nodes,
-                         hang_timeout=policy.hang_timeout,
-                         resumes=[*record.resumes, cli.resume_entry(record, changed)])
-        say.print(f"{'continuing' if continue_ else 'resuming'} job {spec.job_id} ({len(record.attempts)} "
-                  f"attempt(s) so far, {record.state}){cli.changes_line(changed)}", markup=False)
-    else:
-        inv = _inventory.load(inventory)
-        record = None
-    selected = include or exclude or num_nodes is not None
-    units = cli.units_asked(inv, asked_include)
-    gpus = cli.count("--gpus", gpus)
-    if selected:
-        busy = set()
-        if num_nodes is not None:
-            want = claims.want_of(
-                jobspec.JobSpec(job_id="-", script="", units=units, gpus=gpus, nproc_per_node=nproc),
-                inv.job.nproc_per_node,
-            )
-            with Session(inv.all_hosts) as session:
-                busy = hostops.busy_hosts(hostops.survey(session, inv), inv, want)
-        inv = cli.select_hosts(inv, include, exclude, busy, num_nodes)
-    if health:
-        with Session(inv.all_hosts) as session:
-            inv, lines = _deep.gate(session, inv)
-        for line in lines:
-            say.print(hostile.rich_text(f"health: {line}"))
-        selected = True
-    if record is not None:
-        record.selected = [h.name for h in inv.hosts] if selected else record.selected
-    else:
-        policy = cli.policy(inv, restarts or 0, min_nodes, hang_timeout)
-        spec = cli.new_spec({**given, "checkpoint": checkpoint or cli.inventory_checkpoint(inv)}, TRAINERS)
-    # Who runs it now (fab stop ends only its own), and the GPUs or slots asked for (a resume keeps
-    # the recorded ones unless given again).
-    spec = replace(spec, owner=claims.me(), units=units if asked_include else spec.units,
-                   gpus=spec.gpus if gpus is None else gpus, cpuset=cpuset or spec.cpuset)
-    if record is not None:
-        record.spec.update(owner=spec.owner, units=spec.units, gpus=spec.gpus, cpuset=spec.cpuset)
-    reporter = JsonLines() if json else Terminal(console)
-    live = not (plain or json)
-    j = _job.Job(inv, spec, policy, RUNS, reporter, record=record, checks=not skip_preflight, smoke=smoke,
-                 watch_options={"console": console, "live": live, "echo": not json})
-    if selected and record is None:
-        j.record.selected = [h.name for h in inv.hosts]
-    if dry_run:
-        print(jobs.dry_run(j))
-        return
-    try:
-        result = _job.run(j)
-    except _job.PreflightFailed as exc:
-        _preflight.render(exc.checks, say)
-        raise
-    cli.present(result.run_dir, say)
-    error = jobs.explain(result)
-    if error:
-        raise error
-    again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
-    say.print(
-        f"job {spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}", markup=False
-    )
-
-
-def _train_on_slurm(inventory, given: dict, dry_run: bool, plain: bool, ssh_only: list[str],
-                    resume: str | None) -> None:
-    """fab train --on slurm (orchestrator/backends/slurm/slurm.py): submit, follow, exit with the
-    job's own result."""
-    if ssh_only:
-        names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in ssh_only)
-        raise UserError(
-            f"{names}: not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own "
-            "checks); set nodes, partition and time in the inventory's slurm: section",
-            exit_code=2,
-        )
-    record = None
-    if resume:
-        record = recovery.JobRecord.load(RUNS, resume)
-        if record.backend.get("on") != "slurm":
-            raise UserError(f"job {resume} ran over SSH; resume it without --on slurm", exit_code=2)
-        spec, changed = cli.resumed_spec(record, given, TRAINERS)
-        record.resumes.append(cli.resume_entry(record, changed))
-        inv = _inventory.load(inventory or record.inventory)
-        console.print(f"resuming job {spec.job_id} on Slurm ({len(record.attempts)} attempt(s) so far, "
-                      f"{record.state}){cli.changes_line(changed)}", markup=False)
-    else:
-        inv = _inventory.load(inventory)
-        spec = cli.new_spec(given, TRAINERS)
-    spec = replace(spec, owner=claims.me())
-    if dry_run:
-        print(_slurm.dry_run(inv, spec))
-        return
-    try:
-        end, run_dir, _ = _slurm.train(inv, spec, RUNS, console, live=not plain, record=record)
-    except KeyboardInterrupt:
-        raise UserError(
-            f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
-            exit_code=130,
-        ) from None
-    cli.present(run_dir, console)
-    if end.exit_code:
-        raise UserError(
-            f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code {end.code}); "
-            f"logs in {run_dir}",
-            exit_code=end.exit_code,
-        )
-    console.print(
-        f"job {spec.job_id} finished on Slurm (slurm job {end.slurm_id}); logs and curves in {run_dir}"
-    )
+    text = requests.train(requests.TrainRequest.of(locals()), RUNS, console, TRAINERS)
+    if text is not None:
+        print(text)
 
 
 @task(
@@ -445,57 +273,13 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     every one. Left-over runtime files (secrets included) of jobs no longer looked after are
     removed. Safe to repeat. A host whose engine does not answer within grace + 15 s is named;
     the others are still served."""
-    inv = _inventory.load(inventory)
-    grace = inv.job.stop_grace if grace is None else float(grace)
-    if job and not jobspec.valid_job_id(job):
-        raise UserError(
-            f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2
-        )
-    if job and _slurm.recorded(RUNS, job):
-        for line in _slurm.stop(inv, [job], RUNS, grace):
-            print(hostile.text(line))
-        return
-    if inv.slurm is not None and not job:  # your fabtrain jobs on Slurm (squeue --me) end too
-        with Session((inv.slurm.login,)) as session:
-            mine = [r["slurm_id"] for r in _slurm.status_rows(session, inv)]
-        for line in _slurm.stop(inv, mine, RUNS, grace):
-            print(hostile.text(line))
-    with Session(inv.all_hosts) as session:
-        found = hostops.survey(session, inv)
-        views = hostops.job_views(found)
-        chosen, others = jobs.to_stop(views, job, all, claims.me())
-        if all and others and not yes:
-            jobs.confirm_all(others)
-        targets = sorted(chosen)
-        hostops.mark_stopped(session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets})
-        results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
-        for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
-            if found.error(h.name) and not results.error(h.name):
-                results[h.name] = found[h.name]
-        cleared = hostops.clear_stale(session, inv, hostops.survey(session, inv))
-    failed = []
-    for host in inv.all_hosts:
-        r = results[host.name]
-        why = failure(host, r, "stopping containers")
-        if why:
-            failed.append(host.name)
-            print(f"{host.name}: could not stop: {why}", file=sys.stderr)
-        else:
-            print(f"{host.name}: removed {len(r.stdout.split())} container(s)")
-    for j in targets:
-        print(hostile.text(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else "")))
-    for v in others.values():
-        if v.job not in chosen:
-            print(
-                hostile.text(
-                    f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; "
-                    f"'fab stop --job {v.job}' ends it"
-                )
-            )
-    for line in cleared:
-        print(hostile.text(line))
-    if failed:
-        raise UserError(f"stop failed on {', '.join(failed)}; run 'fab stop' again once they answer")
+    out = requests.stop(inventory, job, all, yes, grace, RUNS)
+    for line in out.problems:
+        print(line, file=sys.stderr)
+    for line in out.lines:
+        print(line)
+    if out.failed:
+        raise UserError(f"stop failed on {', '.join(out.failed)}; run 'fab stop' again once they answer")
 
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the jobs as JSON"})
@@ -504,38 +288,18 @@ def status(c, inventory=None, json=False):
     """List the jobs on the hosts: id, who started it, hosts with their GPUs (CPU slots), state,
     attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
     stuck Docker engine) is named; exits non-zero then."""
-    inv = _inventory.load(inventory)
-    on_slurm, slurm_error = None, None
-    if inv.slurm is not None:  # the fabtrain jobs you submitted there (squeue --me)
-        with Session((inv.slurm.login,)) as session:
-            try:
-                on_slurm = _slurm.status_rows(session, inv)
-            except Exception as exc:  # noqa: BLE001 - the hosts' jobs are still listed; this is named
-                slurm_error = f"slurm: {failure(inv.slurm.login, exc, 'squeue')}"
-    with Session(inv.all_hosts) as session:
-        found = hostops.survey(session, inv)
-        views = hostops.job_views(found)
-        steps = hostops.last_steps(session, inv, views)
-    bad = [describe(h, e) for h in inv.all_hosts if (e := found.error(h.name)) is not None]
-    bad += [slurm_error] if slurm_error else []
+    found = requests.status(inventory)
     if json:
-        doc = _json.loads(jobs.status_json(views, steps, bad))
-        if on_slurm is not None:
-            doc["slurm"] = on_slurm
-        print(_json.dumps(doc, indent=2))
+        print(_json.dumps(found.doc, indent=2))
     else:
         # Piped or captured, rows stay whole (rich would fit the table to 80 columns).
         out = console if console.is_terminal else Console(highlight=False, width=250)
-        out.print(jobs.status_table(views, steps, inv))
-        if on_slurm is not None:
-            out.print(_slurm.status_table(on_slurm))
-        stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
-        lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
-        out.print(f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
-                  + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
-                  + (f"; unreachable: {', '.join(lost)}" if lost else ""))
-    if bad:
-        raise UserError("\n".join(bad))
+        for table in found.tables:
+            out.print(table)
+        for line in found.lines:
+            out.print(line, markup=False)
+    if found.errors:
+        raise UserError("\n".join(found.errors))
 
 
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "job id (default: the one running)",
@@ -543,27 +307,11 @@ def status(c, inventory=None, json=False):
 @user_errors
 def logs(c, inventory=None, job=None, plain=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
-    inv = _inventory.load(inventory)
-    if job and _slurm.recorded(RUNS, job):
-        try:
-            end = _slurm.follow_recorded(inv, job, RUNS, console, live=not plain)
-        except KeyboardInterrupt:
-            print("detached; the job goes on ('fab stop --job' ends it)")
-            return
-        if end.exit_code:
-            raise UserError(
-                f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})", exit_code=end.exit_code
-            )
-        return
-    with Session(inv.all_hosts) as session:
-        try:
-            result = jobs.attach(session, inv, job, RUNS, console, live=not plain)
-        except KeyboardInterrupt:
-            print("detached; the job goes on ('fab stop' ends it)")
-            return
-    error = jobs.explain(result)
-    if error:
-        raise error
+    finished = requests.logs(inventory, job, RUNS, console, plain)
+    if finished.closing:
+        print(finished.closing)
+    if finished.error is not None:
+        raise finished.error
 
 
 @task(auto_shortflags=False, help={"json": "print the runs as JSON"})

@@ -356,6 +356,12 @@ def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
     return p
 
 
+def stderr_console() -> Console:
+    """Where people read when stdout is for machines (--json)."""
+    from rich.console import Console
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
 def present(run_dir: Path, console: Console) -> None:
     """The end of a run: curves and summary.json (failed runs included), the step-time table and
     the stragglers."""

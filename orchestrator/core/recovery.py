@@ -55,6 +55,12 @@ class JobRecord:
     def job_id(self) -> str:
         return self.spec["job_id"]
 
+    @property
+    def on(self) -> str:
+        """The backend the job ran on (backends/__init__.py names them)."""
+        on = self.backend.get("on", "ssh")
+        return on if isinstance(on, str) else "ssh"
+
     def job_spec(self) -> jobspec.JobSpec:
         s = dict(self.spec)
         s["args"] = tuple(s.get("args", ()))

@@ -1,0 +1,107 @@
+"""The Slurm backend: the job submitted to the inventory's slurm: login node and followed there
+(slurm.py); Slurm picks the nodes and requeues."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.backends.slurm import slurm
+from orchestrator.core.errors import UserError
+from orchestrator.transport.remote import Session, failure
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from orchestrator.config.inventory import Inventory
+
+WHY_NOT = ("not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own checks); set "
+           "nodes, partition and time in the inventory's slurm: section")
+
+
+class SlurmBackend:
+    name = "slurm"
+    where = " on Slurm"
+    refuses = {
+        option: WHY_NOT
+        for option in (
+            "continue_",
+            "restarts",
+            "min_nodes",
+            "hang_timeout",
+            "include",
+            "exclude",
+            "num_nodes",
+            "gpus",
+            "cpuset",
+            "health",
+            "smoke",
+            "json",
+            "skip_preflight",
+        )
+    }
+
+    def serves(self, inv: Inventory) -> bool:
+        return inv.slurm is not None
+
+    def refuse_if_running(self, inv: Inventory, job_id: str, how: str) -> None:
+        """Not checked yet: resuming a job Slurm still runs submits a second one."""
+
+    def dry_run(self, launch: Launch) -> str:
+        return slurm.dry_run(launch.inv, launch.spec)
+
+    def run(self, launch: Launch) -> Finished:
+        spec = launch.spec
+        try:
+            end, run_dir, _ = slurm.train(launch.inv, spec, launch.runs, launch.console, live=launch.live,
+                                          record=launch.record)
+        except KeyboardInterrupt:
+            raise UserError(
+                f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
+                exit_code=130,
+            ) from None
+        error = None
+        if end.exit_code:
+            error = UserError(f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code "
+                              f"{end.code}); logs in {run_dir}", exit_code=end.exit_code)
+        return Finished(spec.job_id, run_dir, error, f"job {spec.job_id} finished on Slurm (slurm job "
+                                                     f"{end.slurm_id}); logs and curves in {run_dir}")
+
+    def attach(
+        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
+    ) -> Finished:
+        if job_id is None:
+            raise UserError("fab logs on Slurm needs --job JOB ('fab status' lists them)", exit_code=2)
+        try:
+            end = slurm.follow_recorded(inv, job_id, runs, console, live=live)
+        except KeyboardInterrupt:
+            return Finished(job_id, None, None, "detached; the job goes on ('fab stop --job' ends it)")
+        error = None
+        if end.exit_code:
+            error = UserError(f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})",
+                              exit_code=end.exit_code)
+        return Finished(job_id, runs / job_id, error)
+
+    def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
+             runs: Path) -> Stopped:
+        if job_id is None:  # your fabtrain jobs on Slurm (squeue --me)
+            with Session((slurm.cfg_of(inv).login,)) as session:
+                ids = [r["slurm_id"] for r in slurm.status_rows(session, inv)]
+        else:
+            ids = [job_id]
+        return Stopped(lines=slurm.stop(inv, ids, runs, grace))
+
+    def status(self, inv: Inventory) -> Status:
+        login = slurm.cfg_of(inv).login
+        with Session((login,)) as session:
+            try:
+                rows = slurm.status_rows(session, inv)
+            except Exception as exc:  # noqa: BLE001 - the hosts' jobs are still listed; this is named
+                return Status(errors=[f"slurm: {failure(login, exc, 'squeue')}"])
+        return Status(doc={"slurm": rows}, tables=[slurm.status_table(rows)])
+
+
+if TYPE_CHECKING:  # the class has everything base.Backend asks for
+    from orchestrator.backends.base import Backend
+
+    _checked: Backend = SlurmBackend()

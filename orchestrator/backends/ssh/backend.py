@@ -1,0 +1,125 @@
+"""The SSH backend: a job in stages on the inventory's hosts (job.py), followed, stopped and listed
+over one Session per command (jobs.py, hosts/hostops.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.backends.ssh import jobs
+from orchestrator.backends.ssh.job import Job, PreflightFailed
+from orchestrator.backends.ssh.job import run as run_job
+from orchestrator.core import hostile
+from orchestrator.core.events import JsonLines, Reporter, Terminal
+from orchestrator.hosts import claims, hostops
+from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from orchestrator.config.inventory import Inventory
+
+
+class SshBackend:
+    name = "ssh"
+    where = ""
+    refuses: dict[str, str] = {}
+
+    def refuse_if_running(self, inv: Inventory, job_id: str, how: str) -> None:
+        jobs.refuse_if_running(inv, job_id, how)
+
+    def serves(self, inv: Inventory) -> bool:
+        return bool(inv.all_hosts)
+
+    def job(self, launch: Launch) -> Job:
+        reporter: Reporter = JsonLines() if launch.json else Terminal(launch.console)
+        j = Job(launch.inv, launch.spec, launch.policy, launch.runs, reporter, record=launch.record,
+                checks=launch.checks, smoke=launch.smoke,
+                watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json})
+        if launch.selected is not None and launch.record is None:
+            j.record.selected = list(launch.selected)
+        return j
+
+    def dry_run(self, launch: Launch) -> str:
+        return jobs.dry_run(self.job(launch))
+
+    def run(self, launch: Launch) -> Finished:
+        from orchestrator import preflight
+        try:
+            result = run_job(self.job(launch))
+        except PreflightFailed as exc:
+            preflight.render(exc.checks, launch.console)
+            raise
+        again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
+        return Finished(launch.spec.job_id, result.run_dir, jobs.explain(result),
+                        f"job {launch.spec.job_id} finished on every host{again}; logs and outputs in "
+                        f"{result.run_dir}")
+
+    def attach(
+        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
+    ) -> Finished:
+        with Session(inv.all_hosts) as session:
+            try:
+                result = jobs.attach(session, inv, job_id, runs, console, live=live)
+            except KeyboardInterrupt:
+                return Finished(job_id or "", None, None, "detached; the job goes on ('fab stop' ends it)")
+        return Finished(result.job_id, result.run_dir, jobs.explain(result))
+
+    def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
+             runs: Path) -> Stopped:
+        with Session(inv.all_hosts) as session:
+            found = hostops.survey(session, inv)
+            views = hostops.job_views(found)
+            chosen, others = jobs.to_stop(views, job_id, everyone, claims.me())
+            if everyone and others and not yes:
+                jobs.confirm_all(others)
+            targets = sorted(chosen)
+            hostops.mark_stopped(
+                session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets}
+            )
+            results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
+            for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
+                if found.error(h.name) and not results.error(h.name):
+                    results[h.name] = found[h.name]
+            cleared = hostops.clear_stale(session, inv, hostops.survey(session, inv))
+        out = Stopped()
+        for host in inv.all_hosts:
+            r = results[host.name]
+            why = failure(host, r, "stopping containers")
+            if why:
+                out.failed.append(host.name)
+                out.problems.append(f"{host.name}: could not stop: {why}")
+            else:
+                out.lines.append(f"{host.name}: removed {len(r.stdout.split())} container(s)")
+        for j in targets:
+            out.lines.append(
+                hostile.text(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else ""))
+            )
+        for v in others.values():
+            if v.job not in chosen:
+                out.lines.append(hostile.text(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; "
+                                              f"'fab stop --job {v.job}' ends it"))
+        out.lines += [hostile.text(line) for line in cleared]
+        return out
+
+    def status(self, inv: Inventory) -> Status:
+        with Session(inv.all_hosts) as session:
+            found = hostops.survey(session, inv)
+            views = hostops.job_views(found)
+            steps = hostops.last_steps(session, inv, views)
+        stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
+        lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
+        return Status(
+            doc={"jobs": jobs.status_rows(views, steps)},
+            tables=[jobs.status_table(views, steps, inv)],
+            lines=[f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
+                   + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
+                   + (f"; unreachable: {', '.join(lost)}" if lost else "")],
+            errors=[describe(h, e) for h in inv.all_hosts if (e := found.error(h.name)) is not None],
+        )
+
+
+if TYPE_CHECKING:  # the class has everything base.Backend asks for
+    from orchestrator.backends.base import Backend
+
+    _checked: Backend = SshBackend()

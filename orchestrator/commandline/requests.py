@@ -1,0 +1,247 @@
+"""What the tasks ask for, as values (TrainRequest), and the functions that answer them: resolve a
+request into a Launch (resume or continue, host selection, the health gate), then hand it, or a
+stop, status or logs, to the backend that serves it (backends/__init__.py chooses). The Fabric
+tasks (fabfile.py) only parse options and print."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator import backends
+from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.commandline import cli
+from orchestrator.config import inventory as inventory_file
+from orchestrator.core import hostile, jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.core.recovery import JobRecord
+from orchestrator.hosts import claims, hostops
+from orchestrator.transport.remote import Session
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from orchestrator.backends.base import Backend
+    from orchestrator.config.inventory import Inventory
+    from orchestrator.core.policy import Policy
+
+# The options that describe the job itself (cli.new_spec and cli.resumed_spec read them).
+JOB_OPTIONS = ("model", "epochs", "trainer", "script", "args", "image", "nproc", "name", "code", "module",
+               "checkpoint")
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """fab train's options, as given (None: not given)."""
+
+    job: dict[str, Any] = field(default_factory=dict)  # JOB_OPTIONS
+    inventory: str | None = None
+    on: str | None = None
+    dry_run: bool = False
+    resume: str | None = None
+    continue_: bool = False
+    restarts: str | int | None = None
+    min_nodes: str | int | None = None
+    hang_timeout: str | float | None = None
+    include: str | None = None
+    exclude: str | None = None
+    num_nodes: str | int | None = None
+    gpus: str | int | None = None
+    cpuset: bool = False
+    health: bool = False
+    smoke: bool = False
+    skip_preflight: bool = False
+    json: bool = False
+    plain: bool = False
+
+    @classmethod
+    def of(cls, options: dict[str, Any]) -> TrainRequest:
+        """From the task's keyword arguments (the job's own options gathered in `job`)."""
+        names = set(cls.__dataclass_fields__) - {"job"}
+        return cls(
+            job={k: options.get(k) for k in JOB_OPTIONS}, **{k: v for k, v in options.items() if k in names}
+        )
+
+
+def refused(req: TrainRequest, backend: Backend) -> None:
+    given = [k for k in backend.refuses if getattr(req, k) not in (None, False)]
+    if given:
+        names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in given)
+        raise UserError(f"{names}: {backend.refuses[given[0]]}", exit_code=2)
+
+
+def earlier(req: TrainRequest, runs: Path, say: Console, trainers: dict[str, str]) -> str | None:
+    """The job to go on with: --resume's, or --continue's newest of its --name (None: a new one)."""
+    if req.resume and req.continue_:
+        raise UserError("--resume names the job to continue and --continue finds it by --name; give one",
+                        exit_code=2)
+    if not req.continue_:
+        return req.resume
+    name = cli.default_name(req.job, trainers)
+    found = cli.find_named(runs, name)
+    if found is None:
+        say.print(f"no earlier job named {name} in {runs}/: starting a new one", markup=False)
+    return found
+
+
+def resumed(req: TrainRequest, backend: Backend, record: JobRecord, inv: Inventory, say: Console,
+            trainers: dict[str, str]) -> tuple[jobspec.JobSpec, Policy, JobRecord]:
+    """An earlier job's spec, policy and record as this request changes them (a new record value)."""
+    if record.on != backend.name:
+        where = "over SSH" if record.on == "ssh" else f"on {record.on}"
+        raise UserError(f"job {record.job_id} ran {where}; resume it with --on {record.on}", exit_code=2)
+    if not req.dry_run:
+        backend.refuse_if_running(inv, record.job_id, "--continue" if req.continue_ else "--resume")
+    spec, changed = cli.resumed_spec(record, req.job, trainers, again=req.continue_)
+    policy = cli.policy(inv, record.restarts if req.restarts is None else req.restarts,
+                        record.min_nodes if req.min_nodes is None else req.min_nodes,
+                        record.hang_timeout if req.hang_timeout is None else req.hang_timeout)
+    record = replace(
+        record,
+        restarts=policy.restarts,
+        min_nodes=policy.min_nodes,
+        hang_timeout=policy.hang_timeout,
+        resumes=[*record.resumes, cli.resume_entry(record, changed)],
+    )
+    say.print(
+        f"{'continuing' if req.continue_ else 'resuming'} job {spec.job_id}{backend.where} "
+        f"({len(record.attempts)} attempt(s) so far, {record.state}){cli.changes_line(changed)}",
+        markup=False,
+    )
+    return spec, policy, record
+
+
+def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str, gpus: int | None,
+              say: Console) -> tuple[Inventory, bool]:
+    """The inventory with the hosts --include/--exclude/--num-nodes and --health leave (and whether
+    any of them chose)."""
+    selected = bool(include or req.exclude or req.num_nodes is not None)
+    if selected:
+        busy: set[str] = set()
+        if req.num_nodes is not None:
+            want = claims.want_of(
+                jobspec.JobSpec(
+                    job_id="-", script="", units=units, gpus=gpus, nproc_per_node=req.job.get("nproc")
+                ),
+                inv.job.nproc_per_node,
+            )
+            with Session(inv.all_hosts) as session:
+                busy = set(hostops.busy_hosts(hostops.survey(session, inv), inv, want))
+        inv = cli.select_hosts(inv, include, req.exclude, busy, req.num_nodes)
+    if req.health:
+        from orchestrator.preflight import deep
+        with Session(inv.all_hosts) as session:
+            inv, lines = deep.gate(session, inv)
+        for line in lines:
+            say.print(hostile.rich_text(f"health: {line}"))
+        selected = True
+    return inv, selected
+
+
+def launch(req: TrainRequest, runs: Path, console: Console, say: Console, trainers: dict[str, str]
+           ) -> tuple[Backend, Launch]:
+    """The request resolved: its backend and the Launch to hand it."""
+    backend = backends.choose(req.on)
+    refused(req, backend)
+    resume = earlier(req, runs, say, trainers)
+    include = req.include
+    record = None
+    if resume:
+        record = JobRecord.load(runs, resume)
+        inv = inventory_file.load(req.inventory or record.inventory)
+        spec, policy, record = resumed(req, backend, record, inv, say, trainers)
+        if record.selected and not (req.include or req.exclude or req.num_nodes):
+            include = "@".join(record.selected)
+    else:
+        inv = inventory_file.load(req.inventory)
+    units = cli.units_asked(inv, req.include)
+    gpus = cli.count("--gpus", req.gpus)
+    inv, selected = hosts_for(req, inv, include, units, gpus, say)
+    if record is None:
+        policy = cli.policy(inv, req.restarts or 0, req.min_nodes, req.hang_timeout)
+        spec = cli.new_spec(
+            {**req.job, "checkpoint": req.job.get("checkpoint") or cli.inventory_checkpoint(inv)}, trainers
+        )
+    # Who runs it now (fab stop ends only its own), and the GPUs or slots asked for (a resume keeps
+    # the recorded ones unless given again).
+    spec = replace(spec, owner=claims.me(), units=units if req.include else spec.units,
+                   gpus=spec.gpus if gpus is None else gpus, cpuset=req.cpuset or spec.cpuset)
+    chosen = tuple(h.name for h in inv.hosts) if selected else None
+    if record is not None:
+        record = replace(record, selected=list(chosen) if chosen is not None else record.selected,
+                         spec={**record.spec, "owner": spec.owner, "units": spec.units, "gpus": spec.gpus,
+                               "cpuset": spec.cpuset})
+    return backend, Launch(
+        inv,
+        spec,
+        policy,
+        record,
+        runs,
+        say,
+        json=req.json,
+        live=not (req.plain or req.json),
+        checks=not req.skip_preflight,
+        smoke=req.smoke,
+        selected=chosen,
+    )
+
+
+def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, str]) -> str | None:
+    """fab train: the dry run's text; or the job run, its curves and step times shown, and its end
+    said (UserError when it did not finish)."""
+    # With --json, stdout carries JSON lines only: what people read goes to stderr.
+    say = cli.stderr_console() if req.json else console
+    backend, job = launch(req, runs, console, say, trainers)
+    if req.dry_run:
+        return backend.dry_run(job)
+    finished = backend.run(job)
+    if finished.run_dir is not None:
+        cli.present(finished.run_dir, say)
+    if finished.error is not None:
+        raise finished.error
+    say.print(finished.closing, markup=False)
+    return None
+
+
+def stop(inventory: str | None, job: str | None, everyone: bool, yes: bool, grace: float | None,
+         runs: Path) -> Stopped:
+    """fab stop: --job's backend (from its record), else every backend the inventory uses, Slurm's
+    jobs first (they may hold the hosts)."""
+    inv = inventory_file.load(inventory)
+    wait = inv.job.stop_grace if grace is None else float(grace)
+    if job and not jobspec.valid_job_id(job):
+        raise UserError(
+            f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2
+        )
+    if job:
+        chosen = [backends.of_job(runs, job) or backends.choose(None)]
+    else:
+        chosen = list(reversed(backends.serving(inv)))
+    out = Stopped()
+    for backend in chosen:
+        part = backend.stop(inv, job, everyone, yes, wait, runs)
+        out.lines += part.lines
+        out.problems += part.problems
+        out.failed += part.failed
+    return out
+
+
+def status(inventory: str | None) -> Status:
+    """fab status: every backend the inventory uses, in one document."""
+    inv = inventory_file.load(inventory)
+    out = Status()
+    for backend in backends.serving(inv):
+        part = backend.status(inv)
+        out.doc.update(part.doc)
+        out.tables += part.tables
+        out.lines += part.lines
+        out.errors += part.errors
+    out.doc["errors"] = out.errors
+    return out
+
+
+def logs(inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool) -> Finished:
+    """fab logs: follow the job where it runs (its record says; the hosts when there is none)."""
+    inv = inventory_file.load(inventory)
+    backend = (backends.of_job(runs, job) if job else None) or backends.choose(None)
+    return backend.attach(inv, job, runs, console, live=not plain)

@@ -1,0 +1,113 @@
+"""fab train, status, logs and stop as the command line runs them (commandline/requests.py), against
+a backend that is one folder (tests/unit/localbackend: each node a local process) and one
+registration: nothing else in the orchestrator knows it. What holds here holds for any backend."""
+import io
+import json
+import threading
+import time
+
+import pytest
+from rich.console import Console
+
+from orchestrator import backends
+from orchestrator.commandline import requests
+from orchestrator.core.errors import UserError
+from orchestrator.core.recovery import JobRecord
+
+NODE = """\
+import os, sys, time
+rank = os.environ["NODE_RANK"]
+print("node", rank, "of", os.environ["NNODES"], "master", os.environ["MASTER_ADDR"], flush=True)
+time.sleep(float(sys.argv[1]))
+sys.exit(int(sys.argv[2]) if rank == "1" else 0)
+"""
+TRAINERS = {"gpt": "trainers/gpt.py"}
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # The one registration; alone, so that status and stop ask nothing else (no SSH).
+    monkeypatch.setattr(backends, "BACKENDS", {"local": "tests.unit.localbackend:LocalBackend"})
+    monkeypatch.setattr(backends, "DEFAULT", "local")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "node.py").write_text(NODE)
+    (tmp_path / "inv.yaml").write_text("hosts:\n  - {name: a, address: 127.0.0.1, interface: lo}\n"
+                                       "  - {name: b, address: 127.0.0.2, interface: lo}\n")
+    return tmp_path
+
+
+def request(here, sleep="0", code="0", **options):
+    job = {"script": "node.py", "code": str(here / "code"), "args": f"{sleep} {code}"}
+    return requests.TrainRequest(
+        job=job, inventory=str(here / "inv.yaml"), plain=True, **{"on": "local", **options}
+    )
+
+
+def console():
+    return Console(file=io.StringIO(), width=200)
+
+
+def job_of(here):
+    return next(p.name for p in (here / "runs").iterdir() if (p / "job.json").exists())
+
+
+def test_a_job_runs_every_node_and_its_record_names_its_backend(here, monkeypatch):
+    out = console()
+    assert requests.train(request(here), here / "runs", out, TRAINERS) is None
+    job = job_of(here)
+    assert "node 0 of 2 master 127.0.0.1" in (here / "runs" / job / "a.log").read_text()
+    assert "node 1 of 2 master 127.0.0.1" in (here / "runs" / job / "b.log").read_text()
+    assert JobRecord.load(here / "runs", job).on == "local"
+    assert f"job {job} finished on every node" in out.file.getvalue()
+    # The same job again: the record's backend is the one that resumes it, and no other.
+    monkeypatch.setitem(backends.BACKENDS, "ssh", "orchestrator.backends.ssh.backend:SshBackend")
+    with pytest.raises(UserError, match=f"job {job} ran on local; resume it with --on local"):
+        requests.train(request(here, resume=job, on="ssh"), here / "runs", console(), TRAINERS)
+    again = console()
+    requests.train(request(here, resume=job), here / "runs", again, TRAINERS)
+    assert f"resuming job {job} locally (1 attempt(s) so far, finished)" in again.file.getvalue()
+    assert len(JobRecord.load(here / "runs", job).attempts) == 2
+
+
+def test_a_failed_node_fails_the_job_naming_it(here):
+    with pytest.raises(UserError, match=r"b exited with code 3"):
+        requests.train(request(here, code="3"), here / "runs", console(), TRAINERS)
+    assert JobRecord.load(here / "runs", job_of(here)).state == "failed"
+
+
+def test_dry_run_and_refused_options_come_from_the_backend(here):
+    text = requests.train(request(here, dry_run=True), here / "runs", console(), TRAINERS)
+    assert text.splitlines() == ["[a] node.py 0 0", "[b] node.py 0 0"]
+    assert not (here / "runs").exists() or not list((here / "runs").iterdir())
+    with pytest.raises(UserError, match=r"--health: not with --on local"):
+        requests.train(request(here, health=True), here / "runs", console(), TRAINERS)
+
+
+def test_status_logs_and_stop_reach_a_running_job_through_its_backend(here):
+    ended: list = []
+
+    def train():
+        try:
+            requests.train(request(here, sleep="60"), here / "runs", console(), TRAINERS)
+        except UserError as exc:
+            ended.append(exc)
+
+    t = threading.Thread(target=train)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not (rows := requests.status(str(here / "inv.yaml")).doc.get("local")):
+        assert time.monotonic() < deadline, "the job never showed in fab status"
+        time.sleep(0.1)
+    job = rows[0]["job"]
+    assert {r["host"] for r in rows} == {"a", "b"}
+    status = requests.status(str(here / "inv.yaml"))
+    assert json.loads(json.dumps(status.doc))["errors"] == [] and f"{job} runs on a" in status.lines
+    out = requests.stop(str(here / "inv.yaml"), job, False, False, None, here / "runs")
+    assert out.lines == [f"stopped {job} on a", f"stopped {job} on b"] and not out.failed
+    t.join(timeout=30)
+    assert not t.is_alive() and ended and "exited with code -15" in str(ended[0])
+    assert requests.status(str(here / "inv.yaml")).doc["local"] == []
+    logs = console()
+    finished = requests.logs(str(here / "inv.yaml"), job, here / "runs", logs, plain=True)
+    assert "a | node 0 of 2" in logs.file.getvalue() and "ended failed" in str(finished.error)
