@@ -206,39 +206,14 @@ JOB_HELP = {
     },
 )
 @user_errors
-def train(
-    c,
-    inventory=None,
-    model=None,
-    epochs=None,
-    trainer=None,
-    script=None,
-    args=None,
-    image=None,
-    nproc=None,
-    dry_run=False,
-    skip_preflight=False,
-    name=None,
-    smoke=False,
-    code=None,
-    module=None,
-    resume=None,
-    restarts=None,
-    min_nodes=None,
-    hang_timeout=None,
-    plain=False,
-    json=False,
-    checkpoint=None,
-    continue_=False,
-    include=None,
-    exclude=None,
-    num_nodes=None,
-    gpus=None,
-    cpuset=False,
-    health=False,
-    on=None,
-):
-    """Run a job in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
+def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
+          nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
+          resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
+          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
+          cpuset=False, health=False, on=None):
+    """Run a job on every host, its logs streamed here; exits as the job does.
+
+    It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
     rank 0's first), watch (every host's log prefixed host/rank, in the terminal and runs/JOB/HOST.log),
     teardown, decide; with --restarts, again from the newest snapshot (spares take failed hosts'
     places); then finish (outputs fetched, runtime files removed). --dry-run prints the plan that
@@ -267,7 +242,9 @@ def train(
 )
 @user_errors
 def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
-    """Stop the jobs you started (user@machine) on every host: their containers, found by label,
+    """Stop your jobs (--job one, --all everyone's): containers removed, GPUs released.
+
+    The jobs you started (user@machine) on every host: their containers, found by label,
     removed and their GPUs released; a `fab train` watching one (between two attempts too) ends it
     without restarting. Jobs of others are listed and left alone; --job JOB stops that one, --all
     every one. Left-over runtime files (secrets included) of jobs no longer looked after are
@@ -285,7 +262,9 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the jobs as JSON"})
 @user_errors
 def status(c, inventory=None, json=False):
-    """List the jobs on the hosts: id, who started it, hosts with their GPUs (CPU slots), state,
+    """List the jobs on the hosts (and on Slurm): who, where, state, attempt, last step.
+
+    Per job: id, who started it, hosts with their GPUs (CPU slots), state,
     attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
     stuck Docker engine) is named; exits non-zero then."""
     found = requests.status(inventory)
@@ -370,7 +349,9 @@ def _warn(warnings) -> None:
 def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
           image=None, nproc=None, name=None, code=None, module=None, out=None, pyxis=False,
           partition=None, time=None):
-    """Write the job as an sbatch script: one task per node starting the same container (devices, env,
+    """Write the job as an sbatch script for Slurm.
+
+    One task per node starting the same container (devices, env,
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
     inv = _inventory.load(inventory)
@@ -411,7 +392,9 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
 @user_errors
 def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
         image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
-    """Write the job as Kubernetes manifests: a Kubeflow Trainer v2 TrainJob (trainjob.yaml, on the
+    """Write the job as Kubernetes manifests.
+
+    A Kubeflow Trainer v2 TrainJob (trainjob.yaml, on the
     cluster's torch-distributed runtime), a Kubeflow PyTorchJob (Training Operator v1, deprecated), and
     an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
@@ -449,7 +432,9 @@ def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, a
             "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm"})
 @user_errors
 def up(c, nodes=2, spares=0, write_inventory=None, slurm=False):
-    """Start (or reuse) the local cluster: N Docker-in-Docker hosts with sshd and their own Docker
+    """Start (or reuse) the local cluster of Docker-in-Docker test hosts.
+
+    N hosts with sshd and their own Docker
     engine on a private network, the trainer image loaded in each, host keys recorded."""
     _cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm)
 
@@ -467,7 +452,9 @@ def down(c):
                       "(one stream per host from here)"})
 @user_errors
 def push(c, inventory=None, image=None, only=None, method="chain"):
-    """Copy a local image to every host over SSH: by a chain of hosts forwarding to each other,
+    """Copy a local image to every host over SSH, without a registry.
+
+    By a chain of hosts forwarding to each other,
     sending only the layers they lack (--method direct: one stream per host), skipping hosts that
     hold the same image id and verifying the id after."""
     if method not in ("chain", "direct"):
@@ -501,7 +488,9 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
 )
 @user_errors
 def build(c, base, requirements, tag, pip_args="", wheels=None):
-    """Build an image from a base image plus your requirements file and fabtrain's entrypoint, on
+    """Build a job image: a base image, your requirements file and fabtrain's entrypoint.
+
+    On
     this machine's Docker engine; then 'fab image.push --image TAG' puts it on every host."""
     image_id = _images.build(base, Path(requirements), tag, tuple(shlex.split(pip_args)),
                              Path(wheels) if wheels else None)
