@@ -355,21 +355,7 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
     inv = _inventory.load(inventory)
-    spec = cli.new_spec(
-        dict(
-            model=model,
-            epochs=epochs,
-            trainer=trainer,
-            script=script,
-            args=args,
-            image=image,
-            nproc=nproc,
-            name=name,
-            code=code,
-            module=module,
-        ),
-        TRAINERS,
-    )
+    spec = cli.new_spec(requests.job_options(locals()), TRAINERS)
     text, warnings = _export.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
     _warn(warnings)
     target = Path(out or f"{spec.job_id}.sbatch")
@@ -399,21 +385,7 @@ def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, a
     an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
     inv = _inventory.load(inventory)
-    spec = cli.new_spec(
-        dict(
-            model=model,
-            epochs=epochs,
-            trainer=trainer,
-            script=script,
-            args=args,
-            image=image,
-            nproc=nproc,
-            name=name,
-            code=code,
-            module=module,
-        ),
-        TRAINERS,
-    )
+    spec = cli.new_spec(requests.job_options(locals()), TRAINERS)
     docs, warnings = _export.k8s_manifests(inv, spec, restarts=int(restarts))
     _warn(warnings)
     target = Path(out or f"{spec.job_id}-k8s")

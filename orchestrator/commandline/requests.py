@@ -30,6 +30,11 @@ JOB_OPTIONS = ("model", "epochs", "trainer", "script", "args", "image", "nproc",
                "checkpoint")
 
 
+def job_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options that describe the job, from a task's keyword arguments (None: not given)."""
+    return {k: options.get(k) for k in JOB_OPTIONS}
+
+
 @dataclass(frozen=True)
 class TrainRequest:
     """fab train's options, as given (None: not given)."""
@@ -58,9 +63,7 @@ class TrainRequest:
     def of(cls, options: dict[str, Any]) -> TrainRequest:
         """From the task's keyword arguments (the job's own options gathered in `job`)."""
         names = set(cls.__dataclass_fields__) - {"job"}
-        return cls(
-            job={k: options.get(k) for k in JOB_OPTIONS}, **{k: v for k, v in options.items() if k in names}
-        )
+        return cls(job=job_options(options), **{k: v for k, v in options.items() if k in names})
 
 
 def refused(req: TrainRequest, backend: Backend) -> None:

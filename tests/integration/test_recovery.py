@@ -17,14 +17,8 @@ from .conftest import ROOT, fab, on_host, project_containers
 from .test_lifecycle import running, start_fab, wait_for_containers
 
 # A short GPT run: 2 epochs of 40 steps, a snapshot every 10 steps (4 ranks on 2 hosts).
-GPT = [
-    "--model",
-    "tiny",
-    "--epochs",
-    "2",
-    "--args",
-    "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0",
-]
+GPT = ["--model", "tiny", "--epochs", "2",
+       "--args", "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0"]
 
 
 def job_id(text: str) -> str:

@@ -12,14 +12,8 @@ from orchestrator.testbed import cluster as cluster_mod
 
 from .conftest import ROOT, Run, command, fab, on_host, project_containers
 
-GPT = [
-    "--model",
-    "tiny",
-    "--epochs",
-    "2",
-    "--args",
-    "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0",
-]
+GPT = ["--model", "tiny", "--epochs", "2",
+       "--args", "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0"]
 
 
 @pytest.fixture(scope="module")
