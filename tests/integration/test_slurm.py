@@ -88,9 +88,12 @@ def slurm_idle(slurm):
             on_host("node1", "scontrol update nodename=node[1-2] state=resume", check=False)
             time.sleep(1)
         for node in ("node1", "node2"):
-            on_host(
-                node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f", check=False
-            )
+            on_host(node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f",
+                    check=False)
+        # After a node was set DOWN under a running step (the requeue tests), this Slurm (22.05) can
+        # keep that step's resources counted: the next job stays PENDING (Resources) on IDLE+PLANNED
+        # nodes for minutes. Rebuilding the controller's view from its jobs clears it at once.
+        on_host("node1", "scontrol reconfigure", check=False)
 
     settle()
     yield
