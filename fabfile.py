@@ -201,6 +201,10 @@ JOB_HELP = {
         f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
         "plain": PLAIN_HELP,
         "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
+        "notify": "run this command for each notification (started, attempt_failed, restarted, hung, "
+        "finished, failed, stopped) with the event as JSON on its stdin (README: Notifications; default: "
+        "job.notify)",
+        "notify_url": "POST each notification as JSON to this http(s) URL (default: job.notify_url)",
         "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's "
         "login node and follow the job there (README: On Slurm)",
     },
@@ -210,7 +214,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
           checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
-          cpuset=False, health=False, on=None):
+          cpuset=False, health=False, on=None, notify=None, notify_url=None):
     """Run a job on every host, its logs streamed here; exits as the job does.
 
     It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,

@@ -37,6 +37,7 @@ class Launch:
     checks: bool = True         # preflight before the start
     smoke: bool = False
     selected: tuple[str, ...] | None = None   # hosts chosen by --include/--exclude/--num-nodes/--health
+    notify: dict[str, str] | None = None      # {"command", "url"}: --notify, --notify-url (None: as recorded)
 
 
 @dataclass(frozen=True)

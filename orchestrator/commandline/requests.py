@@ -58,6 +58,8 @@ class TrainRequest:
     skip_preflight: bool = False
     json: bool = False
     plain: bool = False
+    notify: str | None = None
+    notify_url: str | None = None
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> TrainRequest:
@@ -186,7 +188,20 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
         checks=not req.skip_preflight,
         smoke=req.smoke,
         selected=chosen,
+        notify=hooks(req, inv, record),
     )
+
+
+def hooks(req: TrainRequest, inv: Inventory, record: JobRecord | None) -> dict[str, str] | None:
+    """Where the job's notifications go: --notify/--notify-url, else what a resumed job recorded,
+    else the inventory's job.notify/notify_url (None: keep the record's)."""
+    from orchestrator.progress import notify
+    if req.notify_url:
+        notify.check_url(req.notify_url, "--notify-url")
+    if record is not None and not (req.notify or req.notify_url):
+        return None
+    given = {"command": req.notify or inv.job.notify, "url": req.notify_url or inv.job.notify_url}
+    return {k: v for k, v in given.items() if v}
 
 
 def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, str]) -> str | None:

@@ -87,6 +87,9 @@ class Job:
     ulimits: tuple[tuple[str, str], ...] = ()
     cap_add: tuple[str, ...] = ()
     security_opt: tuple[str, ...] = ()
+    # Notifications (progress/notify.py): a command given each event as JSON on stdin, a URL POSTed it.
+    notify: str | None = None
+    notify_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -664,6 +667,8 @@ def _job(reader: _Reader) -> Job:
             "stop_grace",
             "keep_snapshots",
             "checkpoint",
+            "notify",
+            "notify_url",
             *CONTAINER_FIELDS,
         )
     )
@@ -699,8 +704,18 @@ def _job(reader: _Reader) -> Job:
         keep_snapshots=reader.integer("keep_snapshots", Job.keep_snapshots, 1, MAX_SNAPSHOTS,
                                       "a number of snapshots to keep"),
         checkpoint=_checkpoint(reader),
+        notify=reader.get("notify", str, None),
+        notify_url=_notify_url(reader),
         **_container_options(reader),
     )
+
+
+def _notify_url(reader: _Reader) -> str | None:
+    url = reader.get("notify_url", str, None)
+    if url is not None and not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", url):
+        reader.fail(reader._field("notify_url"), f"{_show(url)} is not an http:// or https:// URL",
+                    "give the URL notifications are POSTed to", reader.line_of("notify_url"))
+    return url
 
 
 def parse(text: str, path: Path, check_files: bool = False) -> Inventory:

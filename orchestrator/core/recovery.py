@@ -50,6 +50,8 @@ class JobRecord:
     selected: list[str] | None = None
     # Where it ran when not over SSH: {"on": "slurm", "login": ..., "workdir": ..., "slurm_id": ...}.
     backend: dict = field(default_factory=dict)
+    # Where its notifications go: {"command": ..., "url": ...} (progress/notify.py).
+    notify: dict = field(default_factory=dict)
 
     @property
     def job_id(self) -> str:

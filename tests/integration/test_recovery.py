@@ -3,6 +3,7 @@ taking a frozen rank 0's place, fewer nodes, a spent budget, the hang watchdog, 
 import glob
 import json
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -78,17 +79,47 @@ def assert_same_model(job: str, reference, out: str, host: str = "node1") -> Non
     assert worst < 1e-3, worst
 
 
+# A web hook on a test host (node3, not used by the jobs here): every POST body, a line each.
+HOOK_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with open("/tmp/hook.jsonl", "ab") as fh:
+            fh.write(body + b"\\n")
+        self.send_response(204)
+        self.end_headers()
+http.server.HTTPServer(("0.0.0.0", 8765), H).serve_forever()
+"""
+
+
 def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, reference, tmp_path):
-    log = tmp_path / "out.txt"
-    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1")
+    """Also: the job's notifications reach a command here and a web hook on a test host, in order,
+    each once; runs/JOB/events.jsonl holds every event of both attempts."""
+    log, told = tmp_path / "out.txt", tmp_path / "told.jsonl"
+    on_host("node3", "rm -f /tmp/hook.jsonl; pkill -f '[h]ook_server.py'; "
+                     f"printf %s {shlex.quote(HOOK_SERVER)} > /tmp/hook_server.py", check=False)
+    on_host("node3", "python3 /tmp/hook_server.py", detach=True)
+    hook = f"http://{cluster.node_infos(3)[2].address}:8765/hook"
+    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1",
+                             "--notify", f"cat >> {told}; echo >> {told}", "--notify-url", hook)
     try:
         wait_for_line(log, "| step 20 |")
         on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
         assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
     finally:
         proc.kill()
+        posted = on_host("node3", "cat /tmp/hook.jsonl; pkill -f '[h]ook_server.py'", check=False).stdout
     out = log.read_text()
     job = job_id(out)
+    expected = ["started", "attempt_failed", "restarted", "finished"]
+    by_command = [json.loads(line) for line in told.read_text().splitlines()]
+    assert [n["event"] for n in by_command] == expected, by_command
+    assert [json.loads(line)["event"] for line in posted.splitlines()] == expected, posted
+    assert by_command[1]["detail"] == "node2 exited with code 137" and by_command[-1]["job"] == job
+    events = [json.loads(line) for line in (ROOT / "runs" / job / "events.jsonl").read_text().splitlines()]
+    assert [e["attempt"] for e in events if e["event"] == "attempt"] == [1, 2]
+    assert events[-1]["event"] == "finished" and events[-1]["state"] == "finished"
     assert "attempt 1 failed (node2 exited with code 137); restart 1 of 1" in out
     assert re.search(
         r"attempt 2: starting 2 node\(s\), rank 0 on node1 \(port \d+\), from snapshot snapshot-0000000", out

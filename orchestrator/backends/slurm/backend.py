@@ -39,7 +39,8 @@ class SlurmBackend:
             "json",
             "skip_preflight",
         )
-    }
+    } | {option: "not with --on slurm yet: Slurm's own --mail-type/--mail-user tell a job's end"
+         for option in ("notify", "notify_url")}
 
     def serves(self, inv: Inventory) -> bool:
         return inv.slurm is not None

@@ -35,7 +35,8 @@ class SshBackend:
         reporter: Reporter = JsonLines() if launch.json else Terminal(launch.console)
         j = Job(launch.inv, launch.spec, launch.policy, launch.runs, reporter, record=launch.record,
                 checks=launch.checks, smoke=launch.smoke,
-                watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json})
+                watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json},
+                notify_to=launch.notify)
         if launch.selected is not None and launch.record is None:
             j.record.selected = list(launch.selected)
         return j

@@ -32,6 +32,7 @@ from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import claims, hostops
+from orchestrator.progress import notify
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Result, Session, describe
 
@@ -120,14 +121,23 @@ class Job:
         checks: bool = True,
         smoke: bool = False,
         watch_options: dict | None = None,
+        notify_to: dict[str, str] | None = None,
     ) -> None:
-        self.inv, self.policy, self.reporter = inv, policy, reporter
+        self.inv, self.policy = inv, policy
         self.run_dir = run_root / spec.job_id
         self.resuming = record is not None and bool(record.attempts)
         if record is None:
             spec = replace(spec, env=(*spec.env, ("FABTRAIN_TARGET_NODES", str(len(inv.hosts)))))
             record = JobRecord.new(spec, inv, policy.restarts, policy.min_nodes, policy.hang_timeout)
         self.spec, self.record = spec, record
+        if notify_to is not None:
+            record.notify = dict(notify_to)
+        # Every event also goes to runs/JOB/events.jsonl and to the job's notification hooks.
+        self.notifier = notify.Notifier(
+            notify.Notices(spec.job_id, spec.owner, secrets=secret_values(inv)),
+            record.notify.get("command"), record.notify.get("url"), warn=lambda t: self.note(t, "warning"))
+        self.reporter: Reporter = notify.Fanout(
+            reporter, notify.EventLog(self.run_dir / notify.EVENTS_FILE), self.notifier)
         self.session = session
         self.checks, self.smoke = checks, smoke
         self.watch_options = watch_options or {}
@@ -185,6 +195,7 @@ class Job:
             yield
         finally:
             self.leasing.set()
+            self.notifier.close()
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if own is not None:
@@ -714,6 +725,15 @@ class PreflightFailed(UserError):
             "above, then run the command again"
         )
         self.checks = checks
+
+
+def secret_values(inv: Inventory) -> tuple[str, ...]:
+    """The job's secret values (job.secret_files), which notifications mask."""
+    values = []
+    for _, path in inv.job.secret_files:
+        with contextlib.suppress(OSError):
+            values.append(Path(path).expanduser().read_text().strip())
+    return tuple(values)
 
 
 def install_signal_handlers() -> None:

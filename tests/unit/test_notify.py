@@ -1,0 +1,125 @@
+"""Notifications and events.jsonl (progress/notify.py): which events become which notices, and
+delivery to a real command and a real HTTP server on loopback, with retries and deadlines."""
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from orchestrator.core.errors import UserError
+from orchestrator.progress import notify
+
+RESTARTED_JOB = [  # the events of a job whose first attempt failed and whose second finished
+    ("stage", {"attempt": 1, "stage": "plan"}),
+    ("attempt", {"attempt": 1, "hosts": {"node1": 0, "node2": 1}}),
+    ("stage", {"attempt": 1, "stage": "watch"}),
+    ("progress", {"attempt": 1, "host": "node1", "step": 3}),
+    ("attempt_end", {"attempt": 1, "ok": False, "outcome": "node2 exited with code 137"}),
+    ("decision", {"attempt": 1, "next": True, "reason": "restart 1 of 1"}),
+    ("attempt", {"attempt": 2, "hosts": {"node1": 0, "node3": 1}}),
+    ("stage", {"attempt": 2, "stage": "watch"}),
+    ("attempt_end", {"attempt": 2, "ok": True, "outcome": "ok"}),
+    ("finished", {"state": "finished", "attempts": 2}),
+]
+
+
+def notices(events, **kw):
+    n = notify.Notices("gpt-1", "ann@ws", **kw)
+    return [x for x in (n.of(e, f) for e, f in events) if x is not None]
+
+
+def test_a_restarted_job_notifies_started_attempt_failed_restarted_finished_each_once():
+    got = notices(RESTARTED_JOB)
+    assert [n["event"] for n in got] == ["started", "attempt_failed", "restarted", "finished"]
+    assert got[1]["detail"] == "node2 exited with code 137" and got[1]["attempt"] == 1
+    assert got[2]["hosts"] == ["node1", "node3"] and got[3]["attempt"] == 2
+    assert all(n["job"] == "gpt-1" and n["owner"] == "ann@ws" for n in got)
+    assert set(got[0]) == {"event", "job", "time", "owner", "attempt", "hosts", "detail"}
+
+
+def test_a_job_taken_over_does_not_say_started_again_and_ends_by_state():
+    got = notices([("stage", {"stage": "watch"}), ("finished", {"state": "interrupted"})], started=True)
+    assert [(n["event"], n["detail"]) for n in got] == [("restarted", ""), ("stopped", "interrupted")]
+    assert [n["event"] for n in notices([("finished", {"state": "failed"})])] == ["failed"]
+    assert [n["event"] for n in notices([("hang", {"ranks": ["rank 0 on node1: x.py:3"]})])] == ["hung"]
+
+
+def test_payload_text_is_sanitized_and_secrets_masked():
+    got = notices([("attempt_end", {"ok": False, "outcome": "token hunter2-xyz \x1b]52;c;AAAA\x07 leaked"})],
+                  secrets=("hunter2-xyz", "ab"))
+    assert "\x1b" not in got[0]["detail"] and "hunter2" not in got[0]["detail"] and "***" in got[0]["detail"]
+
+
+class Hook(http.server.BaseHTTPRequestHandler):
+    got: list = []
+    fail_first = 0
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if Hook.fail_first > 0:
+            Hook.fail_first -= 1
+            self.send_response(503)
+        else:
+            Hook.got.append((self.headers["Content-Type"], json.loads(body)))
+            self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    Hook.got, Hook.fail_first = [], 0
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/hook/secret-path"
+    srv.shutdown()
+
+
+def test_command_and_url_hooks_get_every_notice_in_order_with_retries(tmp_path, server):
+    out = tmp_path / "got.jsonl"
+    warnings = []
+    Hook.fail_first = 1  # the first POST answered 503: tried again
+    n = notify.Notifier(notify.Notices("gpt-1", "ann@ws"), f"cat >> {out}; echo >> {out}", server,
+                        warnings.append, backoff=0.01)
+    for event, fields in RESTARTED_JOB:
+        n.emit(event, **fields)
+    n.close()
+    by_command = [json.loads(line)["event"] for line in out.read_text().splitlines()]
+    assert by_command == ["started", "attempt_failed", "restarted", "finished"]
+    assert [(t, b["event"]) for t, b in Hook.got] == [("application/json", e) for e in by_command]
+    assert warnings == []
+
+
+def test_a_failing_or_hanging_hook_warns_once_and_never_holds_the_job(tmp_path, monkeypatch):
+    monkeypatch.setattr(notify, "NOTIFY_TIMEOUT", 0.3)
+    warnings = []
+    n = notify.Notifier(notify.Notices("j", "o"), "exit 3", "http://127.0.0.1:9/x", warnings.append,
+                        backoff=0.01)
+    start = time.monotonic()
+    for event, fields in RESTARTED_JOB:
+        n.emit(event, **fields)  # returns at once: delivery is the notifier's thread's
+    assert time.monotonic() - start < 0.2
+    n.close()
+    assert len(warnings) == 2, warnings
+    assert "notification started not delivered by --notify after 3 tries: exit 3" in warnings[0]
+    assert "--notify-url http://127.0.0.1:9 after 3 tries" in warnings[1]  # the URL's path is not shown
+    assert notify.run_hook("sleep 5", b"{}", timeout=0.3) == "did not end within 0.3s"
+
+
+def test_urls_other_than_http_are_refused():
+    assert notify.check_url("https://hooks.example.com/T/x", "--notify-url")
+    for bad in ("file:///etc/passwd", "ftp://x/y", "http://", "hooks.example.com"):
+        with pytest.raises(UserError, match="is not an http:// or https:// URL"):
+            notify.check_url(bad, "--notify-url")
+
+
+def test_event_log_keeps_every_event_and_one_progress_a_second_per_host(tmp_path):
+    log = notify.EventLog(tmp_path / "job" / notify.EVENTS_FILE)
+    for event, fields in RESTARTED_JOB:
+        log.emit(event, job="j", **fields)
+    log.emit("progress", job="j", host="node1", step=4)  # within the second: dropped
+    lines = [json.loads(x) for x in (tmp_path / "job" / notify.EVENTS_FILE).read_text().splitlines()]
+    assert [x["event"] for x in lines] == [e for e, _ in RESTARTED_JOB]
