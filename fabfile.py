@@ -205,6 +205,8 @@ JOB_HELP = {
         "finished, failed, stopped) with the event as JSON on its stdin (README: Notifications; default: "
         "job.notify)",
         "notify_url": "POST each notification as JSON to this http(s) URL (default: job.notify_url)",
+        "detach": "run the job's control in a container on the inventory's controller: host (default: the "
+        "first host) and return at once; fab logs, status, stop and attach find it (README: Detached jobs)",
         "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's "
         "login node and follow the job there (README: On Slurm)",
     },
@@ -214,7 +216,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
           checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
-          cpuset=False, health=False, on=None, notify=None, notify_url=None):
+          cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False):
     """Run a job on every host, its logs streamed here; exits as the job does.
 
     It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
@@ -271,7 +273,7 @@ def status(c, inventory=None, json=False):
     Per job: id, who started it, hosts with their GPUs (CPU slots), state,
     attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
     stuck Docker engine) is named; exits non-zero then."""
-    found = requests.status(inventory)
+    found = requests.status(inventory, RUNS)
     if json:
         print(_json.dumps(found.doc, indent=2))
     else:
@@ -295,6 +297,27 @@ def logs(c, inventory=None, job=None, plain=False):
         print(finished.closing)
     if finished.error is not None:
         raise finished.error
+
+
+@task(auto_shortflags=False, positional=["job"],
+      help={"inventory": "the inventory (default: the one the job was started with)",
+            "job": "the job to take over (an id from 'fab status')",
+            "plain": PLAIN_HELP, "json": "events as JSON lines on stdout"})
+@user_errors
+def attach(c, job=None, inventory=None, plain=False, json=False):
+    """Take over a running job whose fab train (or controller) is gone: fab attach JOB.
+
+    The job goes on here as under fab train: every node's log from the start of its output, the hang
+    watchdog, restarts, snapshot copies, and the outputs fetched at the end; no container is started
+    again. A job whose fab train still renews its lease is left alone (fab logs follows it)."""
+    if not job:
+        raise UserError("give the job to take over: fab attach JOB ('fab status' lists them)", exit_code=2)
+    finished = requests.attach(inventory, job, RUNS, console, json, plain)
+    if finished.run_dir is not None:
+        cli.present(finished.run_dir, cli.stderr_console() if json else console)
+    if finished.error is not None:
+        raise finished.error
+    print(finished.closing)
 
 
 @task(auto_shortflags=False, help={"json": "print the runs as JSON"})
@@ -480,7 +503,7 @@ def images(c):
     _cluster.build_images()
 
 
-ns = Collection(sync, preflight, train, stop, status, logs, runs, plot, images)
+ns = Collection(sync, preflight, train, attach, stop, status, logs, runs, plot, images)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))
 ns.add_collection(Collection("export", slurm, k8s))

@@ -89,6 +89,14 @@ class Backend(Protocol):
 
     def run(self, launch: Launch) -> Finished: ...
 
+    def detach(self, launch: Launch) -> Finished:
+        """fab train --detach: start the job's control away from this machine and return."""
+        ...
+
+    def take_over(self, launch: Launch) -> Finished:
+        """fab attach: go on controlling a running job (launch.record's) whose controller is gone."""
+        ...
+
     def attach(
         self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
     ) -> Finished:
@@ -98,4 +106,4 @@ class Backend(Protocol):
     def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
              runs: Path) -> Stopped: ...
 
-    def status(self, inv: Inventory) -> Status: ...
+    def status(self, inv: Inventory, runs: Path) -> Status: ...

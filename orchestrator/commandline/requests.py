@@ -60,6 +60,7 @@ class TrainRequest:
     plain: bool = False
     notify: str | None = None
     notify_url: str | None = None
+    detach: bool = False
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> TrainRequest:
@@ -212,6 +213,10 @@ def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, s
     backend, job = launch(req, runs, console, say, trainers)
     if req.dry_run:
         return backend.dry_run(job)
+    if req.detach:
+        finished = backend.detach(job)
+        say.print(finished.closing, markup=False)
+        return None
     finished = backend.run(job)
     if finished.run_dir is not None:
         cli.present(finished.run_dir, say)
@@ -219,6 +224,25 @@ def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, s
         raise finished.error
     say.print(finished.closing, markup=False)
     return None
+
+
+def attach(inventory: str | None, job: str, runs: Path, console: Console, json: bool, plain: bool
+           ) -> Finished:
+    """fab attach: take over a running job whose fab train (or controller) is gone, as fab train
+    would go on with it; its curves and step times shown at the end."""
+    if not jobspec.valid_job_id(job):
+        raise UserError(f"{hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them",
+                        exit_code=2)
+    say = cli.stderr_console() if json else console
+    record = JobRecord.load(runs, job, "fab attach")
+    inv = inventory_file.load(inventory or record.inventory)
+    if record.selected:
+        inv = cli.select_hosts(inv, "@".join(record.selected), None, set(), None)
+    policy = cli.policy(inv, record.restarts, record.min_nodes, record.hang_timeout)
+    launch = Launch(inv, record.job_spec(), policy, record, runs, say, json=json, live=not (plain or json),
+                    checks=False)
+    backend = backends.of_job(runs, job) or backends.choose(None)
+    return backend.take_over(launch)
 
 
 def stop(inventory: str | None, job: str | None, everyone: bool, yes: bool, grace: float | None,
@@ -244,12 +268,12 @@ def stop(inventory: str | None, job: str | None, everyone: bool, yes: bool, grac
     return out
 
 
-def status(inventory: str | None) -> Status:
+def status(inventory: str | None, runs: Path) -> Status:
     """fab status: every backend the inventory uses, in one document."""
     inv = inventory_file.load(inventory)
     out = Status()
     for backend in backends.serving(inv):
-        part = backend.status(inv)
+        part = backend.status(inv, runs)
         out.doc.update(part.doc)
         out.tables += part.tables
         out.lines += part.lines

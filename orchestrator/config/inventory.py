@@ -107,6 +107,14 @@ class Slurm:
 
 
 @dataclass(frozen=True)
+class Controller:
+    """The inventory's controller: section: where a detached job's control runs (fab train --detach)."""
+
+    host: str | None = None          # a host's or spare's name (None: the first host under hosts:)
+    image: str = "fabtrain/controller:latest"
+
+
+@dataclass(frozen=True)
 class Inventory:
     path: Path
     hosts: tuple[Host, ...]
@@ -115,6 +123,7 @@ class Inventory:
     # --restarts); their `rank` is only their place in this list, set when one is used.
     spares: tuple[Host, ...] = ()
     slurm: Slurm | None = None
+    controller: Controller = field(default_factory=lambda: Controller())
 
     @property
     def master(self) -> Host:
@@ -734,7 +743,7 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
     top = _Reader(
         path, data, "", 1, "write the inventory as ssh:, job: and hosts: sections (see inventory.yaml)"
     )
-    top.check_keys(("ssh", "job", "hosts", "spares", "slurm"))
+    top.check_keys(("ssh", "job", "hosts", "spares", "slurm", "controller"))
     ssh = _ssh(top.sub("ssh"), Settings(), check_files)
     host_entry = "the host's address: and interface: (indented under it)"
     hosts_items = top.items(
@@ -765,7 +774,17 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
         else None
     )
     return Inventory(path=path, hosts=tuple(hosts[:len(hosts_items)]), job=job,
-                     spares=tuple(hosts[len(hosts_items):]), slurm=slurm)
+                     spares=tuple(hosts[len(hosts_items):]), slurm=slurm,
+                     controller=_controller(top.sub("controller"), [h.name for h in hosts]))
+
+
+def _controller(reader: _Reader, names: list[str]) -> Controller:
+    reader.check_keys(("host", "image"))
+    host = reader.get("host", str, None)
+    if host is not None and host not in names:
+        reader.fail(reader._field("host"), f"{_show(host)} is not a host of this inventory",
+                    f"name one of {', '.join(names)}", reader.line_of("host"))
+    return Controller(host=host, image=reader.get("image", str, Controller.image))
 
 
 SLURM_RUNTIMES = ("docker", "pyxis")

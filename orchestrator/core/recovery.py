@@ -52,6 +52,8 @@ class JobRecord:
     backend: dict = field(default_factory=dict)
     # Where its notifications go: {"command": ..., "url": ...} (progress/notify.py).
     notify: dict = field(default_factory=dict)
+    # A detached job's controller: {"host", "dir", "container", "fetched"} (backends/ssh/detached.py).
+    controller: dict = field(default_factory=dict)
 
     @property
     def job_id(self) -> str:
@@ -81,9 +83,9 @@ class JobRecord:
                    hang_timeout=hang_timeout)
 
     @classmethod
-    def load(cls, run_root: Path, job_id: str) -> JobRecord:
+    def load(cls, run_root: Path, job_id: str, what: str = "--resume") -> JobRecord:
         if not jobspec.valid_job_id(job_id):
-            raise UserError(f"--resume {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them",
+            raise UserError(f"{what} {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them",
                             exit_code=2)
         path = run_root / job_id / RECORD
         try:
@@ -94,8 +96,9 @@ class JobRecord:
             if record.job_id != job_id:  # it names directories on the hosts and here
                 raise ValueError(f"it names job {hostile.line(repr(record.job_id), 80)}, not {job_id}")
         except FileNotFoundError:
-            raise UserError(f"--resume {job_id}: no {path}; only jobs started by 'fab train' from this "
-                            f"directory can be resumed ('ls {run_root}' lists them)", exit_code=2) from None
+            raise UserError(f"{what} {job_id}: no {path}; only jobs started by 'fab train' from this "
+                            f"directory are recorded there ('ls {run_root}' lists them)",
+                            exit_code=2) from None
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"{path}: not a job record this version can read ({exc}); start a new job "
                             "instead", exit_code=2) from None

@@ -69,6 +69,8 @@ class HostJobs:
     states: dict[str, str] = field(default_factory=dict)    # job -> its container's state here
     cpus: int = 1                     # the host's CPUs (its slots, without GPUs)
     claimed: tuple[claims.Holder, ...] = ()  # every claim file there, stale ones included
+    ranks: dict[str, int] = field(default_factory=dict)  # job -> node rank of its container, any state
+    controllers: dict[str, str] = field(default_factory=dict)  # job -> state of its controller container
 
     def holders(self, but: str = "") -> list[claims.Holder]:
         """Who holds units here, other than job `but`: claims whose job runs here or has a lease
@@ -82,6 +84,10 @@ class HostJobs:
         return held + [claims.Holder(j) for j in sorted(self.running) if j != but and j not in named]
 
 
+# The label of a detached job's controller container (backends/ssh/detached.py): its job id.
+CONTROLLER_LABEL = "fabtrain.controller"
+
+
 def survey_script(inv: Inventory) -> str:
     """One round trip: our containers, each runtime directory with its lease's age, the claims."""
     rt = sshargs.shell([f"{inv.job.output_dir}/.runtime"])
@@ -92,20 +98,31 @@ def survey_script(inv: Inventory) -> str:
         f'case "$j" in *[!A-Za-z0-9._-]*) continue;; esac; '
         f'if [ -e "${{d}}{hostfiles.LEASE}" ]; then '
         f'echo "$j $((now - $(stat -c %Y "${{d}}{hostfiles.LEASE}")))"; '
-        'else echo "$j none"; fi; done; ' + claims.survey_script(inv)
+        'else echo "$j none"; fi; done; echo @@controllers; '
+        + sshargs.shell(["docker", "ps", "--all", "--filter", "label=" + CONTROLLER_LABEL, "--format",
+                         '{{.Label "' + CONTROLLER_LABEL + '"}}\t{{.State}}'])
+        + "; " + claims.survey_script(inv)
     )
 
 
 def parse_survey(text: str) -> HostJobs:
     containers, _, runtime = text.partition("@@runtime\n")
     runtime, _, claimed = runtime.partition("@@claims\n")
+    runtime, _, controlling = runtime.partition("@@controllers\n")
+    controllers = {}
+    for line in controlling.splitlines():
+        job, _, state = line.partition("\t")
+        if jobspec.valid_job_id(job):
+            controllers[job] = hostile.line(state, 40)
     cpus, held = claims.parse_survey(claimed)
-    running, any_container, owners, attempts, states = {}, set(), {}, {}, {}
+    running, any_container, owners, attempts, states, ranks = {}, set(), {}, {}, {}, {}
     for line in containers.splitlines():
         f = line.split("\t")
         if len(f) >= 4 and jobspec.valid_job_id(f[0]):
             any_container.add(f[0])
             states[f[0]] = f[3]
+            if f[1].isdigit():
+                ranks[f[0]] = int(f[1])
             if len(f) >= 7:
                 owners[f[0]], attempts[f[0]] = f[5], f[6]
             if f[3] in ("running", "created", "restarting") and f[1].isdigit():
@@ -115,7 +132,8 @@ def parse_survey(text: str) -> HostJobs:
         job, _, age = line.partition(" ")
         if jobspec.valid_job_id(job) and job != hostfiles.IMAGE_CACHE:
             dirs[job] = float(age) if age.lstrip("-").isdigit() else None
-    return HostJobs(running, frozenset(any_container), dirs, owners, attempts, states, cpus, tuple(held))
+    return HostJobs(running, frozenset(any_container), dirs, owners, attempts, states, cpus, tuple(held),
+                    ranks, controllers)
 
 
 def survey(session: Session, inv: Inventory, hosts: tuple[Host, ...] | None = None) -> PerHost:

@@ -96,18 +96,18 @@ def test_status_logs_and_stop_reach_a_running_job_through_its_backend(here):
     t = threading.Thread(target=train)
     t.start()
     deadline = time.monotonic() + 30
-    while not (rows := requests.status(str(here / "inv.yaml")).doc.get("local")):
+    while not (rows := requests.status(str(here / "inv.yaml"), here / "runs").doc.get("local")):
         assert time.monotonic() < deadline, "the job never showed in fab status"
         time.sleep(0.1)
     job = rows[0]["job"]
     assert {r["host"] for r in rows} == {"a", "b"}
-    status = requests.status(str(here / "inv.yaml"))
+    status = requests.status(str(here / "inv.yaml"), here / "runs")
     assert json.loads(json.dumps(status.doc))["errors"] == [] and f"{job} runs on a" in status.lines
     out = requests.stop(str(here / "inv.yaml"), job, False, False, None, here / "runs")
     assert out.lines == [f"stopped {job} on a", f"stopped {job} on b"] and not out.failed
     t.join(timeout=30)
     assert not t.is_alive() and ended and "exited with code -15" in str(ended[0])
-    assert requests.status(str(here / "inv.yaml")).doc["local"] == []
+    assert requests.status(str(here / "inv.yaml"), here / "runs").doc["local"] == []
     logs = console()
     finished = requests.logs(str(here / "inv.yaml"), job, here / "runs", logs, plain=True)
     assert "a | node 0 of 2" in logs.file.getvalue() and "ended failed" in str(finished.error)

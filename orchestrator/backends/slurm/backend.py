@@ -22,25 +22,41 @@ WHY_NOT = ("not with --on slurm (Slurm picks the nodes, restarts by requeue and 
 class SlurmBackend:
     name = "slurm"
     where = " on Slurm"
-    refuses = {
-        option: WHY_NOT
-        for option in (
-            "continue_",
-            "restarts",
-            "min_nodes",
-            "hang_timeout",
-            "include",
-            "exclude",
-            "num_nodes",
-            "gpus",
-            "cpuset",
-            "health",
-            "smoke",
-            "json",
-            "skip_preflight",
-        )
-    } | {option: "not with --on slurm yet: Slurm's own --mail-type/--mail-user tell a job's end"
-         for option in ("notify", "notify_url")}
+    refuses = (
+        {
+            option: WHY_NOT
+            for option in (
+                "continue_",
+                "restarts",
+                "min_nodes",
+                "hang_timeout",
+                "include",
+                "exclude",
+                "num_nodes",
+                "gpus",
+                "cpuset",
+                "health",
+                "smoke",
+                "json",
+                "skip_preflight",
+            )
+        }
+        | {
+            option: "not with --on slurm yet: Slurm's own --mail-type/--mail-user tell a job's end"
+            for option in ("notify", "notify_url")
+        }
+        | {
+            "detach": "not with --on slurm yet (Slurm runs the job; fab train --on slurm follows it "
+            "to the end)"
+        }
+    )
+
+    def detach(self, launch: Launch) -> Finished:
+        raise UserError("--detach: not with --on slurm", exit_code=2)
+
+    def take_over(self, launch: Launch) -> Finished:
+        raise UserError(f"job {launch.spec.job_id} runs on Slurm, whose controller looks after it; "
+                        f"'fab logs --job {launch.spec.job_id}' follows it", exit_code=2)
 
     def serves(self, inv: Inventory) -> bool:
         return inv.slurm is not None
@@ -92,7 +108,7 @@ class SlurmBackend:
             ids = [job_id]
         return Stopped(lines=slurm.stop(inv, ids, runs, grace))
 
-    def status(self, inv: Inventory) -> Status:
+    def status(self, inv: Inventory, runs: Path) -> Status:
         login = slurm.cfg_of(inv).login
         with Session((login,)) as session:
             try:

@@ -2,16 +2,20 @@
 over one Session per command (jobs.py, hosts/hostops.py)."""
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished, Launch, Status, Stopped
 from orchestrator.backends.ssh import jobs
-from orchestrator.backends.ssh.job import Job, PreflightFailed
+from orchestrator.backends.ssh.job import Job, JobResult, PreflightFailed
 from orchestrator.backends.ssh.job import run as run_job
 from orchestrator.core import hostile
 from orchestrator.core.events import JsonLines, Reporter, Terminal
+from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import claims, hostops
+from orchestrator.transport.deadlines import STATUS_TIMEOUT
 from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
 
 if TYPE_CHECKING:
@@ -51,6 +55,31 @@ class SshBackend:
         except PreflightFailed as exc:
             preflight.render(exc.checks, launch.console)
             raise
+        return self.finished(launch, result)
+
+    def detach(self, launch: Launch) -> Finished:
+        from orchestrator.backends.ssh import detached
+        return detached.submit(launch, self.job(launch).record)
+
+    def take_over(self, launch: Launch) -> Finished:
+        from orchestrator.backends.ssh import detached, takeover
+        with Session(launch.inv.all_hosts) as session:
+            p = detached.place_of(launch.inv, launch.record) if launch.record else None
+            if p is not None and launch.record is not None and not launch.record.controller.get("fetched"):
+                # A detached job: its newest record is the controller's.
+                record = detached.copy_runs(
+                    session, p, launch.record, launch.runs, {"taken_over": time.time()}
+                )
+                launch = replace(launch, record=record, spec=record.job_spec())
+            job = self.job(launch)
+            job.session = session
+            if p is not None:
+                detached.remove(session, p)
+            running = takeover.running_attempt(hostops.survey(session, launch.inv), launch.inv, job.record)
+            result = run_job(job, running=takeover.plan(job, running))
+        return self.finished(launch, result)
+
+    def finished(self, launch: Launch, result: JobResult) -> Finished:
         again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
         return Finished(launch.spec.job_id, result.run_dir, jobs.explain(result),
                         f"job {launch.spec.job_id} finished on every host{again}; logs and outputs in "
@@ -59,6 +88,12 @@ class SshBackend:
     def attach(
         self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
     ) -> Finished:
+        record = (
+            JobRecord.load(runs, job_id, "fab logs --job") if job_id and (runs / job_id).is_dir() else None
+        )
+        if record is not None and record.controller and not record.controller.get("fetched"):
+            from orchestrator.backends.ssh import detached
+            return detached.follow(inv, record, runs, console, live)
         with Session(inv.all_hosts) as session:
             try:
                 result = jobs.attach(session, inv, job_id, runs, console, live=live)
@@ -79,6 +114,9 @@ class SshBackend:
                 session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets}
             )
             results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
+            from orchestrator.backends.ssh import detached  # a detached job's controller key goes too
+            session.fan_out(lambda h: session.run(h, detached.revoke_script(targets), timeout=STATUS_TIMEOUT,
+                                                  what="removing controller keys"), inv.all_hosts)
             for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
                 if found.error(h.name) and not results.error(h.name):
                     results[h.name] = found[h.name]
@@ -103,11 +141,13 @@ class SshBackend:
         out.lines += [hostile.text(line) for line in cleared]
         return out
 
-    def status(self, inv: Inventory) -> Status:
+    def status(self, inv: Inventory, runs: Path) -> Status:
+        from orchestrator.backends.ssh import detached
         with Session(inv.all_hosts) as session:
             found = hostops.survey(session, inv)
             views = hostops.job_views(found)
             steps = hostops.last_steps(session, inv, views)
+            controllers = detached.status_lines(session, inv, runs, found)
         stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
         lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
         return Status(
@@ -115,7 +155,7 @@ class SshBackend:
             tables=[jobs.status_table(views, steps, inv)],
             lines=[f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
                    + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
-                   + (f"; unreachable: {', '.join(lost)}" if lost else "")],
+                   + (f"; unreachable: {', '.join(lost)}" if lost else ""), *controllers],
             errors=[describe(h, e) for h in inv.all_hosts if (e := found.error(h.name)) is not None],
         )
 

@@ -37,7 +37,7 @@ from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Result, Session, describe
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
     from orchestrator.preflight.checks import Check
 
@@ -82,18 +82,22 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def run(job: Job) -> JobResult:
+def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
     """The life of a job: PLAN -> CLAIM -> GATE -> SNAPSHOT -> START -> WATCH -> TEARDOWN -> DECIDE,
-    again from PLAN while the policy allows, then FINISH."""
+    again from PLAN while the policy allows, then FINISH. With `running` (an attempt whose containers
+    run: fab attach), from its WATCH."""
     try:
         with job.open():
             try:
                 while True:
-                    attempt = job.plan()
-                    try:
-                        outcome = job.run_attempt(attempt)
-                    except Contended:
-                        continue  # planned again with another port (Job.claim)
+                    if running is not None:
+                        attempt, outcome, running = running, job.take_over(running), None
+                    else:
+                        attempt = job.plan()
+                        try:
+                            outcome = job.run_attempt(attempt)
+                        except Contended:
+                            continue  # planned again with another port (Job.claim)
                     decision = job.decide(attempt, outcome)
                     if decision.roster is None or not job.next_attempt(decision):
                         break
@@ -424,8 +428,23 @@ class Job:
         with (self.run_dir / "plan.txt").open("a") as fh:
             fh.write(a.render() + "\n")
         self.used.update({h.name: h for h in a.hosts})
+        return self.guarded(a, lambda: self.prepare(a) or self.start(a) or self.watch(a))
+
+    def take_over(self, a: AttemptPlan) -> Outcome:
+        """WATCH and TEARDOWN of an attempt whose containers another process started (fab attach)."""
+        self.last = a
+        self.used.update({h.name: h for h in a.hosts})
+        self.notifier.notices.started = True
+        self.notifier.notices.hosts = [h.name for h in a.hosts]
+        self.note(f"took over job {self.spec.job_id}: attempt {a.number} on "
+                  f"{', '.join(f'{h.name} (rank {h.rank})' for h in a.hosts)}; following it "
+                  "from the start of its output")
+        return self.guarded(a, lambda: self.watch(a))
+
+    def guarded(self, a: AttemptPlan, body: Callable[[], Outcome]) -> Outcome:
+        """The attempt's stages from `body`, then TEARDOWN whatever happened."""
         try:
-            outcome = self.prepare(a) or self.start(a) or self.watch(a)
+            outcome = body()
         except KeyboardInterrupt as exc:  # Ctrl+C or SIGTERM outside the watch
             outcome = Outcome(interrupted=getattr(exc, "signum", signal.SIGINT))
             self.run_steps(

@@ -50,6 +50,12 @@ class LocalBackend:
         if any(alive(int(p.read_text())) for p in Path("runs", job_id).glob("*.pid")):
             raise UserError(f"job {job_id} is running here; {how} would hurt it", exit_code=2)
 
+    def detach(self, launch: Launch) -> Finished:
+        raise UserError("a local job ends with the fab train that runs it", exit_code=2)
+
+    def take_over(self, launch: Launch) -> Finished:
+        raise UserError("a local job ends with the fab train that runs it", exit_code=2)
+
     def dry_run(self, launch: Launch) -> str:
         return "\n".join(f"[{h.name}] " + " ".join(argv(launch, h.rank)[0][1:]) for h in launch.inv.hosts)
 
@@ -115,7 +121,7 @@ class LocalBackend:
                 out.lines.append(f"stopped {pid_file.parent.name} on {pid_file.stem}")
         return out
 
-    def status(self, inv: Inventory) -> Status:
+    def status(self, inv: Inventory, runs: Path) -> Status:
         rows = [{"job": p.parent.name, "host": p.stem} for p in sorted(Path("runs").glob("*/*.pid"))
                 if alive(int(p.read_text()))]
         return Status(doc={"local": rows}, lines=[f"{r['job']} runs on {r['host']}" for r in rows])

@@ -1,0 +1,459 @@
+"""Detached jobs (fab train --detach): the job's whole life (job.py, the same stages) runs in a
+controller, a container started for the job on one host (the inventory's controller: host, by
+default the first host), so the terminal that started it may close.
+
+What is copied where (README: Detached jobs). On the controller's host, in
+<job.output_dir>/.controllers/JOB (mode 700, the SSH user's own), mounted at /ctl in the controller:
+  key, key.pub    an SSH key made for this job alone (Ed25519, mode 600). Its public half is added
+                  to ~/.ssh/authorized_keys of the SSH user on every host and spare, marked
+                  `fabtrain-controller:JOB` and restricted (no forwarding), and removed from them at
+                  the job's end (by the controller, or by `fab stop --job JOB`).
+  known_hosts     the host keys this machine trusts for the job's hosts: the controller checks them.
+  secrets/NAME    job.secret_files' contents (mode 600).
+  launch.pickle   the job as this machine resolved it (inventory, spec, policy, record), mode 600.
+  fabtrain/       the orchestrator's code, as it is here; code/: the job's code tree.
+  runs/JOB/       the job's run directory, as the controller writes it.
+The key, secrets and launch.pickle are removed when the controller ends; `fab logs` and `fab status`
+fetch runs/JOB here once the job has ended, then remove the whole directory.
+
+The controller runs as the SSH user's uid, with every capability dropped and no new privileges,
+on the host's network (it reaches the hosts as this machine does, at their addresses).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.backends.base import Finished, Launch
+from orchestrator.commands import hostfiles, sshargs
+from orchestrator.config.sshconf import SSH
+from orchestrator.core import hostile, jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.core.recovery import JobRecord
+from orchestrator.hosts.hostops import CONTROLLER_LABEL, HostJobs
+from orchestrator.transport import deadlines
+from orchestrator.transport.remote import Session, describe, host_trust
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from orchestrator.config.inventory import Host, Inventory
+    from orchestrator.transport.remote import PerHost
+
+MOUNT = "/ctl"
+DONE = "done.json"         # the controller's last word: {"state", "error", "closing"}
+LOG = "controller.log"     # its own output (events as JSON lines, then its end)
+START_TIMEOUT = 60.0
+FETCH_TIMEOUT = 600.0
+FOLLOW_POLL = 2.0          # seconds between looks while a detached job is between attempts
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a detached job's controller runs."""
+
+    job: str
+    host: Host
+    dir: str            # on the host: <job.output_dir>/.controllers/JOB
+    container: str      # fabtrain-ctl-JOB
+
+    def record(self) -> dict:
+        return {"host": self.host.name, "dir": self.dir, "container": self.container}
+
+
+def place(inv: Inventory, job_id: str) -> Place:
+    name = inv.controller.host or inv.hosts[0].name
+    host = next(h for h in inv.all_hosts if h.name == name)
+    return Place(job_id, host, f"{inv.job.output_dir}/.controllers/{job_id}", f"fabtrain-ctl-{job_id}")
+
+
+def place_of(inv: Inventory, record: JobRecord) -> Place | None:
+    """The controller a job's record names (None: not detached, or a host this inventory lacks)."""
+    c = record.controller
+    host = next((h for h in inv.all_hosts if h.name == c.get("host")), None)
+    if not c or host is None or not jobspec.valid_job_id(record.job_id):
+        return None
+    return place(replace(inv, controller=replace(inv.controller, host=host.name)), record.job_id)
+
+
+# ---------------------------------------------------------------- this machine: submit
+
+def new_key(job_id: str) -> tuple[bytes, str]:
+    """(OpenSSH private key, authorized_keys line) of a key for this job alone."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return private, f"{public.decode()} {marker(job_id)}"
+
+
+def marker(job_id: str) -> str:
+    return f"fabtrain-controller:{job_id}"
+
+
+def authorize_script(line: str) -> str:
+    """Add the job's key to this account's authorized_keys (no forwarding of any kind)."""
+    entry = "no-agent-forwarding,no-port-forwarding,no-X11-forwarding " + line
+    return (
+        "umask 077; mkdir -p ~/.ssh && "
+        + f"printf '%s\\n' {sshargs.shell([entry])} >> ~/.ssh/authorized_keys"
+    )
+
+
+def revoke_script(job_ids: list[str] | tuple[str, ...]) -> str:
+    """Remove these jobs' controller keys from this account's authorized_keys (the file rewritten in
+    place, so its owner, mode and links stay as they are)."""
+    ids = [j for j in job_ids if jobspec.valid_job_id(j)]
+    if not ids:
+        return "true"
+    pattern = "|".join(f" {marker(j)}$" for j in ids).replace(".", "\\.")
+    f = "~/.ssh/authorized_keys"
+    return (f"[ -f {f} ] || exit 0; t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) && "
+            f"{{ grep -Ev {sshargs.shell([pattern])} {f} > \"$t\"; cat \"$t\" > {f}; rm -f \"$t\"; }}")
+
+
+def controller_inventory(inv: Inventory) -> Inventory:
+    """The inventory as the controller uses it: every host reached with the job's key, checked
+    against the copied known_hosts, secrets read from /ctl/secrets."""
+    def ssh(s: SSH) -> SSH:
+        return replace(s, keys=(f"{MOUNT}/key",), keys_only=True, known_hosts=(f"{MOUNT}/known_hosts",),
+                       global_known_hosts=(), jump=())
+    return replace(
+        inv,
+        hosts=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.hosts),
+        spares=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.spares),
+        job=replace(
+            inv.job, secret_files=tuple((n, f"{MOUNT}/secrets/{n}") for n, _ in inv.job.secret_files)
+        ),
+    )
+
+
+def known_hosts_text(inv: Inventory) -> str:
+    lines = []
+    for h in inv.all_hosts:
+        trust = host_trust(h.ssh)
+        lines += [f"{trust.name} {e.key.get_name()} {e.key.get_base64()}" for e in trust.keys]
+    return "\n".join(lines) + "\n"
+
+
+def start_script(p: Place, image: str, owner: str) -> str:
+    """Run the controller: the SSH user's uid (a passwd line made for it: ssh insists on one), no
+    capabilities, the host's network, its directory at /ctl; removed when it exits."""
+    d = sshargs.shell([p.dir])
+    passwd = (
+        f'printf \'root:x:0:0::/root:/bin/sh\\n%s:x:%s:%s::{MOUNT}:/bin/sh\\n\' "$(id -un)" "$(id -u)" '
+        f'"$(id -g)" > {d}/passwd'
+    )
+    rest = sshargs.shell(
+        [
+            "--name",
+            p.container,
+            "--label",
+            f"{CONTROLLER_LABEL}={p.job}",
+            "--label",
+            f"{jobspec.LABEL_OWNER}={owner}",
+            "--network",
+            "host",
+            "--cap-drop",
+            "ALL",
+            "--security-opt",
+            "no-new-privileges",
+            "-v",
+            f"{p.dir}:{MOUNT}",
+            "-v",
+            f"{p.dir}/passwd:/etc/passwd:ro",
+            "-e",
+            f"PYTHONPATH={MOUNT}/fabtrain",
+            "-e",
+            f"HOME={MOUNT}",
+            "-w",
+            MOUNT,
+            image,
+            "sh",
+            "-c",
+            f"exec python3 -m orchestrator.backends.ssh.detached {MOUNT} >> {MOUNT}/{LOG} 2>&1",
+        ]
+    )
+    return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest}'
+
+
+def prepare_script(p: Place) -> str:
+    """The controller's directory, this account's own and mode 700 (its parent shared, sticky)."""
+    parent, d = sshargs.shell([p.dir.rsplit("/", 1)[0]]), sshargs.shell([p.dir])
+    return (hostfiles.shared_dir_script(parent, sticky=True) + f"umask 077; mkdir -p {d}/runs && "
+            + hostfiles.own_dir_chmod(d, "700"))
+
+
+def submit(launch: Launch, job_record: JobRecord) -> Finished:
+    """Copy what the controller needs (module docstring), start it, and return: the job's id said."""
+    inv, spec = launch.inv, launch.spec
+    jumps = [h.name for h in inv.all_hosts if h.ssh.jump]
+    if jumps:
+        raise UserError(f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
+                        "cannot use yet; run the job without --detach", exit_code=2)
+    p = place(inv, spec.job_id)
+    image = inv.controller.image
+    from orchestrator.images import images
+    with tempfile.TemporaryDirectory(prefix="fabtrain-ctl-") as tmp, Session(inv.all_hosts) as session:
+        stage = Path(tmp) / "stage"
+        stage.mkdir(mode=0o700)
+        private, public = new_key(spec.job_id)
+        write(stage / "key", private)
+        write(stage / "key.pub", public.encode() + b"\n")
+        write(stage / "known_hosts", known_hosts_text(inv).encode())
+        (stage / "secrets").mkdir(mode=0o700)
+        for name, path in inv.job.secret_files:
+            write(stage / "secrets" / name, Path(path).expanduser().read_bytes())
+        ctl_spec = replace(spec, code=f"{MOUNT}/code")
+        ctl = replace(launch, inv=controller_inventory(inv), spec=ctl_spec, runs=Path(MOUNT) / "runs",
+                      console=None, json=True, live=False)  # type: ignore[arg-type]
+        write(stage / "launch.pickle", pickle.dumps(ctl))
+        ok = session.fan_out(
+            lambda h: session.run(
+                h,
+                authorize_script(public),
+                timeout=deadlines.STATUS_TIMEOUT,
+                what="adding the controller's key",
+            ),
+            inv.all_hosts,
+        )
+        failed = {
+            n: describe(next(h for h in inv.all_hosts if h.name == n), e) for n, e in ok.errors().items()
+        }
+        if p.host.name in failed:
+            raise UserError(f"--detach: the controller's host {p.host.name} did not take its key: "
+                            f"{failed[p.host.name]}", exit_code=1)
+        r = session.run(
+            p.host,
+            prepare_script(p),
+            timeout=deadlines.STATUS_TIMEOUT,
+            what="making the controller's directory",
+        )
+        if not r.ok:
+            raise UserError(f"{p.host.name}: could not make {p.dir}: {hostile.line(r.stderr.strip(), 300)}")
+        pushed = images.push(session, image, (p.host,))
+        if pushed[0].action == "failed":
+            raise UserError(
+                f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
+            )
+        for argv in (
+            sshargs.rsync_argv(p.host, str(stage), p.dir),
+            sshargs.rsync_argv(p.host, str(jobspec.PROJECT_ROOT), f"{p.dir}/fabtrain", only="orchestrator"),
+            sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only),
+        ):
+            done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
+            if not done.ok:
+                raise UserError(
+                    f"{p.host.name}: copying to {p.dir} failed: {hostile.line(done.stderr.strip(), 300)}"
+                )
+        r = session.run(
+            p.host, start_script(p, image, spec.owner), timeout=START_TIMEOUT, what="starting the controller"
+        )
+        if not r.ok:
+            raise UserError(
+                f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip(), 300)}"
+            )
+    job_record.controller = p.record()
+    run_dir = launch.runs / spec.job_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_record.save(run_dir)
+    warn = "".join(f"\n  warning: {n} did not take the controller's key ({why}): the job cannot use it"
+                   for n, why in failed.items())
+    return Finished(spec.job_id, None, None,
+                    f"job {spec.job_id} detached: its controller runs on {p.host.name} ({p.container}). "
+                    f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
+                    f"{spec.job_id}' ends it{warn}")
+
+
+def write(path: Path, data: bytes) -> None:
+    path.touch(mode=0o600)
+    path.write_bytes(data)
+
+
+# ---------------------------------------------------------------- this machine: after the end
+
+def done_command(p: Place) -> str:
+    return sshargs.shell(["cat", f"{p.dir}/{DONE}"])
+
+
+def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | None:
+    """The controller's end ({"state", "error", "closing"}) and runs/JOB copied here, then its
+    directory removed from the host; None while the controller has not ended."""
+    r = session.run(p.host, done_command(p), timeout=deadlines.STATUS_TIMEOUT, what="asking the controller")
+    if not r.ok:
+        return None
+    try:
+        done = json.loads(r.stdout[:100_000])
+        end = {k: hostile.text(str(done.get(k) or "")) for k in ("state", "error", "closing")}
+    except (ValueError, AttributeError):
+        end = {"state": "failed", "error": "the controller's done.json is not JSON", "closing": ""}
+    copy_runs(session, p, record, runs, {"fetched": time.time()})
+    remove(session, p)
+    return end
+
+
+def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: dict) -> JobRecord:
+    """The controller's runs/JOB copied here whole (snapshots too), as safely as any host's outputs;
+    the record copied with it keeps where its controller was, and `mark`."""
+    run_dir = runs / record.job_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = sshargs.fetch_argv(p.host, f"{p.dir}/runs/{record.job_id}", str(run_dir))
+    got = session.local([a for a in argv if not a.startswith("--exclude")], FETCH_TIMEOUT)
+    if not got.ok:
+        raise UserError(f"{p.host.name}: fetching {p.dir}/runs/{record.job_id} failed: "
+                        f"{hostile.line(got.stderr.strip(), 300)}; it stays there: run the command again")
+    try:
+        fetched = JobRecord.load(runs, record.job_id, "the controller's record of")
+    except UserError:  # the controller ended before its job began: keep ours
+        fetched = record
+    fetched.controller = {**record.controller, **mark}
+    fetched.save(run_dir)
+    return fetched
+
+
+def remove(session: Session, p: Place) -> None:
+    """The controller's directory, and its key on every host (what it may have left), gone."""
+    session.run(p.host, sshargs.shell(["rm", "-rf", p.dir]), timeout=deadlines.STATUS_TIMEOUT,
+                what="removing the controller's directory")
+    session.fan_out(lambda h: session.run(h, revoke_script([p.job]), timeout=deadlines.STATUS_TIMEOUT,
+                                          what="removing the controller's key"))
+
+
+def controllers(found: PerHost) -> dict[str, str]:
+    """job -> "HOST STATE" of every controller container the survey saw."""
+    out = {}
+    for host, hj in found.items():
+        if isinstance(hj, HostJobs):
+            out.update({job: f"{host} {state}" for job, state in hj.controllers.items()})
+    return out
+
+
+def detached_records(runs: Path) -> list[JobRecord]:
+    """This machine's records of detached jobs whose run directory is not fetched yet."""
+    found = []
+    for path in sorted(runs.glob("*/job.json")) if runs.is_dir() else ():
+        try:
+            record = JobRecord.load(runs, path.parent.name, "runs/")
+        except UserError:
+            continue
+        if (
+            record.controller
+            and not record.controller.get("fetched")
+            and not record.controller.get("taken_over")
+        ):
+            found.append(record)
+    return found
+
+
+def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -> list[str]:
+    """fab status on detached jobs: those that ended are fetched (runs/JOB) and their controller's
+    directory removed; a controller that is gone, or whose host does not answer, is named."""
+    lines, seen = [], controllers(found)
+    for record in detached_records(runs):
+        p = place_of(inv, record)
+        if p is None:
+            continue
+        job = record.job_id
+        if found.error(p.host.name) is not None:
+            lines.append(
+                f"{job}: its controller's host {p.host.name} does not answer (lost?); once the job's "
+                f"lease is old, 'fab attach {job}' takes it over here"
+            )
+            continue
+        end = fetch(session, p, record, runs)
+        if end is not None:
+            lines.append(f"{job}: ended ({end['state']}); fetched its run into {runs / job}")
+        elif not seen.get(job, "").endswith(" running"):
+            lines.append(f"{job}: its controller on {p.host.name} is gone without an end; 'fab attach {job}' "
+                         "takes the job over here")
+        else:
+            lines.append(f"{job}: detached, its controller runs on {p.host.name}")
+    return lines
+
+
+def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool) -> Finished:
+    """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
+    fetched here once its controller has ended."""
+    from orchestrator.backends.ssh import jobs
+    from orchestrator.hosts import hostops
+    p = place_of(inv, record)
+    if p is None:
+        raise UserError(f"job {record.job_id}: its controller ran on {record.controller.get('host')}, which "
+                        f"{inv.path} does not name; give the inventory it was started with", exit_code=2)
+    job = record.job_id
+    with Session(inv.all_hosts) as session:
+        while True:
+            end = fetch(session, p, record, runs)
+            if end is not None:
+                error = UserError(end["error"]) if end["error"] else None
+                closing = end["closing"] or f"job {job} {end['state']}"
+                return Finished(
+                    job, runs / job, error, f"{closing} (fetched from its controller on {p.host.name})"
+                )
+            found = hostops.survey(session, inv)
+            if job in hostops.running_jobs(found):
+                try:
+                    jobs.attach(session, inv, job, runs, console, live=live)
+                except KeyboardInterrupt:
+                    return Finished(job, None, None, "detached; the job goes on ('fab stop --job' ends it)")
+                continue
+            state = controllers(found).get(job, "")
+            if not state.endswith(" running") and found.error(p.host.name) is None:
+                if fetch(session, p, record, runs) is None:
+                    raise UserError(f"job {job}: its controller on {p.host.name} is gone without an end; "
+                                    f"'fab attach {job}' takes it over here")
+                continue
+            time.sleep(FOLLOW_POLL)
+
+
+# ---------------------------------------------------------------- the controller
+
+def revoke_everywhere(inv: Inventory, job_id: str) -> None:
+    with Session(inv.all_hosts) as session:
+        session.fan_out(lambda h: session.run(h, revoke_script([job_id]), timeout=deadlines.STATUS_TIMEOUT,
+                                              what="removing the controller's key"), inv.all_hosts)
+
+
+def main(root: Path) -> int:
+    """The controller: the job's life, its end written to done.json, its credentials removed."""
+    from rich.console import Console
+
+    from orchestrator.backends.ssh.backend import SshBackend
+    launch: Launch = pickle.loads((root / "launch.pickle").read_bytes())  # noqa: S301 - written by fab train
+    launch = replace(launch, console=Console(stderr=True, highlight=False, soft_wrap=True))
+    end = {"state": "failed", "error": "", "closing": ""}
+    try:
+        finished = SshBackend().run(launch)
+        end = {"state": "finished" if finished.error is None else "failed",
+               "error": str(finished.error or ""), "closing": finished.closing}
+        rec = JobRecord.load(launch.runs, launch.spec.job_id, "the job's record")
+        end["state"] = rec.state
+    except UserError as exc:
+        end["error"] = str(exc)
+    except BaseException as exc:  # noqa: BLE001 - the end is written whatever happened
+        end["error"] = f"the controller failed: {exc!r}"
+        raise
+    finally:
+        try:
+            revoke_everywhere(launch.inv, launch.spec.job_id)
+        finally:
+            for name in ("key", "launch.pickle"):
+                (root / name).unlink(missing_ok=True)
+            for secret in (root / "secrets").glob("*"):
+                secret.unlink()
+            tmp = root / f".{DONE}.tmp"
+            tmp.write_text(json.dumps(end))
+            tmp.replace(root / DONE)
+    return 0 if not end["error"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -1,0 +1,46 @@
+"""Jobs that outlive the terminal, on the local cluster: a job whose `fab train` was killed is taken
+over by `fab attach` and goes on (watchdog, restarts, fetch)."""
+import json
+import re
+import time
+
+from .conftest import ROOT, Run, fab, on_host, project_containers
+from .test_recovery import GPT, final_state, job_id, run_in_background, wait_for_line
+
+LONGER = [*GPT[:-1], GPT[-1].replace("--max-steps-per-epoch 40", "--max-steps-per-epoch 60")]
+
+
+def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, tmp_path):
+    log = tmp_path / "train.txt"
+    proc = run_in_background(inventory_path, log, "train", *LONGER, "--restarts", "1")
+    attach = None
+    try:
+        wait_for_line(log, "| step 15 |")
+        proc.kill()  # SIGKILL: no teardown, no fetch; the containers go on with nobody watching
+        proc.wait(10)
+        job = job_id(log.read_text())
+        assert len(project_containers("node1")) == len(project_containers("node2")) == 1
+        # Its lease is still fresh: whoever renewed it may be alive, so it is left alone.
+        early = fab(inventory_path, "attach", job)
+        assert early.returncode == 2 and "is looked after right now" in early.stderr, early.stderr
+        wait = float(re.search(r"try again in (\d+)s", early.stderr).group(1))
+        time.sleep(wait + 1)
+        attach = Run(inventory_path, "attach", job, "--plain")
+        attach.wait_for(f"took over job {job}: attempt 1 on node1 (rank 0), node2 (rank 1)")
+        attach.wait_for("| step 25 |")  # followed from the start of the output: then new steps
+        assert len(project_containers("node1")) == len(project_containers("node2")) == 1  # no second copy
+        on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
+        assert attach.finish(timeout=300) == 0, attach.text[-3000:]
+    finally:
+        proc.kill()
+        if attach is not None:
+            attach.proc.kill()
+    out = attach.text
+    assert "attempt 1 failed (node2 exited with code 137); restart 1 of 1" in out
+    assert re.search(r"attempt 2: starting 2 node\(s\), rank 0 on node1 .*from snapshot snapshot-", out)
+    assert f"job {job} finished on every host after 2 attempts" in out
+    record = json.loads((ROOT / "runs" / job / "job.json").read_text())
+    assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
+    assert final_state(job)["step"] == 120
+    assert (ROOT / "runs" / job / "outputs" / "node2").is_dir()  # the fetch of the end ran
+    assert project_containers("node1") == [] and project_containers("node2") == []
