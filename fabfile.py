@@ -205,6 +205,8 @@ JOB_HELP = {
         "finished, failed, stopped) with the event as JSON on its stdin (README: Notifications; default: "
         "job.notify)",
         "notify_url": "POST each notification as JSON to this http(s) URL (default: job.notify_url)",
+        "queue": "when its hosts or GPUs are held, wait in line (first come, first served on each host; "
+        "'fab status' shows the queue) and start by itself once they are free (README: The queue)",
         "detach": "run the job's control in a container on the inventory's controller: host (default: the "
         "first host) and return at once; fab logs, status, stop and attach find it (README: Detached jobs)",
         "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's "
@@ -216,7 +218,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
           checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
-          cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False):
+          cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False, queue=False):
     """Run a job on every host, its logs streamed here; exits as the job does.
 
     It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
@@ -293,6 +295,8 @@ def status(c, inventory=None, json=False):
 def logs(c, inventory=None, job=None, plain=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     finished = requests.logs(inventory, job, RUNS, console, plain)
+    if finished.run_dir is not None and (finished.run_dir / "job.json").is_file():  # a detached job, fetched
+        cli.present(finished.run_dir, console)
     if finished.closing:
         print(finished.closing)
     if finished.error is not None:

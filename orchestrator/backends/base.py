@@ -38,6 +38,7 @@ class Launch:
     smoke: bool = False
     selected: tuple[str, ...] | None = None   # hosts chosen by --include/--exclude/--num-nodes/--health
     notify: dict[str, str] | None = None      # {"command", "url"}: --notify, --notify-url (None: as recorded)
+    queue: bool = False                       # wait in line while the hosts are held (fab train --queue)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class TrainRequest:
     notify: str | None = None
     notify_url: str | None = None
     detach: bool = False
+    queue: bool = False
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> TrainRequest:
@@ -190,6 +191,7 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
         smoke=req.smoke,
         selected=chosen,
         notify=hooks(req, inv, record),
+        queue=req.queue,
     )
 
 

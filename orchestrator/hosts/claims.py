@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -35,8 +36,11 @@ from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 
 DIR = ".claims"
+TICKET_RE = re.compile(r"[0-9]{20}-[A-Za-z0-9._-]+")
 REFUSED = 3       # the claim script's exit code when a unit it wants is held
 PORT_TAKEN = 5    # ... when its master port was claimed by another job on this host meanwhile
+QUEUED = 8        # ... when a job queued before it waits for this host (the queue's rule, below)
+QUEUE = "queue"   # in the host's claims directory: one file per job waiting for the host
 LOCK_WAIT = 10    # seconds the claim script waits for another claim on the same host
 
 
@@ -101,6 +105,50 @@ def parse_holder(line: str) -> Holder | None:
                   int(port) if port.isdigit() else None)
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """One job's place in a host's queue (fab train --queue)."""
+
+    job: str
+    who: str = ""
+    since: float = 0.0
+    ticket: str = ""              # the order: earlier tickets go first (new_ticket)
+    wants: str = ""               # the units it asked for here ("" or all: the whole host)
+    age: float = 0.0              # seconds since its fab train last renewed the place
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since)) if self.since else "?"
+        return f"{self.job} (queued by {self.who or 'unknown'} at {when})"
+
+
+def new_ticket(job_id: str) -> str:
+    """A queued job's place in every host's queue: the time it first asked, then its id (two jobs
+    queued at the same moment get distinct places, the same order on every host)."""
+    return f"{time.time_ns():020d}-{job_id}"
+
+
+def parse_waiting(line: str) -> Waiting | None:
+    """'JOB age=.. who=.. since=.. ticket=.. wants=..' (the survey's and the claim script's lines)."""
+    job, *fields = line.split() or [""]
+    if not jobspec.valid_job_id(job):
+        return None
+    kv = dict(f.partition("=")[::2] for f in fields)
+
+    def number(key: str) -> float:
+        try:
+            return float(kv.get(key, "0"))
+        except ValueError:
+            return 0.0
+    ticket = kv.get("ticket", "")
+    return Waiting(job, kv.get("who", ""), number("since"), ticket if TICKET_RE.fullmatch(ticket) else "",
+                   kv.get("wants", ""), number("age"))
+
+
+def queue_order(waiting: list[Waiting]) -> list[Waiting]:
+    """A host's queue, first first."""
+    return sorted(waiting, key=lambda w: (w.ticket or "~", w.job))
+
+
 # ------------------------------------------------------------------ on the hosts
 
 def host_dir(inv: Inventory) -> str:
@@ -129,18 +177,25 @@ def survey_script(inv: Inventory) -> str:
             '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && '
             'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
             '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
+            'done ); echo @@queue; now=$(date +%s); '
+            f'( q="$d"/{QUEUE}; cd -P "$q" 2>/dev/null && [ ! -L "$q" ] && [ "$q" -ef . ] && '
+            'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+            '[ -f "$f" ] && [ ! -L "$f" ] && '
+            'echo "$(basename "$f") age=$((now - $(stat -c %Y "$f"))) $(tr "\\n" " " < "$f")"; '
             'done ); true')
 
 
-def parse_survey(text: str) -> tuple[int, list[Holder]]:
-    """(CPUs, claims) from survey_script's output (after its @@claims line)."""
+def parse_survey(text: str) -> tuple[int, list[Holder], list[Waiting]]:
+    """(CPUs, claims, the queue) from survey_script's output (after its @@claims line)."""
+    text, _, queued = text.partition("@@queue\n")
     lines = text.splitlines()
     cpus = int(lines[0]) if lines and lines[0].strip().isdigit() else 1
-    return cpus, [h for line in lines[1:] if line.strip() and (h := parse_holder(line))]
+    return (cpus, [h for line in lines[1:] if line.strip() and (h := parse_holder(line))],
+            [w for line in queued.splitlines() if line.strip() and (w := parse_waiting(line))])
 
 
 def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who: str, first: bool,
-                 port: int | None = None) -> str:
+                 port: int | None = None, ticket: str | None = None) -> str:
     """Under the host's claims lock: each other claim is judged (held: its job has a container here
     or a fresh lease; else stale, removed, and said so); if none of the held ones overlaps `units`,
     this job's claim file is written (replacing its own earlier one) with its runtime directory and
@@ -172,7 +227,7 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         return f"{clear}{hostfiles.own_runtime_script(inv, job_id)}"
     tmp = f'"$d"/.{job_id}.tmp'
     body = (
-        f'now=$(date +%s); taken=""; ports=""; '
+        f'now=$(date +%s); taken=""; ports=""; {queue_scan_script(inv, job_id, ticket, who, units)}'
         f'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
         f'[ "$j" = {q([job_id])} ] && continue; '
         f'line="$j $(tr "\\n" " " < "$f")"; l={rt}/"$j"/{hostfiles.LEASE}; '
@@ -185,14 +240,21 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         f'else rm -f "$f"; echo "cleared $line"; fi; done; '
         # A claim of no units in particular (units=) is the whole host.
         f'for u in {" ".join(str(u) for u in units) or "all"}; do '
-        f'case " $taken " in *" all "*|*" $u "*) exit {REFUSED};; '
-        f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && exit {REFUSED}; done; '
+        f'case " $taken " in *" all "*|*" $u "*) wait_here {REFUSED};; '
+        f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && wait_here {REFUSED}; done; '
+        # The queue binds a job that does not hold this host yet (a restart keeps its own).
+        f'[ -z "$ahead" ] || [ -f "$d"/{q([job_id])} ] || wait_here {QUEUED}; '
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
         + f"{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && "
         f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" '
         f'{q([units_text(units)])} '
         f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}'
     )
+    return locked(inv, body)
+
+
+def locked(inv: Inventory, body: str) -> str:
+    """`body` run in the host's claims directory (d=.) under its lock (see claim_script)."""
     lock, enter = '"$d"/.lock', hostfiles.enter_script('"$d"')
     return (
         f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
@@ -208,16 +270,74 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
     )
 
 
-def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True) -> str:
-    """Remove these jobs' claims on the host it runs on, and (`runtime`) their runtime directories
-    and stop markers (`fab stop` leaves both for the job's own `fab train` to see)."""
+def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
+                      wants: tuple[int, ...]) -> str:
+    """Part of claim_script and enqueue_script (in the claims directory, under its lock, `now` set):
+    each other job's place in the host's queue is judged: one its fab train has not renewed for
+    hostfiles.LEASE_STALE s is dropped and said (`dropped JOB ...`); one queued before this job's
+    `ticket` (any, for a job that is not queued) is said (`ahead JOB ...`) and sets `ahead`. Defines
+    `wait_here CODE`: with a ticket, take or renew this job's place, then exit CODE.
+
+    The queue's rule: first come, first served on each host. A job does not start on a host while a
+    job queued there before it still waits, even when it would fit beside the running ones: with
+    no run times known, a small job started beside the head of the queue could keep it waiting for
+    ever. A job whose hosts nobody waits for starts as soon as its GPUs (slots) are free."""
+    q = sshargs.shell
+    mine = q([f"{QUEUE}/{job_id}"])
+    take = (
+        f"if [ -f {mine} ] && [ ! -L {mine} ]; then touch {mine}; else rm -f {mine} {QUEUE}/.{job_id}.tmp; "
+        f'( set -C; printf "who=%s\\nsince=%s\\nticket=%s\\nwants=%s\\n" {q([who])} "$now" {q([ticket])} '
+        f"{q([units_text(wants) or 'all'])} > {QUEUE}/.{job_id}.tmp ) && "
+        f"mv -T {QUEUE}/.{job_id}.tmp {mine}; fi; "
+        if ticket
+        else ""
+    )
+    before = f'[ "$t" \\< {q([ticket])} ]' if ticket else "true"
+    return (
+        hostfiles.shared_dir_script(QUEUE, check=False) + 'ahead=""; '
+        f'for f in {QUEUE}/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
+        f'case "$j" in *[!A-Za-z0-9._-]*) continue;; esac; [ "$j" = {q([job_id])} ] && continue; '
+        f'a=$((now - $(stat -c %Y "$f"))); line="$j age=$a $(tr "\\n" " " < "$f")"; '
+        f'if [ "$a" -ge {int(hostfiles.LEASE_STALE)} ]; then rm -f "$f"; echo "dropped $line"; continue; fi; '
+        f't=$(sed -n "s/^ticket=//p" "$f"); if {before}; then echo "ahead $line"; ahead=1; fi; done; '
+        f'wait_here() {{ {take}exit "$1"; }}; '
+    )
+
+
+def dequeue_command(inv: Inventory, job_id: str) -> str:
+    """Leave the host's queue (the job started, or ended while it waited)."""
+    return f"d={host_dir(inv)}; rm -f \"$d\"/{QUEUE}/{sshargs.shell([job_id])}"
+
+
+def enqueue_script(inv: Inventory, job_id: str, ticket: str, who: str, wants: tuple[int, ...]) -> str:
+    """Take or renew the job's place in the host's queue (under its lock); prints what the queue
+    scan says (jobs ahead, places dropped). Exits 0."""
+    return locked(inv, f"now=$(date +%s); {queue_scan_script(inv, job_id, ticket, who, wants)}wait_here 0")
+
+
+def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True,
+                    queue: bool = True) -> str:
+    """Remove these jobs' claims on the host it runs on, (`queue`) their places in its queue, and
+    (`runtime`) their runtime directories and stop markers (`fab stop` leaves both for the job's own
+    `fab train` to see)."""
     ids = [j for j in job_ids if jobspec.valid_job_id(j)]
     if not ids:
         return "true"
     rt = f"{inv.job.output_dir}/.runtime"
     gone = [p for j in ids for p in (f"{rt}/{j}", hostfiles.stopped_marker(inv, j))]
     return (f"d={host_dir(inv)}; " + (f"rm -rf {sshargs.shell(gone)}; " if runtime else "")
-            + "; ".join(f'rm -f "$d"/{j}' for j in ids))
+            + "; ".join(f'rm -f "$d"/{j}' + (f' "$d"/{QUEUE}/{j}' if queue else "") for j in ids))
+
+
+def parse_queue_output(text: str) -> tuple[list[Waiting], list[Waiting]]:
+    """(ahead, dropped): the jobs queued before this one on the host, and the places dropped."""
+    ahead: list[Waiting] = []
+    dropped: list[Waiting] = []
+    for line in text.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("ahead", "dropped") and (w := parse_waiting(rest)):
+            (ahead if word == "ahead" else dropped).append(w)
+    return queue_order(ahead), dropped
 
 
 def parse_claim_output(text: str) -> tuple[list[Holder], list[Holder]]:
@@ -290,8 +410,8 @@ def choose(host: Host, cap: int, holders: list[Holder], asked: tuple[int, ...] |
     raise UserError(f"{host.name}: this job needs {need}, but {holding} hold(s) "
                     f"{units_text(tuple(sorted(taken)))}; free there: {units_text(tuple(free)) or 'none'}. "
                     "Wait for that job, stop it if it is yours ('fab stop --job JOB'), or ask for free ones "
-                    "(--include HOST:i,j, --gpus N, --num-nodes N). To queue jobs, use a scheduler: "
-                    "'fab export.slurm' writes this job as a Slurm batch script", exit_code=1)
+                    "(--include HOST:i,j, --gpus N, --num-nodes N), or add --queue: the job waits in line "
+                    "and starts by itself when they are free", exit_code=1)
 
 
 def order(hosts: tuple[Host, ...]) -> list[Host]:

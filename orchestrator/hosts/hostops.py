@@ -71,6 +71,7 @@ class HostJobs:
     claimed: tuple[claims.Holder, ...] = ()  # every claim file there, stale ones included
     ranks: dict[str, int] = field(default_factory=dict)  # job -> node rank of its container, any state
     controllers: dict[str, str] = field(default_factory=dict)  # job -> state of its controller container
+    queued: tuple[claims.Waiting, ...] = ()   # the host's queue (claims.QUEUE), any order
 
     def holders(self, but: str = "") -> list[claims.Holder]:
         """Who holds units here, other than job `but`: claims whose job runs here or has a lease
@@ -114,7 +115,7 @@ def parse_survey(text: str) -> HostJobs:
         job, _, state = line.partition("\t")
         if jobspec.valid_job_id(job):
             controllers[job] = hostile.line(state, 40)
-    cpus, held = claims.parse_survey(claimed)
+    cpus, held, queued = claims.parse_survey(claimed)
     running, any_container, owners, attempts, states, ranks = {}, set(), {}, {}, {}, {}
     for line in containers.splitlines():
         f = line.split("\t")
@@ -133,7 +134,7 @@ def parse_survey(text: str) -> HostJobs:
         if jobspec.valid_job_id(job) and job != hostfiles.IMAGE_CACHE:
             dirs[job] = float(age) if age.lstrip("-").isdigit() else None
     return HostJobs(running, frozenset(any_container), dirs, owners, attempts, states, cpus, tuple(held),
-                    ranks, controllers)
+                    ranks, controllers, tuple(queued))
 
 
 def survey(session: Session, inv: Inventory, hosts: tuple[Host, ...] | None = None) -> PerHost:
@@ -183,11 +184,15 @@ class JobView:
     states: dict[str, str] = field(default_factory=dict)   # host -> container state, or 'claimed'/'left over'
     attempt: str = ""
     live: bool = False             # a container runs, or its fab train holds a fresh lease
+    queue: dict[str, int] = field(default_factory=dict)    # host -> its position in that host's queue
+    waits: list[str] = field(default_factory=list)         # what a queued job waits for, per host
 
     @property
     def state(self) -> str:
         if self.ranks:
             return "running"
+        if self.queue and not self.live:
+            return f"queued ({max(self.queue.values())})"
         if self.live:
             return "starting" if not self.states or "claimed" in self.states.values() else "between attempts"
         return "left over"
@@ -219,6 +224,17 @@ def job_views(found: PerHost) -> dict[str, JobView]:
             if age is not None and age < hostfiles.LEASE_LIVE:
                 view(job).live = True
                 view(job).hosts.setdefault(host, None)
+        fresh = claims.queue_order([w for w in hj.queued if w.age < hostfiles.LEASE_STALE])
+        for i, w in enumerate(fresh):
+            v = view(w.job)
+            v.who, v.since = v.who or w.who, min(filter(None, (v.since, w.since)), default=0.0)
+            v.hosts.setdefault(host, None)
+            v.states.setdefault(host, "queued")
+            v.queue[host] = i + 1
+            ahead = [x.job for x in fresh[:i]]
+            held = [c.job for c in hj.claimed if c.job != w.job]
+            v.waits.append(f"{host}: " + (f"behind {', '.join(ahead)}" if ahead else
+                                          f"held by {', '.join(held)}" if held else "free now"))
     for v in views.values():
         v.live = v.live or bool(v.ranks)
     return views

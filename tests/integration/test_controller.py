@@ -44,3 +44,54 @@ def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, 
     assert final_state(job)["step"] == 120
     assert (ROOT / "runs" / job / "outputs" / "node2").is_dir()  # the fetch of the end ran
     assert project_containers("node1") == [] and project_containers("node2") == []
+
+
+def status_doc(inventory_path) -> dict:
+    r = fab(inventory_path, "status", "--json")
+    return json.loads(r.stdout)
+
+
+def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path):
+    start = time.monotonic()
+    r = fab(inventory_path, "train", *GPT, "--restarts", "1", "--detach")
+    took = time.monotonic() - start
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = re.search(r"job (\S+) detached: its controller runs on node1 \(fabtrain-ctl-", r.stdout).group(1)
+    print(f"fab train --detach returned in {took:.1f}s")
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # the submitting fab has exited: the job runs on, seen in fab status
+            rows = {j["job"]: j for j in status_doc(inventory_path)["jobs"]}
+            if ((rows.get(job) or {}).get("step") or 0) >= 15:
+                break
+            assert time.monotonic() < deadline, f"job {job} never reached step 15: {rows}"
+            time.sleep(1)
+        seen = fab(inventory_path, "status")
+        assert f"{job}: detached, its controller runs on node1" in seen.stdout, seen.stdout
+        on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
+        logs = fab(inventory_path, "logs", "--job", job, "--plain", timeout=400)
+    finally:
+        fab(inventory_path, "stop", "--job", job, "--grace", "0")
+    assert logs.returncode == 0, (logs.stdout + logs.stderr)[-3000:]
+    assert "(fetched from its controller on node1)" in logs.stdout
+    run = ROOT / "runs" / job
+    record = json.loads((run / "job.json").read_text())
+    assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
+    assert record["attempts"][0]["outcome"] == "node2 exited with code 137"
+    assert record["controller"]["host"] == "node1" and record["controller"]["fetched"]
+    node1 = (run / "node1.log").read_text()
+    assert "| step 10 |" in node1 and "resumed from /output/snapshots/snapshot-0000000" in node1
+    assert (run / "loss.png").is_file() and final_state(job)["step"] == 80
+    events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+    assert events.count("attempt") == 2 and events[-1] == "finished"
+    # Nothing of the job or its controller is left on any host: containers, directories, its key.
+    for node in ("node1", "node2"):
+        assert project_containers(node) == []
+        left = on_host(
+            node,
+            "docker ps -aq --filter label=fabtrain.controller; ls /opt/fabtrain/output/.controllers; "
+            "ls /opt/fabtrain/output/.runtime | grep -vx images; "
+            f"grep -c {job} ~/.ssh/authorized_keys",
+            check=False,
+        )
+        assert left.stdout.split() == ["0"], left.stdout

@@ -53,7 +53,7 @@ def test_a_refusal_names_the_holder_who_since_which_gpus_and_what_is_free():
         "gpu1: this job needs GPUs 1,2, but bob-20261123-101500-ab12 (started by bob@ws2 at "
         "2026-11-23 10:15:00, GPUs 0,1) hold(s) 0,1; free there: 2,3."
     )
-    assert "'fab export.slurm'" in text and err.value.exit_code == 1
+    assert "or add --queue: the job waits in line" in text and err.value.exit_code == 1
     # A job running with no claim file (started by an older fabtrain) holds the whole host.
     with pytest.raises(
         UserError,
@@ -122,10 +122,14 @@ def test_the_claim_script_refuses_overlaps_takes_disjoint_units_and_clears_stale
     assert c.returncode == 0, c.stderr
     held, cleared = claims.parse_claim_output(c.stdout)
     assert [h.job for h in cleared] == ["alice-1"] and [h.job for h in held] == ["bob-1"]
-    assert sorted(p.name for p in claim_dir.iterdir() if not p.name.startswith(".")) == ["bob-1", "carol-1"]
+    assert sorted(p.name for p in claim_dir.iterdir() if p.is_file() and not p.name.startswith(".")) == [
+        "bob-1", "carol-1"]
     # The survey reads the same files; release removes a job's claim and runtime directory.
-    cpus, found = claims.parse_survey(run(claims.survey_script(inv)).stdout.partition("@@claims\n")[2])
+    cpus, found, queued = claims.parse_survey(
+        run(claims.survey_script(inv)).stdout.partition("@@claims\n")[2]
+    )
     assert cpus == os.cpu_count() and {h.job: h.units for h in found} == {"bob-1": (2, 3), "carol-1": (0, 1)}
+    assert queued == []
     assert run(claims.release_command(inv, ["carol-1"])).returncode == 0
     assert not (claim_dir / "carol-1").exists() and not (root / "out" / ".runtime" / "carol-1").exists()
 
@@ -140,3 +144,68 @@ def test_an_engine_that_does_not_answer_never_makes_a_claim_stale(host):
     )
     b = run(claims.claim_script(inv, "bob-1", (0,), "bob@ws2", True))
     assert b.returncode == claims.REFUSED and (claim_dir / "alice-1").exists()
+
+
+def test_the_queue_is_first_come_first_served_per_host_and_drops_places_not_kept(host):
+    inv, run, claim_dir, root = host
+    assert run(claims.claim_script(inv, "alice-1", (0, 1), "alice@ws1", True)).returncode == 0
+    (root / "running").write_text("alice-1\n")
+    # bob waits for alice's GPUs: refused, and his place taken; carol, queued after him, asks for GPU
+    # 3, free: she waits behind bob all the same (the rule: no job starts ahead of an earlier one).
+    bob, carol = claims.new_ticket("bob-1"), claims.new_ticket("carol-1")
+    assert bob < carol
+    b = run(claims.claim_script(inv, "bob-1", (0, 1), "bob@ws2", True, ticket=bob))
+    assert b.returncode == claims.REFUSED and (claim_dir / "queue" / "bob-1").exists()
+    c = run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol))
+    assert c.returncode == claims.QUEUED, c.stderr
+    assert [w.job for w in claims.parse_queue_output(c.stdout)[0]] == ["bob-1"]
+    assert not (claim_dir / "carol-1").exists() and (claim_dir / "queue" / "carol-1").exists()
+    # A job that did not ask to queue is refused while anyone waits, and takes no place.
+    d = run(claims.claim_script(inv, "dave-1", (3,), "dave@ws4", True))
+    assert d.returncode == claims.QUEUED and not (claim_dir / "queue" / "dave-1").exists()
+    # The survey shows the queue in order; alice's job running keeps its claim through a restart.
+    survey = run(claims.survey_script(inv)).stdout.partition("@@claims\n")[2]
+    queued = claims.queue_order(claims.parse_survey(survey)[2])
+    assert [(w.job, w.who, w.wants) for w in queued] == [
+        ("bob-1", "bob@ws2", "0,1"),
+        ("carol-1", "carol@ws3", "3"),
+    ]
+    assert run(claims.claim_script(inv, "alice-1", (0, 1), "alice@ws1", False)).returncode == 0
+    # alice ends: bob (first) gets the GPUs; carol still waits behind him until he leaves the queue.
+    assert run(claims.release_command(inv, ["alice-1"])).returncode == 0
+    (root / "running").write_text("")
+    assert (
+        run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol)).returncode
+        == claims.QUEUED
+    )
+    assert run(claims.claim_script(inv, "bob-1", (0, 1), "bob@ws2", True, ticket=bob)).returncode == 0
+    assert run(claims.dequeue_command(inv, "bob-1")).returncode == 0
+    assert run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol)).returncode == 0
+    assert run(claims.dequeue_command(inv, "carol-1")).returncode == 0
+    # A place not kept for LEASE_STALE s (its fab train is gone) is dropped by the next one, which says so.
+    assert (
+        run(claims.enqueue_script(inv, "erin-1", claims.new_ticket("erin-1"), "erin@ws5", ())).returncode == 0
+    )
+    old = time.time() - hostfiles.LEASE_STALE - 5
+    os.utime(claim_dir / "queue" / "erin-1", (old, old))
+    f = run(claims.enqueue_script(inv, "frank-1", claims.new_ticket("frank-1"), "frank@ws6", ()))
+    ahead, dropped = claims.parse_queue_output(f.stdout)
+    assert (
+        ahead == []
+        and [w.job for w in dropped] == ["erin-1"]
+        and not (claim_dir / "queue" / "erin-1").exists()
+    )
+    # fab stop (release) takes a job out of the queue.
+    assert run(claims.release_command(inv, ["frank-1"], runtime=False)).returncode == 0
+    assert not (claim_dir / "queue" / "frank-1").exists()
+
+
+def test_tickets_taken_at_the_same_moment_differ_and_order_the_same_everywhere():
+    a, b = claims.new_ticket("a-1"), claims.new_ticket("b-1")
+    same_ns = "00000000000000000042"
+    x, y = (
+        claims.parse_waiting(f"x-1 ticket={same_ns}-x-1"),
+        claims.parse_waiting(f"y-1 ticket={same_ns}-y-1"),
+    )
+    assert a != b and [w.job for w in claims.queue_order([y, x])] == ["x-1", "y-1"]
+    assert claims.parse_waiting("z-1 ticket=$(reboot)").ticket == ""  # a forged ticket orders last

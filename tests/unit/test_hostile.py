@@ -211,7 +211,7 @@ def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
     (d / "gpt-1").write_text("who=al@ws\nsince=1\nunits=0\n")
     (d / "x\nvictim-2 who=me since=1 units=0,1").write_text("who=me\n")
     out = subprocess.run(["sh", "-c", claims.survey_script(inv)], capture_output=True, text=True).stdout
-    _, held = claims.parse_survey(out.split("@@claims\n", 1)[1])
+    _, held, _ = claims.parse_survey(out.split("@@claims\n", 1)[1])
     assert [h.job for h in held] == ["gpt-1"]
 
 

@@ -72,7 +72,7 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
     assert claims.release_command(INV, ["gpt-1"]) == (
         "d='/opt/o ut/.claims'/\"$(hostname)\"; rm -rf '/opt/o ut/.runtime/gpt-1' '/opt/o "
         "ut/.runtime/.stopped/gpt-1'; "
-        'rm -f "$d"/gpt-1'
+        'rm -f "$d"/gpt-1 "$d"/queue/gpt-1'
     )
 
 
@@ -97,10 +97,16 @@ def test_the_claim_script_shares_its_lock_and_files_with_the_group():
         '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '
         'mv -T "$d"/.gpt-1.tmp "$d"/gpt-1 )'
     )
-    assert claims.survey_script(INV).endswith(
+    survey = claims.survey_script(INV)
+    assert (
         '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && for f in ./*; do case "${f##*/}" in '
         '*[!A-Za-z0-9._-]*) continue;; esac; [ -f "$f" ] && [ ! -L "$f" ] && '
-        'echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done ); true')
+        'echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done ); echo @@queue; ') in survey
+    # The queue's directory likewise: entered and checked, links never read.
+    assert (
+        '( q="$d"/queue; cd -P "$q" 2>/dev/null && [ ! -L "$q" ] && [ "$q" -ef . ] && for f in ./*; do '
+        'case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; [ -f "$f" ] && [ ! -L "$f" ] && '
+    ) in survey
 
 
 def mode(path: Path) -> int:
@@ -324,7 +330,8 @@ def test_a_shared_directory_that_is_a_link_is_refused_naming_it_and_the_fix(tmp_
     assert mode(home) == 0o700 and sorted(p.name for p in home.iterdir()) == ["id_rsa"]
     if where != ".runtime":  # nor does the survey read what the link points at
         (home / "gpt-9").write_text("who=x\nunits=0\n")
-        assert sh(tmp_path, claims.survey_script(inv)).stdout.split("@@claims\n")[1].count("\n") == 1
+        claimed = sh(tmp_path, claims.survey_script(inv)).stdout.split("@@claims\n")[1]
+        assert claimed.split("@@queue\n")[0].count("\n") == 1
         (home / "gpt-9").unlink()
     if where == ".runtime":
         m = sh(tmp_path, hostfiles.stop_mark_script(inv, ["gpt-1"]))

@@ -284,6 +284,6 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
     commands = [(h, c) for h, _, c, _ in rec.calls]
     claimed = [h for h, c in commands if "flock -w" in c]
     assert claimed == ["node1", "node2"] * 4  # in claims.order, stopping at the refusal; 3 plans again
-    assert ("node1", claims.release_command(j.inv, ["gpt-1"])) in commands
+    assert ("node1", claims.release_command(j.inv, ["gpt-1"], queue=False)) in commands
     assert not any(c.startswith("mkdir -p /opt/out/gpt-1 ") or "docker run" in c for _, c in commands)
     assert not j.run_dir.exists()

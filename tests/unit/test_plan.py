@@ -200,7 +200,7 @@ def test_start_script_writes_the_entrypoint_from_stdin():
     assert hostfiles.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"
     assert claims.release_command(INV, ["gpt-1"]) == (
         'd=/opt/out/.claims/"$(hostname)"; rm -rf /opt/out/.runtime/gpt-1 /opt/out/.runtime/.stopped/gpt-1; '
-        'rm -f "$d"/gpt-1'
+        'rm -f "$d"/gpt-1 "$d"/queue/gpt-1'
     )
 
 

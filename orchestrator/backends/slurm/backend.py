@@ -46,7 +46,8 @@ class SlurmBackend:
             for option in ("notify", "notify_url")
         }
         | {
-            "detach": "not with --on slurm yet (Slurm runs the job; fab train --on slurm follows it "
+            "queue": "not with --on slurm: Slurm queues every job itself",
+        "detach": "not with --on slurm yet (Slurm runs the job; fab train --on slurm follows it "
             "to the end)"
         }
     )

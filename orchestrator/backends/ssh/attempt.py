@@ -220,6 +220,7 @@ def build(
     first: bool = True,
     run_dir: str | None = None,
     units: dict[str, tuple[int, ...]] | None = None,
+    ticket: str | None = None,
 ) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
@@ -246,6 +247,7 @@ def build(
                 spec.owner,
                 first,
                 port if h.rank == 0 else None,
+                ticket,
             ),
             STATUS_TIMEOUT + claims.LOCK_WAIT,
             what="claiming GPUs/slots and the runtime directory",

@@ -40,7 +40,7 @@ class SshBackend:
         j = Job(launch.inv, launch.spec, launch.policy, launch.runs, reporter, record=launch.record,
                 checks=launch.checks, smoke=launch.smoke,
                 watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json},
-                notify_to=launch.notify)
+                notify_to=launch.notify, queue=launch.queue)
         if launch.selected is not None and launch.record is None:
             j.record.selected = list(launch.selected)
         return j

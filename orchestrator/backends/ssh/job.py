@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from orchestrator.preflight.checks import Check
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
+QUEUE_POLL = 5.0  # seconds between a queued job's tries (each renews its place: hostfiles.LEASE_STALE)
 
 
 class Stage(enum.StrEnum):
@@ -98,10 +99,15 @@ def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
                             outcome = job.run_attempt(attempt)
                         except Contended:
                             continue  # planned again with another port (Job.claim)
+                        except Queued as q:
+                            if job.wait_in_queue(q):
+                                continue  # planned again once its place came
+                            break
                     decision = job.decide(attempt, outcome)
                     if decision.roster is None or not job.next_attempt(decision):
                         break
             finally:
+                job.leave_queue()
                 result = job.finish()
     except Refused:
         if not job.resuming:  # a new job refused its hosts leaves nothing, here either
@@ -126,6 +132,7 @@ class Job:
         smoke: bool = False,
         watch_options: dict | None = None,
         notify_to: dict[str, str] | None = None,
+        queue: bool = False,
     ) -> None:
         self.inv, self.policy = inv, policy
         self.run_dir = run_root / spec.job_id
@@ -158,6 +165,12 @@ class Job:
         self.before: AttemptPlan | None = None  # the plan before the last one (Job.claim: planned again)
         self.claimed_ports: set[int] = set()     # other jobs' master ports on this attempt's rank-0 host
         self.replans = 0
+        # fab train --queue: the job's place in its hosts' queues (claims.new_ticket), while it waits.
+        self.ticket = claims.new_ticket(spec.job_id) if queue else None
+        self.queued: tuple[Host, ...] = ()
+        self.queued_since = 0.0
+        self.position: int | None = None
+        self.started = False  # a container of this job was started by this process
 
     # ------------------------------------------------------------ around the stages
 
@@ -312,6 +325,7 @@ class Job:
             first=self.last is None,
             run_dir=str(self.run_dir),
             units=units,
+            ticket=None if self.started else self.ticket,
         )
         self.last = a
         return a
@@ -369,7 +383,7 @@ class Job:
             facts.append(
                 Fact(h.name, "docker ps + ls .runtime + cat .claims (hostops.survey)", seen + answer)
             )
-        if refusals and self.last is None and not dry:
+        if refusals and self.last is None and not dry and self.ticket is None:
             raise Refused("\n".join(refusals))
         return units
 
@@ -495,7 +509,13 @@ class Job:
                 done.append(h)
                 continue
             self.release(done)
-            if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and self.replans < 3:
+            if r.exited in (claims.REFUSED, claims.QUEUED) and self.ticket and not self.started:
+                self.record.attempts.pop()  # as if this attempt never was: the job waits in line
+                self.record.save(self.run_dir)
+                self.used.clear()
+                self.last = self.before
+                raise Queued(h, held, claims.parse_queue_output(r.stdout)[0])
+            if r.exited == claims.PORT_TAKEN or (r.exited == claims.REFUSED and self.replans < 3):
                 # Another job planned at the same moment took these units or this master port: plan
                 # the attempt again from the claims as they are now (other free units and port, or a
                 # refusal naming the holder), as if this one never was.
@@ -511,23 +531,85 @@ class Job:
                     self.used.clear()
                 self.last = self.before
                 raise Contended()
+            ahead, _ = claims.parse_queue_output(r.stdout)
             why = (
                 f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
                 f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
                 if r.exited == claims.REFUSED
+                else f"{h.name}: jobs queued before this one wait for it: "
+                f"{'; '.join(w.describe() for w in ahead)}; add --queue to wait in line behind them"
+                if r.exited == claims.QUEUED
                 else f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
             )
             if a.number == 1 and not self.resuming:
                 for name in [x.name for x in a.hosts]:
                     self.used.pop(name, None)  # nothing of this job is left on them to fetch or clean
-                raise Refused(f"{why}; nothing was started. Wait for that job, or choose other hosts or GPUs "
-                              "(--include/--exclude/--num-nodes/--gpus)")
+                raise Refused(
+                    f"{why}; nothing was started. Wait for that job (--queue waits in line and starts "
+                    "by itself), or choose other hosts or GPUs (--include/--exclude/--num-nodes/--gpus)"
+                )
             return self.failed_to_start(a, PerHost({h.name: UserError(why)}))
         return None
 
+    def wait_in_queue(self, q: Queued) -> bool:
+        """fab train --queue, while the hosts are held: the job's place taken (or renewed) in the queue
+        of each of its hosts, its position said when it changes, then a pause; False when `fab stop`
+        ended it meanwhile. claims.queue_scan_script states the queue's rule."""
+        hosts = self.roster.hosts
+        ticket = self.ticket or ""
+        want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
+
+        def enqueue(h: Host) -> Result:
+            asked = want.of(h, 0)
+            script = claims.enqueue_script(self.inv, self.spec.job_id, ticket, self.spec.owner,
+                                           asked if isinstance(asked, tuple) else ())
+            return self.ssh.run(
+                h, script, timeout=deadlines.STATUS_TIMEOUT, what="keeping its place in the queue"
+            )
+
+        got = self.ssh.fan_out(enqueue, hosts)
+        ahead: dict[str, list[claims.Waiting]] = {}
+        for name in got:
+            r = got.value(name)
+            if r is None:
+                continue
+            ahead[name], dropped = claims.parse_queue_output(r.stdout)
+            for w in dropped:
+                self.note(f"{name}: dropped {w.describe()} from the queue: its fab train (or controller) "
+                          f"has not kept its place for {hostfiles.LEASE_STALE:g}s", "warning")
+        if not self.queued:
+            self.queued, self.queued_since = hosts, time.time()
+        position = 1 + max((len(v) for v in ahead.values()), default=0)
+        if position != self.position:
+            self.position = position
+            waits = "; ".join(
+                f"{n}: behind {', '.join(w.job for w in v)}" for n, v in ahead.items() if v
+            ) or (f"{q.host.name}: held by {', '.join(c.job for c in q.held) or 'another job'}")
+            self.note(f"queued: position {position} ({waits}); it starts by itself when its hosts are free. "
+                      f"'fab status' shows the queue; 'fab stop --job {self.spec.job_id}' leaves it")
+            self.emit("queued", position=position, waits=waits)
+        deadline = time.monotonic() + QUEUE_POLL
+        while time.monotonic() < deadline:
+            if self.stopped(hosts):
+                self.result.state = self.record.state = "stopped"
+                self.result.reason = "ended by 'fab stop' while it waited in the queue"
+                self.emit("decision", next=False, reason=self.result.reason, notes=[])
+                return False
+            time.sleep(min(STOP_POLL, max(0.0, deadline - time.monotonic())))
+        return True
+
+    def leave_queue(self) -> None:
+        """The job's places in its hosts' queues removed (it starts, or ended while it waited)."""
+        if self.queued:
+            hosts, self.queued = self.queued, ()
+            command = claims.dequeue_command(self.inv, self.spec.job_id)
+            self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
+                                                    what="leaving the queue"), hosts)
+            self.note(f"left the queue after {time.time() - self.queued_since:.0f}s")
+
     def release(self, hosts: list[Host]) -> None:
         """Remove this job's claims and runtime directories from these hosts."""
-        command = claims.release_command(self.inv, [self.spec.job_id])
+        command = claims.release_command(self.inv, [self.spec.job_id], queue=False)
         self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
                                                 what="releasing the claim"), tuple(hosts))
 
@@ -581,6 +663,8 @@ class Job:
         """START: the secrets file and docker run on every host at once, rank 0's issued first.
         Nothing waits for rank 0: torchrun's workers retry the rendezvous until it listens."""
         self.stage(Stage.START, a.number)
+        self.leave_queue()
+        self.started = True
         started = self.run_steps(
             a, [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]
         )
@@ -728,6 +812,14 @@ class Job:
 
 class Contended(Exception):
     """The attempt's units or master port were claimed by another job between its plan and its claim."""
+
+
+class Queued(Exception):
+    """fab train --queue: a host's GPUs (slots) are held, or jobs queued before this one wait for it."""
+
+    def __init__(self, host: Host, held: list[claims.Holder], ahead: list[claims.Waiting]) -> None:
+        super().__init__(host.name)
+        self.host, self.held, self.ahead = host, held, ahead
 
 
 class Refused(UserError):

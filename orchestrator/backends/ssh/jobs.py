@@ -154,7 +154,8 @@ def status_rows(views: dict[str, hostops.JobView], steps: dict[str, int]) -> lis
     for v in sorted(views.values(), key=lambda v: (-v.since, v.job)):
         rows.append({"job": v.job, "who": v.who or None, "state": v.state, "attempt": int(v.attempt) if
                      v.attempt.isdigit() else None, "step": steps.get(v.job),
-                     "since": v.since or None,
+                     "since": v.since or None, "queue": {"position": max(v.queue.values()), "hosts": v.queue,
+                                                         "waits": v.waits} if v.queue else None,
                      "hosts": {h: {"units": list(u) if u is not None else None, "rank": v.ranks.get(h),
                                    "container": v.states.get(h)} for h, u in v.hosts.items()}})
     return rows
@@ -178,6 +179,8 @@ def status_table(views: dict[str, hostops.JobView], steps: dict[str, int], inv: 
         hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claims.units_text(tuple(x['units']))}"
                                     if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
         style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
+        if r["queue"]:
+            hosts = "; ".join(r["queue"]["waits"])
         table.add_row(
             hostile.rich_text(r["job"]),
             hostile.rich_text(r["who"] or "-"),

@@ -1,0 +1,107 @@
+"""Detached jobs (backends/ssh/detached.py), without a cluster: the job's key added to and removed
+from authorized_keys (the scripts run by sh here, HOME a temporary folder), the inventory the
+controller uses, and the command that starts it."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+from orchestrator.backends.ssh import detached
+from orchestrator.config.inventory import parse
+
+JOB = "gpt-20261124-101010-abcd"
+OTHER = "gpt-20261124-101010-ef01"
+
+
+def sh(script: str, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, env={**os.environ, "HOME": str(home)}
+    )
+
+
+def test_the_jobs_key_is_added_restricted_and_removed_leaving_every_other_line(tmp_path):
+    ssh = tmp_path / ".ssh"
+    ssh.mkdir(mode=0o700)
+    (ssh / "authorized_keys").write_text("ssh-ed25519 AAAAuser ann@ws\n")
+    (ssh / "authorized_keys").chmod(0o600)
+    private, line = detached.new_key(JOB)
+    assert private.startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
+    assert line.startswith("ssh-ed25519 ") and line.endswith(f" fabtrain-controller:{JOB}")
+    _, other = detached.new_key(OTHER)
+    for entry in (line, other):
+        assert sh(detached.authorize_script(entry), tmp_path).returncode == 0
+    lines = (ssh / "authorized_keys").read_text().splitlines()
+    assert lines[0] == "ssh-ed25519 AAAAuser ann@ws"
+    assert lines[1] == "no-agent-forwarding,no-port-forwarding,no-X11-forwarding " + line
+    assert sh(detached.revoke_script([JOB]), tmp_path).returncode == 0
+    assert (ssh / "authorized_keys").read_text().splitlines() == [lines[0], lines[2]]
+    assert oct((ssh / "authorized_keys").stat().st_mode & 0o777) == "0o600"
+    assert sh(detached.revoke_script([OTHER, "not a job; rm -rf /"]), tmp_path).returncode == 0
+    assert (ssh / "authorized_keys").read_text().splitlines() == [lines[0]]
+    assert list(ssh.glob(".fabtrain.*")) == []
+    assert sh(detached.revoke_script([JOB]), tmp_path / "nohome").returncode == 0  # no file: nothing to do
+
+
+INV = parse(
+    "ssh: {user: ann, key: /home/ann/.ssh/id_ed25519, known_hosts: /home/ann/.ssh/known_hosts,\n"
+    "      config: none}\n"
+    "job: {output_dir: /data/fabtrain, secret_files: {WANDB_API_KEY: /home/ann/.wandb}}\n"
+    "hosts:\n  - {name: gpu1, address: 10.0.0.1, interface: eth0}\n"
+    "  - {name: gpu2, address: 10.0.0.2, interface: eth0, ssh: {port: 2222}}\n"
+    "controller: {host: gpu2}\n",
+    Path("inv.yaml"),
+)
+
+
+def test_the_controller_reaches_every_host_with_the_jobs_key_and_its_copied_files():
+    ctl = detached.controller_inventory(INV)
+    for h in ctl.all_hosts:
+        assert h.ssh.keys == ("/ctl/key",) and h.ssh.keys_only and h.ssh.known_hosts == ("/ctl/known_hosts",)
+        assert h.ssh.global_known_hosts == () and h.ssh.jump == ()
+    assert [(h.ssh.hostname, h.ssh.port, h.ssh.user) for h in ctl.hosts] == [
+        ("10.0.0.1", 22, "ann"), ("10.0.0.2", 2222, "ann")]
+    assert ctl.job.secret_files == (("WANDB_API_KEY", "/ctl/secrets/WANDB_API_KEY"),)
+
+
+def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabilities():
+    p = detached.place(INV, JOB)
+    assert (p.host.name, p.dir, p.container) == (
+        "gpu2",
+        f"/data/fabtrain/.controllers/{JOB}",
+        f"fabtrain-ctl-{JOB}",
+    )
+    script = detached.start_script(p, "fabtrain/controller:latest", "ann@ws")
+    passwd, run = script.split(" && ", 1)
+    assert run.startswith('docker run -d --rm --user "$(id -u):$(id -g)" ')
+    argv = shlex.split(run.split('"$(id -u):$(id -g)" ', 1)[1])
+    assert argv == [
+        "--name",
+        f"fabtrain-ctl-{JOB}",
+        "--label",
+        f"fabtrain.controller={JOB}",
+        "--label",
+        "fabtrain.owner=ann@ws",
+        "--network",
+        "host",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "-v",
+        f"{p.dir}:/ctl",
+        "-v",
+        f"{p.dir}/passwd:/etc/passwd:ro",
+        "-e",
+        "PYTHONPATH=/ctl/fabtrain",
+        "-e",
+        "HOME=/ctl",
+        "-w",
+        "/ctl",
+        "fabtrain/controller:latest",
+        "sh",
+        "-c",
+        "exec python3 -m orchestrator.backends.ssh.detached /ctl >> /ctl/controller.log 2>&1",
+    ]
+    assert "--privileged" not in script and passwd.endswith(f"> {p.dir}/passwd")
+    assert detached.place(INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB
+                          ).host.name == "gpu1"  # the default: the first host
