@@ -95,3 +95,76 @@ def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path)
             check=False,
         )
         assert left.stdout.split() == ["0"], left.stdout
+
+
+REPORT = "tests/integration/scripts/report.py"
+
+
+def queued_rows(inventory_path) -> dict[str, dict]:
+    return {r["job"]: r for r in status_doc(inventory_path)["jobs"] if r["queue"]}
+
+
+def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
+    """A holds both hosts (every slot); B and C, two other people, queue in that order; A ends, B
+    starts by itself while C waits; fab stop --job C removes C; B finishes."""
+    common = ("train", "--script", REPORT, "--skip-preflight", "--plain")
+    a = Run(inventory_path, *common, "--args", "--sleep 600", "--name", "qa")
+    b = c = None
+    try:
+        a.wait_for("attempt 1: starting 2 node(s)")
+        refused = fab(inventory_path, *common, "--name", "qx")
+        assert refused.returncode != 0 and "add --queue" in refused.stderr, refused.stderr[-2000:]
+        b = Run(inventory_path, *common, "--args", "--sleep 5", "--name", "qb", "--queue",
+                env={"FABTRAIN_USER": "bob"})
+        b.wait_for("queued: position 1 (")
+        c = Run(inventory_path, *common, "--args", "--sleep 5", "--name", "qc", "--queue",
+                env={"FABTRAIN_USER": "carol"})
+        c.wait_for("queued: position 2 (")
+        rows = queued_rows(inventory_path)
+        by_name = {r["job"].split("-")[0]: r for r in rows.values()}
+        assert by_name["qb"]["queue"]["position"] == 1 and by_name["qc"]["queue"]["position"] == 2, rows
+        assert by_name["qb"]["who"].startswith("bob@") and by_name["qc"]["who"].startswith("carol@")
+        assert by_name["qb"]["state"] == "queued (1)" and by_name["qb"]["since"]
+        assert "node1: held by qa-" in "; ".join(by_name["qb"]["queue"]["waits"])
+        assert "node1: behind qb-" in "; ".join(by_name["qc"]["queue"]["waits"])
+        table = fab(inventory_path, "status").stdout
+        assert "queued (2)" in table and "behind qb-" in table
+        qa = next(j["job"] for j in status_doc(inventory_path)["jobs"] if j["job"].startswith("qa-"))
+        assert fab(inventory_path, "stop", "--job", qa, "--grace", "0").returncode == 0
+        b.wait_for("left the queue after", timeout=60)
+        b.wait_for("attempt 1: starting 2 node(s)")
+        c_job = by_name["qc"]["job"]
+        assert c_job in queued_rows(inventory_path)  # C still waits: behind B's claim now
+        stop = fab(inventory_path, "stop", "--job", c_job, "--grace", "0")
+        assert stop.returncode == 0 and f"stopped {c_job}" in stop.stdout
+        assert c.finish(60) != 0 and "ended by 'fab stop' while it waited in the queue" in c.text, c.text[
+            -2000:
+        ]
+        assert b.finish(120) == 0, b.text[-3000:]
+        assert queued_rows(inventory_path) == {}
+        assert not on_host("node1", "ls /opt/fabtrain/output/.claims/*/queue/").stdout.split()
+    finally:
+        for r in (a, b, c):
+            if r is not None:
+                r.proc.kill()
+        fab(inventory_path, "stop", "--all", "--yes", "--grace", "0")
+
+
+def test_two_jobs_queued_at_the_same_moment_get_distinct_positions(inventory_path):
+    common = ("train", "--script", REPORT, "--skip-preflight", "--plain")
+    a = Run(inventory_path, *common, "--args", "--sleep 600", "--name", "qa")
+    runs = []
+    try:
+        a.wait_for("attempt 1: starting 2 node(s)")
+        runs = [
+            Run(inventory_path, *common, "--args", "--sleep 1", "--name", f"q{i}", "--queue") for i in (1, 2)
+        ]
+        for r in runs:
+            r.wait_for("queued: position")
+        time.sleep(6)  # each has renewed its place once and seen the other's
+        positions = sorted(r["queue"]["position"] for r in queued_rows(inventory_path).values())
+        assert positions == [1, 2]
+    finally:
+        for r in (a, *runs):
+            r.proc.kill()
+        fab(inventory_path, "stop", "--all", "--yes", "--grace", "0")
