@@ -89,18 +89,15 @@ def main() -> None:
         r, f = detached(str(inventory))
         ret.append(r)
         first.append(f)
-        print(
-            f"run {i + 1}: foreground first step {fg[-1]:.1f}s; --detach returned {r:.1f}s, first step {f:.1f}s",
-            flush=True,
-        )
+        print(f"run {i + 1}: foreground first step {fg[-1]:.1f}s; --detach returned {r:.1f}s, "
+              f"first step {f:.1f}s", flush=True)
     med = statistics.median
     print(f"\n| measure (median of {args.repeat}, seconds) | value |\n|---|---|")
     print(f"| `fab train --detach` returns | {med(ret):.2f} |")
     print(f"| first step, foreground `fab train` | {med(fg):.2f} |")
     print(f"| first step, detached | {med(first):.2f} |")
-    print(
-        f"| detached minus foreground (median of pairs) | {med(b - a for a, b in zip(fg, first, strict=True)):+.2f} |"
-    )
+    pairs = [b - a for a, b in zip(fg, first, strict=True)]
+    print(f"| detached minus foreground (median of pairs) | {med(pairs):+.2f} |")
     Path(args.out).write_text(
         json.dumps({"foreground_first": fg, "detach_return": ret, "detached_first": first}, indent=2) + "\n"
     )

@@ -315,6 +315,7 @@ def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: d
     except UserError:  # the controller ended before its job began: keep ours
         fetched = record
     fetched.controller = {**record.controller, **mark}
+    fetched.spec["code"] = record.spec["code"]  # the controller's copy was /ctl/code; resumes read it here
     fetched.save(run_dir)
     return fetched
 
