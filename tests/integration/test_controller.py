@@ -73,7 +73,10 @@ def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path)
     finally:
         fab(inventory_path, "stop", "--job", job, "--grace", "0")
     assert logs.returncode == 0, (logs.stdout + logs.stderr)[-3000:]
-    assert "(fetched from its controller on node1)" in logs.stdout
+    assert (
+        f"job {job} finished; logs and outputs in" in logs.stdout
+        and "(fetched from its controller on node1)" in logs.stdout
+    )
     run = ROOT / "runs" / job
     record = json.loads((run / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]

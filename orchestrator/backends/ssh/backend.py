@@ -114,8 +114,12 @@ class SshBackend:
                 session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets}
             )
             results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
-            from orchestrator.backends.ssh import detached  # a detached job's controller key goes too
-            session.fan_out(lambda h: session.run(h, detached.revoke_script(targets), timeout=STATUS_TIMEOUT,
+            # A detached job's key goes too, unless its controller still runs: that one needs it to
+            # fetch the outputs, and removes it itself at its end.
+            from orchestrator.backends.ssh import detached
+            live = detached.controllers(found)
+            keys = [j for j in targets if not live.get(j, "").endswith(" running")]
+            session.fan_out(lambda h: session.run(h, detached.revoke_script(keys), timeout=STATUS_TIMEOUT,
                                                   what="removing controller keys"), inv.all_hosts)
             for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
                 if found.error(h.name) and not results.error(h.name):

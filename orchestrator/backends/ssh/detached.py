@@ -394,10 +394,15 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
         while True:
             end = fetch(session, p, record, runs)
             if end is not None:
-                error = UserError(end["error"]) if end["error"] else None
-                closing = end["closing"] or f"job {job} {end['state']}"
+                error = (
+                    UserError(end["error"].replace(f"{MOUNT}/runs/", f"{runs}/")) if end["error"] else None
+                )
                 return Finished(
-                    job, runs / job, error, f"{closing} (fetched from its controller on {p.host.name})"
+                    job,
+                    runs / job,
+                    error,
+                    f"job {job} {end['state']}; logs and outputs in {runs / job} (fetched from its "
+                    f"controller on {p.host.name})",
                 )
             found = hostops.survey(session, inv)
             if job in hostops.running_jobs(found):
@@ -405,6 +410,8 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                     jobs.attach(session, inv, job, runs, console, live=live)
                 except KeyboardInterrupt:
                     return Finished(job, None, None, "detached; the job goes on ('fab stop --job' ends it)")
+                except UserError:
+                    pass  # its attempt ended between the survey and the follow
                 continue
             state = controllers(found).get(job, "")
             if not state.endswith(" running") and found.error(p.host.name) is None:
