@@ -227,8 +227,14 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         return f"{clear}{hostfiles.own_runtime_script(inv, job_id)}"
     tmp = f'"$d"/.{job_id}.tmp'
     body = (
-        f'now=$(date +%s); taken=""; ports=""; {queue_scan_script(inv, job_id, ticket, who, units)}'
-        f'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
+        'now=$(date +%s); taken=""; ports=""; '
+        # The queue binds a job's first claim of its hosts; its restarts (spares too) never wait in it.
+        + (
+            queue_scan_script(inv, job_id, ticket, who, units)
+            if first
+            else 'ahead=""; wait_here() { exit "$1"; }; '
+        )
+        + f'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
         f'[ "$j" = {q([job_id])} ] && continue; '
         f'line="$j $(tr "\\n" " " < "$f")"; l={rt}/"$j"/{hostfiles.LEASE}; '
         # A job whose engine does not answer counts as live: never clear what cannot be checked.
@@ -239,7 +245,7 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         f'ports="$ports $(sed -n "s/^port=//p" "$f")"; '
         f'else rm -f "$f"; echo "cleared $line"; fi; done; '
         # A claim of no units in particular (units=) is the whole host.
-        f'for u in {" ".join(str(u) for u in units) or "all"}; do '
+        f"for u in {' '.join(str(u) for u in units) or 'all'}; do "
         f'case " $taken " in *" all "*|*" $u "*) wait_here {REFUSED};; '
         f'esac; [ "$u" = all ] && [ -n "$(echo $taken)" ] && wait_here {REFUSED}; done; '
         # The queue binds a job that does not hold this host yet (a restart keeps its own).
@@ -247,7 +253,7 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
         + f"{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && "
         f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" '
-        f'{q([units_text(units)])} '
+        f"{q([units_text(units)])} "
         f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}'
     )
     return locked(inv, body)
@@ -292,7 +298,12 @@ def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
         if ticket
         else ""
     )
-    before = f'[ "$t" \\< {q([ticket])} ]' if ticket else "true"
+    # A ticket not of new_ticket's form (forged, or empty) orders after every real one.
+    before = (
+        f'{{ case "$t" in {"[0-9]" * 20}-*) ;; *) t="~";; esac; [ "$t" \\< {q([ticket])} ]; }}'
+        if ticket
+        else "true"
+    )
     return (
         hostfiles.shared_dir_script(QUEUE, check=False) + 'ahead=""; '
         f'for f in {QUEUE}/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '

@@ -168,12 +168,14 @@ class Notifier(Reporter):
 class EventLog(Reporter):
     """Every event appended to runs/JOB/events.jsonl (the file made at the first one)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path, self.enabled = path, enabled  # off: a dry run writes nothing
         self.lock = threading.Lock()
         self.last_progress: dict[str, float] = {}
 
     def emit(self, event: str, **fields) -> None:
+        if not self.enabled:
+            return
         if event == "progress":  # at most one a second per host, as --json prints them
             host, now = str(fields.get("host", "")), time.monotonic()
             if now - self.last_progress.get(host, -1.0) < 1.0:

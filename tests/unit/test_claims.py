@@ -182,6 +182,19 @@ def test_the_queue_is_first_come_first_served_per_host_and_drops_places_not_kept
     assert run(claims.dequeue_command(inv, "bob-1")).returncode == 0
     assert run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol)).returncode == 0
     assert run(claims.dequeue_command(inv, "carol-1")).returncode == 0
+    # A forged place (no real ticket) orders after every real one: it holds nobody up.
+    (claim_dir / "queue" / "mallory-1").write_text("who=m\nticket=$(reboot)\n")
+    assert run(claims.claim_script(inv, "gwen-1", (2,), "gwen@ws7", True, ticket=claims.new_ticket("gwen-1"))
+               ).returncode == 0
+    (claim_dir / "queue" / "mallory-1").unlink()
+    assert run(claims.release_command(inv, ["gwen-1"])).returncode == 0
+    # A running job's restart (not its first claim) never waits in the queue, onto a spare neither.
+    assert (
+        run(claims.enqueue_script(inv, "ivan-1", claims.new_ticket("ivan-1"), "ivan@ws9", ())).returncode == 0
+    )
+    assert run(claims.claim_script(inv, "hal-1", (2,), "hal@ws8", False)).returncode == 0
+    assert run(claims.claim_script(inv, "jo-1", (2,), "jo@ws0", True)).returncode == claims.REFUSED
+    assert run(claims.release_command(inv, ["ivan-1", "hal-1"])).returncode == 0
     # A place not kept for LEASE_STALE s (its fab train is gone) is dropped by the next one, which says so.
     assert (
         run(claims.enqueue_script(inv, "erin-1", claims.new_ticket("erin-1"), "erin@ws5", ())).returncode == 0

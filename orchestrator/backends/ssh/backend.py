@@ -64,18 +64,22 @@ class SshBackend:
     def take_over(self, launch: Launch) -> Finished:
         from orchestrator.backends.ssh import detached, takeover
         with Session(launch.inv.all_hosts) as session:
+            found = hostops.survey(session, launch.inv)
+            takeover.refuse_if_looked_after(found, launch.spec.job_id)
             p = detached.place_of(launch.inv, launch.record) if launch.record else None
-            if p is not None and launch.record is not None and not launch.record.controller.get("fetched"):
-                # A detached job: its newest record is the controller's.
+            if launch.record is not None and not detached.unfetched(launch.record):
+                p = None
+            if p is not None and launch.record is not None:
+                # A detached job whose controller is gone: its newest record is the controller's.
                 record = detached.copy_runs(
                     session, p, launch.record, launch.runs, {"taken_over": time.time()}
                 )
                 launch = replace(launch, record=record, spec=record.job_spec())
             job = self.job(launch)
             job.session = session
+            running = takeover.running_attempt(found, launch.inv, job.record)
             if p is not None:
                 detached.remove(session, p)
-            running = takeover.running_attempt(hostops.survey(session, launch.inv), launch.inv, job.record)
             result = run_job(job, running=takeover.plan(job, running))
         return self.finished(launch, result)
 
@@ -91,8 +95,8 @@ class SshBackend:
         record = (
             JobRecord.load(runs, job_id, "fab logs --job") if job_id and (runs / job_id).is_dir() else None
         )
-        if record is not None and record.controller and not record.controller.get("fetched"):
-            from orchestrator.backends.ssh import detached
+        from orchestrator.backends.ssh import detached
+        if record is not None and detached.unfetched(record):
             return detached.follow(inv, record, runs, console, live)
         with Session(inv.all_hosts) as session:
             try:

@@ -69,8 +69,20 @@ class Place:
 
 def place(inv: Inventory, job_id: str) -> Place:
     name = inv.controller.host or inv.hosts[0].name
-    host = next(h for h in inv.all_hosts if h.name == name)
+    host = next((h for h in inv.all_hosts if h.name == name), None)
+    if host is None:
+        raise UserError(
+            f"--detach: the controller's host {name} (the inventory's controller:) is not among this "
+            "job's hosts and spares: include it, or name another there",
+            exit_code=2,
+        )
     return Place(job_id, host, f"{inv.job.output_dir}/.controllers/{job_id}", f"fabtrain-ctl-{job_id}")
+
+
+def unfetched(record: JobRecord) -> bool:
+    """A detached job whose run is still with its controller (not fetched here, not taken over)."""
+    c = record.controller
+    return bool(c) and not c.get("fetched") and not c.get("taken_over")
 
 
 def place_of(inv: Inventory, record: JobRecord) -> Place | None:
@@ -99,13 +111,15 @@ def marker(job_id: str) -> str:
     return f"fabtrain-controller:{job_id}"
 
 
+# authorized_keys is changed by one controller key at a time (two --detach at once, a fab stop).
+KEYS_LOCK = "exec 8>>~/.ssh/.fabtrain.lock && flock -w 10 8"
+
+
 def authorize_script(line: str) -> str:
     """Add the job's key to this account's authorized_keys (no forwarding of any kind)."""
     entry = "no-agent-forwarding,no-port-forwarding,no-X11-forwarding " + line
-    return (
-        "umask 077; mkdir -p ~/.ssh && "
-        + f"printf '%s\\n' {sshargs.shell([entry])} >> ~/.ssh/authorized_keys"
-    )
+    return (f"umask 077; mkdir -p ~/.ssh && {KEYS_LOCK} && "
+            f"printf '%s\\n' {sshargs.shell([entry])} >> ~/.ssh/authorized_keys")
 
 
 def revoke_script(job_ids: list[str] | tuple[str, ...]) -> str:
@@ -116,8 +130,10 @@ def revoke_script(job_ids: list[str] | tuple[str, ...]) -> str:
         return "true"
     pattern = "|".join(f" {marker(j)}$" for j in ids).replace(".", "\\.")
     f = "~/.ssh/authorized_keys"
-    return (f"[ -f {f} ] || exit 0; t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) && "
-            f"{{ grep -Ev {sshargs.shell([pattern])} {f} > \"$t\"; cat \"$t\" > {f}; rm -f \"$t\"; }}")
+    # grep exits 1 when no line is left, 2 on an error: then the file is left as it was.
+    return (f"[ -f {f} ] || exit 0; {KEYS_LOCK} && t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) && "
+            f"{{ grep -Ev {sshargs.shell([pattern])} {f} > \"$t\"; [ $? -le 1 ] && cat \"$t\" > {f}; "
+            f"rm -f \"$t\"; }}")
 
 
 def controller_inventory(inv: Inventory) -> Inventory:
@@ -193,74 +209,32 @@ def prepare_script(p: Place) -> str:
 
 
 def submit(launch: Launch, job_record: JobRecord) -> Finished:
-    """Copy what the controller needs (module docstring), start it, and return: the job's id said."""
+    """Copy what the controller needs (module docstring), start it, and return: the job's id said.
+    A failure on the way takes back what was placed (the key on every host, the directory)."""
     inv, spec = launch.inv, launch.spec
     jumps = [h.name for h in inv.all_hosts if h.ssh.jump]
     if jumps:
         raise UserError(f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
                         "cannot use yet; run the job without --detach", exit_code=2)
     p = place(inv, spec.job_id)
-    image = inv.controller.image
     from orchestrator.images import images
+    try:
+        images.local_image(inv.controller.image)
+    except UserError:
+        raise UserError(
+            f"--detach: the controller image {inv.controller.image} is not in this machine's Docker "
+            "engine; build it with 'bash docker/build-images.sh', or name one the controller's host "
+            "has in the inventory (controller: {image: ...})",
+            exit_code=2,
+        ) from None
     with tempfile.TemporaryDirectory(prefix="fabtrain-ctl-") as tmp, Session(inv.all_hosts) as session:
         stage = Path(tmp) / "stage"
-        stage.mkdir(mode=0o700)
-        private, public = new_key(spec.job_id)
-        write(stage / "key", private)
-        write(stage / "key.pub", public.encode() + b"\n")
-        write(stage / "known_hosts", known_hosts_text(inv).encode())
-        (stage / "secrets").mkdir(mode=0o700)
-        for name, path in inv.job.secret_files:
-            write(stage / "secrets" / name, Path(path).expanduser().read_bytes())
-        ctl_spec = replace(spec, code=f"{MOUNT}/code")
-        ctl = replace(launch, inv=controller_inventory(inv), spec=ctl_spec, runs=Path(MOUNT) / "runs",
-                      console=None, json=True, live=False)  # type: ignore[arg-type]
-        write(stage / "launch.pickle", pickle.dumps(ctl))
-        ok = session.fan_out(
-            lambda h: session.run(
-                h,
-                authorize_script(public),
-                timeout=deadlines.STATUS_TIMEOUT,
-                what="adding the controller's key",
-            ),
-            inv.all_hosts,
-        )
-        failed = {
-            n: describe(next(h for h in inv.all_hosts if h.name == n), e) for n, e in ok.errors().items()
-        }
-        if p.host.name in failed:
-            raise UserError(f"--detach: the controller's host {p.host.name} did not take its key: "
-                            f"{failed[p.host.name]}", exit_code=1)
-        r = session.run(
-            p.host,
-            prepare_script(p),
-            timeout=deadlines.STATUS_TIMEOUT,
-            what="making the controller's directory",
-        )
-        if not r.ok:
-            raise UserError(f"{p.host.name}: could not make {p.dir}: {hostile.line(r.stderr.strip(), 300)}")
-        pushed = images.push(session, image, (p.host,))
-        if pushed[0].action == "failed":
-            raise UserError(
-                f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
-            )
-        for argv in (
-            sshargs.rsync_argv(p.host, str(stage), p.dir),
-            sshargs.rsync_argv(p.host, str(jobspec.PROJECT_ROOT), f"{p.dir}/fabtrain", only="orchestrator"),
-            sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only),
-        ):
-            done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
-            if not done.ok:
-                raise UserError(
-                    f"{p.host.name}: copying to {p.dir} failed: {hostile.line(done.stderr.strip(), 300)}"
-                )
-        r = session.run(
-            p.host, start_script(p, image, spec.owner), timeout=START_TIMEOUT, what="starting the controller"
-        )
-        if not r.ok:
-            raise UserError(
-                f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip(), 300)}"
-            )
+        public = stage_files(stage, launch)
+        try:
+            failed = start(session, p, stage, launch, public)
+        except BaseException:
+            remove(session, p)
+            raise
     job_record.controller = p.record()
     run_dir = launch.runs / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -271,6 +245,60 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
                     f"job {spec.job_id} detached: its controller runs on {p.host.name} ({p.container}). "
                     f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
                     f"{spec.job_id}' ends it{warn}")
+
+
+def stage_files(stage: Path, launch: Launch) -> str:
+    """The controller's files (module docstring) in a private local folder; the key's public line."""
+    inv, spec = launch.inv, launch.spec
+    stage.mkdir(mode=0o700)
+    private, public = new_key(spec.job_id)
+    write(stage / "key", private)
+    write(stage / "key.pub", public.encode() + b"\n")
+    write(stage / "known_hosts", known_hosts_text(inv).encode())
+    (stage / "secrets").mkdir(mode=0o700)
+    for name, path in inv.job.secret_files:
+        write(stage / "secrets" / name, Path(path).expanduser().read_bytes())
+    ctl = replace(launch, inv=controller_inventory(inv), spec=replace(spec, code=f"{MOUNT}/code"),
+                  runs=Path(MOUNT) / "runs", console=None, json=True, live=False)  # type: ignore[arg-type]
+    write(stage / "launch.pickle", pickle.dumps(ctl))
+    return public
+
+
+def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) -> dict[str, str]:
+    """The key on every host, the directory made and filled, the image there, the controller run;
+    the hosts (other than the controller's) that did not take the key, with why."""
+    inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
+    from orchestrator.images import images
+    ok = session.fan_out(lambda h: session.run(h, authorize_script(public), timeout=deadlines.STATUS_TIMEOUT,
+                                               what="adding the controller's key"), inv.all_hosts)
+    failed = {n: describe(next(h for h in inv.all_hosts if h.name == n), e) for n, e in ok.errors().items()}
+    if p.host.name in failed:
+        raise UserError(f"--detach: the controller's host {p.host.name} did not take its key: "
+                        f"{failed[p.host.name]}", exit_code=1)
+    r = session.run(p.host, prepare_script(p), timeout=deadlines.STATUS_TIMEOUT,
+                    what="making the controller's directory")
+    if not r.ok:
+        raise UserError(f"{p.host.name}: could not make {p.dir}: {hostile.line(r.stderr.strip(), 300)}")
+    pushed = images.push(session, image, (p.host,))
+    if pushed[0].action == "failed":
+        raise UserError(
+            f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
+        )
+    for argv in (
+        sshargs.rsync_argv(p.host, str(stage), p.dir),
+        sshargs.rsync_argv(p.host, str(jobspec.PROJECT_ROOT), f"{p.dir}/fabtrain", only="orchestrator"),
+        sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only),
+    ):
+        done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
+        if not done.ok:
+            raise UserError(
+                f"{p.host.name}: copying to {p.dir} failed: {hostile.line(done.stderr.strip(), 300)}"
+            )
+    r = session.run(p.host, start_script(p, image, spec.owner), timeout=START_TIMEOUT,
+                    what="starting the controller")
+    if not r.ok:
+        raise UserError(f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip(), 300)}")
+    return {n: why for n, why in failed.items() if n != p.host.name}
 
 
 def write(path: Path, data: bytes) -> None:
@@ -322,8 +350,9 @@ def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: d
 
 def remove(session: Session, p: Place) -> None:
     """The controller's directory, and its key on every host (what it may have left), gone."""
-    session.run(p.host, sshargs.shell(["rm", "-rf", p.dir]), timeout=deadlines.STATUS_TIMEOUT,
-                what="removing the controller's directory")
+    session.run(p.host, sshargs.shell(["docker", "rm", "-f", p.container]) + " >/dev/null 2>&1; "
+                + sshargs.shell(["rm", "-rf", p.dir]), timeout=deadlines.STATUS_TIMEOUT,
+                what="removing the controller and its directory")
     session.fan_out(lambda h: session.run(h, revoke_script([p.job]), timeout=deadlines.STATUS_TIMEOUT,
                                           what="removing the controller's key"))
 
@@ -345,11 +374,7 @@ def detached_records(runs: Path) -> list[JobRecord]:
             record = JobRecord.load(runs, path.parent.name, "runs/")
         except UserError:
             continue
-        if (
-            record.controller
-            and not record.controller.get("fetched")
-            and not record.controller.get("taken_over")
-        ):
+        if unfetched(record):
             found.append(record)
     return found
 
@@ -365,11 +390,16 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
         job = record.job_id
         if found.error(p.host.name) is not None:
             lines.append(
-                f"{job}: its controller's host {p.host.name} does not answer (lost?); once the job's "
-                f"lease is old, 'fab attach {job}' takes it over here"
+                f"{job}: its controller's host {p.host.name} does not answer (lost?), with the job's "
+                f"record: once it answers, 'fab logs --job {job}' fetches the run; if it is gone for "
+                f"good, 'fab stop --job {job}' and then 'fab train --resume {job}'"
             )
             continue
-        end = fetch(session, p, record, runs)
+        try:
+            end = fetch(session, p, record, runs)
+        except Exception as exc:  # noqa: BLE001 - one job's fetch never hides the others
+            lines.append(f"{job}: its run could not be fetched from {p.host.name}: {describe(p.host, exc)}")
+            continue
         if end is not None:
             lines.append(f"{job}: ended ({end['state']}); fetched its run into {runs / job}")
         elif not seen.get(job, "").endswith(" running"):
@@ -392,7 +422,15 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
     job = record.job_id
     with Session(inv.all_hosts) as session:
         while True:
-            end = fetch(session, p, record, runs)
+            try:
+                end = fetch(session, p, record, runs)
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the controller's host is named, not a traceback
+                raise UserError(
+                    f"job {job}: its controller's host does not answer ({describe(p.host, exc)}); "
+                    f"'fab status' says more"
+                ) from None
             if end is not None:
                 error = (
                     UserError(end["error"].replace(f"{MOUNT}/runs/", f"{runs}/")) if end["error"] else None
@@ -457,6 +495,7 @@ def main(root: Path) -> int:
                 (root / name).unlink(missing_ok=True)
             for secret in (root / "secrets").glob("*"):
                 secret.unlink()
+            (launch.runs / launch.spec.job_id).mkdir(parents=True, exist_ok=True)  # a job refused: its end
             tmp = root / f".{DONE}.tmp"
             tmp.write_text(json.dumps(end))
             tmp.replace(root / DONE)

@@ -147,8 +147,8 @@ class Job:
         self.notifier = notify.Notifier(
             notify.Notices(spec.job_id, spec.owner, secrets=secret_values(inv)),
             record.notify.get("command"), record.notify.get("url"), warn=lambda t: self.note(t, "warning"))
-        self.reporter: Reporter = notify.Fanout(
-            reporter, notify.EventLog(self.run_dir / notify.EVENTS_FILE), self.notifier)
+        self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE)  # written from Job.open on
+        self.reporter: Reporter = notify.Fanout(reporter, self.events, self.notifier)
         self.session = session
         self.checks, self.smoke = checks, smoke
         self.watch_options = watch_options or {}
@@ -201,6 +201,7 @@ class Job:
     def open(self) -> Iterator[None]:
         """The session, the run directory, signal handlers, and the lease kept while the job lives."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events.enabled = True
         self.open_snapshots()
         own = None
         if self.session is None:
@@ -356,7 +357,7 @@ class Job:
         restart the claim of such a host fails and the policy takes another."""
         found = hostops.survey(self.ssh, self.inv, (*hosts, *self.inv.spares))
         want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
-        units, refusals = {}, []
+        units, refusals, impossible = {}, [], []
         master = found.value(hosts[0].name)
         self.claimed_ports = (
             {c.port for c in master.holders(but=self.spec.job_id) if c.port} if master else set()
@@ -373,6 +374,11 @@ class Job:
                 refusals.append(str(exc))
                 units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))
                 answer = f"refused: {exc}"
+                if self.ticket and hj:
+                    try:  # what no wait can give (GPU 7 of 4) is refused in the queue too
+                        claims.choose(h, cap, [], asked)
+                    except UserError as never:
+                        impossible.append(str(never).split("; free there")[0])
             held = "; ".join(c.describe(h) for c in holders) or "nothing"
             if hj:
                 seen = f"held by other jobs: {held}; "
@@ -385,6 +391,10 @@ class Job:
             )
         if refusals and self.last is None and not dry and self.ticket is None:
             raise Refused("\n".join(refusals))
+        if impossible and self.last is None and not dry:
+            raise Refused(
+                "\n".join(impossible) + "; no wait in the queue gives that: ask for what the hosts have"
+            )
         return units
 
     def free_port(self, inv: Inventory, facts: list[Fact]) -> int:
@@ -439,8 +449,6 @@ class Job:
                                             resumed_from=a.snapshot))
         self.record.state = "running"
         self.record.save(self.run_dir)
-        with (self.run_dir / "plan.txt").open("a") as fh:
-            fh.write(a.render() + "\n")
         self.used.update({h.name: h for h in a.hosts})
         return self.guarded(a, lambda: self.prepare(a) or self.start(a) or self.watch(a))
 
@@ -475,6 +483,10 @@ class Job:
         refused = self.claim(a)
         if refused:
             return refused
+        with (self.run_dir / "plan.txt").open(
+            "a"
+        ) as fh:  # after the claim: a queued job's tries are not plans
+            fh.write(a.render() + "\n")
         self.emit("attempt", attempt=a.number, hosts={h.name: h.rank for h in a.hosts}, port=a.port,
                   snapshot=a.snapshot, run_dir=str(self.run_dir))
         self.stage(Stage.GATE, a.number)
@@ -515,7 +527,7 @@ class Job:
                 self.used.clear()
                 self.last = self.before
                 raise Queued(h, held, claims.parse_queue_output(r.stdout)[0])
-            if r.exited == claims.PORT_TAKEN or (r.exited == claims.REFUSED and self.replans < 3):
+            if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and self.replans < 3:
                 # Another job planned at the same moment took these units or this master port: plan
                 # the attempt again from the claims as they are now (other free units and port, or a
                 # refusal naming the holder), as if this one never was.
@@ -557,6 +569,7 @@ class Job:
         ended it meanwhile. claims.queue_scan_script states the queue's rule."""
         hosts = self.roster.hosts
         ticket = self.ticket or ""
+        self.replans = 0
         want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
 
         def enqueue(h: Host) -> Result:
@@ -591,6 +604,9 @@ class Job:
         deadline = time.monotonic() + QUEUE_POLL
         while time.monotonic() < deadline:
             if self.stopped(hosts):
+                # Out of the queue, and fab stop's marker gone with it (no claim, no runtime files).
+                self.release(list(hosts), queue=True)
+                self.queued = ()
                 self.result.state = self.record.state = "stopped"
                 self.result.reason = "ended by 'fab stop' while it waited in the queue"
                 self.emit("decision", next=False, reason=self.result.reason, notes=[])
@@ -607,9 +623,10 @@ class Job:
                                                     what="leaving the queue"), hosts)
             self.note(f"left the queue after {time.time() - self.queued_since:.0f}s")
 
-    def release(self, hosts: list[Host]) -> None:
-        """Remove this job's claims and runtime directories from these hosts."""
-        command = claims.release_command(self.inv, [self.spec.job_id], queue=False)
+    def release(self, hosts: list[Host], queue: bool = False) -> None:
+        """Remove this job's claims and runtime directories (with `queue`, its places in their
+        queues and stop markers too) from these hosts."""
+        command = claims.release_command(self.inv, [self.spec.job_id], queue=queue)
         self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
                                                 what="releasing the claim"), tuple(hosts))
 

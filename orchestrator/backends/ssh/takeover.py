@@ -49,16 +49,7 @@ def running_attempt(found: PerHost, inv: Inventory, record: JobRecord) -> Runnin
         raise UserError(f"job {job} runs on {', '.join(unknown)}, which {inv.path} does not name; give the "
                         "inventory it was started with (--inventory)", exit_code=2)
     survey = {n: hj for n, hj in found.items() if isinstance(hj, HostJobs)}
-    fresh = sorted((age, n) for n, hj in survey.items()
-                   if (age := hj.runtime.get(job)) is not None and age < hostfiles.LEASE_LIVE)
-    if fresh:
-        age, host = fresh[0]
-        raise UserError(
-            f"job {job} is looked after right now: its lease on {host} was renewed {age:.0f}s ago (by its "
-            f"'fab train' or controller). 'fab logs --job {job}' follows it; if that process is gone, "
-            f"try again in {hostfiles.LEASE_LIVE - age:.0f}s",
-            exit_code=2,
-        )
+    refuse_if_looked_after(found, job)
     if not any(job in survey[n].containers for n in last.hosts if n in survey):
         raise UserError(f"job {job} has no container on its hosts ({', '.join(last.hosts)}) that answered: "
                         f"nothing runs to take over; continue it with 'fab train --resume {job}'",
@@ -72,6 +63,20 @@ def running_attempt(found: PerHost, inv: Inventory, record: JobRecord) -> Runnin
                 port = c.port if n == last.hosts[0] and c.port else port
     since = record.resumes[-1]["after_attempt"] if record.resumes else 0
     return Running(last.number, hosts, port, units, max(0, len(record.attempts) - 1 - since))
+
+
+def refuse_if_looked_after(found: PerHost, job: str) -> None:
+    """UserError when the job's lease on a host is fresh: its fab train or controller is alive."""
+    fresh = sorted((age, n) for n, hj in found.items() if isinstance(hj, HostJobs)
+                   and (age := hj.runtime.get(job)) is not None and age < hostfiles.LEASE_LIVE)
+    if fresh:
+        age, host = fresh[0]
+        raise UserError(
+            f"job {job} is looked after right now: its lease on {host} was renewed {age:.0f}s ago (by its "
+            f"'fab train' or controller). 'fab logs --job {job}' follows it; if that process is gone, "
+            f"try again in {hostfiles.LEASE_LIVE - age:.0f}s",
+            exit_code=2,
+        )
 
 
 def plan(job: Job, running: Running) -> AttemptPlan:
