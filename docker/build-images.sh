@@ -4,9 +4,6 @@
 #   fabtrain/host:latest    a test host: sshd, its own Docker engine, rsync, chrony, iptables, faketime,
 #                           Slurm and munge (started by fab cluster.up --slurm), iperf3 (the network
 #                           bench's reference)
-#   fabtrain/controller:latest base + rsync, ssh and the orchestrator's runtime libraries (the
-#                           versions of requirements.lock): where a detached job's control runs
-#                           (fab train --detach; the orchestrator's own code is copied per job)
 #   fabtrain/trainer:latest base + CPU torch + hydra-core (so the many hydra-configured training
 #                           programs, pytorch/examples' minGPT-DDP among them, run as they are) +
 #                           the environment-driven entrypoint
@@ -20,16 +17,12 @@ work=${FABTRAIN_BUILD_DIR:-$here/../.cache/build}
 BASE=fabtrain/base:bookworm
 HOST=fabtrain/host:latest
 TRAINER=fabtrain/trainer:latest
-CONTROLLER=fabtrain/controller:latest
-# What a controller imports (fabric, paramiko, rich, PyYAML and what they need), pinned by the lock.
-CONTROLLER_LIBS="fabric invoke paramiko bcrypt cryptography cffi pycparser pynacl decorator deprecated wrapt rich markdown-it-py mdurl pygments pyyaml typing-extensions"
 TORCH=${TORCH_VERSION:-2.13.0}
 force=${FORCE:-0}
 
 inputs() { cat "$@" | sha256sum | cut -c1-16; }
 BASE_KEY=$(inputs "$here/build-images.sh")
 HOST_KEY=$(inputs "$here/build-images.sh" "$here/host-init.sh")
-CONTROLLER_KEY=$(inputs "$here/build-images.sh" "$here/../requirements.lock")
 TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "$here/entrypoint.py")
 # have IMAGE KEY: the image exists and was built from these inputs.
 have() {
@@ -100,25 +93,5 @@ if ! have "$TRAINER" "$TRAINER_KEY"; then
   DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --label "fabtrain.inputs=$TRAINER_KEY" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
     || { tail -20 "$work/docker-build.log" >&2; exit 1; }
   rm -rf "$ctx"
-fi
-if ! have "$CONTROLLER" "$CONTROLLER_KEY"; then
-  echo "==> build $CONTROLLER (rsync, ssh, the orchestrator's libraries)"
-  ensure_rootfs
-  ctlfs=$work/rootfs-controller
-  rm -rf "$ctlfs"; cp -a "$rootfs" "$ctlfs"; rm -f "$ctlfs/.complete"
-  cp /etc/resolv.conf "$ctlfs/etc/resolv.conf"
-  chroot "$ctlfs" sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      rsync openssh-client >/dev/null' >"$work/controller-apt.log" 2>&1 \
-    || { tail -20 "$work/controller-apt.log" >&2; exit 1; }
-  rm -rf "$ctlfs"/var/cache/apt/archives/*.deb "$ctlfs"/var/lib/apt/lists/*
-  # The lock's entries for these libraries (each with its hashes), installed as they are.
-  awk -v want=" $CONTROLLER_LIBS " '/^[a-z]/ { split($1, p, "=="); keep = index(want, " " p[1] " ") > 0 } keep' \
-    "$here/../requirements.lock" >"$work/controller.lock"
-  python3 -m pip install -q --no-compile --no-deps --require-hashes --target "$ctlfs/usr/local/lib/python3.11/dist-packages" \
-    -r "$work/controller.lock" >"$work/controller-pip.log" 2>&1 || { tail -20 "$work/controller-pip.log" >&2; exit 1; }
-  rm -rf "$ctlfs"/usr/local/lib/python3.11/dist-packages/bin
-  tar -C "$ctlfs" -c . | docker import -c 'CMD ["python3"]' -c "ENV PYTHONUNBUFFERED=1" \
-    -c "LABEL fabtrain.inputs=$CONTROLLER_KEY" - "$CONTROLLER" >/dev/null
-  rm -rf "$ctlfs"
 fi
 docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep '^fabtrain/' || true

@@ -82,9 +82,12 @@ def _client() -> DockerClient:
 
 
 def build_images() -> None:
-    script = PROJECT_ROOT / "docker" / "build-images.sh"
-    if subprocess.run(["bash", str(script)]).returncode != 0:
-        raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
+    """The test hosts' and the trainer's images (build-images.sh), then the detached jobs' controller
+    image (build-controller.sh); each script rebuilds only what its inputs changed."""
+    for name in ("build-images.sh", "build-controller.sh"):
+        script = PROJECT_ROOT / "docker" / name
+        if subprocess.run(["bash", str(script)]).returncode != 0:
+            raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
 
 
 def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:

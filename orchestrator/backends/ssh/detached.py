@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -223,7 +224,7 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
     except UserError:
         raise UserError(
             f"--detach: the controller image {inv.controller.image} is not in this machine's Docker "
-            "engine; build it with 'bash docker/build-images.sh', or name one the controller's host "
+            "engine; build it with 'bash docker/build-controller.sh', or name one the controller's host "
             "has in the inventory (controller: {image: ...})",
             exit_code=2,
         ) from None
@@ -261,7 +262,20 @@ def stage_files(stage: Path, launch: Launch) -> str:
     ctl = replace(launch, inv=controller_inventory(inv), spec=replace(spec, code=f"{MOUNT}/code"),
                   runs=Path(MOUNT) / "runs", console=None, json=True, live=False)  # type: ignore[arg-type]
     write(stage / "launch.pickle", pickle.dumps(ctl))
+    code_copy(stage / "fabtrain")
     return public
+
+
+def code_copy(dest: Path) -> None:
+    """The orchestrator's code as it runs here, laid out as a checkout (resources.py finds
+    docker/entrypoint.py beside a pyproject.toml), whether it runs from a checkout or is installed."""
+    import orchestrator
+    from orchestrator.config import resources
+    shutil.copytree(Path(orchestrator.__file__).parent, dest / "orchestrator",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (dest / "docker").mkdir()
+    shutil.copyfile(resources.entrypoint(), dest / "docker" / "entrypoint.py")
+    (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
 
 
 def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) -> dict[str, str]:
@@ -286,7 +300,6 @@ def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) 
         )
     for argv in (
         sshargs.rsync_argv(p.host, str(stage), p.dir),
-        sshargs.rsync_argv(p.host, str(jobspec.PROJECT_ROOT), f"{p.dir}/fabtrain", only="orchestrator"),
         sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only),
     ):
         done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
