@@ -7,7 +7,9 @@ import time
 from .conftest import ROOT, Run, fab, on_host, project_containers
 from .test_recovery import GPT, final_state, job_id, run_in_background, wait_for_line
 
-LONGER = [*GPT[:-1], GPT[-1].replace("--max-steps-per-epoch 40", "--max-steps-per-epoch 60")]
+# 20 epochs of the tiny corpus (43 steps each, about 50 s here): long enough to be killed, waited for
+# (the lease) and taken over mid-run.
+LONGER = ["--model", "tiny", "--epochs", "20", "--args", "--snapshot-every 10 --sample-chars 0"]
 
 
 def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, tmp_path):
@@ -15,7 +17,7 @@ def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, 
     proc = run_in_background(inventory_path, log, "train", *LONGER, "--restarts", "1")
     attach = None
     try:
-        wait_for_line(log, "| step 15 |")
+        wait_for_line(log, "| step 20 |")
         proc.kill()  # SIGKILL: no teardown, no fetch; the containers go on with nobody watching
         proc.wait(10)
         job = job_id(log.read_text())
@@ -27,7 +29,7 @@ def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, 
         time.sleep(wait + 1)
         attach = Run(inventory_path, "attach", job, "--plain")
         attach.wait_for(f"took over job {job}: attempt 1 on node1 (rank 0), node2 (rank 1)")
-        attach.wait_for("| step 25 |")  # followed from the start of the output: then new steps
+        attach.wait_for("| step 30 |")  # followed from the start of its output
         assert len(project_containers("node1")) == len(project_containers("node2")) == 1  # no second copy
         on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
         assert attach.finish(timeout=300) == 0, attach.text[-3000:]
@@ -41,7 +43,7 @@ def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, 
     assert f"job {job} finished on every host after 2 attempts" in out
     record = json.loads((ROOT / "runs" / job / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
-    assert final_state(job)["step"] == 120
+    assert final_state(job)["step"] == 20 * 43
     assert (ROOT / "runs" / job / "outputs" / "node2").is_dir()  # the fetch of the end ran
     assert project_containers("node1") == [] and project_containers("node2") == []
 

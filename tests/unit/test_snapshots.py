@@ -255,7 +255,7 @@ def test_fetch_checks_each_copy_and_retries(tmp_path, copies, checksum_answers, 
     tries = n_copies if not checksum_answers else snapshots.COPY_TRIES
     # Every try asks the host for the file's size and hash again, under its deadline.
     assert session.of("a") == [(snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)] * tries
-    tmp = snaps.dir / snapshots.temp_name(S20)
+    tmp = snaps.dir / snapshots.local_temp_name(S20)
     assert rsync.calls == [sshargs.fetch_file_argv(A, REMOTE20, str(tmp))] * n_copies
     assert not tmp.exists()
     if why is None:
@@ -349,8 +349,9 @@ def test_place_takes_the_newest_from_any_host_and_another_holder_when_one_copy_f
     assert (snaps.dir / S30).read_bytes() == DATA[S30]
     assert sorted(p.name for p in snaps.dir.iterdir()) == [S10, S30]
     assert len(reports) == 1 and reports[0].startswith(f"b: could not copy snapshot {S30} to ")
-    assert rsync.calls == [sshargs.fetch_file_argv(B, r30, str(snaps.dir / snapshots.temp_name(S30)))] * 3 + [
-        sshargs.fetch_file_argv(A, r30, str(snaps.dir / snapshots.temp_name(S30)))]
+    assert rsync.calls == [
+        sshargs.fetch_file_argv(B, r30, str(snaps.dir / snapshots.local_temp_name(S30)))
+    ] * 3 + [sshargs.fetch_file_argv(A, r30, str(snaps.dir / snapshots.local_temp_name(S30)))]
 
 
 def test_place_with_no_snapshot_anywhere_places_nothing(tmp_path):
@@ -596,3 +597,29 @@ def test_keep_one_removes_the_only_copy_here_only_after_its_successor_is_checked
         and "differs from the host's files" in reports[0]
         and f"still {first} here" in reports[0]
     )
+
+
+def test_a_copy_that_hangs_never_holds_the_lock_the_next_attempts_placement_needs(tmp_path):
+    """A host frozen mid-copy: the follower's copy waits out its deadlines, while the next attempt
+    places its snapshot (under the lock) at once."""
+    import threading
+    import time
+
+    session = FakeSession({"a": {REMOTE20: DATA[S20]}})
+    snaps, _, rsync = make(tmp_path, session, local=[S10])
+    release, entered = threading.Event(), threading.Event()
+
+    def frozen(argv, **kw):
+        entered.set()
+        release.wait(10)
+        return rsync(argv, **kw)
+    snaps.copy = frozen
+    copier = threading.Thread(target=snaps.fetch, args=(session, A, S20), daemon=True)
+    copier.start()
+    assert entered.wait(5)
+    start = time.monotonic()
+    with snaps.lock:
+        took = time.monotonic() - start
+    release.set()
+    copier.join(10)
+    assert took < 1.0 and (snaps.dir / S20).read_bytes() == DATA[S20]

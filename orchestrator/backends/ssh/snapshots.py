@@ -433,6 +433,12 @@ def temp_name(name: str) -> str:
     return f".{name}.copy.tmp"
 
 
+def local_temp_name(name: str) -> str:
+    """temp_name of one copy here: two copies of the same snapshot at once (the follower and the
+    next attempt's placement) each write their own."""
+    return f"{temp_name(name)}.{threading.get_ident()}"
+
+
 def temp_path(path: str) -> str:
     """temp_name beside the file at `path`."""
     head, tail = posixpath.split(path)
@@ -845,40 +851,44 @@ class Snapshots:
         docstring), and keep the newest `keep` there. True when it is here (a newer one too counts);
         False when every try failed, which `report` was told, or when a set changed on its host
         meanwhile (not told: the next settled one is copied)."""
-        with self.lock:
-            if name <= (self.local_newest() or ""):
-                return True
-            final = self.local_path(name)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = final.with_name(temp_name(final.name))
-            why = ""
-            try:
-                for n in range(COPY_TRIES):
-                    if n:
-                        time.sleep(RETRY_PAUSE)
-                    # Removed before each try: rsync skips a file whose size and time already match.
-                    _remove(tmp)
-                    try:
-                        if self.spec.checkpoint:
-                            self._fetch_set(session, host, name, tmp)
-                        else:
-                            self._fetch_file(session, host, name, tmp)
-                    except _CopyFailed as exc:
-                        why = str(exc)
-                        continue
-                    except _Changed:
-                        return False
-                    os.replace(tmp, final)
-                    self._prune()  # only now: the only complete copy here goes once its successor is checked
-                    return True
-            finally:
+        # The copy runs without the lock (a host that froze mid-copy must not hold up the next
+        # attempt's placement for the copy's deadlines), into a name of this call's own; the lock is
+        # taken only to put the checked copy in place and prune.
+        if name <= (self.local_newest() or ""):
+            return True
+        final = self.local_path(name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(local_temp_name(final.name))
+        why = ""
+        try:
+            for n in range(COPY_TRIES):
+                if n:
+                    time.sleep(RETRY_PAUSE)
+                # Removed before each try: rsync skips a file whose size and time already match.
                 _remove(tmp)
-                _remove(tmp.with_name(tmp.name + ".files"))
-            have = self.local_newest()
-            self.report(f"{host.name}: could not copy snapshot {name} to {self.dir} in {COPY_TRIES} tries "
-                        f"(last: {why}); {'still ' + have if have else 'no snapshot'} here to resume from. "
-                        f"Check {host.name}'s disk and the network if this repeats")
-            return False
+                try:
+                    if self.spec.checkpoint:
+                        self._fetch_set(session, host, name, tmp)
+                    else:
+                        self._fetch_file(session, host, name, tmp)
+                except _CopyFailed as exc:
+                    why = str(exc)
+                    continue
+                except _Changed:
+                    return False
+                with self.lock:
+                    if name > (self.local_newest() or ""):
+                        os.replace(tmp, final)
+                        self._prune()  # only now: the only complete copy goes once its successor is checked
+                return True
+        finally:
+            _remove(tmp)
+            _remove(tmp.with_name(tmp.name + ".files"))
+        have = self.local_newest()
+        self.report(f"{host.name}: could not copy snapshot {name} to {self.dir} in {COPY_TRIES} tries "
+                    f"(last: {why}); {'still ' + have if have else 'no snapshot'} here to resume from. "
+                    f"Check {host.name}'s disk and the network if this repeats")
+        return False
 
     def _fetch_file(self, session: Session, host: Host, name: str, tmp: Path) -> None:
         want = remote_digest(session, host, self.remote_path(name))
