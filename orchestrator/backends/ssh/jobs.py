@@ -101,7 +101,8 @@ def explain(result: JobResult) -> UserError | None:
         else ""
     )
     if result.state == "stopped":
-        head = f"job {result.job_id} was ended by 'fab stop'" + (f" ({what})." if what else ".")
+        how = result.reason if result.reason.startswith("ended by 'fab stop'") else "ended by 'fab stop'"
+        head = f"job {result.job_id} was {how}" + (f" ({what})." if what else ".")
     else:
         torn = (f"; the other nodes were stopped in {w.teardown_seconds:.1f}s"
                 if w and w.teardown_seconds is not None and blamed else "")
