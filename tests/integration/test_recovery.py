@@ -97,7 +97,7 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     """Also: the job's notifications reach a command here and a web hook on a test host, in order,
     each once; runs/JOB/events.jsonl holds every event of both attempts."""
     log, told = tmp_path / "out.txt", tmp_path / "told.jsonl"
-    on_host("node3", "rm -f /tmp/hook.jsonl; pkill -f '[h]ook_server.py'; "
+    on_host("node3", "rm -f /tmp/hook.jsonl; pkill -f 'python3 /tmp/hook_[s]erver'; "
                      f"printf %s {shlex.quote(HOOK_SERVER)} > /tmp/hook_server.py", check=False)
     on_host("node3", "python3 /tmp/hook_server.py", detach=True)
     hook = f"http://{cluster.node_infos(3)[2].address}:8765/hook"
@@ -109,7 +109,7 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
         assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
     finally:
         proc.kill()
-        posted = on_host("node3", "cat /tmp/hook.jsonl; pkill -f '[h]ook_server.py'", check=False).stdout
+        posted = on_host("node3", "cat /tmp/hook.jsonl; pkill -f 'python3 /tmp/hook_[s]erver'", check=False).stdout
     out = log.read_text()
     job = job_id(out)
     expected = ["started", "attempt_failed", "restarted", "finished"]
