@@ -109,7 +109,9 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
         assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
     finally:
         proc.kill()
-        posted = on_host("node3", "cat /tmp/hook.jsonl; pkill -f 'python3 /tmp/hook_[s]erver'", check=False).stdout
+        posted = on_host(
+            "node3", "cat /tmp/hook.jsonl; pkill -f 'python3 /tmp/hook_[s]erver'", check=False
+        ).stdout
     out = log.read_text()
     job = job_id(out)
     expected = ["started", "attempt_failed", "restarted", "finished"]

@@ -98,6 +98,14 @@ class SshBackend:
         from orchestrator.backends.ssh import detached
         if record is not None and detached.unfetched(record):
             return detached.follow(inv, record, runs, console, live)
+        if record is not None and record.state != "running":
+            return Finished(
+                record.job_id,
+                None,
+                None,
+                f"job {record.job_id} is {record.state}, not running: its logs "
+                f"are in {runs / record.job_id} ('fab train --resume {record.job_id}' continues it)",
+            )
         with Session(inv.all_hosts) as session:
             try:
                 result = jobs.attach(session, inv, job_id, runs, console, live=live)

@@ -336,7 +336,10 @@ def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | N
         end = {k: hostile.text(str(done.get(k) or "")) for k in ("state", "error", "closing")}
     except (ValueError, AttributeError):
         end = {"state": "failed", "error": "the controller's done.json is not JSON", "closing": ""}
-    copy_runs(session, p, record, runs, {"fetched": time.time()})
+    fetched = copy_runs(session, p, record, runs, {"fetched": time.time()})
+    if fetched.state == "running":  # the controller ended before its job did (refused, or it failed)
+        fetched.state = end["state"] if end["state"] != "running" else "failed"
+        fetched.save(runs / record.job_id)
     remove(session, p)
     return end
 
@@ -414,7 +417,8 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
             lines.append(f"{job}: its run could not be fetched from {p.host.name}: {describe(p.host, exc)}")
             continue
         if end is not None:
-            lines.append(f"{job}: ended ({end['state']}); fetched its run into {runs / job}")
+            why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
+            lines.append(f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}")
         elif not seen.get(job, "").endswith(" running"):
             lines.append(f"{job}: its controller on {p.host.name} is gone without an end; 'fab attach {job}' "
                          "takes the job over here")
