@@ -33,10 +33,11 @@ umount "$fs/proc"
 rm -f "$fs/usr/sbin/policy-rc.d"
 rm -rf "$fs"/var/cache/apt/archives/*.deb "$fs"/var/lib/apt/lists/*
 # The lock's entries for these libraries (each with its hashes), installed as they are. The base's
-# python is this machine's minor version (3.11, ENVIRONMENT.md), so the same wheels fit.
+# python is this machine's minor version (3.11, ENVIRONMENT.md), so the same wheels fit; compiled here, so
+# that a controller does not compile its libraries each time it starts.
 awk -v want=" $LIBS " '/^[a-z]/ { split($1, p, "=="); keep = index(want, " " p[1] " ") > 0 } keep' \
   "$here/../requirements.lock" >"$work/controller.lock"
-python3 -m pip install -q --no-compile --no-deps --require-hashes \
+python3 -m pip install -q --no-deps --require-hashes \
   --target "$fs/usr/local/lib/python3.11/dist-packages" -r "$work/controller.lock" >"$work/controller-pip.log" 2>&1 \
   || { tail -20 "$work/controller-pip.log" >&2; exit 1; }
 rm -rf "$fs"/usr/local/lib/python3.11/dist-packages/bin

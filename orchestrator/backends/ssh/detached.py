@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -279,34 +280,49 @@ def code_copy(dest: Path) -> None:
 
 
 def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) -> dict[str, str]:
-    """The key on every host, the directory made and filled, the image there, the controller run;
-    the hosts (other than the controller's) that did not take the key, with why."""
+    """The key on every host (the controller's directory made in the same round trip), then at once
+    the image placed and the files copied, then the controller run; the hosts (other than the
+    controller's) that did not take the key, with why."""
     inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
     from orchestrator.images import images
-    ok = session.fan_out(lambda h: session.run(h, authorize_script(public), timeout=deadlines.STATUS_TIMEOUT,
+    first = {h.name: authorize_script(public) for h in inv.all_hosts}
+    first[p.host.name] += " && " + prepare_script(p)
+    ok = session.fan_out(lambda h: session.run(h, first[h.name], timeout=deadlines.STATUS_TIMEOUT,
                                                what="adding the controller's key"), inv.all_hosts)
-    failed = {n: describe(next(h for h in inv.all_hosts if h.name == n), e) for n, e in ok.errors().items()}
+    failed = {}
+    for h in inv.all_hosts:
+        r, error = ok.value(h.name), ok.error(h.name)
+        if error is not None or r is None or not r.ok:
+            failed[h.name] = describe(h, error) if error is not None else hostile.line(
+                (r.stderr if r else "").strip() or f"exit {r.exited if r else '?'}", 300)
     if p.host.name in failed:
-        raise UserError(f"--detach: the controller's host {p.host.name} did not take its key: "
-                        f"{failed[p.host.name]}", exit_code=1)
-    r = session.run(p.host, prepare_script(p), timeout=deadlines.STATUS_TIMEOUT,
-                    what="making the controller's directory")
-    if not r.ok:
-        raise UserError(f"{p.host.name}: could not make {p.dir}: {hostile.line(r.stderr.strip(), 300)}")
-    pushed = images.push(session, image, (p.host,))
-    if pushed[0].action == "failed":
         raise UserError(
-            f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
+            f"--detach: the controller's host {p.host.name} did not take its key or make {p.dir}: "
+            f"{failed[p.host.name]}",
+            exit_code=1,
         )
-    for argv in (
-        sshargs.rsync_argv(p.host, str(stage), p.dir),
-        sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only),
-    ):
+
+    def copy(argv: list[str]) -> None:
         done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
         if not done.ok:
             raise UserError(
                 f"{p.host.name}: copying to {p.dir} failed: {hostile.line(done.stderr.strip(), 300)}"
             )
+
+    def place_image() -> None:
+        pushed = images.push(session, image, (p.host,))
+        if pushed[0].action == "failed":
+            raise UserError(
+                f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
+            )
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        for f in [
+            pool.submit(place_image),
+            pool.submit(copy, sshargs.rsync_argv(p.host, str(stage), p.dir)),
+            pool.submit(copy, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)),
+        ]:
+            f.result()
     r = session.run(p.host, start_script(p, image, spec.owner), timeout=START_TIMEOUT,
                     what="starting the controller")
     if not r.ok:
