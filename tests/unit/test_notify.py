@@ -123,3 +123,20 @@ def test_event_log_keeps_every_event_and_one_progress_a_second_per_host(tmp_path
     log.emit("progress", job="j", host="node1", step=4)  # within the second: dropped
     lines = [json.loads(x) for x in (tmp_path / "job" / notify.EVENTS_FILE).read_text().splitlines()]
     assert [x["event"] for x in lines] == [e for e, _ in RESTARTED_JOB]
+
+
+def test_a_dry_run_writes_no_event_log(tmp_path):
+    from pathlib import Path
+
+    from orchestrator.backends.ssh.job import Job
+    from orchestrator.config.inventory import parse
+    from orchestrator.core import jobspec
+    from orchestrator.core.events import Reporter
+    from orchestrator.core.policy import Policy
+    inv = parse("hosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n", Path("i.yaml"))
+    job = Job(inv, jobspec.JobSpec(job_id="gpt-1", script="x.py"), Policy(), tmp_path / "runs", Reporter())
+    job.note("planned")  # what plan() emits on a dry run, before Job.open
+    assert not (tmp_path / "runs").exists()
+    job.events.enabled = True  # Job.open
+    job.note("started")
+    assert (tmp_path / "runs" / "gpt-1" / notify.EVENTS_FILE).read_text().count("\n") == 1

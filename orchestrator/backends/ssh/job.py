@@ -147,7 +147,7 @@ class Job:
         self.notifier = notify.Notifier(
             notify.Notices(spec.job_id, spec.owner, secrets=secret_values(inv)),
             record.notify.get("command"), record.notify.get("url"), warn=lambda t: self.note(t, "warning"))
-        self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE)  # written from Job.open on
+        self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE, enabled=False)  # from Job.open on
         self.reporter: Reporter = notify.Fanout(reporter, self.events, self.notifier)
         self.session = session
         self.checks, self.smoke = checks, smoke
