@@ -21,9 +21,11 @@ import sys
 
 SECRETS_PATH = "/run/fabtrain/secrets.env"
 # The hang watchdog's hook (fab train --hang-timeout): every worker registers faulthandler on
-# SIGUSR1, writing its stacks to STACKS_DIR/rank-RANK-PID.txt, a file in the container's own /tmp
+# SIGUSR1, appending its stacks to STACKS_DIR/rank-RANK-PID.txt, a file in the container's own /tmp
 # (never shared between nodes, fresh in every container). faulthandler writes from C, so a worker
-# blocked inside a collective still answers. The image's own sitecustomize, if any, still runs.
+# blocked inside a collective still answers; its handler restarts interrupted system calls. The
+# watchdog looks this way every few seconds (where the ranks are is how it judges a hang). The
+# image's own sitecustomize, if any, still runs.
 HOOK_DIR = "/tmp/fabtrain-hook"
 STACKS_DIR = "/tmp/fabtrain-stacks"
 SITECUSTOMIZE = """\
@@ -33,7 +35,7 @@ if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
         import faulthandler, signal
         _d = os.environ["FABTRAIN_STACKS"]
         os.makedirs(_d, exist_ok=True)
-        _fabtrain_stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "w")
+        _fabtrain_stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "a")
         _fabtrain_stacks.write("--- rank %s (local rank %s, pid %d), most recent call first ---\\n"
                                % (os.environ["RANK"], os.environ.get("LOCAL_RANK", "?"), os.getpid()))
         _fabtrain_stacks.flush()

@@ -155,22 +155,29 @@ def docker_run(node: NodeSpec, *head: str) -> list[str]:
 
 # Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGUSR1 to every
 # worker that registered the watchdog hook (docker/entrypoint.py), waits up to 3 s for their dumps,
-# prints them. Only registered processes are signalled: SIGUSR1 would end any other.
+# prints each rank's header line and its new dump only. Only registered processes are signalled:
+# SIGUSR1 would end any other. The watchdog looks every few seconds, so a file past 1 MiB is cut
+# back to its header (the hook appends).
 STACKS_PY = """\
 import glob, os, signal, time
 sizes = {}
 for f in sorted(glob.glob("/tmp/fabtrain-stacks/rank-*.txt")):
     try:
-        os.kill(int(f.rsplit("-", 1)[1][:-4]), signal.SIGUSR1)
         sizes[f] = os.path.getsize(f)
+        os.kill(int(f.rsplit("-", 1)[1][:-4]), signal.SIGUSR1)
     except (OSError, ValueError):
-        pass
+        sizes.pop(f, None)
 end = time.time() + 3
 while time.time() < end and any(os.path.getsize(f) == n for f, n in sizes.items()):
-    time.sleep(0.1)
+    time.sleep(0.05)
 time.sleep(0.3)
-for f in sizes:
-    print(open(f, errors="replace").read(), end="", flush=True)
+for f, n in sizes.items():
+    with open(f, "rb+") as fh:
+        head = fh.readline()
+        fh.seek(max(n, len(head)))
+        print((head + fh.read(1 << 20)).decode(errors="replace"), end="", flush=True)
+        if n > 1 << 20:
+            fh.truncate(len(head))
 """
 
 

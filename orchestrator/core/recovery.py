@@ -107,24 +107,31 @@ class JobRecord:
 
 # ---------------------------------------------------------------- stacks of a hung job
 
-def stack_summary(dump: str) -> list[str]:
-    """One line per rank from the dumped stacks: the innermost frame of its main thread (the one
-    running <module>) and the innermost frame of the user's code below it."""
-    lines = []
+def main_threads(dump: str) -> list[tuple[str, str, tuple[tuple[str, str, str], ...]]]:
+    """Per rank in a stacks dump (docker/entrypoint.py's hook): (rank, pid, the frames of its main
+    thread, innermost first, as (file, line, function)). The main thread is the one whose outermost
+    frame runs <module> (a script) or _run_module_as_main (a module: torchrun -m, runpy); a rank
+    whose dump holds no such thread is left out. A dump holding a rank twice keeps the last."""
+    ranks = {}
     for block in re.split(r"(?m)^(?=--- rank )", dump):
         head = re.match(r"--- rank (\S+) \(local rank (\S+), pid (\d+)\)", block)
         if not head:
             continue
-        threads = re.split(r"(?m)^(?=(?:Current thread|Thread) 0x)", block)
-        frames = []
-        for t in threads:
+        frames: list[tuple[str, str, str]] = []
+        for t in re.split(r"(?m)^(?=(?:Current thread|Thread) 0x)", block):
             fs = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', t)
-            # The main thread: a script's runs <module> outermost; a module's (torchrun -m, runpy)
-            # runs _run_module_as_main.
             if fs and fs[-1][2] in ("<module>", "_run_module_as_main"):
                 frames = [f for f in fs if not f[0].endswith(("/runpy.py", "<frozen runpy>"))] or fs
-        if not frames:
-            continue
+        if frames:
+            ranks[(head.group(1), head.group(3))] = tuple(frames)
+    return [(rank, pid, frames) for (rank, pid), frames in ranks.items()]
+
+
+def stack_summary(dump: str) -> list[str]:
+    """One line per rank from the dumped stacks: the innermost frame of its main thread and the
+    innermost frame of the user's code below it."""
+    lines = []
+    for rank, _pid, frames in main_threads(dump):
         inner = frames[0]
         user = next((f for f in frames if _in_code(f[0])), None)
         where = f"{inner[2]} ({inner[0].rsplit('/', 1)[-1]}:{inner[1]})"
@@ -132,8 +139,14 @@ def stack_summary(dump: str) -> list[str]:
             where += f" called from {_in_code(user[0])}:{user[1]}"
         elif user:
             where = f"{_in_code(user[0])}:{user[1]} in {user[2]}"
-        lines.append(f"rank {head.group(1)}: {where}")
+        lines.append(f"rank {rank}: {where}")
     return lines
+
+
+def stack_signature(dump: str) -> tuple:
+    """Where a node's ranks are, to compare two looks: each rank's pid and main-thread frames.
+    Empty when the dump shows no rank (nothing registered yet, or unreadable)."""
+    return tuple(sorted((pid, frames) for _rank, pid, frames in main_threads(dump)))
 
 
 def _in_code(path: str) -> str:

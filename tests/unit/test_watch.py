@@ -38,6 +38,62 @@ def test_a_whole_job_is_stale_only_when_every_node_is():
     assert p.stale({"n1", "n2"}, 60) == ["n1", "n2"]
 
 
+def dump(pid, *frames, chatter=True):
+    """A faulthandler dump of one rank (the hook's header), its main thread innermost first."""
+    lines = [f"--- rank 0 (local rank 0, pid {pid}), most recent call first ---"]
+    if chatter:  # a logging thread, wherever it is, does not count
+        lines += ["Thread 0x00007f01 (most recent call first):",
+                  '  File "/workspace/train.py", line 9 in chatter',
+                  '  File "/usr/lib/python3.11/threading.py", line 982 in run']
+    lines.append("Current thread 0x00007f00 (most recent call first):")
+    lines += [f'  File "{f}", line {n} in {fn}' for f, n, fn in frames]
+    lines.append('  File "/workspace/train.py", line 40 in <module>')
+    return "\n".join(lines) + "\n"
+
+
+WAIT = ("/usr/lib/python3/dist-packages/torch/distributed/distributed_c10d.py", 2800, "all_reduce")
+
+
+def test_where_the_ranks_are_decides_not_a_chatty_thread():
+    clock = Clock()
+    p = Progress(["n1", "n2"], clock)
+    clock.t += 5
+    p.observe("n1", b"rank 0: waiting for data...\n")  # before any look or step: output counts
+    assert p.last["n1"] == 1005
+    p.stacks("n1", recovery.stack_signature(dump(7, WAIT)))
+    p.stacks("n2", recovery.stack_signature(dump(8, ("/workspace/train.py", 30, "<module>"))))
+    assert p.last["n1"] == 1005 and {"n1", "n2"} <= p.signalled
+    for _ in range(12):  # 60 s: the chatty thread prints, the main threads stay where they are
+        clock.t += 5
+        p.observe("n1", b"rank 0: waiting for data...\n")
+        p.stacks("n1", recovery.stack_signature(dump(7, WAIT, chatter=False)))
+        p.stacks("n2", recovery.stack_signature(dump(8, ("/workspace/train.py", 30, "<module>"))))
+    assert p.stale({"n1", "n2"}, 10) == ["n1", "n2"]
+    # A main thread that moves (a tokenizing loop) is progress, printed or not.
+    p.stacks("n2", recovery.stack_signature(dump(8, ("/workspace/tok.py", 12, "encode"))))
+    assert p.stale({"n1", "n2"}, 10) == ["n1"]
+    # A restarted rank (another pid) has moved; a look that shows no rank says nothing.
+    clock.t += 30
+    p.stacks("n1", recovery.stack_signature(dump(9, WAIT)))
+    p.stacks("n2", recovery.stack_signature("Traceback: docker exec failed\n"))
+    assert p.stale({"n1", "n2"}, 10) == ["n2"]
+
+
+def test_a_stack_signature_is_each_ranks_main_thread():
+    two = dump(7, WAIT) + dump(8, ("/workspace/train.py", 30, "<module>")).replace("rank 0", "rank 1")
+    sig = recovery.stack_signature(two)
+    assert [pid for pid, _ in sig] == ["7", "8"]
+    assert sig[0][1][0] == (WAIT[0], "2800", WAIT[2]) and sig[0][1][-1] == (
+        "/workspace/train.py",
+        "40",
+        "<module>",
+    )
+    assert recovery.stack_signature("") == ()
+    # Only the main thread: another thread moving changes nothing.
+    assert recovery.stack_signature(dump(7, WAIT)) == recovery.stack_signature(
+        dump(7, WAIT).replace("line 9 in chatter", "line 11 in chatter"))
+
+
 def test_a_fresh_heartbeat_is_progress():
     clock = Clock()
     p = Progress(["n1"], clock)

@@ -11,7 +11,11 @@ What counts as progress (README: progress), per node:
 - a step number higher than the last one the node printed (our trainers' step and progress
   lines, or any line with `step N` / `step: N` / `step=N`);
 - its heartbeat file touched (FABTRAIN_HEARTBEAT, given to every rank by the entrypoint);
-- until a node has shown either, any output of it.
+- its ranks' main threads somewhere else than at the last look: with a hang timeout, the watchdog
+  looks where every rank is every STACKS_EVERY (a faulthandler dump, kept out of the log), so a
+  thread that keeps printing while the main thread waits is no progress;
+- until a node has shown any of these, any output of it (an image whose ranks cannot be looked
+  at is judged this way throughout).
 A node that has shown progress is hung when it shows none for the hang timeout (however much
 else it prints); the whole job is hung when no node has shown progress or output for that long.
 """
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 ENGINE_GRACE = 10.0   # seconds Docker may take to confirm an exit the node itself reported
+STACKS_EVERY = (1.0, 30.0)  # the looks at where the ranks are: hang timeout / 5, within these bounds
 DRAIN = 5.0           # seconds to collect the other nodes' ends after a failure
 EXIT_LINE = re.compile(rb"\[fabtrain\] node exit code (-?\d+)")
 
@@ -100,6 +105,7 @@ class Progress:
         self.step: dict[str, int] = {}
         self.signalled: set[str] = set()
         self.exits: dict[str, tuple[int, float]] = {}  # the node's own exit line: (code, when seen)
+        self.where: dict[str, tuple] = {}            # the node's ranks at the last look (stacks)
 
     def observe(self, host: str, block: bytes) -> None:
         """Complete lines a node sent (called from its follower thread)."""
@@ -122,6 +128,16 @@ class Progress:
         """The node's heartbeat file was touched `age` seconds ago."""
         self.signalled.add(host)
         self.last[host] = max(self.last[host], self.clock() - age)
+
+    def stacks(self, host: str, where: tuple) -> None:
+        """Where the node's ranks are now (recovery.stack_signature); moved since the last look is
+        progress. From the first look on, output alone no longer is."""
+        if not where:
+            return
+        self.signalled.add(host)
+        if self.where.get(host) != where:
+            self.where[host] = where
+            self.last[host] = self.clock()
 
     def stale(self, pending: set[str], timeout: float) -> list[str]:
         """The nodes to check for a hang: each signalled node silent for `timeout`, or every pending
@@ -171,6 +187,8 @@ class Watcher:
         self.result = Watched()
         self.last_step: dict[str, int] = {}
         self.unreadable = 0
+        self.looking: threading.Thread | None = None  # the look at where the ranks are, under way
+        self.looked = 0.0
 
     # ------------------------------------------------------------ following one node
 
@@ -246,6 +264,7 @@ class Watcher:
             except queue.Empty:
                 end = self.lost_host() or self.reported_exit() or self.hang()
                 if end is None:
+                    self.look_where_ranks_are()
                     continue
             if end.host.name not in self.pending:
                 continue
@@ -325,6 +344,33 @@ class Watcher:
                               f"{'; '.join(self.result.hung) or 'no stacks could be read'}",
                        tail=self.sinks[blamed.name].last_lines())
 
+    def look_where_ranks_are(self) -> None:
+        """Every STACKS_EVERY, in the background (the loop goes on serving the other nodes), each
+        pending node's stacks into Progress; a host that does not answer within the step's deadline
+        is only not looked at this time."""
+        low, high = STACKS_EVERY
+        every = min(high, max(low, self.hang_timeout / 5))
+        if (not self.hang_timeout or (self.looking is not None and self.looking.is_alive())
+                or time.monotonic() - self.looked < every):
+            return
+        self.looked = time.monotonic()
+        hosts = tuple(h for h in self.hosts if h.name in self.pending)
+
+        def look() -> None:
+            got = self.session.fan_out(
+                lambda h: self.session.run(
+                    h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
+                ),
+                hosts,
+            )
+            for h in hosts:
+                r = got.value(h.name)
+                if r is not None and r.ok:
+                    self.progress.stacks(h.name, recovery.stack_signature(r.stdout))
+
+        self.looking = threading.Thread(target=look, daemon=True, name="where-ranks-are")
+        self.looking.start()
+
     def read_heartbeats(self, names: list[str]) -> dict[str, str]:
         """Each node's heartbeat age, read on its host, into Progress; per node what was read
         ('3s ago', 'none': never touched, 'unreadable: ...')."""
@@ -367,6 +413,8 @@ class Watcher:
     def dump_stacks(self) -> list[str]:
         """Every pending rank's Python stacks (the watchdog hook, docker/entrypoint.py), into each
         host's log; one line per rank saying where it is."""
+        if self.looking is not None:  # its signals would cut into these dumps
+            self.looking.join(timeout=self.attempt.step(self.hosts[0].name, "stacks").deadline)
         hosts = tuple(h for h in self.hosts if h.name in self.pending)
         results = self.session.fan_out(
             lambda h: self.session.run(
