@@ -166,13 +166,15 @@ def install_hook(env: dict[str, str]) -> None:
     env["FABTRAIN_STACKS"] = STACKS_DIR
 
 
-def redirect_output(env: dict[str, str]) -> None:
+def redirect_output(env: dict[str, str], path: str | None = None) -> None:
     """With FABTRAIN_CONSOLE (set by fabtrain), this process and every worker write their output
     (both streams) to that file, which fabtrain follows from the host, instead of to Docker's
-    log. `docker logs` then shows where the output went."""
-    path = env.pop("FABTRAIN_CONSOLE", None)
+    log. `docker logs` then shows where the output went. A warm node's next generation opens the
+    file again (`path`): fabtrain removed the last one's before it said go."""
+    path = path or env.pop("FABTRAIN_CONSOLE", None)
     if not path:
         return
+    env["FABTRAIN_CONSOLE_PATH"] = path
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -204,7 +206,19 @@ def main() -> None:
     heartbeat(child)
     link_code(env)
     print(banner, flush=True)
-    sys.exit(run_node(argv, child))
+    if env.get("FABTRAIN_WARM") != "1":
+        sys.exit(run_node(argv, child))
+    while True:  # a warm node: one torchrun per generation, the container kept between them
+        code = run_node(argv, child, warm=True)
+        go = None if code in (0, LEAVING) else wait_warm(env, code)
+        if go is None:
+            print(f"{EXIT_LINE}{0 if code == LEAVING else code}", flush=True)
+            sys.exit(code)
+        env.update(go)
+        redirect_output(env, env.get("FABTRAIN_CONSOLE_PATH"))
+        argv, child, banner = plan(env, sys.argv[1:], gpus)
+        heartbeat(child)
+        print(banner + f" generation={env['FABTRAIN_ATTEMPT']} (warm: this container was kept)", flush=True)
 
 
 # The node's last line, read by fabtrain from the console file: how its ranks ended, even when the
@@ -253,17 +267,96 @@ def heartbeat(env: dict[str, str]) -> None:
             pass
 
 
-def run_node(argv: list[str], env: dict[str, str]) -> int:
+def run_node(argv: list[str], env: dict[str, str], warm: bool = False) -> int:
     """torchrun as a child, the signals a container gets (docker stop's SIGTERM) passed on, and
-    its exit written as the node's last line (EXIT_LINE) before leaving with the same code."""
+    its exit written as the node's last line (EXIT_LINE) before leaving with the same code. A warm
+    node (FABTRAIN_WARM=1) leaves that line to main, and SIGUSR2 (fabtrain: another node failed)
+    ends this generation at once: torchrun and every process under it killed, the container kept.
+    LEAVING: it was told to stop (SIGTERM, SIGINT, SIGHUP) and its torchrun ended cleanly."""
     import signal
     proc = subprocess.Popen(argv, env=env)
+
+    def forward(signum: int, frame: object) -> None:
+        TOLD.append(signum)
+        proc.send_signal(signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGUSR2, lambda signum, frame: kill_tree(proc.pid))
     code = proc.wait()
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
-    print(f"{EXIT_LINE}{code}", flush=True)
-    return code
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # between generations there is nothing to end
+    if not warm:
+        print(f"{EXIT_LINE}{code}", flush=True)
+    return LEAVING if warm and TOLD and code == 0 else code
+
+
+TOLD: list[int] = []  # the stop signals this node got (a warm node told to stop waits for nothing)
+LEAVING = -1000  # run_node's answer for a warm node told to stop whose torchrun ended with 0
+WARM_WAIT = 900.0  # seconds a warm node waits for its next generation (FABTRAIN_WARM_WAIT)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL `root` and every process below it (torchrun's workers run in sessions of their own,
+    so a process group would miss them), children first found, all killed."""
+    import signal
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    todo, tree = [root], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += parents.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def warm_paths(env: dict[str, str]) -> tuple[str, str]:
+    """(the go file fabtrain writes for this node's next generation, in the runtime mount beside
+    this file; the end file this node writes when a generation ends, beside its console file)."""
+    rank = env.get("NODE_RANK", "0")
+    console = env.get("FABTRAIN_CONSOLE_PATH") or os.path.join(env.get("FABTRAIN_OUTPUT", "/tmp"), "node.log")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"warm-{rank}.env"), console + ".end"
+
+
+def wait_warm(env: dict[str, str], code: int) -> dict[str, str] | None:
+    """A warm node's generation ended with `code`: say so (the end file, which ends fabtrain's
+    follow of this generation), then wait for fabtrain's go, the next generation's variables
+    (KEY=VALUE lines, FABTRAIN_ATTEMPT greater than this one's). None after FABTRAIN_WARM_WAIT
+    seconds without one: the container ends."""
+    import time
+    go, end = warm_paths(env)
+    print(f"[fabtrain] generation {env.get('FABTRAIN_ATTEMPT', '?')} ended with code {code}; this "
+          "container stays for the next one", flush=True)
+    try:
+        with open(end + ".tmp", "w", encoding="ascii") as fh:
+            fh.write(f"{code}\n")
+        os.replace(end + ".tmp", end)
+    except OSError as exc:
+        print(f"[fabtrain] cannot write {end} ({exc}); leaving", flush=True)
+        return None
+    current = int(env.get("FABTRAIN_ATTEMPT") or 0)
+    deadline = time.monotonic() + float(env.get("FABTRAIN_WARM_WAIT") or WARM_WAIT)
+    while time.monotonic() < deadline and not TOLD:
+        try:
+            with open(go, encoding="utf-8") as fh:
+                values = dict(line.split("=", 1) for line in fh.read().splitlines() if "=" in line)
+            if int(values.get("FABTRAIN_ATTEMPT", "0")) > current:
+                return values
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return None
 
 
 if __name__ == "__main__":

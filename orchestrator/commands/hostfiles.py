@@ -157,13 +157,31 @@ def console_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
     return f"{inv.job.output_dir}/{spec.job_id}/{console_name(rank)}"
 
 
-def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
+def end_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
+    """Written by a warm node (FABTRAIN_WARM) when a generation ends: its exit code; the container
+    stays and waits for its go file (warm_go_file)."""
+    return console_file(inv, spec, rank) + ".end"
+
+
+def warm_go_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
+    """What starts a warm node's next generation: KEY=VALUE lines, in the runtime directory the
+    container mounts read-only (the entrypoint's warm_paths)."""
+    return f"{runtime_dir(inv, spec)}/warm-{rank}.env"
+
+
+def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = False) -> str:
     """Stream node `rank`'s output from its start until its container exits: `tail -F` on its
     console file (waiting for the file to appear), ended by `--pid` on a `docker wait` for the
-    container; tail reads the file to its end before it leaves."""
+    container; tail reads the file to its end before it leaves. A warm node's follow also ends when
+    its generation ends (its end file appears), the container still running."""
     name = container_name(spec.job_id, rank)
+    wait = f"{shell(['docker', 'wait', name])} >/dev/null 2>&1"
+    if warm:
+        end = shell([end_file(inv, spec, rank)])
+        wait = (f"( {wait} & w=$!; while kill -0 $w 2>/dev/null && [ ! -e {end} ]; do sleep 0.1; done; "
+                "kill $w 2>/dev/null )")
     return (
-        f"{shell(['docker', 'wait', name])} >/dev/null 2>&1 & "
+        f"{wait} & "
         f"{shell(['tail', '-c', '+1', '-s', '0.2', '-F'])} --pid=$! {shell([console_file(inv, spec, rank)])} "
         "2>/dev/null; wait"
     )
@@ -173,13 +191,18 @@ def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
 TAIL_BYTES = 256 * 1024
 
 
-def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
+def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = False) -> str:
     """After following ends: print the container's exit code (255 if it is gone) on the first
     line, then the last TAIL_BYTES bytes of its output: of its console file, or of Docker's log
     when the container ended before the entrypoint made the file (an image without python3).
-    `logs.missing_output` finds in this tail anything the follow did not deliver."""
+    `logs.missing_output` finds in this tail anything the follow did not deliver. A warm node whose
+    generation ended gives that generation's code (its end file: digits only are taken)."""
     name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
-    return (f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); echo \"${{code:-255}}\"; "
+    code = f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); "
+    if warm:
+        end = shell([end_file(inv, spec, rank)])
+        code = (f"if [ -e {end} ]; then code=$(head -c 12 {end} | tr -cd 0-9); else {code}fi; ")
+    return (f"{code}echo \"${{code:-255}}\"; "
             f"if [ -f {f} ]; then {shell(['tail', '-c', str(TAIL_BYTES)])} {f}; "
             f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', '1000', name])} 2>&1 "
             f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; fi")

@@ -3,8 +3,17 @@ job's options into a NodeSpec (core/nodespec.py) that every backend renders: `do
 in dockerargs, the sbatch script and the Kubernetes container in backends/export.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from orchestrator.commands.dockerargs import GpuAccess, container_options_of, device_args, docker_run
-from orchestrator.commands.hostfiles import code_path, console_file, runtime_dir, work_dir
+from orchestrator.commands.hostfiles import (
+    code_path,
+    console_file,
+    end_file,
+    runtime_dir,
+    warm_go_file,
+    work_dir,
+)
 from orchestrator.commands.sshargs import bounded, shell, timed_out_note
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core.jobspec import (
@@ -16,6 +25,7 @@ from orchestrator.core.jobspec import (
     LABEL_MANAGED,
     LABEL_OWNER,
     LABEL_RANK,
+    LABEL_WARM,
     OUTDIR,
     RUNTIME_MOUNT,
     WORKDIR,
@@ -106,27 +116,88 @@ def node_spec(inv: Inventory, host: Host, spec: JobSpec, *, name: str | None = N
     )
 
 
+# What a warm node's next generation is told (its go file); everything else about the node must be
+# the same for its container to be kept (warm_key).
+WARM_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_ATTEMPT")
+
+
+def warm_key(node: NodeSpec) -> str:
+    """What a node's container is, but for what changes between generations: a container whose key
+    differs from the next attempt's (another image, code, GPUs, variables) is started cold."""
+    import hashlib
+    env = tuple((k, v) for k, v in node.env if k not in (*WARM_KEYS, "FABTRAIN_CONSOLE"))
+    labels = tuple((k, v) for k, v in node.labels if k != LABEL_ATTEMPT)
+    return hashlib.sha256(repr(replace(node, env=env, labels=labels)).encode()).hexdigest()[:16]
+
+
 def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                    units: tuple[int, ...] | None = None) -> list[str]:
-    """`docker run` of one node of a job, detached so the job outlives a lost SSH session."""
+                    units: tuple[int, ...] | None = None, warm: bool = False) -> list[str]:
+    """`docker run` of one node of a job, detached so the job outlives a lost SSH session; a warm
+    node's (FABTRAIN_WARM) labelled with its warm_key."""
+    node = node_of(inv, host, spec, access, units, warm)
+    return docker_run(node, "--detach", *(["--label", f"{LABEL_WARM}={warm_key(node)}"] if warm else []))
+
+
+def node_of(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+            units: tuple[int, ...] | None = None, warm: bool = False) -> NodeSpec:
+    """The node as the SSH backend starts it: its console file, and FABTRAIN_WARM when warm."""
     console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
-    env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console]
-    return docker_run(node_spec(inv, host, spec, env=env, access=access, units=units), "--detach")
+    env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console,
+                                         *([("FABTRAIN_WARM", "1")] if warm else [])]
+    return node_spec(inv, host, spec, env=env, access=access, units=units)
 
 
-def start_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                 units: tuple[int, ...] | None = None, timeout: float | None = None) -> str:
+def start_script(
+    inv: Inventory,
+    host: Host,
+    spec: JobSpec,
+    access: GpuAccess | None = None,
+    units: tuple[int, ...] | None = None,
+    timeout: float | None = None,
+    warm: bool = False,
+) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (dockerargs.ENTRYPOINT_SOURCE; never a command line), start the container.
-    With the step's `timeout`, `docker run` is ended on the host before it passes (bounded)."""
+    With the step's `timeout`, `docker run` is ended on the host before it passes (bounded).
+
+    `warm`: when this rank's container is there, running, between generations (its end file) and
+    of the same warm_key, it is told to start its next generation instead (the go file, written
+    whole, then renamed); else it is removed and the node started cold."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt,
             work_dir(inv, spec)]
-    run = docker_run_argv(inv, host, spec, access, units)
+    run = docker_run_argv(inv, host, spec, access, units, warm)
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
-    return (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
+    cold = (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
             f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
             + (f"{shell(run)} >/dev/null" if timeout is None else
                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
+    if not warm:
+        return cold
+    name, end, go = container_name(spec.job_id, host.rank), end_file(inv, spec, host.rank), warm_go_file(
+        inv, spec, host.rank)
+    key = warm_key(node_of(inv, host, spec, access, units, warm))
+    values = [f"{k}={v}" for k, v in job_env(inv, host, spec, units) if k in WARM_KEYS]
+    if any("\n" in v for v in values):
+        raise ValueError(f"a warm node's variables hold a newline: {values!r}")
+    state = shell(
+        ["docker", "inspect", "-f", '{{index .Config.Labels "' + LABEL_WARM + '"}} {{.State.Running}}', name]
+    )
+    return (f'if [ "$({state} 2>/dev/null)" = {shell([key + " true"])} ] && [ -e {shell([end])} ]; then '
+            f"{shell(['rm', '-f', console, end])} && (umask 022 && printf '%s\\n' {shell(values)} > "
+            f"{shell([go + '.tmp'])} && mv -f {shell([go + '.tmp', go])}) && echo warm; else "
+            f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; {cold}; fi")
+
+
+def end_generation_script(inv: Inventory, spec: JobSpec, rank: int, wait: float = 5.0) -> str:
+    """End a warm node's generation, its container kept: SIGUSR2 to the entrypoint (which kills
+    torchrun and every worker), then up to `wait` seconds for its end file (or its container gone)."""
+    name, end = container_name(spec.job_id, rank), shell([end_file(inv, spec, rank)])
+    running = shell(["docker", "inspect", "-f", "{{.State.Running}}", name])
+    return (
+        f"{shell(['docker', 'kill', '--signal', 'USR2', name])} >/dev/null 2>&1; i=0; "
+        f'while [ $i -lt {int(wait * 10)} ] && [ ! -e {end} ] && [ "$({running} 2>/dev/null)" = true ]; '
+        "do sleep 0.1; i=$((i+1)); done; true"
+    )

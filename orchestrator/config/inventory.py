@@ -90,6 +90,9 @@ class Job:
     # Notifications (progress/notify.py): a command given each event as JSON on stdin, a URL POSTed it.
     notify: str | None = None
     notify_url: str | None = None
+    # A job with restarts keeps the containers of the nodes that did not fail and restarts only
+    # their workers (the entrypoint's generations, README: recovery); false: every restart is cold.
+    warm_restarts: bool = True
 
 
 @dataclass(frozen=True)
@@ -678,6 +681,7 @@ def _job(reader: _Reader) -> Job:
             "checkpoint",
             "notify",
             "notify_url",
+            "warm_restarts",
             *CONTAINER_FIELDS,
         )
     )
@@ -715,6 +719,7 @@ def _job(reader: _Reader) -> Job:
         checkpoint=_checkpoint(reader),
         notify=reader.get("notify", str, None),
         notify_url=_notify_url(reader),
+        warm_restarts=reader.get("warm_restarts", bool, Job.warm_restarts),
         **_container_options(reader),
     )
 

@@ -22,6 +22,9 @@ LABEL_RANK = "fabtrain.rank"
 LABEL_HOST = "fabtrain.host"
 LABEL_OWNER = "fabtrain.owner"    # user@machine that started the job (fab stop ends only its own)
 LABEL_ATTEMPT = "fabtrain.attempt"
+LABEL_WARM = (
+    "fabtrain.warm"  # a warm node's key (commands/node.py warm_key): what its next generation may keep
+)
 # Inside the container: the job's working directory (writable, in its outputs: WORK), its code
 # (read-only, codetree.py; the entrypoint links its files into the working directory), its outputs,
 # and its runtime directory (our entrypoint, and secrets as a file, never an env value on a command

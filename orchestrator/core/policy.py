@@ -161,5 +161,7 @@ def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str],
 
 
 def backoff(attempt: int) -> float:
-    """Seconds to wait before attempt `attempt` (2, 3, ...): 1, 2, 4, ... at most BACKOFF_MAX."""
-    return min(BACKOFF_MAX, 2.0 ** (attempt - 2))
+    """Seconds to wait before attempt `attempt` (2, 3, ...): none before the first restart (one
+    failure is the common case, and recovery is measured in seconds), then 1, 2, 4, ... at most
+    BACKOFF_MAX."""
+    return 0.0 if attempt <= 2 else min(BACKOFF_MAX, 2.0 ** (attempt - 3))

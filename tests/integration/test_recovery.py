@@ -138,6 +138,52 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 
+# Inside the job's container on a test host: SIGKILL one training worker (a process torchrun
+# started: `python3 -u SCRIPT ...`), not torchrun, not the container.
+KILL_ONE_WORKER = """docker exec "$(docker ps -q --filter label=fabtrain.managed=1)" python3 -c '
+import os, signal
+for p in sorted(os.listdir("/proc")):
+    try:
+        argv = open("/proc/%s/cmdline" % p, "rb").read().split(b"\\0")
+    except (OSError, ValueError):
+        continue
+    if p.isdigit() and argv[1:2] == [b"-u"]:
+        os.kill(int(p), signal.SIGKILL)
+        print(p)
+        break
+'"""
+
+
+def job_containers(node: str) -> str:
+    return on_host(node, "docker ps -q --filter label=fabtrain.managed=1").stdout.strip()
+
+
+def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, reference, tmp_path):
+    """One worker process killed on node2: both nodes keep their containers, only the workers
+    start again (the next generation), from the newest snapshot, and the job ends with the same
+    model as an uninterrupted run."""
+    log = tmp_path / "out.txt"
+    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1")
+    try:
+        wait_for_line(log, "| step 20 |")
+        kept = {n: job_containers(n) for n in ("node1", "node2")}
+        assert all(kept.values()), kept
+        assert on_host("node2", KILL_ONE_WORKER).stdout.strip().isdigit()
+        wait_for_line(log, "resumed from /output/snapshots/snapshot-", timeout=120)
+        assert {n: job_containers(n) for n in ("node1", "node2")} == kept  # the same containers
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    out = log.read_text()
+    job = job_id(out)
+    assert re.search(r"attempt 1 failed \(node2 exited with code 1", out), out[-3000:]
+    assert out.count("generation=2 (warm: this container was kept)") == 2
+    plan = (ROOT / "runs" / job / "plan.txt").read_text()
+    assert "attempt 2: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in plan and "warm nodes" in plan
+    assert_same_model(job, reference, out)
+    assert project_containers("node1") == [] and project_containers("node2") == []
+
+
 def test_interrupted_job_resumes_with_the_same_id(inventory_path, reference, tmp_path):
     log = tmp_path / "out.txt"
     proc = run_in_background(inventory_path, log, "train", *GPT)

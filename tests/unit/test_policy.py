@@ -170,5 +170,5 @@ def test_spares_are_used_once_and_failures_counted():
     assert d3.roster is None and "no spare host left to replace b (failed twice)" in d3.reason
 
 
-def test_backoff_doubles_up_to_its_cap():
-    assert [backoff(n) for n in (2, 3, 4, 10)] == [1, 2, 4, 30]
+def test_backoff_doubles_up_to_its_cap_after_an_immediate_first_restart():
+    assert [backoff(n) for n in (2, 3, 4, 5, 11)] == [0, 1, 2, 4, 30]

@@ -88,6 +88,7 @@ class AttemptPlan:
     units: dict[str, tuple[int, ...]] = field(
         default_factory=dict, compare=False
     )  # host -> GPUs (slots) held
+    warm: bool = False  # build()'s `warm`: its nodes keep their containers between generations
 
     @property
     def master(self) -> Host:
@@ -120,6 +121,7 @@ class AttemptPlan:
             )
             + f"; master {self.master.hostname}:{self.port}"
             + (f"; from snapshot {self.snapshot}" if self.snapshot else "")
+            + ("; warm nodes (a failure restarts the workers, the containers stay)" if self.warm else "")
         ]
         if self.facts:
             lines.append("# built from (read-only, on the hosts):")
@@ -221,12 +223,16 @@ def build(
     run_dir: str | None = None,
     units: dict[str, tuple[int, ...]] | None = None,
     ticket: str | None = None,
+    warm: bool = False,
 ) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
     host hands out GPUs (None: NVIDIA's runtime hook assumed); `units` the GPUs (CPU slots) the job
     claims on each host (None: a short job of fabtrain's own that claims nothing, the preflight's
-    smoke test)."""
+    smoke test). `warm`: the nodes are warm (README: recovery): a node's container that is
+    between generations is told to start the next instead of being started again, and a failure or
+    the teardown ends only the generation; the containers go at the job's end (sweep) or on
+    Ctrl+C and fab stop."""
     access, claim = access or {}, units is not None
     units = units or {}
     job = replace(inv.job, master_port=port)
@@ -290,31 +296,32 @@ def build(
             remote_step(
                 h,
                 "start",
-                node.start_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT),
+                node.start_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT, warm),
                 START_TIMEOUT,
-                what="docker run",
+                what="docker run" + (" (or the next generation of its warm container)" if warm else ""),
                 stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),
                 stdin_note=resources.ENTRYPOINT_NAME,
             )
         )
     for h in hosts:
-        steps.append(remote_step(h, "follow", hostfiles.follow_logs_script(inv, spec, h.rank), None,
+        steps.append(remote_step(h, "follow", hostfiles.follow_logs_script(inv, spec, h.rank, warm), None,
                                  what="following the node's output"))
         steps.append(
             remote_step(
                 h,
                 "finish",
-                hostfiles.finish_logs_script(inv, spec, h.rank),
+                hostfiles.finish_logs_script(inv, spec, h.rank, warm),
                 STATUS_TIMEOUT + 20,
                 what="reading the node's exit",
             )
         )
-    steps += [
-        remote_step(
-            h, "stop", dockerargs.stop_script(spec.job_id, 0), STOP_MARGIN, what="removing containers"
+    def stop(h: Host) -> str:
+        return (
+            node.end_generation_script(inv, spec, h.rank) if warm else dockerargs.stop_script(spec.job_id, 0)
         )
-        for h in hosts
-    ]
+
+    stopping = "ending the generation (the container stays warm)" if warm else "removing containers"
+    steps += [remote_step(h, "stop", stop(h), STOP_MARGIN, what=stopping) for h in hosts]
     steps += end_steps(inv, spec, hosts, run_dir)
     # Conditional steps: which run depends on what happens.
     steps += [
@@ -367,17 +374,28 @@ def build(
             remote_step(
                 h,
                 "stop-on-failure",
-                dockerargs.stop_script(spec.job_id, 0),
+                stop(h),
                 STOP_MARGIN,
                 ON_FAILURE,
-                what="stopping containers",
+                what=stopping,
             )
         )
     for h in hosts:
         steps.append(remote_step(h, "stop-on-interrupt", dockerargs.stop_script(spec.job_id, job.stop_grace),
                                  job.stop_grace + STOP_MARGIN, ON_INTERRUPT, what="stopping containers"))
     return AttemptPlan(
-        spec.job_id, number, hosts, port, snapshot, spec, inv, facts, tuple(steps), job.stop_grace, units
+        spec.job_id,
+        number,
+        hosts,
+        port,
+        snapshot,
+        spec,
+        inv,
+        facts,
+        tuple(steps),
+        job.stop_grace,
+        units,
+        warm,
     )
 
 

@@ -327,9 +327,16 @@ class Job:
             run_dir=str(self.run_dir),
             units=units,
             ticket=None if self.started else self.ticket,
+            warm=self.warm,
         )
         self.last = a
         return a
+
+    @property
+    def warm(self) -> bool:
+        """Whether the job's nodes stay warm between attempts: it may restart, and the inventory
+        did not turn it off (job.warm_restarts)."""
+        return self.policy.restarts > 0 and self.inv.job.warm_restarts
 
     def key_code(self) -> None:
         """The job's code tree and its key (codetree.py), read again before every attempt: a tree
@@ -819,7 +826,7 @@ class Job:
             if name in swept.errors():
                 self.note(f"{name}: could not look for containers of the job left after its teardown: "
                           f"{describe(self.used[name], r)}; 'fab stop' removes them", "warning")
-            elif r.stdout.split():
+            elif r.stdout.split() and not a.warm:  # a warm job's containers wait there by design
                 self.note(
                     f"{name}: removed {len(r.stdout.split())} container(s) of the job still there after its "
                     "teardown (a docker run that came back after its deadline?)",

@@ -87,4 +87,4 @@ def plan(job: Job, running: Running) -> AttemptPlan:
                         restarts_used=running.restarts_used)
     job.key_code()
     return attempt_mod.build(inv, job.spec, running.number, running.port, keep=job.inv.job.keep_snapshots,
-                             first=False, run_dir=str(job.run_dir), units=running.units)
+                             first=False, run_dir=str(job.run_dir), units=running.units, warm=job.warm)
