@@ -405,3 +405,19 @@ def thaw(name: str) -> None:
         _client().containers.get(f"fabtrain-{name}").unpause()
     except docker.errors.APIError:
         pass  # not paused (the freeze never happened) or already gone
+
+
+# Run inside a test host (sh -c): SIGKILL one training worker of the job's container there (a
+# process torchrun started, `python3 -u SCRIPT ...`), not torchrun, not the container; prints its pid.
+KILL_ONE_WORKER = """docker exec "$(docker ps -q --filter label=fabtrain.managed=1)" python3 -c '
+import os, signal
+for p in sorted(os.listdir("/proc")):
+    try:
+        argv = open("/proc/%s/cmdline" % p, "rb").read().split(b"\\0")
+    except (OSError, ValueError):
+        continue
+    if p.isdigit() and argv[1:2] == [b"-u"]:
+        os.kill(int(p), signal.SIGKILL)
+        print(p)
+        break
+'"""

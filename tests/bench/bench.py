@@ -15,8 +15,9 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
            running the same container attached; lines lost, per-host order
   frozen   (--only frozen) one host's Docker engine frozen: preflight, status and stop (whole CLI)
            until they name it, beside a healthy preflight
-  recovery (--only recovery) `fab train --restarts 1`, one container killed at step 20: seconds
-           from the kill to the failure being seen, to the restart, to the first step after resume
+  recovery (--only recovery) `fab train --restarts 1`, one worker process or one container killed
+           at step 20, warm and cold restarts alternately: seconds from the kill to the failure
+           being seen, to the restart, to the first step after resume
   hang     (--only hang) a script hung in all_reduce: seconds from its last output to the watchdog's
            stacks, against --hang-timeout
   deep     (--only deep) `fab preflight --deep --no-smoke` against `fab preflight --no-smoke`, whole
@@ -464,55 +465,46 @@ class Lines:
 def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
     """Seconds from the kill, read from `fab train --json`'s events as they arrive: the failure seen,
     each stage of attempt 2 begun, its containers watched (the orchestrator's part ends there), and
-    the first step after the resume (the first progress event of attempt 2)."""
+    the first step after the resume (the first progress event of attempt 2). Four ways, one after
+    the other in each round: a worker process or the whole container of the last host killed, with
+    warm restarts (the default) and cold ones (job.warm_restarts: false)."""
+    import yaml
     last = inv.hosts[-1].name
-    r: dict[str, list[float]] = {"detected": [], "first_step": []}
+    doc = yaml.safe_load(inv_path.read_text())
+    doc.setdefault("job", {})["warm_restarts"] = False
+    cold_path = inv_path.with_name("inventory-cold.yaml")
+    cold_path.write_text(yaml.safe_dump(doc))
+    kills = {"worker": cluster.KILL_ONE_WORKER,
+             "container": "docker kill $(docker ps -q --filter label=fabtrain.managed=1)"}
+    r: dict[str, list[float]] = {}
     for _ in range(repeat):
-        run = Lines(
-            [
-                FAB,
-                "train",
-                "--inventory",
-                str(inv_path),
-                "--model",
-                "tiny",
-                "--epochs",
-                "50",
-                "--json",
-                "--restarts",
-                "1",
-                "--skip-preflight",
-                "--args",
-                "--snapshot-every 10 --log-every 1",
-            ]
-        )
-        try:
-            run.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20)
-            subprocess.run(
-                [
-                    "docker",
-                    "exec",
-                    f"fabtrain-{last}",
-                    "sh",
-                    "-c",
-                    "docker kill $(docker ps -q --filter label=fabtrain.managed=1)",
-                ],
-                capture_output=True,
-            )
-            killed = time.monotonic()
-            r["detected"].append(run.wait_event(lambda e: e["event"] == "host_failed", killed) - killed)
-            for stage in ("plan", "claim", "sync+preflight", "snapshot", "start", "watch"):
-                def begun(e, stage=stage):
-                    return e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage
+        for kill, how in kills.items():
+            for mode, path in (("warm", inv_path), ("cold", cold_path)):
+                one = recover_once(path, last, how)
+                for k, v in one.items():
+                    r.setdefault(f"{kill}_{mode}_{k}", []).append(v)
+    return r
 
-                t = run.wait_event(begun, killed)
-                r.setdefault(f"stage_{stage}", []).append(t - killed)
-            r["first_step"].append(
-                run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2, killed) - killed
-            )
-        finally:
-            run.proc.send_signal(2)
-            run.proc.wait(timeout=120)
+
+def recover_once(inv_path: Path, last: str, kill: str) -> dict[str, float]:
+    run = Lines([FAB, "train", "--inventory", str(inv_path), "--model", "tiny", "--epochs", "50", "--json",
+                 "--restarts", "1", "--skip-preflight", "--args", "--snapshot-every 10 --log-every 1"])
+    r: dict[str, float] = {}
+    try:
+        run.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20)
+        subprocess.run(["docker", "exec", f"fabtrain-{last}", "sh", "-c", kill], capture_output=True)
+        killed = time.monotonic()
+        r["detected"] = run.wait_event(lambda e: e["event"] == "host_failed", killed) - killed
+        for stage in ("plan", "start", "watch"):
+            def begun(e, stage=stage):
+                return e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage
+
+            r[f"stage_{stage}"] = run.wait_event(begun, killed) - killed
+        r["first_step"] = run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2,
+                                         killed) - killed
+    finally:
+        run.proc.send_signal(2)
+        run.proc.wait(timeout=120)
     return r
 
 

@@ -138,22 +138,6 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 
-# Inside the job's container on a test host: SIGKILL one training worker (a process torchrun
-# started: `python3 -u SCRIPT ...`), not torchrun, not the container.
-KILL_ONE_WORKER = """docker exec "$(docker ps -q --filter label=fabtrain.managed=1)" python3 -c '
-import os, signal
-for p in sorted(os.listdir("/proc")):
-    try:
-        argv = open("/proc/%s/cmdline" % p, "rb").read().split(b"\\0")
-    except (OSError, ValueError):
-        continue
-    if p.isdigit() and argv[1:2] == [b"-u"]:
-        os.kill(int(p), signal.SIGKILL)
-        print(p)
-        break
-'"""
-
-
 def job_containers(node: str) -> str:
     return on_host(node, "docker ps -q --filter label=fabtrain.managed=1").stdout.strip()
 
@@ -168,7 +152,7 @@ def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, 
         wait_for_line(log, "| step 20 |")
         kept = {n: job_containers(n) for n in ("node1", "node2")}
         assert all(kept.values()), kept
-        assert on_host("node2", KILL_ONE_WORKER).stdout.strip().isdigit()
+        assert on_host("node2", cluster.KILL_ONE_WORKER).stdout.strip().isdigit()
         wait_for_line(log, "resumed from /output/snapshots/snapshot-", timeout=120)
         assert {n: job_containers(n) for n in ("node1", "node2")} == kept  # the same containers
         assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
