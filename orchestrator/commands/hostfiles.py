@@ -196,13 +196,14 @@ def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = Fa
     line, then the last TAIL_BYTES bytes of its output: of its console file, or of Docker's log
     when the container ended before the entrypoint made the file (an image without python3).
     `logs.missing_output` finds in this tail anything the follow did not deliver. A warm node whose
-    generation ended gives that generation's code (its end file: digits only are taken)."""
+    generation ended gives that generation's code (its end file: digits only are taken) and the
+    word warm: its container waits for the next generation."""
     name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
     code = f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); "
     if warm:
         end = shell([end_file(inv, spec, rank)])
-        code = (f"if [ -e {end} ]; then code=$(head -c 12 {end} | tr -cd 0-9); else {code}fi; ")
-    return (f"{code}echo \"${{code:-255}}\"; "
+        code = (f"if [ -e {end} ]; then code=$(head -c 12 {end} | tr -cd 0-9); w=' warm'; else {code}fi; ")
+    return (f"{code}echo \"${{code:-255}}{'$w' if warm else ''}\"; "
             f"if [ -f {f} ]; then {shell(['tail', '-c', str(TAIL_BYTES)])} {f}; "
             f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', '1000', name])} 2>&1 "
             f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; fi")

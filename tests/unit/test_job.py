@@ -6,6 +6,8 @@ import shlex
 import time
 from pathlib import Path
 
+import pytest
+
 from orchestrator.backends.ssh import attempt, job, jobs
 from orchestrator.commands import dockerargs, ports, sshargs
 from orchestrator.config.inventory import parse
@@ -43,7 +45,7 @@ class Recorder:
             return Result(self.listening, "", 0, 0.01)
         if command.startswith("sh -c 'echo runtimes"):
             return Result("runtimes {}\ncdi 2\n", "", 0, 0.01)  # CDI specs, no runtime hook
-        if 'echo "${code:-255}"' in command:  # a node's exit (a warm node's: from its end file)
+        if 'echo "${code:-255}' in command:  # a node's exit (a warm node's: from its end file)
             return Result(f"{self.exit_codes.get(host.name, 0)}\n", "", 0, 0.01)
         if command.startswith("test -e"):
             return Result("", "", 1, 0.01)  # no `fab stop` marker
@@ -235,6 +237,49 @@ def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_p
         if line.startswith("# ---- job")
     ]
     assert "10.0.0.1:29501" in ports[0] and "10.0.0.1:29502" in ports[1]
+
+
+def test_a_warm_restart_keeps_the_containers_and_runs_its_plan(tmp_path, monkeypatch):
+    """node2 exits 3 in attempt 1; both nodes' containers wait warm. Attempt 2 syncs nothing and runs
+    no preflight, tells each container to start its next generation (or starts it cold when it is
+    not waiting), and what runs is its plan; the teardown only ended generations, the job's end
+    removes the containers."""
+    monkeypatch.chdir(tmp_path)
+
+    class Warm(Recorder):
+        ends = 0
+
+        def answer(self, host, command):
+            if 'echo "${code:-255}$w"' in command:  # the warm finish: the generation's end
+                Warm.ends += 1
+                code = 3 if host.name == "node2" and Warm.ends <= 2 else 0
+                return Result(f"{code}{' warm' if Warm.ends <= 2 else ''}\n", "", 0, 0.01)
+            return super().answer(host, command)
+
+    rec = Warm(inventory(tmp_path).hosts)
+    j = new_job(tmp_path, rec)
+    j.policy = Policy(restarts=1, hang_timeout=0)
+    import orchestrator.backends.ssh.job as jm
+    monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: pytest.fail("a warm restart runs no preflight"))
+    result = job.run(j)
+    assert result.ok and result.attempts == 2 and j.last.number == 2 and j.last.warm
+    a = j.last
+    assert a.select("sync") == [] and "warm nodes" in a.render()
+    start = a.step("node2", "start").command
+    assert start.startswith("if [ \"$(docker inspect -f ") and "fabtrain.warm" in start
+    assert "FABTRAIN_ATTEMPT=2" in start and "docker rm --force fabtrain-gpt-1-r1" in start
+    assert "--env FABTRAIN_WARM=1" in start and "--label fabtrain.warm=" in start
+    # What attempt 2 ran is its plan: from its claim to its teardown.
+    first = next(i for i, c in enumerate(rec.calls) if c[2] == a.step("node1", "claim").command)
+    ran = [c[:3] for c in rec.calls[first:] if not c[2].startswith(("touch ", "ls -1 "))]
+    for n in ("node1", "node2"):
+        mine = [c[1:] for c in ran if c[0] == n]
+        want = [w[1:] for w in expected(a) if w[0] == n and w[1] not in ("fetch",)]
+        assert [w for w in want if w in mine] == want
+    # Attempt 1's teardown ended the generations; no container was removed before the job's end.
+    kills = [c for c in rec.calls if c[2].startswith("docker kill --signal USR2 fabtrain-gpt-1-r")]
+    removals = [i for i, c in enumerate(rec.calls) if c[2] == dockerargs.stop_script("gpt-1", 0)]
+    assert len(kills) >= 2 and removals and min(removals) > first
 
 
 def test_a_lost_host_is_never_asked_again_and_the_others_are_torn_down_once(tmp_path, monkeypatch):

@@ -156,6 +156,7 @@ class Job:
         self.target_nodes = int(dict(spec.env).get("FABTRAIN_TARGET_NODES", len(inv.hosts)))
         self.used: dict[str, Host] = {}
         self.lost: dict[str, Host] = {}
+        self.warm_ranks: dict[str, int] = {}  # host -> rank of its container waiting warm, after a watch
         self.stuck: dict[str, Host] = {}
         self.result = JobResult(spec.job_id, self.run_dir)
         self.last: AttemptPlan | None = None
@@ -325,6 +326,7 @@ class Job:
             keep=self.inv.job.keep_snapshots,
             first=self.last is None,
             run_dir=str(self.run_dir),
+            sync=not self.all_warm(inv.hosts),
             units=units,
             ticket=None if self.started else self.ticket,
             warm=self.warm,
@@ -337,6 +339,18 @@ class Job:
         """Whether the job's nodes stay warm between attempts: it may restart, and the inventory
         did not turn it off (job.warm_restarts)."""
         return self.policy.restarts > 0 and self.inv.job.warm_restarts
+
+    def all_warm(self, hosts: tuple[Host, ...]) -> bool:
+        """Every host of the next attempt holds its rank's container waiting warm, as the last
+        watch found it a moment ago: their code (its key unchanged) and checks are as they were,
+        so the attempt syncs nothing and runs no preflight."""
+        return (
+            self.warm
+            and bool(hosts)
+            and self.last is not None
+            and self.last.spec.code_key == self.spec.code_key
+            and all(self.warm_ranks.get(h.name) == h.rank for h in hosts)
+        )
 
     def key_code(self) -> None:
         """The job's code tree and its key (codetree.py), read again before every attempt: a tree
@@ -654,6 +668,8 @@ class Job:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
         failure ends the job with the preflight's table (nothing was started)."""
         syncs = a.select("sync")
+        if not syncs and a.warm and a.number > 1:  # every node warm (all_warm): nothing to sync or check
+            return {}
         if not (self.checks or a.number > 1 or self.resuming):
             synced = self.run_steps(a, syncs)
             return {n: str(e) for n, e in synced.errors().items()}
@@ -719,6 +735,7 @@ class Job:
         finally:
             copying.set()
         self.result.watched = w
+        self.warm_ranks = {n: e.host.rank for n, e in w.ends.items() if e.warm}
         for e in w.failures:
             if e.failure is Failure.LOST:
                 self.lost[e.host.name] = e.host

@@ -65,6 +65,7 @@ class NodeEnd:
     detail: str = ""
     tail: str = ""
     by_us: bool = False                # stopped because another node failed, or by Ctrl+C
+    warm: bool = False                 # its container waits for the next generation (attempt.build)
 
     def failure_line(self) -> HostFailure:
         return HostFailure(
@@ -206,8 +207,9 @@ class Watcher:
             self.session.stream(host, self.attempt.step(host.name, "follow").command, feed)
             finish = self.attempt.step(host.name, "finish")
             r = self.session.run(host, finish.command, timeout=finish.deadline, what=finish.what)
-            code, _, tail = r.stdout.encode().partition(b"\n")
-            end.exit_code = int(code or 255)
+            first, _, tail = r.stdout.encode().partition(b"\n")
+            code = first.split()
+            end.exit_code, end.warm = int(code[0] if code else 255), code[1:] == [b"warm"]
             missed = missing_output(received, bytes(window), tail, hostfiles.TAIL_BYTES)
             if missed is None:
                 rest = self.attempt.step(host.name, "remainder")
