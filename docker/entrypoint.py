@@ -42,6 +42,40 @@ if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
         faulthandler.register(signal.SIGUSR1, file=_fabtrain_stacks, all_threads=True)
     except Exception:
         pass
+def _fabtrain_flight():
+    # torch's flight recorder (TORCH_FR_BUFFER_SIZE, set by the entrypoint), dumped on request: the
+    # watchdog touches STACKS_DIR/flight-request and this thread writes the JSON dump to
+    # flight-RANK-PID.json. A thread, because a main thread blocked in a collective runs no Python.
+    import sys, threading, time
+    _d = os.environ["FABTRAIN_STACKS"]
+    _req = os.path.join(_d, "flight-request")
+    _out = os.path.join(_d, "flight-%s-%d.json" % (os.environ["RANK"], os.getpid()))
+    def _loop():
+        seen = 0.0
+        while True:
+            time.sleep(0.5)
+            try:
+                asked = os.stat(_req).st_mtime
+            except OSError:
+                continue
+            if asked <= seen:
+                continue
+            seen = asked
+            c10d = sys.modules.get("torch._C._distributed_c10d")
+            dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+            try:
+                data = dump(True, False)
+                with open(_out + ".tmp", "wb") as fh:
+                    fh.write(data if isinstance(data, bytes) else data.encode())
+                os.replace(_out + ".tmp", _out)
+            except Exception:
+                pass
+    threading.Thread(target=_loop, daemon=True, name="fabtrain-flight").start()
+if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
+    try:
+        _fabtrain_flight()
+    except Exception:
+        pass
 def _fabtrain_destroy():
     # A script that ends without destroy_process_group() leaves gloo's threads to the C++ static
     # destructors, which abort now and then ("terminate called without an active exception"),
@@ -138,6 +172,14 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     # Fail a collective waiting on a dead peer in bounded time, not NCCL's 10 or gloo's 30 minutes.
     child.setdefault("FABTRAIN_PG_TIMEOUT", "60")
     child.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # torch's flight recorder: the last collectives of every rank, dumped when the watchdog calls a
+    # hang (SITECUSTOMIZE) and by NCCL on its own timeout, into the job's output (.flight/).
+    child.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    child.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    child.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if env.get("FABTRAIN_OUTPUT"):
+        child.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                         os.path.join(env["FABTRAIN_OUTPUT"], ".flight", f"node-{node_rank}-rank-"))
     child.setdefault("OMP_NUM_THREADS", "1")
     module = args[:1] in (["-m"], ["--module"])
     argv = [sys.executable, "-m", "torch.distributed.run",
@@ -204,6 +246,7 @@ def main() -> None:
     gpus = gpu_count() if env.get("NPROC_PER_NODE", "auto") == "auto" else 0
     argv, child, banner = plan(env, sys.argv[1:], gpus)
     heartbeat(child)
+    flight_dir(child)
     link_code(env)
     print(banner, flush=True)
     if env.get("FABTRAIN_WARM") != "1":
@@ -252,6 +295,16 @@ def link_code(env: dict[str, str]) -> None:
                     os.symlink(os.path.join(dirpath, name), link)
                 except FileExistsError:  # another node of a shared directory was first
                     pass
+
+
+def flight_dir(env: dict[str, str]) -> None:
+    """The directory NCCL's own dump on timeout writes to (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)."""
+    path = env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if path:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError:
+            pass
 
 
 def heartbeat(env: dict[str, str]) -> None:

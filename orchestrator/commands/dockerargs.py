@@ -185,6 +185,56 @@ def stacks_argv(spec: JobSpec, rank: int) -> list[str]:
     return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", STACKS_PY]
 
 
+# Run in a container of the job when a hang is called: asks every live rank's hook thread for
+# torch's flight recorder (docker/entrypoint.py), waits up to 3 s, and prints per rank one JSON line
+# of what a verdict needs (the dump itself, up to 2000 entries, stays in the container): for each
+# process group its newest collective (sequence number, op, state) and the last one completed.
+FLIGHT_SUMMARY = """\
+def summarize(doc):
+    pgs = {}
+    for e in doc.get("entries") or []:
+        if e.get("is_p2p"):
+            continue
+        pg = str(e.get("pg_id"))
+        if pg not in pgs or (e.get("collective_seq_id") or 0) >= pgs[pg]["seq"]:
+            pgs[pg] = {"seq": e.get("collective_seq_id") or 0, "op": e.get("profiling_name"),
+                       "state": e.get("state"), "name": (e.get("process_group") or ["", ""])[-1]}
+    for pg, st in (doc.get("pg_status") or {}).items():
+        if str(pg) in pgs:
+            pgs[str(pg)]["completed"] = st.get("last_completed_collective")
+    return pgs
+"""
+FLIGHT_PY = FLIGHT_SUMMARY + """\
+import glob, json, os, time
+d = "/tmp/fabtrain-stacks"
+live = {}
+for f in glob.glob(d + "/rank-*-*.txt"):
+    rank, _, pid = f[len(d) + 6:-4].rpartition("-")
+    if os.path.exists("/proc/" + pid):
+        live[pid] = rank
+start = time.time()
+req = d + "/flight-request"
+open(req, "a").close()
+os.utime(req)
+def fresh(pid):
+    f = "%s/flight-%s-%s.json" % (d, live[pid], pid)
+    return f if os.path.exists(f) and os.path.getmtime(f) >= start - 0.01 else None
+end = time.time() + 3
+while time.time() < end and not all(fresh(p) for p in live):
+    time.sleep(0.1)
+for pid, rank in sorted(live.items()):
+    try:
+        doc = json.load(open(fresh(pid)))
+    except Exception:
+        continue
+    print(json.dumps({"rank": rank, "pgs": summarize(doc)}), flush=True)
+"""
+
+
+def flight_argv(spec: JobSpec, rank: int) -> list[str]:
+    return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", FLIGHT_PY]
+
+
 def label_filter(job_id: str | None) -> list[str]:
     args = ["--filter", f"label={LABEL_MANAGED}=1"]
     if job_id:

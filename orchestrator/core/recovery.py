@@ -149,6 +149,65 @@ def stack_signature(dump: str) -> tuple:
     return tuple(sorted((pid, frames) for _rank, pid, frames in main_threads(dump)))
 
 
+def flight_summaries(host: str, text: str) -> list[tuple[str, int, dict]]:
+    """(host, rank, process groups) from the lines a host's flight step printed (FLIGHT_PY, run in
+    the job's container: hostile). Lines that are not such a JSON object are skipped; numbers that
+    are not numbers make the group unknown."""
+    out = []
+    for line in text.splitlines()[:1024]:
+        try:
+            doc = json.loads(line[:65536])
+            rank = int(doc["rank"])
+            pgs = {}
+            for pg, v in dict(doc["pgs"]).items():
+                done = v.get("completed")
+                pgs[hostile.line(str(pg), 40)] = {
+                    "seq": int(v["seq"]), "op": hostile.line(str(v.get("op") or "?"), 60),
+                    "name": hostile.line(str(v.get("name") or pg), 60),
+                    "completed": int(done) if done not in (None, "") else None}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        out.append((host, rank, pgs))
+    return out
+
+
+def flight_verdict(summaries: list[tuple[str, int, dict]]) -> list[tuple[str, str]]:
+    """What torch's flight recorder says about a hang, per process group: the newest collective some
+    ranks entered and did not complete, and the ranks that never entered it (what the others wait
+    for). (host to blame, or '' when no rank is missing; one line)."""
+    verdicts = []
+    groups = sorted({pg for _, _, pgs in summaries for pg in pgs})
+    for pg in groups:
+        have = {rank: (host, pgs[pg]) for host, rank, pgs in summaries if pg in pgs}
+        if pg == "0":  # the default group holds every rank: one with no collective in it yet is behind
+            none = {"seq": 0, "op": "none", "name": "", "completed": None}
+            have.update({rank: (host, none) for host, rank, _ in summaries if rank not in have})
+        if len(have) < 2:
+            continue
+        top = max(v["seq"] for _, v in have.values())
+        waiting = sorted(r for r, (_, v) in have.items() if v["seq"] == top
+                         and (v["completed"] is None or v["completed"] < top))
+        missing = sorted(r for r, (_, v) in have.items() if v["seq"] < top)
+        if not waiting:
+            continue
+        host, first = have[waiting[0]]
+        what = f"{first['op']} #{top} of process group {first['name']}"
+        if missing:
+            for r in missing:
+                h, v = have[r]
+                newest = f"{v['op']} #{v['seq']}" if v["seq"] else "no collective yet"
+                verdicts.append((h, f"flight recorder: rank {r} on {h} never entered {what}, which rank(s) "
+                                    f"{_ranks(waiting)} wait in (its newest: {newest})"))
+        elif len(waiting) == len(have):
+            verdicts.append(("", f"flight recorder: every rank is in {what} and none is missing: the "
+                                 "collective itself is stuck (network, device or a rank's GPU)"))
+    return verdicts
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
 def _in_code(path: str) -> str:
     """A frame's file as a path in the user's code ('' when it is not there): the working directory
     links to the code, and modules imported from it show the code's own mount."""

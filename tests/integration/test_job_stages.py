@@ -4,6 +4,7 @@ phase, a module), a frozen Docker engine blamed as such, and a lost host's runti
 answers again."""
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -94,6 +95,10 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     assert "hung: no progress" in out and "waiting for data" in out
     assert "rank 3 on node2: tests/integration/scripts/progress.py:" in out and "time.sleep(3600)" in out
     assert "failed: node2 (node rank 1) hung" in out  # the rank the others wait for
+    # torch's flight recorder, read in the containers, names the same rank.
+    verdict = (r"flight recorder: rank 3 on node2 never entered gloo:all_reduce #\d+ of process group \S+, "
+               r"which rank\(s\) 0, 1, 2 wait in \(its newest: gloo:barrier #\d+\)")
+    assert re.search(verdict, out), out[-3000:]
     # The periodic looks stay out of the log: the stacks appear once per host, at the hang.
     assert out.count("hang watchdog: stacks of every rank on node1") == 1
     # A healthy job silent for 40 s: 25 s tokenizing (its main thread moves), then 15 s sleeping

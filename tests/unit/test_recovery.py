@@ -1,9 +1,11 @@
-"""Recovery helpers: reading stacks, the job record, the trainer's global-batch rule."""
+"""Recovery helpers: reading stacks and the flight recorder, the job record, the trainer's global-batch rule."""
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec, recovery
 from orchestrator.core.errors import UserError
@@ -120,3 +122,47 @@ def test_resumed_epoch_on_fewer_ranks_skips_exactly_what_was_trained():
     for r in range(4):
         seen += rank_indices(4, r)[steps_done * per_step:steps_per_epoch * per_step]
     assert sorted(seen) == list(range(n))
+
+
+FLIGHT = Path(__file__).parent / "recorded" / "flight-gloo"
+
+
+def flight_lines(docs: dict[int, dict]) -> str:
+    """What the flight step prints for these dumps (dockerargs.FLIGHT_SUMMARY, as in the container)."""
+    scope: dict = {}
+    exec(dockerargs.FLIGHT_SUMMARY, scope)  # noqa: S102 - our own constant, as the container runs it
+    return "".join(json.dumps({"rank": str(r), "pgs": scope["summarize"](d)}) + "\n" for r, d in docs.items())
+
+
+def test_the_flight_recorder_names_the_rank_missing_from_a_collective():
+    # Recorded with torch 2.13 + gloo (README there): rank 1 sleeps while rank 0 waits in all_reduce #5.
+    docs = {r: json.loads((FLIGHT / f"rank{r}.json").read_text()) for r in (0, 1)}
+    got = recovery.flight_summaries("node1", flight_lines({0: docs[0]})) + recovery.flight_summaries(
+        "node2", flight_lines({1: docs[1]}))
+    assert [(h, r) for h, r, _ in got] == [("node1", 0), ("node2", 1)]
+    assert recovery.flight_verdict(got) == [(
+        "node2", "flight recorder: rank 1 on node2 never entered gloo:all_reduce #5 of process group "
+                 "default_pg, which rank(s) 0 wait in (its newest: gloo:barrier #4)")]
+
+
+def test_a_collective_every_rank_is_in_blames_no_rank_and_hostile_lines_are_skipped():
+    # Constructed from the recorder's schema (not recorded: no GPU here): NCCL ranks all in #9.
+    doc = {"entries": [{"pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 9,
+                        "profiling_name": "nccl:all_reduce", "state": "started"}],
+           "pg_status": {"0": {"last_completed_collective": "8"}}}
+    text = flight_lines({0: doc, 1: doc}) + "not json\n" + '{"rank": "x", "pgs": {}}\n' + \
+        '{"rank": 5, "pgs": {"0": {"seq": "\\u001b[31mnine"}}}\n'
+    got = recovery.flight_summaries("node1", text)
+    assert [r for _, r, _ in got] == [0, 1]
+    assert recovery.flight_verdict(got) == [("", "flight recorder: every rank is in nccl:all_reduce #9 of process "
+                                                 "group default_pg and none is missing: the collective itself is "
+                                                 "stuck (network, device or a rank's GPU)")]
+    # A rank with no collective at all in the default group is behind the others in it.
+    got = recovery.flight_summaries("node1", flight_lines({0: doc, 1: doc})) + recovery.flight_summaries(
+        "node2", flight_lines({3: {"entries": []}}))
+    assert recovery.flight_verdict(got)[0] == ("node2", "flight recorder: rank 3 on node2 never entered "
+                                               "nccl:all_reduce #9 of process group default_pg, which rank(s) "
+                                               "0, 1 wait in (its newest: no collective yet)")
+    # A finished collective everywhere is no verdict.
+    done = dict(doc, pg_status={"0": {"last_completed_collective": "9"}})
+    assert recovery.flight_verdict(recovery.flight_summaries("n", flight_lines({0: done, 1: done}))) == []

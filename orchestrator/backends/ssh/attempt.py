@@ -29,7 +29,8 @@ ON_FAILURE = "when a node fails or a host is lost: the other hosts"
 ON_INTERRUPT = "on Ctrl+C, SIGTERM or fab stop: every host"
 ON_MISSED = "when the follow missed output (OFFSET: the bytes it received + 1)"
 ON_SILENT = "when a node shows no progress for a while: its heartbeat file's age"
-ON_HANG = "when the hang watchdog fires: every rank's stacks"
+ON_HANG = ("when the hang watchdog fires: every rank's stacks and flight recorder (the stacks also every "
+           "hang timeout / 5, to see whether the ranks move)")
 ON_SNAPSHOT = "every 0.5 s on rank 0's host, and when a new snapshot appears"
 ON_FAILED = "after a failed attempt, and between attempts: did fab stop end it? (every host used)"
 ON_LEASE = "every 5 s while fab train looks after the job: its hosts"
@@ -173,6 +174,7 @@ STAGE_OF = {
     "snapshot-fetch": "watch",
     "progress": "watch",
     "stacks": "watch",
+    "flight": "watch",
     "remainder": "watch",
     "stop-on-failure": "teardown",
     "stop-on-interrupt": "teardown",
@@ -362,6 +364,16 @@ def build(
                 STACKS_TIMEOUT,
                 ON_HANG,
                 what="reading stacks",
+            )
+        )
+        steps.append(
+            remote_step(
+                h,
+                "flight",
+                sshargs.shell(dockerargs.flight_argv(spec, h.rank)),
+                STACKS_TIMEOUT,
+                ON_HANG,
+                what="reading the flight recorder",
             )
         )
     for h in hosts:

@@ -42,7 +42,7 @@ from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Failure, HostFailure
 from orchestrator.progress.live import STEP, Board
 from orchestrator.transport.logs import Multiplexer, missing_output
-from orchestrator.transport.remote import CommandTimedOut, Session, describe
+from orchestrator.transport.remote import CommandTimedOut, PerHost, Result, Session, describe
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -188,6 +188,7 @@ class Watcher:
         self.result = Watched()
         self.last_step: dict[str, int] = {}
         self.unreadable = 0
+        self.flight_blame = ""  # the host of a rank the flight recorder found missing from a collective
         self.looking: threading.Thread | None = None  # the look at where the ranks are, under way
         self.looked = 0.0
 
@@ -401,6 +402,8 @@ class Watcher:
         """The host of the first stuck rank that is not waiting in a collective (it is what the
         others wait for), else the first stale node."""
         hosts = {h.name: h for h in self.hosts}
+        if self.flight_blame in self.pending:  # the flight recorder named the rank the others wait for
+            return hosts[self.flight_blame]
         for line in self.result.hung:
             m = re.match(r"rank \S+ on (\S+): (.*)", line)
             if (
@@ -418,13 +421,24 @@ class Watcher:
         if self.looking is not None:  # its signals would cut into these dumps
             self.looking.join(timeout=self.attempt.step(self.hosts[0].name, "stacks").deadline)
         hosts = tuple(h for h in self.hosts if h.name in self.pending)
-        results = self.session.fan_out(
-            lambda h: self.session.run(
-                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
-            ),
-            hosts,
-        )
-        summary = []
+
+        def look(h: Host) -> tuple[Result, Result | None]:
+            s, f = self.attempt.step(h.name, "stacks"), self.attempt.step(h.name, "flight")
+            stacks = self.session.run(h, s.command, timeout=s.deadline, what=s.what)
+            try:
+                return stacks, self.session.run(h, f.command, timeout=f.deadline, what=f.what)
+            except Exception:  # noqa: BLE001 - the stacks alone still say where the ranks are
+                return stacks, None
+
+        looked = self.session.fan_out(look, hosts)
+        results = PerHost({n: v[0] if isinstance(v, tuple) else v for n, v in looked.items()})
+        flights = [s for h in hosts if (v := looked.value(h.name)) and v[1] is not None and v[1].ok
+                   for s in recovery.flight_summaries(h.name, v[1].stdout)]
+        verdict = recovery.flight_verdict(flights)
+        self.flight_blame = next((h for h, _ in verdict if h), "")
+        summary = [line for _, line in verdict]
+        for line in summary:
+            self.mux.note(f"hang watchdog: {line}")
         for h in hosts:
             r, err = results.value(h.name), results.error(h.name)
             text = r.stdout if r else ""
