@@ -649,3 +649,11 @@ def test_fuzzed_inventories_parse_or_fail_with_a_located_message(home):
             outcomes["valid"] += 1
     # Both kinds of outcome in numbers: mutations that keep the document valid, and ones that break it.
     assert outcomes["valid"] > 100 and outcomes["error"] > 1000, outcomes
+
+
+def test_warm_restarts_are_on_unless_the_inventory_turns_them_off(tmp_path):
+    hosts = "hosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n"
+    assert parse(hosts, tmp_path / "i.yaml").job.warm_restarts is True
+    assert parse("job: {warm_restarts: false}\n" + hosts, tmp_path / "i.yaml").job.warm_restarts is False
+    with pytest.raises(UserError, match=r"warm_restarts"):
+        parse("job: {warm_restarts: maybe}\n" + hosts, tmp_path / "i.yaml")

@@ -1,6 +1,7 @@
 import importlib.util
 import shlex
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.commands import dockerargs, hostfiles, node, sshargs
@@ -433,3 +434,37 @@ def test_entrypoint_sends_all_output_to_the_console_file(tmp_path):
     )
     assert r.stderr == ""
     assert f.read_text() == "out\nchild\nerr\nFalse\n"
+
+
+def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold():
+    h = INV.hosts[2]
+    spec = replace(SPEC, env=(("FABTRAIN_ATTEMPT", "2"),), master_port=29511)
+    script = node.start_script(INV, h, spec, None, (0,), 40, warm=True)
+    key = node.warm_key(node.node_of(INV, h, spec, None, (0,), warm=True))
+    cold = node.start_script(INV, h, spec, None, (0,), 40, warm=False)
+    warm_run = shlex.join(node.docker_run_argv(INV, h, spec, None, (0,), warm=True))
+    assert script == (
+        "if [ \"$(docker inspect -f '{{index .Config.Labels \"fabtrain.warm\"}} {{.State.Running}}' "
+        f"fabtrain-gpt-1-r2 2>/dev/null)\" = '{key} true' ] && "
+        "[ -e /opt/out/gpt-1/.console/node-2.log.end ]; "
+        "then rm -f /opt/out/gpt-1/.console/node-2.log /opt/out/gpt-1/.console/node-2.log.end && "
+        "(umask 022 && printf '%s\\n' MASTER_ADDR=10.0.0.1 MASTER_PORT=29511 NNODES=3 NODE_RANK=2 "
+        "FABTRAIN_ATTEMPT=2 > /opt/out/.runtime/gpt-1/warm-2.env.tmp && mv -f "
+        "/opt/out/.runtime/gpt-1/warm-2.env.tmp /opt/out/.runtime/gpt-1/warm-2.env) && echo warm; else "
+        "docker rm --force fabtrain-gpt-1-r2 >/dev/null 2>&1; "
+        + cold.replace(shlex.join(node.docker_run_argv(INV, h, spec, None, (0,))), warm_run) + "; fi")
+    assert f"--label fabtrain.warm={key}" in warm_run and "--env FABTRAIN_WARM=1" in warm_run
+    # What changes between generations keeps the key; anything else about the node changes it.
+    later = replace(spec, env=(("FABTRAIN_ATTEMPT", "3"),), master_port=29533)
+    assert node.warm_key(node.node_of(INV, h, later, None, (0,), warm=True)) == key
+    gpu = INV.hosts[0]  # other GPUs: another container
+    assert node.warm_key(node.node_of(INV, gpu, spec, None, (0, 1), warm=True)) != node.warm_key(
+        node.node_of(INV, gpu, spec, None, (0,), warm=True))
+    assert node.warm_key(node.node_of(INV, h, replace(spec, code_key="cd34"), None, (0,), warm=True)) != key
+
+
+def test_ending_a_warm_generation_keeps_the_container():
+    assert node.end_generation_script(INV, SPEC, 1, wait=2) == (
+        "docker kill --signal USR2 fabtrain-gpt-1-r1 >/dev/null 2>&1; i=0; while [ $i -lt 20 ] && "
+        "[ ! -e /opt/out/gpt-1/.console/node-1.log.end ] && [ \"$(docker inspect -f '{{.State.Running}}' "
+        "fabtrain-gpt-1-r1 2>/dev/null)\" = true ]; do sleep 0.1; i=$((i+1)); done; true")
