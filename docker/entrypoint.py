@@ -14,6 +14,7 @@ to torchrun verbatim. So an image launched by hand, by fabtrain or by a platform
 fabtrain does not rely on an image holding this file: it brings it to each host with the job and
 runs it with the image's python3, so a stock image (NGC, ROCm) runs as it is.
 """
+import json
 import os
 import socket
 import subprocess
@@ -30,18 +31,15 @@ HOOK_DIR = "/tmp/fabtrain-hook"
 STACKS_DIR = "/tmp/fabtrain-stacks"
 SITECUSTOMIZE = """\
 import os
-if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
-    try:
-        import faulthandler, signal
-        _d = os.environ["FABTRAIN_STACKS"]
-        os.makedirs(_d, exist_ok=True)
-        _fabtrain_stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "a")
-        _fabtrain_stacks.write("--- rank %s (local rank %s, pid %d), most recent call first ---\\n"
-                               % (os.environ["RANK"], os.environ.get("LOCAL_RANK", "?"), os.getpid()))
-        _fabtrain_stacks.flush()
-        faulthandler.register(signal.SIGUSR1, file=_fabtrain_stacks, all_threads=True)
-    except Exception:
-        pass
+def _fabtrain_stacks():
+    import faulthandler, signal
+    _d = os.environ["FABTRAIN_STACKS"]
+    os.makedirs(_d, exist_ok=True)
+    stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "a")
+    stacks.write("--- rank %s (local rank %s, pid %d), most recent call first ---\\n"
+                 % (os.environ["RANK"], os.environ.get("LOCAL_RANK", "?"), os.getpid()))
+    stacks.flush()
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 def _fabtrain_flight():
     # torch's flight recorder (TORCH_FR_BUFFER_SIZE, set by the entrypoint), dumped on request: the
     # watchdog touches STACKS_DIR/flight-request and this thread writes the JSON dump to
@@ -71,11 +69,6 @@ def _fabtrain_flight():
             except Exception:
                 pass
     threading.Thread(target=_loop, daemon=True, name="fabtrain-flight").start()
-if os.environ.get("RANK") is not None and os.environ.get("FABTRAIN_STACKS"):
-    try:
-        _fabtrain_flight()
-    except Exception:
-        pass
 def _fabtrain_destroy():
     # A script that ends without destroy_process_group() leaves gloo's threads to the C++ static
     # destructors, which abort now and then ("terminate called without an active exception"),
@@ -88,9 +81,18 @@ def _fabtrain_destroy():
             dist.destroy_process_group()
     except Exception:
         pass
-if os.environ.get("RANK") is not None:
+def fabtrain_register():
+    # For a rank: at its start, or once a standby worker (the entrypoint's) is given its rank.
     import atexit
     atexit.register(_fabtrain_destroy)
+    if os.environ.get("FABTRAIN_STACKS"):
+        for hook in (_fabtrain_stacks, _fabtrain_flight):
+            try:
+                hook()
+            except Exception:
+                pass
+if os.environ.get("RANK") is not None:
+    fabtrain_register()
 def _fabtrain_chain():
     import importlib.machinery, importlib.util, sys
     here = os.path.dirname(os.path.abspath(__file__))
@@ -166,6 +168,7 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     nproc = env.get("NPROC_PER_NODE") or env.get("PET_NPROC_PER_NODE") or "auto"
     nproc = str(gpus or 1) if nproc == "auto" else nproc
     child = dict(env)
+    child["FABTRAIN_NPROC"] = nproc
     # torchrun gives each worker its own RANK and WORLD_SIZE; node-level values must not leak in.
     child.pop("RANK", None)
     child.pop("WORLD_SIZE", None)
@@ -251,17 +254,104 @@ def main() -> None:
     print(banner, flush=True)
     if env.get("FABTRAIN_WARM") != "1":
         sys.exit(run_node(argv, child))
-    while True:  # a warm node: one torchrun per generation, the container kept between them
-        code = run_node(argv, child, warm=True)
+    procs = None
+    while True:  # a warm node: one generation after another, the container kept between them
+        code = run_node(argv, child, warm=True, procs=procs)
+        nproc = int(argv[argv.index("--nproc_per_node") + 1])
+        # The next generation's workers, started now: importing torch overlaps fabtrain's decision.
+        standbys = [] if code in (0, LEAVING) else spawn_standbys(child, nproc)
         go = None if code in (0, LEAVING) else wait_warm(env, code)
         if go is None:
+            for p in standbys:
+                kill_tree(p.pid)
             print(f"{EXIT_LINE}{0 if code == LEAVING else code}", flush=True)
-            sys.exit(code)
+            sys.exit(0 if code == LEAVING else code)
         env.update(go)
         redirect_output(env, env.get("FABTRAIN_CONSOLE_PATH"))
         argv, child, banner = plan(env, sys.argv[1:], gpus)
         heartbeat(child)
-        print(banner + f" generation={env['FABTRAIN_ATTEMPT']} (warm: this container was kept)", flush=True)
+        direct = env.get("FABTRAIN_LAUNCH") == "direct"
+        print(banner + f" generation={env['FABTRAIN_ATTEMPT']} (warm: this container was kept"
+              + ("; its workers started ahead)" if direct else ")"), flush=True)
+        if direct:
+            procs = launch_direct(child, sys.argv[1:], standbys)
+        else:
+            for p in standbys:
+                kill_tree(p.pid)
+            procs = None
+
+
+# A worker of the next generation, started when a generation ends (spawn_standbys): it imports torch
+# and waits on stdin for its rank (launch_direct), then runs the script as torchrun's worker would.
+STANDBY_PY = """\
+import json, os, sys
+import torch, torch.distributed
+line = sys.stdin.readline()
+if not line.strip():
+    sys.exit(0)
+go = json.loads(line)
+os.environ.update(go["env"])
+fd = os.open(go["console"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+os.dup2(fd, 1)
+os.dup2(fd, 2)
+try:
+    import sitecustomize
+    sitecustomize.fabtrain_register()
+except Exception:
+    pass
+sys.argv = list(go["argv"])
+import runpy
+if go["module"]:
+    sys.path.insert(0, os.getcwd())
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def spawn_standbys(env: dict[str, str], nproc: int) -> list[subprocess.Popen]:
+    try:
+        return [subprocess.Popen([sys.executable, "-u", "-c", STANDBY_PY], stdin=subprocess.PIPE, env=env)
+                for _ in range(nproc)]
+    except OSError:
+        return []
+
+
+def worker_env(env: dict[str, str], local_rank: int) -> dict[str, str]:
+    """A worker's environment as torchrun gives it, from the node's (NNODES, NODE_RANK, MASTER_*):
+    its ranks, and no agent store (rank 0's worker serves the rendezvous: env://)."""
+    nnodes, node_rank = int(env.get("NNODES", "1")), int(env.get("NODE_RANK", "0"))
+    nproc = int(env["FABTRAIN_NPROC"])
+    rank, world = node_rank * nproc + local_rank, nnodes * nproc
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def launch_direct(env: dict[str, str], args: list[str],
+                  standbys: list[subprocess.Popen]) -> list[subprocess.Popen]:
+    """A generation without torchrun (FABTRAIN_LAUNCH=direct, when every node of it is warm): this
+    entrypoint gives each standby worker its rank and supervises them itself (run_node)."""
+    nproc = int(env["FABTRAIN_NPROC"])
+    procs = [p for p in standbys if p.poll() is None]
+    if len(procs) != nproc:
+        for p in procs:
+            kill_tree(p.pid)
+        procs = spawn_standbys(env, nproc)
+    module = args[:1] in (["-m"], ["--module"])
+    console = env.get("FABTRAIN_CONSOLE_PATH") or "/dev/stdout"
+    for local_rank, p in enumerate(procs):
+        go = {"env": worker_env(env, local_rank), "console": console, "argv": args[1:] if module else args,
+              "module": module}
+        try:
+            p.stdin.write((json.dumps(go) + "\n").encode())
+            p.stdin.close()
+        except OSError:  # it died: the generation fails at once (run_node)
+            pass
+    return procs
 
 
 # The node's last line, read by fabtrain from the console file: how its ranks ended, even when the
@@ -320,28 +410,48 @@ def heartbeat(env: dict[str, str]) -> None:
             pass
 
 
-def run_node(argv: list[str], env: dict[str, str], warm: bool = False) -> int:
+def run_node(argv: list[str], env: dict[str, str], warm: bool = False,
+             procs: list[subprocess.Popen] | None = None) -> int:
     """torchrun as a child, the signals a container gets (docker stop's SIGTERM) passed on, and
     its exit written as the node's last line (EXIT_LINE) before leaving with the same code. A warm
     node (FABTRAIN_WARM=1) leaves that line to main, and SIGUSR2 (fabtrain: another node failed)
     ends this generation at once: torchrun and every process under it killed, the container kept.
     LEAVING: it was told to stop (SIGTERM, SIGINT, SIGHUP) and its torchrun ended cleanly."""
     import signal
-    proc = subprocess.Popen(argv, env=env)
+    procs = procs or [subprocess.Popen(argv, env=env)]
 
     def forward(signum: int, frame: object) -> None:
         TOLD.append(signum)
-        proc.send_signal(signum)
+        for p in procs:
+            p.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    signal.signal(signal.SIGUSR2, lambda signum, frame: kill_tree(proc.pid))
-    code = proc.wait()
+    signal.signal(signal.SIGUSR2, lambda signum, frame: [kill_tree(p.pid) for p in procs])
+    code = procs[0].wait() if len(procs) == 1 else wait_group(procs)
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # between generations there is nothing to end
     if not warm:
         print(f"{EXIT_LINE}{code}", flush=True)
     return LEAVING if warm and TOLD and code == 0 else code
+
+
+def wait_group(procs: list[subprocess.Popen]) -> int:
+    """Workers launched directly, as torchrun's agent would judge them: the first to fail ends the
+    others and gives the code; all ending with 0 is 0."""
+    import time
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = next((c for c in codes if c not in (None, 0)), None)
+        if bad is not None:
+            for p in procs:
+                kill_tree(p.pid)
+            for p in procs:
+                p.wait()
+            return bad
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
 
 
 TOLD: list[int] = []  # the stop signals this node got (a warm node told to stop waits for nothing)

@@ -155,6 +155,7 @@ def start_script(
     units: tuple[int, ...] | None = None,
     timeout: float | None = None,
     warm: bool = False,
+    direct: bool = False,
 ) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (dockerargs.ENTRYPOINT_SOURCE; never a command line), start the container.
@@ -162,7 +163,9 @@ def start_script(
 
     `warm`: when this rank's container is there, running, between generations (its end file) and
     of the same warm_key, it is told to start its next generation instead (the go file, written
-    whole, then renamed); else it is removed and the node started cold."""
+    whole, then renamed); else it is removed and the node started cold. `direct`: every node of
+    the attempt is warm, so its workers are launched by the entrypoint itself, without torchrun
+    (they were started ahead, torch imported); else by a new torchrun in the kept container."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt,
@@ -180,6 +183,7 @@ def start_script(
         inv, spec, host.rank)
     key = warm_key(node_of(inv, host, spec, access, units, warm))
     values = [f"{k}={v}" for k, v in job_env(inv, host, spec, units) if k in WARM_KEYS]
+    values.append(f"FABTRAIN_LAUNCH={'direct' if direct else 'torchrun'}")
     if any("\n" in v for v in values):
         raise ValueError(f"a warm node's variables hold a newline: {values!r}")
     state = shell(

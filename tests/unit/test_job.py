@@ -267,7 +267,10 @@ def test_a_warm_restart_keeps_the_containers_and_runs_its_plan(tmp_path, monkeyp
     assert a.select("sync") == [] and "warm nodes" in a.render()
     start = a.step("node2", "start").command
     assert start.startswith("if [ \"$(docker inspect -f ") and "fabtrain.warm" in start
-    assert "FABTRAIN_ATTEMPT=2" in start and "docker rm --force fabtrain-gpt-1-r1" in start
+    assert (
+        "FABTRAIN_ATTEMPT=2 FABTRAIN_LAUNCH=direct" in start
+        and "docker rm --force fabtrain-gpt-1-r1" in start
+    )
     assert "--env FABTRAIN_WARM=1" in start and "--label fabtrain.warm=" in start
     # What attempt 2 ran is its plan: from its claim to its teardown.
     first = next(i for i, c in enumerate(rec.calls) if c[2] == a.step("node1", "claim").command)

@@ -449,7 +449,7 @@ def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold()
         "[ -e /opt/out/gpt-1/.console/node-2.log.end ]; "
         "then rm -f /opt/out/gpt-1/.console/node-2.log /opt/out/gpt-1/.console/node-2.log.end && "
         "(umask 022 && printf '%s\\n' MASTER_ADDR=10.0.0.1 MASTER_PORT=29511 NNODES=3 NODE_RANK=2 "
-        "FABTRAIN_ATTEMPT=2 > /opt/out/.runtime/gpt-1/warm-2.env.tmp && mv -f "
+        "FABTRAIN_ATTEMPT=2 FABTRAIN_LAUNCH=torchrun > /opt/out/.runtime/gpt-1/warm-2.env.tmp && mv -f "
         "/opt/out/.runtime/gpt-1/warm-2.env.tmp /opt/out/.runtime/gpt-1/warm-2.env) && echo warm; else "
         "docker rm --force fabtrain-gpt-1-r2 >/dev/null 2>&1; "
         + cold.replace(shlex.join(node.docker_run_argv(INV, h, spec, None, (0,))), warm_run) + "; fi")

@@ -226,6 +226,7 @@ def build(
     units: dict[str, tuple[int, ...]] | None = None,
     ticket: str | None = None,
     warm: bool = False,
+    direct: bool = False,
 ) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
@@ -234,7 +235,7 @@ def build(
     smoke test). `warm`: the nodes are warm (README: recovery): a node's container that is
     between generations is told to start the next instead of being started again, and a failure or
     the teardown ends only the generation; the containers go at the job's end (sweep) or on
-    Ctrl+C and fab stop."""
+    Ctrl+C and fab stop. `direct`: every node is warm (node.start_script)."""
     access, claim = access or {}, units is not None
     units = units or {}
     job = replace(inv.job, master_port=port)
@@ -298,7 +299,9 @@ def build(
             remote_step(
                 h,
                 "start",
-                node.start_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT, warm),
+                node.start_script(
+                    inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT, warm, direct
+                ),
                 START_TIMEOUT,
                 what="docker run" + (" (or the next generation of its warm container)" if warm else ""),
                 stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),

@@ -314,6 +314,7 @@ class Job:
                     f"{self.spec.job_id} found here or on its hosts: it starts from the beginning",
                     "info" if snapshot else "warning",
                 )
+        warm_all = self.all_warm(inv.hosts)
         a = attempt_mod.build(
             inv,
             self.spec,
@@ -326,10 +327,11 @@ class Job:
             keep=self.inv.job.keep_snapshots,
             first=self.last is None,
             run_dir=str(self.run_dir),
-            sync=not self.all_warm(inv.hosts),
+            sync=not warm_all,
             units=units,
             ticket=None if self.started else self.ticket,
             warm=self.warm,
+            direct=warm_all,
         )
         self.last = a
         return a

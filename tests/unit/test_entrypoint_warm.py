@@ -1,0 +1,89 @@
+"""The entrypoint's generations for real, on this machine (loopback only, gloo on CPU): a warm node
+whose first generation (torchrun) fails waits, says so in its end file, starts its next workers
+ahead, and runs them itself when told (FABTRAIN_LAUNCH=direct); a SIGTERM while it waits ends it."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = """\
+import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(1) * (rank + 1)
+dist.all_reduce(t)
+print(f"gen {os.environ['FABTRAIN_ATTEMPT']} rank {rank} of {dist.get_world_size()} sum {t.item():g} "
+      f"agent store {os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}", flush=True)
+dist.destroy_process_group()
+if os.environ["FABTRAIN_ATTEMPT"] == "1" and rank == 1:
+    sys.exit(3)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never came"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def node(tmp_path):
+    runtime, out = tmp_path / "runtime", tmp_path / "out"
+    runtime.mkdir()
+    out.mkdir()
+    shutil.copy(ROOT / "docker" / "entrypoint.py", runtime / "entrypoint.py")
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = {**os.environ, "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "FABTRAIN_WARM": "1", "FABTRAIN_ATTEMPT": "1",
+           "FABTRAIN_OUTPUT": str(out), "FABTRAIN_CONSOLE": str(out / ".console" / "node-0.log"),
+           "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"}
+    proc = subprocess.Popen([sys.executable, str(runtime / "entrypoint.py"), "script.py"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    yield proc, runtime, out / ".console" / "node-0.log"
+    proc.kill()
+    proc.wait()
+
+
+def test_a_warm_node_runs_its_next_generation_with_workers_started_ahead(node):
+    proc, runtime, console = node
+    end = Path(str(console) + ".end")
+    wait_for(end)
+    assert end.read_text() == "1\n"  # torchrun's code when a worker failed
+    first = console.read_text()
+    assert "gen 1 rank 1 of 2 sum 3" in first and "generation 1 ended with code 1" in first
+    # fabtrain's warm start: the old console and end file gone, then the go file, written whole.
+    console.unlink()
+    end.unlink()
+    (runtime / "warm-0.env.tmp").write_text(
+        f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={free_port()}\nNNODES=1\nNODE_RANK=0\nFABTRAIN_ATTEMPT=2\n"
+        "FABTRAIN_LAUNCH=direct\n")
+    (runtime / "warm-0.env.tmp").rename(runtime / "warm-0.env")
+    assert proc.wait(timeout=60) == 0
+    second = console.read_text()
+    assert "generation=2 (warm: this container was kept; its workers started ahead)" in second
+    for rank in (0, 1):  # no torchrun agent: rank 0's worker served the rendezvous
+        assert f"gen 2 rank {rank} of 2 sum 3 agent store False" in second
+    assert second.rstrip().endswith("[fabtrain] node exit code 0") and not end.exists()
+
+
+def test_a_warm_node_told_to_stop_while_it_waits_ends_at_once(node):
+    proc, _, console = node
+    wait_for(Path(str(console) + ".end"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 1
+    assert console.read_text().rstrip().endswith("[fabtrain] node exit code 1")
