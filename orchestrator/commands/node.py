@@ -118,7 +118,7 @@ def node_spec(inv: Inventory, host: Host, spec: JobSpec, *, name: str | None = N
 
 # What a warm node's next generation is told (its go file); everything else about the node must be
 # the same for its container to be kept (warm_key).
-WARM_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_ATTEMPT")
+WARM_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_ATTEMPT", "FABTRAIN_LAUNCH")
 
 
 def warm_key(node: NodeSpec) -> str:
@@ -130,20 +130,29 @@ def warm_key(node: NodeSpec) -> str:
     return hashlib.sha256(repr(replace(node, env=env, labels=labels)).encode()).hexdigest()[:16]
 
 
-def docker_run_argv(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                    units: tuple[int, ...] | None = None, warm: bool = False) -> list[str]:
+def docker_run_argv(
+    inv: Inventory,
+    host: Host,
+    spec: JobSpec,
+    access: GpuAccess | None = None,
+    units: tuple[int, ...] | None = None,
+    warm: bool = False,
+    direct: bool = False,
+) -> list[str]:
     """`docker run` of one node of a job, detached so the job outlives a lost SSH session; a warm
     node's (FABTRAIN_WARM) labelled with its warm_key."""
-    node = node_of(inv, host, spec, access, units, warm)
+    node = node_of(inv, host, spec, access, units, warm, direct)
     return docker_run(node, "--detach", *(["--label", f"{LABEL_WARM}={warm_key(node)}"] if warm else []))
 
 
 def node_of(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-            units: tuple[int, ...] | None = None, warm: bool = False) -> NodeSpec:
-    """The node as the SSH backend starts it: its console file, and FABTRAIN_WARM when warm."""
+            units: tuple[int, ...] | None = None, warm: bool = False, direct: bool = False) -> NodeSpec:
+    """The node as the SSH backend starts it: its console file, FABTRAIN_WARM when warm, and
+    FABTRAIN_LAUNCH=direct when its workers start without torchrun (start_script)."""
     console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
     env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console,
-                                         *([("FABTRAIN_WARM", "1")] if warm else [])]
+                                         *([("FABTRAIN_WARM", "1")] if warm else []),
+                                         *([("FABTRAIN_LAUNCH", "direct")] if direct else [])]
     return node_spec(inv, host, spec, env=env, access=access, units=units)
 
 
@@ -163,14 +172,15 @@ def start_script(
 
     `warm`: when this rank's container is there, running, between generations (its end file) and
     of the same warm_key, it is told to start its next generation instead (the go file, written
-    whole, then renamed); else it is removed and the node started cold. `direct`: every node of
-    the attempt is warm, so its workers are launched by the entrypoint itself, without torchrun
-    (they were started ahead, torch imported); else by a new torchrun in the kept container."""
+    whole, then renamed); else it is removed and the node started cold. `direct`: the attempt's
+    workers are launched by the entrypoint itself, without torchrun, on every node alike (a warm
+    one's were started ahead, torch imported; a cold one starts its own): a node run by torchrun
+    and one without could not share a rendezvous. Else a new torchrun runs in the kept container."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt,
             work_dir(inv, spec)]
-    run = docker_run_argv(inv, host, spec, access, units, warm)
+    run = docker_run_argv(inv, host, spec, access, units, warm, direct)
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
     cold = (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
@@ -181,7 +191,7 @@ def start_script(
         return cold
     name, end, go = container_name(spec.job_id, host.rank), end_file(inv, spec, host.rank), warm_go_file(
         inv, spec, host.rank)
-    key = warm_key(node_of(inv, host, spec, access, units, warm))
+    key = warm_key(node_of(inv, host, spec, access, units, warm, direct))
     values = [f"{k}={v}" for k, v in job_env(inv, host, spec, units) if k in WARM_KEYS]
     values.append(f"FABTRAIN_LAUNCH={'direct' if direct else 'torchrun'}")
     if any("\n" in v for v in values):

@@ -226,7 +226,6 @@ def build(
     units: dict[str, tuple[int, ...]] | None = None,
     ticket: str | None = None,
     warm: bool = False,
-    direct: bool = False,
 ) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
@@ -235,8 +234,10 @@ def build(
     smoke test). `warm`: the nodes are warm (README: recovery): a node's container that is
     between generations is told to start the next instead of being started again, and a failure or
     the teardown ends only the generation; the containers go at the job's end (sweep) or on
-    Ctrl+C and fab stop. `direct`: every node is warm (node.start_script)."""
+    Ctrl+C and fab stop. A warm job's restarts launch their workers without torchrun, on every
+    node alike, warm or cold (node.start_script: direct)."""
     access, claim = access or {}, units is not None
+    direct = warm and number > 1
     units = units or {}
     job = replace(inv.job, master_port=port)
     inv = replace(inv, job=job)

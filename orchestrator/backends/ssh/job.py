@@ -331,7 +331,6 @@ class Job:
             units=units,
             ticket=None if self.started else self.ticket,
             warm=self.warm,
-            direct=warm_all,
         )
         self.last = a
         return a
