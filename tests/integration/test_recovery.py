@@ -127,6 +127,8 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
         r"attempt 2: starting 2 node\(s\), rank 0 on node1 \(port \d+\), from snapshot snapshot-0000000", out
     )
     assert "resumed from /output/snapshots/snapshot-0000000" in out
+    # node1 kept its container (warm), node2's was started again; both launched their workers directly.
+    assert out.count("generation=2 (warm: this container was kept; its workers started ahead)") == 1
     record = json.loads((ROOT / "runs" / job / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
     assert record["attempts"][0]["outcome"] == "node2 exited with code 137"
@@ -161,7 +163,7 @@ def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, 
     out = log.read_text()
     job = job_id(out)
     assert re.search(r"attempt 1 failed \(node2 exited with code 1", out), out[-3000:]
-    assert out.count("generation=2 (warm: this container was kept)") == 2
+    assert out.count("generation=2 (warm: this container was kept; its workers started ahead)") == 2
     plan = (ROOT / "runs" / job / "plan.txt").read_text()
     assert "attempt 2: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in plan and "warm nodes" in plan
     assert_same_model(job, reference, out)
