@@ -495,7 +495,7 @@ def recover_once(inv_path: Path, last: str, kill: str) -> dict[str, float]:
         subprocess.run(["docker", "exec", f"fabtrain-{last}", "sh", "-c", kill], capture_output=True)
         killed = time.monotonic()
         r["detected"] = run.wait_event(lambda e: e["event"] == "host_failed", killed) - killed
-        for stage in ("plan", "start", "watch"):
+        for stage in ("plan", "claim", "sync+preflight", "snapshot", "start", "watch"):
             def begun(e, stage=stage):
                 return e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage
 
