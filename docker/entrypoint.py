@@ -33,6 +33,9 @@ SITECUSTOMIZE = """\
 import os
 def _fabtrain_stacks():
     import faulthandler, signal
+    # Ignored first: faulthandler restores what it found when the interpreter finalizes, and a look
+    # at that moment (or before the file below is registered) must not end the rank.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     _d = os.environ["FABTRAIN_STACKS"]
     os.makedirs(_d, exist_ok=True)
     stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "a")
