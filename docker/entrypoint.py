@@ -350,6 +350,7 @@ def launch_direct(env: dict[str, str], args: list[str],
     for local_rank, p in enumerate(procs):
         go = {"env": worker_env(env, local_rank), "console": console, "argv": args[1:] if module else args,
               "module": module}
+        p.fabtrain_rank = go["env"]["RANK"]  # type: ignore[attr-defined]
         try:
             p.stdin.write((json.dumps(go) + "\n").encode())
             p.stdin.close()
@@ -446,12 +447,15 @@ def wait_group(procs: list[subprocess.Popen]) -> int:
     import time
     while True:
         codes = [p.poll() for p in procs]
-        bad = next((c for c in codes if c not in (None, 0)), None)
-        if bad is not None:
+        first = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+        if first is not None:
             for p in procs:
                 kill_tree(p.pid)
             for p in procs:
                 p.wait()
+            bad = codes[first]
+            print(f"[fabtrain] worker rank {getattr(procs[first], 'fabtrain_rank', first)} exited with code "
+                  f"{128 - bad if bad < 0 else bad}; the node's other workers were stopped", flush=True)
             return bad
         if all(c == 0 for c in codes):
             return 0

@@ -149,3 +149,6 @@ def test_torchrun_root_cause_names_the_worker():
         "Root Cause (first observed failure):\n[0]:\n  time : x\n  rank : 3 (local_rank: 1)\n  exitcode : -9"
     )
     assert worker_failure(tail) == " (worker rank 3 exited with code -9)"
+    # The entrypoint's direct launch (a warm job's restart) names it in one line.
+    direct = "[fabtrain] worker rank 3 exited with code 3; the node's other workers were stopped\n"
+    assert worker_failure(direct) == " (worker rank 3 exited with code 3)"

@@ -491,6 +491,8 @@ def watch(
 
 
 def worker_failure(tail: str) -> str:
-    """torchrun's agent exits 1 whatever its worker did; its root-cause report says which worker."""
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S)
+    """Which worker failed: torchrun's agent exits 1 whatever its worker did, and its root-cause
+    report says which; the entrypoint's direct launch says it in one line (and exits with its code)."""
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S) or re.search(
+        r"\[fabtrain\] worker rank (\d+) exited with code (-?\d+)", tail)
     return f" (worker rank {m.group(1)} exited with code {m.group(2)})" if m else ""
