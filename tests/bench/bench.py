@@ -486,6 +486,21 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
     return r
 
 
+def recovery_table(n: int, r: dict) -> str:
+    """Medians (min - max) of bench_recovery's numbers, one row per way, seconds after the kill."""
+    cols = ("detected", "stage_plan", "stage_start", "stage_watch", "first_step")
+    rows = [f"| {n} hosts | " + " | ".join(c.removeprefix("stage_") for c in cols) + " |",
+            "|---" * (len(cols) + 1) + "|"]
+    for kill in ("worker", "container"):
+        for mode in ("warm", "cold"):
+            cells = []
+            for c in cols:
+                xs = r.get(f"{kill}_{mode}_{c}", [])
+                cells.append(f"{med(xs):.2f} ({min(xs):.2f} - {max(xs):.2f})" if xs else "-")
+            rows.append(f"| {kill} killed, {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def recover_once(inv_path: Path, last: str, kill: str) -> dict[str, float]:
     run = Lines([FAB, "train", "--inventory", str(inv_path), "--model", "tiny", "--epochs", "50", "--json",
                  "--restarts", "1", "--skip-preflight", "--args", "--snapshot-every 10 --log-every 1"])
@@ -680,6 +695,8 @@ def main() -> None:
         results[n] = r
         if only >= {"launch", "sync", "preflight", "stop", "failure", "logs"}:
             print(table(n, r), flush=True)
+        elif only == {"recovery"}:
+            print(recovery_table(n, r["recovery"]), flush=True)
         else:
             print(json.dumps({n: {k: {m: (med(v) if m != "named" else all(v)) for m, v in d.items()}
                                   for k, d in r.items()}}, indent=1), flush=True)
