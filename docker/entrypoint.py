@@ -255,10 +255,9 @@ def main() -> None:
     flight_dir(child)
     link_code(env)
     print(banner, flush=True)
-    if env.get("FABTRAIN_WARM") != "1":
-        direct = launch_direct(child, sys.argv[1:], []) if env.get("FABTRAIN_LAUNCH") == "direct" else None
-        sys.exit(run_node(argv, child, procs=direct))
     procs = launch_direct(child, sys.argv[1:], []) if env.get("FABTRAIN_LAUNCH") == "direct" else None
+    if env.get("FABTRAIN_WARM") != "1":
+        sys.exit(run_node(argv, child, procs=procs))
     while True:  # a warm node: one generation after another, the container kept between them
         code = run_node(argv, child, warm=True, procs=procs)
         nproc = int(argv[argv.index("--nproc_per_node") + 1])
