@@ -152,3 +152,16 @@ def test_torchrun_root_cause_names_the_worker():
     # The entrypoint's direct launch (a warm job's restart) names it in one line.
     direct = "[fabtrain] worker rank 3 exited with code 3; the node's other workers were stopped\n"
     assert worker_failure(direct) == " (worker rank 3 exited with code 3)"
+
+
+def test_only_quiet_nodes_are_looked_at():
+    clock = Clock()
+    p = Progress(["n1", "n2"], clock)
+    clock.t += 3
+    p.observe("n1", b"[n1 rank0] epoch 0 | step 1 | loss 2.0\n")  # steps: never signalled
+    p.observe("n2", b"rank 2: waiting for data...\n")            # output alone is not a move
+    assert p.unsure({"n1", "n2"}, 2) == ["n2"]
+    p.stacks("n2", recovery.stack_signature(dump(8, WAIT)))       # its ranks moved (a first look)
+    assert p.unsure({"n1", "n2"}, 2) == []
+    clock.t += 3
+    assert p.unsure({"n1", "n2"}, 2) == ["n1", "n2"]

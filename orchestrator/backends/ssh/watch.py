@@ -107,6 +107,7 @@ class Progress:
         self.signalled: set[str] = set()
         self.exits: dict[str, tuple[int, float]] = {}  # the node's own exit line: (code, when seen)
         self.where: dict[str, tuple] = {}            # the node's ranks at the last look (stacks)
+        self.moved = {n: now for n in names}         # its last step, heartbeat or move of its ranks
 
     def observe(self, host: str, block: bytes) -> None:
         """Complete lines a node sent (called from its follower thread)."""
@@ -118,7 +119,7 @@ class Progress:
                 n = int(m.group(1))
                 if n > self.step.get(host, -1):
                     self.step[host] = n
-                    self.last[host] = now
+                    self.last[host] = self.moved[host] = now
                     self.signalled.add(host)
         if b"[fabtrain] node exit code" in block:
             exits = list(EXIT_LINE.finditer(block))
@@ -129,6 +130,7 @@ class Progress:
         """The node's heartbeat file was touched `age` seconds ago."""
         self.signalled.add(host)
         self.last[host] = max(self.last[host], self.clock() - age)
+        self.moved[host] = max(self.moved[host], self.clock() - age)
 
     def stacks(self, host: str, where: tuple) -> None:
         """Where the node's ranks are now (recovery.stack_signature); moved since the last look is
@@ -138,7 +140,13 @@ class Progress:
         self.signalled.add(host)
         if self.where.get(host) != where:
             self.where[host] = where
-            self.last[host] = self.clock()
+            self.last[host] = self.moved[host] = self.clock()
+
+    def unsure(self, pending: set[str], every: float) -> list[str]:
+        """The nodes worth a look at where their ranks are: no step, heartbeat or move for `every`
+        seconds (a node printing steps is never signalled: SIGUSR1 only reaches quiet ranks)."""
+        now = self.clock()
+        return sorted(n for n in pending if now - self.moved[n] > every)
 
     def stale(self, pending: set[str], timeout: float) -> list[str]:
         """The nodes to check for a hang: each signalled node silent for `timeout`, or every pending
@@ -348,16 +356,20 @@ class Watcher:
                        tail=self.sinks[blamed.name].last_lines())
 
     def look_where_ranks_are(self) -> None:
-        """Every STACKS_EVERY, in the background (the loop goes on serving the other nodes), each
-        pending node's stacks into Progress; a host that does not answer within the step's deadline
+        """Every STACKS_EVERY, in the background (the loop goes on serving the other nodes), the
+        stacks of each pending node without a step or heartbeat for that long into Progress (a job
+        printing steps is not looked at); a host that does not answer within the step's deadline
         is only not looked at this time."""
         low, high = STACKS_EVERY
         every = min(high, max(low, self.hang_timeout / 5))
         if (not self.hang_timeout or (self.looking is not None and self.looking.is_alive())
                 or time.monotonic() - self.looked < every):
             return
+        unsure = self.progress.unsure(self.pending, every)
+        if not unsure:
+            return
         self.looked = time.monotonic()
-        hosts = tuple(h for h in self.hosts if h.name in self.pending)
+        hosts = tuple(h for h in self.hosts if h.name in unsure)
 
         def look() -> None:
             got = self.session.fan_out(
