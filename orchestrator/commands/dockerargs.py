@@ -181,8 +181,9 @@ for f, n in sizes.items():
 """
 
 
-def stacks_argv(spec: JobSpec, rank: int) -> list[str]:
-    return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", STACKS_PY]
+def python_in_node(spec: JobSpec, rank: int, code: str) -> list[str]:
+    """`docker exec` of python3 running `code` (STACKS_PY, FLIGHT_PY) in node `rank`'s container."""
+    return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", code]
 
 
 # Run in a container of the job when a hang is called: asks every live rank's hook thread for
@@ -230,9 +231,6 @@ for pid, rank in sorted(live.items()):
     print(json.dumps({"rank": rank, "pgs": summarize(doc)}), flush=True)
 """
 
-
-def flight_argv(spec: JobSpec, rank: int) -> list[str]:
-    return ["docker", "exec", container_name(spec.job_id, rank), "python3", "-c", FLIGHT_PY]
 
 
 def label_filter(job_id: str | None) -> list[str]:

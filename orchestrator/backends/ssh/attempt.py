@@ -359,27 +359,20 @@ def build(
                 what="reading the heartbeat",
             )
         )
+    looks = (("stacks", dockerargs.STACKS_PY, "reading stacks"),
+             ("flight", dockerargs.FLIGHT_PY, "reading the flight recorder"))
     for h in hosts:
-        steps.append(
+        steps += [
             remote_step(
                 h,
-                "stacks",
-                sshargs.shell(dockerargs.stacks_argv(spec, h.rank)),
+                key,
+                sshargs.shell(dockerargs.python_in_node(spec, h.rank, code)),
                 STACKS_TIMEOUT,
                 ON_HANG,
-                what="reading stacks",
+                what=what,
             )
-        )
-        steps.append(
-            remote_step(
-                h,
-                "flight",
-                sshargs.shell(dockerargs.flight_argv(spec, h.rank)),
-                STACKS_TIMEOUT,
-                ON_HANG,
-                what="reading the flight recorder",
-            )
-        )
+            for key, code, what in looks
+        ]
     for h in hosts:
         steps.append(remote_step(h, "remainder", hostfiles.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
                                  STATUS_TIMEOUT + 20, ON_MISSED, what="reading the rest of the output"))
