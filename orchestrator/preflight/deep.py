@@ -52,10 +52,18 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
     hosts = list(inv.hosts)
     tag = secrets.token_hex(3)
     access = access or {}
-    checks: list[Check] = []
     data: dict = {"time": time.time()}
+    checks = disk_checks(session, inv, hosts, t, data)
+    checks += compute_checks(session, inv, hosts, t, data, image, access, tag)
+    checks += network_checks(session, inv, hosts, t, data, image, tag)
+    checks += gpu_checks(session, inv, data)
+    return checks, data
 
-    # 1. disk
+
+def disk_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thresholds,
+                data: dict) -> list[Check]:
+    """1. disk: free space and write + fsync speed of the job's directories on each host."""
+    checks: list[Check] = []
     script = health.disk_script([inv.job.output_dir, inv.job.code_dir])
     got = session.fan_out(
         lambda h: session.run(h, script, timeout=DISK_TIMEOUT, what="disk write + fsync"), hosts
@@ -83,8 +91,13 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
             (c for c in rows if c.status == WARN), None
         )
         checks.append(worst or Check(h.name, "disk-speed", OK, "; ".join(c.detail for c in rows)))
+    return checks
 
-    # 2. compute, every host over the same seconds (after all have started their containers)
+
+def compute_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thresholds, data: dict,
+                   image: str | None, access: dict, tag: str) -> list[Check]:
+    """2. compute, every host over the same seconds (after all have started their containers)."""
+    checks: list[Check] = []
     start = time.time() + COMPUTE_START + 0.5 * len(hosts)
 
     def compute(h: Host) -> Result:
@@ -123,6 +136,13 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
             key = h.name if unit == "cpu" else f"{h.name}/{unit}"
             speed[key], kind[key] = float(gflops), model
     data["compute"] = {k: {"gflop_s": v, "kind": kind[k]} for k, v in speed.items()}
+    return checks + judge_compute(hosts, speed, kind, t)
+
+
+def judge_compute(hosts: list[Host], speed: dict[str, float], kind: dict[str, str],
+                  t: Thresholds) -> list[Check]:
+    """Each measured host's units against their peers (health.compute_outliers): slow ones named."""
+    checks: list[Check] = []
     slow = health.compute_outliers(speed, kind, t)
     for h in hosts:
         mine = {k: v for k, v in speed.items() if k == h.name or k.startswith(h.name + "/")}
@@ -142,44 +162,17 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
         else:
             checks.append(Check(h.name, "compute", OK, ", ".join(f"{k.split('/')[-1]} {v:.1f} GFLOP/s"
                                                                    for k, v in mine.items())))
+    return checks
 
-    # 3. network
+
+def network_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thresholds, data: dict,
+                   image: str | None, tag: str) -> list[Check]:
+    """3. network: every pair of hosts measured (measure_network), the slow hosts and links named."""
+    checks: list[Check] = []
     names = [h.name for h in hosts]
     by_name = {h.name: h for h in hosts}
     port = inv.job.master_port + health.PORT_OFFSET
-    bw: dict[tuple[str, str], float] = {}
-    rtt: dict[tuple[str, str], float] = {}
-    failed_pairs: dict[tuple[str, str], str] = {}
-    for rnd in health.rounds(names):
-        peer = {a: b for a, b in rnd} | {b: a for a, b in rnd}
-
-        def measure(h: Host, peer: dict[str, str] = peer) -> Result:
-            other = by_name[peer[h.name]]
-            name = f"fabtrain-health-{tag}-{h.name}-net"
-            return session.run(
-                h,
-                container(
-                    inv,
-                    h,
-                    name,
-                    health.NET_PY,
-                    [h.hostname, other.hostname, str(port), str(health.NET_SECONDS)],
-                    image,
-                ),
-                timeout=CONTAINER_TIMEOUT,
-                what=f"network test with {other.name}",
-            )
-        got = session.fan_out(measure, tuple(by_name[n] for n in peer))
-        for n in peer:
-            r = got.value(n)
-            out = health.parse_line("NET", r.stdout) if r is not None else None
-            if out and "rx_mbit_s" in out:
-                bw[(peer[n], n)] = float(out["rx_mbit_s"])
-                rtt[(n, peer[n])] = float(out["rtt_ms"])
-            else:
-                error = got.error(n)
-                failed_pairs[(peer[n], n)] = (describe(by_name[n], error) if error
-                                              else (r.stderr or r.stdout).strip()[-200:] or "no result")
+    bw, rtt, failed_pairs = measure_network(session, inv, hosts, image, tag, port)
     verdict = health.network_outliers(bw, rtt, names, t)
     data["network"] = {"hosts": names, "mbit_s": [[a, b, v] for (a, b), v in bw.items()],
                        "rtt_ms": [[a, b, v] for (a, b), v in rtt.items()], "median_mbit_s": verdict.reference,
@@ -218,10 +211,50 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
     for (a, b), why in failed_pairs.items():
         checks.append(Check(b, "link", FAIL, f"link {a} -> {b} not measured: {why}",
                             f"can {b} listen on port {port} and {a} reach it? (firewall)"))
+    return checks
 
-    # 4. GPUs
-    checks += gpu_checks(session, inv, data)
-    return checks, data
+
+def measure_network(session: Session, inv: Inventory, hosts: list[Host], image: str | None, tag: str,
+                    port: int) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float],
+                                    dict[tuple[str, str], str]]:
+    """Every pair of hosts, in rounds (health.rounds): the bandwidth received (sender, receiver), the
+    round trip (from, to), and the pairs not measured with why."""
+    names = [h.name for h in hosts]
+    by_name = {h.name: h for h in hosts}
+    bw: dict[tuple[str, str], float] = {}
+    rtt: dict[tuple[str, str], float] = {}
+    failed_pairs: dict[tuple[str, str], str] = {}
+    for rnd in health.rounds(names):
+        peer = {a: b for a, b in rnd} | {b: a for a, b in rnd}
+
+        def measure(h: Host, peer: dict[str, str] = peer) -> Result:
+            other = by_name[peer[h.name]]
+            name = f"fabtrain-health-{tag}-{h.name}-net"
+            return session.run(
+                h,
+                container(
+                    inv,
+                    h,
+                    name,
+                    health.NET_PY,
+                    [h.hostname, other.hostname, str(port), str(health.NET_SECONDS)],
+                    image,
+                ),
+                timeout=CONTAINER_TIMEOUT,
+                what=f"network test with {other.name}",
+            )
+        got = session.fan_out(measure, tuple(by_name[n] for n in peer))
+        for n in peer:
+            r = got.value(n)
+            out = health.parse_line("NET", r.stdout) if r is not None else None
+            if out and "rx_mbit_s" in out:
+                bw[(peer[n], n)] = float(out["rx_mbit_s"])
+                rtt[(n, peer[n])] = float(out["rtt_ms"])
+            else:
+                error = got.error(n)
+                failed_pairs[(peer[n], n)] = (describe(by_name[n], error) if error
+                                              else (r.stderr or r.stdout).strip()[-200:] or "no result")
+    return bw, rtt, failed_pairs
 
 
 def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
