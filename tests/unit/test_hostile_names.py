@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_snapshots import local_rsync  # the real rsync, the 'host' a folder here
+from test_snapshots import (
+    local_rsync,  # the real rsync, the 'host' a folder here
+    push,  # Snapshots.push with the plan's place steps
+)
 
 from orchestrator.backends.ssh import snapshots
 from orchestrator.config.inventory import parse
@@ -433,7 +436,7 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     assert all("control characters or a newline" in r and "\n" not in r for r in reports)
     # And back onto a host that lost it: the same names, nothing outside.
     shutil.rmtree(tmp_path / "host" / "j")
-    snaps.push(session, host, name, snapshots.local_digest(snaps.local_path(name)))
+    push(snaps, session, host, name)
     assert (ck / "$(touch x)").read_bytes() == b"shell" and (ck / "model.pt").read_bytes() == b"good"
     assert not os.path.exists(pwned) and not (tmp_path / "x").exists()
 
@@ -523,7 +526,7 @@ def test_moving_aside_never_goes_through_a_link(tmp_path, link, target, refused)
     os.symlink(target, root / link)
     before = files_under(tmp_path / "victim")
     with pytest.raises(UserError) as err:
-        snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+        push(snaps, LocalSession(), host, SET)
     assert files_under(tmp_path / "victim") == before  # nothing written there
     assert (root / "ckpt" / "authorized_keys").read_bytes() == ATTACKER_KEY  # not moved anywhere
     assert not (root / "ckpt" / "model.pt").exists() and not list(root.glob(".fabtrain-set-*"))
@@ -552,7 +555,7 @@ def test_placing_a_set_never_goes_through_a_link_to_its_folder(tmp_path, make, r
     make(root, victim)
     before = files_under(tmp_path / "victim")
     with pytest.raises(UserError, match=f": {refused} in the job output directory"):
-        snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+        push(snaps, LocalSession(), host, SET)
     assert files_under(tmp_path / "victim") == before
     assert len(reports) == 1 and not list(root.glob(".fabtrain-set-*"))
 
@@ -573,7 +576,7 @@ def test_a_link_at_a_files_own_place_is_replaced_and_links_elsewhere_are_left_al
     (root / "ckpt").mkdir()
     os.symlink(victim, root / "ckpt" / "model.pt")
     before = files_under(tmp_path / "victim")
-    snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+    push(snaps, LocalSession(), host, SET)
     assert files_under(tmp_path / "victim") == before and reports == []
     assert files_under(root) == {
         "ckpt": b"<dir>",
@@ -593,7 +596,7 @@ def test_a_link_at_the_temporary_folders_name_is_removed_before_rsync_writes(tmp
     snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7"})
     os.symlink(victim, root / snapshots.PLACE_TMP.format(SET))
     before = files_under(tmp_path / "victim")
-    snaps.push(LocalSession(), host, SET, snapshots.local_digest(snaps.local_path(SET)))
+    push(snaps, LocalSession(), host, SET)
     assert files_under(tmp_path / "victim") == before and reports == []
     assert files_under(root) == {"ckpt": b"<dir>", "ckpt/model.pt": b"model 7"}
 

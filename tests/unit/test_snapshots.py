@@ -292,60 +292,102 @@ def test_keep_below_one_is_refused(tmp_path):
         snapshots.Snapshots(tmp_path, INV, SPEC, keep=0, report=print)
 
 
-# ---------------------------------------------------------------- place: this machine -> hosts
+# ---------------------------------------------------------------- push: this machine -> hosts
 
 REMOTE_TMP = f"{DIR}/{snapshots.temp_name(S20)}"
 CHECK_TMP = (snapshots.checksum_command(REMOTE_TMP), snapshots.CHECKSUM_TIMEOUT)
 MOVE = (snapshots.rename_command(REMOTE_TMP, REMOTE20), snapshots.LIST_TIMEOUT)
 REMOVE = (snapshots.remove_command(REMOTE_TMP), snapshots.LIST_TIMEOUT)
-LIST = (LS, snapshots.LIST_TIMEOUT)
+
+
+def push(snaps, session, host, name) -> None:
+    """Snapshots.push with the plan's place, place-check and place-rename steps for `host`
+    (Layout.push_commands, as attempt.py renders them)."""
+    argv, check, rename = snaps.layout.push_commands(host, snaps.inv, snaps.spec, name, snaps.dir)
+    snaps.push(session, host, name, snapshots.local_digest(snaps.local_path(name)),
+               argv=argv, check=check, rename=rename)
+
+
+def test_the_plans_check_is_what_the_push_reads():
+    """The place-check step the plan shows is the command the push's own check would run: the
+    checksum of the temporary copy (a set: the manifest of its temporary directory)."""
+    here = Path("/runs/gpt-1/snapshots")
+    argv, check, rename = snapshots.layout(SPEC).push_commands(B, INV, SPEC, S20, here)
+    assert check == snapshots.checksum_command(REMOTE_TMP)
+    assert rename == snapshots.rename_command(REMOTE_TMP, REMOTE20)
+    assert argv == sshargs.push_file_argv(B, f"/runs/gpt-1/snapshots/{S20}", REMOTE_TMP,
+                                          snapshots.no_link_command(DIR))
+    ckpt = jobspec.JobSpec(job_id="gpt-1", script="main.py", checkpoint=jobspec.checkpoint_pattern("ckpt/*"))
+    name = "0" * 19 + "7"
+    _, check, _ = snapshots.layout(ckpt).push_commands(B, INV, ckpt, name, Path("/runs/gpt-1/checkpoints"))
+    assert check == snapshots.manifest_command(f"/out/gpt-1/{snapshots.PLACE_TMP.format(name)}")
 
 
 @pytest.mark.parametrize("copies,b_commands,why", [
-    (["ok"], [LIST, CHECK_TMP, MOVE], None),
-    (["corrupt", "ok"], [LIST, CHECK_TMP, REMOVE, CHECK_TMP, MOVE], None),
-    (["fail", "ok"], [LIST, REMOVE, CHECK_TMP, MOVE], None),
-    (["corrupt"] * 3, [LIST, CHECK_TMP, REMOVE] * 1 + [CHECK_TMP, REMOVE] * 2,
+    (["ok"], [CHECK_TMP, MOVE], None),
+    (["corrupt", "ok"], [CHECK_TMP, REMOVE, CHECK_TMP, MOVE], None),
+    (["fail", "ok"], [REMOVE, CHECK_TMP, MOVE], None),
+    (["corrupt"] * 3, [CHECK_TMP, REMOVE] * 3,
      f"the host's copy ({digest(corrupt(DATA[S20]))}) differs from this machine's ({digest(DATA[S20])})"),
-    (["fail"] * 3, [LIST, REMOVE, REMOVE, REMOVE], f"rsync exited 12: {RSYNC_ERROR}"),
+    (["fail"] * 3, [REMOVE, REMOVE, REMOVE], f"rsync exited 12: {RSYNC_ERROR}"),
 ], ids=["first-try", "corrupt-then-ok", "fail-then-ok", "always-corrupt", "always-fail"])
-def test_place_checks_each_push_and_retries(tmp_path, copies, b_commands, why, capsys):
-    # a already holds the same bytes under the name: checked, not copied again; b holds nothing.
-    session = FakeSession({"a": {REMOTE20: DATA[S20]}})
+def test_push_checks_each_copy_and_retries(tmp_path, copies, b_commands, why, capsys):
+    session = FakeSession()
     snaps, reports, rsync = make(tmp_path, session, {"b": copies}, local=[S20])
 
     if why is None:
-        assert snaps.place(session, INV) == S20
+        push(snaps, session, B, S20)
         assert session.files["b"] == {REMOTE20: DATA[S20]}
         assert reports == []
     else:
         line = (f"b: could not place snapshot {S20} in {DIR} in 3 tries (last: {why}); check the host's disk "
                 "space and SSH access, or leave it out so a spare takes its place")
         with pytest.raises(UserError) as err:
-            snaps.place(session, INV)
+            push(snaps, session, B, S20)
         assert str(err.value) == line and reports == [line]
         assert session.files["b"] == {}  # neither the snapshot's name nor a bad copy is left there
-    assert session.of("a") == [LIST, (snapshots.checksum_command(REMOTE20), snapshots.CHECKSUM_TIMEOUT)]
     assert session.of("b") == b_commands
     assert rsync.calls == [sshargs.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP,
                                                snapshots.no_link_command(DIR))] * len(copies)
     assert capsys.readouterr() == ("", "")
 
 
-def test_place_replaces_a_file_that_has_the_name_but_not_the_bytes(tmp_path):
+def test_push_runs_exactly_the_commands_it_is_given(tmp_path):
+    """What runs is the plan's steps, not commands the push builds again."""
+    session = FakeSession()
+    snaps, reports, rsync = make(tmp_path, session, local=[S20])
+    session.script[("b", "the plan's check")] = [ok(f"{len(DATA[S20])}\n{sha(DATA[S20])}  -\n")]
+    session.script[("b", "the plan's rename")] = [ok()]
+    argv = ["rsync", "--the-plans", str(snaps.dir / S20), f"10.0.0.2:{REMOTE_TMP}"]
+    snaps.push(session, B, S20, snapshots.local_digest(snaps.dir / S20),
+               argv=argv, check="the plan's check", rename="the plan's rename")
+    assert rsync.calls == [argv]
+    assert session.of("b") == [("the plan's check", snapshots.CHECKSUM_TIMEOUT),
+                               ("the plan's rename", snapshots.LIST_TIMEOUT)]
+    assert reports == []
+
+
+def test_holds_tells_the_same_bytes_from_the_same_name(tmp_path):
+    """A host whose file has the name but not the bytes does not hold the snapshot: it is pushed
+    again, and then holds it."""
     session = FakeSession({"a": {REMOTE20: b"something else"}, "b": {REMOTE20: DATA[S20]}})
     snaps, reports, rsync = make(tmp_path, session, local=[S20])
-    assert snaps.place(session, INV) == S20
+    want = snapshots.local_digest(snaps.dir / S20)
+    assert not snaps.holds(session, A, REMOTE20, want) and snaps.holds(session, B, REMOTE20, want)
+    push(snaps, session, A, S20)
     assert session.files["a"] == {REMOTE20: DATA[S20]} and session.files["b"] == {REMOTE20: DATA[S20]}
+    assert snaps.holds(session, A, REMOTE20, want)
     assert [c[-1] for c in rsync.calls] == [f"10.0.0.1:{REMOTE_TMP}"] and reports == []
 
 
-def test_place_takes_the_newest_from_any_host_and_another_holder_when_one_copy_fails(tmp_path):
+def test_a_copy_that_fails_from_one_holder_is_made_from_another(tmp_path):
     r30 = f"{DIR}/{S30}"
     session = FakeSession({"a": {r30: DATA[S30]}, "b": {r30: DATA[S30], REMOTE20: DATA[S20]}})
     snaps, reports, rsync = make(tmp_path, session, {"b": ["corrupt"] * 3}, local=[S10])
-    # b's copies of snapshot 30 are all bad; a's is good: 30 is placed, and b's failure was told.
-    assert snaps.place(session, INV) == S30
+    assert [snapshots.remote_newest(session, h, INV, SPEC) for h in (A, B)] == [S30, S30]
+    # b's copies of snapshot 30 are all bad; a's is good: 30 is here, and b's failure was told.
+    assert not snaps.fetch(session, B, S30)
+    assert snaps.fetch(session, A, S30)
     assert (snaps.dir / S30).read_bytes() == DATA[S30]
     assert sorted(p.name for p in snaps.dir.iterdir()) == [S10, S30]
     assert len(reports) == 1 and reports[0].startswith(f"b: could not copy snapshot {S30} to ")
@@ -354,10 +396,11 @@ def test_place_takes_the_newest_from_any_host_and_another_holder_when_one_copy_f
     ] * 3 + [sshargs.fetch_file_argv(A, r30, str(snaps.dir / snapshots.local_temp_name(S30)))]
 
 
-def test_place_with_no_snapshot_anywhere_places_nothing(tmp_path):
+def test_no_snapshot_anywhere(tmp_path):
     session = FakeSession()
     snaps, reports, rsync = make(tmp_path, session)
-    assert snaps.place(session, INV) is None
+    assert snapshots.remote_newest(session, A, INV, SPEC) is None
+    assert snapshots.remote_newest(session, B, INV, SPEC) is None and snaps.local_newest() is None
     assert [c for _, c, _ in session.calls] == [LS, LS] and rsync.calls == [] and reports == []
 
 
@@ -535,7 +578,7 @@ def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp
     write_at(work / "stray.pt", b"stray", old)
     digest = snapshots.local_digest(here)
     assert not snaps.holds(session, host, snaps.remote_path(name), digest)
-    snaps.push(session, host, name, digest)
+    push(snaps, session, host, name)
     assert tree(tmp_path / "host" / "j" / "work") == {
         k.removeprefix("work/"): v for k, v in tree(here).items()
     }

@@ -810,8 +810,8 @@ class Snapshots:
         self.dir = run_dir / local_dir_name(spec)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.inv, self.spec, self.keep, self.report, self.copy = inv, spec, keep, report, copy
-        # Held by fetch and by the whole of place: the follow thread must not prune the snapshot
-        # that place is pushing. Reentrant, as place fetches.
+        # Held by fetch and by the whole of a placement (job.py's place): the follow thread must not
+        # prune the snapshot being pushed. Reentrant, as a holder may fetch.
         self.lock = threading.RLock()
         # (host, snapshot) copies that failed every try and were reported: the follow thread does
         # not try them again at every look (the next snapshot gets its own tries).
@@ -836,9 +836,9 @@ class Snapshots:
     def remote_path(self, name: str) -> str:
         return self.layout.remote(self.inv, self.spec, name)
 
-    def _copy(self, argv: list[str]) -> None:
+    def _copy(self, argv: Sequence[str]) -> None:
         try:
-            proc = self.copy(argv, capture_output=True, text=True)
+            proc = self.copy(list(argv), capture_output=True, text=True)
         except OSError as exc:  # rsync missing or not runnable
             raise _CopyFailed(f"{argv[0]} could not run: {exc}") from None
         if proc.returncode != 0:
@@ -984,36 +984,6 @@ class Snapshots:
         t.start()
         return t
 
-    def place(self, session: Session, inv: Inventory, also_ask: tuple[Host, ...] = ()) -> str | None:
-        """Before an attempt: find the newest snapshot on this machine or on any host answering
-        (the attempt's and `also_ask`, which should leave out hosts known lost: each silent one costs
-        LIST_TIMEOUT), copy it here, then onto every host of the attempt that does not already hold
-        the same bytes. Returns the snapshot placed (None: there is none); UserError naming each
-        host where the copy still failed after COPY_TRIES tries (also told to `report`)."""
-        asked = {h.name: h for h in (*inv.hosts, *also_ask)}
-        found = session.fan_out(lambda h: remote_newest(session, h, inv, self.spec, warn=self.warn),
-                                tuple(asked.values()))
-        with self.lock:
-            # Newest first, from each host that holds it in turn: one bad link does not lose it.
-            for snap, name in sorted(((found.value(n), n) for n in found if found.value(n)), reverse=True):
-                if snap <= (self.local_newest() or ""):
-                    break
-                if self.fetch(session, asked[name], snap):
-                    break
-            best = self.local_newest()
-            if best is None:
-                return None
-            digest = local_digest(self.local_path(best))
-
-            def push(h: Host) -> None:
-                if found.value(h.name) == best and self.holds(session, h, self.remote_path(best), digest):
-                    return
-                self.push(session, h, best, digest)
-            errors = [str(e) for e in session.fan_out(push, inv.hosts).errors().values()]
-            if errors:
-                raise UserError("\n".join(errors))
-            return best
-
     def holds(self, session: Session, host: Host, remote_file: str, digest: Digest | Manifest) -> bool:
         """Whether a host's file has exactly these bytes (not just this name); a set: whether the
         host's files matching the glob are exactly the set's, with these bytes."""
@@ -1031,12 +1001,16 @@ class Snapshots:
         except _CopyFailed:
             return False
 
-    def push(self, session: Session, host: Host, name: str, digest: Digest | Manifest) -> None:
+    def push(self, session: Session, host: Host, name: str, digest: Digest | Manifest, *,
+             argv: Sequence[str] | None = None, check: str | None = None, rename: str | None = None) -> None:
         """Copy runs/JOB/snapshots/`name` to its place on a host under temp_name (a set: into
         PLACE_TMP), check it there, and rename it into place (a set: set_place_command); UserError
-        (also told to `report`) when every try failed."""
+        (also told to `report`) when every try failed. `argv`, `check` and `rename` are the plan's
+        place, place-check and place-rename steps for this host (Layout.push_commands): what runs
+        is what the plan shows. `check`'s output is read as the copy's Digest (a set: its Manifest)."""
         final = self.remote_path(name)
-        argv, check, rename = self.layout.push_commands(host, self.inv, self.spec, name, self.dir)
+        if argv is None or check is None or rename is None:  # until every caller passes the plan's steps
+            argv, check, rename = self.layout.push_commands(host, self.inv, self.spec, name, self.dir)
         is_set = isinstance(digest, Manifest)
         tmp = f"{final}/{PLACE_TMP.format(name[:20])}" if is_set else temp_path(final)
         why = ""
@@ -1046,12 +1020,12 @@ class Snapshots:
             try:
                 self._copy(argv)
                 if isinstance(digest, Manifest):
-                    got_set = remote_manifest(session, host, tmp)
+                    got_set = _remote_check(session, host, check, parse_manifest, tmp)
                     if got_set != digest:
                         raise _CopyFailed(f"the host's copy ({got_set}) differs from this machine's "
                                           f"({digest}): {got_set.differs(digest)}")
                 else:
-                    got = remote_digest(session, host, tmp)
+                    got = _remote_check(session, host, check, parse_checksum, tmp)
                     if got != digest:
                         raise _CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest})")
                 try:
