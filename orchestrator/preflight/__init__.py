@@ -62,6 +62,7 @@ from orchestrator.preflight.probe import (
     IMAGE_INFO_PY,
     PROBE_TIMEOUT,
     TIMED_OUT,
+    Facts,
     count_gpus,
     gpu_access,
     image_info,
@@ -150,45 +151,9 @@ def run(
     code_path = f"{inv.job.code_dir}/{codetree.key(source, only)}"
     with ThreadPoolExecutor(max_workers=1) as pool:
         local_code = pool.submit(local_code_hash, source, only) if code else None
-
-        def one(host: Host) -> tuple[list[Check], dict]:
-            img = image or inv.image_for(host)
-            start = time.monotonic()
-            try:
-                session.connection(host)
-            except BaseException as exc:  # noqa: BLE001 - reported as the host's ssh check
-                return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))], {}
-            connect = time.monotonic() - start
-            access = gpu_access(session, host)
-            cmds = probe_commands(inv, host, img, access, code_path)
-            res = session.run(host, probe_script(cmds, marker), what="preflight probe",
-                              timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT)
-            facts = parse_probe(res.stdout, marker)
-            offset, rtt = measure_clock(session, host)
-            checks = [
-                Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")
-            ]
-            checks += judge_host(inv, host, facts, img, limits, access)
-            checks.append(judge_time(host, offset, rtt, facts.get("ntp", (1, ""))[1], limits))
-            addrs = parse_addrs(facts.get("addr", (1, ""))[1])
-            links = parse_links(facts.get("link", (1, ""))[1])
-            summary = {
-                "image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
-                "code": (
-                    facts["code"][1].split()[0]
-                    if facts.get("code", (1, ""))[0] == 0 and facts["code"][1]
-                    else None
-                ),
-                "python": facts.get("python", (1, ""))[0] == 0,
-                "image_info": image_info(facts),
-            }
-            if host.interface in links:
-                summary["mtu"] = links[host.interface]["mtu"]
-            if addrs.get(host.interface):
-                summary["source"] = addrs[host.interface][0].split("/")[0]
-            return checks, summary
-
-        results = session.fan_out(one, inv.hosts)
+        results = session.fan_out(
+            lambda h: _probe_host(session, inv, h, image, limits, code_path, marker), inv.hosts
+        )
         checks: list[Check] = []
         per_host: dict[str, dict] = {}
         for host in inv.hosts:
@@ -214,6 +179,53 @@ def run(
     order = {name: i for i, name in enumerate(CHECKS)}
     ranks = {h.name: h.rank for h in inv.hosts}
     return sorted(checks, key=lambda c: (ranks.get(c.host, -1), order.get(c.check, 99)))
+
+
+def _probe_host(session: Session, inv: Inventory, host: Host, image: str | None, limits: Limits,
+                code_path: str, marker: str) -> tuple[list[Check], dict]:
+    """One host's probe (one SSH round trip) and clock offset, judged: its checks, and what the hosts
+    are compared on (judge_across; empty when it could not be reached)."""
+    img = image or inv.image_for(host)
+    start = time.monotonic()
+    try:
+        session.connection(host)
+    except BaseException as exc:  # noqa: BLE001 - reported as the host's ssh check
+        return [Check(host.name, "ssh", FAIL, describe(host, exc), _ssh_fix(host, exc))], {}
+    connect = time.monotonic() - start
+    access = gpu_access(session, host)
+    cmds = probe_commands(inv, host, img, access, code_path)
+    res = session.run(host, probe_script(cmds, marker), what="preflight probe",
+                      timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT)
+    facts = parse_probe(res.stdout, marker)
+    offset, rtt = measure_clock(session, host)
+    checks = [
+        Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")
+    ]
+    checks += judge_host(inv, host, facts, img, limits, access)
+    checks.append(judge_time(host, offset, rtt, facts.get("ntp", (1, ""))[1], limits))
+    return checks, _summary(host, facts)
+
+
+def _summary(host: Host, facts: Facts) -> dict:
+    """A probed host's facts the hosts are compared on: image id, code, python3, the image's info, the
+    MTU and address of its interface."""
+    addrs = parse_addrs(facts.get("addr", (1, ""))[1])
+    links = parse_links(facts.get("link", (1, ""))[1])
+    summary = {
+        "image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
+        "code": (
+            facts["code"][1].split()[0]
+            if facts.get("code", (1, ""))[0] == 0 and facts["code"][1]
+            else None
+        ),
+        "python": facts.get("python", (1, ""))[0] == 0,
+        "image_info": image_info(facts),
+    }
+    if host.interface in links:
+        summary["mtu"] = links[host.interface]["mtu"]
+    if addrs.get(host.interface):
+        summary["source"] = addrs[host.interface][0].split("/")[0]
+    return summary
 
 
 def _reach(session: Session, inv: Inventory, checks: list[Check], per_host: dict[str, dict]) -> list[Check]:
