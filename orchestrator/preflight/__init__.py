@@ -77,7 +77,8 @@ from orchestrator.preflight.probe import (
 )
 from orchestrator.preflight.render import render, to_json
 from orchestrator.preflight.smoke import RunJob, judge_transport, nccl_transport, read_ends, smoke_test
-from orchestrator.transport.remote import HostKeyError, Session, describe
+from orchestrator.transport.hostkeys import HostKeyError
+from orchestrator.transport.remote import Session, describe
 
 __all__ = [
     "CHECKS",

@@ -1,59 +1,29 @@
-"""The one place that talks SSH: Fabric connections with host keys checked, fan-out, streaming.
-
-Fabric's default is to auto-add unknown host keys and load no known_hosts; here every connection
-loads the inventory's known_hosts (and the system-wide ones, as OpenSSH does) and refuses a host
-whose key is missing, changed or revoked. First contact is accepted only deliberately (`fab
-cluster.up` records keys it read through `docker exec`; for real hosts, `ssh-keyscan` after
-comparing the fingerprint).
-
-known_hosts files are read here line by line as OpenSSH reads them (KnownHosts), not by
-paramiko.HostKeys, which fails the whole file on one `@cert-authority` line and knows neither
-`@revoked` nor wildcards. Host certificates are not checked (paramiko cannot): a host known only
-through a `@cert-authority` line is refused with the way to add its plain key.
-"""
+"""The one place that talks SSH: a Session of open connections (connect.py), fan-out, commands
+bounded by deadlines, streaming."""
 from __future__ import annotations
 
-import binascii
-import functools
 import heapq
-import hmac
 import itertools
-import os
-import re
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from hashlib import sha1
-from io import BufferedReader
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import paramiko
-from fabric import Config, Connection
+from fabric import Connection
 
 from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host
-from orchestrator.config.sshconf import SSH
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
+from orchestrator.transport.capture import drain, run_capped
+from orchestrator.transport.connect import Gateways, connect_host, fds_needed, raise_fd_limit
 
 T = TypeVar("T")
-# How long a finished command's output may still arrive before its EOF (see _drain).
-EOF_GRACE = 2.0
-# How often an idle connection's paramiko thread wakes (paramiko's own default: 0.1 s).
-IDLE_WAKE = 1.0
-
-if tuple(int(x) for x in paramiko.__version__.split(".")[:2]) < (3, 4):
-    raise ImportError(f"paramiko {paramiko.__version__} is too old: 3.4 or newer is required "
-                      "(Terrapin fix); run: pip install -r requirements.txt")
-
-
-class HostKeyError(UserError):
-    pass
 
 
 class CommandTimedOut(UserError):
@@ -64,34 +34,6 @@ class CommandTimedOut(UserError):
                          f"but the command hangs: check its Docker engine and disks")
         self.host, self.what, self.seconds = host, what, seconds
 
-
-class _RejectUnknown(paramiko.MissingHostKeyPolicy):
-    """Decide on a host none of whose usable keys paramiko was given (see _open): accept a key the
-    known_hosts files list for it; refuse a revoked one, one known only through a CA, and an
-    unknown one, each with its fix."""
-
-    def __init__(self, label: str, ssh: SSH, trust: HostTrust | None = None) -> None:
-        self.label, self.ssh = label, ssh
-        self.trust = trust or host_trust(ssh)
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        problem = self.trust.refusal(self.label, self.ssh, key)
-        if problem is not None:
-            raise HostKeyError(problem)
-        if not self.trust.known(key):
-            raise HostKeyError(unknown_key(self.label, self.ssh, hostname, key))
-
-
-def _keyscan(ssh: SSH, key: paramiko.PKey) -> str:
-    """How to check a host's key on the host and then accept it deliberately."""
-    return (f"Check that fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_"
-            f"{key.get_name().split('-')[-1]}_key.pub), then accept it deliberately: ssh-keyscan -p "
-            f"{ssh.port} {ssh.hostname} >> {ssh.known_hosts_file}")
-
-
-def unknown_key(label: str, ssh: SSH, hostname: str, key: paramiko.PKey) -> str:
-    return (f"{label} ({hostname}): host key unknown ({key.get_name()} {key.fingerprint}), not in "
-            f"{', '.join(ssh.known_hosts + ssh.global_known_hosts)}. {_keyscan(ssh, key)}")
 
 
 @dataclass
@@ -322,7 +264,7 @@ class Session:
             conn = self._conns.get(host.name)
         if conn is not None and conn.is_connected:
             return conn
-        conn = _connect(host, self.gateways)
+        conn = connect_host(host, self.gateways)
         with self._lock:
             self._conns[host.name] = conn
         return conn
@@ -352,7 +294,7 @@ class Session:
             if stdin is not None:
                 cmd.send(stdin)
                 cmd.close_stdin()
-            out, err = _drain(cmd.channel)
+            out, err = drain(cmd.channel)
             code = cmd.exit_status()
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code,
                       time.monotonic() - start)
@@ -378,7 +320,7 @@ class Session:
     def local(self, argv: list[str], timeout: float) -> Result:
         """Run a command on this machine (rsync to or from a host): the one place a job starts a
         local process, so a recording stand-in sees those too. Its stdout and stderr are capped like
-        a remote command's (_drain): what rsync prints can be the host's (its shell's stderr)."""
+        a remote command's (drain): what rsync prints can be the host's (its shell's stderr)."""
         start = time.monotonic()
         code, out, err = run_capped(argv, timeout)
         out_text, err_text = out.decode(errors="replace"), err.decode(errors="replace")
@@ -408,61 +350,6 @@ class Session:
         self.close()
 
 
-def run_capped(argv: list[str], timeout: float) -> tuple[int | None, bytes, bytes]:
-    """Run a local command, keeping at most OUTPUT_MAX bytes of each of its stdout and stderr:
-    its exit status (None when it was killed at `timeout`), stdout, stderr."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    bufs = (hostile.Capped(), hostile.Capped())
-
-    def pump(pipe: BufferedReader, buf: hostile.Capped) -> None:
-        with pipe:
-            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
-                buf.write(chunk)
-
-    pumps = [threading.Thread(target=pump, args=(pipe, buf), daemon=True, name="local-output")
-             for pipe, buf in zip((proc.stdout, proc.stderr), bufs, strict=True)]
-    for t in pumps:
-        t.start()
-    deadline = time.monotonic() + timeout
-    try:
-        code: int | None = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code = None
-    for t in pumps:  # a child (rsync's ssh) may hold the pipes a little longer
-        t.join(max(5.0, deadline - time.monotonic()))
-    return code, bufs[0].getvalue(), bufs[1].getvalue()
-
-
-def fds_needed(hosts: int) -> int:
-    """File descriptors a command over `hosts` hosts may hold at once: a socket per host, a log
-    file per host while following a job, and a margin for the interpreter and rsync pipes."""
-    return 3 * hosts + 256
-
-
-class ResourceLimits(Protocol):
-    """What raise_fd_limit uses of the `resource` module (a stand-in in tests)."""
-
-    RLIMIT_NOFILE: int
-    RLIM_INFINITY: int
-
-    def getrlimit(self, resource: int, /) -> tuple[int, int]: ...
-
-    def setrlimit(self, resource: int, limits: tuple[int, int], /) -> None: ...
-
-
-def raise_fd_limit(want: int, resource_module: ResourceLimits | None = None) -> int:
-    """Raise this process's soft limit of open files to `want` (at most the hard limit): the
-    usual soft limit of 1024 is met from about 300 hosts. The limit in force after."""
-    import resource
-    res = resource_module or resource
-    soft, hard = res.getrlimit(res.RLIMIT_NOFILE)
-    target = want if hard == res.RLIM_INFINITY else min(want, hard)
-    if soft != res.RLIM_INFINITY and soft < target:
-        res.setrlimit(res.RLIMIT_NOFILE, (target, hard))
-        return target
-    return soft
 
 
 def put_command(path: str, mode: int = 0o600) -> str:
@@ -486,391 +373,3 @@ def put_command(path: str, mode: int = 0o600) -> str:
     )
     return sshargs.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
 
-
-class _AlsoSets(threading.Event):
-    """An event that sets another one with itself (the channel's exit status wakes _drain)."""
-
-    def __init__(self, other: threading.Event) -> None:
-        super().__init__()
-        self.other = other
-
-    def set(self) -> None:
-        super().set()
-        self.other.set()
-
-
-def _drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
-    """A command's stdout and stderr until it ends. The thread sleeps until data, EOF or a close
-    (the deadline's) arrives: polling every few milliseconds, N waiting commands cost CPU in
-    proportion to N times their duration, which itself grows with N on a loaded machine. Each of
-    stdout and stderr keeps its first OUTPUT_MAX bytes (the rest is read and counted): a command
-    printing 1 GB costs bounded memory."""
-    out, err = hostile.Capped(), hostile.Capped()
-    wake = threading.Event()  # set by paramiko when either buffer gets data or is closed
-    chan.in_buffer.set_event(wake)
-    chan.in_stderr_buffer.set_event(wake)
-    old_status, chan.status_event = chan.status_event, _AlsoSets(wake)  # and when the exit status comes
-    if old_status.is_set():  # it came before the swap
-        chan.status_event.set()
-    ended = 0.0  # when the exit status came
-    while True:
-        wake.clear()  # before looking, so that data arriving after the look wakes the wait below
-        got = False
-        if chan.recv_ready():
-            out.write(chan.recv(1 << 16))
-            got = True
-        if chan.recv_stderr_ready():
-            err.write(chan.recv_stderr(1 << 16))
-            got = True
-        if got:
-            continue
-        if chan.closed or chan.eof_received:
-            break  # EOF comes after all the data
-        wait = 1.0  # a safety net only: every change of the buffers sets `wake`
-        if chan.exit_status_ready():
-            # OpenSSH's sshd sends the exit status as the command ends, and then what is still in
-            # its stdout pipe, then EOF: ending here lost a command's last lines under load. A
-            # command whose background child keeps the pipe open sends no EOF: wait only so long.
-            ended = ended or time.monotonic()
-            wait = ended + EOF_GRACE - time.monotonic()
-            if wait <= 0:
-                break
-        wake.wait(wait)
-    while chan.recv_ready():
-        out.write(chan.recv(1 << 16))
-    while chan.recv_stderr_ready():
-        err.write(chan.recv_stderr(1 << 16))
-    return out.getvalue(), err.getvalue()
-
-
-def connect_kwargs(ssh: SSH) -> dict:
-    """What paramiko is given for one hop: the same keys as sshargs.ssh_argv gives OpenSSH."""
-    kwargs: dict = {"banner_timeout": ssh.connect_timeout, "auth_timeout": ssh.connect_timeout,
-                    # The agent is always asked too, so a passphrase-protected key loaded there works.
-                    "allow_agent": True, "look_for_keys": not ssh.keys}
-    if ssh.keys:
-        kwargs["key_filename"] = list(ssh.keys)
-    return kwargs
-
-
-# ---------------------------------------------------------------- known_hosts, as OpenSSH reads it
-
-MARKERS = ("@cert-authority", "@revoked")
-
-
-def pattern_matches(name: str, pattern: str) -> bool:
-    """One known_hosts host pattern ('*' any run, '?' one character, nothing else special; no
-    case) against a host name as ssh looks it up ('host', or '[host]:port' off port 22)."""
-    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
-    return re.fullmatch(regex, name.lower(), re.S) is not None
-
-
-@functools.lru_cache(maxsize=65536)
-def _salted(field: str) -> tuple[bytes, bytes] | None:
-    """A hashed host field's salt and hash, decoded once (None: not a valid one)."""
-    parts = field.split("|")
-    if len(parts) != 4:
-        return None
-    try:
-        return binascii.a2b_base64(parts[2]), binascii.a2b_base64(parts[3])
-    except (binascii.Error, ValueError):
-        return None
-
-
-def hosts_match(name: str, field: str) -> bool:
-    """Whether a known_hosts line's host field names `name`, as OpenSSH decides: a hashed field
-    (|1|salt|hash) by its HMAC; otherwise comma-separated patterns, any one matching, and a
-    matching negated one (!pattern) vetoing the whole line."""
-    if field.startswith("|1|"):
-        salted = _salted(field)
-        # ssh looks a host up by its name in lower case; a file written by another tool may not.
-        return salted is not None and any(
-            hmac.compare_digest(hmac.new(salted[0], n.encode(), sha1).digest(), salted[1])
-            for n in {name, name.lower()})
-    found = False
-    for pattern in field.split(","):
-        if pattern.startswith("!"):
-            if pattern_matches(name, pattern[1:]):
-                return False
-        elif pattern and pattern_matches(name, pattern):
-            found = True
-    return found
-
-
-@dataclass(frozen=True)
-class KnownKey:
-    """One usable line of a known_hosts file."""
-
-    marker: str            # "", "@revoked" or "@cert-authority"
-    hosts: str             # the host field as written (patterns, or one hashed name)
-    key: paramiko.PKey
-    path: str
-    line: int
-
-    @property
-    def where(self) -> str:
-        return f"{self.path}:{self.line}"
-
-
-_PLAIN_NAME = re.compile(r"^[^*?!|,]+$")
-
-
-class KnownHosts(paramiko.HostKeys):
-    """A known_hosts file read as OpenSSH reads it, line by line: `@revoked` and `@cert-authority`
-    lines kept for what they are, hashed names, wildcards, negations and [host]:port forms matched
-    as ssh matches them, and a line that cannot be read (garbage, a key type paramiko does not
-    know) skipped on its own. paramiko.HostKeys reads the same file as a whole and fails it, every
-    host included, on one `@cert-authority` line (InvalidHostKey: '@cert-authority' is taken as
-    the host field, the pattern as the key type and the key type as base64)."""
-
-    def __init__(self, path: str | None = None, text: str = "") -> None:
-        super().__init__()
-        self.path = path or "known_hosts"
-        self.lines: list[KnownKey] = []
-        self.skipped: list[int] = []  # line numbers of lines that could not be read
-        # Lines naming plain hosts only, by name; the others (patterns, hashes) are matched in turn.
-        self._by_name: dict[str, list[KnownKey]] = {}
-        self._scan: list[KnownKey] = []
-        for number, raw in enumerate(text.splitlines(), 1):
-            entry = self._parse(raw, number)
-            if entry is None:
-                continue
-            self.lines.append(entry)
-            names = entry.hosts.split(",")
-            if all(_PLAIN_NAME.match(n) for n in names):
-                for n in names:
-                    self._by_name.setdefault(n.lower(), []).append(entry)
-            else:
-                self._scan.append(entry)
-
-    @classmethod
-    def read(cls, path: str) -> KnownHosts:
-        with open(path, "rb") as f:
-            return cls(path, f.read().decode(errors="replace"))
-
-    def _parse(self, raw: str, number: int) -> KnownKey | None:
-        fields = raw.split()
-        if not fields or fields[0].startswith("#"):
-            return None
-        marker = ""
-        if fields[0].startswith("@"):
-            marker, fields = fields[0], fields[1:]
-            if marker not in MARKERS:
-                self.skipped.append(number)
-                return None
-        try:
-            entry = paramiko.hostkeys.HostKeyEntry.from_line(" ".join(fields[:3]), number)
-        except Exception:  # noqa: BLE001 - bad base64 or key data: this line only, as ssh does
-            entry = None
-        if entry is None or entry.key is None:
-            self.skipped.append(number)
-            return None
-        return KnownKey(marker, fields[0], entry.key, self.path, number)
-
-    def matching(self, name: str) -> list[KnownKey]:
-        """The lines naming `name` ('host', or '[host]:port'), in file order."""
-        found = [e for e in self._by_name.get(name.lower(), ()) if hosts_match(name, e.hosts)]
-        found += [e for e in self._scan if hosts_match(name, e.hosts)]
-        return sorted(found, key=lambda e: e.line) if len(found) > 1 else found
-
-    # paramiko documents lookup as answering a dict of key type to key; its stubs name the private
-    # mapping class paramiko itself returns (_SubDict), which no other class can return.
-    def lookup(self, hostname: str) -> dict[str, paramiko.PKey] | None:  # type: ignore[override]
-        """The plain (unmarked) keys for a host, by type, as paramiko.HostKeys.lookup answers;
-        revoked keys left out."""
-        found = self.matching(hostname)
-        revoked = [e.key for e in found if e.marker == "@revoked"]
-        keys: dict[str, paramiko.PKey] = {}
-        for e in found:
-            if not e.marker and e.key not in revoked:
-                keys.setdefault(e.key.get_name(), e.key)
-        return keys or None
-
-
-_KNOWN_HOSTS: dict[str, tuple[tuple[int, int, int], KnownHosts]] = {}
-_KNOWN_HOSTS_LOCK = threading.Lock()
-
-
-def known_hosts(path: str) -> KnownHosts:
-    """A known_hosts file (KnownHosts), read again only when it changed (inode, mtime or size);
-    empty when there is no such file or it cannot be read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return KnownHosts(path)
-    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-    with _KNOWN_HOSTS_LOCK:
-        cached = _KNOWN_HOSTS.get(path)
-    if cached is None or cached[0] != stamp:
-        try:
-            parsed = KnownHosts.read(path)
-        except OSError:  # unreadable (a directory, no permission): no keys, as ssh treats it
-            parsed = KnownHosts(path)
-        cached = (stamp, parsed)
-        with _KNOWN_HOSTS_LOCK:
-            _KNOWN_HOSTS[path] = cached
-    return cached[1]
-
-
-@dataclass(frozen=True)
-class HostTrust:
-    """What a host's known_hosts lines (user and system-wide files) say about it, under the name
-    ssh looks it up by."""
-
-    name: str
-    keys: tuple[KnownKey, ...]          # plain lines, revoked keys left out
-    revoked: tuple[KnownKey, ...]
-    authorities: tuple[KnownKey, ...]   # @cert-authority lines (certificates are not checked)
-
-    def known(self, key: paramiko.PKey) -> bool:
-        return any(e.key == key for e in self.keys)
-
-    def refusal(self, label: str, ssh: SSH, key: paramiko.PKey) -> str | None:
-        """Why `key`, presented by the host, is refused beyond being unknown (None if not)."""
-        for e in self.revoked:
-            if e.key == key:
-                return (f"{label} ({self.name}): host key {key.get_name()} {key.fingerprint} is REVOKED "
-                        f"(@revoked line {e.where}); refused, as ssh refuses it. The host needs a new "
-                        f"host key: make one there (ssh-keygen -A after removing the old "
-                        f"/etc/ssh/ssh_host_{key.get_name().split('-')[-1]}_key*), then check its "
-                        f"fingerprint and add it: ssh-keyscan -p {ssh.port} {ssh.hostname} >> "
-                        f"{ssh.known_hosts_file}; if the revocation is a mistake, remove line {e.line} "
-                        f"of {e.path}")
-        if self.authorities and not self.keys:
-            first = self.authorities[0]
-            return (f"{label} ({self.name}): known only through the @cert-authority line {first.where}; "
-                    f"fabtrain checks host keys with paramiko, which does not verify host certificates, "
-                    f"so it does not accept CA-signed host keys. Add the host's plain key: "
-                    f"{_keyscan(ssh, key)}")
-        return None
-
-
-def lookup_name(ssh: SSH) -> str:
-    """The name ssh and paramiko look a host's key up by."""
-    return ssh.hostname if ssh.port == 22 else f"[{ssh.hostname}]:{ssh.port}"
-
-
-def host_trust(ssh: SSH) -> HostTrust:
-    """What the user's and the system-wide known_hosts files (the same ones sshargs.ssh_options gives
-    OpenSSH) say about the host `ssh` reaches."""
-    name = lookup_name(ssh)
-    found = [e for path in ssh.known_hosts + ssh.global_known_hosts for e in known_hosts(path).matching(name)]
-    revoked = tuple(e for e in found if e.marker == "@revoked")
-    keys = tuple(e for e in found if not e.marker and not any(r.key == e.key for r in revoked))
-    return HostTrust(name, keys, revoked, tuple(e for e in found if e.marker == "@cert-authority"))
-
-
-def _open(ssh: SSH, label: str, sock: paramiko.Channel | None = None) -> Connection:
-    """One connected hop, its host key checked against its known_hosts files (see host_trust):
-    paramiko is given the host's keys, one per type (it asks the server for the first type), and
-    the policy decides on anything else it is shown."""
-    trust = host_trust(ssh)
-    prefer: paramiko.PKey | None = None
-    for attempt in range(2):
-        conn = Connection(ssh.hostname, user=ssh.user, port=ssh.port,
-                          config=Config(overrides={"load_ssh_configs": False}),
-                          connect_timeout=ssh.connect_timeout,
-                          connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
-        conn.client.set_missing_host_key_policy(_RejectUnknown(label, ssh, trust))
-        mine = conn.client.get_host_keys()
-        given: dict[str, paramiko.PKey] = {}
-        for e in trust.keys:  # only this host's entries; each file is parsed once (known_hosts)
-            given.setdefault(e.key.get_name(), e.key)
-        if prefer is not None:
-            given[prefer.get_name()] = prefer
-        for key_type, key in given.items():
-            mine.add(trust.name, key_type, key)
-        try:
-            conn.open()
-        except paramiko.BadHostKeyException as exc:
-            problem = trust.refusal(label, ssh, exc.key)
-            if problem is not None:
-                raise HostKeyError(problem) from None
-            if attempt == 0 and sock is None and trust.known(exc.key):
-                # Another line of the same type lists the key the host showed: again, with that one.
-                prefer = exc.key
-                continue
-            raise
-        break
-    # Paramiko's thread for the connection wakes every 0.1 s to look for a close (its socket
-    # timeout): 64 idle connections cost 5% of a core. Data and closes wake it anyway; our own
-    # heartbeat, not paramiko's wake-ups, tells a frozen host (see _heartbeat).
-    conn.transport.sock.settimeout(IDLE_WAKE)
-    return conn
-
-
-# Opens one hop: (its settings, its label for messages, the channel to reach it through) -> connection.
-OpenHop = Callable[[SSH, str, paramiko.Channel | None], Connection]
-
-
-class Gateways:
-    """The open connections to jump hosts, one per chain of hops, shared by every host behind it.
-
-    Without sharing, N hosts behind one bastion open N SSH connections to it at once, and its sshd
-    drops unauthenticated connections beyond MaxStartups (OpenSSH's default 10:30:100 starts
-    refusing at 10): a connection storm that fails hosts at random from a few dozen on. Shared,
-    the bastion sees one connection per chain, and each host is a direct-tcpip channel in it.
-    """
-
-    def __init__(self, open_hop: OpenHop | None = None) -> None:
-        self._open = open_hop or _open
-        self._conns: dict[tuple[SSH, ...], Connection] = {}
-        self._locks: dict[tuple[SSH, ...], threading.Lock] = {}
-        self._lock = threading.Lock()
-
-    def get(self, hops: tuple[SSH, ...], host: Host) -> Connection:
-        """The connection to the last of `hops` (through the ones before it), opened once."""
-        with self._lock:
-            lock = self._locks.setdefault(hops, threading.Lock())
-        with lock:  # one opener per chain; the others wait for it instead of opening their own
-            conn = self._conns.get(hops)
-            if conn is not None and conn.is_connected:
-                return conn
-            hop = hops[-1]
-            sock = self.channel(hops[:-1], hop, host) if len(hops) > 1 else None
-            conn = self._open(hop, f"jump host {hop.hostname} (for {host.name})", sock)
-            self._conns[hops] = conn
-            return conn
-
-    def channel(self, hops: tuple[SSH, ...], to: SSH, host: Host) -> paramiko.Channel | None:
-        """A direct-tcpip channel to `to` through the chain `hops` (None when there is none)."""
-        if not hops:
-            return None
-        return self.get(hops, host).transport.open_channel("direct-tcpip", (to.hostname, to.port), ("", 0),
-                                                          timeout=hops[-1].connect_timeout)
-
-    def close(self) -> None:
-        for conn in reversed(list(self._conns.values())):  # the last hops first
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001 - closing a dead link must not mask the real error
-                pass
-        self._conns.clear()
-
-
-def _connect(host: Host, gateways: Gateways) -> Connection:
-    """Connect through the host's jump hosts (each checked like the host itself, and opened once
-    for all the hosts behind it, see Gateways), then to it."""
-    conn = _open(host.ssh, host.name, gateways.channel(tuple(host.ssh.jump), host.ssh, host))
-    conn.transport.set_keepalive(int(host.ssh.keepalive))
-    conn._fabtrain_alive = time.monotonic()
-    threading.Thread(target=_heartbeat, args=(conn, host.ssh.keepalive), daemon=True,
-                     name=f"heartbeat-{host.name}").start()
-    return conn
-
-
-def _heartbeat(conn: Connection, interval: float) -> None:
-    """Ask the server for a reply every `interval` s and record when one came.
-
-    Paramiko's own keepalive wants no reply, so it cannot tell a frozen host from a quiet one; a
-    watcher compares `_fabtrain_alive` with the clock instead.
-    """
-    transport = conn.transport
-    while transport is not None and transport.is_active():
-        try:
-            transport.global_request("keepalive@openssh.com", wait=True)
-        except Exception:  # noqa: BLE001 - a dead transport ends the loop below
-            pass
-        if transport.is_active():
-            conn._fabtrain_alive = time.monotonic()
-        time.sleep(interval)

@@ -4,7 +4,7 @@
 
 Each of a command's N connections used to parse the whole known_hosts file (paramiko
 SSHClient.load_host_keys): N hosts x E entries, and a fleet's known_hosts grows with the fleet.
-Now each file is parsed once (remote.known_hosts) and each connection gets only its host's
+Now each file is parsed once (hostkeys.known_hosts) and each connection gets only its host's
 entries. Both are timed here side by side on the same generated file (ed25519 keys, unhashed
 names as ssh-keyscan writes them), CPU seconds of this process, median of --repeat. No network.
 """
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from orchestrator.transport import remote  # noqa: E402
+from orchestrator.transport import hostkeys  # noqa: E402
 
 
 def write_file(path: Path, entries: int) -> list[str]:
@@ -42,10 +42,10 @@ def per_connection(path: str, names: list[str]) -> None:
 
 
 def parsed_once(path: str, names: list[str]) -> None:
-    remote._KNOWN_HOSTS.clear()  # the first connection of the command parses the file
+    hostkeys._KNOWN_HOSTS.clear()  # the first connection of the command parses the file
     for name in names:
         mine = paramiko.SSHClient().get_host_keys()
-        for key_type, key in (remote.known_hosts(path).lookup(name) or {}).items():
+        for key_type, key in (hostkeys.known_hosts(path).lookup(name) or {}).items():
             mine.add(name, key_type, key)
 
 

@@ -16,7 +16,7 @@ benchmark writes names that image as job.image. Then, medians of --repeat:
              not synced, so those checks fail by design; every host is still probed)
   connect    a new remote.Session running `true` on every host (the SSH handshakes)
   idle       those connections left open and idle for 5 s: the CPU they cost here meanwhile, with
-             remote.IDLE_WAKE and then with paramiko's own 0.1 s wake-up, side by side
+             connect.IDLE_WAKE and then with paramiko's own 0.1 s wake-up, side by side
   start      on that open session, `docker run -d` of the tiny image on every host with the job's
              labels (plan.LABEL_*), through Session.fan_out and Session.run: the fan-out and the
              engine's start of one container per host. NOT the full `fab train` start path (claim,
@@ -68,7 +68,7 @@ from orchestrator.config.inventory import load  # noqa: E402
 from orchestrator.core import jobspec  # noqa: E402
 from orchestrator.hosts import claims, hostops  # noqa: E402
 from orchestrator.testbed import cluster  # noqa: E402
-from orchestrator.transport import remote  # noqa: E402
+from orchestrator.transport import connect  # noqa: E402
 from orchestrator.transport.remote import Session  # noqa: E402
 
 FAB = str(Path(sys.executable).parent / "fab")
@@ -234,12 +234,12 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
             r["connect"] = time.perf_counter() - t0
             assert all(not isinstance(v, BaseException) and v.ok for v in got.values()), got
             # Idle, as fab leaves them and with paramiko's own wake-up every 0.1 s, side by side.
-            for key, wake in (("idle_cpu", remote.IDLE_WAKE), ("idle_cpu_wake_0.1", 0.1)):
+            for key, wake in (("idle_cpu", connect.IDLE_WAKE), ("idle_cpu_wake_0.1", 0.1)):
                 wake_every(session, wake)
                 i0 = cpu(resource.RUSAGE_SELF)
                 time.sleep(IDLE)
                 r[key] = cpu(resource.RUSAGE_SELF) - i0
-            wake_every(session, remote.IDLE_WAKE)
+            wake_every(session, connect.IDLE_WAKE)
             r["start"] = start_all(session, inv, spec, lambda h: ["sleep", "600"])
         r["connect_start_cpu"] = cpu(resource.RUSAGE_SELF) - c0 - r["idle_cpu"] - r["idle_cpu_wake_0.1"]
     r["start_threads"], r["start_fds"] = s_start.threads, s_start.fds

@@ -26,8 +26,8 @@ from orchestrator.config.inventory import Host
 from orchestrator.config.sshconf import DEFAULT_GLOBAL_KNOWN_HOSTS, SSH, Settings, resolve
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
-from orchestrator.transport import remote
-from orchestrator.transport.remote import KnownHosts, hosts_match, pattern_matches
+from orchestrator.transport import capture, connect, hostkeys, remote
+from orchestrator.transport.hostkeys import KnownHosts, hosts_match, pattern_matches
 
 
 def ed_key() -> str:
@@ -109,7 +109,7 @@ def test_a_file_with_every_kind_of_line(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(paramiko.hostkeys.InvalidHostKey):  # what every host got before
         paramiko.HostKeys(str(path))
-    kh = remote.known_hosts(str(path))
+    kh = hostkeys.known_hosts(str(path))
     assert isinstance(kh, KnownHosts)
     assert kh.skipped == [9, 10, 11, 12, 13, 14, 15]
     assert [(e.line, e.marker) for e in kh.lines] == [
@@ -140,13 +140,13 @@ def test_a_file_with_every_kind_of_line(tmp_path):
 def test_parsed_once_per_file_version(tmp_path):
     path = tmp_path / "known_hosts"
     path.write_text(f"gpu1 {ed_key()}\n")
-    first = remote.known_hosts(str(path))
-    assert remote.known_hosts(str(path)) is first
+    first = hostkeys.known_hosts(str(path))
+    assert hostkeys.known_hosts(str(path)) is first
     path.write_text(f"gpu1 {ed_key()}\n@revoked * {ed_key()}\n")
-    again = remote.known_hosts(str(path))
+    again = hostkeys.known_hosts(str(path))
     assert again is not first and [e.marker for e in again.lines] == ["", "@revoked"]
-    assert remote.known_hosts(str(tmp_path)).lines == []             # a directory: no keys, no crash
-    assert remote.known_hosts(str(tmp_path / "absent")).lines == []
+    assert hostkeys.known_hosts(str(tmp_path)).lines == []             # a directory: no keys, no crash
+    assert hostkeys.known_hosts(str(tmp_path / "absent")).lines == []
 
 
 # ---------------------------------------------------------------- trust across user and global files
@@ -161,10 +161,10 @@ def files(tmp_path, user: str, system: str = "") -> SSH:
 def test_a_key_revoked_in_the_global_file_is_refused_naming_host_file_and_line(tmp_path):
     key = ed_key()
     ssh = files(tmp_path, f"10.0.0.2 {key}\n", f"# fleet\n@revoked 10.0.0.* {key}\n")
-    trust = remote.host_trust(ssh)
+    trust = hostkeys.host_trust(ssh)
     assert trust.keys == () and [e.line for e in trust.revoked] == [2]
-    policy = remote._RejectUnknown("node2", ssh)
-    with pytest.raises(remote.HostKeyError) as err:
+    policy = hostkeys.RejectUnknown("node2", ssh)
+    with pytest.raises(hostkeys.HostKeyError) as err:
         policy.missing_host_key(None, "10.0.0.2", pkey(key))
     msg = str(err.value)
     assert msg.startswith(f"node2 (10.0.0.2): host key ssh-ed25519 {pkey(key).fingerprint} is REVOKED "
@@ -177,8 +177,8 @@ def test_a_key_revoked_in_the_global_file_is_refused_naming_host_file_and_line(t
 def test_known_only_through_a_ca_says_so_and_how_to_add_the_plain_key(tmp_path):
     ca, shown = ed_key(), ed_key()
     ssh = files(tmp_path, f"@cert-authority 10.0.0.* {ca}\n")
-    with pytest.raises(remote.HostKeyError) as err:
-        remote._RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(shown))
+    with pytest.raises(hostkeys.HostKeyError) as err:
+        hostkeys.RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(shown))
     assert str(err.value) == (
         f"node2 (10.0.0.2): known only through the @cert-authority line {tmp_path}/kh:1; fabtrain checks "
         "host keys with paramiko, which does not verify host certificates, so it does not accept CA-signed "
@@ -190,19 +190,19 @@ def test_known_only_through_a_ca_says_so_and_how_to_add_the_plain_key(tmp_path):
 def test_ca_and_unrelated_revoked_lines_leave_other_hosts_alone(tmp_path):
     key, other = ed_key(), ed_key()
     ssh = files(tmp_path, f"@cert-authority * {ed_key()}\n@revoked * {other}\n10.0.0.2 {key}\n")
-    trust = remote.host_trust(ssh)
+    trust = hostkeys.host_trust(ssh)
     assert [e.key for e in trust.keys] == [pkey(key)] and trust.known(pkey(key))
-    remote._RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(key))  # accepted
-    with pytest.raises(remote.HostKeyError, match="host key unknown"):
-        remote._RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(ed_key()))
+    hostkeys.RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(key))  # accepted
+    with pytest.raises(hostkeys.HostKeyError, match="host key unknown"):
+        hostkeys.RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(ed_key()))
 
 
 def test_the_global_file_counts_like_the_users(tmp_path):
     key = ed_key()
     ssh = files(tmp_path, "", f"10.0.0.2 {key}\n")
-    remote._RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(key))
-    with pytest.raises(remote.HostKeyError) as err:
-        remote._RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(ed_key()))
+    hostkeys.RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(key))
+    with pytest.raises(hostkeys.HostKeyError) as err:
+        hostkeys.RejectUnknown("node2", ssh).missing_host_key(None, "10.0.0.2", pkey(ed_key()))
     assert f"not in {tmp_path}/kh, {tmp_path}/global." in str(err.value)
 
 
@@ -296,7 +296,7 @@ def test_describe_of_a_server_whose_banner_carries_escapes(tmp_path):
     (tmp_path / "kh").write_text("")
     h = host(server.getsockname()[1], (str(tmp_path / "kh"),))
     with pytest.raises(paramiko.SSHException) as err:
-        remote._open(h.ssh, h.name)
+        connect._open(h.ssh, h.name)
     server.close()
     assert "\x1b" in str(err.value)  # paramiko passes the banner on as it came
     msg = remote.describe(h, err.value)
@@ -374,7 +374,7 @@ def test_drain_keeps_a_bounded_part_of_a_flood():
     chan = Flood(total, b"e" * (hostile.OUTPUT_MAX + 10))
     tracemalloc.start()
     try:
-        out, err = remote._drain(chan)
+        out, err = capture.drain(chan)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -385,7 +385,7 @@ def test_drain_keeps_a_bounded_part_of_a_flood():
 
 
 def test_drain_passes_small_output_whole():
-    out, err = remote._drain(Flood(1000, b"oops\n"))
+    out, err = capture.drain(Flood(1000, b"oops\n"))
     assert (out, err) == (b"x" * 1000, b"oops\n")
 
 

@@ -73,7 +73,7 @@ class FakeResource:
 
 
 def test_the_open_files_limit_is_raised_for_hundreds_of_hosts_never_lowered_nor_past_hard():
-    from orchestrator.transport.remote import fds_needed, raise_fd_limit
+    from orchestrator.transport.connect import fds_needed, raise_fd_limit
     r = FakeResource(1024, 524288)
     assert raise_fd_limit(fds_needed(512), r) == 1792 and r.set == [(1792, 524288)]
     r = FakeResource(1024, 1500)

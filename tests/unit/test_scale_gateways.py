@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.config.inventory import Host
 from orchestrator.config.sshconf import SSH
-from orchestrator.transport.remote import Gateways
+from orchestrator.transport.connect import Gateways
 
 
 class FakeConn:

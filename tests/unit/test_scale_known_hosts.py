@@ -6,7 +6,7 @@ import paramiko
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from orchestrator.transport.remote import known_hosts
+from orchestrator.transport.hostkeys import known_hosts
 
 
 def public_key() -> str:

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.commands import sshargs
 from orchestrator.config.inventory import load, parse
 from orchestrator.core.errors import UserError
-from orchestrator.transport import remote
+from orchestrator.transport import connect
 
 CONFIG = """\
 Include {d}/more.conf
@@ -90,7 +90,7 @@ def test_rsync_ssh_argv_equals_what_paramiko_is_given(cfg):
     for host in inv.hosts:
         ssh = host.ssh
         ref = ssh_g(*sshargs.ssh_argv(host)[1:], ssh.hostname)
-        kwargs = remote.connect_kwargs(ssh)
+        kwargs = connect.connect_kwargs(ssh)
         assert ref["hostname"] == [ssh.hostname] and ref["port"] == [str(ssh.port)]
         assert ref["user"] == [ssh.user] == ["trainer"]
         assert ref["identityfile"] == kwargs["key_filename"] == [str(key)]
@@ -116,7 +116,7 @@ def test_agent_when_no_key_is_given():
     inv = parse("ssh: {config: none, user: u}\nhosts:\n  - {address: h1, interface: eth0}\n", Path("i.yaml"))
     ssh = inv.hosts[0].ssh
     assert ssh.keys == () and ssh.known_hosts == (os.path.expanduser("~/.ssh/known_hosts"),)
-    assert remote.connect_kwargs(ssh) == {"banner_timeout": 10.0, "auth_timeout": 10.0, "allow_agent": True,
+    assert connect.connect_kwargs(ssh) == {"banner_timeout": 10.0, "auth_timeout": 10.0, "allow_agent": True,
                                           "look_for_keys": True}
     assert "-i" not in sshargs.ssh_argv(inv.hosts[0])
 

@@ -40,7 +40,8 @@ from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts.hostops import CONTROLLER_LABEL, HostJobs
 from orchestrator.transport import deadlines
-from orchestrator.transport.remote import Session, describe, host_trust
+from orchestrator.transport.hostkeys import host_trust
+from orchestrator.transport.remote import Session, describe
 
 if TYPE_CHECKING:
     from rich.console import Console
