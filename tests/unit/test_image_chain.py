@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.core.errors import UserError
 from orchestrator.images import imagechain as ic
+from orchestrator.images.relay import RELAY, Report, control_line, relay_command
 
 A, B, C, D = (f"sha256:{c * 64}" for c in "abcd")
 
@@ -95,7 +96,7 @@ def test_relink_closes_the_chain_over_a_host_nobody_can_reach():
 
 
 def ok(size, **kw):
-    return ic.Report(received=size, load_exit=0, **kw)
+    return Report(received=size, load_exit=0, **kw)
 
 
 def test_judge_all_loaded():
@@ -107,8 +108,8 @@ def test_judge_a_host_lost_mid_chain_is_named_and_the_hosts_after_it_are_retried
     reports = {
         "n1": ok(10, next_error="timed out"),
         "n2": "n2: stopped answering mid-chain (nothing for 60s)",
-        "n3": ic.Report(4, None, source_error="upstream: timed out"),
-        "n4": ic.Report(4, None),
+        "n3": Report(4, None, source_error="upstream: timed out"),
+        "n4": Report(4, None),
     }
     out = ic.judge_round(("n1", "n2", "n3", "n4"), reports, 10)
     assert out.loaded == ("n1",)
@@ -117,7 +118,7 @@ def test_judge_a_host_lost_mid_chain_is_named_and_the_hosts_after_it_are_retried
 
 
 def test_judge_a_host_whose_engine_failed_is_named_and_the_chain_after_it_is_unaffected():
-    reports = {"n1": ok(10), "n2": ic.Report(10, 1, "Cannot connect to the Docker daemon"), "n3": ok(10)}
+    reports = {"n1": ok(10), "n2": Report(10, 1, "Cannot connect to the Docker daemon"), "n3": ok(10)}
     out = ic.judge_round(("n1", "n2", "n3"), reports, 10)
     assert out.loaded == ("n1", "n3") and out.retry == () and out.load_failed == ("n2",)
     assert out.failed == {"n2": "n2: docker load exited 1: Cannot connect to the Docker daemon"}
@@ -125,28 +126,28 @@ def test_judge_a_host_whose_engine_failed_is_named_and_the_chain_after_it_is_una
 
 def test_judge_a_short_stream_nothing_upstream_explains_is_named():
     out = ic.judge_round(
-        ("n1", "n2"), {"n1": ic.Report(3, None, source_error="upstream: reset"), "n2": ic.Report(3, None)}, 10
+        ("n1", "n2"), {"n1": Report(3, None, source_error="upstream: reset"), "n2": Report(3, None)}, 10
     )
     assert out.failed == {"n1": "n1: received 3 of 10 bytes from this machine (upstream: reset)"}
     assert out.retry == ("n2",)   # its upstream n1 broke first
 
 
 def test_judge_upstream_could_not_send_on():
-    out = ic.judge_round(("n1", "n2"), {"n1": ok(10, next_error="Broken pipe"), "n2": ic.Report(5, None)}, 10)
+    out = ic.judge_round(("n1", "n2"), {"n1": ok(10, next_error="Broken pipe"), "n2": Report(5, None)}, 10)
     assert out.loaded == ("n1",) and out.retry == ("n2",) and out.failed == {}
 
 
 def test_relay_command_is_python3_with_the_relay_quoted_once():
-    assert shlex.split(ic.relay_command(True, "10.0.0.1")) == ["python3", "-c", ic.RELAY, "first", "10.0.0.1"]
-    assert shlex.split(ic.relay_command(False, "10.0.0.2"))[3:] == ["relay", "10.0.0.2"]
+    assert shlex.split(relay_command(True, "10.0.0.1")) == ["python3", "-c", RELAY, "first", "10.0.0.1"]
+    assert shlex.split(relay_command(False, "10.0.0.2"))[3:] == ["relay", "10.0.0.2"]
 
 
 def test_control_line():
-    line = ic.control_line("t0k", ("10.0.0.2", 4242), 99, 30, 600, 5)
+    line = control_line("t0k", ("10.0.0.2", 4242), 99, 30, 600, 5)
     assert line.endswith(b"\n")
     assert json.loads(line) == {"token": "t0k", "next": ["10.0.0.2", 4242], "size": 99, "stall": 30,
                                 "deadline": 600, "connect": 5}
-    assert json.loads(ic.control_line("t", None, 1, 1, 1, 1))["next"] is None
+    assert json.loads(control_line("t", None, 1, 1, 1, 1))["next"] is None
 
 
 def save_like_tar(path, layers):
@@ -201,7 +202,7 @@ def start_relay(tmp_path, name, first, fail=False):
     (bindir / "docker").chmod(0o755)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "LOAD_OUT": str(tmp_path / f"{name}.out"),
            **({"LOAD_FAIL": "1"} if fail else {})}
-    argv = shlex.split(ic.relay_command(first, "127.0.0.1"))  # the host's python3, as on a host
+    argv = shlex.split(relay_command(first, "127.0.0.1"))  # the host's python3, as on a host
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
@@ -215,7 +216,7 @@ def run_local_chain(tmp_path, data, fail=()):
     relays = [start_relay(tmp_path, n, i == 0, n in fail) for i, n in enumerate(names)]
     for i, (proc, _) in enumerate(relays):
         nxt = ("127.0.0.1", relays[i + 1][1]) if i + 1 < len(relays) else None
-        proc.stdin.write(ic.control_line("secret", nxt, len(data), 10, 60, 5))
+        proc.stdin.write(control_line("secret", nxt, len(data), 10, 60, 5))
         proc.stdin.flush()
     for proc, _ in relays[:-1]:
         assert proc.stdout.readline().decode().strip() == "linked"
@@ -229,7 +230,7 @@ def run_local_chain(tmp_path, data, fail=()):
         proc.wait(timeout=30)
         result = [ln for ln in lines if ln.startswith("result ")]
         assert result, (name, lines, proc.stderr.read())
-        reports[name] = ic.Report(**json.loads(result[-1].split(" ", 1)[1]))
+        reports[name] = Report(**json.loads(result[-1].split(" ", 1)[1]))
         if proc.stdin and not proc.stdin.closed:
             proc.stdin.close()
     return reports
@@ -239,7 +240,7 @@ def test_three_relays_over_loopback_each_load_and_forward_the_same_bytes(tmp_pat
     data = os.urandom(3 * (1 << 20) + 123)
     reports = run_local_chain(tmp_path, data)
     for name in ("r1", "r2", "r3"):
-        assert reports[name] == ic.Report(len(data), 0), reports[name]
+        assert reports[name] == Report(len(data), 0), reports[name]
         assert (tmp_path / f"{name}.out").read_bytes() == data
     assert ic.judge_round(("r1", "r2", "r3"), reports, len(data)).loaded == ("r1", "r2", "r3")
 
@@ -257,7 +258,7 @@ def test_a_relay_whose_engine_fails_still_forwards(tmp_path):
 def test_a_relay_refuses_a_connection_without_the_token_and_gives_up_after_stall(tmp_path):
     import socket
     proc, port = start_relay(tmp_path, "lone", False)
-    proc.stdin.write(ic.control_line("secret", None, 10, 2, 60, 5))
+    proc.stdin.write(control_line("secret", None, 10, 2, 60, 5))
     proc.stdin.flush()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"wrong!")
@@ -265,7 +266,7 @@ def test_a_relay_refuses_a_connection_without_the_token_and_gives_up_after_stall
     lines = []
     while not any(ln.startswith("result") for ln in lines):
         lines.append(proc.stdout.readline().decode())
-    report = ic.Report(**json.loads(lines[-1].split(" ", 1)[1]))
+    report = Report(**json.loads(lines[-1].split(" ", 1)[1]))
     assert report.received == 0 and report.source_error.startswith("no upstream connection")
     assert time.monotonic() - start < 10
     proc.stdin.close()
