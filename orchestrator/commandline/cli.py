@@ -65,7 +65,7 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
     """A new job from the command line (`o`: the job options, None where not given): a built-in
     trainer (this project's trainers/), or --script or --module in --code DIR (default: the
     current directory), with its arguments."""
-    script, module, args = o.get("script"), o.get("module"), o.get("args") or ""
+    script, module = o.get("script"), o.get("module")
     if not (script or module) and o.get("code"):
         raise UserError("--code is the folder of your own --script or --module; the built-in trainers bring "
                         "their own", exit_code=2)
@@ -74,6 +74,35 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
     )
     if script and module:
         raise UserError("--script and --module both name what to run; give one of them", exit_code=2)
+    script, extra = _what_to_run(o, trainers, source)
+    job_name = default_name(o, trainers)
+    if not jobspec.valid_job_id(job_name):
+        raise UserError(
+            f"--name {hostile.text(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2
+        )
+    nproc = o.get("nproc")
+    checkpoint = checkpoint_option(o.get("checkpoint"))
+    if checkpoint and script in trainers.values() and not module:
+        raise UserError("--checkpoint names where your own program writes its checkpoints; the built-in "
+                        "trainers' snapshots are kept without it", exit_code=2)
+    return jobspec.JobSpec(
+        job_id=jobspec.new_job_id(job_name),
+        script=script,
+        module=bool(module),
+        args=tuple(extra),
+        image=o.get("image"),
+        nproc_per_node=str(nproc) if nproc else None,
+        code=str(source),
+        code_only=only,
+        code_key=codetree.key(source, only),
+        checkpoint=checkpoint,
+    )
+
+
+def _what_to_run(o: dict, trainers: dict[str, str], source: Path) -> tuple[str, list[str]]:
+    """What a new job runs and its arguments: --module, --script (a file in `source`), or a built-in
+    trainer with its --model and --epochs."""
+    script, module, args = o.get("script"), o.get("module"), o.get("args") or ""
     if module:
         if not jobspec.MODULE_RE.match(module):
             raise UserError(f"--module {hostile.text(module)!r} is not a Python module name; write e.g. "
@@ -100,28 +129,7 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
             str(epochs(o.get("epochs") or 5)),
             *split_args(args),
         ]
-    job_name = default_name(o, trainers)
-    if not jobspec.valid_job_id(job_name):
-        raise UserError(
-            f"--name {hostile.text(job_name)!r}: use letters, digits, '.', '_' and '-'", exit_code=2
-        )
-    nproc = o.get("nproc")
-    checkpoint = checkpoint_option(o.get("checkpoint"))
-    if checkpoint and script in trainers.values() and not module:
-        raise UserError("--checkpoint names where your own program writes its checkpoints; the built-in "
-                        "trainers' snapshots are kept without it", exit_code=2)
-    return jobspec.JobSpec(
-        job_id=jobspec.new_job_id(job_name),
-        script=script,
-        module=bool(module),
-        args=tuple(extra),
-        image=o.get("image"),
-        nproc_per_node=str(nproc) if nproc else None,
-        code=str(source),
-        code_only=only,
-        code_key=codetree.key(source, only),
-        checkpoint=checkpoint,
-    )
+    return script, extra
 
 
 def checkpoint_option(value: str | None) -> str:
