@@ -183,38 +183,11 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     nodes = node_infos(count + spares, subnet)
     _ensure_network(client, subnet)
     host_image_id = client.images.get(HOST_IMAGE).id
-    wanted = {n.container for n in nodes}
-    for c in client.containers.list(all=True, filters={"label": LABEL}):
-        if c.name not in wanted:
-            log(f"removing {c.name} (not in a {len(nodes)}-host cluster)")
-            c.remove(force=True, v=False)
-
-    def prepare(node: NodeInfo) -> str:
-        c = _ensure_node(client, node, host_image_id)
-        _wait_ready(c)
-        _exec(
-            c,
-            [
-                "sh",
-                "-c",
-                'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
-                "sh",
-                pubkey,
-            ],
-        )
-        # Under the load of dozens of new hosts the key file can still be empty for a moment.
-        for _ in range(10):
-            host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
-            if len(host_key) >= 2:
-                return f"{node.address} {host_key[0]} {host_key[1]}\n"
-            time.sleep(0.5)
-        raise UserError(
-            f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh"
-        )
+    _remove_others(client, nodes, log)
 
     # Bounded: 64 containers created at once overload the local engine.
     with ThreadPoolExecutor(max_workers=min(len(nodes), 16)) as pool:
-        known = list(pool.map(prepare, nodes))
+        known = list(pool.map(lambda n: _prepare(client, n, host_image_id, pubkey), nodes))
     known_hosts = STATE_DIR / "known_hosts"
     known_hosts.write_text("".join(known))
     known_hosts.chmod(0o600)
@@ -224,6 +197,52 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     state_inventory = STATE_DIR / "inventory.yaml"
     state_inventory.write_text(render_inventory(nodes[:count], key, known_hosts, nodes[count:], slurm=slurm))
     inv = inventory.load(state_inventory)
+    _push_images(inv, images, len(nodes), log)
+    if slurm:
+        slurm_up(client, nodes[:count], log)
+    if inventory_out:
+        Path(inventory_out).write_text(state_inventory.read_text())
+        log(f"wrote {inventory_out}")
+    log("cluster up: " + ", ".join(f"{n.name}={n.address}" for n in nodes))
+    return nodes
+
+
+def _remove_others(client: DockerClient, nodes: list[NodeInfo], log: Log) -> None:
+    """The cluster's hosts not among `nodes` (a larger cluster before), removed."""
+    wanted = {n.container for n in nodes}
+    for c in client.containers.list(all=True, filters={"label": LABEL}):
+        if c.name not in wanted:
+            log(f"removing {c.name} (not in a {len(nodes)}-host cluster)")
+            c.remove(force=True, v=False)
+
+
+def _prepare(client: DockerClient, node: NodeInfo, host_image_id: str, pubkey: str) -> str:
+    """One host started (or kept) and ready, with this machine's key authorized; its known_hosts line."""
+    c = _ensure_node(client, node, host_image_id)
+    _wait_ready(c)
+    _exec(
+        c,
+        [
+            "sh",
+            "-c",
+            'umask 077; mkdir -p /root/.ssh; printf "%s\\n" "$1" > /root/.ssh/authorized_keys',
+            "sh",
+            pubkey,
+        ],
+    )
+    # Under the load of dozens of new hosts the key file can still be empty for a moment.
+    for _ in range(10):
+        host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
+        if len(host_key) >= 2:
+            return f"{node.address} {host_key[0]} {host_key[1]}\n"
+        time.sleep(0.5)
+    raise UserError(
+        f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh"
+    )
+
+
+def _push_images(inv: inventory.Inventory, images: tuple[str, ...], hosts: int, log: Log) -> None:
+    """Each image pushed to every host of `inv` (of `hosts` in all), only where its id differs."""
     with Session(inv.all_hosts) as session:
         for image in images:
             results = push(session, image)
@@ -235,14 +254,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
             sent = [r for r in results if r.action == "sent"]
             log(f"{image}: sent to {len(sent)} host(s)"
                 + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
-                + f", already present on {len(nodes) - len(sent)}")
-    if slurm:
-        slurm_up(client, nodes[:count], log)
-    if inventory_out:
-        Path(inventory_out).write_text(state_inventory.read_text())
-        log(f"wrote {inventory_out}")
-    log("cluster up: " + ", ".join(f"{n.name}={n.address}" for n in nodes))
-    return nodes
+                + f", already present on {hosts - len(sent)}")
 
 
 SLURM_CONF = """\
