@@ -19,7 +19,8 @@ from invoke import Collection, Exit, task
 from rich.console import Console
 
 from orchestrator import preflight as _preflight
-from orchestrator.backends import export as _export
+from orchestrator.backends.kubernetes.backend import KubernetesBackend as _Kubernetes
+from orchestrator.backends.slurm import script as _sbatch
 from orchestrator.backends.ssh import job as _job
 from orchestrator.commandline import cli, requests
 from orchestrator.config import inventory as _inventory
@@ -387,7 +388,7 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
     inv = _inventory.load(inventory)
     spec = cli.new_spec(requests.job_options(locals()), TRAINERS)
-    text, warnings = _export.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
+    text, warnings = _sbatch.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
     _warn(warnings)
     target = Path(out or f"{spec.job_id}.sbatch")
     target.write_text(text)
@@ -417,12 +418,12 @@ def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, a
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
     inv = _inventory.load(inventory)
     spec = cli.new_spec(requests.job_options(locals()), TRAINERS)
-    docs, warnings = _export.k8s_manifests(inv, spec, restarts=int(restarts))
+    docs, warnings = _Kubernetes().render(inv, spec, restarts=int(restarts))
     _warn(warnings)
     target = Path(out or f"{spec.job_id}-k8s")
     target.mkdir(parents=True, exist_ok=True)
-    for file, documents in docs.items():
-        (target / file).write_text(_export.k8s_text(inv, spec, file, documents))
+    for file, text in docs.items():
+        (target / file).write_text(text)
     print(
         f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with "
         f"kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)"

@@ -1,6 +1,6 @@
 """Where a job runs: over SSH on the inventory's hosts (ssh/), as a Slurm job (slurm/), and as
-scheduler files to hand to others (export: sbatch script, Kubernetes manifests). base.py says what a
-backend offers; this module is the one place that chooses one."""
+manifests to hand to kubectl (kubernetes/: render only). export.py holds what the sbatch script and
+the manifests share. base.py says what a backend offers; this module is the one place that chooses one."""
 from __future__ import annotations
 
 import importlib
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, str] = {
     "ssh": "orchestrator.backends.ssh.backend:SshBackend",
     "slurm": "orchestrator.backends.slurm.backend:SlurmBackend",
+    "kubernetes": "orchestrator.backends.kubernetes.backend:KubernetesBackend",
 }
 DEFAULT = "ssh"
 

@@ -14,6 +14,8 @@ import yaml
 from kubeflow.training.api_client import ApiClient
 
 from orchestrator.backends import export
+from orchestrator.backends.kubernetes import manifests
+from orchestrator.backends.slurm import script as sbatch
 from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
@@ -94,7 +96,7 @@ def check_golden(name: str, text: str) -> None:
 
 @pytest.mark.parametrize("kind,pyxis", [("nvidia", False), ("nvidia", True), ("amd", False), ("cpu", False)])
 def test_sbatch_script_exact_text(kind, pyxis):
-    text, warnings = export.slurm_script(
+    text, warnings = sbatch.slurm_script(
         inv(kind),
         SPEC,
         pyxis=pyxis,
@@ -108,8 +110,8 @@ def test_sbatch_script_exact_text(kind, pyxis):
 
 def k8s_texts(kind: str) -> dict[str, str]:
     i = inv(kind)
-    docs, _ = export.k8s_manifests(i, SPEC)
-    return {file: export.k8s_text(i, SPEC, file, d) for file, d in docs.items()}
+    docs, _ = manifests.k8s_manifests(i, SPEC)
+    return {file: manifests.k8s_text(i, SPEC, file, d) for file, d in docs.items()}
 
 
 @pytest.mark.parametrize("kind", ["nvidia", "amd", "cpu"])
@@ -122,7 +124,7 @@ def test_k8s_manifests_exact_text_and_valid(kind):
         )
         docs[0]["data"]["entrypoint.py"] = "<docker/entrypoint.py>"
         check_golden(f"{kind}-{file}", text.split("\napiVersion:", 1)[0] + "\n"
-                     + yaml.dump_all(docs, Dumper=export._Dumper, sort_keys=False, width=100))
+                     + yaml.dump_all(docs, Dumper=manifests._Dumper, sort_keys=False, width=100))
         for doc in docs:
             validate(doc)
 
@@ -169,7 +171,7 @@ def validate_trainjob(doc: dict) -> None:
 
 def test_a_broken_trainjob_is_rejected():
     import pydantic
-    docs, _ = export.k8s_manifests(inv("nvidia"), SPEC)
+    docs, _ = manifests.k8s_manifests(inv("nvidia"), SPEC)
     trainjob = docs["trainjob.yaml"][2]
     assert trainjob["spec"]["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
                                               "kind": "ClusterTrainingRuntime"}
@@ -189,7 +191,7 @@ def test_a_broken_trainjob_is_rejected():
 
 
 def test_validation_catches_a_wrong_field():
-    docs, _ = export.k8s_manifests(inv("nvidia"), SPEC)
+    docs, _ = manifests.k8s_manifests(inv("nvidia"), SPEC)
     job = docs["pytorchjob.yaml"][2]
     job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"] = 8
     with pytest.raises(Exception, match="gpus"):
@@ -202,7 +204,7 @@ def test_validation_catches_a_wrong_field():
 
 
 def test_nvidia_manifests_carry_gpus_shm_capabilities_and_secret_references():
-    docs, warnings = export.k8s_manifests(inv("nvidia"), SPEC)
+    docs, warnings = manifests.k8s_manifests(inv("nvidia"), SPEC)
     pod = docs["indexed-job.yaml"][3]["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
@@ -211,7 +213,7 @@ def test_nvidia_manifests_carry_gpus_shm_capabilities_and_secret_references():
     assert {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "fabtrain-secrets",
                                                                      "key": "WANDB_API_KEY"}}} in c["env"]
     assert "infiniband" in warnings[0]
-    amd = export.k8s_manifests(inv("amd"), SPEC)[0]["pytorchjob.yaml"][2]
+    amd = manifests.k8s_manifests(inv("amd"), SPEC)[0]["pytorchjob.yaml"][2]
     amd_c = amd["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert amd_c["resources"] == {"limits": {"amd.com/gpu": "4"}}
     assert amd_c["securityContext"] == {"seccompProfile": {"type": "Unconfined"}}
@@ -260,7 +262,7 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     i = hostile_inventory(tmp_path)
     spec = jobspec.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"),
                         code_key="k1")
-    text, _ = export.slurm_script(i, spec)
+    text, _ = sbatch.slurm_script(i, spec)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in STUBS.items():
@@ -326,15 +328,15 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
 def test_a_fractional_stop_grace_is_a_whole_number_of_seconds_for_docker(tmp_path):
     i = hostile_inventory(tmp_path)
     i = dataclasses.replace(i, job=dataclasses.replace(i.job, stop_grace=2.5))
-    text, _ = export.slurm_script(i, jobspec.JobSpec(job_id="j1", script="trainers/gpt.py", code_key="k1"))
+    text, _ = sbatch.slurm_script(i, jobspec.JobSpec(job_id="j1", script="trainers/gpt.py", code_key="k1"))
     assert "docker stop --time 3 " in text and "--time 2.5" not in text
 
 
 def test_k8s_hostile_values_stay_data(tmp_path):
     i = hostile_inventory(tmp_path)
     spec = jobspec.JobSpec(job_id="J_1.x", script="trainers/gpt.py", args=(HOSTILE,))
-    docs, _ = export.k8s_manifests(i, spec)
-    text = export.k8s_text(i, spec, "indexed-job.yaml", docs["indexed-job.yaml"])
+    docs, _ = manifests.k8s_manifests(i, spec)
+    text = manifests.k8s_text(i, spec, "indexed-job.yaml", docs["indexed-job.yaml"])
     job = list(yaml.safe_load_all(text))[3]
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == ["trainers/gpt.py", HOSTILE]
@@ -346,21 +348,21 @@ def test_k8s_hostile_values_stay_data(tmp_path):
 
 def test_bad_input_is_refused_clearly():
     with pytest.raises(UserError, match="--partition"):
-        export.slurm_script(inv("cpu"), SPEC, partition="gpu\n#SBATCH --uid=0")
+        sbatch.slurm_script(inv("cpu"), SPEC, partition="gpu\n#SBATCH --uid=0")
     odd = parse(
         INVENTORIES["cpu"].replace("interface: eth0}\n", "interface: eth0, mounts: ['/a,b:/data']}\n", 1),
         Path("inv.yaml"),
     )
     with pytest.raises(UserError, match="container-mounts"):
-        export.slurm_script(odd, SPEC, pyxis=True)
-    text, warnings = export.slurm_script(odd, SPEC)
+        sbatch.slurm_script(odd, SPEC, pyxis=True)
+    text, warnings = sbatch.slurm_script(odd, SPEC)
     assert warnings == ["node2: mounts differs from node1's; the export gives every node node1's"]
 
 
 def test_enroot_image_names():
-    assert export.enroot_image("nvcr.io/nvidia/pytorch:24.01-py3") == "nvcr.io#nvidia/pytorch:24.01-py3"
-    assert export.enroot_image("localhost:5000/x") == "localhost:5000#x"
-    assert export.enroot_image("rocm/pytorch:latest") == "rocm/pytorch:latest"
+    assert sbatch.enroot_image("nvcr.io/nvidia/pytorch:24.01-py3") == "nvcr.io#nvidia/pytorch:24.01-py3"
+    assert sbatch.enroot_image("localhost:5000/x") == "localhost:5000#x"
+    assert sbatch.enroot_image("rocm/pytorch:latest") == "rocm/pytorch:latest"
 
 
 def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
@@ -377,17 +379,17 @@ def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
     assert started[:at] + started[at + 2:] == argv
     assert argv[argv.index("--entrypoint") + 1: argv.index(n.image)] == ["python3"]
     assert argv[argv.index(n.image):] == [n.image, jobspec.ENTRYPOINT_PATH, *n.command]
-    container = export._container(n, [])
+    container = manifests._container(n, [])
     assert container["command"] == ["python3", jobspec.ENTRYPOINT_PATH] and container["args"] == list(n.command)
     assert n.seccomp_unconfined and container["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
     more = dataclasses.replace(n, cap_add=(*n.cap_add, "SYS_PTRACE"), security_opt=("apparmor=unconfined",))
     docker = dockerargs.docker_options(more)
     assert docker[docker.index("SYS_PTRACE") - 1] == "--cap-add" and "seccomp=unconfined" not in docker
-    k8s = export._container(more, [])
+    k8s = manifests._container(more, [])
     assert k8s["securityContext"]["capabilities"]["add"][-1] == "SYS_PTRACE"
     assert "seccompProfile" not in k8s["securityContext"]
     # The sbatch script's docker run is the same options, the Slurm task filling in name and rank.
-    script, _ = export.slurm_script(inv, SPEC)
+    script, _ = sbatch.slurm_script(inv, SPEC)
     for flag, value in zip(docker[::2], docker[1::2], strict=True):
         if flag in ("--ulimit", "--cap-add", "--security-opt", "--shm-size", "--device", "--group-add") \
                 and value != "SYS_PTRACE" and value != "apparmor=unconfined":

@@ -146,7 +146,7 @@ def test_a_host_sink_keeps_a_huge_line_cut_in_the_file_and_the_terminal(tmp_path
 
 
 def test_slurm_node_names_that_are_not_plain_names_never_name_a_file(tmp_path):
-    from orchestrator.backends.slurm import slurm
+    from orchestrator.backends.slurm import commands as slurm
     assert slurm.node_name("gpu-a17", 0) == "gpu-a17"
     assert [slurm.node_name(n, i) for i, n in enumerate(["../../x", "/etc/y", "a\x1bb", ".."])] == \
         ["node0", "node1", "node2", "node3"]
@@ -216,7 +216,7 @@ def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
 
 
 def test_the_slurm_demultiplexer_holds_a_line_with_no_end_cut(tmp_path):
-    from orchestrator.backends.slurm import slurm
+    from orchestrator.backends.slurm import follow as slurm
     mux = Multiplexer(tmp_path, out=io.BytesIO(), colour=False)
     demux = slurm.Demux(mux, lambda restart: ["gpu1"])
     tracemalloc.start()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.slurm import slurm
+from orchestrator.backends.slurm import commands, follow, slurm
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
@@ -77,35 +77,35 @@ def test_slurm_section_mistakes_name_the_line_and_field(tmp_path, section, expec
 
 def test_commands_on_the_login_node_are_quoted_once(tmp_path):
     s = inv(tmp_path, "  login: l1\n  workdir: /home/a b/jobs\n").slurm
-    assert slurm.submit_command(s, "gpt-1") == "cd '/home/a b/jobs' && sbatch --parsable gpt-1.sbatch"
+    assert commands.submit_command(s, "gpt-1") == "cd '/home/a b/jobs' && sbatch --parsable gpt-1.sbatch"
     assert (
-        slurm.submit_command(s, "gpt-1", secrets=True)
+        commands.submit_command(s, "gpt-1", secrets=True)
         == "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable "
            "gpt-1.sbatch"
     )
-    assert slurm.follow_command(slurm.out_file(s, "gpt-1", "42")) == (
+    assert commands.follow_command(commands.out_file(s, "gpt-1", "42")) == (
         "while [ ! -e '/home/a b/jobs/gpt-1-42.out' ]; do sleep 0.2; done; "
         "exec tail -n +1 -s 0.2 -F '/home/a b/jobs/gpt-1-42.out'")
-    assert slurm.show_command("42") == "scontrol show job --oneliner 42"
-    assert slurm.sacct_command("42") == (
+    assert commands.show_command("42") == "scontrol show job --oneliner 42"
+    assert commands.sacct_command("42") == (
         "sacct --allocations --noheader --parsable2 --format JobID,State,ExitCode --jobs 42 2>/dev/null || "
         "sacct --completion --noheader --parsable2 --format JobID,State,ExitCode --jobs 42")
-    assert slurm.squeue_command() == "squeue --me --noheader --format '%i|%j|%T|%N|%S|%k|%u|%r'"
+    assert commands.squeue_command() == "squeue --me --noheader --format '%i|%j|%T|%N|%S|%k|%u|%r'"
 
 
 def test_what_slurm_prints_is_read_right():
-    shown = slurm.parse_show("JobId=42 JobName=gpt-1 UserId=root(0) JobState=PENDING Reason=BeginTime "
+    shown = commands.parse_show("JobId=42 JobName=gpt-1 UserId=root(0) JobState=PENDING Reason=BeginTime "
                              "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 NodeList=(null) Comment=fabtrain")
     assert (shown["JobState"], shown["Reason"], shown["Restarts"], shown["NodeList"]) == \
         ("PENDING", "BeginTime", "1", "(null)")
     # sacct --completion keeps a record per end of a requeued job; the last one is the job's end.
     text = "42|NODE_FAIL|0:0\n42|COMPLETED|0:0\n43|FAILED|1:0\n"
-    assert slurm.parse_sacct(text, "42") == ("COMPLETED", "0:0")
-    assert slurm.parse_sacct("42|CANCELLED by 0|0:15\n", "42") == ("CANCELLED", "0:15")
-    assert slurm.parse_sacct("", "42") is None
-    assert [slurm.exit_code(*a) for a in (("COMPLETED", "0:0"), ("FAILED", "3:0"), ("CANCELLED", "0:15"),
+    assert commands.parse_sacct(text, "42") == ("COMPLETED", "0:0")
+    assert commands.parse_sacct("42|CANCELLED by 0|0:15\n", "42") == ("CANCELLED", "0:15")
+    assert commands.parse_sacct("", "42") is None
+    assert [commands.exit_code(*a) for a in (("COMPLETED", "0:0"), ("FAILED", "3:0"), ("CANCELLED", "0:15"),
                                           ("TIMEOUT", "0:0"), ("NODE_FAIL", "0:0"))] == [0, 3, 143, 1, 1]
-    rows = slurm.parse_squeue("42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
+    rows = commands.parse_squeue("42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
                               "43|other|RUNNING|node3|2026-11-23T21:00:00|(null)|alice|None\n")
     assert rows == [{"slurm_id": "42", "job": "gpt-1", "state": "RUNNING", "nodes": "node[1-2]",
                      "start": "2026-11-23T21:00:00", "who": "alice", "reason": "None"}]
@@ -116,7 +116,7 @@ def test_each_nodes_lines_go_to_its_log_with_the_ssh_jobs_prefix(tmp_path):
     with out.open("wb") as f:
         mux = Multiplexer(tmp_path / "run", out=f, colour=False)
         allocations = {0: ["node1", "node2"], 1: ["node1", "node3"]}
-        d = slurm.Demux(mux, lambda restart: allocations[restart])
+        d = follow.Demux(mux, lambda restart: allocations[restart])
         stream = (b"[fabtrain] job gpt-1: slurm job 42 (restart 0), 2 node(s), master 10.0.0.1\n"
                   b"0: [node1 rank0] step 1\n1: [node2 ra" b"nk2] step 1\n"
                   b"slurmstepd: error: *** JOB 42 ON node1 CANCELLED ***\n"
@@ -183,7 +183,7 @@ def test_dry_run_is_what_is_submitted_and_secrets_travel_on_stdin(tmp_path):
         f"API_TOKEN={SECRET}\n".encode(),
     )
     assert listed[4] == "write /jobs/.secrets/gpt-1.env (mode 600: API_TOKEN)"
-    assert steps[5] == listed[5] == slurm.submit_command(i.slurm, "gpt-1", secrets=True)
+    assert steps[5] == listed[5] == commands.submit_command(i.slurm, "gpt-1", secrets=True)
     assert len(steps) == 6
     assert "#SBATCH --partition=gpu" in script and "--comment=fabtrain" in script
     assert all(SECRET not in c[1] for c in rec.calls) and SECRET not in text + script
@@ -253,14 +253,14 @@ class FakeJob:
         return ["node1", "node2"]
 
     def end(self, shown):
-        return slurm.End(shown.get("JobState", "UNKNOWN"), shown.get("ExitCode", "0:0"), self.slurm_id)
+        return commands.End(shown.get("JobState", "UNKNOWN"), shown.get("ExitCode", "0:0"), self.slurm_id)
 
     def cancel(self):
         pass
 
 
 def test_a_login_node_that_stops_answering_is_named_and_following_ends(tmp_path, monkeypatch):
-    monkeypatch.setattr(slurm, "POLL", 0)
+    monkeypatch.setattr(follow, "POLL", 0)
     s = inv(tmp_path, "  login: l1\n").slurm
     job = FakeJob(
         s,
@@ -272,7 +272,7 @@ def test_a_login_node_that_stops_answering_is_named_and_following_ends(tmp_path,
         + [UserError("l1 (alice@l1:22): no route")] * 3,
     )
     with pytest.raises(UserError) as e:
-        slurm.Follower(job, tmp_path / "run", echo=False).run()
+        follow.Follower(job, tmp_path / "run", echo=False).run()
     assert str(e.value).startswith(
         "the job's state could not be read 3 times in a row: l1 (alice@l1:22): no route; "
         "the job may still run: 'fab status' or 'fab logs --job gpt-1' once l1 answers"
@@ -280,12 +280,12 @@ def test_a_login_node_that_stops_answering_is_named_and_following_ends(tmp_path,
     # One failed read between good ones is not enough; the job ending is followed to its end.
     job = FakeJob(s, [{"JobState": "PENDING", "Reason": "Priority"}, OSError("x"),
                       {"JobState": "COMPLETED", "ExitCode": "0:0"}])
-    assert slurm.Follower(job, tmp_path / "run2", echo=False).run().exit_code == 0
+    assert follow.Follower(job, tmp_path / "run2", echo=False).run().exit_code == 0
 
 
 def test_a_running_job_whose_output_file_the_login_node_cannot_see_is_explained(tmp_path, monkeypatch):
-    monkeypatch.setattr(slurm, "POLL", 0)
-    monkeypatch.setattr(slurm, "UNSEEN_AFTER", 0)
+    monkeypatch.setattr(follow, "POLL", 0)
+    monkeypatch.setattr(follow, "UNSEEN_AFTER", 0)
     s = inv(tmp_path, "  login: l1\n").slurm
     job = FakeJob(
         s,
@@ -294,7 +294,7 @@ def test_a_running_job_whose_output_file_the_login_node_cannot_see_is_explained(
     )
     out = tmp_path / "terminal"
     with out.open("wb") as f:
-        follower = slurm.Follower(job, tmp_path / "run", echo=True)
+        follower = follow.Follower(job, tmp_path / "run", echo=True)
         follower.mux.out, follower.mux.colour = f, False
         assert follower.run().exit_code == 1
     text = out.read_text()
@@ -314,11 +314,11 @@ def test_the_live_view_follows_a_job_on_a_terminal(tmp_path, monkeypatch):
     import io
 
     from rich.console import Console
-    monkeypatch.setattr(slurm, "POLL", 0)
+    monkeypatch.setattr(follow, "POLL", 0)
     s = inv(tmp_path, "  login: l1\n").slurm
     job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node[1-2]"}] * 2 + [{"JobState": "COMPLETED"}])
     term = io.StringIO()
-    follower = slurm.Follower(
+    follower = follow.Follower(
         job, tmp_path / "run", console=Console(file=term, force_terminal=True, width=120), live=True
     )
     assert follower.live and follower.run().exit_code == 0
@@ -326,3 +326,66 @@ def test_the_live_view_follows_a_job_on_a_terminal(tmp_path, monkeypatch):
     follower.demux.on_attempt(0)  # the allocation's nodes become the board's hosts
     assert [h for h in follower.board.hosts] == ["node1", "node2"]
     assert "slurm job 42: RUNNING on node[1-2]" in term.getvalue()
+
+
+class Squeue(Recorder):
+    """The login node answering every command with `answer` (squeue's listing, or its failure)."""
+
+    def __init__(self, answer):
+        super().__init__()
+        self.answer = answer
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        super().run(host, command, timeout, stdin, what)
+        return self.answer
+
+
+SQUEUE = "squeue --me --noheader --format '%i|%j|%T|%N|%S|%k|%u|%r'"
+
+
+def test_resuming_a_job_slurm_still_has_is_refused_naming_it(tmp_path, monkeypatch):
+    i = inv(tmp_path, "  login: l1\n")
+    listing = ("42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
+               "43|gpt-2|PENDING||N/A|fabtrain|alice|Resources\n"
+               "44|gpt-1|PENDING||N/A|(null)|alice|None\n")  # not fabtrain's: another job of that name
+    session = Squeue(Result(listing, "", 0, 0.01))
+    with pytest.raises(UserError) as e:
+        slurm.refuse_if_running(session, i, "gpt-1", "--resume")
+    assert session.calls == [("l1", SQUEUE, None)]
+    assert str(e.value) == (
+        "--resume gpt-1: that job is still on Slurm (slurm job 42 RUNNING); it was left alone. Follow it "
+        "with 'fab logs --job gpt-1', or end it with 'fab stop --job gpt-1' (or wait for its end) and then "
+        "resume it"
+    )
+    assert e.value.exit_code == 2
+    # Pending (a requeued job is pending again) is still there too.
+    with pytest.raises(UserError, match=r"still on Slurm \(slurm job 43 PENDING\)"):
+        slurm.refuse_if_running(Squeue(Result(listing, "", 0, 0.01)), i, "gpt-2", "--resume")
+    # A job squeue no longer lists has ended: resuming it goes on.
+    slurm.refuse_if_running(Squeue(Result(listing, "", 0, 0.01)), i, "gpt-3", "--resume")
+    # Slurm not answering is said, never taken for "not running".
+    down = Squeue(Result("", "slurm_load_jobs error: Unable to contact slurm controller\n", 1, 0.01))
+    with pytest.raises(UserError) as e:
+        slurm.refuse_if_running(down, i, "gpt-1", "--resume")
+    assert down.calls == [("l1", SQUEUE, None)]
+    assert str(e.value) == (
+        "--resume gpt-1: cannot tell whether Slurm still runs that job: squeue on l1 failed: "
+        "slurm_load_jobs error: Unable to contact slurm controller; try again once l1 answers"
+    )
+    # The backend asks through a Session to the login node.
+    from orchestrator.backends.slurm import backend
+
+    class Opened:
+        def __init__(self, hosts):
+            assert [h.name for h in hosts] == ["l1"]
+
+        def __enter__(self):
+            return Squeue(Result(listing, "", 0, 0.01))
+
+        def __exit__(self, *a):
+            pass
+
+    monkeypatch.setattr(backend, "Session", Opened)
+    with pytest.raises(UserError, match=r"--resume gpt-1: that job is still on Slurm \(slurm job 42"):
+        backend.SlurmBackend().refuse_if_running(i, "gpt-1", "--resume")
+    backend.SlurmBackend().refuse_if_running(i, "gpt-3", "--resume")

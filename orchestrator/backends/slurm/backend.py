@@ -63,7 +63,9 @@ class SlurmBackend:
         return inv.slurm is not None
 
     def refuse_if_running(self, inv: Inventory, job_id: str, how: str) -> None:
-        """Not checked yet: resuming a job Slurm still runs submits a second one."""
+        """Asked of squeue on the login node: resuming a job Slurm still runs would submit a second one."""
+        with Session((slurm.cfg_of(inv).login,)) as session:
+            slurm.refuse_if_running(session, inv, job_id, how)
 
     def dry_run(self, launch: Launch) -> str:
         return slurm.dry_run(launch.inv, launch.spec)

@@ -1,0 +1,2 @@
+"""The Kubernetes backend, render only: the job as manifests to hand to kubectl; fabtrain runs
+nothing there."""
