@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.ssh import attempt, job, jobs
+from orchestrator.backends.ssh import attempt, job, jobs, state
 from orchestrator.commands import dockerargs, ports, sshargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
@@ -112,7 +112,7 @@ def new_job(tmp_path, rec, **kw):
 
 
 def expected(a: attempt.AttemptPlan) -> list[tuple[str, str, str]]:
-    return [(s.host or s.where, s.where, s.command) for s in a.steps if s.when == attempt.ALWAYS]
+    return [(s.host or s.where, s.where, s.command) for s in a.steps if s.when == attempt.When.ALWAYS]
 
 
 def per_peer(calls, names):
@@ -166,16 +166,16 @@ def test_plan_lists_conditional_steps_under_their_condition(tmp_path, monkeypatc
     )
     text = a.plan(dry=True).render()
     for when in (
-        attempt.ON_FAILURE,
-        attempt.ON_INTERRUPT,
-        attempt.ON_HANG,
-        attempt.ON_MISSED,
-        attempt.ON_FAILED,
+        attempt.When.ON_FAILURE.value,
+        attempt.When.ON_INTERRUPT.value,
+        attempt.When.ON_HANG.value,
+        attempt.When.ON_MISSED.value,
+        attempt.When.ON_FAILED.value,
     ):
         assert f"## {when}:" in text
     assert (
         text.index("## claim")
-        < text.index("## sync + preflight")
+        < text.index("## sync+preflight")
         < text.index("## start")
         < text.index("## watch")
     )
@@ -323,7 +323,7 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
     try:
         job.run(j)
         raise AssertionError("the job ran")
-    except job.Refused as exc:
+    except state.Refused as exc:
         text = str(exc)
     assert text.startswith(
         "node2: slots 0 were claimed meanwhile by bob-20261123-101500-ab12 (started by bob@ws2 at "

@@ -9,11 +9,13 @@ the hosts first, read-only, and shown in the rendering with the commands that re
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.backends.ssh.snapshots import CHECKSUM_TIMEOUT, layout, local_dir_name
+from orchestrator.backends.ssh.snapshotchecks import CHECKSUM_TIMEOUT
 from orchestrator.commands import dockerargs, hostfiles, node, sshargs
+from orchestrator.commands.snapshotcmds import layout, local_dir_name
 from orchestrator.config import resources
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
@@ -23,17 +25,37 @@ from orchestrator.hosts import claims
 from orchestrator.transport.deadlines import COPY_TIMEOUT, START_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import put_command
 
-# When a step runs; ALWAYS steps run in every attempt that gets that far, in order.
-ALWAYS = ""
-ON_FAILURE = "when a node fails or a host is lost: the other hosts"
-ON_INTERRUPT = "on Ctrl+C, SIGTERM or fab stop: every host"
-ON_MISSED = "when the follow missed output (OFFSET: the bytes it received + 1)"
-ON_SILENT = "when a node shows no progress for a while: its heartbeat file's age"
-ON_HANG = ("when the hang watchdog fires: every rank's stacks and flight recorder (the stacks also every "
-           "hang timeout / 5, to see whether the ranks move)")
-ON_SNAPSHOT = "every 0.5 s on rank 0's host, and when a new snapshot appears"
-ON_FAILED = "after a failed attempt, and between attempts: did fab stop end it? (every host used)"
-ON_LEASE = "every 5 s while fab train looks after the job: its hosts"
+
+class Stage(enum.StrEnum):
+    """A job's stages, in order; an attempt walks PLAN to DECIDE, the job ends with FINISH. The value
+    is the one spelling: in `stage` events, in the plan's headings and in the README."""
+
+    PLAN = "plan"                 # read the facts (GPU access, free port, newest snapshot); freeze the plan
+    CLAIM = "claim"               # the job's runtime directory on its hosts: `fab stop` finds it from here on
+    GATE = "sync+preflight"       # code synced and every check run, at once; nothing starts if one fails
+    SNAPSHOT = "snapshot"         # the newest snapshot placed on every host that lacks it
+    START = "start"               # the secrets file, then docker run, on every host at once
+    WATCH = "watch"               # output followed until every node ends; first failure stops the rest
+    TEARDOWN = "teardown"         # the attempt's containers removed
+    DECIDE = "decide"             # policy.decide: another attempt (which hosts), or the end
+    FINISH = "finish"             # outputs fetched, runtime files removed, the record closed
+
+
+class When(enum.Enum):
+    """When a step runs. ALWAYS steps run in every attempt that gets that far, in order; the others
+    when what their value says happens (the value is the plan's heading for them)."""
+
+    ALWAYS = ""
+    ON_LEASE = "every 5 s while fab train looks after the job: its hosts"
+    ON_SNAPSHOT = "every 0.5 s on rank 0's host, and when a new snapshot appears"
+    ON_SILENT = "when a node shows no progress for a while: its heartbeat file's age"
+    ON_HANG = ("when the hang watchdog fires: every rank's stacks and flight recorder (the stacks also every "
+               "hang timeout / 5, to see whether the ranks move)")
+    ON_MISSED = "when the follow missed output (OFFSET: the bytes it received + 1)"
+    ON_FAILURE = "when a node fails or a host is lost: the other hosts"
+    ON_INTERRUPT = "on Ctrl+C, SIGTERM or fab stop: every host"
+    ON_FAILED = "after a failed attempt, and between attempts: did fab stop end it? (every host used)"
+
 
 
 @dataclass(frozen=True)
@@ -44,7 +66,7 @@ class Step:
     key: str                         # what it is for: sync, secrets, start, follow, stop, ...
     command: str                     # the exact remote command, or the local argv quoted for reading
     timeout: float | None
-    when: str = ALWAYS
+    when: When = When.ALWAYS
     argv: tuple[str, ...] = ()       # a local step's argv, run as is
     stdin: bytes | None = field(default=None, repr=False, compare=False)
     stdin_note: str = ""             # what stdin holds, as rendered (secret values never shown)
@@ -98,7 +120,7 @@ class AttemptPlan:
     def step(self, where: str, key: str) -> Step:
         return next(s for s in self.steps if s.where == where and s.key == key)
 
-    def select(self, key: str, when: str = ALWAYS, where: str | None = None) -> list[Step]:
+    def select(self, key: str, when: When = When.ALWAYS, where: str | None = None) -> list[Step]:
         return [
             s for s in self.steps if s.key == key and s.when == when and (where is None or s.where == where)
         ]
@@ -128,57 +150,52 @@ class AttemptPlan:
             lines.append("# built from (read-only, on the hosts):")
             lines += [f"#   [{f.where}] {f.command}  -> {f.answer}" for f in self.facts]
         stage = None
-        for s in (s for s in self.steps if s.when == ALWAYS):
+        for s in (s for s in self.steps if s.when == When.ALWAYS):
             if STAGE_OF[s.key] != stage:
                 stage = STAGE_OF[s.key]
-                lines.append(f"## {stage}")
-                if stage == "sync + preflight":
+                lines.append(f"## {stage.value}{HEADING_NOTE.get(stage, '')}")
+                if stage is Stage.GATE:
                     lines.append("# preflight: read-only checks on every host at once (fab preflight), "
                                  "beside the sync")
             lines.append(s.render(ranks.get(s.where)))
-        for when in (
-            ON_LEASE,
-            ON_SNAPSHOT,
-            ON_SILENT,
-            ON_HANG,
-            ON_MISSED,
-            ON_FAILURE,
-            ON_INTERRUPT,
-            ON_FAILED,
-        ):
-            steps = [s for s in self.steps if s.when == when]
+        for when in When:
+            steps = [s for s in self.steps if s.when == when and when is not When.ALWAYS]
             if steps:
-                lines.append(f"## {when}:")
+                lines.append(f"## {when.value}:")
                 lines += [s.render(ranks.get(s.where)) for s in steps]
         return "\n".join(lines)
 
 
-# The stage each unconditional step belongs to, in the order they run.
+# The stage each step belongs to, in the order they run.
 STAGE_OF = {
-    "claim": "claim (fab stop finds the job from here on)",
-    "sync": "sync + preflight",
-    "place": "snapshot",
-    "place-check": "snapshot",
-    "place-rename": "snapshot",
-    "secrets": "start",
-    "start": "start",
-    "follow": "watch",
-    "finish": "watch",
-    "stopped": "decide",
-    "stop-check": "sync + preflight",
-    "stop": "teardown",
-    "fetch": "finish (at the job's end, on every host it used)",
-    "cleanup": "finish (at the job's end, on every host it used)",
-    "sweep": "finish (at the job's end, on every host it used)",
-    "snapshot-list": "watch",
-    "snapshot-fetch": "watch",
-    "progress": "watch",
-    "stacks": "watch",
-    "flight": "watch",
-    "remainder": "watch",
-    "stop-on-failure": "teardown",
-    "stop-on-interrupt": "teardown",
-    "lease": "watch",
+    "claim": Stage.CLAIM,
+    "sync": Stage.GATE,
+    "place": Stage.SNAPSHOT,
+    "place-check": Stage.SNAPSHOT,
+    "place-rename": Stage.SNAPSHOT,
+    "secrets": Stage.START,
+    "start": Stage.START,
+    "follow": Stage.WATCH,
+    "finish": Stage.WATCH,
+    "stopped": Stage.DECIDE,
+    "stop-check": Stage.GATE,
+    "stop": Stage.TEARDOWN,
+    "fetch": Stage.FINISH,
+    "cleanup": Stage.FINISH,
+    "sweep": Stage.FINISH,
+    "snapshot-list": Stage.WATCH,
+    "snapshot-fetch": Stage.WATCH,
+    "progress": Stage.WATCH,
+    "stacks": Stage.WATCH,
+    "flight": Stage.WATCH,
+    "remainder": Stage.WATCH,
+    "stop-on-failure": Stage.TEARDOWN,
+    "stop-on-interrupt": Stage.TEARDOWN,
+    "lease": Stage.WATCH,
+}
+HEADING_NOTE = {  # what the plan's heading adds to a stage's name
+    Stage.CLAIM: " (fab stop finds the job from here on)",
+    Stage.FINISH: " (at the job's end, on every host it used)",
 }
 
 
@@ -199,13 +216,13 @@ def secrets_body(inv: Inventory) -> bytes:
     return "".join(body).encode()
 
 
-def local_step(host: Host, key: str, argv: list[str], when: str = ALWAYS, what: str = "") -> Step:
+def local_step(host: Host, key: str, argv: list[str], when: When = When.ALWAYS, what: str = "") -> Step:
     return Step(
         LOCAL, key, sshargs.shell(argv), COPY_TIMEOUT, when, tuple(argv), what=what or key, host=host.name
     )
 
 
-def remote_step(host: Host, key: str, command: str, timeout: float | None, when: str = ALWAYS,
+def remote_step(host: Host, key: str, command: str, timeout: float | None, when: When = When.ALWAYS,
                 what: str = "", stdin: bytes | None = None, stdin_note: str = "") -> Step:
     return Step(host.name, key, command, timeout, when, stdin=stdin, stdin_note=stdin_note, what=what or key)
 
@@ -236,24 +253,38 @@ def build(
     the teardown ends only the generation; the containers go at the job's end (sweep) or on
     Ctrl+C and fab stop. A warm job's restarts launch their workers without torchrun, on every
     node alike, warm or cold (node.start_script: direct)."""
-    access, claim = access or {}, units is not None
-    direct = warm and number > 1
-    units = units or {}
-    job = replace(inv.job, master_port=port)
-    inv = replace(inv, job=job)
+    inv = replace(inv, job=replace(inv.job, master_port=port))
     spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
                                                 ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))))
-    hosts = inv.hosts
-    # One host at a time, in claims.order: of two jobs claiming overlapping hosts at once, exactly one
-    # gets them (claims.py). A claim waits up to claims.LOCK_WAIT for the host's lock.
+    run_dir = run_dir or f"runs/{spec.job_id}"
     steps = [
+        *claim_steps(inv, spec, units, first, ticket),
+        *gate_steps(inv, spec, sync),
+        *snapshot_steps(inv, spec, snapshot, snapshot_missing, run_dir),
+        *start_steps(inv, spec, access or {}, units or {}, warm, direct=warm and number > 1),
+        *watch_steps(inv, spec, warm),
+        *teardown_steps(inv, spec, warm),
+        *end_steps(inv, spec, inv.hosts, run_dir),
+        *conditional_steps(inv, spec, run_dir, warm),
+    ]
+    return AttemptPlan(spec.job_id, number, inv.hosts, port, snapshot, spec, inv, facts, tuple(steps),
+                       inv.job.stop_grace, units or {}, warm)
+
+
+def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[int, ...]] | None,
+                first: bool, ticket: str | None) -> list[Step]:
+    """CLAIM, one host at a time, in claims.order: of two jobs claiming overlapping hosts at once,
+    exactly one gets them (claims.py). A claim waits up to claims.LOCK_WAIT for the host's lock.
+    `units` None: a short job of fabtrain's own that claims no GPUs (slots)."""
+    port = inv.job.master_port
+    return [
         remote_step(
             h,
             "claim",
             claims.claim_script(
                 inv,
                 spec.job_id,
-                units.get(h.name, ()) if claim else None,
+                units.get(h.name, ()) if units is not None else None,
                 spec.owner,
                 first,
                 port if h.rank == 0 else None,
@@ -262,8 +293,14 @@ def build(
             STATUS_TIMEOUT + claims.LOCK_WAIT,
             what="claiming GPUs/slots and the runtime directory",
         )
-        for h in claims.order(hosts)
+        for h in claims.order(inv.hosts)
     ]
+
+
+def gate_steps(inv: Inventory, spec: jobspec.JobSpec, sync: bool) -> list[Step]:
+    """GATE: the code synced to every host (beside the preflight, which reads only), then a look
+    for `fab stop`'s marker: a stop during the preflight ends the job before anything starts."""
+    steps = []
     if sync:
         steps += [
             local_step(
@@ -272,26 +309,40 @@ def build(
                 sshargs.rsync_argv(h, spec.code, hostfiles.code_path(inv, spec), spec.code_only),
                 what="syncing the code",
             )
-            for h in hosts
+            for h in inv.hosts
         ]
-    # After the gate: `fab stop` during the preflight ends the job before anything starts.
-    steps += [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
-                          what="checking for fab stop") for h in hosts]
-    run_dir = run_dir or f"runs/{spec.job_id}"
+    return steps + [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
+                                what="checking for fab stop") for h in inv.hosts]
+
+
+def snapshot_steps(inv: Inventory, spec: jobspec.JobSpec, snapshot: str | None, missing: tuple[str, ...],
+                   run_dir: str) -> list[Step]:
+    """SNAPSHOT: runs/JOB's copy of `snapshot` onto each host in `missing`, checked by size and
+    SHA-256 there before the rename puts it in place (Snapshots.push runs exactly these)."""
+    if not snapshot:
+        return []
     shape = layout(spec)  # our snapshots, or the program's own checkpoints
     local = Path(run_dir) / local_dir_name(spec)
-    if snapshot:
-        for h in hosts:
-            if h.name in snapshot_missing:  # checked by size and SHA-256 before the rename (snapshots.py)
-                push, check, rename = shape.push_commands(h, inv, spec, snapshot, local)
-                steps += [
-                    local_step(h, "place", push, what="placing the snapshot"),
-                    remote_step(h, "place-check", check, CHECKSUM_TIMEOUT,
-                                what="checking the snapshot's copy"),
-                    remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy"),
-                ]
+    steps = []
+    for h in inv.hosts:
+        if h.name in missing:
+            push, check, rename = shape.push_commands(h, inv, spec, snapshot, local)
+            steps += [
+                local_step(h, "place", push, what="placing the snapshot"),
+                remote_step(h, "place-check", check, CHECKSUM_TIMEOUT, what="checking the snapshot's copy"),
+                remote_step(h, "place-rename", rename, STATUS_TIMEOUT, what="renaming the checked copy"),
+            ]
+    return steps
+
+
+def start_steps(inv: Inventory, spec: jobspec.JobSpec, access: dict[str, dockerargs.GpuAccess | None],
+                units: dict[str, tuple[int, ...]], warm: bool, direct: bool) -> list[Step]:
+    """START: the secrets file (from stdin, never on a command line), then the node's start script
+    (docker run, or the next generation of its warm container) with the entrypoint on stdin."""
+    job = inv.job
     secrets = secrets_body(inv) if job.secret_files else None
-    for h in hosts:
+    steps = []
+    for h in inv.hosts:
         if secrets is not None:
             steps.append(remote_step(h, "secrets", put_command(hostfiles.secrets_file(inv, spec), 0o600), 30,
                                      what="writing the secrets file", stdin=secrets,
@@ -309,7 +360,13 @@ def build(
                 stdin_note=resources.ENTRYPOINT_NAME,
             )
         )
-    for h in hosts:
+    return steps
+
+
+def watch_steps(inv: Inventory, spec: jobspec.JobSpec, warm: bool) -> list[Step]:
+    """WATCH: each node's output followed (streamed, no deadline of its own), then its exit read."""
+    steps = []
+    for h in inv.hosts:
         steps.append(remote_step(h, "follow", hostfiles.follow_logs_script(inv, spec, h.rank, warm), None,
                                  what="following the node's output"))
         steps.append(
@@ -321,91 +378,58 @@ def build(
                 what="reading the node's exit",
             )
         )
-    def stop(h: Host) -> str:
-        return (
-            node.end_generation_script(inv, spec, h.rank) if warm else dockerargs.stop_script(spec.job_id, 0)
-        )
+    return steps
 
-    stopping = "ending the generation (the container stays warm)" if warm else "removing containers"
-    steps += [remote_step(h, "stop", stop(h), STOP_MARGIN, what=stopping) for h in hosts]
-    steps += end_steps(inv, spec, hosts, run_dir)
-    # Conditional steps: which run depends on what happens.
-    steps += [
-        remote_step(
-            h,
-            "lease",
-            sshargs.shell(["touch", f"{hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}"]),
-            STATUS_TIMEOUT,
-            ON_LEASE,
-            what="touching the job's lease",
-        )
-        for h in hosts
-    ]
-    m = inv.master
-    steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT, ON_SNAPSHOT,
-                             what="listing snapshots"))
+
+def stop_command(inv: Inventory, spec: jobspec.JobSpec, h: Host, warm: bool) -> str:
+    """The teardown's command on a host: end the generation (warm), or remove the containers."""
+    return node.end_generation_script(inv, spec, h.rank) if warm else dockerargs.stop_script(spec.job_id, 0)
+
+
+def stopping(warm: bool) -> str:
+    return "ending the generation (the container stays warm)" if warm else "removing containers"
+
+
+def teardown_steps(inv: Inventory, spec: jobspec.JobSpec, warm: bool) -> list[Step]:
+    """TEARDOWN: every host's part of the attempt ended, whatever happened."""
+    return [remote_step(h, "stop", stop_command(inv, spec, h, warm), STOP_MARGIN, what=stopping(warm))
+            for h in inv.hosts]
+
+
+def conditional_steps(inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm: bool) -> list[Step]:
+    """The steps that run only when their When says so: which run depends on what happens."""
+    hosts, m, job = inv.hosts, inv.master, inv.job
+    shape = layout(spec)
+    local = Path(run_dir) / local_dir_name(spec)
+    lease = sshargs.shell(["touch", f"{hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}"])
+    steps = [remote_step(h, "lease", lease, STATUS_TIMEOUT, When.ON_LEASE, what="touching the job's lease")
+             for h in hosts]
+    steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT,
+                             When.ON_SNAPSHOT, what="listing snapshots"))
     some = "NAME" if not spec.checkpoint else "00000000000000000000"  # the name found, when it runs
     steps.append(local_step(m, "snapshot-fetch", sshargs.fetch_file_argv(m, shape.remote(inv, spec, some),
                                                                       str(shape.local(local, some))),
-                            ON_SNAPSHOT, what="copying a snapshot"))
-    for h in hosts:
-        steps.append(
-            remote_step(
-                h,
-                "progress",
-                hostfiles.progress_script(inv, spec, h.rank),
-                STATUS_TIMEOUT,
-                ON_SILENT,
-                what="reading the heartbeat",
-            )
-        )
+                            When.ON_SNAPSHOT, what="copying a snapshot"))
+    steps += [remote_step(h, "progress", hostfiles.progress_script(inv, spec, h.rank), STATUS_TIMEOUT,
+                          When.ON_SILENT, what="reading the heartbeat") for h in hosts]
     looks = (("stacks", dockerargs.STACKS_PY, "reading stacks"),
              ("flight", dockerargs.FLIGHT_PY, "reading the flight recorder"))
     for h in hosts:
         steps += [
-            remote_step(
-                h,
-                key,
-                sshargs.shell(dockerargs.python_in_node(spec, h.rank, code)),
-                STACKS_TIMEOUT,
-                ON_HANG,
-                what=what,
-            )
+            remote_step(h, key, sshargs.shell(dockerargs.python_in_node(spec, h.rank, code)), STACKS_TIMEOUT,
+                        When.ON_HANG, what=what)
             for key, code, what in looks
         ]
-    for h in hosts:
-        steps.append(remote_step(h, "remainder", hostfiles.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
-                                 STATUS_TIMEOUT + 20, ON_MISSED, what="reading the rest of the output"))
-    steps += [remote_step(h, "stopped", stopped_command(inv, spec.job_id), STATUS_TIMEOUT, ON_FAILED,
+    steps += [remote_step(h, "remainder", hostfiles.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
+                          STATUS_TIMEOUT + 20, When.ON_MISSED, what="reading the rest of the output")
+              for h in hosts]
+    steps += [remote_step(h, "stopped", stopped_command(inv, spec.job_id), STATUS_TIMEOUT, When.ON_FAILED,
                           what="checking for fab stop") for h in hosts]
-    for h in hosts:
-        steps.append(
-            remote_step(
-                h,
-                "stop-on-failure",
-                stop(h),
-                STOP_MARGIN,
-                ON_FAILURE,
-                what=stopping,
-            )
-        )
-    for h in hosts:
-        steps.append(remote_step(h, "stop-on-interrupt", dockerargs.stop_script(spec.job_id, job.stop_grace),
-                                 job.stop_grace + STOP_MARGIN, ON_INTERRUPT, what="stopping containers"))
-    return AttemptPlan(
-        spec.job_id,
-        number,
-        hosts,
-        port,
-        snapshot,
-        spec,
-        inv,
-        facts,
-        tuple(steps),
-        job.stop_grace,
-        units,
-        warm,
-    )
+    steps += [remote_step(h, "stop-on-failure", stop_command(inv, spec, h, warm), STOP_MARGIN,
+                          When.ON_FAILURE, what=stopping(warm)) for h in hosts]
+    return steps + [remote_step(h, "stop-on-interrupt", dockerargs.stop_script(spec.job_id, job.stop_grace),
+                                job.stop_grace + STOP_MARGIN, When.ON_INTERRUPT, what="stopping containers")
+                    for h in hosts]
 
 
 STACKS_TIMEOUT = 15

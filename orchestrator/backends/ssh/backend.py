@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished, Launch, Status, Stopped
 from orchestrator.backends.ssh import jobs
-from orchestrator.backends.ssh.job import Job, JobResult, PreflightFailed
+from orchestrator.backends.ssh.job import Job
 from orchestrator.backends.ssh.job import run as run_job
+from orchestrator.backends.ssh.state import JobResult, PreflightFailed
 from orchestrator.core import hostile
 from orchestrator.core.events import JsonLines, Reporter, Terminal
 from orchestrator.core.recovery import JobRecord

@@ -1,37 +1,48 @@
-"""The life of a job, in named stages (see `Stage` and `run`): one object owns it from the first
+"""The life of a job, in named stages (attempt.Stage, and `run`): one object owns it from the first
 plan to the last clean-up, and reports what happens as events (events.py); it never prints.
 
-Each attempt is a frozen plan (attempt.py) built from read-only facts about the hosts; the stages
-run that plan's steps, so `--dry-run` and runs/JOB/plan.txt show exactly what runs. After an
-attempt, policy.decide says whether another follows and on which hosts.
+Each attempt is a frozen plan (attempt.py) built from read-only facts about the hosts (facts.py);
+the stages run that plan's steps, so `--dry-run` and runs/JOB/plan.txt show exactly what runs. Each
+attempt's stages return its state as one frozen value (state.Attempted); what the job knows of its
+hosts (used, lost, stuck, warm) is the sum of those. After an attempt, policy.decide says whether
+another follows and on which hosts.
 """
 from __future__ import annotations
 
 import contextlib
-import enum
 import shutil
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator import preflight
 from orchestrator.backends.ssh import attempt as attempt_mod
-from orchestrator.backends.ssh import snapshots
-from orchestrator.backends.ssh.attempt import ALWAYS, ON_FAILURE, ON_INTERRUPT, AttemptPlan, Fact, Step
+from orchestrator.backends.ssh import facts, snapshots
+from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, Step, When
+from orchestrator.backends.ssh.queue import QUEUE_POLL, Place
+from orchestrator.backends.ssh.state import (
+    Again,
+    Attempted,
+    Ending,
+    Interrupted,
+    JobResult,
+    PreflightFailed,
+    Queued,
+    Refused,
+)
 from orchestrator.backends.ssh.watch import NodeEnd, Watched, watch
-from orchestrator.commands import dockerargs, hostfiles, ports, sshargs
+from orchestrator.commands import hostfiles
 from orchestrator.config import codetree
-from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claims
 from orchestrator.progress import notify
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Result, Session, describe
@@ -39,48 +50,10 @@ from orchestrator.transport.remote import PerHost, Result, Session, describe
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
 
-    from orchestrator.preflight.checks import Check
+    from orchestrator.config.inventory import Host, Inventory
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
-QUEUE_POLL = 5.0  # seconds between a queued job's tries (each renews its place: hostfiles.LEASE_STALE)
-
-
-class Stage(enum.StrEnum):
-    """A job's stages, in order; an attempt walks PLAN to DECIDE, the job ends with FINISH."""
-
-    PLAN = "plan"                 # read the facts (GPU access, free port, newest snapshot); freeze the plan
-    CLAIM = "claim"               # the job's runtime directory on its hosts: `fab stop` finds it from here on
-    GATE = "sync+preflight"       # code synced and every check run, at once; nothing starts if one fails
-    SNAPSHOT = "snapshot"         # the newest snapshot placed on every host that lacks it
-    START = "start"               # the secrets file, then docker run, on every host at once
-    WATCH = "watch"               # output followed until every node ends; first failure stops the rest
-    TEARDOWN = "teardown"         # the attempt's containers removed
-    DECIDE = "decide"             # policy.decide: another attempt (which hosts), or the end
-    FINISH = "finish"             # outputs fetched, runtime files removed, the record closed
-
-
-@dataclass
-class JobResult:
-    job_id: str
-    run_dir: Path
-    state: str = "running"        # finished, failed, stopped, interrupted
-    attempts: int = 0
-    reason: str = ""              # why the job ended (policy.decide), when it did not finish
-    watched: Watched | None = None  # the last attempt's
-    failures: list[str] = field(default_factory=list)  # every failed attempt, one line each
-    interrupted: int | None = None
-    lost: list[str] = field(default_factory=list)
-    stuck_engines: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "finished"
-
-
-class Interrupted(KeyboardInterrupt):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+REPLANS = 3      # plans made again in a row when other jobs claim the same units or port meanwhile
 
 
 def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
@@ -89,26 +62,12 @@ def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
     run: fab attach), from its WATCH."""
     try:
         with job.open():
+            ending = None
             try:
-                while True:
-                    if running is not None:
-                        attempt, outcome, running = running, job.take_over(running), None
-                    else:
-                        attempt = job.plan()
-                        try:
-                            outcome = job.run_attempt(attempt)
-                        except Contended:
-                            continue  # planned again with another port (Job.claim)
-                        except Queued as q:
-                            if job.wait_in_queue(q):
-                                continue  # planned again once its place came
-                            break
-                    decision = job.decide(attempt, outcome)
-                    if decision.roster is None or not job.next_attempt(decision):
-                        break
+                ending = job.attempts(running)
             finally:
                 job.leave_queue()
-                result = job.finish()
+                result = job.finish(ending)
     except Refused:
         if not job.resuming:  # a new job refused its hosts leaves nothing, here either
             shutil.rmtree(job.run_dir, ignore_errors=True)
@@ -116,8 +75,29 @@ def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
     return result
 
 
+def run_steps(session: Session, hosts: Iterable[Host], steps: list[Step]) -> PerHost:
+    """Run steps on their hosts at once (several on one host in order): host -> last Result or error."""
+    by_host: dict[str, list[Step]] = {}
+    for s in steps:
+        by_host.setdefault(s.host or s.where, []).append(s)
+    named = {h.name: h for h in hosts}
+
+    def one(h: Host) -> Result | None:
+        r = None
+        for s in by_host[h.name]:
+            r = (session.local(list(s.argv), s.deadline) if s.where == jobspec.LOCAL else
+                 session.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what))
+            if not r.ok:
+                raise UserError(
+                    f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
+                )
+        return r
+    return session.fan_out(one, tuple(named[n] for n in by_host))
+
+
 class Job:
-    """One job's state across its attempts, and one method per stage."""
+    """One job across its attempts: what it was asked (inventory, spec, policy, options), its record,
+    the attempts done (`history`) and the one under way (`current`), and one method per stage."""
 
     def __init__(
         self,
@@ -152,26 +132,40 @@ class Job:
         self.session = session
         self.checks, self.smoke = checks, smoke
         self.watch_options = watch_options or {}
-        self.roster = Roster(inv.hosts, inv.spares)
         self.target_nodes = int(dict(spec.env).get("FABTRAIN_TARGET_NODES", len(inv.hosts)))
-        self.used: dict[str, Host] = {}
-        self.lost: dict[str, Host] = {}
-        self.warm_ranks: dict[str, int] = {}  # host -> rank of its container waiting warm, after a watch
-        self.stuck: dict[str, Host] = {}
-        self.result = JobResult(spec.job_id, self.run_dir)
-        self.last: AttemptPlan | None = None
+        self.roster = Roster(inv.hosts, inv.spares)   # the next attempt's hosts (policy.decide's)
+        self.history: tuple[Attempted, ...] = ()      # the attempts done, each as its stages left it
+        self.current: AttemptPlan | None = None       # the attempt under way, from its claim to DECIDE
+        self.started = False  # a container of this job was started by this process
         self.snaps: snapshots.Snapshots | None = None
         self.leasing = threading.Event()
-        self.pause = 0.0
-        self.before: AttemptPlan | None = None  # the plan before the last one (Job.claim: planned again)
-        self.claimed_ports: set[int] = set()     # other jobs' master ports on this attempt's rank-0 host
-        self.replans = 0
         # fab train --queue: the job's place in its hosts' queues (claims.new_ticket), while it waits.
-        self.ticket = claims.new_ticket(spec.job_id) if queue else None
-        self.queued: tuple[Host, ...] = ()
-        self.queued_since = 0.0
-        self.position: int | None = None
-        self.started = False  # a container of this job was started by this process
+        self.place_in_queue = (
+            Place(inv, spec, claims.new_ticket(spec.job_id), self.note, self.emit) if queue else None
+        )
+
+    # ------------------------------------------------------------ what the attempts add up to
+
+    @property
+    def last(self) -> AttemptPlan | None:
+        """The attempt under way, or else the last one done (None before the first)."""
+        return self.current or (self.history[-1].plan if self.history else None)
+
+    @property
+    def used(self) -> dict[str, Host]:
+        """Every host an attempt of this job used (its outputs are fetched from them at the end)."""
+        plans = [d.plan for d in self.history] + ([self.current] if self.current else [])
+        return {h.name: h for a in plans for h in a.hosts}
+
+    @property
+    def lost(self) -> frozenset[str]:
+        """Hosts lost in an attempt: never asked again."""
+        return frozenset().union(*(d.lost for d in self.history))
+
+    @property
+    def stuck(self) -> frozenset[str]:
+        """Hosts whose Docker engine stopped answering: no teardown or sweep is tried there."""
+        return frozenset().union(*(d.stuck for d in self.history))
 
     # ------------------------------------------------------------ around the stages
 
@@ -237,34 +231,18 @@ class Job:
         """Touch the job's lease on its hosts every hostfiles.LEASE_EVERY s (hostops: left-over runtime
         directories are those whose lease went stale)."""
         while not self.leasing.wait(hostfiles.LEASE_EVERY):
-            a = self.last
+            a, lost = self.last, self.lost
             if a is not None:
-                self.run_steps(a, [s for s in a.steps if s.key == "lease" and s.where not in self.lost])
+                self.run_steps(a, [s for s in a.steps if s.key == "lease" and s.where not in lost])
 
     def answering(self, hosts: Iterable[Host]) -> tuple[Host, ...]:
-        return tuple(h for h in hosts if h.name not in self.lost)
+        lost = self.lost
+        return tuple(h for h in hosts if h.name not in lost)
 
     def run_steps(self, a: AttemptPlan, steps: list[Step]) -> PerHost:
-        """Run steps on their hosts at once (several on one host in order): host -> last Result or error."""
-        by_host: dict[str, list[Step]] = {}
-        for s in steps:
-            by_host.setdefault(s.host or s.where, []).append(s)
-        hosts = {h.name: h for h in (*a.hosts, *self.used.values())}
+        return run_steps(self.ssh, (*a.hosts, *self.used.values()), steps)
 
-        def one(h: Host) -> Result | None:
-            r = None
-            for s in by_host[h.name]:
-                r = (self.ssh.local(list(s.argv), s.deadline) if s.where == jobspec.LOCAL else
-                     self.ssh.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what))
-                if not r.ok:
-                    raise UserError(
-                        f"{h.name}: {s.what} failed (exit {r.exited}): "
-                        f"{hostile.text(r.stderr.strip()[-300:])}"
-                    )
-            return r
-        return self.ssh.fan_out(one, tuple(hosts[n] for n in by_host))
-
-    def stopped(self, hosts: tuple[Host, ...]) -> bool:
+    def stopped(self, hosts: Iterable[Host]) -> bool:
         """Whether `fab stop` left its marker on any of these hosts (never asking a lost one)."""
         command = attempt_mod.stopped_command(self.inv, self.spec.job_id)
         got = self.ssh.fan_out(
@@ -275,65 +253,87 @@ class Job:
         )
         return any(r.ok for r in got.values_ok())
 
+    def attempts(self, running: AttemptPlan | None) -> Ending | None:
+        """Attempt after attempt, as the policy decides; how the job ended (None: an error ended it
+        before its last attempt was judged). A claim that found its hosts taken meanwhile plans
+        again (up to REPLANS times in a row), or waits in the queue (--queue)."""
+        replans = 0
+        while True:
+            if running is not None:
+                tried: Attempted | Again = self.take_over(running)
+                running = None
+            else:
+                tried = self.run_attempt(self.plan(), may_replan=replans < REPLANS)
+            if isinstance(tried, Again):
+                if tried.queued is None:
+                    replans += 1
+                    continue
+                replans = 0
+                ended = self.wait_in_queue(tried.queued)
+                if ended is not None:
+                    return ended
+                continue
+            done, d = self.decide(tried)
+            self.history, self.current = (*self.history, done), None
+            if d.roster is None:
+                return Ending.of(done.outcome, d.reason)
+            self.roster = d.roster
+            ended = self.between_attempts(self.pause_after(d, done.plan.number))
+            if ended is not None:
+                return ended
+
     # ------------------------------------------------------------ the stages
 
     def plan(self, dry: bool = False) -> AttemptPlan:
-        """PLAN: the facts the attempt depends on, read-only, then the frozen plan."""
+        """PLAN: the facts the attempt depends on, read-only (facts.py), then the frozen plan."""
         number = len(self.record.attempts) + 1
         self.stage(Stage.PLAN, number)
-        self.before = self.last
         self.key_code()
         inv = replace(self.inv, hosts=self.roster.hosts)
-        facts: list[Fact] = []
-        access = {}
-        for h in inv.hosts:
-            probe = dockerargs.gpu_probe_argv(h)
-            if probe:
-                try:
-                    access[h.name] = preflight.gpu_access(self.ssh, h)
-                    facts.append(Fact(h.name, sshargs.shell(probe), str(access[h.name])))
-                except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
-                    facts.append(
-                        Fact(
-                            h.name,
-                            sshargs.shell(probe),
-                            f"no answer ({describe(h, exc)}); assumed NVIDIA's runtime hook",
-                        )
-                    )
-        units = self.choose_units(inv.hosts, facts, dry)
-        port = self.free_port(inv, facts)
-        snapshot: str | None = None
-        missing: tuple[str, ...] = ()
+        access, seen = facts.gpu_access(self.ssh, inv.hosts)
+        first = self.last is None
+        queue = self.place_in_queue is not None
+        units = facts.choose_units(
+            self.ssh, self.inv, self.spec, inv.hosts, refuse=first and not dry, queue=queue
+        )
+        taken = ({self.last.port} if self.last else set()) | units.claimed_ports
+        port, port_fact = facts.free_port(self.ssh, inv, taken)
+        seen += [*units.facts, port_fact]
+        newest = facts.Newest(None, (), ())
         if number > 1 or self.resuming:
-            snapshot, missing = self.find_snapshot(inv, facts, fetch=not dry)
-            if self.last is None:  # what a resumed job goes on from, said once
-                self.note(
-                    f"resuming from {self.open_snapshots().layout.describe(snapshot)}"
-                    if snapshot
-                    else f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job "
-                    f"{self.spec.job_id} found here or on its hosts: it starts from the beginning",
-                    "info" if snapshot else "warning",
-                )
-        warm_all = self.all_warm(inv.hosts)
-        a = attempt_mod.build(
+            asked = self.answering((*inv.hosts, *self.used.values()))
+            newest = facts.newest_snapshot(
+                self.ssh, self.open_snapshots(), inv, self.spec, asked, fetch=not dry
+            )
+            seen += newest.facts
+            if first:  # what a resumed job goes on from, said once
+                self.say_resumed_from(newest.name)
+        return attempt_mod.build(
             inv,
             self.spec,
             number,
             port,
-            snapshot,
-            missing,
+            newest.name,
+            newest.missing,
             access,
-            tuple(facts),
+            tuple(seen),
             keep=self.inv.job.keep_snapshots,
-            first=self.last is None,
+            first=first,
             run_dir=str(self.run_dir),
-            sync=not warm_all,
-            units=units,
-            ticket=None if self.started else self.ticket,
+            sync=not self.all_warm(inv.hosts),
+            units=units.units,
+            ticket=None if self.started or not self.place_in_queue else self.place_in_queue.ticket,
             warm=self.warm,
         )
-        self.last = a
-        return a
+
+    def say_resumed_from(self, snapshot: str | None) -> None:
+        self.note(
+            f"resuming from {self.open_snapshots().layout.describe(snapshot)}"
+            if snapshot
+            else f"no {'checkpoint' if self.spec.checkpoint else 'snapshot'} of job "
+            f"{self.spec.job_id} found here or on its hosts: it starts from the beginning",
+            "info" if snapshot else "warning",
+        )
 
     @property
     def warm(self) -> bool:
@@ -345,12 +345,12 @@ class Job:
         """Every host of the next attempt holds its rank's container waiting warm, as the last
         watch found it a moment ago: their code (its key unchanged) and checks are as they were,
         so the attempt syncs nothing and runs no preflight."""
-        return (
-            self.warm
-            and bool(hosts)
-            and self.last is not None
-            and self.last.spec.code_key == self.spec.code_key
-            and all(self.warm_ranks.get(h.name) == h.rank for h in hosts)
+        if not (self.warm and hosts and self.history):
+            return False
+        last = self.history[-1]
+        warm = last.warm_ranks
+        return last.plan.spec.code_key == self.spec.code_key and all(
+            warm.get(h.name) == h.rank for h in hosts
         )
 
     def key_code(self) -> None:
@@ -370,139 +370,55 @@ class Job:
             self.spec = replace(self.spec, code_key=key)
             self.record.spec["code_key"] = key
 
-    def choose_units(
-        self, hosts: tuple[Host, ...], facts: list[Fact], dry: bool
-    ) -> dict[str, tuple[int, ...]]:
-        """The GPUs (CPU slots) the attempt claims on each host: those asked for, or the first free
-        ones, from what other jobs hold there now (read-only; the claim stage makes it atomic). On
-        the first attempt a host that cannot give them refuses the job, naming the holder; at a
-        restart the claim of such a host fails and the policy takes another."""
-        found = hostops.survey(self.ssh, self.inv, (*hosts, *self.inv.spares))
-        want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
-        units, refusals, impossible = {}, [], []
-        master = found.value(hosts[0].name)
-        self.claimed_ports = (
-            {c.port for c in master.holders(but=self.spec.job_id) if c.port} if master else set()
-        )
-        for h in hosts:
-            hj = found.value(h.name)
-            cap = claims.capacity(h, hj.cpus if hj else 1)
-            holders = hj.holders(but=self.spec.job_id) if hj else []
-            asked = want.of(h, cap)
-            try:
-                units[h.name] = claims.choose(h, cap, holders, asked)
-                answer = f"takes {claims.kind(h)}s {claims.units_text(units[h.name])} of {cap}"
-            except UserError as exc:
-                refusals.append(str(exc))
-                units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))
-                answer = f"refused: {exc}"
-                if self.ticket and hj:
-                    try:  # what no wait can give (GPU 7 of 4) is refused in the queue too
-                        claims.choose(h, cap, [], asked)
-                    except UserError as never:
-                        impossible.append(str(never).split("; free there")[0])
-            held = "; ".join(c.describe(h) for c in holders) or "nothing"
-            if hj:
-                seen = f"held by other jobs: {held}; "
-            else:
-                error = found.error(h.name)
-                assert error is not None, "survey: a host without HostJobs raised"  # HostJobs is truthy
-                seen = f"no answer ({describe(h, error)}); "
-            facts.append(
-                Fact(h.name, "docker ps + ls .runtime + cat .claims (hostops.survey)", seen + answer)
-            )
-        if refusals and self.last is None and not dry and self.ticket is None:
-            raise Refused("\n".join(refusals))
-        if impossible and self.last is None and not dry:
-            raise Refused(
-                "\n".join(impossible) + "; no wait in the queue gives that: ask for what the hosts have"
-            )
-        return units
-
-    def free_port(self, inv: Inventory, facts: list[Fact]) -> int:
-        base = inv.job.master_port
-        taken = ({self.last.port} if self.last else set()) | self.claimed_ports
-        try:
-            r = self.ssh.run(inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT,
-                                 what="listing ports")
-            port = ports.free_port(r.stdout, base, taken) if r.ok else None
-            answer = f"{port} free" if port else f"no free port in {base}..{base + ports.PORT_RANGE - 1}"
-        except Exception as exc:  # noqa: BLE001 - preflight names the host; the plan says it was not checked
-            port, answer = None, f"no answer ({describe(inv.master, exc)}); not checked"
-        facts.append(Fact(inv.master.name, ports.port_command(), answer))
-        if port is None:
-            port = next(p for p in range(base, base + ports.PORT_RANGE) if p not in taken)
-        return port
-
-    def find_snapshot(
-        self, inv: Inventory, facts: list[Fact], fetch: bool
-    ) -> tuple[str | None, tuple[str, ...]]:
-        """The newest complete snapshot on this machine or any host answering (the attempt's and
-        every earlier one's), copied here; and the attempt's hosts that lack it."""
-        asked = {h.name: h for h in self.answering((*inv.hosts, *self.used.values()))}
-        snaps = self.open_snapshots()
-        warn = snaps.warn  # a name refused: told once, naming the host
-        found = self.ssh.fan_out(
-            lambda h: snapshots.remote_newest(self.ssh, h, inv, self.spec, warn=warn),
-            tuple(asked.values()),
-        )
-        for name in asked:
-            facts.append(Fact(name, snapshots.list_command(inv, self.spec), str(found.value(name) or "none")))
-        remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
-        if remote and fetch:
-            snaps.fetch(self.ssh, asked[remote[1]], remote[0])
-        local = snaps.local_newest()
-        best = local if fetch else max(filter(None, [local, remote[0] if remote else None]), default=None)
-        if best is None:
-            return None, ()
-        holders = tuple(h for h in inv.hosts if found.value(h.name) == best)
-        if fetch and holders:  # the same name is not the same bytes: each holder's copy is checked
-            digest = snapshots.local_digest(snaps.local_path(best))
-            dest = snaps.remote_path(best)
-            same = self.ssh.fan_out(lambda h: snaps.holds(self.ssh, h, dest, digest), holders)
-            holders = tuple(h for h in holders if same.value(h.name))
-            facts += [Fact(h.name, snapshots.checksum_command(dest), "same bytes" if same.value(h.name) else
-                           "different bytes: placed again") for h in inv.hosts if h.name in same]
-        return best, tuple(h.name for h in inv.hosts if h not in holders)
-
-    def run_attempt(self, a: AttemptPlan) -> Outcome:
-        """CLAIM, GATE, SNAPSHOT, START, WATCH, TEARDOWN: how the attempt ended."""
+    def run_attempt(self, a: AttemptPlan, may_replan: bool = True) -> Attempted | Again:
+        """CLAIM, GATE, SNAPSHOT, START, WATCH, TEARDOWN: the attempt as they left it, or Again when
+        its claim found the hosts taken meanwhile (then it is as if the attempt never was)."""
         self.record.attempts.append(Attempt(a.number, [h.name for h in a.hosts], time.time(),
                                             resumed_from=a.snapshot))
         self.record.state = "running"
         self.record.save(self.run_dir)
-        self.used.update({h.name: h for h in a.hosts})
-        return self.guarded(a, lambda: self.prepare(a) or self.start(a) or self.watch(a))
+        self.current = a
+        tried = self.guarded(a, lambda: self.prepare(a, may_replan) or self.start(a) or self.watch(a))
+        if isinstance(tried, Again):
+            self.record.attempts.pop()
+            self.record.save(self.run_dir)
+            self.current = None
+        return tried
 
-    def take_over(self, a: AttemptPlan) -> Outcome:
+    def take_over(self, a: AttemptPlan) -> Attempted:
         """WATCH and TEARDOWN of an attempt whose containers another process started (fab attach)."""
-        self.last = a
-        self.used.update({h.name: h for h in a.hosts})
+        self.current = a
+        self.started = True
         self.notifier.notices.started = True
         self.notifier.notices.hosts = [h.name for h in a.hosts]
         self.note(f"took over job {self.spec.job_id}: attempt {a.number} on "
                   f"{', '.join(f'{h.name} (rank {h.rank})' for h in a.hosts)}; following it "
                   "from the start of its output")
-        return self.guarded(a, lambda: self.watch(a))
+        done = self.guarded(a, lambda: self.watch(a))
+        assert isinstance(done, Attempted), "a watch is never planned again"
+        return done
 
-    def guarded(self, a: AttemptPlan, body: Callable[[], Outcome]) -> Outcome:
-        """The attempt's stages from `body`, then TEARDOWN whatever happened."""
+    def guarded(self, a: AttemptPlan, body: Callable[[], Attempted | Again]) -> Attempted | Again:
+        """The attempt's stages from `body`, then TEARDOWN whatever happened (not after an Again:
+        nothing of that attempt started)."""
+        done: Attempted | Again | None = None
         try:
-            outcome = body()
+            done = body()
         except KeyboardInterrupt as exc:  # Ctrl+C or SIGTERM outside the watch
-            outcome = Outcome(interrupted=getattr(exc, "signum", signal.SIGINT))
-            self.run_steps(
-                a, [s for s in a.steps if s.when == ON_INTERRUPT and s.where not in self.lost]
-            )
+            done = Attempted(a, Outcome(interrupted=getattr(exc, "signum", signal.SIGINT)))
+            lost = self.lost
+            self.run_steps(a, [s for s in a.steps if s.when is When.ON_INTERRUPT and s.where not in lost])
         finally:  # whatever happened, no container of the attempt is left (lost hosts aside)
-            self.stage(Stage.TEARDOWN, a.number)
-            self.run_steps(a, [s for s in a.select("stop") if s.where not in self.lost | self.stuck.keys()])
-        return outcome
+            if not isinstance(done, Again):
+                skip = self.lost | (done.lost | done.stuck if done else frozenset())
+                self.stage(Stage.TEARDOWN, a.number)
+                self.run_steps(a, [s for s in a.select("stop") if s.where not in skip])
+        return done
 
-    def prepare(self, a: AttemptPlan) -> Outcome | None:
-        """CLAIM, GATE and SNAPSHOT; an outcome when the attempt cannot start."""
+    def prepare(self, a: AttemptPlan, may_replan: bool) -> Attempted | Again | None:
+        """CLAIM, GATE and SNAPSHOT; the attempt's end when it cannot start (None: it goes on)."""
         self.stage(Stage.CLAIM, a.number)
-        refused = self.claim(a)
+        refused = self.claim(a, may_replan)
         if refused:
             return refused
         with (self.run_dir / "plan.txt").open(
@@ -514,19 +430,22 @@ class Job:
         self.stage(Stage.GATE, a.number)
         bad = self.gate(a)
         if bad:
-            return Outcome(tuple(HostFailure(n, Failure.PREFLIGHT, why) for n, why in bad.items()))
+            return Attempted(
+                a, Outcome(tuple(HostFailure(n, Failure.PREFLIGHT, why) for n, why in bad.items()))
+            )
         if self.stopped(a.hosts):
-            return Outcome(stopped=True)
+            return Attempted(a, Outcome(stopped=True))
         if a.snapshot:
             placed = self.place(a)
             if placed.errors():
                 return self.failed_to_start(a, placed)
         return None
 
-    def claim(self, a: AttemptPlan) -> Outcome | None:
+    def claim(self, a: AttemptPlan, may_replan: bool) -> Attempted | Again | None:
         """CLAIM: the attempt's hosts one at a time, in claims.order (the plan's order of the claim
         steps). A host whose units another job took meanwhile refuses: what this attempt claimed is
-        released, and the first attempt ends with the holder named; a later one fails that host."""
+        released; the attempt is planned again (Again), or waits in the queue, or, the first
+        attempt, ends the job naming the holder (Refused); a later one fails that host."""
         done: list[Host] = []
         for s in a.select("claim"):
             h = a.host(s.where)
@@ -543,41 +462,18 @@ class Job:
                 done.append(h)
                 continue
             self.release(done)
-            if r.exited in (claims.REFUSED, claims.QUEUED) and self.ticket and not self.started:
-                self.record.attempts.pop()  # as if this attempt never was: the job waits in line
-                self.record.save(self.run_dir)
-                self.used.clear()
-                self.last = self.before
-                raise Queued(h, held, claims.parse_queue_output(r.stdout)[0])
-            if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and self.replans < 3:
+            if r.exited in (claims.REFUSED, claims.QUEUED) and self.place_in_queue and not self.started:
+                return Again(Queued(h, tuple(held), tuple(claims.parse_queue_output(r.stdout)[0])))
+            if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and may_replan:
                 # Another job planned at the same moment took these units or this master port: plan
                 # the attempt again from the claims as they are now (other free units and port, or a
                 # refusal naming the holder), as if this one never was.
-                self.replans += 1
                 taken = "master port " + str(a.port) if r.exited == claims.PORT_TAKEN else "its units"
-                self.note(
-                    f"{h.name}: {taken} claimed meanwhile by another job; planning again",
-                    "warning",
-                )
-                self.record.attempts.pop()
-                self.record.save(self.run_dir)
-                if self.before is None:
-                    self.used.clear()
-                self.last = self.before
-                raise Contended()
-            ahead, _ = claims.parse_queue_output(r.stdout)
-            why = (
-                f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
-                f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
-                if r.exited == claims.REFUSED
-                else f"{h.name}: jobs queued before this one wait for it: "
-                f"{'; '.join(w.describe() for w in ahead)}; add --queue to wait in line behind them"
-                if r.exited == claims.QUEUED
-                else f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
-            )
+                self.note(f"{h.name}: {taken} claimed meanwhile by another job; planning again", "warning")
+                return Again()
+            why = claim_refusal(h, a, r, s.what, held)
             if a.number == 1 and not self.resuming:
-                for name in [x.name for x in a.hosts]:
-                    self.used.pop(name, None)  # nothing of this job is left on them to fetch or clean
+                self.current = None  # nothing of this job is left on its hosts to fetch or clean
                 raise Refused(
                     f"{why}; nothing was started. Wait for that job (--queue waits in line and starts "
                     "by itself), or choose other hosts or GPUs (--include/--exclude/--num-nodes/--gpus)"
@@ -585,65 +481,26 @@ class Job:
             return self.failed_to_start(a, PerHost({h.name: UserError(why)}))
         return None
 
-    def wait_in_queue(self, q: Queued) -> bool:
-        """fab train --queue, while the hosts are held: the job's place taken (or renewed) in the queue
-        of each of its hosts, its position said when it changes, then a pause; False when `fab stop`
-        ended it meanwhile. claims.queue_scan_script states the queue's rule."""
+    def wait_in_queue(self, q: Queued) -> Ending | None:
+        """fab train --queue, while the hosts are held: the job's place kept in the queue of each of
+        its hosts (queue.py), then a pause; the job's end when `fab stop` ended it meanwhile."""
+        place = self.place_in_queue
+        assert place is not None, "only a job with --queue waits in the queue"
         hosts = self.roster.hosts
-        ticket = self.ticket or ""
-        self.replans = 0
-        want = claims.want_of(self.spec, self.inv.job.nproc_per_node)
-
-        def enqueue(h: Host) -> Result:
-            asked = want.of(h, 0)
-            script = claims.enqueue_script(self.inv, self.spec.job_id, ticket, self.spec.owner,
-                                           asked if isinstance(asked, tuple) else ())
-            return self.ssh.run(
-                h, script, timeout=deadlines.STATUS_TIMEOUT, what="keeping its place in the queue"
-            )
-
-        got = self.ssh.fan_out(enqueue, hosts)
-        ahead: dict[str, list[claims.Waiting]] = {}
-        for name in got:
-            r = got.value(name)
-            if r is None:
-                continue
-            ahead[name], dropped = claims.parse_queue_output(r.stdout)
-            for w in dropped:
-                self.note(f"{name}: dropped {w.describe()} from the queue: its fab train (or controller) "
-                          f"has not kept its place for {hostfiles.LEASE_STALE:g}s", "warning")
-        if not self.queued:
-            self.queued, self.queued_since = hosts, time.time()
-        position = 1 + max((len(v) for v in ahead.values()), default=0)
-        if position != self.position:
-            self.position = position
-            waits = "; ".join(
-                f"{n}: behind {', '.join(w.job for w in v)}" for n, v in ahead.items() if v
-            ) or (f"{q.host.name}: held by {', '.join(c.job for c in q.held) or 'another job'}")
-            self.note(f"queued: position {position} ({waits}); it starts by itself when its hosts are free. "
-                      f"'fab status' shows the queue; 'fab stop --job {self.spec.job_id}' leaves it")
-            self.emit("queued", position=position, waits=waits)
+        place.keep(self.ssh, hosts, q)
         deadline = time.monotonic() + QUEUE_POLL
         while time.monotonic() < deadline:
             if self.stopped(hosts):
                 # Out of the queue, and fab stop's marker gone with it (no claim, no runtime files).
                 self.release(list(hosts), queue=True)
-                self.queued = ()
-                self.result.state = self.record.state = "stopped"
-                self.result.reason = "ended by 'fab stop' while it waited in the queue"
-                self.emit("decision", next=False, reason=self.result.reason, notes=[])
-                return False
+                place.forget()
+                return self.ended_by_stop("ended by 'fab stop' while it waited in the queue")
             time.sleep(min(STOP_POLL, max(0.0, deadline - time.monotonic())))
-        return True
+        return None
 
     def leave_queue(self) -> None:
-        """The job's places in its hosts' queues removed (it starts, or ended while it waited)."""
-        if self.queued:
-            hosts, self.queued = self.queued, ()
-            command = claims.dequeue_command(self.inv, self.spec.job_id)
-            self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
-                                                    what="leaving the queue"), hosts)
-            self.note(f"left the queue after {time.time() - self.queued_since:.0f}s")
+        if self.place_in_queue is not None and self.session is not None:
+            self.place_in_queue.leave(self.ssh)
 
     def release(self, hosts: list[Host], queue: bool = False) -> None:
         """Remove this job's claims and runtime directories (with `queue`, its places in their
@@ -651,19 +508,6 @@ class Job:
         command = claims.release_command(self.inv, [self.spec.job_id], queue=queue)
         self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
                                                 what="releasing the claim"), tuple(hosts))
-
-    def place(self, a: AttemptPlan) -> PerHost:
-        """SNAPSHOT: the plan's snapshot pushed to each host that lacks it, checked by size and
-        SHA-256 and renamed into place (the plan's place steps; up to 3 tries each)."""
-        snapshot = a.snapshot
-        if snapshot is None:
-            raise ValueError(f"attempt {a.number} places no snapshot")
-        self.stage(Stage.SNAPSHOT, a.number)
-        snaps = self.store
-        digest = snapshots.local_digest(snaps.local_path(snapshot))
-        targets = tuple(a.host(s.host) for s in a.select("place"))
-        with snaps.lock:  # the copier of the last attempt must not prune it meanwhile
-            return self.ssh.fan_out(lambda h: snaps.push(self.ssh, h, snapshot, digest), targets)
 
     def gate(self, a: AttemptPlan) -> dict[str, str]:
         """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
@@ -680,19 +524,16 @@ class Job:
             synced = syncing.result()
         here = [c for c in preflight.failed(checks) if c.host == jobspec.LOCAL]
         if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
-            raise PreflightFailed(
-                checks,
-                [],
-                f"preflight failed on this machine ({here[0].check}); nothing was "
-                "started. Fix the checks above, then run the command again",
-            )
+            raise PreflightFailed(checks, [], f"preflight failed on this machine ({here[0].check}); nothing "
+                                  "was started. Fix the checks above, then run the command again")
         bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != jobspec.LOCAL}
         bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
         if bad and a.number == 1 and not self.resuming:
             raise PreflightFailed(checks, sorted(bad, key=[h.name for h in a.hosts].index))
         if not bad and self.smoke and a.number == 1:
-            smoke = preflight.smoke_test(self.ssh, a.inv, a.spec.image, checks, run_quiet,
-                                         within=a.spec.job_id)
+            smoke = preflight.smoke_test(
+                self.ssh, a.inv, a.spec.image, checks, run_quiet, within=a.spec.job_id
+            )
             if preflight.failed(smoke):
                 raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
         if not bad:
@@ -700,32 +541,56 @@ class Job:
             self.note(f"synced code to {len(syncs)} host(s) in {seconds:.1f}s; preflight ok")
         return bad
 
-    def start(self, a: AttemptPlan) -> Outcome | None:
+    def place(self, a: AttemptPlan) -> PerHost:
+        """SNAPSHOT: the plan's place steps, per host that lacks the snapshot: its copy pushed, checked
+        by size and SHA-256 and renamed into place (Snapshots.push; up to 3 tries each)."""
+        snapshot = a.snapshot
+        if snapshot is None:
+            raise ValueError(f"attempt {a.number} places no snapshot")
+        self.stage(Stage.SNAPSHOT, a.number)
+        snaps = self.store
+        digest = snapshots.local_digest(snaps.local_path(snapshot))
+        targets = tuple(a.host(s.host) for s in a.select("place"))
+
+        def push(h: Host) -> None:
+            copy = next(s for s in a.select("place") if s.host == h.name)
+            snaps.push(
+                self.ssh,
+                h,
+                snapshot,
+                digest,
+                argv=copy.argv,
+                check=a.step(h.name, "place-check").command,
+                rename=a.step(h.name, "place-rename").command,
+            )
+        with snaps.lock:  # the copier of the last attempt must not prune it meanwhile
+            return self.ssh.fan_out(push, targets)
+
+    def start(self, a: AttemptPlan) -> Attempted | None:
         """START: the secrets file and docker run on every host at once, rank 0's issued first.
         Nothing waits for rank 0: torchrun's workers retry the rendezvous until it listens."""
         self.stage(Stage.START, a.number)
         self.leave_queue()
         self.started = True
         started = self.run_steps(
-            a, [s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]
+            a, [s for s in a.steps if s.key in ("secrets", "start") and s.when is When.ALWAYS]
         )
         return self.failed_to_start(a, started) if started.errors() else None
 
-    def failed_to_start(self, a: AttemptPlan, results: PerHost) -> Outcome:
+    def failed_to_start(self, a: AttemptPlan, results: PerHost) -> Attempted:
+        """The hosts that could not start (a host that did not answer is lost), the others' part of
+        the attempt ended (ON_FAILURE)."""
         failures = []
         for name, exc in results.errors().items():
             h = a.host(name) if name in {x.name for x in a.hosts} else self.used[name]
-            lost = not isinstance(exc, UserError)
-            if lost:
-                self.lost[name] = h
-            failures.append(HostFailure(name, Failure.LOST if lost else Failure.START, describe(h, exc)))
-            self.emit("host_failed", attempt=a.number, host=name, kind=failures[-1].kind.value,
-                      detail=failures[-1].detail)
-        others = [s for s in a.steps if s.when == ON_FAILURE and s.where not in results.errors()]
+            kind = Failure.START if isinstance(exc, UserError) else Failure.LOST
+            failures.append(HostFailure(name, kind, describe(h, exc)))
+            self.emit("host_failed", attempt=a.number, host=name, kind=kind.value, detail=failures[-1].detail)
+        others = [s for s in a.steps if s.when is When.ON_FAILURE and s.where not in results.errors()]
         self.run_steps(a, others)
-        return Outcome(tuple(failures))
+        return Attempted(a, Outcome(tuple(failures)))
 
-    def watch(self, a: AttemptPlan) -> Outcome:
+    def watch(self, a: AttemptPlan) -> Attempted:
         """WATCH: follow every node (watch.py) while snapshots are copied off rank 0's host."""
         self.stage(Stage.WATCH, a.number)
         copying = threading.Event()
@@ -735,109 +600,118 @@ class Job:
                       **self.watch_options)
         finally:
             copying.set()
-        self.result.watched = w
-        self.warm_ranks = {n: e.host.rank for n, e in w.ends.items() if e.warm}
-        for e in w.failures:
-            if e.failure is Failure.LOST:
-                self.lost[e.host.name] = e.host
-        for name in w.stuck_engines:
-            self.stuck[name] = a.host(name)
         if w.interrupted is not None:
-            return Outcome(interrupted=w.interrupted)
-        return Outcome(tuple(e.failure_line() for e in w.failures))
+            return Attempted(a, Outcome(interrupted=w.interrupted), w)
+        return Attempted(a, Outcome(tuple(e.failure_line() for e in w.failures)), w)
 
-    def decide(self, a: AttemptPlan, outcome: Outcome) -> Decision:
-        """DECIDE: record the attempt, ask the policy (a failure may have been `fab stop`)."""
+    def decide(self, done: Attempted) -> tuple[Attempted, Decision]:
+        """DECIDE: the attempt recorded (a failure may have been `fab stop`), the policy asked."""
+        a = done.plan
         self.stage(Stage.DECIDE, a.number)
-        if outcome.failures and not outcome.stopped and self.stopped(tuple(self.used.values())):
-            outcome = replace(outcome, stopped=True)
-        line = "ok" if outcome.ok else (
-            f"interrupted ({signal.Signals(outcome.interrupted).name})" if outcome.interrupted is not None
-            else "; ".join(f.line() for f in outcome.failures) or "ended by 'fab stop'")
+        o = done.outcome
+        if (
+            o.failures
+            and not o.stopped
+            and self.stopped(h for h in self.used.values() if h.name not in done.lost)
+        ):
+            done = replace(done, outcome=replace(o, stopped=True))
+        line = done.line()
         rec = self.record.attempts[-1]
         rec.ended, rec.outcome = time.time(), line
         self.record.save(self.run_dir)
-        self.emit("attempt_end", attempt=a.number, ok=outcome.ok, outcome=line)
-        if not outcome.ok and outcome.interrupted is None:
-            self.result.failures.append(f"attempt {a.number} on {', '.join(h.name for h in a.hosts)}: {line}")
-        d = decide(outcome, self.policy, self.roster, self.target_nodes)
-        self.result.interrupted = outcome.interrupted
-        self.result.reason = d.reason
-        self.result.state = ("finished" if outcome.ok else "interrupted" if outcome.interrupted is not None
-                             else "stopped" if outcome.stopped else "failed")
-        if d.roster is not None:
-            for n in d.notes:
-                self.note(n, "warning")
-            pause = backoff(a.number + 1) if d.restart else 0
-            self.emit("decision", attempt=a.number, next=True, notes=list(d.notes),
-                      reason=(f"attempt {a.number} failed ({line}); restart {d.roster.restarts_used} of "
-                              f"{self.policy.restarts} in {pause:g}s") if d.restart
-                      else f"attempt {a.number}: {line}; trying again with other hosts")
-            self.pause = pause
-        else:
-            self.emit("decision", attempt=a.number, next=False, reason=d.reason, notes=list(d.notes))
-        return d
-
-    def next_attempt(self, d: Decision) -> bool:
-        """Between attempts: the new roster, after a pause; False when `fab stop` came meanwhile."""
+        self.emit("attempt_end", attempt=a.number, ok=done.outcome.ok, outcome=line)
+        d = decide(done.outcome, self.policy, self.roster, self.target_nodes)
         if d.roster is None:
-            raise ValueError("the decision ends the job: there is no next attempt")
-        self.roster = d.roster
-        deadline = time.monotonic() + self.pause
+            self.emit("decision", attempt=a.number, next=False, reason=d.reason, notes=list(d.notes))
+            return done, d
+        for n in d.notes:
+            self.note(n, "warning")
+        self.emit("decision", attempt=a.number, next=True, notes=list(d.notes),
+                  reason=(f"attempt {a.number} failed ({line}); restart {d.roster.restarts_used} of "
+                          f"{self.policy.restarts} in {self.pause_after(d, a.number):g}s") if d.restart
+                  else f"attempt {a.number}: {line}; trying again with other hosts")
+        return done, d
+
+    @staticmethod
+    def pause_after(d: Decision, number: int) -> float:
+        """Seconds before the attempt after `number`: a restart backs off, other hosts go at once."""
+        return backoff(number + 1) if d.restart else 0
+
+    def between_attempts(self, pause: float) -> Ending | None:
+        """The pause before the next attempt; the job's end when `fab stop` came meanwhile."""
+        deadline = time.monotonic() + pause
         while True:
             if self.stopped(tuple(self.used.values())):
-                self.result.state, self.result.reason = "stopped", "ended by 'fab stop' between attempts"
-                self.emit("decision", next=False, reason=self.result.reason, notes=[])
-                return False
+                return self.ended_by_stop("ended by 'fab stop' between attempts")
             if time.monotonic() >= deadline:
-                return True
+                return None
             time.sleep(min(STOP_POLL, max(0.0, deadline - time.monotonic())))
 
-    def finish(self) -> JobResult:
-        """FINISH: outputs fetched from every host used and still answering, runtime files removed."""
+    def ended_by_stop(self, reason: str) -> Ending:
+        self.emit("decision", next=False, reason=reason, notes=[])
+        return Ending("stopped", reason)
+
+    def finish(self, ending: Ending | None) -> JobResult:
+        """FINISH: outputs fetched from every host used and still answering, runtime files removed;
+        the job's one result, from how it ended and its attempts."""
         self.stage(Stage.FINISH)
-        a = self.last
-        if self.result.state == "running":  # an error ended the job before its attempt was judged
-            self.result.state = "failed"
-        self.record.state = self.result.state
+        ending = ending or Ending("failed")  # an error ended the job before its attempt was judged
+        self.record.state = ending.state
         self.record.save(self.run_dir)
-        reachable = tuple(h for h in self.used.values() if h.name not in self.lost)
-        ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir)) if a is not None else []
-        self.sweep([s for s in ends if s.key == "sweep" and s.where not in self.stuck])
-        if a is not None and reachable and self.snaps is not None:
+        a, lost, stuck = self.last, self.lost, self.stuck
+        reachable = tuple(h for h in self.used.values() if h.name not in lost)
+        if a is not None and reachable:
+            self.collect(a, reachable, stuck)
+        if lost:
+            self.note(f"lost during the job: {', '.join(sorted(lost))}; its container and runtime files may "
+                      "still exist: 'fab stop' removes them once it answers again", "warning")
+        if stuck:
+            self.note(
+                f"Docker engine stuck on {', '.join(sorted(stuck))}: its container may still exist; run "
+                "'fab stop' once the engine answers",
+                "warning",
+            )
+        watched = [d.watched for d in self.history if d.watched is not None]
+        result = JobResult(
+            self.spec.job_id,
+            self.run_dir,
+            ending.state,
+            len(self.record.attempts),
+            ending.reason,
+            watched[-1] if watched else None,
+            [f"attempt {d.plan.number} on {', '.join(h.name for h in d.plan.hosts)}: {d.line()}"
+             for d in self.history if not d.outcome.ok and d.outcome.interrupted is None],
+            ending.interrupted,
+            sorted(lost),
+            sorted(stuck),
+        )
+        self.emit("finished", state=result.state, attempts=result.attempts, run_dir=str(self.run_dir))
+        return result
+
+    def collect(self, a: AttemptPlan, reachable: tuple[Host, ...], stuck: frozenset[str]) -> None:
+        """At the end, on every host used that answers: the job's containers swept, the newest snapshot
+        and the outputs fetched, the runtime files and claim removed (attempt.end_steps)."""
+        ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir))
+        self.sweep(a, [s for s in ends if s.key == "sweep" and s.where not in stuck])
+        if self.snaps is not None:
             # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each). No
             # attempt follows, so no host's copy needs checking for placement (hosts=()): every
             # host used is still asked where the newest is.
-            self.find_snapshot(replace(a.inv, hosts=()), [], fetch=True)
-        if a is not None and reachable:
-            for h in reachable:
-                (self.run_dir / "outputs" / h.name).mkdir(parents=True, exist_ok=True)
-            fetched = self.run_steps(a, [s for s in ends if s.key == "fetch"])
-            for name, exc in fetched.errors().items():
-                self.note(f"could not fetch outputs from {name}: {exc}", "warning")
-            self.run_steps(a, [s for s in ends if s.key == "cleanup"])
-        if self.lost:
-            self.note(
-                f"lost during the job: {', '.join(self.lost)}; its container and runtime files may still "
-                "exist: 'fab stop' removes them once it answers again",
-                "warning",
+            facts.newest_snapshot(
+                self.ssh, self.snaps, replace(a.inv, hosts=()), self.spec, reachable, fetch=True
             )
-        if self.stuck:
-            self.note(f"Docker engine stuck on {', '.join(self.stuck)}: its container may still exist; run "
-                      "'fab stop' once the engine answers", "warning")
-        self.result.attempts = len(self.record.attempts)
-        self.result.lost, self.result.stuck_engines = list(self.lost), list(self.stuck)
-        self.emit(
-            "finished", state=self.result.state, attempts=self.result.attempts, run_dir=str(self.run_dir)
-        )
-        return self.result
+        for h in reachable:
+            (self.run_dir / "outputs" / h.name).mkdir(parents=True, exist_ok=True)
+        fetched = self.run_steps(a, [s for s in ends if s.key == "fetch"])
+        for name, exc in fetched.errors().items():
+            self.note(f"could not fetch outputs from {name}: {exc}", "warning")
+        self.run_steps(a, [s for s in ends if s.key == "cleanup"])
 
-    def sweep(self, steps: list[Step]) -> None:
+    def sweep(self, a: AttemptPlan, steps: list[Step]) -> None:
         """Every container of the job removed again, by its label, from the hosts it used: what a
         `docker run` that came back late (after its deadline, or after the teardown looked) left
         behind is named and gone before the job's claim on those GPUs is released."""
-        a = self.last
-        if not steps or a is None:  # no plan, no steps: the job ended before its first attempt
+        if not steps:
             return
         swept = self.run_steps(a, steps)
         for name, r in swept.items():
@@ -852,32 +726,18 @@ class Job:
                 )
 
 
-class Contended(Exception):
-    """The attempt's units or master port were claimed by another job between its plan and its claim."""
-
-
-class Queued(Exception):
-    """fab train --queue: a host's GPUs (slots) are held, or jobs queued before this one wait for it."""
-
-    def __init__(self, host: Host, held: list[claims.Holder], ahead: list[claims.Waiting]) -> None:
-        super().__init__(host.name)
-        self.host, self.held, self.ahead = host, held, ahead
-
-
-class Refused(UserError):
-    """The job's hosts (or GPUs) are held by another job: nothing was started."""
-
-
-class PreflightFailed(UserError):
-    """The first attempt's gate failed: nothing was started."""
-
-    def __init__(self, checks: list[Check], hosts: list[str], text: str = "") -> None:
-        super().__init__(
-            text
-            or f"preflight failed on {', '.join(hosts)}; nothing was started. Fix the checks "
-            "above, then run the command again"
+def claim_refusal(h: Host, a: AttemptPlan, r: Result, what: str, held: list[claims.Holder]) -> str:
+    """Why a host's claim refused the attempt, from the claim script's exit and output."""
+    if r.exited == claims.REFUSED:
+        return (f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
+                f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}")
+    if r.exited == claims.QUEUED:
+        ahead, _ = claims.parse_queue_output(r.stdout)
+        return (
+            f"{h.name}: jobs queued before this one wait for it: {'; '.join(w.describe() for w in ahead)}; "
+            "add --queue to wait in line behind them"
         )
-        self.checks = checks
+    return f"{h.name}: {what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
 
 
 def secret_values(inv: Inventory) -> tuple[str, ...]:
@@ -902,9 +762,8 @@ def start_quiet(session: Session, inv: Inventory, spec: jobspec.JobSpec) -> Atte
     preflight's smoke test and the benchmarks. UserError naming the hosts that failed to start."""
     spec = replace(spec, code_key=codetree.key(spec.code, spec.code_only))
     a = attempt_mod.build(inv, spec, 1, inv.job.master_port)
-    job = Job(inv, spec, Policy(hang_timeout=0), Path("runs"), Reporter(), session=session)
-    errors = job.run_steps(a, a.select("claim") + a.select("sync") + [
-        s for s in a.steps if s.key in ("secrets", "start") and s.when == ALWAYS]).errors()
+    errors = run_steps(session, a.hosts, a.select("claim") + a.select("sync") + [
+        s for s in a.steps if s.key in ("secrets", "start") and s.when is When.ALWAYS]).errors()
     if errors:
         end_quiet(session, a)
         raise UserError("starting the job failed:\n" + "\n".join(str(e) for e in errors.values()))
@@ -913,9 +772,7 @@ def start_quiet(session: Session, inv: Inventory, spec: jobspec.JobSpec) -> Atte
 
 def end_quiet(session: Session, a: AttemptPlan) -> None:
     """Remove a short job's containers and runtime files from every host."""
-    Job(a.inv, a.spec, Policy(), Path("runs"), Reporter(), session=session).run_steps(
-        a, a.select("stop") + a.select("cleanup")
-    )
+    run_steps(session, a.hosts, a.select("stop") + a.select("cleanup"))
 
 
 def run_quiet(session: Session, inv: Inventory, spec: jobspec.JobSpec, run_dir: Path) -> Watched:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
-from orchestrator.backends.ssh.job import Job, JobResult
+from orchestrator.backends.ssh.job import Job
+from orchestrator.backends.ssh.state import JobResult
 from orchestrator.backends.ssh.watch import Watcher, worker_failure
 from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from rich.live import Live
 
-from orchestrator.backends.ssh.attempt import ON_FAILURE, ON_INTERRUPT, AttemptPlan, Step
+from orchestrator.backends.ssh.attempt import AttemptPlan, Step, When
 from orchestrator.backends.ssh.hangs import Looks, Progress
 from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import Host
@@ -185,7 +185,7 @@ class Watcher:
             if self.detach:
                 raise
             self.result.interrupted = getattr(exc, "signum", signal.SIGINT)
-            self.stop_others(ON_INTERRUPT)
+            self.stop_others(When.ON_INTERRUPT)
         return self.result
 
     def until_done(self) -> None:
@@ -209,7 +209,7 @@ class Watcher:
                 self.result.failures.append(end)
                 self.reporter.emit("host_failed", job=self.attempt.job_id, attempt=self.attempt.number,
                                    host=end.host.name, kind=end.failure.value, detail=end.detail)
-                self.stop_others(ON_FAILURE)
+                self.stop_others(When.ON_FAILURE)
                 return
 
     def report_progress(self) -> None:
@@ -279,7 +279,7 @@ class Watcher:
                               f"{'; '.join(self.result.hung) or 'no stacks could be read'}",
                        tail=self.sinks[blamed.name].last_lines())
 
-    def stop_others(self, when: str) -> None:
+    def stop_others(self, when: When) -> None:
         """Stop the job's containers on every host still running (not known lost), all at once;
         then collect how they ended, for at most DRAIN seconds."""
         lost = {e.host.name for e in self.result.failures if e.failure is Failure.LOST}
