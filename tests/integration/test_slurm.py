@@ -233,6 +233,12 @@ def long_job(inventory) -> tuple[Run, str, str]:
 
 def test_fab_stop_job_cancels_a_slurm_job_and_its_containers(slurm_inventory):
     run, job, slurm_id = long_job(slurm_inventory)
+    # Resuming it while Slurm runs it is refused, naming it; nothing is submitted (fab status: one job).
+    again = fab(slurm_inventory, "train", "--on", "slurm", "--plain", "--resume", job)
+    assert again.returncode == 2 and (
+        f"--resume {job}: that job is still on Slurm (slurm job {slurm_id} RUNNING)" in again.stderr
+    ), again.stdout + again.stderr
+    assert record(job)["backend"]["slurm_id"] == slurm_id and record(job)["state"] == "running"
     status = json.loads(fab(slurm_inventory, "status", "--json").stdout)
     assert [(s["job"], s["state"], s["nodes"]) for s in status["slurm"]] == [(job, "RUNNING", "node[1-2]")]
     # fab logs follows it from the start, each node's lines prefixed; Ctrl+C only detaches.

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from orchestrator import backends
-from orchestrator.commandline import requests
+from orchestrator.commandline import cli, requests
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
 
@@ -22,6 +22,7 @@ time.sleep(float(sys.argv[1]))
 sys.exit(int(sys.argv[2]) if rank == "1" else 0)
 """
 TRAINERS = {"gpt": "trainers/gpt.py"}
+REGISTERED = dict(backends.BACKENDS)  # before a test leaves only its own
 
 
 @pytest.fixture
@@ -111,3 +112,37 @@ def test_status_logs_and_stop_reach_a_running_job_through_its_backend(here):
     logs = console()
     finished = requests.logs(str(here / "inv.yaml"), job, here / "runs", logs, plain=True)
     assert "a | node 0 of 2" in logs.file.getvalue() and "ended failed" in str(finished.error)
+
+
+def test_kubernetes_is_a_backend_that_only_renders_its_manifests(here, monkeypatch):
+    """One registration: --dry-run prints the manifests fab export.k8s writes; whatever would run, follow
+    or stop a job there refuses, in one line; fab status and fab stop never ask it."""
+    from dataclasses import replace
+
+    from orchestrator.backends.kubernetes.backend import RENDER_ONLY, KubernetesBackend
+    from orchestrator.config import inventory
+    monkeypatch.setitem(backends.BACKENDS, "kubernetes", REGISTERED["kubernetes"])
+    kubernetes = backends.get("kubernetes")
+    assert isinstance(kubernetes, KubernetesBackend) and not kubernetes.serves(None)
+    text = requests.train(request(here, on="kubernetes", dry_run=True, restarts=2), here / "runs", console(),
+                          TRAINERS)
+    job = text.split()[1]
+    inv = inventory.load(str(here / "inv.yaml"))
+    spec = replace(cli.new_spec(request(here).job, TRAINERS), job_id=job)
+    files, warnings = KubernetesBackend().render(inv, spec, restarts=2)
+    assert list(files) == ["trainjob.yaml", "pytorchjob.yaml", "indexed-job.yaml"] and warnings == []
+    assert text == (f"job {job} as Kubernetes manifests (fab export.k8s writes these files; kubectl apply -f "
+                    "one of them):\n" + "".join(f"\n--- {f} ---\n{t}\n" for f, t in files.items())[:-1])
+    assert "backoffLimit: 2" in files["indexed-job.yaml"]
+    with pytest.raises(UserError) as e:
+        requests.train(request(here, on="kubernetes"), here / "runs", console(), TRAINERS)
+    assert str(e.value) == RENDER_ONLY and e.value.exit_code == 2 and "\n" not in RENDER_ONLY
+    with pytest.raises(UserError, match="--health: not with --on kubernetes"):
+        requests.train(request(here, on="kubernetes", health=True), here / "runs", console(), TRAINERS)
+    for call in (lambda: kubernetes.attach(inv, job, here / "runs", console(), False),
+                 lambda: kubernetes.stop(inv, job, False, False, 1.0, here / "runs"),
+                 lambda: kubernetes.status(inv, here / "runs")):
+        with pytest.raises(UserError, match="fabtrain does not run jobs there"):
+            call()
+    assert requests.status(str(here / "inv.yaml"), here / "runs").doc == {"local": [], "errors": []}
+    assert requests.stop(str(here / "inv.yaml"), None, False, False, None, here / "runs").problems == []
