@@ -21,7 +21,7 @@ from rich.console import Console
 from orchestrator import preflight as _preflight
 from orchestrator.backends.kubernetes.backend import KubernetesBackend as _Kubernetes
 from orchestrator.backends.slurm import script as _sbatch
-from orchestrator.backends.ssh import job as _job
+from orchestrator.backends.ssh import steps as _steps
 from orchestrator.commandline import cli, requests
 from orchestrator.config import inventory as _inventory
 from orchestrator.core import hostile, jobspec
@@ -127,7 +127,7 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
     with Session(inv.hosts) as session:
         source, only = cli.code_tree(code)
         inv = hostops.with_free_port(session, inv)
-        checks = _preflight.run(session, inv, limits=limits, run_job=_job.run_quiet if smoke else None,
+        checks = _preflight.run(session, inv, limits=limits, run_job=_steps.run_quiet if smoke else None,
                                 source=source, only=only)
         measured = None
         if deep:

@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.backends.ssh import job
+from orchestrator.backends.ssh import steps
 from orchestrator.backends.ssh.watch import watch  # noqa: E402
 from orchestrator.commands import dockerargs, hostfiles, node, sshargs
 from orchestrator.config.inventory import load  # noqa: E402
@@ -104,11 +104,11 @@ def bench_launch(inv, base: Baselines, repeat: int) -> dict:
         t0 = time.perf_counter()
         wall0 = time.time()
         with Session(inv.hosts) as session:
-            a = job.start_quiet(session, inv, spec)
+            a = steps.start_quiet(session, inv, spec)
             started = time.perf_counter() - t0
             run_dir = Path(tempfile.mkdtemp(prefix="bench-launch-"))
             result = watch(session, a, run_dir, echo=False)
-            job.end_quiet(session, a)
+            steps.end_quiet(session, a)
             gone = time.perf_counter() - t0
         inits = [float(line.split()[1]) for f in run_dir.glob("*.log") for line in f.read_text().splitlines()
                  if line.startswith("INIT ")]
@@ -221,7 +221,7 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
 def _sleep_job(session, inv):
     spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/integration/scripts/report.py",
                         args=("--sleep", "300"), nproc_per_node="1")
-    return job.start_quiet(session, inv, spec)
+    return steps.start_quiet(session, inv, spec)
 
 
 def bench_stop(inv, inv_path, base: Baselines, repeat: int) -> dict:
@@ -275,7 +275,7 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
             if undo:
                 undo(victim)
     with Session(inv.hosts) as session:
-        job.end_quiet(session, a)
+        steps.end_quiet(session, a)
     return took
 
 
@@ -308,7 +308,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
         run_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
         with Session(inv.hosts) as session:
             t0 = time.perf_counter()  # from the start of the containers, as for pdsh below
-            a = job.start_quiet(session, inv, spec)
+            a = steps.start_quiet(session, inv, spec)
             result = watch(session, a, run_dir, out=term, echo=True)
             dt = time.perf_counter() - t0
             hostops.stop(session, inv, [spec.job_id], 0)
@@ -357,7 +357,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
         )
         dt, p = timed(base.pdsh, cmd, capture=True)
         with Session(inv.hosts) as session:
-            job.end_quiet(session, a)
+            steps.end_quiet(session, a)
         pdsh_lines = sum(1 for line in p.stdout.splitlines() if b" the quick brown fox " in line)
         res["pdsh_lines_per_s"].append(pdsh_lines / dt)
         res.setdefault("pdsh_lost", []).append(expected - pdsh_lines)
