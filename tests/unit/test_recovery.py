@@ -65,7 +65,7 @@ def test_job_record_round_trip_keeps_the_spec(tmp_path):
 
 
 def test_newest_complete_snapshot_ignores_partial_files():
-    from orchestrator.backends.ssh import snapshots
+    from orchestrator.commands import snapshotlists as snapshots
     assert snapshots.newest(["snapshot-000000020.pt", ".snapshot-000000030.pt.7.tmp", "snapshot-000000010.pt",
                              ".snapshot-000000040.pt.copy.tmp", "notes.txt"]) == "snapshot-000000020.pt"
 
