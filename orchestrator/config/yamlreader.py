@@ -1,0 +1,343 @@
+"""The inventory's YAML read with the line of every mapping key and list entry (_Loader), and the
+Reader of its typed fields, whose errors name the file, the line and the field."""
+from __future__ import annotations
+
+import datetime
+import re
+import reprlib
+import unicodedata
+from pathlib import Path
+from typing import Any, NoReturn, overload
+
+import yaml
+
+from orchestrator.core.errors import UserError
+
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Upper bounds that keep every number well inside what docker, ssh and the OS accept (a value past
+# them is a typo, not a setting).
+MAX_SECONDS = 86400
+MAX_DEPTH = 64
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key and list entry, for error messages."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        # PyYAML composes and constructs recursively: deep enough nesting would end in a
+        # RecursionError, with no line to report. An inventory is a few levels deep.
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"lists or mappings nested more than {MAX_DEPTH} deep",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # A scalar that looks like a date, number or bool but is not one (2024-13-45, !!int x,
+        # 5000 digits) fails inside PyYAML's constructors with a bare ValueError; it is reported at
+        # its line like any other YAML mistake.
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, KeyError, OverflowError):
+            what = show(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{what} is not a valid {node.tag.rsplit(':', 1)[-1]}", node.start_mark) from None
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
+    mapping = _LineDict()
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(None, None, "a list or mapping used as a key",
+                                                    key_node.start_mark) from None
+        mapping[key] = loader.construct_object(value_node, deep=True)
+        mapping.lines[key] = key_node.start_mark.line + 1
+    mapping.line = node.start_mark.line + 1
+    return mapping
+
+
+class _LineDict(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: dict[Any, int] = {}
+        self.line = 0
+
+
+class _LineList(list):
+    line = 0
+    lines: list[int] = []
+
+
+def _construct_sequence(loader: _Loader, node: yaml.SequenceNode) -> list:
+    seq = _LineList(loader.construct_object(child, deep=True) for child in node.value)
+    seq.line = node.start_mark.line + 1
+    # An entry that is only '-' is a null whose mark is still on the '-' line.
+    seq.lines = [child.start_mark.line + 1 for child in node.value]
+    return seq
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    value = yaml.SafeLoader.construct_yaml_int(loader, node)
+    # Hex and binary literals have no digit limit in Python; no field takes anything this long, and
+    # printing it in a message would fail (int max_str_digits).
+    if value.bit_length() > 128:
+        raise yaml.constructor.ConstructorError(None, None, f"{show(node.value)} is too large a number",
+                                                node.start_mark)
+    return value
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+class _Repr(reprlib.Repr):
+    """reprlib's bounded repr, which also knows the loader's dict and list types: a value in a
+    message stays short however big (or alias-multiplied) the YAML value is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 60
+        self.maxlevel, self.maxlist, self.maxdict = 2, 4, 4
+
+    def repr__LineDict(self, x: dict, level: int) -> str:
+        return self.repr_dict(x, level)
+
+    def repr__LineList(self, x: list, level: int) -> str:
+        return self.repr_list(x, level)
+
+
+show = _Repr().repr
+
+
+def _kind_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    names = {str: "text", list: "a list", dict: "a mapping"}
+    return next((n for t, n in names.items() if isinstance(value, t)), type(value).__name__)
+
+
+def _unset(value: Any, kinds: tuple) -> bool:
+    """Nothing written for a field: the key alone or `~` (YAML null), or an empty list or mapping
+    where a list or mapping goes. An optional field then takes its default, as if the line were
+    not there; a required field is an error. A blank string is not this: it is a value, and the
+    wrong one (_is_blank)."""
+    return value is None or (isinstance(value, (list, dict)) and not value and isinstance(value, kinds))
+
+
+def _key_name(key: Any) -> str:
+    """A key as it goes into a field path: as written, unless quoting shows it better (a blank,
+    multi-line or very long key)."""
+    text = str(key)
+    return text if text.isprintable() and text.strip() == text and 0 < len(text) <= 60 else show(key)
+
+
+def _is_blank(value: Any) -> bool:
+    return isinstance(value, str) and not value.strip()
+
+
+def _control_char(text: str) -> str | None:
+    """The first control character (or lone surrogate) in a one-line field, as U+XXXX."""
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            return f"U+{ord(ch):04X}"
+    return None
+
+
+class Reader:
+    """Reads typed fields out of one YAML mapping, raising errors that point at file:line field."""
+
+    def __init__(self, path: Path, data: Any, where: str, line: int,
+                 fix: str = "indent its fields under it") -> None:
+        self.path, self.where, self.line = path, where, line
+        self.lines: dict[Any, int] = {}
+        if _is_blank(data) and where:
+            self.fail(
+                self.where, "is empty", f"give its fields, or remove '{self.where.rsplit('.', 1)[-1]}:'", line
+            )
+        if _unset(data, (dict,)):
+            data = _LineDict()
+        if not isinstance(data, dict):
+            self.fail(self.where, f"must be a mapping (key: value lines), not {_kind_name(data)}", fix, line)
+        self.data = data
+        self.lines = getattr(data, "lines", {})
+
+    def fail(self, fieldname: str, problem: str, fix: str, line: int | None = None) -> NoReturn:
+        line = line or self.lines.get(fieldname.rsplit(".", 1)[-1]) or self.line
+        subject = f"{fieldname}: " if fieldname else ""
+        raise UserError(f"{self.path}:{line}: {subject}{problem}; {fix}")
+
+    def line_of(self, key: Any) -> int:
+        return self.lines.get(key) or self.line
+
+    def _field(self, key: Any) -> str:
+        return f"{self.where}.{_key_name(key)}" if self.where else _key_name(key)
+
+    def check_keys(self, allowed: tuple[str, ...]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                self.fail(self._field(key), "unknown field",
+                          f"use one of: {', '.join(allowed)}", self.lines.get(key))
+
+    def get(self, key: Any, kind: type | tuple, default: Any = None, required: bool = False,
+            fix: str = "give a value") -> Any:
+        """The value of `key`, of one of the types in `kind`. Every field is read here, so an empty
+        value means the same everywhere (see _unset); `fix` is the advice for a required field
+        left empty."""
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        field_, line = self._field(key), self.line_of(key)
+        if key not in self.data:
+            if required:
+                self.fail(field_, "is missing", f"add '{key}:' to {self.where or 'the file'}", self.line)
+            return default
+        value = self.data[key]
+        if _unset(value, kinds):
+            if required:
+                self.fail(field_, "is empty", fix, line)
+            return default
+        if _is_blank(value):
+            self.fail(field_, "is empty", f"give a value, or remove '{key}:'", line)
+        # An int is a valid float field; the caller converts it once its range is checked.
+        number = float in kinds and isinstance(value, int)
+        if not (isinstance(value, kinds) or number) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            self.fail(field_, f"must be {names}, got {show(value)}",
+                      f"write an {names} value" if names[0] in "aeiou" else f"write a {names} value", line)
+        if isinstance(value, str) and _control_char(value):
+            self.fail(field_, f"contains the control character {_control_char(value)}",
+                      "remove it (the value is one line of text)", line)
+        return value
+
+    def given(self, key: str) -> bool:
+        """`key` has a value (a field left empty is as good as absent)."""
+        return key in self.data and not _unset(self.data[key], (list, dict))
+
+    def items(
+        self, key: str, entry: str, required: bool = False, fix: str = ""
+    ) -> list[tuple[str, Any, int]]:
+        """The entries of list field `key` as (field path, value, line); `entry` says what one
+        entry should be, for the error about an entry left empty."""
+        values = self.get(key, list, [], required=required, fix=fix)
+        lines = getattr(values, "lines", [])
+        out = []
+        for i, value in enumerate(values):
+            where, line = f"{self._field(key)}[{i}]", lines[i] if i < len(lines) else self.line_of(key)
+            if _unset(value, (list, dict)) or _is_blank(value):
+                self.fail(where, "is empty", f"write {entry} after the '-', or remove that line", line)
+            if isinstance(value, str) and _control_char(value):
+                self.fail(where, f"contains the control character {_control_char(value)}",
+                          "remove it (an entry is one line of text)", line)
+            out.append((where, value, line))
+        return out
+
+    def sub(self, key: str) -> Reader:
+        value = self.data.get(key)
+        return Reader(self.path, value, self._field(key), self.line_of(key))
+
+    @overload
+    def integer(self, key: str, default: int, low: int, high: int, what: str) -> int: ...
+    @overload
+    def integer(self, key: str, default: int | None, low: int, high: int, what: str) -> int | None: ...
+
+    def integer(self, key: str, default: int | None, low: int, high: int, what: str) -> int | None:
+        value = self.get(key, int, default)
+        if value is not None and not low <= value <= high:
+            self.fail(self._field(key), f"{value} is not {what}", f"use a number from {low} to {high}",
+                      self.line_of(key))
+        return value
+
+    @overload
+    def port(self, key: str, default: int) -> int: ...
+    @overload
+    def port(self, key: str, default: int | None) -> int | None: ...
+
+    def port(self, key: str, default: int | None) -> int | None:
+        return self.integer(key, default, 1, 65535, "a TCP port")
+
+    def seconds(self, key: str, default: float, low: float) -> float:
+        value = self.get(key, float, default)
+        # nan fails both comparisons; inf and 1e400 fail the upper bound.
+        if not (low <= value <= MAX_SECONDS):
+            self.fail(self._field(key), f"{show(value)} is not a number of seconds",
+                      f"use a number from {low:g} to {MAX_SECONDS}", self.line_of(key))
+        return float(value)
+
+    def env(self, key: str) -> tuple[tuple[str, str], ...]:
+        env = self.sub(key)
+        out = []
+        for name, value in env.data.items():
+            if not isinstance(name, str) or not ENV_KEY_RE.fullmatch(name):
+                env.fail(env._field(name), "is not a valid environment variable name",
+                         "use letters, digits and underscores, not starting with a digit",
+                         env.line_of(name))
+            # No default here: a variable with no value may be a value forgotten, and "" is a
+            # legitimate value, so the user says which one is meant.
+            if value is None:
+                env.fail(
+                    env._field(name),
+                    "is empty",
+                    f'write {name}: "" for an empty variable, or remove the line',
+                    env.line_of(name),
+                )
+            # datetime.date: an unquoted 2024-01-01, which reads back as written.
+            if not isinstance(value, (str, int, float, datetime.date)):
+                env.fail(env._field(name), f"must be a single value, not {_kind_name(value)}",
+                         "quote it as a string", env.line_of(name))
+            out.append((name, value if isinstance(value, str) else str(value).lower()
+                        if isinstance(value, bool) else str(value)))
+        return tuple(out)
+
+    def path_field(self, key: Any, default: str | None, must_exist: bool = False,
+                   fix: str = "fix the path (relative paths are relative to the inventory file)",
+                   required: bool = False) -> str | None:
+        value = self.get(key, str, default, required=required, fix=fix)
+        if value is None:
+            return None
+        try:
+            expanded = Path(value).expanduser()
+        except RuntimeError:  # ~name of a user this machine does not know
+            self.fail(self._field(key), f"{show(value)}: no home directory for {value.split('/')[0]}",
+                      "write the full path", self.line_of(key))
+        if not expanded.is_absolute():
+            expanded = self.path.parent / expanded
+        try:
+            exists = not must_exist or expanded.is_file()
+        except OSError as exc:  # a name too long, a directory that may not be searched
+            self.fail(self._field(key), f"{expanded}: {exc.strerror}", fix, self.line_of(key))
+        if not exists:
+            self.fail(
+                self._field(key),
+                f"{expanded} is a directory" if expanded.is_dir() else f"{expanded} does not exist",
+                "run 'fab cluster.up' to make the local cluster's" if ".cluster" in expanded.parts else fix,
+                self.line_of(key),
+            )
+        return str(expanded)
+
+
+def load_yaml(text: str, path: Path) -> Any:
+    """The YAML document in `text`, read by _Loader; a YAML mistake is a UserError at its line."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 0
+        raise UserError(f"{path}:{line}: not valid YAML: {exc.problem}; check the indentation and "
+                        f"quoting on that line") from None
+    except yaml.reader.ReaderError as exc:  # raised before any mark exists
+        line = text[:exc.position].count("\n") + 1
+        raise UserError(f"{path}:{line}: not valid YAML: the control character U+{exc.character:04X} is not "
+                        f"allowed; remove it") from None
