@@ -19,6 +19,7 @@ from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.hosts import claims
+from orchestrator.hosts.keys import revoke_script
 from orchestrator.transport.deadlines import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import PerHost, Session
 
@@ -428,15 +429,28 @@ def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, list[str]]) -
 
 
 def stop(session: Session, inv: Inventory, job_ids: list[str] | None, grace: float,
-         hosts: tuple[Host, ...] | None = None) -> PerHost:
+         hosts: tuple[Host, ...] | None = None, revoke: list[str] | tuple[str, ...] = ()) -> PerHost:
     """Stop and remove these jobs' containers (None: every fabtrain container) on each host, all at
     once, and release their claims there: host -> Result (the removed ids on stdout) or error.
     Their runtime directories stay for a `fab train` watching them to see the stop marker
-    (clear_stale removes them once no one does)."""
+    (clear_stale removes them once no one does). In the same command, the controller keys of the
+    jobs in `revoke` (detached ones) leave authorized_keys there (stop_script)."""
+    script = stop_script(inv, job_ids, grace, revoke)
+    return session.fan_out(
+        lambda h: session.run(h, script, timeout=grace + STOP_MARGIN, what="stopping containers"), hosts
+    )
+
+
+def stop_script(inv: Inventory, job_ids: list[str] | None, grace: float,
+                revoke: list[str] | tuple[str, ...] = ()) -> str:
+    """What `stop` runs on each host: the containers stopped and removed, the claims released, then
+    (`revoke`) those jobs' controller keys removed (keys.revoke_script), in a subshell whose output
+    and exit status are its own: the command's stdout is the removed ids, its status the stop's."""
     ids = [j for j in job_ids if jobspec.valid_job_id(j)] if job_ids is not None else None
     script = "true" if ids == [] else dockerargs.stop_script(ids, grace)
     if ids:
         script += "; " + claims.release_command(inv, ids, runtime=False)
-    return session.fan_out(
-        lambda h: session.run(h, script, timeout=grace + STOP_MARGIN, what="stopping containers"), hosts
-    )
+    keys = [j for j in revoke if jobspec.valid_job_id(j)]
+    if keys:
+        script += f"; s=$?; ({revoke_script(keys)}) >/dev/null 2>&1; exit $s"
+    return script

@@ -1,13 +1,20 @@
 """Detached jobs (backends/ssh/detached.py), without a cluster: the job's key added to and removed
-from authorized_keys (the scripts run by sh here, HOME a temporary folder), the inventory the
-controller uses, and the command that starts it."""
+from authorized_keys (hosts/keys.py's scripts, exact and run by sh here, HOME a temporary folder),
+which jobs' keys `fab stop` removes, the inventory the controller uses, and the command that
+starts it (backends/ssh/controller.py)."""
 import os
 import shlex
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 from orchestrator.backends.ssh import detached
 from orchestrator.config.inventory import parse
+from orchestrator.core.jobspec import JobSpec
+from orchestrator.core.recovery import JobRecord
+from orchestrator.hosts import keys
+from orchestrator.hosts.hostops import HostJobs
+from orchestrator.transport.remote import PerHost
 
 JOB = "gpt-20261124-101010-abcd"
 OTHER = "gpt-20261124-101010-ef01"
@@ -29,17 +36,48 @@ def test_the_jobs_key_is_added_restricted_and_removed_leaving_every_other_line(t
     assert line.startswith("ssh-ed25519 ") and line.endswith(f" fabtrain-controller:{JOB}")
     _, other = detached.new_key(OTHER)
     for entry in (line, other):
-        assert sh(detached.authorize_script(entry), tmp_path).returncode == 0
+        assert sh(keys.authorize_script(entry), tmp_path).returncode == 0
     lines = (ssh / "authorized_keys").read_text().splitlines()
     assert lines[0] == "ssh-ed25519 AAAAuser ann@ws"
     assert lines[1] == "no-agent-forwarding,no-port-forwarding,no-X11-forwarding " + line
-    assert sh(detached.revoke_script([JOB]), tmp_path).returncode == 0
+    assert sh(keys.revoke_script([JOB]), tmp_path).returncode == 0
     assert (ssh / "authorized_keys").read_text().splitlines() == [lines[0], lines[2]]
     assert oct((ssh / "authorized_keys").stat().st_mode & 0o777) == "0o600"
-    assert sh(detached.revoke_script([OTHER, "not a job; rm -rf /"]), tmp_path).returncode == 0
+    assert sh(keys.revoke_script([OTHER, "not a job; rm -rf /"]), tmp_path).returncode == 0
     assert (ssh / "authorized_keys").read_text().splitlines() == [lines[0]]
     assert [p.name for p in ssh.glob(".fabtrain.*")] == [".fabtrain.lock"]  # no temporary file left
-    assert sh(detached.revoke_script([JOB]), tmp_path / "nohome").returncode == 0  # no file: nothing to do
+    assert sh(keys.revoke_script([JOB]), tmp_path / "nohome").returncode == 0  # no file: nothing to do
+
+
+def test_the_key_scripts_exactly():
+    assert keys.authorize_script(f"ssh-ed25519 AAAA {keys.marker(JOB)}") == (
+        "umask 077; mkdir -p ~/.ssh && exec 8>>~/.ssh/.fabtrain.lock && flock -w 10 8 && "
+        "printf '%s\\n' 'no-agent-forwarding,no-port-forwarding,no-X11-forwarding ssh-ed25519 AAAA "
+        f"fabtrain-controller:{JOB}' >> ~/.ssh/authorized_keys"
+    )
+    assert keys.revoke_script([JOB, "x.y-1", "not a job; rm -rf /"]) == (
+        "[ -f ~/.ssh/authorized_keys ] || exit 0; exec 8>>~/.ssh/.fabtrain.lock && flock -w 10 8 && "
+        "t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) && "
+        f"{{ grep -Ev ' fabtrain-controller:{JOB}$| fabtrain-controller:x\\.y-1$' ~/.ssh/authorized_keys "
+        '> "$t"; [ $? -le 1 ] && cat "$t" > ~/.ssh/authorized_keys; rm -f "$t"; }'
+    )
+    assert keys.revoke_script(["not a job; rm -rf /"]) == keys.revoke_script([]) == "true"
+
+
+def test_fab_stop_removes_the_keys_of_jobs_a_controller_or_a_record_shows_unless_it_runs(tmp_path):
+    """Only jobs known to be detached, by the survey (a controller container there) or by this
+    machine's record, have a key to remove; a controller that still runs keeps its own."""
+    ran, gone, recorded, plain, unknown = (f"gpt-20261124-101010-{n:04x}" for n in range(5))
+    found = PerHost(
+        gpu1=HostJobs({}, frozenset(), {}, controllers={ran: "running", gone: "exited"}),
+        gpu2=OSError("no answer"),
+    )
+    for job, controller in ((recorded, {"host": "gpu2", "dir": "/d", "container": "c"}), (plain, {})):
+        (tmp_path / job).mkdir()
+        JobRecord(spec=asdict(JobSpec(job_id=job, script="t.py")), inventory="inv.yaml",
+                  controller=controller).save(tmp_path / job)
+    assert detached.keys_to_revoke(found, [ran, gone, recorded, plain, unknown], tmp_path) == [gone, recorded]
+    assert detached.keys_to_revoke(found, [], tmp_path) == []
 
 
 INV = parse(
@@ -100,7 +138,7 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
         "fabtrain/controller:latest",
         "sh",
         "-c",
-        "exec python3 -m orchestrator.backends.ssh.detached /ctl >> /ctl/controller.log 2>&1",
+        "exec python3 -m orchestrator.backends.ssh.controller /ctl >> /ctl/controller.log 2>&1",
     ]
     assert "--privileged" not in script and passwd.endswith(f"> {p.dir}/passwd")
     assert detached.place(INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB

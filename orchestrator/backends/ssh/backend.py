@@ -16,7 +16,6 @@ from orchestrator.core import hostile
 from orchestrator.core.events import JsonLines, Reporter, Terminal
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import claims, hostops
-from orchestrator.transport.deadlines import STATUS_TIMEOUT
 from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
 
 if TYPE_CHECKING:
@@ -126,14 +125,10 @@ class SshBackend:
             hostops.mark_stopped(
                 session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets}
             )
-            results = hostops.stop(session, inv, targets, grace, inv.all_hosts)
-            # A detached job's key goes too, unless its controller still runs: that one needs it to
-            # fetch the outputs, and removes it itself at its end.
+            # A detached job's key goes too, in the same command, unless its controller still runs.
             from orchestrator.backends.ssh import detached
-            live = detached.controllers(found)
-            keys = [j for j in targets if not live.get(j, "").endswith(" running")]
-            session.fan_out(lambda h: session.run(h, detached.revoke_script(keys), timeout=STATUS_TIMEOUT,
-                                                  what="removing controller keys"), inv.all_hosts)
+            revoke = detached.keys_to_revoke(found, targets, runs)
+            results = hostops.stop(session, inv, targets, grace, inv.all_hosts, revoke=revoke)
             for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
                 if found.error(h.name) and not results.error(h.name):
                     results[h.name] = found[h.name]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts.hostops import CONTROLLER_LABEL, HostJobs
+from orchestrator.hosts.keys import authorize_script, marker, revoke_script
 from orchestrator.transport import deadlines
 from orchestrator.transport.hostkeys import host_trust
 from orchestrator.transport.remote import Session, describe
@@ -110,35 +110,6 @@ def new_key(job_id: str) -> tuple[bytes, str]:
     return private, f"{public.decode()} {marker(job_id)}"
 
 
-def marker(job_id: str) -> str:
-    return f"fabtrain-controller:{job_id}"
-
-
-# authorized_keys is changed by one controller key at a time (two --detach at once, a fab stop).
-KEYS_LOCK = "exec 8>>~/.ssh/.fabtrain.lock && flock -w 10 8"
-
-
-def authorize_script(line: str) -> str:
-    """Add the job's key to this account's authorized_keys (no forwarding of any kind)."""
-    entry = "no-agent-forwarding,no-port-forwarding,no-X11-forwarding " + line
-    return (f"umask 077; mkdir -p ~/.ssh && {KEYS_LOCK} && "
-            f"printf '%s\\n' {sshargs.shell([entry])} >> ~/.ssh/authorized_keys")
-
-
-def revoke_script(job_ids: list[str] | tuple[str, ...]) -> str:
-    """Remove these jobs' controller keys from this account's authorized_keys (the file rewritten in
-    place, so its owner, mode and links stay as they are)."""
-    ids = [j for j in job_ids if jobspec.valid_job_id(j)]
-    if not ids:
-        return "true"
-    pattern = "|".join(f" {marker(j)}$" for j in ids).replace(".", "\\.")
-    f = "~/.ssh/authorized_keys"
-    # grep exits 1 when no line is left, 2 on an error: then the file is left as it was.
-    return (f"[ -f {f} ] || exit 0; {KEYS_LOCK} && t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) && "
-            f"{{ grep -Ev {sshargs.shell([pattern])} {f} > \"$t\"; [ $? -le 1 ] && cat \"$t\" > {f}; "
-            f"rm -f \"$t\"; }}")
-
-
 def controller_inventory(inv: Inventory) -> Inventory:
     """The inventory as the controller uses it: every host reached with the job's key, checked
     against the copied known_hosts, secrets read from /ctl/secrets."""
@@ -198,7 +169,7 @@ def start_script(p: Place, image: str, owner: str) -> str:
             image,
             "sh",
             "-c",
-            f"exec python3 -m orchestrator.backends.ssh.detached {MOUNT} >> {MOUNT}/{LOG} 2>&1",
+            f"exec python3 -m orchestrator.backends.ssh.controller {MOUNT} >> {MOUNT}/{LOG} 2>&1",
         ]
     )
     return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest}'
@@ -399,6 +370,25 @@ def controllers(found: PerHost) -> dict[str, str]:
     return out
 
 
+def keys_to_revoke(found: PerHost, targets: list[str], runs: Path) -> list[str]:
+    """The jobs among `targets` (fab stop's) whose controller key goes with them: those the survey
+    saw a controller container of, or this machine's record shows detached; not one whose
+    controller still runs: that one needs it to fetch the outputs, and removes it itself at its end."""
+    live = controllers(found)
+    out = []
+    for j in targets:
+        if live.get(j, "").endswith(" running"):
+            continue
+        if j not in live:
+            try:
+                if not JobRecord.load(runs, j, "runs/").controller:
+                    continue
+            except (UserError, OSError):  # no record here it can read: not known to be detached
+                continue
+        out.append(j)
+    return out
+
+
 def detached_records(runs: Path) -> list[JobRecord]:
     """This machine's records of detached jobs whose run directory is not fetched yet."""
     found = []
@@ -492,49 +482,3 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                                     f"'fab attach {job}' takes it over here")
                 continue
             time.sleep(FOLLOW_POLL)
-
-
-# ---------------------------------------------------------------- the controller
-
-def revoke_everywhere(inv: Inventory, job_id: str) -> None:
-    with Session(inv.all_hosts) as session:
-        session.fan_out(lambda h: session.run(h, revoke_script([job_id]), timeout=deadlines.STATUS_TIMEOUT,
-                                              what="removing the controller's key"), inv.all_hosts)
-
-
-def main(root: Path) -> int:
-    """The controller: the job's life, its end written to done.json, its credentials removed."""
-    from rich.console import Console
-
-    from orchestrator.backends.ssh.backend import SshBackend
-    launch: Launch = pickle.loads((root / "launch.pickle").read_bytes())  # noqa: S301 - written by fab train
-    launch = replace(launch, console=Console(stderr=True, highlight=False, soft_wrap=True))
-    end = {"state": "failed", "error": "", "closing": ""}
-    try:
-        finished = SshBackend().run(launch)
-        end = {"state": "finished" if finished.error is None else "failed",
-               "error": str(finished.error or ""), "closing": finished.closing}
-        rec = JobRecord.load(launch.runs, launch.spec.job_id, "the job's record")
-        end["state"] = rec.state
-    except UserError as exc:
-        end["error"] = str(exc)
-    except BaseException as exc:  # noqa: BLE001 - the end is written whatever happened
-        end["error"] = f"the controller failed: {exc!r}"
-        raise
-    finally:
-        try:
-            revoke_everywhere(launch.inv, launch.spec.job_id)
-        finally:
-            for name in ("key", "launch.pickle"):
-                (root / name).unlink(missing_ok=True)
-            for secret in (root / "secrets").glob("*"):
-                secret.unlink()
-            (launch.runs / launch.spec.job_id).mkdir(parents=True, exist_ok=True)  # a job refused: its end
-            tmp = root / f".{DONE}.tmp"
-            tmp.write_text(json.dumps(end))
-            tmp.replace(root / DONE)
-    return 0 if not end["error"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
