@@ -260,7 +260,7 @@ def measure_network(session: Session, inv: Inventory, hosts: list[Host], image: 
 def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
     """ECC, retired/remapped rows, XID, throttling, PCIe and dcgmi on NVIDIA hosts; RAS/ECC and links
     on AMD hosts (gpuhealth parses and judges; its thresholds are one table there)."""
-    from orchestrator.preflight import gpuhealth
+    from orchestrator.preflight import gpuhealth, gpuparse
     gpu_hosts = [h for h in inv.hosts if h.gpu_vendor in ("nvidia", "amd")]
     if not gpu_hosts:
         return []
@@ -270,11 +270,11 @@ def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
             smi = session.run(h, sshargs.shell(gpuhealth.NVIDIA_COMMAND), timeout=60, what="nvidia-smi -q")
             xid = session.run(h, gpuhealth.XID_COMMAND, timeout=30, what="kernel log (XID)")
             diag = session.run(h, gpuhealth.DCGMI_COMMAND, timeout=300, what="dcgmi diag -r 1")
-            found = gpuhealth.judge_nvidia(gpuhealth.parse_nvidia_smi_q(smi.stdout), xid.stdout)
+            found = gpuhealth.judge_nvidia(gpuparse.parse_nvidia_smi_q(smi.stdout), xid.stdout)
             found += gpuhealth.parse_dcgmi_diag(diag.stdout)
         else:
             smi = session.run(h, sshargs.shell(gpuhealth.ROCM_COMMAND), timeout=60, what="rocm-smi")
-            found = gpuhealth.judge_amd(gpuhealth.parse_rocm_smi(smi.stdout))
+            found = gpuhealth.judge_amd(gpuparse.parse_rocm_smi(smi.stdout))
         return found
     got = session.fan_out(one, tuple(gpu_hosts))
     out = []

@@ -20,11 +20,9 @@ from orchestrator.preflight.gpuhealth import (
     judge_amd,
     judge_nvidia,
     parse_dcgmi_diag,
-    parse_nvidia_smi_q,
-    parse_rocm_smi,
-    parse_xid,
     thresholds_for,
 )
+from orchestrator.preflight.gpuparse import parse_nvidia_smi_q, parse_rocm_smi, parse_xid
 
 RECORDED = Path(__file__).parent / "recorded" / "nvidia-h100"
 
