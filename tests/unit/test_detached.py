@@ -1,14 +1,14 @@
-"""Detached jobs (backends/ssh/detached.py), without a cluster: the job's key added to and removed
-from authorized_keys (hosts/keys.py's scripts, exact and run by sh here, HOME a temporary folder),
-which jobs' keys `fab stop` removes, the inventory the controller uses, and the command that
-starts it (backends/ssh/controller.py)."""
+"""Detached jobs (backends/ssh/detached.py, submit.py), without a cluster: the job's key added to
+and removed from authorized_keys (hosts/keys.py's scripts, exact and run by sh here, HOME a
+temporary folder), which jobs' keys `fab stop` removes, the inventory the controller uses, and the
+command that starts it (backends/ssh/controller.py)."""
 import os
 import shlex
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from orchestrator.backends.ssh import detached
+from orchestrator.backends.ssh import detached, submit
 from orchestrator.config.inventory import parse
 from orchestrator.core.jobspec import JobSpec
 from orchestrator.core.recovery import JobRecord
@@ -31,10 +31,10 @@ def test_the_jobs_key_is_added_restricted_and_removed_leaving_every_other_line(t
     ssh.mkdir(mode=0o700)
     (ssh / "authorized_keys").write_text("ssh-ed25519 AAAAuser ann@ws\n")
     (ssh / "authorized_keys").chmod(0o600)
-    private, line = detached.new_key(JOB)
+    private, line = submit.new_key(JOB)
     assert private.startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
     assert line.startswith("ssh-ed25519 ") and line.endswith(f" fabtrain-controller:{JOB}")
-    _, other = detached.new_key(OTHER)
+    _, other = submit.new_key(OTHER)
     for entry in (line, other):
         assert sh(keys.authorize_script(entry), tmp_path).returncode == 0
     lines = (ssh / "authorized_keys").read_text().splitlines()
@@ -92,7 +92,7 @@ INV = parse(
 
 
 def test_the_controller_reaches_every_host_with_the_jobs_key_and_its_copied_files():
-    ctl = detached.controller_inventory(INV)
+    ctl = submit.controller_inventory(INV)
     for h in ctl.all_hosts:
         assert h.ssh.keys == ("/ctl/key",) and h.ssh.keys_only and h.ssh.known_hosts == ("/ctl/known_hosts",)
         assert h.ssh.global_known_hosts == () and h.ssh.jump == ()
@@ -108,7 +108,7 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
         f"/data/fabtrain/.controllers/{JOB}",
         f"fabtrain-ctl-{JOB}",
     )
-    script = detached.start_script(p, "fabtrain/controller:latest", "ann@ws")
+    script = submit.start_script(p, "fabtrain/controller:latest", "ann@ws")
     passwd, run = script.split(" && ", 1)
     assert run.startswith('docker run -d --rm --user "$(id -u):$(id -g)" ')
     argv = shlex.split(run.split('"$(id -u):$(id -g)" ', 1)[1])

@@ -58,8 +58,8 @@ class SshBackend:
         return self.finished(launch, result)
 
     def detach(self, launch: Launch) -> Finished:
-        from orchestrator.backends.ssh import detached
-        return detached.submit(launch, self.job(launch).record)
+        from orchestrator.backends.ssh import submit
+        return submit.submit(launch, self.job(launch).record)
 
     def take_over(self, launch: Launch) -> Finished:
         from orchestrator.backends.ssh import detached, takeover

@@ -1,6 +1,9 @@
 """Detached jobs (fab train --detach): the job's whole life (job.py, the same stages) runs in a
 controller, a container started for the job on one host (the inventory's controller: host, by
-default the first host), so the terminal that started it may close.
+default the first host), so the terminal that started it may close. Here: where a controller runs
+(Place), and what this machine does with a detached job once it is started: its end and run
+fetched, followed (fab logs), named by fab status, its key taken back by fab stop. Starting one:
+submit.py; the controller itself: controller.py.
 
 What is copied where (README: Detached jobs). On the controller's host, in
 <job.output_dir>/.controllers/JOB (mode 700, the SSH user's own), mounted at /ctl in the controller:
@@ -22,25 +25,19 @@ on the host's network (it reaches the hosts as this machine does, at their addre
 from __future__ import annotations
 
 import json
-import pickle
-import shutil
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.base import Finished, Launch
-from orchestrator.commands import hostfiles, sshargs
-from orchestrator.config.sshconf import SSH
+from orchestrator.backends.base import Finished
+from orchestrator.commands import sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
-from orchestrator.hosts.hostops import CONTROLLER_LABEL, HostJobs
-from orchestrator.hosts.keys import authorize_script, marker, revoke_script
+from orchestrator.hosts.hostops import HostJobs
+from orchestrator.hosts.keys import revoke_script
 from orchestrator.transport import deadlines
-from orchestrator.transport.hostkeys import host_trust
 from orchestrator.transport.remote import Session, describe
 
 if TYPE_CHECKING:
@@ -51,8 +48,6 @@ if TYPE_CHECKING:
 
 MOUNT = "/ctl"
 DONE = "done.json"         # the controller's last word: {"state", "error", "closing"}
-LOG = "controller.log"     # its own output (events as JSON lines, then its end)
-START_TIMEOUT = 60.0
 FETCH_TIMEOUT = 600.0
 FOLLOW_POLL = 2.0          # seconds between looks while a detached job is between attempts
 
@@ -95,216 +90,6 @@ def place_of(inv: Inventory, record: JobRecord) -> Place | None:
     if not c or host is None or not jobspec.valid_job_id(record.job_id):
         return None
     return place(replace(inv, controller=replace(inv.controller, host=host.name)), record.job_id)
-
-
-# ---------------------------------------------------------------- this machine: submit
-
-def new_key(job_id: str) -> tuple[bytes, str]:
-    """(OpenSSH private key, authorized_keys line) of a key for this job alone."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    key = Ed25519PrivateKey.generate()
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())
-    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    return private, f"{public.decode()} {marker(job_id)}"
-
-
-def controller_inventory(inv: Inventory) -> Inventory:
-    """The inventory as the controller uses it: every host reached with the job's key, checked
-    against the copied known_hosts, secrets read from /ctl/secrets."""
-    def ssh(s: SSH) -> SSH:
-        return replace(s, keys=(f"{MOUNT}/key",), keys_only=True, known_hosts=(f"{MOUNT}/known_hosts",),
-                       global_known_hosts=(), jump=())
-    return replace(
-        inv,
-        hosts=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.hosts),
-        spares=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.spares),
-        job=replace(
-            inv.job, secret_files=tuple((n, f"{MOUNT}/secrets/{n}") for n, _ in inv.job.secret_files)
-        ),
-    )
-
-
-def known_hosts_text(inv: Inventory) -> str:
-    lines = []
-    for h in inv.all_hosts:
-        trust = host_trust(h.ssh)
-        lines += [f"{trust.name} {e.key.get_name()} {e.key.get_base64()}" for e in trust.keys]
-    return "\n".join(lines) + "\n"
-
-
-def start_script(p: Place, image: str, owner: str) -> str:
-    """Run the controller: the SSH user's uid (a passwd line made for it: ssh insists on one), no
-    capabilities, the host's network, its directory at /ctl; removed when it exits."""
-    d = sshargs.shell([p.dir])
-    passwd = (
-        f'printf \'root:x:0:0::/root:/bin/sh\\n%s:x:%s:%s::{MOUNT}:/bin/sh\\n\' "$(id -un)" "$(id -u)" '
-        f'"$(id -g)" > {d}/passwd'
-    )
-    rest = sshargs.shell(
-        [
-            "--name",
-            p.container,
-            "--label",
-            f"{CONTROLLER_LABEL}={p.job}",
-            "--label",
-            f"{jobspec.LABEL_OWNER}={owner}",
-            "--network",
-            "host",
-            "--cap-drop",
-            "ALL",
-            "--security-opt",
-            "no-new-privileges",
-            "-v",
-            f"{p.dir}:{MOUNT}",
-            "-v",
-            f"{p.dir}/passwd:/etc/passwd:ro",
-            "-e",
-            f"PYTHONPATH={MOUNT}/fabtrain",
-            "-e",
-            f"HOME={MOUNT}",
-            "-w",
-            MOUNT,
-            image,
-            "sh",
-            "-c",
-            f"exec python3 -m orchestrator.backends.ssh.controller {MOUNT} >> {MOUNT}/{LOG} 2>&1",
-        ]
-    )
-    return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest}'
-
-
-def prepare_script(p: Place) -> str:
-    """The controller's directory, this account's own and mode 700 (its parent shared, sticky)."""
-    parent, d = sshargs.shell([p.dir.rsplit("/", 1)[0]]), sshargs.shell([p.dir])
-    return (hostfiles.shared_dir_script(parent, sticky=True) + f"umask 077; mkdir -p {d}/runs && "
-            + hostfiles.own_dir_chmod(d, "700"))
-
-
-def submit(launch: Launch, job_record: JobRecord) -> Finished:
-    """Copy what the controller needs (module docstring), start it, and return: the job's id said.
-    A failure on the way takes back what was placed (the key on every host, the directory)."""
-    inv, spec = launch.inv, launch.spec
-    jumps = [h.name for h in inv.all_hosts if h.ssh.jump]
-    if jumps:
-        raise UserError(f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
-                        "cannot use yet; run the job without --detach", exit_code=2)
-    p = place(inv, spec.job_id)
-    from orchestrator.images import images
-    try:
-        images.local_image(inv.controller.image)
-    except UserError:
-        raise UserError(
-            f"--detach: the controller image {inv.controller.image} is not in this machine's Docker "
-            "engine; build it with 'bash docker/build-controller.sh', or name one the controller's host "
-            "has in the inventory (controller: {image: ...})",
-            exit_code=2,
-        ) from None
-    with tempfile.TemporaryDirectory(prefix="fabtrain-ctl-") as tmp, Session(inv.all_hosts) as session:
-        stage = Path(tmp) / "stage"
-        public = stage_files(stage, launch)
-        try:
-            failed = start(session, p, stage, launch, public)
-        except BaseException:
-            remove(session, p)
-            raise
-    job_record.controller = p.record()
-    run_dir = launch.runs / spec.job_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    job_record.save(run_dir)
-    warn = "".join(f"\n  warning: {n} did not take the controller's key ({why}): the job cannot use it"
-                   for n, why in failed.items())
-    return Finished(spec.job_id, None, None,
-                    f"job {spec.job_id} detached: its controller runs on {p.host.name} ({p.container}). "
-                    f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
-                    f"{spec.job_id}' ends it{warn}")
-
-
-def stage_files(stage: Path, launch: Launch) -> str:
-    """The controller's files (module docstring) in a private local folder; the key's public line."""
-    inv, spec = launch.inv, launch.spec
-    stage.mkdir(mode=0o700)
-    private, public = new_key(spec.job_id)
-    write(stage / "key", private)
-    write(stage / "key.pub", public.encode() + b"\n")
-    write(stage / "known_hosts", known_hosts_text(inv).encode())
-    (stage / "secrets").mkdir(mode=0o700)
-    for name, path in inv.job.secret_files:
-        write(stage / "secrets" / name, Path(path).expanduser().read_bytes())
-    ctl = replace(launch, inv=controller_inventory(inv), spec=replace(spec, code=f"{MOUNT}/code"),
-                  runs=Path(MOUNT) / "runs", console=None, json=True, live=False)  # type: ignore[arg-type]
-    write(stage / "launch.pickle", pickle.dumps(ctl))
-    code_copy(stage / "fabtrain")
-    return public
-
-
-def code_copy(dest: Path) -> None:
-    """The orchestrator's code as it runs here, laid out as a checkout (resources.py finds
-    docker/entrypoint.py beside a pyproject.toml), whether it runs from a checkout or is installed."""
-    import orchestrator
-    from orchestrator.config import resources
-    shutil.copytree(Path(orchestrator.__file__).parent, dest / "orchestrator",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (dest / "docker").mkdir()
-    shutil.copyfile(resources.entrypoint(), dest / "docker" / "entrypoint.py")
-    (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
-
-
-def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) -> dict[str, str]:
-    """The key on every host (the controller's directory made in the same round trip), then at once
-    the image placed and the files copied, then the controller run; the hosts (other than the
-    controller's) that did not take the key, with why."""
-    inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
-    from orchestrator.images import images
-    first = {h.name: authorize_script(public) for h in inv.all_hosts}
-    first[p.host.name] += " && " + prepare_script(p)
-    ok = session.fan_out(lambda h: session.run(h, first[h.name], timeout=deadlines.STATUS_TIMEOUT,
-                                               what="adding the controller's key"), inv.all_hosts)
-    failed = {}
-    for h in inv.all_hosts:
-        r, error = ok.value(h.name), ok.error(h.name)
-        if error is not None or r is None or not r.ok:
-            failed[h.name] = describe(h, error) if error is not None else hostile.line(
-                (r.stderr if r else "").strip() or f"exit {r.exited if r else '?'}", 300)
-    if p.host.name in failed:
-        raise UserError(
-            f"--detach: the controller's host {p.host.name} did not take its key or make {p.dir}: "
-            f"{failed[p.host.name]}",
-            exit_code=1,
-        )
-
-    def copy(argv: list[str]) -> None:
-        done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
-        if not done.ok:
-            raise UserError(
-                f"{p.host.name}: copying to {p.dir} failed: {hostile.line(done.stderr.strip(), 300)}"
-            )
-
-    def place_image() -> None:
-        pushed = images.push(session, image, (p.host,))
-        if pushed[0].action == "failed":
-            raise UserError(
-                f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
-            )
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        for f in [
-            pool.submit(place_image),
-            pool.submit(copy, sshargs.rsync_argv(p.host, str(stage), p.dir)),
-            pool.submit(copy, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)),
-        ]:
-            f.result()
-    r = session.run(p.host, start_script(p, image, spec.owner), timeout=START_TIMEOUT,
-                    what="starting the controller")
-    if not r.ok:
-        raise UserError(f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip(), 300)}")
-    return {n: why for n, why in failed.items() if n != p.host.name}
-
-
-def write(path: Path, data: bytes) -> None:
-    path.touch(mode=0o600)
-    path.write_bytes(data)
 
 
 # ---------------------------------------------------------------- this machine: after the end
