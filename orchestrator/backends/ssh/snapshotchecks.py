@@ -96,7 +96,7 @@ def remote_check(
         raise CopyFailed(f"no checksum from the host: {describe(host, exc)}") from None
     if not r.ok:
         raise CopyFailed(f"stat/sha256sum on the host exited {r.exited}: "
-                          f"{hostile.text(r.stderr.strip())[-200:]}")
+                         f"{hostile.text(r.stderr.strip())[-200:]}")
     try:
         return parse(r.stdout)
     except ValueError as exc:

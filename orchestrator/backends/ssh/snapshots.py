@@ -366,28 +366,7 @@ class Snapshots:
             if n:
                 time.sleep(RETRY_PAUSE)
             try:
-                self._copy(argv)
-                if isinstance(digest, Manifest):
-                    got_set = remote_check(session, host, check, parse_manifest, tmp)
-                    if got_set != digest:
-                        raise CopyFailed(f"the host's copy ({got_set}) differs from this machine's "
-                                          f"({digest}): {got_set.differs(digest)}")
-                else:
-                    got = remote_check(session, host, check, parse_checksum, tmp)
-                    if got != digest:
-                        raise CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest})")
-                try:
-                    r = session.run(host, rename, timeout=CHECKSUM_TIMEOUT if is_set else LIST_TIMEOUT,
-                                    what=f"renaming {tmp}")
-                except Exception as exc:  # noqa: BLE001 - this try failed; the next one says more
-                    raise CopyFailed(f"mv on the host failed: {describe(host, exc)}") from None
-                if not r.ok and REFUSED_MARK in r.stderr:
-                    refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK):]
-                    raise _Refused(hostile.line(refused.split("\n", 1)[0].strip(), 300))
-                if not r.ok:
-                    raise CopyFailed(
-                        f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}"
-                    )
+                self._push_once(session, host, argv, check, rename, tmp, digest)
                 return
             except CopyFailed as exc:
                 why = str(exc)
@@ -412,6 +391,34 @@ class Snapshots:
         )
         self.report(line)
         raise UserError(line)
+
+    def _push_once(self, session: Session, host: Host, argv: Sequence[str], check: str, rename: str,
+                   tmp: str, digest: Digest | Manifest) -> None:
+        """One try of push: the copy, its check against `digest`, the rename; CopyFailed (_Refused:
+        the rename refused a path) says why not."""
+        is_set = isinstance(digest, Manifest)
+        self._copy(argv)
+        if isinstance(digest, Manifest):
+            got_set = remote_check(session, host, check, parse_manifest, tmp)
+            if got_set != digest:
+                raise CopyFailed(f"the host's copy ({got_set}) differs from this machine's "
+                                 f"({digest}): {got_set.differs(digest)}")
+        else:
+            got = remote_check(session, host, check, parse_checksum, tmp)
+            if got != digest:
+                raise CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest})")
+        try:
+            r = session.run(host, rename, timeout=CHECKSUM_TIMEOUT if is_set else LIST_TIMEOUT,
+                            what=f"renaming {tmp}")
+        except Exception as exc:  # noqa: BLE001 - this try failed; the next one says more
+            raise CopyFailed(f"mv on the host failed: {describe(host, exc)}") from None
+        if not r.ok and REFUSED_MARK in r.stderr:
+            refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK):]
+            raise _Refused(hostile.line(refused.split("\n", 1)[0].strip(), 300))
+        if not r.ok:
+            raise CopyFailed(
+                f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}"
+            )
 
 
 def _remove(path: Path) -> None:
