@@ -332,7 +332,7 @@ def test_failure_keeps_the_end_of_stderr_as_one_safe_line():
 
 class Flood:
     """A stand-in for a paramiko Channel whose command prints `total` bytes to stdout and a
-    little to stderr, then exits (what _drain reads: its buffers, events and flags)."""
+    little to stderr, then exits (what drain reads: its buffers, events and flags)."""
 
     class Buffer:
         def set_event(self, event):
