@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 from orchestrator import preflight
 from orchestrator.backends.ssh import snapshots
 from orchestrator.backends.ssh.attempt import Fact
+from orchestrator.backends.ssh.snapshotchecks import local_digest, remote_newest
 from orchestrator.backends.ssh.state import Refused
 from orchestrator.commands import dockerargs, ports, sshargs
+from orchestrator.commands.snapshotcmds import checksum_command, list_command
 from orchestrator.core.errors import UserError
 from orchestrator.hosts import claims, hostops
 from orchestrator.transport import deadlines
@@ -130,9 +132,9 @@ def newest_snapshot(session: Session, snaps: snapshots.Snapshots, inv: Inventory
     its bytes, since the same name is not the same bytes."""
     by_name = {h.name: h for h in asked}
     found = session.fan_out(
-        lambda h: snapshots.remote_newest(session, h, inv, spec, warn=snaps.warn), asked
+        lambda h: remote_newest(session, h, inv, spec, warn=snaps.warn), asked
     )
-    facts = [Fact(n, snapshots.list_command(inv, spec), str(found.value(n) or "none")) for n in by_name]
+    facts = [Fact(n, list_command(inv, spec), str(found.value(n) or "none")) for n in by_name]
     remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
     if remote and fetch:
         snaps.fetch(session, by_name[remote[1]], remote[0])
@@ -142,10 +144,10 @@ def newest_snapshot(session: Session, snaps: snapshots.Snapshots, inv: Inventory
         return Newest(None, (), tuple(facts))
     holders = tuple(h for h in inv.hosts if found.value(h.name) == best)
     if fetch and holders:
-        digest = snapshots.local_digest(snaps.local_path(best))
+        digest = local_digest(snaps.local_path(best))
         dest = snaps.remote_path(best)
         same = session.fan_out(lambda h: snaps.holds(session, h, dest, digest), holders)
         holders = tuple(h for h in holders if same.value(h.name))
-        facts += [Fact(h.name, snapshots.checksum_command(dest), "same bytes" if same.value(h.name) else
+        facts += [Fact(h.name, checksum_command(dest), "same bytes" if same.value(h.name) else
                        "different bytes: placed again") for h in inv.hosts if h.name in same]
     return Newest(best, tuple(h.name for h in inv.hosts if h not in holders), tuple(facts))

@@ -24,6 +24,7 @@ from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh import facts, snapshots
 from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, Step, When
 from orchestrator.backends.ssh.queue import QUEUE_POLL, Place
+from orchestrator.backends.ssh.snapshotchecks import local_digest
 from orchestrator.backends.ssh.state import (
     Again,
     Attempted,
@@ -530,7 +531,7 @@ class Job:
             raise ValueError(f"attempt {a.number} places no snapshot")
         self.stage(Stage.SNAPSHOT, a.number)
         snaps = self.store
-        digest = snapshots.local_digest(snaps.local_path(snapshot))
+        digest = local_digest(snaps.local_path(snapshot))
         targets = tuple(a.host(s.host) for s in a.select("place"))
 
         def push(h: Host) -> None:

@@ -95,11 +95,9 @@ from orchestrator.commands import sshargs
 from orchestrator.commands.snapshotcmds import (
     PLACE_TMP,
     REFUSED_MARK,
-    checksum_command,  # noqa: F401 - until job.py takes it from commands.snapshotcmds (temporary)
     fetch_set_argv,
     job_root,
     layout,
-    list_command,  # noqa: F401 - until job.py takes it from commands.snapshotcmds (temporary)
     local_dir_name,
     local_temp_name,
     remove_command,
@@ -350,15 +348,13 @@ class Snapshots:
             return False
 
     def push(self, session: Session, host: Host, name: str, digest: Digest | Manifest, *,
-             argv: Sequence[str] | None = None, check: str | None = None, rename: str | None = None) -> None:
+             argv: Sequence[str], check: str, rename: str) -> None:
         """Copy runs/JOB/snapshots/`name` to its place on a host under temp_name (a set: into
         PLACE_TMP), check it there, and rename it into place (a set: set_place_command); UserError
         (also told to `report`) when every try failed. `argv`, `check` and `rename` are the plan's
         place, place-check and place-rename steps for this host (Layout.push_commands): what runs
         is what the plan shows. `check`'s output is read as the copy's Digest (a set: its Manifest)."""
         final = self.remote_path(name)
-        if argv is None or check is None or rename is None:  # until every caller passes the plan's steps
-            argv, check, rename = self.layout.push_commands(host, self.inv, self.spec, name, self.dir)
         is_set = isinstance(digest, Manifest)
         tmp = f"{final}/{PLACE_TMP.format(name[:20])}" if is_set else temp_path(final)
         why = ""
