@@ -54,7 +54,7 @@ def timed_out_note(timeout: float) -> str:
 
 def ssh_argv(host: Host) -> list[str]:
     """The OpenSSH client command rsync uses to reach a host (its target not included): built from
-    the same resolved settings as paramiko's connection (remote.connect_kwargs), so both reach the
+    the same resolved settings as paramiko's connection (connect.connect_kwargs), so both reach the
     same host with the same keys and the same trust."""
     return ssh_options(host.ssh)
 
@@ -66,7 +66,7 @@ def ssh_options(ssh: SSH) -> list[str]:
             # Never prompt; a host whose key is unknown or changed is refused, not trusted.
             "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", "UserKnownHostsFile=" + " ".join(_ssh_escape(k) for k in ssh.known_hosts),
-            # The system-wide files too, the same ones paramiko reads (remote.host_trust); none
+            # The system-wide files too, the same ones paramiko reads (hostkeys.host_trust); none
             # is /dev/null, as ssh would open a file named 'none'.
             "-o", "GlobalKnownHostsFile=" + (" ".join(_ssh_escape(k, False) for k in ssh.global_known_hosts)
                                              or "/dev/null"),

@@ -259,7 +259,8 @@ def measure_network(session: Session, inv: Inventory, hosts: list[Host], image: 
 
 def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
     """ECC, retired/remapped rows, XID, throttling, PCIe and dcgmi on NVIDIA hosts; RAS/ECC and links
-    on AMD hosts (gpuhealth parses and judges; its thresholds are one table there)."""
+    on AMD hosts (gpuparse reads the tools' outputs, gpuhealth judges them; its thresholds are one
+    table there)."""
     from orchestrator.preflight import gpuhealth, gpuparse
     gpu_hosts = [h for h in inv.hosts if h.gpu_vendor in ("nvidia", "amd")]
     if not gpu_hosts:

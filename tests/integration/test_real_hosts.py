@@ -268,7 +268,7 @@ def test_hostile_output_reaches_this_machine_defused(inventory_path, tmp_path):
 def test_output_after_the_exit_status_is_kept_and_a_held_pipe_is_not_waited_for(inv):
     """sshd sends a command's exit status as it ends, then what is still in its stdout pipe: lines
     written after that (here by a background child) are part of the output. A child that holds the
-    pipe open and writes nothing delays the result by no more than remote.EOF_GRACE."""
+    pipe open and writes nothing delays the result by no more than capture.EOF_GRACE."""
     from orchestrator.transport import remote
 
     node1 = inv.hosts[0]
