@@ -23,7 +23,6 @@ from orchestrator import preflight
 from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh import facts, snapshots
 from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, Step, When
-from orchestrator.backends.ssh.queue import QUEUE_POLL, Place
 from orchestrator.backends.ssh.snapshotchecks import local_digest
 from orchestrator.backends.ssh.state import (
     Again,
@@ -36,6 +35,7 @@ from orchestrator.backends.ssh.state import (
     Refused,
 )
 from orchestrator.backends.ssh.steps import run_quiet, run_steps
+from orchestrator.backends.ssh.waiting import QUEUE_POLL, Place
 from orchestrator.backends.ssh.watch import watch
 from orchestrator.commands import hostfiles
 from orchestrator.config import codetree
