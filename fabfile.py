@@ -210,8 +210,9 @@ JOB_HELP = {
         "'fab status' shows the queue) and start by itself once they are free (README: The queue)",
         "detach": "run the job's control in a container on the inventory's controller: host (default: the "
         "first host) and return at once; fab logs, status, stop and attach find it (README: Detached jobs)",
-        "on": "ssh (default: the inventory's hosts) or slurm: submit to the inventory's slurm: section's "
-        "login node and follow the job there (README: On Slurm)",
+        "on": "ssh (default: the inventory's hosts), slurm: submit to the inventory's slurm: section's "
+        "login node and follow the job there (README: On Slurm), or kubernetes: with --dry-run, the "
+        "manifests to hand to kubectl (render only)",
     },
 )
 @user_errors

@@ -1,6 +1,7 @@
 """The one place a node's container is described: node_spec() turns the inventory, one host and the
 job's options into a NodeSpec (core/nodespec.py) that every backend renders: `docker run` here and
-in dockerargs, the sbatch script and the Kubernetes container in backends/export.py."""
+in dockerargs, the sbatch script in backends/slurm/script.py and the Kubernetes container in
+backends/kubernetes/manifests.py."""
 from __future__ import annotations
 
 from dataclasses import replace
