@@ -8,15 +8,11 @@ known_hosts file, so host-key checking stays on.
 """
 from __future__ import annotations
 
-import io
 import ipaddress
-import os
 import subprocess
-import tarfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,14 +25,13 @@ from docker.client import DockerClient
 from orchestrator.config import inventory
 from orchestrator.core.errors import UserError
 from orchestrator.images.images import push
+from orchestrator.testbed import slurmbed
+from orchestrator.testbed.containers import Log, NodeInfo, exec_checked
 from orchestrator.transport.remote import Session
 
 if TYPE_CHECKING:
     from docker.models.containers import Container
     from docker.models.networks import Network
-
-# Where progress lines go: print by default, or any callable that takes the line.
-Log = Callable[[str], object]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STATE_DIR = PROJECT_ROOT / ".cluster"
@@ -56,13 +51,6 @@ SHARED_DIR = "/shared"
 # volume for the inner engine.
 DIND_OPTS = dict(cap_add=["ALL"], cap_drop=["SYS_RESOURCE"],
                  security_opt=["seccomp=unconfined", "apparmor=unconfined"])
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    name: str
-    container: str
-    address: str
 
 
 def node_infos(count: int, subnet: str = SUBNET) -> list[NodeInfo]:
@@ -97,13 +85,6 @@ def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fabtrain-local-cluster",
                         "-f", str(key)], check=True)
     return key, (state / "id_ed25519.pub").read_text().strip()
-
-
-def _exec(container: Container, argv: list[str]) -> str:
-    code, out = container.exec_run(argv)
-    if code != 0:
-        raise UserError(f"{container.name}: {' '.join(argv[:3])}... failed ({code}): {out.decode()[-300:]}")
-    return out.decode()
 
 
 def _ensure_network(client: DockerClient, subnet: str) -> Network:
@@ -199,7 +180,7 @@ def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
     inv = inventory.load(state_inventory)
     _push_images(inv, images, len(nodes), log)
     if slurm:
-        slurm_up(client, nodes[:count], log)
+        slurmbed.slurm_up(client, nodes[:count], STATE_DIR, log)
     if inventory_out:
         Path(inventory_out).write_text(state_inventory.read_text())
         log(f"wrote {inventory_out}")
@@ -220,7 +201,7 @@ def _prepare(client: DockerClient, node: NodeInfo, host_image_id: str, pubkey: s
     """One host started (or kept) and ready, with this machine's key authorized; its known_hosts line."""
     c = _ensure_node(client, node, host_image_id)
     _wait_ready(c)
-    _exec(
+    exec_checked(
         c,
         [
             "sh",
@@ -232,7 +213,7 @@ def _prepare(client: DockerClient, node: NodeInfo, host_image_id: str, pubkey: s
     )
     # Under the load of dozens of new hosts the key file can still be empty for a moment.
     for _ in range(10):
-        host_key = _exec(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
+        host_key = exec_checked(c, ["cat", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()
         if len(host_key) >= 2:
             return f"{node.address} {host_key[0]} {host_key[1]}\n"
         time.sleep(0.5)
@@ -255,105 +236,6 @@ def _push_images(inv: inventory.Inventory, images: tuple[str, ...], hosts: int, 
             log(f"{image}: sent to {len(sent)} host(s)"
                 + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
                 + f", already present on {hosts - len(sent)}")
-
-
-SLURM_CONF = """\
-# Written by fab cluster.up --slurm: the test hosts as a Slurm cluster, controller on the first.
-ClusterName=fabtrain
-SlurmctldHost={first}({first_address})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-# No cgroup delegation in these containers: processes tracked by parentage, no task binding.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SchedulerType=sched/backfill
-ReturnToService=2
-MpiDefault=none
-StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
-SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
-SlurmctldLogFile=/var/log/slurmctld.log
-SlurmdLogFile=/var/log/slurmd.log
-# Finished jobs: their state in sacct --completion (no accounting database here) and in
-# scontrol show job for 10 minutes.
-JobCompType=jobcomp/filetxt
-JobCompLoc=/var/log/slurm-jobcomp.log
-AccountingStorageType=accounting_storage/none
-MinJobAge=600
-KillWait=30
-{nodes}
-PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
-
-# Start (or keep) munge, slurmd and, on the controller, slurmctld: restarted only when the config
-# or the key changed or a daemon is not running.
-SLURM_START = r"""
-set -eu
-want=$(cat /etc/slurm/slurm.conf /etc/munge/munge.key.new | sha256sum | cut -c1-16)
-if [ "$(cat /etc/slurm/.fabtrain 2>/dev/null)" = "$want" ] && pgrep -x munged >/dev/null \
-   && pgrep -x slurmd >/dev/null && { [ "$2" = 0 ] || pgrep -x slurmctld >/dev/null; }; then
-  rm -f /etc/munge/munge.key.new; echo kept; exit 0
-fi
-pkill -x slurmctld || true; pkill -x slurmd || true; pkill -x munged || true
-sleep 0.5
-install -o munge -g munge -m 0400 /etc/munge/munge.key.new /etc/munge/munge.key
-rm -f /etc/munge/munge.key.new
-mkdir -p /run/munge /var/spool/slurmd /var/spool/slurmctld
-chown munge:munge /run/munge
-runuser -u munge -- /usr/sbin/munged
-if [ "$2" = 1 ]; then slurmctld; fi
-slurmd -N "$1"
-echo "$want" > /etc/slurm/.fabtrain
-echo started
-"""
-
-
-def slurm_up(client: DockerClient, nodes: list[NodeInfo], log: Log = print, timeout: float = 60) -> None:
-    """The test hosts as a Slurm cluster (Debian's slurm-wlm and munge, in the host image): one
-    munge key, one slurm.conf, slurmd everywhere, slurmctld on the first. Idempotent; SSH jobs on
-    the same hosts are unaffected."""
-    key_file = STATE_DIR / "munge.key"
-    if not key_file.exists():
-        key_file.write_bytes(os.urandom(1024))
-        key_file.chmod(0o600)
-    conf = SLURM_CONF.format(first=nodes[0].name, first_address=nodes[0].address, nodes="\n".join(
-        f"NodeName={n.name} NodeAddr={n.address} State=UNKNOWN" for n in nodes))
-    archive = io.BytesIO()
-    with tarfile.open(fileobj=archive, mode="w") as tar:
-        for name, data, mode in (("slurm/slurm.conf", conf.encode(), 0o644),
-                                 ("munge/munge.key.new", key_file.read_bytes(), 0o400)):
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), mode
-            tar.addfile(info, io.BytesIO(data))
-
-    def start(i_node: tuple[int, NodeInfo]) -> str:
-        i, node = i_node
-        c = client.containers.get(node.container)
-        c.put_archive("/etc", archive.getvalue())
-        return _exec(c, ["sh", "-c", SLURM_START, "sh", node.name, "1" if i == 0 else "0"]).strip()
-
-    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
-        actions = list(pool.map(start, enumerate(nodes)))
-    controller = client.containers.get(nodes[0].container)
-    deadline = time.monotonic() + timeout
-    while True:
-        code, out = controller.exec_run(["sinfo", "--noheader", "--Node", "--format", "%N %t"])
-        states = dict(line.split() for line in out.decode().splitlines() if len(line.split()) == 2)
-        if code == 0 and all(states.get(n.name) in ("idle", "alloc", "mix") for n in nodes):
-            break
-        if time.monotonic() > deadline:
-            raise UserError(
-                f"Slurm did not come up within {timeout:g}s (sinfo: {states or out.decode().strip()}); "
-                f"see: docker exec {nodes[0].container} cat /var/log/slurmctld.log /var/log/slurmd.log"
-            )
-        time.sleep(0.5)
-    started = sum(a == "started" for a in actions)
-    log(f"slurm up: controller on {nodes[0].name}, {len(nodes)} node(s) idle "
-        f"({started} started, {len(nodes) - started} already running)")
 
 
 def render_inventory(nodes: Sequence[NodeInfo], key: Path = STATE_DIR / "id_ed25519",

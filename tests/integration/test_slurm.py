@@ -1,5 +1,5 @@
 """The exported sbatch script on a real Slurm: the test hosts run munged and slurmd (slurmctld on
-node1), started by cluster.slurm_up next to their sshd and Docker engine."""
+node1), started by slurmbed.slurm_up next to their sshd and Docker engine."""
 import json
 import re
 import signal
@@ -9,6 +9,7 @@ import time
 import pytest
 
 from orchestrator.testbed import cluster as cluster_mod
+from orchestrator.testbed import slurmbed
 
 from .conftest import ROOT, Run, command, fab, on_host, project_containers
 
@@ -18,7 +19,7 @@ GPT = ["--model", "tiny", "--epochs", "2",
 
 @pytest.fixture(scope="module")
 def slurm(inventory_path):
-    cluster_mod.slurm_up(cluster_mod._client(), cluster_mod.node_infos(2))
+    slurmbed.slurm_up(cluster_mod._client(), cluster_mod.node_infos(2), cluster_mod.STATE_DIR)
     r = fab(inventory_path, "sync")
     assert r.returncode == 0, r.stderr
     return inventory_path
