@@ -37,9 +37,9 @@ from orchestrator.preflight.checks import (
     Limits,
     failed,
 )
+from orchestrator.preflight.compare import judge_across
 from orchestrator.preflight.judge import (
     describe_image,
-    judge_across,
     judge_dirs,
     judge_disk,
     judge_docker,
