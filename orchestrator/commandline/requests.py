@@ -15,7 +15,7 @@ from orchestrator.config import inventory as inventory_file
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claims, survey
 from orchestrator.transport.remote import Session
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str
                 inv.job.nproc_per_node,
             )
             with Session(inv.all_hosts) as session:
-                busy = set(hostops.busy_hosts(hostops.survey(session, inv), inv, want))
+                busy = set(survey.busy_hosts(survey.survey(session, inv), inv, want))
         inv = cli.select_hosts(inv, include, req.exclude, busy, req.num_nodes)
     if req.health:
         from orchestrator.preflight import deep

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
@@ -34,14 +33,11 @@ from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hosts.claimdir import host_dir, locked, parse_units, units_text
+from orchestrator.hosts.queue import QUEUE, QUEUED, Waiting, parse_waiting, queue_scan_script
 
-DIR = ".claims"
-TICKET_RE = re.compile(r"[0-9]{20}-[A-Za-z0-9._-]+")
 REFUSED = 3       # the claim script's exit code when a unit it wants is held
 PORT_TAKEN = 5    # ... when its master port was claimed by another job on this host meanwhile
-QUEUED = 8        # ... when a job queued before it waits for this host (the queue's rule, below)
-QUEUE = "queue"   # in the host's claims directory: one file per job waiting for the host
-LOCK_WAIT = 10    # seconds the claim script waits for another claim on the same host
 
 
 def me() -> str:
@@ -82,14 +78,6 @@ class Holder:
                 f"{what}{units_text(self.units) or 'all'})")
 
 
-def units_text(units: tuple[int, ...]) -> str:
-    return ",".join(str(u) for u in units)
-
-
-def parse_units(text: str) -> tuple[int, ...]:
-    return tuple(sorted({int(u) for u in text.split(",") if u.strip().isdigit()}))
-
-
 def parse_holder(line: str) -> Holder | None:
     """'JOB who=... since=... units=...' (how the survey and the claim script print a claim file)."""
     job, *fields = line.split()
@@ -105,68 +93,7 @@ def parse_holder(line: str) -> Holder | None:
                   int(port) if port.isdigit() else None)
 
 
-@dataclass(frozen=True)
-class Waiting:
-    """One job's place in a host's queue (fab train --queue)."""
-
-    job: str
-    who: str = ""
-    since: float = 0.0
-    ticket: str = ""              # the order: earlier tickets go first (new_ticket)
-    wants: str = ""               # the units it asked for here ("" or all: the whole host)
-    age: float = 0.0              # seconds since its fab train last renewed the place
-
-    def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since)) if self.since else "?"
-        return f"{self.job} (queued by {self.who or 'unknown'} at {when})"
-
-
-def new_ticket(job_id: str) -> str:
-    """A queued job's place in every host's queue: the time it first asked, then its id (two jobs
-    queued at the same moment get distinct places, the same order on every host)."""
-    return f"{time.time_ns():020d}-{job_id}"
-
-
-def parse_waiting(line: str) -> Waiting | None:
-    """'JOB age=.. who=.. since=.. ticket=.. wants=..' (the survey's and the claim script's lines)."""
-    job, *fields = line.split() or [""]
-    if not jobspec.valid_job_id(job):
-        return None
-    kv = dict(f.partition("=")[::2] for f in fields)
-
-    def number(key: str) -> float:
-        try:
-            return float(kv.get(key, "0"))
-        except ValueError:
-            return 0.0
-    ticket = kv.get("ticket", "")
-    return Waiting(job, kv.get("who", ""), number("since"), ticket if TICKET_RE.fullmatch(ticket) else "",
-                   kv.get("wants", ""), number("age"))
-
-
-def queue_order(waiting: list[Waiting]) -> list[Waiting]:
-    """A host's queue, first first."""
-    return sorted(waiting, key=lambda w: (w.ticket or "~", w.job))
-
-
 # ------------------------------------------------------------------ on the hosts
-
-def host_dir(inv: Inventory) -> str:
-    """The claims directory of the host a command runs on (a shell word, expanded there)."""
-    return f"{sshargs.shell([f'{inv.job.output_dir}/{DIR}'])}/\"$(hostname)\""
-
-
-def dirs_script(inv: Inventory) -> str:
-    """`d` set to the host's claims directory, made if missing: `.claims` and `.claims/HOSTNAME`
-    shared by the group without a sticky bit (hostfiles.shared_dir_script), so the next claim of any
-    account of the group removes a stale claim of another; NOT_WRITABLE, naming the fix, when
-    this account cannot write there."""
-    return (
-        f"d={host_dir(inv)}; "
-        + hostfiles.shared_dir_script(sshargs.shell([f"{inv.job.output_dir}/{DIR}"]), check=False)
-        + hostfiles.shared_dir_script('"$d"')
-    )
-
 
 def survey_script(inv: Inventory) -> str:
     """Read-only: the host's CPU count, then one line per claim file (parse_survey); links (which
@@ -259,73 +186,6 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
     return locked(inv, body)
 
 
-def locked(inv: Inventory, body: str) -> str:
-    """`body` run in the host's claims directory (d=.) under its lock (see claim_script)."""
-    lock, enter = '"$d"/.lock', hostfiles.enter_script('"$d"')
-    return (
-        f"{dirs_script(inv)}( umask 022; {enter}d=.; {{ [ ! -L {lock} ] || rm -f {lock}; }}; "
-        f"{{ command exec 9<>{lock}; }} 2>/dev/null || command exec 9<{lock} || "
-        f"exit {hostfiles.NOT_WRITABLE}; "
-        f"[ -f {lock} ] && [ ! -L {lock} ] && [ {lock} -ef /dev/fd/9 ] || "
-        f"{{ printf '%s/.lock is not a plain file "
-        f'(another account may have put a link there): remove it (rm %s/.lock) and run again\\n\' "$PWD" '
-        f'"$PWD" >&2; exit {hostfiles.NOT_WRITABLE}; }}; {{ [ -O /dev/fd/9 ] && '
-        f'[ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; }} 2>/dev/null; '
-        f"flock -w {LOCK_WAIT} 9 || {{ echo 'another claim on this host held its lock for {LOCK_WAIT}s' >&2; "
-        f"exit 4; }}; {body} )"
-    )
-
-
-def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
-                      wants: tuple[int, ...]) -> str:
-    """Part of claim_script and enqueue_script (in the claims directory, under its lock, `now` set):
-    each other job's place in the host's queue is judged: one its fab train has not renewed for
-    hostfiles.LEASE_STALE s is dropped and said (`dropped JOB ...`); one queued before this job's
-    `ticket` (any, for a job that is not queued) is said (`ahead JOB ...`) and sets `ahead`. Defines
-    `wait_here CODE`: with a ticket, take or renew this job's place, then exit CODE.
-
-    The queue's rule: first come, first served on each host. A job does not start on a host while a
-    job queued there before it still waits, even when it would fit beside the running ones: with
-    no run times known, a small job started beside the head of the queue could keep it waiting for
-    ever. A job whose hosts nobody waits for starts as soon as its GPUs (slots) are free."""
-    q = sshargs.shell
-    mine = q([f"{QUEUE}/{job_id}"])
-    take = (
-        f"if [ -f {mine} ] && [ ! -L {mine} ]; then touch {mine}; else rm -f {mine} {QUEUE}/.{job_id}.tmp; "
-        f'( set -C; printf "who=%s\\nsince=%s\\nticket=%s\\nwants=%s\\n" {q([who])} "$now" {q([ticket])} '
-        f"{q([units_text(wants) or 'all'])} > {QUEUE}/.{job_id}.tmp ) && "
-        f"mv -T {QUEUE}/.{job_id}.tmp {mine}; fi; "
-        if ticket
-        else ""
-    )
-    # A ticket not of new_ticket's form (forged, or empty) orders after every real one.
-    before = (
-        f'{{ case "$t" in {"[0-9]" * 20}-*) ;; *) t="~";; esac; [ "$t" \\< {q([ticket])} ]; }}'
-        if ticket
-        else "true"
-    )
-    return (
-        hostfiles.shared_dir_script(QUEUE, check=False) + 'ahead=""; '
-        f'for f in {QUEUE}/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
-        f'case "$j" in *[!A-Za-z0-9._-]*) continue;; esac; [ "$j" = {q([job_id])} ] && continue; '
-        f'a=$((now - $(stat -c %Y "$f"))); line="$j age=$a $(tr "\\n" " " < "$f")"; '
-        f'if [ "$a" -ge {int(hostfiles.LEASE_STALE)} ]; then rm -f "$f"; echo "dropped $line"; continue; fi; '
-        f't=$(sed -n "s/^ticket=//p" "$f"); if {before}; then echo "ahead $line"; ahead=1; fi; done; '
-        f'wait_here() {{ {take}exit "$1"; }}; '
-    )
-
-
-def dequeue_command(inv: Inventory, job_id: str) -> str:
-    """Leave the host's queue (the job started, or ended while it waited)."""
-    return f"d={host_dir(inv)}; rm -f \"$d\"/{QUEUE}/{sshargs.shell([job_id])}"
-
-
-def enqueue_script(inv: Inventory, job_id: str, ticket: str, who: str, wants: tuple[int, ...]) -> str:
-    """Take or renew the job's place in the host's queue (under its lock); prints what the queue
-    scan says (jobs ahead, places dropped). Exits 0."""
-    return locked(inv, f"now=$(date +%s); {queue_scan_script(inv, job_id, ticket, who, wants)}wait_here 0")
-
-
 def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True,
                     queue: bool = True) -> str:
     """Remove these jobs' claims on the host it runs on, (`queue`) their places in its queue, and
@@ -338,17 +198,6 @@ def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtim
     gone = [p for j in ids for p in (f"{rt}/{j}", hostfiles.stopped_marker(inv, j))]
     return (f"d={host_dir(inv)}; " + (f"rm -rf {sshargs.shell(gone)}; " if runtime else "")
             + "; ".join(f'rm -f "$d"/{j}' + (f' "$d"/{QUEUE}/{j}' if queue else "") for j in ids))
-
-
-def parse_queue_output(text: str) -> tuple[list[Waiting], list[Waiting]]:
-    """(ahead, dropped): the jobs queued before this one on the host, and the places dropped."""
-    ahead: list[Waiting] = []
-    dropped: list[Waiting] = []
-    for line in text.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in ("ahead", "dropped") and (w := parse_waiting(rest)):
-            (ahead if word == "ahead" else dropped).append(w)
-    return queue_order(ahead), dropped
 
 
 def parse_claim_output(text: str) -> tuple[list[Holder], list[Holder]]:

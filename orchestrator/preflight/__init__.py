@@ -24,7 +24,7 @@ from orchestrator.config import codetree
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.jobspec import LOCAL
-from orchestrator.hosts import hostops
+from orchestrator.hosts import hostops, survey
 from orchestrator.preflight.checks import (
     CHECKS,
     DEFAULT_LIMITS,
@@ -255,7 +255,7 @@ def left_over_runtime(session: Session, inv: Inventory) -> list[Check]:
     """Runtime directories (secrets files included) of jobs that no `fab train` looks after any
     more, on hosts that answer: removed, one row per host saying so (hostops)."""
     try:
-        found = hostops.survey(session, inv, inv.hosts)
+        found = survey.survey(session, inv, inv.hosts)
         lines = hostops.clear_stale(session, inv, found)
     except Exception:  # noqa: BLE001 - the ssh and docker checks already name a host that fails here
         return []

@@ -19,7 +19,8 @@ from orchestrator.commands import dockerargs
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claims, hostops, survey
+from orchestrator.hosts.claimdir import LOCK_WAIT, units_text
 from orchestrator.preflight.checks import FAIL, OK, SKIP, WARN, Check, _last
 from orchestrator.transport.deadlines import STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import PerHost, Session
@@ -88,7 +89,7 @@ def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
     (each host claimed is added to `claimed` at once, for release), or the rows saying why it
     cannot run now."""
     for _ in range(CLAIM_TRIES):
-        found = hostops.survey(session, inv, inv.hosts)
+        found = survey.survey(session, inv, inv.hosts)
         units = choose(inv, found, within)
         if isinstance(units, list):
             return units
@@ -101,7 +102,7 @@ def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
         for h in claims.order(narrowed.hosts):
             r = session.run(h, claims.claim_script(narrowed, spec.job_id, units[h.name], spec.owner, True,
                                                    port if h.rank == 0 else None),
-                            timeout=STATUS_TIMEOUT + claims.LOCK_WAIT, what="claiming the smoke test's units")
+                            timeout=STATUS_TIMEOUT + LOCK_WAIT, what="claiming the smoke test's units")
             if r.exited in (claims.REFUSED, claims.PORT_TAKEN):
                 raced = True
                 break
@@ -137,7 +138,7 @@ def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[
     rows = []
     for h in inv.hosts:
         hj = found.value(h.name)
-        if not isinstance(hj, hostops.HostJobs):
+        if not isinstance(hj, survey.HostJobs):
             rows.append(Check(h.name, "smoke", SKIP, "its claims could not be read (see its other checks)"))
             continue
         cap = claims.capacity(h, hj.cpus)
@@ -169,7 +170,7 @@ def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[
 def narrow(inv: Inventory, units: dict[str, tuple[int, ...]], port: int) -> Inventory:
     """The inventory the smoke test's containers run with: the master port taken, and each GPU
     host's processes kept to its units (VISIBLE; the container is given every GPU of the host)."""
-    hosts = tuple(replace(h, env=(*h.env, (VISIBLE[h.gpu_vendor], claims.units_text(units[h.name]))))
+    hosts = tuple(replace(h, env=(*h.env, (VISIBLE[h.gpu_vendor], units_text(units[h.name]))))
                   if h.gpu_vendor in VISIBLE else h for h in inv.hosts)
     return replace(inv, hosts=hosts, job=replace(inv.job, master_port=port))
 

@@ -16,6 +16,7 @@ from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.hosts import claims, hostops
+from orchestrator.hosts.survey import parse_survey, survey_script
 from orchestrator.transport.remote import put_command
 
 from .conftest import fab, on_host
@@ -66,7 +67,7 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         assert as_user(alice, f"cat > {shlex.quote(hostfiles.runtime_dir(inv, spec) + '/entrypoint.py')}",
                        "print('entrypoint ok')\n").returncode == 0
         # bob sees her claim and her lease's age, is refused her slot, and takes the other one.
-        survey = hostops.parse_survey(as_user(bob, hostops.survey_script(inv)).stdout)
+        survey = parse_survey(as_user(bob, survey_script(inv)).stdout)
         assert {c.job: (c.who, c.units) for c in survey.claimed} == {spec.job_id: ("alice@ws", (0,))}
         assert survey.runtime[spec.job_id] is not None and survey.runtime[spec.job_id] < hostfiles.LEASE_LIVE
         r = as_user(bob, claims.claim_script(inv, f"bob-{tag}", (0,), "bob@ws", True))

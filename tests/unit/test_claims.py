@@ -1,6 +1,6 @@
 """Claims (claims.py): choosing GPUs or CPU slots beside other jobs, the refusal's wording, and the
 claim script itself run by a real sh against a directory of claim files, with a stand-in `docker`
-on PATH saying which jobs have containers."""
+on PATH saying which jobs have containers; the hosts' queues (queue.py) the claim script keeps."""
 import os
 import subprocess
 import time
@@ -12,7 +12,7 @@ from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
-from orchestrator.hosts import claims
+from orchestrator.hosts import claims, queue
 
 
 def inventory(out: Path | str = "/opt/out"):
@@ -152,20 +152,20 @@ def test_the_queue_is_first_come_first_served_per_host_and_drops_places_not_kept
     (root / "running").write_text("alice-1\n")
     # bob waits for alice's GPUs: refused, and his place taken; carol, queued after him, asks for GPU
     # 3, free: she waits behind bob all the same (the rule: no job starts ahead of an earlier one).
-    bob, carol = claims.new_ticket("bob-1"), claims.new_ticket("carol-1")
+    bob, carol = queue.new_ticket("bob-1"), queue.new_ticket("carol-1")
     assert bob < carol
     b = run(claims.claim_script(inv, "bob-1", (0, 1), "bob@ws2", True, ticket=bob))
     assert b.returncode == claims.REFUSED and (claim_dir / "queue" / "bob-1").exists()
     c = run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol))
-    assert c.returncode == claims.QUEUED, c.stderr
-    assert [w.job for w in claims.parse_queue_output(c.stdout)[0]] == ["bob-1"]
+    assert c.returncode == queue.QUEUED, c.stderr
+    assert [w.job for w in queue.parse_queue_output(c.stdout)[0]] == ["bob-1"]
     assert not (claim_dir / "carol-1").exists() and (claim_dir / "queue" / "carol-1").exists()
     # A job that did not ask to queue is refused while anyone waits, and takes no place.
     d = run(claims.claim_script(inv, "dave-1", (3,), "dave@ws4", True))
-    assert d.returncode == claims.QUEUED and not (claim_dir / "queue" / "dave-1").exists()
+    assert d.returncode == queue.QUEUED and not (claim_dir / "queue" / "dave-1").exists()
     # The survey shows the queue in order; alice's job running keeps its claim through a restart.
     survey = run(claims.survey_script(inv)).stdout.partition("@@claims\n")[2]
-    queued = claims.queue_order(claims.parse_survey(survey)[2])
+    queued = queue.queue_order(claims.parse_survey(survey)[2])
     assert [(w.job, w.who, w.wants) for w in queued] == [
         ("bob-1", "bob@ws2", "0,1"),
         ("carol-1", "carol@ws3", "3"),
@@ -176,33 +176,33 @@ def test_the_queue_is_first_come_first_served_per_host_and_drops_places_not_kept
     (root / "running").write_text("")
     assert (
         run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol)).returncode
-        == claims.QUEUED
+        == queue.QUEUED
     )
     assert run(claims.claim_script(inv, "bob-1", (0, 1), "bob@ws2", True, ticket=bob)).returncode == 0
-    assert run(claims.dequeue_command(inv, "bob-1")).returncode == 0
+    assert run(queue.dequeue_command(inv, "bob-1")).returncode == 0
     assert run(claims.claim_script(inv, "carol-1", (3,), "carol@ws3", True, ticket=carol)).returncode == 0
-    assert run(claims.dequeue_command(inv, "carol-1")).returncode == 0
+    assert run(queue.dequeue_command(inv, "carol-1")).returncode == 0
     # A forged place (no real ticket) orders after every real one: it holds nobody up.
     (claim_dir / "queue" / "mallory-1").write_text("who=m\nticket=$(reboot)\n")
-    assert run(claims.claim_script(inv, "gwen-1", (2,), "gwen@ws7", True, ticket=claims.new_ticket("gwen-1"))
+    assert run(claims.claim_script(inv, "gwen-1", (2,), "gwen@ws7", True, ticket=queue.new_ticket("gwen-1"))
                ).returncode == 0
     (claim_dir / "queue" / "mallory-1").unlink()
     assert run(claims.release_command(inv, ["gwen-1"])).returncode == 0
     # A running job's restart (not its first claim) never waits in the queue, onto a spare neither.
     assert (
-        run(claims.enqueue_script(inv, "ivan-1", claims.new_ticket("ivan-1"), "ivan@ws9", ())).returncode == 0
+        run(queue.enqueue_script(inv, "ivan-1", queue.new_ticket("ivan-1"), "ivan@ws9", ())).returncode == 0
     )
     assert run(claims.claim_script(inv, "hal-1", (2,), "hal@ws8", False)).returncode == 0
     assert run(claims.claim_script(inv, "jo-1", (2,), "jo@ws0", True)).returncode == claims.REFUSED
     assert run(claims.release_command(inv, ["ivan-1", "hal-1"])).returncode == 0
     # A place not kept for LEASE_STALE s (its fab train is gone) is dropped by the next one, which says so.
     assert (
-        run(claims.enqueue_script(inv, "erin-1", claims.new_ticket("erin-1"), "erin@ws5", ())).returncode == 0
+        run(queue.enqueue_script(inv, "erin-1", queue.new_ticket("erin-1"), "erin@ws5", ())).returncode == 0
     )
     old = time.time() - hostfiles.LEASE_STALE - 5
     os.utime(claim_dir / "queue" / "erin-1", (old, old))
-    f = run(claims.enqueue_script(inv, "frank-1", claims.new_ticket("frank-1"), "frank@ws6", ()))
-    ahead, dropped = claims.parse_queue_output(f.stdout)
+    f = run(queue.enqueue_script(inv, "frank-1", queue.new_ticket("frank-1"), "frank@ws6", ()))
+    ahead, dropped = queue.parse_queue_output(f.stdout)
     assert (
         ahead == []
         and [w.job for w in dropped] == ["erin-1"]
@@ -214,11 +214,11 @@ def test_the_queue_is_first_come_first_served_per_host_and_drops_places_not_kept
 
 
 def test_tickets_taken_at_the_same_moment_differ_and_order_the_same_everywhere():
-    a, b = claims.new_ticket("a-1"), claims.new_ticket("b-1")
+    a, b = queue.new_ticket("a-1"), queue.new_ticket("b-1")
     same_ns = "00000000000000000042"
     x, y = (
-        claims.parse_waiting(f"x-1 ticket={same_ns}-x-1"),
-        claims.parse_waiting(f"y-1 ticket={same_ns}-y-1"),
+        queue.parse_waiting(f"x-1 ticket={same_ns}-x-1"),
+        queue.parse_waiting(f"y-1 ticket={same_ns}-y-1"),
     )
-    assert a != b and [w.job for w in claims.queue_order([y, x])] == ["x-1", "y-1"]
-    assert claims.parse_waiting("z-1 ticket=$(reboot)").ticket == ""  # a forged ticket orders last
+    assert a != b and [w.job for w in queue.queue_order([y, x])] == ["x-1", "y-1"]
+    assert queue.parse_waiting("z-1 ticket=$(reboot)").ticket == ""  # a forged ticket orders last

@@ -13,7 +13,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.core.jobspec import JobSpec
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import keys
-from orchestrator.hosts.hostops import HostJobs
+from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport.remote import PerHost
 
 JOB = "gpt-20261124-101010-abcd"

@@ -18,6 +18,7 @@ from orchestrator.backends.ssh.watch import NodeEnd, Watched
 from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
 from orchestrator.hosts import claims, hostops
+from orchestrator.hosts.survey import HostJobs
 from orchestrator.preflight import probe, smoke
 from orchestrator.transport.remote import PerHost, Result, put_command
 
@@ -178,8 +179,8 @@ GPU = parse(
 )
 
 
-def jobs(cpus=2, claimed=(), running=None) -> hostops.HostJobs:
-    return hostops.HostJobs(running or {}, frozenset(running or ()), {c.job: 1.0 for c in claimed}, cpus=cpus,
+def jobs(cpus=2, claimed=(), running=None) -> HostJobs:
+    return HostJobs(running or {}, frozenset(running or ()), {c.job: 1.0 for c in claimed}, cpus=cpus,
                             claimed=tuple(claimed))
 
 
@@ -218,7 +219,7 @@ class Stand:
         self.calls.append((host.name, command))
         if command.startswith("ss -Htln"):
             return Result("LISTEN 0 4096 *:29500 *:*\n@@claims\n2\n", "", 0, 0.01)
-        if command.startswith("docker ps"):  # hostops.survey_script
+        if command.startswith("docker ps"):  # survey.survey_script
             return Result("@@runtime\n@@claims\n2\n", "", 0, 0.01)
         if "flock" in command:
             return Result("", "", self.claim_codes.pop(0) if self.claim_codes else 0, 0.01)

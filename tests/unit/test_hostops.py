@@ -1,4 +1,4 @@
-"""Finding jobs on a host: the survey script run by sh on this machine (docker stubbed), parsed;
+"""Finding jobs on a host (survey.py): the survey script run by sh on this machine (docker stubbed), parsed;
 and stopping them: `fab stop`'s one command per host, controller keys included."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
-from orchestrator.hosts import hostops, keys
+from orchestrator.hosts import hostops, keys, survey
 from orchestrator.transport.remote import PerHost, Result
 
 
@@ -26,9 +26,9 @@ def test_survey_finds_containers_and_runtime_leases_and_only_stale_ones_are_left
         "#!/bin/sh\nprintf 'running-1\\t0\\tfabtrain-running-1-r0\\trunning\\tUp 1h\\n'\n"
     )
     (tmp_path / "docker").chmod(0o755)
-    r = subprocess.run(["sh", "-c", hostops.survey_script(inv)], capture_output=True, text=True,
+    r = subprocess.run(["sh", "-c", survey.survey_script(inv)], capture_output=True, text=True,
                        env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
-    found = hostops.parse_survey(r.stdout)
+    found = survey.parse_survey(r.stdout)
     assert found.running == {"running-1": 0}
     assert (
         found.runtime["live-1"] < hostfiles.LEASE_LIVE <= found.runtime["lost-1"] < hostfiles.LEASE_STALE
@@ -36,8 +36,8 @@ def test_survey_finds_containers_and_runtime_leases_and_only_stale_ones_are_left
         and found.runtime["nolease-1"] is None
     )
     per = PerHost(h=found)
-    assert hostops.live_jobs(per) == {"running-1": ["h"], "live-1": ["h"]}
-    assert hostops.stale_runtime(per) == {"h": ["nolease-1", "old-1"]}
+    assert survey.live_jobs(per) == {"running-1": ["h"], "live-1": ["h"]}
+    assert survey.stale_runtime(per) == {"h": ["nolease-1", "old-1"]}
 
 
 def stop_inventory(tmp_path):

@@ -14,7 +14,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.events import JsonLines, Reporter
 from orchestrator.core.policy import Policy
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claims, survey
 from orchestrator.transport.remote import PerHost, Result
 
 SECRET = "s3cr3t-value-never-shown"
@@ -137,7 +137,7 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     ]  # periodic: lease, snapshot copies
     # The plan stage's read-only look (other jobs, free port, GPU access), then exactly the steps.
     looks = {
-        hostops.survey_script(j.inv),
+        survey.survey_script(j.inv),
         ports.port_command(),
         sshargs.shell(dockerargs.gpu_probe_argv(hosts[0])),
     }

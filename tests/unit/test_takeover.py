@@ -9,7 +9,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import claims
-from orchestrator.hosts.hostops import HostJobs
+from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport.remote import PerHost
 
 INV = parse(

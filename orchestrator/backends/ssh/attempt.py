@@ -21,7 +21,7 @@ from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import LOCAL
-from orchestrator.hosts import claims
+from orchestrator.hosts import claimdir, claims
 from orchestrator.transport.deadlines import COPY_TIMEOUT, START_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import put_command
 
@@ -136,7 +136,7 @@ class AttemptPlan:
             + ", ".join(
                 f"{h.name}=rank {h.rank}"
                 + (
-                    f" {claims.kind(h)}s {claims.units_text(self.units[h.name])}"
+                    f" {claims.kind(h)}s {claimdir.units_text(self.units[h.name])}"
                     if h.name in self.units
                     else ""
                 )
@@ -274,7 +274,7 @@ def build(
 def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[int, ...]] | None,
                 first: bool, ticket: str | None) -> list[Step]:
     """CLAIM, one host at a time, in claims.order: of two jobs claiming overlapping hosts at once,
-    exactly one gets them (claims.py). A claim waits up to claims.LOCK_WAIT for the host's lock.
+    exactly one gets them (claims.py). A claim waits up to claimdir.LOCK_WAIT for the host's lock.
     `units` None: a short job of fabtrain's own that claims no GPUs (slots)."""
     port = inv.job.master_port
     return [
@@ -290,7 +290,7 @@ def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[in
                 port if h.rank == 0 else None,
                 ticket,
             ),
-            STATUS_TIMEOUT + claims.LOCK_WAIT,
+            STATUS_TIMEOUT + claimdir.LOCK_WAIT,
             what="claiming GPUs/slots and the runtime directory",
         )
         for h in claims.order(inv.hosts)

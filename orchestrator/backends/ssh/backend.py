@@ -15,7 +15,7 @@ from orchestrator.backends.ssh.state import JobResult, PreflightFailed
 from orchestrator.core import hostile
 from orchestrator.core.events import JsonLines, Reporter, Terminal
 from orchestrator.core.recovery import JobRecord
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claims, hostops, survey
 from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class SshBackend:
     def take_over(self, launch: Launch) -> Finished:
         from orchestrator.backends.ssh import detached, takeover
         with Session(launch.inv.all_hosts) as session:
-            found = hostops.survey(session, launch.inv)
+            found = survey.survey(session, launch.inv)
             takeover.refuse_if_looked_after(found, launch.spec.job_id)
             p = detached.place_of(launch.inv, launch.record) if launch.record else None
             if launch.record is not None and not detached.unfetched(launch.record):
@@ -116,8 +116,8 @@ class SshBackend:
     def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
              runs: Path) -> Stopped:
         with Session(inv.all_hosts) as session:
-            found = hostops.survey(session, inv)
-            views = hostops.job_views(found)
+            found = survey.survey(session, inv)
+            views = survey.job_views(found)
             chosen, others = jobs.to_stop(views, job_id, everyone, claims.me())
             if everyone and others and not yes:
                 jobs.confirm_all(others)
@@ -132,7 +132,7 @@ class SshBackend:
             for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done
                 if found.error(h.name) and not results.error(h.name):
                     results[h.name] = found[h.name]
-            cleared = hostops.clear_stale(session, inv, hostops.survey(session, inv))
+            cleared = hostops.clear_stale(session, inv, survey.survey(session, inv))
         out = Stopped()
         for host in inv.all_hosts:
             r = results[host.name]
@@ -156,9 +156,9 @@ class SshBackend:
     def status(self, inv: Inventory, runs: Path) -> Status:
         from orchestrator.backends.ssh import detached
         with Session(inv.all_hosts) as session:
-            found = hostops.survey(session, inv)
-            views = hostops.job_views(found)
-            steps = hostops.last_steps(session, inv, views)
+            found = survey.survey(session, inv)
+            views = survey.job_views(found)
+            steps = survey.last_steps(session, inv, views)
             controllers = detached.status_lines(session, inv, runs, found)
         stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
         lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]

@@ -35,8 +35,8 @@ from orchestrator.commands import sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
-from orchestrator.hosts.hostops import HostJobs
 from orchestrator.hosts.keys import revoke_script
+from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import Session, describe
 
@@ -223,7 +223,7 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
     """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
     fetched here once its controller has ended."""
     from orchestrator.backends.ssh import jobs
-    from orchestrator.hosts import hostops
+    from orchestrator.hosts import survey
     p = place_of(inv, record)
     if p is None:
         raise UserError(f"job {record.job_id}: its controller ran on {record.controller.get('host')}, which "
@@ -251,8 +251,8 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                     f"job {job} {end['state']}; logs and outputs in {runs / job} (fetched from its "
                     f"controller on {p.host.name})",
                 )
-            found = hostops.survey(session, inv)
-            if job in hostops.running_jobs(found):
+            found = survey.survey(session, inv)
+            if job in survey.running_jobs(found):
                 try:
                     jobs.attach(session, inv, job, runs, console, live=live)
                 except KeyboardInterrupt:

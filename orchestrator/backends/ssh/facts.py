@@ -16,7 +16,7 @@ from orchestrator.backends.ssh.state import Refused
 from orchestrator.commands import dockerargs, ports, sshargs
 from orchestrator.commands.snapshotcmds import checksum_command, list_command
 from orchestrator.core.errors import UserError
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claimdir, claims, survey
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import describe
 
@@ -60,7 +60,7 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
     run) a host that cannot give them refuses the job, naming the holder (Refused); with `queue`
     (fab train --queue) only what no wait can give is refused. Otherwise the claim of such a host
     fails and the policy takes another."""
-    found = hostops.survey(session, inv, (*hosts, *inv.spares))
+    found = survey.survey(session, inv, (*hosts, *inv.spares))
     want = claims.want_of(spec, inv.job.nproc_per_node)
     units, refusals, impossible, facts = {}, [], [], []
     master = found.value(hosts[0].name)
@@ -72,7 +72,7 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
         asked = want.of(h, cap)
         try:
             units[h.name] = claims.choose(h, cap, holders, asked)
-            answer = f"takes {claims.kind(h)}s {claims.units_text(units[h.name])} of {cap}"
+            answer = f"takes {claims.kind(h)}s {claimdir.units_text(units[h.name])} of {cap}"
         except UserError as exc:
             refusals.append(str(exc))
             units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))

@@ -44,7 +44,8 @@ from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
-from orchestrator.hosts import claims
+from orchestrator.hosts import claimdir, claims
+from orchestrator.hosts.queue import QUEUED, new_ticket, parse_queue_output
 from orchestrator.progress import notify
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Result, Session, describe
@@ -121,9 +122,9 @@ class Job:
         self.started = False  # a container of this job was started by this process
         self.snaps: snapshots.Snapshots | None = None
         self.leasing = threading.Event()
-        # fab train --queue: the job's place in its hosts' queues (claims.new_ticket), while it waits.
+        # fab train --queue: the job's place in its hosts' queues (queue.new_ticket), while it waits.
         self.place_in_queue = (
-            Place(inv, spec, claims.new_ticket(spec.job_id), self.note, self.emit) if queue else None
+            Place(inv, spec, new_ticket(spec.job_id), self.note, self.emit) if queue else None
         )
 
     # ------------------------------------------------------------ what the attempts add up to
@@ -444,8 +445,8 @@ class Job:
                 done.append(h)
                 continue
             self.release(done)
-            if r.exited in (claims.REFUSED, claims.QUEUED) and self.place_in_queue and not self.started:
-                return Again(Queued(h, tuple(held), tuple(claims.parse_queue_output(r.stdout)[0])))
+            if r.exited in (claims.REFUSED, QUEUED) and self.place_in_queue and not self.started:
+                return Again(Queued(h, tuple(held), tuple(parse_queue_output(r.stdout)[0])))
             if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and may_replan:
                 # Another job planned at the same moment took these units or this master port: plan
                 # the attempt again from the claims as they are now (other free units and port, or a
@@ -711,10 +712,10 @@ class Job:
 def claim_refusal(h: Host, a: AttemptPlan, r: Result, what: str, held: list[claims.Holder]) -> str:
     """Why a host's claim refused the attempt, from the claim script's exit and output."""
     if r.exited == claims.REFUSED:
-        return (f"{h.name}: {claims.kind(h)}s {claims.units_text(a.units.get(h.name, ())) or '(all)'} were "
+        return (f"{h.name}: {claims.kind(h)}s {claimdir.units_text(a.units.get(h.name, ())) or '(all)'} were "
                 f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}")
-    if r.exited == claims.QUEUED:
-        ahead, _ = claims.parse_queue_output(r.stdout)
+    if r.exited == QUEUED:
+        ahead, _ = parse_queue_output(r.stdout)
         return (
             f"{h.name}: jobs queued before this one wait for it: {'; '.join(w.describe() for w in ahead)}; "
             "add --queue to wait in line behind them"

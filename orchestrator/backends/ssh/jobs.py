@@ -19,7 +19,7 @@ from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Terminal
-from orchestrator.hosts import hostops
+from orchestrator.hosts import survey
 from orchestrator.transport.remote import Session
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
     after it) is never continued by another command: that would remove its console files,
     containers, claim and secrets. UserError (exit 2) naming it and where it runs."""
     with Session(inv.all_hosts) as session:
-        found = hostops.survey(session, inv)
-    where = hostops.live_jobs(found).get(job_id)
+        found = survey.survey(session, inv)
+    where = survey.live_jobs(found).get(job_id)
     if where:
         raise UserError(
             f"{how} {job_id}: that job is still running on {', '.join(sorted(where))}; it was left "
@@ -56,7 +56,7 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
 def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console: Console,
            live: bool = True) -> JobResult:
     """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches."""
-    jobs = hostops.running_jobs(hostops.survey(session, inv))
+    jobs = survey.running_jobs(survey.survey(session, inv))
     if job_id is None:
         if not jobs:
             raise UserError("no job is running; 'fab status' lists stopped ones")
@@ -123,8 +123,8 @@ def explain(result: JobResult) -> UserError | None:
                      f"  continue from the newest snapshot with: fab train --resume {result.job_id}")
 
 
-def to_stop(views: dict[str, hostops.JobView], job: str | None, everything: bool, me: str
-            ) -> tuple[set[str], dict[str, hostops.JobView]]:
+def to_stop(views: dict[str, survey.JobView], job: str | None, everything: bool, me: str
+            ) -> tuple[set[str], dict[str, survey.JobView]]:
     """Which jobs `fab stop` ends: --job's, --all's, or by default those started by `me` (and
     those whose owner is not recorded); and the others' jobs (left alone unless --all)."""
     others = {j: v for j, v in views.items() if v.who and v.who != me}
@@ -135,7 +135,7 @@ def to_stop(views: dict[str, hostops.JobView], job: str | None, everything: bool
     return {j for j in views if j not in others}, others
 
 
-def confirm_all(others: dict[str, hostops.JobView]) -> None:
+def confirm_all(others: dict[str, survey.JobView]) -> None:
     """--all without --yes: ask on a terminal; elsewhere refuse (nothing is stopped)."""
     listing = "; ".join(f"{v.job} of {v.who} on {', '.join(v.hosts)}" for v in others.values())
     if not sys.stdin.isatty():
@@ -150,7 +150,7 @@ def since_text(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def status_rows(views: dict[str, hostops.JobView], steps: dict[str, int]) -> list[dict]:
+def status_rows(views: dict[str, survey.JobView], steps: dict[str, int]) -> list[dict]:
     """One dict per job, newest first: what `fab status` shows."""
     rows = []
     for v in sorted(views.values(), key=lambda v: (-v.since, v.job)):
@@ -163,22 +163,22 @@ def status_rows(views: dict[str, hostops.JobView], steps: dict[str, int]) -> lis
     return rows
 
 
-def status_json(views: dict[str, hostops.JobView], steps: dict[str, int], errors: list[str]) -> str:
+def status_json(views: dict[str, survey.JobView], steps: dict[str, int], errors: list[str]) -> str:
     return json.dumps({"jobs": status_rows(views, steps), "errors": errors}, indent=2)
 
 
-def status_table(views: dict[str, hostops.JobView], steps: dict[str, int], inv: Inventory) -> Table:
+def status_table(views: dict[str, survey.JobView], steps: dict[str, int], inv: Inventory) -> Table:
     from rich.table import Table
     from rich.text import Text
 
-    from orchestrator.hosts import claims
+    from orchestrator.hosts import claimdir, claims
     by_name = {h.name: h for h in inv.all_hosts}
     table = Table(title="fabtrain jobs")
     table.add_column("job", no_wrap=True)
     for col in ("who", "hosts (GPUs / slots)", "state", "attempt", "step", "since"):
         table.add_column(col)
     for r in status_rows(views, steps):
-        hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claims.units_text(tuple(x['units']))}"
+        hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claimdir.units_text(tuple(x['units']))}"
                                     if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
         style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
         if r["queue"]:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from orchestrator.backends.ssh.attempt import AttemptPlan
     from orchestrator.backends.ssh.watch import Watched
     from orchestrator.config.inventory import Host
-    from orchestrator.hosts import claims
+    from orchestrator.hosts import claims, queue
     from orchestrator.preflight.checks import Check
 
 
@@ -63,7 +63,7 @@ class Queued:
 
     host: Host
     held: tuple[claims.Holder, ...]
-    ahead: tuple[claims.Waiting, ...]
+    ahead: tuple[queue.Waiting, ...]
 
 
 @dataclass(frozen=True)

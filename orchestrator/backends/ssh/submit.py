@@ -18,8 +18,8 @@ from orchestrator.config.sshconf import SSH
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
-from orchestrator.hosts.hostops import CONTROLLER_LABEL
 from orchestrator.hosts.keys import authorize_script, marker
+from orchestrator.hosts.survey import CONTROLLER_LABEL
 from orchestrator.transport import deadlines
 from orchestrator.transport.hostkeys import host_trust
 from orchestrator.transport.remote import Session, describe

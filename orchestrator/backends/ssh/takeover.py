@@ -15,7 +15,7 @@ from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.commands import hostfiles
 from orchestrator.core.errors import UserError
 from orchestrator.core.policy import Roster
-from orchestrator.hosts.hostops import HostJobs
+from orchestrator.hosts.survey import HostJobs
 
 if TYPE_CHECKING:
     from orchestrator.backends.ssh.attempt import AttemptPlan

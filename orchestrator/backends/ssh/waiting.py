@@ -1,5 +1,5 @@
 """fab train --queue: a job's place in the queues of its hosts while their GPUs (slots) are held
-(claims.queue_scan_script states the queue's rule). The place is taken, renewed while the job
+(queue.queue_scan_script states the queue's rule). The place is taken, renewed while the job
 waits (a place not renewed for hostfiles.LEASE_STALE is dropped by the others), and left when
 the job starts or ends.
 """
@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from orchestrator.commands import hostfiles
-from orchestrator.hosts import claims
+from orchestrator.hosts import claims, queue
 from orchestrator.transport import deadlines
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ QUEUE_POLL = 5.0  # seconds between a queued job's tries (each renews its place:
 
 
 class Place:
-    """The job's place (its ticket, claims.new_ticket) in its hosts' queues, and what was last said
+    """The job's place (its ticket, queue.new_ticket) in its hosts' queues, and what was last said
     about it."""
 
     def __init__(self, inv: Inventory, spec: jobspec.JobSpec, ticket: str,
@@ -41,19 +41,19 @@ class Place:
 
         def enqueue(h: Host) -> Result:
             asked = want.of(h, 0)
-            script = claims.enqueue_script(self.inv, self.spec.job_id, self.ticket, self.spec.owner,
+            script = queue.enqueue_script(self.inv, self.spec.job_id, self.ticket, self.spec.owner,
                                            asked if isinstance(asked, tuple) else ())
             return session.run(
                 h, script, timeout=deadlines.STATUS_TIMEOUT, what="keeping its place in the queue"
             )
 
         got = session.fan_out(enqueue, hosts)
-        ahead: dict[str, list[claims.Waiting]] = {}
+        ahead: dict[str, list[queue.Waiting]] = {}
         for name in got:
             r = got.value(name)
             if r is None:
                 continue
-            ahead[name], dropped = claims.parse_queue_output(r.stdout)
+            ahead[name], dropped = queue.parse_queue_output(r.stdout)
             for w in dropped:
                 self.note(f"{name}: dropped {w.describe()} from the queue: its fab train (or controller) "
                           f"has not kept its place for {hostfiles.LEASE_STALE:g}s", "warning")
@@ -73,7 +73,7 @@ class Place:
         """The places removed (the job starts, or ended while it waited)."""
         if self.hosts:
             hosts, self.hosts = self.hosts, ()
-            command = claims.dequeue_command(self.inv, self.spec.job_id)
+            command = queue.dequeue_command(self.inv, self.spec.job_id)
             session.fan_out(lambda h: session.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
                                                   what="leaving the queue"), hosts)
             self.note(f"left the queue after {time.time() - self.since:.0f}s", "info")
