@@ -43,7 +43,7 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
 # claim of an account that left is removed by the next claim of any account (claims.py). `.runtime`
 # has one: only a job's own account (or root) renames or removes its runtime directory, which is
 # 0711: no one else lists it, reads the secrets file (0600) or writes there, while everyone can
-# still stat its lease by name (hostops.survey, the claim script) and a container's non-root user
+# still stat its lease by name (survey.survey, the claim script) and a container's non-root user
 # can read the entrypoint (0644) through the read-only mount. STOPPED_DIR (in `.runtime`, no
 # sticky bit) holds the stop markers any account of the group leaves and removes. Any member can put
 # a link where one of these directories or files goes: the scripts refuse a link for a directory
