@@ -4,7 +4,7 @@ Phases, each over every host at once:
   1. one probe script per host (one SSH round trip) gathers raw facts (probe), and the clock
      offset is sampled over the already open connection (no handshake in the measurement) (network);
   2. pure functions judge each host's facts, then the hosts against each other (same image id,
-     same MTU, same code as this machine) (judge);
+     same MTU, same code as this machine) (judge, compare);
   3. rank 0 opens a short-lived listener on the master port and every worker connects to it from
      its own interface: this is what finds a firewall (network);
   4. optionally, a collective smoke test: an all_reduce across every host in the real containers

@@ -89,7 +89,7 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
             error = found.error(h.name)
             assert error is not None, "survey: a host without HostJobs raised"  # HostJobs is truthy
             seen = f"no answer ({describe(h, error)}); "
-        facts.append(Fact(h.name, "docker ps + ls .runtime + cat .claims (hostops.survey)", seen + answer))
+        facts.append(Fact(h.name, "docker ps + ls .runtime + cat .claims (survey.survey)", seen + answer))
     if refusals and refuse and not queue:
         raise Refused("\n".join(refusals))
     if impossible and refuse:
