@@ -251,15 +251,23 @@ def main() -> None:
             env.setdefault("NCCL_SOCKET_IFNAME", "=" + dev)  # exactly this one, not a prefix match
     gpus = gpu_count() if env.get("NPROC_PER_NODE", "auto") == "auto" else 0
     argv, child, banner = plan(env, sys.argv[1:], gpus)
-    heartbeat(child)
+    spare = env.get("FABTRAIN_SPARE") == "1"  # a hot spare: no rank yet, it waits for one
+    if not spare:
+        heartbeat(child)
     flight_dir(child)
     link_code(env)
-    print(banner, flush=True)
-    procs = launch_direct(child, sys.argv[1:], []) if env.get("FABTRAIN_LAUNCH") == "direct" else None
+    print("[fabtrain] hot spare: waiting for a node rank, its workers started ahead" if spare else banner,
+          flush=True)
+    direct = env.get("FABTRAIN_LAUNCH") == "direct" and not spare
+    procs = launch_direct(child, sys.argv[1:], []) if direct else None
     if env.get("FABTRAIN_WARM") != "1":
         sys.exit(run_node(argv, child, procs=procs))
     while True:  # a warm node: one generation after another, the container kept between them
-        code = run_node(argv, child, warm=True, procs=procs)
+        if spare:
+            listen_for_stop()
+            code, spare = SPARE, False
+        else:
+            code = run_node(argv, child, warm=True, procs=procs)
         nproc = int(argv[argv.index("--nproc_per_node") + 1])
         # The next generation's workers, started now: importing torch overlaps fabtrain's decision.
         standbys = [] if code in (0, LEAVING) else spawn_standbys(child, nproc)
@@ -267,14 +275,17 @@ def main() -> None:
         if go is None:
             for p in standbys:
                 kill_tree(p.pid)
-            print(f"{EXIT_LINE}{0 if code == LEAVING else code}", flush=True)
-            sys.exit(0 if code == LEAVING else code)
+            final = 0 if code in (LEAVING, SPARE) else code
+            print(f"{EXIT_LINE}{final}", flush=True)
+            sys.exit(final)
         env.update(go)
         redirect_output(env, env.get("FABTRAIN_CONSOLE_PATH"))
         argv, child, banner = plan(env, sys.argv[1:], gpus)
         heartbeat(child)
         direct = env.get("FABTRAIN_LAUNCH") == "direct"
-        print(banner + f" generation={env['FABTRAIN_ATTEMPT']} (warm: this container was kept"
+        kept = ("hot spare: this container waited for a rank" if code == SPARE
+                else "warm: this container was kept")
+        print(banner + f" generation={env['FABTRAIN_ATTEMPT']} ({kept}"
               + ("; its workers started ahead)" if direct else ")"), flush=True)
         if direct:
             procs = launch_direct(child, sys.argv[1:], standbys)
@@ -464,6 +475,14 @@ def wait_group(procs: list[subprocess.Popen]) -> int:
 TOLD: list[int] = []  # the stop signals this node got (a warm node told to stop waits for nothing)
 LEAVING = -1000  # run_node's answer for a warm node told to stop whose torchrun ended with 0
 WARM_WAIT = 900.0  # seconds a warm node waits for its next generation (FABTRAIN_WARM_WAIT)
+SPARE = -1001  # a hot spare's "generation": none ran, it waits for its first rank (FABTRAIN_SPARE)
+
+
+def listen_for_stop() -> None:
+    """A hot spare runs no torchrun to pass signals to: a stop signal only ends its wait (TOLD)."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: TOLD.append(signum))
 
 
 def kill_tree(root: int) -> None:
@@ -494,7 +513,7 @@ def kill_tree(root: int) -> None:
 def warm_paths(env: dict[str, str]) -> tuple[str, str]:
     """(the go file fabtrain writes for this node's next generation, in the runtime mount beside
     this file; the end file this node writes when a generation ends, beside its console file)."""
-    rank = env.get("NODE_RANK", "0")
+    rank = "spare" if env.get("FABTRAIN_SPARE") == "1" else env.get("NODE_RANK", "0")
     console = env.get("FABTRAIN_CONSOLE_PATH") or os.path.join(env.get("FABTRAIN_OUTPUT", "/tmp"), "node.log")
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"warm-{rank}.env"), console + ".end"
 
@@ -506,8 +525,9 @@ def wait_warm(env: dict[str, str], code: int) -> dict[str, str] | None:
     seconds without one: the container ends."""
     import time
     go, end = warm_paths(env)
-    print(f"[fabtrain] generation {env.get('FABTRAIN_ATTEMPT', '?')} ended with code {code}; this "
-          "container stays for the next one", flush=True)
+    if code != SPARE:
+        print(f"[fabtrain] generation {env.get('FABTRAIN_ATTEMPT', '?')} ended with code {code}; this "
+              "container stays for the next one", flush=True)
     try:
         with open(end + ".tmp", "w", encoding="ascii") as fh:
             fh.write(f"{code}\n")
@@ -516,7 +536,9 @@ def wait_warm(env: dict[str, str], code: int) -> dict[str, str] | None:
         print(f"[fabtrain] cannot write {end} ({exc}); leaving", flush=True)
         return None
     current = int(env.get("FABTRAIN_ATTEMPT") or 0)
-    deadline = time.monotonic() + float(env.get("FABTRAIN_WARM_WAIT") or WARM_WAIT)
+    # A hot spare waits as long as the job may need it: the job's end (or fab stop) removes it.
+    wait = float("inf") if code == SPARE else float(env.get("FABTRAIN_WARM_WAIT") or WARM_WAIT)
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline and not TOLD:
         try:
             with open(go, encoding="utf-8") as fh:

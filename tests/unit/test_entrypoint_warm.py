@@ -41,8 +41,7 @@ def wait_for(path: Path, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def node(tmp_path):
+def start(tmp_path: Path, console: str, **extra: str):
     runtime, out = tmp_path / "runtime", tmp_path / "out"
     runtime.mkdir()
     out.mkdir()
@@ -50,11 +49,25 @@ def node(tmp_path):
     (tmp_path / "script.py").write_text(SCRIPT)
     env = {**os.environ, "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "FABTRAIN_WARM": "1", "FABTRAIN_ATTEMPT": "1",
-           "FABTRAIN_OUTPUT": str(out), "FABTRAIN_CONSOLE": str(out / ".console" / "node-0.log"),
-           "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"}
+           "FABTRAIN_OUTPUT": str(out), "FABTRAIN_CONSOLE": str(out / ".console" / console),
+           "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", **extra}
     proc = subprocess.Popen([sys.executable, str(runtime / "entrypoint.py"), "script.py"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    yield proc, runtime, out / ".console" / "node-0.log"
+    return proc, runtime, out / ".console" / console
+
+
+@pytest.fixture
+def node(tmp_path):
+    proc, runtime, console = start(tmp_path, "node-0.log")
+    yield proc, runtime, console
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def spare(tmp_path):
+    proc, runtime, console = start(tmp_path, "spare.log", FABTRAIN_SPARE="1")
+    yield proc, runtime, console
     proc.kill()
     proc.wait()
 
@@ -87,3 +100,30 @@ def test_a_warm_node_told_to_stop_while_it_waits_ends_at_once(node):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 1
     assert console.read_text().rstrip().endswith("[fabtrain] node exit code 1")
+
+
+def test_a_hot_spare_waits_then_runs_the_rank_it_is_given_with_workers_started_ahead(spare):
+    proc, runtime, console = spare
+    end = Path(str(console) + ".end")
+    wait_for(end)  # waiting, no generation of its own: its end file is what fabtrain looks for
+    assert "hot spare: waiting for a node rank" in console.read_text() and proc.poll() is None
+    node0 = console.parent / "node-0.log"
+    (runtime / "warm-spare.env.tmp").write_text(
+        f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={free_port()}\nNNODES=1\nNODE_RANK=0\nFABTRAIN_ATTEMPT=2\n"
+        f"FABTRAIN_LAUNCH=direct\nFABTRAIN_SPARE=0\nFABTRAIN_CONSOLE_PATH={node0}\n")
+    (runtime / "warm-spare.env.tmp").rename(runtime / "warm-spare.env")
+    assert proc.wait(timeout=60) == 0
+    ran = node0.read_text()  # the rank's console, not the spare's
+    assert "node_rank=0" in ran and "generation=2 (hot spare: this container waited for a rank; its workers " \
+        "started ahead)" in ran
+    for rank in (0, 1):
+        assert f"gen 2 rank {rank} of 2 sum 3 agent store False" in ran
+    assert "gen 2" not in console.read_text()
+
+
+def test_a_hot_spare_told_to_stop_ends_at_once_with_0(spare):
+    proc, _, console = spare
+    wait_for(Path(str(console) + ".end"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert console.read_text().rstrip().endswith("[fabtrain] node exit code 0")
