@@ -208,6 +208,9 @@ JOB_HELP = {
         "notify_url": "POST each notification as JSON to this http(s) URL (default: job.notify_url)",
         "queue": "when its hosts or GPUs are held, wait in line (first come, first served on each host; "
         "'fab status' shows the queue) and start by itself once they are free (README: The queue)",
+        "hot_spares": "with --restarts: start the inventory's spares with the job and keep them waiting, "
+        "workers warm and their GPUs claimed, so a failed or lost node's rank goes to one without a cold "
+        "start (default: job.hot_spares; README: Hot spares)",
         "detach": "run the job's control in a container on the inventory's controller: host (default: the "
         "first host) and return at once; fab logs, status, stop and attach find it (README: Detached jobs)",
         "on": "ssh (default: the inventory's hosts), slurm: submit to the inventory's slurm: section's "
@@ -220,7 +223,8 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
           nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
           checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
-          cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False, queue=False):
+          cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False, queue=False,
+          hot_spares=False):
     """Run a job on every host, its logs streamed here; exits as the job does.
 
     It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,

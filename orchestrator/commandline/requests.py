@@ -62,6 +62,7 @@ class TrainRequest:
     notify_url: str | None = None
     detach: bool = False
     queue: bool = False
+    hot_spares: bool = False
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> TrainRequest:
@@ -164,6 +165,8 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
     units = cli.units_asked(inv, req.include)
     gpus = cli.count("--gpus", req.gpus)
     inv, selected = hosts_for(req, inv, include, units, gpus, say)
+    if req.hot_spares:  # --hot-spares: as the inventory's job.hot_spares: true
+        inv = replace(inv, job=replace(inv.job, hot_spares=True))
     if record is None:
         policy = cli.policy(inv, req.restarts or 0, req.min_nodes, req.hang_timeout)
         spec = cli.new_spec(

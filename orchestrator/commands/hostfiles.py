@@ -149,7 +149,7 @@ LEASE_LIVE = 3 * LEASE_EVERY
 LEASE_STALE = float(os.environ.get("FABTRAIN_LEASE_STALE", "60"))
 
 
-def console_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
+def console_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
     """Where node `rank`'s container writes its output (both streams), on the host. The entrypoint
     sends it there (FABTRAIN_CONSOLE) instead of Docker's log: the follower reads plain bytes
     with `tail`, with no JSON encoding by the engine and decoding by `docker logs` in between
@@ -157,13 +157,13 @@ def console_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
     return f"{inv.job.output_dir}/{spec.job_id}/{console_name(rank)}"
 
 
-def end_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
+def end_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
     """Written by a warm node (FABTRAIN_WARM) when a generation ends: its exit code; the container
     stays and waits for its go file (warm_go_file)."""
     return console_file(inv, spec, rank) + ".end"
 
 
-def warm_go_file(inv: Inventory, spec: JobSpec, rank: int) -> str:
+def warm_go_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
     """What starts a warm node's next generation: KEY=VALUE lines, in the runtime directory the
     container mounts read-only (the entrypoint's warm_paths)."""
     return f"{runtime_dir(inv, spec)}/warm-{rank}.env"

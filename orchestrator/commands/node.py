@@ -29,6 +29,7 @@ from orchestrator.core.jobspec import (
     LABEL_WARM,
     OUTDIR,
     RUNTIME_MOUNT,
+    SPARE,
     WORKDIR,
     JobSpec,
     console_name,
@@ -123,12 +124,13 @@ WARM_KEYS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_ATTE
 
 
 def warm_key(node: NodeSpec) -> str:
-    """What a node's container is, but for what changes between generations: a container whose key
-    differs from the next attempt's (another image, code, GPUs, variables) is started cold."""
+    """What a node's container is, but for what changes between generations and which rank it runs:
+    a container whose key differs from the next attempt's (another image, code, GPUs, variables)
+    is started cold. A hot spare's key is that of any rank on its host, so it can take one."""
     import hashlib
-    env = tuple((k, v) for k, v in node.env if k not in (*WARM_KEYS, "FABTRAIN_CONSOLE"))
-    labels = tuple((k, v) for k, v in node.labels if k != LABEL_ATTEMPT)
-    return hashlib.sha256(repr(replace(node, env=env, labels=labels)).encode()).hexdigest()[:16]
+    env = tuple((k, v) for k, v in node.env if k not in (*WARM_KEYS, "FABTRAIN_CONSOLE", "FABTRAIN_SPARE"))
+    labels = tuple((k, v) for k, v in node.labels if k not in (LABEL_ATTEMPT, LABEL_RANK))
+    return hashlib.sha256(repr(replace(node, name="", env=env, labels=labels)).encode()).hexdigest()[:16]
 
 
 def docker_run_argv(
@@ -166,6 +168,7 @@ def start_script(
     timeout: float | None = None,
     warm: bool = False,
     direct: bool = False,
+    hot: bool = False,
 ) -> str:
     """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
     the command's stdin (dockerargs.ENTRYPOINT_SOURCE; never a command line), start the container.
@@ -176,7 +179,10 @@ def start_script(
     whole, then renamed); else it is removed and the node started cold. `direct`: the attempt's
     workers are launched by the entrypoint itself, without torchrun, on every node alike (a warm
     one's were started ahead, torch imported; a cold one starts its own): a node run by torchrun
-    and one without could not share a rendezvous. Else a new torchrun runs in the kept container."""
+    and one without could not share a rendezvous. Else a new torchrun runs in the kept container.
+    `hot` (the job keeps hot spares): else, when the job's hot spare waits on this host with the same
+    key, it takes this rank: renamed to the rank's container and told the rank, its console and go.
+    Whatever fails there, the node is started cold as without a spare."""
     rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
     dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt,
@@ -190,20 +196,78 @@ def start_script(
                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
     if not warm:
         return cold
-    name, end, go = container_name(spec.job_id, host.rank), end_file(inv, spec, host.rank), warm_go_file(
-        inv, spec, host.rank)
+    name, end = container_name(spec.job_id, host.rank), end_file(inv, spec, host.rank)
     key = warm_key(node_of(inv, host, spec, access, units, warm, direct))
     values = [f"{k}={v}" for k, v in job_env(inv, host, spec, units) if k in WARM_KEYS]
     values.append(f"FABTRAIN_LAUNCH={'direct' if direct else 'torchrun'}")
     if any("\n" in v for v in values):
         raise ValueError(f"a warm node's variables hold a newline: {values!r}")
-    state = shell(
+    waiting = f'[ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ]'
+    kept = (f"if {waiting} && [ -e {shell([end])} ]; then {shell(['rm', '-f', console, end])} && "
+            f"{write_go(warm_go_file(inv, spec, host.rank), values)} && echo warm; ")
+    remove = f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1"
+    if hot:
+        spare, spare_end = container_name(spec.job_id, SPARE), end_file(inv, spec, SPARE)
+        told = [*values, "FABTRAIN_SPARE=0", f"FABTRAIN_CONSOLE_PATH={OUTDIR}/{console_name(host.rank)}"]
+        kept += (
+            f'elif [ "$({waiting_state(spare)} 2>/dev/null)" = {shell([key + " true"])} ] && '
+            f"[ -e {shell([spare_end])} ] && {{ {remove}; {shell(['docker', 'rename', spare, name])}; }}; "
+            f"then {shell(['rm', '-f', console, spare_end])} && "
+            f"{write_go(warm_go_file(inv, spec, SPARE), told)} && echo hot; "
+        )
+    return f"{kept}else {remove}; {cold}; fi"
+
+
+def waiting_state(name: str) -> str:
+    """A container's warm key and whether it runs: 'KEY true' for one that can be told to go on."""
+    return shell(
         ["docker", "inspect", "-f", '{{index .Config.Labels "' + LABEL_WARM + '"}} {{.State.Running}}', name]
     )
-    return (f'if [ "$({state} 2>/dev/null)" = {shell([key + " true"])} ] && [ -e {shell([end])} ]; then '
-            f"{shell(['rm', '-f', console, end])} && (umask 022 && printf '%s\\n' {shell(values)} > "
-            f"{shell([go + '.tmp'])} && mv -f {shell([go + '.tmp', go])}) && echo warm; else "
-            f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; {cold}; fi")
+
+
+def write_go(go: str, values: list[str]) -> str:
+    """A go file written whole (then renamed), world-readable: the container reads it as its user."""
+    return (f"(umask 022 && printf '%s\\n' {shell(values)} > {shell([go + '.tmp'])} && "
+            f"mv -f {shell([go + '.tmp', go])})")
+
+
+def spare_node(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+               units: tuple[int, ...] | None = None) -> NodeSpec:
+    """A hot spare on `host`: the node any rank would be there (warm, launched direct), named and
+    labelled as the job's spare, with the spare's console; FABTRAIN_SPARE makes it wait for a rank."""
+    console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(SPARE)}")
+    env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console, ("FABTRAIN_WARM", "1"),
+                                         ("FABTRAIN_LAUNCH", "direct"), ("FABTRAIN_SPARE", "1")]
+    return node_spec(inv, host, spec, name=container_name(spec.job_id, SPARE), rank=SPARE, env=env,
+                     access=access, units=units)
+
+
+def spare_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
+                 units: tuple[int, ...] | None = None, timeout: float | None = None) -> str:
+    """Keep the job's hot spare on `host`: when one of the same key waits there (its end file),
+    nothing; else (none, another key, ended) it is started again, the entrypoint from stdin."""
+    node = spare_node(inv, host, spec, access, units)
+    key = warm_key(node)
+    name, end = container_name(spec.job_id, SPARE), end_file(inv, spec, SPARE)
+    rt = runtime_dir(inv, spec)
+    run = docker_run(node, "--detach", "--label", f"{LABEL_WARM}={key}")
+    dirs = [
+        "mkdir",
+        "-p",
+        f"{inv.job.output_dir}/{spec.job_id}",
+        end.rsplit("/", 1)[0],
+        rt,
+        work_dir(inv, spec),
+    ]
+    start = (f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; {shell(dirs)} && "
+             f"{shell(['rm', '-f', console_file(inv, spec, SPARE), end])} && "
+             f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
+             + (f"{shell(run)} >/dev/null" if timeout is None else
+                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}") + " && echo started")
+    return (
+        f'if [ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ] && [ -e {shell([end])} ]; '
+        f"then cat > /dev/null && echo hot; else {start}; fi"
+    )
 
 
 def end_generation_script(inv: Inventory, spec: JobSpec, rank: int, wait: float = 5.0) -> str:

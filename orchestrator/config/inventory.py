@@ -97,6 +97,9 @@ class Job:
     # A job with restarts keeps the containers of the nodes that did not fail and restarts only
     # their workers (the entrypoint's generations, README: recovery); false: every restart is cold.
     warm_restarts: bool = True
+    # With warm restarts, the spares' containers are started with the job and wait, workers warm,
+    # claimed by it (their GPUs held): a lost or failed node's rank goes to one without a cold start.
+    hot_spares: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,7 @@ def _job(reader: Reader) -> Job:
             "notify",
             "notify_url",
             "warm_restarts",
+            "hot_spares",
             *CONTAINER_FIELDS,
         )
     )
@@ -222,6 +226,7 @@ def _job(reader: Reader) -> Job:
         notify=reader.get("notify", str, None),
         notify_url=read_notify_url(reader),
         warm_restarts=reader.get("warm_restarts", bool, Job.warm_restarts),
+        hot_spares=reader.get("hot_spares", bool, Job.hot_spares),
         **read_container_options(reader),
     )
 

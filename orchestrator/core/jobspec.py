@@ -111,11 +111,22 @@ def valid_job_id(job_id: str) -> bool:
     return bool(JOB_ID_RE.match(job_id)) and ".." not in job_id
 
 
-def container_name(job_id: str, rank: int) -> str:
-    return f"fabtrain-{job_id}-r{rank}"
+SPARE = "spare"  # a hot spare's "rank" until it is given one: its container name, console, go file
 
 
-def console_name(rank: int) -> str:
+def container_name(job_id: str, rank: int | str) -> str:
+    """Node `rank`'s container (a hot spare's: rank SPARE, renamed when it takes a rank)."""
+    return f"fabtrain-{job_id}-spare" if rank == SPARE else f"fabtrain-{job_id}-r{rank}"
+
+
+def rank_of_container(job_id: str, name: str) -> int | None:
+    """The node rank in a container's name (None: not a rank's, e.g. a hot spare still waiting)."""
+    prefix = f"fabtrain-{job_id}-r"
+    tail = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() and len(tail) < 6 else None
+
+
+def console_name(rank: int | str) -> str:
     """Node `rank`'s console file, relative to the job's output directory (/output inside)."""
     return f"{CONSOLE_DIR}/node-{rank}.log"
 

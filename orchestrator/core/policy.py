@@ -94,15 +94,19 @@ class Decision:
     restart: bool = False  # this decision spends one of the policy's restarts
 
 
-def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int) -> Decision:
+def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int,
+           warm: frozenset[str] = frozenset(), hot: frozenset[str] = frozenset()) -> Decision:
     """The next attempt's roster, or why the job ends. `target_nodes` is the job's node count,
-    which `policy.min_nodes` (default: all of them) may lower.
+    which `policy.min_nodes` (default: all of them) may lower. `warm`: the hosts whose containers
+    wait for the next generation; `hot`: the spares kept hot (waiting, workers warm).
 
     - success, `fab stop` and Ctrl+C end the job;
     - hosts that failed preflight at a restart are replaced without spending a restart (nothing ran);
     - any other failure spends one restart, or ends the job when none is left;
     - a lost host, a stuck engine, or a host failing a second time on its own gives its node rank
-      to the next spare; with none left it is dropped, down to min_nodes nodes.
+      to the next spare; with none left it is dropped, down to min_nodes nodes;
+    - a host that failed once and would start cold (its container is gone: not `warm`) gives its
+      rank to a hot spare while one is left, and becomes a spare itself (last in line).
     """
     if outcome.interrupted is not None:
         return Decision(None, "interrupted")
@@ -116,17 +120,26 @@ def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int) 
         return Decision(None, spent)
     failed = dict(roster.failed)
     why: dict[str, str] = {}
+    gone = [f.host for f in outcome.failures if f.kind.host_is_gone]
+    ready = len([s for s in roster.spares if s.name in hot]) - len(gone)  # hot spares left for the rest
+    cold: list[Host] = []  # failed hosts that step aside for a hot spare, spares themselves from now
     for f in outcome.failures:
         if f.kind.host_is_gone:
             why[f.host] = f.kind.value
-        else:
-            failed[f.host] = failed.get(f.host, 0) + 1
-            if failed[f.host] >= 2:
-                why[f.host] = "failed twice"
+            continue
+        failed[f.host] = failed.get(f.host, 0) + 1
+        if failed[f.host] >= 2:
+            why[f.host] = "failed twice"
+        elif f.kind is not Failure.PREFLIGHT and f.host not in warm and len(cold) < ready:
+            why[f.host] = "its container is gone; a hot spare is ready"
+            cold += [h for h in roster.hosts if h.name == f.host]
     nxt = replace(roster, failed=tuple(sorted(failed.items())),
                   restarts_used=roster.restarts_used + (0 if preflight_only else 1))
     min_nodes = policy.min_nodes or target_nodes
-    hosts, spares, notes = _swap(roster.hosts, list(roster.spares), why, min_nodes)
+    # Hot spares first: a rank given to one starts without a cold start.
+    spares = sorted(roster.spares, key=lambda s: s.name not in hot)
+    hosts, spares, notes = _swap(roster.hosts, spares, why, min_nodes)
+    spares += cold
     if len(hosts) < min_nodes:
         gone = [n for n in why if n not in {h.name for h in hosts}]
         return Decision(None, f"no spare host left to replace {', '.join(gone)} "

@@ -87,12 +87,14 @@ def parse_survey(text: str) -> HostJobs:
         if len(f) >= 4 and jobspec.valid_job_id(f[0]):
             any_container.add(f[0])
             states[f[0]] = f[3]
-            if f[1].isdigit():
-                ranks[f[0]] = int(f[1])
+            # A hot spare that took a rank keeps its label (spare): its name says the rank.
+            rank = int(f[1]) if f[1].isdigit() else jobspec.rank_of_container(f[0], f[2])
+            if rank is not None:
+                ranks[f[0]] = rank
             if len(f) >= 7:
                 owners[f[0]], attempts[f[0]] = f[5], f[6]
-            if f[3] in ("running", "created", "restarting") and f[1].isdigit():
-                running[f[0]] = int(f[1])
+            if f[3] in ("running", "created", "restarting") and rank is not None:
+                running[f[0]] = rank
     dirs: dict[str, float | None] = {}
     for line in runtime.splitlines():
         job, _, age = line.partition(" ")

@@ -114,8 +114,10 @@ def test_a_hot_spare_waits_then_runs_the_rank_it_is_given_with_workers_started_a
     (runtime / "warm-spare.env.tmp").rename(runtime / "warm-spare.env")
     assert proc.wait(timeout=60) == 0
     ran = node0.read_text()  # the rank's console, not the spare's
-    assert "node_rank=0" in ran and "generation=2 (hot spare: this container waited for a rank; its workers " \
-        "started ahead)" in ran
+    assert (
+        "node_rank=0" in ran
+        and "generation=2 (hot spare: this container waited for a rank; its workers started ahead)" in ran
+    )
     for rank in (0, 1):
         assert f"gen 2 rank {rank} of 2 sum 3 agent store False" in ran
     assert "gen 2" not in console.read_text()

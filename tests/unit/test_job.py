@@ -13,7 +13,7 @@ from orchestrator.commands import dockerargs, ports, sshargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.events import JsonLines, Reporter
-from orchestrator.core.policy import Policy
+from orchestrator.core.policy import Policy, Roster
 from orchestrator.hosts import claims, survey
 from orchestrator.transport.remote import PerHost, Result
 
@@ -335,3 +335,66 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
     assert ("node1", claims.release_command(j.inv, ["gpt-1"], queue=False)) in commands
     assert not any(c.startswith("mkdir -p /opt/out/gpt-1 ") or "docker run" in c for _, c in commands)
     assert not j.run_dir.exists()
+
+
+def test_a_hot_spare_waits_from_the_start_and_takes_the_rank_of_a_node_whose_container_is_gone(
+        tmp_path, monkeypatch):
+    """--hot-spares with one spare: attempt 1 claims, syncs and starts the spare beside the nodes;
+    node2's container ends (exit 137, not waiting warm), so the spare takes rank 1 in attempt 2,
+    which syncs nothing and runs no preflight: its start step renames the waiting spare and tells it
+    the rank. What ran is each attempt's plan."""
+    monkeypatch.chdir(tmp_path)
+    inv = parse("""\
+job: {output_dir: /opt/out, code_dir: /opt/code, hot_spares: true}
+hosts:
+  - {name: node1, address: 10.0.0.1, interface: eth0}
+  - {name: node2, address: 10.0.0.2, interface: eth0}
+spares:
+  - {name: node3, address: 10.0.0.3, interface: eth0}
+""", tmp_path / "inventory.yaml")
+
+    class Hot(Recorder):
+        ends = 0
+
+        def answer(self, host, command):
+            if 'echo "${code:-255}$w"' in command:  # node2's container was killed; node1 waits warm
+                Hot.ends += 1
+                code = "137" if host.name == "node2" else "0 warm" if Hot.ends <= 2 else "0"
+                return Result(f"{code}\n", "", 0, 0.01)
+            return super().answer(host, command)
+
+    rec = Hot(inv.all_hosts)
+    j = new_job(tmp_path, rec)
+    j.inv = inv
+    j.roster = Roster(inv.hosts, inv.spares)
+    j.policy = Policy(restarts=1, hang_timeout=0)
+    import orchestrator.backends.ssh.job as jm
+    monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: [])
+    result = job.run(j)
+    assert [h.name for h in j.history[0].plan.hot] == ["node3"], j.history[0].plan.render()[:300]
+    assert result.ok and result.attempts == 2, result
+    first, second = j.history[0].plan, j.history[1].plan
+    assert [h.name for h in first.hot] == ["node3"] and "hot spares node3" in first.render()
+    assert {s.where for s in first.select("claim")} == {"node1", "node2", "node3"}
+    assert {s.host for s in first.select("sync")} == {"node1", "node2", "node3"}
+    spare = first.step("node3", "spare").command
+    assert "FABTRAIN_SPARE=1" in spare and "--name fabtrain-gpt-1-spare" in spare
+    assert [(h.name, h.rank) for h in second.hosts] == [("node1", 0), ("node3", 1)]
+    assert [h.name for h in second.hot] == ["node2"]  # its host answers: the next hot spare
+    assert j.history[0].warm_ranks == {"node1": 0}, j.history[0].watched
+    assert second.select("sync") == []  # node1 warm, node3 the hot spare: nothing to sync or check
+    start = second.step("node3", "start").command
+    assert ("docker rename fabtrain-gpt-1-spare fabtrain-gpt-1-r1" in start and "FABTRAIN_SPARE=0" in start
+            and "FABTRAIN_CONSOLE_PATH=/output/.console/node-1.log" in start and "echo hot" in start)
+    for a in (first, second):  # what ran is the plan, host by host, in order
+        begin = next(i for i, c in enumerate(rec.calls) if c[2] == a.select("claim")[0].command)
+        ran = [c[:3] for c in rec.calls[begin:] if not c[2].startswith(("touch ", "ls -1 "))]
+        for n in ("node1", "node2", "node3"):
+            mine = [c[1:] for c in ran if c[0] == n]
+            want = [w[1:] for w in expected(a) if w[0] == n and w[1] not in ("fetch",)]
+            assert [w for w in want if w in mine] == want, n
+    notes = (tmp_path / "runs" / "gpt-1" / "events.jsonl").read_text()
+    assert "spare node3 takes the place of node2 (its container is gone; a hot spare is ready)" in notes
+    # The job's end sweeps every host it used, the spare's included.
+    sweeps = {c[0] for c in rec.calls if c[2] == dockerargs.stop_script("gpt-1", 0)}
+    assert sweeps == {"node1", "node2", "node3"}

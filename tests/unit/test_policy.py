@@ -14,6 +14,7 @@ hosts:
   - {name: c, address: 10.0.0.3, interface: eth0}
 spares:
   - {name: s1, address: 10.0.0.8, interface: eth0}
+  - {name: s2, address: 10.0.0.9, interface: eth0}
 """, Path("inv.yaml"))
 
 
@@ -172,3 +173,30 @@ def test_spares_are_used_once_and_failures_counted():
 
 def test_backoff_doubles_up_to_its_cap_after_an_immediate_first_restart():
     assert [backoff(n) for n in (2, 3, 4, 5, 11)] == [0, 1, 2, 4, 30]
+
+
+def test_a_failed_node_whose_container_is_gone_gives_its_rank_to_a_hot_spare():
+    r = roster(spares=2)
+    hot = frozenset({"s1"})
+    # b's container is gone (not warm): the hot spare takes rank 1 at once; b is a (cold) spare now.
+    d = decide(fails(("b", F.EXIT)), Policy(restarts=3), r, 3, warm=frozenset({"a", "c"}), hot=hot)
+    assert [(h.name, h.rank) for h in d.roster.hosts] == [("a", 0), ("s1", 1), ("c", 2)]
+    assert [h.name for h in d.roster.spares] == ["s2", "b"] and d.restart
+    assert d.notes == ("spare s1 takes the place of b (its container is gone; a hot spare is ready) as node "
+                       "rank 1",)
+    # Its container waits warm: it restarts there, the spare stays hot.
+    d = decide(fails(("b", F.EXIT)), Policy(restarts=3), r, 3, warm=frozenset({"a", "b", "c"}), hot=hot)
+    assert [h.name for h in d.roster.hosts] == ["a", "b", "c"] and [h.name for h in d.roster.spares] == [
+        "s1",
+        "s2",
+    ]
+    # No hot spare: as before, the node restarts in place (a cold spare is not faster).
+    d = decide(fails(("b", F.EXIT)), Policy(restarts=3), r, 3)
+    assert [h.name for h in d.roster.hosts] == ["a", "b", "c"]
+    # A lost host takes the hot spare first; a node that merely failed then restarts in place.
+    d = decide(fails(("a", F.LOST), ("b", F.EXIT)), Policy(restarts=3), r, 3, warm=frozenset({"c"}), hot=hot)
+    assert [(h.name, h.rank) for h in d.roster.hosts] == [("s1", 0), ("b", 1), ("c", 2)]
+    assert [h.name for h in d.roster.spares] == ["s2"]
+    # The hot spare goes first even when listed after a cold one.
+    d = decide(fails(("c", F.LOST)), Policy(restarts=3), r, 3, hot=frozenset({"s2"}))
+    assert [(h.name, h.rank) for h in d.roster.hosts] == [("a", 0), ("b", 1), ("s2", 2)]

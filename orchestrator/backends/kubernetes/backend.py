@@ -31,7 +31,16 @@ class KubernetesBackend:
     # Options that reach the hosts or follow a running job: nothing of them is in the manifests.
     refuses = {
         option: "not with --on kubernetes: it only writes manifests (fab train --on kubernetes --dry-run)"
-        for option in ("health", "num_nodes", "smoke", "queue", "detach", "notify", "notify_url")
+        for option in (
+            "health",
+            "num_nodes",
+            "smoke",
+            "queue",
+            "detach",
+            "notify",
+            "notify_url",
+            "hot_spares",
+        )
     }
 
     def render(self, inv: Inventory, spec: JobSpec, restarts: int = 0) -> tuple[dict[str, str], list[str]]:

@@ -47,6 +47,7 @@ class SlurmBackend:
         }
         | {
             "queue": "not with --on slurm: Slurm queues every job itself",
+            "hot_spares": "not with --on slurm: Slurm chooses the nodes of a requeued job itself",
         "detach": "not with --on slurm yet (Slurm runs the job; fab train --on slurm follows it "
             "to the end)"
         }

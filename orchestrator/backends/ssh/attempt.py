@@ -112,6 +112,7 @@ class AttemptPlan:
         default_factory=dict, compare=False
     )  # host -> GPUs (slots) held
     warm: bool = False  # build()'s `warm`: its nodes keep their containers between generations
+    hot: tuple[Host, ...] = ()  # hot spares kept waiting beside the attempt (build()'s `hot`)
 
     @property
     def master(self) -> Host:
@@ -126,7 +127,7 @@ class AttemptPlan:
         ]
 
     def host(self, name: str) -> Host:
-        return next(h for h in self.hosts if h.name == name)
+        return next(h for h in (*self.hosts, *self.hot) if h.name == name)
 
     def render(self) -> str:
         """Every command, per host, in order; conditional ones under the condition that runs them."""
@@ -145,6 +146,7 @@ class AttemptPlan:
             + f"; master {self.master.hostname}:{self.port}"
             + (f"; from snapshot {self.snapshot}" if self.snapshot else "")
             + ("; warm nodes (a failure restarts the workers, the containers stay)" if self.warm else "")
+            + (f"; hot spares {', '.join(h.name for h in self.hot)}" if self.hot else "")
         ]
         if self.facts:
             lines.append("# built from (read-only, on the hosts):")
@@ -175,6 +177,7 @@ STAGE_OF = {
     "place-rename": Stage.SNAPSHOT,
     "secrets": Stage.START,
     "start": Stage.START,
+    "spare": Stage.START,
     "follow": Stage.WATCH,
     "finish": Stage.WATCH,
     "stopped": Stage.DECIDE,
@@ -243,6 +246,7 @@ def build(
     units: dict[str, tuple[int, ...]] | None = None,
     ticket: str | None = None,
     warm: bool = False,
+    hot: tuple[Host, ...] = (),
 ) -> AttemptPlan:
     """The attempt's plan, pure: `inv.hosts` are its hosts in rank order; `snapshot` (a name in
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
@@ -252,27 +256,30 @@ def build(
     between generations is told to start the next instead of being started again, and a failure or
     the teardown ends only the generation; the containers go at the job's end (sweep) or on
     Ctrl+C and fab stop. A warm job's restarts launch their workers without torchrun, on every
-    node alike, warm or cold (node.start_script: direct)."""
+    node alike, warm or cold (node.start_script: direct). `hot` (a warm job's spares kept hot):
+    claimed and synced with the hosts, each its spare's container kept waiting (node.spare_script),
+    stopped on Ctrl+C and at the end; a rank's start takes a spare waiting on its host."""
     inv = replace(inv, job=replace(inv.job, master_port=port))
     spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
                                                 ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))))
     run_dir = run_dir or f"runs/{spec.job_id}"
+    hot = hot if warm else ()
     steps = [
-        *claim_steps(inv, spec, units, first, ticket),
-        *gate_steps(inv, spec, sync),
+        *claim_steps(inv, spec, units, first, ticket, hot),
+        *gate_steps(inv, spec, sync, hot),
         *snapshot_steps(inv, spec, snapshot, snapshot_missing, run_dir),
-        *start_steps(inv, spec, access or {}, units or {}, warm, direct=warm and number > 1),
+        *start_steps(inv, spec, access or {}, units or {}, warm, direct=warm and number > 1, hot=hot),
         *watch_steps(inv, spec, warm),
         *teardown_steps(inv, spec, warm),
         *end_steps(inv, spec, inv.hosts, run_dir),
-        *conditional_steps(inv, spec, run_dir, warm),
+        *conditional_steps(inv, spec, run_dir, warm, hot),
     ]
     return AttemptPlan(spec.job_id, number, inv.hosts, port, snapshot, spec, inv, facts, tuple(steps),
-                       inv.job.stop_grace, units or {}, warm)
+                       inv.job.stop_grace, units or {}, warm, hot)
 
 
 def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[int, ...]] | None,
-                first: bool, ticket: str | None) -> list[Step]:
+                first: bool, ticket: str | None, hot: tuple[Host, ...] = ()) -> list[Step]:
     """CLAIM, one host at a time, in claims.order: of two jobs claiming overlapping hosts at once,
     exactly one gets them (claims.py). A claim waits up to claimdir.LOCK_WAIT for the host's lock.
     `units` None: a short job of fabtrain's own that claims no GPUs (slots)."""
@@ -293,11 +300,11 @@ def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[in
             STATUS_TIMEOUT + claimdir.LOCK_WAIT,
             what="claiming GPUs/slots and the runtime directory",
         )
-        for h in claims.order(inv.hosts)
+        for h in claims.order((*inv.hosts, *hot))
     ]
 
 
-def gate_steps(inv: Inventory, spec: jobspec.JobSpec, sync: bool) -> list[Step]:
+def gate_steps(inv: Inventory, spec: jobspec.JobSpec, sync: bool, hot: tuple[Host, ...] = ()) -> list[Step]:
     """GATE: the code synced to every host (beside the preflight, which reads only), then a look
     for `fab stop`'s marker: a stop during the preflight ends the job before anything starts."""
     steps = []
@@ -309,7 +316,7 @@ def gate_steps(inv: Inventory, spec: jobspec.JobSpec, sync: bool) -> list[Step]:
                 sshargs.rsync_argv(h, spec.code, hostfiles.code_path(inv, spec), spec.code_only),
                 what="syncing the code",
             )
-            for h in inv.hosts
+            for h in (*inv.hosts, *hot)
         ]
     return steps + [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
                                 what="checking for fab stop") for h in inv.hosts]
@@ -336,23 +343,33 @@ def snapshot_steps(inv: Inventory, spec: jobspec.JobSpec, snapshot: str | None, 
 
 
 def start_steps(inv: Inventory, spec: jobspec.JobSpec, access: dict[str, dockerargs.GpuAccess | None],
-                units: dict[str, tuple[int, ...]], warm: bool, direct: bool) -> list[Step]:
+                units: dict[str, tuple[int, ...]], warm: bool, direct: bool,
+                hot: tuple[Host, ...] = ()) -> list[Step]:
     """START: the secrets file (from stdin, never on a command line), then the node's start script
-    (docker run, or the next generation of its warm container) with the entrypoint on stdin."""
+    (docker run, the next generation of its warm container, or a hot spare's) with the entrypoint
+    on stdin; on each hot spare's host, its container kept waiting."""
     job = inv.job
     secrets = secrets_body(inv) if job.secret_files else None
     steps = []
-    for h in inv.hosts:
+    for h in (*inv.hosts, *hot):
         if secrets is not None:
             steps.append(remote_step(h, "secrets", put_command(hostfiles.secrets_file(inv, spec), 0o600), 30,
                                      what="writing the secrets file", stdin=secrets,
                                      stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
+        if h in hot:
+            steps.append(remote_step(h, "spare", node.spare_script(inv, h, spec, access.get(h.name),
+                                                                   units.get(h.name), START_TIMEOUT),
+                                     START_TIMEOUT, what="keeping the hot spare waiting",
+                                     stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),
+                                     stdin_note=resources.ENTRYPOINT_NAME))
+            continue
         steps.append(
             remote_step(
                 h,
                 "start",
                 node.start_script(
-                    inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT, warm, direct
+                    inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT, warm, direct,
+                    hot=inv.job.hot_spares and warm,
                 ),
                 START_TIMEOUT,
                 what="docker run" + (" (or the next generation of its warm container)" if warm else ""),
@@ -396,14 +413,15 @@ def teardown_steps(inv: Inventory, spec: jobspec.JobSpec, warm: bool) -> list[St
             for h in inv.hosts]
 
 
-def conditional_steps(inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm: bool) -> list[Step]:
+def conditional_steps(inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm: bool,
+                      hot: tuple[Host, ...] = ()) -> list[Step]:
     """The steps that run only when their When says so: which run depends on what happens."""
     hosts, m, job = inv.hosts, inv.master, inv.job
     shape = layout(spec)
     local = Path(run_dir) / local_dir_name(spec)
     lease = sshargs.shell(["touch", f"{hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}"])
     steps = [remote_step(h, "lease", lease, STATUS_TIMEOUT, When.ON_LEASE, what="touching the job's lease")
-             for h in hosts]
+             for h in (*hosts, *hot)]
     steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT,
                              When.ON_SNAPSHOT, what="listing snapshots"))
     some = "NAME" if not spec.checkpoint else "00000000000000000000"  # the name found, when it runs
@@ -429,7 +447,7 @@ def conditional_steps(inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm:
                           When.ON_FAILURE, what=stopping(warm)) for h in hosts]
     return steps + [remote_step(h, "stop-on-interrupt", dockerargs.stop_script(spec.job_id, job.stop_grace),
                                 job.stop_grace + STOP_MARGIN, When.ON_INTERRUPT, what="stopping containers")
-                    for h in hosts]
+                    for h in (*hosts, *hot)]
 
 
 STACKS_TIMEOUT = 15

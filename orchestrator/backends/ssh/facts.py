@@ -51,6 +51,7 @@ class Units:
     units: dict[str, tuple[int, ...]]
     claimed_ports: frozenset[int]
     facts: tuple[Fact, ...]
+    refused: frozenset[str] = frozenset()  # hosts that cannot give them now
 
 
 def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...],
@@ -62,7 +63,7 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
     fails and the policy takes another."""
     found = survey.survey(session, inv, (*hosts, *inv.spares))
     want = claims.want_of(spec, inv.job.nproc_per_node)
-    units, refusals, impossible, facts = {}, [], [], []
+    units, refusals, impossible, facts, refused = {}, [], [], [], set()
     master = found.value(hosts[0].name)
     claimed = {c.port for c in master.holders(but=spec.job_id) if c.port} if master else set()
     for h in hosts:
@@ -74,6 +75,7 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
             units[h.name] = claims.choose(h, cap, holders, asked)
             answer = f"takes {claims.kind(h)}s {claimdir.units_text(units[h.name])} of {cap}"
         except UserError as exc:
+            refused.add(h.name)
             refusals.append(str(exc))
             units[h.name] = asked if isinstance(asked, tuple) else tuple(range(min(asked, cap)))
             answer = f"refused: {exc}"
@@ -96,7 +98,7 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
         raise Refused(
             "\n".join(impossible) + "; no wait in the queue gives that: ask for what the hosts have"
         )
-    return Units(units, frozenset(claimed), tuple(facts))
+    return Units(units, frozenset(claimed), tuple(facts), frozenset(refused))
 
 
 def free_port(session: Session, inv: Inventory, taken: set[int]) -> tuple[int, Fact]:

@@ -138,7 +138,7 @@ class Job:
     def used(self) -> dict[str, Host]:
         """Every host an attempt of this job used (its outputs are fetched from them at the end)."""
         plans = [d.plan for d in self.history] + ([self.current] if self.current else [])
-        return {h.name: h for a in plans for h in a.hosts}
+        return {h.name: h for a in plans for h in (*a.hot, *a.hosts)}
 
     @property
     def lost(self) -> frozenset[str]:
@@ -273,12 +273,21 @@ class Job:
         self.stage(Stage.PLAN, number)
         self.key_code()
         inv = replace(self.inv, hosts=self.roster.hosts)
-        access, seen = facts.gpu_access(self.ssh, inv.hosts)
+        hot = self.roster.spares if self.hot_spares else ()
+        access, seen = facts.gpu_access(self.ssh, (*inv.hosts, *hot))
         first = self.last is None
         queue = self.place_in_queue is not None
         units = facts.choose_units(
             self.ssh, self.inv, self.spec, inv.hosts, refuse=first and not dry, queue=queue
         )
+        if hot:  # a spare whose GPUs (slots) another job holds now stays cold
+            spare = facts.choose_units(self.ssh, self.inv, self.spec, hot, refuse=False, queue=False)
+            hot = tuple(h for h in hot if h.name not in spare.refused)
+            units = replace(
+                units,
+                units={**units.units, **{h.name: spare.units[h.name] for h in hot}},
+                facts=(*units.facts, *(f for f in spare.facts if f.where in {h.name for h in hot})),
+            )
         taken = ({self.last.port} if self.last else set()) | units.claimed_ports
         port, port_fact = facts.free_port(self.ssh, inv, taken)
         seen += [*units.facts, port_fact]
@@ -307,6 +316,7 @@ class Job:
             units=units.units,
             ticket=None if self.started or not self.place_in_queue else self.place_in_queue.ticket,
             warm=self.warm,
+            hot=hot,
         )
 
     def say_resumed_from(self, snapshot: str | None) -> None:
@@ -317,6 +327,11 @@ class Job:
             f"{self.spec.job_id} found here or on its hosts: it starts from the beginning",
             "info" if snapshot else "warning",
         )
+
+    @property
+    def hot_spares(self) -> bool:
+        """Whether the job keeps its spares hot (job.hot_spares, --hot-spares): warm restarts only."""
+        return self.warm and self.inv.job.hot_spares
 
     @property
     def warm(self) -> bool:
@@ -331,9 +346,9 @@ class Job:
         if not (self.warm and hosts and self.history):
             return False
         last = self.history[-1]
-        warm = last.warm_ranks
+        warm, hot = last.warm_ranks, {h.name for h in last.plan.hot}
         return last.plan.spec.code_key == self.spec.code_key and all(
-            warm.get(h.name) == h.rank for h in hosts
+            warm.get(h.name) == h.rank or h.name in hot for h in hosts
         )
 
     def key_code(self) -> None:
@@ -503,7 +518,8 @@ class Job:
             return {n: str(e) for n, e in synced.errors().items()}
         with ThreadPoolExecutor(max_workers=1) as pool:
             syncing = pool.submit(self.run_steps, a, syncs)
-            checks = preflight.run(self.ssh, a.inv, image=a.spec.image, code=False)
+            checked = replace(a.inv, hosts=(*a.hosts, *a.hot))  # a hot spare is checked as it starts
+            checks = preflight.run(self.ssh, checked, image=a.spec.image, code=False)
             synced = syncing.result()
         here = [c for c in preflight.failed(checks) if c.host == jobspec.LOCAL]
         if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
@@ -512,7 +528,10 @@ class Job:
         bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != jobspec.LOCAL}
         bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
         if bad and a.number == 1 and not self.resuming:
-            raise PreflightFailed(checks, sorted(bad, key=[h.name for h in a.hosts].index))
+            raise PreflightFailed(checks, sorted(bad, key=[h.name for h in (*a.hosts, *a.hot)].index))
+        for h in a.hot:  # at a restart a spare failing its checks only stays out; its start is tried
+            if h.name in bad:
+                self.note(f"{h.name}: the hot spare failed its checks ({bad.pop(h.name)})", "warning")
         if not bad and self.smoke and a.number == 1:
             smoke = preflight.smoke_test(
                 self.ssh, a.inv, a.spec.image, checks, run_quiet, within=a.spec.job_id
@@ -556,9 +575,14 @@ class Job:
         self.leave_queue()
         self.started = True
         started = self.run_steps(
-            a, [s for s in a.steps if s.key in ("secrets", "start") and s.when is When.ALWAYS]
+            a, [s for s in a.steps if s.key in ("secrets", "start", "spare") and s.when is When.ALWAYS]
         )
-        return self.failed_to_start(a, started) if started.errors() else None
+        hot = {h.name for h in a.hot}
+        for name, exc in started.errors().items():
+            if name in hot:  # the attempt goes on; that spare is started again (or cold) when needed
+                self.note(f"{name}: the hot spare was not started ({exc}); it stays a cold spare", "warning")
+        ranks = PerHost({n: r for n, r in started.items() if n not in hot})
+        return self.failed_to_start(a, ranks) if ranks.errors() else None
 
     def failed_to_start(self, a: AttemptPlan, results: PerHost) -> Attempted:
         """The hosts that could not start (a host that did not answer is lost), the others' part of
@@ -603,7 +627,8 @@ class Job:
         rec.ended, rec.outcome = time.time(), line
         self.record.save(self.run_dir)
         self.emit("attempt_end", attempt=a.number, ok=done.outcome.ok, outcome=line)
-        d = decide(done.outcome, self.policy, self.roster, self.target_nodes)
+        d = decide(done.outcome, self.policy, self.roster, self.target_nodes, warm=frozenset(done.warm_ranks),
+                   hot=frozenset(h.name for h in a.hot))
         if d.roster is None:
             self.emit("decision", attempt=a.number, next=False, reason=d.reason, notes=list(d.notes))
             return done, d
