@@ -45,6 +45,7 @@ def inventory_path(tmp_path_factory):
     path.write_text(cluster_mod.render_inventory(nodes[:2]))
     (folder / "spares.yaml").write_text(cluster_mod.render_inventory(nodes[:2], spares=nodes[2:3]))
     (folder / "four.yaml").write_text(cluster_mod.render_inventory(nodes[:4]))
+    (folder / "two-spares.yaml").write_text(cluster_mod.render_inventory(nodes[:2], spares=nodes[2:4]))
     subprocess.run(
         [FAB, "stop", "--all", "--yes", "--inventory", str(folder / "four.yaml"), "--grace", "0"],
         cwd=ROOT,
@@ -57,6 +58,12 @@ def inventory_path(tmp_path_factory):
 def spares_inventory_path(inventory_path):
     """The same two hosts, with node3 under spares:."""
     return inventory_path.parent / "spares.yaml"
+
+
+@pytest.fixture(scope="session")
+def two_spares_inventory_path(inventory_path):
+    """The same two hosts, with node3 and node4 under spares:."""
+    return inventory_path.parent / "two-spares.yaml"
 
 
 @pytest.fixture(scope="session")

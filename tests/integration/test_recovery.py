@@ -224,6 +224,58 @@ def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_p
     assert all(project_containers(n) == [] for n in ("node1", "node2", "node3"))
 
 
+def wait_for_step_after(log: Path, marker: str, timeout: float = 120) -> None:
+    """Until a step line is printed after `marker` (training goes on after it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if marker in text and re.search(r"\| step \d+ \|", text[text.index(marker):]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step after {marker!r}")
+
+
+def test_hot_spares_take_a_killed_containers_rank_then_a_frozen_hosts(
+        two_spares_inventory_path, reference, tmp_path):
+    """--hot-spares with node3 and node4 waiting: node2's container killed -> node3's waiting
+    container takes rank 1 (renamed, told its rank), node2 becomes a hot spare; then node3's whole
+    host frozen -> node4 takes rank 1, node3 named lost. The job ends with the uninterrupted run's
+    model; each attempt's plan is in plan.txt."""
+    inv, log = two_spares_inventory_path, tmp_path / "out.txt"
+    proc = run_in_background(inv, log, "train", *GPT, "--restarts", "2", "--hot-spares")
+    try:
+        wait_for_line(log, "| step 20 |")
+        for spare in ("node3", "node4"):  # waiting, hot, under the spare's name
+            names = on_host(spare, "docker ps --format '{{.Names}}' --filter label=fabtrain.managed=1").stdout
+            assert names.split() and all(n.endswith("-spare") for n in names.split()), (spare, names)
+        on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
+        wait_for_step_after(log, "hot spare: this container waited for a rank")
+        cluster.freeze("node3")
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        cluster.thaw("node3")
+        proc.kill()
+        fab(inv, "stop", "--grace", "0")
+    out = log.read_text()
+    job = job_id(out)
+    assert ("spare node3 takes the place of node2 (its container is gone; a hot spare is ready) as node "
+            "rank 1") in out
+    assert "spare node4 takes the place of node3 (lost) as node rank 1" in out
+    assert "attempt 2 failed (node3 lost: no SSH keepalive answer for" in out
+    assert "lost during the job: node3" in out
+    # Both spares ran their rank from the container that waited: no cold start.
+    assert out.count("(hot spare: this container waited for a rank; its workers started ahead)") == 2
+    plans = (ROOT / "runs" / job / "plan.txt").read_text()
+    assert re.search(r"attempt 1: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1; .*hot spares node3, node4",
+                     plans)
+    assert re.search(r"attempt 2: node1=rank 0 slots 0,1, node3=rank 1 slots 0,1; .*hot spares node4, node2",
+                     plans)
+    assert re.search(r"attempt 3: node1=rank 0 slots 0,1, node4=rank 1 slots 0,1;", plans)
+    assert "docker rename fabtrain-" in plans
+    assert_same_model(job, reference, out)
+    assert all(project_containers(n) == [] for n in ("node1", "node2", "node3", "node4"))
+
+
 def test_without_a_spare_the_job_finishes_on_fewer_nodes(inventory_path, tmp_path):
     out = train_and_freeze(inventory_path, tmp_path, "node2", "| step 20 |", "--min-nodes", "1")
     assert "no spare left: going on without node2 with 1 node(s) (--min-nodes 1)" in out
