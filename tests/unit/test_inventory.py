@@ -657,3 +657,11 @@ def test_warm_restarts_are_on_unless_the_inventory_turns_them_off(tmp_path):
     assert parse("job: {warm_restarts: false}\n" + hosts, tmp_path / "i.yaml").job.warm_restarts is False
     with pytest.raises(UserError, match=r"warm_restarts"):
         parse("job: {warm_restarts: maybe}\n" + hosts, tmp_path / "i.yaml")
+
+
+def test_hot_spares_are_off_unless_the_inventory_turns_them_on(tmp_path):
+    hosts = "hosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n"
+    assert parse(hosts, tmp_path / "i.yaml").job.hot_spares is False
+    assert parse("job: {hot_spares: true}\n" + hosts, tmp_path / "i.yaml").job.hot_spares is True
+    with pytest.raises(UserError, match=r"hot_spares"):
+        parse("job: {hot_spares: 2}\n" + hosts, tmp_path / "i.yaml")
