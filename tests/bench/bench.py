@@ -465,24 +465,31 @@ class Lines:
 def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
     """Seconds from the kill, read from `fab train --json`'s events as they arrive: the failure seen,
     each stage of attempt 2 begun, its containers watched (the orchestrator's part ends there), and
-    the first step after the resume (the first progress event of attempt 2). Four ways, one after
+    the first step after the resume (the first progress event of attempt 2). Five ways, one after
     the other in each round: a worker process or the whole container of the last host killed, with
-    warm restarts (the default) and cold ones (job.warm_restarts: false)."""
+    warm restarts (the default) and cold ones (job.warm_restarts: false), and the container killed
+    with the inventory's spare kept hot (job.hot_spares: the spare takes the last host's rank)."""
     import yaml
     last = inv.hosts[-1].name
     doc = yaml.safe_load(inv_path.read_text())
-    doc.setdefault("job", {})["warm_restarts"] = False
-    cold_path = inv_path.with_name("inventory-cold.yaml")
-    cold_path.write_text(yaml.safe_dump(doc))
+    paths = {}
+    for mode, setting in (("warm", {}), ("cold", {"warm_restarts": False}), ("hot", {"hot_spares": True})):
+        changed = {**doc, "job": {**doc.get("job", {}), **setting}}
+        if mode != "hot":  # the spare host is only the hot way's
+            changed.pop("spares", None)
+        paths[mode] = inv_path.with_name(f"inventory-{mode}.yaml")
+        paths[mode].write_text(yaml.safe_dump(changed))
     kills = {"worker": cluster.KILL_ONE_WORKER,
              "container": "docker kill $(docker ps -q --filter label=fabtrain.managed=1)"}
+    ways = [("worker", "warm"), ("worker", "cold"), ("container", "warm"), ("container", "cold")]
+    if inv.spares:
+        ways.append(("container", "hot"))
     r: dict[str, list[float]] = {}
     for _ in range(repeat):
-        for kill, how in kills.items():
-            for mode, path in (("warm", inv_path), ("cold", cold_path)):
-                one = recover_once(path, last, how)
-                for k, v in one.items():
-                    r.setdefault(f"{kill}_{mode}_{k}", []).append(v)
+        for kill, mode in ways:
+            one = recover_once(paths[mode], last, kills[kill])
+            for k, v in one.items():
+                r.setdefault(f"{kill}_{mode}_{k}", []).append(v)
     return r
 
 
@@ -491,13 +498,14 @@ def recovery_table(n: int, r: dict) -> str:
     cols = ("detected", "stage_plan", "stage_start", "stage_watch", "first_step")
     rows = [f"| {n} hosts | " + " | ".join(c.removeprefix("stage_") for c in cols) + " |",
             "|---" * (len(cols) + 1) + "|"]
-    for kill in ("worker", "container"):
-        for mode in ("warm", "cold"):
-            cells = []
-            for c in cols:
-                xs = r.get(f"{kill}_{mode}_{c}", [])
-                cells.append(f"{med(xs):.2f} ({min(xs):.2f} - {max(xs):.2f})" if xs else "-")
-            rows.append(f"| {kill} killed, {mode} | " + " | ".join(cells) + " |")
+    for kill, mode in (("worker", "warm"), ("worker", "cold"), ("container", "warm"), ("container", "cold"),
+                       ("container", "hot")):
+        cells = []
+        for c in cols:
+            xs = r.get(f"{kill}_{mode}_{c}", [])
+            cells.append(f"{med(xs):.2f} ({min(xs):.2f} - {max(xs):.2f})" if xs else "-")
+        way = "hot spare" if mode == "hot" else mode
+        rows.append(f"| {kill} killed, {way} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -660,7 +668,9 @@ def main() -> None:
     results = {}
     for n in [int(x) for x in a.hosts.split(",")]:
         inv_path = Path(tempfile.mkdtemp(prefix="bench-inv-")) / "inventory.yaml"
-        cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only)
+        # The recovery bench keeps one spare host: its hot-spare way needs it (the others leave it idle).
+        cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only,
+                   spares=1 if "recovery" in only else 0)
         inv = load(inv_path)
         with Session(inv.hosts) as s:
             hostops.sync(s, inv, jobspec.PROJECT_ROOT)
