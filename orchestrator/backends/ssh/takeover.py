@@ -86,5 +86,9 @@ def plan(job: Job, running: Running) -> AttemptPlan:
     job.roster = Roster(running.hosts, tuple(h for h in job.inv.all_hosts if h.name not in taken),
                         restarts_used=running.restarts_used)
     job.key_code()
+    # The spares as the job kept them (hot: waiting with their containers, which the job's end
+    # removes); only this attempt's watch and teardown run, not its start.
+    hot = job.roster.spares if job.hot_spares else ()
     return attempt_mod.build(inv, job.spec, running.number, running.port, keep=job.inv.job.keep_snapshots,
-                             first=False, run_dir=str(job.run_dir), units=running.units, warm=job.warm)
+                             first=False, run_dir=str(job.run_dir), units=running.units, warm=job.warm,
+                             hot=hot)
