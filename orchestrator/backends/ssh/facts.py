@@ -23,7 +23,7 @@ from orchestrator.transport.remote import describe
 if TYPE_CHECKING:
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.core import jobspec
-    from orchestrator.transport.remote import Session
+    from orchestrator.transport.remote import PerHost, Result, Session
 
 
 def gpu_access(session: Session, hosts: tuple[Host, ...]) -> tuple[dict, list[Fact]]:
@@ -54,14 +54,19 @@ class Units:
     refused: frozenset[str] = frozenset()  # hosts that cannot give them now
 
 
-def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...],
+def what_runs(session: Session, inv: Inventory, hosts: tuple[Host, ...]) -> PerHost:
+    """What other jobs hold on these hosts and the inventory's spares now (survey.survey)."""
+    named = {h.name: h for h in (*hosts, *inv.spares)}  # a host that gave way to a spare is one too
+    return survey.survey(session, inv, tuple(named.values()))
+
+
+def choose_units(found: PerHost, inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...],
                  *, refuse: bool, queue: bool) -> Units:
     """The GPUs (CPU slots) the attempt claims on each host: those asked for, or the first free
-    ones, from what other jobs hold there now. With `refuse` (a new job's first attempt, not a dry
-    run) a host that cannot give them refuses the job, naming the holder (Refused); with `queue`
-    (fab train --queue) only what no wait can give is refused. Otherwise the claim of such a host
-    fails and the policy takes another."""
-    found = survey.survey(session, inv, (*hosts, *inv.spares))
+    ones, from what other jobs hold there now (`found`: what_runs). With `refuse` (a new job's
+    first attempt, not a dry run) a host that cannot give them refuses the job, naming the holder
+    (Refused); with `queue` (fab train --queue) only what no wait can give is refused. Otherwise
+    the claim of such a host fails and the policy takes another."""
     want = claims.want_of(spec, inv.job.nproc_per_node)
     units, refusals, impossible, facts, refused = {}, [], [], [], set()
     master = found.value(hosts[0].name)
@@ -101,18 +106,25 @@ def choose_units(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts:
     return Units(units, frozenset(claimed), tuple(facts), frozenset(refused))
 
 
-def free_port(session: Session, inv: Inventory, taken: set[int]) -> tuple[int, Fact]:
-    """The first master port from job.master_port that nothing listens on at rank 0's host and is
-    not in `taken`; when the host does not answer, the first not taken (its preflight names it)."""
-    base = inv.job.master_port
+def listening(session: Session, inv: Inventory) -> Result | Exception:
+    """The ports something listens on at rank 0's host (ports.port_command), or why there is no
+    answer (its preflight names the host)."""
     try:
-        r = session.run(
-            inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT, what="listing ports"
-        )
-        port = ports.free_port(r.stdout, base, taken) if r.ok else None
+        return session.run(inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT,
+                           what="listing ports")
+    except Exception as exc:  # noqa: BLE001 - the plan says the port was not checked
+        return exc
+
+
+def free_port(listed: Result | Exception, inv: Inventory, taken: set[int]) -> tuple[int, Fact]:
+    """The first master port from job.master_port that nothing listens on at rank 0's host
+    (`listed`: listening) and is not in `taken`; with no answer, the first not taken."""
+    base = inv.job.master_port
+    if isinstance(listed, Exception):
+        port, answer = None, f"no answer ({describe(inv.master, listed)}); not checked"
+    else:
+        port = ports.free_port(listed.stdout, base, taken) if listed.ok else None
         answer = f"{port} free" if port else f"no free port in {base}..{base + ports.PORT_RANGE - 1}"
-    except Exception as exc:  # noqa: BLE001 - preflight names the host; the plan says it was not checked
-        port, answer = None, f"no answer ({describe(inv.master, exc)}); not checked"
     if port is None:
         port = next(p for p in range(base, base + ports.PORT_RANGE) if p not in taken)
     return port, Fact(inv.master.name, ports.port_command(), answer)

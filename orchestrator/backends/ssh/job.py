@@ -274,14 +274,25 @@ class Job:
         self.key_code()
         inv = replace(self.inv, hosts=self.roster.hosts)
         hot = self.roster.spares if self.hot_spares else ()
-        access, seen = facts.gpu_access(self.ssh, (*inv.hosts, *hot))
         first = self.last is None
         queue = self.place_in_queue is not None
+        newest = facts.Newest(None, (), ())
+        # The looks read different things, each host at once: all of them at once too.
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="plan") as pool:
+            accessing = pool.submit(facts.gpu_access, self.ssh, (*inv.hosts, *hot))
+            surveying = pool.submit(facts.what_runs, self.ssh, self.inv, (*inv.hosts, *hot))
+            listing = pool.submit(facts.listening, self.ssh, inv)
+            if number > 1 or self.resuming:
+                asked = self.answering((*inv.hosts, *self.used.values()))
+                newest = pool.submit(facts.newest_snapshot, self.ssh, self.open_snapshots(), inv, self.spec,
+                                     asked, fetch=not dry).result()
+            access, seen = accessing.result()
+            found, listed = surveying.result(), listing.result()
         units = facts.choose_units(
-            self.ssh, self.inv, self.spec, inv.hosts, refuse=first and not dry, queue=queue
+            found, self.inv, self.spec, inv.hosts, refuse=first and not dry, queue=queue
         )
         if hot:  # a spare whose GPUs (slots) another job holds now stays cold
-            spare = facts.choose_units(self.ssh, self.inv, self.spec, hot, refuse=False, queue=False)
+            spare = facts.choose_units(found, self.inv, self.spec, hot, refuse=False, queue=False)
             hot = tuple(h for h in hot if h.name not in spare.refused)
             units = replace(
                 units,
@@ -289,17 +300,10 @@ class Job:
                 facts=(*units.facts, *(f for f in spare.facts if f.where in {h.name for h in hot})),
             )
         taken = ({self.last.port} if self.last else set()) | units.claimed_ports
-        port, port_fact = facts.free_port(self.ssh, inv, taken)
-        seen += [*units.facts, port_fact]
-        newest = facts.Newest(None, (), ())
-        if number > 1 or self.resuming:
-            asked = self.answering((*inv.hosts, *self.used.values()))
-            newest = facts.newest_snapshot(
-                self.ssh, self.open_snapshots(), inv, self.spec, asked, fetch=not dry
-            )
-            seen += newest.facts
-            if first:  # what a resumed job goes on from, said once
-                self.say_resumed_from(newest.name)
+        port, port_fact = facts.free_port(listed, inv, taken)
+        seen += [*units.facts, port_fact, *newest.facts]
+        if first and (number > 1 or self.resuming):  # what a resumed job goes on from, said once
+            self.say_resumed_from(newest.name)
         return attempt_mod.build(
             inv,
             self.spec,
