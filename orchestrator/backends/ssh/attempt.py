@@ -282,7 +282,8 @@ def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[in
                 first: bool, ticket: str | None, hot: tuple[Host, ...] = ()) -> list[Step]:
     """CLAIM, one host at a time, in claims.order: of two jobs claiming overlapping hosts at once,
     exactly one gets them (claims.py). A claim waits up to claimdir.LOCK_WAIT for the host's lock.
-    `units` None: a short job of fabtrain's own that claims no GPUs (slots)."""
+    `units` None: a short job of fabtrain's own that claims no GPUs (slots). A hot spare's claim
+    holds its units only: no master port, no place in the queue (a busy spare is not made hot)."""
     port = inv.job.master_port
     return [
         remote_step(
@@ -293,9 +294,9 @@ def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[in
                 spec.job_id,
                 units.get(h.name, ()) if units is not None else None,
                 spec.owner,
-                first,
-                port if h.rank == 0 else None,
-                ticket,
+                first and h not in hot,
+                port if h.rank == 0 and h not in hot else None,
+                None if h in hot else ticket,
             ),
             STATUS_TIMEOUT + claimdir.LOCK_WAIT,
             what="claiming GPUs/slots and the runtime directory",
