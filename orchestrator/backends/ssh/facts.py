@@ -55,9 +55,8 @@ class Units:
 
 
 def what_runs(session: Session, inv: Inventory, hosts: tuple[Host, ...]) -> PerHost:
-    """What other jobs hold on these hosts and the inventory's spares now (survey.survey)."""
-    named = {h.name: h for h in (*hosts, *inv.spares)}  # a host that gave way to a spare is one too
-    return survey.survey(session, inv, tuple(named.values()))
+    """What other jobs hold on these hosts now (survey.survey), each once."""
+    return survey.survey(session, inv, tuple({h.name: h for h in hosts}.values()))
 
 
 def choose_units(found: PerHost, inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...],

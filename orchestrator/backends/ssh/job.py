@@ -280,7 +280,9 @@ class Job:
         # The looks read different things, each host at once: all of them at once too.
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="plan") as pool:
             accessing = pool.submit(facts.gpu_access, self.ssh, (*inv.hosts, *hot))
-            surveying = pool.submit(facts.what_runs, self.ssh, self.inv, (*inv.hosts, *hot))
+            # The spares too (what `fab status` shows of them), but never a host known lost.
+            looked = (*inv.hosts, *hot, *self.answering(self.inv.spares))
+            surveying = pool.submit(facts.what_runs, self.ssh, self.inv, looked)
             listing = pool.submit(facts.listening, self.ssh, inv)
             if number > 1 or self.resuming:
                 asked = self.answering((*inv.hosts, *self.used.values()))
