@@ -224,9 +224,10 @@ def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_p
     rec = FailFirstStart(inventory(tmp_path).hosts)
     j = new_job(tmp_path, rec)
     j.policy = Policy(restarts=1, hang_timeout=0)
+    import orchestrator.backends.ssh.gate as gm
     import orchestrator.backends.ssh.job as jm
     monkeypatch.setattr(jm, "backoff", lambda n: 0)
-    monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: [])  # a restart's preflight: all well
+    monkeypatch.setattr(gm.preflight, "run", lambda *a, **k: [])  # a restart's preflight: all well
     result = job.run(j)
     assert result.ok and result.attempts == 2
     rec_ = j.record.attempts
@@ -259,7 +260,7 @@ def test_a_warm_restart_keeps_the_containers_and_runs_its_plan(tmp_path, monkeyp
     rec = Warm(inventory(tmp_path).hosts)
     j = new_job(tmp_path, rec)
     j.policy = Policy(restarts=1, hang_timeout=0)
-    import orchestrator.backends.ssh.job as jm
+    import orchestrator.backends.ssh.gate as jm
     monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: pytest.fail("a warm restart runs no preflight"))
     result = job.run(j)
     assert result.ok and result.attempts == 2 and j.last.number == 2 and j.last.warm
@@ -368,7 +369,7 @@ spares:
     j.inv = inv
     j.roster = Roster(inv.hosts, inv.spares)
     j.policy = Policy(restarts=1, hang_timeout=0)
-    import orchestrator.backends.ssh.job as jm
+    import orchestrator.backends.ssh.gate as jm
     monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: [])
     result = job.run(j)
     assert [h.name for h in j.history[0].plan.hot] == ["node3"], j.history[0].plan.render()[:300]

@@ -19,36 +19,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator import preflight
 from orchestrator.backends.ssh import attempt as attempt_mod
-from orchestrator.backends.ssh import facts, snapshots
+from orchestrator.backends.ssh import claiming, facts, gate, snapshots
+from orchestrator.backends.ssh import ending as ending_mod
 from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, Step, When
 from orchestrator.backends.ssh.snapshotchecks import local_digest
-from orchestrator.backends.ssh.state import (
-    Again,
-    Attempted,
-    Ending,
-    Interrupted,
-    JobResult,
-    PreflightFailed,
-    Queued,
-    Refused,
-)
-from orchestrator.backends.ssh.steps import run_quiet, run_steps
+from orchestrator.backends.ssh.state import Again, Attempted, Ending, Interrupted, JobResult, Queued, Refused
+from orchestrator.backends.ssh.steps import run_steps
 from orchestrator.backends.ssh.waiting import QUEUE_POLL, Place
 from orchestrator.backends.ssh.watch import watch
 from orchestrator.commands import hostfiles
 from orchestrator.config import codetree
-from orchestrator.core import hostile, jobspec
+from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
-from orchestrator.hosts import claimdir, claims
-from orchestrator.hosts.queue import QUEUED, new_ticket, parse_queue_output
+from orchestrator.hosts.queue import new_ticket
 from orchestrator.progress import notify
 from orchestrator.transport import deadlines
-from orchestrator.transport.remote import PerHost, Result, Session, describe
+from orchestrator.transport.remote import PerHost, Session, describe
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -70,7 +60,7 @@ def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
                 ending = job.attempts(running)
             finally:
                 job.leave_queue()
-                result = job.finish(ending)
+                result = ending_mod.finish(job, ending)
     except Refused:
         if not job.resuming:  # a new job refused its hosts leaves nothing, here either
             shutil.rmtree(job.run_dir, ignore_errors=True)
@@ -422,7 +412,7 @@ class Job:
     def prepare(self, a: AttemptPlan, may_replan: bool) -> Attempted | Again | None:
         """CLAIM, GATE and SNAPSHOT; the attempt's end when it cannot start (None: it goes on)."""
         self.stage(Stage.CLAIM, a.number)
-        refused = self.claim(a, may_replan)
+        refused = claiming.claim(self, a, may_replan)
         if refused:
             return refused
         with (self.run_dir / "plan.txt").open(
@@ -432,7 +422,7 @@ class Job:
         self.emit("attempt", attempt=a.number, hosts={h.name: h.rank for h in a.hosts}, port=a.port,
                   snapshot=a.snapshot, run_dir=str(self.run_dir))
         self.stage(Stage.GATE, a.number)
-        bad = self.gate(a)
+        bad = gate.sync_and_check(self, a)
         if bad:
             return Attempted(
                 a, Outcome(tuple(HostFailure(n, Failure.PREFLIGHT, why) for n, why in bad.items()))
@@ -443,46 +433,6 @@ class Job:
             placed = self.place(a)
             if placed.errors():
                 return self.failed_to_start(a, placed)
-        return None
-
-    def claim(self, a: AttemptPlan, may_replan: bool) -> Attempted | Again | None:
-        """CLAIM: the attempt's hosts one at a time, in claims.order (the plan's order of the claim
-        steps). A host whose units another job took meanwhile refuses: what this attempt claimed is
-        released; the attempt is planned again (Again), or waits in the queue, or, the first
-        attempt, ends the job naming the holder (Refused); a later one fails that host."""
-        done: list[Host] = []
-        for s in a.select("claim"):
-            h = a.host(s.where)
-            try:
-                r = self.ssh.run(h, s.command, timeout=s.deadline, what=s.what)
-            except Exception as exc:  # noqa: BLE001 - lost or stuck: that host fails to start
-                self.release(done)
-                return self.failed_to_start(a, PerHost({h.name: exc}))
-            held, cleared = claims.parse_claim_output(r.stdout)
-            for c in cleared:
-                self.note(f"{h.name}: cleared the stale claim of {c.describe(h)}: no container of that job "
-                          "runs there and its lease is old", "warning")
-            if r.ok:
-                done.append(h)
-                continue
-            self.release(done)
-            if r.exited in (claims.REFUSED, QUEUED) and self.place_in_queue and not self.started:
-                return Again(Queued(h, tuple(held), tuple(parse_queue_output(r.stdout)[0])))
-            if r.exited in (claims.REFUSED, claims.PORT_TAKEN) and may_replan:
-                # Another job planned at the same moment took these units or this master port: plan
-                # the attempt again from the claims as they are now (other free units and port, or a
-                # refusal naming the holder), as if this one never was.
-                taken = "master port " + str(a.port) if r.exited == claims.PORT_TAKEN else "its units"
-                self.note(f"{h.name}: {taken} claimed meanwhile by another job; planning again", "warning")
-                return Again()
-            why = claim_refusal(h, a, r, s.what, held)
-            if a.number == 1 and not self.resuming:
-                self.current = None  # nothing of this job is left on its hosts to fetch or clean
-                raise Refused(
-                    f"{why}; nothing was started. Wait for that job (--queue waits in line and starts "
-                    "by itself), or choose other hosts or GPUs (--include/--exclude/--num-nodes/--gpus)"
-                )
-            return self.failed_to_start(a, PerHost({h.name: UserError(why)}))
         return None
 
     def wait_in_queue(self, q: Queued) -> Ending | None:
@@ -496,7 +446,7 @@ class Job:
         while time.monotonic() < deadline:
             if self.stopped(hosts):
                 # Out of the queue, and fab stop's marker gone with it (no claim, no runtime files).
-                self.release(list(hosts), queue=True)
+                claiming.release(self, list(hosts), queue=True)
                 place.forget()
                 return self.ended_by_stop("ended by 'fab stop' while it waited in the queue")
             time.sleep(min(STOP_POLL, max(0.0, deadline - time.monotonic())))
@@ -505,49 +455,6 @@ class Job:
     def leave_queue(self) -> None:
         if self.place_in_queue is not None and self.session is not None:
             self.place_in_queue.leave(self.ssh)
-
-    def release(self, hosts: list[Host], queue: bool = False) -> None:
-        """Remove this job's claims and runtime directories (with `queue`, its places in their
-        queues and stop markers too) from these hosts."""
-        command = claims.release_command(self.inv, [self.spec.job_id], queue=queue)
-        self.ssh.fan_out(lambda h: self.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
-                                                what="releasing the claim"), tuple(hosts))
-
-    def gate(self, a: AttemptPlan) -> dict[str, str]:
-        """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
-        failure ends the job with the preflight's table (nothing was started)."""
-        syncs = a.select("sync")
-        if not syncs and a.warm and a.number > 1:  # every node warm (all_warm): nothing to sync or check
-            return {}
-        if not (self.checks or a.number > 1 or self.resuming):
-            synced = self.run_steps(a, syncs)
-            return {n: str(e) for n, e in synced.errors().items()}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            syncing = pool.submit(self.run_steps, a, syncs)
-            checked = replace(a.inv, hosts=(*a.hosts, *a.hot))  # a hot spare is checked as it starts
-            checks = preflight.run(self.ssh, checked, image=a.spec.image, code=False)
-            synced = syncing.result()
-        here = [c for c in preflight.failed(checks) if c.host == jobspec.LOCAL]
-        if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
-            raise PreflightFailed(checks, [], f"preflight failed on this machine ({here[0].check}); nothing "
-                                  "was started. Fix the checks above, then run the command again")
-        bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != jobspec.LOCAL}
-        bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
-        if bad and a.number == 1 and not self.resuming:
-            raise PreflightFailed(checks, sorted(bad, key=[h.name for h in (*a.hosts, *a.hot)].index))
-        for h in a.hot:  # at a restart a spare failing its checks only stays out; its start is tried
-            if h.name in bad:
-                self.note(f"{h.name}: the hot spare failed its checks ({bad.pop(h.name)})", "warning")
-        if not bad and self.smoke and a.number == 1:
-            smoke = preflight.smoke_test(
-                self.ssh, a.inv, a.spec.image, checks, run_quiet, within=a.spec.job_id
-            )
-            if preflight.failed(smoke):
-                raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
-        if not bad:
-            seconds = max((r.seconds for r in synced.values_ok()), default=0)
-            self.note(f"synced code to {len(syncs)} host(s) in {seconds:.1f}s; preflight ok")
-        return bad
 
     def place(self, a: AttemptPlan) -> PerHost:
         """SNAPSHOT: the plan's place steps, per host that lacks the snapshot: its copy pushed, checked
@@ -664,94 +571,6 @@ class Job:
     def ended_by_stop(self, reason: str) -> Ending:
         self.emit("decision", next=False, reason=reason, notes=[])
         return Ending("stopped", reason)
-
-    def finish(self, ending: Ending | None) -> JobResult:
-        """FINISH: outputs fetched from every host used and still answering, runtime files removed;
-        the job's one result, from how it ended and its attempts."""
-        self.stage(Stage.FINISH)
-        ending = ending or Ending("failed")  # an error ended the job before its attempt was judged
-        self.record.state = ending.state
-        self.record.save(self.run_dir)
-        a, lost, stuck = self.last, self.lost, self.stuck
-        reachable = tuple(h for h in self.used.values() if h.name not in lost)
-        if a is not None and reachable:
-            self.collect(a, reachable, stuck)
-        if lost:
-            self.note(f"lost during the job: {', '.join(sorted(lost))}; its container and runtime files may "
-                      "still exist: 'fab stop' removes them once it answers again", "warning")
-        if stuck:
-            self.note(
-                f"Docker engine stuck on {', '.join(sorted(stuck))}: its container may still exist; run "
-                "'fab stop' once the engine answers",
-                "warning",
-            )
-        watched = [d.watched for d in self.history if d.watched is not None]
-        result = JobResult(
-            self.spec.job_id,
-            self.run_dir,
-            ending.state,
-            len(self.record.attempts),
-            ending.reason,
-            watched[-1] if watched else None,
-            [f"attempt {d.plan.number} on {', '.join(h.name for h in d.plan.hosts)}: {d.line()}"
-             for d in self.history if not d.outcome.ok and d.outcome.interrupted is None],
-            ending.interrupted,
-            sorted(lost),
-            sorted(stuck),
-        )
-        self.emit("finished", state=result.state, attempts=result.attempts, run_dir=str(self.run_dir))
-        return result
-
-    def collect(self, a: AttemptPlan, reachable: tuple[Host, ...], stuck: frozenset[str]) -> None:
-        """At the end, on every host used that answers: the job's containers swept, the newest snapshot
-        and the outputs fetched, the runtime files and claim removed (attempt.end_steps)."""
-        ends = attempt_mod.end_steps(a.inv, self.spec, reachable, str(self.run_dir))
-        self.sweep(a, [s for s in ends if s.key == "sweep" and s.where not in stuck])
-        if self.snaps is not None:
-            # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each). No
-            # attempt follows, so no host's copy needs checking for placement (hosts=()): every
-            # host used is still asked where the newest is.
-            facts.newest_snapshot(
-                self.ssh, self.snaps, replace(a.inv, hosts=()), self.spec, reachable, fetch=True
-            )
-        for h in reachable:
-            (self.run_dir / "outputs" / h.name).mkdir(parents=True, exist_ok=True)
-        fetched = self.run_steps(a, [s for s in ends if s.key == "fetch"])
-        for name, exc in fetched.errors().items():
-            self.note(f"could not fetch outputs from {name}: {exc}", "warning")
-        self.run_steps(a, [s for s in ends if s.key == "cleanup"])
-
-    def sweep(self, a: AttemptPlan, steps: list[Step]) -> None:
-        """Every container of the job removed again, by its label, from the hosts it used: what a
-        `docker run` that came back late (after its deadline, or after the teardown looked) left
-        behind is named and gone before the job's claim on those GPUs is released."""
-        if not steps:
-            return
-        swept = self.run_steps(a, steps)
-        for name, r in swept.items():
-            if name in swept.errors():
-                self.note(f"{name}: could not look for containers of the job left after its teardown: "
-                          f"{describe(self.used[name], r)}; 'fab stop' removes them", "warning")
-            elif r.stdout.split() and not a.warm:  # a warm job's containers wait there by design
-                self.note(
-                    f"{name}: removed {len(r.stdout.split())} container(s) of the job still there after its "
-                    "teardown (a docker run that came back after its deadline?)",
-                    "warning",
-                )
-
-
-def claim_refusal(h: Host, a: AttemptPlan, r: Result, what: str, held: list[claims.Holder]) -> str:
-    """Why a host's claim refused the attempt, from the claim script's exit and output."""
-    if r.exited == claims.REFUSED:
-        return (f"{h.name}: {claims.kind(h)}s {claimdir.units_text(a.units.get(h.name, ())) or '(all)'} were "
-                f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}")
-    if r.exited == QUEUED:
-        ahead, _ = parse_queue_output(r.stdout)
-        return (
-            f"{h.name}: jobs queued before this one wait for it: {'; '.join(w.describe() for w in ahead)}; "
-            "add --queue to wait in line behind them"
-        )
-    return f"{h.name}: {what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
 
 
 def secret_values(inv: Inventory) -> tuple[str, ...]:
