@@ -183,17 +183,9 @@ def start_script(
     `hot` (the job keeps hot spares): else, when the job's hot spare waits on this host with the same
     key, it takes this rank: renamed to the rank's container and told the rank, its console and go.
     Whatever fails there, the node is started cold as without a spare."""
-    rt = runtime_dir(inv, spec)
     console = console_file(inv, spec, host.rank)
-    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", console.rsplit("/", 1)[0], rt,
-            work_dir(inv, spec)]
-    run = docker_run_argv(inv, host, spec, access, units, warm, direct)
-    # An earlier attempt's console file goes first: the follower must not read it as this one's.
-    # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
-    cold = (f"{shell(dirs)} && {shell(['rm', '-f', console])} && "
-            f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
-            + (f"{shell(run)} >/dev/null" if timeout is None else
-               f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
+    cold = fresh_start(inv, spec, docker_run_argv(inv, host, spec, access, units, warm, direct), [console],
+                       timeout)
     if not warm:
         return cold
     name, end = container_name(spec.job_id, host.rank), end_file(inv, spec, host.rank)
@@ -216,6 +208,21 @@ def start_script(
             f"{write_go(warm_go_file(inv, spec, SPARE), told)} && echo hot; "
         )
     return f"{kept}else {remove}; {cold}; fi"
+
+
+def fresh_start(inv: Inventory, spec: JobSpec, run: list[str], old: list[str], timeout: float | None) -> str:
+    """A container started anew: the job's directories made, the `old` files (an earlier console, an
+    end file) removed, our entrypoint written from the command's stdin, then `run` (bounded by
+    `timeout`: ended on the host before fabtrain stops waiting)."""
+    rt = runtime_dir(inv, spec)
+    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", old[0].rsplit("/", 1)[0], rt,
+            work_dir(inv, spec)]
+    # An earlier attempt's console file goes first: the follower must not read it as this one's.
+    # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
+    return (f"{shell(dirs)} && {shell(['rm', '-f', *old])} && "
+            f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
+            + (f"{shell(run)} >/dev/null" if timeout is None else
+               f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
 
 
 def waiting_state(name: str) -> str:
@@ -249,21 +256,9 @@ def spare_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     node = spare_node(inv, host, spec, access, units)
     key = warm_key(node)
     name, end = container_name(spec.job_id, SPARE), end_file(inv, spec, SPARE)
-    rt = runtime_dir(inv, spec)
     run = docker_run(node, "--detach", "--label", f"{LABEL_WARM}={key}")
-    dirs = [
-        "mkdir",
-        "-p",
-        f"{inv.job.output_dir}/{spec.job_id}",
-        end.rsplit("/", 1)[0],
-        rt,
-        work_dir(inv, spec),
-    ]
-    start = (f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; {shell(dirs)} && "
-             f"{shell(['rm', '-f', console_file(inv, spec, SPARE), end])} && "
-             f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
-             + (f"{shell(run)} >/dev/null" if timeout is None else
-                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}") + " && echo started")
+    start = (f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; "
+             f"{fresh_start(inv, spec, run, [console_file(inv, spec, SPARE), end], timeout)} && echo started")
     return (
         f'if [ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ] && [ -e {shell([end])} ]; '
         f"then cat > /dev/null && echo hot; else {start}; fi"
