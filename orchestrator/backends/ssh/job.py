@@ -308,7 +308,8 @@ class Job:
             keep=self.inv.job.keep_snapshots,
             first=first,
             run_dir=str(self.run_dir),
-            sync=not self.all_warm(inv.hosts),
+            # A spare made hot only now (busy until now) has never had the code: sync then too.
+            sync=not self.all_warm(inv.hosts) or any(h.name not in self.used for h in hot),
             units=units.units,
             ticket=None if self.started or not self.place_in_queue else self.place_in_queue.ticket,
             warm=self.warm,

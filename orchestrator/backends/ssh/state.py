@@ -28,7 +28,6 @@ class Attempted:
     plan: AttemptPlan
     outcome: Outcome
     watched: Watched | None = None
-    started: bool = False            # its START stage ran: containers of the job may exist
 
     @property
     def lost(self) -> frozenset[str]:
