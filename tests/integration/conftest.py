@@ -121,6 +121,8 @@ class Run:
     def finish(self, timeout: float = 180) -> int:
         try:
             self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"fab still ran after {timeout}s:\n{self.text[-3000:]}") from None
         finally:
             self.proc.kill()
             self.reader.join(5)
