@@ -213,6 +213,11 @@ JOB_HELP = {
         "start (default: job.hot_spares; README: Hot spares)",
         "detach": "run the job's control in a container on the inventory's controller: host (default: the "
         "first host) and return at once; fab logs, status, stop and attach find it (README: Detached jobs)",
+        "metrics_port": "serve the job's metrics for Prometheus at http://127.0.0.1:PORT/metrics while it "
+        "runs (ADDR:PORT to listen elsewhere, 0.0.0.0:PORT on every address; default: job.metrics_port; "
+        "README: Metrics and telemetry)",
+        "stop_idle": "stop the job when a GPU it holds stays idle for job.idle_gpu_after seconds (600); "
+        "without it, the GPU is only named",
         "on": "ssh (default: the inventory's hosts), slurm: submit to the inventory's slurm: section's "
         "login node and follow the job there (README: On Slurm), or kubernetes: with --dry-run, the "
         "manifests to hand to kubectl (render only)",
@@ -224,7 +229,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
           resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
           checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
           cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False, queue=False,
-          hot_spares=False):
+          hot_spares=False, metrics_port=None, stop_idle=False):
     """Run a job on every host, its logs streamed here; exits as the job does.
 
     It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,

@@ -12,6 +12,7 @@ from orchestrator import backends
 from orchestrator.backends.base import Finished, Launch, Status, Stopped
 from orchestrator.commandline import cli
 from orchestrator.config import inventory as inventory_file
+from orchestrator.config.fields import listen_address
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
@@ -63,6 +64,8 @@ class TrainRequest:
     detach: bool = False
     queue: bool = False
     hot_spares: bool = False
+    metrics_port: str | int | None = None
+    stop_idle: bool = False
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> TrainRequest:
@@ -167,6 +170,15 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
     inv, selected = hosts_for(req, inv, include, units, gpus, say)
     if req.hot_spares:  # --hot-spares: as the inventory's job.hot_spares: true
         inv = replace(inv, job=replace(inv.job, hot_spares=True))
+    if req.metrics_port is not None:  # --metrics-port: as the inventory's job.metrics_port
+        try:
+            listen_address(str(req.metrics_port))
+        except ValueError as exc:
+            raise UserError(f"--metrics-port: {exc}; use a port (9400) or an address and port "
+                            "(0.0.0.0:9400)", exit_code=2) from None
+        inv = replace(inv, job=replace(inv.job, metrics_port=str(req.metrics_port)))
+    if req.stop_idle:
+        inv = replace(inv, job=replace(inv.job, stop_idle=True))
     if record is None:
         policy = cli.policy(inv, req.restarts or 0, req.min_nodes, req.hang_timeout)
         spec = cli.new_spec(

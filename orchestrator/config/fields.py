@@ -3,6 +3,7 @@ ssh_config), mounts, container options, a host's address, name, GPUs, devices an
 job:'s paths, checkpoint, secret files and notify_url."""
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from orchestrator.config.sshconf import ADDRESS_RE, SSH, Settings, parse_jump, read_config, resolve
@@ -247,3 +248,36 @@ def read_notify_url(reader: Reader) -> str | None:
         reader.fail(reader._field("notify_url"), f"{show(url)} is not an http:// or https:// URL",
                     "give the URL notifications are POSTed to", reader.line_of("notify_url"))
     return url
+
+
+METRICS_ADDRESS = "127.0.0.1"  # loopback unless asked: a job's metrics name its hosts and owner
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """(address, port) of "PORT" (on loopback) or "ADDR:PORT" ("[::1]:PORT" for IPv6); ValueError
+    says what is wrong."""
+    text = str(value).strip()
+    addr, sep, port = text.rpartition(":")
+    if not sep:
+        addr, port = METRICS_ADDRESS, text
+    addr = addr.removeprefix("[").removesuffix("]") if addr.startswith("[") else addr
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: {port!r} is not a TCP port (1-65535)")
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        raise ValueError(f"{text!r}: {addr!r} is not an IP address to listen on") from None
+    return addr, int(port)
+
+
+def read_metrics_port(reader: Reader) -> str | None:
+    """job.metrics_port: PORT or ADDR:PORT, checked as --metrics-port is."""
+    value = reader.get("metrics_port", (int, str), None)
+    if value is None:
+        return None
+    try:
+        listen_address(str(value))
+    except ValueError as exc:
+        reader.fail(reader._field("metrics_port"), str(exc), "use a port (9400) or an address and port "
+                    "(0.0.0.0:9400)", reader.line_of("metrics_port"))
+    return str(value)

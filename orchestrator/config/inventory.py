@@ -19,6 +19,7 @@ from orchestrator.config.fields import (
     read_devices,
     read_gpus,
     read_interface,
+    read_metrics_port,
     read_mounts,
     read_name,
     read_notify_url,
@@ -100,6 +101,13 @@ class Job:
     # With warm restarts, the spares' containers are started with the job and wait, workers warm,
     # claimed by it (their GPUs held): a lost or failed node's rank goes to one without a cold start.
     hot_spares: bool = False
+    # While a job runs: its /metrics for Prometheus ("[ADDR:]PORT", ADDR 127.0.0.1 unless given),
+    # its hosts sampled every telemetry_every seconds (0: never), a GPU it holds idle for
+    # idle_gpu_after seconds named (and, with stop_idle, the job stopped).
+    metrics_port: str | None = None
+    telemetry_every: float = 10.0
+    idle_gpu_after: float = 600.0
+    stop_idle: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,10 @@ def _job(reader: Reader) -> Job:
             "notify_url",
             "warm_restarts",
             "hot_spares",
+            "metrics_port",
+            "telemetry_every",
+            "idle_gpu_after",
+            "stop_idle",
             *CONTAINER_FIELDS,
         )
     )
@@ -227,6 +239,10 @@ def _job(reader: Reader) -> Job:
         notify_url=read_notify_url(reader),
         warm_restarts=reader.get("warm_restarts", bool, Job.warm_restarts),
         hot_spares=reader.get("hot_spares", bool, Job.hot_spares),
+        metrics_port=read_metrics_port(reader),
+        telemetry_every=reader.seconds("telemetry_every", Job.telemetry_every, 0),
+        idle_gpu_after=reader.seconds("idle_gpu_after", Job.idle_gpu_after, 0),
+        stop_idle=reader.get("stop_idle", bool, Job.stop_idle),
         **read_container_options(reader),
     )
 
