@@ -4,6 +4,8 @@ in dockerargs, the sbatch script in backends/slurm/script.py and the Kubernetes 
 backends/kubernetes/manifests.py."""
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import replace
 
 from orchestrator.commands.dockerargs import GpuAccess, container_options_of, device_args, docker_run
@@ -45,12 +47,28 @@ def command(spec: JobSpec) -> list[str]:
     return [*(["-m", spec.script] if spec.module else [spec.script]), *spec.args]
 
 
+# What W&B takes as a run id (https://docs.wandb.ai/models/runs/run-identifiers); at most 64
+# characters, the shorter of the limits its servers and SDK versions have set.
+WANDB_RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def wandb_run_id(job_id: str) -> str:
+    """The job's W&B run id: the job id itself where W&B takes it as it is, else its W&B-safe
+    characters and a hash of the whole id, so two job ids never share a run."""
+    if WANDB_RUN_ID_RE.fullmatch(job_id):
+        return job_id
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_-]", "-", job_id)[:55] + "-" + digest
+
+
 def job_env(
     inv: Inventory, host: Host, spec: JobSpec, units: tuple[int, ...] | None = None
 ) -> list[tuple[str, str]]:
     """Environment of one node's container, in a stable order (inventory, host, then command line).
     GPUs or slots asked for (--include HOST:i,j, --gpus N) set the node's processes, one per unit,
-    unless --nproc says otherwise."""
+    unless --nproc says otherwise. A W&B run of any script is the job's: grouped under the job id,
+    and one run across restarts and --resume (a stable id, resumed when it exists); a value the
+    user gives (job.env, a host's env, --env, the secrets file) wins over each of these."""
     asked = units is not None and not spec.nproc_per_node and (bool(spec.units) or spec.gpus is not None)
     env = [
         ("MASTER_ADDR", inv.master.hostname),
@@ -67,6 +85,9 @@ def job_env(
         ("FABTRAIN_NODE", host.name),
         ("FABTRAIN_OUTPUT", OUTDIR),
         ("FABTRAIN_CODE", CODE_MOUNT),
+        ("WANDB_RUN_GROUP", spec.job_id),
+        ("WANDB_RUN_ID", wandb_run_id(spec.job_id)),
+        ("WANDB_RESUME", "allow"),
     ]
     merged = dict(env)
     for key, value in (*inv.job.env, *host.env, *spec.env):

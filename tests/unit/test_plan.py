@@ -50,6 +50,9 @@ def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
         f"FABTRAIN_NODE={name}",
         "FABTRAIN_OUTPUT=/output",
         "FABTRAIN_CODE=/run/fabtrain-code",
+        "WANDB_RUN_GROUP=gpt-1",
+        "WANDB_RUN_ID=gpt-1",
+        "WANDB_RESUME=allow",
         "OMP_NUM_THREADS=1",
         *extra,
         f"FABTRAIN_CONSOLE=/output/.console/node-{rank}.log",
@@ -209,6 +212,37 @@ def test_shm_size_replaces_ipc_host():
     inv = parse("job: {shm_size: 64g}\nhosts:\n  - {address: h, interface: eth0}\n", Path("i.yaml"))
     argv = node.docker_run_argv(inv, inv.hosts[0], SPEC)
     assert "--ipc" not in argv and argv[argv.index("--shm-size") + 1] == "64g"
+
+
+def test_wandb_run_of_any_script_is_the_jobs_across_attempts_and_the_users_values_win():
+    def wandb(inv, spec, host=0):
+        return [(k, v) for k, v in node.job_env(inv, inv.hosts[host], spec) if k.startswith("WANDB_")]
+
+    assert wandb(INV, SPEC) == [("WANDB_RUN_GROUP", "gpt-1"), ("WANDB_RUN_ID", "gpt-1"),
+                                ("WANDB_RESUME", "allow")]
+    # A restart (another attempt, port, hosts) and --resume (the same job id) continue the one run.
+    again = replace(SPEC, master_port=29517, env=(("FABTRAIN_ATTEMPT", "2"), ("FABTRAIN_TARGET_NODES", "3")))
+    assert wandb(INV, again) == wandb(INV, SPEC) == wandb(INV, SPEC, host=2)
+    # Each value the user gives wins, in its place: the inventory's job.env, a host's env, --env.
+    mine = parse("job: {env: {WANDB_RUN_GROUP: sweep-7}}\nhosts:\n  - {address: h, interface: eth0}\n",
+                 Path("i.yaml"))
+    assert wandb(mine, SPEC) == [("WANDB_RUN_GROUP", "sweep-7"), ("WANDB_RUN_ID", "gpt-1"),
+                                 ("WANDB_RESUME", "allow")]
+    host = replace(INV.hosts[1], env=(*INV.hosts[1].env, ("WANDB_RUN_ID", "abc")))
+    got = dict(node.job_env(INV, host, replace(SPEC, env=(("WANDB_RESUME", "never"),))))
+    assert (got["WANDB_RUN_GROUP"], got["WANDB_RUN_ID"], got["WANDB_RESUME"]) == ("gpt-1", "abc", "never")
+
+
+def test_wandb_run_id_is_the_job_id_where_wandb_takes_it_else_safe_and_distinct():
+    assert node.wandb_run_id("gpt-20261122-192206-1266") == "gpt-20261122-192206-1266"
+    assert node.wandb_run_id("a_B-9") == "a_B-9"
+    dotted, underscored = node.wandb_run_id("my.job-1"), node.wandb_run_id("my_job-1")
+    assert underscored == "my_job-1" and dotted.startswith("my-job-1-") and len(dotted) == 17
+    long = "x" * 70
+    assert len(node.wandb_run_id(long)) == 64 and node.wandb_run_id(long) != node.wandb_run_id("x" * 71)
+    for job_id in ("my.job-1", long, "a" + "." * 127, "x" * 64):
+        run_id = node.wandb_run_id(job_id)
+        assert node.WANDB_RUN_ID_RE.fullmatch(run_id) and run_id == node.wandb_run_id(job_id), job_id
 
 
 def test_hostile_values_are_quoted_once():
