@@ -10,7 +10,7 @@ cd "$root"
 
 need_pkgs=()
 for pair in dockerd:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync \
-            debootstrap:debootstrap pdsh:pdsh ip:iproute2; do
+            debootstrap:debootstrap pdsh:pdsh ip:iproute2 prometheus:prometheus; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need_pkgs+=("${pair#*:}")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then

@@ -25,7 +25,11 @@ KINDS = {
     "note": "job, level (info, warning, error), text",
     "host_failed": "job, attempt, host, kind (exited, failed to start, hung, lost, engine stuck, failed "
                    "preflight), detail",
-    "progress": "job, attempt, host, step (the newest step a node reported; at most one a second per host)",
+    "progress": "job, attempt, host, step (the newest step a node reported; at most one a second per host), "
+                "ranks (each of its ranks' newest step line: rank, step, loss, tokens_per_s, step_ms, "
+                "compute_ms)",
+    "telemetry": "job, attempt, host, sample (its GPUs, the job's containers, load and memory: README: "
+                 "Metrics and telemetry)",
     "hang": "job, attempt, ranks (one line per rank: where it is)",
     "attempt_end": "job, attempt, ok, outcome (one line)",
     "decision": "job, attempt, next (true: another attempt follows), reason, notes",

@@ -26,8 +26,12 @@ if TYPE_CHECKING:
 
 # "[node1 rank0] progress [####      ]  50.0% epoch 1/2 step 20/40 eta 1s" (trainers/gpt.py)
 # Progress for the hang watchdog: a step number in a node's output.
-STEP = re.compile(rb"(?i)\bstep\s*[:=]?\s*(\d+)(?![.\d])")  # not "step 169.2 ms" (a step time)
-PROGRESS = re.compile(r"progress \[[# ]*\] +[\d.]+% epoch \d+/\d+ step (?P<step>\d+)/(?P<total>\d+)")
+# Not "step 169.2 ms" (a step time). Numbers bounded: a 5000-digit step is none (int() would fail).
+STEP = re.compile(rb"(?i)\bstep\s*[:=]?\s*(\d{1,15})(?![.\d])")
+PROGRESS = re.compile(
+    r"progress \[[# ]{0,100}\] +[\d.]{1,10}% epoch \d{1,9}/\d{1,9} "
+    r"step (?P<step>\d{1,15})/(?P<total>\d{1,15})"
+)
 RECENT = 5        # a rank's straggler test uses the median of its last RECENT compute times
 MIN_SAMPLES = 3   # and only once every rank has reported this many
 SILENT_AFTER = 30.0  # seconds without output before a host's status line turns yellow
@@ -46,6 +50,7 @@ class HostState:
     loss: float | None = None
     rate: float | None = None
     compute_ms: dict[str, deque] = field(default_factory=dict)  # rank name -> recent compute times
+    ranks: dict[int, dict] = field(default_factory=dict)  # rank -> its newest step line (report.step_of)
 
 
 class Board:
@@ -71,6 +76,7 @@ class Board:
             text = block.decode(errors="replace")
             for m in report.STEP_LINE.finditer(text) if steps else ():
                 st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), report.rate_of(m)
+                st.ranks[int(m["rank"])] = report.step_of(m)
                 if m["compute_ms"]:
                     st.compute_ms.setdefault(report.rank_of(m), deque(maxlen=RECENT)).append(
                         float(m["compute_ms"])
@@ -78,6 +84,12 @@ class Board:
             for m in PROGRESS.finditer(text) if progress else ():
                 self.total = int(m["total"])
                 st.step = max(st.step or 0, int(m["step"]))
+
+    def ranks(self, host: str) -> list[dict]:
+        """The host's ranks, each as its newest step line said (report.step_of), by rank."""
+        with self._lock:
+            st = self.hosts.get(host)
+            return [{"rank": r, **v} for r, v in sorted(st.ranks.items())] if st is not None else []
 
     def _recent(self) -> dict[str, float]:
         recent = {

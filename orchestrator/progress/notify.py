@@ -37,6 +37,8 @@ DRAIN = 3 * (NOTIFY_TIMEOUT + 2 * BACKOFF)  # the job's end waits at most this f
 # The notification kinds (README: Notifications).
 NOTICES = ("started", "attempt_failed", "restarted", "hung", "finished", "failed", "stopped")
 EVENTS_FILE = "events.jsonl"
+TELEMETRY_FILE = "telemetry.jsonl"  # the `telemetry` events alone (not in events.jsonl)
+TELEMETRY = frozenset({"telemetry"})
 
 
 def check_url(url: str, where: str) -> str:
@@ -166,15 +168,18 @@ class Notifier(Reporter):
 
 
 class EventLog(Reporter):
-    """Every event appended to runs/JOB/events.jsonl (the file made at the first one)."""
+    """Every event appended to runs/JOB/events.jsonl (the file made at the first one); with `only`,
+    just those kinds (runs/JOB/telemetry.jsonl: the telemetry samples), else all but `skip`."""
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
+    def __init__(self, path: Path, enabled: bool = True, only: frozenset[str] | None = None,
+                 skip: frozenset[str] = frozenset()) -> None:
         self.path, self.enabled = path, enabled  # off: a dry run writes nothing
+        self.only, self.skip = only, skip
         self.lock = threading.Lock()
         self.last_progress: dict[str, float] = {}
 
     def emit(self, event: str, **fields) -> None:
-        if not self.enabled:
+        if not self.enabled or event in self.skip or (self.only is not None and event not in self.only):
             return
         if event == "progress":  # at most one a second per host, as --json prints them
             host, now = str(fields.get("host", "")), time.monotonic()

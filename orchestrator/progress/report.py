@@ -15,14 +15,21 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.core import hostile, recovery
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from rich.table import Table
 
 # "[node1 rank0] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | step 24.0 ms |
 # compute 20.5 ms" (trainers/gpt.py; the two times are the log interval's mean per step)
-STEP_LINE = re.compile(r"\[(?P<node>\S+) rank(?P<rank>\d+)\] epoch \d+ \| step (?P<step>\d+) \| "
-                       r"loss (?P<loss>[\d.]+) \| lr \S+ \| (?P<rate>[\d,]+) tok/s"
-                       r"(?: \| step (?P<step_ms>[\d.]+) ms \| compute (?P<compute_ms>[\d.]+) ms)?")
+# Every number bounded (a line is hostile input): int() and float() of a match never fail, and a
+# 5000-digit "step" is no step at all.
+_NUM = r"\d{1,15}(?:\.\d{1,15})?"
+_RATE = r"\d{1,3}(?:,\d{3}){0,5}|\d{1,18}"
+STEP_LINE = re.compile(
+    rf"\[(?P<node>\S{{1,255}}) rank(?P<rank>\d{{1,6}})\] epoch \d{{1,9}} \| step (?P<step>\d{{1,15}}) \| "
+    rf"loss (?P<loss>{_NUM}) \| lr \S+ \| (?P<rate>{_RATE}) tok/s"
+    rf"(?: \| step (?P<step_ms>{_NUM}) ms \| compute (?P<compute_ms>{_NUM}) ms)?"
+)
 # A rank whose median compute time per step is more than this much above the median rank's is a
 # straggler: the whole job runs at its speed.
 STRAGGLER_MARGIN = 0.2
@@ -62,6 +69,14 @@ def rank_of(m: re.Match) -> str:
 def rate_of(m: re.Match) -> float:
     """A step line's tokens/s."""
     return float(m["rate"].replace(",", ""))
+
+
+def step_of(m: re.Match) -> dict:
+    """A step line's figures: step, loss, tokens/s, and the interval's step and compute ms (None
+    when the line has no times)."""
+    return {"step": int(m["step"]), "loss": float(m["loss"]), "tokens_per_s": rate_of(m),
+            "step_ms": float(m["step_ms"]) if m["step_ms"] else None,
+            "compute_ms": float(m["compute_ms"]) if m["compute_ms"] else None}
 
 
 def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
@@ -204,7 +219,12 @@ def figure(run_dirs: list[Path]) -> Figure:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
+    samples = load_telemetry(run_dirs[0]) if len(run_dirs) == 1 else []
+    rows = 3 if samples else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 3.5 * rows), constrained_layout=True)
+    loss_ax, rate_ax = axes[0], axes[1]
+    if samples:
+        telemetry_panel(axes[2], samples)
     titles = []
     for run_dir in run_dirs:
         info = describe_run(run_dir) or {"job": run_dir.name}
@@ -237,11 +257,66 @@ def figure(run_dirs: list[Path]) -> Figure:
     rate_ax.set_xlabel("optimizer step")
     rate_ax.set_ylabel("throughput (tokens/s, as each rank measured it)")
     rate_ax.set_title("tokens/s per rank", fontsize=10)
-    for ax in (loss_ax, rate_ax):
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     return fig
+
+
+def load_telemetry(run_dir: Path) -> list[dict]:
+    """runs/JOB/telemetry.jsonl's samples, each {"time", "host", "sample"}, in order."""
+    out: list[dict] = []
+    path = run_dir / "telemetry.jsonl"
+    if not path.is_file():
+        return out
+    for line in _lines(path):
+        try:
+            rec = json.loads(line)
+            if isinstance(rec.get("sample"), dict) and isinstance(rec.get("host"), str):
+                out.append({"time": float(rec["time"]), "host": rec["host"], "sample": rec["sample"]})
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return out
+
+
+def telemetry_panel(ax: Axes, samples: list[dict]) -> None:
+    """GPU utilisation (%) per GPU where the hosts have GPUs; else each job container's CPU (cores),
+    with its memory (GiB, dashed) on a second axis. x: seconds since the first sample."""
+    start = samples[0]["time"]
+    gpu: dict[str, list[tuple[float, float]]] = {}
+    cpu: dict[str, list[tuple[float, float]]] = {}
+    mem: dict[str, list[tuple[float, float]]] = {}
+    for rec in samples:
+        t, host, sample = rec["time"] - start, rec["host"], rec["sample"]
+        for g in sample.get("gpus") or ():
+            if isinstance(g, dict) and isinstance(g.get("util"), (int, float)):
+                gpu.setdefault(f"{host} GPU {g.get('index')}", []).append((t, 100 * g["util"]))
+        for c in sample.get("containers") or ():
+            if isinstance(c, dict) and isinstance(c.get("cpu"), (int, float)):
+                cpu.setdefault(host, []).append((t, c["cpu"]))
+                if isinstance(c.get("mem"), (int, float)):
+                    mem.setdefault(host, []).append((t, c["mem"] / 2**30))
+
+    def plot(axis: Axes, series: dict[str, list[tuple[float, float]]], style: str = "-") -> None:
+        for name, points in sorted(series.items()):
+            # Names come from hosts: never matplotlib's $math$ markup.
+            axis.plot([p[0] for p in points], [p[1] for p in points], style, linewidth=1,
+                      label=name.replace("$", r"\$") + (" memory" if style != "-" else ""))
+
+    if gpu:
+        plot(ax, gpu)
+        ax.set_ylabel("GPU utilisation (%)")
+        ax.set_title("GPU utilisation per GPU the job holds", fontsize=10)
+    else:
+        plot(ax, cpu)
+        ax.set_ylabel("CPU of the job's container (cores)")
+        ax.set_title("the job's containers: CPU (solid) and memory (dashed)", fontsize=10)
+        if mem:
+            right = ax.twinx()
+            plot(right, mem, "--")
+            right.set_ylabel("memory (GiB)")
+    ax.set_xlabel("seconds since the first sample")
 
 
 def write_plot(run_dirs: list[Path], out: Path) -> Path:
@@ -258,7 +333,17 @@ def summary(run_dir: Path) -> dict:
     train, evals = load_metrics(run_dir)
     return {**describe_run(run_dir), "final_train_loss": train[-1]["loss"] if train else None,
             "final_eval_loss": evals[-1]["loss"] if evals else None,
-            "steps": train[-1]["step"] if train else None, **timings(run_dir)}
+            "steps": train[-1]["step"] if train else None, **timings(run_dir),
+            "telemetry": telemetry_summary(load_telemetry(run_dir))}
+
+
+def telemetry_summary(samples: list[dict]) -> dict:
+    """Per host: progress/telemetry.summarise of its samples, and how many there were."""
+    from orchestrator.progress.telemetry import summarise
+    by_host: dict[str, list[dict]] = {}
+    for rec in samples:
+        by_host.setdefault(rec["host"], []).append(rec["sample"])
+    return {host: {"samples": len(got), **summarise(got)} for host, got in sorted(by_host.items())}
 
 
 def finish(run_dir: Path) -> tuple[dict, list[Path]]:

@@ -138,3 +138,64 @@ def on_host(node: str, script: str, check=True, detach=False) -> subprocess.Comp
 def project_containers(node: str) -> list[str]:
     out = on_host(node, "docker ps -aq --filter label=fabtrain.managed=1").stdout
     return out.split()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """A real Prometheus server (Debian's package) on loopback, scraping `target` every second."""
+
+    def __init__(self, tmp: Path, target: str) -> None:
+        import shutil
+        binary = shutil.which("prometheus")
+        assert binary, "prometheus is not installed: bash docker/bootstrap.sh installs it"
+        self.port = free_port()
+        config = tmp / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            f"  - job_name: fabtrain\n    static_configs: [{{targets: ['{target}']}}]\n"
+        )
+        self.log = (tmp / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while not self.ready():
+            alive = self.proc.poll() is None
+            assert time.monotonic() < deadline and alive, (tmp / "prometheus.log").read_text()
+            time.sleep(0.2)
+
+    def ready(self) -> bool:
+        import urllib.request
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def range(self, query: str, start: float, end: float) -> list[dict]:
+        """query_range's result: [{"metric": {labels}, "values": [[t, "v"], ...]}, ...]."""
+        import json
+        import urllib.parse
+        import urllib.request
+        url = (f"http://127.0.0.1:{self.port}/api/v1/query_range?"
+               + urllib.parse.urlencode({"query": query, "start": start, "end": end, "step": 1}))
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

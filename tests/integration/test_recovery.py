@@ -14,7 +14,7 @@ import torch
 
 from orchestrator.testbed import cluster
 
-from .conftest import ROOT, fab, on_host, project_containers
+from .conftest import ROOT, Prometheus, fab, free_port, on_host, project_containers
 from .test_lifecycle import running, start_fab, wait_for_containers
 
 # A short GPT run: 2 epochs of 40 steps, a snapshot every 10 steps (4 ranks on 2 hosts).
@@ -147,21 +147,52 @@ def job_containers(node: str) -> str:
 def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, reference, tmp_path):
     """One worker process killed on node2: both nodes keep their containers, only the workers
     start again (the next generation), from the newest snapshot, and the job ends with the same
-    model as an uninterrupted run."""
+    model as an uninterrupted run. Also: a real Prometheus server scrapes the job's /metrics
+    (--metrics-port): every rank's fabtrain_step rises, fabtrain_host_failures_total rises at the
+    killed worker; the hosts' telemetry is in telemetry.jsonl, summary.json and the figure."""
     log = tmp_path / "out.txt"
-    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1")
+    port = free_port()
+    prometheus = Prometheus(tmp_path, f"127.0.0.1:{port}")
+    began = time.time()
+    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1",
+                             "--metrics-port", str(port))
     try:
         wait_for_line(log, "| step 20 |")
         kept = {n: job_containers(n) for n in ("node1", "node2")}
         assert all(kept.values()), kept
+        time.sleep(2)  # scraped before the failure
+        killed = time.time()
         assert on_host("node2", cluster.KILL_ONE_WORKER).stdout.strip().isdigit()
         wait_for_line(log, "resumed from /output/snapshots/snapshot-", timeout=120)
         assert {n: job_containers(n) for n in ("node1", "node2")} == kept  # the same containers
         assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+        ended = time.time()
+        steps = prometheus.range("fabtrain_step", began, ended)
+        failures = prometheus.range("fabtrain_host_failures_total", began, ended)
     finally:
         proc.kill()
+        prometheus.close()
     out = log.read_text()
     job = job_id(out)
+    assert f"metrics for Prometheus at http://127.0.0.1:{port}/metrics" in out
+    by_rank = {(s["metric"]["host"], s["metric"]["rank"]): [float(v) for _, v in s["values"]] for s in steps}
+    assert set(by_rank) == {("node1", "0"), ("node1", "1"), ("node2", "2"), ("node2", "3")}, by_rank
+    assert all(s["metric"]["job"] == job for s in steps)
+    assert all(v[-1] > v[0] for v in by_rank.values()), by_rank
+    [failed] = failures
+    labels = {k: failed["metric"][k] for k in ("job", "host", "kind")}
+    assert labels == {"job": job, "host": "node2", "kind": "exited"}, failed
+    values = failed["values"]  # [[time, "value"], ...]
+    first_seen, count = float(values[0][0]), float(values[-1][1])
+    assert count == 1 and first_seen >= killed - 1, failed
+    samples = [json.loads(line) for line in (ROOT / "runs" / job / "telemetry.jsonl").read_text().splitlines()]
+    hosts = {s["host"] for s in samples}
+    assert hosts == {"node1", "node2"}, hosts
+    containers = [c for s in samples for c in s["sample"]["containers"]]
+    assert containers and all(c["name"].startswith(f"fabtrain-{job}-r") and c["mem"] > 0 for c in containers)
+    assert max(c["cpu"] for c in containers) > 0.1  # the ranks were busy
+    summary = json.loads((ROOT / "runs" / job / "summary.json").read_text())
+    assert set(summary["telemetry"]) == {"node1", "node2"} and summary["telemetry"]["node1"]["samples"] >= 2
     assert re.search(r"attempt 1 failed \(node2 exited with code 1", out), out[-3000:]
     assert out.count("generation=2 (warm: this container was kept; its workers started ahead)") == 2
     plan = (ROOT / "runs" / job / "plan.txt").read_text()

@@ -132,9 +132,10 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     # --dry-run and plan.txt are the same text, and it is the plan the job ran.
     assert text == a.render()
     assert (tmp_path / "runs/gpt-1/plan.txt").read_text() == text + "\n"
+    sampling = {s.command for s in j.last.steps if s.key == "telemetry"}
     ran = [
-        c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 "))
-    ]  # periodic: lease, snapshot copies
+        c for c in rec.calls if not c[2].startswith(("touch ", "ls -1 ")) and c[2] not in sampling
+    ]  # periodic: lease, snapshot copies, telemetry
     # The plan stage's read-only look (other jobs, free port, GPU access), then exactly the steps.
     looks = {
         survey.survey_script(j.inv),

@@ -73,3 +73,21 @@ def test_lines_go_above_the_live_display_whole(tmp_path):
     assert "node1 r0 | half a line\n" in shown and "[fabtrain] straggler: x\n" in shown
     assert "step 10  loss 2.5000" in shown  # the status line was drawn below
     assert (tmp_path / "node1.log").read_bytes().endswith(b"half a line\n")
+
+
+def test_hostile_step_lines_are_no_steps_and_never_raise():
+    """A line is hostile input: malformed or absurd numbers are no step at all (the follower thread
+    that feeds the board must never die on one), and a good line after them still counts."""
+    b = Board([("node1", 0)])
+    for line in (
+        b"[node1 rank0] epoch 1 | step 3 | loss 1.2.3 | lr 0.1 | 1,,2 tok/s\n",
+        b"[node1 rank0] epoch 1 | step " + b"9" * 5000 + b" | loss 1.2 | lr 0.1 | 12 tok/s\n",
+        b"[node1 rank" + b"7" * 5000 + b"] epoch 1 | step 4 | loss 1.2 | lr 0.1 | 12 tok/s\n",
+        b"progress [##  ] 50.0% epoch 1/2 step " + b"9" * 5000 + b"/40\n",
+    ):
+        b.observe("node1", line)
+    assert b.hosts["node1"].step is None and b.ranks("node1") == []
+    b.observe("node1", b"[node1 rank1] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | "
+                       b"step 24.0 ms | compute 20.5 ms\n")
+    assert b.ranks("node1") == [{"rank": 1, "step": 10, "loss": 2.1234, "tokens_per_s": 12345.0,
+                                 "step_ms": 24.0, "compute_ms": 20.5}]

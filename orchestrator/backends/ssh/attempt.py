@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.backends.ssh.snapshotchecks import CHECKSUM_TIMEOUT
-from orchestrator.commands import dockerargs, hostfiles, node, sshargs
+from orchestrator.commands import dockerargs, hostfiles, node, sshargs, telemetry
 from orchestrator.commands.snapshotcmds import layout, local_dir_name
 from orchestrator.config import resources
 from orchestrator.config.inventory import Host, Inventory
@@ -55,6 +55,7 @@ class When(enum.Enum):
     ON_FAILURE = "when a node fails or a host is lost: the other hosts"
     ON_INTERRUPT = "on Ctrl+C, SIGTERM or fab stop: every host"
     ON_FAILED = "after a failed attempt, and between attempts: did fab stop end it? (every host used)"
+    ON_SAMPLE = "every job.telemetry_every seconds while the job is watched: GPUs, containers, load, memory"
 
 
 
@@ -195,6 +196,7 @@ STAGE_OF = {
     "stop-on-failure": Stage.TEARDOWN,
     "stop-on-interrupt": Stage.TEARDOWN,
     "lease": Stage.WATCH,
+    "telemetry": Stage.WATCH,
 }
 HEADING_NOTE = {  # what the plan's heading adds to a stage's name
     Stage.CLAIM: " (fab stop finds the job from here on)",
@@ -273,6 +275,7 @@ def build(
         *teardown_steps(inv, spec, warm),
         *end_steps(inv, spec, inv.hosts, run_dir),
         *conditional_steps(inv, spec, run_dir, warm, hot),
+        *(telemetry_steps(inv, spec) if units is not None else ()),
     ]
     return AttemptPlan(spec.job_id, number, inv.hosts, port, snapshot, spec, inv, facts, tuple(steps),
                        inv.job.stop_grace, units or {}, warm, hot)
@@ -452,6 +455,15 @@ def conditional_steps(inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm:
 
 
 STACKS_TIMEOUT = 15
+TELEMETRY_TIMEOUT = 20  # seconds one host's sample may take (nvidia-smi and docker stats are bounded inside)
+
+
+def telemetry_steps(inv: Inventory, spec: jobspec.JobSpec) -> list[Step]:
+    """WATCH's samples of every host (sampler.py), when job.telemetry_every is not 0."""
+    if not inv.job.telemetry_every:
+        return []
+    return [remote_step(h, "telemetry", telemetry.telemetry_script(inv, spec.job_id), TELEMETRY_TIMEOUT,
+                        When.ON_SAMPLE, what="sampling the host's telemetry") for h in inv.hosts]
 
 
 def end_steps(inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...], run_dir: str) -> list[Step]:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 STACKS_EVERY = (1.0, 30.0)  # the looks at where the ranks are: hang timeout / 5, within these bounds
-EXIT_LINE = re.compile(rb"\[fabtrain\] node exit code (-?\d+)")
+EXIT_LINE = re.compile(rb"\[fabtrain\] node exit code (-?\d{1,9})")
 
 
 class Progress:

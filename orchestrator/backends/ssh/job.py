@@ -36,7 +36,7 @@ from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts.queue import new_ticket
-from orchestrator.progress import notify
+from orchestrator.progress import metrics, notify
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Session, describe
 
@@ -100,8 +100,14 @@ class Job:
         self.notifier = notify.Notifier(
             notify.Notices(spec.job_id, spec.owner, secrets=secret_values(inv)),
             record.notify.get("command"), record.notify.get("url"), warn=lambda t: self.note(t, "warning"))
-        self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE, enabled=False)  # from Job.open on
-        self.reporter: Reporter = notify.Fanout(reporter, self.events, self.notifier)
+        # From Job.open on: every event but the telemetry samples, and those in a file of their own.
+        self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE, enabled=False, skip=notify.TELEMETRY)
+        self.telemetry = notify.EventLog(self.run_dir / notify.TELEMETRY_FILE, enabled=False,
+                                         only=notify.TELEMETRY)
+        # fab train --metrics-port: /metrics for Prometheus, served while the job lives (Job.open).
+        self.metrics = metrics.Metrics(spec.job_id, spec.owner) if inv.job.metrics_port else None
+        self.reporter: Reporter = notify.Fanout(reporter, self.events, self.telemetry, self.notifier,
+                                                *([self.metrics] if self.metrics else []))
         self.session = session
         self.checks, self.smoke = checks, smoke
         self.watch_options = watch_options or {}
@@ -169,8 +175,9 @@ class Job:
     def open(self) -> Iterator[None]:
         """The session, the run directory, signal handlers, and the lease kept while the job lives."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events.enabled = True
+        self.events.enabled = self.telemetry.enabled = True
         self.open_snapshots()
+        self.serve_metrics()
         own = None
         if self.session is None:
             own = self.session = Session(self.inv.all_hosts)
@@ -182,10 +189,23 @@ class Job:
         finally:
             self.leasing.set()
             self.notifier.close()
+            if self.metrics is not None:
+                self.metrics.close()
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if own is not None:
                 own.close()
+
+    def serve_metrics(self) -> None:
+        where = self.inv.job.metrics_port
+        if self.metrics is None or where is None:
+            return
+        try:
+            url = self.metrics.serve(where)
+        except OSError as exc:
+            raise UserError(f"--metrics-port {where}: cannot listen there: {exc.strerror or exc}; choose "
+                            "another port (job.metrics_port in the inventory, or --metrics-port)") from None
+        self.note(f"metrics for Prometheus at {url}")
 
     def open_snapshots(self) -> snapshots.Snapshots:
         """runs/JOB/snapshots (or checkpoints/), made when the job starts, or when a dry run of a

@@ -26,11 +26,13 @@ from rich.live import Live
 
 from orchestrator.backends.ssh.attempt import AttemptPlan, Step, When
 from orchestrator.backends.ssh.hangs import Looks, Progress
+from orchestrator.backends.ssh.sampler import Sampler
 from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import Host
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Failure, HostFailure
+from orchestrator.hosts import hostops
 from orchestrator.progress.live import Board
 from orchestrator.transport.logs import Multiplexer, missing_output
 from orchestrator.transport.remote import CommandTimedOut, Session, describe
@@ -178,6 +180,9 @@ class Watcher:
             if self.live
             else contextlib.nullcontext()
         )
+        sampler = Sampler(self.session, self.attempt, self.emit, self.note, self.stop_idle,
+                          watched=lambda host: host in self.pending)
+        sampler.start()
         try:
             with view:
                 self.until_done()
@@ -186,7 +191,26 @@ class Watcher:
                 raise
             self.result.interrupted = getattr(exc, "signum", signal.SIGINT)
             self.stop_others(When.ON_INTERRUPT)
+        finally:
+            sampler.stop()
         return self.result
+
+    def emit(self, event: str, **fields) -> None:
+        self.reporter.emit(event, job=self.attempt.job_id, attempt=self.attempt.number, **fields)
+
+    def note(self, text: str, level: str = "info") -> None:
+        self.reporter.emit("note", job=self.attempt.job_id, level=level, text=text)
+
+    def stop_idle(self, why: str) -> None:
+        """--stop-idle: the job ended as `fab stop` ends it (its marker left, its containers stopped),
+        from the sampler's thread; the watch then sees the nodes end."""
+        hosts = tuple(h for h in self.hosts if h.name in self.pending)
+        hostops.mark_stopped(self.session, self.attempt.inv, {self.attempt.job_id: [h.name for h in hosts]})
+        steps = {s.where: s for s in self.attempt.steps if s.when == When.ON_INTERRUPT}
+        self.session.fan_out(
+            lambda h: self.session.run(h, steps[h.name].command, timeout=steps[h.name].deadline,
+                                       what=steps[h.name].what), hosts)
+        self.note(f"job stopped: {why} (--stop-idle)", "warning")
 
     def until_done(self) -> None:
         while self.pending:
@@ -217,7 +241,7 @@ class Watcher:
             if self.last_step.get(name) != step:
                 self.last_step[name] = step
                 self.reporter.emit("progress", job=self.attempt.job_id, attempt=self.attempt.number,
-                                   host=name, step=step)
+                                   host=name, step=step, ranks=self.board.ranks(name))
 
     def lost_host(self) -> NodeEnd | None:
         now = time.monotonic()
