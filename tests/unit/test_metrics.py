@@ -68,8 +68,8 @@ def test_metrics_follow_the_events_of_a_job_with_a_restart():
 def test_telemetry_samples_become_gpu_and_container_gauges():
     m = Metrics("j", "bob")
     sample = {"vendor": "nvidia",
-              "gpus": [{"index": 3, "uuid": "GPU-1", "bus": "00000000:3B:00.0", "util": 0.87, "mem_used": 1 << 30,
-                        "mem_total": 80 << 30, "power_w": 301.5, "temp_c": 61.0, "throttle": [],
+              "gpus": [{"index": 3, "uuid": "GPU-1", "bus": "00000000:3B:00.0", "util": 0.87,
+                        "mem_used": 1 << 30, "mem_total": 80 << 30, "power_w": 301.5, "temp_c": 61.0, "throttle": [],
                         "ecc_uncorrected": None}],
               "containers": [{"name": 'fabtrain-j-r0"} evil', "cpu": 1.5, "mem": 123, "mem_limit": None}],
               "host": {"load1": 2.25, "mem_used": 1, "mem_total": 2, "cpus": 8}, "xid": [], "errors": []}
@@ -113,3 +113,25 @@ def test_listen_address(text, want):
 def test_listen_address_refuses(text):
     with pytest.raises(ValueError):
         listen_address(text)
+
+
+def test_the_grafana_dashboard_uses_only_metrics_fab_serves():
+    """docker/grafana/fabtrain.json: valid JSON whose every query names metrics that a job with
+    telemetry exposes (a renamed metric would leave a panel empty)."""
+    import json
+    import re
+    from pathlib import Path
+    dash = json.loads((Path(__file__).resolve().parents[2] / "docker/grafana/fabtrain.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"fabtrain_\w+", e)}
+    m = Metrics("j", "bob")
+    m.emit("attempt", job="j", attempt=1, hosts={"node1": 0}, port=1)
+    m.emit("progress", job="j", attempt=1, host="node1", step=1, ranks=[rank(0, 1)])
+    m.emit("host_failed", job="j", attempt=1, host="node1", kind="lost", detail="")
+    m.emit("telemetry", job="j", attempt=1, host="node1", sample={
+        "gpus": [{"index": 0, "util": 0.5, "mem_used": 1, "mem_total": 2, "power_w": 3.0, "temp_c": 4.0,
+                  "ecc_uncorrected": 0}],
+        "containers": [{"name": "c", "cpu": 1.0, "mem": 5}], "host": {"load1": 1.0}})
+    served = {key.split("{")[0] for key in scrape(m)}
+    assert used and used <= served, used - served
+    assert {"fabtrain_step", "fabtrain_host_failures_total", "fabtrain_gpu_utilization_ratio"} <= used
