@@ -69,8 +69,8 @@ def test_telemetry_samples_become_gpu_and_container_gauges():
     m = Metrics("j", "bob")
     sample = {"vendor": "nvidia",
               "gpus": [{"index": 3, "uuid": "GPU-1", "bus": "00000000:3B:00.0", "util": 0.87,
-                        "mem_used": 1 << 30, "mem_total": 80 << 30, "power_w": 301.5, "temp_c": 61.0, "throttle": [],
-                        "ecc_uncorrected": None}],
+                        "mem_used": 1 << 30, "mem_total": 80 << 30, "power_w": 301.5, "temp_c": 61.0,
+                        "throttle": [], "ecc_uncorrected": None}],
               "containers": [{"name": 'fabtrain-j-r0"} evil', "cpu": 1.5, "mem": 123, "mem_limit": None}],
               "host": {"load1": 2.25, "mem_used": 1, "mem_total": 2, "cpus": 8}, "xid": [], "errors": []}
     m.emit("telemetry", job="j", attempt=1, host="node1", sample=sample)
