@@ -300,6 +300,26 @@ def status(c, inventory=None, json=False):
         raise UserError("\n".join(found.errors))
 
 
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print one snapshot as JSON and exit"})
+@user_errors
+def top(c, inventory=None, json=False):
+    """Watch every host live: who holds each GPU (CPU slot), how busy it is, each job's step rate.
+
+    Per host: its GPUs (or CPU slots) with the job and owner holding each and each GPU's
+    utilisation and memory; each job container's CPU and memory; each job's last step and steps
+    per second. Refreshes every 2 s until Ctrl+C. A host that does not answer within 20 s is named
+    (with --json, exits non-zero then)."""
+    from orchestrator.progress import top as _top
+    inv = _inventory.load(inventory)
+    if not json:
+        _top.live(inv, console)
+        return
+    snap = _top.once(inv)
+    print(_json.dumps(snap, indent=2))
+    if snap["errors"]:
+        raise UserError("\n".join(snap["errors"]))
+
+
 @task(auto_shortflags=False, help={"inventory": INV_HELP, "job": "job id (default: the one running)",
                                    "plain": PLAIN_HELP})
 @user_errors
@@ -518,7 +538,7 @@ def images(c):
     _cluster.build_images()
 
 
-ns = Collection(sync, preflight, train, attach, stop, status, logs, runs, plot, images)
+ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, images)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))
 ns.add_collection(Collection("export", slurm, k8s))
