@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
 import snapshot  # noqa: E402
 from common import finish_distributed, log, pg_timeout  # noqa: E402
+from tensorboard_events import Board  # noqa: E402
 
 
 @dataclass
@@ -350,6 +351,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     metrics_path = out / "metrics.jsonl"
     if d.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    board = Board(out, d.rank, tag, first_step=step + 1)
     tokens_per_step = tc.batch_size * tc.grad_accum * mc.block_size * d.world
     fpt, peak = (
         flops_per_token(mc, n_params(model)),
@@ -389,12 +391,14 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
             tokens += tokens_per_step
             if step % tc.log_every == 0 or step == total_steps:
                 rate = tokens / (time.perf_counter() - t0)
-                mfu = f" | MFU {fpt * rate / (peak * d.world):.1%}" if peak else ""
+                mfu = fpt * rate / (peak * d.world) if peak else None
                 log(f"{tag} epoch {epoch} | step {step} | loss {loss_sum:.4f} | lr {g['lr']:.2e} "
-                    f"| {rate:,.0f} tok/s{timer.report()}{mfu}")
+                    f"| {rate:,.0f} tok/s{timer.report()}{'' if mfu is None else f' | MFU {mfu:.1%}'}")
                 if d.rank == 0:
                     _append(metrics_path, {"kind": "train", "epoch": epoch, "step": step, "loss": loss_sum,
                                            "lr": g["lr"], "tokens_per_s": rate, "time": time.time()})
+                    curves = {"train/loss": loss_sum, "train/tokens_per_s": rate, "train/lr": g["lr"]}
+                    board.scalars(step, curves if mfu is None else {**curves, "train/mfu": mfu})
             if d.rank == 0 and (step % tc.log_every == 0 or step == total_steps):
                 progress(tag, epoch, tc.epochs, step, total_steps, run_start, run_start_step)
             if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0:
@@ -405,6 +409,8 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
             _append(
                 metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()}
             )
+            board.scalars(step, {"eval/loss": val})
+            board.flush()
             writer.save(model, optimizer, epoch + 1, step)
         result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
     writer.wait()
@@ -413,6 +419,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         seed = torch.tensor([[stoi.get("T", 0)]], device=device)
         sample = "".join(chars[i] for i in model.generate(seed, args.sample_chars)[0].tolist())
         log(f"{tag} sample: {sample!r}")
+    board.close()
     if d.enabled:
         finish_distributed(hard_exit)
     return result

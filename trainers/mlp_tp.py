@@ -14,6 +14,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish_distributed, log, pg_timeout  # noqa: E402
+from tensorboard_events import Board  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--epochs", type=int, default=None, help="accepted for fab train; steps = 50 x epochs")
     p.add_argument("--model", default=None, help="accepted for fab train; ignored")
+    p.add_argument("--out", default=os.environ.get("FABTRAIN_OUTPUT", "out"),
+                   help="directory for the TensorBoard event files (tb/, rank 0)")
     args = p.parse_args(argv)
     if args.epochs:
         args.steps = 50 * args.epochs
@@ -122,7 +126,10 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
     device = torch.device("cuda" if cuda else "cpu")
     model = shard(MLP(args.dim, args.hidden, args.layers).to(device), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    # Steps as the log lines number them, from 0: a restarted job trains again from step 0.
+    board = Board(Path(args.out), rank, f"[{node} rank{rank}]", first_step=0)
     loss_val = float("nan")
+    t0, since = time.perf_counter(), 0
     for step in range(args.steps):
         x, y = synthetic_batch(step, dp_rank, args.batch, args.dim, device)
         loss = nn.functional.mse_loss(model(x), y)
@@ -135,6 +142,11 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
         loss_val = t.item() / mesh["dp"].size()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             log(f"[{node} rank{rank}] step {step} | loss {loss_val:.5f}")
+            samples = (step + 1 - since) * args.batch * mesh["dp"].size()
+            board.scalars(step, {"train/loss": loss_val, "train/lr": args.lr,
+                                 "train/samples_per_s": samples / (time.perf_counter() - t0)})
+            t0, since = time.perf_counter(), step + 1
+    board.close()
     finish_distributed(hard_exit)
     return loss_val
 
