@@ -402,6 +402,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
             if d.rank == 0 and (step % tc.log_every == 0 or step == total_steps):
                 progress(tag, epoch, tc.epochs, step, total_steps, run_start, run_start_step)
             if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0:
+                board.flush()  # a restart resumes from a snapshot: the curves up to it are on disk first
                 writer.save(model, optimizer, epoch, step)
         val = evaluate(ddp, val_dl, device, d)
         if d.rank == 0:
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
                 metrics_path, {"kind": "eval", "epoch": epoch, "step": step, "loss": val, "time": time.time()}
             )
             board.scalars(step, {"eval/loss": val})
-            board.flush()
+            board.flush()  # at every epoch's end, and before its snapshot
             writer.save(model, optimizer, epoch + 1, step)
         result = {"eval_loss": val, "train_loss": loss_sum, "step": step}
     writer.wait()

@@ -17,7 +17,8 @@ from pathlib import Path
 from common import log
 
 SUBDIR = "tb"
-# A run that dies between flushes loses at most this much of its curves.
+# The writer's thread appends each event to its file as it comes; a flush (this often, and from
+# the trainer at each epoch's end and before each snapshot) waits until none is left in its queue.
 FLUSH_SECS = 10
 
 

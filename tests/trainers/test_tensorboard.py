@@ -1,12 +1,13 @@
 """The trainers' TensorBoard event files (OUT/tb, rank 0), read back as TensorBoard reads them: the
 logged steps and the epochs' eval losses, one curve across a resume, nothing without tensorboard."""
 import json
+import subprocess
 import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from .conftest import free_port
+from .conftest import TRAINERS, free_port
 
 ARGS = ["--model", "tiny", "--max-steps-per-epoch", "12", "--log-every", "4", "--sample-chars", "0",
         "--snapshot-every", "5"]
@@ -60,6 +61,27 @@ def test_a_resumed_run_continues_the_same_curves_with_no_step_twice(tmp_path):
     assert [v for _, v in got["train/loss"][5:]] == pytest.approx(resumed)
     assert got["eval/loss"][0] == first["eval/loss"][0]
     assert got["eval/loss"][1][1] == pytest.approx(metrics(b, "eval")[-1]["loss"])
+
+
+# A process killed as its second snapshot is handed to the writer (step 10): nothing closes the
+# event file, as when a container is killed.
+KILLED_AT_SNAPSHOT = """
+import os, sys
+sys.path.insert(0, {trainers!r})
+import gpt, snapshot
+snapshot.Writer.save = lambda self, model, opt, epoch, step: os._exit(9) if step == 10 else None
+gpt.main({args!r})
+"""
+
+
+def test_the_curves_up_to_a_snapshot_are_on_disk_before_it_is_written(tmp_path):
+    """A restart resumes from the newest snapshot and logs only the steps after it: those before it
+    must have reached the event file, however the process ended."""
+    args = ARGS + ["--epochs", "2", "--out", str(tmp_path)]
+    script = KILLED_AT_SNAPSHOT.format(trainers=str(TRAINERS), args=args)
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode == 9
+    logged = [(r["step"], pytest.approx(r["loss"])) for r in metrics(tmp_path, "train")]
+    assert curves(tmp_path)["train/loss"] == logged and [s for s, _ in logged] == [4, 8]
 
 
 def test_without_tensorboard_the_run_goes_on_and_says_so_once(tmp_path, monkeypatch, capsys):
