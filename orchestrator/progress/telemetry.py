@@ -66,9 +66,11 @@ _BUS = re.compile(r"^(?:[0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$
 # 79, pid=...", with a MIG instance "(PCI:0000:01:00 GPU-I:05)", and in old drivers without "PCI:".
 _XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})"
                      r"(?:\.[0-9A-Fa-f])?(?:\s[^)]*)?\):\s*(\d{1,6})")
-# docker stats sizes: "264MiB", "23.54GiB", "0B", "1.2kB" (docker prints binary units for memory).
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?i?B|[kKMGTP]B?)\s*$")
-_UNITS = {"": 1, "K": 1024, "M": MIB, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+# docker stats sizes: "264MiB", "23.54GiB", "0B" (binary units: memory), "1.2kB", "3MB" (decimal
+# ones: what docker prints for network and block I/O).
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(B|[KMGTP]iB|[kKMGTP]B)\s*$")
+_UNITS = {"B": 1, **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
+          **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")}, "kB": 1000}
 
 
 # ---------------------------------------------------------------- numbers
@@ -108,7 +110,7 @@ def size(text: str) -> int | None:
     x = number(m.group(1), 0, MEM_MAX)
     if x is None:
         return None
-    got = x * _UNITS[m.group(2)[0].upper() if m.group(2)[0] != "B" else ""]
+    got = x * _UNITS[m.group(2)]
     return int(got) if got <= MEM_MAX else None
 
 

@@ -352,7 +352,8 @@ def test_hostile_container_names_and_sizes():
     assert len(sample["errors"]) == 3 and all(
         e.startswith("docker stats: unreadable line") for e in sample["errors"]
     )
-    assert size("0B") == 0 and size("1.2kB") == 1228 and size("--") is None and size("12 parsecs") is None
+    assert size("0B") == 0 and size("1.2kB") == 1200 and size("--") is None and size("12 parsecs") is None
+    assert size("3MB") == 3_000_000 and size("2GiB") == 2**31 and size("1 KiB") == 1024
 
 
 def test_a_huge_line_a_json_bomb_and_too_much_output_are_bounded():
