@@ -144,6 +144,28 @@ class Looks:
         self.looking = threading.Thread(target=look, daemon=True, name="where-ranks-are")
         self.looking.start()
 
+    def look_again(self, names: list[str]) -> None:
+        """Before a hang is declared: the look under way finished, and one more look at where these
+        nodes' ranks are (within the stacks step's deadline), so that ranks that moved since the
+        last look (a slow `import torch` on a loaded host) are progress, not a hang."""
+        deadline = self.attempt.step(self.hosts[0].name, "stacks").deadline
+        if self.looking is not None:
+            self.looking.join(timeout=deadline)
+        hosts = tuple(h for h in self.hosts if h.name in names and h.name in self.progress.where)
+        if not hosts:
+            return  # never looked at: nothing to compare with
+        got = self.session.fan_out(
+            lambda h: self.session.run(
+                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
+            ),
+            hosts,
+        )
+        for h in hosts:
+            r = got.value(h.name)
+            if r is not None and r.ok:
+                self.progress.stacks(h.name, recovery.stack_signature(r.stdout))
+        self.looked = time.monotonic()
+
     def read_heartbeats(self, names: list[str]) -> dict[str, str]:
         """Each node's heartbeat age, read on its host, into Progress; per node what was read
         ('3s ago', 'none': never touched, 'unreadable: ...')."""

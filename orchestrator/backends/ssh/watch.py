@@ -279,6 +279,10 @@ class Watcher:
         stale = self.progress.stale(self.pending, self.hang_timeout)
         if not stale:
             return None
+        self.looks.look_again(stale)
+        stale = self.progress.stale(self.pending, self.hang_timeout)
+        if not stale:
+            return None  # their ranks moved
         beats = self.looks.read_heartbeats(stale)
         # Only nodes whose heartbeat was just read are judged: another may have gone stale meanwhile
         # (it is judged at the next look, with its own heartbeat).
