@@ -6,10 +6,12 @@
 #                           bench's reference)
 #   fabtrain/trainer:latest base + CPU torch + hydra-core (so the many hydra-configured training
 #                           programs, pytorch/examples' minGPT-DDP among them, run as they are) +
+#                           tensorboard (the trainers' event files, torch.utils.tensorboard) +
 #                           the environment-driven entrypoint
 # Each image carries a label with a hash of its build inputs and is rebuilt only when that hash
 # changes (FORCE=1 rebuilds all), so running this twice reuses what is there and an edited
-# entrypoint or init script never leaves a stale image behind.
+# entrypoint or init script, another version asked for, or a changed pin in requirements.lock never
+# leaves a stale image behind.
 # A real cluster names its own base (e.g. nvcr.io/nvidia/pytorch:24.01-py3) in the inventory instead.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -18,12 +20,27 @@ BASE=fabtrain/base:bookworm
 HOST=fabtrain/host:latest
 TRAINER=fabtrain/trainer:latest
 TORCH=${TORCH_VERSION:-2.13.0}
+NUMPY=${NUMPY_VERSION:-2.4.6}
+HYDRA=${HYDRA_VERSION:-1.3.2}
+TENSORBOARD=${TENSORBOARD_VERSION:-2.21.0}
 force=${FORCE:-0}
+lock=$here/../requirements.lock  # absent from an installed (not editable) fabtrain: no constraints
+
+# What pip installs into the trainer image, and the versions every other distribution it pulls in
+# (tensorboard's and torch's dependencies) is held to: requirements.lock's pins, as constraints
+# (pip still resolves them; the image and the tests' .venv read event files with the same protobuf).
+trainer_requirements() { printf '%s\n' "torch==$TORCH" "numpy==$NUMPY" "hydra-core==$HYDRA" "tensorboard==$TENSORBOARD"; }
+trainer_constraints() {
+  [ -f "$lock" ] || return 0
+  awk -F'==' '/^[A-Za-z0-9._-]+==/ { split($2, v, /[ ;\\]/); n = tolower($1)
+    if (n != "torch" && n != "numpy" && n != "hydra-core" && n != "tensorboard") print $1 "==" v[1] }' "$lock"
+}
 
 inputs() { cat "$@" | sha256sum | cut -c1-16; }
 BASE_KEY=$(inputs "$here/build-images.sh")
 HOST_KEY=$(inputs "$here/build-images.sh" "$here/host-init.sh")
-TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "$here/entrypoint.py")
+TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "$here/entrypoint.py" \
+  <(trainer_requirements; trainer_constraints))
 # have IMAGE KEY: the image exists and was built from these inputs.
 have() {
   [ "$force" != 1 ] && [ "$(docker image inspect --format '{{index .Config.Labels "fabtrain.inputs"}}' "$1" 2>/dev/null)" = "$2" ]
@@ -81,12 +98,15 @@ if ! have "$HOST" "$HOST_KEY"; then
 fi
 
 if ! have "$TRAINER" "$TRAINER_KEY"; then
-  echo "==> build $TRAINER (torch $TORCH, CPU; hydra-core)"
+  echo "==> build $TRAINER (torch $TORCH, CPU; hydra-core $HYDRA; tensorboard $TENSORBOARD)"
   ctx=$work/trainer-ctx
   rm -rf "$ctx"; mkdir -p "$ctx"
+  trainer_requirements >"$work/trainer-requirements.txt"
+  trainer_constraints >"$work/trainer-constraints.txt"
   # torch is installed here, into a plain directory, so the image gets one layer of installed files
   # and never a copy of the wheel. The CPU wheel comes from the machine's pip configuration.
-  python3 -m pip install -q --no-compile --target "$ctx/site" "torch==$TORCH" "numpy==${NUMPY_VERSION:-2.4.6}" "hydra-core==${HYDRA_VERSION:-1.3.2}" >"$work/pip.log" 2>&1 \
+  python3 -m pip install -q --no-compile --target "$ctx/site" -r "$work/trainer-requirements.txt" \
+    -c "$work/trainer-constraints.txt" >"$work/pip.log" 2>&1 \
     || { tail -20 "$work/pip.log" >&2; exit 1; }
   rm -rf "$ctx"/site/bin
   cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"
