@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from orchestrator.testbed import cluster
 
@@ -137,6 +138,16 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
         in (ROOT / "runs" / job / "plan.txt").read_text()
     )
     assert_same_model(job, reference, out)
+    # TensorBoard: one event file per attempt in rank 0's tb/, read as one run with every logged step
+    # once (the second attempt's from its snapshot on), every epoch's eval loss as the log said it.
+    tb = ROOT / "runs" / job / "outputs" / "node1" / "tb"
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 2
+    board = EventAccumulator(str(tb))
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/loss")] == list(range(10, 81, 10))
+    assert [e.step for e in board.Scalars("eval/loss")] == [40, 80]
+    logged = [float(v) for v in eval_losses(out)[-2:]]  # 4 places; TensorBoard keeps float32
+    assert [e.value for e in board.Scalars("eval/loss")] == pytest.approx(logged, abs=6e-5)
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 

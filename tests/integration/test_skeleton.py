@@ -5,6 +5,8 @@ import re
 import subprocess
 import time
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 from .conftest import FAB, ROOT, fab, on_host, project_containers
 
 
@@ -78,6 +80,18 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
         and summary["ranks"]["node2 rank3"]["step_ms_median"] > 0
     )
     assert "step times (ms per optimizer step: median / p95)" in r.stdout
+    # TensorBoard: rank 0's event files, fetched with node1's outputs (read as TensorBoard reads
+    # them): the train loss of every logged step of both epochs and each epoch's eval loss.
+    board = EventAccumulator(str(run_dir / "outputs" / "node1" / "tb"))
+    board.Reload()
+    metrics = [json.loads(line) for line in (run_dir / "outputs" / "node1" / "metrics.jsonl").open()]
+    train = [(m["step"], m["epoch"]) for m in metrics if m["kind"] == "train"]
+    assert [e.step for e in board.Scalars("train/loss")] == [step for step, _ in train]
+    assert {epoch for _, epoch in train} == {0, 1}
+    assert [e.step for e in board.Scalars("eval/loss")] == [m["step"] for m in metrics if m["kind"] == "eval"]
+    tb_evals = [e.value for e in board.Scalars("eval/loss")]  # float32; the log's have 4 places
+    assert len(tb_evals) == 2 and all(abs(a - b) < 6e-5 for a, b in zip(tb_evals, evals, strict=True))
+    assert not (run_dir / "outputs" / "node2" / "tb").exists()  # global rank 0 only
     assert project_containers("node1") == [] and project_containers("node2") == []
 
 
