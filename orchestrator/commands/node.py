@@ -47,8 +47,8 @@ def command(spec: JobSpec) -> list[str]:
     return [*(["-m", spec.script] if spec.module else [spec.script]), *spec.args]
 
 
-# What W&B takes as a run id (https://docs.wandb.ai/models/runs/run-identifiers); at most 64
-# characters, the shorter of the limits its servers and SDK versions have set.
+# A run id W&B takes as it is (https://docs.wandb.ai/models/runs/run-identifiers: letters, digits,
+# - and _), kept to 64 characters, well within the length its SDK accepts.
 WANDB_RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -68,7 +68,8 @@ def job_env(
     GPUs or slots asked for (--include HOST:i,j, --gpus N) set the node's processes, one per unit,
     unless --nproc says otherwise. A W&B run of any script is the job's: grouped under the job id,
     and one run across restarts and --resume (a stable id, resumed when it exists); a value the
-    user gives (job.env, a host's env, --env, the secrets file) wins over each of these."""
+    user gives (job.env, a host's env, job.secret_files: the entrypoint reads those last) wins over
+    each of these on its own."""
     asked = units is not None and not spec.nproc_per_node and (bool(spec.units) or spec.gpus is not None)
     env = [
         ("MASTER_ADDR", inv.master.hostname),

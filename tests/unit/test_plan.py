@@ -223,7 +223,7 @@ def test_wandb_run_of_any_script_is_the_jobs_across_attempts_and_the_users_value
     # A restart (another attempt, port, hosts) and --resume (the same job id) continue the one run.
     again = replace(SPEC, master_port=29517, env=(("FABTRAIN_ATTEMPT", "2"), ("FABTRAIN_TARGET_NODES", "3")))
     assert wandb(INV, again) == wandb(INV, SPEC) == wandb(INV, SPEC, host=2)
-    # Each value the user gives wins, in its place: the inventory's job.env, a host's env, --env.
+    # Each value given wins, in its place: the inventory's job.env, a host's env, the job's own env.
     mine = parse("job: {env: {WANDB_RUN_GROUP: sweep-7}}\nhosts:\n  - {address: h, interface: eth0}\n",
                  Path("i.yaml"))
     assert wandb(mine, SPEC) == [("WANDB_RUN_GROUP", "sweep-7"), ("WANDB_RUN_ID", "gpt-1"),
