@@ -155,6 +155,23 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         rows = {r["job"]: r for r in status["jobs"]}
         assert rows[job_a]["hosts"]["node1"]["units"] == [0] and rows[job_b]["hosts"]["node2"]["units"] == [1]
         assert rows[job_a]["who"].startswith("alice@") and rows[job_a]["state"] == "running"
+        # fab top --json: on each host, slot 0 is alice's job and slot 1 bob's, each container with
+        # its job, CPU and memory; the jobs with their owners and alice's step.
+        shown = fab(inventory_path, "top", "--json", timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        snap = json.loads(shown.stdout)
+        assert [h["host"] for h in snap["hosts"]] == ["node1", "node2"] and snap["errors"] == []
+        for host in snap["hosts"]:
+            assert host["answered"] and host["kind"] == "slot" and host["vendor"] == "none", host
+            holders = {s["unit"]: (s["job"], (s["who"] or "").partition("@")[0]) for s in host["slots"]}
+            assert holders[0] == (job_a, "alice") and holders[1] == (job_b, "bob"), (host["host"], holders)
+            ours = [c for c in host["containers"] if c["job"] in (job_a, job_b)]
+            assert sorted(c["job"] for c in ours) == sorted([job_a, job_b]), host["containers"]
+            assert all(c["cpu"] >= 0 and c["mem"] > 0 for c in ours), ours
+            assert host["load"]["cpus"] == len(host["slots"]) and host["load"]["mem_total"] > 0
+        tops = {j["job"]: j for j in snap["jobs"]}
+        assert tops[job_a]["who"].startswith("alice@") and tops[job_b]["who"].startswith("bob@")
+        assert tops[job_a]["hosts"] == {"node1": [0], "node2": [0]} and tops[job_a]["step"] >= 2
         # bob's `fab stop` ends bob's job and lists alice's as left alone.
         stop = fab(inventory_path, "stop", "--grace", "1", env={**os.environ, "FABTRAIN_USER": "bob"})
         assert stop.returncode == 0, stop.stderr
