@@ -111,18 +111,24 @@ HOSTILE = ["'; touch /tmp/pwned #", "$(touch /tmp/pwned2)", "`id`", "a b  c", "l
 
 
 def test_hostile_arguments_and_env_arrive_verbatim(inventory_path, tmp_path):
+    """Also: every rank has the job's W&B variables, the inventory's own value in place of fabtrain's."""
     inv_text = inventory_path.read_text().replace(
-        "job:\n", "job:\n  env:\n    HOSTILE: " + json.dumps("$(touch /tmp/pwned3); 'x' \"y\" `id`") + "\n")
+        "job:\n", "job:\n  env:\n    HOSTILE: " + json.dumps("$(touch /tmp/pwned3); 'x' \"y\" `id`") + "\n"
+        "    WANDB_RUN_GROUP: sweep-7\n")
     inv2 = tmp_path / "hostile.yaml"
     inv2.write_text(inv_text)
     import shlex
-    r = fab(inv2, "train", "--script", REPORT, "--args", shlex.join(["--env", "HOSTILE", *HOSTILE]))
+    wandb = ["WANDB_RUN_GROUP", "WANDB_RUN_ID", "WANDB_RESUME"]
+    r = fab(inv2, "train", "--script", REPORT,
+            "--args", shlex.join(["--env", "HOSTILE", *(a for k in wandb for a in ("--env", k)), *HOSTILE]))
     assert r.returncode == 0, r.stderr
+    job = r.stdout.split("logs and outputs in ")[-1].split()[0].rstrip("/").rsplit("/", 1)[-1]
     reports = [json.loads(line.split("REPORT ", 1)[1]) for line in r.stdout.splitlines() if "REPORT " in line]
     assert len(reports) == 4
     for rep in reports:
         assert rep["args"] == HOSTILE
         assert rep["env"]["HOSTILE"] == "$(touch /tmp/pwned3); 'x' \"y\" `id`"
+        assert [rep["env"][k] for k in wandb] == ["sweep-7", job, "allow"]
         assert rep["world"] == 4 and rep["sum"] == 10.0
     for node in ("node1", "node2"):
         assert on_host(node, "ls /tmp/pwned* 2>/dev/null; true").stdout == ""

@@ -185,3 +185,9 @@ def test_tensor_parallel_trainer_across_hosts(inventory_path):
     assert any(line.startswith("node2 r1 | [node2 rank3] dp_rank 1 tp_rank 1") for line in meshes)
     losses = [float(m.group(1)) for m in re.finditer(r"\] step \d+ \| loss ([\d.]+)", r.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0]
+    # Its TensorBoard loss, by the steps its log lines name (rank 0's, fetched with node1's outputs).
+    run_dir = ROOT / r.stdout.split("logs and outputs in ")[-1].split()[0]
+    board = EventAccumulator(str(run_dir / "outputs" / "node1" / "tb"))
+    board.Reload()
+    steps = [int(m.group(1)) for m in re.finditer(r"node1 rank0\] step (\d+) \| loss", r.stdout)]
+    assert [e.step for e in board.Scalars("train/loss")] == steps == [*range(0, 50, 10), 49]
