@@ -160,7 +160,8 @@ class Prometheus:
         config.write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             "scrape_configs:\n"
-            f"  - job_name: fabtrain\n    static_configs: [{{targets: ['{target}']}}]\n"
+            "  - job_name: fabtrain\n    honor_labels: true\n"  # the job's id stays in `job`
+            f"    static_configs: [{{targets: ['{target}']}}]\n"
         )
         self.log = (tmp / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
