@@ -35,9 +35,12 @@ NVIDIA_FIELDS = ("index", "uuid", "pci.bus_id", "utilization.gpu", "memory.used"
                  "ecc.errors.uncorrected.volatile.total")
 NVIDIA_QUERY = ["nvidia-smi", f"--query-gpu={','.join(NVIDIA_FIELDS)}", "--format=csv,noheader,nounits"]
 # AMD: amd-smi (ROCm 6 on) where it is installed: usage, power, temperature, ECC and VRAM of every
-# GPU as JSON, and `list` for each GPU's PCI address and UUID; else the older rocm-smi, asked for
-# what top and the sampler show (--showmeminfo vram for bytes: --showmemuse gives a percentage only).
-AMD_METRIC = ["amd-smi", "metric", "--json"]
+# GPU as JSON (only these: the whole `metric` reads clocks, PCIe, fans... and takes seconds on an
+# 8-GPU host; a guest VM's amd-smi has no --ecc and refuses the narrow form, so the whole one is the
+# fallback), and `list` for each GPU's PCI address and UUID; else the older rocm-smi, asked for what
+# top and the sampler show (--showmeminfo vram for bytes: --showmemuse gives a percentage only).
+AMD_METRIC = ["amd-smi", "metric", "--usage", "--power", "--temperature", "--ecc", "--mem-usage", "--json"]
+AMD_METRIC_ALL = ["amd-smi", "metric", "--json"]
 AMD_LIST_ARGV = ["amd-smi", "list", "--json"]
 ROCM_QUERY = ["rocm-smi", "--showuse", "--showmemuse", "--showmeminfo", "vram", "--showpower", "--showtemp",
               "--showbus", "--json"]
@@ -70,7 +73,8 @@ def telemetry_script(inv: Inventory, job_id: str | None) -> str:
     parts = [
         f"if command -v nvidia-smi >/dev/null 2>&1; then {_mark(NVIDIA)}; {_bounded(NVIDIA_QUERY)}; "
         f"{_mark(XID)}; {XID_SOURCE} | grep -F 'NVRM: Xid' | tail -n {XID_LINES}; fi",
-        f"if command -v amd-smi >/dev/null 2>&1; then {_mark(AMD)}; {_bounded(AMD_METRIC)}; "
+        f"if command -v amd-smi >/dev/null 2>&1; then {_mark(AMD)}; "
+        f"timeout -k 2 {TOOL_TIMEOUT} {shell(AMD_METRIC)} 2>/dev/null || {_bounded(AMD_METRIC_ALL)}; "
         f"{_mark(AMD_LIST)}; {_bounded(AMD_LIST_ARGV)}; "
         f"elif command -v rocm-smi >/dev/null 2>&1; then {_mark(ROCM)}; {_bounded(ROCM_QUERY)}; fi",
         _mark(CONTAINERS),
