@@ -12,6 +12,7 @@ from S + 1 with no step twice, and a run that starts over replaces the curves it
 from __future__ import annotations
 
 import atexit
+import os
 from pathlib import Path
 
 from common import log
@@ -35,7 +36,11 @@ class Board:
         except Exception as exc:  # noqa: BLE001 - missing or broken (a protobuf it rejects): never stops a run
             log(f"{tag} tensorboard: no event files ({type(exc).__name__}: {exc})")
             return
-        self.writer = SummaryWriter(str(out / SUBDIR), purge_step=first_step, flush_secs=FLUSH_SECS)
+        # An event file is named by the second, host and pid it was opened at: a container started
+        # anew runs its trainer with the same pid, so a random suffix keeps two attempts' files apart
+        # (the second would empty the first).
+        self.writer = SummaryWriter(str(out / SUBDIR), purge_step=first_step, flush_secs=FLUSH_SECS,
+                                    filename_suffix="." + os.urandom(4).hex())
         atexit.register(self.close)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
