@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from orchestrator.commands.telemetry import XID_SOURCE
 from orchestrator.preflight.gpuparse import parse_xid, pci_key, read_dcgmi_tests
 
 
@@ -42,8 +43,7 @@ NVIDIA_COMMAND = ["nvidia-smi", "-q"]
 # Kernel log lines with NVIDIA XID errors since boot: dmesg, or where it is not permitted
 # (kernel.dmesg_restrict) or absent, the kernel messages of this boot from the journal. Prints
 # nothing when there are none or neither can be read; always exits 0.
-XID_COMMAND = ("{ dmesg 2>/dev/null || journalctl -k -b -q --no-pager 2>/dev/null; } "
-               "| grep -F 'NVRM: Xid' || true")
+XID_COMMAND = f"{XID_SOURCE} | grep -F 'NVRM: Xid' || true"  # the telemetry's reader, bounded
 
 DCGMI_ABSENT = "gpuhealth: dcgmi absent"
 DCGMI_TIMED_OUT = "gpuhealth: dcgmi timed out"

@@ -7,20 +7,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from orchestrator.progress import telemetry
+
 # ---------------------------------------------------------------------------------------------
 # XID
 # ---------------------------------------------------------------------------------------------
 
-# "NVRM: Xid (PCI:0000:3b:00): 79, pid=..., GPU has fallen off the bus." Also with a MIG instance
-# "(PCI:0000:01:00 GPU-I:05)", and in old drivers without "PCI:".
-_XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})"
-                     r"(?:\.[0-9A-Fa-f])?(?:\s[^)]*)?\):\s*(\d+)")
-
-
 def parse_xid(text: str) -> list[tuple[str, int]]:
-    """(PCI bus id, XID code) of each XID line, in order, repeats kept. The bus id as the kernel
-    prints it, lower case, without "PCI:": "0000:3b:00" (domain:bus:device)."""
-    return [(m.group(1).lower(), int(m.group(2))) for m in _XID_RE.finditer(text or "")]
+    """(PCI bus id, XID code) of each XID line, in order, repeats kept (progress/telemetry reads
+    them, for the deep check and the job's telemetry alike). The bus id as the kernel prints it,
+    lower case, without "PCI:": "0000:3b:00" (domain:bus:device)."""
+    return [(bus, code) for bus, code in telemetry.parse_xid(text)]
 
 
 def pci_key(bus_id: str) -> tuple[int, int, int] | None:
