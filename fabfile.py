@@ -399,6 +399,28 @@ def plot(c, jobs, out=None):
     print(f"wrote {report.write_plot(dirs, target)}")
 
 
+@task(auto_shortflags=False,
+      help={"job": "job id (default: the newest run in runs/)", "json": "print the figures as JSON"})
+@user_errors
+def metrics(c, job=None, json=False):
+    """A job's newest figures while it runs (or after): each rank's step, loss, tokens/s, step and
+    compute ms, and each host's newest telemetry (GPUs, containers, load), from runs/JOB."""
+    from orchestrator.progress import latest, report
+    if job is None:
+        found = report.runs(RUNS)
+        if not found:
+            raise UserError(f"no runs in {RUNS}/ yet; start one with fab train", exit_code=2)
+        job = found[0]["job"]
+    if not jobspec.valid_job_id(job) or not (RUNS / job).is_dir():
+        raise UserError(f"no run {hostile.text(job)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
+    doc = latest.latest(RUNS / job)
+    if json:
+        print(_json.dumps(doc, indent=2))
+        return
+    for line in latest.lines(doc):
+        print(line)
+
+
 def _warn(warnings) -> None:
     for w in warnings:
         print(f"warning: {hostile.text(w)}", file=sys.stderr)
@@ -538,7 +560,7 @@ def images(c):
     _cluster.build_images()
 
 
-ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, images)
+ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, metrics, images)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))
 ns.add_collection(Collection("export", slurm, k8s))
