@@ -196,7 +196,8 @@ def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, 
     values = failed["values"]  # [[time, "value"], ...]
     first_seen, count = float(values[0][0]), float(values[-1][1])
     assert count == 1 and first_seen >= killed - 1, failed
-    samples = [json.loads(line) for line in (ROOT / "runs" / job / "telemetry.jsonl").read_text().splitlines()]
+    telemetry = (ROOT / "runs" / job / "telemetry.jsonl").read_text()
+    samples = [json.loads(line) for line in telemetry.splitlines()]
     hosts = {s["host"] for s in samples}
     assert hosts == {"node1", "node2"}, hosts
     containers = [c for s in samples for c in s["sample"]["containers"]]
@@ -204,6 +205,14 @@ def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, 
     assert max(c["cpu"] for c in containers) > 0.1  # the ranks were busy
     summary = json.loads((ROOT / "runs" / job / "summary.json").read_text())
     assert set(summary["telemetry"]) == {"node1", "node2"} and summary["telemetry"]["node1"]["samples"] >= 2
+    # fab metrics: the newest figures of the job's last attempt, per rank and per host.
+    shown = subprocess.run([str(ROOT / ".venv/bin/fab"), "metrics", "--job", job, "--json"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    doc = json.loads(shown.stdout)
+    assert doc["state"] == "finished" and doc["attempt"] == 2, doc
+    assert [(r["host"], r["rank"]) for r in doc["ranks"]] == [("node1", 0), ("node1", 1), ("node2", 2),
+                                                              ("node2", 3)]
+    assert all(r["step"] > 20 and r["tokens_per_s"] > 0 for r in doc["ranks"]) and set(doc["hosts"]) == hosts
     assert re.search(r"attempt 1 failed \(node2 exited with code 1", out), out[-3000:]
     assert out.count("generation=2 (warm: this container was kept; its workers started ahead)") == 2
     plan = (ROOT / "runs" / job / "plan.txt").read_text()
