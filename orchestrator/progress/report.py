@@ -7,7 +7,9 @@ rank's step lines in `HOST.log`. The training image needs no plotting library.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -346,11 +348,40 @@ def telemetry_summary(samples: list[dict]) -> dict:
     return {host: {"samples": len(got), **summarise(got)} for host, got in sorted(by_host.items())}
 
 
+TB_FILES = "events.out.tfevents.*"
+TB_MAX = 1000  # event files gathered (one per attempt of rank 0: a job has few)
+
+
+def gather_tensorboard(run_dir: Path) -> Path | None:
+    """runs/JOB/tb: the TensorBoard event files of every host's fetched outputs (rank 0's, on the
+    host that held it in each attempt) in one folder, so that `tensorboard --logdir runs/JOB/tb`
+    shows one curve; a later attempt's purge_step drops the steps an earlier one logged past its
+    snapshot, across hosts too. Regular files only, linked (or copied) as they came; None when
+    there are none."""
+    found = [p for p in sorted(run_dir.glob(f"outputs/*/tb/{TB_FILES}"))[:TB_MAX]
+             if p.is_file() and not p.is_symlink()]
+    if not found:
+        return None
+    tb = run_dir / "tb"
+    tb.mkdir(exist_ok=True)
+    for p in found:
+        target = tb / p.name
+        if target.exists():
+            continue
+        try:
+            os.link(p, target)
+        except OSError:
+            shutil.copyfile(p, target)
+    return tb
+
+
 def finish(run_dir: Path) -> tuple[dict, list[Path]]:
-    """At the end of every run (failed ones too): summary.json, and loss.png when there are
-    metrics to draw. Returns the summary and the files written."""
+    """At the end of every run (failed ones too): summary.json, loss.png when there are metrics to
+    draw, runs/JOB/tb when the trainers wrote TensorBoard files. Returns the summary and the files
+    written."""
+    tb = gather_tensorboard(run_dir)
     data = summary(run_dir)
-    written = [run_dir / "summary.json"]
+    written = [run_dir / "summary.json", *([tb] if tb else [])]
     written[0].write_text(json.dumps(data, indent=2) + "\n")
     if data["final_train_loss"] is not None or data["ranks"]:
         written.append(write_plot([run_dir], run_dir / "loss.png"))

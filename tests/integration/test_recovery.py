@@ -140,8 +140,10 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     assert_same_model(job, reference, out)
     # TensorBoard: one event file per attempt in rank 0's tb/, read as one run with every logged step
     # once (the second attempt's from its snapshot on), every epoch's eval loss as the log said it.
-    tb = ROOT / "runs" / job / "outputs" / "node1" / "tb"
+    tb = ROOT / "runs" / job / "tb"  # gathered from the hosts' outputs (rank 0's: node1's)
     assert len(list(tb.glob("events.out.tfevents.*"))) == 2
+    assert {p.name for p in tb.iterdir()} == {
+        p.name for p in (ROOT / "runs" / job / "outputs" / "node1" / "tb").iterdir()}
     board = EventAccumulator(str(tb))
     board.Reload()
     assert [e.step for e in board.Scalars("train/loss")] == list(range(10, 81, 10))

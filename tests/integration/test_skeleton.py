@@ -82,7 +82,7 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
     assert "step times (ms per optimizer step: median / p95)" in r.stdout
     # TensorBoard: rank 0's event files, fetched with node1's outputs (read as TensorBoard reads
     # them): the train loss of every logged step of both epochs and each epoch's eval loss.
-    board = EventAccumulator(str(run_dir / "outputs" / "node1" / "tb"))
+    board = EventAccumulator(str(run_dir / "tb"))  # gathered from node1's outputs
     board.Reload()
     metrics = [json.loads(line) for line in (run_dir / "outputs" / "node1" / "metrics.jsonl").open()]
     train = [(m["step"], m["epoch"]) for m in metrics if m["kind"] == "train"]

@@ -139,3 +139,17 @@ def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
     console.print(report.timing_table(t))
     text = console.export_text()
     assert "node2 rank3  straggler" in text and "61.1 / 62.0" in text and "node1 rank0  straggler" not in text
+
+
+def test_tensorboard_files_of_every_host_are_gathered_in_runs_job_tb(tmp_path):
+    from orchestrator.progress import report
+    run = tmp_path / "gpt-1"
+    for host, name in (("node1", "events.out.tfevents.1.a"), ("node3", "events.out.tfevents.2.b")):
+        (run / "outputs" / host / "tb").mkdir(parents=True)
+        (run / "outputs" / host / "tb" / name).write_bytes(b"event")
+    (run / "outputs" / "node3" / "tb" / "events.out.tfevents.3.c").symlink_to("/etc/passwd")
+    assert report.gather_tensorboard(tmp_path / "none") is None
+    tb = report.gather_tensorboard(run)
+    assert tb == run / "tb" and sorted(p.name for p in tb.iterdir()) == [
+        "events.out.tfevents.1.a", "events.out.tfevents.2.b"]  # regular files only
+    assert report.gather_tensorboard(run) == tb  # again: nothing changes
