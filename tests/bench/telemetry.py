@@ -86,7 +86,7 @@ def main() -> None:
             for way in WAYS:  # alternately, so that drift on the machine hits every way alike
                 got[way].append(run_once(invs[way]))
         results[n] = got
-        print(f"\n{n} hosts, medians of {a.repeat} runs (tiny GPT, 8 epochs of 43 steps, 2 ranks a host)")
+        print(f"\n{n} hosts, medians of {a.repeat} runs (tiny GPT, 8 epochs, 2 ranks a host)")
         print("| telemetry | tokens/s | vs off | fab CPU s | wall s | commands per host per minute |")
         print("|---|---|---|---|---|---|")
         off = statistics.median(r["tokens_per_s"] for r in got["off"])
