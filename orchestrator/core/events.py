@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, TextIO
 from orchestrator.core import hostile
 
 if TYPE_CHECKING:  # the core loads no terminal library
+    from collections.abc import Callable
+
     from rich.console import Console
 
 # Every event kind and its fields (README: --json).
@@ -87,22 +89,45 @@ class Terminal(Reporter):
         return None  # stages, progress and the end are shown by the log lines and the final message
 
 
+class Throttle:
+    """At most one `progress` event a second per host, the newest never lost: one that comes too
+    soon is held (a newer one of its host replaces it) and let out before the next event of another
+    kind, or with the host's next one a second later. `take` gives the events to write now, in order,
+    each as (event, time, fields)."""
+
+    EVERY = 1.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.last: dict[str, float] = {}
+        self.held: dict[str, tuple[str, float, dict]] = {}
+
+    def take(self, event: str, fields: dict) -> list[tuple[str, float, dict]]:
+        now, stamp = self.clock(), time.time()
+        if event != "progress":
+            out = list(self.held.values())
+            self.held.clear()
+            return [*out, (event, stamp, fields)]
+        host = str(fields.get("host", ""))
+        if now - self.last.get(host, -self.EVERY) < self.EVERY:
+            self.held[host] = (event, stamp, fields)
+            return []
+        self.last[host] = now
+        self.held.pop(host, None)
+        return [(event, stamp, fields)]
+
+
 class JsonLines(Reporter):
-    """One JSON object a line on `out` (stdout by default), flushed at once."""
+    """One JSON object a line on `out` (stdout by default), flushed at once; progress throttled
+    (Throttle)."""
 
     def __init__(self, out: TextIO | None = None) -> None:
         self.out = out or sys.stdout
         self.lock = threading.Lock()
-        self.last_progress: dict[str, float] = {}
+        self.throttle = Throttle()
 
     def emit(self, event: str, **fields) -> None:
-        now = time.time()
-        if event == "progress":
-            host = fields.get("host", "")
-            if now - self.last_progress.get(host, 0) < 1.0:
-                return
-            self.last_progress[host] = now
-        line = json.dumps({"event": event, "time": round(now, 3), **fields}, default=str)
         with self.lock:
-            self.out.write(line + "\n")
+            for kind, stamp, f in self.throttle.take(event, fields):
+                self.out.write(json.dumps({"event": kind, "time": round(stamp, 3), **f}, default=str) + "\n")
             self.out.flush()

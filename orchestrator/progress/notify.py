@@ -27,7 +27,7 @@ from typing import Any
 
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
-from orchestrator.core.events import Reporter
+from orchestrator.core.events import Reporter, Throttle
 
 NOTIFY_TIMEOUT = 10.0   # seconds one delivery (the command, or the POST) may take
 TRIES = 3               # attempts per delivery, BACKOFF s apart (doubling)
@@ -176,21 +176,19 @@ class EventLog(Reporter):
         self.path, self.enabled = path, enabled  # off: a dry run writes nothing
         self.only, self.skip = only, skip
         self.lock = threading.Lock()
-        self.last_progress: dict[str, float] = {}
+        self.throttle = Throttle()  # progress as --json prints it: at most one a second per host
 
     def emit(self, event: str, **fields) -> None:
         if not self.enabled or event in self.skip or (self.only is not None and event not in self.only):
             return
-        if event == "progress":  # at most one a second per host, as --json prints them
-            host, now = str(fields.get("host", "")), time.monotonic()
-            if now - self.last_progress.get(host, -1.0) < 1.0:
-                return
-            self.last_progress[host] = now
-        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}, default=str)
         with self.lock:
+            lines = [json.dumps({"event": kind, "time": round(stamp, 3), **f}, default=str)
+                     for kind, stamp, f in self.throttle.take(event, fields)]
+            if not lines:
+                return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as fh:
-                fh.write(line + "\n")
+                fh.write("".join(line + "\n" for line in lines))
 
 
 class Fanout(Reporter):

@@ -140,3 +140,28 @@ def test_a_dry_run_writes_no_event_log(tmp_path):
     job.events.enabled = True  # Job.open
     job.note("started")
     assert (tmp_path / "runs" / "gpt-1" / notify.EVENTS_FILE).read_text().count("\n") == 1
+
+
+def test_progress_is_throttled_but_the_newest_is_never_lost():
+    """At most one progress event a second per host; one that came too soon is held and written
+    before the next event of another kind (the last step of a short attempt is not dropped)."""
+    from orchestrator.core.events import Throttle
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    t = Throttle(clock)
+    assert [f["step"] for _, _, f in t.take("progress", {"host": "a", "step": 1})] == [1]
+    clock.t = 0.3
+    assert t.take("progress", {"host": "a", "step": 2}) == []
+    assert t.take("progress", {"host": "a", "step": 3}) == []  # replaces step 2
+    assert [f["step"] for _, _, f in t.take("progress", {"host": "b", "step": 9})] == [9]  # another host
+    out = t.take("stage", {"stage": "teardown"})
+    assert [(e, f.get("step")) for e, _, f in out] == [("progress", 3), ("stage", None)]
+    clock.t = 1.5
+    assert [f["step"] for _, _, f in t.take("progress", {"host": "a", "step": 4})] == [4]
+    assert t.take("stage", {"stage": "decide"})[0][0] == "stage"  # nothing held
