@@ -129,20 +129,23 @@ class Looks:
         self.looked = time.monotonic()
         hosts = tuple(h for h in self.hosts if h.name in unsure)
 
-        def look() -> None:
-            got = self.session.fan_out(
-                lambda h: self.session.run(
-                    h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
-                ),
-                hosts,
-            )
-            for h in hosts:
-                r = got.value(h.name)
-                if r is not None and r.ok:
-                    self.progress.stacks(h.name, recovery.stack_signature(r.stdout))
-
-        self.looking = threading.Thread(target=look, daemon=True, name="where-ranks-are")
+        self.looking = threading.Thread(target=self.look_at, args=(hosts,), daemon=True,
+                                        name="where-ranks-are")
         self.looking.start()
+
+    def look_at(self, hosts: tuple[Host, ...]) -> None:
+        """Where these nodes' ranks are now (each host's stacks step), into Progress; a host that
+        does not answer within the step's deadline is only not looked at this time."""
+        got = self.session.fan_out(
+            lambda h: self.session.run(
+                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
+            ),
+            hosts,
+        )
+        for h in hosts:
+            r = got.value(h.name)
+            if r is not None and r.ok:
+                self.progress.stacks(h.name, recovery.stack_signature(r.stdout))
 
     def look_again(self, names: list[str]) -> None:
         """Before a hang is declared: the look under way finished, and one more look at where these
@@ -154,16 +157,7 @@ class Looks:
         hosts = tuple(h for h in self.hosts if h.name in names and h.name in self.progress.where)
         if not hosts:
             return  # never looked at: nothing to compare with
-        got = self.session.fan_out(
-            lambda h: self.session.run(
-                h, (s := self.attempt.step(h.name, "stacks")).command, timeout=s.deadline, what=s.what
-            ),
-            hosts,
-        )
-        for h in hosts:
-            r = got.value(h.name)
-            if r is not None and r.ok:
-                self.progress.stacks(h.name, recovery.stack_signature(r.stdout))
+        self.look_at(hosts)
         self.looked = time.monotonic()
 
     def read_heartbeats(self, names: list[str]) -> dict[str, str]:
