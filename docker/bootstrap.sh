@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes this machine ready to run fabtrain and its tests, idempotently:
-#   Debian packages (Docker engine, OpenSSH client, rsync, debootstrap, pdsh), a running Docker
+#   Debian packages (Docker engine, OpenSSH client, rsync, debootstrap, pdsh, Prometheus, Chromium
+#   and its driver for the dashboard's browser test), a running Docker
 #   engine, and the project's virtualenv (.venv) with requirements.lock's exact versions (checked
 #   by hash: the runtime, the tests' and the linters'), and this clone installed in it.
 # Safe to run again: it installs only what is missing.
@@ -10,7 +11,8 @@ cd "$root"
 
 need_pkgs=()
 for pair in dockerd:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync \
-            debootstrap:debootstrap pdsh:pdsh ip:iproute2 prometheus:prometheus; do
+            debootstrap:debootstrap pdsh:pdsh ip:iproute2 prometheus:prometheus \
+            chromium:chromium chromedriver:chromium-driver; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need_pkgs+=("${pair#*:}")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
