@@ -126,18 +126,27 @@ def host_view(host: Host, answer: Answer) -> dict[str, Any]:
             "xid": sample["xid"], "telemetry_errors": sample["errors"]}
 
 
+def surveyed(answers: dict[str, Answer | str]) -> tuple[PerHost, dict[str, int]]:
+    """The answers as `fab status` reads the hosts: host -> HostJobs (or the error), and job -> its
+    last step."""
+    found = PerHost({n: (a.jobs if isinstance(a, Answer) else RuntimeError(a)) for n, a in answers.items()})
+    steps: dict[str, int] = {}
+    for a in answers.values():
+        if isinstance(a, Answer):
+            steps.update(a.steps)
+    return found, steps
+
+
 def snapshot(inv: Inventory, answers: dict[str, Answer | str], now: float,
              before: dict[str, tuple[float, int]] | None = None) -> dict[str, Any]:
     """The whole view as one JSON-able document: hosts (in the inventory's order), jobs (as
     `fab status` lists them, with the step rate since `before`: job -> (time, step) of the last
     refresh) and errors (a host that did not answer: `answers` holds the reason as text)."""
-    found = PerHost({n: (a.jobs if isinstance(a, Answer) else RuntimeError(a)) for n, a in answers.items()})
-    steps: dict[str, int] = {}
+    found, steps = surveyed(answers)
     hosts = []
     for h in inv.all_hosts:
         a = answers.get(h.name, "not asked")
         if isinstance(a, Answer):
-            steps.update(a.steps)
             hosts.append(host_view(h, a))
         else:
             hosts.append({"host": h.name, "answered": False, "error": a, "kind": claims.kind(h),
@@ -236,18 +245,22 @@ def render(snap: dict[str, Any]) -> RenderableType:
 # ------------------------------------------------------------------ I/O
 
 
-def take(session: Session, inv: Inventory, before: dict[str, tuple[float, int]] | None = None,
-         clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    """One refresh: top_script on every host at once, each within TOP_TIMEOUT; the snapshot."""
+def ask(session: Session, inv: Inventory) -> dict[str, Answer | str]:
+    """top_script on every host at once, each within TOP_TIMEOUT: host -> its Answer, or why it
+    gave none (the web dashboard builds `fab status`'s rows from the same answers)."""
     script = top_script(inv)
 
     def one(h: Host) -> Answer:
         return parse_answer(session.run(h, script, timeout=TOP_TIMEOUT, what="fab top").stdout)
     got = session.fan_out(one, inv.all_hosts)
     by_name = {h.name: h for h in inv.all_hosts}
-    answers: dict[str, Answer | str] = {n: a if isinstance(a, Answer) else describe(by_name[n], a)
-                                        for n, a in got.items()}
-    return snapshot(inv, answers, clock(), before)
+    return {n: a if isinstance(a, Answer) else describe(by_name[n], a) for n, a in got.items()}
+
+
+def take(session: Session, inv: Inventory, before: dict[str, tuple[float, int]] | None = None,
+         clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    """One refresh: the hosts' answers (ask), the snapshot."""
+    return snapshot(inv, ask(session, inv), clock(), before)
 
 
 def once(inv: Inventory) -> dict[str, Any]:
