@@ -39,12 +39,12 @@ def tail_records(path: Path, size: int = TAIL) -> list[dict]:
     return out
 
 
-def latest(run_dir: Path) -> dict[str, Any]:
+def latest(run_dir: Path, size: int = TAIL) -> dict[str, Any]:
     """{"job", "attempt", "state", "ranks": [{host, rank, step, loss, ...}], "hosts": {host: sample},
-    "updated": time of the newest record read}."""
+    "updated": time of the newest record read}, from each file's last `size` bytes."""
     ranks: dict[tuple[str, int], dict] = {}
     attempt, state, updated = None, "running", None
-    for rec in tail_records(run_dir / EVENTS_FILE):
+    for rec in tail_records(run_dir / EVENTS_FILE, size):
         kind = rec.get("event")
         updated = rec.get("time", updated)
         if kind == "attempt":
@@ -56,7 +56,7 @@ def latest(run_dir: Path) -> dict[str, Any]:
         elif kind == "finished":
             state = hostile.text(str(rec.get("state")))
     hosts: dict[str, dict] = {}
-    for rec in tail_records(run_dir / TELEMETRY_FILE):
+    for rec in tail_records(run_dir / TELEMETRY_FILE, size):
         if isinstance(rec.get("sample"), dict):
             hosts[hostile.text(str(rec.get("host")))] = {"time": rec.get("time"), **rec["sample"]}
     return {"job": run_dir.name, "attempt": attempt, "state": state, "updated": updated,
