@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from fabric import Connection
-from invoke import Collection, Exit, task
+from invoke import Collection, Exit
 from rich.console import Console
 
 from orchestrator import preflight as _preflight
@@ -23,6 +23,7 @@ from orchestrator.backends.kubernetes.backend import KubernetesBackend as _Kuber
 from orchestrator.backends.slurm import script as _sbatch
 from orchestrator.backends.ssh import steps as _steps
 from orchestrator.commandline import cli, requests
+from orchestrator.commandline.typed import task
 from orchestrator.config import inventory as _inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
@@ -99,6 +100,7 @@ def sync(c, inventory=None, code=None):
 
 @task(
     auto_shortflags=False,
+    kinds={"clock_warn": float, "clock_fail": float},
     help={
         "inventory": INV_HELP,
         "json": "print the results as JSON",
@@ -113,8 +115,8 @@ def sync(c, inventory=None, code=None):
     },
 )
 @user_errors
-def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_warn="0.05",
-              clock_fail="0.5", code=None, deep=False):
+def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_warn=0.05,
+              clock_fail=0.5, code=None, deep=False):
     """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
@@ -173,6 +175,8 @@ JOB_HELP = {
 
 @task(
     auto_shortflags=False,
+    kinds={"epochs": int, "restarts": int, "min_nodes": int, "hang_timeout": float, "num_nodes": int,
+           "gpus": int},
     help={
         **JOB_HELP,
         "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working "
@@ -251,6 +255,7 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
 
 @task(
     auto_shortflags=False,
+    kinds={"grace": float},
     help={
         "inventory": INV_HELP,
         "job": "stop this job only (an id from 'fab status')",
@@ -403,8 +408,10 @@ def plot(c, jobs, out=None):
       help={"job": "job id (default: the newest run in runs/)", "json": "print the figures as JSON"})
 @user_errors
 def metrics(c, job=None, json=False):
-    """A job's newest figures while it runs (or after): each rank's step, loss, tokens/s, step and
-    compute ms, and each host's newest telemetry (GPUs, containers, load), from runs/JOB."""
+    """Show a job's newest figures, per rank and per host, while it runs or after.
+
+    Each rank's step, loss, tokens/s, step and compute ms, and each host's newest telemetry (GPUs,
+    containers, load), read from runs/JOB's files (their last 4 MB)."""
     from orchestrator.progress import latest, report
     if job is None:
         found = report.runs(RUNS)

@@ -191,3 +191,46 @@ def test_fabric_core_flags_that_fabtrain_cannot_honour_stop_with_a_clear_error(f
     )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_each_task_lists_a_whole_sentence(name):
+    """`fab --list` shows a docstring's first line: it is the whole summary, never cut mid-sentence."""
+    lines = fabfile.ns[name].__doc__.strip().splitlines()
+    assert lines[0].endswith("."), f"{name}: {lines[0]!r} does not end a sentence"
+    assert len(lines) == 1 or not lines[1].strip(), f"{name}: the summary runs on to a second line"
+
+
+# Every numeric option of every task, as --help shows it.
+NUMERIC = {
+    "train": {"epochs": "INT", "restarts": "INT", "min-nodes": "INT", "hang-timeout": "NUMBER",
+              "num-nodes": "INT", "gpus": "INT"},
+    "stop": {"grace": "NUMBER"},
+    "preflight": {"clock-warn": "NUMBER", "clock-fail": "NUMBER"},
+    "cluster.up": {"nodes": "INT", "spares": "INT"},
+    "export.slurm": {"epochs": "INT"},
+    "export.k8s": {"epochs": "INT", "restarts": "INT"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMERIC))
+def test_numeric_options_are_typed_in_help(name, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    text = rendered_help(make_fab().run, capsys, "fab", name)
+    for option, kind in NUMERIC[name].items():
+        assert re.search(rf"^  --{option}={kind}\s", text, re.M), f"{name} --{option} not shown as {kind}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--epochs", "x"], "--epochs 'x': give a whole number"),
+    (["train", "--hang-timeout", "soon"], "--hang-timeout 'soon': give a number"),
+    (["cluster.up", "--nodes", "two"], "--nodes 'two': give a whole number"),
+    (["stop", "--grace", "1s"], "--grace '1s': give a number"),
+])
+def test_a_bad_number_names_its_option_with_no_traceback(argv, message, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exc:
+        make_fab().run(["fab", *argv])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
