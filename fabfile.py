@@ -111,7 +111,7 @@ def sync(c, inventory=None, code=None):
         "code": TREE_HELP,
         "deep": "also measure: disk write speed and space, compute per host (GPU) against its peers, "
         "bandwidth and round trips between every pair of hosts, GPU health (ECC, XID, throttling, "
-        "PCIe, dcgmi); kept in runs/health.json for fab train --health",
+        "PCIe, dcgmi); kept in .fabtrain/health.json (or $XDG_STATE_HOME/fabtrain/) for fab train --health",
     },
 )
 @user_errors

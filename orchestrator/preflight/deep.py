@@ -9,12 +9,14 @@ is named, the others are still measured):
   4. GPUs, where present: ECC, retired/remapped rows, XID errors, throttling, PCIe link, dcgmi
      diag -r 1 (NVIDIA) or RAS/ECC and link state (AMD), parsed by gpuhealth.
 
-What it measured is kept per host in runs/health.json with the time, for `fab train --health`.
+What it measured is kept per host with the time, for `fab train --health`, as state rather than a run
+(`results_path`: $XDG_STATE_HOME/fabtrain/health.json, else .fabtrain/health.json beside runs/).
 The collective all_reduce in the job's image is the ordinary preflight's smoke test, run with it.
 """
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from dataclasses import asdict
@@ -31,7 +33,13 @@ DISK_TIMEOUT = 60
 COMPUTE_SECONDS = 2.0
 COMPUTE_START = 5.0         # seconds for every host to start its container and import torch
 CONTAINER_TIMEOUT = 90      # a measuring container: start, run, exit
-RESULTS = Path("runs") / "health.json"
+
+
+def results_path() -> Path:
+    """Where the deep check's verdicts are kept: under $XDG_STATE_HOME when it is set (shared by every
+    project folder of this user), else in .fabtrain/ beside runs/ (the working directory)."""
+    base = os.environ.get("XDG_STATE_HOME")
+    return (Path(base) / "fabtrain" if base else Path(".fabtrain")) / "health.json"
 
 
 def container(inv: Inventory, host: Host, name: str, code: str, args: list[str], image: str | None,
@@ -301,8 +309,9 @@ def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
     return out
 
 
-def save(data: dict, checks: list[Check], path: Path = RESULTS) -> None:
+def save(data: dict, checks: list[Check], path: Path | None = None) -> None:
     """Keep each host's verdict with its time (merged with earlier ones), for fab train --health."""
+    path = path or results_path()
     kept = load(path)
     for host in {c.host for c in checks}:
         mine = [asdict(c) for c in checks if c.host == host]
@@ -313,14 +322,14 @@ def save(data: dict, checks: list[Check], path: Path = RESULTS) -> None:
     tmp.replace(path)
 
 
-def load(path: Path = RESULTS) -> dict:
+def load(path: Path | None = None) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads((path or results_path()).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Path = RESULTS,
+def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Path | None = None,
          now: float | None = None) -> tuple[Inventory, list[str]]:
     """fab train --health: the job's hosts and spares judged by the deep check (results younger than
     t.fresh_s are reused; otherwise every one is measured again, together, so that the network is
@@ -331,6 +340,7 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
 
     from orchestrator.core.errors import UserError
     now = time.time() if now is None else now
+    path = path or results_path()
     everyone = (*inv.hosts, *inv.spares)
     kept = load(path)
     lines = []
@@ -340,7 +350,7 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
         kept = load(path)
         lines.append(f"deep check of {len(everyone)} host(s) done")
     else:
-        lines.append("deep check results from the last hour reused (runs/health.json)")
+        lines.append(f"deep check results from the last hour reused ({path})")
 
     def why(name: str) -> str:
         return "; ".join(f"{c['check']}: {c['detail']}" for c in kept[name]["checks"] if c["status"] == FAIL)

@@ -8,11 +8,13 @@ import subprocess
 
 import pytest
 
+from orchestrator.preflight import deep
+
 from .conftest import ROOT, Run, on_host
 
 SHAPE = "tc qdisc add dev eth0 root tbf rate 50mbit burst 32kbit latency 400ms"
 TINY = "/opt/fabtrain-tiny"
-HEALTH = ROOT / "runs" / "health.json"
+HEALTH = ROOT / deep.results_path()  # the cwd-relative default, or $XDG_STATE_HOME's
 
 
 def shape_link(to_address: str) -> str:

@@ -156,7 +156,7 @@ spares:
     # Fresh results are reused: nothing is measured (no session needed).
     got, lines = deep.gate(None, inv, path=results, now=1000.0 + 60)
     assert [(h.name, h.rank) for h in got.hosts] == [("node1", 0), ("node4", 1)] and got.spares == ()
-    assert lines == ["deep check results from the last hour reused (runs/health.json)",
+    assert lines == [f"deep check results from the last hour reused ({results})",
                      "node2 left out (net: sends slowly to every peer); spare node4 takes its place",
                      "spare node3 is not healthy either (compute: slow)"]
     three = parse("""\
@@ -172,3 +172,17 @@ spares:
         r"spare is left; spare node3 is not healthy either \(compute: slow\); .* --exclude node2",
     ):
         deep.gate(None, three, path=results, now=1000.0 + 60)
+
+
+def test_the_health_cache_is_state_beside_runs_or_under_xdg_state_home(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from orchestrator.preflight import deep
+    from orchestrator.preflight.checks import Check
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    assert deep.results_path() == Path(".fabtrain/health.json")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert deep.results_path() == tmp_path / "fabtrain" / "health.json"
+    monkeypatch.chdir(tmp_path)
+    deep.save({"time": 5.0}, [Check("node1", "net", OK, "")])
+    assert json.loads((tmp_path / "fabtrain" / "health.json").read_text())["node1"]["ok"] is True
