@@ -21,6 +21,7 @@ LAYERS = {
     "backends": 6,
     "commandline": 7,
     "testbed": 7,
+    "dashboard": 8,
 }
 # What the pure core must never load: the network, processes, terminals, files of other formats.
 NOT_IN_CORE = ("paramiko", "fabric", "invoke", "docker", "subprocess", "socket", "rich", "yaml")
