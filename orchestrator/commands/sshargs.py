@@ -110,9 +110,9 @@ RSYNC_PROTECT = ("-s",)
 
 def rsync_argv(host: Host, source: str, dest: str, only: str = "") -> list[str]:
     """Mirror the local tree `source` (with `only`, its top folder of that name) to `dest` on the
-    host (same path on every host), with codetree's filters."""
+    host (same path on every host), with codetree's filters and its exact file list."""
     return ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
-            *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)), *rsync_filters(only),
+            *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)), *rsync_filters(only, source),
             source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
 
 

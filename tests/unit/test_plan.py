@@ -5,7 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.commands import dockerargs, hostfiles, node, sshargs
-from orchestrator.config import inventory
+from orchestrator.config import codetree, inventory
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.hosts import claims
@@ -276,14 +276,18 @@ def test_rsync_argv():
         "--exclude=runs",
         "--exclude=.pytest_cache",
         "--exclude=*.egg-info",
+        "--from0",
+        f"--files-from={codetree.list_file('/src/proj/')}",  # the exact files (codetree.select)
         "/src/proj/",
         "10.0.0.2:/opt/code/",
     ]
     # This project's own tree: only its trainers go to the hosts.
     argv = sshargs.rsync_argv(h, str(jobspec.PROJECT_ROOT), "/opt/code", "trainers")
-    assert argv[-4:] == [
+    assert argv[-6:] == [
         "--include=/trainers/***",
         "--exclude=*",
+        "--from0",
+        f"--files-from={codetree.list_file(jobspec.PROJECT_ROOT, 'trainers')}",
         str(jobspec.PROJECT_ROOT) + "/",
         "10.0.0.2:/opt/code/",
     ]
