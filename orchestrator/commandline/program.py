@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from fabric import Config, Executor
+from fabric import Config
 from fabric import __version__ as fabric_version
 from fabric.main import Fab
 from invoke import Collection
@@ -39,11 +39,20 @@ def tasks() -> Collection:
     return module.ns
 
 
+class Program(Fab):
+    """Fabric's program, whose executor is told the argv it was run with: `fabtrain shell JOB -- CMD`
+    takes CMD's words as typed (Invoke keeps them only joined by spaces; see access.Executor)."""
+
+    def execute(self) -> None:
+        from orchestrator.commandline.access import Executor
+        Executor(self.collection, self.config, self.core, argv=self.argv).execute(*self.tasks)
+
+
 def make_program() -> Fab:
     """The program, built as fabric.main.make_program builds `fab`, with the tasks bundled."""
-    return Fab(name=NAME, binary=NAME, binary_names=[NAME],
-               version=f"{__version__} (Fabric {fabric_version})", namespace=tasks(),
-               executor_class=Executor, config_class=Config)
+    return Program(name=NAME, binary=NAME, binary_names=[NAME],
+                   version=f"{__version__} (Fabric {fabric_version})", namespace=tasks(),
+                   config_class=Config)
 
 
 def main(argv: list[str] | None = None) -> None:
