@@ -110,8 +110,10 @@ RSYNC_PROTECT = ("-s",)
 
 def rsync_argv(host: Host, source: str, dest: str, only: str = "") -> list[str]:
     """Mirror the local tree `source` (with `only`, its top folder of that name) to `dest` on the
-    host (same path on every host), with codetree's filters and its exact file list."""
+    host (same path on every host), with codetree's filters and its exact file list; its progress
+    on stdout (progress/bars.py reads it for the bars and the `transfer` events)."""
     return ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
+            "--info=progress2",
             *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)), *rsync_filters(only, source),
             source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
 

@@ -36,7 +36,12 @@ KINDS = {
     "attempt_end": "job, attempt, ok, outcome (one line)",
     "decision": "job, attempt, next (true: another attempt follows), reason, notes",
     "finished": "job, state (finished, failed, stopped, interrupted), attempts, run_dir",
+    "transfer": "job, host, what (code sync, snapshot push, snapshot fetch), bytes_done, bytes_total "
+                "(at most one a second per host and what; the last has bytes_done == bytes_total when it "
+                "completed)",
 }
+# Kinds that come often: at most one a second per host (and `what`), the newest never lost (Throttle).
+THROTTLED = ("progress", "transfer")
 
 
 class Reporter:
@@ -90,10 +95,10 @@ class Terminal(Reporter):
 
 
 class Throttle:
-    """At most one `progress` event a second per host, the newest never lost: one that comes too
-    soon is held (a newer one of its host replaces it) and let out before the next event of another
-    kind, or with the host's next one a second later. `take` gives the events to write now, in order,
-    each as (event, time, fields)."""
+    """At most one `progress` (or `transfer`: THROTTLED) event a second per host (and `what`), the
+    newest never lost: one that comes too soon is held (a newer one of its host replaces it) and let
+    out before the next event of another kind, or with the host's next one a second later. `take`
+    gives the events to write now, in order, each as (event, time, fields)."""
 
     EVERY = 1.0
 
@@ -104,12 +109,15 @@ class Throttle:
 
     def take(self, event: str, fields: dict) -> list[tuple[str, float, dict]]:
         now, stamp = self.clock(), time.time()
-        if event != "progress":
+        if event not in THROTTLED:
             out = list(self.held.values())
             self.held.clear()
             return [*out, (event, stamp, fields)]
         host = str(fields.get("host", ""))
-        if now - self.last.get(host, -self.EVERY) < self.EVERY:
+        if event != "progress":
+            host = f"{event}\0{host}\0{fields.get('what', '')}"
+        done = event == "transfer" and fields.get("bytes_done") == fields.get("bytes_total")
+        if now - self.last.get(host, -self.EVERY) < self.EVERY and not done:  # a finished copy: at once
             self.held[host] = (event, stamp, fields)
             return []
         self.last[host] = now

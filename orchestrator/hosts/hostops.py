@@ -18,19 +18,29 @@ from orchestrator.core.errors import UserError
 from orchestrator.hosts import claims
 from orchestrator.hosts.keys import revoke_script
 from orchestrator.hosts.survey import stale_runtime
+from orchestrator.progress import bars
 from orchestrator.transport.deadlines import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import PerHost, Session
 
 
 def sync(session: Session, inv: Inventory, source: Path, only: str = "",
-         hosts: tuple[Host, ...] | None = None) -> tuple[str, dict[str, float]]:
+         hosts: tuple[Host, ...] | None = None, transfers: bars.Transfers | None = None,
+         ) -> tuple[str, dict[str, float]]:
     """rsync the local tree (with `only`, its top folder of that name) to job.code_dir/KEY on every
-    host at once (codetree.py): where it went, and the seconds per host."""
+    host at once (codetree.py): where it went, and the seconds per host. With `transfers`, each
+    host's bytes as they go (a bar, `transfer` events)."""
     hosts = hosts or inv.hosts
     dest = f"{inv.job.code_dir}/{codetree.key(source, only)}"
+    total = codetree.select(source, only).bytes if transfers else 0
 
     def one(host: Host) -> float:
-        r = session.local(sshargs.rsync_argv(host, str(source), dest, only), COPY_TIMEOUT)
+        argv = sshargs.rsync_argv(host, str(source), dest, only)
+        if transfers is None:
+            r = session.local(argv, COPY_TIMEOUT)
+        else:
+            t = transfers.start(host.name, "code sync", total)
+            r = session.local(argv, COPY_TIMEOUT, on_output=t.output)
+            t.finish(r.ok)
         if not r.ok:
             raise UserError(f"sync to {host.name} ({host.ssh.where()}) failed (rsync exit {r.exited}): "
                             f"{hostile.text(r.stderr.strip()[-400:])}; check SSH access with: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from io import BufferedReader
 
 import paramiko
@@ -15,9 +16,11 @@ from orchestrator.core import hostile
 EOF_GRACE = 2.0
 
 
-def run_capped(argv: list[str], timeout: float) -> tuple[int | None, bytes, bytes]:
+def run_capped(argv: list[str], timeout: float,
+               on_output: Callable[[bytes], None] | None = None) -> tuple[int | None, bytes, bytes]:
     """Run a local command, keeping at most OUTPUT_MAX bytes of each of its stdout and stderr:
-    its exit status (None when it was killed at `timeout`), stdout, stderr."""
+    its exit status (None when it was killed at `timeout`), stdout, stderr. `on_output` sees every
+    chunk of stdout as it comes (rsync's progress)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     bufs = (hostile.Capped(), hostile.Capped())
 
@@ -25,6 +28,8 @@ def run_capped(argv: list[str], timeout: float) -> tuple[int | None, bytes, byte
         with pipe:
             for chunk in iter(lambda: pipe.read1(1 << 16), b""):
                 buf.write(chunk)
+                if on_output is not None and buf is bufs[0]:
+                    on_output(chunk)
 
     pumps = [threading.Thread(target=pump, args=(pipe, buf), daemon=True, name="local-output")
              for pipe, buf in zip((proc.stdout, proc.stderr), bufs, strict=True)]

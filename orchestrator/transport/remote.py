@@ -317,12 +317,14 @@ class Session:
         if not r.ok:
             raise UserError(f"{host.name}: cannot write {path}: {_tail(r.stderr)}")
 
-    def local(self, argv: list[str], timeout: float) -> Result:
+    def local(self, argv: list[str], timeout: float,
+              on_output: Callable[[bytes], None] | None = None) -> Result:
         """Run a command on this machine (rsync to or from a host): the one place a job starts a
         local process, so a recording stand-in sees those too. Its stdout and stderr are capped like
-        a remote command's (drain): what rsync prints can be the host's (its shell's stderr)."""
+        a remote command's (drain): what rsync prints can be the host's (its shell's stderr).
+        `on_output` sees its stdout as it comes (rsync's progress)."""
         start = time.monotonic()
-        code, out, err = run_capped(argv, timeout)
+        code, out, err = run_capped(argv, timeout, on_output)
         out_text, err_text = out.decode(errors="replace"), err.decode(errors="replace")
         if code is None:
             return Result(out_text, f"{err_text}\n{argv[0]} did not finish within {timeout:g}s", 124,

@@ -261,6 +261,7 @@ def test_rsync_argv():
         "--delete",
         "--mkpath",
         "--timeout=60",
+        "--info=progress2",
         "-s",
         "--rsh",
         "ssh -F none -p 22 -l u -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k/kh "
