@@ -260,9 +260,10 @@ def list_file(root: str | Path, only: str = "") -> Path:
     sel = select(root, only)
     data = b"".join(p.encode() + b"\0" for p in sorted(sel.files + sel.links, key=lambda s: s.encode()))
     path = _lists_dir() / hashlib.sha256(data).hexdigest()[:24]
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_bytes(data)
+    if not path.exists():  # several hosts' syncs may write it at once: each its own temporary file
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     return path
 

@@ -52,6 +52,14 @@ def sync(session: Session, inv: Inventory, source: Path, only: str = "",
     return dest, {h.name: results[h.name] for h in hosts}
 
 
+def tree_lines(source: Path, only: str = "") -> list[str]:
+    """What a sync of the tree copies and what its ignore rules leave out, for a person (a warning
+    above codetree.WARN_BYTES synced): codetree.summary's lines."""
+    shown = Path(source) / only if only else Path(source)
+    return [("warning: " if level == "warning" else "") + hostile.text(text)
+            for level, text in codetree.summary(codetree.select(source, only), shown)]
+
+
 def raise_any(hosts: tuple[Host, ...], results: PerHost, what: str) -> None:
     from orchestrator.transport.remote import describe
     errors = [describe(h, e) for h in hosts if (e := results.error(h.name))]
