@@ -4,6 +4,7 @@ typed (and refused for every other task), and the forward's loop over real local
 import json
 import socket
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -203,6 +204,12 @@ def test_a_command_after_dashes_for_any_other_task_is_refused(called, capsys, ar
 def test_fab_in_the_checkout_uses_the_same_executor():
     conf = yaml.safe_load((ROOT / "fabric.yaml").read_text())
     assert conf["tasks"]["executor_class"] == f"{access.Executor.__module__}.{access.Executor.__name__}"
+    # Fabric's own `fab` reads it (Invoke's project configuration): no NothingToDo traceback.
+    fab = Path(sys.executable).parent / "fab"
+    r = subprocess.run([str(fab), "-r", str(ROOT), "status", "--", "x"], capture_output=True, text=True,
+                       timeout=60)
+    assert (r.returncode, r.stderr) == (2, "error: fab status takes no command after '--'; only fab shell "
+                                           "does (fab shell JOB -- CMD runs CMD in a job's container)\n")
 
 
 # ---------------------------------------------------------------- the forward
