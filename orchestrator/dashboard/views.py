@@ -186,9 +186,8 @@ def job_page(runs: Path, job_id: str) -> dict[str, Any]:
             host = hostile.component(path.stem)
         except hostile.UnsafeName:
             continue
-        data, cut = read_tail(path, LOG_TAIL)
-        if data or path.is_file():
-            logs[host] = log_lines(data, cut)
+        if path.is_file() and not path.is_symlink():
+            logs[host] = log_lines(*read_tail(path, LOG_TAIL))
     return clean({
         "job": job_id,
         "state": record.state if record else newest["state"],

@@ -175,6 +175,7 @@ def job_dir(tmp_path):
     (d / "plan.txt").write_text("attempt 2\n  node1: docker run \x1b[31m...\n")
     (d / "node1.log").write_bytes(b"[node1 rank0] hello\n\x1b]0;pwn\x07<script>x()</script>\n")
     (d / "node3.log").write_bytes(b"")
+    (d / "node4.log").symlink_to("/etc/passwd")  # a link is never followed out of the run
     return runs, d.name
 
 
