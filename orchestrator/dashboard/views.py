@@ -104,16 +104,9 @@ def run_dir(runs: Path, job_id: str) -> Path:
 def read_tail(path: Path, size: int) -> tuple[bytes, bool]:
     """The last `size` bytes of a regular file (no link) and whether it was cut; (b"", False) when
     there is none."""
-    try:
-        if path.is_symlink() or not path.is_file():
-            return b"", False
-        with path.open("rb") as fh:
-            fh.seek(0, 2)
-            end = fh.tell()
-            fh.seek(max(0, end - size))
-            return fh.read(size), end > size
-    except OSError:
+    if path.is_symlink() or not path.is_file():
         return b"", False
+    return latest.tail_bytes(path, size) or (b"", False)
 
 
 def log_lines(data: bytes, cut: bool, lines: int = LOG_LINES) -> list[str]:

@@ -14,19 +14,28 @@ from orchestrator.progress.notify import EVENTS_FILE, TELEMETRY_FILE
 TAIL = 4 * 1024 * 1024  # bytes read from the end of each file
 
 
-def tail_records(path: Path, size: int = TAIL) -> list[dict]:
-    """The JSON objects of the last `size` bytes of a JSON-lines file (the first, cut, line and any
-    unreadable one skipped); [] when there is no file."""
+def tail_bytes(path: Path, size: int) -> tuple[bytes, bool] | None:
+    """The last `size` bytes of a file and whether it holds more before them; None when there is
+    no file to read."""
     try:
         with path.open("rb") as fh:
             fh.seek(0, 2)
             end = fh.tell()
             fh.seek(max(0, end - size))
-            data = fh.read(size)
+            return fh.read(size), end > size
     except OSError:
+        return None
+
+
+def tail_records(path: Path, size: int = TAIL) -> list[dict]:
+    """The JSON objects of the last `size` bytes of a JSON-lines file (the first, cut, line and any
+    unreadable one skipped); [] when there is no file."""
+    got = tail_bytes(path, size)
+    if got is None:
         return []
+    data, cut = got
     lines = data.split(b"\n")
-    if end > size:
+    if cut:
         lines = lines[1:]
     out = []
     for line in lines:
