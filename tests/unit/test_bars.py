@@ -93,3 +93,55 @@ def test_json_lines_write_transfer_events():
     assert {k: got[k] for k in ("event", "job", "host", "what", "bytes_done", "bytes_total")} == {
         "event": "transfer", "job": "j", "host": "a", "what": "code sync", "bytes_done": 5, "bytes_total": 10}
     assert "transfer" in events.KINDS
+
+
+class FakeSession:
+    """Session's fan-out and local(): rsync's progress handed to on_output as a real run would."""
+
+    def __init__(self):
+        self.calls = []
+
+    def local(self, argv, timeout, on_output=None):
+        from orchestrator.transport.remote import Result
+        self.calls.append((argv[-1], on_output is not None))
+        if on_output is not None:
+            on_output(b"\r         40  40%   1kB/s 0:00:00\r")
+        return Result("", "", 0, 0.01)
+
+    def fan_out(self, fn, hosts):
+        from orchestrator.transport.remote import PerHost
+        out = PerHost()
+        for h in hosts:
+            out[h.name] = fn(h)
+        return out
+
+
+def test_a_jobs_code_sync_becomes_transfer_events_and_a_note(tmp_path):
+    from types import SimpleNamespace
+
+    from orchestrator.backends.ssh import gate, steps
+    from orchestrator.backends.ssh.attempt import Step
+    from orchestrator.core import jobspec
+
+    code = tmp_path / "proj"
+    (code / "data").mkdir(parents=True)
+    (code / "main.py").write_bytes(b"m" * 100)
+    (code / "data" / "x.bin").write_bytes(b"d" * 5000)
+    (code / ".gitignore").write_text("data/\n")
+    got, notes = [], []
+    job = SimpleNamespace(emit=lambda e, **f: got.append((e, f)),
+                          note=lambda t, level="info": notes.append(t))
+    a = SimpleNamespace(spec=SimpleNamespace(code=str(code), code_only=""), number=1)
+    transfer = gate.code_transfers(job, a)
+    assert notes == [f"code: 2 files, 106 B from {code}",
+                     "left out by .gitignore/.fabtrainignore: 1 files, 5.0 kB (data/ 5.0 kB)"]
+    hosts = [SimpleNamespace(name="node1"), SimpleNamespace(name="node2")]
+    plan = [Step(jobspec.LOCAL, "sync", "rsync ...", 60, argv=("rsync", f"{h.name}:/c/"), host=h.name)
+            for h in hosts]
+    session = FakeSession()
+    steps.run_steps(session, hosts, plan, transfer)
+    assert session.calls == [("node1:/c/", True), ("node2:/c/", True)]
+    assert [(f["host"], f["bytes_done"], f["bytes_total"]) for _, f in got] == [
+        ("node1", 40, 106), ("node1", 106, 106), ("node2", 40, 106), ("node2", 106, 106)]
+    steps.run_steps(session, hosts, plan)  # no watcher: Session.local as before
+    assert session.calls[-1] == ("node2:/c/", False)

@@ -66,7 +66,7 @@ class Recorder:
             )
         return 0
 
-    def local(self, argv, timeout):
+    def local(self, argv, timeout, on_output=None):
         peer = next(h.name for h in self.all_hosts if any(f"{h.ssh.hostname}:" in a for a in argv))
         self.calls.append((peer, "local", shlex.join(argv), None))
         return Result("", "", 0, 0.01)

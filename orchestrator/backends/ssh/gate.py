@@ -5,16 +5,37 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator import preflight
 from orchestrator.backends.ssh.attempt import AttemptPlan
 from orchestrator.backends.ssh.state import PreflightFailed
 from orchestrator.backends.ssh.steps import run_quiet
+from orchestrator.config import codetree
 from orchestrator.core import jobspec
+from orchestrator.hosts.hostops import tree_lines
+from orchestrator.progress import bars
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from orchestrator.backends.ssh.attempt import Step
     from orchestrator.backends.ssh.job import Job
+    from orchestrator.progress.bars import Transfer
+
+
+def code_transfers(job: Job, a: AttemptPlan) -> Callable[[Step], Transfer | None]:
+    """Each host's code sync as `transfer` events (--json); on the first attempt, a note of what the
+    sync copies and what a user's tree's ignore rules leave out (hostops.tree_lines)."""
+    code, only = Path(a.spec.code), a.spec.code_only
+    if a.number == 1 and not only:  # the built-in trainers: nothing to say
+        for line in tree_lines(code, only):
+            warning = line.startswith("warning: ")
+            job.note(line.removeprefix("warning: "), "warning" if warning else "info")
+    total = codetree.select(code, only).bytes
+    transfers = bars.Transfers(emit=job.emit)
+    return lambda s: transfers.start(s.host or s.where, "code sync", total) if s.key == "sync" else None
 
 
 def sync_and_check(job: Job, a: AttemptPlan) -> dict[str, str]:
@@ -23,11 +44,12 @@ def sync_and_check(job: Job, a: AttemptPlan) -> dict[str, str]:
     syncs = a.select("sync")
     if not syncs and a.warm and a.number > 1:  # every node warm (all_warm): nothing to sync or check
         return {}
+    transfer = code_transfers(job, a) if syncs else None
     if not (job.checks or a.number > 1 or job.resuming):
-        synced = job.run_steps(a, syncs)
+        synced = job.run_steps(a, syncs, transfer)
         return {n: str(e) for n, e in synced.errors().items()}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        syncing = pool.submit(job.run_steps, a, syncs)
+        syncing = pool.submit(job.run_steps, a, syncs, transfer)
         checked = replace(a.inv, hosts=(*a.hosts, *a.hot))  # a hot spare is checked as it starts
         checks = preflight.run(job.ssh, checked, image=a.spec.image, code=False)
         synced = syncing.result()

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
 
     from orchestrator.config.inventory import Host, Inventory
+    from orchestrator.progress.bars import Transfer
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
 REPLANS = 3      # plans made again in a row when other jobs claim the same units or port meanwhile
@@ -232,8 +233,9 @@ class Job:
         lost = self.lost
         return tuple(h for h in hosts if h.name not in lost)
 
-    def run_steps(self, a: AttemptPlan, steps: list[Step]) -> PerHost:
-        return run_steps(self.ssh, (*a.hosts, *self.used.values()), steps)
+    def run_steps(self, a: AttemptPlan, steps: list[Step],
+                  transfer: Callable[[Step], Transfer | None] | None = None) -> PerHost:
+        return run_steps(self.ssh, (*a.hosts, *self.used.values()), steps, transfer)
 
     def stopped(self, hosts: Iterable[Host]) -> bool:
         """Whether `fab stop` left its marker on any of these hosts (never asking a lost one)."""

@@ -15,15 +15,18 @@ from orchestrator.core.errors import UserError
 from orchestrator.core.policy import Failure
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
     from pathlib import Path
 
     from orchestrator.config.inventory import Host, Inventory
+    from orchestrator.progress.bars import Transfer
     from orchestrator.transport.remote import PerHost, Result, Session
 
 
-def run_steps(session: Session, hosts: Iterable[Host], steps: list[Step]) -> PerHost:
-    """Run steps on their hosts at once (several on one host in order): host -> last Result or error."""
+def run_steps(session: Session, hosts: Iterable[Host], steps: list[Step],
+              transfer: Callable[[Step], Transfer | None] | None = None) -> PerHost:
+    """Run steps on their hosts at once (several on one host in order): host -> last Result or error.
+    `transfer`: for a local step (a copy), what follows its progress (progress/bars.py), or None."""
     by_host: dict[str, list[Step]] = {}
     for s in steps:
         by_host.setdefault(s.host or s.where, []).append(s)
@@ -32,8 +35,13 @@ def run_steps(session: Session, hosts: Iterable[Host], steps: list[Step]) -> Per
     def one(h: Host) -> Result | None:
         r = None
         for s in by_host[h.name]:
-            r = (session.local(list(s.argv), s.deadline) if s.where == jobspec.LOCAL else
-                 session.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what))
+            t = transfer(s) if transfer is not None and s.where == jobspec.LOCAL else None
+            if t is not None:
+                r = session.local(list(s.argv), s.deadline, on_output=t.output)
+                t.finish(r.ok)
+            else:
+                r = (session.local(list(s.argv), s.deadline) if s.where == jobspec.LOCAL else
+                     session.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what))
             if not r.ok:
                 raise UserError(
                     f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
