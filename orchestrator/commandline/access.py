@@ -123,7 +123,8 @@ def shell(inventory: str | None, job: str, rank: str | int | None, host: str | N
     with Session(inv.all_hosts) as session:
         node = find_node(session, inv, job, asked, host)
     tty = sys.stdin.isatty() and sys.stdout.isatty() if terminal is None else terminal
-    argv = nodeexec.ssh_command_argv(node.host, nodeexec.exec_argv(node.job, node.rank, command, tty), tty)
+    remote = nodeexec.exec_argv(node.job, node.rank, command, tty, os.environ.get("TERM"))
+    argv = nodeexec.ssh_command_argv(node.host, remote, tty)
     sys.stdout.flush()
     sys.stderr.flush()
     execute(argv[0], argv)

@@ -13,15 +13,20 @@ from orchestrator.core.jobspec import container_name
 LOGIN_SHELL = ("sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi")
 
 
-def exec_argv(job_id: str, rank: int, command: list[str] | tuple[str, ...], tty: bool) -> list[str]:
+def exec_argv(job_id: str, rank: int, command: list[str] | tuple[str, ...], tty: bool,
+              term: str | None = None) -> list[str]:
     """`docker exec` of `command` (LOGIN_SHELL when empty) in node `rank`'s container of the job.
-    stdin is always passed on (`fab shell JOB -- python - < script.py`); a terminal only with `tty`."""
-    return ["docker", "exec", "--interactive", *(["--tty"] if tty else []), container_name(job_id, rank),
+    stdin is always passed on (`fab shell JOB -- python - < script.py`); a terminal only with `tty`,
+    of this terminal's type `term` (docker exec would say xterm: no 256 colours, wrong keys)."""
+    terminal = ["--tty", *(["--env", f"TERM={term}"] if term else [])] if tty else []
+    return ["docker", "exec", "--interactive", *terminal, container_name(job_id, rank),
             *(command or LOGIN_SHELL)]
 
 
 def ssh_command_argv(host: Host, remote: list[str], tty: bool) -> list[str]:
     """The OpenSSH client running `remote` (an argv, quoted here once) on the host: with a pseudo-
     terminal (-t) when `tty`, else none (-T: output byte for byte, stdout and stderr apart). '--'
-    ends ssh's options, so neither the address nor the command is read as one."""
-    return [*ssh_argv(host), "-t" if tty else "-T", "--", host.ssh.hostname, shell(remote)]
+    ends ssh's options, so neither the address nor the command is read as one. LogLevel=ERROR: ssh's
+    errors still show, its "Connection to ... closed." after a terminal session does not."""
+    return [*ssh_argv(host), "-o", "LogLevel=ERROR", "-t" if tty else "-T", "--", host.ssh.hostname,
+            shell(remote)]

@@ -66,8 +66,9 @@ def surveyed(monkeypatch, per_host):
 def test_docker_exec_argv():
     assert nodeexec.exec_argv(JOB, 1, ["hostname"], tty=False) == [
         "docker", "exec", "--interactive", f"fabtrain-{JOB}-r1", "hostname"]
-    assert nodeexec.exec_argv(JOB, 0, [], tty=True) == [
-        "docker", "exec", "--interactive", "--tty", f"fabtrain-{JOB}-r0", "sh", "-c",
+    assert nodeexec.exec_argv(JOB, 0, [], tty=True, term="xterm-256color") == [
+        "docker", "exec", "--interactive", "--tty", "--env", "TERM=xterm-256color", f"fabtrain-{JOB}-r0",
+        "sh", "-c",
         "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi"]
 
 
@@ -80,7 +81,8 @@ def test_ssh_argv_quotes_the_remote_command_once(inv):
         "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={inv.path.parent}/known_hosts",
         "-o", f"GlobalKnownHostsFile={' '.join(node1.ssh.global_known_hosts) or '/dev/null'}",
         "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
-        "-i", f"{inv.path.parent}/id", "-o", "IdentitiesOnly=yes", "-T", "--", "10.0.0.1",
+        "-i", f"{inv.path.parent}/id", "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR",
+        "-T", "--", "10.0.0.1",
         f"docker exec --interactive fabtrain-{JOB}-r0 sh -c 'echo '\"'\"'a b'\"'\"' $HOME; exit 3'"]
     assert nodeexec.ssh_command_argv(node1, remote, tty=True)[-4:-2] == ["-t", "--"]
 
