@@ -9,9 +9,11 @@ entrypoint, so any image starts the same way (see docker/entrypoint.py).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -327,9 +329,11 @@ def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool
 
 
 def build(
-    base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None
+    base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None,
+    progress: Progress | None = None,
 ) -> str:
-    """Build `tag` from `base` + requirements + the entrypoint on the local engine; its id."""
+    """Build `tag` from `base` + requirements + the entrypoint on the local engine; its id. With
+    `progress` (bars.bar(console, *bars.step_columns())), docker's steps as a bar."""
     if not requirements.is_file():
         raise UserError(f"{requirements}: requirements file not found")
     if wheels is not None and not wheels.is_dir():
@@ -344,12 +348,41 @@ def build(
         if wheels is not None:
             shutil.copytree(wheels, ctxp / "context" / "wheels")
         (ctxp / "entrypoint.py").write_bytes(dockerargs.ENTRYPOINT_SOURCE.read_bytes())
-        proc = subprocess.run(
-            ["docker", "build", "--quiet", "--tag", tag, ctx],
-            capture_output=True,
-            text=True,
-            env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"},
-        )
-    if proc.returncode != 0:
-        raise UserError(f"building {tag} from {base} failed:\n{proc.stderr.strip()[-1500:]}")
+        code, err = run_build(["docker", "build", "--tag", tag, ctx], f"build {tag}", progress)
+    if code != 0:
+        raise UserError(f"building {tag} from {base} failed:\n{err.strip()[-1500:]}")
     return local_image(tag)[0]
+
+
+def run_build(argv: list[str], label: str, progress: Progress | None) -> tuple[int, str]:
+    """Run a docker build (the classic builder: its 'Step N/M' lines are the bar's steps, read by
+    bars.parse_build_step); its exit status and stderr (capped)."""
+    from orchestrator.core.hostile import Capped
+    from orchestrator.progress import bars
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    assert proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    err = Capped()
+
+    def read_stderr() -> None:
+        for chunk in iter(lambda: os.read(err_fd, 1 << 16), b""):
+            err.write(chunk)
+    reader = threading.Thread(target=read_stderr, daemon=True, name="build-stderr")
+    reader.start()
+    task = progress.add_task(label, total=None, step="") if progress is not None else None
+
+    def on_line(line: bytes) -> None:
+        got = bars.parse_build_step(line)
+        if got is not None and progress is not None and task is not None:
+            progress.update(task, completed=got[0] - 1, total=got[1], step=got[2])
+    lines = bars.Lines(on_line)
+    for chunk in iter(lambda: os.read(out_fd, 1 << 16), b""):
+        lines.feed(chunk)
+    code = proc.wait()
+    proc.stdout.close()
+    reader.join(10)
+    proc.stderr.close()
+    if progress is not None and task is not None:
+        progress.remove_task(task)
+    return code, err.getvalue().decode("utf-8", "replace")

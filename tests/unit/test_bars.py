@@ -145,3 +145,32 @@ def test_a_jobs_code_sync_becomes_transfer_events_and_a_note(tmp_path):
         ("node1", 40, 106), ("node1", 106, 106), ("node2", 40, 106), ("node2", 106, 106)]
     steps.run_steps(session, hosts, plan)  # no watcher: Session.local as before
     assert session.calls[-1] == ("node2:/c/", False)
+
+
+def test_an_image_build_shows_docker_steps_and_keeps_its_errors(tmp_path):
+    from orchestrator.images import images
+
+    class Recorded:
+        def __init__(self):
+            self.calls = []
+
+        def add_task(self, label, **kw):
+            self.calls.append(("add", label))
+            return 1
+
+        def update(self, task, **kw):
+            self.calls.append(("update", kw["completed"], kw["total"], kw["step"]))
+
+        def remove_task(self, task):
+            self.calls.append(("remove",))
+
+    fake = tmp_path / "docker"
+    fake.write_text("#!/bin/sh\nprintf 'Step 1/2 : FROM base\\n ---> abc\\nStep 2/2 : RUN pip install x\\n'\n"
+                    "echo 'no space left on device' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    progress = Recorded()
+    code, err = images.run_build([str(fake)], "build t", progress)
+    assert (code, err) == (3, "no space left on device\n")
+    assert progress.calls == [("add", "build t"), ("update", 0, 2, "FROM base"),
+                              ("update", 1, 2, "RUN pip install x"), ("remove",)]
+    assert images.run_build([str(fake)], "build t", None)[0] == 3  # no bar: the same run
