@@ -217,6 +217,9 @@ def make_handler(refresher: Refresher, pages: JobPages, hosts: set[str] | None
                                      head)
                 if path == "/api/runs":
                     return self.send(HTTPStatus.OK, pages.runs_list(), "application/json", head)
+                if path.startswith("/api/plan/"):
+                    return self.send(HTTPStatus.OK, views.to_json(views.plan_page(pages.runs, path[10:])),
+                                     "application/json", head)
                 if path.startswith("/api/job/"):
                     return self.send(HTTPStatus.OK, pages.page(path[len("/api/job/"):]), "application/json",
                                      head)

@@ -6,7 +6,7 @@
   (progress/latest.py), the queue, and the hosts that did not answer.
 - `job_page`: one job from runs/JOB: its record's attempts and their outcomes, the failures, the
   loss and tokens/s curves (the `progress` events), the newest figures per rank and telemetry per
-  host, plan.txt, and the tail of each host's log.
+  host, and the tail of each host's log; `plan_page`: its plan.txt.
 
 Every string that came from a host, a container or a file is passed through hostile.text (`clean`);
 the page puts text in with textContent only, so a log line holding ESC bytes or `<script>` is shown
@@ -172,7 +172,6 @@ def job_page(runs: Path, job_id: str) -> dict[str, Any]:
         record, problem = None, str(exc)
     events = latest.tail_records(where / EVENTS_FILE)
     newest = latest.latest(where)
-    plan, plan_cut = read_head(where / "plan.txt", PLAN_MAX)
     logs = {}
     for path in sorted(where.glob("*.log"))[:LOGS_MAX]:
         try:
@@ -193,9 +192,15 @@ def job_page(runs: Path, job_id: str) -> dict[str, Any]:
         "curves": curves(events),
         "newest": newest,
         "figures": figures(newest),
-        "plan": plan.decode("utf-8", "replace") + ("\n...[cut]" if plan_cut else ""),
         "logs": logs,
     })
+
+
+def plan_page(runs: Path, job_id: str) -> dict[str, Any]:
+    """runs/JOB/plan.txt (every attempt's plan: large, and the same while an attempt runs, so the
+    page asks for it apart from the job's page, when it opens the job or an attempt begins)."""
+    plan, cut = read_head(run_dir(runs, job_id) / "plan.txt", PLAN_MAX)
+    return clean({"job": job_id, "plan": plan.decode("utf-8", "replace") + ("\n...[cut]" if cut else "")})
 
 
 def read_head(path: Path, size: int) -> tuple[bytes, bool]:

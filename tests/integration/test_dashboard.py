@@ -161,6 +161,8 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
         assert "alice@" in driver.find_element(By.ID, "job-summary").text
         until("attempt 1 listed",
               lambda: driver.find_element(By.CSS_SELECTOR, "#attempts tbody td").text == "1")
+        until("the plan",
+              lambda: "docker run" in driver.find_element(By.ID, "plan").get_attribute("textContent"))
         driver.save_screenshot(str(tmp_path / "dashboard-job.png"))
         if os.environ.get("FABTRAIN_README_SHOTS") == "1":
             (ROOT / "tests" / "readme").mkdir(exist_ok=True)

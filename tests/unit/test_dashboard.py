@@ -194,7 +194,8 @@ def test_a_job_page_from_its_run(tmp_path):
                                  "detail": "line one | line [31mtwo"}]
     assert page["curves"] == {"loss": [[5, 2.0], [6, 1.9]], "tokens_per_s": [[5, 50.0], [6, 55.0]]}
     assert page["figures"]["loss"] == 1.9 and page["newest"]["attempt"] == 2
-    assert page["plan"] == "attempt 2\n  node1: docker run [31m...\n"
+    assert "plan" not in page
+    assert views.plan_page(runs, job) == {"job": job, "plan": "attempt 2\n  node1: docker run [31m...\n"}
     assert page["logs"] == {"node1": ["[node1 rank0] hello", "]0;pwn<script>x()</script>"], "node3": []}
 
 
@@ -264,6 +265,9 @@ def test_the_json_endpoints(running):
     assert json.loads(body) == {"jobs": [], "hosts": [], "note": "<b>\x1b[31m"}
     status, _, body = ask(port, "GET", f"/api/job/{job}")
     assert status == 200 and json.loads(body)["job"] == job
+    status, _, body = ask(port, "GET", f"/api/plan/{job}")
+    assert status == 200 and json.loads(body)["plan"].startswith("attempt 2")
+    assert ask(port, "GET", "/api/plan/..%2Fx")[0] == 404
     status, _, body = ask(port, "GET", "/api/job/..%2F..%2Fetc%2Fpasswd")
     assert status == 404 and json.loads(body) == {"error": "'../../etc/passwd' is not a fabtrain job id"}
     assert ask(port, "GET", "/api/job/gpt-9")[0] == 404

@@ -4,6 +4,7 @@
 
 const POLL_MS = 3000;
 let timer = null;
+let planFor = null;
 
 function el(tag, text, cls) {
   const e = document.createElement(tag);
@@ -196,7 +197,13 @@ function renderJob(doc) {
   }
   logs.replaceChildren(...boxes);
   if (!boxes.length) logs.appendChild(el("p", "no logs yet", "dim"));
-  document.getElementById("plan").textContent = doc.plan || "no plan.txt";
+  const key = `${doc.job} ${doc.attempts.length}`;
+  if (planFor !== key) {  // the plan is asked for when the job opens and when an attempt begins
+    planFor = key;
+    getJSON("/api/plan/" + encodeURIComponent(doc.job)).then(p => {
+      document.getElementById("plan").textContent = p.plan || "no plan.txt";
+    }).catch(() => { planFor = null; });
+  }
 }
 
 function route() {
