@@ -91,9 +91,13 @@ TREE_HELP = "your project's folder (default: this project's built-in trainers)"
 @user_errors
 def sync(c, inventory=None, code=None):
     """Copy the code (rsync, in parallel) to job.code_dir/KEY on every host (fab train does this itself)."""
+    from orchestrator.progress import bars
     inv = _inventory.load(inventory)
-    with Session(inv.hosts) as session:
-        dest, times = hostops.sync(session, inv, *cli.code_tree(code))
+    tree = cli.code_tree(code)
+    for line in hostops.tree_lines(*tree):
+        print(line)
+    with Session(inv.hosts) as session, bars.bar(console) as progress:
+        dest, times = hostops.sync(session, inv, *tree, transfers=bars.Transfers(progress))
     for host, seconds in times.items():
         print(f"{host}: synced to {dest} in {seconds:.2f}s")
 
@@ -555,8 +559,10 @@ def build(c, base, requirements, tag, pip_args="", wheels=None):
 
     On
     this machine's Docker engine; then 'fab image.push --image TAG' puts it on every host."""
-    image_id = _images.build(base, Path(requirements), tag, tuple(shlex.split(pip_args)),
-                             Path(wheels) if wheels else None)
+    from orchestrator.progress import bars
+    with bars.bar(console, *bars.step_columns()) as progress:
+        image_id = _images.build(base, Path(requirements), tag, tuple(shlex.split(pip_args)),
+                                 Path(wheels) if wheels else None, progress=progress)
     print(f"built {tag} ({image_id[7:19]}); push it with: fab image.push --image {tag}")
 
 
@@ -567,7 +573,63 @@ def images(c):
     _cluster.build_images()
 
 
-ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, metrics, images)
+@task(
+    auto_shortflags=False,
+    kinds={"port": int, "refresh": float},
+    help={
+        "inventory": INV_HELP,
+        "port": "TCP port to serve on (default 8765; 0: any free one)",
+        "address": "address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every address, "
+        "anyone who can reach it sees the cluster)",
+        "refresh": "seconds between two looks at the hosts (default 5; every browser shares each look)",
+    },
+)
+@user_errors
+def dashboard(c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0):
+    """Serve a read-only web page of the cluster: hosts and who holds each GPU, the queue, the jobs.
+
+    Hosts with the job and owner of each GPU (CPU slot) and their use, as fab top shows them; jobs
+    as fab status lists them, with loss and tokens/s; the queue; and per job run here its loss and
+    throughput curves, telemetry, attempts and failures, plan and each host's log tail. One look at
+    the hosts every --refresh seconds, however many browsers are open. Runs until Ctrl+C."""
+    from orchestrator.dashboard import server as _dashboard
+    _dashboard.serve(_inventory.load(inventory), RUNS, address, port, refresh, print)
+
+
+ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, metrics, images,
+                dashboard)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))
 ns.add_collection(Collection("export", slurm, k8s))
+
+
+@task(auto_shortflags=False, positional=["job"], kinds={"rank": int},
+      help={"job": "the job (an id from 'fab status')", "rank": "the node of this rank (default 0)",
+            "host": "the job's node on this host (instead of --rank)",
+            "inventory": "the inventory (default: the one the job was started with, else as fab status)"})
+@user_errors
+def shell(c, job, rank=None, host=None, inventory=None):
+    """Open a shell in a job's container: fab shell JOB [--rank K | --host H] [-- CMD ...].
+
+    docker exec in that node's container over the SSH path fabtrain uses for its host (jump hosts,
+    ssh_config, the inventory's keys and known_hosts), with a terminal when stdin and stdout are
+    terminals. With -- CMD, runs CMD there instead and exits with its exit status."""
+    from orchestrator.commandline import access
+    access.shell(inventory, job, rank, host, access.command_of(c), RUNS)
+
+
+@task(auto_shortflags=False, positional=["job", "port"], kinds={"port": int, "local": int},
+      help={"job": "the job (an id from 'fab status')", "port": "the port on rank 0's host (its container's)",
+            "local": "the port on 127.0.0.1 here (default: PORT)",
+            "inventory": "the inventory (default: the one the job was started with, else as fab status)"})
+@user_errors
+def forward(c, job, port, local=None, inventory=None):
+    """Forward a port of a job's rank 0 (TensorBoard, Jupyter) to 127.0.0.1 here until Ctrl+C.
+
+    fab forward JOB PORT [--local LOCAL]: the container runs on its host's network, so PORT is its
+    host's; the tunnel takes the SSH path fabtrain uses for that host. Only this machine can connect."""
+    from orchestrator.commandline import access
+    access.forward(inventory, job, port, local, RUNS, print)
+
+ns.add_task(shell)
+ns.add_task(forward)
