@@ -88,6 +88,23 @@ def measure(inv: Path, job: str, hosts: int, browser: bool, seconds: float) -> d
     return {"cpu_s_per_min": (c1 - c0) / minutes, "ssh_per_host_per_min": (n1 - n0) / hosts / minutes}
 
 
+def stop(job: str | None, job_proc: subprocess.Popen, inv: Path) -> None:
+    """The bench's job stopped (fab stop --job, again if it still runs), its fab train ended."""
+    for _ in range(3):
+        if job is not None:
+            r = subprocess.run([FAB, "stop", "--job", job, "--grace", "0", "--inventory", str(inv)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                print(f"  fab stop --job {job}: {r.stderr.strip()[-500:]}", flush=True)
+        try:
+            job_proc.wait(60)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    job_proc.kill()
+    job_proc.wait(30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hosts", default="2,8")
@@ -117,12 +134,7 @@ def main() -> None:
                     got[way].append(measure(inv, job, n, way == "one browser", a.seconds))
             results[n] = got
         finally:
-            if job is not None:
-                subprocess.run([FAB, "stop", "--job", job, "--grace", "0", "--inventory", str(inv)], cwd=ROOT,
-                               capture_output=True, timeout=300)
-            if job is None and job_proc.poll() is None:
-                job_proc.kill()
-            job_proc.wait(120)
+            stop(job, job_proc, inv)
         print(f"\n{n} hosts, a job on every host, medians of {a.repeat} windows of {a.seconds:g} s "
               f"(looks every {REFRESH:g} s, the page polled every {POLL:g} s)")
         print("| dashboard | CPU s per minute | SSH commands per host per minute |")
