@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -291,6 +292,7 @@ def serve(inv: Inventory, runs: Path, address: str, port: int, every: float, say
     host = f"[{address}]" if ":" in address else address
     say(f"dashboard: http://{host}:{server.server_address[1]}/ ({len(inv.all_hosts)} hosts, looked at every "
         f"{every:g}s; read-only; Ctrl+C ends it)")
+    sys.stdout.flush()  # the address reaches a pipe (a script waiting for it) now, not at the end
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
