@@ -339,6 +339,7 @@ def fetch_set_argv(
         "rsync",
         "--times",
         f"--timeout={sshargs.RSYNC_IO_TIMEOUT}",
+        "--info=progress2",
         "--from0",
         f"--files-from={files_from}",
         *([f"--link-dest={link_dest}"] if link_dest else []),
@@ -361,6 +362,7 @@ def push_set_argv(host: Host, local_dir: str, remote_dir: str) -> list[str]:
     quoted for the host's shell; it is the inventory's output directory and fabtrain's own name."""
     target = remote_dir.rstrip("/")
     return ["rsync", "--recursive", "--times", "--mkpath", f"--timeout={sshargs.RSYNC_IO_TIMEOUT}",
-            *sshargs.RSYNC_PROTECT, "--rsync-path", f"rm -rf -- {sshargs.shell([target])} && rsync",
+            "--info=progress2", *sshargs.RSYNC_PROTECT,
+            "--rsync-path", f"rm -rf -- {sshargs.shell([target])} && rsync",
             "--rsh", sshargs.shell(sshargs.ssh_argv(host)),
             local_dir.rstrip("/") + "/", sshargs.rsync_remote(host, target + "/")]

@@ -131,6 +131,7 @@ def fetch_file_argv(host: Host, remote_file: str, dest: str) -> list[str]:
         "rsync",
         "--times",
         f"--timeout={RSYNC_IO_TIMEOUT}",
+        "--info=progress2",
         *RSYNC_PROTECT,
         "--rsh",
         shell(ssh_argv(host)),
@@ -142,8 +143,8 @@ def fetch_file_argv(host: Host, remote_file: str, dest: str) -> list[str]:
 def push_file_argv(host: Host, source: str, remote_file: str, first: str = "") -> list[str]:
     """Copy one local file (a snapshot) to a host, its directory made if missing; `first`: a shell
     command the host runs before its rsync starts, which ends the copy when it fails."""
-    return ["rsync", "--times", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}", *RSYNC_PROTECT,
-            *(["--rsync-path", f"{first} && rsync"] if first else []),
+    return ["rsync", "--times", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}", "--info=progress2",
+            *RSYNC_PROTECT, *(["--rsync-path", f"{first} && rsync"] if first else []),
             "--rsh", shell(ssh_argv(host)), source, rsync_remote(host, remote_file)]
 
 

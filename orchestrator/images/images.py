@@ -9,11 +9,9 @@ entrypoint, so any image starts the same way (see docker/entrypoint.py).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -357,32 +355,17 @@ def build(
 def run_build(argv: list[str], label: str, progress: Progress | None) -> tuple[int, str]:
     """Run a docker build (the classic builder: its 'Step N/M' lines are the bar's steps, read by
     bars.parse_build_step); its exit status and stderr (capped)."""
-    from orchestrator.core.hostile import Capped
     from orchestrator.progress import bars
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
-    assert proc.stdout is not None and proc.stderr is not None
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    err = Capped()
-
-    def read_stderr() -> None:
-        for chunk in iter(lambda: os.read(err_fd, 1 << 16), b""):
-            err.write(chunk)
-    reader = threading.Thread(target=read_stderr, daemon=True, name="build-stderr")
-    reader.start()
     task = progress.add_task(label, total=None, step="") if progress is not None else None
 
     def on_line(line: bytes) -> None:
         got = bars.parse_build_step(line)
         if got is not None and progress is not None and task is not None:
             progress.update(task, completed=got[0] - 1, total=got[1], step=got[2])
-    lines = bars.Lines(on_line)
-    for chunk in iter(lambda: os.read(out_fd, 1 << 16), b""):
-        lines.feed(chunk)
-    code = proc.wait()
-    proc.stdout.close()
-    reader.join(10)
-    proc.stderr.close()
-    if progress is not None and task is not None:
-        progress.remove_task(task)
-    return code, err.getvalue().decode("utf-8", "replace")
+    try:
+        code, err = bars.run_watched(argv, bars.Lines(on_line).feed,
+                                     env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    finally:
+        if progress is not None and task is not None:
+            progress.remove_task(task)
+    return code, err.decode("utf-8", "replace")

@@ -9,7 +9,9 @@ so a piped or logged run prints nothing extra.
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -151,3 +153,29 @@ class Transfers:
         assert self.emit is not None
         with self.lock:
             self.emit(event, **fields)
+
+
+def run_watched(argv: list[str], on_output: Callable[[bytes], None],
+                env: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """Run a local command whose stdout is progress (rsync --info=progress2, docker build), handing
+    each chunk to `on_output` as it comes: its exit status and its stderr (capped, hostile.Capped).
+    No deadline of its own: rsync's --timeout ends a copy whose data stops moving."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    err = hostile.Capped()
+
+    def read_stderr() -> None:
+        for chunk in iter(lambda: os.read(err_fd, 1 << 16), b""):
+            err.write(chunk)
+    reader = threading.Thread(target=read_stderr, daemon=True, name="watched-stderr")
+    reader.start()
+    try:
+        for chunk in iter(lambda: os.read(out_fd, 1 << 16), b""):
+            on_output(chunk)
+    finally:
+        code = proc.wait()
+        reader.join(10)
+        proc.stdout.close()
+        proc.stderr.close()
+    return code, err.getvalue()

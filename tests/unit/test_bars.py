@@ -174,3 +174,36 @@ def test_an_image_build_shows_docker_steps_and_keeps_its_errors(tmp_path):
     assert progress.calls == [("add", "build t"), ("update", 0, 2, "FROM base"),
                               ("update", 1, 2, "RUN pip install x"), ("remove",)]
     assert images.run_build([str(fake)], "build t", None)[0] == 3  # no bar: the same run
+
+
+def test_snapshot_copies_become_transfer_events_with_the_real_runner(tmp_path):
+    from pathlib import Path
+
+    from orchestrator.backends.ssh import snapshots
+    from orchestrator.config.inventory import parse
+    from orchestrator.core import jobspec
+
+    inv = parse("ssh: {user: u, key: /k/id, known_hosts: /k/kh}\njob: {output_dir: /out}\nhosts:\n"
+                "  - {name: a, address: 10.0.0.1, interface: eth0}\n", Path("/i/inv.yaml"))
+    fake = tmp_path / "rsync"
+    fake.write_text("#!/bin/sh\nprintf '\\r        500  50%%  1MB/s 0:00:01\\r      1,000 100%%'\n"
+                    "[ \"$1\" = fail ] && { echo 'disk full' >&2; exit 11; }; exit 0\n")
+    fake.chmod(0o755)
+    got = []
+    snaps = snapshots.Snapshots(tmp_path / "run", inv, jobspec.JobSpec(job_id="j-1", script="t.py"), keep=1,
+                                report=print, transfers=bars.Transfers(emit=lambda e, **f: got.append(f)))
+    snaps._copy([str(fake), "ok"], "a", "snapshot push", 1000)
+    assert [(f["what"], f["bytes_done"], f["bytes_total"]) for f in got] == [
+        ("snapshot push", 500, 1000), ("snapshot push", 1000, 1000)]
+    got.clear()
+    try:
+        snaps._copy([str(fake), "fail"], "a", "snapshot fetch", 4000)
+    except snapshots.CopyFailed as exc:
+        assert "rsync exited 11: disk full" in str(exc)
+    else:
+        raise AssertionError("a failed copy must raise")
+    assert [f["bytes_done"] for f in got] == [500]  # not completed: the copy failed
+    # Without transfers (the tests' stand-ins, a quiet job) the copy is subprocess.run's, as before.
+    quiet = snapshots.Snapshots(tmp_path / "run2", inv, jobspec.JobSpec(job_id="j-1", script="t.py"), keep=1,
+                                report=print)
+    quiet._copy([str(fake), "ok"], "a", "snapshot push", 1000)

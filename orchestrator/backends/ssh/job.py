@@ -36,7 +36,7 @@ from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster, backoff, decide
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts.queue import new_ticket
-from orchestrator.progress import metrics, notify
+from orchestrator.progress import bars, metrics, notify
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Session, describe
 
@@ -218,6 +218,7 @@ class Job:
                 self.spec,
                 keep=self.inv.job.keep_snapshots,
                 report=lambda line: self.note(line, "warning"),
+                transfers=bars.Transfers(emit=self.emit),
             )
         return self.snaps
 

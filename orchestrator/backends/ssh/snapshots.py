@@ -118,6 +118,7 @@ from orchestrator.commands.snapshotlists import (
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.progress import bars
 from orchestrator.transport.remote import Session, describe
 
 SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (a find on an open SSH link)
@@ -149,13 +150,16 @@ class Snapshots:
     would, and returns what it returns; rsync's own --timeout ends a copy whose data stops moving."""
 
     def __init__(self, run_dir: Path, inv: Inventory, spec: jobspec.JobSpec, keep: int, report: Report,
-                 copy: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+                 copy: Callable[..., subprocess.CompletedProcess] | None = None,
+                 transfers: bars.Transfers | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest snapshot is kept (1 or more)")
         self.layout = layout(spec)
         self.dir = run_dir / local_dir_name(spec)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.inv, self.spec, self.keep, self.report, self.copy = inv, spec, keep, report, copy
+        self.inv, self.spec, self.keep, self.report = inv, spec, keep, report
+        self.copy = copy or run_copy
+        self.transfers = transfers  # each copy's bytes as `transfer` events (fab train --json)
         # Held by fetch and by the whole of a placement (job.py's place): the follow thread must not
         # prune the snapshot being pushed. Reentrant, as a holder may fetch.
         self.lock = threading.RLock()
@@ -182,11 +186,15 @@ class Snapshots:
     def remote_path(self, name: str) -> str:
         return self.layout.remote(self.inv, self.spec, name)
 
-    def _copy(self, argv: Sequence[str]) -> None:
+    def _copy(self, argv: Sequence[str], host: str = "", what: str = "", size: int = 0) -> None:
+        t = self.transfers.start(host, what, size) if self.transfers is not None and host else None
+        watch = {"on_output": t.output} if t is not None else {}
         try:
-            proc = self.copy(list(argv), capture_output=True, text=True)
+            proc = self.copy(list(argv), capture_output=True, text=True, **watch)
         except OSError as exc:  # rsync missing or not runnable
             raise CopyFailed(f"{argv[0]} could not run: {exc}") from None
+        if t is not None:
+            t.finish(proc.returncode == 0)
         if proc.returncode != 0:
             raise CopyFailed(
                 f"rsync exited {proc.returncode}: {hostile.text((proc.stderr or '').strip())[-200:]}"
@@ -238,7 +246,8 @@ class Snapshots:
 
     def _fetch_file(self, session: Session, host: Host, name: str, tmp: Path) -> None:
         want = remote_digest(session, host, self.remote_path(name))
-        self._copy(sshargs.fetch_file_argv(host, self.remote_path(name), str(tmp)))
+        self._copy(sshargs.fetch_file_argv(host, self.remote_path(name), str(tmp)),
+                   host.name, "snapshot fetch", want.size)
         try:
             got = local_digest(tmp)
         except OSError as exc:
@@ -281,7 +290,8 @@ class Snapshots:
         listfile.write_bytes(b"".join(p.encode() + b"\0" for p in found.paths))
         link = self.local_newest()
         self._copy(fetch_set_argv(host, root, str(listfile), str(tmp),
-                                  str(self.local_path(link).resolve()) if link else None))
+                                  str(self.local_path(link).resolve()) if link else None),
+                   host.name, "snapshot fetch", sum(d.size for _, d in want.files))
         try:
             got = local_manifest(tmp)
         except OSError as exc:
@@ -393,7 +403,8 @@ class Snapshots:
         """One try of push: the copy, its check against `digest`, the rename; CopyFailed (_Refused:
         the rename refused a path) says why not."""
         is_set = isinstance(digest, Manifest)
-        self._copy(argv)
+        size = sum(d.size for _, d in digest.files) if isinstance(digest, Manifest) else digest.size
+        self._copy(argv, host.name, "snapshot push", size)
         if isinstance(digest, Manifest):
             got_set = remote_check(session, host, check, parse_manifest, tmp)
             if got_set != digest:
@@ -415,6 +426,16 @@ class Snapshots:
             raise CopyFailed(
                 f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}"
             )
+
+
+def run_copy(argv: list[str], capture_output: bool = True, text: bool = True,
+             on_output: Callable[[bytes], None] | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run for a copy's rsync; with `on_output`, its stdout (--info=progress2) handed
+    over as it comes (bars.run_watched) and only its stderr kept."""
+    if on_output is None:
+        return subprocess.run(argv, capture_output=capture_output, text=text)
+    code, err = bars.run_watched(argv, on_output)
+    return subprocess.CompletedProcess(argv, code, "", err.decode("utf-8", "replace"))
 
 
 def _remove(path: Path) -> None:
