@@ -116,6 +116,7 @@ def main() -> None:
         inv = Path(tempfile.mkdtemp(prefix="bench-dashboard-")) / "inventory.yaml"
         cluster.up(n, inventory_out=str(inv), log=lambda *_: None)
         name = f"dashbench{n}"
+        earlier = {p.name for p in (ROOT / "runs").glob(f"{name}-*")}
         job_proc = subprocess.Popen(
             [FAB, "train", "--script", "tests/integration/scripts/dashboard_job.py", "--skip-preflight",
              "--plain", "--args", "--steps 100000 --step-time 0.5", "--name", name, "--inventory", str(inv)],
@@ -123,11 +124,12 @@ def main() -> None:
         job = None
         try:
             deadline = time.monotonic() + 300
-            while not list((ROOT / "runs").glob(f"{name}-*/events.jsonl")):
+            while not (started := [p.parent.name for p in (ROOT / "runs").glob(f"{name}-*/events.jsonl")
+                                   if p.parent.name not in earlier]):
                 if time.monotonic() > deadline or job_proc.poll() is not None:
                     raise RuntimeError(f"the {n}-host job never started")
                 time.sleep(1)
-            job = max(p.parent.name for p in (ROOT / "runs").glob(f"{name}-*/events.jsonl"))
+            job = started[0]
             got: dict[str, list[dict]] = {"no browser": [], "one browser": []}
             for _ in range(a.repeat):
                 for way in got:  # alternately, so that drift on the machine hits both alike
