@@ -249,9 +249,6 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     shows either, any output. Snapshots: the newest job.keep_snapshots (2) kept on every host and
     in runs/JOB/snapshots, copies checked by SHA-256. Exits 0 when every node exits 0; otherwise
     names the host. Ctrl+C stops the job."""
-    if "--" in sys.argv:
-        raise UserError("fab would run what follows '--' as a local shell command; pass the script's "
-                        "arguments with --args \"...\" instead", exit_code=2)
     text = requests.train(requests.TrainRequest.of(locals()), RUNS, console, TRAINERS)
     if text is not None:
         print(text)
@@ -596,11 +593,6 @@ def dashboard(c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0):
     _dashboard.serve(_inventory.load(inventory), RUNS, address, port, refresh, print)
 
 
-ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, metrics, images,
-                dashboard)
-ns.add_collection(Collection("image", push, build))
-ns.add_collection(Collection("cluster", up, down))
-ns.add_collection(Collection("export", slurm, k8s))
 
 
 @task(auto_shortflags=False, positional=["job"], kinds={"rank": int},
@@ -631,5 +623,9 @@ def forward(c, job, port, local=None, inventory=None):
     from orchestrator.commandline import access
     access.forward(inventory, job, port, local, RUNS, print)
 
-ns.add_task(shell)
-ns.add_task(forward)
+
+ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, metrics, images,
+                dashboard, shell, forward)
+ns.add_collection(Collection("image", push, build))
+ns.add_collection(Collection("cluster", up, down))
+ns.add_collection(Collection("export", slurm, k8s))
