@@ -146,3 +146,16 @@ def test_an_unreadable_ignore_file_is_named(tmp_path):
 def test_sizes_for_a_person():
     assert [codetree.size_text(n) for n in (0, 999, 1000, 52_428_800, 3 * 10**9, 5 * 10**12)] == [
         "0 B", "999 B", "1.0 kB", "52.4 MB", "3.0 GB", "5000.0 GB"]
+
+
+def test_a_plan_walks_the_tree_once_for_all_its_hosts(tmp_path, monkeypatch):
+    root = tmp_path / "p"
+    write(root, "a.py")
+    walks = []
+    real = codetree.list_file
+    monkeypatch.setattr(codetree, "list_file", lambda *a: walks.append(a) or real(*a))
+    first = [codetree.rsync_filters("", root) for _ in range(64)]
+    assert len(walks) == 1 and all(f == first[0] for f in first)
+    monkeypatch.setattr(codetree, "LIST_REUSE", 0.0)  # later (an attempt after a teardown): walked again
+    write(root, "b.py")
+    assert codetree.rsync_filters("", root) != first[0] and len(walks) == 2
