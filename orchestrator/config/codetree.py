@@ -35,7 +35,7 @@ from orchestrator.core.errors import UserError
 
 BUILTIN_ONLY = "trainers"
 # Never synced: version control, caches, virtualenvs, this project's local state.
-EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs",
+EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs", ".fabtrain",
             ".pytest_cache", "*.egg-info")
 IGNORE_FILES = (".gitignore",)   # read in every directory
 ROOT_IGNORE_FILE = ".fabtrainignore"  # read at the tree's root only, after its .gitignore

@@ -275,6 +275,7 @@ def test_rsync_argv():
         "--exclude=.cache",
         "--exclude=.cluster",
         "--exclude=runs",
+        "--exclude=.fabtrain",
         "--exclude=.pytest_cache",
         "--exclude=*.egg-info",
         "--from0",
