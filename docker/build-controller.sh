@@ -10,8 +10,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=${FABTRAIN_BUILD_DIR:-$here/../.cache/build}
 BASE=fabtrain/base:bookworm
 CONTROLLER=fabtrain/controller:latest
-# What a controller imports (fabric, paramiko, rich, PyYAML and what they need).
-LIBS="fabric invoke paramiko bcrypt cryptography cffi pycparser pynacl decorator deprecated wrapt rich markdown-it-py mdurl pygments pyyaml typing-extensions"
+# What a controller imports (fabric, paramiko, rich, PyYAML and what they need; pathspec for the code's
+# ignore rules; prometheus-client for a detached job's --metrics-port).
+LIBS="fabric invoke paramiko bcrypt cryptography cffi pycparser pynacl decorator deprecated wrapt rich markdown-it-py mdurl pygments pyyaml typing-extensions pathspec prometheus-client"
 KEY=$(cat "$here/build-controller.sh" "$here/../requirements.lock" | sha256sum | cut -c1-16)
 if [ "${FORCE:-0}" != 1 ] && [ "$(docker image inspect --format '{{index .Config.Labels "fabtrain.inputs"}}' "$CONTROLLER" 2>/dev/null)" = "$KEY" ]; then
   exit 0

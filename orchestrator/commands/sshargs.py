@@ -108,13 +108,14 @@ def _ssh_escape(path: str, tokens: bool = True) -> str:
 RSYNC_PROTECT = ("-s",)
 
 
-def rsync_argv(host: Host, source: str, dest: str, only: str = "") -> list[str]:
+def rsync_argv(host: Host, source: str, dest: str, only: str = "", listed: bool = True) -> list[str]:
     """Mirror the local tree `source` (with `only`, its top folder of that name) to `dest` on the
-    host (same path on every host), with codetree's filters and its exact file list; its progress
-    on stdout (progress/bars.py reads it for the bars and the `transfer` events)."""
+    host (same path on every host), with codetree's filters and, for a user's code (`listed`), its
+    exact file list (the ignore rules; no empty folder); its progress on stdout (progress/bars.py
+    reads it for the bars and the `transfer` events)."""
     return ["rsync", "--archive", "--compress", "--delete", "--mkpath", f"--timeout={RSYNC_IO_TIMEOUT}",
             "--info=progress2",
-            *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)), *rsync_filters(only, source),
+            *RSYNC_PROTECT, "--rsh", shell(ssh_argv(host)), *rsync_filters(only, source if listed else None),
             source.rstrip("/") + "/", rsync_remote(host, dest + "/")]
 
 

@@ -143,3 +143,18 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
     assert "--privileged" not in script and passwd.endswith(f"> {p.dir}/passwd")
     assert detached.place(INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB
                           ).host.name == "gpu1"  # the default: the first host
+
+
+def test_the_controller_image_has_every_runtime_library_a_controller_imports():
+    """A detached job's controller runs the orchestrator in fabtrain/controller, whose libraries
+    build-controller.sh lists by hand: each runtime dependency of pyproject.toml is there but the
+    two only this machine uses (docker: the local cluster; matplotlib: curves drawn here). pathspec,
+    new and missing there, stopped every controller at its first import."""
+    import re
+    import tomllib
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "docker" / "build-controller.sh").read_text()
+    libs = set(re.search(r'^LIBS="([^"]+)"', script, re.M).group(1).split())
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+    assert names - {"docker", "matplotlib"} <= libs, sorted(names - {"docker", "matplotlib"} - libs)

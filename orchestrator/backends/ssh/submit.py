@@ -223,7 +223,8 @@ def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) 
     with ThreadPoolExecutor(max_workers=3) as pool:
         for f in [
             pool.submit(place_image),
-            pool.submit(copy, sshargs.rsync_argv(p.host, str(stage), p.dir)),
+            # The controller's own files, whole (its empty secrets/ too): not a code tree.
+            pool.submit(copy, sshargs.rsync_argv(p.host, str(stage), p.dir, listed=False)),
             pool.submit(copy, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)),
         ]:
             f.result()
