@@ -29,6 +29,11 @@ def secrets_file(inv: Inventory, spec: JobSpec) -> str:
     return f"{runtime_dir(inv, spec)}/secrets.env"
 
 
+def controller_dir(inv: Inventory, job_id: str) -> str:
+    """A detached job's controller directory on its host (its key, launch, secrets; mounted at /ctl)."""
+    return f"{inv.job.output_dir}/.controllers/{job_id}"
+
+
 def stopped_marker(inv: Inventory, job_id: str) -> str:
     """Left by `fab stop` (hostops.mark_stopped) for the job: it was ended on purpose, so a failure
     it causes is not restarted (fab train --restarts). Beside the job's runtime directory, in one

@@ -191,13 +191,16 @@ def stop(session: Session, inv: Inventory, job_ids: list[str] | None, grace: flo
 def stop_script(inv: Inventory, job_ids: list[str] | None, grace: float,
                 revoke: list[str] | tuple[str, ...] = ()) -> str:
     """What `stop` runs on each host: the containers stopped and removed, the claims released, then
-    (`revoke`) those jobs' controller keys removed (keys.revoke_script), in a subshell whose output
-    and exit status are its own: the command's stdout is the removed ids, its status the stop's."""
+    (`revoke`) those jobs' controller keys and directories removed (keys.revoke_script; a controller
+    that died before its end leaves its directory, private key and secrets included), in a subshell
+    whose output and exit status are its own: the command's stdout is the removed ids, its status
+    the stop's."""
     ids = [j for j in job_ids if jobspec.valid_job_id(j)] if job_ids is not None else None
     script = "true" if ids == [] else dockerargs.stop_script(ids, grace)
     if ids:
         script += "; " + claims.release_command(inv, ids, runtime=False)
     keys = [j for j in revoke if jobspec.valid_job_id(j)]
     if keys:
-        script += f"; s=$?; ({revoke_script(keys)}) >/dev/null 2>&1; exit $s"
+        dirs = sshargs.shell(["rm", "-rf", "--", *(hostfiles.controller_dir(inv, j) for j in keys)])
+        script += f"; s=$?; ({revoke_script(keys)}; {dirs}) >/dev/null 2>&1; exit $s"
     return script

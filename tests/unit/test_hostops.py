@@ -49,7 +49,8 @@ def test_fab_stop_removes_controller_keys_in_its_one_command(tmp_path):
     inv = stop_inventory(tmp_path)
     plain = hostops.stop_script(inv, ["gpt-1", "gpt-2"], 30)
     assert hostops.stop_script(inv, ["gpt-1", "gpt-2"], 30, ["gpt-2", "not a job; rm -rf /"]) == (
-        f"{plain}; s=$?; ({keys.revoke_script(['gpt-2'])}) >/dev/null 2>&1; exit $s"
+        f"{plain}; s=$?; ({keys.revoke_script(['gpt-2'])}; rm -rf -- {tmp_path}/out/.controllers/gpt-2) "
+        ">/dev/null 2>&1; exit $s"
     )
     assert hostops.stop_script(inv, ["gpt-1"], 30, ["not a job"]) == hostops.stop_script(inv, ["gpt-1"], 30)
     assert hostops.stop_script(inv, [], 30) == "true"
@@ -87,8 +88,12 @@ def test_the_key_goes_and_the_stops_output_and_status_stay_its_own(tmp_path):
         if not flock_works:
             (stub / "flock").write_text("#!/bin/sh\necho 'flock: timed out' >&2; echo noise; exit 1\n")
             (stub / "flock").chmod(0o755)
+        # A controller that died before its end left its directory (key, launch, secrets): it goes.
+        left = tmp_path / "out" / ".controllers" / "gpt-2" / "secrets"
+        left.mkdir(parents=True, exist_ok=True)
         session = OneCommand(env)
         out = hostops.stop(session, inv, ["gpt-2"], 0, inv.hosts, revoke=["gpt-2"])
+        assert not left.parent.exists() and (tmp_path / "out" / ".controllers").is_dir()
         r = out[inv.hosts[0].name]
         assert len(session.commands) == 1  # one round trip per host
         assert (r.stdout, r.stderr, r.exited) == ("0a1b2c\n", "", 0)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished
-from orchestrator.commands import sshargs
+from orchestrator.commands import hostfiles, sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
@@ -74,7 +74,7 @@ def place(inv: Inventory, job_id: str) -> Place:
             "job's hosts and spares: include it, or name another there",
             exit_code=2,
         )
-    return Place(job_id, host, f"{inv.job.output_dir}/.controllers/{job_id}", f"fabtrain-ctl-{job_id}")
+    return Place(job_id, host, hostfiles.controller_dir(inv, job_id), f"fabtrain-ctl-{job_id}")
 
 
 def unfetched(record: JobRecord) -> bool:
