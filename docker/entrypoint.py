@@ -266,11 +266,13 @@ def main() -> None:
         if spare:
             listen_for_stop()
             code, spare = SPARE, False
+            standbys = spawn_standbys(child, int(child["FABTRAIN_NPROC"]))
         else:
+            # The next generation's workers, started while this one trains (Ahead): a restart finds
+            # torch imported and waits for nothing but fabtrain's decision.
+            ahead = Ahead(child, int(child["FABTRAIN_NPROC"]))
             code = run_node(argv, child, warm=True, procs=procs)
-        nproc = int(argv[argv.index("--nproc_per_node") + 1])
-        # The next generation's workers, started now: importing torch overlaps fabtrain's decision.
-        standbys = [] if code in (0, LEAVING) else spawn_standbys(child, nproc)
+            standbys = ahead.take(wanted=code not in (0, LEAVING))
         go = None if code in (0, LEAVING) else wait_warm(env, code)
         if go is None:
             for p in standbys:
@@ -295,16 +297,27 @@ def main() -> None:
             procs = None
 
 
-# A worker of the next generation, started when a generation ends (spawn_standbys): it imports torch
-# and waits on stdin for its rank (launch_direct), then runs the script as torchrun's worker would.
+# A worker of the next generation, started ahead (Ahead, spawn_standbys): it imports torch, and
+# torch._dynamo, which every torch.optim optimizer imports when it is made (1-2 s of a restart
+# otherwise), then waits on stdin for its rank (launch_direct) and runs the script as torchrun's
+# worker would. About 400 MB of memory per worker while it waits.
 STANDBY_PY = """\
 import json, os, sys
 import torch, torch.distributed
+try:
+    import torch._dynamo
+except Exception:
+    pass
 line = sys.stdin.readline()
 if not line.strip():
     sys.exit(0)
 go = json.loads(line)
 os.environ.update(go["env"])
+try:  # named for ps and top, and told from a worker still waiting: fabtrain-rN
+    import ctypes
+    ctypes.CDLL(None).prctl(15, ("fabtrain-r" + go["env"]["RANK"]).encode()[:15], 0, 0, 0)
+except Exception:
+    pass
 fd = os.open(go["console"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 os.dup2(fd, 1)
 os.dup2(fd, 2)
@@ -330,6 +343,41 @@ def spawn_standbys(env: dict[str, str], nproc: int) -> list[subprocess.Popen]:
                 for _ in range(nproc)]
     except OSError:
         return []
+
+
+STANDBY_AHEAD = 5.0  # seconds into a generation before the next one's workers start (FABTRAIN_STANDBY_AHEAD)
+
+
+class Ahead:
+    """The next generation's workers (spawn_standbys), started STANDBY_AHEAD seconds into this one:
+    they import torch while it trains rather than while it starts, and a generation that ends
+    sooner gets them at its end."""
+
+    def __init__(self, env: dict[str, str], nproc: int) -> None:
+        import threading
+        self.env, self.nproc, self.procs, self.taken = env, nproc, None, False
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(float(env.get("FABTRAIN_STANDBY_AHEAD") or STANDBY_AHEAD), self.spawn)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def spawn(self) -> None:
+        with self.lock:
+            if not self.taken:
+                self.procs = spawn_standbys(self.env, self.nproc)
+
+    def take(self, wanted: bool) -> list[subprocess.Popen]:
+        """The workers for the next generation, started now if they were not yet; none (any started
+        ended) when no generation follows."""
+        self.timer.cancel()
+        with self.lock:
+            self.taken = True
+            procs = self.procs
+        if not wanted:
+            for p in procs or ():
+                kill_tree(p.pid)
+            return []
+        return spawn_standbys(self.env, self.nproc) if procs is None else procs
 
 
 def worker_env(env: dict[str, str], local_rank: int) -> dict[str, str]:
@@ -469,7 +517,7 @@ def wait_group(procs: list[subprocess.Popen]) -> int:
             return bad
         if all(c == 0 for c in codes):
             return 0
-        time.sleep(0.1)
+        time.sleep(0.02)
 
 
 TOLD: list[int] = []  # the stop signals this node got (a warm node told to stop waits for nothing)

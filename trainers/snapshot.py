@@ -16,6 +16,7 @@ copy) always finds at least the newest complete snapshot.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import re
@@ -138,38 +139,47 @@ def prune(directory: Path, keep: int, written: Path) -> None:
 
 
 def load_latest(directory: Path, map_location=None) -> dict | None:
-    """The newest snapshot that loads, with its path; None when there is none."""
+    """The newest snapshot that loads, with its path and the SHA-256 of its bytes; None when there
+    is none."""
     if not directory.is_dir():
         return None
     for path in sorted(directory.glob(f"{PREFIX}*.pt"), reverse=True):
         try:
-            state = torch.load(path, map_location=map_location, weights_only=True)
+            data = path.read_bytes()
+            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
         except Exception:  # noqa: BLE001 - a damaged file (e.g. copied in by hand); try the next
             continue
-        state["path"] = str(path)
+        state["path"], state["sha256"] = str(path), hashlib.sha256(data).hexdigest()
         return state
     return None
 
 
 def load_agreed(directory: Path, map_location=None) -> dict | None:
-    """The newest snapshot, the same on every rank (rank 0's). Each rank reads its own disk; when
-    they disagree (a node whose disk never had the snapshot: a Slurm job requeued onto other nodes
-    without a shared filesystem), rank 0 sends its file's bytes to every rank, so no rank starts
-    from another step than the others (a collective mismatch)."""
+    """The newest snapshot, the same bytes on every rank: rank 0's. Each rank reads its own disk;
+    when any rank's newest differs from rank 0's by step or by SHA-256 (a node whose disk lacks it:
+    fab train places a snapshot on rank 0's host only and leaves the others to this; a Slurm job
+    requeued onto other nodes without a shared filesystem), rank 0 sends its file's bytes with
+    their SHA-256 to every rank over the process group, and each rank checks them before loading,
+    so no rank starts from another step than the others (a collective mismatch)."""
     snap = load_latest(directory, map_location)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return snap
-    steps: list = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, snap["step"] if snap else None)
-    if all(s == steps[0] for s in steps):
+    mine = (snap["step"], snap["sha256"]) if snap else None
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    if all(s == seen[0] for s in seen):
         return snap
     payload = [None]
     if dist.get_rank() == 0 and snap is not None:
-        payload = [(snap["path"], Path(snap["path"]).read_bytes())]
+        payload = [(snap["path"], Path(snap["path"]).read_bytes(), snap["sha256"])]
     dist.broadcast_object_list(payload, src=0)
     if payload[0] is None:
         return None  # rank 0 has none: every rank starts afresh
-    path, data = payload[0]
+    path, data, digest = payload[0]
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise RuntimeError(f"rank 0's snapshot {path} arrived with other bytes than it sent "
+                           f"(SHA-256 {hashlib.sha256(data).hexdigest()[:16]}, not {digest[:16]})")
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     state["path"] = path if dist.get_rank() == 0 else f"{path} (rank 0's copy)"
+    state["sha256"] = digest
     return state

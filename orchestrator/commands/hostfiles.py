@@ -183,11 +183,14 @@ def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = Fa
     wait = f"{shell(['docker', 'wait', name])} >/dev/null 2>&1"
     if warm:
         end = shell([end_file(inv, spec, rank)])
-        wait = (f"( {wait} & w=$!; while kill -0 $w 2>/dev/null && [ ! -e {end} ]; do sleep 0.1; done; "
+        wait = (f"( {wait} & w=$!; while kill -0 $w 2>/dev/null && [ ! -e {end} ]; do sleep 0.05; done; "
                 "kill $w 2>/dev/null )")
+    # tail reads new output at once (inotify); -s is how often it looks whether --pid ended: a
+    # warm node's end is seen within 0.1 s, a restart waits for it.
+    tail = shell(['tail', '-c', '+1', '-s', '0.05', '-F'])
     return (
         f"{wait} & "
-        f"{shell(['tail', '-c', '+1', '-s', '0.2', '-F'])} --pid=$! {shell([console_file(inv, spec, rank)])} "
+        f"{tail} --pid=$! {shell([console_file(inv, spec, rank)])} "
         "2>/dev/null; wait"
     )
 

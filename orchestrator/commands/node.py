@@ -294,6 +294,6 @@ def end_generation_script(inv: Inventory, spec: JobSpec, rank: int, wait: float 
     running = shell(["docker", "inspect", "-f", "{{.State.Running}}", name])
     return (
         f"{shell(['docker', 'kill', '--signal', 'USR2', name])} >/dev/null 2>&1; i=0; "
-        f'while [ $i -lt {int(wait * 10)} ] && [ ! -e {end} ] && [ "$({running} 2>/dev/null)" = true ]; '
-        "do sleep 0.1; i=$((i+1)); done; true"
+        f'while [ $i -lt {int(wait * 20)} ] && [ ! -e {end} ] && [ "$({running} 2>/dev/null)" = true ]; '
+        "do sleep 0.05; i=$((i+1)); done; true"
     )

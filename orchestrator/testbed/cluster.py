@@ -302,15 +302,17 @@ def thaw(name: str) -> None:
 
 
 # Run inside a test host (sh -c): SIGKILL one training worker of the job's container there (a
-# process torchrun started, `python3 -u SCRIPT ...`), not torchrun, not the container; prints its pid.
+# process torchrun started, `python3 -u SCRIPT ...`, or a worker the entrypoint gave its rank, named
+# fabtrain-rN; not one still waiting for a rank), not torchrun, not the container; prints its pid.
 KILL_ONE_WORKER = """docker exec "$(docker ps -q --filter label=fabtrain.managed=1)" python3 -c '
 import os, signal
 for p in sorted(os.listdir("/proc")):
     try:
         argv = open("/proc/%s/cmdline" % p, "rb").read().split(b"\\0")
+        comm = open("/proc/%s/comm" % p, "rb").read()
     except (OSError, ValueError):
         continue
-    if p.isdigit() and argv[1:2] == [b"-u"]:
+    if p.isdigit() and (comm.startswith(b"fabtrain-r") or argv[1:2] == [b"-u"] and argv[2:3] != [b"-c"]):
         os.kill(int(p), signal.SIGKILL)
         print(p)
         break

@@ -197,14 +197,15 @@ def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatc
 def _agreed_worker(rank, world, port, root):
     import snapshot
     init_gloo(rank, world, port)
-    # Each rank its own disk; only rank 0's holds snapshots (steps 10 and 20), rank 2's an older one.
+    # Each rank its own disk; only rank 0's holds snapshots (steps 10 and 20), rank 2's an older one,
+    # rank 3's a step-20 snapshot of the same name with other bytes.
     own = os.path.join(root, f"node{rank}")
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = {0: (10, 20), 1: (), 2: (10,)}[rank]
+    steps = {0: (10, 20), 1: (), 2: (10,), 3: (20,)}[rank]
     for step in steps:
         with torch.no_grad():
-            model.weight.fill_(step)
+            model.weight.fill_(step if rank != 3 else 99)
         snapshot.save(snapshot.Path(own), model, opt, epoch=0, step=step)
     snap = snapshot.load_agreed(snapshot.Path(own))
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
@@ -215,7 +216,8 @@ def _agreed_worker(rank, world, port, root):
 
 
 def test_every_rank_resumes_from_rank0s_snapshot_even_without_it_on_disk(tmp_path):
-    spawn(_agreed_worker, 3, str(tmp_path))
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
-    assert [g["step"] for g in got] == [20, 20, 20] and [g["weight"] for g in got] == [20.0] * 3
+    spawn(_agreed_worker, 4, str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [g["step"] for g in got] == [20] * 4 and [g["weight"] for g in got] == [20.0] * 4
     assert got[0]["path"].endswith("snapshot-000000020.pt") and got[1]["path"].endswith("(rank 0's copy)")
+    assert got[3]["path"].endswith("(rank 0's copy)")  # same name and step, other bytes: rank 0's

@@ -311,7 +311,8 @@ def test_follow_finish_and_remainder_commands():
     f = "/opt/out/gpt-1/.console/node-1.log"
     assert hostfiles.console_file(INV, SPEC, 1) == f
     assert hostfiles.follow_logs_script(INV, SPEC, 1) == (
-        f"docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & tail -c +1 -s 0.2 -F --pid=$! {f} 2>/dev/null; wait"
+        "docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & "
+        f"tail -c +1 -s 0.05 -F --pid=$! {f} 2>/dev/null; wait"
     )
     assert hostfiles.finish_logs_script(INV, SPEC, 1) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
@@ -505,6 +506,6 @@ def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold()
 
 def test_ending_a_warm_generation_keeps_the_container():
     assert node.end_generation_script(INV, SPEC, 1, wait=2) == (
-        "docker kill --signal USR2 fabtrain-gpt-1-r1 >/dev/null 2>&1; i=0; while [ $i -lt 20 ] && "
+        "docker kill --signal USR2 fabtrain-gpt-1-r1 >/dev/null 2>&1; i=0; while [ $i -lt 40 ] && "
         "[ ! -e /opt/out/gpt-1/.console/node-1.log.end ] && [ \"$(docker inspect -f '{{.State.Running}}' "
-        "fabtrain-gpt-1-r1 2>/dev/null)\" = true ]; do sleep 0.1; i=$((i+1)); done; true")
+        "fabtrain-gpt-1-r1 2>/dev/null)\" = true ]; do sleep 0.05; i=$((i+1)); done; true")

@@ -667,3 +667,24 @@ def test_a_copy_that_hangs_never_holds_the_lock_the_next_attempts_placement_need
     release.set()
     copier.join(10)
     assert took < 1.0 and (snaps.dir / S20).read_bytes() == DATA[S20]
+
+
+# ---------------------------------------------------------------- what an attempt places where
+
+def test_our_snapshot_is_placed_on_rank_0s_host_only(tmp_path):
+    """Our trainers read a snapshot on rank 0's host and send its bytes to the other ranks (load_agreed):
+    a restart places it only where rank 0 runs, and checks only that host's copy."""
+    from dataclasses import replace
+
+    from orchestrator.backends.ssh import facts
+    session = FakeSession({"a": {REMOTE20: DATA[S20]}})
+    snaps, reports, rsync = make(tmp_path, session, local=[S20])
+    ours = facts.newest_snapshot(session, snaps, INV, SPEC, INV.hosts, fetch=True)
+    assert (ours.name, ours.missing) == (S20, ())  # b lacks it: its ranks get rank 0's bytes
+    assert [(h, c.split()[0]) for h, c, _ in session.calls if not c.startswith("ls")] == [("a", "stat")]
+    swapped = replace(INV, hosts=(B, A))  # rank 0 on b, which lacks it
+    assert facts.newest_snapshot(session, snaps, swapped, SPEC, INV.hosts, fetch=True).missing == ("b",)
+    assert rsync.calls == [] and reports == []
+    # The job's end asks for the newest only: no attempt follows, no host reads it.
+    done = facts.newest_snapshot(session, snaps, replace(INV, hosts=()), SPEC, INV.hosts, fetch=True)
+    assert (done.name, done.missing) == (S20, ())

@@ -257,10 +257,12 @@ def build(
     smoke test). `warm`: the nodes are warm (README: recovery): a node's container that is
     between generations is told to start the next instead of being started again, and a failure or
     the teardown ends only the generation; the containers go at the job's end (sweep) or on
-    Ctrl+C and fab stop. A warm job's restarts launch their workers without torchrun, on every
-    node alike, warm or cold (node.start_script: direct). `hot` (a warm job's spares kept hot):
-    claimed and synced with the hosts, each its spare's container kept waiting (node.spare_script),
-    stopped on Ctrl+C and at the end; a rank's start takes a spare waiting on its host."""
+    Ctrl+C and fab stop. A warm job launches its workers without torchrun, from its first
+    attempt on and on every node alike, warm or cold (node.start_script: direct): the entrypoint
+    sees a worker end at once, where torchrun's agent takes its own time to notice and stop.
+    `hot` (a warm job's spares kept hot): claimed and synced with the hosts, each its spare's
+    container kept waiting (node.spare_script), stopped on Ctrl+C and at the end; a rank's start
+    takes a spare waiting on its host."""
     inv = replace(inv, job=replace(inv.job, master_port=port))
     spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
                                                 ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))))
@@ -270,7 +272,7 @@ def build(
         *claim_steps(inv, spec, units, first, ticket, hot),
         *gate_steps(inv, spec, sync, hot),
         *snapshot_steps(inv, spec, snapshot, snapshot_missing, run_dir),
-        *start_steps(inv, spec, access or {}, units or {}, warm, direct=warm and number > 1, hot=hot),
+        *start_steps(inv, spec, access or {}, units or {}, warm, direct=warm, hot=hot),
         *watch_steps(inv, spec, warm),
         *teardown_steps(inv, spec, warm),
         *end_steps(inv, spec, inv.hosts, run_dir),

@@ -141,8 +141,12 @@ class Newest:
 def newest_snapshot(session: Session, snaps: snapshots.Snapshots, inv: Inventory, spec: jobspec.JobSpec,
                     asked: tuple[Host, ...], fetch: bool) -> Newest:
     """The newest complete snapshot on this machine or on any host `asked`, copied here when
-    `fetch`; and which of the attempt's hosts (inv.hosts) lack it: a holder's copy is checked by
-    its bytes, since the same name is not the same bytes."""
+    `fetch`; and which of the attempt's hosts that read it lack it: a holder's copy is checked by
+    its bytes, since the same name is not the same bytes. Our trainers' snapshots are read on rank
+    0's host alone (inv.master): every other rank gets rank 0's bytes over the job's own process
+    group, checked by SHA-256 on arrival (trainers/snapshot.py load_agreed), so a restart places
+    nothing on the others through this machine. A program's own checkpoint (--checkpoint) is read
+    by every host: each gets it."""
     by_name = {h.name: h for h in asked}
     found = session.fan_out(
         lambda h: remote_newest(session, h, inv, spec, warn=snaps.warn), asked
@@ -155,7 +159,8 @@ def newest_snapshot(session: Session, snaps: snapshots.Snapshots, inv: Inventory
     best = local if fetch else max(filter(None, [local, remote[0] if remote else None]), default=None)
     if best is None:
         return Newest(None, (), tuple(facts))
-    holders = tuple(h for h in inv.hosts if found.value(h.name) == best)
+    readers = inv.hosts if spec.checkpoint else inv.hosts[:1]  # rank 0's host (none: the job's end)
+    holders = tuple(h for h in readers if found.value(h.name) == best)
     if fetch and holders:
         digest = local_digest(snaps.local_path(best))
         dest = snaps.remote_path(best)
@@ -163,4 +168,4 @@ def newest_snapshot(session: Session, snaps: snapshots.Snapshots, inv: Inventory
         holders = tuple(h for h in holders if same.value(h.name))
         facts += [Fact(h.name, checksum_command(dest), "same bytes" if same.value(h.name) else
                        "different bytes: placed again") for h in inv.hosts if h.name in same]
-    return Newest(best, tuple(h.name for h in inv.hosts if h not in holders), tuple(facts))
+    return Newest(best, tuple(h.name for h in readers if h not in holders), tuple(facts))
