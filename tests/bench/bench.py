@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -462,6 +463,10 @@ class Lines:
         raise RuntimeError(f"{needle!r} never came; last lines: {last}")
 
 
+# The recovery bench's ways (--ways): what is killed, and how the job recovers.
+WAYS = ["worker-warm", "worker-cold", "container-warm", "container-cold", "container-hot"]
+
+
 def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
     """Seconds from the kill, read from `fab train --json`'s events as they arrive: the failure seen,
     each stage of attempt 2 begun, its containers watched (the orchestrator's part ends there), and
@@ -481,9 +486,8 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
         paths[mode].write_text(yaml.safe_dump(changed))
     kills = {"worker": cluster.KILL_ONE_WORKER,
              "container": "docker kill $(docker ps -q --filter label=fabtrain.managed=1)"}
-    ways = [("worker", "warm"), ("worker", "cold"), ("container", "warm"), ("container", "cold")]
-    if inv.spares:
-        ways.append(("container", "hot"))
+    ways = [w for w in (("worker", "warm"), ("worker", "cold"), ("container", "warm"), ("container", "cold"),
+                        ("container", "hot")) if f"{w[0]}-{w[1]}" in WAYS and (w[1] != "hot" or inv.spares)]
     r: dict[str, list[float]] = {}
     for _ in range(repeat):
         for kill, mode in ways:
@@ -523,8 +527,13 @@ def recover_once(inv_path: Path, last: str, kill: str) -> dict[str, float]:
                 return e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage
 
             r[f"stage_{stage}"] = run.wait_event(begun, killed) - killed
-        r["first_step"] = run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2,
-                                         killed) - killed
+        # The first step trained after the resume: a step past the snapshot's (the trainer's
+        # "resumed from ... step N" line is a progress event of step N too, and comes first).
+        resumed = json.loads(next(line for _, line in run.seen if line.startswith('{"event": "attempt"')
+                                  and '"attempt": 2' in line))["snapshot"] or "snapshot-0.pt"
+        after = int(re.sub(r"\D", "", resumed) or 0)
+        r["first_step"] = run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2
+                                         and e["step"] > after, killed) - killed
     finally:
         run.proc.send_signal(2)
         run.proc.wait(timeout=120)
@@ -663,7 +672,9 @@ def main() -> None:
     p.add_argument("--lines", type=int, default=200_000)
     p.add_argument("--json", default=str(ROOT / "runs" / "bench.json"))
     p.add_argument("--only", default="launch,sync,preflight,stop,failure,logs")
+    p.add_argument("--ways", default=",".join(WAYS), help="the recovery bench's ways: " + ", ".join(WAYS))
     a = p.parse_args()
+    WAYS[:] = a.ways.split(",")
     only = set(a.only.split(","))
     results = {}
     for n in [int(x) for x in a.hosts.split(",")]:
