@@ -129,3 +129,66 @@ def test_a_hot_spare_told_to_stop_ends_at_once_with_0(spare):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
     assert console.read_text().rstrip().endswith("[fabtrain] node exit code 0")
+
+
+AHEAD_SCRIPT = """\
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"gen {os.environ['FABTRAIN_ATTEMPT']} rank {rank} pid {os.getpid()}", flush=True)
+if os.environ["FABTRAIN_ATTEMPT"] == "1":
+    open(f"started-{rank}", "w").close()
+    time.sleep(60 if rank == 0 else 3)  # rank 0 is ended by the others' failure
+    sys.exit(3)
+dist.destroy_process_group()
+"""
+
+
+def children(pid: int) -> dict[int, str]:
+    """pid -> name (comm) of every process whose parent is `pid`."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        except (OSError, ValueError):
+            continue
+        if int(rest[1]) == pid:
+            found[int(entry)] = name
+    return found
+
+
+def test_a_warm_node_launched_directly_starts_its_next_workers_during_the_generation(tmp_path):
+    """A warm job's first generation without torchrun: its workers are named by rank; the next
+    generation's workers start FABTRAIN_STANDBY_AHEAD seconds in, while it still runs (torch and
+    torch._dynamo imported), and those very processes run the next generation. The node ends with
+    the failed worker's own code, and the other worker is ended at once."""
+    proc, runtime, console = start(tmp_path, "node-0.log", FABTRAIN_LAUNCH="direct",
+                                   FABTRAIN_STANDBY_AHEAD="0.5")
+    (tmp_path / "script.py").write_text(AHEAD_SCRIPT)
+    try:
+        wait_for(tmp_path / "started-1")
+        deadline = time.monotonic() + 30
+        while len(kids := children(proc.pid)) < 4:  # 2 workers + 2 waiting for the next generation
+            assert time.monotonic() < deadline and proc.poll() is None, kids
+            time.sleep(0.05)
+        assert sorted(kids.values())[:2] == ["fabtrain-r0", "fabtrain-r1"], kids
+        waiting = {pid for pid, name in kids.items() if not name.startswith("fabtrain-r")}
+        end = Path(str(console) + ".end")
+        wait_for(end)
+        assert end.read_text() == "3\n"  # the worker's own code: no torchrun in between
+        assert "[fabtrain] worker rank 1 exited with code 3" in console.read_text()
+        console.unlink()
+        end.unlink()
+        (runtime / "warm-0.env").write_text(
+            f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={free_port()}\nNNODES=1\nNODE_RANK=0\nFABTRAIN_ATTEMPT=2\n"
+            "FABTRAIN_LAUNCH=direct\n")
+        assert proc.wait(timeout=60) == 0
+        ran = {int(line.rsplit(" ", 1)[1]) for line in console.read_text().splitlines()
+               if line.startswith("gen 2 rank")}
+        assert ran == waiting, (ran, waiting)  # the workers started ahead ran generation 2
+    finally:
+        proc.kill()
+        proc.wait()
