@@ -22,7 +22,8 @@ import sys
 
 SECRETS_PATH = "/run/fabtrain/secrets.env"
 # The hang watchdog's hook (fab train --hang-timeout): every worker registers faulthandler on
-# SIGUSR1, appending its stacks to STACKS_DIR/rank-RANK-PID.txt, a file in the container's own /tmp
+# SIGRTMIN+7 (not SIGUSR1, which programs take for their own: PyTorch Lightning's requeue, Slurm's
+# --signal), appending its stacks to STACKS_DIR/rank-RANK-PID.txt, a file in the container's own /tmp
 # (never shared between nodes, fresh in every container). faulthandler writes from C, so a worker
 # blocked inside a collective still answers; its handler restarts interrupted system calls. The
 # watchdog looks this way every few seconds (where the ranks are is how it judges a hang). The
@@ -35,14 +36,14 @@ def _fabtrain_stacks():
     import faulthandler, signal
     # Ignored first: faulthandler restores what it found when the interpreter finalizes, and a look
     # at that moment (or before the file below is registered) must not end the rank.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGRTMIN + 7, signal.SIG_IGN)
     _d = os.environ["FABTRAIN_STACKS"]
     os.makedirs(_d, exist_ok=True)
     stacks = open(os.path.join(_d, "rank-%s-%d.txt" % (os.environ["RANK"], os.getpid())), "a")
     stacks.write("--- rank %s (local rank %s, pid %d), most recent call first ---\\n"
                  % (os.environ["RANK"], os.environ.get("LOCAL_RANK", "?"), os.getpid()))
     stacks.flush()
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGRTMIN + 7, file=stacks, all_threads=True)
 def _fabtrain_flight():
     # torch's flight recorder (TORCH_FR_BUFFER_SIZE, set by the entrypoint), dumped on request: the
     # watchdog touches STACKS_DIR/flight-request and this thread writes the JSON dump to

@@ -153,10 +153,10 @@ def docker_run(node: NodeSpec, *head: str) -> list[str]:
     return ["docker", "run", *head, *docker_options(node), *entry_options(node), *image_and_command(node)]
 
 
-# Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGUSR1 to every
+# Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGRTMIN+7 to every
 # worker that registered the watchdog hook (docker/entrypoint.py), waits up to 3 s for their dumps,
 # prints each rank's header line and its new dump only. Only registered processes are signalled:
-# SIGUSR1 would end any other. The watchdog looks every few seconds, so a file past 1 MiB is cut
+# the signal would end any other. The watchdog looks every few seconds, so a file past 1 MiB is cut
 # back to its header (the hook appends).
 STACKS_PY = """\
 import glob, os, signal, time
@@ -164,7 +164,7 @@ sizes = {}
 for f in sorted(glob.glob("/tmp/fabtrain-stacks/rank-*.txt")):
     try:
         sizes[f] = os.path.getsize(f)
-        os.kill(int(f.rsplit("-", 1)[1][:-4]), signal.SIGUSR1)
+        os.kill(int(f.rsplit("-", 1)[1][:-4]), signal.SIGRTMIN + 7)
     except (OSError, ValueError):
         sizes.pop(f, None)
 end = time.time() + 3

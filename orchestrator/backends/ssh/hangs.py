@@ -82,7 +82,7 @@ class Progress:
 
     def unsure(self, pending: set[str], every: float) -> list[str]:
         """The nodes worth a look at where their ranks are: no step, heartbeat or move for `every`
-        seconds (a node printing steps is never signalled: SIGUSR1 only reaches quiet ranks)."""
+        seconds (a node printing steps is never signalled: the look's signal only reaches quiet ranks)."""
         now = self.clock()
         return sorted(n for n in pending if now - self.moved[n] > every)
 
