@@ -301,7 +301,7 @@ def main() -> None:
 # A worker of the next generation, started ahead (Ahead, spawn_standbys): it imports torch, and
 # torch._dynamo, which every torch.optim optimizer imports when it is made (1-2 s of a restart
 # otherwise), then waits on stdin for its rank (launch_direct) and runs the script as torchrun's
-# worker would. About 400 MB of memory per worker while it waits.
+# worker would. About 300 MB of memory per worker while it waits (CPU torch).
 STANDBY_PY = """\
 import json, os, sys
 import torch, torch.distributed
