@@ -175,11 +175,13 @@ def load_agreed(directory: Path, map_location=None) -> dict | None:
     dist.broadcast_object_list(payload, src=0)
     if payload[0] is None:
         return None  # rank 0 has none: every rank starts afresh
+    if dist.get_rank() == 0:
+        return snap  # what it sent, loaded already
     path, data, digest = payload[0]
-    if hashlib.sha256(data).hexdigest() != digest:
+    got = hashlib.sha256(data).hexdigest()
+    if got != digest:
         raise RuntimeError(f"rank 0's snapshot {path} arrived with other bytes than it sent "
-                           f"(SHA-256 {hashlib.sha256(data).hexdigest()[:16]}, not {digest[:16]})")
+                           f"(SHA-256 {got[:16]}, not {digest[:16]})")
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    state["path"] = path if dist.get_rank() == 0 else f"{path} (rank 0's copy)"
-    state["sha256"] = digest
+    state["path"], state["sha256"] = f"{path} (rank 0's copy)", digest
     return state

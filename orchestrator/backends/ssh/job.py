@@ -429,7 +429,7 @@ class Job:
         finally:  # whatever happened, no container of the attempt is left (lost hosts aside)
             if not isinstance(done, Again):
                 skip = self.lost | (done.lost | done.stuck if done else frozenset())
-                if self.warm and done is not None:  # a generation seen ended has nothing left to end
+                if done is not None:  # a warm generation seen ended has nothing left to end
                     skip |= frozenset(done.warm_ranks)
                 self.stage(Stage.TEARDOWN, a.number)
                 self.run_steps(a, [s for s in a.select("stop") if s.where not in skip])
