@@ -367,8 +367,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         for _ in range(max(0, skip) * tc.grad_accum):
             next(batches)
         t0, tokens = time.perf_counter(), 0
+        loss_sum = float("nan")  # an epoch resumed after its last step trains none; its eval still runs
         timer.reset()
-        for _ in range(max(0, skip), steps_per_epoch):
+        for i in range(max(0, skip), steps_per_epoch):
             timer.start()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(step, total_steps, tc)
@@ -401,7 +402,10 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
                     board.scalars(step, curves if mfu is None else {**curves, "train/mfu": mfu})
             if d.rank == 0 and (step % tc.log_every == 0 or step == total_steps):
                 progress(tag, epoch, tc.epochs, step, total_steps, run_start, run_start_step)
-            if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0:
+            # The epoch's last step is saved after its eval, as the next epoch's start (below): one
+            # saved here too would resume into an epoch with no step left and no eval done.
+            last = i == steps_per_epoch - 1
+            if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0 and not last:
                 board.flush()  # a restart resumes from a snapshot: the curves up to it are on disk first
                 writer.save(model, optimizer, epoch, step)
         val = evaluate(ddp, val_dl, device, d)
