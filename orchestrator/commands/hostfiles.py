@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from orchestrator.commands import touched
 from orchestrator.commands.sshargs import shell
 from orchestrator.config.inventory import Inventory
 from orchestrator.core.jobspec import WORK, JobSpec, console_name, container_name, heartbeat_name
@@ -15,9 +16,20 @@ def code_path(inv: Inventory, spec: JobSpec) -> str:
     return f"{inv.job.code_dir}/{spec.code_key}"
 
 
+def job_dir(inv: Inventory, spec: JobSpec) -> str:
+    """The job's output directory on each host (/output in the container, which writes all of it:
+    host-side commands below it go through touched.py)."""
+    return f"{inv.job.output_dir}/{spec.job_id}"
+
+
 def work_dir(inv: Inventory, spec: JobSpec) -> str:
-    """The job's working directory on each host, in its outputs (fetched at the end)."""
-    return f"{inv.job.output_dir}/{spec.job_id}/{WORK}"
+    """The job's working directory on each host (/workspace), in its outputs (fetched with them; a
+    program's checkpoints there are work/... to the snapshot copies). A mount source inside the tree
+    the container writes could be swapped for a link to any host directory before the next `docker
+    run -v` (touched.py), so every container of the job mounts it at /output/work too: a mount point
+    cannot be renamed or removed from inside (EBUSY), and the start checks it is this account's own
+    directory, no link, in the same command as the `docker run` (touched.mount_sources_check)."""
+    return f"{job_dir(inv, spec)}/{WORK}"
 
 
 def runtime_dir(inv: Inventory, spec: JobSpec) -> str:
@@ -158,14 +170,21 @@ def console_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
     """Where node `rank`'s container writes its output (both streams), on the host. The entrypoint
     sends it there (FABTRAIN_CONSOLE) instead of Docker's log: the follower reads plain bytes
     with `tail`, with no JSON encoding by the engine and decoding by `docker logs` in between
-    (BENCHMARKS.md: the log path). The file stays with the job's outputs on the host."""
-    return f"{inv.job.output_dir}/{spec.job_id}/{console_name(rank)}"
+    (BENCHMARKS.md: the log path). The file stays with the job's outputs on the host. The container
+    may have put anything at that name: it is read only through touched.py, as console_rel under
+    the job's directory."""
+    return f"{job_dir(inv, spec)}/{console_name(rank)}"
+
+
+def end_rel(rank: int | str) -> str:
+    """Node `rank`'s end file, relative to the job's directory (end_file)."""
+    return console_name(rank) + ".end"
 
 
 def end_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
     """Written by a warm node (FABTRAIN_WARM) when a generation ends: its exit code; the container
     stays and waits for its go file (warm_go_file)."""
-    return console_file(inv, spec, rank) + ".end"
+    return f"{job_dir(inv, spec)}/{end_rel(rank)}"
 
 
 def warm_go_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
@@ -175,24 +194,18 @@ def warm_go_file(inv: Inventory, spec: JobSpec, rank: int | str) -> str:
 
 
 def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = False) -> str:
-    """Stream node `rank`'s output from its start until its container exits: `tail -F` on its
-    console file (waiting for the file to appear), ended by `--pid` on a `docker wait` for the
-    container; tail reads the file to its end before it leaves. A warm node's follow also ends when
-    its generation ends (its end file appears), the container still running."""
-    name = container_name(spec.job_id, rank)
+    """Stream node `rank`'s output from its start until its container exits: its console file, once
+    it appears, followed through its descriptor (touched.follow: a link or a FIFO put there is never
+    read), ended by a `docker wait` for the container; tail reads the file to its end before it
+    leaves. A warm node's follow also ends when its generation ends (its end file appears), the
+    container still running."""
+    name, root = container_name(spec.job_id, rank), shell([job_dir(inv, spec)])
     wait = f"{shell(['docker', 'wait', name])} >/dev/null 2>&1"
     if warm:
-        end = shell([end_file(inv, spec, rank)])
-        wait = (f"( {wait} & w=$!; while kill -0 $w 2>/dev/null && [ ! -e {end} ]; do sleep 0.05; done; "
-                "kill $w 2>/dev/null )")
-    # tail reads new output at once (inotify); -s is how often it looks whether --pid ended: a
-    # warm node's end is seen within 0.1 s, a restart waits for it.
-    tail = shell(['tail', '-c', '+1', '-s', '0.05', '-F'])
-    return (
-        f"{wait} & "
-        f"{tail} --pid=$! {shell([console_file(inv, spec, rank)])} "
-        "2>/dev/null; wait"
-    )
+        wait = f'( {wait} & w=$!; {touched.until(root, end_rel(rank), "$w")}; kill $w 2>/dev/null )'
+    # tail reads new output at once (inotify); it looks every 0.05 s whether the wait ended: a warm
+    # node's end is seen within 0.1 s, a restart waits for it.
+    return f'{wait} & w=$!; {touched.follow(root, console_name(rank), "$w")} 2>/dev/null; wait'
 
 
 # The end of a node's output read after it exits, in bytes, not lines: one line can be any size.
@@ -206,27 +219,28 @@ def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = Fa
     `logs.missing_output` finds in this tail anything the follow did not deliver. A warm node whose
     generation ended gives that generation's code (its end file: digits only are taken) and the
     word warm: its container waits for the next generation."""
-    name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
+    name, root = container_name(spec.job_id, rank), shell([job_dir(inv, spec)])
     code = f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); "
     if warm:
-        end = shell([end_file(inv, spec, rank)])
-        code = (f"if [ -e {end} ]; then code=$(head -c 12 {end} | tr -cd 0-9); w=' warm'; else {code}fi; ")
+        end = touched.head(root, end_rel(rank), 12)
+        code = (f"if {touched.is_file(root, end_rel(rank))}; then code=$({end} | tr -cd 0-9); w=' warm'; "
+                f"else {code}fi; ")
     return (f"{code}echo \"${{code:-255}}{'$w' if warm else ''}\"; "
-            f"if [ -f {f} ]; then {shell(['tail', '-c', str(TAIL_BYTES)])} {f}; "
-            f"elif [ -n \"$code\" ]; then {shell(['docker', 'logs', '--tail', '1000', name])} 2>&1 "
-            f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; fi")
+            f"{touched.tail(root, console_name(rank), TAIL_BYTES)}; "
+            f"[ $? = 4 ] && [ -n \"$code\" ] && {shell(['docker', 'logs', '--tail', '1000', name])} 2>&1 "
+            f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; true")
 
 
 def remainder_logs_script(inv: Inventory, spec: JobSpec, rank: int, start: int | str) -> str:
     """All output from byte `start` on, counted from 1 (when the follow missed more than the tail).
     A plan renders it with a placeholder word, replaced by the number when it runs."""
-    name, f = container_name(spec.job_id, rank), shell([console_file(inv, spec, rank)])
-    rest = shell(['tail', '-c', f'+{start}'])
-    return f"if [ -f {f} ]; then {rest} {f}; else {shell(['docker', 'logs', name])} 2>&1 | {rest}; fi"
+    name, root = container_name(spec.job_id, rank), shell([job_dir(inv, spec)])
+    return (f"{touched.read_from(root, console_name(rank), start)}; [ $? = 4 ] && "
+            f"{shell(['docker', 'logs', name])} 2>&1 | {shell(['tail', '-c', f'+{start}'])}; true")
 
 
 def progress_script(inv: Inventory, spec: JobSpec, rank: int) -> str:
     """Seconds since node `rank`'s heartbeat file was last touched, by the host's own clock
-    ('none' when the job never touched it)."""
-    f = shell([f"{inv.job.output_dir}/{spec.job_id}/{heartbeat_name(rank)}"])
-    return f'if [ -e {f} ]; then echo $(( $(date +%s) - $(stat -c %Y {f}) )); else echo none; fi'
+    ('none' when the job never touched it, or put something else than a file there)."""
+    age = touched.age(shell([job_dir(inv, spec)]), heartbeat_name(rank))
+    return f'a=$({age} 2>/dev/null); echo "${{a:-none}}"'

@@ -8,19 +8,15 @@ import hashlib
 import re
 from dataclasses import replace
 
+from orchestrator.commands import touched
 from orchestrator.commands.dockerargs import GpuAccess, container_options_of, device_args, docker_run
-from orchestrator.commands.hostfiles import (
-    code_path,
-    console_file,
-    end_file,
-    runtime_dir,
-    warm_go_file,
-    work_dir,
-)
+from orchestrator.commands.hostfiles import code_path, end_rel, job_dir, runtime_dir, warm_go_file, work_dir
 from orchestrator.commands.sshargs import bounded, shell, timed_out_note
 from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import jobspec
 from orchestrator.core.jobspec import (
     CODE_MOUNT,
+    CONSOLE_DIR,
     ENTRYPOINT_PATH,
     LABEL_ATTEMPT,
     LABEL_HOST,
@@ -116,7 +112,10 @@ def node_spec(inv: Inventory, host: Host, spec: JobSpec, *, name: str | None = N
     ulimits, caps, security = container_options_of(inv, host)
     mounts = (NodeMount(CODE, Mount(code_path(inv, spec), CODE_MOUNT, True)),
               NodeMount(WORK, Mount(work_dir(inv, spec), WORKDIR)),
-              NodeMount(OUTPUT, Mount(f"{inv.job.output_dir}/{spec.job_id}", OUTDIR)),
+              NodeMount(OUTPUT, Mount(job_dir(inv, spec), OUTDIR)),
+              # The same directory again where it lies in /output, so no container of the job can
+              # rename it or put a link in its place (a mount point: EBUSY): hostfiles.work_dir.
+              NodeMount(WORK, Mount(work_dir(inv, spec), f"{OUTDIR}/{jobspec.WORK}")),
               NodeMount(RUNTIME, Mount(runtime or runtime_dir(inv, spec), RUNTIME_MOUNT, True)),
               *(NodeMount(HOST, m) for m in host.mounts))
     return NodeSpec(
@@ -205,46 +204,55 @@ def start_script(
     `hot` (the job keeps hot spares): else, when the job's hot spare waits on this host with the same
     key, it takes this rank: renamed to the rank's container and told the rank, its console and go.
     Whatever fails there, the node is started cold as without a spare."""
-    console = console_file(inv, spec, host.rank)
-    cold = fresh_start(inv, spec, docker_run_argv(inv, host, spec, access, units, warm, direct), [console],
-                       timeout)
+    cold = fresh_start(inv, spec, docker_run_argv(inv, host, spec, access, units, warm, direct),
+                       [console_name(host.rank)], timeout)
     if not warm:
         return cold
-    name, end = container_name(spec.job_id, host.rank), end_file(inv, spec, host.rank)
+    name, root = container_name(spec.job_id, host.rank), shell([job_dir(inv, spec)])
+    console, end = console_name(host.rank), end_rel(host.rank)
     key = warm_key(node_of(inv, host, spec, access, units, warm, direct))
     values = [f"{k}={v}" for k, v in job_env(inv, host, spec, units) if k in WARM_KEYS]
     values.append(f"FABTRAIN_LAUNCH={'direct' if direct else 'torchrun'}")
     if any("\n" in v for v in values):
         raise ValueError(f"a warm node's variables hold a newline: {values!r}")
     waiting = f'[ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ]'
-    kept = (f"if {waiting} && [ -e {shell([end])} ]; then {shell(['rm', '-f', console, end])} && "
+    kept = (f"if {waiting} && {touched.is_file(root, end)}; then {_remove(root, console, end)} && "
             f"{write_go(warm_go_file(inv, spec, host.rank), values)} && echo warm; ")
     remove = f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1"
     if hot:
-        spare, spare_end = container_name(spec.job_id, SPARE), end_file(inv, spec, SPARE)
+        spare, spare_end = container_name(spec.job_id, SPARE), end_rel(SPARE)
         told = [*values, "FABTRAIN_SPARE=0", f"FABTRAIN_CONSOLE_PATH={OUTDIR}/{console_name(host.rank)}"]
         kept += (
             f'elif [ "$({waiting_state(spare)} 2>/dev/null)" = {shell([key + " true"])} ] && '
-            f"[ -e {shell([spare_end])} ] && {{ {remove}; {shell(['docker', 'rename', spare, name])}; }}; "
-            f"then {shell(['rm', '-f', console, spare_end])} && "
+            f"{touched.is_file(root, spare_end)} && "
+            f"{{ {remove}; {shell(['docker', 'rename', spare, name])}; }}; "
+            f"then {_remove(root, console, spare_end)} && "
             f"{write_go(warm_go_file(inv, spec, SPARE), told)} && echo hot; "
         )
     return f"{kept}else {remove}; {cold}; fi"
 
 
 def fresh_start(inv: Inventory, spec: JobSpec, run: list[str], old: list[str], timeout: float | None) -> str:
-    """A container started anew: the job's directories made, the `old` files (an earlier console, an
-    end file) removed, our entrypoint written from the command's stdin, then `run` (bounded by
-    `timeout`: ended on the host before fabtrain stops waiting)."""
-    rt = runtime_dir(inv, spec)
-    dirs = ["mkdir", "-p", f"{inv.job.output_dir}/{spec.job_id}", old[0].rsplit("/", 1)[0], rt,
-            work_dir(inv, spec)]
+    """A container started anew: the job's directories made (the ones a container writes through
+    touched.py), the `old` files (an earlier console and end file, relative to the job's directory)
+    removed, the mount sources checked, our entrypoint written from the command's stdin, then `run`
+    (bounded by `timeout`: ended on the host before fabtrain stops waiting)."""
+    rt, out = runtime_dir(inv, spec), job_dir(inv, spec)
+    root = shell([out])
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
-    return (f"{shell(dirs)} && {shell(['rm', '-f', *old])} && "
+    return (f"{shell(['mkdir', '-p', out, rt])} && {touched.make_dir(root, jobspec.WORK)} && "
+            f"{touched.make_dir(root, CONSOLE_DIR)} && {_remove(root, *old)} && "
+            f"{touched.mount_sources_check([out, work_dir(inv, spec)])} && "
             f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
             + (f"{shell(run)} >/dev/null" if timeout is None else
                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
+
+
+def _remove(root: str, *rels: str) -> str:
+    """These files of the job's console directory removed (touched.remove: no link followed)."""
+    assert all(r.startswith(CONSOLE_DIR + "/") for r in rels), rels
+    return touched.remove(root, CONSOLE_DIR, [r.rpartition("/")[2] for r in rels])
 
 
 def waiting_state(name: str) -> str:
@@ -277,12 +285,13 @@ def spare_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
     nothing; else (none, another key, ended) it is started again, the entrypoint from stdin."""
     node = spare_node(inv, host, spec, access, units)
     key = warm_key(node)
-    name, end = container_name(spec.job_id, SPARE), end_file(inv, spec, SPARE)
+    name, end = container_name(spec.job_id, SPARE), end_rel(SPARE)
     run = docker_run(node, "--detach", "--label", f"{LABEL_WARM}={key}")
     start = (f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; "
-             f"{fresh_start(inv, spec, run, [console_file(inv, spec, SPARE), end], timeout)} && echo started")
+             f"{fresh_start(inv, spec, run, [console_name(SPARE), end], timeout)} && echo started")
     return (
-        f'if [ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ] && [ -e {shell([end])} ]; '
+        f'if [ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ] && '
+        f"{touched.is_file(shell([job_dir(inv, spec)]), end)}; "
         f"then cat > /dev/null && echo hot; else {start}; fi"
     )
 
@@ -290,10 +299,10 @@ def spare_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | 
 def end_generation_script(inv: Inventory, spec: JobSpec, rank: int, wait: float = 5.0) -> str:
     """End a warm node's generation, its container kept: SIGUSR2 to the entrypoint (which kills
     torchrun and every worker), then up to `wait` seconds for its end file (or its container gone)."""
-    name, end = container_name(spec.job_id, rank), shell([end_file(inv, spec, rank)])
-    running = shell(["docker", "inspect", "-f", "{{.State.Running}}", name])
+    name = container_name(spec.job_id, rank)
+    until = touched.until(shell([job_dir(inv, spec)]), end_rel(rank), "$w")
     return (
-        f"{shell(['docker', 'kill', '--signal', 'USR2', name])} >/dev/null 2>&1; i=0; "
-        f'while [ $i -lt {int(wait * 20)} ] && [ ! -e {end} ] && [ "$({running} 2>/dev/null)" = true ]; '
-        "do sleep 0.05; i=$((i+1)); done; true"
+        f"{shell(['docker', 'kill', '--signal', 'USR2', name])} >/dev/null 2>&1; "
+        f"{shell(['docker', 'wait', name])} >/dev/null 2>&1 & w=$!; "
+        f"{shell(['timeout', str(wait)])} {until}; kill $w 2>/dev/null; true"
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.commands import hostfiles, sshargs
+from orchestrator.commands import hostfiles, sshargs, touched
 from orchestrator.commands.dockerargs import label_filter
 from orchestrator.commands.telemetry import TOOL_TIMEOUT, telemetry_script
 from orchestrator.config.inventory import Host, Inventory
@@ -40,8 +40,9 @@ def steps_script(inv: Inventory) -> str:
     """The console tail of each job whose rank-0 container is on this host (its name says rank 0,
     a hot spare that took rank 0 too), after survey.STEP_MARK and the job id, as
     survey.parse_last_steps reads them."""
-    path = hostfiles.console_file(inv, jobspec.JobSpec(job_id=_PLACE, script=""), 0)
-    before, _, after = path.partition(_PLACE)
+    before = hostfiles.job_dir(inv, jobspec.JobSpec(job_id=_PLACE, script="")).removesuffix(_PLACE)
+    root = f'{sshargs.shell([before])}"$j"'
+    tail = touched.tail(root, jobspec.console_name(0), 8192)
     name_before, _, name_after = jobspec.container_name(_PLACE, 0).partition(_PLACE)
     ps = sshargs.shell(["docker", "ps", *label_filter(None), "--format",
                         '{{.Label "' + jobspec.LABEL_JOB + '"}} {{.Names}}'])
@@ -50,7 +51,7 @@ def steps_script(inv: Inventory) -> str:
             'case "$j" in ""|*[!A-Za-z0-9._-]*) continue;; esac; '
             f'[ "$n" = {sshargs.shell([name_before])}"$j"{sshargs.shell([name_after])} ] || continue; '
             f'echo; echo "{survey.STEP_MARK}$j"; '
-            f'tail -c 8192 {sshargs.shell([before])}"$j"{sshargs.shell([after])} 2>/dev/null; done; true')
+            f'{tail} 2>/dev/null; done; true')
 
 
 def top_script(inv: Inventory) -> str:

@@ -4,7 +4,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.commands import dockerargs, hostfiles, node, sshargs
+from orchestrator.commands import dockerargs, hostfiles, node, sshargs, touched
 from orchestrator.config import codetree, inventory
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
@@ -62,7 +62,7 @@ def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
 
 # The code read-only under its key, the working directory writable in the job's outputs.
 TAIL = ["--volume", "/opt/code/ab12:/run/fabtrain-code:ro", "--volume", "/opt/out/gpt-1/work:/workspace",
-        "--volume", "/opt/out/gpt-1:/output",
+        "--volume", "/opt/out/gpt-1:/output", "--volume", "/opt/out/gpt-1/work:/output/work",
         "--volume", "/opt/out/.runtime/gpt-1:/run/fabtrain:ro"]
 CMD = ["--workdir", "/workspace", "--entrypoint", "python3", "img:1", "/run/fabtrain/entrypoint.py",
        "trainers/gpt.py", "--model", "tiny"]
@@ -193,10 +193,16 @@ def test_module_runs_through_the_entrypoint():
 
 def test_start_script_writes_the_entrypoint_from_stdin():
     script = node.start_script(INV, INV.hosts[2], SPEC)
+    # The directories the container writes are made, emptied and checked through touched.py, none
+    # followed as a link; the mount sources checked in the same command as the docker run.
     assert script.startswith(
-        "mkdir -p /opt/out/gpt-1 /opt/out/gpt-1/.console /opt/out/.runtime/gpt-1 "
-        "/opt/out/gpt-1/work && "
-        "rm -f /opt/out/gpt-1/.console/node-2.log && "
+        "mkdir -p /opt/out/gpt-1 /opt/out/.runtime/gpt-1 && "
+        "( cd -P /opt/out/gpt-1 && { [ -d work ] && [ ! -L work ] || { rm -f -- work; "
+        "mkdir -- work; }; } ) && "
+        "( cd -P /opt/out/gpt-1 && { [ -d .console ] && [ ! -L .console ] || { rm -f -- .console; "
+        "mkdir -- .console; }; } ) && "
+        f"{touched.remove('/opt/out/gpt-1', '.console', ['node-2.log'])} && "
+        f"{touched.mount_sources_check(['/opt/out/gpt-1', '/opt/out/gpt-1/work'])} && "
         # readable by a non-root image user whatever the SSH user's umask
         "(umask 022 && cat > /opt/out/.runtime/gpt-1/entrypoint.py) && docker run --detach "
     )
@@ -310,16 +316,19 @@ def test_stop_script_by_label_with_grace():
 def test_follow_finish_and_remainder_commands():
     f = "/opt/out/gpt-1/.console/node-1.log"
     assert hostfiles.console_file(INV, SPEC, 1) == f
+    root, rel = "/opt/out/gpt-1", ".console/node-1.log"
     assert hostfiles.follow_logs_script(INV, SPEC, 1) == (
         "docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & "
-        f"tail -c +1 -s 0.05 -F --pid=$! {f} 2>/dev/null; wait"
+        f"w=$!; {touched.follow(root, rel, '$w')} 2>/dev/null; wait"
     )
     assert hostfiles.finish_logs_script(INV, SPEC, 1) == (
         "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
-        f"if [ -f {f} ]; then tail -c 262144 {f}; "
-        "elif [ -n \"$code\" ]; then docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1 | tail -c 262144; fi")
+        f"{touched.tail(root, rel, 262144)}; "
+        "[ $? = 4 ] && [ -n \"$code\" ] && docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1 "
+        "| tail -c 262144; true")
     assert hostfiles.remainder_logs_script(INV, SPEC, 1, 2346) == (
-        f"if [ -f {f} ]; then tail -c +2346 {f}; else docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; fi")
+        f"{touched.read_from(root, rel, 2346)}; [ $? = 4 ] && "
+        "docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; true")
 
 
 def fake_docker(tmp_path, script: str) -> dict:
@@ -487,8 +496,8 @@ def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold()
     assert script == (
         "if [ \"$(docker inspect -f '{{index .Config.Labels \"fabtrain.warm\"}} {{.State.Running}}' "
         f"fabtrain-gpt-1-r2 2>/dev/null)\" = '{key} true' ] && "
-        "[ -e /opt/out/gpt-1/.console/node-2.log.end ]; "
-        "then rm -f /opt/out/gpt-1/.console/node-2.log /opt/out/gpt-1/.console/node-2.log.end && "
+        f"{touched.is_file('/opt/out/gpt-1', '.console/node-2.log.end')}; "
+        f"then {touched.remove('/opt/out/gpt-1', '.console', ['node-2.log', 'node-2.log.end'])} && "
         "(umask 022 && printf '%s\\n' MASTER_ADDR=10.0.0.1 MASTER_PORT=29511 NNODES=3 NODE_RANK=2 "
         "FABTRAIN_ATTEMPT=2 FABTRAIN_LAUNCH=torchrun > /opt/out/.runtime/gpt-1/warm-2.env.tmp && mv -f "
         "/opt/out/.runtime/gpt-1/warm-2.env.tmp /opt/out/.runtime/gpt-1/warm-2.env) && echo warm; else "
@@ -506,6 +515,7 @@ def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold()
 
 def test_ending_a_warm_generation_keeps_the_container():
     assert node.end_generation_script(INV, SPEC, 1, wait=2) == (
-        "docker kill --signal USR2 fabtrain-gpt-1-r1 >/dev/null 2>&1; i=0; while [ $i -lt 40 ] && "
-        "[ ! -e /opt/out/gpt-1/.console/node-1.log.end ] && [ \"$(docker inspect -f '{{.State.Running}}' "
-        "fabtrain-gpt-1-r1 2>/dev/null)\" = true ]; do sleep 0.05; i=$((i+1)); done; true")
+        "docker kill --signal USR2 fabtrain-gpt-1-r1 >/dev/null 2>&1; "
+        "docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & w=$!; "
+        f"timeout 2 {touched.until('/opt/out/gpt-1', '.console/node-1.log.end', '$w')}; "
+        "kill $w 2>/dev/null; true")

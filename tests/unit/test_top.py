@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from orchestrator.commands import touched
 from orchestrator.commands.telemetry import telemetry_script
 from orchestrator.config.inventory import parse
 from orchestrator.hosts import survey
@@ -32,7 +33,7 @@ def test_the_steps_script():
         "{{.Names}}' 2>/dev/null | head -n 64 | while read -r j n; do "
         'case "$j" in ""|*[!A-Za-z0-9._-]*) continue;; esac; '
         '[ "$n" = fabtrain-"$j"-r0 ] || continue; echo; echo "@@fabtrain-step $j"; '
-        'tail -c 8192 /opt/out/"$j"/.console/node-0.log 2>/dev/null; done; true'
+        + touched.tail('/opt/out/"$j"', ".console/node-0.log", 8192) + " 2>/dev/null; done; true"
     )
 
 

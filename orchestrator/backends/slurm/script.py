@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from orchestrator.backends import export
 from orchestrator.backends.export import HEREDOC, comment
-from orchestrator.commands import dockerargs, hostfiles
+from orchestrator.commands import dockerargs, hostfiles, touched
 from orchestrator.commands.node import job_env, node_spec
 from orchestrator.config.inventory import SLURM_VALUE_RE, Host, Inventory
 from orchestrator.core import jobspec
@@ -161,7 +161,11 @@ def _prepare(inv: Inventory, spec: jobspec.JobSpec, out_dir: str, rt: str) -> li
         "",
         "# On each node: the job's directories, the entrypoint, the secrets file.",
         "fabtrain_prepare() {",
-        f"  mkdir -p {line([out_dir, hostfiles.work_dir(inv, spec), rt])} || return 1",
+        f"  mkdir -p {line([out_dir, rt])} || return 1",
+        # The job's container writes out_dir: its work directory (a mount source) is made and
+        # checked without following a link it put there (commands/touched.py).
+        f"  {touched.make_dir(word(out_dir), jobspec.WORK)} || return 1",
+        f"  {touched.mount_sources_check([out_dir, hostfiles.work_dir(inv, spec)])} || return 1",
         f"  cat > {word(rt + '/entrypoint.py')} <<'{HEREDOC}' || return 1",
         export.entrypoint() + HEREDOC,
         '  if [ -n "$FABTRAIN_SECRETS" ]; then',

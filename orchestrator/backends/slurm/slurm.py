@@ -41,7 +41,7 @@ from orchestrator.backends.slurm.commands import (
 from orchestrator.backends.slurm.follow import Follower
 from orchestrator.backends.slurm.script import slurm_script
 from orchestrator.backends.ssh.attempt import secrets_body
-from orchestrator.commands import hostfiles, sshargs
+from orchestrator.commands import hostfiles, sshargs, touched
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Inventory, Slurm
 from orchestrator.core import hostile, jobspec, recovery
@@ -161,7 +161,9 @@ def fetch_metrics(session: Session, inv: Inventory, job_id: str, run_dir: Path, 
     login node is rank 0's); a note when it cannot be read there."""
     cfg = cfg_of(inv)
     path = f"{inv.job.output_dir}/{job_id}/metrics.jsonl"
-    r = session.run(cfg.login, sshargs.shell(["cat", path]), timeout=120, what="reading metrics")
+    # The job's container wrote that directory: the file is read only as the regular file it is.
+    read = touched.read_from(sshargs.shell([f"{inv.job.output_dir}/{job_id}"]), "metrics.jsonl", 1)
+    r = session.run(cfg.login, read, timeout=120, what="reading metrics")
     if not r.ok:
         return (f"{path} is not readable on {cfg.login.name} (job.output_dir is not shared with the nodes): "
                 "the curves come from the step lines only")
