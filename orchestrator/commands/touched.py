@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from orchestrator.commands.sshargs import shell
 
+REFUSED = "refused: "  # what every refusal the scripts print on stderr starts with
 OPEN_BOUND = 10  # seconds an open may block (only a FIFO swapped in after the look does)
 NOT_SAFE = 5     # exit status: a name there is not the directory or regular file it must be
 
@@ -40,7 +41,7 @@ IFS=/; set -f
 for c in $2; do
   [ -e "$c" ] || [ -L "$c" ] || exit 4
   p=$(stat -c %d:%i -- "$c" 2>/dev/null) && cd -P -- "$c" 2>/dev/null && [ "$(stat -c %d:%i .)" = "$p" ] \
-    || { echo "$1/$2 is not a directory here (a link, or changed while entered): not followed" >&2; exit 5; }
+    || { echo "refused: $1/$2 is not a directory (a link, or changed while entered)" >&2; exit 5; }
 done
 unset IFS; n=$3
 case $4 in
@@ -51,11 +52,12 @@ case $4 in
   follow) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done;;
 esac
 [ -e "$n" ] || [ -L "$n" ] || exit 4
-[ -f "$n" ] && [ ! -L "$n" ] || { echo "$n in $1/$2 is not a regular file (a link?): not read" >&2; exit 5; }
+[ -f "$n" ] && [ ! -L "$n" ] || { echo "refused: $1/$2/$n is not a regular file (a link?)" >&2; exit 5; }
 ( sleep __BOUND__; kill -KILL $$ ) >/dev/null 2>&1 </dev/null & w=$!
 command exec 3<"$n"; r=$?; kill $w 2>/dev/null
-[ $r = 0 ] && [ "$(stat -L -c %F:%d:%i /proc/self/fd/3)" = "regular file:$(stat -c %d:%i -- "$n")" ] \
-  || { echo "$n in $1/$2 changed while opened (a link?): not read" >&2; exit 5; }
+[ $r = 0 ] && [ -f /proc/self/fd/3 ] \
+  && [ "$(stat -L -c %d:%i /proc/self/fd/3)" = "$(stat -c %d:%i -- "$n")" ] \
+  || { echo "refused: $1/$2/$n changed while opened (a link?)" >&2; exit 5; }
 case $4 in
   tail) exec tail -c "$5" /proc/self/fd/3;;
   from) exec tail -c "+$5" /proc/self/fd/3;;

@@ -27,8 +27,9 @@ from rich.live import Live
 from orchestrator.backends.ssh.attempt import AttemptPlan, Step, When
 from orchestrator.backends.ssh.hangs import Looks, Progress
 from orchestrator.backends.ssh.sampler import Sampler
-from orchestrator.commands import hostfiles
+from orchestrator.commands import hostfiles, touched
 from orchestrator.config.inventory import Host
+from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Failure, HostFailure
@@ -142,6 +143,10 @@ class Watcher:
             self.session.stream(host, self.attempt.step(host.name, "follow").command, feed)
             finish = self.attempt.step(host.name, "finish")
             r = self.session.run(host, finish.command, timeout=finish.deadline, what=finish.what)
+            refused = [ln for ln in r.stderr.splitlines() if ln.startswith(touched.REFUSED)]
+            if refused:  # the container put something else where its console file was
+                self.note(f"{host.name}: {hostile.line(refused[0], 300)} (its container's doing; what the "
+                          "follow had already read is kept)", "warning")
             first, _, tail = r.stdout.encode().partition(b"\n")
             code = first.split()
             end.exit_code, end.warm = int(code[0] if code else 255), code[1:] == [b"warm"]
