@@ -573,24 +573,33 @@ def images(c):
 @task(
     auto_shortflags=False,
     kinds={"port": int, "refresh": float},
+    iterable=["allow_host"],
     help={
         "inventory": INV_HELP,
         "port": "TCP port to serve on (default 8765; 0: any free one)",
-        "address": "address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every address, "
-        "anyone who can reach it sees the cluster)",
+        "address": "address to listen on (default 127.0.0.1: this machine only, no token; any other, "
+        "0.0.0.0 included: a token is asked for, printed in the URL to open)",
         "refresh": "seconds between two looks at the hosts (default 5; every browser shares each look)",
+        "token_file": "ask for the token on this file's first line (default: a new random one at each "
+        "start, printed; on 127.0.0.1, none unless this is given)",
+        "allow_host": "a name the browser reaches the dashboard by, beyond this machine's own (its Host "
+        "header; a proxy's name, a DNS alias); repeat it or separate names with commas",
     },
 )
 @user_errors
-def dashboard(c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0):
+def dashboard(c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0, token_file=None,
+              allow_host=None):
     """Serve a read-only web page of the cluster: hosts and who holds each GPU, the queue, the jobs.
 
     Hosts with the job and owner of each GPU (CPU slot) and their use, as fab top shows them; jobs
     as fab status lists them, with loss and tokens/s; the queue; and per job run here its loss and
     throughput curves, telemetry, attempts and failures, plan and each host's log tail. One look at
-    the hosts every --refresh seconds, however many browsers are open. Runs until Ctrl+C."""
+    the hosts every --refresh seconds, however many browsers are open. Runs until Ctrl+C. Answers
+    only this machine's names (and --allow-host's); on any address but loopback, only a browser
+    that opened the printed URL with its token once (kept in a cookie)."""
     from orchestrator.dashboard import server as _dashboard
-    _dashboard.serve(_inventory.load(inventory), RUNS, address, port, refresh, print)
+    _dashboard.serve(_inventory.load(inventory), RUNS, address, port, refresh, print, token_file,
+                     allow_host or ())
 
 
 

@@ -182,3 +182,88 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
             if run is not None and run.proc.poll() is None:
                 run.proc.kill()
                 run.proc.wait(30)
+
+
+def test_dashboard_on_every_address_asks_for_its_token_and_answers_only_its_names(tmp_path):
+    """fab dashboard --address 0.0.0.0 through the real command line: the URL it prints carries a token,
+    a request without it (or with another) is refused, the URL's token is traded for a cookie that then
+    opens the page and its JSON, and a Host that is not this machine's is refused. No cluster: the
+    inventory's one host is a closed port on 127.0.0.1, and every request goes to 127.0.0.1."""
+    import http.cookiejar
+    import re
+
+    for name in ("id", "known_hosts"):
+        (tmp_path / name).write_text("")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"""\
+ssh: {{user: u, key: {tmp_path}/id, known_hosts: {tmp_path}/known_hosts, connect_timeout: 2}}
+job: {{image: img:1, code_dir: /opt/code, output_dir: /opt/out}}
+hosts:
+  - {{name: nowhere, address: 127.0.0.1, interface: lo, ssh: {{port: {free_port()}}}}}
+""")
+    missing = fab(inv, "dashboard", "--address", "0.0.0.0", "--token-file", str(tmp_path / "none"),
+                  timeout=60)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert missing.stderr.startswith(f"error: --token-file {tmp_path}/none: no such file;"), missing.stderr
+
+    port = free_port()
+    dash = Run(inv, "dashboard", "--address", "0.0.0.0", "--port", str(port), "--refresh", "30",
+               "--allow-host", "dash.example")
+    try:
+        dash.wait_for("Ctrl+C ends it", timeout=60)
+        printed = re.search(r"dashboard: http://\S+:(\d+)/\?token=([A-Za-z0-9_-]{43,})\n", dash.text)
+        assert printed and int(printed[1]) == port, dash.text
+        token = printed[2]
+        assert (f"listening on 0.0.0.0:{port} (every address of this machine); a token is asked for"
+                in dash.text), dash.text
+        assert "dash.example" in dash.text and dash.text.count(token) == 1
+        url = f"http://127.0.0.1:{port}/"
+
+        def refused(request, code):
+            with pytest.raises(urllib.error.HTTPError) as got:
+                urllib.request.urlopen(request, timeout=10)
+            assert got.value.code == code, got.value.read()
+            return got.value.read().decode()
+        assert "?token=" in refused(url, 401) and "cookie" in refused(url + "api/overview", 401)
+        refused(url + "?token=WRONG", 401)
+        refused(urllib.request.Request(url + f"?token={token}", headers={"Host": f"rebind.example:{port}"}),
+                421)
+
+        jar = http.cookiejar.CookieJar()
+        client = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        with client.open(url + f"?token={token}", timeout=10) as r:
+            assert r.status == 200 and r.url == url and r.read().startswith(b"<!DOCTYPE html>")
+        (cookie,) = jar
+        assert (cookie.name, cookie.value, cookie.path) == (f"fabtrain_dashboard_{port}", token, "/")
+        assert cookie.has_nonstandard_attr("HttpOnly") and cookie.get_nonstandard_attr("SameSite") == "Strict"
+        with client.open(url + "api/overview", timeout=10) as r:
+            assert r.status == 200 and "hosts" in json.loads(r.read())
+        with client.open(urllib.request.Request(url + "api/runs", headers={"Host": f"dash.example:{port}"}),
+                          timeout=10) as r:
+            assert r.status == 200
+        refused(urllib.request.Request(url + "api/runs", headers={"Host": f"evil.example:{port}"}), 421)
+
+        # A real browser: the page opened once by the printed URL loses the token from its address and
+        # draws the overview (its own fetches carry the SameSite=Strict cookie); a second profile,
+        # without the token, reads how to get in.
+        if Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists():
+            from selenium.webdriver.common.by import By
+            driver = browser(tmp_path / "chromium")
+            try:
+                driver.get(url + f"?token={token}")
+                assert driver.current_url == url
+                until("the overview, with why the host did not answer",
+                      lambda: "nowhere" in driver.find_element(By.ID, "errors").text, timeout=30)
+                assert token not in driver.page_source
+            finally:
+                driver.quit()
+            driver = browser(tmp_path / "chromium-2")
+            try:
+                driver.get(url)
+                assert "asks for its token" in driver.find_element(By.TAG_NAME, "body").text
+            finally:
+                driver.quit()
+        assert dash.proc.poll() is None, dash.text
+    finally:
+        dash.proc.kill()
+        dash.proc.wait(30)

@@ -1,10 +1,13 @@
 """fab dashboard's pure parts (orchestrator/dashboard/views.py) and its server's rules (server.py):
 the JSON the page reads, made from what `fab top` and `fab status` read (exact documents); log tails
 as the terminal shows them; job ids from a URL checked and kept inside runs/; GET and HEAD only,
-strict headers, a foreign Host refused."""
+strict headers, a foreign Host refused; on every address but loopback, the token (once in the URL,
+then a cookie). Servers here listen on 0.0.0.0 at most and are only ever asked at 127.0.0.1."""
 import http.client
+import ipaddress
 import json
 import math
+import os
 import socket
 import threading
 from pathlib import Path
@@ -217,25 +220,32 @@ class StillRefresher:
         return {"jobs": [], "hosts": [], "note": "<b>\x1b[31m"}
 
 
+def serving(srv):
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    return t
+
+
 @pytest.fixture
 def running(tmp_path):
     runs, job = job_dir(tmp_path)
-    srv = server.Server(("127.0.0.1", 0), server.make_handler(StillRefresher(), server.JobPages(runs), None))
-    port = srv.server_address[1]
-    srv.RequestHandlerClass = server.make_handler(StillRefresher(), server.JobPages(runs),
-                                                  server.allowed_hosts("127.0.0.1", port))
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
-    yield port, job
+    srv = server.listen("127.0.0.1", 0, StillRefresher(), server.JobPages(runs),
+                        server.token_for("127.0.0.1", None))
+    serving(srv)
+    yield srv.server_address[1], job
     srv.shutdown()
     srv.server_close()
 
 
-def ask(port, method, path, host=None):
+def ask(port, method, path, host=None, headers=None):
+    """A request to 127.0.0.1:port (the only place these tests send anything), whatever the server
+    listens on."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     c.putrequest(method, path, skip_host=host is not None)
     if host is not None:
         c.putheader("Host", host)
+    for k, v in (headers or {}).items():
+        c.putheader(k, v)
     c.endheaders()
     r = c.getresponse()
     body = r.read()
@@ -288,23 +298,205 @@ def test_a_host_header_not_this_servers_is_refused(running):
     assert ask(port, "GET", "/", host=f"localhost:{port}")[0] == 200
     assert ask(port, "GET", "/", host=f"127.0.0.1:{port}")[0] == 200
     status, _, body = ask(port, "GET", "/api/overview", host=f"attacker.example:{port}")
-    assert status == 421 and json.loads(body) == {"error": "not this server's name"}
+    assert status == 421 and json.loads(body) == {"error": (
+        f"Host 'attacker.example:{port}' is not a name of this dashboard: open it by a name it printed at "
+        "its start, or start it with --allow-host NAME to answer this one")}
+    status, headers, body = ask(port, "GET", "/", host="attacker.example")
+    assert status == 421 and headers["Content-Type"].startswith("text/plain") and b"--allow-host" in body
+    assert ask(port, "GET", "/", host="")[0] == 421
 
 
-def test_allowed_hosts():
-    assert server.allowed_hosts("0.0.0.0", 80) is None
+@pytest.fixture
+def this_machine(monkeypatch):
+    """The machine's names as the socket module gives them, fixed (no name service is asked)."""
+    found = {"box.lab.example": ["10.0.0.5", "fe80::5%eth0"], "box": ["10.0.0.5"]}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(name, port, *args, **kwargs):
+        if name in found:
+            return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0))
+                    for a in found[name]]
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            raise socket.gaierror(-2, "Name or service not known") from None
+        return real(name, port, *args, **kwargs)  # an address (the tests' own 127.0.0.1): no lookup
+    monkeypatch.setattr(server.socket, "gethostname", lambda: "Box")
+    monkeypatch.setattr(server.socket, "getfqdn", lambda name="": "box.lab.example")
+    monkeypatch.setattr(server.socket, "getaddrinfo", getaddrinfo)
+
+
+def test_allowed_hosts(this_machine):
     assert server.allowed_hosts("10.1.2.3", 8765) == {"10.1.2.3", "10.1.2.3:8765"}
     assert server.allowed_hosts("127.0.0.1", 8765) == {
         "127.0.0.1", "127.0.0.1:8765", "localhost", "localhost:8765", "[::1]", "[::1]:8765"}
+    every = {"box", "box.lab.example", "10.0.0.5", "[fe80::5]", "localhost", "127.0.0.1", "[::1]"}
+    assert server.answered_names("0.0.0.0") == server.answered_names("::") == every
+    assert server.allowed_hosts("0.0.0.0", 8765) == every | {f"{n}:8765" for n in every}
+    assert server.allowed_hosts("10.1.2.3", 80, ["Dash.Example", "proxy.example:443", "fd00::9"]) == {
+        "10.1.2.3", "10.1.2.3:80", "dash.example", "dash.example:80", "proxy.example:443", "[fd00::9]",
+        "[fd00::9]:80"}
 
 
-def test_bad_address_port_or_refresh_are_user_errors(tmp_path):
+def test_allow_host_repeated_or_comma_separated_and_only_names():
+    assert server.allow_list(["a.example", "b.example,10.0.0.9:8080", " c , d"]) == (
+        "a.example", "b.example", "10.0.0.9:8080", "c", "d")
+    for bad in ("*", "a/b", "evil.example?x", "a@b"):
+        with pytest.raises(UserError, match=r"--allow-host '.*' is not a host name or address; give the"):
+            server.allow_list([bad])
+
+
+def test_a_token_on_every_address_but_loopback():
+    assert server.token_for("127.0.0.1", None) is None and server.token_for("::1", None) is None
+    made = {server.token_for(a, None) for a in ("0.0.0.0", "::", "10.1.2.3", "192.168.1.4")}
+    assert len(made) == 4 and all(t and len(t) >= 43 and server.TOKEN_CHARS.fullmatch(t) for t in made)
+
+
+def test_a_token_file(tmp_path):
+    good = tmp_path / "token"
+    good.write_text("  s3cret-token_of.24~chars  \nsecond line\n")
+    assert server.token_for("0.0.0.0", str(good)) == "s3cret-token_of.24~chars"
+    assert server.token_for("127.0.0.1", str(good)) == "s3cret-token_of.24~chars"  # asked for: given
+    (tmp_path / "empty").write_text("\nsomething\n")
+    (tmp_path / "short").write_text("abc\n")
+    (tmp_path / "spaces").write_text("a token with spaces in it\n")
+    os.mkfifo(tmp_path / "fifo")
+    for name, why in (("missing", "no such file; write a token of 16 or more"),
+                      ("empty", "is empty \\(its first line holds no token\\)"),
+                      ("short", "its first line is not a token of 16 or more .* \\(it has 3 characters\\)"),
+                      ("spaces", "its first line is not a token"),
+                      ("fifo", "is not a regular file"), (".", "is not a regular file")):
+        path = tmp_path / name
+        with pytest.raises(UserError, match=f"^--token-file {path}:? {why}") as refused:
+            server.token_for("0.0.0.0", str(path))
+        assert refused.value.exit_code == 2
+
+
+GOOD_TOKEN = "right-token-0123456789abcdef"
+
+
+@pytest.fixture
+def everywhere(tmp_path, this_machine):
+    """The server on 0.0.0.0 (every address), asking for GOOD_TOKEN, answering one more name."""
+    runs, job = job_dir(tmp_path)
+    srv = server.listen("0.0.0.0", 0, StillRefresher(), server.JobPages(runs), GOOD_TOKEN,
+                        ["dash.example"])
+    serving(srv)
+    yield srv, srv.server_address[1], job
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_on_every_address_a_foreign_host_is_refused_whatever_it_carries(everywhere):
+    _, port, _ = everywhere
+    cookie = {"Cookie": f"fabtrain_dashboard_{port}={GOOD_TOKEN}"}
+    for host in (f"attacker.example:{port}", "rebind.attacker.example", "10.9.9.9",
+                 f"box.lab.example.evil:{port}"):
+        status, _, body = ask(port, "GET", "/api/overview", host=host, headers=cookie)
+        assert status == 421 and "--allow-host NAME" in json.loads(body)["error"], host
+    assert ask(port, "GET", f"/?token={GOOD_TOKEN}", host="attacker.example")[0] == 421
+    for host in (f"box:{port}", f"BOX.lab.example:{port}", f"10.0.0.5:{port}", "[fe80::5]",
+                 f"localhost:{port}", f"[::1]:{port}", f"dash.example:{port}"):
+        assert ask(port, "GET", "/api/overview", host=host, headers=cookie)[0] == 200, host
+
+
+def test_on_every_address_a_request_without_the_token_is_refused(everywhere):
+    _, port, job = everywhere
+    for path in ("/", "/app.js", "/api/overview", f"/api/job/{job}", "/api/runs", "/nothing"):
+        status, headers, body = ask(port, "GET", path)
+        assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="fabtrain dashboard"', path
+        assert b"cookie" in body and b"?token=" in body and "Set-Cookie" not in headers
+    status, headers, body = ask(port, "GET", "/")
+    assert headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert body == (server.NEEDS_TOKEN + "\n").encode()
+    status, headers, body = ask(port, "GET", "/api/overview")
+    assert headers["Content-Type"] == "application/json"
+    assert json.loads(body) == {"error": server.NEEDS_TOKEN}
+    assert ask(port, "HEAD", "/")[0:3:2] == (401, b"")
+    for wrong in ("WRONG", "", GOOD_TOKEN[:-1], GOOD_TOKEN + "x", "%C3%A9" * 10):
+        status, headers, body = ask(port, "GET", f"/?token={wrong}")
+        assert (status, body) == (401, (server.WRONG_TOKEN + "\n").encode()) and "Set-Cookie" not in headers
+    assert ask(port, "GET", f"/?token={GOOD_TOKEN}&token=WRONG")[0] == 401
+    for cookie in (f"fabtrain_dashboard_{port}=WRONG", f"fabtrain_dashboard_1={GOOD_TOKEN}",
+                   f"fabtrain_dashboard_{port}x={GOOD_TOKEN}", f"other={GOOD_TOKEN}", "\u00e9=\u00e9"):
+        assert ask(port, "GET", "/api/overview", headers={"Cookie": cookie})[0] == 401, cookie
+    assert ask(port, "GET", "/api/overview", headers={"Authorization": "Bearer WRONG"})[0] == 401
+    assert ask(port, "GET", "/api/overview", headers={"Authorization": f"Basic {GOOD_TOKEN}"})[0] == 401
+
+
+def test_the_right_token_sets_a_cookie_and_leaves_the_url(everywhere):
+    _, port, job = everywhere
+    status, headers, body = ask(port, "GET", f"/?token={GOOD_TOKEN}")
+    assert status == 303 and headers["Location"] == "/"
+    assert headers["Set-Cookie"] == (f"fabtrain_dashboard_{port}={GOOD_TOKEN}; Path=/; HttpOnly; "
+                                     "SameSite=Strict")
+    assert headers["Referrer-Policy"] == "no-referrer" and headers["Cache-Control"] == "no-store"
+    assert ask(port, "HEAD", f"/?token={GOOD_TOKEN}")[0] == 303
+    # the rest of the query stays; a path of two slashes cannot send the browser to another server
+    moved = ask(port, "GET", f"/api/job/{job}?x=1&token={GOOD_TOKEN}&y=%2F")[1]["Location"]
+    assert moved == f"/api/job/{job}?x=1&y=%2F"
+    assert ask(port, "GET", f"//evil.example/?token={GOOD_TOKEN}")[1]["Location"] == "/evil.example/"
+    assert ask(port, "GET", f"/\\evil.example/?token={GOOD_TOKEN}")[1]["Location"] == "/%5Cevil.example/"
+    assert ask(port, "GET", f"/%0d%0aX:%20y?token={GOOD_TOKEN}")[1]["Location"] == "/%0d%0aX:%20y"
+
+
+def test_the_cookie_lets_the_page_and_its_json_through(everywhere):
+    _, port, job = everywhere
+    _, headers, _ = ask(port, "GET", f"/?token={GOOD_TOKEN}")
+    cookie = {"Cookie": headers["Set-Cookie"].split(";")[0]}
+    status, headers, body = ask(port, "GET", "/", headers=cookie)
+    assert status == 200 and body.startswith(b"<!DOCTYPE html>") and "Set-Cookie" not in headers
+    assert ask(port, "GET", "/app.js", headers=cookie)[0] == 200
+    status, _, body = ask(port, "GET", "/api/overview", headers=cookie)
+    assert status == 200 and json.loads(body)["note"] == "<b>\x1b[31m"
+    status, _, body = ask(port, "GET", f"/api/job/{job}", headers=cookie)
+    assert status == 200 and json.loads(body)["job"] == job
+    assert ask(port, "GET", f"/api/plan/{job}", headers=cookie)[0] == 200
+    assert ask(port, "GET", "/api/runs", headers=cookie)[0] == 200
+    assert ask(port, "GET", "/api/job/gpt-9", headers=cookie)[0] == 404
+    # a browser holding a stale cookie of an earlier start beside this one; a script with the header
+    both = {"Cookie": f"theme=dark; fabtrain_dashboard_{port}=OLD; fabtrain_dashboard_{port}={GOOD_TOKEN}"}
+    assert ask(port, "GET", "/api/overview", headers=both)[0] == 200
+    assert ask(port, "GET", "/api/overview", headers={"Authorization": f"Bearer {GOOD_TOKEN}"})[0] == 200
+    assert ask(port, "POST", "/api/overview", headers=cookie)[0] == 405
+
+
+def test_the_start_message_says_where_whether_a_token_and_the_url(everywhere, tmp_path):
+    srv, port, _ = everywhere
+    said = server.start_message(srv, "0.0.0.0", None)
+    assert said.splitlines() == [
+        f"dashboard: http://box.lab.example:{port}/?token={GOOD_TOKEN}",
+        f"  listening on 0.0.0.0:{port} (every address of this machine); a token is asked for: open this URL "
+        "once (a new token at every start); the browser keeps it in a cookie",
+        "  answers the names 10.0.0.5, 127.0.0.1, [::1], [fe80::5], box, box.lab.example, dash.example, "
+        "localhost (--allow-host NAME adds one)"]
+    said = server.start_message(srv, "0.0.0.0", "/etc/fab/token")
+    assert said.startswith(f"dashboard: http://box.lab.example:{port}/\n") and GOOD_TOKEN not in said
+    assert (f"open http://box.lab.example:{port}/?token=TOKEN once, TOKEN being the first line of "
+            "/etc/fab/token") in said
+    runs, _ = job_dir(tmp_path / "here")
+    local = server.listen("127.0.0.1", 0, StillRefresher(), server.JobPages(runs))
+    try:
+        port = local.server_address[1]
+        assert server.start_message(local, "127.0.0.1", None).splitlines()[:2] == [
+            f"dashboard: http://127.0.0.1:{port}/",
+            f"  listening on 127.0.0.1:{port} (this machine only); no token asked (every account on this "
+            "machine can read it; --token-file asks)"]
+    finally:
+        local.server_close()
+
+
+def test_bad_address_port_refresh_token_file_or_allow_host_are_user_errors(tmp_path):
     with pytest.raises(UserError, match=r"--address 'localhost' is not an IP address; give one such as 127"):
         server.start(INV, tmp_path, "localhost", 8765)
     with pytest.raises(UserError, match=r"--port 70000 is not a TCP port"):
         server.start(INV, tmp_path, "127.0.0.1", 70000)
     with pytest.raises(UserError, match=r"--refresh 0 must be a number of seconds above 0"):
         server.start(INV, tmp_path, "127.0.0.1", 8765, every=0)
+    with pytest.raises(UserError, match=r"--token-file .*/none: no such file"):
+        server.start(INV, tmp_path, "0.0.0.0", 0, token_file=str(tmp_path / "none"))
+    with pytest.raises(UserError, match=r"--allow-host '\*' is not a host name"):
+        server.start(INV, tmp_path, "0.0.0.0", 0, allow=["ok.example,*"])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
