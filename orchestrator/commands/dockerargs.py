@@ -118,8 +118,9 @@ def docker_options(node: NodeSpec) -> list[str]:
         argv += ["--label", f"{key}={value}"]
     # Host networking: NCCL/gloo see the real interfaces, no port mapping, no NAT.
     argv += ["--network", node.network]
-    # Shared memory for DataLoader workers and NCCL: the host's IPC namespace unless a size is set.
-    argv += ["--shm-size", node.shm_size] if node.shm_size else ["--ipc", "host"]
+    # Shared memory for DataLoader workers and NCCL: the host's IPC namespace (job.ipc: host), or
+    # the job's own of a size (private: no other container's /dev/shm or SysV IPC is reachable).
+    argv += ["--ipc", "private", "--shm-size", node.shm_size] if node.shm_size else ["--ipc", "host"]
     argv += node.devices
     if node.cpuset is not None:
         argv += ["--cpuset-cpus", node.cpuset]

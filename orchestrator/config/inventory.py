@@ -69,6 +69,24 @@ class Host:
         return self.ssh.hostname
 
 
+PRIVATE_SHM = "8g"  # job.ipc: private's /dev/shm when no shm_size is given (Docker's own is 64 MB)
+
+
+def read_ipc(reader: Reader) -> tuple[str | None, str]:
+    """job.shm_size and job.ipc: a size alone means a private namespace of that size (as before
+    ipc existed); private alone, one of PRIVATE_SHM; host with a size is a contradiction."""
+    shm_size = reader.get("shm_size", str, None)
+    ipc = reader.get("ipc", str, "private" if shm_size else "host")
+    if ipc not in ("host", "private"):
+        reader.fail(reader._field("ipc"), f"{show(ipc)} is not an IPC mode",
+                    "use host (the host's /dev/shm, shared with other jobs there) or private (the job's own)",
+                    reader.line_of("ipc"))
+    if ipc == "host" and shm_size:
+        reader.fail(reader._field("shm_size"), "sizes a private /dev/shm, but job.ipc is host",
+                    "set job.ipc: private, or remove shm_size", reader.line_of("shm_size"))
+    return (shm_size or PRIVATE_SHM) if ipc == "private" else None, ipc
+
+
 @dataclass(frozen=True)
 class Job:
     image: str = "fabtrain/trainer:latest"
@@ -77,6 +95,9 @@ class Job:
     code_dir: str = "/opt/fabtrain/code"
     output_dir: str = "/opt/fabtrain/output"
     shm_size: str | None = None
+    # host: the host's IPC namespace (/dev/shm shared with every --ipc host container there, any
+    # job's); private: the job's own, /dev/shm of shm_size (PRIVATE_SHM unless given).
+    ipc: str = "host"
     env: tuple[tuple[str, str], ...] = ()
     # Files read on the orchestrator machine whose contents reach containers as env vars, never on
     # a command line: NAME -> local path.
@@ -200,6 +221,7 @@ def _job(reader: Reader) -> Job:
             "code_dir",
             "output_dir",
             "shm_size",
+            "ipc",
             "env",
             "secret_files",
             "stop_grace",
@@ -222,13 +244,15 @@ def _job(reader: Reader) -> Job:
         reader.fail(reader._field("nproc_per_node"), f"{show(nproc)} is not a process count",
                     "use a positive number, or auto (GPU count, 1 on CPU)", reader.line_of("nproc_per_node"))
     secret_files = read_secret_files(reader.sub("secret_files"))
+    shm_size, ipc = read_ipc(reader)
     return Job(
         image=reader.get("image", str, Job.image),
         master_port=reader.port("master_port", Job.master_port),
         nproc_per_node=nproc,
         code_dir=remote_path(reader, "code_dir", Job.code_dir),
         output_dir=remote_path(reader, "output_dir", Job.output_dir),
-        shm_size=reader.get("shm_size", str, None),
+        shm_size=shm_size,
+        ipc=ipc,
         env=reader.env("env"),
         secret_files=secret_files,
         stop_grace=reader.seconds("stop_grace", Job.stop_grace, 0),

@@ -4,10 +4,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from orchestrator.commands import dockerargs, hostfiles, node, sshargs, touched
 from orchestrator.config import codetree, inventory
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
+from orchestrator.core.errors import UserError
 from orchestrator.hosts import claims
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,10 +217,23 @@ def test_start_script_writes_the_entrypoint_from_stdin():
     )
 
 
-def test_shm_size_replaces_ipc_host():
-    inv = parse("job: {shm_size: 64g}\nhosts:\n  - {address: h, interface: eth0}\n", Path("i.yaml"))
-    argv = node.docker_run_argv(inv, inv.hosts[0], SPEC)
-    assert "--ipc" not in argv and argv[argv.index("--shm-size") + 1] == "64g"
+def test_shm_size_or_ipc_private_gives_the_job_its_own_ipc_namespace():
+    def ipc(job: str) -> list[str]:
+        inv = parse(f"job: {job}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
+        argv = node.docker_run_argv(inv, inv.hosts[0], SPEC)
+        i = argv.index("--ipc")
+        return argv[i:i + (4 if argv[i + 1] == "private" else 2)]
+
+    assert ipc("{}") == ["--ipc", "host"]
+    assert ipc("{shm_size: 64g}") == ["--ipc", "private", "--shm-size", "64g"]
+    assert ipc("{ipc: private}") == ["--ipc", "private", "--shm-size", "8g"]
+    assert ipc("{ipc: private, shm_size: 2g}") == ["--ipc", "private", "--shm-size", "2g"]
+    for job, said in (("{ipc: host, shm_size: 2g}", "i.yaml:1: job.shm_size: sizes a private /dev/shm, "
+                                                      "but job.ipc is host; set job.ipc: private"),
+                      ("{ipc: shareable}", "i.yaml:1: job.ipc: 'shareable' is not an IPC mode; use host")):
+        with pytest.raises(UserError) as e:
+            ipc(job)
+        assert str(e.value).startswith(said), str(e.value)
 
 
 def test_wandb_run_of_any_script_is_the_jobs_across_attempts_and_the_users_values_win():

@@ -38,6 +38,7 @@ def claim(job: Job, a: AttemptPlan, may_replan: bool) -> Attempted | Again | Non
                       "runs there and its lease is old", "warning")
         if r.ok:
             done.append(h)
+            shared_note(job, h, held)
             continue
         release(job, done)
         if r.exited in (claims.REFUSED, QUEUED) and job.place_in_queue and not job.started:
@@ -58,6 +59,16 @@ def claim(job: Job, a: AttemptPlan, may_replan: bool) -> Attempted | Again | Non
             )
         return job.failed_to_start(a, PerHost({h.name: UserError(why)}))
     return None
+
+
+def shared_note(job: Job, h: Host, held: list[claims.Holder]) -> None:
+    """Say when the host runs another owner's job while this one shares the host's IPC namespace:
+    with --network host and --ipc host, the two jobs' containers share /dev/shm and the loopback."""
+    others = [x for x in held if x.who != job.spec.owner]
+    if others and job.inv.job.ipc == "host" and not job.started:  # once: the first attempt's claims
+        job.note(f"{h.name} also runs {hostile.line(others[0].describe(h), 200)}: both jobs share the "
+                 "host's /dev/shm and loopback there (--ipc host, --network host); job.ipc: private gives "
+                 "this job its own IPC namespace (README: Security)", "warning")
 
 
 def release(job: Job, hosts: list[Host], queue: bool = False) -> None:
