@@ -13,10 +13,12 @@ itself says, so inventories that name the host differently still see each other'
 
 Claiming is atomic on the host: the check of the other claims and the write of this one happen
 under `flock` of the directory's lock file (`claim_script`). A claim whose job has no container on
-that host and no fresh lease (hostfiles.LEASE_STALE) is stale: the next claim there removes it and says
-so. A job claims its hosts one at a time in one order (`order`), so two jobs started at the same
-moment over overlapping hosts meet first on the same host and exactly one of them gets it; the
-other releases what it took and is refused, naming the holder.
+that host and no fresh lease (renewed within hostfiles.LEASE_STALE by the host's clock, and dated
+no more than claimdir.FUTURE_SLACK ahead of it) is stale: the next claim there removes it and says
+so. A file there that is no claim (a link, not a regular file, not named by a job id, no units=
+line) is named and obeyed not at all. A job claims its hosts one at a time in one order (`order`),
+so two jobs started at the same moment over overlapping hosts meet first on the same host and
+exactly one of them gets it; the other releases what it took and is refused, naming the holder.
 
 Several Unix accounts of one group share these directories (hostfiles.shared_dir_script): any of them
 claims, and clears another's stale claim; none reads another's runtime files (secrets).
@@ -31,10 +33,19 @@ from dataclasses import dataclass
 
 from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.inventory import Host, Inventory
-from orchestrator.core import jobspec
+from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
-from orchestrator.hosts.claimdir import host_dir, locked, parse_units, units_text
-from orchestrator.hosts.queue import QUEUE, QUEUED, Waiting, parse_waiting, queue_scan_script
+from orchestrator.hosts.claimdir import (
+    FUTURE_SLACK,
+    entries_script,
+    first_fields,
+    host_dir,
+    locked,
+    parse_units,
+    units_text,
+    where,
+)
+from orchestrator.hosts.queue import QUEUE, QUEUED, Waiting, parse_waiting, queue_scan_script, queue_warnings
 
 REFUSED = 3       # the claim script's exit code when a unit it wants is held
 PORT_TAKEN = 5    # ... when its master port was claimed by another job on this host meanwhile
@@ -70,6 +81,7 @@ class Holder:
     since: float = 0.0
     units: tuple[int, ...] = ()
     port: int | None = None       # the job's master port, in its claim of its rank-0 host
+    age: float | None = None      # a cleared claim's lease's age by the host's clock (None: none)
 
     def describe(self, host: Host | None = None) -> str:
         what = f"{kind(host)}s " if host is not None else ""
@@ -79,18 +91,25 @@ class Holder:
 
 
 def parse_holder(line: str) -> Holder | None:
-    """'JOB who=... since=... units=...' (how the survey and the claim script print a claim file)."""
-    job, *fields = line.split()
+    """'JOB who=... since=... units=...' (how the survey and the claim script print a claim file;
+    the claim script puts the lease's age, `age=`, first when it clears one). None for a line that
+    is no claim: a name that is no job id, no units= of numbers (the claim script obeys no such
+    file). The first of a key counts (claimdir.first_fields)."""
+    job, *fields = line.split() or [""]
     if not jobspec.valid_job_id(job):
         return None
-    kv = dict(f.partition("=")[::2] for f in fields)
+    kv = first_fields(fields)
+    units = kv.get("units")
+    if units is None or not all(ch in "0123456789," for ch in units):
+        return None
     try:
         since = float(kv.get("since", "0"))
     except ValueError:
         since = 0.0
-    port = kv.get("port", "")
-    return Holder(job, kv.get("who", ""), since, parse_units(kv.get("units", "")),
-                  int(port) if port.isdigit() else None)
+    port, age = kv.get("port", ""), kv.get("age", "")
+    return Holder(job, hostile.line(kv.get("who", ""), 100), since, parse_units(units),
+                  int(port) if port.isdigit() else None,
+                  float(age) if age.lstrip("-").isdigit() else None)
 
 
 # ------------------------------------------------------------------ on the hosts
@@ -115,22 +134,27 @@ def survey_script(inv: Inventory) -> str:
 def parse_survey(text: str) -> tuple[int, list[Holder], list[Waiting]]:
     """(CPUs, claims, the queue) from survey_script's output (after its @@claims line)."""
     text, _, queued = text.partition("@@queue\n")
-    lines = text.splitlines()
+    # Only the script's own newlines end a line: splitlines() also breaks at a \r in a file's text.
+    lines = text.split("\n")
     cpus = int(lines[0]) if lines and lines[0].strip().isdigit() else 1
     return (cpus, [h for line in lines[1:] if line.strip() and (h := parse_holder(line))],
-            [w for line in queued.splitlines() if line.strip() and (w := parse_waiting(line))])
+            [w for line in queued.split("\n") if line.strip() and (w := parse_waiting(line))])
 
 
 def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who: str, first: bool,
                  port: int | None = None, ticket: str | None = None) -> str:
-    """Under the host's claims lock: each other claim is judged (held: its job has a container here
-    or a fresh lease; else stale, removed, and said so); if none of the held ones overlaps `units`,
-    this job's claim file is written (replacing its own earlier one) with its runtime directory and
-    lease. Prints `held|cleared JOB who=.. since=.. units=..` lines; exits REFUSED when a unit is
-    held, PORT_TAKEN when `port` (given on the rank-0 host) is another held claim's. The job's
-    first attempt also clears a stop marker left from an earlier run of it. `units` None: a short
-    job of fabtrain's own that claims nothing, only its runtime directory and lease (the
-    preflight's smoke test claims its units itself beforehand, preflight/smoke.py).
+    """Under the host's claims lock: each other claim is judged by the host's own clock (held: its
+    job has a container here, or a lease renewed within hostfiles.LEASE_STALE and dated no more than
+    claimdir.FUTURE_SLACK ahead; else stale, removed, and said so with its lease's age), and a file
+    that is no claim is named and obeyed not at all (claimdir.entries_script); if none of the held
+    ones overlaps `units`, this job's claim file is written (replacing its own earlier one) with its
+    runtime directory and lease. Prints `in DIR`, then `held JOB who=.. since=.. units=..`, `cleared
+    JOB age=SECONDS|none who=..` and `ignored FILE WHY` lines (claim_warnings says them, with the
+    queue's); exits REFUSED when a unit is held, PORT_TAKEN when `port` (given on the rank-0 host)
+    is another held claim's. The job's first attempt also clears a stop marker left from an earlier
+    run of it. `units` None: a short job of fabtrain's own that claims nothing, only its runtime
+    directory and lease (the preflight's smoke test claims its units itself beforehand,
+    preflight/smoke.py).
 
     Several accounts of one group share these directories (hostfiles.shared_dir_script): the lock is
     opened read-write where this account may (flock over NFS needs that), else read-only (a lock
@@ -153,24 +177,32 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
     if units is None:
         return f"{clear}{hostfiles.own_runtime_script(inv, job_id)}"
     tmp = f'"$d"/.{job_id}.tmp'
+    lease = hostfiles.LEASE
     body = (
         'now=$(date +%s); taken=""; ports=""; '
+        + entries_script()
         # The queue binds a job's first claim of its hosts; its restarts (spares too) never wait in it.
         + (
             queue_scan_script(inv, job_id, ticket, who, units)
             if first
             else 'ahead=""; wait_here() { exit "$1"; }; '
         )
-        + f'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
-        f'[ "$j" = {q([job_id])} ] && continue; '
-        f'line="$j $(tr "\\n" " " < "$f")"; l={rt}/"$j"/{hostfiles.LEASE}; '
+        + f'for f in "$d"/*; do [ "$f" = "$d"/{q([job_id])} ] && continue; '
+        f'[ "$f" = "$d"/{QUEUE} ] && [ -d "$f" ] && [ ! -L "$f" ] && continue; entry "$f" || continue; '
+        # One units= line of numbers (none: the whole host), or this is no claim.
+        'u=$(printf "%s\\n" "$c" | sed -n "s/^units=/=/p"); '
+        'case "$u" in ""|*[!0-9,=]*|?*=*) ignored "$f" units; continue;; esac; '
+        f'u=$(printf %s "${{u#=}}" | tr , " "); r={rt}/"$j"; '
         # A job whose engine does not answer counts as live: never clear what cannot be checked.
-        f'ids=$(timeout -k 2 8 {ps}"$j" 2>/dev/null) || ids=unknown; '
-        f'if [ -n "$ids" ] || {{ [ -e "$l" ] && '
-        f'[ $((now - $(stat -c %Y "$l"))) -lt {int(hostfiles.LEASE_STALE)} ]; }}; then '
-        f'echo "held $line"; u=$(sed -n "s/^units=//p" "$f" | tr , " "); taken="$taken ${{u:-all}}"; '
-        f'ports="$ports $(sed -n "s/^port=//p" "$f")"; '
-        f'else rm -f "$f"; echo "cleared $line"; fi; done; '
+        f'ids=$(timeout -k 2 8 {ps}"$j" 2>/dev/null) || ids=unknown; la=none; '
+        f'[ ! -L "$r" ] && [ -f "$r"/{lease} ] && [ ! -L "$r"/{lease} ] && '
+        f'la=$((now - $(stat -c %Y "$r"/{lease}))); '
+        'if [ -n "$ids" ] || { [ "$la" != none ] && '
+        f'[ "$la" -ge -{FUTURE_SLACK} ] && [ "$la" -lt {int(hostfiles.LEASE_STALE)} ]; }}; then '
+        # printf, not echo: dash's echo would make a line of a \n in the file's text.
+        'printf "held %s %s\\n" "$j" "$(printf %s "$c" | tr "\\n" " ")"; taken="$taken ${u:-all}"; '
+        'ports="$ports $(printf "%s\\n" "$c" | sed -n "s/^port=//p")"; else rm -f "$f"; '
+        'printf "cleared %s age=%s %s\\n" "$j" "$la" "$(printf %s "$c" | tr "\\n" " ")"; fi; done; '
         # A claim of no units in particular (units=) is the whole host.
         f"for u in {' '.join(str(u) for u in units) or 'all'}; do "
         f'case " $taken " in *" all "*|*" $u "*) wait_here {REFUSED};; '
@@ -204,12 +236,35 @@ def parse_claim_output(text: str) -> tuple[list[Holder], list[Holder]]:
     """(held, cleared) claims of other jobs, from claim_script's output."""
     held: list[Holder] = []
     cleared: list[Holder] = []
-    for line in text.splitlines():
+    for line in text.split("\n"):
         word, _, rest = line.partition(" ")
         h = parse_holder(rest) if rest else None
         if h is not None and word in ("held", "cleared"):
             (held if word == "held" else cleared).append(h)
     return held, cleared
+
+
+def cleared_why(age: float | None, host: str) -> str:
+    """Why a claim whose lease is `age` s old by `host`'s clock (None: none) was cleared (no container
+    of its job ran there)."""
+    if age is None:
+        return "it has no lease (the file its fab train renews while it looks after the job)"
+    if age < 0:
+        return (f"its lease is future-dated by {-age:.0f} s on {host}'s clock (more than the "
+                f"{FUTURE_SLACK} s allowed): fab train renews it with the host's own clock, so something "
+                "else wrote this date")
+    return f"its lease was not renewed for {age:.0f} s (its fab train is gone)"
+
+
+def claim_warnings(host: Host, text: str) -> list[str]:
+    """The warnings claim_script's output calls for, each naming the file by its path on the host,
+    the owner it claims and why: claims cleared, places dropped from the queue, files ignored."""
+    here = where(text)
+    return [
+        f"{host.name}: cleared {here}/{c.job}, the claim of {c.describe(host)}: no container of that job "
+        f"runs there and {cleared_why(c.age, host.name)}"
+        for c in parse_claim_output(text)[1]
+    ] + queue_warnings(host.name, text)
 
 
 # ------------------------------------------------------------------ choosing units

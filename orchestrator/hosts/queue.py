@@ -10,8 +10,17 @@ from dataclasses import dataclass
 
 from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.inventory import Inventory
-from orchestrator.core import jobspec
-from orchestrator.hosts.claimdir import host_dir, locked, units_text
+from orchestrator.core import hostile, jobspec
+from orchestrator.hosts.claimdir import (
+    FUTURE_SLACK,
+    entries_script,
+    first_fields,
+    host_dir,
+    ignored_warnings,
+    locked,
+    units_text,
+    where,
+)
 
 TICKET_RE = re.compile(r"[0-9]{20}-[A-Za-z0-9._-]+")
 QUEUED = 8        # the claim script's exit code when a job queued before it waits for this host
@@ -41,11 +50,12 @@ def new_ticket(job_id: str) -> str:
 
 
 def parse_waiting(line: str) -> Waiting | None:
-    """'JOB age=.. who=.. since=.. ticket=.. wants=..' (the survey's and the claim script's lines)."""
+    """'JOB age=.. who=.. since=.. ticket=.. wants=..' (the survey's and the claim script's lines;
+    the first of a key counts, claimdir.first_fields)."""
     job, *fields = line.split() or [""]
     if not jobspec.valid_job_id(job):
         return None
-    kv = dict(f.partition("=")[::2] for f in fields)
+    kv = first_fields(fields)
 
     def number(key: str) -> float:
         try:
@@ -53,8 +63,8 @@ def parse_waiting(line: str) -> Waiting | None:
         except ValueError:
             return 0.0
     ticket = kv.get("ticket", "")
-    return Waiting(job, kv.get("who", ""), number("since"), ticket if TICKET_RE.fullmatch(ticket) else "",
-                   kv.get("wants", ""), number("age"))
+    return Waiting(job, hostile.line(kv.get("who", ""), 100), number("since"),
+                   ticket if TICKET_RE.fullmatch(ticket) else "", kv.get("wants", ""), number("age"))
 
 
 def queue_order(waiting: list[Waiting]) -> list[Waiting]:
@@ -64,11 +74,15 @@ def queue_order(waiting: list[Waiting]) -> list[Waiting]:
 
 def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
                       wants: tuple[int, ...]) -> str:
-    """Part of claims.claim_script and enqueue_script (in the claims directory, under its lock, `now` set):
-    each other job's place in the host's queue is judged: one its fab train has not renewed for
-    hostfiles.LEASE_STALE s is dropped and said (`dropped JOB ...`); one queued before this job's
-    `ticket` (any, for a job that is not queued) is said (`ahead JOB ...`) and sets `ahead`. Defines
-    `wait_here CODE`: with a ticket, take or renew this job's place, then exit CODE.
+    """Part of claims.claim_script and enqueue_script (in the claims directory, under its lock, `now`
+    set, claimdir.entries_script's functions defined): each other job's place in the host's queue is
+    judged by the host's own clock: one its fab train has not renewed for hostfiles.LEASE_STALE s, or
+    dated more than claimdir.FUTURE_SLACK s ahead (nobody renews it: it would be fresh until that date
+    came), is dropped and said (`dropped JOB age=A ...`, A negative when dated ahead); one queued
+    before this job's `ticket` (any, for a job that is not queued) is said (`ahead JOB ...`) and sets
+    `ahead`. A file that is no place at all (a link, not a regular file, not named by a job id, no
+    ticket of new_ticket's form) is named (`ignored`) and holds up nobody. Defines `wait_here CODE`:
+    with a ticket, take or renew this job's place, then exit CODE.
 
     The queue's rule: first come, first served on each host. A job does not start on a host while a
     job queued there before it still waits, even when it would fit beside the running ones: with
@@ -84,19 +98,20 @@ def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
         if ticket
         else ""
     )
-    # A ticket not of new_ticket's form (forged, or empty) orders after every real one.
-    before = (
-        f'{{ case "$t" in {"[0-9]" * 20}-*) ;; *) t="~";; esac; [ "$t" \\< {q([ticket])} ]; }}'
-        if ticket
-        else "true"
-    )
+    before = f'[ "$t" \\< {q([ticket])} ]' if ticket else "true"
+    digits = "[0-9]" * 20
     return (
         hostfiles.shared_dir_script(QUEUE, check=False) + 'ahead=""; '
-        f'for f in {QUEUE}/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; j=$(basename "$f"); '
-        f'case "$j" in *[!A-Za-z0-9._-]*) continue;; esac; [ "$j" = {q([job_id])} ] && continue; '
-        f'a=$((now - $(stat -c %Y "$f"))); line="$j age=$a $(tr "\\n" " " < "$f")"; '
-        f'if [ "$a" -ge {int(hostfiles.LEASE_STALE)} ]; then rm -f "$f"; echo "dropped $line"; continue; fi; '
-        f't=$(sed -n "s/^ticket=//p" "$f"); if {before}; then echo "ahead $line"; ahead=1; fi; done; '
+        f'for f in {QUEUE}/*; do [ "$f" = {mine} ] && continue; entry "$f" || continue; '
+        f't=$(printf "%s\\n" "$c" | sed -n "s/^ticket=//p"); '
+        # One ticket= line of new_ticket's form, or this is no place (forged, or not ours).
+        f'case "$t" in {digits}-*[!A-Za-z0-9._-]*) t="";; {digits}-?*) ;; *) t="";; esac; '
+        '[ -n "$t" ] || { ignored "$f" ticket; continue; }; '
+        'line="$j age=$a $(printf %s "$c" | tr "\\n" " ")"; '
+        f'if [ "$a" -lt -{FUTURE_SLACK} ] || [ "$a" -ge {int(hostfiles.LEASE_STALE)} ]; then '
+        # printf, not echo: dash's echo would make a line of a \n in the file's text.
+        'rm -f "$f"; printf "dropped %s\\n" "$line"; continue; fi; '
+        f'if {before}; then printf "ahead %s\\n" "$line"; ahead=1; fi; done; '
         f'wait_here() {{ {take}exit "$1"; }}; '
     )
 
@@ -109,16 +124,37 @@ def dequeue_command(inv: Inventory, job_id: str) -> str:
 def enqueue_script(inv: Inventory, job_id: str, ticket: str, who: str, wants: tuple[int, ...]) -> str:
     """Take or renew the job's place in the host's queue (under its lock); prints what the queue
     scan says (jobs ahead, places dropped). Exits 0."""
-    return locked(inv, f"now=$(date +%s); {queue_scan_script(inv, job_id, ticket, who, wants)}wait_here 0")
+    scan = queue_scan_script(inv, job_id, ticket, who, wants)
+    return locked(inv, f"now=$(date +%s); {entries_script()}{scan}wait_here 0")
 
 
 def parse_queue_output(text: str) -> tuple[list[Waiting], list[Waiting]]:
     """(ahead, dropped): the jobs queued before this one on the host, and the places dropped."""
     ahead: list[Waiting] = []
     dropped: list[Waiting] = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # only the scripts' own newlines: splitlines() also breaks at \r, \f ...
         word, _, rest = line.partition(" ")
         if word in ("ahead", "dropped") and (w := parse_waiting(rest)):
             (ahead if word == "ahead" else dropped).append(w)
     return queue_order(ahead), dropped
 
+
+def dropped_why(age: float, host: str) -> str:
+    """Why a place `age` s old by `host`'s clock was dropped (the queue scan's rule)."""
+    if age < 0:
+        return (f"future-dated by {-age:.0f} s on {host}'s clock (more than the {FUTURE_SLACK} s allowed): "
+                "fab train dates its places by the host's own clock, so something else wrote this date, "
+                "and the place would have held up every later job until then")
+    return (f"not renewed for {age:.0f} s (its fab train, or controller, renews it every few seconds while "
+            f"it waits; a place is dropped after {hostfiles.LEASE_STALE:g} s)")
+
+
+def queue_warnings(host: str, text: str) -> list[str]:
+    """The warnings the queue scan's output (enqueue_script, claims.claim_script) calls for: each
+    place dropped, by its path on the host, its owner and why; each file ignored."""
+    here = where(text)
+    return [
+        f"{host}: dropped {here}/{QUEUE}/{w.job} from the queue, the place of {w.describe()}: "
+        f"{dropped_why(w.age, host)}"
+        for w in parse_queue_output(text)[1]
+    ] + ignored_warnings(host, text)

@@ -18,6 +18,7 @@ from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.hosts import claims, queue
+from orchestrator.hosts.claimdir import renewed_within
 from orchestrator.transport.deadlines import STATUS_TIMEOUT
 from orchestrator.transport.remote import PerHost, Session
 
@@ -40,11 +41,10 @@ class HostJobs:
 
     def holders(self, but: str = "") -> list[claims.Holder]:
         """Who holds units here, other than job `but`: claims whose job runs here or has a lease
-        younger than hostfiles.LEASE_STALE (as the claim script judges them), and a job running here
-        with no claim file (it holds the whole host)."""
+        renewed within hostfiles.LEASE_STALE, not dated ahead (as the claim script judges them), and a
+        job running here with no claim file (it holds the whole host)."""
         def alive(job: str) -> bool:
-            age = self.runtime.get(job)
-            return job in self.running or (age is not None and age < hostfiles.LEASE_STALE)
+            return job in self.running or renewed_within(self.runtime.get(job), hostfiles.LEASE_STALE)
         held = [c for c in self.claimed if c.job != but and alive(c.job)]
         named = {c.job for c in self.claimed}
         return held + [claims.Holder(j) for j in sorted(self.running) if j != but and j not in named]
@@ -131,7 +131,7 @@ def live_jobs(found: PerHost) -> dict[str, list[str]]:
         if isinstance(hj, HostJobs):
             for job in {
                 *hj.running,
-                *(j for j, age in hj.runtime.items() if age is not None and age < hostfiles.LEASE_LIVE),
+                *(j for j, age in hj.runtime.items() if renewed_within(age, hostfiles.LEASE_LIVE)),
             }:
                 jobs.setdefault(job, []).append(host)
     return jobs
@@ -188,10 +188,13 @@ def job_views(found: PerHost) -> dict[str, JobView]:
         for job, rank in hj.running.items():
             view(job).ranks[host] = rank
         for job, age in hj.runtime.items():
-            if age is not None and age < hostfiles.LEASE_LIVE:
+            if renewed_within(age, hostfiles.LEASE_LIVE):
                 view(job).live = True
                 view(job).hosts.setdefault(host, None)
-        fresh = queue.queue_order([w for w in hj.queued if w.age < hostfiles.LEASE_STALE])
+        # As the claim script obeys them: renewed lately, not dated ahead, with a ticket.
+        fresh = queue.queue_order(
+            [w for w in hj.queued if w.ticket and renewed_within(w.age, hostfiles.LEASE_STALE)]
+        )
         for i, w in enumerate(fresh):
             v = view(w.job)
             v.who, v.since = v.who or w.who, min(filter(None, (v.since, w.since)), default=0.0)
@@ -281,7 +284,7 @@ def stale_runtime(found: PerHost) -> dict[str, list[str]]:
     for host, hj in found.items():
         if isinstance(hj, HostJobs):
             left = [j for j, age in hj.runtime.items()
-                    if j not in hj.containers and (age is None or age >= hostfiles.LEASE_STALE)]
+                    if j not in hj.containers and not renewed_within(age, hostfiles.LEASE_STALE)]
             if left:
                 out[host] = sorted(left)
     return out

@@ -2,9 +2,12 @@
 claim, survey, stop and clean-up scripts fabtrain sends (su on the test host: real permissions, a
 real filesystem), and the preflight's smoke test shares hosts like any job: beside another owner's
 job holding node1's slot 0 and the master port, it takes only free slots and the next port, carries
-its owner, and leaves the other job as it was."""
+its owner, and leaves the other job as it was. A place in node1's queue dated a day ahead of its
+clock, which once refused every later job there for ever, is dropped by the next plain job, which
+runs and says so."""
 import json
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -15,7 +18,7 @@ from pathlib import Path
 from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
-from orchestrator.hosts import claims, hostops
+from orchestrator.hosts import claims, hostops, queue
 from orchestrator.hosts.survey import parse_survey, survey_script
 from orchestrator.transport.remote import put_command
 
@@ -181,3 +184,30 @@ def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owner
         on_host(
             NODE, f"docker rm -f {other} >/dev/null; " + claims.release_command(inv, [other]), check=False
         )
+
+
+def test_a_queue_place_dated_ahead_blocks_no_job_and_is_dropped_naming_it_and_its_owner(inventory_path, inv):
+    """Anyone of the group can write the queue: a place dated a day ahead of node1's clock would stay
+    fresh (and every plain job there refused, 'jobs queued before this one wait for it') for a day.
+    The next job's claim drops it by node1's own clock and runs, naming the file and its owner."""
+    tag = secrets.token_hex(3)
+    ghost = f"x-{tag}"
+    where = on_host(NODE, f'd={shlex.quote(inv.job.output_dir)}/.claims/"$(hostname)"; '
+                          'mkdir -p "$d"/queue && cd -P "$d" && pwd').stdout.strip()
+    place = f"{where}/queue/{ghost}"
+    on_host(NODE, f"printf 'who=bob@vm\\nsince=1\\nticket=%s\\nwants=all\\n' {queue.new_ticket(ghost)} "
+                  f"> {shlex.quote(place)} && touch -d @$(( $(date +%s) + 100000 )) {shlex.quote(place)}")
+    try:
+        r = fab(inventory_path, "train", "--script", "tests/integration/scripts/report.py",
+                "--skip-preflight", "--plain", "--nproc", "1", "--include", NODE, "--name", f"ahead-{tag}",
+                timeout=240, env={**os.environ, "COLUMNS": "1000"})
+        out = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 0, out[-3000:]
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1))
+        said = f"{NODE}: dropped {place} from the queue, the place of {ghost} (queued by bob@vm at {since}): "
+        assert said + "future-dated by " in out, out[-3000:]
+        # 100000 s, less the seconds between the touch and the claim.
+        assert re.search(rf"future-dated by (999[0-9][0-9]|100000) s on {NODE}'s clock", out), out[-3000:]
+        assert on_host(NODE, f"[ -e {shlex.quote(place)} ] || echo gone").stdout.strip() == "gone"
+    finally:
+        on_host(NODE, f"rm -f {shlex.quote(place)}", check=False)

@@ -92,7 +92,7 @@ def test_the_claim_script_shares_its_lock_and_files_with_the_group():
         'exit 6; }; { [ -O /dev/fd/9 ] && [ "$(stat -L -c %h /dev/fd/9)" = 1 ] && chmod 0664 /dev/fd/9; '
         "} 2>/dev/null; flock -w 10 9 || "
     )
-    assert 'for f in "$d"/*; do [ -f "$f" ] && [ ! -L "$f" ] || continue; ' in s
+    assert 'for f in "$d"/*; do [ "$f" = "$d"/gpt-1 ] && continue; ' in s and 'entry "$f" || continue; ' in s
     assert s.endswith(
         hostfiles.own_runtime_script(INV, "gpt-1") + ' && rm -f "$d"/.gpt-1.tmp && ( set -C; printf '
         '"who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" al@ws "$now" 0,1 29500 > "$d"/.gpt-1.tmp ) && '

@@ -32,10 +32,9 @@ def claim(job: Job, a: AttemptPlan, may_replan: bool) -> Attempted | Again | Non
         except Exception as exc:  # noqa: BLE001 - lost or stuck: that host fails to start
             release(job, done)
             return job.failed_to_start(a, PerHost({h.name: exc}))
-        held, cleared = claims.parse_claim_output(r.stdout)
-        for c in cleared:
-            job.note(f"{h.name}: cleared the stale claim of {c.describe(h)}: no container of that job "
-                      "runs there and its lease is old", "warning")
+        held, _ = claims.parse_claim_output(r.stdout)
+        for warning in claims.claim_warnings(h, r.stdout):
+            job.note(warning, "warning")
         if r.ok:
             done.append(h)
             shared_note(job, h, held)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from orchestrator.commands import hostfiles
 from orchestrator.hosts import claims, queue
 from orchestrator.transport import deadlines
 
@@ -53,10 +52,9 @@ class Place:
             r = got.value(name)
             if r is None:
                 continue
-            ahead[name], dropped = queue.parse_queue_output(r.stdout)
-            for w in dropped:
-                self.note(f"{name}: dropped {w.describe()} from the queue: its fab train (or controller) "
-                          f"has not kept its place for {hostfiles.LEASE_STALE:g}s", "warning")
+            ahead[name], _ = queue.parse_queue_output(r.stdout)
+            for warning in queue.queue_warnings(name, r.stdout):
+                self.note(warning, "warning")
         if not self.hosts:
             self.hosts, self.since = hosts, time.time()
         position = 1 + max((len(v) for v in ahead.values()), default=0)
