@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.commands import dockerargs, hostfiles, sshargs
+from orchestrator.commands import dockerargs, hostfiles, sshargs, touched
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
@@ -213,13 +213,15 @@ def job_views(found: PerHost) -> dict[str, JobView]:
 STEP_MARK = "@@fabtrain-step "  # before each job's console tail in last_steps_script's output
 
 
-def last_steps_script(files: dict[str, str]) -> str:
+def last_steps_script(files: dict[str, tuple[str, str]]) -> str:
     """One round trip for every job whose rank 0 runs on a host: each job's console file tail
-    (job -> its path), after a marker line naming the job."""
+    (job -> its directory and the file's path there, read as touched.py reads what a container
+    wrote), after a marker line naming the job."""
     return (
         "; ".join(
-            f"echo; echo {sshargs.shell([STEP_MARK + job])}; tail -c 8192 {sshargs.shell([path])} 2>/dev/null"
-            for job, path in files.items()
+            f"echo; echo {sshargs.shell([STEP_MARK + job])}; "
+            f"{touched.tail(sshargs.shell([root]), rel, 8192)} 2>/dev/null"
+            for job, (root, rel) in files.items()
         )
         + "; true"
     )
@@ -242,12 +244,12 @@ def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> d
     command per host holding a rank 0, all hosts at once (a host with many jobs is still one round
     trip, and many jobs do not add up to many round trips one after another)."""
     hosts = {h.name: h for h in inv.all_hosts}
-    files: dict[str, dict[str, str]] = {}
+    files: dict[str, dict[str, tuple[str, str]]] = {}
     for job, v in views.items():
         for host, rank in v.ranks.items():
             if rank == 0 and host in hosts:
-                files.setdefault(host, {})[job] = hostfiles.console_file(
-                    inv, jobspec.JobSpec(job_id=job, script=""), 0
+                files.setdefault(host, {})[job] = (
+                    hostfiles.job_dir(inv, jobspec.JobSpec(job_id=job, script="")), jobspec.console_name(0)
                 )
 
     def one(h: Host) -> dict[str, int]:

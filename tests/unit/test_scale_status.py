@@ -12,14 +12,25 @@ def test_one_command_reads_every_jobs_last_step_on_a_host(tmp_path):
     a, b, missing = tmp_path / "a.log", tmp_path / "b.log", tmp_path / "gone.log"
     a.write_bytes(b"epoch 0 | step 10 | loss 2.5\nepoch 0 | step 11 | loss 2.4\n")
     b.write_bytes(b"step 3 | step 169.2 ms\nstep: 7")  # no newline at the end; a step time is not a step
-    script = survey.last_steps_script({"job-a": str(a), "job-b": str(b), "job-c": str(missing)})
+    script = survey.last_steps_script({"job-a": (str(tmp_path), a.name), "job-b": (str(tmp_path), b.name),
+                                       "job-c": (str(tmp_path), missing.name)})
     assert survey.parse_last_steps(run_local(script)) == {"job-a": 11, "job-b": 7}
 
 
 def test_paths_are_quoted_once(tmp_path):
-    odd = tmp_path / "it's a file; rm -rf x.log"
-    odd.write_bytes(b"step 5\n")
-    assert survey.parse_last_steps(run_local(survey.last_steps_script({"j": str(odd)}))) == {"j": 5}
+    odd = tmp_path / "it's a dir; rm -rf x"
+    odd.mkdir()
+    (odd / "node-0.log").write_bytes(b"step 5\n")
+    script = survey.last_steps_script({"j": (str(odd), "node-0.log")})
+    assert survey.parse_last_steps(run_local(script)) == {"j": 5}
+
+
+def test_a_console_linked_to_a_host_file_is_not_read(tmp_path):
+    (tmp_path / "secret").write_bytes(b"step 99\n")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "node-0.log").symlink_to(tmp_path / "secret")
+    assert survey.parse_last_steps(run_local(survey.last_steps_script({"j": (str(tmp_path / "job"),
+                                                                               "node-0.log")}))) == {}
 
 
 class FakeSession:
