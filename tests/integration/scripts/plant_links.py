@@ -21,8 +21,9 @@ if os.environ.get("LOCAL_RANK", "0") == "0":
     print(f"node {node}: marker there: {os.path.exists(os.path.join('/workspace', a.marker))}", flush=True)
     time.sleep(8)  # the host follows the console file by now: what it printed until the swap is kept
     try:
-        shutil.rmtree("/output/work", ignore_errors=True)
-        os.rmdir("/output/work")
+        shutil.rmtree("/output/work", ignore_errors=True)  # removes the folder too, where it can
+        if os.path.isdir("/output/work"):
+            os.rmdir("/output/work")
         os.symlink("/root", "/output/work")
         print(f"node {node}: work link planted", flush=True)
     except OSError as e:
@@ -36,6 +37,9 @@ if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"node {node}: {path} is a link now", flush=True)
         except OSError as e:
             print(f"node {node}: {path}: {e.strerror}", flush=True)
-    with open(os.path.join("/workspace", a.marker), "w") as f:
-        f.write("written through /workspace\n")
+    try:
+        with open(os.path.join("/workspace", a.marker), "w") as f:
+            f.write("written through /workspace\n")
+    except OSError as e:  # its folder is gone: the swap worked
+        print(f"node {node}: /workspace: {e.strerror}", flush=True)
 print(f"node {node}: done", flush=True)
