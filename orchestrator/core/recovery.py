@@ -6,9 +6,11 @@ A job keeps one id, one output directory and one set of arguments across attempt
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,6 +84,40 @@ class JobRecord:
         return cls(spec=asdict(spec), inventory=str(inv.path), restarts=restarts, min_nodes=min_nodes,
                    hang_timeout=hang_timeout)
 
+    def with_host_data(self, doc: object, hosts: Collection[str]) -> JobRecord:
+        """This record with what a detached job's controller legitimately changes, read from its
+        copy of the record (`doc`, parsed JSON from its host: hostile data): the state, and the
+        attempts after those this record holds (number, hosts, times, outcome, the snapshot each
+        resumed from). Everything else, above all what runs a command or reads a file here (notify,
+        inventory, spec with its code and image, backend, secrets through the inventory, the
+        controller's place), stays this record's. ValueError saying what was refused: a host name
+        not in `hosts` (this machine's inventory and record), attempts this record holds rewritten,
+        a value of the wrong kind."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"it is not a JSON object but {type(doc).__name__}")
+        spec = doc.get("spec")
+        if isinstance(spec, dict) and spec.get("job_id") != self.job_id:
+            raise ValueError(f"it names job {hostile.line(repr(spec.get('job_id')), 80)}, not {self.job_id}")
+        state = doc.get("state")
+        if state not in STATES:
+            raise ValueError(f"state {hostile.line(repr(state), 80)} is none of {', '.join(STATES)}")
+        raw = doc.get("attempts")
+        if not isinstance(raw, list) or len(raw) > MAX_ATTEMPTS:
+            raise ValueError(f"attempts is not a list of at most {MAX_ATTEMPTS}")
+        attempts = [_host_attempt(a, i + 1, hosts) for i, a in enumerate(raw)]
+        ours = self.attempts
+        if len(attempts) < len(ours) or any(
+            (a.number, a.hosts) != (o.number, o.hosts) for a, o in zip(attempts, ours, strict=False)
+        ):
+            recorded = ", ".join(f"{o.number} on {'+'.join(o.hosts)}" for o in ours) or "none"
+            raise ValueError(f"its attempts do not begin with the {len(ours)} this machine recorded "
+                             f"({recorded})")
+        return replace(self, state=state, attempts=[replace(a) for a in ours] + attempts[len(ours):],
+                       spec=copy.deepcopy(self.spec), resumes=copy.deepcopy(self.resumes),
+                       selected=list(self.selected) if self.selected is not None else None,
+                       backend=copy.deepcopy(self.backend), notify=dict(self.notify),
+                       controller=copy.deepcopy(self.controller))
+
     @classmethod
     def load(cls, run_root: Path, job_id: str, what: str = "--resume") -> JobRecord:
         if not jobspec.valid_job_id(job_id):
@@ -103,6 +139,47 @@ class JobRecord:
             raise UserError(f"{path}: not a job record this version can read ({exc}); start a new job "
                             "instead", exit_code=2) from None
         return record
+
+
+STATES = ("running", "finished", "failed", "interrupted", "stopped")
+MAX_ATTEMPTS = 10_000
+OUTCOME_MAX = 2000
+
+
+def _host_attempt(doc: object, number: int, hosts: Collection[str]) -> Attempt:
+    """One attempt of a host's copy of a record (JobRecord.with_host_data), checked field by field."""
+    where = f"attempt {number}"
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    if doc.get("number") != number or isinstance(doc.get("number"), bool):
+        seen = hostile.line(repr(doc.get("number")), 40)
+        raise ValueError(f"{where} is numbered {seen}: attempts count from 1 one by one")
+    names = doc.get("hosts")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) > len(hosts):
+        raise ValueError(f"{where}: hosts is not a list of host names")
+    strange = [n for n in names if n not in hosts]
+    if strange:
+        seen = hostile.line(", ".join(map(repr, strange[:4])), 200)
+        raise ValueError(f"{where} names host(s) {seen} that this machine's inventory and record do not")
+    started, ended = _time(doc.get("started")), _time(doc.get("ended"))
+    if started is None or (ended is None and doc.get("ended") is not None):
+        raise ValueError(f"{where}: started/ended are not times (seconds since 1970)")
+    outcome, snapshot = doc.get("outcome", "running"), doc.get("resumed_from")
+    if not isinstance(outcome, str):
+        raise ValueError(f"{where}: outcome is not text")
+    if snapshot is not None:
+        try:
+            hostile.component(snapshot if isinstance(snapshot, str) else "")
+        except hostile.UnsafeName as exc:
+            raise ValueError(f"{where}: resumed_from is not a snapshot's name ({exc})") from None
+    return Attempt(number, list(names), started, ended, hostile.line(outcome, OUTCOME_MAX), snapshot)
+
+
+def _time(value: object) -> float | None:
+    """A time in seconds since 1970 (None: not one; NaN and infinities are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e11:
+        return None
+    return float(value)
 
 
 # ---------------------------------------------------------------- stacks of a hung job

@@ -16,7 +16,7 @@ from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.hosts import claims
-from orchestrator.hosts.keys import revoke_script
+from orchestrator.hosts.keys import LEFT, revoke_script
 from orchestrator.hosts.survey import stale_runtime
 from orchestrator.progress import bars
 from orchestrator.transport.deadlines import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
@@ -192,15 +192,20 @@ def stop_script(inv: Inventory, job_ids: list[str] | None, grace: float,
                 revoke: list[str] | tuple[str, ...] = ()) -> str:
     """What `stop` runs on each host: the containers stopped and removed, the claims released, then
     (`revoke`) those jobs' controller keys and directories removed (keys.revoke_script; a controller
-    that died before its end leaves its directory, private key and secrets included), in a subshell
-    whose output and exit status are its own: the command's stdout is the removed ids, its status
-    the stop's."""
+    that died before its end leaves its directory, private key and secrets included). The command's
+    stdout is the removed ids; its status the stop's, or keys.LEFT when the stop went well but a key
+    could still be there after three tries (its stderr says which and why), so that `fab stop` names
+    the host (`fab status` takes the key back later)."""
     ids = [j for j in job_ids if jobspec.valid_job_id(j)] if job_ids is not None else None
     script = "true" if ids == [] else dockerargs.stop_script(ids, grace)
     if ids:
         script += "; " + claims.release_command(inv, ids, runtime=False)
-    keys = [j for j in revoke if jobspec.valid_job_id(j)]
-    if keys:
-        dirs = sshargs.shell(["rm", "-rf", "--", *(hostfiles.controller_dir(inv, j) for j in keys)])
-        script += f"; s=$?; ({revoke_script(keys)}; {dirs}) >/dev/null 2>&1; exit $s"
+    jobs = [j for j in revoke if jobspec.valid_job_id(j)]
+    if jobs:
+        dirs = sshargs.shell(["rm", "-rf", "--", *(hostfiles.controller_dir(inv, j) for j in jobs)])
+        # Tried three times, a short wait for the lock each (the stop's deadline is grace + STOP_MARGIN);
+        # each try's reason goes to stderr, the last one is what fab stop names.
+        script += (f"; s=$?; k=1; for i in 1 2 3; do ( {revoke_script(jobs, lock_wait=2)} ) >/dev/null && "
+                   f"{{ k=0; break; }}; [ $i = 3 ] || sleep $i; done; [ $k = 0 ] || [ $s != 0 ] || s={LEFT}; "
+                   f"{dirs} >/dev/null 2>&1; exit $s")
     return script

@@ -1,67 +1,32 @@
-"""Detached jobs (backends/ssh/detached.py, submit.py), without a cluster: the job's key added to
-and removed from authorized_keys (hosts/keys.py's scripts, exact and run by sh here, HOME a
-temporary folder), which jobs' keys `fab stop` removes, the inventory the controller uses, and the
-command that starts it (backends/ssh/controller.py)."""
+"""Detached jobs (backends/ssh/detached.py, submit.py, controller.py), without a cluster: a job's
+end fetched with its record taken as data (a host's copy never replaces this machine's notify,
+inventory, code or image) and its key taken back, checked and named where it is left (the hosts
+played by this machine: commands run by sh with HOME a temporary folder, rsync copied here); which
+jobs' keys `fab stop` removes; the inventory the controller uses, the addresses its key is limited
+to, a mount that would show its directory to the job refused, its renewal, and the command that
+starts it. The key's scripts themselves: test_keys.py."""
+import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from orchestrator.backends.ssh import detached, submit
+import pytest
+
+from orchestrator.backends.ssh import controller, detached, submit
 from orchestrator.config.inventory import parse
+from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import JobSpec
-from orchestrator.core.recovery import JobRecord
+from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import keys
 from orchestrator.hosts.survey import HostJobs
-from orchestrator.transport.remote import PerHost
+from orchestrator.transport.remote import PerHost, Result
 
 JOB = "gpt-20261124-101010-abcd"
 OTHER = "gpt-20261124-101010-ef01"
-
-
-def sh(script: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["sh", "-c", script], capture_output=True, text=True, env={**os.environ, "HOME": str(home)}
-    )
-
-
-def test_the_jobs_key_is_added_restricted_and_removed_leaving_every_other_line(tmp_path):
-    ssh = tmp_path / ".ssh"
-    ssh.mkdir(mode=0o700)
-    (ssh / "authorized_keys").write_text("ssh-ed25519 AAAAuser ann@ws\n")
-    (ssh / "authorized_keys").chmod(0o600)
-    private, line = submit.new_key(JOB)
-    assert private.startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
-    assert line.startswith("ssh-ed25519 ") and line.endswith(f" fabtrain-controller:{JOB}")
-    _, other = submit.new_key(OTHER)
-    for entry in (line, other):
-        assert sh(keys.authorize_script(entry), tmp_path).returncode == 0
-    lines = (ssh / "authorized_keys").read_text().splitlines()
-    assert lines[0] == "ssh-ed25519 AAAAuser ann@ws"
-    assert lines[1] == "no-agent-forwarding,no-port-forwarding,no-X11-forwarding " + line
-    assert sh(keys.revoke_script([JOB]), tmp_path).returncode == 0
-    assert (ssh / "authorized_keys").read_text().splitlines() == [lines[0], lines[2]]
-    assert oct((ssh / "authorized_keys").stat().st_mode & 0o777) == "0o600"
-    assert sh(keys.revoke_script([OTHER, "not a job; rm -rf /"]), tmp_path).returncode == 0
-    assert (ssh / "authorized_keys").read_text().splitlines() == [lines[0]]
-    assert [p.name for p in ssh.glob(".fabtrain.*")] == [".fabtrain.lock"]  # no temporary file left
-    assert sh(keys.revoke_script([JOB]), tmp_path / "nohome").returncode == 0  # no file: nothing to do
-
-
-def test_the_key_scripts_exactly():
-    assert keys.authorize_script(f"ssh-ed25519 AAAA {keys.marker(JOB)}") == (
-        "umask 077; mkdir -p ~/.ssh && exec 8>>~/.ssh/.fabtrain.lock && flock -w 10 8 && "
-        "printf '%s\\n' 'no-agent-forwarding,no-port-forwarding,no-X11-forwarding ssh-ed25519 AAAA "
-        f"fabtrain-controller:{JOB}' >> ~/.ssh/authorized_keys"
-    )
-    assert keys.revoke_script([JOB, "x.y-1", "not a job; rm -rf /"]) == (
-        "[ -f ~/.ssh/authorized_keys ] || exit 0; exec 8>>~/.ssh/.fabtrain.lock && flock -w 10 8 && "
-        "t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) && "
-        f"{{ grep -Ev ' fabtrain-controller:{JOB}$| fabtrain-controller:x\\.y-1$' ~/.ssh/authorized_keys "
-        '> "$t"; [ $? -le 1 ] && cat "$t" > ~/.ssh/authorized_keys; rm -f "$t"; }'
-    )
-    assert keys.revoke_script(["not a job; rm -rf /"]) == keys.revoke_script([]) == "true"
 
 
 def test_fab_stop_removes_the_keys_of_jobs_a_controller_or_a_record_shows_unless_it_runs(tmp_path):
@@ -72,10 +37,10 @@ def test_fab_stop_removes_the_keys_of_jobs_a_controller_or_a_record_shows_unless
         gpu1=HostJobs({}, frozenset(), {}, controllers={ran: "running", gone: "exited"}),
         gpu2=OSError("no answer"),
     )
-    for job, controller in ((recorded, {"host": "gpu2", "dir": "/d", "container": "c"}), (plain, {})):
+    for job, place in ((recorded, {"host": "gpu2", "dir": "/d", "container": "c"}), (plain, {})):
         (tmp_path / job).mkdir()
         JobRecord(spec=asdict(JobSpec(job_id=job, script="t.py")), inventory="inv.yaml",
-                  controller=controller).save(tmp_path / job)
+                  controller=place).save(tmp_path / job)
     assert detached.keys_to_revoke(found, [ran, gone, recorded, plain, unknown], tmp_path) == [gone, recorded]
     assert detached.keys_to_revoke(found, [], tmp_path) == []
 
@@ -158,3 +123,250 @@ def test_the_controller_image_has_every_runtime_library_a_controller_imports():
     deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
     assert names - {"docker", "matplotlib"} <= libs, sorted(names - {"docker", "matplotlib"} - libs)
+
+
+# ---------------------------------------------------------------- this machine after a detached job's end
+
+PUBLIC = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFtPTYnYmOPCTMbyHOfaa6Rgq4C4HyQk0u1A4mVZ9xAA " + keys.marker(
+    JOB)
+USER_LINE = b"ssh-ed25519 AAAAuser ann@ws"
+
+
+class HostsHere:
+    """A Session whose hosts are this machine: a command runs by `sh -c` with that host's HOME and
+    docker stubbed; rsync from a host copies the local folder it names (its --exclude=/NAME left
+    out). A host in `down` raises as one that does not answer, `down[name]` more times."""
+
+    def __init__(self, inv, tmp: Path, down: dict[str, int] | None = None):
+        self.hosts, self.tmp, self.down = inv.all_hosts, tmp, dict(down or {})
+        self.ran: list[tuple[str, str]] = []
+        self.copies: list[list[str]] = []
+        stub = tmp / "bin"
+        stub.mkdir(exist_ok=True)
+        (stub / "docker").write_text("#!/bin/sh\nexit 0\n")
+        (stub / "docker").chmod(0o755)
+
+    def home(self, name: str) -> Path:
+        return self.tmp / "homes" / name
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        self.ran.append((host.name, command))
+        if self.down.get(host.name, 0) > 0:
+            self.down[host.name] -= 1
+            raise OSError("No route to host")
+        env = {**os.environ, "HOME": str(self.home(host.name)),
+               "PATH": f"{self.tmp / 'bin'}:{os.environ['PATH']}"}
+        r = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+        return Result(r.stdout, r.stderr, r.returncode, 0.01)
+
+    def fan_out(self, fn, hosts=None):
+        out = PerHost()
+        for h in self.hosts if hosts is None else hosts:
+            try:
+                out[h.name] = fn(h)
+            except Exception as exc:  # noqa: BLE001 - as Session.fan_out
+                out[h.name] = exc
+        return out
+
+    def local(self, argv, timeout, on_output=None):
+        self.copies.append(argv)
+        source, dest = Path(argv[-2].split(":", 1)[1]), Path(argv[-1])
+        skip = {a.split("=", 1)[1].strip("/") for a in argv if a.startswith("--exclude=/")}
+        for path in source.rglob("*"):
+            rel = path.relative_to(source)
+            if str(rel) in skip or path.is_dir():
+                continue
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest / rel)
+        return Result("", "", 0, 0.01)
+
+
+def two_hosts(tmp_path):
+    return parse(f"job: {{output_dir: {tmp_path}/host/out}}\nhosts:\n"
+                 "  - {name: gpu1, address: 10.0.0.1, interface: eth0}\n"
+                 "  - {name: gpu2, address: 10.0.0.2, interface: eth0}\n", Path("inv.yaml"))
+
+
+def detached_here(tmp_path, host_doc, down=None):
+    """A detached job that ended: this machine's record, the controller's directory with its end
+    and `host_doc` as its copy of the record (bytes as they are, or a dict), and its key on both
+    hosts' authorized_keys (after a user's line with no final newline)."""
+    inv = two_hosts(tmp_path)
+    p = detached.place(inv, JOB)
+    runs = tmp_path / "runs"
+    (runs / JOB).mkdir(parents=True)
+    rec = JobRecord(spec=asdict(JobSpec(job_id=JOB, script="train.py", code="/home/ann/proj")),
+                    inventory="/home/ann/inv.yaml", notify={"command": "mail -s done ann@example.com"},
+                    controller={**p.record(), "keys": ["gpu1", "gpu2"]})
+    rec.save(runs / JOB)
+    rec = JobRecord.load(runs, JOB)  # as the commands have it: read from the file
+    ctl_runs = Path(p.dir) / "runs" / JOB
+    ctl_runs.mkdir(parents=True)
+    (Path(p.dir) / detached.DONE).write_text(json.dumps({"state": "finished", "error": "", "closing": ""}))
+    (ctl_runs / "gpu1.log").write_text("step 1\n")
+    if isinstance(host_doc, dict):
+        (ctl_runs / "job.json").write_text(json.dumps(host_doc))
+    elif host_doc is not None:
+        (ctl_runs / "job.json").write_bytes(host_doc)
+    session = HostsHere(inv, tmp_path)
+    for h in inv.all_hosts:
+        (session.home(h.name) / ".ssh").mkdir(parents=True)
+        (session.home(h.name) / ".ssh" / "authorized_keys").write_bytes(USER_LINE)
+        assert session.run(h, keys.authorize_script(JOB, PUBLIC, ["10.0.0.1"], 600)).exited == 0
+    session.down, session.ran = dict(down or {}), []
+    return inv, p, runs, rec, session
+
+
+def hostile_copy(rec: JobRecord, **changes) -> dict:
+    doc = asdict(rec)
+    doc.update(state="finished", inventory="/tmp/evil.yaml", notify={"command": "touch /tmp/pwned"},
+               attempts=[{"number": 1, "hosts": ["gpu1", "gpu2"], "started": 10.0, "ended": 20.0,
+                          "outcome": "ok", "resumed_from": None}])
+    doc["spec"] = {**doc["spec"], "code": "/ctl/code", "image": "evil/img"}
+    doc.update(changes)
+    return doc
+
+
+def test_a_detached_jobs_end_is_fetched_its_record_taken_as_data_and_its_key_taken_back(tmp_path):
+    inv, p, runs, rec, session = detached_here(tmp_path, None)
+    (Path(p.dir) / "runs" / JOB / "job.json").write_text(json.dumps(hostile_copy(rec)))
+    end = detached.fetch(session, p, rec, runs)
+    assert end == {"state": "finished", "error": "", "closing": "", "keys_left": {}}
+    got = JobRecord.load(runs, JOB)
+    fetched_at = got.controller.pop("fetched")
+    assert isinstance(fetched_at, float)
+    assert asdict(got) == {**asdict(rec), "state": "finished", "controller": {**p.record(), "keys": []},
+                           "attempts": [asdict(Attempt(1, ["gpu1", "gpu2"], 10.0, 20.0, "ok"))]}
+    assert (runs / JOB / "gpu1.log").read_text() == "step 1\n"  # the rest of the run came as it was
+    assert [a for a in session.copies[0] if a.startswith("--exclude")] == ["--exclude=/job.json",
+                                                                          "--exclude=/.job.json.tmp"]
+    assert not Path(p.dir).exists()
+    for h in inv.all_hosts:  # the user's line kept (with the newline it lacked), the controller's gone
+        assert (session.home(h.name) / ".ssh" / "authorized_keys").read_bytes() == USER_LINE + b"\n"
+
+
+@pytest.mark.parametrize("copy, why", [
+    (lambda rec: hostile_copy(rec, attempts=[{"number": 1, "hosts": ["evil"], "started": 1.0}]),
+     "attempt 1 names host\\(s\\) 'evil' that this machine's inventory and record do not"),
+    (lambda rec: b'{"state": "finished", "notify": {"command": "touch /tmp/x"}', "Expecting ',' delimiter"),
+    (lambda rec: b" " * (detached.RECORD_MAX + 1), f"it is larger than {detached.RECORD_MAX} bytes"),
+    ("link", "it is not a plain file"),
+])
+def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machines_kept(tmp_path, copy, why):
+    inv, p, runs, rec, session = detached_here(tmp_path, None)
+    host_file = Path(p.dir) / "runs" / JOB / "job.json"
+    if copy == "link":
+        host_file.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        doc = copy(rec)
+        host_file.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    with pytest.raises(detached.HostRecordRefused) as refused:
+        detached.fetch(session, p, rec, runs)
+    assert str(refused.value).startswith(
+        f"gpu1:{p.dir}/runs/{JOB}/job.json: the controller's copy of job {JOB}'s record was refused: ")
+    assert f"This machine's record (runs/{JOB}/job.json) is kept" in str(refused.value)
+    assert re.search(why, str(refused.value)), str(refused.value)
+    got = JobRecord.load(runs, JOB)
+    got.controller.pop("fetched")
+    # This machine's record, its state from the controller's end; the run fetched; the key gone all the same.
+    assert asdict(got) == {**asdict(rec), "state": "finished", "controller": {**p.record(), "keys": []}}
+    assert (runs / JOB / "gpu1.log").is_file() and not Path(p.dir).exists()
+    for h in inv.all_hosts:
+        left = (session.home(h.name) / ".ssh" / "authorized_keys").read_bytes()
+        assert left == USER_LINE + b"\n"
+
+
+def test_a_controller_that_ended_before_its_job_began_leaves_this_machines_record(tmp_path):
+    inv, p, runs, rec, session = detached_here(tmp_path, None)
+    (Path(p.dir) / detached.DONE).write_text(json.dumps({"state": "pwned", "error": "no", "closing": ""}))
+    end = detached.fetch(session, p, rec, runs)
+    assert end["state"] == "failed"  # a state none of ours is not taken
+    got = JobRecord.load(runs, JOB)
+    assert got.state == "failed" and got.notify == rec.notify and got.attempts == []
+
+
+def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, monkeypatch):
+    monkeypatch.setattr(detached.time, "sleep", lambda s: None)
+    inv, p, runs, rec, session = detached_here(tmp_path, None, down={"gpu2": 3})
+    end = detached.fetch(session, p, rec, runs)
+    assert list(end["keys_left"]) == ["gpu2"] and "No route to host" in end["keys_left"]["gpu2"]
+    assert [n for n, c in session.ran if n == "gpu2"] == ["gpu2"] * 3  # tried 3 times
+    assert JobRecord.load(runs, JOB).controller["keys"] == ["gpu2"]
+    line = detached.keys_line(JOB, end["keys_left"])
+    assert line.startswith(f"{JOB}: its controller's key may still be in ~/.ssh/authorized_keys on gpu2 "
+                           "(gpu2 ")
+    assert f"'fab status' tries again, as does 'fab stop --job {JOB}'" in line
+    answering = PerHost(gpu1=HostJobs({}, frozenset(), {}), gpu2=HostJobs({}, frozenset(), {}))
+    # fab status while gpu2 is still away: named, not tried (the survey saw it gone).
+    lost = PerHost(gpu1=answering["gpu1"], gpu2=OSError("No route to host"))
+    lines = detached.status_lines(session, inv, runs, lost)
+    assert lines == [detached.keys_line(JOB, {"gpu2": "gpu2 does not answer"})]
+    assert JobRecord.load(runs, JOB).controller["keys"] == ["gpu2"]
+    assert keys.marker(JOB).encode() in (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes()
+    # ... and once it answers, taken back.
+    assert detached.status_lines(session, inv, runs, answering) == [
+        f"{JOB}: its controller's key is now removed from gpu2"]
+    assert JobRecord.load(runs, JOB).controller["keys"] == []
+    assert (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes() == USER_LINE + b"\n"
+    assert detached.status_lines(session, inv, runs, answering) == []
+
+
+def test_a_removal_is_tried_again_where_it_failed_and_only_there(tmp_path, monkeypatch):
+    naps = []
+    monkeypatch.setattr(detached.time, "sleep", naps.append)
+    inv, p, runs, rec, session = detached_here(tmp_path, None, down={"gpu2": 1})
+    assert detached.revoke_on(session, inv.all_hosts, [JOB]) == {}
+    assert [n for n, _ in session.ran] == ["gpu1", "gpu2", "gpu2"] and naps == [detached.REVOKE_PAUSE]
+
+
+def test_a_mount_that_would_show_the_controllers_directory_to_the_job_is_refused():
+    base = "ssh: {config: none}\njob: {output_dir: /data/fabtrain}\nhosts:\n  - {name: gpu1, address: h, " \
+           "interface: eth0, mounts: [%s]}\n"
+    for ok in ("'/data/corpus:/corpus:ro'", "'/data/fab:/fab'", "'/data/fabtrain/other:/x'"):
+        submit.refuse_exposing_mounts(detached.place(parse(base % ok, Path("i.yaml")), JOB))
+    for bad in ("'/data:/data'", "'/:/host:ro'", "'/data/fabtrain/:/o'", "'/data/fabtrain/.controllers:/c'"):
+        with pytest.raises(UserError, match=f"gpu1's mount {bad.strip(chr(39)).rsplit(':', 2)[0]}.*holds "
+                                            f"/data/fabtrain/.controllers/{JOB}, where the controller keeps"):
+            submit.refuse_exposing_mounts(detached.place(parse(base % bad, Path("i.yaml")), JOB))
+
+
+def test_the_key_works_only_from_the_controllers_host(tmp_path):
+    inv = two_hosts(tmp_path)
+    p = detached.place(inv, JOB)
+
+    class Answers(HostsHere):
+        def run(self, host, command, timeout=60, stdin=None, what=""):
+            self.ran.append((host.name, command))
+            return Result("2: eth0 inet 10.0.0.1/24 brd 10.0.0.255\n1: lo inet 127.0.0.1/8\n@@resolved\n"
+                          "10.0.0.1 STREAM gpu1\n", "", 0, 0.01)
+
+    session = Answers(inv, tmp_path)
+    assert submit.controller_sources(session, p, inv) == {"gpu1": ["10.0.0.1"], "gpu2": ["10.0.0.1"]}
+    assert session.ran == [("gpu1", keys.addresses_script("10.0.0.1"))]
+
+
+def test_the_controller_writes_its_line_again_and_adds_none_where_it_was_taken(tmp_path, monkeypatch):
+    inv, p, runs, rec, session = detached_here(tmp_path, None)
+
+    class Own(HostsHere):  # the controller's Session over the same homes
+        def __init__(self, hosts):
+            self.hosts, self.tmp, self.down, self.ran = tuple(hosts), tmp_path, {}, []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(controller, "Session", Own)
+    before = (session.home("gpu1") / ".ssh" / "authorized_keys").read_bytes()
+    assert session.run(inv.hosts[1], keys.revoke_script([JOB])).exited == 0  # fab stop took gpu2's
+    renewal = controller.Renewal(inv, JOB, {"public": PUBLIC, "from": {"gpu1": ["10.0.0.1", "127.0.0.0/8"],
+                                                                         "gpu2": ["10.0.0.1"]},
+                                            "lifetime": 7200, "renew": 1200})
+    failed = renewal.once()
+    assert list(failed) == ["gpu2"] and f"(exit {keys.GONE})" in failed["gpu2"]
+    after = (session.home("gpu1") / ".ssh" / "authorized_keys").read_bytes()
+    assert after != before and after.startswith(USER_LINE + b"\nrestrict,from=\"10.0.0.1,127.0.0.0/8\"")
+    assert keys.marker(JOB).encode() not in (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes()
+    renewal.stop()  # never started: stops at once

@@ -1,6 +1,8 @@
 """--resume and --continue from the command line: what a resumed job may change, and finding a
-named job's newest run."""
+named job's newest run; what a detached job's record on its controller's host may change in this
+machine's (JobRecord.with_host_data: data, never a command)."""
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -90,3 +92,86 @@ def test_bad_checkpoint_paths_are_refused_with_the_reason(given, message):
 def test_checkpoint_is_for_your_own_program(tmp_path):
     with pytest.raises(UserError, match="built-in trainers' snapshots are kept without it"):
         cli.new_spec({"checkpoint": "x.pt"}, TRAINERS)
+
+
+# ---------------------------------------------------------------- a detached job's record from its host
+
+def local_record() -> recovery.JobRecord:
+    """This machine's record of a detached job resumed once: one attempt done before the detach."""
+    rec = record("running", code="/home/ann/proj", image="team/img:1")
+    rec.notify = {"command": "mail -s fabtrain ann@example.com"}
+    rec.selected = ["a", "b"]
+    rec.resumes = [{"time": 5.0, "after_attempt": 1, "state": "failed", "changed": {}}]
+    rec.controller = {"host": "a", "dir": "/out/.controllers/x", "container": "fabtrain-ctl-x",
+                      "keys": ["a", "b"]}
+    return rec
+
+
+def host_doc(rec: recovery.JobRecord, **changes) -> dict:
+    """The controller's copy as a hostile host may leave it: every field changed, two attempts added."""
+    doc = json.loads(json.dumps(asdict(rec)))
+    doc.update({
+        "state": "finished", "inventory": "/tmp/evil.yaml", "restarts": 99, "min_nodes": 1, "hang_timeout": 1,
+        "notify": {"command": "touch /tmp/pwned", "url": "http://evil.example/hook"},
+        "backend": {"on": "slurm", "login": "evil", "workdir": "/"}, "selected": ["evil"],
+        "resumes": [], "controller": {"host": "b", "dir": "/", "container": "x"},
+        "attempts": [*doc["attempts"],
+                     {"number": 2, "hosts": ["b", "a"], "started": 10.0, "ended": 20.0,
+                      "outcome": "node2 exited with code 137\x1b]52;c;evil\x07",
+                      "resumed_from": "snapshot-0000010"},
+                     {"number": 3, "hosts": ["a"], "started": 21, "ended": None, "outcome": "running",
+                      "resumed_from": None, "extra": "ignored"}],
+    })
+    doc["spec"].update({"code": "/", "image": "evil/img", "script": "evil.py", "env": [["LD_PRELOAD", "/x"]]})
+    doc.update(changes)
+    return doc
+
+
+def test_a_host_copy_gives_the_state_and_new_attempts_and_nothing_else():
+    rec = local_record()
+    before = asdict(rec)
+    merged = rec.with_host_data(host_doc(rec), {"a", "b"})
+    assert asdict(rec) == before  # this machine's record is not changed in place
+    expected = {**before, "state": "finished", "attempts": [
+        *before["attempts"],
+        {"number": 2, "hosts": ["b", "a"], "started": 10.0, "ended": 20.0,
+         "outcome": "node2 exited with code 137]52;c;evil", "resumed_from": "snapshot-0000010"},
+        {"number": 3, "hosts": ["a"], "started": 21.0, "ended": None, "outcome": "running",
+         "resumed_from": None}]}
+    assert asdict(merged) == expected
+    assert merged.notify == {"command": "mail -s fabtrain ann@example.com"} and merged.inventory == "i.yaml"
+    assert merged.job_spec().code == "/home/ann/proj" and merged.job_spec().image == "team/img:1"
+    merged.spec["code"] = "changed"
+    merged.controller["keys"].append("c")
+    assert rec.spec["code"] == "/home/ann/proj" and rec.controller["keys"] == ["a", "b"]  # nothing shared
+
+
+FIRST = {"number": 1, "hosts": ["a"], "started": 1.0}
+
+
+def second(**fields) -> dict:
+    """A host copy's attempts: this machine's first, then a second with these fields."""
+    return {"attempts": [FIRST, {"number": 2, "hosts": ["a"], "started": 1.0, **fields}]}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"state": "pwned"}, "state 'pwned' is none of running, finished"),
+    ({"attempts": "all"}, "attempts is not a list"),
+    ({"spec": {"job_id": "gpt-20261123-101500-ffff"}}, "it names job 'gpt-20261123-101500-ffff', not"),
+    ({"attempts": [{**FIRST, "hosts": ["b"]}]}, "do not begin with the 1 this machine recorded \\(1 on a\\)"),
+    ({"attempts": []}, "do not begin with the 1"),
+    (second(number=3), "attempt 2 is numbered 3: attempts count from 1 one by one"),
+    (second(hosts=["../../x"]), "attempt 2 names host\\(s\\) '../../x' that this machine's inventory and"),
+    (second(hosts="a"), "attempt 2: hosts is not a list of host names"),
+    (second(started="x"), "attempt 2: started/ended are not times"),
+    (second(ended=float("nan")), "attempt 2: started/ended are not times"),
+    (second(outcome=["x"]), "attempt 2: outcome is not text"),
+    (second(resumed_from="../../etc/passwd"), "attempt 2: resumed_from is not a snapshot's name"),
+    ({"attempts": [{**FIRST, "number": True}]}, "attempt 1 is numbered True"),
+])
+def test_a_host_copy_that_fails_a_check_is_refused_saying_why(change, message):
+    rec = local_record()
+    with pytest.raises(ValueError, match=message):
+        rec.with_host_data(host_doc(rec, **change), {"a", "b"})
+    with pytest.raises(ValueError, match="not a JSON object but list"):
+        rec.with_host_data([], {"a"})

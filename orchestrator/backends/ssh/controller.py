@@ -1,33 +1,82 @@
 """A detached job's controller (detached.py): what runs in its container on the controller's host,
 started there as `python3 -m orchestrator.backends.ssh.controller /ctl` (detached.start_script).
-It runs the job's whole life (job.py, the same stages) from launch.pickle, writes the end to
-done.json, and removes its credentials: its key from every host, its private key, the pickle and
-the secrets from /ctl."""
+It runs the job's whole life (job.py, the same stages) from launch.pickle, writes its key's line
+again on every host while the job lives (its expiry moved on: hosts/keys.py), writes the end to
+done.json, and removes its credentials: its key from every host (checked, tried again, the hosts
+where it failed named in done.json and its log), its private key, the pickle and the secrets from
+/ctl."""
 from __future__ import annotations
 
 import json
 import pickle
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Launch
-from orchestrator.backends.ssh.detached import DONE
+from orchestrator.backends.ssh.detached import DONE, KEY_FILE, revoke_on
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
-from orchestrator.hosts.keys import revoke_script
-from orchestrator.transport import deadlines
-from orchestrator.transport.remote import Session
+from orchestrator.hosts import keys
+from orchestrator.hosts.keys import renew_script
+from orchestrator.transport.remote import Session, failure
 
 if TYPE_CHECKING:
     from orchestrator.config.inventory import Inventory
 
 
-def revoke_everywhere(inv: Inventory, job_id: str) -> None:
+def revoke_everywhere(inv: Inventory, job_id: str) -> dict[str, str]:
+    """The job's key removed from every host, checked there: the hosts where it failed, with why."""
     with Session(inv.all_hosts) as session:
-        session.fan_out(lambda h: session.run(h, revoke_script([job_id]), timeout=deadlines.STATUS_TIMEOUT,
-                                              what="removing the controller's key"), inv.all_hosts)
+        left = revoke_on(session, inv.all_hosts, [job_id])
+    for why in left.values():
+        print(f"warning: {why}: the controller's key may still be there; fab status takes it back",
+              file=sys.stderr, flush=True)
+    return left
+
+
+class Renewal:
+    """A thread that writes the job's line again on every host every `renew` seconds, with an expiry
+    `lifetime` seconds on; stopped (and waited for) before the key is removed, so that no renewal
+    comes after the removal. A host where the line is gone (fab stop took it back) is left so."""
+
+    def __init__(self, inv: Inventory, job_id: str, grant: dict) -> None:
+        self.inv, self.job_id = inv, job_id
+        self.public, self.sources = str(grant["public"]), {k: list(v) for k, v in grant["from"].items()}
+        self.lifetime, self.renew = int(grant["lifetime"]), int(grant["renew"])
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="key-renewal", daemon=True)
+
+    def start(self) -> Renewal:
+        self.thread.start()
+        return self
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.renew):
+            try:
+                self.once()
+            except Exception as exc:  # noqa: BLE001 - the next round tries again; the job goes on
+                print(f"warning: renewing the controller's key failed: {exc!r}", file=sys.stderr, flush=True)
+
+    def once(self) -> dict[str, str]:
+        """One round on every host: host -> why, where it failed."""
+        hosts = [h for h in self.inv.all_hosts if h.name in self.sources]
+        what = "renewing the controller's key"
+        with Session(hosts) as session:
+            done = session.fan_out(lambda h: session.run(
+                h, renew_script(self.job_id, self.public, self.sources[h.name], self.lifetime),
+                timeout=keys.TIMEOUT, what=what), hosts)
+        failed = {h.name: why for h in hosts if (why := failure(h, done[h.name], what))}
+        for why in failed.values():
+            print(f"warning: {why}", file=sys.stderr, flush=True)
+        return failed
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
 def main(root: Path) -> int:
@@ -37,8 +86,10 @@ def main(root: Path) -> int:
     from orchestrator.backends.ssh.backend import SshBackend
     launch: Launch = pickle.loads((root / "launch.pickle").read_bytes())  # noqa: S301 - written by fab train
     launch = replace(launch, console=Console(stderr=True, highlight=False, soft_wrap=True))
-    end = {"state": "failed", "error": "", "closing": ""}
+    end: dict = {"state": "failed", "error": "", "closing": ""}
+    renewal = None
     try:
+        renewal = Renewal(launch.inv, launch.spec.job_id, json.loads((root / KEY_FILE).read_text())).start()
         finished = SshBackend().run(launch)
         end = {"state": "finished" if finished.error is None else "failed",
                "error": str(finished.error or ""), "closing": finished.closing}
@@ -51,7 +102,9 @@ def main(root: Path) -> int:
         raise
     finally:
         try:
-            revoke_everywhere(launch.inv, launch.spec.job_id)
+            if renewal is not None:
+                renewal.stop()
+            end["keys_left"] = revoke_everywhere(launch.inv, launch.spec.job_id)
         finally:
             for name in ("key", "launch.pickle"):
                 (root / name).unlink(missing_ok=True)

@@ -9,23 +9,37 @@ What is copied where (README: Detached jobs). On the controller's host, in
 <job.output_dir>/.controllers/JOB (mode 700, the SSH user's own), mounted at /ctl in the controller:
   key, key.pub    an SSH key made for this job alone (Ed25519, mode 600). Its public half is added
                   to ~/.ssh/authorized_keys of the SSH user on every host and spare, marked
-                  `fabtrain-controller:JOB` and restricted (no forwarding), and removed from them at
-                  the job's end (by the controller, or by `fab stop --job JOB`).
+                  `fabtrain-controller:JOB`, with `restrict`, `from=` the controller's host's
+                  addresses and an `expiry-time=` the controller moves on while the job lives
+                  (hosts/keys.py says why each); removed at the job's end by the controller, and
+                  checked gone by this machine (`fab status`, `fab logs`, `fab stop --job JOB`),
+                  which names every host that still holds it until it is gone.
+  key.json        what the controller needs to write its line again: the from= list of each host,
+                  the line's lifetime and how often it is renewed.
   known_hosts     the host keys this machine trusts for the job's hosts: the controller checks them.
   secrets/NAME    job.secret_files' contents (mode 600).
   launch.pickle   the job as this machine resolved it (inventory, spec, policy, record), mode 600.
   fabtrain/       the orchestrator's code, as it is here; code/: the job's code tree.
   runs/JOB/       the job's run directory, as the controller writes it.
 The key, secrets and launch.pickle are removed when the controller ends; `fab logs` and `fab status`
-fetch runs/JOB here once the job has ended, then remove the whole directory.
+fetch runs/JOB here once the job has ended, then remove the whole directory. The directory is mounted
+in no job container (they mount job.output_dir/JOB, the code and the runtime directory; submit.py
+refuses an inventory mount that would hold it).
+
+What comes back is data (README: Security). The controller's copy of the job's record is not copied
+over this machine's: it is read as hostile data and only what a controller changes (the state, the
+attempts after this machine's) is taken into this machine's record (JobRecord.with_host_data), so
+notify, the inventory, secrets, code and image always come from this machine's own record.
 
 The controller runs as the SSH user's uid, with every capability dropped and no new privileges,
 on the host's network (it reaches the hosts as this machine does, at their addresses).
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,11 +48,12 @@ from orchestrator.backends.base import Finished
 from orchestrator.commands import hostfiles, sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
-from orchestrator.core.recovery import JobRecord
+from orchestrator.core.recovery import RECORD, STATES, JobRecord
+from orchestrator.hosts import keys
 from orchestrator.hosts.keys import revoke_script
 from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport import deadlines
-from orchestrator.transport.remote import Session, describe
+from orchestrator.transport.remote import Session, describe, failure
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -47,7 +62,8 @@ if TYPE_CHECKING:
     from orchestrator.transport.remote import PerHost
 
 MOUNT = "/ctl"
-DONE = "done.json"         # the controller's last word: {"state", "error", "closing"}
+DONE = "done.json"         # the controller's last word: {"state", "error", "closing", "keys_left"}
+KEY_FILE = "key.json"      # what the controller renews its key's line with (submit.start writes it)
 FETCH_TIMEOUT = 600.0
 FOLLOW_POLL = 2.0          # seconds between looks while a detached job is between attempts
 
@@ -94,13 +110,26 @@ def place_of(inv: Inventory, record: JobRecord) -> Place | None:
 
 # ---------------------------------------------------------------- this machine: after the end
 
+RECORD_MAX = 1 << 20       # bytes of the controller's copy of the record read (a real one: a few KiB)
+NO_RECORD = 3              # host_record_command's exit status: the controller wrote none
+NOT_A_FILE = 5             # ... and when job.json there is a link, a directory or the like
+REVOKE_TRIES = 3
+REVOKE_PAUSE = 1.0         # seconds before the second try of a key's removal, twice that before the third
+
+
+class HostRecordRefused(UserError):
+    """The controller's copy of a job's record was not taken; this machine's record stands."""
+
+
 def done_command(p: Place) -> str:
     return sshargs.shell(["cat", f"{p.dir}/{DONE}"])
 
 
 def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | None:
-    """The controller's end ({"state", "error", "closing"}) and runs/JOB copied here, then its
-    directory removed from the host; None while the controller has not ended."""
+    """The controller's end ({"state", "error", "closing", "keys_left"}) and runs/JOB copied here,
+    then its directory removed from the host and its key from every host (keys_left: the hosts where
+    that failed, with why); None while the controller has not ended. HostRecordRefused, after all of
+    that, when the controller's copy of the record was refused (this machine's is kept)."""
     r = session.run(p.host, done_command(p), timeout=deadlines.STATUS_TIMEOUT, what="asking the controller")
     if not r.ok:
         return None
@@ -109,41 +138,128 @@ def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | N
         end = {k: hostile.text(str(done.get(k) or "")) for k in ("state", "error", "closing")}
     except (ValueError, AttributeError):
         end = {"state": "failed", "error": "the controller's done.json is not JSON", "closing": ""}
-    fetched = copy_runs(session, p, record, runs, {"fetched": time.time()})
+    if end["state"] not in STATES:
+        end["state"] = "failed"
+    refused = None
+    try:
+        fetched = copy_runs(session, p, record, runs, {"fetched": time.time()})
+    except HostRecordRefused as exc:
+        refused = exc
+        fetched = copy.deepcopy(record)
+        fetched.controller = {**record.controller, "fetched": time.time()}
     if fetched.state == "running":  # the controller ended before its job did (refused, or it failed)
         fetched.state = end["state"] if end["state"] != "running" else "failed"
-        fetched.save(runs / record.job_id)
-    remove(session, p)
-    return end
+    left = remove(session, p)
+    fetched.controller["keys"] = sorted(left)
+    fetched.save(runs / record.job_id)
+    if refused is not None:
+        raise HostRecordRefused(f"{refused}{keys_line(record.job_id, left, '; ')}") from None
+    return {**end, "keys_left": left}
 
 
 def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: dict) -> JobRecord:
-    """The controller's runs/JOB copied here whole (snapshots too), as safely as any host's outputs;
-    the record copied with it keeps where its controller was, and `mark`."""
-    run_dir = runs / record.job_id
+    """The controller's runs/JOB copied here whole (snapshots too), as safely as any host's outputs,
+    but for its record: that one is read as data (host_record) and merged into this machine's, which
+    keeps where its controller was, and `mark`. HostRecordRefused, with this machine's record as it
+    was, when the controller's copy cannot be taken."""
+    job = record.job_id
+    run_dir = runs / job
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = sshargs.fetch_argv(p.host, f"{p.dir}/runs/{record.job_id}", str(run_dir))
-    got = session.local([a for a in argv if not a.startswith("--exclude")], FETCH_TIMEOUT)
+    argv = [a for a in sshargs.fetch_argv(p.host, f"{p.dir}/runs/{job}", str(run_dir))
+            if not a.startswith("--exclude")]
+    # No copy from a host ever writes this machine's record (nor the file the controller saves it through).
+    argv[1:1] = [f"--exclude=/{RECORD}", f"--exclude=/.{RECORD}.tmp"]
+    got = session.local(argv, FETCH_TIMEOUT)
     if not got.ok:
-        raise UserError(f"{p.host.name}: fetching {p.dir}/runs/{record.job_id} failed: "
+        raise UserError(f"{p.host.name}: fetching {p.dir}/runs/{job} failed: "
                         f"{hostile.line(got.stderr.strip(), 300)}; it stays there: run the command again")
-    try:
-        fetched = JobRecord.load(runs, record.job_id, "the controller's record of")
-    except UserError:  # the controller ended before its job began: keep ours
-        fetched = record
-    fetched.controller = {**record.controller, **mark}
-    fetched.spec["code"] = record.spec["code"]  # the controller's copy was /ctl/code; resumes read it here
-    fetched.save(run_dir)
-    return fetched
+    merged = host_record(session, p, record)
+    merged.controller = {**record.controller, **mark}
+    merged.save(run_dir)
+    return merged
 
 
-def remove(session: Session, p: Place) -> None:
-    """The controller's directory, and its key on every host (what it may have left), gone."""
+def host_record_path(p: Place) -> str:
+    return f"{p.dir}/runs/{p.job}/{RECORD}"
+
+
+def host_record_command(p: Place) -> str:
+    """Its first RECORD_MAX + 1 bytes (more is refused), if it is a plain file."""
+    f = sshargs.shell([host_record_path(p)])
+    return (f"[ -e {f} ] || [ -L {f} ] || exit {NO_RECORD}; [ -f {f} ] && [ ! -L {f} ] || exit {NOT_A_FILE}; "
+            + sshargs.shell(["head", "-c", str(RECORD_MAX + 1), host_record_path(p)]))
+
+
+def host_record(session: Session, p: Place, record: JobRecord) -> JobRecord:
+    """This machine's record with the controller's state and attempts (JobRecord.with_host_data),
+    read from the controller's copy as hostile data; this machine's record as it is when the
+    controller wrote none (it ended before its job began). HostRecordRefused naming the host and the
+    file when the copy cannot be read, is too large, is not JSON or fails the checks."""
+    job, where = record.job_id, f"{p.host.name}:{host_record_path(p)}"
+    r = session.run(p.host, host_record_command(p), timeout=deadlines.STATUS_TIMEOUT,
+                    what="reading the controller's record")
+    if r.exited == NO_RECORD:
+        return copy.deepcopy(record)
+    why = ""
+    if r.exited == NOT_A_FILE:
+        why = "it is not a plain file (a link, a directory?)"
+    elif not r.ok:
+        why = f"it could not be read: {hostile.line(r.stderr.strip() or f'exit {r.exited}', 200)}"
+    elif len(r.stdout.encode()) > RECORD_MAX:
+        why = f"it is larger than {RECORD_MAX} bytes"
+    else:
+        names = {h.name for h in session.hosts} | set(record.selected or ())
+        names |= {n for a in record.attempts for n in a.hosts}
+        try:
+            return record.with_host_data(json.loads(r.stdout), names)
+        except ValueError as exc:  # json's errors too
+            why = hostile.line(str(exc), 300)
+    raise HostRecordRefused(
+        f"{where}: the controller's copy of job {job}'s record was refused: {why}. This machine's record "
+        f"(runs/{job}/job.json) is kept, with the state and attempts it had when the job was detached; a "
+        "controller changes only those, so a change to anything else there was made by someone else: "
+        "look at that host", exit_code=1)
+
+
+def remove(session: Session, p: Place) -> dict[str, str]:
+    """The controller and its directory gone from its host, and its key from every host of the
+    session: the hosts where that key may still be, with why (revoke_on)."""
     session.run(p.host, sshargs.shell(["docker", "rm", "-f", p.container]) + " >/dev/null 2>&1; "
                 + sshargs.shell(["rm", "-rf", p.dir]), timeout=deadlines.STATUS_TIMEOUT,
                 what="removing the controller and its directory")
-    session.fan_out(lambda h: session.run(h, revoke_script([p.job]), timeout=deadlines.STATUS_TIMEOUT,
-                                          what="removing the controller's key"))
+    return revoke_on(session, session.hosts, [p.job])
+
+
+def revoke_on(session: Session, hosts: Sequence[Host], job_ids: Sequence[str], tries: int = REVOKE_TRIES,
+              pause: float = REVOKE_PAUSE) -> dict[str, str]:
+    """These jobs' controller keys removed from each host, checked there (keys.revoke_script), tried
+    again where that failed (the host did not answer, its lock was busy): host -> why, for the hosts
+    where it failed every time."""
+    what = "removing the controller's key"
+    left: dict[str, str] = {}
+    todo = tuple(hosts)
+    for n in range(tries):
+        if n:
+            time.sleep(pause * n)
+        done = session.fan_out(
+            lambda h: session.run(h, revoke_script(job_ids), timeout=keys.TIMEOUT, what=what), todo
+        )
+        left = {h.name: why for h in todo if (why := failure(h, done[h.name], what))}
+        todo = tuple(h for h in todo if h.name in left)
+        if not todo:
+            break
+    return left
+
+
+def keys_line(job: str, left: dict[str, str], lead: str = "") -> str:
+    """What a person is told about hosts that may still hold a job's controller key ('' if none)."""
+    if not left:
+        return ""
+    names = sorted(left)
+    return (f"{lead}{job}: its controller's key may still be in ~/.ssh/authorized_keys on {', '.join(names)} "
+            f"({'; '.join(left[n] for n in names)}); 'fab status' tries again, as does "
+            f"'fab stop --job {job}' (the line expires by itself a while after its controller last renewed "
+            f"it: {keys.LIFETIME // 3600} h by default)")
 
 
 def controllers(found: PerHost) -> dict[str, str]:
@@ -174,28 +290,61 @@ def keys_to_revoke(found: PerHost, targets: list[str], runs: Path) -> list[str]:
     return out
 
 
-def detached_records(runs: Path) -> list[JobRecord]:
-    """This machine's records of detached jobs whose run directory is not fetched yet."""
+def _records(runs: Path) -> list[JobRecord]:
     found = []
     for path in sorted(runs.glob("*/job.json")) if runs.is_dir() else ():
         try:
-            record = JobRecord.load(runs, path.parent.name, "runs/")
+            found.append(JobRecord.load(runs, path.parent.name, "runs/"))
         except UserError:
             continue
-        if unfetched(record):
-            found.append(record)
     return found
+
+
+def detached_records(runs: Path) -> list[JobRecord]:
+    """This machine's records of detached jobs whose run directory is not fetched yet."""
+    return [r for r in _records(runs) if unfetched(r)]
+
+
+def keys_held(runs: Path) -> list[JobRecord]:
+    """This machine's records of detached jobs whose controller is done with (fetched, or taken
+    over and ended since) and whose key this machine has not yet seen gone from every host."""
+    return [r for r in _records(runs) if r.controller and not unfetched(r) and r.state != "running"
+            and r.controller.get("keys")]
+
+
+def take_back(session: Session, inv: Inventory, record: JobRecord, found: PerHost) -> dict[str, str]:
+    """The job's controller key removed from the hosts its record says may hold it: those where it
+    still may, with why (one the survey found unreachable is not tried)."""
+    names = [n for n in record.controller.get("keys") or () if isinstance(n, str)]
+    by_name = {h.name: h for h in inv.all_hosts}
+    left = {hostile.line(n, 80): f"{inv.path} names no such host" for n in names if n not in by_name}
+    left.update({n: f"{n} does not answer" for n in names if n in by_name and found.error(n) is not None})
+    ask = tuple(by_name[n] for n in names if n in by_name and n not in left)
+    return {**left, **revoke_on(session, ask, [record.job_id])}
+
+
+def save_keys(runs: Path, job: str, left: dict[str, str]) -> None:
+    """The record's hosts that may hold the key, read and written back at once (a `fab train
+    --resume` of the job may be saving it too)."""
+    try:
+        record = JobRecord.load(runs, job, "runs/")
+    except UserError:
+        return
+    record.controller["keys"] = sorted(left)
+    record.save(runs / job)
 
 
 def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -> list[str]:
     """fab status on detached jobs: those that ended are fetched (runs/JOB) and their controller's
-    directory removed; a controller that is gone, or whose host does not answer, is named."""
-    lines, seen = [], controllers(found)
+    directory removed; a controller that is gone, or whose host does not answer, is named; a
+    controller's key still on a host is named, and taken back once the host answers."""
+    lines, seen, said = [], controllers(found), set()
     for record in detached_records(runs):
         p = place_of(inv, record)
         if p is None:
             continue
         job = record.job_id
+        said.add(job)
         if found.error(p.host.name) is not None:
             lines.append(
                 f"{job}: its controller's host {p.host.name} does not answer (lost?), with the job's "
@@ -205,17 +354,31 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
             continue
         try:
             end = fetch(session, p, record, runs)
+        except HostRecordRefused as exc:
+            lines.append(f"{job}: ended; its run is fetched into {runs / job}, but {exc}")
+            continue
         except Exception as exc:  # noqa: BLE001 - one job's fetch never hides the others
             lines.append(f"{job}: its run could not be fetched from {p.host.name}: {describe(p.host, exc)}")
             continue
         if end is not None:
             why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
-            lines.append(f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}")
+            lines.append(f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
+                         + keys_line(job, end["keys_left"], "; "))
         elif not seen.get(job, "").endswith(" running"):
+            # Nobody needs its key now: `fab attach` goes on with this machine's own.
+            left = take_back(session, inv, record, found)
             lines.append(f"{job}: its controller on {p.host.name} is gone without an end; 'fab attach {job}' "
-                         "takes the job over here")
+                         "takes the job over here" + keys_line(job, left, "; "))
         else:
             lines.append(f"{job}: detached, its controller runs on {p.host.name}")
+    # A record whose controller's host this inventory does not name belongs to another inventory.
+    for record in (r for r in keys_held(runs) if r.job_id not in said and place_of(inv, r) is not None):
+        job, before = record.job_id, set(record.controller["keys"])
+        left = take_back(session, inv, record, found)
+        save_keys(runs, job, left)
+        gone = sorted(before - set(left))
+        lines += ([f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else [])
+        lines += [keys_line(job, left)] if left else []
     return lines
 
 
@@ -249,7 +412,7 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                     runs / job,
                     error,
                     f"job {job} {end['state']}; logs and outputs in {runs / job} (fetched from its "
-                    f"controller on {p.host.name})",
+                    f"controller on {p.host.name})" + keys_line(job, end["keys_left"], "\n  warning: "),
                 )
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):

@@ -1,9 +1,13 @@
 """fab train --detach on this machine: the controller's files staged (detached.py's docstring says
-what is copied where), its key added on every host, the files and the image copied to the
-controller's host, and the controller started there (it runs backends/ssh/controller.py)."""
+what is copied where), the controller's host's addresses found, its key added on every host (usable
+only from those addresses, for a while the controller keeps moving on: hosts/keys.py), the files and
+the image copied to the controller's host, and the controller started there (it runs
+backends/ssh/controller.py)."""
 from __future__ import annotations
 
+import json
 import pickle
+import posixpath
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished, Launch
-from orchestrator.backends.ssh.detached import MOUNT, Place, place, remove
+from orchestrator.backends.ssh.detached import KEY_FILE, MOUNT, Place, keys_line, place, remove
 from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.sshconf import SSH
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
+from orchestrator.hosts import keys
 from orchestrator.hosts.keys import authorize_script, marker
 from orchestrator.hosts.survey import CONTROLLER_LABEL
 from orchestrator.transport import deadlines
@@ -123,6 +128,8 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
         raise UserError(f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
                         "cannot use yet; run the job without --detach", exit_code=2)
     p = place(inv, spec.job_id)
+    refuse_exposing_mounts(p)
+    lifetime, renew = keys.lifetimes()
     from orchestrator.images import images
     try:
         images.local_image(inv.controller.image)
@@ -137,11 +144,15 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
         stage = Path(tmp) / "stage"
         public = stage_files(stage, launch)
         try:
-            failed = start(session, p, stage, launch, public)
-        except BaseException:
-            remove(session, p)
+            failed = start(session, p, stage, launch, public, lifetime, renew)
+        except BaseException as exc:
+            left = remove(session, p)
+            if left and isinstance(exc, UserError):
+                more = keys_line(spec.job_id, left, "; ")
+                raise UserError(f"{exc}{more}", exit_code=exc.exit_code) from None
             raise
-    job_record.controller = p.record()
+    # Every host may hold the key until this machine sees it gone (detached.fetch, status_lines).
+    job_record.controller = {**p.record(), "keys": sorted(h.name for h in inv.all_hosts)}
     run_dir = launch.runs / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
     job_record.save(run_dir)
@@ -151,6 +162,22 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
                     f"job {spec.job_id} detached: its controller runs on {p.host.name} ({p.container}). "
                     f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
                     f"{spec.job_id}' ends it{warn}")
+
+
+def refuse_exposing_mounts(p: Place) -> None:
+    """UserError when a host directory the inventory mounts into the job's containers on the
+    controller's host holds the controller's directory (its key, secrets and launch): the job's code,
+    which anyone may have written, would read them there."""
+    for m in p.host.mounts:
+        source = posixpath.normpath(m.source)
+        if source == "/" or p.dir == source or p.dir.startswith(source.rstrip("/") + "/"):
+            raise UserError(
+                f"--detach: {p.host.name}'s mount {m.source}:{m.target} (the inventory's hosts: mounts) "
+                f"holds {p.dir}, where the controller keeps its SSH key and the job's secrets: every "
+                "container of the job there could read them. Mount a narrower directory, set "
+                "job.output_dir outside it, or name another host under controller:",
+                exit_code=2,
+            )
 
 
 def stage_files(stage: Path, launch: Launch) -> str:
@@ -183,15 +210,20 @@ def code_copy(dest: Path) -> None:
     (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
 
 
-def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) -> dict[str, str]:
-    """The key on every host (the controller's directory made in the same round trip), then at once
-    the image placed and the files copied, then the controller run; the hosts (other than the
-    controller's) that did not take the key, with why."""
+def start(session: Session, p: Place, stage: Path, launch: Launch, public: str, lifetime: int,
+          renew: int) -> dict[str, str]:
+    """The controller's host's addresses found, then the key on every host (the controller's
+    directory made in the same round trip), then at once the image placed and the files copied,
+    then the controller run; the hosts (other than the controller's) that did not take the key,
+    with why."""
     inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
     from orchestrator.images import images
-    first = {h.name: authorize_script(public) for h in inv.all_hosts}
+    sources = controller_sources(session, p, inv)
+    write(stage / KEY_FILE, json.dumps({"public": public, "from": sources, "lifetime": lifetime,
+                                        "renew": renew}).encode())
+    first = {h.name: authorize_script(spec.job_id, public, sources[h.name], lifetime) for h in inv.all_hosts}
     first[p.host.name] += " && " + prepare_script(p)
-    ok = session.fan_out(lambda h: session.run(h, first[h.name], timeout=deadlines.STATUS_TIMEOUT,
+    ok = session.fan_out(lambda h: session.run(h, first[h.name], timeout=keys.TIMEOUT,
                                                what="adding the controller's key"), inv.all_hosts)
     failed = {}
     for h in inv.all_hosts:
@@ -233,6 +265,19 @@ def start(session: Session, p: Place, stage: Path, launch: Launch, public: str) 
     if not r.ok:
         raise UserError(f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip(), 300)}")
     return {n: why for n, why in failed.items() if n != p.host.name}
+
+
+def controller_sources(session: Session, p: Place, inv: Inventory) -> dict[str, list[str]]:
+    """Each host's from= list for the key: the controller's host's addresses as that host shows
+    them (keys.addresses_script), loopback too on its own line when its address resolves there to it."""
+    r = session.run(p.host, keys.addresses_script(p.host.ssh.hostname), timeout=deadlines.STATUS_TIMEOUT,
+                    what="listing its addresses")
+    if not r.ok:
+        raise UserError(f"--detach: listing the addresses of {p.host.name}, the controller's host, failed: "
+                        f"{hostile.line(r.stderr.strip() or f'exit {r.exited}', 300)}", exit_code=1)
+    addresses, via_loopback = keys.parse_addresses(r.stdout, p.host.name)
+    by_host = keys.sources_by_host([h.name for h in inv.all_hosts], p.host.name, addresses, via_loopback)
+    return {n: list(v) for n, v in by_host.items()}
 
 
 def write(path: Path, data: bytes) -> None:
