@@ -17,7 +17,7 @@ import pytest
 from orchestrator.config.inventory import parse
 from orchestrator.core import recovery
 from orchestrator.core.errors import UserError
-from orchestrator.dashboard import server, views
+from orchestrator.dashboard import gate, server, views
 from orchestrator.progress import top
 
 INV = parse(
@@ -230,7 +230,7 @@ def serving(srv):
 def running(tmp_path):
     runs, job = job_dir(tmp_path)
     srv = server.listen("127.0.0.1", 0, StillRefresher(), server.JobPages(runs),
-                        server.token_for("127.0.0.1", None))
+                        gate.token_for("127.0.0.1", None))
     serving(srv)
     yield srv.server_address[1], job
     srv.shutdown()
@@ -321,42 +321,42 @@ def this_machine(monkeypatch):
         except ValueError:
             raise socket.gaierror(-2, "Name or service not known") from None
         return real(name, port, *args, **kwargs)  # an address (the tests' own 127.0.0.1): no lookup
-    monkeypatch.setattr(server.socket, "gethostname", lambda: "Box")
-    monkeypatch.setattr(server.socket, "getfqdn", lambda name="": "box.lab.example")
-    monkeypatch.setattr(server.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(gate.socket, "gethostname", lambda: "Box")
+    monkeypatch.setattr(gate.socket, "getfqdn", lambda name="": "box.lab.example")
+    monkeypatch.setattr(gate.socket, "getaddrinfo", getaddrinfo)
 
 
 def test_allowed_hosts(this_machine):
-    assert server.allowed_hosts("10.1.2.3", 8765) == {"10.1.2.3", "10.1.2.3:8765"}
-    assert server.allowed_hosts("127.0.0.1", 8765) == {
+    assert gate.allowed_hosts("10.1.2.3", 8765) == {"10.1.2.3", "10.1.2.3:8765"}
+    assert gate.allowed_hosts("127.0.0.1", 8765) == {
         "127.0.0.1", "127.0.0.1:8765", "localhost", "localhost:8765", "[::1]", "[::1]:8765"}
     every = {"box", "box.lab.example", "10.0.0.5", "[fe80::5]", "localhost", "127.0.0.1", "[::1]"}
-    assert server.answered_names("0.0.0.0") == server.answered_names("::") == every
-    assert server.allowed_hosts("0.0.0.0", 8765) == every | {f"{n}:8765" for n in every}
-    assert server.allowed_hosts("10.1.2.3", 80, ["Dash.Example", "proxy.example:443", "fd00::9"]) == {
+    assert gate.answered_names("0.0.0.0") == gate.answered_names("::") == every
+    assert gate.allowed_hosts("0.0.0.0", 8765) == every | {f"{n}:8765" for n in every}
+    assert gate.allowed_hosts("10.1.2.3", 80, ["Dash.Example", "proxy.example:443", "fd00::9"]) == {
         "10.1.2.3", "10.1.2.3:80", "dash.example", "dash.example:80", "proxy.example:443", "[fd00::9]",
         "[fd00::9]:80"}
 
 
 def test_allow_host_repeated_or_comma_separated_and_only_names():
-    assert server.allow_list(["a.example", "b.example,10.0.0.9:8080", " c , d"]) == (
+    assert gate.allow_list(["a.example", "b.example,10.0.0.9:8080", " c , d"]) == (
         "a.example", "b.example", "10.0.0.9:8080", "c", "d")
     for bad in ("*", "a/b", "evil.example?x", "a@b"):
         with pytest.raises(UserError, match=r"--allow-host '.*' is not a host name or address; give the"):
-            server.allow_list([bad])
+            gate.allow_list([bad])
 
 
 def test_a_token_on_every_address_but_loopback():
-    assert server.token_for("127.0.0.1", None) is None and server.token_for("::1", None) is None
-    made = {server.token_for(a, None) for a in ("0.0.0.0", "::", "10.1.2.3", "192.168.1.4")}
-    assert len(made) == 4 and all(t and len(t) >= 43 and server.TOKEN_CHARS.fullmatch(t) for t in made)
+    assert gate.token_for("127.0.0.1", None) is None and gate.token_for("::1", None) is None
+    made = {gate.token_for(a, None) for a in ("0.0.0.0", "::", "10.1.2.3", "192.168.1.4")}
+    assert len(made) == 4 and all(t and len(t) >= 43 and gate.TOKEN_CHARS.fullmatch(t) for t in made)
 
 
 def test_a_token_file(tmp_path):
     good = tmp_path / "token"
     good.write_text("  s3cret-token_of.24~chars  \nsecond line\n")
-    assert server.token_for("0.0.0.0", str(good)) == "s3cret-token_of.24~chars"
-    assert server.token_for("127.0.0.1", str(good)) == "s3cret-token_of.24~chars"  # asked for: given
+    assert gate.token_for("0.0.0.0", str(good)) == "s3cret-token_of.24~chars"
+    assert gate.token_for("127.0.0.1", str(good)) == "s3cret-token_of.24~chars"  # asked for: given
     (tmp_path / "empty").write_text("\nsomething\n")
     (tmp_path / "short").write_text("abc\n")
     (tmp_path / "spaces").write_text("a token with spaces in it\n")
@@ -368,7 +368,7 @@ def test_a_token_file(tmp_path):
                       ("fifo", "is not a regular file"), (".", "is not a regular file")):
         path = tmp_path / name
         with pytest.raises(UserError, match=f"^--token-file {path}:? {why}") as refused:
-            server.token_for("0.0.0.0", str(path))
+            gate.token_for("0.0.0.0", str(path))
         assert refused.value.exit_code == 2
 
 
@@ -408,14 +408,14 @@ def test_on_every_address_a_request_without_the_token_is_refused(everywhere):
         assert b"cookie" in body and b"?token=" in body and "Set-Cookie" not in headers
     status, headers, body = ask(port, "GET", "/")
     assert headers["Content-Type"] == "text/plain; charset=utf-8"
-    assert body == (server.NEEDS_TOKEN + "\n").encode()
+    assert body == (gate.NEEDS_TOKEN + "\n").encode()
     status, headers, body = ask(port, "GET", "/api/overview")
     assert headers["Content-Type"] == "application/json"
-    assert json.loads(body) == {"error": server.NEEDS_TOKEN}
+    assert json.loads(body) == {"error": gate.NEEDS_TOKEN}
     assert ask(port, "HEAD", "/")[0:3:2] == (401, b"")
     for wrong in ("WRONG", "", GOOD_TOKEN[:-1], GOOD_TOKEN + "x", "%C3%A9" * 10):
         status, headers, body = ask(port, "GET", f"/?token={wrong}")
-        assert (status, body) == (401, (server.WRONG_TOKEN + "\n").encode()) and "Set-Cookie" not in headers
+        assert (status, body) == (401, (gate.WRONG_TOKEN + "\n").encode()) and "Set-Cookie" not in headers
     assert ask(port, "GET", f"/?token={GOOD_TOKEN}&token=WRONG")[0] == 401
     for cookie in (f"fabtrain_dashboard_{port}=WRONG", f"fabtrain_dashboard_1={GOOD_TOKEN}",
                    f"fabtrain_dashboard_{port}x={GOOD_TOKEN}", f"other={GOOD_TOKEN}", "\u00e9=\u00e9"):
