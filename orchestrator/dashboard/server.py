@@ -7,10 +7,10 @@ cost does not grow with the number of people looking. A job's page reads runs/JO
 
 GET and HEAD only: stopping a job stays a command. Every answer carries a Content-Security-Policy
 that lets the page load only its own three files and talk only to this server, so a host's text
-can never become a script there. A Gate stands before every page: a Host header that is not one of
-this server's names is refused (gate.py: a web page elsewhere cannot read the dashboard by pointing a name of
-its own at its address, 0.0.0.0 included), and on any address but loopback a request without the
-dashboard's token is refused (every job's logs are there).
+can never become a script there. A Gate (gate.py) stands before every page: a Host header that is
+not one of this server's names is refused (a web page elsewhere cannot read the dashboard by
+pointing a name of its own at its address, 0.0.0.0 included), and on any address but loopback a
+request without the dashboard's token is refused (every job's logs are there).
 """
 from __future__ import annotations
 
