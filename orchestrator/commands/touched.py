@@ -36,35 +36,32 @@ NOT_SAFE = 5     # exit status: a name there is not the directory or regular fil
 
 # $1 root (made by fabtrain, no container can replace it), $2 the directories below it ('/'
 # between, each a name of ours), $3 the file's name there, $4 what to do, $5 its argument.
-_SCRIPT = r"""cd -P "$1" 2>/dev/null || exit 4
-IFS=/; set -f
-for c in $2; do
-  [ -e "$c" ] || [ -L "$c" ] || exit 4
-  p=$(stat -c %d:%i -- "$c" 2>/dev/null) && cd -P -- "$c" 2>/dev/null && [ "$(stat -c %d:%i .)" = "$p" ] \
-    || { echo "refused: $1/$2 is not a directory (a link, or changed while entered)" >&2; exit 5; }
-done
-unset IFS; n=$3
-case $4 in
-  remove) shift 4; exec rm -f -- "$@";;
-  age) [ -f "$n" ] && [ ! -L "$n" ] && echo $(( $(date +%s) - $(stat -c %Y -- "$n") ));  exit;;
-  is) [ -f "$n" ] && [ ! -L "$n" ]; exit;;
-  until) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done; exit 0;;
-  follow) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done;;
-esac
-[ -e "$n" ] || [ -L "$n" ] || exit 4
-[ -f "$n" ] && [ ! -L "$n" ] || { echo "refused: $1/$2/$n is not a regular file (a link?)" >&2; exit 5; }
-( sleep __BOUND__; kill -KILL $$ ) >/dev/null 2>&1 </dev/null & w=$!
-command exec 3<"$n"; r=$?; kill $w 2>/dev/null
-[ $r = 0 ] && [ -f /proc/self/fd/3 ] \
-  && [ "$(stat -L -c %d:%i /proc/self/fd/3)" = "$(stat -c %d:%i -- "$n")" ] \
-  || { echo "refused: $1/$2/$n changed while opened (a link?)" >&2; exit 5; }
-case $4 in
-  tail) exec tail -c "$5" /proc/self/fd/3;;
-  from) exec tail -c "+$5" /proc/self/fd/3;;
-  head) exec head -c "$5" /proc/self/fd/3;;
-  follow) exec tail -c +1 -s 0.05 -f --pid="$5" /proc/self/fd/3;;
-esac
-""".replace("__BOUND__", str(OPEN_BOUND))
+# One line (a plan shows each command on one line), read as these statements in turn.
+_SCRIPT = " ".join((
+    'cd -P "$1" 2>/dev/null || exit 4;',
+    "IFS=/; set -f;",
+    'for c in $2; do [ -e "$c" ] || [ -L "$c" ] || exit 4;',
+    'p=$(stat -c %d:%i -- "$c" 2>/dev/null) && cd -P -- "$c" 2>/dev/null && [ "$(stat -c %d:%i .)" = "$p" ]',
+    '|| { echo "refused: $1/$2 is not a directory (a link, or changed while entered)" >&2; exit 5; }; done;',
+    "unset IFS; n=$3;",
+    'case $4 in remove) shift 4; exec rm -f -- "$@";;',
+    'age) [ -f "$n" ] && [ ! -L "$n" ] && echo $(( $(date +%s) - $(stat -c %Y -- "$n") )); exit;;',
+    'is) [ -f "$n" ] && [ ! -L "$n" ]; exit;;',
+    'until) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done; exit 0;;',
+    'follow) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done;; esac;',
+    '[ -e "$n" ] || [ -L "$n" ] || exit 4;',
+    '[ -f "$n" ] && [ ! -L "$n" ]',
+    '|| { echo "refused: $1/$2/$n is not a regular file (a link?)" >&2; exit 5; };',
+    f"( sleep {OPEN_BOUND}; kill -KILL $$ ) >/dev/null 2>&1 </dev/null & w=$!;",
+    'command exec 3<"$n"; r=$?; kill $w 2>/dev/null;',
+    '[ $r = 0 ] && [ -f /proc/self/fd/3 ]',
+    '&& [ "$(stat -L -c %d:%i /proc/self/fd/3)" = "$(stat -c %d:%i -- "$n")" ]',
+    '|| { echo "refused: $1/$2/$n changed while opened (a link?)" >&2; exit 5; };',
+    'case $4 in tail) exec tail -c "$5" /proc/self/fd/3;;',
+    'from) exec tail -c "+$5" /proc/self/fd/3;;',
+    'head) exec head -c "$5" /proc/self/fd/3;;',
+    'follow) exec tail -c +1 -s 0.05 -f --pid="$5" /proc/self/fd/3;; esac',
+))
 _SH = shell(["sh", "-c", _SCRIPT, "sh"])
 
 
