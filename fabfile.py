@@ -434,11 +434,12 @@ def _warn(warnings) -> None:
         print(f"warning: {hostile.text(w)}", file=sys.stderr)
 
 
-@task(auto_shortflags=False, help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
+@task(auto_shortflags=False, kinds={"epochs": int},
+      help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
             "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
             "partition": "#SBATCH --partition", "time": "#SBATCH --time (e.g. 12:00:00)"})
 @user_errors
-def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
+def slurm(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args="",
           image=None, nproc=None, name=None, code=None, module=None, out=None, pyxis=False,
           partition=None, time=None):
     """Write the job as an sbatch script for Slurm.
@@ -461,6 +462,7 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
 
 @task(
     auto_shortflags=False,
+    kinds={"epochs": int},
     help={
         **JOB_HELP,
         "out": "directory to write trainjob.yaml, pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
@@ -468,7 +470,7 @@ def slurm(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None,
     },
 )
 @user_errors
-def k8s(c, inventory=None, model="tiny", epochs=5, trainer="gpt", script=None, args="",
+def k8s(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args="",
         image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
     """Write the job as Kubernetes manifests.
 

@@ -103,6 +103,13 @@ def _what_to_run(o: dict, trainers: dict[str, str], source: Path) -> tuple[str, 
     """What a new job runs and its arguments: --module, --script (a file in `source`), or a built-in
     trainer with its --model and --epochs."""
     script, module, args = o.get("script"), o.get("module"), o.get("args") or ""
+    if script or module:
+        # Options only the built-in trainers read: silently dropped, a user would train something else.
+        ignored = [f"--{k} {o[k]}" for k in ("trainer", "model", "epochs") if o.get(k) is not None]
+        if ignored:
+            raise UserError(f"{', '.join(ignored)}: only the built-in trainers take "
+                            f"{'it' if len(ignored) == 1 else 'them'}; --{'module' if module else 'script'} "
+                            "runs your program: give its own options in --args \"...\"", exit_code=2)
     if module:
         if not jobspec.MODULE_RE.match(module):
             raise UserError(f"--module {hostile.text(module)!r} is not a Python module name; write e.g. "
@@ -122,14 +129,23 @@ def _what_to_run(o: dict, trainers: dict[str, str], source: Path) -> tuple[str, 
             raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(trainers)} or --script PATH",
                             exit_code=2)
         script = trainers[trainer]
+        model = o.get("model") or "tiny"
+        if trainer == "gpt" and model not in GPT_PRESETS:
+            raise UserError(f"--model {hostile.text(str(model))!r}: the GPT presets are "
+                            f"{', '.join(GPT_PRESETS)}", exit_code=2)
         extra = [
             "--model",
-            o.get("model") or "tiny",
+            model,
             "--epochs",
-            str(epochs(o.get("epochs") or 5)),
+            str(epochs(5 if o.get("epochs") is None else o["epochs"])),
             *split_args(args),
         ]
     return script, extra
+
+
+# trainers/gpt.py's PRESETS (it imports torch, which this machine need not have; a unit test holds
+# the two lists equal).
+GPT_PRESETS = ("tiny", "small", "medium")
 
 
 def checkpoint_option(value: str | None) -> str:
@@ -350,7 +366,7 @@ def find_named(run_root: Path, name: str) -> str | None:
 def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
            hang_timeout: str | float | None) -> Policy:
     try:
-        p = Policy(restarts=int(restarts), min_nodes=int(min_nodes) if min_nodes else None,
+        p = Policy(restarts=int(restarts), min_nodes=None if min_nodes in (None, "") else int(min_nodes),
                    hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
     except ValueError as exc:
         raise UserError(

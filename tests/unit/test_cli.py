@@ -9,7 +9,7 @@ from fabric.main import make_program as make_fab
 from invoke.parser import ParserContext
 
 import fabfile
-from orchestrator.commandline import program
+from orchestrator.commandline import cli, program
 from orchestrator.config import inventory
 from orchestrator.core.errors import UserError
 
@@ -234,3 +234,32 @@ def test_a_bad_number_names_its_option_with_no_traceback(argv, message, monkeypa
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--epochs", "0"], "error: --epochs 0: give a whole number, 1 or more"),
+    (["train", "--epochs", "-2"], "error: --epochs -2: give a whole number, 1 or more"),
+    (["train", "--min-nodes", "0"], "error: --min-nodes 0: give 1 to 2 (the hosts in "),
+    (["train", "--min-nodes", "3"], "error: --min-nodes 3: give 1 to 2 (the hosts in "),
+    (["train", "--model", "huge"], "error: --model 'huge': the GPT presets are tiny, small, medium"),
+    (["train", "--script", "tests/integration/scripts/progress.py", "--model", "small", "--epochs", "3"],
+     'error: --model small, --epochs 3: only the built-in trainers take them; --script runs your program: '
+     'give its own options in --args "..."'),
+])
+def test_bad_input_is_refused_before_any_host_is_touched(argv, message, monkeypatch, capsys):
+    """Exit 2 and one line naming the option, its value and what is allowed; the inventory's hosts
+    (the local cluster's, which need not be up) are never reached."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exc:
+        make_fab().run(["fab", *argv, "--inventory", str(ROOT / "inventory.yaml")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_the_gpt_presets_named_here_are_the_trainers():
+    import ast
+    tree = ast.parse((ROOT / "trainers" / "gpt.py").read_text())
+    presets = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", "") == "PRESETS")
+    assert tuple(k.value for k in presets.keys) == cli.GPT_PRESETS
