@@ -263,3 +263,11 @@ def test_the_gpt_presets_named_here_are_the_trainers():
     presets = next(n.value for n in tree.body if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", "") == "PRESETS")
     assert tuple(k.value for k in presets.keys) == cli.GPT_PRESETS
+
+
+@pytest.mark.parametrize("task", ["logs", "stop", "metrics", "attach"])
+def test_the_job_id_is_positional_and_job_stays_an_alias(task):
+    t = fabfile.ns.tasks[task]
+    assert t.positional == ["job"], t.positional
+    args = {a.name: a for a in t.get_arguments()}
+    assert args["job"].positional and "job" in args["job"].names

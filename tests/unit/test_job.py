@@ -400,3 +400,15 @@ spares:
     # The job's end sweeps every host it used, the spare's included.
     sweeps = {c[0] for c in rec.calls if c[2] == dockerargs.stop_script("gpt-1", 0)}
     assert sweeps == {"node1", "node2", "node3"}
+
+
+def test_fab_stop_knows_a_job_by_the_hosts_or_by_this_machines_record(tmp_path):
+    from orchestrator.backends.ssh.jobs import known_job
+    (tmp_path / "gpt-1").mkdir()
+    (tmp_path / "gpt-1" / "job.json").write_text("{}")
+    assert known_job("gpt-1", {}, {}, False, tmp_path)            # recorded here
+    assert known_job("bob-2", {"bob-2": object()}, {}, False, tmp_path)  # on the hosts
+    assert known_job("ctl-3", {}, {"ctl-3": "node1 running"}, False, tmp_path)
+    assert known_job("typo-4", {}, {}, True, tmp_path)            # a host did not answer
+    assert not known_job("typo-4", {}, {}, False, tmp_path)
+    assert not known_job("../gpt-1", {}, {}, False, tmp_path / "x")

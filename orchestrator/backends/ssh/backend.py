@@ -13,6 +13,7 @@ from orchestrator.backends.ssh.job import Job
 from orchestrator.backends.ssh.job import run as run_job
 from orchestrator.backends.ssh.state import JobResult, PreflightFailed
 from orchestrator.core import hostile
+from orchestrator.core.errors import UserError
 from orchestrator.core.events import JsonLines, Reporter, Terminal
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import claims, hostops, survey
@@ -118,6 +119,11 @@ class SshBackend:
         with Session(inv.all_hosts) as session:
             found = survey.survey(session, inv)
             views = survey.job_views(found)
+            from orchestrator.backends.ssh import detached
+            unsurveyed = any(found.error(h.name) for h in inv.all_hosts)
+            if job_id and not jobs.known_job(job_id, views, detached.controllers(found), unsurveyed, runs):
+                raise UserError(f"no job {hostile.text(job_id)} on the hosts of {inv.path} or in {runs}: "
+                                "'fab status' lists the hosts' jobs, 'fab runs' this machine's", exit_code=2)
             chosen, others = jobs.to_stop(views, job_id, everyone, claims.me())
             if everyone and others and not yes:
                 jobs.confirm_all(others)
@@ -126,7 +132,6 @@ class SshBackend:
                 session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets}
             )
             # A detached job's key goes too, in the same command, unless its controller still runs.
-            from orchestrator.backends.ssh import detached
             revoke = detached.keys_to_revoke(found, targets, runs)
             results = hostops.stop(session, inv, targets, grace, inv.all_hosts, revoke=revoke)
             for h in inv.all_hosts:  # a host not surveyed may hold anything: it is not done

@@ -135,6 +135,14 @@ def to_stop(views: dict[str, survey.JobView], job: str | None, everything: bool,
     return {j for j in views if j not in others}, others
 
 
+def known_job(job: str, views: dict[str, survey.JobView], controllers: dict[str, str], unsurveyed: bool,
+              runs: Path) -> bool:
+    """Whether `fab stop --job JOB` names a job: one the hosts hold (containers, claims, a
+    controller), or one this machine recorded; a host that did not answer may hold any."""
+    return job in views or job in controllers or unsurveyed or (
+        jobspec.valid_job_id(job) and (runs / job / "job.json").is_file())
+
+
 def confirm_all(others: dict[str, survey.JobView]) -> None:
     """--all without --yes: ask on a terminal; elsewhere refuse (nothing is stopped)."""
     listing = "; ".join(f"{v.job} of {v.who} on {', '.join(v.hosts)}" for v in others.values())
