@@ -120,7 +120,9 @@ def make_dir(root: str, directory: str) -> str:
     """The directory `directory` (one name) under `root` made when missing; a link or other file
     there (a container's) is removed first: unlink never follows it."""
     d = shell([directory])
-    return f"( cd -P {root} && {{ [ -d {d} ] && [ ! -L {d} ] || {{ rm -f -- {d}; mkdir -- {d}; }}; }} )"
+    # -p: nodes sharing job.output_dir (Slurm) make it at the same moment; a link put back in between
+    # is refused by mount_sources_check
+    return f"( cd -P {root} && {{ [ -d {d} ] && [ ! -L {d} ] || {{ rm -f -- {d}; mkdir -p -- {d}; }}; }} )"
 
 
 def mount_sources_check(paths: list[str]) -> str:

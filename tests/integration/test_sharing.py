@@ -219,3 +219,13 @@ def test_two_jobs_started_in_the_same_second_over_the_same_hosts_exactly_one_run
         for r in runs:
             r.proc.kill()
         fab(inventory_path, "stop", "--grace", "0")
+
+
+def test_stopping_a_job_nobody_knows_is_refused_naming_it(inventory_path):
+    """A mistyped id is not 'stopped': exit 2, the id named, where to look; nothing marked stopped."""
+    typo = "gtp-20261126-000000-dead"
+    r = fab(inventory_path, "stop", "--job", typo, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"no job {typo} on the hosts of {inventory_path}" in r.stderr
+    assert "'fab runs' this machine's" in r.stderr and f"stopped {typo}" not in r.stdout
+    assert on_host("node1", f"ls /opt/fabtrain/output/.runtime/.stopped/{typo}", check=False).returncode != 0

@@ -201,9 +201,9 @@ def test_start_script_writes_the_entrypoint_from_stdin():
     assert script.startswith(
         "mkdir -p /opt/out/gpt-1 /opt/out/.runtime/gpt-1 && "
         "( cd -P /opt/out/gpt-1 && { [ -d work ] && [ ! -L work ] || { rm -f -- work; "
-        "mkdir -- work; }; } ) && "
+        "mkdir -p -- work; }; } ) && "
         "( cd -P /opt/out/gpt-1 && { [ -d .console ] && [ ! -L .console ] || { rm -f -- .console; "
-        "mkdir -- .console; }; } ) && "
+        "mkdir -p -- .console; }; } ) && "
         f"{touched.remove('/opt/out/gpt-1', '.console', ['node-2.log'])} && "
         f"{touched.mount_sources_check(['/opt/out/gpt-1', '/opt/out/gpt-1/work'])} && "
         # readable by a non-root image user whatever the SSH user's umask
