@@ -159,17 +159,6 @@ def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:
     return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
-def torch_minor() -> tuple[int, int]:
-    """The image's torch as (major, minor), read from its metadata without importing it; (0, 0)
-    when it cannot be read (every setting is then made, old names too)."""
-    try:
-        from importlib.metadata import version
-        major, minor = version("torch").split(".")[:2]
-        return int(major), int(minor)
-    except Exception:  # noqa: BLE001 - no torch, or a version string of another shape
-        return 0, 0
-
-
 def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], dict[str, str], str]:
     """(torchrun argv, the workers' environment, a banner) from the node-level environment."""
     # PET_*: what Kubeflow Trainer's torch runtime gives torchrun (a TrainJob, fab export.k8s).
@@ -193,8 +182,7 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     # torch's flight recorder: the last collectives of every rank, dumped when the watchdog calls a
     # hang (SITECUSTOMIZE) and by NCCL on its own timeout, into the job's output (.flight/).
     child.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    if torch_minor() < (2, 5):  # the name before 2.5; a newer torch warns once per rank when it is set
-        child.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    child.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     child.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if env.get("FABTRAIN_OUTPUT"):
         child.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",

@@ -422,17 +422,6 @@ def _entrypoint():
     return mod
 
 
-def test_the_flight_recorder_is_sized_by_the_name_the_images_torch_reads(monkeypatch):
-    ep = _entrypoint()
-    assert ep.torch_minor() == tuple(int(x) for x in __import__("torch").__version__.split(".")[:2])
-    env = {"NNODES": "1", "NODE_RANK": "0", "FABTRAIN_OUTPUT": "/output"}
-    for version, old in (((2, 13), False), ((2, 4), True), ((0, 0), True)):
-        monkeypatch.setattr(ep, "torch_minor", lambda v=version: v)
-        child = ep.plan(env, ["train.py"], 0)[1]
-        assert child["TORCH_FR_BUFFER_SIZE"] == "2000"
-        assert ("TORCH_NCCL_TRACE_BUFFER_SIZE" in child) == old, version
-
-
 def test_torchrun_argv_from_orchestrator_env():
     ep = _entrypoint()
     env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "auto", "MASTER_ADDR": "10.0.0.1",
