@@ -256,11 +256,10 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
 
 @task(
     auto_shortflags=False,
-    positional=["job"],
     kinds={"grace": float},
     help={
         "inventory": INV_HELP,
-        "job": "stop this job only (an id from 'fab status'; or --job ID)",
+        "job": "stop this job only (an id from 'fab status')",
         "all": "stop every fabtrain job on the hosts, other people's too (asks first)",
         "yes": "with --all: do not ask",
         "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)",
@@ -327,8 +326,8 @@ def top(c, inventory=None, json=False):
         raise UserError("\n".join(snap["errors"]))
 
 
-@task(auto_shortflags=False, positional=["job"],
-      help={"inventory": INV_HELP, "job": "job id, or --job ID (default: the one running)",
+@task(auto_shortflags=False,
+      help={"inventory": INV_HELP, "job": "job id (default: the one running)",
             "plain": PLAIN_HELP})
 @user_errors
 def logs(c, inventory=None, job=None, plain=False):
@@ -407,8 +406,8 @@ def plot(c, jobs, out=None):
     print(f"wrote {report.write_plot(dirs, target)}")
 
 
-@task(auto_shortflags=False, positional=["job"],
-      help={"job": "job id, or --job ID (default: the newest run in runs/)",
+@task(auto_shortflags=False,
+      help={"job": "job id (default: the newest run in runs/)",
             "json": "print the figures as JSON"})
 @user_errors
 def metrics(c, job=None, json=False):

@@ -1,4 +1,4 @@
-"""`fab metrics JOB`: a job's newest figures, read from runs/JOB while it runs (or after): every
+"""`fab metrics --job JOB`: a job's newest figures, read from runs/JOB while it runs (or after): every
 rank's newest step line (the `progress` events of events.jsonl) and every host's newest telemetry
 sample (telemetry.jsonl). Only the files' tails are read (TAIL bytes), so a week-long job answers
 as fast as a short one."""

@@ -265,9 +265,15 @@ def test_the_gpt_presets_named_here_are_the_trainers():
     assert tuple(k.value for k in presets.keys) == cli.GPT_PRESETS
 
 
-@pytest.mark.parametrize("task", ["logs", "stop", "metrics", "attach"])
-def test_the_job_id_is_positional_and_job_stays_an_alias(task):
-    t = fabfile.ns.tasks[task]
-    assert t.positional == ["job"], t.positional
-    args = {a.name: a for a in t.get_arguments()}
-    assert args["job"].positional and "job" in args["job"].names
+@pytest.mark.parametrize("argv", [["stop"], ["stop", "--job", "j1"], ["logs"], ["metrics"], ["attach", "j1"]])
+def test_a_job_is_optional_where_a_default_exists_and_positional_only_where_one_is_required(argv):
+    # invoke's positional arguments are required: 'fab stop' with no job must still parse.
+    from invoke.parser import Parser
+    parsed = Parser(contexts=fabfile.ns.to_contexts()).parse_argv(argv)
+    assert parsed[0].name == argv[0]
+    assert parsed[0].args["job"].value == (argv[-1] if len(argv) > 1 else None)
+
+
+@pytest.mark.parametrize("task", ["logs", "stop", "metrics"])
+def test_an_optional_job_is_never_positional(task):
+    assert fabfile.ns.tasks[task].positional == []
