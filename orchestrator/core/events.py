@@ -36,6 +36,10 @@ KINDS = {
     "attempt_end": "job, attempt, ok, outcome (one line)",
     "decision": "job, attempt, next (true: another attempt follows), reason, notes",
     "finished": "job, state (finished, failed, stopped, interrupted), attempts, run_dir",
+    "controller_lost": "job, host (where the detached job's controller ran), why, seconds (since its last "
+                       "heartbeat)",
+    "controller_started": "job, host (where its standby took the job over), from_host, seconds (from the "
+                          "loss seen to the new controller following the job)",
     "transfer": "job, host, what (code sync, snapshot push, snapshot fetch), bytes_done, bytes_total "
                 "(at most one a second per host and what; the last has bytes_done == bytes_total when it "
                 "completed)",
@@ -89,6 +93,11 @@ class Terminal(Reporter):
             return "hang watchdog: no progress; where each rank is:\n  " + "\n  ".join(
                 hostile.text(s) for s in f["ranks"]
             )
+        if kind == "controller_lost":
+            return f"job {f['job']}: its controller on {f['host']} is lost ({hostile.text(f['why'])})"
+        if kind == "controller_started":
+            return (f"job {f['job']}: its controller now runs on {f['host']} (took over from "
+                    f"{f['from_host']} in {f['seconds']}s)")
         if kind == "decision" and f["next"]:
             return f"job {f['job']}: {hostile.text(f['reason'])}"
         return None  # stages, progress and the end are shown by the log lines and the final message

@@ -73,6 +73,10 @@ class Notices:
             self.started = True
         elif event == "attempt_end" and not f.get("ok"):
             kind, detail = "attempt_failed", str(f.get("outcome", ""))
+        elif event == "controller_lost":
+            kind, detail = "controller_lost", f"{f.get('host')}: {f.get('why')}"
+        elif event == "controller_started":
+            kind, detail = "controller_started", f"on {f.get('host')}, after {f.get('from_host')}"
         elif event == "hang":
             kind, detail = "hung", "\n".join(str(x) for x in f.get("ranks", ()))
         elif event == "finished":

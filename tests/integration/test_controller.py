@@ -58,7 +58,7 @@ def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path)
     r = fab(inventory_path, "train", *GPT, "--restarts", "1", "--detach")
     took = time.monotonic() - start
     assert r.returncode == 0, r.stderr[-3000:]
-    job = re.search(r"job (\S+) detached: its controller runs on node1 \(fabtrain-ctl-", r.stdout).group(1)
+    job = re.search(r"job (\S+) detached: its controller runs on node2 \(fabtrain-ctl-", r.stdout).group(1)
     print(f"fab train --detach returned in {took:.1f}s")
     try:
         deadline = time.monotonic() + 180
@@ -71,20 +71,22 @@ def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path)
         # Killed at once: the job's 80 steps take about 8 s here, a status call one.
         on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
         seen = fab(inventory_path, "status")
-        assert f"{job}: detached, its controller runs on node1" in seen.stdout, seen.stdout
+        said = f"{job}: detached, its controller runs on node2, its standby on node1"
+        assert said in seen.stdout, seen.stdout
         logs = fab(inventory_path, "logs", "--job", job, "--plain", timeout=400)
     finally:
         fab(inventory_path, "stop", "--job", job, "--grace", "0")
     assert logs.returncode == 0, (logs.stdout + logs.stderr)[-3000:]
     assert (
         f"job {job} finished; logs and outputs in" in logs.stdout
-        and "(fetched from its controller on node1)" in logs.stdout
+        and "(fetched from its controller on node2)" in logs.stdout
     )
     run = ROOT / "runs" / job
     record = json.loads((run / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
     assert record["attempts"][0]["outcome"] == "node2 exited with code 137"
-    assert record["controller"]["host"] == "node1" and record["controller"]["fetched"]
+    assert record["controller"]["host"] == "node2" and record["controller"]["fetched"]
+    assert record["controller"]["standby"]["host"] == "node1" and record["controller"]["ended_on"] == "node2"
     node1 = (run / "node1.log").read_text()
     assert "| step 10 |" in node1 and "resumed from /output/snapshots/snapshot-0000000" in node1
     assert (run / "loss.png").is_file() and final_state(job)["step"] == 80

@@ -122,7 +122,9 @@ def test_a_dead_controllers_key_expires_by_itself(inventory_path):
     try:
         key = copy_key(job, ctl, ctl)
         assert ssh_with(ctl, key, addresses[target]) == (0, "")
-        # The controller killed: nothing takes its key back, its line stays, and expires.
+        # Both controllers killed, the standby first (else it takes the job over and renews the key):
+        # nothing takes the key back, its line stays, and expires.
+        on_host(target, f"docker kill fabtrain-ctl-{job}")
         on_host(ctl, f"docker kill fabtrain-ctl-{job}")
         killed = time.monotonic()
         while ssh_with(ctl, key, addresses[target])[0] == 0:

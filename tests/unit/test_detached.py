@@ -107,7 +107,11 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
     ]
     assert "--privileged" not in script and passwd.endswith(f"> {p.dir}/passwd")
     assert detached.place(INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB
-                          ).host.name == "gpu1"  # the default: the first host
+                          ).host.name == "gpu2"  # the default: the last host (no spare here)
+    standby = shlex.split(submit.start_script(p, "fabtrain/controller:latest", "ann@ws", standby=True)
+                          .split('"$(id -u):$(id -g)" ', 1)[1])
+    assert standby[:-1] == argv[:-1] and standby[-1] == (
+        "exec python3 -m orchestrator.backends.ssh.controller /ctl --standby >> /ctl/controller.log 2>&1")
 
 
 def test_the_controller_image_has_every_runtime_library_a_controller_imports():
@@ -184,7 +188,8 @@ class HostsHere:
 def two_hosts(tmp_path):
     return parse(f"job: {{output_dir: {tmp_path}/host/out}}\nhosts:\n"
                  "  - {name: gpu1, address: 10.0.0.1, interface: eth0}\n"
-                 "  - {name: gpu2, address: 10.0.0.2, interface: eth0}\n", Path("inv.yaml"))
+                 "  - {name: gpu2, address: 10.0.0.2, interface: eth0}\n"
+                 "controller: {host: gpu1}\n", Path("inv.yaml"))
 
 
 def detached_here(tmp_path, host_doc, down=None):
@@ -230,10 +235,11 @@ def hostile_copy(rec: JobRecord, **changes) -> dict:
 def test_a_detached_jobs_end_is_fetched_its_record_taken_as_data_and_its_key_taken_back(tmp_path):
     inv, p, runs, rec, session = detached_here(tmp_path, None)
     (Path(p.dir) / "runs" / JOB / "job.json").write_text(json.dumps(hostile_copy(rec)))
-    end = detached.fetch(session, p, rec, runs)
+    end = detached.fetch(session, [p], rec, runs)
     assert end == {"state": "finished", "error": "", "closing": "", "keys_left": {}}
     got = JobRecord.load(runs, JOB)
     fetched_at = got.controller.pop("fetched")
+    assert got.controller.pop("ended_on") == "gpu1"
     assert isinstance(fetched_at, float)
     assert asdict(got) == {**asdict(rec), "state": "finished", "controller": {**p.record(), "keys": []},
                            "attempts": [asdict(Attempt(1, ["gpu1", "gpu2"], 10.0, 20.0, "ok"))]}
@@ -261,13 +267,14 @@ def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machin
         doc = copy(rec)
         host_file.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
     with pytest.raises(detached.HostRecordRefused) as refused:
-        detached.fetch(session, p, rec, runs)
+        detached.fetch(session, [p], rec, runs)
     assert str(refused.value).startswith(
         f"gpu1:{p.dir}/runs/{JOB}/job.json: the controller's copy of job {JOB}'s record was refused: ")
     assert f"This machine's record (runs/{JOB}/job.json) is kept" in str(refused.value)
     assert re.search(why, str(refused.value)), str(refused.value)
     got = JobRecord.load(runs, JOB)
     got.controller.pop("fetched")
+    assert got.controller.pop("ended_on") == "gpu1"
     # This machine's record, its state from the controller's end; the run fetched; the key gone all the same.
     assert asdict(got) == {**asdict(rec), "state": "finished", "controller": {**p.record(), "keys": []}}
     assert (runs / JOB / "gpu1.log").is_file() and not Path(p.dir).exists()
@@ -279,7 +286,7 @@ def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machin
 def test_a_controller_that_ended_before_its_job_began_leaves_this_machines_record(tmp_path):
     inv, p, runs, rec, session = detached_here(tmp_path, None)
     (Path(p.dir) / detached.DONE).write_text(json.dumps({"state": "pwned", "error": "no", "closing": ""}))
-    end = detached.fetch(session, p, rec, runs)
+    end = detached.fetch(session, [p], rec, runs)
     assert end["state"] == "failed"  # a state none of ours is not taken
     got = JobRecord.load(runs, JOB)
     assert got.state == "failed" and got.notify == rec.notify and got.attempts == []
@@ -288,7 +295,7 @@ def test_a_controller_that_ended_before_its_job_began_leaves_this_machines_recor
 def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, monkeypatch):
     monkeypatch.setattr(detached.time, "sleep", lambda s: None)
     inv, p, runs, rec, session = detached_here(tmp_path, None, down={"gpu2": 3})
-    end = detached.fetch(session, p, rec, runs)
+    end = detached.fetch(session, [p], rec, runs)
     assert list(end["keys_left"]) == ["gpu2"] and "No route to host" in end["keys_left"]["gpu2"]
     assert [n for n, c in session.ran if n == "gpu2"] == ["gpu2"] * 3  # tried 3 times
     assert JobRecord.load(runs, JOB).controller["keys"] == ["gpu2"]
@@ -341,7 +348,7 @@ def test_the_key_works_only_from_the_controllers_host(tmp_path):
                           "10.0.0.1 STREAM gpu1\n", "", 0, 0.01)
 
     session = Answers(inv, tmp_path)
-    assert submit.controller_sources(session, p, inv) == {"gpu1": ["10.0.0.1"], "gpu2": ["10.0.0.1"]}
+    assert submit.controller_sources(session, [p], inv) == {"gpu1": ["10.0.0.1"], "gpu2": ["10.0.0.1"]}
     assert session.ran == [("gpu1", keys.addresses_script("10.0.0.1"))]
 
 

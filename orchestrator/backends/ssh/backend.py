@@ -15,6 +15,7 @@ from orchestrator.backends.ssh.state import JobResult, PreflightFailed
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import JsonLines, Reporter, Terminal
+from orchestrator.core.policy import Roster
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import claims, hostops, survey
 from orchestrator.transport.remote import CommandTimedOut, Session, describe, failure
@@ -67,11 +68,12 @@ class SshBackend:
         with Session(launch.inv.all_hosts) as session:
             found = survey.survey(session, launch.inv)
             takeover.refuse_if_looked_after(found, launch.spec.job_id)
-            p = detached.place_of(launch.inv, launch.record) if launch.record else None
-            if launch.record is not None and not detached.unfetched(launch.record):
-                p = None
+            places = []
+            if launch.record is not None and detached.unfetched(launch.record):
+                places = detached.places_of(launch.inv, launch.record)
+            p = detached.newest_run(places, detached.look(session, places)) if places else None
             if p is not None and launch.record is not None:
-                # A detached job whose controller is gone: its newest record is the controller's.
+                # A detached job whose controllers are gone: its newest record is theirs.
                 record = detached.copy_runs(
                     session, p, launch.record, launch.runs, {"taken_over": time.time()}
                 )
@@ -79,10 +81,48 @@ class SshBackend:
             job = self.job(launch)
             job.session = session
             running = takeover.running_attempt(found, launch.inv, job.record)
-            if p is not None:
-                detached.remove(session, p)
+            if places:
+                detached.remove(session, *places)
             result = run_job(job, running=takeover.plan(job, running))
         return self.finished(launch, result)
+
+    def fail_over(self, launch: Launch, session: Session, events: list[tuple[str, dict]], seen: float
+                  ) -> Finished:
+        """A detached job taken over by its standby controller (failover.py): the events said, then
+        its running attempt followed as `fab attach` does; with nothing running, the job continued
+        as `fab train --resume` does, a host that does not answer giving its rank to a spare."""
+        from orchestrator.backends.ssh import takeover
+        from orchestrator.core.policy import Failure, HostFailure, Outcome, decide
+        job = self.job(launch)
+        job.session = session
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        job.events.enabled = True
+        for event, fields in events:
+            job.emit(event, **fields, **({"seconds": round(time.monotonic() - seen, 2)}
+                                         if event == "controller_started" else {}))
+        found = survey.survey(session, launch.inv)
+        try:
+            running = takeover.running_attempt(found, launch.inv, job.record, lease=False)
+        except UserError as exc:
+            if not job.record.attempts or job.record.state != "running":
+                raise
+            job.note(f"nothing to follow ({exc}); going on from the newest snapshot", "warning")
+            last = job.record.attempts[-1].hosts
+            by_name = {h.name: h for h in launch.inv.all_hosts}
+            hosts = tuple(replace(by_name[n], rank=r) for r, n in enumerate(last) if n in by_name)
+            silent = tuple(HostFailure(h.name, Failure.LOST) for h in hosts
+                           if found.error(h.name) is not None)
+            since = job.record.resumes[-1]["after_attempt"] if job.record.resumes else 0
+            roster = Roster(hosts, tuple(h for h in launch.inv.spares if h.name not in last),
+                            restarts_used=max(0, len(job.record.attempts) - 1 - since))
+            if silent:
+                d = decide(Outcome(failures=silent), launch.policy, roster, job.target_nodes)
+                if d.roster is None:
+                    raise UserError(f"job {job.spec.job_id}: {d.reason}") from None
+                roster = d.roster
+            job.roster = roster
+            return self.finished(launch, run_job(job))
+        return self.finished(launch, run_job(job, running=takeover.plan(job, running)))
 
     def finished(self, launch: Launch, result: JobResult) -> Finished:
         again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
@@ -99,6 +139,11 @@ class SshBackend:
         from orchestrator.backends.ssh import detached
         if record is not None and detached.unfetched(record):
             return detached.follow(inv, record, runs, console, live)
+        if record is None and job_id:
+            with Session(inv.all_hosts) as session:
+                places = detached.found_places(session, inv, job_id)
+            if places:  # a detached job another machine started
+                return detached.follow_unowned(inv, job_id, places, runs, console, live)
         if record is not None and record.state != "running":
             return Finished(
                 record.job_id,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Launch
+from orchestrator.backends.ssh import failover
 from orchestrator.backends.ssh.detached import DONE, KEY_FILE, revoke_on
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
@@ -79,18 +80,44 @@ class Renewal:
             self.thread.join()
 
 
-def main(root: Path) -> int:
-    """The controller: the job's life, its end written to done.json, its credentials removed."""
+def main(root: Path, standby: bool = False) -> int:
+    """A controller (failover.py says the two roles): the job's life, its end written to done.json
+    (and to the standby's mirror), its credentials removed. A standby that never took over ends
+    when the active controller's end reaches it, with only its credentials removed."""
     from rich.console import Console
 
+    from orchestrator.backends.ssh import job as job_mod
     from orchestrator.backends.ssh.backend import SshBackend
     launch: Launch = pickle.loads((root / "launch.pickle").read_bytes())  # noqa: S301 - written by fab train
     launch = replace(launch, console=Console(stderr=True, highlight=False, soft_wrap=True))
+    grant = json.loads((root / KEY_FILE).read_text())
+    by_name = {h.name: h for h in launch.inv.all_hosts}
+    here = str(grant.get("standby" if standby else "active") or "")
     end: dict = {"state": "failed", "error": "", "closing": ""}
-    renewal = None
+    renewal: Renewal | None = None
+    mirror: failover.Mirror | None = None
+    old: str | None = None        # the controller this one took over from
+
+    def renewing() -> None:
+        nonlocal renewal, old
+        renewal = Renewal(launch.inv, launch.spec.job_id, grant).start()
+        old = str(grant["active"])
+
     try:
-        renewal = Renewal(launch.inv, launch.spec.job_id, json.loads((root / KEY_FILE).read_text())).start()
-        finished = SshBackend().run(launch)
+        if standby:
+            finished = failover.stand_by(root, launch, by_name[grant["active"]], str(root_dir(grant)), here,
+                                         renewing)
+            if finished is None:  # the active controller ended the job: its end is in the mirror
+                failover.wipe(root)
+                return 0
+        else:
+            renewal = Renewal(launch.inv, launch.spec.job_id, grant).start()
+            if grant.get("standby") in by_name:
+                mirror = failover.Mirror(by_name[grant["standby"]], root_dir(grant),
+                                         launch.runs / launch.spec.job_id, lambda: failover.fence(root))
+                mirror.start()
+                job_mod.FENCE = mirror.check
+            finished = SshBackend().run(launch)
         end = {"state": "finished" if finished.error is None else "failed",
                "error": str(finished.error or ""), "closing": finished.closing}
         rec = JobRecord.load(launch.runs, launch.spec.job_id, "the job's record")
@@ -104,12 +131,16 @@ def main(root: Path) -> int:
         try:
             if renewal is not None:
                 renewal.stop()
+            if mirror is not None:
+                mirror.finish(end)
+            if old is not None:
+                with Session((by_name[old],)) as session:
+                    left = failover.clear(session, by_name[old], root_dir(grant),
+                                          f"fabtrain-ctl-{launch.spec.job_id}")
+                end["left"] = [left] if left else []
             end["keys_left"] = revoke_everywhere(launch.inv, launch.spec.job_id)
         finally:
-            for name in ("key", "launch.pickle"):
-                (root / name).unlink(missing_ok=True)
-            for secret in (root / "secrets").glob("*"):
-                secret.unlink()
+            failover.wipe(root)
             (launch.runs / launch.spec.job_id).mkdir(parents=True, exist_ok=True)  # a job refused: its end
             tmp = root / f".{DONE}.tmp"
             tmp.write_text(json.dumps(end))
@@ -117,5 +148,10 @@ def main(root: Path) -> int:
     return 0 if not end["error"] else 1
 
 
+def root_dir(grant: dict) -> str:
+    """The controllers' directory on their hosts (the same path on both)."""
+    return str(grant["dir"])
+
+
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), standby="--standby" in sys.argv[2:]))

@@ -40,12 +40,12 @@ import copy
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished
-from orchestrator.commands import hostfiles, sshargs
+from orchestrator.backends.ssh.placement import MIRROR, Place, place, place_of, places_of, unfetched
+from orchestrator.commands import sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import RECORD, STATES, JobRecord
@@ -54,6 +54,8 @@ from orchestrator.hosts.keys import revoke_script
 from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import Session, describe, failure
+
+__all__ = ["Place", "place", "place_of", "places_of", "unfetched"]
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -66,46 +68,6 @@ DONE = "done.json"         # the controller's last word: {"state", "error", "clo
 KEY_FILE = "key.json"      # what the controller renews its key's line with (submit.start writes it)
 FETCH_TIMEOUT = 600.0
 FOLLOW_POLL = 2.0          # seconds between looks while a detached job is between attempts
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a detached job's controller runs."""
-
-    job: str
-    host: Host
-    dir: str            # on the host: <job.output_dir>/.controllers/JOB
-    container: str      # fabtrain-ctl-JOB
-
-    def record(self) -> dict:
-        return {"host": self.host.name, "dir": self.dir, "container": self.container}
-
-
-def place(inv: Inventory, job_id: str) -> Place:
-    name = inv.controller.host or inv.hosts[0].name
-    host = next((h for h in inv.all_hosts if h.name == name), None)
-    if host is None:
-        raise UserError(
-            f"--detach: the controller's host {name} (the inventory's controller:) is not among this "
-            "job's hosts and spares: include it, or name another there",
-            exit_code=2,
-        )
-    return Place(job_id, host, hostfiles.controller_dir(inv, job_id), f"fabtrain-ctl-{job_id}")
-
-
-def unfetched(record: JobRecord) -> bool:
-    """A detached job whose run is still with its controller (not fetched here, not taken over)."""
-    c = record.controller
-    return bool(c) and not c.get("fetched") and not c.get("taken_over")
-
-
-def place_of(inv: Inventory, record: JobRecord) -> Place | None:
-    """The controller a job's record names (None: not detached, or a host this inventory lacks)."""
-    c = record.controller
-    host = next((h for h in inv.all_hosts if h.name == c.get("host")), None)
-    if not c or host is None or not jobspec.valid_job_id(record.job_id):
-        return None
-    return place(replace(inv, controller=replace(inv.controller, host=host.name)), record.job_id)
 
 
 # ---------------------------------------------------------------- this machine: after the end
@@ -125,12 +87,71 @@ def done_command(p: Place) -> str:
     return sshargs.shell(["cat", f"{p.dir}/{DONE}"])
 
 
-def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | None:
-    """The controller's end ({"state", "error", "closing", "keys_left"}) and runs/JOB copied here,
-    then its directory removed from the host and its key from every host (keys_left: the hosts where
-    that failed, with why); None while the controller has not ended. HostRecordRefused, after all of
-    that, when the controller's copy of the record was refused (this machine's is kept)."""
-    r = session.run(p.host, done_command(p), timeout=deadlines.STATUS_TIMEOUT, what="asking the controller")
+# What a controller's directory may hold, as look_command says it (failover.py says who writes each).
+ENDED, MIRRORED, TAKEN, FENCED = DONE, f"{MIRROR}/{DONE}", "taken", "fenced"
+
+
+def look_command(p: Place) -> str:
+    d = sshargs.shell([p.dir])
+    return f"for f in {ENDED} {MIRRORED} {TAKEN} {FENCED}; do [ -e {d}/$f ] && echo $f; done; true"
+
+
+def look(session: Session, places: Sequence[Place]) -> list[set[str] | None]:
+    """What each controller's directory holds (None: its host did not answer)."""
+    by_host = {p.host.name: p for p in places}
+    got = session.fan_out(lambda h: session.run(h, look_command(by_host[h.name]), what="looking there",
+                                                timeout=deadlines.STATUS_TIMEOUT), [p.host for p in places])
+    out: list[set[str] | None] = []
+    for p in places:
+        r = got.value(p.host.name) if got.error(p.host.name) is None else None
+        ok = r is not None and r.ok
+        out.append(set(r.stdout.split()) & {ENDED, MIRRORED, TAKEN, FENCED} if r is not None and ok else None)
+    return out
+
+
+def ended_at(places: Sequence[Place], seen: Sequence[set[str] | None]) -> Place | None:
+    """Where a detached job's end is to be read (pure): the controller that wrote its own end and
+    was not taken over; else a standby's mirror of it (the active one's host does not answer)."""
+    for p, flags in zip(places, seen, strict=True):
+        if flags is not None and ENDED in flags and FENCED not in flags:
+            return p
+    for p, flags in zip(places, seen, strict=True):
+        if flags is not None and MIRRORED in flags:
+            return p.mirror()
+    return None
+
+
+def running_at(places: Sequence[Place], seen: Sequence[set[str] | None]) -> Place | None:
+    """The controller that runs the job now (pure): the standby once it took over, else the first."""
+    for p, flags in zip(places, seen, strict=True):
+        if flags is not None and TAKEN in flags:
+            return p
+    return places[0] if places else None
+
+
+def newest_run(places: Sequence[Place], seen: Sequence[set[str] | None]) -> Place | None:
+    """Where a running detached job's newest run is (pure): the standby once it took over, else
+    the controller; a standby's mirror when that one's host does not answer (None: no host did)."""
+    now = running_at(places, seen)
+    if now is not None and seen[list(places).index(now)] is not None:
+        return now
+    for p, flags in zip(places, seen, strict=True):
+        if flags is not None and p is not now:
+            return p.mirror()
+    return None
+
+
+def fetch(session: Session, places: Sequence[Place], record: JobRecord, runs: Path) -> dict | None:
+    """The controllers' end ({"state", "error", "closing", "keys_left"}) and runs/JOB copied here,
+    from the one that ended the job (or a standby's mirror of it), then their directories removed
+    from their hosts and the key from every host (keys_left: the hosts where that failed, with why);
+    None while the job has not ended. HostRecordRefused, after all of that, when the controller's
+    copy of the record was refused (this machine's is kept)."""
+    src = ended_at(places, look(session, places))
+    if src is None:
+        return None
+    r = session.run(src.host, done_command(src), timeout=deadlines.STATUS_TIMEOUT,
+                    what="asking the controller")
     if not r.ok:
         return None
     try:
@@ -141,15 +162,16 @@ def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | N
     if end["state"] not in STATES:
         end["state"] = "failed"
     refused = None
+    mark = {"fetched": time.time(), "ended_on": src.host.name}
     try:
-        fetched = copy_runs(session, p, record, runs, {"fetched": time.time()})
+        fetched = copy_runs(session, src, record, runs, mark)
     except HostRecordRefused as exc:
         refused = exc
         fetched = copy.deepcopy(record)
-        fetched.controller = {**record.controller, "fetched": time.time()}
+        fetched.controller = {**record.controller, **mark}
     if fetched.state == "running":  # the controller ended before its job did (refused, or it failed)
         fetched.state = end["state"] if end["state"] != "running" else "failed"
-    left = remove(session, p)
+    left = remove(session, *places)
     fetched.controller["keys"] = sorted(left)
     fetched.save(runs / record.job_id)
     if refused is not None:
@@ -157,12 +179,9 @@ def fetch(session: Session, p: Place, record: JobRecord, runs: Path) -> dict | N
     return {**end, "keys_left": left}
 
 
-def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: dict) -> JobRecord:
+def copy_files(session: Session, p: Place, job: str, runs: Path) -> Path:
     """The controller's runs/JOB copied here whole (snapshots too), as safely as any host's outputs,
-    but for its record: that one is read as data (host_record) and merged into this machine's, which
-    keeps where its controller was, and `mark`. HostRecordRefused, with this machine's record as it
-    was, when the controller's copy cannot be taken."""
-    job = record.job_id
+    but for its record, which no copy from a host ever writes here: runs/JOB."""
     run_dir = runs / job
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [a for a in sshargs.fetch_argv(p.host, f"{p.dir}/runs/{job}", str(run_dir))
@@ -173,6 +192,14 @@ def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: d
     if not got.ok:
         raise UserError(f"{p.host.name}: fetching {p.dir}/runs/{job} failed: "
                         f"{hostile.line(got.stderr.strip(), 300)}; it stays there: run the command again")
+    return run_dir
+
+
+def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: dict) -> JobRecord:
+    """copy_files, and the controller's record read as data (host_record) and merged into this
+    machine's, which keeps where its controller was, and `mark`. HostRecordRefused, with this
+    machine's record as it was, when the controller's copy cannot be taken."""
+    run_dir = copy_files(session, p, record.job_id, runs)
     merged = host_record(session, p, record)
     merged.controller = {**record.controller, **mark}
     merged.save(run_dir)
@@ -221,29 +248,40 @@ def host_record(session: Session, p: Place, record: JobRecord) -> JobRecord:
         "look at that host", exit_code=1)
 
 
-def remove(session: Session, p: Place) -> dict[str, str]:
-    """The controller and its directory gone from its host, and its key from every host of the
-    session: the hosts where that key may still be, with why (revoke_on)."""
-    session.run(p.host, sshargs.shell(["docker", "rm", "-f", p.container]) + " >/dev/null 2>&1; "
-                + sshargs.shell(["rm", "-rf", p.dir]), timeout=deadlines.STATUS_TIMEOUT,
-                what="removing the controller and its directory")
-    return revoke_on(session, session.hosts, [p.job])
+def clear_script(p: Place) -> str:
+    """A controller gone from its host: its container and its directory."""
+    return (sshargs.shell(["docker", "rm", "-f", p.container]) + " >/dev/null 2>&1; "
+            + sshargs.shell(["rm", "-rf", p.dir]))
+
+
+def remove(session: Session, *places: Place) -> dict[str, str]:
+    """The controllers and their directories gone from their hosts, and the key from every host of
+    the session: the hosts where any of that may still be, with why (revoke_on)."""
+    job = places[0].job
+    return revoke_on(session, session.hosts, [job], clear={p.host.name: p for p in places})
 
 
 def revoke_on(session: Session, hosts: Sequence[Host], job_ids: Sequence[str], tries: int = REVOKE_TRIES,
-              pause: float = REVOKE_PAUSE) -> dict[str, str]:
-    """These jobs' controller keys removed from each host, checked there (keys.revoke_script), tried
-    again where that failed (the host did not answer, its lock was busy): host -> why, for the hosts
-    where it failed every time."""
+              pause: float = REVOKE_PAUSE, clear: dict[str, Place] | None = None) -> dict[str, str]:
+    """These jobs' controller keys removed from each host, checked there (keys.revoke_script), and
+    on the hosts in `clear` that controller's container and directory; tried again where that
+    failed (the host did not answer, its lock was busy): host -> why, for the hosts where it failed
+    every time."""
     what = "removing the controller's key"
+    clear = clear or {}
+
+    def command(h: Host) -> str:
+        revoke = revoke_script(job_ids)
+        if h.name not in clear:
+            return revoke
+        # The key first, in a shell of its own (its script may exit); its failure is the one said.
+        return f"( {revoke} ); r=$?; {clear_script(clear[h.name])} || exit 9; exit $r"
     left: dict[str, str] = {}
     todo = tuple(hosts)
     for n in range(tries):
         if n:
             time.sleep(pause * n)
-        done = session.fan_out(
-            lambda h: session.run(h, revoke_script(job_ids), timeout=keys.TIMEOUT, what=what), todo
-        )
+        done = session.fan_out(lambda h: session.run(h, command(h), timeout=keys.TIMEOUT, what=what), todo)
         left = {h.name: why for h in todo if (why := failure(h, done[h.name], what))}
         todo = tuple(h for h in todo if h.name in left)
         if not todo:
@@ -262,13 +300,19 @@ def keys_line(job: str, left: dict[str, str], lead: str = "") -> str:
             f"it: {keys.LIFETIME // 3600} h by default)")
 
 
-def controllers(found: PerHost) -> dict[str, str]:
-    """job -> "HOST STATE" of every controller container the survey saw."""
-    out = {}
+def controllers(found: PerHost) -> dict[str, dict[str, str]]:
+    """job -> {host: state} of every controller container the survey saw (a job has two: its
+    controller and its standby)."""
+    out: dict[str, dict[str, str]] = {}
     for host, hj in found.items():
         if isinstance(hj, HostJobs):
-            out.update({job: f"{host} {state}" for job, state in hj.controllers.items()})
+            for job, state in hj.controllers.items():
+                out.setdefault(job, {})[host] = state
     return out
+
+
+def running(states: dict[str, str]) -> bool:
+    return any(s == "running" for s in states.values())
 
 
 def keys_to_revoke(found: PerHost, targets: list[str], runs: Path) -> list[str]:
@@ -278,7 +322,7 @@ def keys_to_revoke(found: PerHost, targets: list[str], runs: Path) -> list[str]:
     live = controllers(found)
     out = []
     for j in targets:
-        if live.get(j, "").endswith(" running"):
+        if running(live.get(j, {})):
             continue
         if j not in live:
             try:
@@ -312,15 +356,18 @@ def keys_held(runs: Path) -> list[JobRecord]:
             and r.controller.get("keys")]
 
 
-def take_back(session: Session, inv: Inventory, record: JobRecord, found: PerHost) -> dict[str, str]:
-    """The job's controller key removed from the hosts its record says may hold it: those where it
-    still may, with why (one the survey found unreachable is not tried)."""
+def take_back(session: Session, inv: Inventory, record: JobRecord, found: PerHost, clear: bool = False
+              ) -> dict[str, str]:
+    """The job's controller key removed from the hosts its record says may hold it (and with `clear`,
+    its controllers' containers and directories): those where it still may, with why (one the survey
+    found unreachable is not tried)."""
     names = [n for n in record.controller.get("keys") or () if isinstance(n, str)]
     by_name = {h.name: h for h in inv.all_hosts}
     left = {hostile.line(n, 80): f"{inv.path} names no such host" for n in names if n not in by_name}
     left.update({n: f"{n} does not answer" for n in names if n in by_name and found.error(n) is not None})
     ask = tuple(by_name[n] for n in names if n in by_name and n not in left)
-    return {**left, **revoke_on(session, ask, [record.job_id])}
+    places = {p.host.name: p for p in places_of(inv, record)} if clear else {}
+    return {**left, **revoke_on(session, ask, [record.job_id], clear=places)}
 
 
 def save_keys(runs: Path, job: str, left: dict[str, str]) -> None:
@@ -335,46 +382,57 @@ def save_keys(runs: Path, job: str, left: dict[str, str]) -> None:
 
 
 def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -> list[str]:
-    """fab status on detached jobs: those that ended are fetched (runs/JOB) and their controller's
-    directory removed; a controller that is gone, or whose host does not answer, is named; a
-    controller's key still on a host is named, and taken back once the host answers."""
+    """fab status on detached jobs: those that ended are fetched (runs/JOB) and their controllers'
+    directories removed; which controller runs a job (the standby once it took over), one that is
+    gone, or whose host does not answer, is named; a controller's key (or directory) still on a host
+    is named, and taken back once the host answers."""
     lines, seen, said = [], controllers(found), set()
     for record in detached_records(runs):
-        p = place_of(inv, record)
-        if p is None:
+        places = places_of(inv, record)
+        if not places:
             continue
         job = record.job_id
         said.add(job)
-        if found.error(p.host.name) is not None:
-            lines.append(
-                f"{job}: its controller's host {p.host.name} does not answer (lost?), with the job's "
-                f"record: once it answers, 'fab logs --job {job}' fetches the run; if it is gone for "
-                f"good, 'fab stop --job {job}' and then 'fab train --resume {job}'"
-            )
-            continue
+        silent = [p.host.name for p in places if found.error(p.host.name) is not None]
         try:
-            end = fetch(session, p, record, runs)
+            end = fetch(session, places, record, runs)
         except HostRecordRefused as exc:
             lines.append(f"{job}: ended; its run is fetched into {runs / job}, but {exc}")
             continue
         except Exception as exc:  # noqa: BLE001 - one job's fetch never hides the others
-            lines.append(f"{job}: its run could not be fetched from {p.host.name}: {describe(p.host, exc)}")
+            lines.append(f"{job}: its run could not be fetched: {hostile.line(str(exc), 300)}")
             continue
         if end is not None:
             why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
             lines.append(f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
                          + keys_line(job, end["keys_left"], "; "))
-        elif not seen.get(job, "").endswith(" running"):
+            continue
+        if len(silent) == len(places):
+            lines.append(
+                f"{job}: its controllers' hosts {', '.join(silent)} do not answer (lost?), with the job's "
+                f"record: once one answers, 'fab logs --job {job}' fetches the run"
+            )
+            continue
+        states = seen.get(job, {})
+        now = running_at(places, look(session, places))
+        if not running(states):
             # Nobody needs its key now: `fab attach` goes on with this machine's own.
             left = take_back(session, inv, record, found)
-            lines.append(f"{job}: its controller on {p.host.name} is gone without an end; 'fab attach {job}' "
-                         "takes the job over here" + keys_line(job, left, "; "))
-        else:
-            lines.append(f"{job}: detached, its controller runs on {p.host.name}")
+            named = ", ".join(p.host.name for p in places)
+            lines.append(f"{job}: its controllers ({named}) are gone without "
+                         f"an end; 'fab attach {job}' takes the job over here" + keys_line(job, left, "; "))
+            continue
+        assert now is not None
+        where = f"{job}: detached, its controller runs on {now.host.name}"
+        if now.host.name != places[0].host.name:
+            where += f" (took over from {places[0].host.name})"
+        elif len(places) > 1:
+            where += f", its standby on {places[1].host.name}"
+        lines.append(where + "".join(f"; {n} does not answer" for n in silent))
     # A record whose controller's host this inventory does not name belongs to another inventory.
-    for record in (r for r in keys_held(runs) if r.job_id not in said and place_of(inv, r) is not None):
+    for record in (r for r in keys_held(runs) if r.job_id not in said and places_of(inv, r)):
         job, before = record.job_id, set(record.controller["keys"])
-        left = take_back(session, inv, record, found)
+        left = take_back(session, inv, record, found, clear=True)
         save_keys(runs, job, left)
         gone = sorted(before - set(left))
         lines += ([f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else [])
@@ -384,25 +442,17 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
 
 def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool) -> Finished:
     """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
-    fetched here once its controller has ended."""
+    fetched here once its controllers have ended (from the one that ended it, or a standby's mirror)."""
     from orchestrator.backends.ssh import jobs
     from orchestrator.hosts import survey
-    p = place_of(inv, record)
-    if p is None:
+    places = places_of(inv, record)
+    if not places:
         raise UserError(f"job {record.job_id}: its controller ran on {record.controller.get('host')}, which "
                         f"{inv.path} does not name; give the inventory it was started with", exit_code=2)
     job = record.job_id
     with Session(inv.all_hosts) as session:
         while True:
-            try:
-                end = fetch(session, p, record, runs)
-            except UserError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the controller's host is named, not a traceback
-                raise UserError(
-                    f"job {job}: its controller's host does not answer ({describe(p.host, exc)}); "
-                    f"'fab status' says more"
-                ) from None
+            end = fetch(session, places, record, runs)
             if end is not None:
                 error = (
                     UserError(end["error"].replace(f"{MOUNT}/runs/", f"{runs}/")) if end["error"] else None
@@ -412,7 +462,8 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                     runs / job,
                     error,
                     f"job {job} {end['state']}; logs and outputs in {runs / job} (fetched from its "
-                    f"controller on {p.host.name})" + keys_line(job, end["keys_left"], "\n  warning: "),
+                    f"controller on {places[0].host.name})"
+                    + keys_line(job, end["keys_left"], "\n  warning: "),
                 )
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):
@@ -423,10 +474,54 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                 except UserError:
                     pass  # its attempt ended between the survey and the follow
                 continue
-            state = controllers(found).get(job, "")
-            if not state.endswith(" running") and found.error(p.host.name) is None:
-                if fetch(session, p, record, runs) is None:
-                    raise UserError(f"job {job}: its controller on {p.host.name} is gone without an end; "
-                                    f"'fab attach {job}' takes it over here")
+            answering = [p for p in places if found.error(p.host.name) is None]
+            if not answering:
+                why = "; ".join(describe(p.host, e) for p in places if (e := found.error(p.host.name)))
+                raise UserError(f"job {job}: its controllers' hosts do not answer ({why}); "
+                                "'fab status' says more")
+            if not running(controllers(found).get(job, {})) and fetch(session, places, record, runs) is None:
+                raise UserError(f"job {job}: its controllers are gone without an end; "
+                                f"'fab attach {job}' takes it over here")
+            time.sleep(FOLLOW_POLL)
+
+
+def found_places(session: Session, inv: Inventory, job: str) -> list[Place]:
+    """The controllers' directories of `job` on the inventory's hosts, for a machine that has no
+    record of it (another clone, another laptop): each host asked, those that answered with one."""
+    from orchestrator.backends.ssh.placement import at
+    if not jobspec.valid_job_id(job):
+        return []
+    d = at(inv, job, inv.all_hosts[0]).dir
+    got = session.fan_out(lambda h: session.run(h, sshargs.shell(["test", "-d", d]), what="looking there",
+                                                timeout=deadlines.STATUS_TIMEOUT), inv.all_hosts)
+    return [at(inv, job, h) for h in inv.all_hosts if got.error(h.name) is None and got[h.name].ok]
+
+
+def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, console: Console,
+                   live: bool) -> Finished:
+    """fab logs of a detached job this machine did not start: its nodes followed while it runs,
+    then its run's files (logs, events, snapshots) copied here from the controller that ended it;
+    its record stays with the machine that started it (and nothing is removed from the hosts)."""
+    from orchestrator.backends.ssh import jobs
+    from orchestrator.hosts import survey
+    with Session(inv.all_hosts) as session:
+        while True:
+            src = ended_at(places, look(session, places))
+            if src is not None:
+                run_dir = copy_files(session, src, job, runs)
+                return Finished(job, run_dir, None,
+                                f"job {job} ended; its logs, events and snapshots are in {run_dir} (copied "
+                                f"from its controller on {src.host.name}; its record stays with the machine "
+                                "that started it, where 'fab status' clears the hosts)")
+            found = survey.survey(session, inv)
+            if job in survey.running_jobs(found):
+                try:
+                    jobs.attach(session, inv, job, runs, console, live=live)
+                except KeyboardInterrupt:
+                    return Finished(job, None, None, "detached; the job goes on")
+                except UserError:
+                    pass
                 continue
+            if not running(controllers(found).get(job, {})):
+                raise UserError(f"job {job}: its controllers are gone without an end")
             time.sleep(FOLLOW_POLL)

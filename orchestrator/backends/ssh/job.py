@@ -14,6 +14,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -41,13 +42,23 @@ from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Session, describe
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Iterable, Iterator
 
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.progress.bars import Transfer
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
 REPLANS = 3      # plans made again in a row when other jobs claim the same units or port meanwhile
+
+
+def _unfenced() -> None:
+    pass
+
+
+# A detached job's active controller sets this (failover.Mirror.check): asked before an attempt
+# starts containers and before its teardown removes them; it ends the process when another
+# controller took the job over (a controller that wakes from a freeze never acts on a job it lost).
+FENCE: Callable[[], None] = _unfenced
 
 
 def run(job: Job, running: AttemptPlan | None = None) -> JobResult:
@@ -393,6 +404,7 @@ class Job:
         its claim found the hosts taken meanwhile (then it is as if the attempt never was)."""
         self.record.attempts.append(Attempt(a.number, [h.name for h in a.hosts], time.time(),
                                             resumed_from=a.snapshot))
+        FENCE()
         self.record.state = "running"
         self.record.save(self.run_dir)
         self.current = a
@@ -431,6 +443,7 @@ class Job:
                 skip = self.lost | (done.lost | done.stuck if done else frozenset())
                 if done is not None:  # a warm generation seen ended has nothing left to end
                     skip |= frozenset(done.warm_ranks)
+                FENCE()
                 self.stage(Stage.TEARDOWN, a.number)
                 self.run_steps(a, [s for s in a.select("stop") if s.where not in skip])
         return done

@@ -135,8 +135,8 @@ def to_stop(views: dict[str, survey.JobView], job: str | None, everything: bool,
     return {j for j in views if j not in others}, others
 
 
-def known_job(job: str, views: dict[str, survey.JobView], controllers: dict[str, str], unsurveyed: bool,
-              runs: Path) -> bool:
+def known_job(job: str, views: dict[str, survey.JobView], controllers: dict[str, dict[str, str]],
+              unsurveyed: bool, runs: Path) -> bool:
     """Whether `fab stop --job JOB` names a job: one the hosts hold (containers, claims, a
     controller), or one this machine recorded; a host that did not answer may hold any."""
     return job in views or job in controllers or unsurveyed or (

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished, Launch
-from orchestrator.backends.ssh.detached import KEY_FILE, MOUNT, Place, keys_line, place, remove
+from orchestrator.backends.ssh.detached import KEY_FILE, MOUNT, keys_line, remove
+from orchestrator.backends.ssh.placement import Place, Placement, placement
 from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.sshconf import SSH
 from orchestrator.core import hostile, jobspec
@@ -71,9 +72,10 @@ def known_hosts_text(inv: Inventory) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_script(p: Place, image: str, owner: str) -> str:
-    """Run the controller: the SSH user's uid (a passwd line made for it: ssh insists on one), no
-    capabilities, the host's network, its directory at /ctl; removed when it exits."""
+def start_script(p: Place, image: str, owner: str, standby: bool = False) -> str:
+    """Run the controller (or its standby: failover.py): the SSH user's uid (a passwd line made
+    for it: ssh insists on one), no capabilities, the host's network, its directory at /ctl;
+    removed when it exits."""
     d = sshargs.shell([p.dir])
     passwd = (
         f'printf \'root:x:0:0::/root:/bin/sh\\n%s:x:%s:%s::{MOUNT}:/bin/sh\\n\' "$(id -un)" "$(id -u)" '
@@ -106,7 +108,8 @@ def start_script(p: Place, image: str, owner: str) -> str:
             image,
             "sh",
             "-c",
-            f"exec python3 -m orchestrator.backends.ssh.controller {MOUNT} >> {MOUNT}/{LOG} 2>&1",
+            f"exec python3 -m orchestrator.backends.ssh.controller {MOUNT}"
+            + (" --standby" if standby else "") + f" >> {MOUNT}/{LOG} 2>&1",
         ]
     )
     return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest}'
@@ -127,8 +130,9 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
     if jumps:
         raise UserError(f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
                         "cannot use yet; run the job without --detach", exit_code=2)
-    p = place(inv, spec.job_id)
-    refuse_exposing_mounts(p)
+    pl = placement(inv, spec.job_id)
+    for p in (pl.active, *([pl.standby] if pl.standby else [])):
+        refuse_exposing_mounts(p)
     lifetime, renew = keys.lifetimes()
     from orchestrator.images import images
     try:
@@ -144,22 +148,23 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
         stage = Path(tmp) / "stage"
         public = stage_files(stage, launch)
         try:
-            failed = start(session, p, stage, launch, public, lifetime, renew)
+            failed = start(session, pl, stage, launch, public, lifetime, renew)
         except BaseException as exc:
-            left = remove(session, p)
+            left = remove(session, *[p for p in (pl.active, pl.standby) if p is not None])
             if left and isinstance(exc, UserError):
                 more = keys_line(spec.job_id, left, "; ")
                 raise UserError(f"{exc}{more}", exit_code=exc.exit_code) from None
             raise
     # Every host may hold the key until this machine sees it gone (detached.fetch, status_lines).
-    job_record.controller = {**p.record(), "keys": sorted(h.name for h in inv.all_hosts)}
+    job_record.controller = {**pl.record(), "keys": sorted(h.name for h in inv.all_hosts)}
     run_dir = launch.runs / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
     job_record.save(run_dir)
     warn = "".join(f"\n  warning: {n} did not take the controller's key ({why}): the job cannot use it"
                    for n, why in failed.items())
     return Finished(spec.job_id, None, None,
-                    f"job {spec.job_id} detached: its controller runs on {p.host.name} ({p.container}). "
+                    f"job {spec.job_id} detached: its controller runs on {pl.active.host.name} "
+                    f"({pl.active.container}): {pl.said()}. "
                     f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
                     f"{spec.job_id}' ends it{warn}")
 
@@ -210,19 +215,22 @@ def code_copy(dest: Path) -> None:
     (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
 
 
-def start(session: Session, p: Place, stage: Path, launch: Launch, public: str, lifetime: int,
+def start(session: Session, pl: Placement, stage: Path, launch: Launch, public: str, lifetime: int,
           renew: int) -> dict[str, str]:
-    """The controller's host's addresses found, then the key on every host (the controller's
-    directory made in the same round trip), then at once the image placed and the files copied,
-    then the controller run; the hosts (other than the controller's) that did not take the key,
-    with why."""
+    """The controllers' hosts' addresses found, then the key on every host (the controllers'
+    directories made in the same round trip), then at once the image placed and the files copied
+    on both, then the controller run, then its standby; the hosts that did not take the key (or run
+    the standby), with why: the job goes on without them."""
     inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
     from orchestrator.images import images
-    sources = controller_sources(session, p, inv)
-    write(stage / KEY_FILE, json.dumps({"public": public, "from": sources, "lifetime": lifetime,
-                                        "renew": renew}).encode())
+    places = [pl.active, *([pl.standby] if pl.standby else [])]
+    sources = controller_sources(session, places, inv)
+    write(stage / KEY_FILE, json.dumps({
+        "public": public, "from": sources, "lifetime": lifetime, "renew": renew, "dir": pl.active.dir,
+        "active": pl.active.host.name, "standby": pl.standby.host.name if pl.standby else None}).encode())
     first = {h.name: authorize_script(spec.job_id, public, sources[h.name], lifetime) for h in inv.all_hosts}
-    first[p.host.name] += " && " + prepare_script(p)
+    for p in places:
+        first[p.host.name] += " && " + prepare_script(p)
     ok = session.fan_out(lambda h: session.run(h, first[h.name], timeout=keys.TIMEOUT,
                                                what="adding the controller's key"), inv.all_hosts)
     failed = {}
@@ -231,53 +239,73 @@ def start(session: Session, p: Place, stage: Path, launch: Launch, public: str, 
         if error is not None or r is None or not r.ok:
             failed[h.name] = describe(h, error) if error is not None else hostile.line(
                 (r.stderr if r else "").strip() or f"exit {r.exited if r else '?'}", 300)
-    if p.host.name in failed:
+    if pl.active.host.name in failed:
         raise UserError(
-            f"--detach: the controller's host {p.host.name} did not take its key or make {p.dir}: "
-            f"{failed[p.host.name]}",
+            f"--detach: the controller's host {pl.active.host.name} did not take its key or make "
+            f"{pl.active.dir}: {failed[pl.active.host.name]}",
             exit_code=1,
         )
+    if pl.standby is not None and pl.standby.host.name in failed:
+        places = places[:1]
 
-    def copy(argv: list[str]) -> None:
+    def copy(p: Place, argv: list[str]) -> None:
         done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
         if not done.ok:
             raise UserError(
                 f"{p.host.name}: copying to {p.dir} failed: {hostile.line(done.stderr.strip(), 300)}"
             )
 
-    def place_image() -> None:
+    def place_image(p: Place) -> None:
         pushed = images.push(session, image, (p.host,))
         if pushed[0].action == "failed":
             raise UserError(
                 f"{p.host.name}: the controller image {image} could not be placed: {pushed[0].detail}"
             )
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        for f in [
-            pool.submit(place_image),
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        work = {p.host.name: [
+            pool.submit(place_image, p),
             # The controller's own files, whole (its empty secrets/ too): not a code tree.
-            pool.submit(copy, sshargs.rsync_argv(p.host, str(stage), p.dir, listed=False)),
-            pool.submit(copy, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)),
-        ]:
-            f.result()
-    r = session.run(p.host, start_script(p, image, spec.owner), timeout=START_TIMEOUT,
-                    what="starting the controller")
-    if not r.ok:
-        raise UserError(f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip(), 300)}")
-    return {n: why for n, why in failed.items() if n != p.host.name}
+            pool.submit(copy, p, sshargs.rsync_argv(p.host, str(stage), p.dir, listed=False)),
+            pool.submit(copy, p, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)),
+        ] for p in places}
+        for p in places:
+            for f in work[p.host.name]:
+                try:
+                    f.result()
+                except UserError as exc:
+                    if p is pl.active:
+                        raise
+                    failed[p.host.name] = f"the standby was not placed: {exc}"
+    for p in places:
+        if p.host.name in failed:
+            continue
+        r = session.run(p.host, start_script(p, image, spec.owner, standby=p is not pl.active),
+                        timeout=START_TIMEOUT, what="starting the controller")
+        if not r.ok and p is pl.active:
+            raise UserError(f"{p.host.name}: the controller did not start: "
+                            f"{hostile.line(r.stderr.strip(), 300)}")
+        if not r.ok:
+            failed[p.host.name] = f"its standby did not start: {hostile.line(r.stderr.strip(), 300)}"
+    return {n: why for n, why in failed.items() if n != pl.active.host.name}
 
 
-def controller_sources(session: Session, p: Place, inv: Inventory) -> dict[str, list[str]]:
-    """Each host's from= list for the key: the controller's host's addresses as that host shows
-    them (keys.addresses_script), loopback too on its own line when its address resolves there to it."""
-    r = session.run(p.host, keys.addresses_script(p.host.ssh.hostname), timeout=deadlines.STATUS_TIMEOUT,
-                    what="listing its addresses")
-    if not r.ok:
-        raise UserError(f"--detach: listing the addresses of {p.host.name}, the controller's host, failed: "
-                        f"{hostile.line(r.stderr.strip() or f'exit {r.exited}', 300)}", exit_code=1)
-    addresses, via_loopback = keys.parse_addresses(r.stdout, p.host.name)
-    by_host = keys.sources_by_host([h.name for h in inv.all_hosts], p.host.name, addresses, via_loopback)
-    return {n: list(v) for n, v in by_host.items()}
+def controller_sources(session: Session, places: list[Place], inv: Inventory) -> dict[str, list[str]]:
+    """Each host's from= list for the key: the controllers' hosts' addresses as those hosts show
+    them (keys.addresses_script), loopback too on their own lines when their address resolves there
+    to them."""
+    out: dict[str, list[str]] = {h.name: [] for h in inv.all_hosts}
+    for p in places:
+        r = session.run(p.host, keys.addresses_script(p.host.ssh.hostname), timeout=deadlines.STATUS_TIMEOUT,
+                        what="listing its addresses")
+        if not r.ok:
+            raise UserError(f"--detach: listing the addresses of {p.host.name}, a controller's host, failed: "
+                            f"{hostile.line(r.stderr.strip() or f'exit {r.exited}', 300)}", exit_code=1)
+        addresses, via_loopback = keys.parse_addresses(r.stdout, p.host.name)
+        by_host = keys.sources_by_host([h.name for h in inv.all_hosts], p.host.name, addresses, via_loopback)
+        for n, v in by_host.items():
+            out[n] += [a for a in v if a not in out[n]]
+    return out
 
 
 def write(path: Path, data: bytes) -> None:

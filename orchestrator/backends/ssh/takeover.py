@@ -36,8 +36,9 @@ class Running:
     restarts_used: int                    # restarts spent since the job was last started or resumed
 
 
-def running_attempt(found: PerHost, inv: Inventory, record: JobRecord) -> Running:
-    """What to take over, or UserError saying why there is nothing to (pure: from the survey)."""
+def running_attempt(found: PerHost, inv: Inventory, record: JobRecord, lease: bool = True) -> Running:
+    """What to take over, or UserError saying why there is nothing to (pure: from the survey).
+    `lease`: refused while the job's lease is fresh (not for a standby that saw its controller gone)."""
     job = record.job_id
     if record.state != "running" or not record.attempts:
         raise UserError(f"job {job} is {record.state} (runs/{job}/job.json): there is nothing to take over; "
@@ -49,7 +50,8 @@ def running_attempt(found: PerHost, inv: Inventory, record: JobRecord) -> Runnin
         raise UserError(f"job {job} runs on {', '.join(unknown)}, which {inv.path} does not name; give the "
                         "inventory it was started with (--inventory)", exit_code=2)
     survey = {n: hj for n, hj in found.items() if isinstance(hj, HostJobs)}
-    refuse_if_looked_after(found, job)
+    if lease:
+        refuse_if_looked_after(found, job)
     if not any(job in survey[n].containers for n in last.hosts if n in survey):
         raise UserError(f"job {job} has no container on its hosts ({', '.join(last.hosts)}) that answered: "
                         f"nothing runs to take over; continue it with 'fab train --resume {job}'",
