@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.ssh import controller, detached, submit
+from orchestrator.backends.ssh import controller, detached, detachedview, submit
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import JobSpec
@@ -306,16 +306,16 @@ def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, mon
     answering = PerHost(gpu1=HostJobs({}, frozenset(), {}), gpu2=HostJobs({}, frozenset(), {}))
     # fab status while gpu2 is still away: named, not tried (the survey saw it gone).
     lost = PerHost(gpu1=answering["gpu1"], gpu2=OSError("No route to host"))
-    lines = detached.status_lines(session, inv, runs, lost)
+    lines = detachedview.status_lines(session, inv, runs, lost)
     assert lines == [detached.keys_line(JOB, {"gpu2": "gpu2 does not answer"})]
     assert JobRecord.load(runs, JOB).controller["keys"] == ["gpu2"]
     assert keys.marker(JOB).encode() in (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes()
     # ... and once it answers, taken back.
-    assert detached.status_lines(session, inv, runs, answering) == [
+    assert detachedview.status_lines(session, inv, runs, answering) == [
         f"{JOB}: its controller's key is now removed from gpu2"]
     assert JobRecord.load(runs, JOB).controller["keys"] == []
     assert (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes() == USER_LINE + b"\n"
-    assert detached.status_lines(session, inv, runs, answering) == []
+    assert detachedview.status_lines(session, inv, runs, answering) == []
 
 
 def test_a_removal_is_tried_again_where_it_failed_and_only_there(tmp_path, monkeypatch):

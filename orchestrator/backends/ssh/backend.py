@@ -136,14 +136,14 @@ class SshBackend:
         record = (
             JobRecord.load(runs, job_id, "fab logs --job") if job_id and (runs / job_id).is_dir() else None
         )
-        from orchestrator.backends.ssh import detached
+        from orchestrator.backends.ssh import detached, detachedview
         if record is not None and detached.unfetched(record):
-            return detached.follow(inv, record, runs, console, live)
+            return detachedview.follow(inv, record, runs, console, live)
         if record is None and job_id:
             with Session(inv.all_hosts) as session:
-                places = detached.found_places(session, inv, job_id)
+                places = detachedview.found_places(session, inv, job_id)
             if places:  # a detached job another machine started
-                return detached.follow_unowned(inv, job_id, places, runs, console, live)
+                return detachedview.follow_unowned(inv, job_id, places, runs, console, live)
         if record is not None and record.state != "running":
             return Finished(
                 record.job_id,
@@ -204,12 +204,12 @@ class SshBackend:
         return out
 
     def status(self, inv: Inventory, runs: Path) -> Status:
-        from orchestrator.backends.ssh import detached
+        from orchestrator.backends.ssh import detachedview
         with Session(inv.all_hosts) as session:
             found = survey.survey(session, inv)
             views = survey.job_views(found)
             steps = survey.last_steps(session, inv, views)
-            controllers = detached.status_lines(session, inv, runs, found)
+            controllers = detachedview.status_lines(session, inv, runs, found)
         stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
         lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
         return Status(

@@ -1,15 +1,16 @@
 """Detached jobs (fab train --detach): the job's whole life (job.py, the same stages) runs in a
-controller, a container started for the job on one host (the inventory's controller: host, by
-default the first host), so the terminal that started it may close. Here: where a controller runs
-(Place), and what this machine does with a detached job once it is started: its end and run
-fetched, followed (fab logs), named by fab status, its key taken back by fab stop. Starting one:
-submit.py; the controller itself: controller.py.
+controller, a container started for the job on one host, with a standby on a second one that takes
+the job over if the first is lost (placement.py says where, failover.py how), so the terminal that
+started it may close. Here: what this machine does with a detached job once it is started: its end
+and run fetched (from the controller that ended it, or a standby's mirror), its controllers'
+directories removed, its key taken back by fab stop; what it shows of one: detachedview.py.
+Starting one: submit.py; the controller itself: controller.py.
 
-What is copied where (README: Detached jobs). On the controller's host, in
+What is copied where (docs/detached.md). On both controllers' hosts, in
 <job.output_dir>/.controllers/JOB (mode 700, the SSH user's own), mounted at /ctl in the controller:
   key, key.pub    an SSH key made for this job alone (Ed25519, mode 600). Its public half is added
                   to ~/.ssh/authorized_keys of the SSH user on every host and spare, marked
-                  `fabtrain-controller:JOB`, with `restrict`, `from=` the controller's host's
+                  `fabtrain-controller:JOB`, with `restrict`, `from=` the controllers' hosts'
                   addresses and an `expiry-time=` the controller moves on while the job lives
                   (hosts/keys.py says why each); removed at the job's end by the controller, and
                   checked gone by this machine (`fab status`, `fab logs`, `fab stop --job JOB`),
@@ -20,13 +21,14 @@ What is copied where (README: Detached jobs). On the controller's host, in
   secrets/NAME    job.secret_files' contents (mode 600).
   launch.pickle   the job as this machine resolved it (inventory, spec, policy, record), mode 600.
   fabtrain/       the orchestrator's code, as it is here; code/: the job's code tree.
-  runs/JOB/       the job's run directory, as the controller writes it.
+  runs/JOB/       the job's run directory, as the controller writes it; mirror/runs/JOB on the
+                  standby's host: the active controller's copy of it (failover.py).
 The key, secrets and launch.pickle are removed when the controller ends; `fab logs` and `fab status`
 fetch runs/JOB here once the job has ended, then remove the whole directory. The directory is mounted
 in no job container (they mount job.output_dir/JOB, the code and the runtime directory; submit.py
 refuses an inventory mount that would hold it).
 
-What comes back is data (README: Security). The controller's copy of the job's record is not copied
+What comes back is data (docs/security.md). The controller's copy of the job's record is not copied
 over this machine's: it is read as hostile data and only what a controller changes (the state, the
 attempts after this machine's) is taken into this machine's record (JobRecord.with_host_data), so
 notify, the inventory, secrets, code and image always come from this machine's own record.
@@ -43,22 +45,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.base import Finished
 from orchestrator.backends.ssh.placement import MIRROR, Place, place, place_of, places_of, unfetched
 from orchestrator.commands import sshargs
-from orchestrator.core import hostile, jobspec
+from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import RECORD, STATES, JobRecord
 from orchestrator.hosts import keys
 from orchestrator.hosts.keys import revoke_script
 from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport import deadlines
-from orchestrator.transport.remote import Session, describe, failure
+from orchestrator.transport.remote import Session, failure
 
 __all__ = ["Place", "place", "place_of", "places_of", "unfetched"]
 
 if TYPE_CHECKING:
-    from rich.console import Console
 
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.transport.remote import PerHost
@@ -379,149 +379,3 @@ def save_keys(runs: Path, job: str, left: dict[str, str]) -> None:
         return
     record.controller["keys"] = sorted(left)
     record.save(runs / job)
-
-
-def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -> list[str]:
-    """fab status on detached jobs: those that ended are fetched (runs/JOB) and their controllers'
-    directories removed; which controller runs a job (the standby once it took over), one that is
-    gone, or whose host does not answer, is named; a controller's key (or directory) still on a host
-    is named, and taken back once the host answers."""
-    lines, seen, said = [], controllers(found), set()
-    for record in detached_records(runs):
-        places = places_of(inv, record)
-        if not places:
-            continue
-        job = record.job_id
-        said.add(job)
-        silent = [p.host.name for p in places if found.error(p.host.name) is not None]
-        try:
-            end = fetch(session, places, record, runs)
-        except HostRecordRefused as exc:
-            lines.append(f"{job}: ended; its run is fetched into {runs / job}, but {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - one job's fetch never hides the others
-            lines.append(f"{job}: its run could not be fetched: {hostile.line(str(exc), 300)}")
-            continue
-        if end is not None:
-            why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
-            lines.append(f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
-                         + keys_line(job, end["keys_left"], "; "))
-            continue
-        if len(silent) == len(places):
-            lines.append(
-                f"{job}: its controllers' hosts {', '.join(silent)} do not answer (lost?), with the job's "
-                f"record: once one answers, 'fab logs --job {job}' fetches the run"
-            )
-            continue
-        states = seen.get(job, {})
-        now = running_at(places, look(session, places))
-        if not running(states):
-            # Nobody needs its key now: `fab attach` goes on with this machine's own.
-            left = take_back(session, inv, record, found)
-            named = ", ".join(p.host.name for p in places)
-            lines.append(f"{job}: its controllers ({named}) are gone without "
-                         f"an end; 'fab attach {job}' takes the job over here" + keys_line(job, left, "; "))
-            continue
-        assert now is not None
-        where = f"{job}: detached, its controller runs on {now.host.name}"
-        if now.host.name != places[0].host.name:
-            where += f" (took over from {places[0].host.name})"
-        elif len(places) > 1:
-            where += f", its standby on {places[1].host.name}"
-        lines.append(where + "".join(f"; {n} does not answer" for n in silent))
-    # A record whose controller's host this inventory does not name belongs to another inventory.
-    for record in (r for r in keys_held(runs) if r.job_id not in said and places_of(inv, r)):
-        job, before = record.job_id, set(record.controller["keys"])
-        left = take_back(session, inv, record, found, clear=True)
-        save_keys(runs, job, left)
-        gone = sorted(before - set(left))
-        lines += ([f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else [])
-        lines += [keys_line(job, left)] if left else []
-    return lines
-
-
-def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool) -> Finished:
-    """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
-    fetched here once its controllers have ended (from the one that ended it, or a standby's mirror)."""
-    from orchestrator.backends.ssh import jobs
-    from orchestrator.hosts import survey
-    places = places_of(inv, record)
-    if not places:
-        raise UserError(f"job {record.job_id}: its controller ran on {record.controller.get('host')}, which "
-                        f"{inv.path} does not name; give the inventory it was started with", exit_code=2)
-    job = record.job_id
-    with Session(inv.all_hosts) as session:
-        while True:
-            end = fetch(session, places, record, runs)
-            if end is not None:
-                error = (
-                    UserError(end["error"].replace(f"{MOUNT}/runs/", f"{runs}/")) if end["error"] else None
-                )
-                return Finished(
-                    job,
-                    runs / job,
-                    error,
-                    f"job {job} {end['state']}; logs and outputs in {runs / job} (fetched from its "
-                    f"controller on {places[0].host.name})"
-                    + keys_line(job, end["keys_left"], "\n  warning: "),
-                )
-            found = survey.survey(session, inv)
-            if job in survey.running_jobs(found):
-                try:
-                    jobs.attach(session, inv, job, runs, console, live=live)
-                except KeyboardInterrupt:
-                    return Finished(job, None, None, "detached; the job goes on ('fab stop --job' ends it)")
-                except UserError:
-                    pass  # its attempt ended between the survey and the follow
-                continue
-            answering = [p for p in places if found.error(p.host.name) is None]
-            if not answering:
-                why = "; ".join(describe(p.host, e) for p in places if (e := found.error(p.host.name)))
-                raise UserError(f"job {job}: its controllers' hosts do not answer ({why}); "
-                                "'fab status' says more")
-            if not running(controllers(found).get(job, {})) and fetch(session, places, record, runs) is None:
-                raise UserError(f"job {job}: its controllers are gone without an end; "
-                                f"'fab attach {job}' takes it over here")
-            time.sleep(FOLLOW_POLL)
-
-
-def found_places(session: Session, inv: Inventory, job: str) -> list[Place]:
-    """The controllers' directories of `job` on the inventory's hosts, for a machine that has no
-    record of it (another clone, another laptop): each host asked, those that answered with one."""
-    from orchestrator.backends.ssh.placement import at
-    if not jobspec.valid_job_id(job):
-        return []
-    d = at(inv, job, inv.all_hosts[0]).dir
-    got = session.fan_out(lambda h: session.run(h, sshargs.shell(["test", "-d", d]), what="looking there",
-                                                timeout=deadlines.STATUS_TIMEOUT), inv.all_hosts)
-    return [at(inv, job, h) for h in inv.all_hosts if got.error(h.name) is None and got[h.name].ok]
-
-
-def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, console: Console,
-                   live: bool) -> Finished:
-    """fab logs of a detached job this machine did not start: its nodes followed while it runs,
-    then its run's files (logs, events, snapshots) copied here from the controller that ended it;
-    its record stays with the machine that started it (and nothing is removed from the hosts)."""
-    from orchestrator.backends.ssh import jobs
-    from orchestrator.hosts import survey
-    with Session(inv.all_hosts) as session:
-        while True:
-            src = ended_at(places, look(session, places))
-            if src is not None:
-                run_dir = copy_files(session, src, job, runs)
-                return Finished(job, run_dir, None,
-                                f"job {job} ended; its logs, events and snapshots are in {run_dir} (copied "
-                                f"from its controller on {src.host.name}; its record stays with the machine "
-                                "that started it, where 'fab status' clears the hosts)")
-            found = survey.survey(session, inv)
-            if job in survey.running_jobs(found):
-                try:
-                    jobs.attach(session, inv, job, runs, console, live=live)
-                except KeyboardInterrupt:
-                    return Finished(job, None, None, "detached; the job goes on")
-                except UserError:
-                    pass
-                continue
-            if not running(controllers(found).get(job, {})):
-                raise UserError(f"job {job}: its controllers are gone without an end")
-            time.sleep(FOLLOW_POLL)
