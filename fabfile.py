@@ -21,8 +21,9 @@ from rich.console import Console
 from orchestrator import preflight as _preflight
 from orchestrator.backends.kubernetes.backend import KubernetesBackend as _Kubernetes
 from orchestrator.backends.slurm import script as _sbatch
+from orchestrator.backends.ssh import jobs as _jobs
 from orchestrator.backends.ssh import steps as _steps
-from orchestrator.commandline import cli, requests
+from orchestrator.commandline import cli, requests, usage
 from orchestrator.commandline.typed import task
 from orchestrator.config import inventory as _inventory
 from orchestrator.core import hostile, jobspec
@@ -37,6 +38,7 @@ from orchestrator.transport.remote import Session
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
 cli.quiet_on_closed_pipe()
+usage.install()  # a mistyped task or option: exit 2, with the nearest spelling
 RUNS = Path("runs")
 console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in logs and pipes
 INV_HELP = "inventory file (default: $FABTRAIN_INVENTORY, else inventory.yaml here)"
@@ -421,8 +423,10 @@ def metrics(c, job=None, json=False):
         if not found:
             raise UserError(f"no runs in {RUNS}/ yet; start one with fab train", exit_code=2)
         job = found[0]["job"]
-    if not jobspec.valid_job_id(job) or not (RUNS / job).is_dir():
-        raise UserError(f"no run {hostile.text(job)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
+    if not jobspec.valid_job_id(job):
+        raise _jobs.unknown_job(job)
+    if not (RUNS / job).is_dir():  # a detached job started elsewhere: fab logs --job copies it here
+        raise _jobs.unknown_job(job, f" in {RUNS}/")
     doc = latest.latest(RUNS / job)
     if json:
         print(_json.dumps(doc, indent=2))

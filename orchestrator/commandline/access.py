@@ -24,6 +24,7 @@ from typing import Any
 import fabric
 from invoke import Exit
 
+from orchestrator.backends.ssh import jobs
 from orchestrator.commands import nodeexec
 from orchestrator.config import inventory as inventory_file
 from orchestrator.config.inventory import Host, Inventory
@@ -77,9 +78,10 @@ def job_inventory(inventory: str | None, job: str, runs: Path) -> Inventory:
 
 
 def find_node(session: Session, inv: Inventory, job: str, rank: int | None = None,
-              host: str | None = None) -> Node:
+              host: str | None = None, runs: Path | None = None) -> Node:
     """The node of `job` to reach: on host `host`, or of node rank `rank` (default 0), where its
-    container runs now; UserError naming what was asked, what runs, and what to do."""
+    container runs now; UserError naming what was asked, what runs, and what to do (and, given
+    `runs`, that no job of that id exists, when neither the hosts nor runs/ know it)."""
     if not jobspec.valid_job_id(job):
         raise UserError(f"{hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists the jobs",
                         exit_code=2)
@@ -107,6 +109,9 @@ def find_node(session: Session, inv: Inventory, job: str, rank: int | None = Non
             return Node(job, by_name[name], r)
     seen = f"; not reached: {'; '.join(unreachable)}" if unreachable else ""
     if not ranks:
+        if runs is not None and not jobs.known_to(found, job, runs):
+            raise UserError(f"job {job} is not running on the hosts of {inv.path}: "
+                            f"{jobs.unknown_job(job, f' there or in {runs}/')}", exit_code=2)
         raise UserError(f"job {job} is not running on the hosts of {inv.path}{seen}; 'fab status' lists "
                         "the jobs", exit_code=2)
     raise UserError(f"job {job} has no running node of rank {want}: it runs on {where}{seen}", exit_code=2)
@@ -119,9 +124,11 @@ def shell(inventory: str | None, job: str, rank: str | int | None, host: str | N
     container (its exit status is the command's). With a pseudo-terminal when stdin and stdout are
     both terminals (`terminal`), as `docker exec -it` would be used by hand."""
     asked = whole("--rank", rank, 0)
+    if not jobspec.valid_job_id(job):
+        raise jobs.unknown_job(job)
     inv = job_inventory(inventory, job, runs)
     with Session(inv.all_hosts) as session:
-        node = find_node(session, inv, job, asked, host)
+        node = find_node(session, inv, job, asked, host, runs)
     tty = sys.stdin.isatty() and sys.stdout.isatty() if terminal is None else terminal
     remote = nodeexec.exec_argv(node.job, node.rank, command, tty, os.environ.get("TERM"))
     argv = nodeexec.ssh_command_argv(node.host, remote, tty)
@@ -137,10 +144,12 @@ def forward(inventory: str | None, job: str, port: str | int, local: str | int |
     remote_port = whole("PORT", port, 1, 65535)
     assert remote_port is not None
     local_port = whole("LOCAL", local, 1, 65535) or remote_port
+    if not jobspec.valid_job_id(job):
+        raise jobs.unknown_job(job)
     inv = job_inventory(inventory, job, runs)
     listener = forwarding.listen(local_port)  # first: a taken port is refused before any SSH
     with listener, Session(inv.all_hosts) as session:
-        node = find_node(session, inv, job)
+        node = find_node(session, inv, job, runs=runs)
         session.connection(node.host)  # connected (or a clear error) before the URL is shown
         say(f"forwarding http://{forwarding.LOOPBACK}:{local_port} -> {node.host.name}:{remote_port} "
             f"(rank {node.rank} of {job}); Ctrl+C ends it")

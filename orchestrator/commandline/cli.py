@@ -364,7 +364,9 @@ def find_named(run_root: Path, name: str) -> str | None:
 
 
 def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
-           hang_timeout: str | float | None) -> Policy:
+           hang_timeout: str | float | None, chosen: str = "") -> Policy:
+    """The job's policy from its options, each checked; --min-nodes against the job's hosts (`inv`'s,
+    as the options named in `chosen`, e.g. "--include/--num-nodes", left them)."""
     try:
         p = Policy(restarts=int(restarts), min_nodes=None if min_nodes in (None, "") else int(min_nodes),
                    hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
@@ -375,9 +377,25 @@ def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
     if p.restarts < 0 or p.hang_timeout < 0:
         raise UserError("--restarts and --hang-timeout cannot be negative", exit_code=2)
     if p.min_nodes is not None and not 1 <= p.min_nodes <= len(inv.hosts):
-        raise UserError(f"--min-nodes {p.min_nodes}: give 1 to {len(inv.hosts)} (the hosts in {inv.path})",
+        which = f"of {inv.path} left by {chosen}" if chosen else f"in {inv.path}"
+        raise UserError(f"--min-nodes {p.min_nodes}: give 1 to {len(inv.hosts)} (the hosts {which})",
                         exit_code=2)
     return p
+
+
+def planned_hosts(inv: Inventory, include: str | None, exclude: str | None,
+                  num_nodes: str | int | None) -> Inventory:
+    """The job's hosts as far as the command line tells, before any host is asked: --include's (or
+    the inventory's) less --exclude's, the first --num-nodes of them. Which N of them are free is
+    known only from the hosts (select_hosts with `busy`); more than there are is refused here."""
+    some = select_hosts(inv, include, exclude)
+    n = count("--num-nodes", num_nodes)
+    if n is None:
+        return some
+    if n > len(some.hosts):
+        which = f"of {inv.path} left by --include/--exclude" if include or exclude else f"in {inv.path}"
+        raise UserError(f"--num-nodes {n}: give 1 to {len(some.hosts)} (the hosts {which})", exit_code=2)
+    return replace(some, hosts=some.hosts[:n])
 
 
 def stderr_console() -> Console:

@@ -39,13 +39,32 @@ def tasks() -> Collection:
     return module.ns
 
 
+# What every command exits with (docs/how-train-works.md, "Exit codes", says the same).
+EXIT_CODES = (
+    ("0", "done: the job finished on every host, the checks passed, the command did what it was asked"),
+    ("1", "failed: a job, a check, or a host that did not answer (the message names it and the fix)"),
+    ("2", "refused, nothing started: an unknown task, option or job, a bad value, options that conflict "
+          "(all refused before any host is touched), or what cannot be done as asked (a job still running)"),
+    ("128+N", "a job ended by signal N: 130 Ctrl+C, 143 SIGTERM (its containers were stopped)"),
+    ("141", "the reader of the output went away (fabtrain status | head)"),
+    ("other", "a job on Slurm (train --on slurm, logs): the Slurm job's own exit code; shell JOB -- CMD: "
+              "CMD's"),
+)
+
+
 class Program(Fab):
     """Fabric's program, whose executor is told the argv it was run with: `fabtrain shell JOB -- CMD`
-    takes CMD's words as typed (Invoke keeps them only joined by spaces; see access.Executor)."""
+    takes CMD's words as typed (Invoke keeps them only joined by spaces; see access.Executor); its
+    --help ends with the exit codes."""
 
     def execute(self) -> None:
         from orchestrator.commandline.access import Executor
         Executor(self.collection, self.config, self.core, argv=self.argv).execute(*self.tasks)
+
+    def print_help(self) -> None:
+        super().print_help()
+        print("Exit codes:\n")
+        self.print_columns(EXIT_CODES)  # wrapped to the terminal, as the options and tasks are
 
 
 def make_program() -> Fab:

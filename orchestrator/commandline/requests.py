@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator import backends
 from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.backends.ssh.jobs import unknown_job
 from orchestrator.commandline import cli
 from orchestrator.config import inventory as inventory_file
 from orchestrator.config.fields import listen_address
@@ -122,6 +123,23 @@ def resumed(req: TrainRequest, backend: Backend, record: JobRecord, inv: Invento
     return spec, policy, record
 
 
+def choosers(req: TrainRequest, include: str | None, health: bool = False) -> str:
+    """The options that choose the job's hosts among the inventory's, as a message names them
+    ("--include/--num-nodes"; "" when none does)."""
+    given = {"--include": include, "--exclude": req.exclude, "--num-nodes": req.num_nodes,
+             "--health": req.health and health}
+    return "/".join(k for k, v in given.items() if v not in (None, "", False))
+
+
+def checked_early(req: TrainRequest, inv: Inventory, include: str | None) -> None:
+    """What the command line alone refuses, before any host is asked (--num-nodes surveys them,
+    --health measures them, a resume looks for the job there): hosts --include/--exclude do not
+    name or leave none of, --num-nodes or --min-nodes above the hosts they leave, a negative
+    --restarts or --hang-timeout."""
+    planned = cli.planned_hosts(inv, include, req.exclude, req.num_nodes)
+    cli.policy(planned, req.restarts or 0, req.min_nodes, req.hang_timeout, choosers(req, include))
+
+
 def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str, gpus: int | None,
               say: Console) -> tuple[Inventory, bool]:
     """The inventory with the hosts --include/--exclude/--num-nodes and --health leave (and whether
@@ -160,11 +178,13 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
     if resume:
         record = JobRecord.load(runs, resume)
         inv = inventory_file.load(req.inventory or record.inventory)
-        spec, policy, record = resumed(req, backend, record, inv, say, trainers)
         if record.selected and not (req.include or req.exclude or req.num_nodes):
             include = "@".join(record.selected)
+        checked_early(req, inv, include)
+        spec, policy, record = resumed(req, backend, record, inv, say, trainers)
     else:
         inv = inventory_file.load(req.inventory)
+        checked_early(req, inv, include)
     units = cli.units_asked(inv, req.include)
     gpus = cli.count("--gpus", req.gpus)
     inv, selected = hosts_for(req, inv, include, units, gpus, say)
@@ -180,7 +200,8 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
     if req.stop_idle:
         inv = replace(inv, job=replace(inv.job, stop_idle=True))
     if record is None:
-        policy = cli.policy(inv, req.restarts or 0, req.min_nodes, req.hang_timeout)
+        policy = cli.policy(inv, req.restarts or 0, req.min_nodes, req.hang_timeout,
+                            choosers(req, include, health=True))
         spec = cli.new_spec(
             {**req.job, "checkpoint": req.job.get("checkpoint") or cli.inventory_checkpoint(inv)}, trainers
         )
@@ -248,8 +269,12 @@ def attach(inventory: str | None, job: str, runs: Path, console: Console, json: 
     """fab attach: take over a running job whose fab train (or controller) is gone, as fab train
     would go on with it; its curves and step times shown at the end."""
     if not jobspec.valid_job_id(job):
-        raise UserError(f"{hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them",
-                        exit_code=2)
+        raise unknown_job(job)
+    if not (runs / job).is_dir():
+        # Taking a job over needs its record, so the hosts are not asked: only a job started from
+        # this directory has one.
+        raise unknown_job(job, f" in {runs}/ (fab attach takes over a job started from this directory; "
+                               f"'fab logs --job {job}' follows one started elsewhere)")
     say = cli.stderr_console() if json else console
     record = JobRecord.load(runs, job, "fab attach")
     inv = inventory_file.load(inventory or record.inventory)
@@ -300,7 +325,12 @@ def status(inventory: str | None, runs: Path) -> Status:
 
 
 def logs(inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool) -> Finished:
-    """fab logs: follow the job where it runs (its record says; the hosts when there is none)."""
+    """fab logs: follow the job where it runs (its record says; the hosts when there is none). An id
+    that cannot be a job's is refused before any host is asked; a well-formed one is looked for on
+    the hosts, in runs/ or not (a detached job another machine started has its controller's
+    directory there: jobs.attach refuses one that neither knows)."""
+    if job is not None and not jobspec.valid_job_id(job):
+        raise unknown_job(job)
     inv = inventory_file.load(inventory)
     backend = (backends.of_job(runs, job) if job else None) or backends.choose(None)
     return backend.attach(inv, job, runs, console, live=not plain)

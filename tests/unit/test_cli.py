@@ -12,6 +12,7 @@ import fabfile
 from orchestrator.commandline import cli, program
 from orchestrator.config import inventory
 from orchestrator.core.errors import UserError
+from orchestrator.hosts import survey as survey_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = sorted(fabfile.ns.task_names)
@@ -231,30 +232,75 @@ def test_a_bad_number_names_its_option_with_no_traceback(argv, message, monkeypa
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exc:
         make_fab().run(["fab", *argv])
-    assert exc.value.code != 0
+    assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def contacts(monkeypatch):
+    """Every host a command tries to reach (none is): Session.connection is where SSH starts."""
+    from orchestrator.transport.remote import Session
+    reached = []
+
+    def refuse(session, host):
+        reached.append(host.name)
+        raise ConnectionRefusedError(f"{host.name} was reached")
+    monkeypatch.setattr(Session, "connection", refuse)
+    return reached
+
+
+@pytest.fixture
+def bogus(tmp_path):
+    """An inventory of two hosts at documentation addresses (TEST-NET-1): nothing answers there."""
+    path = tmp_path / "bogus.yaml"
+    path.write_text("ssh: {user: root, config: none}\nhosts:\n" + "".join(
+        f"  - {{name: node{i}, address: 192.0.2.{10 + i}, interface: eth0, "
+        "gpus: {vendor: none, count: 0}}\n" for i in (1, 2)))
+    return path
+
+
+def refused(argv: list[str], capsys) -> tuple[int, str]:
+    """`fabtrain ARGV` run here, in-process: its exit code and its stderr (no traceback in it)."""
+    with pytest.raises(SystemExit) as exc:
+        program.make_program().run(["fabtrain", *argv])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err, out.err
+    return exc.value.code, out.err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--epochs", "0"], "error: --epochs 0: give a whole number, 1 or more"),
     (["train", "--epochs", "-2"], "error: --epochs -2: give a whole number, 1 or more"),
-    (["train", "--min-nodes", "0"], "error: --min-nodes 0: give 1 to 2 (the hosts in "),
-    (["train", "--min-nodes", "3"], "error: --min-nodes 3: give 1 to 2 (the hosts in "),
+    (["train", "--min-nodes", "0"], "error: --min-nodes 0: give 1 to 2 (the hosts in INV)"),
+    (["train", "--min-nodes", "3"], "error: --min-nodes 3: give 1 to 2 (the hosts in INV)"),
+    # The hosts --include/--exclude leave, and --num-nodes's count, are known without asking them.
+    (["train", "--include", "node1", "--min-nodes", "2"],
+     "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --include)"),
+    (["train", "--exclude", "node2", "--min-nodes", "2"],
+     "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --exclude)"),
+    (["train", "--num-nodes", "1", "--min-nodes", "2"],
+     "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --num-nodes)"),
+    (["train", "--num-nodes", "3"], "error: --num-nodes 3: give 1 to 2 (the hosts in INV)"),
+    (["train", "--exclude", "node1", "--num-nodes", "2"],
+     "error: --num-nodes 2: give 1 to 1 (the hosts of INV left by --include/--exclude)"),
+    (["train", "--num-nodes", "2", "--restarts", "-1"],
+     "error: --restarts and --hang-timeout cannot be negative"),
     (["train", "--model", "huge"], "error: --model 'huge': the GPT presets are tiny, small, medium"),
     (["train", "--script", "tests/integration/scripts/progress.py", "--model", "small", "--epochs", "3"],
      'error: --model small, --epochs 3: only the built-in trainers take them; --script runs your program: '
      'give its own options in --args "..."'),
 ])
-def test_bad_input_is_refused_before_any_host_is_touched(argv, message, monkeypatch, capsys):
-    """Exit 2 and one line naming the option, its value and what is allowed; the inventory's hosts
-    (the local cluster's, which need not be up) are never reached."""
+def test_bad_input_is_refused_before_any_host_is_touched(argv, message, bogus, contacts, monkeypatch, capsys):
+    """Exit 2 and one line naming the option, its value and what is allowed; no host is reached
+    (--num-nodes would ask every host which are free)."""
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exc:
-        make_fab().run(["fab", *argv, "--inventory", str(ROOT / "inventory.yaml")])
+        make_fab().run(["fab", *argv, "--inventory", str(bogus)])
     err = capsys.readouterr().err
     assert exc.value.code == 2, err
-    assert message in err and "Traceback" not in err, err
+    assert err == message.replace("INV", str(bogus)) + "\n"
+    assert contacts == []
 
 
 def test_the_gpt_presets_named_here_are_the_trainers():
@@ -277,3 +323,173 @@ def test_a_job_is_optional_where_a_default_exists_and_positional_only_where_one_
 @pytest.mark.parametrize("task", ["logs", "stop", "metrics"])
 def test_an_optional_job_is_never_positional(task):
     assert fabfile.ns.tasks[task].positional == []
+
+
+# ---------------------------------------------------------------- a job id that names no job
+
+NOSUCH = "nosuch-20260101-000000-0000"
+LISTS = "'fab runs' lists this machine's, 'fab status' the hosts'"
+
+
+def hosts_hold(monkeypatch, jobs_there: dict[str, survey_mod.HostJobs] | None = None):
+    """survey.survey answering for every host: nothing there, or what `jobs_there` says."""
+    from orchestrator.transport.remote import PerHost
+
+    def fake(session, inv, hosts=None):
+        empty = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={})
+        return PerHost({h.name: (jobs_there or {}).get(h.name, empty) for h in hosts or inv.all_hosts})
+    monkeypatch.setattr(survey_mod, "survey", fake)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["metrics", "--job", NOSUCH], f"error: no job {NOSUCH} in runs/; {LISTS}\n"),
+    (["metrics", "--job", "../x"], f"error: no job ../x; {LISTS}\n"),
+    (["attach", NOSUCH], f"error: no job {NOSUCH} in runs/ (fab attach takes over a job started from this "
+                         f"directory; 'fab logs --job {NOSUCH}' follows one started elsewhere); {LISTS}\n"),
+    (["attach", "../x"], f"error: no job ../x; {LISTS}\n"),
+    (["logs", "--job", "../x", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
+    (["shell", "../x", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
+    (["forward", "../x", "6006", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
+])
+def test_a_job_that_is_not_one_is_refused_before_any_host_is_touched(argv, message, bogus, contacts, tmp_path,
+                                                                     monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = refused([str(bogus) if a == "INV" else a for a in argv], capsys)
+    assert (code, err) == (2, message)
+    assert contacts == [] and not (tmp_path / "runs").exists()
+
+
+def test_logs_of_a_job_neither_the_hosts_nor_runs_know_is_refused(bogus, contacts, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Followed anyway, it would wait on every host for containers that never come."""
+    from orchestrator.backends.ssh import detachedview
+    monkeypatch.chdir(tmp_path)
+    hosts_hold(monkeypatch)
+    monkeypatch.setattr(detachedview, "found_places", lambda session, inv, job: [])
+    code, err = refused(["logs", "--job", NOSUCH, "--inventory", str(bogus)], capsys)
+    assert (code, err) == (2, f"error: no job {NOSUCH} on the hosts of {bogus} or in runs/; {LISTS}\n")
+
+
+def test_logs_of_a_detached_job_another_machine_started_is_still_followed(bogus, contacts, tmp_path,
+                                                                          monkeypatch, capsys):
+    # No runs/JOB here: its controller's directory on the hosts is what finds it.
+    from orchestrator.backends.base import Finished
+    from orchestrator.backends.ssh import detachedview
+    from orchestrator.backends.ssh.placement import at
+    from orchestrator.config import inventory as inventory_file
+    monkeypatch.chdir(tmp_path)
+    inv = inventory_file.load(str(bogus))
+    places = [at(inv, NOSUCH, inv.hosts[0])]
+    monkeypatch.setattr(detachedview, "found_places", lambda session, inv, job: places)
+    followed = []
+
+    def follow_unowned(inv, job, found, runs, console, live):
+        followed.append((job, found))
+        return Finished(job, None, None, f"job {job} ended")
+    monkeypatch.setattr(detachedview, "follow_unowned", follow_unowned)
+    program.make_program().run(["fabtrain", "logs", "--job", NOSUCH, "--inventory", str(bogus)])
+    assert followed == [(NOSUCH, places)]
+    assert capsys.readouterr().out == f"job {NOSUCH} ended\n"
+
+
+def test_shell_into_a_job_neither_the_hosts_nor_runs_know_says_so(bogus, contacts, tmp_path, monkeypatch,
+                                                                  capsys):
+    monkeypatch.chdir(tmp_path)
+    hosts_hold(monkeypatch)
+    code, err = refused(["shell", NOSUCH, "--inventory", str(bogus)], capsys)
+    assert (code, err) == (2, f"error: job {NOSUCH} is not running on the hosts of {bogus}: no job {NOSUCH} "
+                              f"there or in runs/; {LISTS}\n")
+    # One this machine started, no longer running: that is what it is told.
+    (tmp_path / "runs" / NOSUCH).mkdir(parents=True)
+    (tmp_path / "runs" / NOSUCH / "job.json").write_text("{}")
+    code, err = refused(["shell", NOSUCH, "--inventory", str(bogus)], capsys)
+    assert (code, err) == (2, f"error: job {NOSUCH} is not running on the hosts of {bogus}; 'fab status' "
+                              "lists the jobs\n")
+
+
+def test_a_job_is_known_by_what_the_hosts_hold_or_runs_records(tmp_path):
+    from orchestrator.backends.ssh import jobs
+    from orchestrator.transport.remote import PerHost
+    empty = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={})
+    left = survey_mod.HostJobs(running={}, containers=frozenset({NOSUCH}), runtime={})
+    controlled = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={},
+                                     controllers={NOSUCH: "exited"})
+    assert not jobs.known_to(PerHost(node1=empty, node2=empty), NOSUCH, tmp_path)
+    assert jobs.known_to(PerHost(node1=empty, node2=left), NOSUCH, tmp_path)  # a container left over
+    assert jobs.known_to(PerHost(node1=controlled), NOSUCH, tmp_path)  # a detached job's controller
+    assert jobs.known_to(PerHost(node1=empty, node2=TimeoutError()), NOSUCH, tmp_path)  # node2 may hold it
+    assert not jobs.known_to(PerHost(node1=empty), "../x", tmp_path)
+    (tmp_path / NOSUCH).mkdir()
+    (tmp_path / NOSUCH / "job.json").write_text("{}")
+    assert jobs.known_to(PerHost(node1=empty), NOSUCH, tmp_path)
+
+
+# ---------------------------------------------------------------- a mistyped task or option
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trian"], "No idea what 'trian' is! Did you mean 'train'?"),
+    (["--help", "trian"], "No idea what 'trian' is! Did you mean 'train'?"),
+    (["train", "--epoch", "3"], "No idea what '--epoch' is! Did you mean '--epochs'?"),
+    (["train", "--epoch=3"], "No idea what '--epoch' is! Did you mean '--epochs'?"),
+    (["preflight", "--no-smok"], "No idea what '--no-smok' is! Did you mean '--no-smoke'?"),
+    (["train", "stauts"], "No idea what 'stauts' is! Did you mean 'status'?"),
+    (["cluster.upp"], "No idea what 'cluster.upp' is! Did you mean 'cluster.up'?"),
+    (["--lsit"], "No idea what '--lsit' is! Did you mean '--list'?"),
+    # The job of fab logs, stop and metrics is an option (it may be left out).
+    (["logs", NOSUCH], f"No idea what '{NOSUCH}' is! Did you mean '--job {NOSUCH}'?"),
+    (["zzzz"], "No idea what 'zzzz' is!"),
+    (["shell"], "'shell' did not receive required positional arguments: 'job'"),
+    (["stop", "--job"], "Flag <Option: job> needed value and was not given one!"),
+])
+@pytest.mark.parametrize("binary", ["fab", "fabtrain"])
+def test_a_mistyped_command_line_gets_the_nearest_spelling_and_exits_2(binary, argv, message, contacts,
+                                                                      monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)  # where `fab` finds fabfile.py
+    run = make_fab().run if binary == "fab" else program.make_program().run
+    with pytest.raises(SystemExit) as exc:
+        run([binary, *argv])
+    out = capsys.readouterr()
+    assert (exc.value.code, out.err) == (2, message + "\n")
+    assert contacts == []
+
+
+def test_the_usage_refusal_is_a_parse_error_to_invoke_and_an_exit_to_its_program():
+    # Invoke's completion catches ParseError; Program.run exits with an Exit's code.
+    from invoke import Exit, ParseError
+
+    from orchestrator.commandline import usage
+    e = usage.UsageError("No idea what 'x' is!")
+    assert isinstance(e, ParseError) and isinstance(e, Exit)
+    assert (str(e), e.code, e.message) == ("No idea what 'x' is!", 2, None)
+
+
+# ---------------------------------------------------------------- exit codes
+
+
+def test_fabtrain_help_ends_with_the_exit_codes(capsys):
+    program.make_program().run(["fabtrain", "--help"], exit=False)
+    text = capsys.readouterr().out
+    table = text.partition("\nExit codes:\n\n")[2]
+    assert table, text
+    # Each code's line, and its meaning wrapped to the terminal under it.
+    assert table.split() == " ".join(f"{code} {meaning}" for code, meaning in program.EXIT_CODES).split()
+
+
+def test_the_documented_exit_codes_are_the_programs():
+    """docs/how-train-works.md's table holds every code fabtrain --help lists, and only those."""
+    text = (ROOT / "docs" / "how-train-works.md").read_text()
+    section = text.partition("\n## Exit codes\n")[2].split("\n## ")[0]
+    documented = re.findall(r"^\| (\S+) \|", section, re.M)
+    assert documented[1:] == [code for code, _ in program.EXIT_CODES]  # [0]: the header row
+
+
+def test_every_exit_code_in_use_is_documented():
+    """The codes UserError and Exit are raised with, read from the source, are in the table."""
+    codes = set()
+    for path in [ROOT / "fabfile.py", *(ROOT / "orchestrator").rglob("*.py")]:
+        codes.update(int(c) for c in re.findall(r"\b(?:exit_code|code)=(\d+)", path.read_text()))
+    listed = {int(code) for code, _ in program.EXIT_CODES if code.isdigit()}
+    signals = {c for c in codes if c >= 128}  # 128 + N, a job ended by signal N
+    assert codes - signals <= listed, codes
+    assert signals <= {128, 130, 143}, signals

@@ -165,10 +165,8 @@ class SshBackend:
             found = survey.survey(session, inv)
             views = survey.job_views(found)
             from orchestrator.backends.ssh import detached
-            unsurveyed = any(found.error(h.name) for h in inv.all_hosts)
-            if job_id and not jobs.known_job(job_id, views, detached.controllers(found), unsurveyed, runs):
-                raise UserError(f"no job {hostile.text(job_id)} on the hosts of {inv.path} or in {runs}: "
-                                "'fab status' lists the hosts' jobs, 'fab runs' this machine's", exit_code=2)
+            if job_id and not jobs.known_to(found, job_id, runs):
+                raise jobs.unknown_job(job_id, f" on the hosts of {inv.path} or in {runs}/")
             chosen, others = jobs.to_stop(views, job_id, everyone, claims.me())
             if everyone and others and not yes:
                 jobs.confirm_all(others)

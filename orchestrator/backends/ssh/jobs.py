@@ -1,5 +1,5 @@
 """What surrounds a job's life (job.py): its dry run, re-attaching to a running one (`fab logs`),
-and the message a job that did not finish exits with.
+the message a job that did not finish exits with, and the refusal of a job id that names no job.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
+from orchestrator.backends.ssh import detached
 from orchestrator.backends.ssh.job import Job
 from orchestrator.backends.ssh.state import JobResult
 from orchestrator.backends.ssh.watch import Watcher, worker_failure
@@ -20,7 +21,7 @@ from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Terminal
 from orchestrator.hosts import survey
-from orchestrator.transport.remote import Session
+from orchestrator.transport.remote import PerHost, Session
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -56,17 +57,17 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
 def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console: Console,
            live: bool = True) -> JobResult:
     """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches."""
-    jobs = survey.running_jobs(survey.survey(session, inv))
+    found = survey.survey(session, inv)
+    jobs = survey.running_jobs(found)
     if job_id is None:
         if not jobs:
             raise UserError("no job is running; 'fab status' lists stopped ones")
         if len(jobs) > 1:
             raise UserError(f"several jobs run ({', '.join(jobs)}); pick one with --job")
         job_id = next(iter(jobs))
-    if not jobspec.valid_job_id(job_id):
-        raise UserError(
-            f"job id {hostile.text(job_id)!r} is not a fabtrain job id; pass --job with the right id"
-        )
+    if job_id not in jobs and not known_to(found, job_id, run_root):
+        # Followed anyway, it would wait on every host for containers that never come.
+        raise unknown_job(job_id, f" on the hosts of {inv.path} or in {run_root}/")
     # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
     ranks = jobs.get(job_id) or {h.name: h.rank for h in inv.hosts}
     hosts = tuple(sorted((replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks),
@@ -141,6 +142,21 @@ def known_job(job: str, views: dict[str, survey.JobView], controllers: dict[str,
     controller), or one this machine recorded; a host that did not answer may hold any."""
     return job in views or job in controllers or unsurveyed or (
         jobspec.valid_job_id(job) and (runs / job / "job.json").is_file())
+
+
+def known_to(found: PerHost, job: str, runs: Path) -> bool:
+    """known_job over a survey of every host: whether `job` names a job the hosts hold or this
+    machine recorded (a host that did not answer may hold any)."""
+    if not jobspec.valid_job_id(job):
+        return False
+    return known_job(job, survey.job_views(found), detached.controllers(found), bool(found.errors()), runs)
+
+
+def unknown_job(job: str, where: str = "") -> UserError:
+    """The refusal of a job id that names no job (exit 2: nothing was done), and where the right
+    one is listed: `fab logs`, `attach`, `shell`, `forward` and `metrics` give it alike."""
+    return UserError(f"no job {hostile.text(job)}{where}; 'fab runs' lists this machine's, 'fab status' "
+                     "the hosts'", exit_code=2)
 
 
 def confirm_all(others: dict[str, survey.JobView]) -> None:
