@@ -106,6 +106,10 @@ class SshBackend:
         except UserError as exc:
             if not job.record.attempts or job.record.state != "running":
                 raise
+            if job.stopped(launch.inv.all_hosts):  # fab stop ended it while its controller was lost
+                job.record.state = "stopped"
+                job.record.save(job.run_dir)
+                return Finished(launch.spec.job_id, job.run_dir, None, "ended by 'fab stop'")
             job.note(f"nothing to follow ({exc}); going on from the newest snapshot", "warning")
             last = job.record.attempts[-1].hosts
             by_name = {h.name: h for h in launch.inv.all_hosts}

@@ -34,6 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import paramiko
+
 from orchestrator.backends.ssh.placement import MIRROR
 from orchestrator.commands import hostfiles, sshargs
 from orchestrator.core.errors import UserError
@@ -58,9 +60,10 @@ PROBES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe")
 
 
 def beat_script(standby_dir: str) -> str:
-    """On the standby's host: `taken` when it took the job over, else the heartbeat touched."""
+    """On the standby's host: `taken` when it took the job over, or when its directory is gone (the
+    job ended and was cleared: nothing is left to look after), else the heartbeat touched."""
     d = sshargs.shell([standby_dir])
-    return (f"if [ -e {d}/{TAKEN} ]; then echo {TAKEN}; else mkdir -p {d}/{MIRROR} && "
+    return (f"if [ ! -d {d} ] || [ -e {d}/{TAKEN} ]; then echo {TAKEN}; else mkdir -p {d}/{MIRROR} && "
             f"touch {d}/{MIRROR}/heartbeat; fi")
 
 
@@ -123,6 +126,8 @@ class Mirror:
         the standby takes over, and it writes TAKEN on its own host before anything else)."""
         try:
             r = self.session.run(self.standby, beat_script(self.dir), timeout=PROBE_TIMEOUT, what="heartbeat")
+        except paramiko.AuthenticationException:
+            return True  # the job's key was taken back: its end came while this controller was away
         except Exception:  # noqa: BLE001 - a silent standby took nothing over
             return False
         return r.ok and r.stdout.strip() == TAKEN
