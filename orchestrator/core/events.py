@@ -20,9 +20,10 @@ if TYPE_CHECKING:  # the core loads no terminal library
 
     from rich.console import Console
 
-# Every event kind and its fields (README: --json).
+# Every event kind and its fields (docs/how-train-works.md: Events for scripts).
 KINDS = {
-    "stage": "job, attempt, stage (plan, sync+preflight, snapshot, start, watch, teardown, decide, finish)",
+    "stage": "job, attempt, stage (plan, claim, sync+preflight, snapshot, start, watch, teardown, decide, "
+             "finish)",
     "attempt": "job, attempt, hosts ({host: node rank}), port, snapshot, run_dir",
     "note": "job, level (info, warning, error), text",
     "host_failed": "job, attempt, host, kind (exited, failed to start, hung, lost, engine stuck, failed "
@@ -35,6 +36,7 @@ KINDS = {
     "hang": "job, attempt, ranks (one line per rank: where it is)",
     "attempt_end": "job, attempt, ok, outcome (one line)",
     "decision": "job, attempt, next (true: another attempt follows), reason, notes",
+    "queued": "job, position (1: next in line), waits (per host, what it waits for)",
     "finished": "job, state (finished, failed, stopped, interrupted), attempts, run_dir",
     "controller_lost": "job, host (where the detached job's controller ran), why, seconds (since its last "
                        "heartbeat)",

@@ -1,7 +1,7 @@
 """Where each host of a running job is, read from its output as it streams by: one status line
 per host (node rank, step, last loss, tokens/s, compute time of its slowest rank, seconds since its
 last output), kept at the bottom of the terminal by rich while the log lines scroll above, and
-stragglers named as soon as their recent steps show it.
+stragglers named once their recent steps have shown it for long enough (Board.stragglers).
 
 Only our trainers' step and progress lines carry step information (report.STEP_LINE); a user's
 script shows "no step info" and is still watched for silence.
@@ -34,6 +34,11 @@ PROGRESS = re.compile(
 )
 RECENT = 5        # a rank's straggler test uses the median of its last RECENT compute times
 MIN_SAMPLES = 3   # and only once every rank has reported this many
+# How long a rank must stay slow before it is named (whichever comes first): a pause of a few steps
+# is no straggler. Lines, for a short job that logs often (a starved node shows in its first
+# minute); seconds, for a job that logs rarely.
+SUSTAIN_LINES = 5  # its own step lines in a row
+SUSTAIN = 30.0     # seconds
 SILENT_AFTER = 30.0  # seconds without output before a host's status line turns yellow
 # Host lines the board shows at most: a taller live display than the terminal is cropped by rich
 # and pushes the log lines out of sight (64 hosts). Beyond it, the hosts worth a look (stragglers,
@@ -60,6 +65,9 @@ class Board:
         self.hosts = {name: HostState(name, rank, now) for name, rank in hosts}
         self.total: int | None = None
         self.named: set[str] = set()
+        self.slow: list[tuple[str, float, float]] = []  # report.stragglers as of the newest step line
+        self.slow_since: dict[str, float] = {}  # rank -> since when its step lines have shown it slow
+        self.slow_lines: dict[str, int] = {}    # rank -> how many of its own step lines in a row did
         self._lock = threading.Lock()
 
     def observe(self, host: str, block: bytes) -> None:
@@ -74,13 +82,17 @@ class Board:
             if not (steps or progress):  # the common case, decided without decoding
                 return
             text = block.decode(errors="replace")
+            timed = set()  # the ranks with a new compute time
             for m in report.STEP_LINE.finditer(text) if steps else ():
                 st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), report.rate_of(m)
                 st.ranks[int(m["rank"])] = report.step_of(m)
                 if m["compute_ms"]:
+                    timed.add(report.rank_of(m))
                     st.compute_ms.setdefault(report.rank_of(m), deque(maxlen=RECENT)).append(
                         float(m["compute_ms"])
                     )
+            if timed:
+                self._judge(st.last_output, timed)
             for m in PROGRESS.finditer(text) if progress else ():
                 self.total = int(m["total"])
                 st.step = max(st.step or 0, int(m["step"]))
@@ -100,9 +112,29 @@ class Board:
         enough = all(len(t) >= MIN_SAMPLES for st in self.hosts.values() for t in st.compute_ms.values())
         return recent if enough else {}
 
+    def _judge(self, now: float, fresh: set[str]) -> None:
+        """Which ranks the step lines heard so far show slow, since when, and for how many of their
+        own lines in a row (`fresh`: the ranks whose line just came). A test that finds a rank no
+        longer slow starts both again."""
+        self.slow = report.stragglers(self._recent())
+        self.slow_since = {rank: self.slow_since.get(rank, now) for rank, _, _ in self.slow}
+        self.slow_lines = {rank: self.slow_lines.get(rank, 0) + (rank in fresh) for rank, _, _ in self.slow}
+
     def stragglers(self) -> list[tuple[str, float, float]]:
+        """(rank, compute ms, times the median rank's), slowest first, for each rank slow enough and
+        for long enough to matter.
+        Slow enough: the median of its last RECENT compute times is more than 1.5 times the median
+        rank's (report.STRAGGLER_MARGIN), tested at every step line once every rank has printed
+        MIN_SAMPLES. Long enough: the test has found it slow at each of its own last SUSTAIN_LINES
+        step lines, or for SUSTAIN seconds with no line since saying otherwise; a spell that ends
+        sooner counts for nothing.
+        So a rank 20% slower (scheduling jitter on a few busy CPUs) is never named, nor one slow step
+        among normal ones (it never moves a median of RECENT); a rank twice as slow is, after
+        SUSTAIN_LINES of its lines or SUSTAIN seconds."""
         with self._lock:
-            return report.stragglers(self._recent())
+            now = self.clock()
+            return [s for s in self.slow
+                    if self.slow_lines[s[0]] >= SUSTAIN_LINES or now - self.slow_since[s[0]] >= SUSTAIN]
 
     def new_stragglers(self) -> list[str]:
         """A line for each rank that has become a straggler since the last call (each named once)."""

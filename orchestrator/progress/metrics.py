@@ -4,7 +4,12 @@ runs the job's lifecycle, while it runs (fab train --metrics-port, job.metrics_p
 `Metrics` is one more listener of the job's events (events.py): progress (step, loss, tokens/s,
 step and compute times per rank), host failures, attempts, and the hosts' telemetry samples. What
 it serves is read at each scrape from what it last heard (a custom collector), so a value never
-lags a scrape by more than an event, and `fabtrain_seconds_since_progress` is exact at scrape time.
+lags a scrape by more than an event.
+
+Names and labels follow Prometheus's conventions (prometheus.io/docs/practices/naming): every series
+names its job in `job_id` (`job` is the label Prometheus itself gives a scrape target), units are
+base units in the name (`_seconds`, `_bytes`), counters end in `_total`, and a time is a Unix
+timestamp gauge (`fabtrain_last_progress_timestamp_seconds`: `time() - ...` is how long ago).
 """
 from __future__ import annotations
 
@@ -21,14 +26,14 @@ class Metrics(Reporter):
     """What the job's events said last, served as Prometheus metrics (see the module's docstring).
     `serve` starts the HTTP server; `close` stops it."""
 
-    def __init__(self, job_id: str, owner: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, job_id: str, owner: str, clock: Callable[[], float] = time.time) -> None:
         from prometheus_client.registry import CollectorRegistry
         self.job, self.owner, self.clock = job_id, owner, clock
         self.lock = threading.Lock()
         self.attempt = 0
         self.running = 0
         self.ranks: dict[tuple[str, int], dict] = {}      # (host, rank) -> its newest step line
-        self.moved: dict[str, float] = {}                   # host -> when its step last rose
+        self.moved: dict[str, float] = {}                   # host -> when its step last rose (Unix s)
         self.steps: dict[str, int] = {}                     # host -> its newest step
         self.failures: dict[tuple[str, str], int] = {}      # (host, kind) -> count
         self.samples: dict[str, dict] = {}                  # host -> its newest telemetry sample
@@ -70,7 +75,11 @@ class Metrics(Reporter):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         def gauge(name: str, doc: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"fabtrain_{name}", doc, labels=("job", *labels))
+            return GaugeMetricFamily(f"fabtrain_{name}", doc, labels=("job_id", *labels))
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> CounterMetricFamily:
+            # prometheus_client serves its samples as NAME_total
+            return CounterMetricFamily(f"fabtrain_{name}", doc, labels=("job_id", *labels))
 
         with self.lock:
             job = self.job
@@ -96,21 +105,19 @@ class Metrics(Reporter):
                         family.add_metric([job, host, str(rank)], value)
                 yield family
 
-            now = self.clock()
-            since = gauge("seconds_since_progress", "Seconds since the host's step last rose (or its "
-                          "attempt started).", ("host",))
+            moved = gauge("last_progress_timestamp_seconds", "When the host's step last rose (or its "
+                          "attempt started), Unix time.", ("host",))
             for host, t in sorted(self.moved.items()):
-                since.add_metric([job, host], round(now - t, 3))
-            yield since
+                moved.add_metric([job, host], round(t, 3))
+            yield moved
 
-            failures = CounterMetricFamily("fabtrain_host_failures", "Hosts that failed an attempt, by how.",
-                                           labels=("job", "host", "kind"))
+            failures = counter("host_failures", "Hosts that failed an attempt, by how.", ("host", "kind"))
             for (host, kind), n in sorted(self.failures.items()):
                 failures.add_metric([job, host, kind], n)
             yield failures
-            yield from self._telemetry(gauge)
+            yield from self._telemetry(gauge, counter)
 
-    def _telemetry(self, gauge: Callable[..., Any]) -> Iterator[Any]:
+    def _telemetry(self, gauge: Callable[..., Any], counter: Callable[..., Any]) -> Iterator[Any]:
         """The hosts' newest telemetry samples (progress/telemetry.parse_sample's shape)."""
         job = self.job
         per_gpu = (("gpu_utilization_ratio", "util", "GPU utilisation, 0 to 1."),
@@ -118,9 +125,10 @@ class Metrics(Reporter):
                    ("gpu_memory_total_bytes", "mem_total", "GPU memory in all."),
                    ("gpu_power_watts", "power_w", "GPU power draw."),
                    ("gpu_temperature_celsius", "temp_c", "GPU temperature."),
+                   # A count that only rises until the driver reloads: a counter (rate() sees the reset).
                    ("gpu_ecc_uncorrected_errors", "ecc_uncorrected", "Uncorrected ECC errors (volatile)."))
         for name, key, doc in per_gpu:
-            family = gauge(name, doc, ("host", "gpu"))
+            family = (counter if key == "ecc_uncorrected" else gauge)(name, doc, ("host", "gpu"))
             for host, sample in sorted(self.samples.items()):
                 for g in sample.get("gpus", ()):
                     if g.get(key) is not None:

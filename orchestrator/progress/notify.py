@@ -7,7 +7,11 @@ thread delivers them in order; each delivery has a deadline (NOTIFY_TIMEOUT) and
 times; a hook that fails or hangs is reported once as a warning and never stops the job. A payload
 holds only the fields below, its texts sanitized and the job's secret values masked.
 
-events.jsonl: every event of the job, one JSON object a line, as `fab train --json` prints them.
+events.jsonl: every event of the job, one JSON object a line, as `fab train --json` prints them,
+each with the file's schema version besides: `"v": 1` (EVENTS_VERSION). In every object, not in a
+first line: readers read a long job's file from its tail (latest.tail_records), where a header
+would be out of sight, and a file copied or cut in part still says its version on every line. An
+object without `v` was written before the field existed and has version 1's shape.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ DRAIN = 3 * (NOTIFY_TIMEOUT + 2 * BACKOFF)  # the job's end waits at most this f
 # The notification kinds (README: Notifications).
 NOTICES = ("started", "attempt_failed", "restarted", "hung", "finished", "failed", "stopped")
 EVENTS_FILE = "events.jsonl"
+# `v` in every object of events.jsonl and telemetry.jsonl; raised when a field's meaning changes.
+EVENTS_VERSION = 1
 TELEMETRY_FILE = "telemetry.jsonl"  # the `telemetry` events alone (not in events.jsonl)
 TELEMETRY = frozenset({"telemetry"})
 
@@ -172,8 +178,9 @@ class Notifier(Reporter):
 
 
 class EventLog(Reporter):
-    """Every event appended to runs/JOB/events.jsonl (the file made at the first one); with `only`,
-    just those kinds (runs/JOB/telemetry.jsonl: the telemetry samples), else all but `skip`."""
+    """Every event appended to runs/JOB/events.jsonl (the file made at the first one), each object
+    with `"v": EVENTS_VERSION`; with `only`, just those kinds (runs/JOB/telemetry.jsonl: the
+    telemetry samples), else all but `skip`."""
 
     def __init__(self, path: Path, enabled: bool = True, only: frozenset[str] | None = None,
                  skip: frozenset[str] = frozenset()) -> None:
@@ -186,7 +193,8 @@ class EventLog(Reporter):
         if not self.enabled or event in self.skip or (self.only is not None and event not in self.only):
             return
         with self.lock:
-            lines = [json.dumps({"event": kind, "time": round(stamp, 3), **f}, default=str)
+            lines = [json.dumps({"event": kind, "time": round(stamp, 3), **f, "v": EVENTS_VERSION},
+                                default=str)
                      for kind, stamp, f in self.throttle.take(event, fields)]
             if not lines:
                 return

@@ -190,11 +190,11 @@ def test_a_killed_worker_restarts_warm_from_the_newest_snapshot(inventory_path, 
     assert f"metrics for Prometheus at http://127.0.0.1:{port}/metrics" in out
     by_rank = {(s["metric"]["host"], s["metric"]["rank"]): [float(v) for _, v in s["values"]] for s in steps}
     assert set(by_rank) == {("node1", "0"), ("node1", "1"), ("node2", "2"), ("node2", "3")}, by_rank
-    assert all(s["metric"]["job"] == job for s in steps)
+    assert all(s["metric"]["job_id"] == job for s in steps)
     assert all(v[-1] > v[0] for v in by_rank.values()), by_rank
     [failed] = failures
-    labels = {k: failed["metric"][k] for k in ("job", "host", "kind")}
-    assert labels == {"job": job, "host": "node2", "kind": "exited"}, failed
+    labels = {k: failed["metric"][k] for k in ("job_id", "host", "kind")}
+    assert labels == {"job_id": job, "host": "node2", "kind": "exited"}, failed
     values = failed["values"]  # [[time, "value"], ...]
     first_seen, count = float(values[0][0]), float(values[-1][1])
     assert count == 1 and first_seen >= killed - 1, failed

@@ -110,7 +110,8 @@ def test_the_heartbeat_touches_the_standbys_mirror_until_the_standby_took_over(t
     assert (d / "mirror" / "heartbeat").stat().st_mtime == 1  # a fenced controller's beat changes nothing
     # The job ended and its directories were cleared: a controller that wakes after that is fenced too.
     gone = tmp_path / "cleared"
-    assert sh(failover.beat_script(str(gone)), tmp_path).stdout.strip() == failover.TAKEN and not gone.exists()
+    said = sh(failover.beat_script(str(gone)), tmp_path).stdout.strip()
+    assert said == failover.TAKEN and not gone.exists()
 
 
 @pytest.mark.parametrize("docker_says, done, verdict", [

@@ -2,6 +2,7 @@
 once; log lines printed above a rich Live display."""
 import io
 
+import pytest
 from rich.console import Console
 from rich.live import Live
 
@@ -44,17 +45,69 @@ def test_board_renders_a_fixed_state():
         "node3  r2  no step info                                              last output 1s ago"]
 
 
-def test_a_slow_rank_is_named_once_when_every_rank_has_enough_samples():
-    board = Board([("node1", 0), ("node2", 1)], clock=Clock())
-    for s in range(10, 40, 10):
-        board.observe("node1", step("node1", 0, s, 20.0) + b"\n" + step("node1", 1, s, 21.0))
-        assert board.new_stragglers() == []  # node2 has not reported enough yet
-        board.observe("node2", step("node2", 2, s, 70.0) + b"\n" + step("node2", 3, s, 22.0))
-    lines = board.new_stragglers()
-    assert lines == ["straggler: node2 rank2 takes 70.0 ms of compute per step, 3.3x the median rank "
-                     "(more than 20% slower); the job runs at its pace"]
-    assert board.new_stragglers() == []
-    assert "compute 70.0 ms, straggler 3.3x" in text(board.render())
+def run_board(compute, seconds, every=2.0, board=None, clock=None):
+    """Step lines from node1 (ranks 0, 1) and node2 (ranks 2, 3) every `every` seconds for `seconds`;
+    compute(rank, i) is the rank's compute ms in the i-th line. The straggler lines named, by when."""
+    clock = clock or Clock()
+    board = board or Board([("node1", 0), ("node2", 1)], clock=clock)
+    named = []
+    for i in range(int(seconds / every)):
+        s = 10 * (i + 1)
+        for node, ranks in (("node1", (0, 1)), ("node2", (2, 3))):
+            board.observe(node, b"\n".join(step(node, r, s, compute(r, i)) for r in ranks))
+        named += [(clock.now - 1000, line) for line in board.new_stragglers()]
+        clock.now += every
+    return board, named
+
+
+def test_a_rank_twice_as_slow_is_named_once_after_5_of_its_lines():
+    board, named = run_board(lambda r, i: 42.0 if r == 2 else 20.0 + r / 10, seconds=60)
+    # Slow from its first lines; tested from the 3rd (every rank has 3, at 4 s); the 7th is its 5th
+    # slow one in a row.
+    assert named == [(12.0, "straggler: node2 rank2 takes 42.0 ms of compute per step, 2.1x the median rank "
+                            "(more than 50% slower); the job runs at its pace")]
+    assert "compute 42.0 ms, straggler 2.1x" in text(board.render())
+
+
+def test_a_rank_that_logs_rarely_is_named_after_30_seconds():
+    """A line every 20 s: tested slow at the 3rd (40 s), still so at the 4th (60 s), named at the
+    5th (80 s): 40 s slow, 3 lines."""
+    _, named = run_board(lambda r, i: 42.0 if r == 2 else 20.0, seconds=200, every=20.0)
+    assert [(t, line.split(" takes")[0]) for t, line in named] == [(80.0, "straggler: node2 rank2")]
+
+
+def test_a_starved_node_in_a_short_run_is_still_named():
+    """The node limited to 0.3 CPU (docs/observability.md, tests/integration/test_skeleton.py): its
+    two ranks 4.5x and 3.7x the median rank, a line every 0.7 s, 12 lines in all: both named while
+    the run lasts, slowest first."""
+    _, named = run_board(lambda r, i: {2: 130.5, 3: 106.8}.get(r, 29.0), seconds=12 * 0.7, every=0.7)
+    assert [line for _, line in named] == [
+        "straggler: node2 rank2 takes 130.5 ms of compute per step, 4.5x the median rank (more than 50% "
+        "slower); the job runs at its pace",
+        "straggler: node2 rank3 takes 106.8 ms of compute per step, 3.7x the median rank (more than 50% "
+        "slower); the job runs at its pace"]
+    assert named[0][0] == pytest.approx(6 * 0.7)  # its 7th line of 12
+
+
+def test_jitter_of_20_percent_is_never_a_straggler():
+    """Ranks on a busy 2-CPU machine: one rank 1.2x (and at times 1.45x) the others for ten minutes."""
+    board, named = run_board(lambda r, i: (29.0 if i % 3 == 0 else 24.0) if r == 2 else 20.0, seconds=600)
+    assert named == [] and board.stragglers() == []
+    assert "straggler" not in text(board.render())
+
+
+def test_one_slow_step_is_no_straggler():
+    """A single slow line (a pause: a snapshot, a page fault storm) among normal ones, then 60 s more:
+    the median of the rank's recent lines never moves."""
+    board, named = run_board(lambda r, i: 200.0 if (r, i) == (2, 5) else 20.0, seconds=90)
+    assert named == [] and board.stragglers() == []
+
+
+def test_short_slow_spells_are_not_added_up():
+    """A rank twice as slow for 3 lines (6 s) in every 15 (30 s), for 2 minutes: 24 slow lines in all,
+    but never 5 in a row nor 30 s on end, so never named."""
+    board, named = run_board(lambda r, i: 45.0 if r == 2 and i % 15 < 3 else 20.0, seconds=120)
+    assert named == [] and board.slow_since == {} and board.named == set()
 
 
 def test_lines_go_above_the_live_display_whole(tmp_path):

@@ -125,6 +125,32 @@ def test_event_log_keeps_every_event_and_one_progress_a_second_per_host(tmp_path
     assert [x["event"] for x in lines] == [e for e, _ in RESTARTED_JOB]
 
 
+def test_every_object_of_the_event_log_carries_its_schema_version_and_readers_take_both(tmp_path):
+    """`"v": 1` in every object of events.jsonl and telemetry.jsonl (a reader of a file's tail sees it
+    too); the readers (fab metrics, the dashboard) read such a file and one written before `v` alike."""
+    from orchestrator.progress import latest
+    run = tmp_path / "job"
+    log = notify.EventLog(run / notify.EVENTS_FILE, skip=notify.TELEMETRY)
+    samples = notify.EventLog(run / notify.TELEMETRY_FILE, only=notify.TELEMETRY)
+    ranks = [{"rank": 0, "step": 3, "loss": 2.5, "tokens_per_s": 10.0, "step_ms": None, "compute_ms": None}]
+    for event, fields in [*RESTARTED_JOB[:3], ("progress", {"attempt": 1, "host": "node1", "step": 3,
+                                                            "ranks": ranks}),
+                          ("telemetry", {"attempt": 1, "host": "node1", "sample": {"vendor": "none"}})]:
+        log.emit(event, job="j", **fields)
+        samples.emit(event, job="j", **fields)
+    for name in (notify.EVENTS_FILE, notify.TELEMETRY_FILE):
+        objects = [json.loads(x) for x in (run / name).read_text().splitlines()]
+        assert objects and all(o["v"] == notify.EVENTS_VERSION == 1 for o in objects), objects
+    new = latest.latest(run)
+    assert new["attempt"] == 1 and new["ranks"] == [{"host": "node1", **ranks[0]}]
+    assert new["hosts"] == {"node1": {"time": new["hosts"]["node1"]["time"], "vendor": "none"}}
+    for name in (notify.EVENTS_FILE, notify.TELEMETRY_FILE):  # as written before the field
+        path = run / name
+        path.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "v"}) + "\n"
+                                for x in path.read_text().splitlines()))
+    assert latest.latest(run) == new
+
+
 def test_a_dry_run_writes_no_event_log(tmp_path):
     from pathlib import Path
 
