@@ -1,22 +1,52 @@
 #!/usr/bin/env bash
-# Makes this machine ready to run fabtrain and its tests, idempotently:
-#   Debian packages (Docker engine, OpenSSH client, rsync, debootstrap, pdsh, Prometheus, Chromium
-#   and its driver for the dashboard's browser test), a running Docker
-#   engine, and the project's virtualenv (.venv) with requirements.lock's exact versions (checked
-#   by hash: the runtime, the tests' and the linters'), and this clone installed in it.
-# Safe to run again: it installs only what is missing.
+# Makes this machine ready to run fabtrain (and, with --tests, its tests), idempotently:
+#
+#   bash docker/bootstrap.sh           the runtime: Debian's docker.io (engine and client: the local
+#                                      cluster), openssh-client (ssh, ssh-keygen), rsync, debootstrap
+#                                      (the images' base); a running Docker engine; the virtualenv
+#                                      .venv with requirements.lock (fabric, paramiko, docker, rich,
+#                                      matplotlib, ...: no torch, no test or lint packages); and this
+#                                      clone installed in it (.venv/bin/fab, .venv/bin/fabtrain).
+#   bash docker/bootstrap.sh --tests   that, plus what the tests add: Debian's prometheus, chromium
+#                                      and chromium-driver (the metrics and browser tests), pdsh (the
+#                                      fan-out benchmarks' baseline), and requirements-test.lock in
+#                                      .venv (torch's CPU build, pytest, ruff, mypy, selenium, mkdocs...).
+#
+# Both locks are installed by hash (docker/lock.sh makes them; docs/install.md explains them). Safe to
+# run again: it installs only what is missing, and never removes what --tests installed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-need_pkgs=()
-for pair in dockerd:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync \
-            debootstrap:debootstrap pdsh:pdsh ip:iproute2 prometheus:prometheus \
-            chromium:chromium chromedriver:chromium-driver; do
-  command -v "${pair%%:*}" >/dev/null 2>&1 || need_pkgs+=("${pair#*:}")
+tests=0
+for arg in "$@"; do
+  case $arg in
+    --tests) tests=1 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bootstrap: unknown argument $arg (usage: bash docker/bootstrap.sh [--tests])" >&2; exit 2 ;;
+  esac
 done
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "bootstrap: fabtrain needs Python 3.11 or later as python3 (found $(python3 --version 2>&1))" >&2; exit 1; }
+
+# Debian packages, by the command each provides.
+wanted=(dockerd:docker.io docker:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync
+        debootstrap:debootstrap)
+if [ "$tests" = 1 ]; then
+  wanted+=(prometheus:prometheus chromium:chromium chromedriver:chromium-driver pdsh:pdsh)
+fi
+need_pkgs=()
+for pair in "${wanted[@]}"; do
+  pkg=${pair#*:}
+  if ! command -v "${pair%%:*}" >/dev/null 2>&1 && [[ " ${need_pkgs[*]-} " != *" $pkg "* ]]; then
+    need_pkgs+=("$pkg")
+  fi
+done
+# Debian's own python3 makes virtualenvs only with python3-venv.
+python3 -c 'import ensurepip' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
-  if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
   echo "==> installing Debian packages: ${need_pkgs[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
@@ -24,7 +54,6 @@ fi
 
 if ! docker info >/dev/null 2>&1; then
   echo "==> starting the Docker engine"
-  if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO mkdir -p /var/log
   # A pid file left by an engine that ended with the last session would stop this one.
   $SUDO rm -f /var/run/docker.pid
@@ -33,16 +62,24 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "bootstrap: dockerd did not start; see /var/log/dockerd.log" >&2; tail -20 /var/log/dockerd.log >&2; exit 1; }
 fi
 
-# requirements.lock (docker/lock.sh makes it) pins every distribution with its hashes; torch is
-# the CPU build, from the local wheel the machine's pip configuration finds (find-links).
-if [ ! -x .venv/bin/python ] || ! cmp -s requirements.lock .venv/.requirements.lock 2>/dev/null; then
-  echo "==> virtualenv .venv"
-  python3 -m venv .venv
+# Each lock is installed when the copy of it kept in .venv (the marker of what is installed there)
+# differs: the runtime's always, the tests' with --tests, on top (it repeats the runtime's versions
+# and adds its own). pip adds and changes distributions but removes none, so a plain run after
+# --tests keeps the test packages.
+# torch (test lock) is the CPU build, from the local wheel the machine's pip configuration finds
+# (find-links); elsewhere PIP_FIND_LINKS or the CPU index gives it (docs/install.md).
+[ -x .venv/bin/python ] || { echo "==> virtualenv .venv"; python3 -m venv .venv; }
+rm -f .venv/.requirements  # the marker of the unhashed requirements.txt the locks replaced
+install_lock() {
+  local lock=$1
+  cmp -s "$lock" ".venv/.$lock" 2>/dev/null && return 0
+  echo "==> .venv: $lock"
   # The machine's pip configuration names optional local indexes; their "ignored" warnings are noise.
-  .venv/bin/pip install -q --require-hashes -r requirements.lock 2> >(grep -v "^WARNING: Location" >&2)
-  cp requirements.lock .venv/.requirements.lock
-  rm -f .venv/.requirements  # the marker of the unhashed requirements.txt this replaced
-fi
+  .venv/bin/pip install -q --require-hashes -r "$lock" 2> >(grep -v "^WARNING: Location" >&2)
+  cp "$lock" ".venv/.$lock"
+}
+install_lock requirements.lock
+[ "$tests" = 0 ] || install_lock requirements-test.lock
 
 # The `fabtrain` command (.venv/bin/fabtrain), runnable from any directory: this clone, installed
 # in place (its dependencies are the locked ones above; the build backend, setuptools, too).

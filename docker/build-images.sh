@@ -24,10 +24,11 @@ NUMPY=${NUMPY_VERSION:-2.4.6}
 HYDRA=${HYDRA_VERSION:-1.3.2}
 TENSORBOARD=${TENSORBOARD_VERSION:-2.21.0}
 force=${FORCE:-0}
-lock=$here/../requirements.lock  # absent from an installed (not editable) fabtrain: no constraints
+# The test lock: the runtime's pins and those of torch's and tensorboard's dependencies (protobuf...).
+lock=$here/../requirements-test.lock  # absent from an installed (not editable) fabtrain: no constraints
 
 # What pip installs into the trainer image, and the versions every other distribution it pulls in
-# (tensorboard's and torch's dependencies) is held to: requirements.lock's pins, as constraints
+# (tensorboard's and torch's dependencies) is held to: requirements-test.lock's pins, as constraints
 # (pip still resolves them; the image and the tests' .venv read event files with the same protobuf).
 trainer_requirements() { printf '%s\n' "torch==$TORCH" "numpy==$NUMPY" "hydra-core==$HYDRA" "tensorboard==$TENSORBOARD"; }
 trainer_constraints() {

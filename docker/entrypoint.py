@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 
 SECRETS_PATH = "/run/fabtrain/secrets.env"
 # The hang watchdog's hook (fab train --hang-timeout): every worker registers faulthandler on
@@ -338,9 +339,15 @@ else:
 """
 
 
-def spawn_standbys(env: dict[str, str], nproc: int) -> list[subprocess.Popen]:
+class Worker(subprocess.Popen):
+    """A worker started ahead (spawn_standbys). launch_direct marks it with its global rank, which
+    wait_group names when it fails."""
+    fabtrain_rank: str
+
+
+def spawn_standbys(env: dict[str, str], nproc: int) -> list[Worker]:
     try:
-        return [subprocess.Popen([sys.executable, "-u", "-c", STANDBY_PY], stdin=subprocess.PIPE, env=env)
+        return [Worker([sys.executable, "-u", "-c", STANDBY_PY], stdin=subprocess.PIPE, env=env)
                 for _ in range(nproc)]
     except OSError:
         return []
@@ -356,7 +363,8 @@ class Ahead:
 
     def __init__(self, env: dict[str, str], nproc: int) -> None:
         import threading
-        self.env, self.nproc, self.procs, self.taken = env, nproc, None, False
+        self.env, self.nproc, self.taken = env, nproc, False
+        self.procs: list[Worker] | None = None
         self.lock = threading.Lock()
         self.timer = threading.Timer(float(env.get("FABTRAIN_STANDBY_AHEAD") or STANDBY_AHEAD), self.spawn)
         self.timer.daemon = True
@@ -367,7 +375,7 @@ class Ahead:
             if not self.taken:
                 self.procs = spawn_standbys(self.env, self.nproc)
 
-    def take(self, wanted: bool) -> list[subprocess.Popen]:
+    def take(self, wanted: bool) -> list[Worker]:
         """The workers for the next generation, started now if they were not yet; none (any started
         ended) when no generation follows."""
         self.timer.cancel()
@@ -394,8 +402,7 @@ def worker_env(env: dict[str, str], local_rank: int) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
-def launch_direct(env: dict[str, str], args: list[str],
-                  standbys: list[subprocess.Popen]) -> list[subprocess.Popen]:
+def launch_direct(env: dict[str, str], args: list[str], standbys: list[Worker]) -> list[Worker]:
     """A generation without torchrun (FABTRAIN_LAUNCH=direct, when every node of it is warm): this
     entrypoint gives each standby worker its rank and supervises them itself (run_node)."""
     nproc = int(env["FABTRAIN_NPROC"])
@@ -407,9 +414,10 @@ def launch_direct(env: dict[str, str], args: list[str],
     module = args[:1] in (["-m"], ["--module"])
     console = env.get("FABTRAIN_CONSOLE_PATH") or "/dev/stdout"
     for local_rank, p in enumerate(procs):
-        go = {"env": worker_env(env, local_rank), "console": console, "argv": args[1:] if module else args,
-              "module": module}
-        p.fabtrain_rank = go["env"]["RANK"]  # type: ignore[attr-defined]
+        wenv = worker_env(env, local_rank)
+        go = {"env": wenv, "console": console, "argv": args[1:] if module else args, "module": module}
+        p.fabtrain_rank = wenv["RANK"]
+        assert p.stdin is not None  # spawn_standbys opens every worker with stdin=PIPE
         try:
             p.stdin.write((json.dumps(go) + "\n").encode())
             p.stdin.close()
@@ -475,7 +483,7 @@ def heartbeat(env: dict[str, str]) -> None:
 
 
 def run_node(argv: list[str], env: dict[str, str], warm: bool = False,
-             procs: list[subprocess.Popen] | None = None) -> int:
+             procs: Sequence[subprocess.Popen] | None = None) -> int:
     """torchrun as a child, the signals a container gets (docker stop's SIGTERM) passed on, and
     its exit written as the node's last line (EXIT_LINE) before leaving with the same code. A warm
     node (FABTRAIN_WARM=1) leaves that line to main, and SIGUSR2 (fabtrain: another node failed)
@@ -491,7 +499,12 @@ def run_node(argv: list[str], env: dict[str, str], warm: bool = False,
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    signal.signal(signal.SIGUSR2, lambda signum, frame: [kill_tree(p.pid) for p in procs])
+
+    def end_generation(signum: int, frame: object) -> None:
+        for p in procs:
+            kill_tree(p.pid)
+
+    signal.signal(signal.SIGUSR2, end_generation)
     code = procs[0].wait() if len(procs) == 1 else wait_group(procs)
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # between generations there is nothing to end
@@ -500,19 +513,19 @@ def run_node(argv: list[str], env: dict[str, str], warm: bool = False,
     return LEAVING if warm and TOLD and code == 0 else code
 
 
-def wait_group(procs: list[subprocess.Popen]) -> int:
+def wait_group(procs: Sequence[subprocess.Popen]) -> int:
     """Workers launched directly, as torchrun's agent would judge them: the first to fail ends the
     others and gives the code; all ending with 0 is 0."""
     import time
     while True:
         codes = [p.poll() for p in procs]
-        first = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-        if first is not None:
+        failed = next(((i, c) for i, c in enumerate(codes) if c is not None and c != 0), None)
+        if failed is not None:
+            first, bad = failed
             for p in procs:
                 kill_tree(p.pid)
             for p in procs:
                 p.wait()
-            bad = codes[first]
             print(f"[fabtrain] worker rank {getattr(procs[first], 'fabtrain_rank', first)} exited with code "
                   f"{128 - bad if bad < 0 else bad}; the node's other workers were stopped", flush=True)
             return bad

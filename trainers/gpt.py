@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ PRESETS = {
     "small": (ModelConfig(n_layer=12, n_head=14, n_embd=896), TrainConfig(batch_size=8, grad_accum=16)),
     "medium": (ModelConfig(n_layer=24, n_head=16, n_embd=1088), TrainConfig(batch_size=4, grad_accum=32)),
 }
-CPU_SCALE = {
+# Keyword overrides of each preset's (ModelConfig, TrainConfig), for dataclasses.replace.
+CPU_SCALE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tiny": (
         dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
         dict(batch_size=16, grad_accum=1, lr=3e-3, min_lr=3e-4, warmup_steps=20),
@@ -189,7 +191,7 @@ def use_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-class CharDataset(Dataset):
+class CharDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping windows of block_size + 1 characters (input and shifted target)."""
 
     def __init__(self, data: torch.Tensor, block_size: int) -> None:
@@ -198,7 +200,7 @@ class CharDataset(Dataset):
     def __len__(self) -> int:
         return max(0, (len(self.data) - 1) // self.block)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.data[i * self.block: i * self.block + self.block + 1]
         return chunk[:-1], chunk[1:]
 
@@ -238,7 +240,8 @@ def init_distributed() -> tuple[Dist, torch.device]:
 
 
 def build_config(args: argparse.Namespace, on_gpu: bool) -> tuple[ModelConfig, TrainConfig]:
-    mc, tc = (dataclasses.replace(c) for c in PRESETS[args.model])
+    preset_mc, preset_tc = PRESETS[args.model]
+    mc, tc = dataclasses.replace(preset_mc), dataclasses.replace(preset_tc)
     if not on_gpu:
         m_over, t_over = CPU_SCALE[args.model]
         mc, tc = dataclasses.replace(mc, **m_over), dataclasses.replace(tc, **t_over)
@@ -330,12 +333,15 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         start_epoch, step = snap["epoch"], snap["step"]
         log(f"{tag} resumed from {snap['path']} (epoch {start_epoch}, step {step})")
     ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None) if d.enabled else model
-    timer = StepTimer(ddp if d.enabled else None)
+    timer = StepTimer(ddp if isinstance(ddp, DDP) else None)  # a DDP exactly when d.enabled
 
-    train_sampler = DistributedSampler(
+    # A sampler yields the dataset's indices.
+    train_sampler: DistributedSampler[int] = DistributedSampler(
         train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=tc.seed
     )
-    val_sampler = DistributedSampler(val_ds, num_replicas=d.world, rank=d.rank, shuffle=False)
+    val_sampler: DistributedSampler[int] = DistributedSampler(
+        val_ds, num_replicas=d.world, rank=d.rank, shuffle=False
+    )
     train_dl = DataLoader(train_ds, batch_size=tc.batch_size, sampler=train_sampler, drop_last=True)
     val_dl = DataLoader(val_ds, batch_size=tc.batch_size, sampler=val_sampler)
     steps_per_epoch = len(train_dl) // tc.grad_accum
@@ -378,7 +384,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
                 x, y = (t.to(device) for t in next(batches))
                 # Gradients are all-reduced once per optimizer step, on the last micro-batch only.
                 sync = micro == tc.grad_accum - 1 or not d.enabled
-                ctx = ddp.no_sync() if not sync else _null()
+                ctx = ddp.no_sync() if not sync and isinstance(ddp, DDP) else _null()
                 with ctx, autocast:
                     _, loss = ddp(x, y)
                     (loss / tc.grad_accum).backward()
@@ -444,7 +450,8 @@ class StepTimer:
 
             def hook(state, bucket):
                 self.ready = time.perf_counter()
-                return allreduce_hook(None, bucket)
+                # None is the default group (torch handles it; its annotation says ProcessGroup).
+                return allreduce_hook(None, bucket)  # type: ignore[arg-type]
             ddp.register_comm_hook(None, hook)
         self.reset()
 

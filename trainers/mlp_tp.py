@@ -16,12 +16,16 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish_distributed, log, pg_timeout  # noqa: E402
@@ -38,12 +42,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
+            b = cast(nn.ModuleDict, b)  # every block is the ModuleDict built above
             x = x + b["down"](self.act(b["up"](x)))
         return x
 
 
-def tp_plan(model: MLP) -> dict:
-    plan = {}
+def tp_plan(model: MLP) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {}
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.up"] = ColwiseParallel()
         plan[f"blocks.{i}.down"] = RowwiseParallel()
@@ -60,7 +65,7 @@ def make_mesh(world: int, tp: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def shard(model: MLP, mesh: DeviceMesh) -> MLP:
+def shard(model: MLP, mesh: DeviceMesh) -> nn.Module:
     return parallelize_module(model, mesh["tp"], tp_plan(model))
 
 
@@ -113,9 +118,12 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
     if world % args.tp:
         make_mesh(world, args.tp, "cpu")  # raises the explained error before any collective
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=pg_timeout(),
-                                **({} if "RANK" in os.environ else {"rank": 0, "world_size": 1,
-                                                                     "init_method": "tcp://127.0.0.1:29511"}))
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=pg_timeout())
+        else:  # run alone, without a launcher: a group of one
+            dist.init_process_group(backend, timeout=pg_timeout(), rank=0, world_size=1,
+                                    init_method="tcp://127.0.0.1:29511")
     mesh = make_mesh(world, args.tp, "cuda" if cuda else "cpu")
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     dp_group_ranks = mesh.mesh[:, tp_rank].tolist()

@@ -169,7 +169,7 @@ def load_agreed(directory: Path, map_location=None) -> dict | None:
     dist.all_gather_object(seen, mine)
     if all(s == seen[0] for s in seen):
         return snap
-    payload = [None]
+    payload: list[tuple[str, bytes, str] | None] = [None]
     if dist.get_rank() == 0 and snap is not None:
         payload = [(snap["path"], Path(snap["path"]).read_bytes(), snap["sha256"])]
     dist.broadcast_object_list(payload, src=0)
