@@ -154,7 +154,7 @@ class Prometheus:
     def __init__(self, tmp: Path, target: str) -> None:
         import shutil
         binary = shutil.which("prometheus")
-        assert binary, "prometheus is not installed: bash docker/bootstrap.sh installs it"
+        assert binary, "prometheus is not installed: bash docker/bootstrap.sh --tests installs it"
         self.port = free_port()
         config = tmp / "prometheus.yml"
         config.write_text(

@@ -72,9 +72,9 @@ def job_of(name: str) -> str:
 def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(inventory_path, tmp_path):
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         if os.environ.get("CI"):
-            pytest.fail("no chromium/chromedriver: CI must run bash docker/bootstrap.sh first")
+            pytest.fail("no chromium/chromedriver: CI must run bash docker/bootstrap.sh --tests first")
         pytest.skip("Debian's chromium and chromium-driver are not installed (docker/bootstrap.sh "
-                    "installs them)")
+                    "--tests installs them)")
     tag = secrets.token_hex(2)
     port = free_port()
     url = f"http://127.0.0.1:{port}/"

@@ -133,8 +133,8 @@ def test_missing_file():
 
 
 def _examples() -> dict[str, str]:
-    """The commented inventories at the end of inventory.yaml and the YAML blocks of README.md's
-    GPU section, as a user would copy them."""
+    """The commented inventories at the end of inventory.yaml and the YAML blocks of the docs' GPU
+    section (README.md or a page of docs/, wherever it is), as a user would copy them."""
     root = Path(__file__).resolve().parents[2]
     text = (root / "inventory.yaml").read_text()
     out = {}
@@ -143,9 +143,14 @@ def _examples() -> dict[str, str]:
         first = next(i for i, line in enumerate(lines) if line.startswith(("# ssh:", "# job:", "# hosts:")))
         body = [line[2:] for line in lines[first:] if line.startswith("# ")]  # the prose above is left out
         out[part.split()[0] + part.split()[1]] = "\n".join(body) + "\n"
-    readme = (root / "README.md").read_text()
-    gpu = readme[readme.index("**GPU servers.**"):readme.index("Inventory mistakes")]
-    for i, block in enumerate(gpu.split("```")[1::2]):
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    sections = [
+        doc[doc.index("## GPU servers"):doc.index("Inventory mistakes")]
+        for doc in (page.read_text() for page in pages)
+        if "## GPU servers" in doc
+    ]
+    assert len(sections) == 1, "one '## GPU servers' section, then 'Inventory mistakes', in README or docs/"
+    for i, block in enumerate(sections[0].split("```")[1::2]):
         out[f"readme{i}"] = block
     return out
 
