@@ -208,28 +208,29 @@ JOB_HELP = {
         "from its newest snapshot or checkpoint, finished or not; a new job when there is none",
         "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
         "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
-        "hang_timeout": f"seconds without progress (README: progress) before the stacks are dumped and the "
+        "hang_timeout": f"seconds without progress (docs/recovery.md) before the stacks are dumped and the "
         f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
         "plain": PLAIN_HELP,
-        "json": "events as JSON lines on stdout (README: events) instead of the hosts' log lines",
+        "json": "events as JSON lines on stdout (docs/how-train-works.md) instead of the hosts' log lines",
         "notify": "run this command for each notification (started, attempt_failed, restarted, hung, "
-        "finished, failed, stopped) with the event as JSON on its stdin (README: Notifications; default: "
+        "finished, failed, stopped) with the event as JSON on its stdin (docs/detached.md; default: "
         "job.notify)",
         "notify_url": "POST each notification as JSON to this http(s) URL (default: job.notify_url)",
         "queue": "when its hosts or GPUs are held, wait in line (first come, first served on each host; "
-        "'fab status' shows the queue) and start by itself once they are free (README: The queue)",
+        "'fab status' shows the queue) and start by itself once they are free (docs/sharing.md)",
         "hot_spares": "with --restarts: start the inventory's spares with the job and keep them waiting, "
         "workers warm and their GPUs claimed, so a failed or lost node's rank goes to one without a cold "
-        "start (default: job.hot_spares; README: Hot spares)",
-        "detach": "run the job's control in a container on the inventory's controller: host (default: the "
-        "first host) and return at once; fab logs, status, stop and attach find it (README: Detached jobs)",
+        "start (default: job.hot_spares; docs/recovery.md)",
+        "detach": "run the job's control in a container on the inventory's controller: host (default: a "
+        "spare, else the last host), with a standby on another host that takes over if it is lost, and "
+        "return at once; fab logs, status, stop and attach find it (docs/detached.md)",
         "metrics_port": "serve the job's metrics for Prometheus at http://127.0.0.1:PORT/metrics while it "
         "runs (ADDR:PORT to listen elsewhere, 0.0.0.0:PORT on every address; default: job.metrics_port; "
-        "README: Metrics and telemetry)",
+        "docs/observability.md)",
         "stop_idle": "stop the job when a GPU it holds stays idle for job.idle_gpu_after seconds (600); "
         "without it, the GPU is only named",
         "on": "ssh (default: the inventory's hosts), slurm: submit to the inventory's slurm: section's "
-        "login node and follow the job there (README: On Slurm), or kubernetes: with --dry-run, the "
+        "login node and follow the job there (docs/slurm-kubernetes.md), or kubernetes: with --dry-run, the "
         "manifests to hand to kubectl (render only)",
     },
 )

@@ -117,7 +117,7 @@ class Job:
     notify: str | None = None
     notify_url: str | None = None
     # A job with restarts keeps the containers of the nodes that did not fail and restarts only
-    # their workers (the entrypoint's generations, README: recovery); false: every restart is cold.
+    # their workers (the entrypoint's generations, docs/recovery.md); false: every restart is cold.
     warm_restarts: bool = True
     # With warm restarts, the spares' containers are started with the job and wait, workers warm,
     # claimed by it (their GPUs held): a lost or failed node's rank goes to one without a cold start.
@@ -381,7 +381,7 @@ def locate(given: str | Path | None = None) -> Path:
     if Path(DEFAULT_FILE).is_file():
         return Path.cwd() / DEFAULT_FILE  # absolute: job.json records it for --resume from elsewhere
     raise UserError(f"no inventory: no {DEFAULT_FILE} in {Path.cwd()}, no --inventory PATH and no "
-                    f"${INVENTORY_ENV}; pass one of them (the README's inventory section shows one)")
+                    f"${INVENTORY_ENV}; pass one of them (docs/real-hosts.md shows one)")
 
 
 def load(path: str | Path | None = None) -> Inventory:

@@ -31,7 +31,7 @@ KINDS = {
     "progress": "job, attempt, host, step (the newest step a node reported; at most one a second per host), "
                 "ranks (each of its ranks' newest step line: rank, step, loss, tokens_per_s, step_ms, "
                 "compute_ms)",
-    "telemetry": "job, attempt, host, sample (its GPUs, the job's containers, load and memory: README: "
+    "telemetry": "job, attempt, host, sample (its GPUs, the job's containers, load and memory: docs: "
                  "Metrics and telemetry)",
     "hang": "job, attempt, ranks (one line per rank: where it is)",
     "attempt_end": "job, attempt, ok, outcome (one line)",

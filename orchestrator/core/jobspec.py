@@ -135,5 +135,5 @@ PROGRESS_DIR = ".progress"  # in the job's output directory: each node's heartbe
 
 def heartbeat_name(rank: int) -> str:
     """Node `rank`'s heartbeat file, relative to the job's output directory: the entrypoint gives
-    its path to the workers as FABTRAIN_HEARTBEAT; touching it is progress (README: progress)."""
+    its path to the workers as FABTRAIN_HEARTBEAT; touching it is progress (docs/recovery.md)."""
     return f"{PROGRESS_DIR}/node-{rank}"

@@ -1,4 +1,4 @@
-"""fab dashboard: the team's cluster in a browser, read-only (README: The web dashboard).
+"""fab dashboard: the team's cluster in a browser, read-only (docs/observability.md).
 
 views.py (pure) shapes what `fab top` and `fab status` read from the hosts, and what runs/JOB holds,
 into the JSON documents the page polls; server.py serves them and the page (static/: one HTML, one

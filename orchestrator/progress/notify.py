@@ -38,7 +38,7 @@ TRIES = 3               # attempts per delivery, BACKOFF s apart (doubling)
 BACKOFF = 1.0
 DRAIN = 3 * (NOTIFY_TIMEOUT + 2 * BACKOFF)  # the job's end waits at most this for undelivered ones
 
-# The notification kinds (README: Notifications).
+# The notification kinds (docs/detached.md).
 NOTICES = ("started", "attempt_failed", "restarted", "hung", "finished", "failed", "stopped")
 EVENTS_FILE = "events.jsonl"
 # `v` in every object of events.jsonl and telemetry.jsonl; raised when a field's meaning changes.

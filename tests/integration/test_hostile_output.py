@@ -1,4 +1,4 @@
-"""What a job's containers print is hostile input (README: Security): ranks that attack the
+"""What a job's containers print is hostile input (docs/security.md): ranks that attack the
 terminal (escape sequences, OSC-52, rich markup in rank names and log lines), a rank printing
 256 MB with no newline, and a second command that tries to continue a job that runs."""
 import re

@@ -1,4 +1,4 @@
-"""A training script attacks its host through its output directory (README: Security): it swaps
+"""A training script attacks its host through its output directory (docs/security.md): it swaps
 /output/work (the host directory mounted at /workspace) for a link to the host's /root, and its
 console and heartbeat files for links to a root-only file on the host. A resumed job (a cold
 start, as --resume, a restart with warm_restarts: false or a spare make) must find no host file

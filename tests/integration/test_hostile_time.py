@@ -1,4 +1,4 @@
-"""Time from a host is hostile input (README: Security): node2's `docker run` comes back only
+"""Time from a host is hostile input (docs/security.md): node2's `docker run` comes back only
 after its deadline (a `docker` earlier in root's PATH sleeps first, then runs the real one). The job
 fails naming node2 and the deadline, and once even the slow `docker run` would have finished, no
 container of the job is on node2: the host ended it (GNU timeout), and the teardown and the finish

@@ -1,4 +1,4 @@
-"""The layers of orchestrator/ (README: Architecture) hold: each package imports only its own layer
+"""The layers of orchestrator/ (docs/architecture.md) hold: each package imports only its own layer
 and the ones below it, no two modules import each other (directly or round a loop) when loaded,
 and the pure core loads nothing that does I/O."""
 import ast
@@ -66,7 +66,8 @@ def layer(module: str) -> str:
 
 def test_every_package_is_a_known_layer():
     packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
-    assert packages == set(LAYERS), "a new package under orchestrator/ needs its place in LAYERS (and README)"
+    assert packages == set(LAYERS), (
+        "a new package under orchestrator/ needs its place in LAYERS (and docs/architecture.md)")
     loose = [p.name for p in PKG.glob("*.py") if p.name != "__init__.py"]
     assert loose == [], f"modules belong in a layer's package: {loose}"
 

@@ -103,7 +103,7 @@ class SlurmJob:
 def cfg_of(inv: Inventory) -> Slurm:
     if inv.slurm is None:
         raise UserError(f"{inv.path}: no slurm: section; add one with at least login: (the node where sbatch "
-                        "runs), see the README's 'On Slurm'", exit_code=2)
+                        "runs), see docs/slurm-kubernetes.md", exit_code=2)
     return inv.slurm
 
 

@@ -28,7 +28,7 @@ from orchestrator.transport.remote import put_command
 
 class Stage(enum.StrEnum):
     """A job's stages, in order; an attempt walks PLAN to DECIDE, the job ends with FINISH. The value
-    is the one spelling: in `stage` events, in the plan's headings and in the README."""
+    is the one spelling: in `stage` events, in the plan's headings and in the docs."""
 
     PLAN = "plan"                 # read the facts (GPU access, free port, newest snapshot); freeze the plan
     CLAIM = "claim"               # the job's runtime directory on its hosts: `fab stop` finds it from here on
@@ -254,7 +254,7 @@ def build(
     runs/JOB/snapshots) is pushed to the hosts in `snapshot_missing`; `access` says how each GPU
     host hands out GPUs (None: NVIDIA's runtime hook assumed); `units` the GPUs (CPU slots) the job
     claims on each host (None: a short job of fabtrain's own that claims nothing, the preflight's
-    smoke test). `warm`: the nodes are warm (README: recovery): a node's container that is
+    smoke test). `warm`: the nodes are warm (docs/recovery.md): a node's container that is
     between generations is told to start the next instead of being started again, and a failure or
     the teardown ends only the generation; the containers go at the job's end (sweep) or on
     Ctrl+C and fab stop. A warm job launches its workers without torchrun, from its first

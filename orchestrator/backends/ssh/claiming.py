@@ -67,7 +67,7 @@ def shared_note(job: Job, h: Host, held: list[claims.Holder]) -> None:
     if others and job.inv.job.ipc == "host" and not job.started:  # once: the first attempt's claims
         job.note(f"{h.name} also runs {hostile.line(others[0].describe(h), 200)}: both jobs share the "
                  "host's /dev/shm and loopback there (--ipc host, --network host); job.ipc: private gives "
-                 "this job its own IPC namespace (README: Security)", "warning")
+                 "this job its own IPC namespace (docs/security.md)", "warning")
 
 
 def release(job: Job, hosts: list[Host], queue: bool = False) -> None:

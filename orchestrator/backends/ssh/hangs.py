@@ -1,6 +1,6 @@
 """What counts as a watched node's progress, and the looks into its host that tell it.
 
-What counts as progress (README: progress), per node:
+What counts as progress (docs/recovery.md), per node:
 - a step number higher than the last one the node printed (our trainers' step and progress
   lines, or any line with `step N` / `step: N` / `step=N`);
 - its heartbeat file touched (FABTRAIN_HEARTBEAT, given to every rank by the entrypoint);
