@@ -103,7 +103,6 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
 def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool) -> Finished:
     """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
     fetched here once its controllers have ended (from the one that ended it, or a standby's mirror)."""
-    from orchestrator.backends.ssh import jobs
     from orchestrator.hosts import survey
     places = places_of(inv, record)
     if not places:
@@ -127,12 +126,8 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                 )
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):
-                try:
-                    jobs.attach(session, inv, job, runs, console, live=live)
-                except KeyboardInterrupt:
+                if not nodes_followed(session, inv, job, runs, console, live):
                     return Finished(job, None, None, "detached; the job goes on ('fab stop --job' ends it)")
-                except UserError:
-                    pass  # its attempt ended between the survey and the follow
                 continue
             answering = [p for p in places if found.error(p.host.name) is None]
             if not answering:
@@ -143,6 +138,19 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                 raise UserError(f"job {job}: its controllers are gone without an end; "
                                 f"'fab attach {job}' takes it over here")
             time.sleep(FOLLOW_POLL)
+
+
+def nodes_followed(session: Session, inv: Inventory, job: str, runs: Path, console: Console,
+                   live: bool) -> bool:
+    """The running attempt's nodes followed to its end (True), or until Ctrl+C (False)."""
+    from orchestrator.backends.ssh import jobs
+    try:
+        jobs.attach(session, inv, job, runs, console, live=live)
+    except KeyboardInterrupt:
+        return False
+    except UserError:
+        pass  # its attempt ended between the survey and the follow
+    return True
 
 
 def found_places(session: Session, inv: Inventory, job: str) -> list[Place]:
@@ -161,7 +169,6 @@ def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, co
     """fab logs of a detached job this machine did not start: its nodes followed while it runs,
     then its run's files (logs, events, snapshots) copied here from the controller that ended it;
     its record stays with the machine that started it (and nothing is removed from the hosts)."""
-    from orchestrator.backends.ssh import jobs
     from orchestrator.hosts import survey
     with Session(inv.all_hosts) as session:
         while True:
@@ -174,12 +181,8 @@ def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, co
                                 "that started it, where 'fab status' clears the hosts)")
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):
-                try:
-                    jobs.attach(session, inv, job, runs, console, live=live)
-                except KeyboardInterrupt:
+                if not nodes_followed(session, inv, job, runs, console, live):
                     return Finished(job, None, None, "detached; the job goes on")
-                except UserError:
-                    pass
                 continue
             if not running(controllers(found).get(job, {})):
                 raise UserError(f"job {job}: its controllers are gone without an end")
