@@ -19,8 +19,6 @@ from invoke import Collection, Exit
 from rich.console import Console
 
 from orchestrator import preflight as _preflight
-from orchestrator.backends.kubernetes.backend import KubernetesBackend as _Kubernetes
-from orchestrator.backends.slurm import script as _sbatch
 from orchestrator.backends.ssh import jobs as _jobs
 from orchestrator.backends.ssh import steps as _steps
 from orchestrator.commandline import cli, requests, usage
@@ -454,15 +452,15 @@ def slurm(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     One task per node starting the same container (devices, env,
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
-    inv = _inventory.load(inventory)
-    spec = cli.new_spec(requests.job_options(locals()), TRAINERS)
-    text, warnings = _sbatch.slurm_script(inv, spec, pyxis=pyxis, partition=partition, time_limit=time)
-    _warn(warnings)
-    target = Path(out or f"{spec.job_id}.sbatch")
+    rendered = requests.export("slurm", inventory, requests.job_options(locals()), TRAINERS, RUNS, console,
+                               pyxis=pyxis, partition=partition, time=time)
+    _warn(rendered.warnings)
+    [(name, text)] = rendered.files.items()
+    target = Path(out or name)
     target.write_text(text)
     target.chmod(0o755)
     print(
-        f"wrote {target} (job {spec.job_id}); put the code on every node (fab sync) and submit: "
+        f"wrote {target} (job {rendered.job_id}); put the code on every node (fab sync) and submit: "
         f"sbatch {target}"
     )
 
@@ -485,16 +483,15 @@ def k8s(c, inventory=None, model=None, epochs=None, trainer=None, script=None, a
     cluster's torch-distributed runtime), a Kubeflow PyTorchJob (Training Operator v1, deprecated), and
     an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
-    inv = _inventory.load(inventory)
-    spec = cli.new_spec(requests.job_options(locals()), TRAINERS)
-    docs, warnings = _Kubernetes().render(inv, spec, restarts=int(restarts))
-    _warn(warnings)
-    target = Path(out or f"{spec.job_id}-k8s")
+    rendered = requests.export("kubernetes", inventory, requests.job_options(locals()), TRAINERS, RUNS,
+                               console, restarts=restarts)
+    _warn(rendered.warnings)
+    target = Path(out or f"{rendered.job_id}-k8s")
     target.mkdir(parents=True, exist_ok=True)
-    for file, text in docs.items():
+    for file, text in rendered.files.items():
         (target / file).write_text(text)
     print(
-        f"wrote {', '.join(f'{target}/{f}' for f in docs)} (job {spec.job_id}); apply one with "
+        f"wrote {', '.join(f'{target}/{f}' for f in rendered.files)} (job {rendered.job_id}); apply one with "
         f"kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)"
     )
 

@@ -1,15 +1,15 @@
 """What the tasks ask for, as values (TrainRequest), and the functions that answer them: resolve a
 request into a Launch (resume or continue, host selection, the health gate), then hand it, or a
-stop, status or logs, to the backend that serves it (backends/__init__.py chooses). The Fabric
-tasks (fabfile.py) only parse options and print."""
+stop, status or logs, to the backend that serves it, or a job to the renderer an export names
+(backends/registry.py chooses). The Fabric tasks (fabfile.py) only parse options and print."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import backends
-from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.backends import registry
+from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Rendered, Status, Stopped
 from orchestrator.backends.ssh.jobs import unknown_job
 from orchestrator.commandline import cli
 from orchestrator.config import inventory as inventory_file
@@ -23,7 +23,7 @@ from orchestrator.transport.remote import Session
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from orchestrator.backends.base import Backend
+    from orchestrator.backends.base import Renderer, Runner
     from orchestrator.config.inventory import Inventory
     from orchestrator.core.policy import Policy
 
@@ -75,11 +75,9 @@ class TrainRequest:
         return cls(job=job_options(options), **{k: v for k, v in options.items() if k in names})
 
 
-def refused(req: TrainRequest, backend: Backend) -> None:
-    given = [k for k in backend.refuses if getattr(req, k) not in (None, False)]
-    if given:
-        names = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in given)
-        raise UserError(f"{names}: {backend.refuses[given[0]]}", exit_code=2)
+def refused(req: TrainRequest, backend: Runner | Renderer) -> None:
+    """UserError (exit 2) for each option given that the backend does not accept (registry.refuse)."""
+    registry.refuse(backend, {o.name: getattr(req, o.name) for o in TRAIN_OPTIONS})
 
 
 def earlier(req: TrainRequest, runs: Path, say: Console, trainers: dict[str, str]) -> str | None:
@@ -96,12 +94,13 @@ def earlier(req: TrainRequest, runs: Path, say: Console, trainers: dict[str, str
     return found
 
 
-def resumed(req: TrainRequest, backend: Backend, record: JobRecord, inv: Inventory, say: Console,
+def resumed(req: TrainRequest, chosen: Runner | Renderer, record: JobRecord, inv: Inventory, say: Console,
             trainers: dict[str, str]) -> tuple[jobspec.JobSpec, Policy, JobRecord]:
     """An earlier job's spec, policy and record as this request changes them (a new record value)."""
-    if record.on != backend.name:
+    if record.on != chosen.name:
         where = "over SSH" if record.on == "ssh" else f"on {record.on}"
         raise UserError(f"job {record.job_id} ran {where}; resume it with --on {record.on}", exit_code=2)
+    backend = registry.as_runner(chosen)  # a job ran there
     if not req.dry_run:
         backend.refuse_if_running(inv, record.job_id, "--continue" if req.continue_ else "--resume")
     spec, changed = cli.resumed_spec(record, req.job, trainers, again=req.continue_)
@@ -168,10 +167,13 @@ def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str
 
 
 def launch(req: TrainRequest, runs: Path, console: Console, say: Console, trainers: dict[str, str]
-           ) -> tuple[Backend, Launch]:
-    """The request resolved: its backend and the Launch to hand it."""
-    backend = backends.choose(req.on)
+           ) -> tuple[Runner | Renderer, Launch]:
+    """The request resolved: its backend and the Launch to hand it (one that only renders, with
+    --dry-run only)."""
+    backend = registry.choose(req.on)
     refused(req, backend)
+    if not req.dry_run:  # one that only renders is refused now, before anything is read
+        registry.as_runner(backend)
     resume = earlier(req, runs, say, trainers)
     include = req.include
     record = None
@@ -248,9 +250,10 @@ def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, s
     said (UserError when it did not finish)."""
     # With --json, stdout carries JSON lines only: what people read goes to stderr.
     say = cli.stderr_console() if req.json else console
-    backend, job = launch(req, runs, console, say, trainers)
+    chosen, job = launch(req, runs, console, say, trainers)
     if req.dry_run:
-        return backend.dry_run(job)
+        return registry.dry_run(chosen, job)
+    backend = registry.as_runner(chosen)
     if req.detach:
         finished = backend.detach(job)
         say.print(finished.closing, markup=False)
@@ -283,7 +286,7 @@ def attach(inventory: str | None, job: str, runs: Path, console: Console, json: 
     policy = cli.policy(inv, record.restarts, record.min_nodes, record.hang_timeout)
     launch = Launch(inv, record.job_spec(), policy, record, runs, say, json=json, live=not (plain or json),
                     checks=False)
-    backend = backends.of_job(runs, job) or backends.choose(None)
+    backend = registry.of_job(runs, job) or registry.runner(registry.DEFAULT)
     return backend.take_over(launch)
 
 
@@ -298,9 +301,9 @@ def stop(inventory: str | None, job: str | None, everyone: bool, yes: bool, grac
             f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2
         )
     if job:
-        chosen = [backends.of_job(runs, job) or backends.choose(None)]
+        chosen = [registry.of_job(runs, job) or registry.runner(registry.DEFAULT)]
     else:
-        chosen = list(reversed(backends.serving(inv)))
+        chosen = list(reversed(registry.serving(inv)))
     out = Stopped()
     for backend in chosen:
         part = backend.stop(inv, job, everyone, yes, wait, runs)
@@ -314,7 +317,7 @@ def status(inventory: str | None, runs: Path) -> Status:
     """fab status: every backend the inventory uses, in one document."""
     inv = inventory_file.load(inventory)
     out = Status()
-    for backend in backends.serving(inv):
+    for backend in registry.serving(inv):
         part = backend.status(inv, runs)
         out.doc.update(part.doc)
         out.tables += part.tables
@@ -332,5 +335,15 @@ def logs(inventory: str | None, job: str | None, runs: Path, console: Console, p
     if job is not None and not jobspec.valid_job_id(job):
         raise unknown_job(job)
     inv = inventory_file.load(inventory)
-    backend = (backends.of_job(runs, job) if job else None) or backends.choose(None)
+    backend = (registry.of_job(runs, job) if job else None) or registry.runner(registry.DEFAULT)
     return backend.attach(inv, job, runs, console, live=not plain)
+
+
+def export(name: str, inventory: str | None, job: dict[str, Any], trainers: dict[str, str], runs: Path,
+           console: Console, restarts: str | int = 0, **settings: Any) -> Rendered:
+    """fab export.NAME: the job (`job`: JOB_OPTIONS) as the files of the backend called `name`
+    (registry.renderer), with its own `settings`; `restarts` as fab train's."""
+    inv = inventory_file.load(inventory)
+    spec = cli.new_spec(job, trainers)
+    job_launch = Launch(inv, spec, cli.policy(inv, restarts, None, None), None, runs, console)
+    return registry.render(registry.renderer(name), job_launch, **settings)

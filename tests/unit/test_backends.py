@@ -9,7 +9,7 @@ import time
 import pytest
 from rich.console import Console
 
-from orchestrator import backends
+from orchestrator.backends import registry
 from orchestrator.commandline import cli, requests
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
@@ -22,15 +22,15 @@ time.sleep(float(sys.argv[1]))
 sys.exit(int(sys.argv[2]) if rank == "1" else 0)
 """
 TRAINERS = {"gpt": "trainers/gpt.py"}
-REGISTERED = dict(backends.BACKENDS)  # before a test leaves only its own
+REGISTERED = dict(registry.BACKENDS)  # before a test leaves only its own
 
 
 @pytest.fixture
 def here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # The one registration; alone, so that status and stop ask nothing else (no SSH).
-    monkeypatch.setattr(backends, "BACKENDS", {"local": "tests.unit.localbackend:LocalBackend"})
-    monkeypatch.setattr(backends, "DEFAULT", "local")
+    monkeypatch.setattr(registry, "BACKENDS", {"local": "tests.unit.localbackend:LocalBackend"})
+    monkeypatch.setattr(registry, "DEFAULT", "local")
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "node.py").write_text(NODE)
     (tmp_path / "inv.yaml").write_text("hosts:\n  - {name: a, address: 127.0.0.1, interface: lo}\n"
@@ -62,7 +62,7 @@ def test_a_job_runs_every_node_and_its_record_names_its_backend(here, monkeypatc
     assert JobRecord.load(here / "runs", job).on == "local"
     assert f"job {job} finished on every node" in out.file.getvalue()
     # The same job again: the record's backend is the one that resumes it, and no other.
-    monkeypatch.setitem(backends.BACKENDS, "ssh", "orchestrator.backends.ssh.backend:SshBackend")
+    monkeypatch.setitem(registry.BACKENDS, "ssh", "orchestrator.backends.ssh.backend:SshBackend")
     with pytest.raises(UserError, match=f"job {job} ran on local; resume it with --on local"):
         requests.train(request(here, resume=job, on="ssh"), here / "runs", console(), TRAINERS)
     again = console()
@@ -116,21 +116,26 @@ def test_status_logs_and_stop_reach_a_running_job_through_its_backend(here):
 
 def test_kubernetes_is_a_backend_that_only_renders_its_manifests(here, monkeypatch):
     """One registration: --dry-run prints the manifests fab export.k8s writes; whatever would run, follow
-    or stop a job there refuses, in one line; fab status and fab stop never ask it."""
+    or stop a job there refuses, in one line (it is a Renderer, no Runner); fab status and fab stop never
+    ask it."""
     from dataclasses import replace
 
+    from orchestrator.backends.base import Launch
     from orchestrator.backends.kubernetes.backend import RENDER_ONLY, KubernetesBackend
     from orchestrator.config import inventory
-    monkeypatch.setitem(backends.BACKENDS, "kubernetes", REGISTERED["kubernetes"])
-    kubernetes = backends.get("kubernetes")
-    assert isinstance(kubernetes, KubernetesBackend) and not kubernetes.serves(None)
+    from orchestrator.core.policy import Policy
+    monkeypatch.setitem(registry.BACKENDS, "kubernetes", REGISTERED["kubernetes"])
+    kubernetes = registry.get("kubernetes")
+    assert isinstance(kubernetes, KubernetesBackend) and not registry.runs_jobs(kubernetes)
     text = requests.train(request(here, on="kubernetes", dry_run=True, restarts=2), here / "runs", console(),
                           TRAINERS)
     job = text.split()[1]
     inv = inventory.load(str(here / "inv.yaml"))
     spec = replace(cli.new_spec(request(here).job, TRAINERS), job_id=job)
-    files, warnings = KubernetesBackend().render(inv, spec, restarts=2)
-    assert list(files) == ["trainjob.yaml", "pytorchjob.yaml", "indexed-job.yaml"] and warnings == []
+    job_launch = Launch(inv, spec, Policy(restarts=2), None, here / "runs", console())
+    rendered = KubernetesBackend().render(job_launch, {})
+    files, warnings = rendered.files, rendered.warnings
+    assert list(files) == ["trainjob.yaml", "pytorchjob.yaml", "indexed-job.yaml"] and warnings == ()
     assert text == (f"job {job} as Kubernetes manifests (fab export.k8s writes these files; kubectl apply -f "
                     "one of them):\n" + "".join(f"\n--- {f} ---\n{t}\n" for f, t in files.items())[:-1])
     assert "backoffLimit: 2" in files["indexed-job.yaml"]
@@ -139,10 +144,9 @@ def test_kubernetes_is_a_backend_that_only_renders_its_manifests(here, monkeypat
     assert str(e.value) == RENDER_ONLY and e.value.exit_code == 2 and "\n" not in RENDER_ONLY
     with pytest.raises(UserError, match="--health: not with --on kubernetes"):
         requests.train(request(here, on="kubernetes", health=True), here / "runs", console(), TRAINERS)
-    for call in (lambda: kubernetes.attach(inv, job, here / "runs", console(), False),
-                 lambda: kubernetes.stop(inv, job, False, False, 1.0, here / "runs"),
-                 lambda: kubernetes.status(inv, here / "runs")):
-        with pytest.raises(UserError, match="fabtrain does not run jobs there"):
-            call()
+    # Following, stopping or listing a job goes through registry.runner, which it is not.
+    with pytest.raises(UserError, match="fabtrain does not run jobs there") as e:
+        registry.runner("kubernetes")
+    assert str(e.value) == RENDER_ONLY and e.value.exit_code == 2
     assert requests.status(str(here / "inv.yaml"), here / "runs").doc == {"local": [], "errors": []}
     assert requests.stop(str(here / "inv.yaml"), None, False, False, None, here / "runs").problems == []

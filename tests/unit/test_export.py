@@ -394,3 +394,47 @@ def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
         if flag in ("--ulimit", "--cap-add", "--security-opt", "--shm-size", "--device", "--group-add") \
                 and value != "SYS_PTRACE" and value != "apparmor=unconfined":
             assert f"{flag} {value}" in script or f"{flag} '{value}'" in script, (flag, value)
+
+
+def test_fab_export_writes_through_the_registry_what_the_golden_files_hold(tmp_path, monkeypatch, capsys):
+    """fab export.slurm and export.k8s reach their renderers by name (backends/registry.py): the
+    renderers give the golden texts for the golden job, and the tasks write those files."""
+    from fabric.main import make_program as make_fab
+    from rich.console import Console
+
+    from orchestrator.backends import registry
+    from orchestrator.backends.base import Launch
+    from orchestrator.core.policy import Policy
+
+    def launch(kind: str) -> Launch:
+        return Launch(inv(kind), SPEC, Policy(), None, tmp_path / "runs", Console(file=None))
+
+    rendered = registry.render(registry.renderer("slurm"), launch("nvidia"), pyxis=True, partition="gpu",
+                               time="12:00:00")
+    assert list(rendered.files) == ["gpt-demo.sbatch"] and rendered.warnings == ()
+    check_golden("nvidia-pyxis.sbatch", without_entrypoint(rendered.files["gpt-demo.sbatch"]))
+    rendered = registry.render(registry.renderer("kubernetes"), launch("cpu"))
+    assert rendered.files == k8s_texts("cpu") and rendered.warnings == ()
+
+    for name in ("id", "kh"):
+        (tmp_path / name).write_text("")
+    path = tmp_path / "inventory.yaml"
+    path.write_text(INVENTORIES["cpu"].replace("/k/", f"{tmp_path}/"))
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    make_fab().run(["fab", "export.slurm", "--inventory", str(path), "--out", str(tmp_path / "job.sbatch"),
+                    "--partition", "cpu"], exit=False)
+    make_fab().run(["fab", "export.k8s", "--inventory", str(path), "--out", str(tmp_path / "k8s"),
+                    "--restarts", "2"], exit=False)
+    printed = capsys.readouterr()
+    out = printed.out.splitlines()
+    assert printed.err == "", printed.err
+    script = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --partition=cpu" in script and (tmp_path / "job.sbatch").stat().st_mode & 0o777 == 0o755
+    assert out[0].startswith(f"wrote {tmp_path}/job.sbatch (job gpt-") and out[0].endswith(
+        f"; put the code on every node (fab sync) and submit: sbatch {tmp_path}/job.sbatch")
+    files = sorted(p.name for p in (tmp_path / "k8s").iterdir())
+    assert files == ["indexed-job.yaml", "pytorchjob.yaml", "trainjob.yaml"]
+    assert "backoffLimit: 2" in (tmp_path / "k8s" / "indexed-job.yaml").read_text()
+    assert out[1].startswith(f"wrote {tmp_path}/k8s/trainjob.yaml, ") and out[1].endswith(
+        "apply one with kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)")

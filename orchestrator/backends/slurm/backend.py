@@ -1,12 +1,13 @@
 """The Slurm backend: the job submitted to the inventory's slurm: login node and followed there
-(slurm.py); Slurm picks the nodes and requeues."""
+(slurm.py); Slurm picks the nodes and requeues. It also renders the job as the sbatch script alone
+(script.py), for fab export.slurm."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.backends.base import Finished, Launch, Status, Stopped
-from orchestrator.backends.slurm import slurm
+from orchestrator.backends.base import Finished, Launch, Option, Rendered, Status, Stopped
+from orchestrator.backends.slurm import script, slurm
 from orchestrator.core.errors import UserError
 from orchestrator.transport.remote import Session, failure
 
@@ -15,43 +16,30 @@ if TYPE_CHECKING:
 
     from orchestrator.config.inventory import Inventory
 
-WHY_NOT = ("not with --on slurm (Slurm picks the nodes, restarts by requeue and has its own checks); set "
-           "nodes, partition and time in the inventory's slurm: section")
-
 
 class SlurmBackend:
+    """A Runner (submit, follow, stop, list) and a Renderer (the sbatch script, fab export.slurm's)."""
+
     name = "slurm"
     where = " on Slurm"
-    refuses = (
-        {
-            option: WHY_NOT
-            for option in (
-                "continue_",
-                "restarts",
-                "min_nodes",
-                "hang_timeout",
-                "include",
-                "exclude",
-                "num_nodes",
-                "gpus",
-                "cpuset",
-                "health",
-                "smoke",
-                "json",
-                "skip_preflight",
-            )
-        }
-        | {
-            option: "not with --on slurm yet: Slurm's own --mail-type/--mail-user tell a job's end"
-            for option in ("notify", "notify_url")
-        }
-        | {
-            "queue": "not with --on slurm: Slurm queues every job itself",
-            "hot_spares": "not with --on slurm: Slurm chooses the nodes of a requeued job itself",
-        "detach": "not with --on slurm yet (Slurm runs the job; fab train --on slurm follows it "
-            "to the end)"
-        }
+    # None of TRAIN_OPTIONS: Slurm places, queues and restarts the job, and checks its nodes.
+    accepts: tuple[Option, ...] = ()
+    declines = ("Slurm picks the nodes, queues the job, restarts it by requeue and has its own checks; set "
+                "nodes, partition and time in the inventory's slurm: section (Slurm's --mail-type and "
+                "--mail-user tell a job's end)")
+    settings: tuple[Option, ...] = (
+        Option("pyxis", bool, False, "run the image with pyxis/enroot (srun --container-image)"),
+        Option("partition", str, None, "#SBATCH --partition"),
+        Option("time", str, None, "#SBATCH --time (e.g. 12:00:00)"),
     )
+
+    def render(self, launch: Launch, settings: dict[str, Any]) -> Rendered:
+        """The job as one sbatch script (JOB.sbatch), and the settings it cannot give every node."""
+        spec = launch.spec
+        text, warnings = script.slurm_script(launch.inv, spec, pyxis=settings["pyxis"],
+                                             partition=settings["partition"], time_limit=settings["time"])
+        return Rendered(spec.job_id, {f"{spec.job_id}.sbatch": text}, tuple(warnings),
+                        title=f"job {spec.job_id} as an sbatch script (fab export.slurm writes it):")
 
     def detach(self, launch: Launch) -> Finished:
         raise UserError("--detach: not with --on slurm", exit_code=2)
@@ -122,7 +110,8 @@ class SlurmBackend:
         return Status(doc={"slurm": rows}, tables=[slurm.status_table(rows)])
 
 
-if TYPE_CHECKING:  # the class has everything base.Backend asks for
-    from orchestrator.backends.base import Backend
+if TYPE_CHECKING:  # the class has everything base.Runner and base.Renderer ask for
+    from orchestrator.backends.base import Renderer, Runner
 
-    _checked: Backend = SlurmBackend()
+    _runs: Runner = SlurmBackend()
+    _renders: Renderer = SlurmBackend()

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Option, Status, Stopped
 from orchestrator.backends.ssh import jobs
 from orchestrator.backends.ssh.job import Job
 from orchestrator.backends.ssh.job import run as run_job
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 class SshBackend:
     name = "ssh"
     where = ""
-    refuses: dict[str, str] = {}
+    accepts: tuple[Option, ...] = TRAIN_OPTIONS  # every one: they were made for the inventory's hosts
+    declines = ""
 
     def refuse_if_running(self, inv: Inventory, job_id: str, how: str) -> None:
         jobs.refuse_if_running(inv, job_id, how)
