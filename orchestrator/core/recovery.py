@@ -63,7 +63,7 @@ class JobRecord:
 
     @property
     def on(self) -> str:
-        """The backend the job ran on (backends/__init__.py names them)."""
+        """The backend the job ran on (backends/registry.py names them)."""
         on = self.backend.get("on", "ssh")
         return on if isinstance(on, str) else "ssh"
 

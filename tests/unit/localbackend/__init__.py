@@ -1,7 +1,7 @@
 """A backend for the tests only, and the proof that a backend is one folder and one registration:
 each node of the job is a local process (the node's command from its NodeSpec, with its
 environment), its output in runs/JOB/HOST.log, its pid in runs/JOB/HOST.pid. Registered by the
-tests as `local` (backends.register)."""
+tests as `local` (backends/registry.register)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.base import Finished, Launch, Status, Stopped
+from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Status, Stopped
 from orchestrator.commands.node import node_spec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import Attempt, JobRecord
@@ -41,7 +41,9 @@ def alive(pid: int) -> bool:
 class LocalBackend:
     name = "local"
     where = " locally"
-    refuses = {"health": "not with --on local (no hosts to measure)"}
+    # Every train option but --health (no hosts to measure): a refusal derived from what it accepts.
+    accepts = tuple(o for o in TRAIN_OPTIONS if o.name != "health")
+    declines = "no hosts to measure"
 
     def serves(self, inv: Inventory) -> bool:
         return True
