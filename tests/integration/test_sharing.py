@@ -227,5 +227,5 @@ def test_stopping_a_job_nobody_knows_is_refused_naming_it(inventory_path):
     r = fab(inventory_path, "stop", "--job", typo, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"no job {typo} on the hosts of {inventory_path}" in r.stderr
-    assert "'fab runs' this machine's" in r.stderr and f"stopped {typo}" not in r.stdout
+    assert "'fab runs' lists this machine's" in r.stderr and f"stopped {typo}" not in r.stdout
     assert on_host("node1", f"ls /opt/fabtrain/output/.runtime/.stopped/{typo}", check=False).returncode != 0
