@@ -141,13 +141,15 @@ def newest_run(places: Sequence[Place], seen: Sequence[set[str] | None]) -> Plac
     return None
 
 
-def fetch(session: Session, places: Sequence[Place], record: JobRecord, runs: Path) -> dict | None:
+def fetch(session: Session, places: Sequence[Place], record: JobRecord, runs: Path,
+          seen: Sequence[set[str] | None] | None = None) -> dict | None:
     """The controllers' end ({"state", "error", "closing", "keys_left"}) and runs/JOB copied here,
     from the one that ended the job (or a standby's mirror of it), then their directories removed
     from their hosts and the key from every host (keys_left: the hosts where that failed, with why);
     None while the job has not ended. HostRecordRefused, after all of that, when the controller's
-    copy of the record was refused (this machine's is kept)."""
-    src = ended_at(places, look(session, places))
+    copy of the record was refused (this machine's is kept). `seen`: look's answer, when the caller
+    has it already."""
+    src = ended_at(places, look(session, places) if seen is None else seen)
     if src is None:
         return None
     r = session.run(src.host, done_command(src), timeout=deadlines.STATUS_TIMEOUT,

@@ -54,8 +54,9 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
         job = record.job_id
         said.add(job)
         silent = [p.host.name for p in places if found.error(p.host.name) is not None]
+        flags = look(session, places)
         try:
-            end = fetch(session, places, record, runs)
+            end = fetch(session, places, record, runs, flags)
         except HostRecordRefused as exc:
             lines.append(f"{job}: ended; its run is fetched into {runs / job}, but {exc}")
             continue
@@ -74,7 +75,7 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
             )
             continue
         states = seen.get(job, {})
-        now = running_at(places, look(session, places))
+        now = running_at(places, flags)
         if not running(states):
             # Nobody needs its key now: `fab attach` goes on with this machine's own.
             left = take_back(session, inv, record, found)
