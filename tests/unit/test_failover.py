@@ -139,8 +139,8 @@ class Standby:
         monkeypatch.setattr(failover, "Session", lambda hosts: self)
         monkeypatch.setattr(failover, "verdict", lambda *a: self.verdicts.pop(0))
         monkeypatch.setattr(failover, "lease_fresh", lambda *a: self.lease)
-        monkeypatch.setattr(failover, "take_over", lambda root, launch, s, lost, own, why, age:
-                            self.took.append((lost, own, why)) or "taken")
+        monkeypatch.setattr(failover, "take_over", lambda root, launch, s, lost, own, why, age, answers:
+                            self.took.append((lost, own, why, answers)) or "taken")
 
     def __enter__(self):
         return self
@@ -162,7 +162,7 @@ def test_the_standby_takes_over_at_once_when_the_controller_is_gone(tmp_path, mo
     i = inv(2, 1)
     took = failover.stand_by(s.root, Launch(i), i.hosts[1], "/d", "spare1", lambda: called.append(1))
     assert took == "taken"
-    assert s.took == [("node2", "spare1", "its container is gone")] and called == [1]
+    assert s.took == [("node2", "spare1", "its container is gone", True)] and called == [1]
 
 
 def test_a_silent_controller_host_is_taken_over_only_once_the_jobs_lease_is_stale(tmp_path, monkeypatch):
@@ -177,8 +177,9 @@ def test_a_silent_controller_host_is_taken_over_only_once_the_jobs_lease_is_stal
         return s.lease
     monkeypatch.setattr(failover, "lease_fresh", stale_after_two)
     assert failover.stand_by(s.root, Launch(i), i.hosts[0], "/d", "spare1", lambda: None) == "taken"
-    lost, own, why = s.took[0]
+    lost, own, why, answers = s.took[0]
     assert (lost, own) == ("node1", "spare1") and "does not answer" in why and "lease" in why
+    assert answers is False  # its host is not asked again: its node is lost from the watch's start
 
 
 def test_the_standby_ends_when_the_controllers_end_reaches_its_mirror(tmp_path, monkeypatch):
@@ -213,3 +214,40 @@ def test_the_job_asks_the_fence_before_it_starts_containers_and_before_its_teard
     stops = [i for i, c in enumerate(order) if "docker rm --force" in c]
     assert len(fences) == 2 and starts and fences[0] < min(starts)
     assert stops and fences[1] < min(i for i in stops if i > max(starts))
+
+
+class Followed:
+    """Stands in for the SSH session of a watch: each host's follow gives one line and ends 0;
+    every host asked is recorded."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+
+    def stream(self, host, command, feed, timeout=None):
+        self.asked.append(host.name)
+        feed(b"step 1\n")
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        self.asked.append(host.name)
+        from orchestrator.transport.remote import Result
+        return Result("0\n", "", 0, 0.0)
+
+    def alive_since(self, host):
+        return None
+
+    def fan_out(self, fn, hosts):
+        return {h.name: fn(h) for h in hosts}
+
+
+def test_a_host_the_standby_found_silent_is_lost_from_the_watchs_start_and_never_asked(tmp_path):
+    from orchestrator.backends.ssh import attempt
+    from orchestrator.backends.ssh.watch import watch
+    from orchestrator.core import jobspec
+    from orchestrator.core.policy import Failure
+    i = inv(2)
+    a = attempt.build(i, jobspec.JobSpec(job_id="j-1", script="x.py"), 2, 29500)
+    session = Followed()
+    w = watch(session, a, tmp_path, echo=False, known_lost={"node1": "node1 did not answer", "gone": "x"})
+    assert "node1" not in session.asked and "node2" in session.asked
+    (lost,) = w.failures
+    assert (lost.host.name, lost.failure, lost.detail) == ("node1", Failure.LOST, "node1 did not answer")

@@ -87,11 +87,13 @@ class SshBackend:
             result = run_job(job, running=takeover.plan(job, running))
         return self.finished(launch, result)
 
-    def fail_over(self, launch: Launch, session: Session, events: list[tuple[str, dict]], seen: float
-                  ) -> Finished:
+    def fail_over(self, launch: Launch, session: Session, events: list[tuple[str, dict]], seen: float,
+                  silent: str | None = None) -> Finished:
         """A detached job taken over by its standby controller (failover.py): the events said, then
         its running attempt followed as `fab attach` does; with nothing running, the job continued
-        as `fab train --resume` does, a host that does not answer giving its rank to a spare."""
+        as `fab train --resume` does, a host that does not answer giving its rank to a spare.
+        `silent`: the lost controller's host when the standby found it not answering: it is not
+        surveyed again, and its node of the running attempt is lost from the start of the watch."""
         from orchestrator.backends.ssh import takeover
         from orchestrator.core.policy import Failure, HostFailure, Outcome, decide
         job = self.job(launch)
@@ -101,7 +103,12 @@ class SshBackend:
         for event, fields in events:
             job.emit(event, **fields, **({"seconds": round(time.monotonic() - seen, 2)}
                                          if event == "controller_started" else {}))
-        found = survey.survey(session, launch.inv)
+        found = survey.survey(session, launch.inv,
+                              tuple(h for h in launch.inv.all_hosts if h.name != silent))
+        if silent is not None:
+            why = f"{silent} did not answer its standby controller; host lost"
+            found[silent] = UserError(why)
+            job.watch_options["known_lost"] = {silent: why}
         try:
             running = takeover.running_attempt(found, launch.inv, job.record, lease=False)
         except UserError as exc:

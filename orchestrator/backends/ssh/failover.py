@@ -238,11 +238,11 @@ def stand_by(root: Path, launch: Launch, active: Host, active_dir: str, own: str
             why = ("its container is gone" if seen == "gone" else
                    f"its host does not answer and the job's lease went {hostfiles.LEASE_LIVE:g} s unrenewed")
             taking_over()
-            return take_over(root, launch, session, active.name, own, why, age)
+            return take_over(root, launch, session, active.name, own, why, age, answers=seen == "gone")
 
 
 def take_over(root: Path, launch: Launch, session: Session, lost: str, own: str, why: str,
-              age: float) -> Finished:
+              age: float, answers: bool = True) -> Finished:
     """The job taken over here (module docstring)."""
     from orchestrator.backends.ssh.backend import SshBackend
     seen = time.monotonic()
@@ -260,7 +260,7 @@ def take_over(root: Path, launch: Launch, session: Session, lost: str, own: str,
         ("controller_started", {"host": own, "from_host": lost}),
     ]
     print(f"taking the job over from {lost}: {why}", file=sys.stderr, flush=True)
-    return SshBackend().fail_over(launch, session, events, seen)
+    return SshBackend().fail_over(launch, session, events, seen, silent=None if answers else lost)
 
 
 def fence(root: Path) -> None:

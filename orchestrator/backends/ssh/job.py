@@ -559,6 +559,7 @@ class Job:
                       **self.watch_options)
         finally:
             copying.set()
+            self.watch_options.pop("known_lost", None)  # what a failover found holds for its first watch
         if w.interrupted is not None:
             return Attempted(a, Outcome(interrupted=w.interrupted), w)
         return Attempted(a, Outcome(tuple(e.failure_line() for e in w.failures)), w)

@@ -102,13 +102,16 @@ class Tee:
 
 class Watcher:
     """Follows one attempt's nodes (see the module's docstring). `detach`: Ctrl+C only stops
-    watching (a re-attached `fab logs`); `known_lost`: hosts never asked again."""
+    watching (a re-attached `fab logs`); `known_lost`: host -> why it was found silent before this
+    watch began (a failover's survey): that node ends lost at once, its host never asked again."""
 
     def __init__(self, session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter,
                  hang_timeout: float = 0, echo: bool = True, out: BinaryIO | None = None,
                  console: Console | None = None, live: bool = False, detach: bool = False,
-                 lost_after: float | None = None) -> None:
+                 lost_after: float | None = None, known_lost: dict[str, str] | None = None) -> None:
         self.session, self.attempt, self.reporter = session, attempt, reporter
+        names = {h.name for h in attempt.hosts}
+        self.known_lost = {n: why for n, why in (known_lost or {}).items() if n in names}
         self.hosts = attempt.hosts
         self.hang_timeout, self.detach = hang_timeout, detach
         self.board = Board([(h.name, h.rank) for h in self.hosts])
@@ -172,6 +175,10 @@ class Watcher:
 
     def run(self) -> Watched:
         for h in self.hosts:
+            if h.name in self.known_lost:  # found silent before this watch began: not asked again
+                self.sinks[h.name].close()
+                self.events.put(NodeEnd(h, failure=Failure.LOST, detail=self.known_lost[h.name]))
+                continue
             threading.Thread(target=self.follow, args=(h,), daemon=True, name=f"follow-{h.name}").start()
         view = (
             Live(
