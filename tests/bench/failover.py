@@ -8,6 +8,7 @@ Alternately:
            frozen (docker pause) once a snapshot is in the standby's mirror. Seconds from the freeze
            to the standby's fence (`taken`: a new controller running on node3), and to the first
            step of the new attempt written on node3 (rank 0 from the snapshot).
+  hot      the same with --hot-spares: node3's container already waits with its workers started.
   killed   2 hosts, the controller on node2, its standby on node1: the controller's container killed
            (docker kill) at step 20. Seconds from the kill to the standby's fence.
 Each job is stopped once measured (fab stop), the frozen host thawed. Prints medians (and every
@@ -65,8 +66,8 @@ def stop(inventory: Path, job: str) -> None:
     subprocess.run([FAB, "status", "--inventory", str(inventory)], cwd=ROOT, capture_output=True, timeout=300)
 
 
-def frozen(inventory: Path) -> tuple[float, float]:
-    job = detach(inventory, "--restarts", "2")
+def frozen(inventory: Path, *more: str) -> tuple[float, float]:
+    job = detach(inventory, "--restarts", "2", *more)
     try:
         until("node3", f"ls {CONTROLLERS}/{job}/mirror/runs/{job}/snapshots | grep -q snapshot-", 300,
               "a mirrored snapshot", time.monotonic())
@@ -103,20 +104,26 @@ def main() -> None:
     two, spare = folder / "bench-failover-two.yaml", folder / "bench-failover-spare.yaml"
     two.write_text(cluster.render_inventory(nodes[:2]))
     spare.write_text(cluster.render_inventory(nodes[:2], spares=nodes[2:3]) + "controller: {host: node1}\n")
-    ctl, train, back = [], [], []
+    ctl, train, hot_ctl, hot_train, back = [], [], [], [], []
     for i in range(args.repeat):
         c, t = frozen(spare)
         ctl.append(c)
         train.append(t)
+        hc, ht = frozen(spare, "--hot-spares")
+        hot_ctl.append(hc)
+        hot_train.append(ht)
         back.append(killed(two))
-        print(f"run {i + 1}: frozen -> new controller {c:.1f}s, training again {t:.1f}s; "
-              f"killed -> new controller {back[-1]:.1f}s", flush=True)
+        print(f"run {i + 1}: frozen -> new controller {c:.1f}s, training again {t:.1f}s; with a hot "
+              f"spare {hc:.1f}s, {ht:.1f}s; killed -> new controller {back[-1]:.1f}s", flush=True)
     med = statistics.median
     print(f"\n| measure (median of {args.repeat}, seconds) | value | target |\n|---|---|---|")
     print(f"| controller's host frozen -> a new controller running | {med(ctl):.1f} | 20 |")
     print(f"| controller's host frozen -> training again (spare as rank 0) | {med(train):.1f} | 45 |")
+    print(f"| the same with --hot-spares: -> a new controller | {med(hot_ctl):.1f} | 20 |")
+    print(f"| the same with --hot-spares: -> training again | {med(hot_train):.1f} | 45 |")
     print(f"| controller killed -> a new controller running | {med(back):.1f} | 15 |")
     Path(args.out).write_text(json.dumps({"frozen_controller": ctl, "frozen_training": train,
+                                          "hot_controller": hot_ctl, "hot_training": hot_train,
                                           "killed_controller": back}, indent=2) + "\n")
 
 
