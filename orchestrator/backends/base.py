@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from orchestrator.core.errors import UserError
     from orchestrator.core.jobspec import JobSpec
     from orchestrator.core.policy import Policy
+    from orchestrator.core.record import Notify
     from orchestrator.core.recovery import JobRecord
 
 
@@ -95,7 +96,7 @@ class Launch:
     checks: bool = True         # preflight before the start
     smoke: bool = False
     selected: tuple[str, ...] | None = None   # hosts chosen by --include/--exclude/--num-nodes/--health
-    notify: dict[str, str] | None = None      # {"command", "url"}: --notify, --notify-url (None: as recorded)
+    notify: Notify | None = None      # --notify, --notify-url (None: as recorded)
     queue: bool = False                       # wait in line while the hosts are held (fab train --queue)
 
 

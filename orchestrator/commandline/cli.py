@@ -16,6 +16,7 @@ from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.policy import HANG_TIMEOUT, Policy
+from orchestrator.core.record import Resume
 from orchestrator.core.recovery import JobRecord
 from orchestrator.progress import report
 
@@ -209,7 +210,7 @@ def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bo
     --checkpoint), and what changed; an option that would make it another job is refused, never
     dropped. A finished job is resumed (--resume) only with something new to do (--epochs or
     --args), or `again` (--continue: the program decides what is left)."""
-    spec = record.job_spec()
+    spec = record.spec
     for key, why in FIXED_ON_RESUME.items():
         if o.get(key) is not None and str(o[key]) != str(recorded(spec, key, trainers)):
             raise UserError(
@@ -335,11 +336,11 @@ def units_asked(inv: Inventory, include: str | None) -> str:
     )
 
 
-def resume_entry(record: JobRecord, changed: dict) -> dict:
+def resume_entry(record: JobRecord, changed: dict) -> Resume:
     """What JobRecord.resumes keeps of one resume."""
     import time
-    return {"time": time.time(), "after_attempt": len(record.attempts), "state": record.state,
-            "changed": {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()}}
+    return Resume(time.time(), len(record.attempts), record.state,
+                  {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()})
 
 
 def changes_line(changed: dict) -> str:

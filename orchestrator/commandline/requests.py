@@ -16,6 +16,7 @@ from orchestrator.config import inventory as inventory_file
 from orchestrator.config.fields import listen_address
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import Notify
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import claims, survey
 from orchestrator.transport.remote import Session
@@ -214,8 +215,8 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
     chosen = tuple(h.name for h in inv.hosts) if selected else None
     if record is not None:
         record = replace(record, selected=list(chosen) if chosen is not None else record.selected,
-                         spec={**record.spec, "owner": spec.owner, "units": spec.units, "gpus": spec.gpus,
-                               "cpuset": spec.cpuset})
+                         spec=replace(record.spec, owner=spec.owner, units=spec.units, gpus=spec.gpus,
+                                      cpuset=spec.cpuset))
     return backend, Launch(
         inv,
         spec,
@@ -233,7 +234,7 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
     )
 
 
-def hooks(req: TrainRequest, inv: Inventory, record: JobRecord | None) -> dict[str, str] | None:
+def hooks(req: TrainRequest, inv: Inventory, record: JobRecord | None) -> Notify | None:
     """Where the job's notifications go: --notify/--notify-url, else what a resumed job recorded,
     else the inventory's job.notify/notify_url (None: keep the record's)."""
     from orchestrator.progress import notify
@@ -241,8 +242,8 @@ def hooks(req: TrainRequest, inv: Inventory, record: JobRecord | None) -> dict[s
         notify.check_url(req.notify_url, "--notify-url")
     if record is not None and not (req.notify or req.notify_url):
         return None
-    given = {"command": req.notify or inv.job.notify, "url": req.notify_url or inv.job.notify_url}
-    return {k: v for k, v in given.items() if v}
+    return Notify(command=req.notify or inv.job.notify or None,
+                  url=req.notify_url or inv.job.notify_url or None)
 
 
 def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, str]) -> str | None:
@@ -284,7 +285,7 @@ def attach(inventory: str | None, job: str, runs: Path, console: Console, json: 
     if record.selected:
         inv = cli.select_hosts(inv, "@".join(record.selected), None, set(), None)
     policy = cli.policy(inv, record.restarts, record.min_nodes, record.hang_timeout)
-    launch = Launch(inv, record.job_spec(), policy, record, runs, say, json=json, live=not (plain or json),
+    launch = Launch(inv, record.spec, policy, record, runs, say, json=json, live=not (plain or json),
                     checks=False)
     backend = registry.of_job(runs, job) or registry.runner(registry.DEFAULT)
     return backend.take_over(launch)

@@ -10,12 +10,22 @@ import copy
 import json
 import re
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import (
+    VERSION,
+    BackendPlace,
+    Controller,
+    Notify,
+    Resume,
+    UnknownKey,
+    plain,
+    read,
+)
 
 if TYPE_CHECKING:  # the core imports no other layer
     from orchestrator.config.inventory import Inventory
@@ -37,9 +47,10 @@ class Attempt:
 
 @dataclass
 class JobRecord:
-    """runs/JOB/job.json: what `fab train --resume JOB` needs to continue the same job."""
+    """runs/JOB/job.json: what `fab train --resume JOB` needs to continue the same job. Its typed
+    parts, its format's version and how an older one is read: record.py."""
 
-    spec: dict
+    spec: jobspec.JobSpec
     inventory: str
     state: str = "running"  # running, finished, failed, interrupted, stopped
     restarts: int = 0
@@ -47,41 +58,50 @@ class JobRecord:
     hang_timeout: float = 0
     attempts: list[Attempt] = field(default_factory=list)
     # Each later `fab train --resume/--continue` of the job: when, after which attempt, what changed.
-    resumes: list[dict] = field(default_factory=list)
+    resumes: list[Resume] = field(default_factory=list)
     # The hosts chosen with --include/--exclude/--num-nodes (None: the inventory's hosts:).
     selected: list[str] | None = None
-    # Where it ran when not over SSH: {"on": "slurm", "login": ..., "workdir": ..., "slurm_id": ...}.
-    backend: dict = field(default_factory=dict)
-    # Where its notifications go: {"command": ..., "url": ...} (progress/notify.py).
-    notify: dict = field(default_factory=dict)
-    # A detached job's controller: {"host", "dir", "container", "fetched"} (backends/ssh/detached.py).
-    controller: dict = field(default_factory=dict)
+    backend: BackendPlace | None = None  # None: over SSH
+    notify: Notify = Notify()
+    controller: Controller | None = None  # None: not detached
 
     @property
     def job_id(self) -> str:
-        return self.spec["job_id"]
+        return self.spec.job_id
 
     @property
     def on(self) -> str:
         """The backend the job ran on (backends/registry.py names them)."""
-        on = self.backend.get("on", "ssh")
-        return on if isinstance(on, str) else "ssh"
+        return self.backend.on if self.backend is not None else "ssh"
 
-    def job_spec(self) -> jobspec.JobSpec:
-        s = dict(self.spec)
-        s["args"] = tuple(s.get("args", ()))
-        s["env"] = tuple(tuple(kv) for kv in s.get("env", ()))
-        return jobspec.JobSpec(**s)
+    def to_dict(self) -> dict:
+        return {"version": VERSION, **plain(self)}
+
+    @classmethod
+    def from_dict(cls, doc: object) -> JobRecord:
+        """A record read from its JSON (record.py's versions): ValueError naming the field or key
+        that is wrong, NewerRecord when a newer fabtrain wrote it."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"it is {type(doc).__name__}, not a JSON object")
+        doc = dict(doc)
+        version = doc.pop("version", 1)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"version is {version!r}, not a version number")
+        if version > VERSION:
+            raise NewerRecord(version)
+        if version == 1:  # before versions: an absent part was {}
+            doc.update({k: None for k in ("backend", "controller") if doc.get(k) == {}})
+        return read(cls, doc, "")
 
     def save(self, run_dir: Path) -> None:
         tmp = run_dir / f".{RECORD}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         tmp.replace(run_dir / RECORD)
 
     @classmethod
     def new(cls, spec: jobspec.JobSpec, inv: Inventory, restarts: int, min_nodes: int | None,
             hang_timeout: float) -> JobRecord:
-        return cls(spec=asdict(spec), inventory=str(inv.path), restarts=restarts, min_nodes=min_nodes,
+        return cls(spec=spec, inventory=str(inv.path), restarts=restarts, min_nodes=min_nodes,
                    hang_timeout=hang_timeout)
 
     def with_host_data(self, doc: object, hosts: Collection[str]) -> JobRecord:
@@ -112,11 +132,10 @@ class JobRecord:
             recorded = ", ".join(f"{o.number} on {'+'.join(o.hosts)}" for o in ours) or "none"
             raise ValueError(f"its attempts do not begin with the {len(ours)} this machine recorded "
                              f"({recorded})")
+        # The frozen parts (spec, backend, notify, controller) are shared; nothing that changes is.
         return replace(self, state=state, attempts=[replace(a) for a in ours] + attempts[len(ours):],
-                       spec=copy.deepcopy(self.spec), resumes=copy.deepcopy(self.resumes),
-                       selected=list(self.selected) if self.selected is not None else None,
-                       backend=copy.deepcopy(self.backend), notify=dict(self.notify),
-                       controller=copy.deepcopy(self.controller))
+                       resumes=copy.deepcopy(self.resumes),
+                       selected=list(self.selected) if self.selected is not None else None)
 
     @classmethod
     def load(cls, run_root: Path, job_id: str, what: str = "--resume") -> JobRecord:
@@ -125,21 +144,33 @@ class JobRecord:
                             exit_code=2)
         path = run_root / job_id / RECORD
         try:
-            doc = json.loads(path.read_text())
-            attempts = [Attempt(**a) for a in doc.pop("attempts", [])]
-            record = cls(**doc, attempts=attempts)
-            record.job_spec()
+            record = cls.from_dict(json.loads(path.read_text()))
             if record.job_id != job_id:  # it names directories on the hosts and here
                 raise ValueError(f"it names job {hostile.line(repr(record.job_id), 80)}, not {job_id}")
         except FileNotFoundError:
             raise UserError(f"{what} {job_id}: no {path}; only jobs started by 'fab train' from this "
                             f"directory are recorded there ('ls {run_root}' lists them)",
                             exit_code=2) from None
+        except NewerRecord as exc:
+            raise UserError(f"{path}: written by a newer fabtrain (job record version {exc.version}; this "
+                            f"one reads versions up to {VERSION}): update this fabtrain (git pull in "
+                            f"{jobspec.PROJECT_ROOT}), or use the one that wrote it", exit_code=2) from None
+        except UnknownKey as exc:
+            raise UserError(f"{path}: not a job record this version can read ({exc}, which no fabtrain "
+                            "writes in a record of its version): was it edited? Remove that key, or start "
+                            "a new job instead", exit_code=2) from None
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"{path}: not a job record this version can read ({exc}); start a new job "
                             "instead", exit_code=2) from None
         return record
 
+
+class NewerRecord(ValueError):
+    """A job record in a format newer than VERSION."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"version {version}")
+        self.version = version
 
 STATES = ("running", "finished", "failed", "interrupted", "stopped")
 MAX_ATTEMPTS = 10_000

@@ -183,9 +183,9 @@ def job_page(runs: Path, job_id: str) -> dict[str, Any]:
     return clean({
         "job": job_id,
         "state": record.state if record else newest["state"],
-        "owner": record.spec.get("owner") if record else None,
-        "script": record.spec.get("script") if record else None,
-        "args": list(record.spec.get("args") or ()) if record else [],
+        "owner": record.spec.owner if record else None,
+        "script": record.spec.script if record else None,
+        "args": list(record.spec.args) if record else [],
         "record_error": problem,
         "attempts": attempts(record),
         "failures": failures(events),

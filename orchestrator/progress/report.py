@@ -203,7 +203,8 @@ def timing_table(data: dict) -> Table:
 
 
 def describe_run(run_dir: Path) -> dict:
-    """The job's record (runs/JOB/job.json) in a few fields; {} when there is none."""
+    """The job's record (runs/JOB/job.json) in a few fields, read as leniently as a listing may (any
+    version of record.py's format, a part missing or null); {} when there is none."""
     try:
         rec = json.loads((run_dir / recovery.RECORD).read_text())
     except (OSError, ValueError):
@@ -215,7 +216,7 @@ def describe_run(run_dir: Path) -> dict:
     ends = [a["ended"] for a in attempts if a.get("ended")]
     return {"job": rec.get("spec", {}).get("job_id", run_dir.name), "state": rec.get("state"),
             "attempts": len(attempts), "hosts": hosts, "model": model,
-            "script": rec.get("spec", {}).get("script"), "on": rec.get("backend", {}).get("on", "ssh"),
+            "script": rec.get("spec", {}).get("script"), "on": (rec.get("backend") or {}).get("on", "ssh"),
             "seconds": round(max(ends) - attempts[0]["started"], 1) if attempts and ends else None}
 
 

@@ -17,6 +17,7 @@ import pytest
 from orchestrator.config.inventory import parse
 from orchestrator.core import recovery
 from orchestrator.core.errors import UserError
+from orchestrator.core.jobspec import JobSpec
 from orchestrator.dashboard import gate, server, views
 from orchestrator.progress import top
 
@@ -161,8 +162,8 @@ def job_dir(tmp_path):
     runs = tmp_path / "runs"
     d = runs / "gpt-20261125-010203-abcd"
     d.mkdir(parents=True)
-    rec = recovery.JobRecord(spec={"job_id": d.name, "script": "trainers/gpt.py", "args": ["--model", "tiny"],
-                                   "owner": "alice@lap"}, inventory="/i/inv.yaml", state="running",
+    rec = recovery.JobRecord(spec=JobSpec(job_id=d.name, script="trainers/gpt.py", args=("--model", "tiny"),
+                                          owner="alice@lap"), inventory="/i/inv.yaml", state="running",
                              attempts=[recovery.Attempt(1, ["node1", "node2"], 10.0, 20.0,
                                                         "node2 exited 1: \x1b[2Jboom"),
                                        recovery.Attempt(2, ["node1", "node3"], 21.0)])

@@ -11,7 +11,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from orchestrator.backends.ssh import controller, detached, detachedview, submit
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import JobSpec
+from orchestrator.core.record import Controller, Notify
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import keys
 from orchestrator.hosts.survey import HostJobs
@@ -37,9 +38,9 @@ def test_fab_stop_removes_the_keys_of_jobs_a_controller_or_a_record_shows_unless
         gpu1=HostJobs({}, frozenset(), {}, controllers={ran: "running", gone: "exited"}),
         gpu2=OSError("no answer"),
     )
-    for job, place in ((recorded, {"host": "gpu2", "dir": "/d", "container": "c"}), (plain, {})):
+    for job, place in ((recorded, Controller("gpu2", "/d", "c")), (plain, None)):
         (tmp_path / job).mkdir()
-        JobRecord(spec=asdict(JobSpec(job_id=job, script="t.py")), inventory="inv.yaml",
+        JobRecord(spec=JobSpec(job_id=job, script="t.py"), inventory="inv.yaml",
                   controller=place).save(tmp_path / job)
     assert detached.keys_to_revoke(found, [ran, gone, recorded, plain, unknown], tmp_path) == [gone, recorded]
     assert detached.keys_to_revoke(found, [], tmp_path) == []
@@ -200,9 +201,9 @@ def detached_here(tmp_path, host_doc, down=None):
     p = detached.place(inv, JOB)
     runs = tmp_path / "runs"
     (runs / JOB).mkdir(parents=True)
-    rec = JobRecord(spec=asdict(JobSpec(job_id=JOB, script="train.py", code="/home/ann/proj")),
-                    inventory="/home/ann/inv.yaml", notify={"command": "mail -s done ann@example.com"},
-                    controller={**p.record(), "keys": ["gpu1", "gpu2"]})
+    rec = JobRecord(spec=JobSpec(job_id=JOB, script="train.py", code="/home/ann/proj"),
+                    inventory="/home/ann/inv.yaml", notify=Notify(command="mail -s done ann@example.com"),
+                    controller=Controller.at(p.record(), keys=["gpu1", "gpu2"]))
     rec.save(runs / JOB)
     rec = JobRecord.load(runs, JOB)  # as the commands have it: read from the file
     ctl_runs = Path(p.dir) / "runs" / JOB
@@ -223,7 +224,7 @@ def detached_here(tmp_path, host_doc, down=None):
 
 
 def hostile_copy(rec: JobRecord, **changes) -> dict:
-    doc = asdict(rec)
+    doc = rec.to_dict()
     doc.update(state="finished", inventory="/tmp/evil.yaml", notify={"command": "touch /tmp/pwned"},
                attempts=[{"number": 1, "hosts": ["gpu1", "gpu2"], "started": 10.0, "ended": 20.0,
                           "outcome": "ok", "resumed_from": None}])
@@ -238,11 +239,12 @@ def test_a_detached_jobs_end_is_fetched_its_record_taken_as_data_and_its_key_tak
     end = detached.fetch(session, [p], rec, runs)
     assert end == {"state": "finished", "error": "", "closing": "", "keys_left": {}}
     got = JobRecord.load(runs, JOB)
-    fetched_at = got.controller.pop("fetched")
-    assert got.controller.pop("ended_on") == "gpu1"
+    fetched_at = got.controller.fetched
+    assert got.controller.ended_on == "gpu1"
     assert isinstance(fetched_at, float)
-    assert asdict(got) == {**asdict(rec), "state": "finished", "controller": {**p.record(), "keys": []},
-                           "attempts": [asdict(Attempt(1, ["gpu1", "gpu2"], 10.0, 20.0, "ok"))]}
+    ended = replace(Controller.at(p.record()), fetched=fetched_at, ended_on="gpu1")  # no key left
+    assert got == replace(rec, state="finished", controller=ended,
+                          attempts=[Attempt(1, ["gpu1", "gpu2"], 10.0, 20.0, "ok")])
     assert (runs / JOB / "gpu1.log").read_text() == "step 1\n"  # the rest of the run came as it was
     assert [a for a in session.copies[0] if a.startswith("--exclude")] == ["--exclude=/job.json",
                                                                           "--exclude=/.job.json.tmp"]
@@ -273,10 +275,11 @@ def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machin
     assert f"This machine's record (runs/{JOB}/job.json) is kept" in str(refused.value)
     assert re.search(why, str(refused.value)), str(refused.value)
     got = JobRecord.load(runs, JOB)
-    got.controller.pop("fetched")
-    assert got.controller.pop("ended_on") == "gpu1"
+    fetched_at = got.controller.fetched
+    assert got.controller.ended_on == "gpu1"
     # This machine's record, its state from the controller's end; the run fetched; the key gone all the same.
-    assert asdict(got) == {**asdict(rec), "state": "finished", "controller": {**p.record(), "keys": []}}
+    ended = replace(Controller.at(p.record()), fetched=fetched_at, ended_on="gpu1")  # no key left
+    assert got == replace(rec, state="finished", controller=ended)
     assert (runs / JOB / "gpu1.log").is_file() and not Path(p.dir).exists()
     for h in inv.all_hosts:
         left = (session.home(h.name) / ".ssh" / "authorized_keys").read_bytes()
@@ -298,7 +301,7 @@ def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, mon
     end = detached.fetch(session, [p], rec, runs)
     assert list(end["keys_left"]) == ["gpu2"] and "No route to host" in end["keys_left"]["gpu2"]
     assert [n for n, c in session.ran if n == "gpu2"] == ["gpu2"] * 3  # tried 3 times
-    assert JobRecord.load(runs, JOB).controller["keys"] == ["gpu2"]
+    assert JobRecord.load(runs, JOB).controller.keys == ("gpu2",)
     line = detached.keys_line(JOB, end["keys_left"])
     assert line.startswith(f"{JOB}: its controller's key may still be in ~/.ssh/authorized_keys on gpu2 "
                            "(gpu2 ")
@@ -308,12 +311,12 @@ def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, mon
     lost = PerHost(gpu1=answering["gpu1"], gpu2=OSError("No route to host"))
     lines = detachedview.status_lines(session, inv, runs, lost)
     assert lines == [detached.keys_line(JOB, {"gpu2": "gpu2 does not answer"})]
-    assert JobRecord.load(runs, JOB).controller["keys"] == ["gpu2"]
+    assert JobRecord.load(runs, JOB).controller.keys == ("gpu2",)
     assert keys.marker(JOB).encode() in (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes()
     # ... and once it answers, taken back.
     assert detachedview.status_lines(session, inv, runs, answering) == [
         f"{JOB}: its controller's key is now removed from gpu2"]
-    assert JobRecord.load(runs, JOB).controller["keys"] == []
+    assert JobRecord.load(runs, JOB).controller.keys == ()
     assert (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes() == USER_LINE + b"\n"
     assert detachedview.status_lines(session, inv, runs, answering) == []
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from orchestrator.backends.ssh import detached, failover, job, placement
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
+from orchestrator.core.jobspec import JobSpec
 
 JOB = "gpt-20261127-101010-abcd"
 
@@ -48,7 +50,7 @@ def test_the_controller_runs_out_of_the_blast_radius_and_its_standby_on_the_next
     assert said.startswith(f"controller on {active} (") and (f"its standby on {standby}" in said if standby
                                                               else "no standby" in said)
     assert ("Risk: " in said) == bool(risk)
-    assert p.record()["standby"] == (p.standby.record() if p.standby else None)
+    assert p.record().standby == (p.standby.record() if p.standby else None)
 
 
 def test_a_controller_host_the_inventory_lacks_is_refused():
@@ -61,12 +63,12 @@ def test_a_controller_host_the_inventory_lacks_is_refused():
 def test_the_places_a_record_names_are_read_as_data():
     i = inv(2, 1)
     p = placement.placement(i, JOB)
-    record = detached.JobRecord(spec={"job_id": JOB, "script": "t.py"}, inventory="inv.yaml",
-                                controller={**p.record(), "keys": []})
+    record = detached.JobRecord(spec=JobSpec(job_id=JOB, script="t.py"), inventory="inv.yaml",
+                                controller=p.record())
     assert [x.host.name for x in placement.places_of(i, record)] == ["spare1", "node2"]
-    record.controller["standby"] = "not a dict"
+    record.controller = replace(record.controller, standby=None)  # none of another kind is read: record.py
     assert [x.host.name for x in placement.places_of(i, record)] == ["spare1"]
-    record.controller["host"] = "elsewhere"
+    record.controller = replace(record.controller, host="elsewhere")
     assert placement.places_of(i, record) == [] and placement.place_of(i, record) is None
 
 

@@ -54,7 +54,7 @@ def test_job_record_round_trip_keeps_the_spec(tmp_path):
     (tmp_path / "gpt-1").mkdir()
     rec.save(tmp_path / "gpt-1")
     back = recovery.JobRecord.load(tmp_path, "gpt-1")
-    assert back.job_spec() == spec and back.restarts == 2 and back.attempts[0].outcome.endswith("137")
+    assert back.spec == spec and back.restarts == 2 and back.attempts[0].outcome.endswith("137")
     back.state = "finished"
     back.save(tmp_path / "gpt-1")
     assert recovery.JobRecord.load(tmp_path, "gpt-1").state == "finished"  # cli.resumed_spec decides

@@ -1,6 +1,7 @@
 """--resume and --continue from the command line: what a resumed job may change, and finding a
 named job's newest run; what a detached job's record on its controller's host may change in this
 machine's (JobRecord.with_host_data: data, never a command)."""
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -10,6 +11,7 @@ from orchestrator.commandline import cli
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec, recovery
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import Controller, Notify, Resume, plain
 
 TRAINERS = {"gpt": "trainers/gpt.py"}
 INV = parse(
@@ -34,9 +36,9 @@ def test_a_finished_job_is_extended_with_new_epochs_and_the_change_is_recorded()
     assert spec.args == ("--model", "tiny", "--epochs", "8") and spec.job_id == rec.job_id
     assert changed == {"args": ("--model", "tiny", "--epochs", "8")}
     entry = cli.resume_entry(rec, changed)
-    assert entry["after_attempt"] == 1 and entry["state"] == "finished"
-    assert entry["changed"] == {"args": ["--model", "tiny", "--epochs", "8"]}
-    assert json.dumps(entry)  # kept in job.json
+    assert entry.after_attempt == 1 and entry.state == "finished"
+    assert entry.changed == {"args": ["--model", "tiny", "--epochs", "8"]}
+    assert json.dumps(plain(entry))  # kept in job.json
     assert cli.changes_line(changed) == "; now args '--model tiny --epochs 8'"
     # --continue: the same command again; the program decides what is left.
     spec, changed = cli.resumed_spec(rec, {"epochs": 5, "model": "tiny", "name": "gpt"}, TRAINERS, again=True)
@@ -99,17 +101,17 @@ def test_checkpoint_is_for_your_own_program(tmp_path):
 def local_record() -> recovery.JobRecord:
     """This machine's record of a detached job resumed once: one attempt done before the detach."""
     rec = record("running", code="/home/ann/proj", image="team/img:1")
-    rec.notify = {"command": "mail -s fabtrain ann@example.com"}
+    rec.notify = Notify(command="mail -s fabtrain ann@example.com")
     rec.selected = ["a", "b"]
-    rec.resumes = [{"time": 5.0, "after_attempt": 1, "state": "failed", "changed": {}}]
-    rec.controller = {"host": "a", "dir": "/out/.controllers/x", "container": "fabtrain-ctl-x",
-                      "keys": ["a", "b"]}
+    rec.resumes = [Resume(time=5.0, after_attempt=1, state="failed", changed={})]
+    rec.controller = Controller(host="a", dir="/out/.controllers/x", container="fabtrain-ctl-x",
+                                keys=("a", "b"))
     return rec
 
 
 def host_doc(rec: recovery.JobRecord, **changes) -> dict:
     """The controller's copy as a hostile host may leave it: every field changed, two attempts added."""
-    doc = json.loads(json.dumps(asdict(rec)))
+    doc = json.loads(json.dumps(rec.to_dict()))
     doc.update({
         "state": "finished", "inventory": "/tmp/evil.yaml", "restarts": 99, "min_nodes": 1, "hang_timeout": 1,
         "notify": {"command": "touch /tmp/pwned", "url": "http://evil.example/hook"},
@@ -139,11 +141,32 @@ def test_a_host_copy_gives_the_state_and_new_attempts_and_nothing_else():
         {"number": 3, "hosts": ["a"], "started": 21.0, "ended": None, "outcome": "running",
          "resumed_from": None}]}
     assert asdict(merged) == expected
-    assert merged.notify == {"command": "mail -s fabtrain ann@example.com"} and merged.inventory == "i.yaml"
-    assert merged.job_spec().code == "/home/ann/proj" and merged.job_spec().image == "team/img:1"
-    merged.spec["code"] = "changed"
-    merged.controller["keys"].append("c")
-    assert rec.spec["code"] == "/home/ann/proj" and rec.controller["keys"] == ["a", "b"]  # nothing shared
+    assert merged.notify == Notify(command="mail -s fabtrain ann@example.com")
+    assert merged.inventory == "i.yaml"
+    assert merged.spec.code == "/home/ann/proj" and merged.spec.image == "team/img:1"
+    merged.attempts[0].outcome = "changed"
+    merged.selected.append("c")
+    merged.resumes[0].changed["args"] = ["x"]
+    assert rec.attempts[0].outcome == "ok" and rec.selected == ["a", "b"]  # nothing shared that changes:
+    assert rec.resumes[0].changed == {}  # the spec, notify, backend and controller are frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        merged.controller.keys = ("c",)
+
+
+
+def test_a_host_copy_of_any_version_gives_only_its_state_and_new_attempts():
+    """The controller writes the record's format (record.py's VERSION), but a host's copy is read for
+    its state and attempts alone: its version, an unknown key, a part of the wrong kind change nothing
+    else and are not refused (nothing of them is taken)."""
+    rec = local_record()
+    taken = rec.with_host_data(host_doc(rec), {"a", "b"})
+    assert host_doc(rec)["version"] == recovery.VERSION  # as the controller writes it
+    for changes in ({"version": 99, "backdoor": {"command": "touch /tmp/pwned"}},
+                    {"version": "x", "controller": "not a dict", "notify": ["touch /tmp/pwned"],
+                     "backend": 7, "resumes": None, "selected": {"evil": 1}}):
+        merged = rec.with_host_data(host_doc(rec, **changes), {"a", "b"})
+        assert merged == taken and merged.controller == rec.controller and merged.notify == rec.notify
+        assert merged.backend is None and merged.resumes == rec.resumes and merged.selected == ["a", "b"]
 
 
 FIRST = {"number": 1, "hosts": ["a"], "started": 1.0}

@@ -7,6 +7,8 @@ import pytest
 from orchestrator.backends.ssh import takeover
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
+from orchestrator.core.jobspec import JobSpec
+from orchestrator.core.record import Resume
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import claims
 from orchestrator.hosts.survey import HostJobs
@@ -22,9 +24,9 @@ JOB = "gpt-20261124-101010-abcd"
 
 
 def record(state="running", hosts=("node3", "node2"), attempts=2, resumes=()):
-    r = JobRecord(spec={"job_id": JOB, "script": "x.py"}, inventory="inv.yaml", state=state, restarts=3)
+    r = JobRecord(spec=JobSpec(job_id=JOB, script="x.py"), inventory="inv.yaml", state=state, restarts=3)
     r.attempts = [Attempt(n, list(hosts), 0.0) for n in range(1, attempts + 1)]
-    r.resumes = list(resumes)
+    r.resumes = [Resume(time=0.0, state="failed", **entry) for entry in resumes]
     return r
 
 

@@ -46,6 +46,7 @@ from orchestrator.config import codetree
 from orchestrator.config.inventory import Inventory, Slurm
 from orchestrator.core import hostile, jobspec, recovery
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import BackendPlace
 from orchestrator.hosts import hostops
 from orchestrator.transport.remote import Result, Session, failure
 
@@ -182,13 +183,14 @@ def status_rows(session: Session, inv: Inventory) -> list[dict]:
     return parse_squeue(r.stdout)
 
 
-def recorded(run_root: Path, job_id: str) -> tuple[recovery.JobRecord, dict] | None:
+def recorded(run_root: Path, job_id: str) -> tuple[recovery.JobRecord, BackendPlace] | None:
     """A job's record when it ran on Slurm (its backend entry), else None."""
     try:
         record = recovery.JobRecord.load(run_root, job_id)
     except UserError:
         return None
-    return (record, record.backend) if record.backend.get("on") == "slurm" else None
+    backend = record.backend
+    return (record, backend) if backend is not None and backend.on == "slurm" else None
 
 
 def refuse_if_running(session: Session, inv: Inventory, job_id: str, how: str) -> None:
@@ -260,13 +262,10 @@ def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console: Consol
     run_dir.mkdir(parents=True, exist_ok=True)
     if record is None:
         record = recovery.JobRecord.new(spec, inv, 0, None, 0)
-    record.state, record.spec["code_key"] = "running", spec.code_key
-    earlier = (
-        [*record.backend.get("earlier", []), record.backend["slurm_id"]]
-        if "slurm_id" in record.backend
-        else []
-    )
-    record.backend = {"on": "slurm", "login": cfg.login.name, "workdir": cfg.workdir, "earlier": earlier}
+    record.state, record.spec = "running", replace(record.spec, code_key=spec.code_key)
+    was = record.backend
+    earlier = (*was.earlier, was.slurm_id) if was is not None and was.slurm_id is not None else ()
+    record.backend = BackendPlace("slurm", login=cfg.login.name, workdir=cfg.workdir, earlier=earlier)
     record.save(run_dir)
     (run_dir / "job.sbatch").write_text(script)
     with Session((cfg.login,)) as session:
@@ -279,7 +278,7 @@ def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console: Consol
             record.state = "failed"  # nothing was submitted: the record says so, the error says why
             record.save(run_dir)
             raise
-        record.backend["slurm_id"] = job.slurm_id
+        record.backend = replace(record.backend, slurm_id=job.slurm_id)
         record.save(run_dir)
         note(f"submitted job {spec.job_id} as slurm job {job.slurm_id} on {cfg.login.name}")
         follower = Follower(job, run_dir, console, live, echo, record=record)
@@ -329,7 +328,7 @@ def stop(inv: Inventory, job_ids: list[str], run_root: Path, grace: float) -> li
     with Session((cfg.login,)) as session:
         for job_id in job_ids:
             found = recorded(run_root, job_id)
-            slurm_id = found[1].get("slurm_id") if found else job_id
+            slurm_id = found[1].slurm_id if found else job_id
             if not slurm_id or not slurm_id.isdigit():
                 raise UserError(f"job {job_id} has no Slurm job id recorded in {run_root}/{job_id}")
             job = SlurmJob(session, cfg, job_id, slurm_id)
@@ -347,8 +346,10 @@ def follow_recorded(inv: Inventory, job_id: str, run_root: Path, console: Consol
     if found is None:
         raise UserError(f"job {job_id} has no Slurm job recorded in {run_root}/{job_id}")
     _, backend = found
+    if backend.slurm_id is None:
+        raise UserError(f"job {job_id} has no Slurm job id recorded in {run_root}/{job_id}")
     with Session((cfg.login,)) as session:
-        job = SlurmJob(session, cfg, job_id, backend["slurm_id"])
+        job = SlurmJob(session, cfg, job_id, backend.slurm_id)
         return Follower(job, run_root / job_id / "attach", console, live, detach=True).run()
 
 

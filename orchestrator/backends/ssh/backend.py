@@ -75,10 +75,9 @@ class SshBackend:
             p = detached.newest_run(places, detached.look(session, places)) if places else None
             if p is not None and launch.record is not None:
                 # A detached job whose controllers are gone: its newest record is theirs.
-                record = detached.copy_runs(
-                    session, p, launch.record, launch.runs, {"taken_over": time.time()}
-                )
-                launch = replace(launch, record=record, spec=record.job_spec())
+                taken = replace(detached.controller_of(launch.record), taken_over=time.time())
+                record = detached.copy_runs(session, p, launch.record, launch.runs, taken)
+                launch = replace(launch, record=record, spec=record.spec)
             job = self.job(launch)
             job.session = session
             running = takeover.running_attempt(found, launch.inv, job.record)
@@ -122,13 +121,12 @@ class SshBackend:
             last = job.record.attempts[-1].hosts
             by_name = {h.name: h for h in launch.inv.all_hosts}
             hosts = tuple(replace(by_name[n], rank=r) for r, n in enumerate(last) if n in by_name)
-            silent = tuple(HostFailure(h.name, Failure.LOST) for h in hosts
-                           if found.error(h.name) is not None)
-            since = job.record.resumes[-1]["after_attempt"] if job.record.resumes else 0
+            lost = tuple(HostFailure(h.name, Failure.LOST) for h in hosts if found.error(h.name) is not None)
+            since = job.record.resumes[-1].after_attempt if job.record.resumes else 0
             roster = Roster(hosts, tuple(h for h in launch.inv.spares if h.name not in last),
                             restarts_used=max(0, len(job.record.attempts) - 1 - since))
-            if silent:
-                d = decide(Outcome(failures=silent), launch.policy, roster, job.target_nodes)
+            if lost:
+                d = decide(Outcome(failures=lost), launch.policy, roster, job.target_nodes)
                 if d.roster is None:
                     raise UserError(f"job {job.spec.job_id}: {d.reason}") from None
                 roster = d.roster

@@ -42,6 +42,7 @@ import copy
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,7 @@ from orchestrator.backends.ssh.placement import MIRROR, Place, place, place_of, 
 from orchestrator.commands import sshargs
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import Controller
 from orchestrator.core.recovery import RECORD, STATES, JobRecord
 from orchestrator.hosts import keys
 from orchestrator.hosts.keys import revoke_script
@@ -164,17 +166,16 @@ def fetch(session: Session, places: Sequence[Place], record: JobRecord, runs: Pa
     if end["state"] not in STATES:
         end["state"] = "failed"
     refused = None
-    mark = {"fetched": time.time(), "ended_on": src.host.name}
+    ended = replace(controller_of(record), fetched=time.time(), ended_on=src.host.name)
     try:
-        fetched = copy_runs(session, src, record, runs, mark)
+        fetched = copy_runs(session, src, record, runs, ended)
     except HostRecordRefused as exc:
         refused = exc
-        fetched = copy.deepcopy(record)
-        fetched.controller = {**record.controller, **mark}
+        fetched = replace(copy.deepcopy(record), controller=ended)
     if fetched.state == "running":  # the controller ended before its job did (refused, or it failed)
         fetched.state = end["state"] if end["state"] != "running" else "failed"
     left = remove(session, *places)
-    fetched.controller["keys"] = sorted(left)
+    fetched.controller = replace(ended, keys=tuple(sorted(left)))
     fetched.save(runs / record.job_id)
     if refused is not None:
         raise HostRecordRefused(f"{refused}{keys_line(record.job_id, left, '; ')}") from None
@@ -197,13 +198,22 @@ def copy_files(session: Session, p: Place, job: str, runs: Path) -> Path:
     return run_dir
 
 
-def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, mark: dict) -> JobRecord:
+def controller_of(record: JobRecord) -> Controller:
+    """A detached job's controllers, as its record names them."""
+    if record.controller is None:
+        raise UserError(f"job {record.job_id} was not detached: its record (runs/{record.job_id}/job.json) "
+                        "names no controller", exit_code=2)
+    return record.controller
+
+
+def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, controller: Controller
+              ) -> JobRecord:
     """copy_files, and the controller's record read as data (host_record) and merged into this
-    machine's, which keeps where its controller was, and `mark`. HostRecordRefused, with this
-    machine's record as it was, when the controller's copy cannot be taken."""
+    machine's, which keeps where its controller was, now as `controller` says (fetched, taken over).
+    HostRecordRefused, with this machine's record as it was, when the controller's copy cannot be
+    taken."""
     run_dir = copy_files(session, p, record.job_id, runs)
-    merged = host_record(session, p, record)
-    merged.controller = {**record.controller, **mark}
+    merged = replace(host_record(session, p, record), controller=controller)
     merged.save(run_dir)
     return merged
 
@@ -355,7 +365,7 @@ def keys_held(runs: Path) -> list[JobRecord]:
     """This machine's records of detached jobs whose controller is done with (fetched, or taken
     over and ended since) and whose key this machine has not yet seen gone from every host."""
     return [r for r in _records(runs) if r.controller and not unfetched(r) and r.state != "running"
-            and r.controller.get("keys")]
+            and r.controller.keys]
 
 
 def take_back(session: Session, inv: Inventory, record: JobRecord, found: PerHost, clear: bool = False
@@ -363,7 +373,7 @@ def take_back(session: Session, inv: Inventory, record: JobRecord, found: PerHos
     """The job's controller key removed from the hosts its record says may hold it (and with `clear`,
     its controllers' containers and directories): those where it still may, with why (one the survey
     found unreachable is not tried)."""
-    names = [n for n in record.controller.get("keys") or () if isinstance(n, str)]
+    names = list(record.controller.keys) if record.controller else []
     by_name = {h.name: h for h in inv.all_hosts}
     left = {hostile.line(n, 80): f"{inv.path} names no such host" for n in names if n not in by_name}
     left.update({n: f"{n} does not answer" for n in names if n in by_name and found.error(n) is not None})
@@ -379,5 +389,6 @@ def save_keys(runs: Path, job: str, left: dict[str, str]) -> None:
         record = JobRecord.load(runs, job, "runs/")
     except UserError:
         return
-    record.controller["keys"] = sorted(left)
-    record.save(runs / job)
+    if record.controller is not None:
+        record.controller = replace(record.controller, keys=tuple(sorted(left)))
+        record.save(runs / job)

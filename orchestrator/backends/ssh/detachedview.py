@@ -92,7 +92,7 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
         lines.append(where + "".join(f"; {n} does not answer" for n in silent))
     # A record whose controller's host this inventory does not name belongs to another inventory.
     for record in (r for r in keys_held(runs) if r.job_id not in said and places_of(inv, r)):
-        job, before = record.job_id, set(record.controller["keys"])
+        job, before = record.job_id, set(record.controller.keys if record.controller else ())
         left = take_back(session, inv, record, found, clear=True)
         save_keys(runs, job, left)
         gone = sorted(before - set(left))
@@ -107,7 +107,8 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
     from orchestrator.hosts import survey
     places = places_of(inv, record)
     if not places:
-        raise UserError(f"job {record.job_id}: its controller ran on {record.controller.get('host')}, which "
+        ran_on = record.controller.host if record.controller else None
+        raise UserError(f"job {record.job_id}: its controller ran on {ran_on}, which "
                         f"{inv.path} does not name; give the inventory it was started with", exit_code=2)
     job = record.job_id
     with Session(inv.all_hosts) as session:

@@ -254,7 +254,7 @@ def take_over(root: Path, launch: Launch, session: Session, lost: str, own: str,
         mirror.rename(runs / job)
     record = JobRecord.load(runs, job, "the job's record") if (runs / job / RECORD).is_file() else None
     if record is not None:
-        launch = replace(launch, record=record, spec=record.job_spec())
+        launch = replace(launch, record=record, spec=record.spec)
     events: list[tuple[str, dict]] = [
         ("controller_lost", {"host": lost, "why": why, "seconds": round(age, 1)}),
         ("controller_started", {"host": own, "from_host": lost}),

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
     from orchestrator.config.inventory import Host, Inventory
+    from orchestrator.core.record import Notify
     from orchestrator.progress.bars import Transfer
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
@@ -96,7 +97,7 @@ class Job:
         checks: bool = True,
         smoke: bool = False,
         watch_options: dict | None = None,
-        notify_to: dict[str, str] | None = None,
+        notify_to: Notify | None = None,
         queue: bool = False,
     ) -> None:
         self.inv, self.policy = inv, policy
@@ -107,11 +108,11 @@ class Job:
             record = JobRecord.new(spec, inv, policy.restarts, policy.min_nodes, policy.hang_timeout)
         self.spec, self.record = spec, record
         if notify_to is not None:
-            record.notify = dict(notify_to)
+            record.notify = notify_to
         # Every event also goes to runs/JOB/events.jsonl and to the job's notification hooks.
         self.notifier = notify.Notifier(
             notify.Notices(spec.job_id, spec.owner, secrets=secret_values(inv)),
-            record.notify.get("command"), record.notify.get("url"), warn=lambda t: self.note(t, "warning"))
+            record.notify.command, record.notify.url, warn=lambda t: self.note(t, "warning"))
         # From Job.open on: every event but the telemetry samples, and those in a file of their own.
         self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE, enabled=False, skip=notify.TELEMETRY)
         self.telemetry = notify.EventLog(self.run_dir / notify.TELEMETRY_FILE, enabled=False,
@@ -397,7 +398,7 @@ class Job:
                     "warning",
                 )
             self.spec = replace(self.spec, code_key=key)
-            self.record.spec["code_key"] = key
+            self.record.spec = replace(self.record.spec, code_key=key)
 
     def run_attempt(self, a: AttemptPlan, may_replan: bool = True) -> Attempted | Again:
         """CLAIM, GATE, SNAPSHOT, START, WATCH, TEARDOWN: the attempt as they left it, or Again when

@@ -10,12 +10,14 @@ standby the next; a controller on a host that runs a rank is said as a risk, in 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from orchestrator.commands import hostfiles
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import Controller, ControllerPlace
 
 if TYPE_CHECKING:
     from orchestrator.config.inventory import Host, Inventory
@@ -33,8 +35,8 @@ class Place:
     dir: str            # on the host: <job.output_dir>/.controllers/JOB
     container: str      # fabtrain-ctl-JOB
 
-    def record(self) -> dict:
-        return {"host": self.host.name, "dir": self.dir, "container": self.container}
+    def record(self) -> ControllerPlace:
+        return ControllerPlace(self.host.name, self.dir, self.container)
 
     def mirror(self) -> Place:
         """The same host, read where the active controller pushes its copies (a standby's mirror)."""
@@ -50,8 +52,9 @@ class Placement:
     why: str
     risk: str = ""      # set when the active controller's host runs a rank of the job
 
-    def record(self) -> dict:
-        return {**self.active.record(), "standby": self.standby.record() if self.standby else None}
+    def record(self, keys: Iterable[str] = ()) -> Controller:
+        """As the job's record keeps it, with the hosts that may hold the job's controller key."""
+        return Controller.at(self.active.record(), self.standby.record() if self.standby else None, keys)
 
     def said(self) -> str:
         """One line for the plan and the detach message."""
@@ -107,21 +110,20 @@ def place(inv: Inventory, job_id: str) -> Place:
 def unfetched(record: JobRecord) -> bool:
     """A detached job whose run is still with its controller (not fetched here, not taken over)."""
     c = record.controller
-    return bool(c) and not c.get("fetched") and not c.get("taken_over")
+    return c is not None and not c.fetched and not c.taken_over
 
 
 def places_of(inv: Inventory, record: JobRecord) -> list[Place]:
     """The controllers' places a job's record names, active first ([]: not detached, or hosts this
     inventory lacks, or not a job id)."""
     c, by_name = record.controller, {h.name: h for h in inv.all_hosts}
-    if not c or not jobspec.valid_job_id(record.job_id):
+    if c is None or not jobspec.valid_job_id(record.job_id):
         return []
-    standby = c.get("standby")
-    named = [c.get("host"), standby.get("host") if isinstance(standby, dict) else None]
-    return [at(inv, record.job_id, by_name[n]) for n in named if isinstance(n, str) and n in by_name]
+    named = [c.host, c.standby.host if c.standby else None]
+    return [at(inv, record.job_id, by_name[n]) for n in named if n is not None and n in by_name]
 
 
 def place_of(inv: Inventory, record: JobRecord) -> Place | None:
     """The first controller a job's record names (None: not detached, or a host this inventory lacks)."""
-    found = places_of(inv, record)
-    return found[0] if found and found[0].host.name == record.controller.get("host") else None
+    found, c = places_of(inv, record), record.controller
+    return found[0] if found and c is not None and found[0].host.name == c.host else None

@@ -156,7 +156,7 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
                 raise UserError(f"{exc}{more}", exit_code=exc.exit_code) from None
             raise
     # Every host may hold the key until this machine sees it gone (detached.fetch, status_lines).
-    job_record.controller = {**pl.record(), "keys": sorted(h.name for h in inv.all_hosts)}
+    job_record.controller = pl.record(keys=(h.name for h in inv.all_hosts))
     run_dir = launch.runs / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
     job_record.save(run_dir)

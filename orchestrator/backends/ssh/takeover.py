@@ -63,7 +63,7 @@ def running_attempt(found: PerHost, inv: Inventory, record: JobRecord, lease: bo
             if c.job == job:
                 units[n] = c.units
                 port = c.port if n == last.hosts[0] and c.port else port
-    since = record.resumes[-1]["after_attempt"] if record.resumes else 0
+    since = record.resumes[-1].after_attempt if record.resumes else 0
     return Running(last.number, hosts, port, units, max(0, len(record.attempts) - 1 - since))
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Status, Stopped
 from orchestrator.commands.node import node_spec
 from orchestrator.core.errors import UserError
+from orchestrator.core.record import BackendPlace
 from orchestrator.core.recovery import Attempt, JobRecord
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class LocalBackend:
         record = launch.record or JobRecord.new(
             spec, launch.inv, launch.policy.restarts, launch.policy.min_nodes, launch.policy.hang_timeout
         )
-        record.backend = {"on": self.name}
+        record.backend = BackendPlace(self.name)
         record.attempts.append(
             Attempt(len(record.attempts) + 1, [h.name for h in launch.inv.hosts], time.time())
         )
