@@ -216,6 +216,44 @@ def install_hook(env: dict[str, str]) -> None:
     env["FABTRAIN_STACKS"] = STACKS_DIR
 
 
+# fabtrain_memory.py, beside this file where fabtrain brought it: the API any worker imports to keep
+# its training state in memory (save, load), and the keeper that holds those states in this process.
+MEMORY_MODULE = "fabtrain_memory.py"
+
+
+def start_memory(env: dict[str, str]) -> None:
+    """Put fabtrain_memory on the workers' path (HOOK_DIR, beside the sitecustomize), so a script can
+    import it in any container fabtrain starts; in a warm node, whose supervisor (this process)
+    outlives its workers, also start its keeper and tell the workers where it listens
+    (FABTRAIN_KEEPER). FABTRAIN_MEMORY_EVERY=0 starts none. Without the file (an image run by hand
+    with an older fabtrain), nothing: a script's save() then keeps nothing."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), MEMORY_MODULE)
+    if not os.path.isfile(source) or not env.get("PYTHONPATH", "").startswith(HOOK_DIR):
+        return
+    try:
+        tmp = os.path.join(HOOK_DIR, f".{MEMORY_MODULE}.{os.getpid()}")
+        with open(source, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(src.read())
+        os.replace(tmp, os.path.join(HOOK_DIR, MEMORY_MODULE))
+    except OSError:
+        return
+    if env.get("FABTRAIN_WARM") != "1" or env.get("FABTRAIN_MEMORY_EVERY", "").strip() == "0":
+        return
+    import importlib.util
+    try:
+        spec = importlib.util.spec_from_file_location("fabtrain_memory", source)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fabtrain_memory"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        keeper = module.Keeper().start()
+    except Exception as exc:  # noqa: BLE001 - a node without its keeper still trains (from disk snapshots)
+        print(f"[fabtrain] the in-memory state keeper did not start ({exc!r}); restarts resume from disk "
+              "snapshots only", flush=True)
+        return
+    env["FABTRAIN_KEEPER"] = keeper.path
+
+
 def redirect_output(env: dict[str, str], path: str | None = None) -> None:
     """With FABTRAIN_CONSOLE (set by fabtrain), this process and every worker write their output
     (both streams) to that file, which fabtrain follows from the host, instead of to Docker's
@@ -245,6 +283,7 @@ def main() -> None:
     redirect_output(env)
     env.update(read_secrets())
     install_hook(env)
+    start_memory(env)
     master = env.get("MASTER_ADDR", "127.0.0.1")
     if not (env.get("GLOO_SOCKET_IFNAME") and env.get("NCCL_SOCKET_IFNAME")):
         dev = route_interface(master)
@@ -402,9 +441,29 @@ def worker_env(env: dict[str, str], local_rank: int) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
+def wait_for_master(env: dict[str, str], poll: float = 0.1) -> None:
+    """On every node but rank 0's: wait (FABTRAIN_PG_TIMEOUT at most, default 60 s) until rank 0's
+    store answers at MASTER_ADDR:MASTER_PORT before the workers are given their ranks. A worker that
+    finds no store there retries after torch's back-off, which grows to 15-20 s between tries: a warm
+    node whose master is a spare still starting cold waited that long after the store was up."""
+    import time
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if env.get("NODE_RANK", "0") == "0" or not addr or not port.isdigit():
+        return
+    deadline = time.monotonic() + float(env.get("FABTRAIN_PG_TIMEOUT") or 60)
+    while time.monotonic() < deadline and not TOLD:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(poll)
+
+
 def launch_direct(env: dict[str, str], args: list[str], standbys: list[Worker]) -> list[Worker]:
     """A generation without torchrun (FABTRAIN_LAUNCH=direct, when every node of it is warm): this
-    entrypoint gives each standby worker its rank and supervises them itself (run_node)."""
+    entrypoint gives each standby worker its rank and supervises them itself (run_node), once rank
+    0's store answers (wait_for_master)."""
+    wait_for_master(env)
     nproc = int(env["FABTRAIN_NPROC"])
     procs = [p for p in standbys if p.poll() is None]
     if len(procs) != nproc:

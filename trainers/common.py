@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import sys
+from typing import Any
 
 
 def log(line: str) -> None:
@@ -30,3 +32,13 @@ def finish_distributed(hard_exit: bool) -> None:
 def pg_timeout() -> datetime.timedelta:
     """Collectives give up on a dead peer after this long (set by the entrypoint; default 60 s)."""
     return datetime.timedelta(seconds=float(os.environ.get("FABTRAIN_PG_TIMEOUT", 60)))
+
+
+def memory_state() -> Any:
+    """fabtrain_memory, which fabtrain's entrypoint puts on every worker's path: each rank's training
+    state kept in memory on its host and a peer's (save, load). None where it is absent (a plain
+    torchrun, a test in one process): the trainer then resumes from disk snapshots only."""
+    try:
+        return importlib.import_module("fabtrain_memory")
+    except ImportError:
+        return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
 import snapshot  # noqa: E402
-from common import finish_distributed, log, pg_timeout  # noqa: E402
+from common import finish_distributed, log, memory_state, pg_timeout  # noqa: E402
 from tensorboard_events import Board  # noqa: E402
 
 
@@ -297,6 +298,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for f in dataclasses.fields(TrainConfig):
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None)
     p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument("--exact", action="store_true", default=os.environ.get("FABTRAIN_EXACT") == "1",
+                   help="a resumed run ends bit for bit where an uninterrupted one does: DDP's gradient "
+                        "buckets fixed for the run's life, deterministic algorithms (FABTRAIN_EXACT=1)")
     return p.parse_args(argv)
 
 
@@ -309,6 +313,8 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     if note and d.rank == 0:
         log(f"{tag} {note}")
     torch.manual_seed(tc.seed)
+    if args.exact:
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     text = load_text(args.data)
     chars = sorted(set(text))
@@ -325,14 +331,29 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     writer = snapshot.Writer(snap_dir, keep=snapshot.keep_from_env())
     start_epoch, step = 0, 0
     # The snapshot is loaded before DDP wraps the model, so every rank starts from the same state:
-    # rank 0's newest, sent over when a node's disk lacks it.
+    # rank 0's newest, sent over when a node's disk lacks it. A newer step held in memory (a warm
+    # restart: fabtrain_memory) wins over it.
     snap = snapshot.load_agreed(snap_dir, map_location=device)
-    if snap is not None:
+    memory = memory_state()
+    held = memory.load(disk_step=snap["step"] if snap else None) if memory is not None else None
+    rng = None  # the RNG state of the step resumed from memory, set where the next step would begin
+    if held is not None:
+        model.load_state_dict(held["model"])
+        optimizer.load_state_dict(held["optimizer"])
+        start_epoch, step, rng = held["epoch"], held["step"], held["rng"]
+        log(f"{tag} resumed from memory (epoch {start_epoch}, step {step})")
+    elif snap is not None:
         model.load_state_dict(snap["model"])
         optimizer.load_state_dict(snap["optimizer"])
         start_epoch, step = snap["epoch"], snap["step"]
         log(f"{tag} resumed from {snap['path']} (epoch {start_epoch}, step {step})")
-    ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None) if d.enabled else model
+    # --exact: DDP rebuilds its gradient buckets after the first iteration of every start (in the
+    # order the gradients became ready), so the first step after a resume would all-reduce with
+    # another layout than the uninterrupted run's step there: each element's sum across ranks taken
+    # in another order (ring chunks), other float rounding. With find_unused_parameters the reducer
+    # never rebuilds (torch's Reducer::should_rebuild_buckets): one layout for the run's whole life.
+    ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None,
+              find_unused_parameters=args.exact) if d.enabled else model
     timer = StepTimer(ddp if isinstance(ddp, DDP) else None)  # a DDP exactly when d.enabled
 
     # A sampler yields the dataset's indices.
@@ -376,6 +397,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         loss_sum = float("nan")  # an epoch resumed after its last step trains none; its eval still runs
         timer.reset()
         for i in range(max(0, skip), steps_per_epoch):
+            if rng is not None:  # resumed from memory: the RNG as the uninterrupted run's next step found it
+                restore_rng(rng, device)
+                rng = None
             timer.start()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(step, total_steps, tc)
@@ -395,6 +419,8 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
             optimizer.zero_grad(set_to_none=True)
             timer.stop(device)
             step += 1
+            if memory is not None:  # kept in memory (every K steps): a restart loses at most K steps
+                memory.save(step, functools.partial(training_state, model, optimizer, epoch, step, device))
             tokens += tokens_per_step
             if step % tc.log_every == 0 or step == total_steps:
                 rate = tokens / (time.perf_counter() - t0)
@@ -414,6 +440,9 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
             if tc.snapshot_every and step % tc.snapshot_every == 0 and d.rank == 0 and not last:
                 board.flush()  # a restart resumes from a snapshot: the curves up to it are on disk first
                 writer.save(model, optimizer, epoch, step)
+        if rng is not None:  # resumed at an epoch's last step: its eval comes next
+            restore_rng(rng, device)
+            rng = None
         val = evaluate(ddp, val_dl, device, d)
         if d.rank == 0:
             log(f"{tag} epoch {epoch} done | eval loss {val:.4f} | train loss {loss_sum:.4f}")
@@ -434,6 +463,23 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     if d.enabled:
         finish_distributed(hard_exit)
     return result
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int,
+                   device: torch.device) -> dict:
+    """All a rank needs to go on exactly from `step`: the data position is (epoch, step)."""
+    rng = {"cpu": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step,
+            "rng": rng}
+
+
+def restore_rng(rng: dict, device: torch.device) -> None:
+    """Set a resumed step's RNG state (training_state), where the uninterrupted run's next step (or
+    eval) began."""
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)
 
 
 class StepTimer:

@@ -3,7 +3,10 @@ GPU access, stop, list, dump stacks). Pure functions from (inventory, host, JobS
 stay argv until the edge, where sshargs.shell quotes them exactly once."""
 from __future__ import annotations
 
+import io
+import tarfile
 from dataclasses import dataclass
+from functools import cache
 
 from orchestrator.commands.sshargs import shell
 from orchestrator.config import resources
@@ -22,6 +25,24 @@ from orchestrator.core.jobspec import (
 from orchestrator.core.nodespec import NodeSpec
 
 ENTRYPOINT_SOURCE = resources.entrypoint()
+# What a node's start writes into the job's runtime directory (mounted read-only at RUNTIME_MOUNT):
+# the entrypoint and, beside it, the in-memory state module its workers import and its keeper runs.
+RUNTIME_SOURCES = {"entrypoint.py": ENTRYPOINT_SOURCE, "fabtrain_memory.py": resources.memory_module()}
+RUNTIME_NOTE = f"{resources.ENTRYPOINT_NAME} and {resources.MEMORY_NAME} (a tar archive)"
+
+
+@cache
+def runtime_files() -> bytes:
+    """RUNTIME_SOURCES as one tar archive, the start step's stdin (never a command line): plain
+    members, mode 0644, owner 0 and time 0, so the same sources give the same bytes."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, path in RUNTIME_SOURCES.items():
+            data = path.read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 @dataclass(frozen=True)

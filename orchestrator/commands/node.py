@@ -191,8 +191,9 @@ def start_script(
     direct: bool = False,
     hot: bool = False,
 ) -> str:
-    """One node's start, one SSH round trip: make the job's directories, write our entrypoint from
-    the command's stdin (dockerargs.ENTRYPOINT_SOURCE; never a command line), start the container.
+    """One node's start, one SSH round trip: make the job's directories, write our entrypoint and its
+    memory module from the command's stdin (dockerargs.runtime_files, a tar; never a command line),
+    start the container.
     With the step's `timeout`, `docker run` is ended on the host before it passes (bounded).
 
     `warm`: when this rank's container is there, running, between generations (its end file) and
@@ -235,7 +236,8 @@ def start_script(
 def fresh_start(inv: Inventory, spec: JobSpec, run: list[str], old: list[str], timeout: float | None) -> str:
     """A container started anew: the job's directories made (the ones a container writes through
     touched.py), the `old` files (an earlier console and end file, relative to the job's directory)
-    removed, the mount sources checked, our entrypoint written from the command's stdin, then `run`
+    removed, the mount sources checked, our runtime files unpacked from the command's stdin (a tar:
+    -o, owned by the SSH user; the runtime directory is fabtrain's, read-only in containers), then `run`
     (bounded by `timeout`: ended on the host before fabtrain stops waiting)."""
     rt, out = runtime_dir(inv, spec), job_dir(inv, spec)
     root = shell([out])
@@ -244,7 +246,7 @@ def fresh_start(inv: Inventory, spec: JobSpec, run: list[str], old: list[str], t
     return (f"{shell(['mkdir', '-p', out, rt])} && {touched.make_dir(root, jobspec.WORK)} && "
             f"{touched.make_dir(root, CONSOLE_DIR)} && {_remove(root, *old)} && "
             f"{touched.mount_sources_check([out, work_dir(inv, spec)])} && "
-            f"(umask 022 && cat > {shell([f'{rt}/entrypoint.py'])}) && "
+            f"(umask 022 && tar -x -o -f - -C {shell([rt])}) && "
             + (f"{shell(run)} >/dev/null" if timeout is None else
                f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
 

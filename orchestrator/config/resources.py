@@ -12,6 +12,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 PACKAGE = "fabtrain_docker"
 # How plans and exports name the entrypoint, wherever it was read from.
 ENTRYPOINT_NAME = "docker/entrypoint.py"
+MEMORY_NAME = "docker/fabtrain_memory.py"
 
 
 def docker_file(name: str) -> Path:
@@ -31,3 +32,9 @@ def docker_file(name: str) -> Path:
 def entrypoint() -> Path:
     """docker/entrypoint.py, the one entrypoint every container runs (dockerargs.ENTRYPOINT_SOURCE)."""
     return docker_file("entrypoint.py")
+
+
+def memory_module() -> Path:
+    """docker/fabtrain_memory.py, which must lie beside the entrypoint in the runtime directory: the
+    keeper the entrypoint runs in a warm node, and the API (save, load) the workers import."""
+    return docker_file("fabtrain_memory.py")

@@ -312,6 +312,7 @@ DERIVED_DOCKERFILE = (
     "-r /tmp/fabtrain-build/requirements.txt \\\n"
     " && rm -rf /tmp/fabtrain-build\n"
     "COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint\n"
+    "COPY fabtrain_memory.py /usr/local/bin/fabtrain_memory.py\n"
     'LABEL fabtrain.base="{base}"\n'
     'ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]\n'
 )
@@ -345,7 +346,8 @@ def build(
         (ctxp / "context" / "requirements.txt").write_bytes(requirements.read_bytes())
         if wheels is not None:
             shutil.copytree(wheels, ctxp / "context" / "wheels")
-        (ctxp / "entrypoint.py").write_bytes(dockerargs.ENTRYPOINT_SOURCE.read_bytes())
+        for name, source in dockerargs.RUNTIME_SOURCES.items():
+            (ctxp / name).write_bytes(source.read_bytes())
         code, err = run_build(["docker", "build", "--tag", tag, ctx], f"build {tag}", progress)
     if code != 0:
         raise UserError(f"building {tag} from {base} failed:\n{err.strip()[-1500:]}")

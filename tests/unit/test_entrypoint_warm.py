@@ -45,7 +45,8 @@ def start(tmp_path: Path, console: str, **extra: str):
     runtime, out = tmp_path / "runtime", tmp_path / "out"
     runtime.mkdir()
     out.mkdir()
-    shutil.copy(ROOT / "docker" / "entrypoint.py", runtime / "entrypoint.py")
+    for name in ("entrypoint.py", "fabtrain_memory.py"):  # what fabtrain brings to the runtime directory
+        shutil.copy(ROOT / "docker" / name, runtime / name)
     (tmp_path / "script.py").write_text(SCRIPT)
     env = {**os.environ, "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "FABTRAIN_WARM": "1", "FABTRAIN_ATTEMPT": "1",
@@ -192,3 +193,66 @@ def test_a_warm_node_launched_directly_starts_its_next_workers_during_the_genera
     finally:
         proc.kill()
         proc.wait()
+
+
+KEEPER_SCRIPT = """\
+import os, stat
+import torch, torch.distributed as dist
+import fabtrain_memory as memory
+dist.init_process_group("gloo")
+path = os.environ.get("FABTRAIN_KEEPER")
+mode = oct(stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)) if path else None
+kept = memory.save(1, {"w": torch.ones(2)})
+print(f"rank {dist.get_rank()} keeper {mode} kept {kept} resumed {memory.load() is not None}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_every_worker_can_import_fabtrain_memory_and_a_warm_node_keeps_states(tmp_path, warm):
+    """A warm node's supervisor runs the keeper (a socket in a directory only its user can enter);
+    a node that is not warm (its container ends with its workers) has none, and save keeps nothing."""
+    proc, _, console = start(tmp_path, "node-0.log", **({} if warm else {"FABTRAIN_WARM": "0"}))
+    (tmp_path / "script.py").write_text(KEEPER_SCRIPT)
+    try:
+        assert proc.wait(timeout=60) == 0, console.read_text()
+        out = console.read_text()
+        for rank in (0, 1):
+            expect = "keeper 0o700 kept True resumed True" if warm else "keeper None kept False resumed False"
+            assert f"rank {rank} {expect}" in out, out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_node_gives_its_workers_their_ranks_once_rank_0s_store_answers():
+    """wait_for_master: rank 0's node waits for nothing; another node returns as soon as a listener
+    is at MASTER_ADDR:MASTER_PORT (not after torch's back-off), and gives up at its deadline."""
+    import importlib.util
+    import threading
+    spec = importlib.util.spec_from_file_location("entrypoint_wait", ROOT / "docker" / "entrypoint.py")
+    assert spec is not None and spec.loader is not None
+    e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e)
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1",
+           "FABTRAIN_PG_TIMEOUT": "20"}
+    t0 = time.monotonic()
+    e.wait_for_master({**env, "NODE_RANK": "0"})
+    assert time.monotonic() - t0 < 0.5
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_later() -> None:
+        time.sleep(1.0)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+    threading.Thread(target=listen_later, daemon=True).start()
+    t0 = time.monotonic()
+    e.wait_for_master(env)
+    took = time.monotonic() - t0
+    server.close()
+    assert 0.9 < took < 5, took
+    t0 = time.monotonic()
+    e.wait_for_master({**env, "FABTRAIN_PG_TIMEOUT": "1"})  # nobody listens: it gives up at the deadline
+    assert 0.9 < time.monotonic() - t0 < 4

@@ -37,8 +37,9 @@ def test_the_start_step_runs_docker_run_under_timeout_quoted_once(tmp_path, monk
     run = node.docker_run_argv(a.inv, h, a.spec, None, a.units.get(h.name))
     bounded = sshargs.shell(["timeout", "-k", "5", "110", *run])
     assert (
-        f"/entrypoint.py) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo 'not done within "
-        "110s: ended on the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }"
+        f"/.runtime/{a.spec.job_id}) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo "
+        "'not done within 110s: ended on the host (timeout); check its Docker engine and disks' >&2;; "
+        "esac; exit $rc; }"
         in step.command
     )
     # One quoting: the part after `timeout -k 5 110` splits back into docker run's exact argv.
@@ -64,13 +65,17 @@ def test_a_late_docker_run_is_ended_on_the_host_and_never_starts(tmp_path):
     deadline = 4  # the host ends it after 2 s (SIGKILL 1 s later at most), fab would give up at 4
     script = node.start_script(inv, inv.hosts[0], spec, timeout=deadline)
     start = time.monotonic()
-    r = subprocess.run(["sh", "-c", script], input=b"print('entrypoint')\n", capture_output=True, timeout=30,
+    r = subprocess.run(["sh", "-c", script], input=dockerargs.runtime_files(), capture_output=True,
+                       timeout=30,
                        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
     took = time.monotonic() - start
     assert r.returncode == 124 and took < deadline, (r.returncode, took, r.stderr)
     assert r.stderr.decode() == ("not done within 2s: ended on the host (timeout); check its Docker engine "
                                  "and disks\n")
-    assert (out / ".runtime/late-1/entrypoint.py").read_text() == "print('entrypoint')\n"
+    # The runtime files arrived whole from stdin (a tar), before docker run was tried.
+    for name, source in dockerargs.RUNTIME_SOURCES.items():
+        assert (out / ".runtime/late-1" / name).read_bytes() == source.read_bytes()
+        assert (out / ".runtime/late-1" / name).stat().st_mode & 0o777 == 0o644
     pid = int(pidfile.read_text())
     time.sleep(0.3)
     assert not Path(f"/proc/{pid}").exists() or b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -207,7 +207,7 @@ def test_start_script_writes_the_entrypoint_from_stdin():
         f"{touched.remove('/opt/out/gpt-1', '.console', ['node-2.log'])} && "
         f"{touched.mount_sources_check(['/opt/out/gpt-1', '/opt/out/gpt-1/work'])} && "
         # readable by a non-root image user whatever the SSH user's umask
-        "(umask 022 && cat > /opt/out/.runtime/gpt-1/entrypoint.py) && docker run --detach "
+        "(umask 022 && tar -x -o -f - -C /opt/out/.runtime/gpt-1) && docker run --detach "
     )
     assert script.endswith(" >/dev/null")
     assert hostfiles.secrets_file(INV, SPEC) == "/opt/out/.runtime/gpt-1/secrets.env"

@@ -16,7 +16,6 @@ from pathlib import Path
 from orchestrator.backends.ssh.snapshotchecks import CHECKSUM_TIMEOUT
 from orchestrator.commands import dockerargs, hostfiles, node, sshargs, telemetry
 from orchestrator.commands.snapshotcmds import layout, local_dir_name
-from orchestrator.config import resources
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
@@ -366,8 +365,8 @@ def start_steps(inv: Inventory, spec: jobspec.JobSpec, access: dict[str, dockera
             steps.append(remote_step(h, "spare", node.spare_script(inv, h, spec, access.get(h.name),
                                                                    units.get(h.name), START_TIMEOUT),
                                      START_TIMEOUT, what="keeping the hot spare waiting",
-                                     stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),
-                                     stdin_note=resources.ENTRYPOINT_NAME))
+                                     stdin=dockerargs.runtime_files(),
+                                     stdin_note=dockerargs.RUNTIME_NOTE))
             continue
         steps.append(
             remote_step(
@@ -379,8 +378,8 @@ def start_steps(inv: Inventory, spec: jobspec.JobSpec, access: dict[str, dockera
                 ),
                 START_TIMEOUT,
                 what="docker run" + (" (or the next generation of its warm container)" if warm else ""),
-                stdin=dockerargs.ENTRYPOINT_SOURCE.read_bytes(),
-                stdin_note=resources.ENTRYPOINT_NAME,
+                stdin=dockerargs.runtime_files(),
+                stdin_note=dockerargs.RUNTIME_NOTE,
             )
         )
     return steps
