@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from orchestrator.backends.slurm.commands import End
-    from orchestrator.backends.slurm.slurm import SlurmJob
+    from orchestrator.backends.slurm.submitted import SlurmJob
 
 POLL = 1.0             # seconds between two reads of the job's state
 UNSEEN_AFTER = 20      # seconds a running job may go without its output file before fab says why

@@ -11,7 +11,8 @@ the cluster keeps no accounting database), rank 0's metrics fetched, curves draw
 `fab status` lists the user's fabtrain jobs from squeue.
 
 Everything that talks to Slurm is a command string built in commands.py (quoted once) and run on
-the login node through the project's Session, so each has a deadline and a recording stand-in sees it.
+the login node through the project's Session, so each has a deadline and a recording stand-in sees it;
+a submitted job's queries are submitted.SlurmJob's.
 """
 from __future__ import annotations
 
@@ -25,11 +26,7 @@ from orchestrator.backends.slurm.commands import (
     ENDED,
     End,
     follow_command,
-    hostnames_command,
-    node_name,
     out_file,
-    parse_sacct,
-    parse_show,
     parse_squeue,
     sacct_command,
     secrets_dir_command,
@@ -40,6 +37,7 @@ from orchestrator.backends.slurm.commands import (
 )
 from orchestrator.backends.slurm.follow import Follower
 from orchestrator.backends.slurm.script import slurm_script
+from orchestrator.backends.slurm.submitted import QUERY_TIMEOUT, SlurmJob
 from orchestrator.backends.ssh.attempt import secrets_body
 from orchestrator.commands import hostfiles, sshargs, touched
 from orchestrator.config import codetree
@@ -48,58 +46,13 @@ from orchestrator.core import hostile, jobspec, recovery
 from orchestrator.core.errors import UserError
 from orchestrator.core.record import BackendPlace
 from orchestrator.hosts import hostops
-from orchestrator.transport.remote import Result, Session, failure
+from orchestrator.transport.remote import Session, failure
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from rich.console import Console
     from rich.table import Table
-
-QUERY_TIMEOUT = 30     # a Slurm command that has not answered by then names the login node
-
-
-# ---------------------------------------------------------------- one job on Slurm
-
-class SlurmJob:
-    """A submitted job: its state, nodes and end, read on the login node."""
-
-    def __init__(self, session: Session, cfg: Slurm, job_id: str, slurm_id: str) -> None:
-        self.session, self.cfg, self.job_id, self.slurm_id = session, cfg, job_id, slurm_id
-
-    def query(self, command: str, what: str) -> Result:
-        return self.session.run(self.cfg.login, command, timeout=QUERY_TIMEOUT, what=what)
-
-    def show(self) -> dict[str, str] | None:
-        """The job as scontrol shows it; None once slurmctld has forgotten it (MinJobAge)."""
-        r = self.query(show_command(self.slurm_id), "scontrol show job")
-        if r.ok:
-            return parse_show(r.stdout)
-        if "Invalid job id" in r.stderr:
-            return None
-        raise UserError(f"scontrol show job {self.slurm_id} on {self.cfg.login.name} failed: "
-                        f"{hostile.text(r.stderr.strip()[-300:])}")
-
-    def nodes(self, nodelist: str) -> list[str]:
-        """The allocation's node names, in node-rank order. Each names a log file here
-        (runs/JOB/NODE.log): one that is not a plain name becomes nodeK."""
-        r = self.query(hostnames_command(nodelist), "scontrol show hostnames")
-        return [node_name(n, i) for i, n in enumerate(r.stdout.split())] if r.ok else []
-
-    def end(self, shown: dict[str, str]) -> End:
-        r = self.query(sacct_command(self.slurm_id), "sacct")
-        found = parse_sacct(r.stdout, self.slurm_id)
-        if found and found[0] in ENDED:
-            return End(found[0], found[1], self.slurm_id)
-        return End(shown.get("JobState", "UNKNOWN"), shown.get("ExitCode", "0:0"), self.slurm_id)
-
-    def cancel(self) -> None:
-        r = self.query(sshargs.shell(["scancel", self.slurm_id]), "scancel")
-        if not r.ok:
-            raise UserError(
-                f"scancel {self.slurm_id} on {self.cfg.login.name} failed: {hostile.text(r.stderr.strip())}"
-            )
-
 
 def cfg_of(inv: Inventory) -> Slurm:
     if inv.slurm is None:

@@ -38,15 +38,14 @@ class SshBackend:
     def serves(self, inv: Inventory) -> bool:
         return bool(inv.all_hosts)
 
-    def job(self, launch: Launch) -> Job:
+    def job(self, launch: Launch, session: Session | None = None,
+            known_lost: dict[str, str] | None = None) -> Job:
         reporter: Reporter = JsonLines() if launch.json else Terminal(launch.console)
-        j = Job(launch.inv, launch.spec, launch.policy, launch.runs, reporter, record=launch.record,
-                checks=launch.checks, smoke=launch.smoke,
-                watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json},
-                notify_to=launch.notify, queue=launch.queue)
-        if launch.selected is not None and launch.record is None:
-            j.record.selected = list(launch.selected)
-        return j
+        return Job(launch.inv, launch.spec, launch.policy, launch.runs, reporter, session=session,
+                   record=launch.record, checks=launch.checks, smoke=launch.smoke,
+                   watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json},
+                   notify_to=launch.notify, queue=launch.queue, selected=launch.selected,
+                   known_lost=known_lost)
 
     def dry_run(self, launch: Launch) -> str:
         return jobs.dry_run(self.job(launch))
@@ -78,12 +77,12 @@ class SshBackend:
                 taken = replace(detached.controller_of(launch.record), taken_over=time.time())
                 record = detached.copy_runs(session, p, launch.record, launch.runs, taken)
                 launch = replace(launch, record=record, spec=record.spec)
-            job = self.job(launch)
-            job.session = session
+            job = self.job(launch, session)
             running = takeover.running_attempt(found, launch.inv, job.record)
             if places:
                 detached.remove(session, *places)
-            result = run_job(job, running=takeover.plan(job, running))
+            state, plan = takeover.plan(job, job.state, running)
+            result = run_job(job, running=plan, state=state)
         return self.finished(launch, result)
 
     def fail_over(self, launch: Launch, session: Session, events: list[tuple[str, dict]], seen: float,
@@ -95,27 +94,24 @@ class SshBackend:
         surveyed again, and its node of the running attempt is lost from the start of the watch."""
         from orchestrator.backends.ssh import takeover
         from orchestrator.core.policy import Failure, HostFailure, Outcome, decide
-        job = self.job(launch)
-        job.session = session
-        job.run_dir.mkdir(parents=True, exist_ok=True)
-        job.events.enabled = True
+        known_lost = ({silent: f"{silent} did not answer its standby controller; host lost"}
+                      if silent is not None else {})
+        job = self.job(launch, session, known_lost)
+        job.log_events()
         for event, fields in events:
             job.emit(event, **fields, **({"seconds": round(time.monotonic() - seen, 2)}
                                          if event == "controller_started" else {}))
         found = survey.survey(session, launch.inv,
                               tuple(h for h in launch.inv.all_hosts if h.name != silent))
         if silent is not None:
-            why = f"{silent} did not answer its standby controller; host lost"
-            found[silent] = UserError(why)
-            job.watch_options["known_lost"] = {silent: why}
+            found[silent] = UserError(known_lost[silent])
         try:
             running = takeover.running_attempt(found, launch.inv, job.record, lease=False)
         except UserError as exc:
             if not job.record.attempts or job.record.state != "running":
                 raise
             if job.stopped(launch.inv.all_hosts):  # fab stop ended it while its controller was lost
-                job.record.state = "stopped"
-                job.record.save(job.run_dir)
+                job.record_ended("stopped")
                 return Finished(launch.spec.job_id, job.run_dir, None, "ended by 'fab stop'")
             job.note(f"nothing to follow ({exc}); going on from the newest snapshot", "warning")
             last = job.record.attempts[-1].hosts
@@ -130,9 +126,9 @@ class SshBackend:
                 if d.roster is None:
                     raise UserError(f"job {job.spec.job_id}: {d.reason}") from None
                 roster = d.roster
-            job.roster = roster
-            return self.finished(launch, run_job(job))
-        return self.finished(launch, run_job(job, running=takeover.plan(job, running)))
+            return self.finished(launch, run_job(job, state=replace(job.state, roster=roster)))
+        state, plan = takeover.plan(job, job.state, running)
+        return self.finished(launch, run_job(job, running=plan, state=state))
 
     def finished(self, launch: Launch, result: JobResult) -> Finished:
         again = f" after {result.attempts} attempts" if result.attempts > 1 else ""

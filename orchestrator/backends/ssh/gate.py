@@ -21,11 +21,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from orchestrator.backends.ssh.attempt import Step
-    from orchestrator.backends.ssh.job import Job
+    from orchestrator.backends.ssh.jobcontext import JobContext
+    from orchestrator.backends.ssh.jobstate import JobState
     from orchestrator.progress.bars import Transfer
 
 
-def code_transfers(job: Job, a: AttemptPlan) -> Callable[[Step], Transfer | None]:
+def code_transfers(job: JobContext, a: AttemptPlan) -> Callable[[Step], Transfer | None]:
     """Each host's code sync as `transfer` events (--json); on the first attempt, a note of what the
     sync copies and what a user's tree's ignore rules leave out (hostops.tree_lines)."""
     code, only = Path(a.spec.code), a.spec.code_only
@@ -38,18 +39,19 @@ def code_transfers(job: Job, a: AttemptPlan) -> Callable[[Step], Transfer | None
     return lambda s: transfers.start(s.host or s.where, "code sync", total) if s.key == "sync" else None
 
 
-def sync_and_check(job: Job, a: AttemptPlan) -> dict[str, str]:
+def sync_and_check(job: JobContext, state: JobState, a: AttemptPlan) -> dict[str, str]:
     """Sync and preflight at once: the hosts that failed, with why. On the first attempt a
     failure ends the job with the preflight's table (nothing was started)."""
+    reach = state.reach(a)
     syncs = a.select("sync")
     if not syncs and a.warm and a.number > 1:  # every node warm (all_warm): nothing to sync or check
         return {}
     transfer = code_transfers(job, a) if syncs else None
     if not (job.checks or a.number > 1 or job.resuming):
-        synced = job.run_steps(a, syncs, transfer)
+        synced = job.run_steps(reach, syncs, transfer)
         return {n: str(e) for n, e in synced.errors().items()}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        syncing = pool.submit(job.run_steps, a, syncs, transfer)
+        syncing = pool.submit(job.run_steps, reach, syncs, transfer)
         checked = replace(a.inv, hosts=(*a.hosts, *a.hot))  # a hot spare is checked as it starts
         checks = preflight.run(job.ssh, checked, image=a.spec.image, code=False)
         synced = syncing.result()

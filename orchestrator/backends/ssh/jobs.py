@@ -31,10 +31,7 @@ if TYPE_CHECKING:
 def dry_run(job: Job) -> str:
     """The next attempt's plan, as `run` would execute it: the facts read from the hosts
     (read-only; a host that does not answer is shown so), nothing started or copied."""
-    if job.session is not None:
-        return job.plan(dry=True).render()
-    with Session(job.inv.all_hosts) as session:
-        job.session = session
+    with job.connected():
         return job.plan(dry=True).render()
 
 

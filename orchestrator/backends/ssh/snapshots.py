@@ -160,7 +160,7 @@ class Snapshots:
         self.inv, self.spec, self.keep, self.report = inv, spec, keep, report
         self.copy = copy or run_copy
         self.transfers = transfers  # each copy's bytes as `transfer` events (fab train --json)
-        # Held by fetch and by the whole of a placement (job.py's place): the follow thread must not
+        # Held by fetch and by the whole of a placement (starting.place): the follow thread must not
         # prune the snapshot being pushed. Reentrant, as a holder may fetch.
         self.lock = threading.RLock()
         # (host, snapshot) copies that failed every try and were reported: the follow thread does

@@ -3,7 +3,7 @@
 The job's record (runs/JOB/job.json) says its running attempt: number and hosts in rank order;
 the hosts' claims say its GPUs (slots) and master port. From those the attempt's plan is built again
 (attempt.py, the same function every attempt uses) and the job goes on from WATCH, in the same
-Job object and stages: the watchdog, restarts, snapshot copies and the final fetch, with no second
+stages (job.py): the watchdog, restarts, snapshot copies and the final fetch, with no second
 container started. A job whose lease is fresh is looked after by someone: it is left alone.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
+from orchestrator.backends.ssh.planning import key_code
 from orchestrator.commands import hostfiles
 from orchestrator.core.errors import UserError
 from orchestrator.core.policy import Roster
@@ -19,7 +20,8 @@ from orchestrator.hosts.survey import HostJobs
 
 if TYPE_CHECKING:
     from orchestrator.backends.ssh.attempt import AttemptPlan
-    from orchestrator.backends.ssh.job import Job
+    from orchestrator.backends.ssh.jobcontext import JobContext
+    from orchestrator.backends.ssh.jobstate import JobState
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.core.recovery import JobRecord
     from orchestrator.transport.remote import PerHost
@@ -81,16 +83,16 @@ def refuse_if_looked_after(found: PerHost, job: str) -> None:
         )
 
 
-def plan(job: Job, running: Running) -> AttemptPlan:
-    """The running attempt's plan, built as the job built it, and the job set to go on from it."""
+def plan(job: JobContext, state: JobState, running: Running) -> tuple[JobState, AttemptPlan]:
+    """The running attempt's plan, built as the job built it, and the job's state to go on from it."""
     inv = replace(job.inv, hosts=running.hosts)
     taken = {h.name for h in running.hosts}
-    job.roster = Roster(running.hosts, tuple(h for h in job.inv.all_hosts if h.name not in taken),
-                        restarts_used=running.restarts_used)
-    job.key_code()
+    roster = Roster(running.hosts, tuple(h for h in job.inv.all_hosts if h.name not in taken),
+                    restarts_used=running.restarts_used)
+    state = replace(state, roster=roster, spec=key_code(job, state.spec))
     # The spares as the job kept them (hot: waiting with their containers, which the job's end
     # removes); only this attempt's watch and teardown run, not its start.
-    hot = job.roster.spares if job.hot_spares else ()
-    return attempt_mod.build(inv, job.spec, running.number, running.port, keep=job.inv.job.keep_snapshots,
-                             first=False, run_dir=str(job.run_dir), units=running.units, warm=job.warm,
-                             hot=hot)
+    hot = roster.spares if job.hot_spares else ()
+    return state, attempt_mod.build(inv, state.spec, running.number, running.port,
+                                    keep=job.inv.job.keep_snapshots, first=False, run_dir=str(job.run_dir),
+                                    units=running.units, warm=job.warm, hot=hot)
