@@ -87,17 +87,23 @@ CODE_HELP = (
 TREE_HELP = "your project's folder (default: this project's built-in trainers)"
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "code": TREE_HELP})
+@task(auto_shortflags=False, help={"inventory": INV_HELP, "code": TREE_HELP,
+                                   "json": "print where the code went and how long each host took, as JSON"})
 @user_errors
-def sync(c, inventory=None, code=None):
+def sync(c, inventory=None, code=None, json=False):
     """Copy the code (rsync, in parallel) to job.code_dir/KEY on every host (fab train does this itself)."""
     from orchestrator.progress import bars
     inv = _inventory.load(inventory)
     tree = cli.code_tree(code)
+    say = cli.stderr_console() if json else console
     for line in hostops.tree_lines(*tree):
-        print(line)
-    with Session(inv.hosts) as session, bars.bar(console) as progress:
+        say.print(line, markup=False, highlight=False)
+    with Session(inv.hosts) as session, bars.bar(say) as progress:
         dest, times = hostops.sync(session, inv, *tree, transfers=bars.Transfers(progress))
+    if json:
+        print(_json.dumps({"destination": dest, "seconds": {h: round(t, 3) for h, t in times.items()}},
+                          indent=2))
+        return
     for host, seconds in times.items():
         print(f"{host}: synced to {dest} in {seconds:.2f}s")
 
@@ -264,10 +270,11 @@ def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
         "all": "stop every fabtrain job on the hosts, other people's too (asks first)",
         "yes": "with --all: do not ask",
         "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)",
+        "json": "print what was stopped as JSON",
     },
 )
 @user_errors
-def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
+def stop(c, inventory=None, job=None, all=False, yes=False, grace=None, json=False):
     """Stop your jobs (--job one, --all everyone's): containers removed, GPUs released.
 
     The jobs you started (user@machine) on every host: their containers, found by label,
@@ -279,8 +286,11 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None):
     out = requests.stop(inventory, job, all, yes, grace, RUNS)
     for line in out.problems:
         print(line, file=sys.stderr)
-    for line in out.lines:
-        print(line)
+    if json:
+        print(_json.dumps(out.doc(), indent=2))
+    else:
+        for line in out.lines:
+            print(line)
     if out.failed:
         raise UserError(f"stop failed on {', '.join(out.failed)}; run 'fab stop' again once they answer")
 
@@ -499,14 +509,23 @@ def k8s(c, inventory=None, model=None, epochs=None, trainer=None, script=None, a
 @task(auto_shortflags=False, help={"nodes": "number of test hosts (default 2)",
             "spares": "number of spare hosts, listed under spares: (default 0)",
             "write_inventory": "also write the matching inventory to this path",
-            "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm"})
+            "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm",
+            "json": "print the hosts and the inventory's path as JSON (progress goes to stderr)"})
 @user_errors
-def up(c, nodes=2, spares=0, write_inventory=None, slurm=False):
+def up(c, nodes=2, spares=0, write_inventory=None, slurm=False, json=False):
     """Start (or reuse) the local cluster of Docker-in-Docker test hosts.
 
     N hosts with sshd and their own Docker
     engine on a private network, the trainer image loaded in each, host keys recorded."""
-    _cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if json else print
+    made = _cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm, log=log)
+    if json:
+        count = int(nodes)
+        print(_json.dumps({
+            "inventory": str(write_inventory or _cluster.STATE_DIR / "inventory.yaml"),
+            "hosts": [{"name": n.name, "address": n.address} for n in made[:count]],
+            "spares": [{"name": n.name, "address": n.address} for n in made[count:]],
+        }, indent=2))
 
 
 @task(auto_shortflags=False)

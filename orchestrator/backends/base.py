@@ -127,6 +127,14 @@ class Stopped:
     lines: list[str] = field(default_factory=list)       # what was stopped (stdout)
     problems: list[str] = field(default_factory=list)    # what could not be (stderr)
     failed: list[str] = field(default_factory=list)      # hosts to try again
+    jobs: list[str] = field(default_factory=list)        # the jobs stopped (--json)
+    removed: dict[str, int] = field(default_factory=dict)  # host -> containers removed there (--json)
+    left_alone: list[str] = field(default_factory=list)  # others' jobs not stopped (--json)
+
+    def doc(self) -> dict:
+        """`fab stop --json`: what was stopped, where, what was left alone, and what failed."""
+        return {"stopped": self.jobs, "containers_removed": self.removed, "left_alone": self.left_alone,
+                "failed_hosts": self.failed, "problems": self.problems, "lines": self.lines}
 
 
 @dataclass(frozen=True)

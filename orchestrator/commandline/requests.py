@@ -311,6 +311,9 @@ def stop(inventory: str | None, job: str | None, everyone: bool, yes: bool, grac
         out.lines += part.lines
         out.problems += part.problems
         out.failed += part.failed
+        out.jobs += part.jobs
+        out.removed.update(part.removed)
+        out.left_alone += part.left_alone
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,7 +75,8 @@ def build_images() -> None:
     image (build-controller.sh); each script rebuilds only what its inputs changed."""
     for name in ("build-images.sh", "build-controller.sh"):
         script = PROJECT_ROOT / "docker" / name
-        if subprocess.run(["bash", str(script)]).returncode != 0:
+        # Their progress goes to stderr: stdout is for what a command prints (cluster.up --json).
+        if subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode != 0:
             raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
 
 

@@ -114,8 +114,10 @@ def test_image_push_is_idempotent_and_corrects_drift(inventory_path):
 
 
 def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory_path, inv):
-    r = fab(inventory_path, "sync", "--code", str(ROOT))  # the whole project: its test scripts too
-    code = r.stdout.split("synced to ", 1)[1].split()[0]
+    r = fab(inventory_path, "sync", "--code", str(ROOT), "--json")  # the whole project: its test scripts too
+    doc = json.loads(r.stdout)  # --json: only the JSON on stdout (the file list and bars on stderr)
+    code = doc["destination"]
+    assert set(doc["seconds"]) == {h.name for h in inv.hosts}, doc
     names = []
     try:
         for h in inv.hosts:

@@ -140,7 +140,11 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
         table = fab(inventory_path, "status").stdout
         assert "queued (2)" in table and "behind qb-" in table
         qa = next(j["job"] for j in status_doc(inventory_path)["jobs"] if j["job"].startswith("qa-"))
-        assert fab(inventory_path, "stop", "--job", qa, "--grace", "0").returncode == 0
+        stopped = fab(inventory_path, "stop", "--job", qa, "--grace", "0", "--json")
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
+        doc = json.loads(stopped.stdout)  # --json: what was stopped, where, what was left alone
+        assert doc["stopped"] == [qa] and doc["failed_hosts"] == [] and doc["left_alone"] == []
+        assert sum(doc["containers_removed"].values()) >= 1, doc
         b.wait_for("left the queue after", timeout=60)
         b.wait_for("attempt 1: starting 2 node(s)")
         c_job = by_name["qc"]["job"]

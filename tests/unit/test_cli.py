@@ -493,3 +493,13 @@ def test_every_exit_code_in_use_is_documented():
     signals = {c for c in codes if c >= 128}  # 128 + N, a job ended by signal N
     assert codes - signals <= listed, codes
     assert signals <= {128, 130, 143}, signals
+
+
+def test_stop_json_says_what_was_stopped_where_and_what_failed():
+    from orchestrator.backends.base import Stopped
+    out = Stopped(lines=["node1: removed 2 container(s)", "stopped j-1 (ann@m)"],
+                  problems=["node2: could not"], failed=["node2"], jobs=["j-1"], removed={"node1": 2},
+                  left_alone=["j-2"])
+    assert out.doc() == {"stopped": ["j-1"], "containers_removed": {"node1": 2}, "left_alone": ["j-2"],
+                         "failed_hosts": ["node2"], "problems": ["node2: could not"],
+                         "lines": ["node1: removed 2 container(s)", "stopped j-1 (ann@m)"]}

@@ -195,13 +195,16 @@ class SshBackend:
                 out.failed.append(host.name)
                 out.problems.append(f"{host.name}: could not stop: {why}")
             else:
-                out.lines.append(f"{host.name}: removed {len(r.stdout.split())} container(s)")
+                out.removed[host.name] = len(r.stdout.split())
+                out.lines.append(f"{host.name}: removed {out.removed[host.name]} container(s)")
+        out.jobs = list(targets)
         for j in targets:
             out.lines.append(
                 hostile.text(f"stopped {j}" + (f" ({views[j].who})" if j in views and views[j].who else ""))
             )
         for v in others.values():
             if v.job not in chosen:
+                out.left_alone.append(v.job)
                 out.lines.append(hostile.text(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; "
                                               f"'fab stop --job {v.job}' ends it"))
         out.lines += [hostile.text(line) for line in cleared]
