@@ -19,7 +19,7 @@ from invoke import Collection, Exit
 from rich.console import Console
 
 from orchestrator import preflight as _preflight
-from orchestrator.backends.ssh import jobs as _jobs
+from orchestrator.backends.ssh import jobcontrol as _jobcontrol
 from orchestrator.backends.ssh import steps as _steps
 from orchestrator.commandline import cli, requests, usage
 from orchestrator.commandline.typed import task
@@ -433,9 +433,9 @@ def metrics(c, job=None, json=False):
             raise UserError(f"no runs in {RUNS}/ yet; start one with fab train", exit_code=2)
         job = found[0]["job"]
     if not jobspec.valid_job_id(job):
-        raise _jobs.unknown_job(job)
+        raise _jobcontrol.unknown_job(job)
     if not (RUNS / job).is_dir():  # a detached job started elsewhere: fab logs --job copies it here
-        raise _jobs.unknown_job(job, f" in {RUNS}/")
+        raise _jobcontrol.unknown_job(job, f" in {RUNS}/")
     doc = latest.latest(RUNS / job)
     if json:
         print(_json.dumps(doc, indent=2))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.commands import dockerargs
-from orchestrator.commands.node import node_spec
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
+from orchestrator.hostcmds import dockerargs
+from orchestrator.hostcmds.node import node_spec
 
 # Ends the sbatch script's heredoc of the entrypoint: no line of the entrypoint may be this.
 HEREDOC = "FABTRAIN_ENTRYPOINT"

@@ -24,13 +24,13 @@ from typing import Any
 import fabric
 from invoke import Exit
 
-from orchestrator.backends.ssh import jobs
-from orchestrator.commands import nodeexec
+from orchestrator.backends.ssh import jobcontrol
 from orchestrator.config import inventory as inventory_file
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import RECORD, JobRecord
+from orchestrator.hostcmds import nodeexec
 from orchestrator.hosts import survey
 from orchestrator.transport import forward as forwarding
 from orchestrator.transport.remote import Session, describe
@@ -109,9 +109,9 @@ def find_node(session: Session, inv: Inventory, job: str, rank: int | None = Non
             return Node(job, by_name[name], r)
     seen = f"; not reached: {'; '.join(unreachable)}" if unreachable else ""
     if not ranks:
-        if runs is not None and not jobs.known_to(found, job, runs):
+        if runs is not None and not jobcontrol.known_to(found, job, runs):
             raise UserError(f"job {job} is not running on the hosts of {inv.path}: "
-                            f"{jobs.unknown_job(job, f' there or in {runs}/')}", exit_code=2)
+                            f"{jobcontrol.unknown_job(job, f' there or in {runs}/')}", exit_code=2)
         raise UserError(f"job {job} is not running on the hosts of {inv.path}{seen}; 'fab status' lists "
                         "the jobs", exit_code=2)
     raise UserError(f"job {job} has no running node of rank {want}: it runs on {where}{seen}", exit_code=2)
@@ -125,7 +125,7 @@ def shell(inventory: str | None, job: str, rank: str | int | None, host: str | N
     both terminals (`terminal`), as `docker exec -it` would be used by hand."""
     asked = whole("--rank", rank, 0)
     if not jobspec.valid_job_id(job):
-        raise jobs.unknown_job(job)
+        raise jobcontrol.unknown_job(job)
     inv = job_inventory(inventory, job, runs)
     with Session(inv.all_hosts) as session:
         node = find_node(session, inv, job, asked, host, runs)
@@ -145,7 +145,7 @@ def forward(inventory: str | None, job: str, port: str | int, local: str | int |
     assert remote_port is not None
     local_port = whole("LOCAL", local, 1, 65535) or remote_port
     if not jobspec.valid_job_id(job):
-        raise jobs.unknown_job(job)
+        raise jobcontrol.unknown_job(job)
     inv = job_inventory(inventory, job, runs)
     listener = forwarding.listen(local_port)  # first: a taken port is refused before any SSH
     with listener, Session(inv.all_hosts) as session:

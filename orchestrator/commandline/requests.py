@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.backends import registry
 from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Rendered, Status, Stopped
-from orchestrator.backends.ssh.jobs import unknown_job
+from orchestrator.backends.ssh.jobcontrol import unknown_job
 from orchestrator.commandline import cli
 from orchestrator.config import inventory as inventory_file
 from orchestrator.config.fields import listen_address
@@ -335,7 +335,7 @@ def logs(inventory: str | None, job: str | None, runs: Path, console: Console, p
     """fab logs: follow the job where it runs (its record says; the hosts when there is none). An id
     that cannot be a job's is refused before any host is asked; a well-formed one is looked for on
     the hosts, in runs/ or not (a detached job another machine started has its controller's
-    directory there: jobs.attach refuses one that neither knows)."""
+    directory there: jobcontrol.attach refuses one that neither knows)."""
     if job is not None and not jobspec.valid_job_id(job):
         raise unknown_job(job)
     inv = inventory_file.load(inventory)

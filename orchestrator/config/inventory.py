@@ -88,7 +88,7 @@ def read_ipc(reader: Reader) -> tuple[str | None, str]:
 
 
 @dataclass(frozen=True)
-class Job:
+class JobDefaults:
     image: str = "fabtrain/trainer:latest"
     master_port: int = 29500
     nproc_per_node: str = "auto"
@@ -157,7 +157,7 @@ class Controller:
 class Inventory:
     path: Path
     hosts: tuple[Host, ...]
-    job: Job = field(default_factory=Job)
+    job: JobDefaults = field(default_factory=JobDefaults)
     # Hosts that take a failed host's place (and node rank) when a job restarts (fab train
     # --restarts); their `rank` is only their place in this list, set when one is used.
     spares: tuple[Host, ...] = ()
@@ -212,7 +212,7 @@ def _host(reader: Reader, rank: int, base: Settings, check_files: bool, configs:
     )
 
 
-def _job(reader: Reader) -> Job:
+def _job(reader: Reader) -> JobDefaults:
     reader.check_keys(
         (
             "image",
@@ -245,28 +245,28 @@ def _job(reader: Reader) -> Job:
                     "use a positive number, or auto (GPU count, 1 on CPU)", reader.line_of("nproc_per_node"))
     secret_files = read_secret_files(reader.sub("secret_files"))
     shm_size, ipc = read_ipc(reader)
-    return Job(
-        image=reader.get("image", str, Job.image),
-        master_port=reader.port("master_port", Job.master_port),
+    return JobDefaults(
+        image=reader.get("image", str, JobDefaults.image),
+        master_port=reader.port("master_port", JobDefaults.master_port),
         nproc_per_node=nproc,
-        code_dir=remote_path(reader, "code_dir", Job.code_dir),
-        output_dir=remote_path(reader, "output_dir", Job.output_dir),
+        code_dir=remote_path(reader, "code_dir", JobDefaults.code_dir),
+        output_dir=remote_path(reader, "output_dir", JobDefaults.output_dir),
         shm_size=shm_size,
         ipc=ipc,
         env=reader.env("env"),
         secret_files=secret_files,
-        stop_grace=reader.seconds("stop_grace", Job.stop_grace, 0),
-        keep_snapshots=reader.integer("keep_snapshots", Job.keep_snapshots, 1, MAX_SNAPSHOTS,
+        stop_grace=reader.seconds("stop_grace", JobDefaults.stop_grace, 0),
+        keep_snapshots=reader.integer("keep_snapshots", JobDefaults.keep_snapshots, 1, MAX_SNAPSHOTS,
                                       "a number of snapshots to keep"),
         checkpoint=read_checkpoint(reader),
         notify=reader.get("notify", str, None),
         notify_url=read_notify_url(reader),
-        warm_restarts=reader.get("warm_restarts", bool, Job.warm_restarts),
-        hot_spares=reader.get("hot_spares", bool, Job.hot_spares),
+        warm_restarts=reader.get("warm_restarts", bool, JobDefaults.warm_restarts),
+        hot_spares=reader.get("hot_spares", bool, JobDefaults.hot_spares),
         metrics_port=read_metrics_port(reader),
-        telemetry_every=reader.seconds("telemetry_every", Job.telemetry_every, 0),
-        idle_gpu_after=reader.seconds("idle_gpu_after", Job.idle_gpu_after, 0),
-        stop_idle=reader.get("stop_idle", bool, Job.stop_idle),
+        telemetry_every=reader.seconds("telemetry_every", JobDefaults.telemetry_every, 0),
+        idle_gpu_after=reader.seconds("idle_gpu_after", JobDefaults.idle_gpu_after, 0),
+        stop_idle=reader.get("stop_idle", bool, JobDefaults.stop_idle),
         **read_container_options(reader),
     )
 
@@ -326,7 +326,8 @@ SLURM_RUNTIMES = ("docker", "pyxis")
 SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:=+-]+")
 
 
-def _slurm(reader: Reader, base: Settings, check_files: bool, configs: dict, job: Job, hosts: int) -> Slurm:
+def _slurm(reader: Reader, base: Settings, check_files: bool, configs: dict, job: JobDefaults,
+           hosts: int) -> Slurm:
     reader.check_keys(("login", "ssh", "workdir", "nodes", "partition", "account", "time", "runtime"))
     login = reader.get(
         "login",

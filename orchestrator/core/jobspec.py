@@ -23,7 +23,7 @@ LABEL_HOST = "fabtrain.host"
 LABEL_OWNER = "fabtrain.owner"    # user@machine that started the job (fab stop ends only its own)
 LABEL_ATTEMPT = "fabtrain.attempt"
 LABEL_WARM = (
-    "fabtrain.warm"  # a warm node's key (commands/node.py warm_key): what its next generation may keep
+    "fabtrain.warm"  # a warm node's key (hostcmds/node.py warm_key): what its next generation may keep
 )
 # Inside the container: the job's working directory (writable, in its outputs: WORK), its code
 # (read-only, codetree.py; the entrypoint links its files into the working directory), its outputs,

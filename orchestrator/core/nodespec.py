@@ -1,5 +1,5 @@
 """One node of a job as a container, whatever starts it: built once from the inventory and the job's
-options (commands/node.py), then rendered as `docker run` argv (commands/dockerargs.py), into the
+options (hostcmds/node.py), then rendered as `docker run` argv (hostcmds/dockerargs.py), into the
 sbatch script (backends/slurm/script.py) and as a Kubernetes container (backends/kubernetes/manifests.py).
 A renderer reads fields; none
 parses another's output. Pure data: no I/O, no other layer."""

@@ -1,5 +1,5 @@
 """What lets a job outlive a failure: its record under runs/JOB and the stacks of a hung job (the
-next attempt's hosts are policy.py's decision, its snapshots snapshots.py's).
+next attempt's hosts are policy.py's decision, its snapshots snapshots/store.py's).
 
 A job keeps one id, one output directory and one set of arguments across attempts (fab train
 --restarts) and across invocations (fab train --resume JOB).

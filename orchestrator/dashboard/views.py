@@ -1,7 +1,7 @@
 """What the dashboard's page shows, as JSON documents (pure but for bounded reads of runs/JOB).
 
 - `overview`: the hosts with who holds each GPU (CPU slot) and their use (progress/top.py's snapshot),
-  the jobs as `fab status` lists them (backends/ssh/jobs.status_rows over the same answers), each
+  the jobs as `fab status` lists them (backends/ssh/jobcontrol.status_rows over the same answers), each
   with its step rate and, where this machine has its run, its newest loss and tokens/s
   (progress/latest.py), the queue, and the hosts that did not answer.
 - `job_page`: one job from runs/JOB: its record's attempts and their outcomes, the failures, the
@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from orchestrator.backends.ssh import jobs
+from orchestrator.backends.ssh import jobcontrol
 from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec, recovery
 from orchestrator.core.errors import UserError
@@ -77,7 +77,7 @@ def overview(inv: Inventory, answers: dict[str, top.Answer | str], now: float,
     found, steps = top.surveyed(answers)
     rates = {j["job"]: j["rate"] for j in snap["jobs"]}
     rows = []
-    for r in jobs.status_rows(survey.job_views(found), steps):
+    for r in jobcontrol.status_rows(survey.job_views(found), steps):
         mine = local.get(r["job"], {})
         rows.append({**r, "rate": rates.get(r["job"]), "loss": mine.get("loss"),
                      "tokens_per_s": mine.get("tokens_per_s"), "local": r["job"] in local})

@@ -5,9 +5,9 @@ the scripts read its files (entries_script), which anyone of the group may have 
 """
 from __future__ import annotations
 
-from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile
+from orchestrator.hostcmds import hostfiles, sshargs
 
 DIR = ".claims"
 LOCK_WAIT = 10    # seconds the claim script waits for another claim on the same host

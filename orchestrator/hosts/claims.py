@@ -31,10 +31,10 @@ import socket
 import time
 from dataclasses import dataclass
 
-from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import hostfiles, sshargs
 from orchestrator.hosts.claimdir import (
     FUTURE_SLACK,
     entries_script,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.commands import dockerargs, hostfiles, sshargs
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs, hostfiles, sshargs
 from orchestrator.hosts import claims
 from orchestrator.hosts.keys import LEFT, revoke_script
 from orchestrator.hosts.survey import stale_runtime
@@ -69,7 +69,7 @@ def raise_any(hosts: tuple[Host, ...], results: PerHost, what: str) -> None:
 
 def port_script(inv: Inventory) -> str:
     """One round trip to rank 0's host: the ports listening there, then its claims (claims.survey_script)."""
-    from orchestrator.commands.ports import port_command
+    from orchestrator.hostcmds.ports import port_command
     return f"{port_command()}; {claims.survey_script(inv)}"
 
 
@@ -77,7 +77,7 @@ def parse_ports(text: str, base: int) -> int | None:
     """The first port from `base` that nothing listens on and no claim file there names (as
     `fab train` chooses it: another job's claim holds its master port before its rank 0 listens),
     from port_script's output."""
-    from orchestrator.commands.ports import free_port
+    from orchestrator.hostcmds.ports import free_port
     listening, _, claimed = text.partition("@@claims\n")
     return free_port(listening, base, {h.port for h in claims.parse_survey(claimed)[1] if h.port})
 

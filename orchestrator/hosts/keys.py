@@ -37,9 +37,9 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from orchestrator.commands import sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 
 FILE = "~/.ssh/authorized_keys"
 

@@ -8,9 +8,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec
+from orchestrator.hostcmds import hostfiles, sshargs
 from orchestrator.hosts.claimdir import (
     FUTURE_SLACK,
     entries_script,

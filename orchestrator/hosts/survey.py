@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.commands import dockerargs, hostfiles, sshargs, touched
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs, hostfiles, sshargs, touched
 from orchestrator.hosts import claims, queue
 from orchestrator.hosts.claimdir import renewed_within
 from orchestrator.transport.deadlines import STATUS_TIMEOUT

@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 from orchestrator.images.relay import Relay, Report, control_line
 from orchestrator.transport.remote import Session
 

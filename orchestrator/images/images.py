@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.commands import dockerargs, sshargs
 from orchestrator.config.inventory import Host
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs, sshargs
 from orchestrator.images import imagechain
 from orchestrator.transport.remote import Command, Session, describe
 

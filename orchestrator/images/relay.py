@@ -8,8 +8,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host
+from orchestrator.hostcmds import sshargs
 from orchestrator.transport.remote import Session, describe
 
 

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from orchestrator.commands import dockerargs, sshargs
 from orchestrator.config.inventory import Host, Inventory
+from orchestrator.hostcmds import dockerargs, sshargs
 from orchestrator.preflight import health
 from orchestrator.preflight.checks import FAIL, OK, WARN, Check
 from orchestrator.preflight.health import THRESHOLDS, Thresholds

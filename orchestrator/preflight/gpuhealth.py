@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from orchestrator.commands.telemetry import XID_SOURCE
 from orchestrator.preflight.gpuparse import parse_xid, pci_key, read_dcgmi_tests
+from orchestrator.telemetry.commands import XID_SOURCE
 
 
 @dataclass(frozen=True)

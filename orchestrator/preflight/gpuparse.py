@@ -7,17 +7,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from orchestrator.progress import telemetry
+from orchestrator.telemetry import samples
 
 # ---------------------------------------------------------------------------------------------
 # XID
 # ---------------------------------------------------------------------------------------------
 
 def parse_xid(text: str) -> list[tuple[str, int]]:
-    """(PCI bus id, XID code) of each XID line, in order, repeats kept (progress/telemetry reads
+    """(PCI bus id, XID code) of each XID line, in order, repeats kept (telemetry/samples.py reads
     them, for the deep check and the job's telemetry alike). The bus id as the kernel prints it,
     lower case, without "PCI:": "0000:3b:00" (domain:bus:device)."""
-    return [(bus, code) for bus, code in telemetry.parse_xid(text)]
+    return [(bus, code) for bus, code in samples.parse_xid(text)]
 
 
 def pci_key(bus_id: str) -> tuple[int, int, int] | None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile
 from orchestrator.core.jobspec import LOCAL
+from orchestrator.hostcmds import dockerargs
 from orchestrator.preflight.checks import DEFAULT_LIMITS, FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
 from orchestrator.preflight.probe import (
     DOCKER_TIMEOUT,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.commands.sshargs import shell
 from orchestrator.config.inventory import Host, Inventory
+from orchestrator.hostcmds.sshargs import shell
 from orchestrator.preflight.checks import FAIL, OK, Check, _last
 from orchestrator.transport.remote import Command, Session, describe
 

@@ -10,10 +10,10 @@ import re
 import subprocess
 from pathlib import Path
 
-from orchestrator.commands import dockerargs, hostfiles
-from orchestrator.commands.sshargs import shell
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Host, Inventory
+from orchestrator.hostcmds import dockerargs, hostfiles
+from orchestrator.hostcmds.sshargs import shell
 from orchestrator.transport.remote import Session
 
 # What the probe found on a host: fact name -> (exit status of its command, its output).

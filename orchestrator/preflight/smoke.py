@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator.commands import dockerargs
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
+from orchestrator.hostcmds import dockerargs
 from orchestrator.hosts import claims, hostops, survey
 from orchestrator.hosts.claimdir import LOCK_WAIT, units_text
 from orchestrator.preflight.checks import FAIL, OK, SKIP, WARN, Check, _last

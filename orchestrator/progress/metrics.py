@@ -118,7 +118,7 @@ class Metrics(Reporter):
             yield from self._telemetry(gauge, counter)
 
     def _telemetry(self, gauge: Callable[..., Any], counter: Callable[..., Any]) -> Iterator[Any]:
-        """The hosts' newest telemetry samples (progress/telemetry.parse_sample's shape)."""
+        """The hosts' newest telemetry samples (telemetry/samples.parse_sample's shape)."""
         job = self.job
         per_gpu = (("gpu_utilization_ratio", "util", "GPU utilisation, 0 to 1."),
                    ("gpu_memory_used_bytes", "mem_used", "GPU memory in use."),

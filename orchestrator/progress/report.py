@@ -344,8 +344,8 @@ def summary(run_dir: Path) -> dict:
 
 
 def telemetry_summary(samples: list[dict]) -> dict:
-    """Per host: progress/telemetry.summarise of its samples, and how many there were."""
-    from orchestrator.progress.telemetry import summarise
+    """Per host: telemetry/samples.summarise of its samples, and how many there were."""
+    from orchestrator.telemetry.samples import summarise
     by_host: dict[str, list[dict]] = {}
     for rec in samples:
         by_host.setdefault(rec["host"], []).append(rec["sample"])

@@ -1,7 +1,7 @@
 """fab top: every host of the inventory at a glance, refreshed in place. For each host its units
 (GPUs, or CPU slots on a host without GPUs) and which job and owner holds each (the claims and
 containers `fab status` reads: hosts/survey.py), each GPU's utilisation and memory (one telemetry
-sample: commands/telemetry.py, progress/telemetry.py), each job container's CPU and memory, and each
+sample: telemetry/commands.py, telemetry/samples.py), each job container's CPU and memory, and each
 job's last step and its rate between two refreshes.
 
 One command per host per refresh (top_script: the survey, the steps of the jobs whose rank 0 runs
@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.commands import hostfiles, sshargs, touched
-from orchestrator.commands.dockerargs import label_filter
-from orchestrator.commands.telemetry import TOOL_TIMEOUT, telemetry_script
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
+from orchestrator.hostcmds import hostfiles, sshargs, touched
+from orchestrator.hostcmds.dockerargs import label_filter
 from orchestrator.hosts import claims, survey
-from orchestrator.progress import telemetry
+from orchestrator.telemetry.commands import TOOL_TIMEOUT, telemetry_script
+from orchestrator.telemetry.samples import parse_sample
 from orchestrator.transport.remote import PerHost, Session, describe
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def parse_answer(text: str) -> Answer:
     head, _, tele = text.partition(f"\n{TELEMETRY_MARK}\n")
     found, _, steps = head.partition(f"\n{STEPS_MARK}\n")
     return Answer(survey.parse_survey(found), survey.parse_last_steps(steps.encode()),
-                  telemetry.parse_sample(tele))
+                  parse_sample(tele))
 
 
 # ------------------------------------------------------------------ the snapshot (pure)

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import paramiko
 from fabric import Connection
 
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 from orchestrator.transport.capture import drain, run_capped
 from orchestrator.transport.connect import Gateways, connect_host, fds_needed, raise_fd_limit
 

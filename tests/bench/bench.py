@@ -51,9 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.backends.ssh import steps
 from orchestrator.backends.ssh.watch import watch  # noqa: E402
-from orchestrator.commands import dockerargs, hostfiles, node, sshargs
 from orchestrator.config.inventory import load  # noqa: E402
 from orchestrator.core import jobspec
+from orchestrator.hostcmds import dockerargs, hostfiles, node, sshargs
 from orchestrator.hosts import hostops
 from orchestrator.testbed import cluster  # noqa: E402
 from orchestrator.transport.remote import Session  # noqa: E402

@@ -63,9 +63,9 @@ from bench import Baselines  # noqa: E402 - tests/bench/bench.py: pdsh with the 
 
 from orchestrator.backends.ssh import attempt as attempt_mod  # noqa: E402
 from orchestrator.backends.ssh.watch import watch  # noqa: E402
-from orchestrator.commands import sshargs  # noqa: E402
 from orchestrator.config.inventory import load  # noqa: E402
 from orchestrator.core import jobspec  # noqa: E402
+from orchestrator.hostcmds import sshargs  # noqa: E402
 from orchestrator.hosts import claims, hostops  # noqa: E402
 from orchestrator.testbed import cluster  # noqa: E402
 from orchestrator.transport import connect  # noqa: E402

@@ -15,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
+from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts import claims, hostops, queue
 from orchestrator.hosts.survey import parse_survey, survey_script
 from orchestrator.transport.remote import put_command

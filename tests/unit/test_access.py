@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from orchestrator.commandline import access, program
-from orchestrator.commands import nodeexec
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import nodeexec
 from orchestrator.hosts import survey
 from orchestrator.transport import forward
 from orchestrator.transport.remote import PerHost

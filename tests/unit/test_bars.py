@@ -179,9 +179,9 @@ def test_an_image_build_shows_docker_steps_and_keeps_its_errors(tmp_path):
 def test_snapshot_copies_become_transfer_events_with_the_real_runner(tmp_path):
     from pathlib import Path
 
-    from orchestrator.backends.ssh import snapshots
     from orchestrator.config.inventory import parse
     from orchestrator.core import jobspec
+    from orchestrator.snapshots import store
 
     inv = parse("ssh: {user: u, key: /k/id, known_hosts: /k/kh}\njob: {output_dir: /out}\nhosts:\n"
                 "  - {name: a, address: 10.0.0.1, interface: eth0}\n", Path("/i/inv.yaml"))
@@ -190,7 +190,7 @@ def test_snapshot_copies_become_transfer_events_with_the_real_runner(tmp_path):
                     "[ \"$1\" = fail ] && { echo 'disk full' >&2; exit 11; }; exit 0\n")
     fake.chmod(0o755)
     got = []
-    snaps = snapshots.Snapshots(tmp_path / "run", inv, jobspec.JobSpec(job_id="j-1", script="t.py"), keep=1,
+    snaps = store.Snapshots(tmp_path / "run", inv, jobspec.JobSpec(job_id="j-1", script="t.py"), keep=1,
                                 report=print, transfers=bars.Transfers(emit=lambda e, **f: got.append(f)))
     snaps._copy([str(fake), "ok"], "a", "snapshot push", 1000)
     assert [(f["what"], f["bytes_done"], f["bytes_total"]) for f in got] == [
@@ -198,12 +198,12 @@ def test_snapshot_copies_become_transfer_events_with_the_real_runner(tmp_path):
     got.clear()
     try:
         snaps._copy([str(fake), "fail"], "a", "snapshot fetch", 4000)
-    except snapshots.CopyFailed as exc:
+    except store.CopyFailed as exc:
         assert "rsync exited 11: disk full" in str(exc)
     else:
         raise AssertionError("a failed copy must raise")
     assert [f["bytes_done"] for f in got] == [500]  # not completed: the copy failed
     # Without transfers (the tests' stand-ins, a quiet job) the copy is subprocess.run's, as before.
-    quiet = snapshots.Snapshots(tmp_path / "run2", inv, jobspec.JobSpec(job_id="j-1", script="t.py"), keep=1,
+    quiet = store.Snapshots(tmp_path / "run2", inv, jobspec.JobSpec(job_id="j-1", script="t.py"), keep=1,
                                 report=print)
     quiet._copy([str(fake), "ok"], "a", "snapshot push", 1000)

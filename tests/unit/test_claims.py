@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts import claims, queue
 
 

@@ -408,20 +408,21 @@ def test_shell_into_a_job_neither_the_hosts_nor_runs_know_says_so(bogus, contact
 
 
 def test_a_job_is_known_by_what_the_hosts_hold_or_runs_records(tmp_path):
-    from orchestrator.backends.ssh import jobs
+    from orchestrator.backends.ssh import jobcontrol
     from orchestrator.transport.remote import PerHost
     empty = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={})
     left = survey_mod.HostJobs(running={}, containers=frozenset({NOSUCH}), runtime={})
     controlled = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={},
                                      controllers={NOSUCH: "exited"})
-    assert not jobs.known_to(PerHost(node1=empty, node2=empty), NOSUCH, tmp_path)
-    assert jobs.known_to(PerHost(node1=empty, node2=left), NOSUCH, tmp_path)  # a container left over
-    assert jobs.known_to(PerHost(node1=controlled), NOSUCH, tmp_path)  # a detached job's controller
-    assert jobs.known_to(PerHost(node1=empty, node2=TimeoutError()), NOSUCH, tmp_path)  # node2 may hold it
-    assert not jobs.known_to(PerHost(node1=empty), "../x", tmp_path)
+    assert not jobcontrol.known_to(PerHost(node1=empty, node2=empty), NOSUCH, tmp_path)
+    assert jobcontrol.known_to(PerHost(node1=empty, node2=left), NOSUCH, tmp_path)  # a container left over
+    assert jobcontrol.known_to(PerHost(node1=controlled), NOSUCH, tmp_path)  # a detached job's controller
+    # node2 may hold it
+    assert jobcontrol.known_to(PerHost(node1=empty, node2=TimeoutError()), NOSUCH, tmp_path)
+    assert not jobcontrol.known_to(PerHost(node1=empty), "../x", tmp_path)
     (tmp_path / NOSUCH).mkdir()
     (tmp_path / NOSUCH / "job.json").write_text("{}")
-    assert jobs.known_to(PerHost(node1=empty), NOSUCH, tmp_path)
+    assert jobcontrol.known_to(PerHost(node1=empty), NOSUCH, tmp_path)
 
 
 # ---------------------------------------------------------------- a mistyped task or option

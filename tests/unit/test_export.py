@@ -16,10 +16,10 @@ from kubeflow.training.api_client import ApiClient
 from orchestrator.backends import export
 from orchestrator.backends.kubernetes import manifests
 from orchestrator.backends.slurm import script as sbatch
-from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs
 
 GOLDEN = Path(__file__).parent / "golden" / "export"
 K8S_VERSION = "1.30.0"
@@ -369,7 +369,7 @@ def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
     """Each renderer reads the NodeSpec's fields (none parses another's output): a capability and a
     security option added to the node alone reach the docker argv, the sbatch script's docker run
     and the Kubernetes container."""
-    from orchestrator.commands import node as nodes
+    from orchestrator.hostcmds import node as nodes
     inv = parse(INVENTORIES["amd"], Path("/i/amd.yaml"))
     host = inv.hosts[0]
     n = nodes.node_spec(inv, host, SPEC)

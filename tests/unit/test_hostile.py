@@ -248,7 +248,7 @@ def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
 def test_our_snapshots_are_never_renamed_through_a_link_the_container_left(tmp_path):
     import subprocess
 
-    from orchestrator.commands import snapshotcmds as snapshots
+    from orchestrator.snapshots import commands as snapshots
     victim, job = tmp_path / "victim", tmp_path / "job"
     victim.mkdir()
     job.mkdir()

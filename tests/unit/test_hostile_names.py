@@ -16,11 +16,10 @@ from test_snapshots import (
     push,  # Snapshots.push with the plan's place steps
 )
 
-from orchestrator.backends.ssh import snapshotchecks, snapshots
-from orchestrator.commands import snapshotcmds, snapshotlists
 from orchestrator.config.inventory import parse
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.snapshots import checks, commands, listings, store
 from orchestrator.transport.remote import Result
 
 PATTERN = "work/checkpoints/*"
@@ -55,7 +54,7 @@ FAKE = "work/checkpoints/x\n00000000000000000000 /tmp/pwned-1234"
     ("etc/passwd", "not a plain path matching"),
 ])
 def test_hostile_names_are_refused_with_why(name, why):
-    got = snapshotlists.parse_listing(listing(rec("work/checkpoints/good.pt"), rec(name)), PATTERN)
+    got = listings.parse_listing(listing(rec("work/checkpoints/good.pt"), rec(name)), PATTERN)
     assert [e.path for e in got.entries] == ["work/checkpoints/good.pt"]
     assert len(got.refused) == 1 and got.refused[0][0] == name and why in got.refused[0][1], got.refused
     assert got.whole
@@ -65,9 +64,9 @@ def test_a_newline_cannot_forge_a_record():
     """The finding of issue 31: a directory name holding a newline and a fake `STAMP /abs/path` line.
     The old newline-separated parser took the second line as a checkpoint at /tmp/pwned-1234."""
     out = listing(rec(FAKE + "/ckpt.pt"))
-    got = snapshotlists.parse_listing(out, PATTERN)
+    got = listings.parse_listing(out, PATTERN)
     assert got.entries == () and got.refused[0][0] == FAKE + "/ckpt.pt"
-    assert snapshotcmds.Layout(PATTERN).read(out)[0] == []
+    assert commands.Layout(PATTERN).read(out)[0] == []
 
 
 @pytest.mark.parametrize(
@@ -82,12 +81,12 @@ def test_a_newline_cannot_forge_a_record():
     ],
 )
 def test_odd_but_safe_names_are_kept_as_they_are(name):
-    got = snapshotlists.parse_listing(listing(rec(name)), PATTERN)
+    got = listings.parse_listing(listing(rec(name)), PATTERN)
     assert [e.path for e in got.entries] == [name] and got.refused == ()
 
 
 def test_hidden_files_are_skipped_but_dcp_metadata():
-    got = snapshotlists.parse_listing(
+    got = listings.parse_listing(
         listing(
             rec("work/checkpoints/.x.pt.tmp"),
             rec("work/checkpoints/.tmp/a.pt"),
@@ -106,21 +105,21 @@ def test_hidden_files_are_skipped_but_dcp_metadata():
     listing(rec("work/checkpoints/a.pt"))[:-3],                              # cut inside END
 ])
 def test_a_listing_without_its_end_is_never_a_set(stdout):
-    got = snapshotlists.parse_listing(stdout, PATTERN)
+    got = listings.parse_listing(stdout, PATTERN)
     assert not got.whole
-    assert snapshotcmds.Layout(PATTERN).read(stdout)[0] == []
+    assert commands.Layout(PATTERN).read(stdout)[0] == []
 
 
 @pytest.mark.parametrize("record", ["x 10 work/checkpoints/a", "1.5 ten work/checkpoints/a", "1.5", "",
                                     "999999999999.0 1 work/checkpoints/a"])
 def test_records_that_are_not_finds_are_refused(record):
-    got = snapshotlists.parse_listing(listing(record), PATTERN)
+    got = listings.parse_listing(listing(record), PATTERN)
     assert got.entries == () and len(got.refused) == 1
 
 
 def test_no_listing_at_all():
-    assert snapshotlists.parse_listing("", PATTERN) is None
-    assert snapshotlists.parse_listing("not a clock\0end\0", PATTERN) is None
+    assert listings.parse_listing("", PATTERN) is None
+    assert listings.parse_listing("not a clock\0end\0", PATTERN) is None
 
 
 def test_our_snapshot_names_are_whole_names_only():
@@ -129,8 +128,8 @@ def test_our_snapshot_names_are_whole_names_only():
         "\n"
         ".snapshot-000000030.pt.1.tmp\nsnapshot-000000040.pt\x1b\nsnapshot-1.pt\nsnapshot-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0669.pt\n"
     )
-    assert snapshotlists.parse_names(out) == ["snapshot-000000010.pt"]
-    assert snapshotcmds.Layout().read(out)[0] == ["snapshot-000000010.pt"]
+    assert listings.parse_names(out) == ["snapshot-000000010.pt"]
+    assert commands.Layout().read(out)[0] == ["snapshot-000000010.pt"]
 
 
 # ---------------------------------------------------------------- fuzzed
@@ -157,14 +156,14 @@ def test_fuzzed_names_are_refused_or_stay_inside_their_root(tmp_path):
         name = random_name(rng)
         prefix = "work/checkpoints/" if rng.random() < 0.7 else ""
         out = listing(rec(prefix + name, rng.randrange(10**6)))
-        got = snapshotlists.parse_listing(out, PATTERN)  # never raises
+        got = listings.parse_listing(out, PATTERN)  # never raises
         names = [e.path for e in got.entries]
         refused += len(got.refused)
         for path in names:
             kept += 1
             assert not path.startswith("/") and ".." not in path.split("/") and "\0" not in path
             assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in path), repr(path)
-            assert posixpath.normpath(path) == path and snapshotlists.glob_matches(PATTERN, path)
+            assert posixpath.normpath(path) == path and listings.glob_matches(PATTERN, path)
             where = (root / path).resolve()
             assert root.resolve() in where.parents
             assert hostile.relpath(path, root=root) == path
@@ -176,19 +175,19 @@ def test_fuzzed_listings_never_raise_and_never_yield_an_unsafe_path():
     pieces = ["\0", "end\0", " ", "1700000000.5", "10", "work/checkpoints/a", "/tmp/x", "\n", "..", "/"]
     for _ in range(5000):
         out = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 20)))
-        got = snapshotlists.parse_listing(out, PATTERN)
+        got = listings.parse_listing(out, PATTERN)
         for e in got.entries if got else ():
-            assert hostile.relpath(e.path) == e.path and snapshotlists.glob_matches(PATTERN, e.path)
+            assert hostile.relpath(e.path) == e.path and listings.glob_matches(PATTERN, e.path)
 
 
 # ---------------------------------------------------------------- sets
 
 def entries(*specs) -> tuple:
-    return tuple(snapshotlists.Entry(p, 1, ns) for p, ns in specs)
+    return tuple(listings.Entry(p, 1, ns) for p, ns in specs)
 
 
 def test_a_set_is_every_file_named_by_the_newest():
-    s = snapshotlists.checkpoint_set(
+    s = listings.checkpoint_set(
         entries(("work/checkpoints/model.pt", 5), ("work/checkpoints/optim.pt", 7))
     )
     assert s.name == "00000000000000000007" and s.paths == (
@@ -201,32 +200,32 @@ def test_a_dcp_directory_counts_once_its_metadata_is_written():
     done = (("work/checkpoints/step_100/__0_0.distcp", 1), ("work/checkpoints/step_100/__1_0.distcp", 2),
             ("work/checkpoints/step_100/.metadata", 3))
     writing = (("work/checkpoints/step_200/__0_0.distcp", 9),)
-    s = snapshotlists.checkpoint_set(entries(*done, *writing))
+    s = listings.checkpoint_set(entries(*done, *writing))
     assert s.name == f"{3:020d}" and s.partial == ("work/checkpoints/step_200",)
     assert s.paths == tuple(sorted(p for p, _ in done))
-    assert snapshotlists.checkpoint_set(entries(*writing)) is None
-    whole = snapshotlists.checkpoint_set(
+    assert listings.checkpoint_set(entries(*writing)) is None
+    whole = listings.checkpoint_set(
         entries(*done, *writing, ("work/checkpoints/step_200/.metadata", 10))
     )
     assert whole.name == f"{10:020d}" and whole.partial == () and len(whole.files) == 5
 
 
 def test_settle_needs_two_equal_looks_apart_and_an_old_enough_newest_file():
-    settle = snapshotlists.Settle(1.0)
-    a = snapshotlists.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9)))
-    b = snapshotlists.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9),
+    settle = listings.Settle(1.0)
+    a = listings.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9)))
+    b = listings.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9),
                                        ("work/checkpoints/optim.pt", NOW - 5 * 10**9)))
     assert settle.see(a, 0.0) is None      # first look
     assert settle.see(b, 0.5) is None      # changed (optim.pt came): starts again
     assert settle.see(b, 1.0) is None      # same, but only 0.5 s apart
     got = settle.see(b, 1.6)
     assert got is not None and got.paths == ("work/checkpoints/model.pt", "work/checkpoints/optim.pt")
-    fresh = snapshotlists.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 10**8)))
-    settle = snapshotlists.Settle(1.0)
+    fresh = listings.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 10**8)))
+    settle = listings.Settle(1.0)
     settle.see(fresh, 0.0)
     assert settle.see(fresh, 5.0) is None  # by the host's clock it was written 0.1 s ago
-    cut = snapshotlists.Listing(NOW, b.entries, whole=False)
-    settle = snapshotlists.Settle(1.0)
+    cut = listings.Listing(NOW, b.entries, whole=False)
+    settle = listings.Settle(1.0)
     settle.see(b, 0.0)
     assert settle.see(cut, 2.0) is None and settle.see(b, 2.5) is None  # a cut listing starts again
 
@@ -240,7 +239,7 @@ def test_settle_needs_two_equal_looks_apart_and_an_old_enough_newest_file():
 ])
 def test_local_paths_only_for_well_formed_names(tmp_path, pattern, name):
     with pytest.raises(hostile.UnsafeName):
-        snapshotcmds.Layout(pattern).local(tmp_path, name)
+        commands.Layout(pattern).local(tmp_path, name)
 
 
 def test_a_symlink_in_the_local_directory_cannot_lead_out(tmp_path):
@@ -249,12 +248,12 @@ def test_a_symlink_in_the_local_directory_cannot_lead_out(tmp_path):
     local.mkdir()
     os.symlink(tmp_path / "elsewhere", local / "00000000000000000001")
     with pytest.raises(hostile.UnsafeName, match="leads out"):
-        snapshotcmds.Layout(PATTERN).local(local, "00000000000000000001")
-    assert snapshotcmds.Layout(PATTERN).local_names(local) == []
+        commands.Layout(PATTERN).local(local, "00000000000000000001")
+    assert commands.Layout(PATTERN).local_names(local) == []
 
 
 def test_a_plan_placeholder_after_the_stamp_never_reaches_a_path(tmp_path):
-    shape = snapshotcmds.Layout(PATTERN)
+    shape = commands.Layout(PATTERN)
     assert shape.local(tmp_path, "00000000000000000000 PATH") == tmp_path / "00000000000000000000"
 
 
@@ -264,15 +263,15 @@ def test_set_commands_are_quoted_once():
     inv = parse("job: {output_dir: /out}\nhosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n",
                 Path("/i/inv.yaml"))
     spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=PATTERN)
-    assert snapshotcmds.list_command(inv, spec) == (
+    assert commands.list_command(inv, spec) == (
         "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path "
         "'./work/checkpoints/*' "
         "-o -path './work/checkpoints/*/*' ')' -type f '(' '!' -name '.*' -o -name .metadata ')' "
         "-printf '%T@ %s %P\\0' && printf 'end\\0'; true"
     )
-    assert snapshotcmds.manifest_command("/out/j", ["work/checkpoints/$(touch x)"]).endswith(
+    assert commands.manifest_command("/out/j", ["work/checkpoints/$(touch x)"]).endswith(
         "sh 'work/checkpoints/$(touch x)'")
-    push, check, rename = snapshotcmds.push_commands(
+    push, check, rename = commands.push_commands(
         inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j", PATTERN
     )
     tmp = ".fabtrain-set-00000000000000000007.tmp"
@@ -354,7 +353,7 @@ def test_set_commands_are_quoted_once():
     )
     assert "mkdir -p" not in rename  # mkdir -p goes through links; dir() makes one component at a time
     # Without the glob (a caller that does not pass it), nothing is moved aside: "" would match every file.
-    bare = snapshotcmds.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j")[2]
+    bare = commands.push_commands(inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j")[2]
     assert [w for w in shlex.split(bare) if "no()" not in w] == [
         "cd",
         "/out/j",
@@ -379,7 +378,7 @@ def test_set_commands_are_quoted_once():
         "--",
         tmp,
     ]
-    assert snapshotcmds.REPLACED not in bare
+    assert commands.REPLACED not in bare
 
 
 # ---------------------------------------------------------------- end to end, on this machine
@@ -422,12 +421,12 @@ def test_a_program_naming_its_checkpoints_as_an_attacker_writes_nothing_outside(
     for p in ck.rglob("*"):
         os.utime(p, ns=(old, old))
     reports = []
-    snaps = snapshots.Snapshots(
+    snaps = store.Snapshots(
         tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append, copy=local_rsync
     )
     session, host = LocalSession(), inv.hosts[0]
     for _ in range(3):  # as the follow thread and the planning look would, again and again
-        name = snapshotchecks.remote_newest(session, host, inv, spec, warn=snaps.warn)
+        name = checks.remote_newest(session, host, inv, spec, warn=snaps.warn)
     assert name and snaps.fetch(session, host, name)
     got = {
         p.relative_to(snaps.local_path(name)).as_posix()
@@ -505,7 +504,7 @@ def placing(tmp_path: Path, local: dict[str, bytes], copy=None):
     (victim / "authorized_keys").write_bytes(b"ssh-ed25519 AAAA the user's own key\n")
     (victim / "id_ed25519").write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY----- the user's secret\n")
     reports: list[str] = []
-    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
+    snaps = store.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
                                 copy=copy or ssh_rsync(tmp_path))
     for rel, data in local.items():
         (snaps.local_path(SET) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -599,7 +598,7 @@ def test_a_link_at_the_temporary_folders_name_is_removed_before_rsync_writes(tmp
     """The temporary folder's name is predictable (the set's time, which the program sets): made a
     link to the victim beforehand, rsync --mkpath wrote the set into the link's target."""
     snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7"})
-    os.symlink(victim, root / snapshotcmds.PLACE_TMP.format(SET))
+    os.symlink(victim, root / commands.PLACE_TMP.format(SET))
     before = files_under(tmp_path / "victim")
     push(snaps, LocalSession(), host, SET)
     assert files_under(tmp_path / "victim") == before and reports == []
@@ -652,7 +651,7 @@ def test_a_set_folder_swapped_for_a_link_between_two_looks_is_never_read(tmp_pat
         session.back()
         return r
     snaps.copy = rsync_then_put_back
-    name = snapshotchecks.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
+    name = checks.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
     assert name and not snaps.fetch(session, host, name)
     secret = (victim / "id_ed25519").read_bytes()
     assert not any(p.is_file() and p.read_bytes() == secret for p in (tmp_path / "runs").rglob("*"))
@@ -681,7 +680,7 @@ def test_checksums_that_read_other_sizes_than_the_listing_are_not_copied(tmp_pat
                 os.utime(root / "ckpt" / "model.pt", ns=(old, old))
             return super().run(host, command, timeout, stdin, what)
     snaps.copy = lambda argv, **kw: copies.append(argv) or local_rsync(argv, **kw)
-    name = snapshotchecks.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
+    name = checks.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
     assert not snaps.fetch(Growing(), host, name)
     assert copies == []  # nothing copied on checksums that do not match the listing
     assert (

@@ -1,4 +1,4 @@
-"""A path a container could have touched (commands/touched.py): the scripts run for real with sh on
+"""A path a container could have touched (hostcmds/touched.py): the scripts run for real with sh on
 this machine, against a job directory where a "container" put links, a FIFO and a device node."""
 import os
 import stat
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from orchestrator.commands import touched
-from orchestrator.commands.sshargs import shell
+from orchestrator.hostcmds import touched
+from orchestrator.hostcmds.sshargs import shell
 
 SECRET = b"host secret: never read\n"
 

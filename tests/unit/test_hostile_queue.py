@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
+from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts import claimdir, claims, queue
 from orchestrator.hosts.survey import HostJobs, job_views
 from orchestrator.transport.remote import PerHost

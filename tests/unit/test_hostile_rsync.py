@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import parse
 from orchestrator.core.jobspec import LOCAL
+from orchestrator.hostcmds import sshargs
 from orchestrator.preflight import CHECKS, FAIL, OK, WARN, judge, probe
 
 INV = parse("""

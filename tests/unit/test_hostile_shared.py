@@ -15,8 +15,8 @@ import pytest
 from test_job import Recorder
 
 from orchestrator.backends.ssh.watch import NodeEnd, Watched
-from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
+from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts import claims, hostops
 from orchestrator.hosts.survey import HostJobs
 from orchestrator.preflight import probe, smoke

@@ -21,11 +21,11 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Host
 from orchestrator.config.sshconf import DEFAULT_GLOBAL_KNOWN_HOSTS, SSH, Settings, resolve
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 from orchestrator.transport import capture, connect, hostkeys, remote
 from orchestrator.transport.hostkeys import KnownHosts, hosts_match, pattern_matches
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from test_job import Recorder, inventory, new_job
 
-from orchestrator.backends.ssh import job, jobs
-from orchestrator.commands import dockerargs, node, sshargs
+from orchestrator.backends.ssh import job, jobcontrol
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
+from orchestrator.hostcmds import dockerargs, node, sshargs
 from orchestrator.hosts import claims
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import CommandTimedOut, Result
@@ -128,7 +128,7 @@ def test_a_host_whose_start_ran_late_is_torn_down_and_swept_not_skipped_as_lost(
         (tmp_path / how).mkdir()
         j, rec, result, notes = run_late(tmp_path / how, how)
         assert result.state == "failed" and result.lost == [], how
-        err = str(jobs.explain(result))
+        err = str(jobcontrol.explain(result))
         assert "node2" in err and said in err, err
         node2 = [c[2] for c in rec.calls if c[0] == "node2" and c[1] == "node2"]
         stop = dockerargs.stop_script("gpt-1", 0)

@@ -5,8 +5,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from orchestrator.commands import hostfiles
 from orchestrator.config.inventory import parse
+from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts import survey
 from orchestrator.transport.remote import PerHost
 

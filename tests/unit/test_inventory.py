@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.commands import node as nodes
 from orchestrator.config.inventory import load, parse
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import node as nodes
 
 GOOD = """\
 ssh:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.ssh import attempt, job, jobs, state
-from orchestrator.commands import dockerargs, ports, sshargs
+from orchestrator.backends.ssh import attempt, job, jobcontrol, state
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.events import JsonLines, Reporter
 from orchestrator.core.policy import Policy, Roster
+from orchestrator.hostcmds import dockerargs, ports, sshargs
 from orchestrator.hosts import claims, survey
 from orchestrator.transport.remote import PerHost, Result
 
@@ -123,7 +123,7 @@ def test_what_runs_is_the_rendered_plan_command_for_command(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     hosts = inventory(tmp_path).hosts
     dry = new_job(tmp_path, Recorder(hosts))
-    text = jobs.dry_run(dry)
+    text = jobcontrol.dry_run(dry)
     rec = Recorder(hosts)
     j = new_job(tmp_path, rec)
     result = job.run(j)
@@ -202,7 +202,7 @@ def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, mo
     assert kinds[0] == "stage" and kinds[-1] == "finished"
     failed = [e for e in events if e["event"] == "host_failed"]
     assert failed and failed[0]["host"] == "node2" and failed[0]["kind"] == "exited"
-    err = str(jobs.explain(result))
+    err = str(jobcontrol.explain(result))
     assert "node2 (node rank 1) exited with code 3" in err and "--resume gpt-1" in err
     # The failing attempt still ends with every container removed and the runtime files gone.
     stops = [c for c in rec.calls if c[2] == dockerargs.stop_script("gpt-1", 0)]
@@ -307,7 +307,7 @@ def test_a_lost_host_is_never_asked_again_and_the_others_are_torn_down_once(tmp_
     stops = [c for c in rec.calls[lost_at:] if c[0] == "node1" and "docker rm --force" in c[2]]
     # The failure's stop of the others, the attempt's teardown, then the job's sweep at its finish.
     assert len(stops) == 3
-    assert "lost: " in str(jobs.explain(result))
+    assert "lost: " in str(jobcontrol.explain(result))
 
 
 def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_path):
@@ -403,7 +403,7 @@ spares:
 
 
 def test_fab_stop_knows_a_job_by_the_hosts_or_by_this_machines_record(tmp_path):
-    from orchestrator.backends.ssh.jobs import known_job
+    from orchestrator.backends.ssh.jobcontrol import known_job
     (tmp_path / "gpt-1").mkdir()
     (tmp_path / "gpt-1" / "job.json").write_text("{}")
     assert known_job("gpt-1", {}, {}, False, tmp_path)            # recorded here

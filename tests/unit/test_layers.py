@@ -14,9 +14,9 @@ PKG = ROOT / "orchestrator"
 LAYERS = {
     "core": 0,
     "config": 1,
-    "commands": 2,
+    "hostcmds": 2,
     "transport": 3,
-    "hosts": 4, "progress": 4, "images": 4,
+    "hosts": 4, "progress": 4, "images": 4, "snapshots": 4, "telemetry": 4,
     "preflight": 5,
     "backends": 6,
     "commandline": 7,

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import dockerargs, hostfiles, node, sshargs, touched
 from orchestrator.config import codetree, inventory
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs, hostfiles, node, sshargs, touched
 from orchestrator.hosts import claims
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,8 +3,8 @@ import time
 from pathlib import Path
 
 from orchestrator import preflight as pf
-from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import parse
+from orchestrator.hostcmds import dockerargs
 
 INV = parse("hosts:\n  - {name: a, address: 10.1.0.1, interface: eth0}\n"
             "  - {name: b, address: 10.1.0.2, interface: ens9}\n", Path("i.yaml"))

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import dockerargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec, recovery
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainers"))
 
@@ -65,7 +65,7 @@ def test_job_record_round_trip_keeps_the_spec(tmp_path):
 
 
 def test_newest_complete_snapshot_ignores_partial_files():
-    from orchestrator.commands import snapshotlists as snapshots
+    from orchestrator.snapshots import listings as snapshots
     assert snapshots.newest(["snapshot-000000020.pt", ".snapshot-000000030.pt.7.tmp", "snapshot-000000010.pt",
                              ".snapshot-000000040.pt.copy.tmp", "notes.txt"]) == "snapshot-000000020.pt"
 

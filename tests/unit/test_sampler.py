@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, replace
 
 from orchestrator.backends.ssh import attempt
-from orchestrator.backends.ssh.sampler import Idle, Sampler, held
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
+from orchestrator.telemetry.sampler import Idle, Sampler, held
 from orchestrator.transport.remote import CommandTimedOut
 
 INV = """

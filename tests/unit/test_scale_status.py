@@ -50,7 +50,7 @@ class FakeSession:
 
 
 def test_many_jobs_on_few_hosts_cost_one_command_per_host():
-    from orchestrator.config.inventory import Host, Inventory, Job
+    from orchestrator.config.inventory import Host, Inventory, JobDefaults
     from orchestrator.config.sshconf import SSH
 
     hosts = tuple(
@@ -63,7 +63,7 @@ def test_many_jobs_on_few_hosts_cost_one_command_per_host():
         )
         for i in (1, 2)
     )
-    inv = Inventory(path=None, hosts=hosts, job=Job())
+    inv = Inventory(path=None, hosts=hosts, job=JobDefaults())
     views = {f"job-{k}": survey.JobView(f"job-{k}", ranks={f"node{1 + k % 2}": 0}) for k in range(10)}
     views["job-x"] = survey.JobView("job-x", ranks={"node1": 1})  # not rank 0 here: not read
     outputs = {

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.ssh import snapshotchecks, snapshots
-from orchestrator.commands import snapshotcmds, snapshotlists, sshargs
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
+from orchestrator.snapshots import checks, commands, listings, store
 from orchestrator.transport.remote import CommandTimedOut, PerHost, Result
 
 INV = parse("""\
@@ -31,7 +31,7 @@ A, B = INV.hosts
 DIR = "/out/gpt-1/snapshots"
 S10, S20, S30 = (f"snapshot-{s:09d}.pt" for s in (10, 20, 30))
 DATA = {S10: b"step 10 " * 500, S20: b"step 20 " * 500, S30: b"step 30 " * 500}
-LS = snapshotcmds.list_command(INV, SPEC)
+LS = commands.list_command(INV, SPEC)
 RSYNC_ERROR = "rsync: connection unexpectedly closed (0 bytes received so far) [Receiver]"
 
 
@@ -49,7 +49,7 @@ def ok(stdout: str = "") -> Result:
 
 class FakeSession:
     """Session.run and fan_out over files held in memory per host: records (host, command,
-    deadline) and answers the commands snapshots.py builds (ls, stat && sha256sum, mv, rm); an
+    deadline) and answers the commands snapshots/commands.py builds (ls, stat && sha256sum, mv, rm); an
     answer scripted in `script` for a (host, command) comes first."""
 
     def __init__(self, files: dict[str, dict[str, bytes]] | None = None) -> None:
@@ -70,7 +70,7 @@ class FakeSession:
             return answer
         fs = self.files[host.name]
         argv = shlex.split(command)
-        if argv[:4] == ["{", "[", "!", "-L"]:  # snapshotcmds.no_link_command: no links here
+        if argv[:4] == ["{", "[", "!", "-L"]:  # commands.no_link_command: no links here
             argv = argv[argv.index("&&") + 1:]
         if argv[:2] == ["ls", "-1"]:
             return ok(
@@ -139,20 +139,20 @@ class FakeRsync:
 
 @pytest.fixture(autouse=True)
 def no_pause(monkeypatch):
-    monkeypatch.setattr(snapshots, "RETRY_PAUSE", 0)
+    monkeypatch.setattr(store, "RETRY_PAUSE", 0)
 
 
 def make(tmp_path, session, plan_by_host=None, keep=2, local=()):
     reports: list[str] = []
     rsync = FakeRsync(session, plan_by_host)
-    snaps = snapshots.Snapshots(tmp_path / "gpt-1", INV, SPEC, keep=keep, report=reports.append, copy=rsync)
+    snaps = store.Snapshots(tmp_path / "gpt-1", INV, SPEC, keep=keep, report=reports.append, copy=rsync)
     for name in local:
         (snaps.dir / name).write_bytes(DATA[name])
     return snaps, reports, rsync
 
 
 def digest(data: bytes) -> str:
-    return str(snapshotlists.Digest(len(data), sha(data)))
+    return str(listings.Digest(len(data), sha(data)))
 
 
 # ---------------------------------------------------------------- the commands
@@ -160,19 +160,19 @@ def digest(data: bytes) -> str:
 @pytest.mark.parametrize(
     "command,expected",
     [
-        (snapshotcmds.list_command(INV, SPEC), "ls -1 /out/gpt-1/snapshots 2>/dev/null; true"),
-        (snapshotcmds.checksum_command(f"{DIR}/{S20}"), f"stat -c %s {DIR}/{S20} && sha256sum {DIR}/{S20}"),
+        (commands.list_command(INV, SPEC), "ls -1 /out/gpt-1/snapshots 2>/dev/null; true"),
+        (commands.checksum_command(f"{DIR}/{S20}"), f"stat -c %s {DIR}/{S20} && sha256sum {DIR}/{S20}"),
         (
-            snapshotcmds.checksum_command("/o u t/it's.pt"),
+            commands.checksum_command("/o u t/it's.pt"),
             "stat -c %s '/o u t/it'\"'\"'s.pt' && sha256sum '/o u t/it'\"'\"'s.pt'",
         ),
         (
-            snapshotcmds.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
+            commands.rename_command(f"{DIR}/.{S20}.copy.tmp", f"{DIR}/{S20}"),
             f"{{ [ ! -L {DIR} ] || {{ echo '{DIR} is a symbolic link; nothing is written through it' >&2; "
             "exit 1; }; } "
             f"&& mv -fT {DIR}/.{S20}.copy.tmp {DIR}/{S20}",
         ),
-        (snapshotcmds.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
+        (commands.remove_command(f"{DIR}/.{S20}.copy.tmp"), f"rm -f {DIR}/.{S20}.copy.tmp"),
     ],
 )
 def test_commands_are_quoted_once(command, expected):
@@ -180,15 +180,15 @@ def test_commands_are_quoted_once(command, expected):
 
 
 def test_temp_name_is_never_taken_for_a_snapshot_and_the_trainer_clears_it():
-    tmp = snapshotcmds.temp_name(S20)
+    tmp = commands.temp_name(S20)
     assert tmp == f".{S20}.copy.tmp"
-    assert snapshotlists.newest([tmp]) is None
+    assert listings.newest([tmp]) is None
     assert Path(tmp).match(".snapshot-*.tmp")  # trainers/snapshot.write removes these before each write
 
 
 @pytest.mark.parametrize("stdout,expected", [
-    (f"4000\n{sha(b'x')}  {DIR}/{S20}\n", snapshotlists.Digest(4000, sha(b"x"))),
-    (f"12\n\\{sha(b'x').upper()}  /o\\nut/x\n", snapshotlists.Digest(12, sha(b"x"))),  # escaped name
+    (f"4000\n{sha(b'x')}  {DIR}/{S20}\n", listings.Digest(4000, sha(b"x"))),
+    (f"12\n\\{sha(b'x').upper()}  /o\\nut/x\n", listings.Digest(12, sha(b"x"))),  # escaped name
     ("", ValueError),
     (f"{sha(b'x')}  /f\n", ValueError),
     ("12\nnot-a-hash  /f\n", ValueError),
@@ -197,21 +197,21 @@ def test_temp_name_is_never_taken_for_a_snapshot_and_the_trainer_clears_it():
 def test_parse_checksum(stdout, expected):
     if expected is ValueError:
         with pytest.raises(ValueError):
-            snapshotlists.parse_checksum(stdout)
+            listings.parse_checksum(stdout)
     else:
-        assert snapshotlists.parse_checksum(stdout) == expected
+        assert listings.parse_checksum(stdout) == expected
 
 
 def test_local_digest(tmp_path):
     (tmp_path / "f").write_bytes(b"abc" * 1000000)
-    assert snapshotchecks.local_digest(tmp_path / "f") == snapshotlists.Digest(3000000, sha(b"abc" * 1000000))
+    assert checks.local_digest(tmp_path / "f") == listings.Digest(3000000, sha(b"abc" * 1000000))
 
 
 # ---------------------------------------------------------------- fetch: host -> this machine
 
 REMOTE20 = f"{DIR}/{S20}"
 GONE = f"stat/sha256sum on the host exited 1: stat: cannot statx '{REMOTE20}': No such file or directory"
-TIMED_OUT = CommandTimedOut(A, f"checksumming {REMOTE20}", snapshotchecks.CHECKSUM_TIMEOUT)
+TIMED_OUT = CommandTimedOut(A, f"checksumming {REMOTE20}", checks.CHECKSUM_TIMEOUT)
 
 
 @pytest.mark.parametrize(
@@ -247,16 +247,16 @@ TIMED_OUT = CommandTimedOut(A, f"checksumming {REMOTE20}", snapshotchecks.CHECKS
 )
 def test_fetch_checks_each_copy_and_retries(tmp_path, copies, checksum_answers, n_copies, why, capsys):
     session = FakeSession({"a": {REMOTE20: DATA[S20]}})
-    session.script[("a", snapshotcmds.checksum_command(REMOTE20))] = list(checksum_answers)
+    session.script[("a", commands.checksum_command(REMOTE20))] = list(checksum_answers)
     snaps, reports, rsync = make(tmp_path, session, {"a": copies}, local=[S10])
 
     fetched = snaps.fetch(session, A, S20)
 
-    tries = n_copies if not checksum_answers else snapshots.COPY_TRIES
+    tries = n_copies if not checksum_answers else store.COPY_TRIES
     # Every try asks the host for the file's size and hash again, under its deadline.
-    check = (snapshotcmds.checksum_command(REMOTE20), snapshotchecks.CHECKSUM_TIMEOUT)
+    check = (commands.checksum_command(REMOTE20), checks.CHECKSUM_TIMEOUT)
     assert session.of("a") == [check] * tries
-    tmp = snaps.dir / snapshotcmds.local_temp_name(S20)
+    tmp = snaps.dir / commands.local_temp_name(S20)
     assert rsync.calls == [sshargs.fetch_file_argv(A, REMOTE20, str(tmp))] * n_copies
     assert not tmp.exists()
     if why is None:
@@ -290,22 +290,22 @@ def test_the_newest_keep_snapshots_are_kept_here(tmp_path, keep):
 
 def test_keep_below_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="keep=0"):
-        snapshots.Snapshots(tmp_path, INV, SPEC, keep=0, report=print)
+        store.Snapshots(tmp_path, INV, SPEC, keep=0, report=print)
 
 
 # ---------------------------------------------------------------- push: this machine -> hosts
 
-REMOTE_TMP = f"{DIR}/{snapshotcmds.temp_name(S20)}"
-CHECK_TMP = (snapshotcmds.checksum_command(REMOTE_TMP), snapshotchecks.CHECKSUM_TIMEOUT)
-MOVE = (snapshotcmds.rename_command(REMOTE_TMP, REMOTE20), snapshotchecks.LIST_TIMEOUT)
-REMOVE = (snapshotcmds.remove_command(REMOTE_TMP), snapshotchecks.LIST_TIMEOUT)
+REMOTE_TMP = f"{DIR}/{commands.temp_name(S20)}"
+CHECK_TMP = (commands.checksum_command(REMOTE_TMP), checks.CHECKSUM_TIMEOUT)
+MOVE = (commands.rename_command(REMOTE_TMP, REMOTE20), checks.LIST_TIMEOUT)
+REMOVE = (commands.remove_command(REMOTE_TMP), checks.LIST_TIMEOUT)
 
 
 def push(snaps, session, host, name) -> None:
     """Snapshots.push with the plan's place, place-check and place-rename steps for `host`
     (Layout.push_commands, as attempt.py renders them)."""
     argv, check, rename = snaps.layout.push_commands(host, snaps.inv, snaps.spec, name, snaps.dir)
-    snaps.push(session, host, name, snapshotchecks.local_digest(snaps.local_path(name)),
+    snaps.push(session, host, name, checks.local_digest(snaps.local_path(name)),
                argv=argv, check=check, rename=rename)
 
 
@@ -313,15 +313,15 @@ def test_the_plans_check_is_what_the_push_reads():
     """The place-check step the plan shows is the command the push's own check would run: the
     checksum of the temporary copy (a set: the manifest of its temporary directory)."""
     here = Path("/runs/gpt-1/snapshots")
-    argv, check, rename = snapshotcmds.layout(SPEC).push_commands(B, INV, SPEC, S20, here)
-    assert check == snapshotcmds.checksum_command(REMOTE_TMP)
-    assert rename == snapshotcmds.rename_command(REMOTE_TMP, REMOTE20)
+    argv, check, rename = commands.layout(SPEC).push_commands(B, INV, SPEC, S20, here)
+    assert check == commands.checksum_command(REMOTE_TMP)
+    assert rename == commands.rename_command(REMOTE_TMP, REMOTE20)
     assert argv == sshargs.push_file_argv(B, f"/runs/gpt-1/snapshots/{S20}", REMOTE_TMP,
-                                          snapshotcmds.no_link_command(DIR))
+                                          commands.no_link_command(DIR))
     ckpt = jobspec.JobSpec(job_id="gpt-1", script="main.py", checkpoint=jobspec.checkpoint_pattern("ckpt/*"))
     name = "0" * 19 + "7"
-    _, check, _ = snapshotcmds.layout(ckpt).push_commands(B, INV, ckpt, name, Path("/runs/gpt-1/checkpoints"))
-    assert check == snapshotcmds.manifest_command(f"/out/gpt-1/{snapshotcmds.PLACE_TMP.format(name)}")
+    _, check, _ = commands.layout(ckpt).push_commands(B, INV, ckpt, name, Path("/runs/gpt-1/checkpoints"))
+    assert check == commands.manifest_command(f"/out/gpt-1/{commands.PLACE_TMP.format(name)}")
 
 
 @pytest.mark.parametrize("copies,b_commands,why", [
@@ -349,7 +349,7 @@ def test_push_checks_each_copy_and_retries(tmp_path, copies, b_commands, why, ca
         assert session.files["b"] == {}  # neither the snapshot's name nor a bad copy is left there
     assert session.of("b") == b_commands
     assert rsync.calls == [sshargs.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP,
-                                               snapshotcmds.no_link_command(DIR))] * len(copies)
+                                               commands.no_link_command(DIR))] * len(copies)
     assert capsys.readouterr() == ("", "")
 
 
@@ -360,11 +360,11 @@ def test_push_runs_exactly_the_commands_it_is_given(tmp_path):
     session.script[("b", "the plan's check")] = [ok(f"{len(DATA[S20])}\n{sha(DATA[S20])}  -\n")]
     session.script[("b", "the plan's rename")] = [ok()]
     argv = ["rsync", "--the-plans", str(snaps.dir / S20), f"10.0.0.2:{REMOTE_TMP}"]
-    snaps.push(session, B, S20, snapshotchecks.local_digest(snaps.dir / S20),
+    snaps.push(session, B, S20, checks.local_digest(snaps.dir / S20),
                argv=argv, check="the plan's check", rename="the plan's rename")
     assert rsync.calls == [argv]
-    assert session.of("b") == [("the plan's check", snapshotchecks.CHECKSUM_TIMEOUT),
-                               ("the plan's rename", snapshotchecks.LIST_TIMEOUT)]
+    assert session.of("b") == [("the plan's check", checks.CHECKSUM_TIMEOUT),
+                               ("the plan's rename", checks.LIST_TIMEOUT)]
     assert reports == []
 
 
@@ -373,7 +373,7 @@ def test_holds_tells_the_same_bytes_from_the_same_name(tmp_path):
     again, and then holds it."""
     session = FakeSession({"a": {REMOTE20: b"something else"}, "b": {REMOTE20: DATA[S20]}})
     snaps, reports, rsync = make(tmp_path, session, local=[S20])
-    want = snapshotchecks.local_digest(snaps.dir / S20)
+    want = checks.local_digest(snaps.dir / S20)
     assert not snaps.holds(session, A, REMOTE20, want) and snaps.holds(session, B, REMOTE20, want)
     push(snaps, session, A, S20)
     assert session.files["a"] == {REMOTE20: DATA[S20]} and session.files["b"] == {REMOTE20: DATA[S20]}
@@ -385,7 +385,7 @@ def test_a_copy_that_fails_from_one_holder_is_made_from_another(tmp_path):
     r30 = f"{DIR}/{S30}"
     session = FakeSession({"a": {r30: DATA[S30]}, "b": {r30: DATA[S30], REMOTE20: DATA[S20]}})
     snaps, reports, rsync = make(tmp_path, session, {"b": ["corrupt"] * 3}, local=[S10])
-    assert [snapshotchecks.remote_newest(session, h, INV, SPEC) for h in (A, B)] == [S30, S30]
+    assert [checks.remote_newest(session, h, INV, SPEC) for h in (A, B)] == [S30, S30]
     # b's copies of snapshot 30 are all bad; a's is good: 30 is here, and b's failure was told.
     assert not snaps.fetch(session, B, S30)
     assert snaps.fetch(session, A, S30)
@@ -393,24 +393,24 @@ def test_a_copy_that_fails_from_one_holder_is_made_from_another(tmp_path):
     assert sorted(p.name for p in snaps.dir.iterdir()) == [S10, S30]
     assert len(reports) == 1 and reports[0].startswith(f"b: could not copy snapshot {S30} to ")
     assert rsync.calls == [
-        sshargs.fetch_file_argv(B, r30, str(snaps.dir / snapshotcmds.local_temp_name(S30)))
-    ] * 3 + [sshargs.fetch_file_argv(A, r30, str(snaps.dir / snapshotcmds.local_temp_name(S30)))]
+        sshargs.fetch_file_argv(B, r30, str(snaps.dir / commands.local_temp_name(S30)))
+    ] * 3 + [sshargs.fetch_file_argv(A, r30, str(snaps.dir / commands.local_temp_name(S30)))]
 
 
 def test_no_snapshot_anywhere(tmp_path):
     session = FakeSession()
     snaps, reports, rsync = make(tmp_path, session)
-    assert snapshotchecks.remote_newest(session, A, INV, SPEC) is None
-    assert snapshotchecks.remote_newest(session, B, INV, SPEC) is None and snaps.local_newest() is None
+    assert checks.remote_newest(session, A, INV, SPEC) is None
+    assert checks.remote_newest(session, B, INV, SPEC) is None and snaps.local_newest() is None
     assert [c for _, c, _ in session.calls] == [LS, LS] and rsync.calls == [] and reports == []
 
 
 def test_a_host_that_does_not_answer_is_skipped_when_looking(tmp_path):
     session = FakeSession({"b": {REMOTE20: DATA[S20]}})
-    session.script[("a", LS)] = [CommandTimedOut(A, "listing snapshots", snapshotchecks.LIST_TIMEOUT)]
+    session.script[("a", LS)] = [CommandTimedOut(A, "listing snapshots", checks.LIST_TIMEOUT)]
     snaps, _, _ = make(tmp_path, session)
-    assert snapshotchecks.remote_newest(session, A, INV, SPEC) is None
-    assert snapshotchecks.remote_newest(session, B, INV, SPEC) == S20
+    assert checks.remote_newest(session, A, INV, SPEC) is None
+    assert checks.remote_newest(session, B, INV, SPEC) == S20
 
 
 # ---------------------------------------------------------------- follow
@@ -423,7 +423,7 @@ def wait_for(predicate, seconds=10.0):
 
 
 def test_follow_reports_a_snapshot_that_fails_every_try_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshots, "SNAPSHOT_POLL", 0.01)
+    monkeypatch.setattr(store, "SNAPSHOT_POLL", 0.01)
     session = FakeSession({"a": {REMOTE20: DATA[S20]}})
     snaps, reports, rsync = make(tmp_path, session, {"a": ["fail"] * 3})
     stop = threading.Event()
@@ -442,7 +442,7 @@ def test_follow_reports_a_snapshot_that_fails_every_try_once(tmp_path, monkeypat
 
 
 def test_follow_looks_once_more_after_stop(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshots, "SNAPSHOT_POLL", 3600)  # no periodic look during the test
+    monkeypatch.setattr(store, "SNAPSHOT_POLL", 3600)  # no periodic look during the test
     session = FakeSession()
     snaps, reports, _ = make(tmp_path, session)
     stop = threading.Event()
@@ -453,7 +453,7 @@ def test_follow_looks_once_more_after_stop(tmp_path, monkeypatch):
     t.join(10)
     assert not t.is_alive()
     assert (snaps.dir / S20).read_bytes() == DATA[S20] and reports == []
-    assert [c for _, c, _ in session.calls] == [LS, snapshotcmds.checksum_command(REMOTE20)]
+    assert [c for _, c, _ in session.calls] == [LS, commands.checksum_command(REMOTE20)]
 
 
 # ---------------------------------------------------------------- the end-of-job fetch
@@ -487,7 +487,7 @@ def test_fetch_argv_filters_with_a_real_rsync(tmp_path):
         f"snapshots/{S10}": "s10",
         f"snapshots/{S20}": "s20",
         f"snapshots/.{S30}.123.tmp": "partial",
-        f"snapshots/{snapshotcmds.temp_name(S30)}": "copy",
+        f"snapshots/{commands.temp_name(S30)}": "copy",
         "snapshots/tokenizer.json": "mine",
         "sub/snapshots/snapshot-000000001.pt": "not the job's",
     }
@@ -553,13 +553,13 @@ def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp
     write_at(work / "half" / "__0_0.distcp", b"being written", old)  # no .metadata yet: left out
     write_at(work / ".optim.pt.tmp", b"partial", old)  # hidden: never part of a set
     session, host = LocalSession(), inv.hosts[0]
-    shape = snapshotcmds.layout(spec)
+    shape = commands.layout(spec)
     name = f"{old + 2 * 10**6:020d}"
     assert shape.read(session.run(host, shape.list_command(inv, spec)).stdout)[0] == [name]
-    assert snapshotchecks.remote_newest(session, host, inv, spec) == name
+    assert checks.remote_newest(session, host, inv, spec) == name
     assert shape.describe(name).startswith("checkpoints/* (written ")
     reports = []
-    snaps = snapshots.Snapshots(
+    snaps = store.Snapshots(
         tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=local_rsync
     )
     assert snaps.fetch(session, host, name) and reports == []
@@ -577,15 +577,15 @@ def test_a_programs_checkpoint_set_is_listed_copied_whole_and_put_back_whole(tmp
     shutil.rmtree(tmp_path / "host" / "j")
     write_at(work / "model.pt", b"model 10", old + 10**9)
     write_at(work / "stray.pt", b"stray", old)
-    digest = snapshotchecks.local_digest(here)
+    digest = checks.local_digest(here)
     assert not snaps.holds(session, host, snaps.remote_path(name), digest)
     push(snaps, session, host, name)
     assert tree(tmp_path / "host" / "j" / "work") == {
         k.removeprefix("work/"): v for k, v in tree(here).items()
     }
-    assert tree(tmp_path / "host" / "j" / snapshotcmds.REPLACED) == {"work/checkpoints/stray.pt": b"stray"}
+    assert tree(tmp_path / "host" / "j" / commands.REPLACED) == {"work/checkpoints/stray.pt": b"stray"}
     assert snaps.holds(session, host, snaps.remote_path(name), digest)
-    assert snapshotchecks.remote_newest(session, host, inv, spec) == name  # the copies keep their times
+    assert checks.remote_newest(session, host, inv, spec) == name  # the copies keep their times
     assert not list((tmp_path / "host" / "j").glob(".fabtrain-set-*"))  # no temporary copy left
     assert reports == []
 
@@ -596,14 +596,14 @@ def test_a_set_that_changes_while_it_is_copied_is_dropped_quietly(tmp_path):
     write_at(work / "model.pt", b"model 1", old)
     write_at(work / "optim.pt", b"optim 1", old)
     session, host = LocalSession(), inv.hosts[0]
-    name = snapshotchecks.remote_newest(session, host, inv, spec)
+    name = checks.remote_newest(session, host, inv, spec)
 
     def rsync_then_the_program_writes(argv, **kw):
         r = local_rsync(argv, **kw)
         write_at(work / "model.pt", b"model 2", old + 10**9)  # epoch 2 starts being written
         return r
     reports = []
-    snaps = snapshots.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
+    snaps = store.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
                                 copy=rsync_then_the_program_writes)
     assert not snaps.fetch(session, host, name)
     assert snaps.local_newest() is None and list(snaps.dir.iterdir()) == [] and reports == []
@@ -616,7 +616,7 @@ def test_keep_one_removes_the_only_copy_here_only_after_its_successor_is_checked
     old = time.time_ns() - 60 * 10**9
     write_at(work / "ckpt.pt", b"epoch 1", old)
     session, host = LocalSession(), inv.hosts[0]
-    first = snapshotchecks.remote_newest(session, host, inv, spec)
+    first = checks.remote_newest(session, host, inv, spec)
     copies = {"n": 0}
 
     def corrupting(argv, **kw):
@@ -627,12 +627,12 @@ def test_keep_one_removes_the_only_copy_here_only_after_its_successor_is_checked
                 p.write_bytes(b"garbage")
         return r
     reports = []
-    snaps = snapshots.Snapshots(
+    snaps = store.Snapshots(
         tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=corrupting
     )
     assert snaps.fetch(session, host, first)
     write_at(work / "ckpt.pt", b"epoch 2", old + 10**9)
-    second = snapshotchecks.remote_newest(session, host, inv, spec)
+    second = checks.remote_newest(session, host, inv, spec)
     assert not snaps.fetch(session, host, second)
     assert snaps.local_newest() == first  # the one complete copy is still here
     assert tree(snaps.local_path(first)) == {"work/checkpoints/ckpt.pt": b"epoch 1"}

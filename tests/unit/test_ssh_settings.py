@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import load, parse
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 from orchestrator.transport import connect
 
 CONFIG = """\

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.commands import dockerargs
+from orchestrator.hostcmds import dockerargs
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("fabtrain_entrypoint", ROOT / "docker" / "entrypoint.py")

@@ -1,5 +1,5 @@
-"""A host's telemetry: the script (commands/telemetry.py) to the exact text, and its parser
-(progress/telemetry.py) on real tools' outputs and on hostile ones. Where each output is from is
+"""A host's telemetry: the script (telemetry/commands.py) to the exact text, and its parser
+(telemetry/samples.py) on real tools' outputs and on hostile ones. Where each output is from is
 said above it."""
 
 import json
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands import telemetry as commands
-from orchestrator.commands.telemetry import telemetry_script
 from orchestrator.config.inventory import parse
-from orchestrator.progress.telemetry import number, parse_sample, parse_xid, size, summarise, throttle_reasons
+from orchestrator.telemetry import commands
+from orchestrator.telemetry.commands import telemetry_script
+from orchestrator.telemetry.samples import number, parse_sample, parse_xid, size, summarise, throttle_reasons
 
 INV = parse(
     """\

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator.commands import touched
-from orchestrator.commands.telemetry import telemetry_script
 from orchestrator.config.inventory import parse
+from orchestrator.hostcmds import touched
 from orchestrator.hosts import survey
 from orchestrator.progress import top
+from orchestrator.telemetry.commands import telemetry_script
 
 INV = parse(
     """\

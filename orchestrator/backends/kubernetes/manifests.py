@@ -10,11 +10,11 @@ import yaml
 
 from orchestrator.backends import export
 from orchestrator.backends.export import comment
-from orchestrator.commands.node import node_spec
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.nodespec import HOST, NodeSpec
+from orchestrator.hostcmds.node import node_spec
 
 SECRET_NAME = "fabtrain-secrets"
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.backends.slurm.script import COMMENT
-from orchestrator.commands import sshargs
 from orchestrator.config.inventory import Slurm
 from orchestrator.core import hostile
+from orchestrator.hostcmds import sshargs
 
 # States a job does not leave (PREEMPTED and NODE_FAIL jobs that Slurm requeues go back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",

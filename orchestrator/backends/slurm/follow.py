@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from rich.live import Live
 
 from orchestrator.backends.slurm.commands import ENDED, follow_command, out_file
-from orchestrator.commands import sshargs
 from orchestrator.core import hostile, recovery
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 from orchestrator.progress.live import Board
 from orchestrator.transport.logs import HostSink, Multiplexer
 from orchestrator.transport.remote import describe

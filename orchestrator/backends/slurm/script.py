@@ -10,11 +10,11 @@ from dataclasses import replace
 
 from orchestrator.backends import export
 from orchestrator.backends.export import HEREDOC, comment
-from orchestrator.commands import dockerargs, hostfiles, touched
-from orchestrator.commands.node import job_env, node_spec
 from orchestrator.config.inventory import SLURM_VALUE_RE, Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs, hostfiles, touched
+from orchestrator.hostcmds.node import job_env, node_spec
 
 # A word of a generated script that Slurm's environment fills in at run time: VAR + NAME + VAR.
 VAR = "\x00"
@@ -163,7 +163,7 @@ def _prepare(inv: Inventory, spec: jobspec.JobSpec, out_dir: str, rt: str) -> li
         "fabtrain_prepare() {",
         f"  mkdir -p {line([out_dir, rt])} || return 1",
         # The job's container writes out_dir: its work directory (a mount source) is made and
-        # checked without following a link it put there (commands/touched.py).
+        # checked without following a link it put there (hostcmds/touched.py).
         f"  {touched.make_dir(word(out_dir), jobspec.WORK)} || return 1",
         f"  {touched.mount_sources_check([out_dir, hostfiles.work_dir(inv, spec)])} || return 1",
         f"  cat > {word(rt + '/entrypoint.py')} <<'{HEREDOC}' || return 1",

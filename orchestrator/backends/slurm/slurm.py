@@ -39,12 +39,12 @@ from orchestrator.backends.slurm.follow import Follower
 from orchestrator.backends.slurm.script import slurm_script
 from orchestrator.backends.slurm.submitted import QUERY_TIMEOUT, SlurmJob
 from orchestrator.backends.ssh.attempt import secrets_body
-from orchestrator.commands import hostfiles, sshargs, touched
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Inventory, Slurm
 from orchestrator.core import hostile, jobspec, recovery
 from orchestrator.core.errors import UserError
 from orchestrator.core.record import BackendPlace
+from orchestrator.hostcmds import hostfiles, sshargs, touched
 from orchestrator.hosts import hostops
 from orchestrator.transport.remote import Session, failure
 

@@ -14,9 +14,9 @@ from orchestrator.backends.slurm.commands import (
     sacct_command,
     show_command,
 )
-from orchestrator.commands import sshargs
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
 
 if TYPE_CHECKING:
     from orchestrator.config.inventory import Slurm

@@ -13,14 +13,15 @@ import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.backends.ssh.snapshotchecks import CHECKSUM_TIMEOUT
-from orchestrator.commands import dockerargs, hostfiles, node, sshargs, telemetry
-from orchestrator.commands.snapshotcmds import layout, local_dir_name
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import LOCAL
+from orchestrator.hostcmds import dockerargs, hostfiles, node, sshargs
 from orchestrator.hosts import claimdir, claims
+from orchestrator.snapshots.checks import CHECKSUM_TIMEOUT
+from orchestrator.snapshots.commands import layout, local_dir_name
+from orchestrator.telemetry.commands import telemetry_script
 from orchestrator.transport.deadlines import COPY_TIMEOUT, START_TIMEOUT, STATUS_TIMEOUT, STOP_MARGIN
 from orchestrator.transport.remote import put_command
 
@@ -460,10 +461,10 @@ TELEMETRY_TIMEOUT = 20  # seconds one host's sample may take (nvidia-smi and doc
 
 
 def telemetry_steps(inv: Inventory, spec: jobspec.JobSpec) -> list[Step]:
-    """WATCH's samples of every host (sampler.py), when job.telemetry_every is not 0."""
+    """WATCH's samples of every host (telemetry/sampler.py), when job.telemetry_every is not 0."""
     if not inv.job.telemetry_every:
         return []
-    return [remote_step(h, "telemetry", telemetry.telemetry_script(inv, spec.job_id), TELEMETRY_TIMEOUT,
+    return [remote_step(h, "telemetry", telemetry_script(inv, spec.job_id), TELEMETRY_TIMEOUT,
                         When.ON_SAMPLE, what="sampling the host's telemetry") for h in inv.hosts]
 
 

@@ -1,5 +1,5 @@
 """The SSH backend: a job in stages on the inventory's hosts (job.py), followed, stopped and listed
-over one Session per command (jobs.py, hosts/hostops.py)."""
+over one Session per command (jobcontrol.py, hosts/hostops.py)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Option, Status, Stopped
-from orchestrator.backends.ssh import jobs
+from orchestrator.backends.ssh import jobcontrol
 from orchestrator.backends.ssh.job import Job
 from orchestrator.backends.ssh.job import run as run_job
 from orchestrator.backends.ssh.state import JobResult, PreflightFailed
@@ -33,7 +33,7 @@ class SshBackend:
     declines = ""
 
     def refuse_if_running(self, inv: Inventory, job_id: str, how: str) -> None:
-        jobs.refuse_if_running(inv, job_id, how)
+        jobcontrol.refuse_if_running(inv, job_id, how)
 
     def serves(self, inv: Inventory) -> bool:
         return bool(inv.all_hosts)
@@ -48,7 +48,7 @@ class SshBackend:
                    known_lost=known_lost)
 
     def dry_run(self, launch: Launch) -> str:
-        return jobs.dry_run(self.job(launch))
+        return jobcontrol.dry_run(self.job(launch))
 
     def run(self, launch: Launch) -> Finished:
         from orchestrator import preflight
@@ -132,7 +132,7 @@ class SshBackend:
 
     def finished(self, launch: Launch, result: JobResult) -> Finished:
         again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
-        return Finished(launch.spec.job_id, result.run_dir, jobs.explain(result),
+        return Finished(launch.spec.job_id, result.run_dir, jobcontrol.explain(result),
                         f"job {launch.spec.job_id} finished on every host{again}; logs and outputs in "
                         f"{result.run_dir}")
 
@@ -160,10 +160,10 @@ class SshBackend:
             )
         with Session(inv.all_hosts) as session:
             try:
-                result = jobs.attach(session, inv, job_id, runs, console, live=live)
+                result = jobcontrol.attach(session, inv, job_id, runs, console, live=live)
             except KeyboardInterrupt:
                 return Finished(job_id or "", None, None, "detached; the job goes on ('fab stop' ends it)")
-        return Finished(result.job_id, result.run_dir, jobs.explain(result))
+        return Finished(result.job_id, result.run_dir, jobcontrol.explain(result))
 
     def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
              runs: Path) -> Stopped:
@@ -171,11 +171,11 @@ class SshBackend:
             found = survey.survey(session, inv)
             views = survey.job_views(found)
             from orchestrator.backends.ssh import detached
-            if job_id and not jobs.known_to(found, job_id, runs):
-                raise jobs.unknown_job(job_id, f" on the hosts of {inv.path} or in {runs}/")
-            chosen, others = jobs.to_stop(views, job_id, everyone, claims.me())
+            if job_id and not jobcontrol.known_to(found, job_id, runs):
+                raise jobcontrol.unknown_job(job_id, f" on the hosts of {inv.path} or in {runs}/")
+            chosen, others = jobcontrol.to_stop(views, job_id, everyone, claims.me())
             if everyone and others and not yes:
-                jobs.confirm_all(others)
+                jobcontrol.confirm_all(others)
             targets = sorted(chosen)
             hostops.mark_stopped(
                 session, inv, {j: list(views[j].hosts) if j in views else [] for j in targets}
@@ -220,8 +220,8 @@ class SshBackend:
         stuck = [h.name for h in inv.all_hosts if isinstance(found[h.name], CommandTimedOut)]
         lost = [h.name for h in inv.all_hosts if found.error(h.name) and h.name not in stuck]
         return Status(
-            doc={"jobs": jobs.status_rows(views, steps)},
-            tables=[jobs.status_table(views, steps, inv)],
+            doc={"jobs": jobcontrol.status_rows(views, steps)},
+            tables=[jobcontrol.status_table(views, steps, inv)],
             lines=[f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
                    + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
                    + (f"; unreachable: {', '.join(lost)}" if lost else ""), *controllers],

@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh.placement import MIRROR, Place, place, place_of, places_of, unfetched
-from orchestrator.commands import sshargs
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.core.record import Controller
 from orchestrator.core.recovery import RECORD, STATES, JobRecord
+from orchestrator.hostcmds import sshargs
 from orchestrator.hosts import keys
 from orchestrator.hosts.keys import revoke_script
 from orchestrator.hosts.survey import HostJobs

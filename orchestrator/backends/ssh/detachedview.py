@@ -27,10 +27,10 @@ from orchestrator.backends.ssh.detached import (
     take_back,
 )
 from orchestrator.backends.ssh.placement import Place, at, places_of
-from orchestrator.commands import sshargs
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
+from orchestrator.hostcmds import sshargs
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import Session, describe
 
@@ -145,9 +145,9 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
 def nodes_followed(session: Session, inv: Inventory, job: str, runs: Path, console: Console,
                    live: bool) -> bool:
     """The running attempt's nodes followed to its end (True), or until Ctrl+C (False)."""
-    from orchestrator.backends.ssh import jobs
+    from orchestrator.backends.ssh import jobcontrol
     try:
-        jobs.attach(session, inv, job, runs, console, live=live)
+        jobcontrol.attach(session, inv, job, runs, console, live=live)
     except KeyboardInterrupt:
         return False
     except UserError:

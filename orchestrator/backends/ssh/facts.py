@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator import preflight
-from orchestrator.backends.ssh import snapshots
 from orchestrator.backends.ssh.attempt import Fact
-from orchestrator.backends.ssh.snapshotchecks import local_digest, remote_newest
 from orchestrator.backends.ssh.state import Refused
-from orchestrator.commands import dockerargs, ports, sshargs
-from orchestrator.commands.snapshotcmds import checksum_command, list_command
 from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import dockerargs, ports, sshargs
 from orchestrator.hosts import claimdir, claims, survey
+from orchestrator.snapshots import store
+from orchestrator.snapshots.checks import local_digest, remote_newest
+from orchestrator.snapshots.commands import checksum_command, list_command
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import describe
 
@@ -138,7 +138,7 @@ class Newest:
     facts: tuple[Fact, ...]
 
 
-def newest_snapshot(session: Session, snaps: snapshots.Snapshots, inv: Inventory, spec: jobspec.JobSpec,
+def newest_snapshot(session: Session, snaps: store.Snapshots, inv: Inventory, spec: jobspec.JobSpec,
                     asked: tuple[Host, ...], fetch: bool) -> Newest:
     """The newest complete snapshot on this machine or on any host `asked`, copied here when
     `fetch`; and which of the attempt's hosts that read it lack it: a holder's copy is checked by

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING
 import paramiko
 
 from orchestrator.backends.ssh.placement import MIRROR
-from orchestrator.commands import hostfiles, sshargs
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import RECORD, JobRecord
+from orchestrator.hostcmds import hostfiles, sshargs
 from orchestrator.transport.remote import Session
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from orchestrator.backends.ssh.attempt import AttemptPlan, Stage
 from orchestrator.backends.ssh.jobcontext import JobContext
 from orchestrator.backends.ssh.state import Again, Attempted, Ending, JobResult, Queued, Refused
 from orchestrator.backends.ssh.waiting import QUEUE_POLL
-from orchestrator.commands import hostfiles
 from orchestrator.core.policy import Decision, Roster, backoff
 from orchestrator.core.policy import decide as policy_decide
+from orchestrator.hostcmds import hostfiles
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

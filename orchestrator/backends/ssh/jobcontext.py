@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
-from orchestrator.backends.ssh import snapshots
 from orchestrator.backends.ssh.jobstate import JobState
 from orchestrator.backends.ssh.state import Interrupted
 from orchestrator.backends.ssh.steps import run_steps
@@ -27,6 +26,7 @@ from orchestrator.core.policy import Roster
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts.queue import new_ticket
 from orchestrator.progress import bars, metrics, notify
+from orchestrator.snapshots.store import Snapshots
 from orchestrator.transport import deadlines
 from orchestrator.transport.remote import PerHost, Session
 
@@ -77,7 +77,7 @@ class JobContext:
         self.checks, self.smoke = checks, smoke
         self.watch_options = dict(watch_options or {})
         self.target_nodes = int(dict(spec.env).get("FABTRAIN_TARGET_NODES", len(inv.hosts)))
-        self.snaps: snapshots.Snapshots | None = None
+        self.snaps: Snapshots | None = None
         # fab train --queue: the job's place in its hosts' queues (queue.new_ticket), while it waits.
         self.place_in_queue = (
             Place(inv, spec, new_ticket(spec.job_id), self.note, self.emit) if queue else None
@@ -134,7 +134,7 @@ class JobContext:
         return self.session
 
     @property
-    def store(self) -> snapshots.Snapshots:
+    def store(self) -> Snapshots:
         """The job's snapshots, made by `open` (or `open_snapshots`) before any stage needs them."""
         if self.snaps is None:
             raise RuntimeError(f"job {self.spec.job_id}: snapshots used before JobContext.open made them")
@@ -187,11 +187,11 @@ class JobContext:
                             "another port (job.metrics_port in the inventory, or --metrics-port)") from None
         self.note(f"metrics for Prometheus at {url}")
 
-    def open_snapshots(self) -> snapshots.Snapshots:
+    def open_snapshots(self) -> Snapshots:
         """runs/JOB/snapshots (or checkpoints/), made when the job starts, or when a dry run of a
         resumed job looks for what it would resume from."""
         if self.snaps is None:
-            self.snaps = snapshots.Snapshots(
+            self.snaps = Snapshots(
                 self.run_dir,
                 self.inv,
                 self.spec,

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from orchestrator.commands import hostfiles
 from orchestrator.core import jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.record import Controller, ControllerPlace
+from orchestrator.hostcmds import hostfiles
 
 if TYPE_CHECKING:
     from orchestrator.config.inventory import Host, Inventory

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, When
-from orchestrator.backends.ssh.snapshotchecks import local_digest
 from orchestrator.backends.ssh.state import Attempted
 from orchestrator.core.errors import UserError
 from orchestrator.core.policy import Failure, HostFailure, Outcome
+from orchestrator.snapshots.checks import local_digest
 from orchestrator.transport.remote import PerHost, describe
 
 if TYPE_CHECKING:

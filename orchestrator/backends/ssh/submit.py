@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from orchestrator.backends.base import Finished, Launch
 from orchestrator.backends.ssh.detached import KEY_FILE, MOUNT, keys_line, remove
 from orchestrator.backends.ssh.placement import Place, Placement, placement
-from orchestrator.commands import hostfiles, sshargs
 from orchestrator.config.sshconf import SSH
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
+from orchestrator.hostcmds import hostfiles, sshargs
 from orchestrator.hosts import keys
 from orchestrator.hosts.keys import authorize_script, marker
 from orchestrator.hosts.survey import CONTROLLER_LABEL

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh.planning import key_code
-from orchestrator.commands import hostfiles
 from orchestrator.core.errors import UserError
 from orchestrator.core.policy import Roster
+from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts.survey import HostJobs
 
 if TYPE_CHECKING:

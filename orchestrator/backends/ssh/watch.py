@@ -26,15 +26,15 @@ from rich.live import Live
 
 from orchestrator.backends.ssh.attempt import AttemptPlan, Step, When
 from orchestrator.backends.ssh.hangs import Looks, Progress
-from orchestrator.backends.ssh.sampler import Sampler
-from orchestrator.commands import hostfiles, touched
 from orchestrator.config.inventory import Host
 from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
 from orchestrator.core.policy import Failure, HostFailure
+from orchestrator.hostcmds import hostfiles, touched
 from orchestrator.hosts import hostops
 from orchestrator.progress.live import Board
+from orchestrator.telemetry.sampler import Sampler
 from orchestrator.transport.logs import Multiplexer, missing_output
 from orchestrator.transport.remote import CommandTimedOut, Session, describe
 

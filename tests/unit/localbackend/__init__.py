@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Status, Stopped
-from orchestrator.commands.node import node_spec
 from orchestrator.core.errors import UserError
 from orchestrator.core.record import BackendPlace
 from orchestrator.core.recovery import Attempt, JobRecord
+from orchestrator.hostcmds.node import node_spec
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -46,7 +46,7 @@ Q='index,name,uuid,pci.bus_id,memory.total,ecc.errors.uncorrected.volatile.total
     sec 30 "python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|numpy|pytest|pyyaml|nvidia-nccl)'"
     sec 30 "nproc; free -g; df -h /"
     sec 30 "uname -r; head -4 /etc/os-release"
-    # The preflight's own probes (orchestrator/commands/dockerargs.py gpu_probe_argv, orchestrator/preflight/
+    # The preflight's own probes (orchestrator/hostcmds/dockerargs.py gpu_probe_argv, orchestrator/preflight/
     # IMAGE_INFO_PY, run here with the host's python3 rather than in a container).
     sec 30 "echo runtimes \$(timeout -k 2 8 docker info --format '{{json .Runtimes}}' 2>/dev/null); echo cdi \$(cat /etc/cdi/*.yaml /etc/cdi/*.json /var/run/cdi/*.yaml /var/run/cdi/*.json 2>/dev/null | grep -c 'nvidia.com/gpu')"
     sec 60 "python3 -c \"import ast; m = ast.parse(open('orchestrator/preflight.py').read()); exec(next(n.value.value for n in m.body if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == 'IMAGE_INFO_PY'))\""

@@ -65,8 +65,8 @@ output directory (manifest_command), and the sizes they read must be the listing
 swapped for a link to the host's files between two looks is never copied here. Links elsewhere
 in the output directory (the working directory's links into the code) are left alone.
 
-The commands are built by pure functions (commands/snapshotcmds.py), so a job's plan can show
-exactly what runs; what hosts send back is read by commands/snapshotlists.py.
+The commands are built by pure functions (snapshots/commands.py), so a job's plan can show
+exactly what runs; what hosts send back is read by snapshots/listings.py.
 """
 from __future__ import annotations
 
@@ -79,7 +79,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from orchestrator.backends.ssh.snapshotchecks import (
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import hostile, jobspec
+from orchestrator.core.errors import UserError
+from orchestrator.hostcmds import sshargs
+from orchestrator.progress import bars
+from orchestrator.snapshots.checks import (
     CHECKSUM_TIMEOUT,
     LIST_TIMEOUT,
     CopyFailed,
@@ -91,8 +96,7 @@ from orchestrator.backends.ssh.snapshotchecks import (
     remote_manifest,
     remote_newest,
 )
-from orchestrator.commands import sshargs
-from orchestrator.commands.snapshotcmds import (
+from orchestrator.snapshots.commands import (
     PLACE_TMP,
     REFUSED_MARK,
     fetch_set_argv,
@@ -104,7 +108,7 @@ from orchestrator.commands.snapshotcmds import (
     remove_tree_command,
     temp_path,
 )
-from orchestrator.commands.snapshotlists import (
+from orchestrator.snapshots.listings import (
     SETTLE,
     Digest,
     Manifest,
@@ -115,10 +119,6 @@ from orchestrator.commands.snapshotlists import (
     parse_checksum,
     parse_manifest,
 )
-from orchestrator.config.inventory import Host, Inventory
-from orchestrator.core import hostile, jobspec
-from orchestrator.core.errors import UserError
-from orchestrator.progress import bars
 from orchestrator.transport.remote import Session, describe
 
 SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (a find on an open SSH link)

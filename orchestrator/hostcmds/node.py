@@ -8,10 +8,6 @@ import hashlib
 import re
 from dataclasses import replace
 
-from orchestrator.commands import touched
-from orchestrator.commands.dockerargs import GpuAccess, container_options_of, device_args, docker_run
-from orchestrator.commands.hostfiles import code_path, end_rel, job_dir, runtime_dir, warm_go_file, work_dir
-from orchestrator.commands.sshargs import bounded, shell, timed_out_note
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.core.jobspec import (
@@ -34,6 +30,10 @@ from orchestrator.core.jobspec import (
     container_name,
 )
 from orchestrator.core.nodespec import CODE, HOST, OUTPUT, RUNTIME, WORK, Mount, NodeMount, NodeSpec
+from orchestrator.hostcmds import touched
+from orchestrator.hostcmds.dockerargs import GpuAccess, container_options_of, device_args, docker_run
+from orchestrator.hostcmds.hostfiles import code_path, end_rel, job_dir, runtime_dir, warm_go_file, work_dir
+from orchestrator.hostcmds.sshargs import bounded, shell, timed_out_note
 
 PROGRAM = "python3"  # runs our entrypoint, whatever the image's own ENTRYPOINT is
 

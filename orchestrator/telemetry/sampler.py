@@ -1,33 +1,63 @@
 """Telemetry while an attempt is watched: every job.telemetry_every seconds, each host's plan step
 `telemetry` (one SSH command on the session the job already holds, with the step's deadline) is
-run, its output read by progress/telemetry.parse_sample and kept to the GPUs the job holds there,
+run, its output read by samples.parse_sample and kept to the GPUs the job holds there,
 and reported as a `telemetry` event (runs/JOB/telemetry.jsonl, /metrics, --json).
 
 At most one sample is in flight per host: a host whose command has not come back is skipped, not
 piled up, and named once (`sampling goes on with the others`). A GPU the job holds whose
 utilisation stays at most IDLE_UTIL for job.idle_gpu_after seconds is named once; with
 job.stop_idle, `on_idle` is called (the job is stopped as by fab stop).
+
+The sampler sits below the backends: it reads an SSH attempt's plan (backends/ssh/attempt.AttemptPlan)
+through `Sampled`, the few fields it needs, so that it names no backend's type.
 """
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from orchestrator.hosts import claims
-from orchestrator.progress.telemetry import parse_sample
+from orchestrator.telemetry.samples import parse_sample
 from orchestrator.transport.remote import describe
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping, Sequence
 
-    from orchestrator.backends.ssh.attempt import AttemptPlan
-    from orchestrator.config.inventory import Host
+    from orchestrator.config.inventory import Host, Inventory
     from orchestrator.transport.remote import Session
 
 IDLE_UTIL = 0.01   # a GPU at most this busy (0 to 1) is idle
 MAX_WORKERS = 16   # hosts sampled at once
+
+
+class SampleStep(Protocol):
+    """A plan step that samples one host (the `telemetry` steps of backends/ssh/attempt.Step)."""
+
+    @property
+    def where(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def command(self) -> str: ...
+    @property
+    def deadline(self) -> float: ...
+    @property
+    def what(self) -> str: ...
+
+
+class Sampled(Protocol):
+    """What the sampler reads of an attempt's plan (backends/ssh/attempt.AttemptPlan)."""
+
+    @property
+    def inv(self) -> Inventory: ...
+    @property
+    def hosts(self) -> Sequence[Host]: ...
+    @property
+    def steps(self) -> Sequence[SampleStep]: ...
+    @property
+    def units(self) -> Mapping[str, tuple[int, ...]]: ...
 
 
 class Idle:
@@ -64,7 +94,7 @@ def held(sample: dict, host: Host, units: tuple[int, ...] | None) -> dict:
 class Sampler:
     """Samples an attempt's hosts in the background (see the module's docstring) until `stop`."""
 
-    def __init__(self, session: Session, attempt: AttemptPlan, emit: Callable[..., None],
+    def __init__(self, session: Session, attempt: Sampled, emit: Callable[..., None],
                  note: Callable[[str, str], None], on_idle: Callable[[str], None] | None = None,
                  watched: Callable[[str], bool] = lambda host: True,
                  clock: Callable[[], float] = time.monotonic) -> None:

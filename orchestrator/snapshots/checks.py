@@ -1,6 +1,6 @@
 """Asking what a snapshot is, here and on a host: its size and SHA-256 (a set: each file's), and a
 host's listing of the job's snapshots, each command under its deadline; a try that gets no
-usable answer is a CopyFailed naming why. Snapshots (backends/ssh/snapshots.py) copies, checks
+usable answer is a CopyFailed naming why. Snapshots (snapshots/store.py) copies, checks
 and places with these."""
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from orchestrator.commands.snapshotcmds import checksum_command, layout, list_command, manifest_command
-from orchestrator.commands.snapshotlists import (
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import hostile, jobspec
+from orchestrator.snapshots.commands import checksum_command, layout, list_command, manifest_command
+from orchestrator.snapshots.listings import (
     Digest,
     Listing,
     Manifest,
@@ -22,8 +24,6 @@ from orchestrator.commands.snapshotlists import (
     parse_listing,
     parse_manifest,
 )
-from orchestrator.config.inventory import Host, Inventory
-from orchestrator.core import hostile, jobspec
 from orchestrator.transport.remote import Session, describe
 
 LIST_TIMEOUT = 10     # find, mv, rm in the snapshot directory: metadata only

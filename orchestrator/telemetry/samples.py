@@ -1,4 +1,4 @@
-"""One telemetry sample of a host, read from what commands/telemetry.telemetry_script prints there
+"""One telemetry sample of a host, read from what telemetry/commands.telemetry_script prints there
 (parse_sample), and what a run's samples add up to (summarise). Pure: no I/O.
 
 Everything here comes from a host, so it is hostile input: the text is cut at INPUT_MAX, a line at
@@ -25,8 +25,8 @@ import re
 from collections import Counter
 from typing import Any
 
-from orchestrator.commands import telemetry as commands
 from orchestrator.core import hostile
+from orchestrator.telemetry import commands
 
 SAMPLE_KEYS = ("vendor", "gpus", "xid", "containers", "host", "errors")
 INPUT_MAX = 2 * commands.OUTPUT_MAX   # characters of a host's output read (the script cuts at half)
@@ -191,7 +191,7 @@ def _util(value: Any) -> float | None:
 
 
 def parse_nvidia(lines: list[str], errors: _Errors) -> list[dict]:
-    """nvidia-smi's CSV (commands.telemetry.NVIDIA_FIELDS, noheader, nounits): one GPU per line."""
+    """nvidia-smi's CSV (commands.NVIDIA_FIELDS, noheader, nounits): one GPU per line."""
     gpus: list[dict] = []
     for line in lines:
         if not line.strip():

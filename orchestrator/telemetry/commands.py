@@ -1,14 +1,14 @@
 """A host's telemetry as one POSIX sh script: its GPUs (NVIDIA or AMD), the kernel's XID lines, our
 containers' CPU and memory, and the host's load and memory, each section after a marker line
-(SECTIONS) so that progress/telemetry.parse_sample reads them apart. Pure: the text only; the
+(SECTIONS) so that telemetry/samples.parse_sample reads them apart. Pure: the text only; the
 caller runs it over SSH with its own deadline, and every tool in it is bounded here too (a hung
 nvidia-smi or Docker engine costs TOOL_TIMEOUT, not the caller's whole deadline), as is the whole
 output (OUTPUT_MAX bytes)."""
 from __future__ import annotations
 
-from orchestrator.commands.dockerargs import label_filter
-from orchestrator.commands.sshargs import shell
 from orchestrator.config.inventory import Inventory
+from orchestrator.hostcmds.dockerargs import label_filter
+from orchestrator.hostcmds.sshargs import shell
 
 # The marker line before each section's output (parse_sample splits on these).
 NVIDIA, XID, AMD, AMD_LIST, ROCM, CONTAINERS, HOST = (

@@ -28,7 +28,7 @@ Pure: text only, run by the transport.
 """
 from __future__ import annotations
 
-from orchestrator.commands.sshargs import shell
+from orchestrator.hostcmds.sshargs import shell
 
 REFUSED = "refused: "  # what every refusal the scripts print on stderr starts with
 OPEN_BOUND = 10  # seconds an open may block (only a FIFO swapped in after the look does)

@@ -4,9 +4,9 @@ the inventory's user, port, keys, known_hosts and jump hosts; host keys checked,
 Pure: argv lists, the remote command quoted exactly once (sshargs.shell)."""
 from __future__ import annotations
 
-from orchestrator.commands.sshargs import shell, ssh_argv
 from orchestrator.config.inventory import Host
 from orchestrator.core.jobspec import container_name
+from orchestrator.hostcmds.sshargs import shell, ssh_argv
 
 # What `fab shell` runs without a command: bash where the image has it (NGC and ROCm images do),
 # else the POSIX shell every image has.

@@ -151,7 +151,7 @@ def push_file_argv(host: Host, source: str, remote_file: str, first: str = "") -
 
 # The job's snapshots, complete (snapshot-NNNNNNNNN.pt) and being written or copied (.snapshot-*):
 # the newest complete one is already in runs/JOB/snapshots, copied and verified while the job ran
-# (snapshots.py), so the end-of-job fetch leaves them out. Anything else a script writes there is
+# (snapshots/store.py), so the end-of-job fetch leaves them out. Anything else a script writes there is
 # still fetched.
 SNAPSHOT_EXCLUDES = ("/snapshots/snapshot-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9].pt",
                      "/snapshots/.snapshot-*")

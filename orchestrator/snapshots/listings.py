@@ -1,8 +1,8 @@
 """What a host says of a job's snapshots, read (pure: no I/O): the listing of a program's checkpoint
 set (NUL-separated records, every name checked by hostile.relpath and the glob), which files make
 one set and when it is complete (Settle), our snapshots' names, and the checksums a copy is
-checked by (Digest, Manifest). The commands that print these are in commands/snapshotcmds.py; what
-runs them, in backends/ssh/snapshots.py (whose docstring tells the whole story)."""
+checked by (Digest, Manifest). The commands that print these are in snapshots/commands.py; what
+runs them, in snapshots/store.py (whose docstring tells the whole story)."""
 from __future__ import annotations
 
 import fnmatch
@@ -18,7 +18,7 @@ from orchestrator.core import hostile
 SNAPSHOT_RE = re.compile(r"snapshot-[0-9]{9}\.pt")  # ours
 SET_RE = re.compile(r"[0-9]{20}")                    # a program's checkpoint set
 # A program's checkpoint set is complete, while the job runs, once two looks this far apart saw
-# the same files and its newest file is this old by the host's clock (backends/ssh/snapshots.py's
+# the same files and its newest file is this old by the host's clock (snapshots/store.py's
 # docstring).
 SETTLE = 1.0
 MAX_SET_FILES = 10000  # files in one checkpoint set; a listing with more is not taken as a set
@@ -122,7 +122,7 @@ def parse_listing(stdout: str, pattern: str) -> Listing | None:
 
 @dataclass(frozen=True)
 class CheckpointSet:
-    """The files of a program's checkpoint that belong together (backends/ssh/snapshots.py's
+    """The files of a program's checkpoint that belong together (snapshots/store.py's
     docstring), sorted by path, named by the newest one's modification time (20 digits); `partial`
     the DCP directories left out because their `.metadata` is not written yet."""
 

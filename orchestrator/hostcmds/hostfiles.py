@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.commands import touched
-from orchestrator.commands.sshargs import shell
 from orchestrator.config.inventory import Inventory
 from orchestrator.core.jobspec import WORK, JobSpec, console_name, container_name, heartbeat_name
+from orchestrator.hostcmds import touched
+from orchestrator.hostcmds.sshargs import shell
 
 
 def code_path(inv: Inventory, spec: JobSpec) -> str:

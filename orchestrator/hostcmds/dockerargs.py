@@ -8,7 +8,6 @@ import tarfile
 from dataclasses import dataclass
 from functools import cache
 
-from orchestrator.commands.sshargs import shell
 from orchestrator.config import resources
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import devices
@@ -23,6 +22,7 @@ from orchestrator.core.jobspec import (
     container_name,
 )
 from orchestrator.core.nodespec import NodeSpec
+from orchestrator.hostcmds.sshargs import shell
 
 ENTRYPOINT_SOURCE = resources.entrypoint()
 # What a node's start writes into the job's runtime directory (mounted read-only at RUNTIME_MOUNT):

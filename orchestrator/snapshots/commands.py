@@ -1,4 +1,4 @@
-"""The commands that list, check, copy and place a job's snapshots (backends/ssh/snapshots.py
+"""The commands that list, check, copy and place a job's snapshots (snapshots/store.py
 tells what they are for and how they are used), built by pure functions (Layout.list_command,
 checksum_command, manifest_command, rename_command, set_place_command, remove_command, and
 sshargs.fetch_file_argv / push_file_argv, fetch_set_argv / push_set_argv for the copies, with
@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.commands import sshargs
-from orchestrator.commands.snapshotlists import (
+from orchestrator.config.inventory import Host, Inventory
+from orchestrator.core import hostile, jobspec
+from orchestrator.hostcmds import sshargs
+from orchestrator.snapshots.listings import (
     DCP_METADATA,
     END,
     SET_RE,
@@ -21,8 +23,6 @@ from orchestrator.commands.snapshotlists import (
     parse_listing,
     parse_names,
 )
-from orchestrator.config.inventory import Host, Inventory
-from orchestrator.core import hostile, jobspec
 
 PLACE_TMP = ".fabtrain-set-{}.tmp"  # a set pushed to a host, in the job's output directory, until checked
 REPLACED = ".fabtrain-replaced"     # where a host's files matching the glob, not in the set placed, go

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from orchestrator.commands import sshargs
+from orchestrator.hostcmds import sshargs
 
 PORT_RANGE = 100      # master ports tried above job.master_port
 

@@ -1,0 +1,3 @@
+"""A host's telemetry (GPUs, XID lines, the job's containers): commands (the sample script run on
+a host), samples (one sample read, samples summarised) and sampler (an attempt's hosts sampled
+while it is watched)."""
