@@ -339,15 +339,16 @@ def top(c, inventory=None, json=False):
 
 @task(auto_shortflags=False,
       help={"inventory": INV_HELP, "job": "job id (default: the one running)",
-            "plain": PLAIN_HELP})
+            "plain": PLAIN_HELP, "json": "events as JSON lines on stdout instead of the hosts' log lines"})
 @user_errors
-def logs(c, inventory=None, job=None, plain=False):
+def logs(c, inventory=None, job=None, plain=False, json=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
-    finished = requests.logs(inventory, job, RUNS, console, plain)
+    say = cli.stderr_console() if json else console
+    finished = requests.logs(inventory, job, RUNS, say, plain, json)
     if finished.run_dir is not None and (finished.run_dir / "job.json").is_file():  # a detached job, fetched
-        cli.present(finished.run_dir, console)
+        cli.present(finished.run_dir, say)
     if finished.closing:
-        print(finished.closing)
+        print(finished.closing, file=sys.stderr if json else sys.stdout)
     if finished.error is not None:
         raise finished.error
 

@@ -200,9 +200,10 @@ class Runner(Protocol):
         ...
 
     def attach(
-        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
+        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool, json: bool = False
     ) -> Finished:
-        """fab logs: follow a running job from the start of its output; Ctrl+C detaches."""
+        """fab logs: follow a running job from the start of its output; Ctrl+C detaches. `json`: its
+        events as JSON lines on stdout instead of the hosts' log lines (as fab train --json)."""
         ...
 
     def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,

@@ -331,7 +331,8 @@ def status(inventory: str | None, runs: Path) -> Status:
     return out
 
 
-def logs(inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool) -> Finished:
+def logs(inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool,
+         json: bool = False) -> Finished:
     """fab logs: follow the job where it runs (its record says; the hosts when there is none). An id
     that cannot be a job's is refused before any host is asked; a well-formed one is looked for on
     the hosts, in runs/ or not (a detached job another machine started has its controller's
@@ -340,7 +341,7 @@ def logs(inventory: str | None, job: str | None, runs: Path, console: Console, p
         raise unknown_job(job)
     inv = inventory_file.load(inventory)
     backend = (registry.of_job(runs, job) if job else None) or registry.runner(registry.DEFAULT)
-    return backend.attach(inv, job, runs, console, live=not plain)
+    return backend.attach(inv, job, runs, console, live=not plain, json=json)
 
 
 def export(name: str, inventory: str | None, job: dict[str, Any], trainers: dict[str, str], runs: Path,

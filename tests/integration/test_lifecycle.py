@@ -237,9 +237,13 @@ def test_lost_terminal_leaves_a_visible_job_that_fab_logs_reattaches_to(inventor
         out, _ = attached.communicate(timeout=30)
         assert attached.returncode == 0 and "detached; the job goes on" in out
         assert running("node1") and running("node2")
+        as_json = start_fab(inventory_path, "logs", "--json")  # beside it: events, not log lines
         logs = fab(inventory_path, "logs", timeout=120)
         assert logs.returncode == 0, logs.stderr
         assert logs.stdout.count("REPORT ") == 4  # from the start, every rank
         assert "node2 r1 | " in logs.stdout
+        out, _ = as_json.communicate(timeout=60)
+        assert as_json.returncode == 0 and "REPORT " not in out, out[-2000:]
+        assert all(json.loads(line)["job"].startswith("report-") for line in out.splitlines()), out[-2000:]
     finally:
         fab(inventory_path, "stop", "--grace", "0")

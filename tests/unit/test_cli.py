@@ -383,7 +383,7 @@ def test_logs_of_a_detached_job_another_machine_started_is_still_followed(bogus,
     monkeypatch.setattr(detachedview, "found_places", lambda session, inv, job: places)
     followed = []
 
-    def follow_unowned(inv, job, found, runs, console, live):
+    def follow_unowned(inv, job, found, runs, console, live, json=False):
         followed.append((job, found))
         return Finished(job, None, None, f"job {job} ended")
     monkeypatch.setattr(detachedview, "follow_unowned", follow_unowned)

@@ -77,8 +77,11 @@ class SlurmBackend:
                                                      f"{end.slurm_id}); logs and curves in {run_dir}")
 
     def attach(
-        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
+        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool, json: bool = False
     ) -> Finished:
+        if json:
+            raise UserError("fab logs --json follows jobs on SSH hosts; a Slurm job's events are in "
+                            "runs/JOB/events.jsonl once it ends", exit_code=2)
         if job_id is None:
             raise UserError("fab logs on Slurm needs --job JOB ('fab status' lists them)", exit_code=2)
         try:

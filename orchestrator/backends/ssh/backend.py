@@ -137,19 +137,19 @@ class SshBackend:
                         f"{result.run_dir}")
 
     def attach(
-        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
+        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool, json: bool = False
     ) -> Finished:
         record = (
             JobRecord.load(runs, job_id, "fab logs --job") if job_id and (runs / job_id).is_dir() else None
         )
         from orchestrator.backends.ssh import detached, detachedview
         if record is not None and detached.unfetched(record):
-            return detachedview.follow(inv, record, runs, console, live)
+            return detachedview.follow(inv, record, runs, console, live, json)
         if record is None and job_id:
             with Session(inv.all_hosts) as session:
                 places = detachedview.found_places(session, inv, job_id)
             if places:  # a detached job another machine started
-                return detachedview.follow_unowned(inv, job_id, places, runs, console, live)
+                return detachedview.follow_unowned(inv, job_id, places, runs, console, live, json)
         if record is not None and record.state != "running":
             return Finished(
                 record.job_id,
@@ -160,7 +160,7 @@ class SshBackend:
             )
         with Session(inv.all_hosts) as session:
             try:
-                result = jobcontrol.attach(session, inv, job_id, runs, console, live=live)
+                result = jobcontrol.attach(session, inv, job_id, runs, console, live=live, json=json)
             except KeyboardInterrupt:
                 return Finished(job_id or "", None, None, "detached; the job goes on ('fab stop' ends it)")
         return Finished(result.job_id, result.run_dir, jobcontrol.explain(result))

@@ -101,7 +101,8 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
     return lines
 
 
-def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool) -> Finished:
+def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool,
+           json: bool = False) -> Finished:
     """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
     fetched here once its controllers have ended (from the one that ended it, or a standby's mirror)."""
     from orchestrator.hosts import survey
@@ -128,7 +129,7 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
                 )
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):
-                if not nodes_followed(session, inv, job, runs, console, live):
+                if not nodes_followed(session, inv, job, runs, console, live, json):
                     return Finished(job, None, None, "detached; the job goes on ('fab stop --job' ends it)")
                 continue
             answering = [p for p in places if found.error(p.host.name) is None]
@@ -143,11 +144,11 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
 
 
 def nodes_followed(session: Session, inv: Inventory, job: str, runs: Path, console: Console,
-                   live: bool) -> bool:
+                   live: bool, json: bool = False) -> bool:
     """The running attempt's nodes followed to its end (True), or until Ctrl+C (False)."""
     from orchestrator.backends.ssh import jobcontrol
     try:
-        jobcontrol.attach(session, inv, job, runs, console, live=live)
+        jobcontrol.attach(session, inv, job, runs, console, live=live, json=json)
     except KeyboardInterrupt:
         return False
     except UserError:
@@ -167,7 +168,7 @@ def found_places(session: Session, inv: Inventory, job: str) -> list[Place]:
 
 
 def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, console: Console,
-                   live: bool) -> Finished:
+                   live: bool, json: bool = False) -> Finished:
     """fab logs of a detached job this machine did not start: its nodes followed while it runs,
     then its run's files (logs, events, snapshots) copied here from the controller that ended it;
     its record stays with the machine that started it (and nothing is removed from the hosts)."""
@@ -183,7 +184,7 @@ def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, co
                                 "that started it, where 'fab status' clears the hosts)")
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):
-                if not nodes_followed(session, inv, job, runs, console, live):
+                if not nodes_followed(session, inv, job, runs, console, live, json):
                     return Finished(job, None, None, "detached; the job goes on")
                 continue
             if not running(controllers(found).get(job, {})):

@@ -19,7 +19,7 @@ from orchestrator.backends.ssh.watch import Watcher, worker_failure
 from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
-from orchestrator.core.events import Terminal
+from orchestrator.core.events import JsonLines, Terminal
 from orchestrator.hosts import survey
 from orchestrator.transport.remote import PerHost, Session
 
@@ -52,8 +52,10 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
 
 
 def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console: Console,
-           live: bool = True) -> JobResult:
-    """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches."""
+           live: bool = True, json: bool = False) -> JobResult:
+    """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches.
+    `json`: the watch's events as JSON lines on stdout, not the hosts' log lines (runs/JOB/attach/ keeps
+    those)."""
     found = survey.survey(session, inv)
     jobs = survey.running_jobs(found)
     if job_id is None:
@@ -74,7 +76,9 @@ def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path,
         quiet, jobspec.JobSpec(job_id=job_id, script=""), 0, inv.job.master_port, sync=False
     )
     run_dir = run_root / job_id / "attach"
-    w = Watcher(session, a, run_dir, Terminal(console), detach=True, console=console, live=live).run()
+    reporter = JsonLines() if json else Terminal(console)
+    w = Watcher(session, a, run_dir, reporter, detach=True, console=console, live=live and not json,
+                echo=not json).run()
     return JobResult(job_id, run_dir, "finished" if w.ok else "failed", 1, watched=w,
                      failures=[f"{e.host.name}: {e.detail}" for e in w.failures])
 

@@ -100,7 +100,7 @@ class LocalBackend:
         )
 
     def attach(
-        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool
+        self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool, json: bool = False
     ) -> Finished:
         if job_id is None:
             raise UserError("give --job JOB", exit_code=2)
