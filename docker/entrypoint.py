@@ -182,8 +182,10 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     child.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # torch's flight recorder: the last collectives of every rank, dumped when the watchdog calls a
     # hang (SITECUSTOMIZE) and by NCCL on its own timeout, into the job's output (.flight/).
+    # (Its name since torch 2.5; the older TORCH_NCCL_TRACE_BUFFER_SIZE is not set: every rank of a
+    # newer torch warned that it is deprecated, in every first run. An image with an older torch
+    # runs without the recorder, unless its job sets that name in job.env.)
     child.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    child.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     child.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if env.get("FABTRAIN_OUTPUT"):
         child.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",

@@ -422,6 +422,14 @@ def _entrypoint():
     return mod
 
 
+def test_the_flight_recorder_is_on_under_its_current_name_only():
+    """A first run prints no warning caused by our own settings: torch 2.5+ warns once per rank when
+    the deprecated TORCH_NCCL_TRACE_BUFFER_SIZE is set."""
+    env = {"NNODES": "1", "NODE_RANK": "0", "FABTRAIN_OUTPUT": "/output"}
+    child = _entrypoint().plan(env, ["t.py"], 0)[1]
+    assert child["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in child
+
+
 def test_torchrun_argv_from_orchestrator_env():
     ep = _entrypoint()
     env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "auto", "MASTER_ADDR": "10.0.0.1",
