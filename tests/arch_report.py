@@ -1,7 +1,7 @@
 """The shape of the code in numbers, as Markdown tables (docs/architecture.md keeps a copy):
 
 - module sizes: lines of every Python file of the project (orchestrator/, trainers/,
-  docker/entrypoint.py, fabfile.py), the ones over 400 lines listed;
+  docker/entrypoint.py and fabtrain_memory.py, fabfile.py), the ones over 400 lines listed;
 - function sizes: every function and method (`def` line to its last line), the ones over 60 lines;
 - import cycles among the orchestrator's modules, twice: the imports run when the modules load
   (module and class level, outside `if TYPE_CHECKING:`), then every import (TYPE_CHECKING blocks
@@ -41,7 +41,8 @@ DURATIONS_HELP = ("run `.venv/bin/pytest tests --durations=0 -vv > durations.txt
 def project_files(root: Path) -> list[Path]:
     """The project's Python files (tests excluded), sorted."""
     found = [p for folder in ("orchestrator", "trainers") for p in (root / folder).rglob("*.py")]
-    found += [p for p in (root / "docker" / "entrypoint.py", root / "fabfile.py") if p.is_file()]
+    shipped = [root / "docker" / name for name in ("entrypoint.py", "fabtrain_memory.py")]  # to every host
+    found += [p for p in (*shipped, root / "fabfile.py") if p.is_file()]
     return sorted(found)
 
 
