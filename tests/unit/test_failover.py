@@ -253,3 +253,21 @@ def test_a_host_the_standby_found_silent_is_lost_from_the_watchs_start_and_never
     assert "node1" not in session.asked and "node2" in session.asked
     (lost,) = w.failures
     assert (lost.host.name, lost.failure, lost.detail) == ("node1", Failure.LOST, "node1 did not answer")
+
+
+def test_the_controllers_copy_of_fabtrain_imports_and_finds_every_file_a_node_start_ships(tmp_path):
+    """submit.code_copy: what a detached job's controller runs (its container's python, this code
+    alone on its path) loads the controller and finds the entrypoint and the memory module a node's
+    start unpacks (a file missing there made every detached job's controller die at import)."""
+    import sys
+
+    from orchestrator.backends.ssh import submit
+    submit.code_copy(tmp_path / "fabtrain")
+    probe = ("import orchestrator, orchestrator.backends.ssh.controller as c\n"
+             "from orchestrator.hostcmds import dockerargs\n"
+             "print(orchestrator.__file__); print(len(dockerargs.runtime_files()))\n")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path / "fabtrain", capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "fabtrain")}, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    where, size = r.stdout.split()
+    assert where.startswith(str(tmp_path / "fabtrain")) and int(size) > 0

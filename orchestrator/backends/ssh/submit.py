@@ -204,14 +204,16 @@ def stage_files(stage: Path, launch: Launch) -> str:
 
 
 def code_copy(dest: Path) -> None:
-    """The orchestrator's code as it runs here, laid out as a checkout (resources.py finds
-    docker/entrypoint.py beside a pyproject.toml), whether it runs from a checkout or is installed."""
+    """The orchestrator's code as it runs here, laid out as a checkout (resources.py finds the
+    files every node's start ships, docker/entrypoint.py and docker/fabtrain_memory.py, beside a
+    pyproject.toml), whether it runs from a checkout or is installed."""
     import orchestrator
-    from orchestrator.config import resources
+    from orchestrator.hostcmds import dockerargs
     shutil.copytree(Path(orchestrator.__file__).parent, dest / "orchestrator",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (dest / "docker").mkdir()
-    shutil.copyfile(resources.entrypoint(), dest / "docker" / "entrypoint.py")
+    for name, source in dockerargs.RUNTIME_SOURCES.items():
+        shutil.copyfile(source, dest / "docker" / name)
     (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
 
 
