@@ -77,6 +77,9 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
     script = submit.start_script(p, "fabtrain/controller:latest", "ann@ws")
     passwd, run = script.split(" && ", 1)
     assert run.startswith('docker run -d --rm --user "$(id -u):$(id -g)" ')
+    run, waits = run.split(" >/dev/null && ", 1)
+    assert waits.startswith(f"i=0; while [ ! -e {p.dir}/started ]; do if ! docker inspect "
+                            f"fabtrain-ctl-{JOB} ")
     argv = shlex.split(run.split('"$(id -u):$(id -g)" ', 1)[1])
     assert argv == [
         "--name",
@@ -110,9 +113,33 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
     assert detached.place(INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB
                           ).host.name == "gpu2"  # the default: the last host (no spare here)
     standby = shlex.split(submit.start_script(p, "fabtrain/controller:latest", "ann@ws", standby=True)
-                          .split('"$(id -u):$(id -g)" ', 1)[1])
+                          .split('"$(id -u):$(id -g)" ', 1)[1].split(" >/dev/null && ", 1)[0])
     assert standby[:-1] == argv[:-1] and standby[-1] == (
         "exec python3 -m orchestrator.backends.ssh.controller /ctl --standby >> /ctl/controller.log 2>&1")
+
+
+def test_a_controller_that_exits_at_once_is_named_with_its_log_and_one_that_started_is_not(tmp_path):
+    """start_script, run by a real shell with a `docker` that starts nothing: the controller's
+    container is gone at once, so the script fails with the end of its log on stderr; once the
+    controller wrote `started`, the same script succeeds."""
+    import subprocess
+    from dataclasses import replace
+    p = replace(detached.place(INV, JOB), dir=str(tmp_path / "ctl"))
+    (tmp_path / "ctl").mkdir()
+    (tmp_path / "ctl" / "controller.log").write_text("Traceback ...\nFileNotFoundError: docker/x.py\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    # run: started; inspect: no such container
+    (bin_ / "docker").write_text('#!/bin/sh\n[ "$1" = run ] && exit 0\nexit 1\n')
+    (bin_ / "docker").chmod(0o755)
+    env = {"PATH": f"{bin_}:/usr/bin:/bin"}
+    script = submit.start_script(p, "fabtrain/controller:latest", "ann@ws")
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 1 and r.stderr == ("it exited at once; the end of its log:\nTraceback ...\n"
+                                              "FileNotFoundError: docker/x.py\n"), r.stderr
+    (tmp_path / "ctl" / "started").touch()
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 0, r.stderr
 
 
 def test_the_controller_image_has_every_runtime_library_a_controller_imports():

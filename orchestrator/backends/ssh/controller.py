@@ -88,6 +88,8 @@ def main(root: Path, standby: bool = False) -> int:
 
     from orchestrator.backends.ssh import job as job_mod
     from orchestrator.backends.ssh.backend import SshBackend
+    from orchestrator.backends.ssh.submit import STARTED
+    (root / STARTED).touch()  # its code loaded: what `fab train --detach` waits for (submit.start_script)
     launch: Launch = pickle.loads((root / "launch.pickle").read_bytes())  # noqa: S301 - written by fab train
     launch = replace(launch, console=Console(stderr=True, highlight=False, soft_wrap=True))
     grant = json.loads((root / KEY_FILE).read_text())

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from orchestrator.config.inventory import Inventory
 
 LOG = "controller.log"     # the controller's own output (events as JSON lines, then its end)
+STARTED = "started"        # written by the controller once its code has loaded (start_script waits)
+START_WAIT = 30            # seconds start_script waits for it
 START_TIMEOUT = 60.0
 
 
@@ -112,7 +114,14 @@ def start_script(p: Place, image: str, owner: str, standby: bool = False) -> str
             + (" --standby" if standby else "") + f" >> {MOUNT}/{LOG} 2>&1",
         ]
     )
-    return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest}'
+    name = sshargs.shell([p.container])
+    # Until it says it runs (STARTED, once its code has loaded), or at most START_WAIT s: one that
+    # exits at once (its code broken, its image wrong) is named here, its log's end on stderr, rather
+    # than leaving a "detached" job that nothing runs.
+    started = (f"i=0; while [ ! -e {d}/{STARTED} ]; do if ! docker inspect {name} >/dev/null 2>&1; then "
+               f"echo 'it exited at once; the end of its log:' >&2; tail -n 12 {d}/{LOG} >&2; exit 1; fi; "
+               f"i=$((i+1)); [ $i -ge {START_WAIT * 10} ] && break; sleep 0.1; done")
+    return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest} >/dev/null && {started}'
 
 
 def prepare_script(p: Place) -> str:
@@ -286,7 +295,7 @@ def start(session: Session, pl: Placement, stage: Path, launch: Launch, public: 
                         timeout=START_TIMEOUT, what="starting the controller")
         if not r.ok and p is pl.active:
             raise UserError(f"{p.host.name}: the controller did not start: "
-                            f"{hostile.line(r.stderr.strip(), 300)}")
+                            f"{hostile.line(r.stderr.strip()[-600:], 600)}")  # its log's end: the cause
         if not r.ok:
             failed[p.host.name] = f"its standby did not start: {hostile.line(r.stderr.strip(), 300)}"
     return {n: why for n, why in failed.items() if n != pl.active.host.name}
