@@ -65,12 +65,13 @@ def test_dry_run_prints_every_command_per_host(inventory_path):
     lines = r.stdout.splitlines()
     runs = [line for line in lines if " docker run " in line]
     assert runs[0].startswith("[node1 rank 0] mkdir -p /opt/fabtrain/output/gpt-")
-    assert " && (umask 022 && cat > /opt/fabtrain/output/.runtime/gpt-" in runs[0]
-    assert "/entrypoint.py) && timeout -k 5 110 docker run --detach --name fabtrain-gpt-" in runs[0]
+    # The runtime files (the entrypoint and its memory module) unpacked from one tar on stdin.
+    assert " && (umask 022 && tar -x -o -f - -C /opt/fabtrain/output/.runtime/gpt-" in runs[0]
+    assert ") && timeout -k 5 110 docker run --detach --name fabtrain-gpt-" in runs[0]
     assert runs[0].endswith(
         " >/dev/null || { rc=$?; case $rc in 124|137) echo 'not done within 110s: ended on "
         "the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }  "
-        "# stdin: docker/entrypoint.py"
+        "# stdin: docker/entrypoint.py and docker/fabtrain_memory.py (a tar archive)"
     )
     assert runs[1].startswith("[node2 rank 1] mkdir -p ")
     assert "--env NODE_RANK=1" in runs[1] and "trainers/gpt.py --model tiny --epochs 1" in runs[1]
