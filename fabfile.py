@@ -1,10 +1,11 @@
 """fabtrain: launch, check, watch and stop multi-node PyTorch training in Docker over SSH.
 
-    fab cluster.up                       # a local cluster of Docker-in-Docker hosts (the default inventory)
-    fab preflight                        # every check on every host, as a table
-    fab train --model tiny --epochs 5    # sync, preflight, start in rank order, stream logs
-    fab stop                             # stop and remove this project's containers everywhere
+fab cluster.up                       # a local cluster of Docker-in-Docker hosts (the default inventory)
+fab preflight                        # every check on every host, as a table
+fab train --model tiny --epochs 5    # sync, preflight, start in rank order, stream logs
+fab stop                             # stop and remove this project's containers everywhere
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,6 +68,7 @@ def fabric_core_flags(c) -> None:
 
 def user_errors(fn):
     """Print a user's mistake as one clear message and exit non-zero, never as a traceback."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -75,6 +77,7 @@ def user_errors(fn):
         except UserError as exc:
             print(f"error: {hostile.text(str(exc))}", file=sys.stderr)
             raise Exit(code=exc.exit_code) from None
+
     return wrapper
 
 
@@ -87,12 +90,19 @@ CODE_HELP = (
 TREE_HELP = "your project's folder (default: this project's built-in trainers)"
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "code": TREE_HELP,
-                                   "json": "print where the code went and how long each host took, as JSON"})
+@task(
+    auto_shortflags=False,
+    help={
+        "inventory": INV_HELP,
+        "code": TREE_HELP,
+        "json": "print where the code went and how long each host took, as JSON",
+    },
+)
 @user_errors
 def sync(c, inventory=None, code=None, json=False):
     """Copy the code (rsync, in parallel) to job.code_dir/KEY on every host (fab train does this itself)."""
     from orchestrator.progress import bars
+
     inv = _inventory.load(inventory)
     tree = cli.code_tree(code)
     say = cli.stderr_console() if json else console
@@ -101,8 +111,11 @@ def sync(c, inventory=None, code=None, json=False):
     with Session(inv.hosts) as session, bars.bar(say) as progress:
         dest, times = hostops.sync(session, inv, *tree, transfers=bars.Transfers(progress))
     if json:
-        print(_json.dumps({"destination": dest, "seconds": {h: round(t, 3) for h, t in times.items()}},
-                          indent=2))
+        print(
+            _json.dumps(
+                {"destination": dest, "seconds": {h: round(t, 3) for h, t in times.items()}}, indent=2
+            )
+        )
         return
     for host, seconds in times.items():
         print(f"{host}: synced to {dest} in {seconds:.2f}s")
@@ -125,8 +138,17 @@ def sync(c, inventory=None, code=None, json=False):
     },
 )
 @user_errors
-def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_warn=0.05,
-              clock_fail=0.5, code=None, deep=False):
+def preflight(
+    c,
+    inventory=None,
+    json=False,
+    strict=False,
+    smoke=True,
+    clock_warn=0.05,
+    clock_fail=0.5,
+    code=None,
+    deep=False,
+):
     """Run every check on every host in parallel; print a table and the fixes; non-zero if any fails.
 
     SSH and host key, Docker engine and GPU runtime, image present and identical everywhere, GPUs
@@ -139,8 +161,9 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
     with Session(inv.hosts) as session:
         source, only = cli.code_tree(code)
         inv = hostops.with_free_port(session, inv)
-        checks = _preflight.run(session, inv, limits=limits, run_job=_steps.run_quiet if smoke else None,
-                                source=source, only=only)
+        checks = _preflight.run(
+            session, inv, limits=limits, run_job=_steps.run_quiet if smoke else None, source=source, only=only
+        )
         measured = None
         if deep:
             more, measured = _deep.run_deep(session, inv)
@@ -154,8 +177,9 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
     else:
         _preflight.render(checks, console)
         if measured is not None and len(inv.hosts) > 1:
-            console.print("network, Mbit/s (row sends to column):\n" + measured["network"]["matrix"],
-                          markup=False)
+            console.print(
+                "network, Mbit/s (row sends to column):\n" + measured["network"]["matrix"], markup=False
+            )
     bad = _preflight.failed(checks, strict)
     if bad:
         raise Exit(code=1)
@@ -164,8 +188,10 @@ def preflight(c, inventory=None, json=False, strict=False, smoke=True, clock_war
 TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
 
 
-PLAIN_HELP = ("no live status lines at the bottom of the terminal, only the hosts' log lines (always so "
-              "when output is not a terminal)")
+PLAIN_HELP = (
+    "no live status lines at the bottom of the terminal, only the hosts' log lines (always so "
+    "when output is not a terminal)"
+)
 
 # The options that describe a job: fab train's and the exports'.
 JOB_HELP = {
@@ -185,8 +211,14 @@ JOB_HELP = {
 
 @task(
     auto_shortflags=False,
-    kinds={"epochs": int, "restarts": int, "min_nodes": int, "hang_timeout": float, "num_nodes": int,
-           "gpus": int},
+    kinds={
+        "epochs": int,
+        "restarts": int,
+        "min_nodes": int,
+        "hang_timeout": float,
+        "num_nodes": int,
+        "gpus": int,
+    },
     help={
         **JOB_HELP,
         "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working "
@@ -239,12 +271,45 @@ JOB_HELP = {
     },
 )
 @user_errors
-def train(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args=None, image=None,
-          nproc=None, dry_run=False, skip_preflight=False, name=None, smoke=False, code=None, module=None,
-          resume=None, restarts=None, min_nodes=None, hang_timeout=None, plain=False, json=False,
-          checkpoint=None, continue_=False, include=None, exclude=None, num_nodes=None, gpus=None,
-          cpuset=False, health=False, on=None, notify=None, notify_url=None, detach=False, queue=False,
-          hot_spares=False, metrics_port=None, stop_idle=False):
+def train(
+    c,
+    inventory=None,
+    model=None,
+    epochs=None,
+    trainer=None,
+    script=None,
+    args=None,
+    image=None,
+    nproc=None,
+    dry_run=False,
+    skip_preflight=False,
+    name=None,
+    smoke=False,
+    code=None,
+    module=None,
+    resume=None,
+    restarts=None,
+    min_nodes=None,
+    hang_timeout=None,
+    plain=False,
+    json=False,
+    checkpoint=None,
+    continue_=False,
+    include=None,
+    exclude=None,
+    num_nodes=None,
+    gpus=None,
+    cpuset=False,
+    health=False,
+    on=None,
+    notify=None,
+    notify_url=None,
+    detach=False,
+    queue=False,
+    hot_spares=False,
+    metrics_port=None,
+    stop_idle=False,
+):
     """Run a job on every host, its logs streamed here; exits as the job does.
 
     It runs in stages: plan, claim, sync + preflight, snapshot, start (one container per host,
@@ -327,6 +392,7 @@ def top(c, inventory=None, json=False):
     per second. Refreshes every 2 s until Ctrl+C. A host that does not answer within 20 s is named
     (with --json, exits non-zero then)."""
     from orchestrator.progress import top as _top
+
     inv = _inventory.load(inventory)
     if not json:
         _top.live(inv, console)
@@ -337,9 +403,15 @@ def top(c, inventory=None, json=False):
         raise UserError("\n".join(snap["errors"]))
 
 
-@task(auto_shortflags=False,
-      help={"inventory": INV_HELP, "job": "job id (default: the one running)",
-            "plain": PLAIN_HELP, "json": "events as JSON lines on stdout instead of the hosts' log lines"})
+@task(
+    auto_shortflags=False,
+    help={
+        "inventory": INV_HELP,
+        "job": "job id (default: the one running)",
+        "plain": PLAIN_HELP,
+        "json": "events as JSON lines on stdout instead of the hosts' log lines",
+    },
+)
 @user_errors
 def logs(c, inventory=None, job=None, plain=False, json=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
@@ -353,10 +425,16 @@ def logs(c, inventory=None, job=None, plain=False, json=False):
         raise finished.error
 
 
-@task(auto_shortflags=False, positional=["job"],
-      help={"inventory": "the inventory (default: the one the job was started with)",
-            "job": "the job to take over (an id from 'fab status')",
-            "plain": PLAIN_HELP, "json": "events as JSON lines on stdout"})
+@task(
+    auto_shortflags=False,
+    positional=["job"],
+    help={
+        "inventory": "the inventory (default: the one the job was started with)",
+        "job": "the job to take over (an id from 'fab status')",
+        "plain": PLAIN_HELP,
+        "json": "events as JSON lines on stdout",
+    },
+)
 @user_errors
 def attach(c, job=None, inventory=None, plain=False, json=False):
     """Take over a running job whose fab train (or controller) is gone: fab attach JOB.
@@ -383,6 +461,7 @@ def runs(c, json=False):
     from rich.table import Table
 
     from orchestrator.progress import report
+
     if json:
         print(_json.dumps({"runs": report.runs(RUNS)}, indent=2, default=str))
         return
@@ -402,12 +481,18 @@ def runs(c, json=False):
     console.print(table)
 
 
-@task(auto_shortflags=False, help={"jobs": "one or more job ids, comma-separated (see fab runs)",
-            "out": "PNG to write (default: runs/JOB/loss.png for one job, runs/compare.png for several)"})
+@task(
+    auto_shortflags=False,
+    help={
+        "jobs": "one or more job ids, comma-separated (see fab runs)",
+        "out": "PNG to write (default: runs/JOB/loss.png for one job, runs/compare.png for several)",
+    },
+)
 @user_errors
 def plot(c, jobs, out=None):
     """Draw loss (train per step, eval per epoch) and tokens/s per rank of one or several runs."""
     from orchestrator.progress import report
+
     names = [j for j in jobs.replace(" ", ",").split(",") if j]
     dirs = []
     for name in names:
@@ -418,9 +503,10 @@ def plot(c, jobs, out=None):
     print(f"wrote {report.write_plot(dirs, target)}")
 
 
-@task(auto_shortflags=False,
-      help={"job": "job id (default: the newest run in runs/)",
-            "json": "print the figures as JSON"})
+@task(
+    auto_shortflags=False,
+    help={"job": "job id (default: the newest run in runs/)", "json": "print the figures as JSON"},
+)
 @user_errors
 def metrics(c, job=None, json=False):
     """Show a job's newest figures, per rank and per host, while it runs or after.
@@ -428,6 +514,7 @@ def metrics(c, job=None, json=False):
     Each rank's step, loss, tokens/s, step and compute ms, and each host's newest telemetry (GPUs,
     containers, load), read from runs/JOB's files (their last 4 MB)."""
     from orchestrator.progress import latest, report
+
     if job is None:
         found = report.runs(RUNS)
         if not found:
@@ -450,21 +537,52 @@ def _warn(warnings) -> None:
         print(f"warning: {hostile.text(w)}", file=sys.stderr)
 
 
-@task(auto_shortflags=False, kinds={"epochs": int},
-      help={**JOB_HELP, "out": "file to write (default: JOB.sbatch)",
-            "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
-            "partition": "#SBATCH --partition", "time": "#SBATCH --time (e.g. 12:00:00)"})
+@task(
+    auto_shortflags=False,
+    kinds={"epochs": int},
+    help={
+        **JOB_HELP,
+        "out": "file to write (default: JOB.sbatch)",
+        "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
+        "partition": "#SBATCH --partition",
+        "time": "#SBATCH --time (e.g. 12:00:00)",
+    },
+)
 @user_errors
-def slurm(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args="",
-          image=None, nproc=None, name=None, code=None, module=None, out=None, pyxis=False,
-          partition=None, time=None):
+def slurm(
+    c,
+    inventory=None,
+    model=None,
+    epochs=None,
+    trainer=None,
+    script=None,
+    args="",
+    image=None,
+    nproc=None,
+    name=None,
+    code=None,
+    module=None,
+    out=None,
+    pyxis=False,
+    partition=None,
+    time=None,
+):
     """Write the job as an sbatch script for Slurm.
 
     One task per node starting the same container (devices, env,
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
-    rendered = requests.export("slurm", inventory, requests.job_options(locals()), TRAINERS, RUNS, console,
-                               pyxis=pyxis, partition=partition, time=time)
+    rendered = requests.export(
+        "slurm",
+        inventory,
+        requests.job_options(locals()),
+        TRAINERS,
+        RUNS,
+        console,
+        pyxis=pyxis,
+        partition=partition,
+        time=time,
+    )
     _warn(rendered.warnings)
     [(name, text)] = rendered.files.items()
     target = Path(out or name)
@@ -486,16 +604,31 @@ def slurm(c, inventory=None, model=None, epochs=None, trainer=None, script=None,
     },
 )
 @user_errors
-def k8s(c, inventory=None, model=None, epochs=None, trainer=None, script=None, args="",
-        image=None, nproc=None, name=None, code=None, module=None, out=None, restarts=0):
+def k8s(
+    c,
+    inventory=None,
+    model=None,
+    epochs=None,
+    trainer=None,
+    script=None,
+    args="",
+    image=None,
+    nproc=None,
+    name=None,
+    code=None,
+    module=None,
+    out=None,
+    restarts=0,
+):
     """Write the job as Kubernetes manifests.
 
     A Kubeflow Trainer v2 TrainJob (trainjob.yaml, on the
     cluster's torch-distributed runtime), a Kubeflow PyTorchJob (Training Operator v1, deprecated), and
     an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
-    rendered = requests.export("kubernetes", inventory, requests.job_options(locals()), TRAINERS, RUNS,
-                               console, restarts=restarts)
+    rendered = requests.export(
+        "kubernetes", inventory, requests.job_options(locals()), TRAINERS, RUNS, console, restarts=restarts
+    )
     _warn(rendered.warnings)
     target = Path(out or f"{rendered.job_id}-k8s")
     target.mkdir(parents=True, exist_ok=True)
@@ -507,11 +640,16 @@ def k8s(c, inventory=None, model=None, epochs=None, trainer=None, script=None, a
     )
 
 
-@task(auto_shortflags=False, help={"nodes": "number of test hosts (default 2)",
-            "spares": "number of spare hosts, listed under spares: (default 0)",
-            "write_inventory": "also write the matching inventory to this path",
-            "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm",
-            "json": "print the hosts and the inventory's path as JSON (progress goes to stderr)"})
+@task(
+    auto_shortflags=False,
+    help={
+        "nodes": "number of test hosts (default 2)",
+        "spares": "number of spare hosts, listed under spares: (default 0)",
+        "write_inventory": "also write the matching inventory to this path",
+        "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm",
+        "json": "print the hosts and the inventory's path as JSON (progress goes to stderr)",
+    },
+)
 @user_errors
 def up(c, nodes=2, spares=0, write_inventory=None, slurm=False, json=False):
     """Start (or reuse) the local cluster of Docker-in-Docker test hosts.
@@ -522,11 +660,16 @@ def up(c, nodes=2, spares=0, write_inventory=None, slurm=False, json=False):
     made = _cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm, log=log)
     if json:
         count = int(nodes)
-        print(_json.dumps({
-            "inventory": str(write_inventory or _cluster.STATE_DIR / "inventory.yaml"),
-            "hosts": [{"name": n.name, "address": n.address} for n in made[:count]],
-            "spares": [{"name": n.name, "address": n.address} for n in made[count:]],
-        }, indent=2))
+        print(
+            _json.dumps(
+                {
+                    "inventory": str(write_inventory or _cluster.STATE_DIR / "inventory.yaml"),
+                    "hosts": [{"name": n.name, "address": n.address} for n in made[:count]],
+                    "spares": [{"name": n.name, "address": n.address} for n in made[count:]],
+                },
+                indent=2,
+            )
+        )
 
 
 @task(auto_shortflags=False)
@@ -536,10 +679,16 @@ def down(c):
     _cluster.down()
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "image": "image to push (default: job.image)",
-            "only": "comma-separated host names (default: every host)",
-            "method": "chain (hosts forward to each other, only the layers they lack; default) or direct "
-                      "(one stream per host from here)"})
+@task(
+    auto_shortflags=False,
+    help={
+        "inventory": INV_HELP,
+        "image": "image to push (default: job.image)",
+        "only": "comma-separated host names (default: every host)",
+        "method": "chain (hosts forward to each other, only the layers they lack; default) or direct "
+        "(one stream per host from here)",
+    },
+)
 @user_errors
 def push(c, inventory=None, image=None, only=None, method="chain"):
     """Copy a local image to every host over SSH, without a registry.
@@ -550,12 +699,21 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
     if method not in ("chain", "direct"):
         raise UserError(f"--method {hostile.text(str(method))!r}: give chain or direct", exit_code=2)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
     inv = _inventory.load(inventory)
     image = image or inv.job.image
     selected = inv.select(only.split(",") if only else None)
-    with Session(selected) as session, Progress(
-            "{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            console=console, transient=True) as progress:
+    with (
+        Session(selected) as session,
+        Progress(
+            "{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=console,
+            transient=True,
+        ) as progress,
+    ):
         results = _images.push(session, image, progress=progress, method=method)
     for r in results:
         extra = f" ({r.bytes / 1e6:.0f} MB in {r.seconds:.1f}s)" if r.action == "sent" else ""
@@ -583,9 +741,16 @@ def build(c, base, requirements, tag, pip_args="", wheels=None):
     On
     this machine's Docker engine; then 'fab image.push --image TAG' puts it on every host."""
     from orchestrator.progress import bars
+
     with bars.bar(console, *bars.step_columns()) as progress:
-        image_id = _images.build(base, Path(requirements), tag, tuple(shlex.split(pip_args)),
-                                 Path(wheels) if wheels else None, progress=progress)
+        image_id = _images.build(
+            base,
+            Path(requirements),
+            tag,
+            tuple(shlex.split(pip_args)),
+            Path(wheels) if wheels else None,
+            progress=progress,
+        )
     print(f"built {tag} ({image_id[7:19]}); push it with: fab image.push --image {tag}")
 
 
@@ -613,8 +778,9 @@ def images(c):
     },
 )
 @user_errors
-def dashboard(c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0, token_file=None,
-              allow_host=None):
+def dashboard(
+    c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0, token_file=None, allow_host=None
+):
     """Serve a read-only web page of the cluster: hosts and who holds each GPU, the queue, the jobs.
 
     Hosts with the job and owner of each GPU (CPU slot) and their use, as fab top shows them; jobs
@@ -624,16 +790,23 @@ def dashboard(c, inventory=None, port=8765, address="127.0.0.1", refresh=5.0, to
     only this machine's names (and --allow-host's); on any address but loopback, only a browser
     that opened the printed URL with its token once (kept in a cookie)."""
     from orchestrator.dashboard import server as _dashboard
-    _dashboard.serve(_inventory.load(inventory), RUNS, address, port, refresh, print, token_file,
-                     allow_host or ())
+
+    _dashboard.serve(
+        _inventory.load(inventory), RUNS, address, port, refresh, print, token_file, allow_host or ()
+    )
 
 
-
-
-@task(auto_shortflags=False, positional=["job"], kinds={"rank": int},
-      help={"job": "the job (an id from 'fab status')", "rank": "the node of this rank (default 0)",
-            "host": "the job's node on this host (instead of --rank)",
-            "inventory": "the inventory (default: the one the job was started with, else as fab status)"})
+@task(
+    auto_shortflags=False,
+    positional=["job"],
+    kinds={"rank": int},
+    help={
+        "job": "the job (an id from 'fab status')",
+        "rank": "the node of this rank (default 0)",
+        "host": "the job's node on this host (instead of --rank)",
+        "inventory": "the inventory (default: the one the job was started with, else as fab status)",
+    },
+)
 @user_errors
 def shell(c, job, rank=None, host=None, inventory=None):
     """Open a shell in a job's container: fab shell JOB [--rank K | --host H] [-- CMD ...].
@@ -642,13 +815,21 @@ def shell(c, job, rank=None, host=None, inventory=None):
     ssh_config, the inventory's keys and known_hosts), with a terminal when stdin and stdout are
     terminals. With -- CMD, runs CMD there instead and exits with its exit status."""
     from orchestrator.commandline import access
+
     access.shell(inventory, job, rank, host, access.command_of(c), RUNS)
 
 
-@task(auto_shortflags=False, positional=["job", "port"], kinds={"port": int, "local": int},
-      help={"job": "the job (an id from 'fab status')", "port": "the port on rank 0's host (its container's)",
-            "local": "the port on 127.0.0.1 here (default: PORT)",
-            "inventory": "the inventory (default: the one the job was started with, else as fab status)"})
+@task(
+    auto_shortflags=False,
+    positional=["job", "port"],
+    kinds={"port": int, "local": int},
+    help={
+        "job": "the job (an id from 'fab status')",
+        "port": "the port on rank 0's host (its container's)",
+        "local": "the port on 127.0.0.1 here (default: PORT)",
+        "inventory": "the inventory (default: the one the job was started with, else as fab status)",
+    },
+)
 @user_errors
 def forward(c, job, port, local=None, inventory=None):
     """Forward a port of a job's rank 0 (TensorBoard, Jupyter) to 127.0.0.1 here until Ctrl+C.
@@ -656,11 +837,27 @@ def forward(c, job, port, local=None, inventory=None):
     fab forward JOB PORT [--local LOCAL]: the container runs on its host's network, so PORT is its
     host's; the tunnel takes the SSH path fabtrain uses for that host. Only this machine can connect."""
     from orchestrator.commandline import access
+
     access.forward(inventory, job, port, local, RUNS, print)
 
 
-ns = Collection(sync, preflight, train, attach, stop, status, top, logs, runs, plot, metrics, images,
-                dashboard, shell, forward)
+ns = Collection(
+    sync,
+    preflight,
+    train,
+    attach,
+    stop,
+    status,
+    top,
+    logs,
+    runs,
+    plot,
+    metrics,
+    images,
+    dashboard,
+    shell,
+    forward,
+)
 ns.add_collection(Collection("image", push, build))
 ns.add_collection(Collection("cluster", up, down))
 ns.add_collection(Collection("export", slurm, k8s))

@@ -14,6 +14,7 @@ to torchrun verbatim. So an image launched by hand, by fabtrain or by a platform
 fabtrain does not rely on an image holding this file: it brings it to each host with the job and
 runs it with the image's python3, so a stock image (NGC, ROCm) runs as it is.
 """
+
 import json
 import os
 import socket
@@ -114,6 +115,7 @@ _fabtrain_chain()
 def gpu_count() -> int:
     try:
         import torch
+
         return torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no torch or no driver: a CPU node
         return 0
@@ -163,8 +165,13 @@ def read_secrets(path: str = SECRETS_PATH) -> dict[str, str]:
 def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], dict[str, str], str]:
     """(torchrun argv, the workers' environment, a banner) from the node-level environment."""
     # PET_*: what Kubeflow Trainer's torch runtime gives torchrun (a TrainJob, fab export.k8s).
-    nnodes = int(env.get("NNODES") or env.get("PET_NNODES") or env.get("WORLD_SIZE")
-                 or env.get("SLURM_JOB_NUM_NODES") or 1)
+    nnodes = int(
+        env.get("NNODES")
+        or env.get("PET_NNODES")
+        or env.get("WORLD_SIZE")
+        or env.get("SLURM_JOB_NUM_NODES")
+        or 1
+    )
     node_rank = int(
         env.get("NODE_RANK") or env.get("PET_NODE_RANK") or env.get("RANK") or env.get("SLURM_NODEID") or 0
     )
@@ -188,20 +195,37 @@ def plan(env: dict[str, str], args: list[str], gpus: int) -> tuple[list[str], di
     child.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     child.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if env.get("FABTRAIN_OUTPUT"):
-        child.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                         os.path.join(env["FABTRAIN_OUTPUT"], ".flight", f"node-{node_rank}-rank-"))
+        child.setdefault(
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+            os.path.join(env["FABTRAIN_OUTPUT"], ".flight", f"node-{node_rank}-rank-"),
+        )
     child.setdefault("OMP_NUM_THREADS", "1")
     module = args[:1] in (["-m"], ["--module"])
-    argv = [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", nproc,
-            "--master_addr", master_addr, "--master_port", master_port,
-            *(["--module"] if module else []),
-            # Without "--", torchrun's parser takes a script option such as --node for an
-            # abbreviation of its own --node-rank and fails.
-            "--", *(args[1:] if module else args)]
-    banner = (f"[fabtrain] nodes={nnodes} node_rank={node_rank} master={master_addr}:{master_port} "
-              f"gpus_per_node={gpus} procs_per_node={nproc} world_size={nnodes * int(nproc)} "
-              f"ifname={child.get('GLOO_SOCKET_IFNAME', 'default')}")
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node_rank",
+        str(node_rank),
+        "--nproc_per_node",
+        nproc,
+        "--master_addr",
+        master_addr,
+        "--master_port",
+        master_port,
+        *(["--module"] if module else []),
+        # Without "--", torchrun's parser takes a script option such as --node for an
+        # abbreviation of its own --node-rank and fails.
+        "--",
+        *(args[1:] if module else args),
+    ]
+    banner = (
+        f"[fabtrain] nodes={nnodes} node_rank={node_rank} master={master_addr}:{master_port} "
+        f"gpus_per_node={gpus} procs_per_node={nproc} world_size={nnodes * int(nproc)} "
+        f"ifname={child.get('GLOO_SOCKET_IFNAME', 'default')}"
+    )
     return argv, child, banner
 
 
@@ -242,6 +266,7 @@ def start_memory(env: dict[str, str]) -> None:
     if env.get("FABTRAIN_WARM") != "1" or env.get("FABTRAIN_MEMORY_EVERY", "").strip() == "0":
         return
     import importlib.util
+
     try:
         spec = importlib.util.spec_from_file_location("fabtrain_memory", source)
         assert spec is not None and spec.loader is not None
@@ -250,8 +275,11 @@ def start_memory(env: dict[str, str]) -> None:
         spec.loader.exec_module(module)
         keeper = module.Keeper().start()
     except Exception as exc:  # noqa: BLE001 - a node without its keeper still trains (from disk snapshots)
-        print(f"[fabtrain] the in-memory state keeper did not start ({exc!r}); restarts resume from disk "
-              "snapshots only", flush=True)
+        print(
+            f"[fabtrain] the in-memory state keeper did not start ({exc!r}); restarts resume from disk "
+            "snapshots only",
+            flush=True,
+        )
         return
     env["FABTRAIN_KEEPER"] = keeper.path
 
@@ -271,8 +299,11 @@ def redirect_output(env: dict[str, str], path: str | None = None) -> None:
     except OSError as exc:
         print(f"[fabtrain] cannot write {path} ({exc}); the output stays here", flush=True)
         return
-    print(f"[fabtrain] this container's output goes to {path} (in the job's output directory on the "
-          "host; `fab logs` follows it)", flush=True)
+    print(
+        f"[fabtrain] this container's output goes to {path} (in the job's output directory on the "
+        "host; `fab logs` follows it)",
+        flush=True,
+    )
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -299,8 +330,10 @@ def main() -> None:
         heartbeat(child)
     flight_dir(child)
     link_code(env)
-    print("[fabtrain] hot spare: waiting for a node rank, its workers started ahead" if spare else banner,
-          flush=True)
+    print(
+        "[fabtrain] hot spare: waiting for a node rank, its workers started ahead" if spare else banner,
+        flush=True,
+    )
     direct = env.get("FABTRAIN_LAUNCH") == "direct" and not spare
     procs = launch_direct(child, sys.argv[1:], []) if direct else None
     if env.get("FABTRAIN_WARM") != "1":
@@ -328,10 +361,17 @@ def main() -> None:
         argv, child, banner = plan(env, sys.argv[1:], gpus)
         heartbeat(child)
         direct = env.get("FABTRAIN_LAUNCH") == "direct"
-        kept = ("hot spare: this container waited for a rank" if code == SPARE
-                else "warm: this container was kept")
-        print(banner + f" generation={env['FABTRAIN_ATTEMPT']} ({kept}"
-              + ("; its workers started ahead)" if direct else ")"), flush=True)
+        kept = (
+            "hot spare: this container waited for a rank"
+            if code == SPARE
+            else "warm: this container was kept"
+        )
+        print(
+            banner
+            + f" generation={env['FABTRAIN_ATTEMPT']} ({kept}"
+            + ("; its workers started ahead)" if direct else ")"),
+            flush=True,
+        )
         if direct:
             procs = launch_direct(child, sys.argv[1:], standbys)
         else:
@@ -383,13 +423,16 @@ else:
 class Worker(subprocess.Popen):
     """A worker started ahead (spawn_standbys). launch_direct marks it with its global rank, which
     wait_group names when it fails."""
+
     fabtrain_rank: str
 
 
 def spawn_standbys(env: dict[str, str], nproc: int) -> list[Worker]:
     try:
-        return [Worker([sys.executable, "-u", "-c", STANDBY_PY], stdin=subprocess.PIPE, env=env)
-                for _ in range(nproc)]
+        return [
+            Worker([sys.executable, "-u", "-c", STANDBY_PY], stdin=subprocess.PIPE, env=env)
+            for _ in range(nproc)
+        ]
     except OSError:
         return []
 
@@ -404,6 +447,7 @@ class Ahead:
 
     def __init__(self, env: dict[str, str], nproc: int) -> None:
         import threading
+
         self.env, self.nproc, self.taken = env, nproc, False
         self.procs: list[Worker] | None = None
         self.lock = threading.Lock()
@@ -436,11 +480,22 @@ def worker_env(env: dict[str, str], local_rank: int) -> dict[str, str]:
     nnodes, node_rank = int(env.get("NNODES", "1")), int(env.get("NODE_RANK", "0"))
     nproc = int(env["FABTRAIN_NPROC"])
     rank, world = node_rank * nproc + local_rank, nnodes * nproc
-    return {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
 
 
 def wait_for_master(env: dict[str, str], poll: float = 0.1) -> None:
@@ -449,6 +504,7 @@ def wait_for_master(env: dict[str, str], poll: float = 0.1) -> None:
     finds no store there retries after torch's back-off, which grows to 15-20 s between tries: a warm
     node whose master is a spare still starting cold waited that long after the store was up."""
     import time
+
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if env.get("NODE_RANK", "0") == "0" or not addr or not port.isdigit():
         return
@@ -543,14 +599,16 @@ def heartbeat(env: dict[str, str]) -> None:
             pass
 
 
-def run_node(argv: list[str], env: dict[str, str], warm: bool = False,
-             procs: Sequence[subprocess.Popen] | None = None) -> int:
+def run_node(
+    argv: list[str], env: dict[str, str], warm: bool = False, procs: Sequence[subprocess.Popen] | None = None
+) -> int:
     """torchrun as a child, the signals a container gets (docker stop's SIGTERM) passed on, and
     its exit written as the node's last line (EXIT_LINE) before leaving with the same code. A warm
     node (FABTRAIN_WARM=1) leaves that line to main, and SIGUSR2 (fabtrain: another node failed)
     ends this generation at once: torchrun and every process under it killed, the container kept.
     LEAVING: it was told to stop (SIGTERM, SIGINT, SIGHUP) and its torchrun ended cleanly."""
     import signal
+
     procs = procs or [subprocess.Popen(argv, env=env)]
 
     def forward(signum: int, frame: object) -> None:
@@ -578,6 +636,7 @@ def wait_group(procs: Sequence[subprocess.Popen]) -> int:
     """Workers launched directly, as torchrun's agent would judge them: the first to fail ends the
     others and gives the code; all ending with 0 is 0."""
     import time
+
     while True:
         codes = [p.poll() for p in procs]
         failed = next(((i, c) for i, c in enumerate(codes) if c is not None and c != 0), None)
@@ -587,8 +646,11 @@ def wait_group(procs: Sequence[subprocess.Popen]) -> int:
                 kill_tree(p.pid)
             for p in procs:
                 p.wait()
-            print(f"[fabtrain] worker rank {getattr(procs[first], 'fabtrain_rank', first)} exited with code "
-                  f"{128 - bad if bad < 0 else bad}; the node's other workers were stopped", flush=True)
+            print(
+                f"[fabtrain] worker rank {getattr(procs[first], 'fabtrain_rank', first)} exited with code "
+                f"{128 - bad if bad < 0 else bad}; the node's other workers were stopped",
+                flush=True,
+            )
             return bad
         if all(c == 0 for c in codes):
             return 0
@@ -604,6 +666,7 @@ SPARE = -1001  # a hot spare's "generation": none ran, it waits for its first ra
 def listen_for_stop() -> None:
     """A hot spare runs no torchrun to pass signals to: a stop signal only ends its wait (TOLD)."""
     import signal
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: TOLD.append(signum))
 
@@ -612,6 +675,7 @@ def kill_tree(root: int) -> None:
     """SIGKILL `root` and every process below it (torchrun's workers run in sessions of their own,
     so a process group would miss them), children first found, all killed."""
     import signal
+
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -647,10 +711,14 @@ def wait_warm(env: dict[str, str], code: int) -> dict[str, str] | None:
     (KEY=VALUE lines, FABTRAIN_ATTEMPT greater than this one's). None after FABTRAIN_WARM_WAIT
     seconds without one: the container ends."""
     import time
+
     go, end = warm_paths(env)
     if code != SPARE:
-        print(f"[fabtrain] generation {env.get('FABTRAIN_ATTEMPT', '?')} ended with code {code}; this "
-              "container stays for the next one", flush=True)
+        print(
+            f"[fabtrain] generation {env.get('FABTRAIN_ATTEMPT', '?')} ended with code {code}; this "
+            "container stays for the next one",
+            flush=True,
+        )
     try:
         with open(end + ".tmp", "w", encoding="ascii") as fh:
             fh.write(f"{code}\n")

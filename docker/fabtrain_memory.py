@@ -39,6 +39,7 @@ K, how often: every step when that costs at most BUDGET (3%) of a step in the tr
 else the smallest K that does, measured over the first PROBE saves and agreed by all ranks (the
 largest); FABTRAIN_MEMORY_EVERY=K forces it, 0 turns memory off.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -63,14 +64,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-KEEPER_ENV = "FABTRAIN_KEEPER"        # the keeper's socket, set by the entrypoint for its workers
-EVERY_ENV = "FABTRAIN_MEMORY_EVERY"   # force K (0: off)
-KEEP = 2            # states per rank a keeper holds: the newest may be incomplete on another node
-BUDGET = 0.03       # the training thread's share of a step that memory may take
-PROBE = 8           # saves timed (every step) before K is chosen; the first 2 are not counted
-SETTLE = 2          # (groups made, the first steps' warm-up, the next generation's workers importing)
-EXIT_WAIT = 10.0    # seconds a worker's exit waits for its last exchange
-TIMEOUT = 120.0     # seconds any exchange with the keeper or a peer may take before it is given up
+KEEPER_ENV = "FABTRAIN_KEEPER"  # the keeper's socket, set by the entrypoint for its workers
+EVERY_ENV = "FABTRAIN_MEMORY_EVERY"  # force K (0: off)
+KEEP = 2  # states per rank a keeper holds: the newest may be incomplete on another node
+BUDGET = 0.03  # the training thread's share of a step that memory may take
+PROBE = 8  # saves timed (every step) before K is chosen; the first 2 are not counted
+SETTLE = 2  # (groups made, the first steps' warm-up, the next generation's workers importing)
+EXIT_WAIT = 10.0  # seconds a worker's exit waits for its last exchange
+TIMEOUT = 120.0  # seconds any exchange with the keeper or a peer may take before it is given up
 MAGIC = b"FTMEM01\n"
 ALIGN = 64
 
@@ -81,6 +82,7 @@ ALIGN = 64
 @dataclass
 class Held:
     """One state in a keeper: the memfd holding its bytes, and its SHA-256 once known."""
+
     rank: int
     step: int
     world: int
@@ -134,8 +136,9 @@ class Keeper:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="fabtrain-keeper-conn").start()
+            threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name="fabtrain-keeper-conn"
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -171,8 +174,16 @@ class Keeper:
         if op == "put":
             if fd is None:
                 raise ValueError("put without a memfd")
-            self.put(Held(int(req["rank"]), int(req["step"]), int(req["world"]), int(req["size"]), fd,
-                          req.get("sha256")))
+            self.put(
+                Held(
+                    int(req["rank"]),
+                    int(req["step"]),
+                    int(req["world"]),
+                    int(req["size"]),
+                    fd,
+                    req.get("sha256"),
+                )
+            )
             return {"ok": True}, None
         with self.lock:
             if op == "digest":
@@ -213,9 +224,9 @@ class Keeper:
                 if h.step >= new.step:
                     os.close(h.fd)
             states = [*(h for h in states if h.step < new.step), new]
-            for h in states[:-self.keep]:
+            for h in states[: -self.keep]:
                 os.close(h.fd)
-            self.held[new.rank] = states[-self.keep:]
+            self.held[new.rank] = states[-self.keep :]
 
 
 class KeeperClient:
@@ -257,9 +268,16 @@ class KeeperClient:
 # references), the pickle, then each tensor's bytes at an ALIGN-ed offset. Written straight into a
 # memfd (no serialisation buffer), read back without torch.load.
 
-SAFE_CLASSES = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                ("builtins", "complex"), ("builtins", "slice"), ("builtins", "range"),
-                ("builtins", "bytearray"), ("torch", "Size")}
+SAFE_CLASSES = {
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("builtins", "range"),
+    ("builtins", "bytearray"),
+    ("torch", "Size"),
+}
 PLAIN = (dict, list, tuple, str, int, float, bool, bytes, type(None), set, frozenset, complex)
 COMMON = frozenset((dict, list, tuple, str, int, float, bool, type(None)))  # checked first: most of a state
 
@@ -270,6 +288,7 @@ def _align(n: int) -> int:
 
 def _dtype(name: str) -> torch.dtype:
     import torch
+
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"not a torch dtype: {name!r}")
@@ -280,6 +299,7 @@ def _plain(obj: object) -> bool:
     """A value a state may hold besides tensors: plain Python, a dtype, and numpy's (an RNG state);
     classes and functions only those the loader accepts (SAFE_CLASSES, numpy's)."""
     import torch
+
     if isinstance(obj, PLAIN) or isinstance(obj, (torch.dtype, torch.Size)):
         return True
     if isinstance(obj, type) or callable(obj):
@@ -293,6 +313,7 @@ def encode(state: object) -> tuple[int, int]:
     straight from the device); anything but tensors and plain Python values is refused here, at
     the save, rather than at the resume."""
     import torch
+
     tensors: list[torch.Tensor] = []
     index: dict[int, int] = {}
     records: list[tuple[int, int]] = []  # (relative offset, nbytes)
@@ -305,8 +326,10 @@ def encode(state: object) -> tuple[int, int]:
                 return None
             if isinstance(obj, torch.Tensor):
                 if hasattr(obj, "to_local") or obj.layout != torch.strided or obj.is_quantized:
-                    raise TypeError(f"fabtrain_memory.save: a {type(obj).__name__} ({obj.layout}); save a "
-                                    "plain dense tensor (a DTensor's shard: t.to_local())")
+                    raise TypeError(
+                        f"fabtrain_memory.save: a {type(obj).__name__} ({obj.layout}); save a "
+                        "plain dense tensor (a DTensor's shard: t.to_local())"
+                    )
                 if id(obj) not in index:
                     index[id(obj)] = len(tensors)
                     tensors.append(obj)
@@ -316,8 +339,10 @@ def encode(state: object) -> tuple[int, int]:
                 i = index[id(obj)]
                 return ("t", i, str(obj.dtype), tuple(obj.shape), records[i][0])
             if not _plain(obj):
-                raise TypeError(f"fabtrain_memory.save: the state holds a {type(obj).__module__}."
-                                f"{type(obj).__qualname__}; keep to tensors and plain Python values")
+                raise TypeError(
+                    f"fabtrain_memory.save: the state holds a {type(obj).__module__}."
+                    f"{type(obj).__qualname__}; keep to tensors and plain Python values"
+                )
             return None
 
     meta = io.BytesIO()
@@ -336,7 +361,7 @@ def encode(state: object) -> tuple[int, int]:
                     if nbytes:
                         src = t.detach()
                         src = src if src.is_contiguous() else src.contiguous()
-                        into = buf[data_start + off: data_start + off + nbytes]
+                        into = buf[data_start + off : data_start + off + nbytes]
                         into.copy_(src.reshape(-1).view(torch.uint8))
                         del into
                 del buf
@@ -349,10 +374,11 @@ def encode(state: object) -> tuple[int, int]:
 def decode(data: memoryview | bytes | mmap.mmap, map_location: Any = None) -> Any:
     """The state encode() wrote, its tensors copied out of `data` (onto map_location, if given)."""
     import torch
+
     view = memoryview(data)
-    if bytes(view[:len(MAGIC)]) != MAGIC:
+    if bytes(view[: len(MAGIC)]) != MAGIC:
         raise ValueError("not a fabtrain memory state (bad magic)")
-    meta_len = int.from_bytes(view[len(MAGIC):len(MAGIC) + 8], "little")
+    meta_len = int.from_bytes(view[len(MAGIC) : len(MAGIC) + 8], "little")
     head = len(MAGIC) + 8 + meta_len
     data_start = _align(head)
     holder = [torch.frombuffer(data, dtype=torch.uint8)]  # emptied before the caller closes `data`
@@ -362,7 +388,7 @@ def decode(data: memoryview | bytes | mmap.mmap, map_location: Any = None) -> An
             _tag, _i, dtype_name, shape, off = pid
             dtype = _dtype(dtype_name)
             nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            raw = holder[0][data_start + off: data_start + off + nbytes]
+            raw = holder[0][data_start + off : data_start + off + nbytes]
             t = (raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)).reshape(shape).clone()
             return t.to(map_location) if map_location is not None else t
 
@@ -374,7 +400,7 @@ def decode(data: memoryview | bytes | mmap.mmap, map_location: Any = None) -> An
             raise pickle.UnpicklingError(f"fabtrain_memory: refusing {module}.{name} in a state")
 
     try:
-        return Unpickler(io.BytesIO(view[len(MAGIC) + 8:head])).load()
+        return Unpickler(io.BytesIO(view[len(MAGIC) + 8 : head])).load()
     finally:
         holder.clear()
         view.release()
@@ -391,9 +417,9 @@ def sha256_of(fd: int, size: int) -> str:
 
 @dataclass(frozen=True)
 class Agreement:
-    step: int | None                   # the newest step held somewhere for every rank; None: none is
-    newest: int | None                 # the newest step any keeper holds (for any rank)
-    source: dict[int, int] = field(default_factory=dict)   # rank -> the rank whose keeper sends it
+    step: int | None  # the newest step held somewhere for every rank; None: none is
+    newest: int | None  # the newest step any keeper holds (for any rank)
+    source: dict[int, int] = field(default_factory=dict)  # rank -> the rank whose keeper sends it
     sha256: dict[int, str | None] = field(default_factory=dict)  # rank -> the SHA-256 to expect
 
 
@@ -460,8 +486,8 @@ class Memory:
         self.k: int | None = int(forced) if forced else None  # None: measured (PROBE), then chosen
         self.forced = bool(forced)
         self.client: KeeperClient | None = None
-        self.ctrl: Any = None   # a gloo group for the training thread's collectives (K, load)
-        self.repl: Any = None   # a gloo group for the background thread's replica exchanges
+        self.ctrl: Any = None  # a gloo group for the training thread's collectives (K, load)
+        self.repl: Any = None  # a gloo group for the background thread's replica exchanges
         self.grouped = False
         self.calls: list[tuple[float, float]] = []  # (when a save began, its cost), while probing
         self.job: threading.Thread | None = None
@@ -492,6 +518,7 @@ class Memory:
         if dist is None or self.world < 2:
             return
         import datetime
+
         timeout = datetime.timedelta(seconds=float(os.environ.get("FABTRAIN_PG_TIMEOUT") or TIMEOUT))
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout)
         self.repl = dist.new_group(backend="gloo", timeout=timeout)
@@ -527,23 +554,28 @@ class Memory:
         fd, size = encode(state() if callable(state) else state)
         try:
             # Handed over once sent: the keeper's answer is read at the next save (no round trip here).
-            self.keeper().send({"op": "put", "rank": self.rank, "step": step, "world": self.world,
-                                "size": size}, fd)
+            self.keeper().send(
+                {"op": "put", "rank": self.rank, "step": step, "world": self.world, "size": size}, fd
+            )
             self.pending = step
         except OSError as exc:
             os.close(fd)
-            raise RuntimeError(f"fabtrain_memory: the keeper at {self.path} did not take step {step}: "
-                               f"{exc}") from exc
-        self.job = threading.Thread(target=self.replicate, args=(fd, size, step), daemon=True,
-                                    name="fabtrain-memory")
+            raise RuntimeError(
+                f"fabtrain_memory: the keeper at {self.path} did not take step {step}: {exc}"
+            ) from exc
+        self.job = threading.Thread(
+            target=self.replicate, args=(fd, size, step), daemon=True, name="fabtrain-memory"
+        )
         self.job.start()
         self.last_cost = time.perf_counter() - began
         if self.k is None:
             self.probe(began, self.last_cost)
         elif self.forced and self.rank == 0 and not self.calls:
             self.calls.append((began, self.last_cost))
-            say(f"[fabtrain] memory: each rank's state kept every {self.k} step{'s' if self.k > 1 else ''} "
-                f"({EVERY_ENV}={self.k})")
+            say(
+                f"[fabtrain] memory: each rank's state kept every {self.k} step{'s' if self.k > 1 else ''} "
+                f"({EVERY_ENV}={self.k})"
+            )
         return True
 
     def acknowledged(self) -> None:
@@ -567,16 +599,20 @@ class Memory:
         dist = _dist()
         if dist is not None and self.ctrl is not None:
             import torch
+
             t = torch.tensor([k], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
             k = int(t.item())
         self.k = k
         if self.rank == 0:
             c, s = statistics.median(costs), statistics.median(steps)
-            say(f"[fabtrain] memory: each rank's state kept every {k} step{'s' if k > 1 else ''} (a copy "
+            say(
+                f"[fabtrain] memory: each rank's state kept every {k} step{'s' if k > 1 else ''} (a copy "
                 f"costs {1000 * c:.1f} ms of a {1000 * s:.1f} ms step, {c / s:.1%}; at most {BUDGET:.0%} "
-                f"allowed; {EVERY_ENV}=K forces K)" if s > 0 else
-                f"[fabtrain] memory: each rank's state kept every {k} step(s)")
+                f"allowed; {EVERY_ENV}=K forces K)"
+                if s > 0
+                else f"[fabtrain] memory: each rank's state kept every {k} step(s)"
+            )
 
     def replicate(self, fd: int, size: int, step: int) -> None:
         """Background: the state's SHA-256 to the keeper, then the exchange with the peer nodes."""
@@ -591,8 +627,10 @@ class Memory:
                         self.exchange(client, fd, size, step, sha, *pair)
                     except Exception as exc:  # noqa: BLE001 - a peer died: training goes on, replicas stop
                         self.broken = repr(exc)
-                        say(f"[fabtrain] memory: rank {self.rank}'s replicas stopped at step {step} "
-                            f"({type(exc).__name__}); its own host's copy is still kept")
+                        say(
+                            f"[fabtrain] memory: rank {self.rank}'s replicas stopped at step {step} "
+                            f"({type(exc).__name__}); its own host's copy is still kept"
+                        )
             finally:
                 client.close()
         except Exception as exc:  # noqa: BLE001 - never let the background thread end a rank
@@ -600,18 +638,22 @@ class Memory:
         finally:
             os.close(fd)
 
-    def exchange(self, client: KeeperClient, fd: int, size: int, step: int, sha: str, dst: int,
-                 src: int) -> None:
+    def exchange(
+        self, client: KeeperClient, fd: int, size: int, step: int, sha: str, dst: int, src: int
+    ) -> None:
         """Send this rank's state to `dst`, receive `src`'s into a memfd for this node's keeper."""
         import datetime
 
         import torch
+
         dist = _dist()
         timeout = datetime.timedelta(seconds=TIMEOUT)
         out_head = _header(step, size, sha)
         in_head = torch.zeros(48, dtype=torch.uint8)
-        works = [dist.isend(out_head, dst, group=self.repl, tag=71),
-                 dist.irecv(in_head, src, group=self.repl, tag=71)]
+        works = [
+            dist.isend(out_head, dst, group=self.repl, tag=71),
+            dist.irecv(in_head, src, group=self.repl, tag=71),
+        ]
         for w in works:
             w.wait(timeout)
         got_step, got_size, got_sha = _parse_header(in_head)
@@ -620,19 +662,32 @@ class Memory:
         in_fd = os.memfd_create("fabtrain-replica", os.MFD_CLOEXEC)
         try:
             os.ftruncate(in_fd, max(got_size, 1))
-            with (mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as out_mm,
-                  mmap.mmap(in_fd, max(got_size, 1)) as in_mm):
+            with (
+                mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as out_mm,
+                mmap.mmap(in_fd, max(got_size, 1)) as in_mm,
+            ):
                 out_t = torch.frombuffer(out_mm, dtype=torch.uint8)
                 in_t = torch.frombuffer(in_mm, dtype=torch.uint8)[:got_size]
-                works = [dist.isend(out_t, dst, group=self.repl, tag=72),
-                         dist.irecv(in_t, src, group=self.repl, tag=72)]
+                works = [
+                    dist.isend(out_t, dst, group=self.repl, tag=72),
+                    dist.irecv(in_t, src, group=self.repl, tag=72),
+                ]
                 for w in works:
                     w.wait(timeout)
                 del out_t, in_t, works
                 if hashlib.sha256(memoryview(in_mm)[:got_size]).hexdigest() != got_sha:
                     raise RuntimeError(f"rank {src}'s step {step} arrived with other bytes than it sent")
-            reply, _ = client.call({"op": "put", "rank": src, "step": step, "world": self.world,
-                                    "size": got_size, "sha256": got_sha}, in_fd)
+            reply, _ = client.call(
+                {
+                    "op": "put",
+                    "rank": src,
+                    "step": step,
+                    "world": self.world,
+                    "size": got_size,
+                    "sha256": got_sha,
+                },
+                in_fd,
+            )
         finally:
             os.close(in_fd)
 
@@ -665,6 +720,7 @@ class Memory:
                         ok = self.failed(exc)
             if collective:
                 import torch
+
                 flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctrl)
                 ok = bool(flag.item())
@@ -697,6 +753,7 @@ class Memory:
         """Hand rank `to` its state from this node's keeper (its replica): the header always goes,
         an empty one when it cannot, so `to` never waits for bytes that will not come."""
         import torch
+
         dist = _dist()
         try:
             reply, fd = self.keeper().call({"op": "get", "rank": to, "step": step})
@@ -718,6 +775,7 @@ class Memory:
 
     def receive(self, source: int, step: int, sha: str | None, map_location: Any) -> Any:
         import torch
+
         dist = _dist()
         head = torch.zeros(48, dtype=torch.uint8)
         dist.recv(head, source, group=self.ctrl)
@@ -730,8 +788,10 @@ class Memory:
         del t
         digest = hashlib.sha256(memoryview(buf)[:size]).hexdigest()
         if digest != (sha or got_sha):
-            raise RuntimeError(f"rank {self.rank}'s step {step} from rank {source} has SHA-256 "
-                               f"{digest[:16]}, not {(sha or got_sha)[:16]}")
+            raise RuntimeError(
+                f"rank {self.rank}'s step {step} from rank {source} has SHA-256 "
+                f"{digest[:16]}, not {(sha or got_sha)[:16]}"
+            )
         return decode(memoryview(buf)[:size], map_location)
 
     def resumed(self, got: Agreement, disk_step: int | None) -> None:
@@ -742,28 +802,37 @@ class Memory:
             lost = (got.newest or got.step) - got.step
             moved = sorted(r for r, q in got.source.items() if q != r)
             via = f"; ranks {', '.join(map(str, moved))} from their replicas on another host" if moved else ""
-            say(f"[fabtrain] resumed from memory at step {got.step} (the newest every rank holds), "
-                f"{lost} step{'' if lost == 1 else 's'} lost{via}")
+            say(
+                f"[fabtrain] resumed from memory at step {got.step} (the newest every rank holds), "
+                f"{lost} step{'' if lost == 1 else 's'} lost{via}"
+            )
         elif disk_step is not None:
             held = "no step held by every rank" if got.step is None else f"every rank holds step {got.step}"
             behind = "" if got.newest is None else f", {max(0, got.newest - disk_step)} steps lost"
             say(f"[fabtrain] resumed from the disk snapshot at step {disk_step} (memory: {held}){behind}")
         elif got.newest is not None:
-            say(f"[fabtrain] memory holds no step for every rank (newest seen {got.newest}) and there is no "
-                "disk snapshot: starting afresh")
+            say(
+                f"[fabtrain] memory holds no step for every rank (newest seen {got.newest}) and there is no "
+                "disk snapshot: starting afresh"
+            )
 
 
 def _header(step: int, size: int, sha: str) -> torch.Tensor:
     import torch
-    raw = (step.to_bytes(8, "little", signed=True) + size.to_bytes(8, "little", signed=True)
-           + bytes.fromhex(sha))
+
+    raw = (
+        step.to_bytes(8, "little", signed=True) + size.to_bytes(8, "little", signed=True) + bytes.fromhex(sha)
+    )
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _parse_header(t: torch.Tensor) -> tuple[int, int, str]:
     raw = bytes(t.tolist())
-    return (int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True),
-            raw[16:48].hex())
+    return (
+        int.from_bytes(raw[:8], "little", signed=True),
+        int.from_bytes(raw[8:16], "little", signed=True),
+        raw[16:48].hex(),
+    )
 
 
 _MEMORY: Memory | None = None

@@ -14,6 +14,7 @@
 
 Only the standard library; --mypy also runs mypy (pyproject's configuration) and prints its verdict.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,11 @@ FUNCTION_LIMIT = 60  # lines
 SLOWEST = 15
 PACKAGE = "orchestrator"  # the import graph is drawn among this package's modules
 # -vv: pytest hides the durations under 5 ms without it.
-DURATIONS_HELP = ("run `.venv/bin/pytest tests --durations=0 -vv > durations.txt` "
-                  "(or `--junitxml=suite.xml`), "
-                  "then `.venv/bin/python tests/arch_report.py --durations durations.txt`")
+DURATIONS_HELP = (
+    "run `.venv/bin/pytest tests --durations=0 -vv > durations.txt` "
+    "(or `--junitxml=suite.xml`), "
+    "then `.venv/bin/python tests/arch_report.py --durations durations.txt`"
+)
 
 
 def project_files(root: Path) -> list[Path]:
@@ -98,7 +101,8 @@ def imported(root: Path, module: str, name: str) -> str:
 def is_type_checking(test: ast.expr) -> bool:
     """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(root: Path, path: Path, runtime: bool, package: str = PACKAGE) -> set[str]:
@@ -120,8 +124,12 @@ def imports(root: Path, path: Path, runtime: bool, package: str = PACKAGE) -> se
     def visit_one(node: ast.AST) -> None:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == package)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] == package:
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == package
+        ):
             found.update(imported(root, node.module, a.name) for a in node.names)
         visit(node)
 
@@ -132,8 +140,9 @@ def imports(root: Path, path: Path, runtime: bool, package: str = PACKAGE) -> se
 def import_graph(root: Path, runtime: bool, package: str = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (only modules that exist, no self-imports)."""
     paths = {module_name(root, p): p for p in sorted((root / package).rglob("*.py"))}
-    return {m: {n for n in imports(root, p, runtime, package) if n in paths and n != m}
-            for m, p in paths.items()}
+    return {
+        m: {n for n in imports(root, p, runtime, package) if n in paths and n != m} for m, p in paths.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -214,9 +223,14 @@ def mypy_coverage(root: Path, files: list[Path]) -> Coverage:
     sizes = module_sizes(root, files)
     covered = {p.relative_to(root).as_posix() for p in checked}
     missing = {k: v for k, v in sizes.items() if k not in covered}
-    return Coverage(checked=entries, lines=sum(sizes.values()),
-                    covered_lines=sum(v for k, v in sizes.items() if k in covered),
-                    files=len(sizes), covered_files=len(sizes) - len(missing), not_covered=missing)
+    return Coverage(
+        checked=entries,
+        lines=sum(sizes.values()),
+        covered_lines=sum(v for k, v in sizes.items() if k in covered),
+        files=len(sizes),
+        covered_files=len(sizes) - len(missing),
+        not_covered=missing,
+    )
 
 
 @dataclass(frozen=True)
@@ -253,8 +267,9 @@ def read_durations(path: Path) -> Durations:
                 wall.append(float(m[1]))
         total_is_wall = bool(wall)
         total = wall[-1] if wall else sum(tests.values())
-    return Durations(total=round(total, 3), total_is_wall=total_is_wall,
-                     tests={k: round(v, 3) for k, v in tests.items()})
+    return Durations(
+        total=round(total, 3), total_is_wall=total_is_wall, tests={k: round(v, 3) for k, v in tests.items()}
+    )
 
 
 def table(head: tuple[str, ...], rows: list[tuple[object, ...]]) -> list[str]:
@@ -275,8 +290,14 @@ def cycle_rows(graph: dict[str, set[str]], runtime: dict[str, set[str]]) -> list
         edges = [(m, n) for m in component for n in sorted(graph[m] & inside)]
         at_load = [f"{short(m)} → {short(n)}" for m, n in edges if n in runtime.get(m, set())]
         later = [f"{short(m)} → {short(n)}" for m, n in edges if n not in runtime.get(m, set())]
-        rows.append((len(component), ", ".join(map(short, component)), "; ".join(at_load) or "none",
-                     "; ".join(later) or "none"))
+        rows.append(
+            (
+                len(component),
+                ", ".join(map(short, component)),
+                "; ".join(at_load) or "none",
+                "; ".join(later) or "none",
+            )
+        )
     return rows
 
 
@@ -291,24 +312,36 @@ def report(root: Path = ROOT, durations: Path | None = None, mypy_verdict: str |
     sizes = module_sizes(root, files)
     big = over(sizes, MODULE_LIMIT)
     total = sum(sizes.values())
-    out += ["### Modules", "",
-            f"{len(sizes)} Python files, {total} lines; {len(big)} over {MODULE_LIMIT} lines:", ""]
+    out += [
+        "### Modules",
+        "",
+        f"{len(sizes)} Python files, {total} lines; {len(big)} over {MODULE_LIMIT} lines:",
+        "",
+    ]
     out += table(("module", "lines"), [(code(k), v) for k, v in big]) + [""]
 
     functions = function_sizes(root, files)
     long = over(functions, FUNCTION_LIMIT)
-    out += ["### Functions", "",
-            f"{len(functions)} functions and methods; {len(long)} over {FUNCTION_LIMIT} lines:", ""]
+    out += [
+        "### Functions",
+        "",
+        f"{len(functions)} functions and methods; {len(long)} over {FUNCTION_LIMIT} lines:",
+        "",
+    ]
     out += table(("function", "lines"), [(code(k), v) for k, v in long]) + [""]
 
     runtime, every = import_graph(root, runtime=True), import_graph(root, runtime=False)
-    out += [f"### Import cycles among {PACKAGE}/ modules", "",
-            f"Strongly connected components of more than one module ({len(runtime)} modules; "
-            f"names relative to `{PACKAGE}`).", ""]
+    out += [
+        f"### Import cycles among {PACKAGE}/ modules",
+        "",
+        f"Strongly connected components of more than one module ({len(runtime)} modules; "
+        f"names relative to `{PACKAGE}`).",
+        "",
+    ]
     for title, graph in (
-            ("Imports run when the modules load (module and class level, outside `if TYPE_CHECKING:`)",
-             runtime),
-            ("All imports (`TYPE_CHECKING` blocks and imports inside functions included)", every)):
+        ("Imports run when the modules load (module and class level, outside `if TYPE_CHECKING:`)", runtime),
+        ("All imports (`TYPE_CHECKING` blocks and imports inside functions included)", every),
+    ):
         rows = cycle_rows(graph, runtime)
         edges = sum(len(v) for v in graph.values())
         plural = "" if len(rows) == 1 else "s"
@@ -317,9 +350,13 @@ def report(root: Path = ROOT, durations: Path | None = None, mypy_verdict: str |
             out += table(("modules", "cycle", "imports run at load", "imports not run at load"), rows) + [""]
 
     cov = mypy_coverage(root, files)
-    out += ["### mypy coverage", "",
-            f"[tool.mypy] files = {', '.join(cov.checked) or '(none)'}: {cov.covered_lines} of {cov.lines} "
-            f"lines ({cov.percent:.1f} %), {cov.covered_files} of {cov.files} files. Not checked:", ""]
+    out += [
+        "### mypy coverage",
+        "",
+        f"[tool.mypy] files = {', '.join(cov.checked) or '(none)'}: {cov.covered_lines} of {cov.lines} "
+        f"lines ({cov.percent:.1f} %), {cov.covered_files} of {cov.files} files. Not checked:",
+        "",
+    ]
     out += table(("file", "lines"), [(code(k), v) for k, v in sorted(cov.not_covered.items())]) + [""]
     if mypy_verdict is not None:
         out += [f"mypy on those files: {mypy_verdict}", ""]
@@ -339,8 +376,9 @@ def report(root: Path = ROOT, durations: Path | None = None, mypy_verdict: str |
 def run_mypy(root: Path) -> str:
     """mypy's verdict (its last line) on the files pyproject.toml names."""
     try:
-        done = subprocess.run([sys.executable, "-m", "mypy"], cwd=root, capture_output=True, text=True,
-                              timeout=1800)
+        done = subprocess.run(
+            [sys.executable, "-m", "mypy"], cwd=root, capture_output=True, text=True, timeout=1800
+        )
     except subprocess.TimeoutExpired:
         return "mypy ran past 30 minutes"
     lines = (done.stdout + done.stderr).strip().splitlines()
@@ -349,8 +387,12 @@ def run_mypy(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--durations", type=Path, metavar="FILE",
-                        help="pytest --durations=0 output or a --junitxml file, for the suite's time")
+    parser.add_argument(
+        "--durations",
+        type=Path,
+        metavar="FILE",
+        help="pytest --durations=0 output or a --junitxml file, for the suite's time",
+    )
     parser.add_argument("--mypy", action="store_true", help="also run mypy and print its verdict")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -27,8 +27,12 @@ def layer_of(path: Path) -> int:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--all-layers", action="store_true", default=False,
-                     help="run every layer (lint, unit, trainers, integration) even after one failed")
+    parser.addoption(
+        "--all-layers",
+        action="store_true",
+        default=False,
+        help="run every layer (lint, unit, trainers, integration) even after one failed",
+    )
 
 
 FAILED = pytest.StashKey[set[int]]()  # indexes in LAYERS of the layers that had a failure
@@ -63,5 +67,6 @@ def pytest_runtest_protocol(item, nextitem):
             later = sorted({layer_of(i.path) for i in item.session.items} - set(range(here + 1)))
             item.session.shouldfail = (
                 f"layer {', '.join(LAYERS[i] for i in failed)} failed: the later layers "
-                f"({', '.join(LAYERS[i] for i in later)}) were not run (--all-layers runs them anyway)")
+                f"({', '.join(LAYERS[i] for i in later)}) were not run (--all-layers runs them anyway)"
+            )
     return result

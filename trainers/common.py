@@ -1,4 +1,5 @@
 """Small helpers shared by the trainers."""
+
 from __future__ import annotations
 
 import datetime
@@ -21,6 +22,7 @@ def finish_distributed(hard_exit: bool) -> None:
     without an active exception", about once in 25 runs of the local cluster), failing a job whose
     work was all done. In-process callers (tests) destroy the group as usual."""
     import torch.distributed as dist
+
     dist.barrier()
     if hard_exit:
         sys.stdout.flush()

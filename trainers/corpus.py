@@ -3,18 +3,59 @@
 A small grammar over a fixed vocabulary gives text with real structure (words, agreement,
 punctuation), so a character-level model's loss falls well below the uniform baseline.
 """
+
 from __future__ import annotations
 
 import random
 
-SUBJECTS = ["the engineer", "a small team", "the master node", "every worker", "the old server",
-            "our cluster", "the new model", "a patient student", "the scheduler", "each process"]
-VERBS = ["trains", "watches", "copies", "checks", "starts", "stops", "measures", "repairs",
-         "launches", "reads"]
-OBJECTS = ["the gradients", "a long log", "the network card", "every container", "the checkpoint",
-           "a quiet port", "the shared memory", "the clock", "a broken link", "the loss curve"]
-ADVERBS = ["slowly", "again", "at night", "before dawn", "with care", "in parallel", "by hand",
-           "every hour", "without fear", "on time"]
+SUBJECTS = [
+    "the engineer",
+    "a small team",
+    "the master node",
+    "every worker",
+    "the old server",
+    "our cluster",
+    "the new model",
+    "a patient student",
+    "the scheduler",
+    "each process",
+]
+VERBS = [
+    "trains",
+    "watches",
+    "copies",
+    "checks",
+    "starts",
+    "stops",
+    "measures",
+    "repairs",
+    "launches",
+    "reads",
+]
+OBJECTS = [
+    "the gradients",
+    "a long log",
+    "the network card",
+    "every container",
+    "the checkpoint",
+    "a quiet port",
+    "the shared memory",
+    "the clock",
+    "a broken link",
+    "the loss curve",
+]
+ADVERBS = [
+    "slowly",
+    "again",
+    "at night",
+    "before dawn",
+    "with care",
+    "in parallel",
+    "by hand",
+    "every hour",
+    "without fear",
+    "on time",
+]
 JOINERS = ["and then", "while", "because", "so", "but"]
 
 

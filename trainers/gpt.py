@@ -6,6 +6,7 @@ NCCL on GPUs, gloo on CPUs. Snapshots are atomic and a restarted job resumes fro
 
     torchrun --nproc_per_node 2 trainers/gpt.py --model tiny --epochs 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,9 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
@@ -107,8 +109,12 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -150,7 +156,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, n: int, temperature: float = 0.8) -> torch.Tensor:
         for _ in range(n):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits, _ = self(idx[:, -self.cfg.block_size :])
             probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1)], dim=1)
         return idx
@@ -170,12 +176,21 @@ def flops_per_token(cfg: ModelConfig, params: int) -> float:
 # package's 383. V100 and older have no bf16 units: no entry, no MFU (and no bf16, see use_bf16).
 # FABTRAIN_PEAK_TFLOPS overrides, for any device.
 PEAK_TFLOPS = {
-    "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0,
-    "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
-    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100-PCIE-40GB": 312.0,
-    "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA A10": 125.0,
+    "NVIDIA H100 80GB HBM3": 989.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA A10": 125.0,
     "NVIDIA GeForce RTX 4090": 165.0,
-    "AMD Instinct MI300X": 1307.0, "AMD Instinct MI250X": 191.5, "AMD Instinct MI250X / MI250": 191.5,
+    "AMD Instinct MI300X": 1307.0,
+    "AMD Instinct MI250X": 191.5,
+    "AMD Instinct MI250X / MI250": 191.5,
 }
 
 
@@ -202,7 +217,7 @@ class CharDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return max(0, (len(self.data) - 1) // self.block)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.data[i * self.block: i * self.block + self.block + 1]
+        chunk = self.data[i * self.block : i * self.block + self.block + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -228,8 +243,12 @@ class Dist:
 
 def init_distributed() -> tuple[Dist, torch.device]:
     env = os.environ
-    d = Dist(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-             env.get("FABTRAIN_NODE") or socket.gethostname())
+    d = Dist(
+        int(env.get("RANK", 0)),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("WORLD_SIZE", 1)),
+        env.get("FABTRAIN_NODE") or socket.gethostname(),
+    )
     if torch.cuda.is_available():
         torch.cuda.set_device(d.local_rank)
         device = torch.device("cuda", d.local_rank)
@@ -248,11 +267,15 @@ def build_config(args: argparse.Namespace, on_gpu: bool) -> tuple[ModelConfig, T
         mc, tc = dataclasses.replace(mc, **m_over), dataclasses.replace(tc, **t_over)
     if args.config:
         import yaml
+
         doc = yaml.safe_load(Path(args.config).read_text()) or {}
         mc = dataclasses.replace(mc, **doc.get("model", {}))
         tc = dataclasses.replace(tc, **doc.get("train", {}))
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                 if getattr(args, f.name, None) is not None}
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if getattr(args, f.name, None) is not None
+    }
     return mc, dataclasses.replace(tc, **overrides)
 
 
@@ -274,11 +297,16 @@ def keep_global_batch(tc: TrainConfig, world: int, env) -> tuple[TrainConfig, st
     per_rank = max(1, round(planned / world))
     accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= tc.batch_size)
     got = per_rank * world
-    change = (f"world {world} instead of {target}: batch {tc.batch_size} x accum {tc.grad_accum} -> "
-              f"{per_rank // accum} x {accum}")
-    note = (f"{change} keeps the global batch of {planned} sequences" if got == planned else
-            f"WARNING: {change} gives {got} sequences a step, the nearest to the planned {planned} that "
-            f"{world} ranks allow: steps per epoch and the learning-rate schedule change accordingly")
+    change = (
+        f"world {world} instead of {target}: batch {tc.batch_size} x accum {tc.grad_accum} -> "
+        f"{per_rank // accum} x {accum}"
+    )
+    note = (
+        f"{change} keeps the global batch of {planned} sequences"
+        if got == planned
+        else f"WARNING: {change} gives {got} sequences a step, the nearest to the planned {planned} that "
+        f"{world} ranks allow: steps per epoch and the learning-rate schedule change accordingly"
+    )
     return dataclasses.replace(tc, batch_size=per_rank // accum, grad_accum=accum), note
 
 
@@ -293,17 +321,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--config", help="YAML with 'model:' and 'train:' sections (overrides the preset)")
     p.add_argument("--data", help="a UTF-8 text file to train on (default: the generated corpus)")
-    p.add_argument("--out", default=os.environ.get("FABTRAIN_OUTPUT", "out"),
-                   help="directory for snapshots and metrics (fab train draws the curves from them)")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("FABTRAIN_OUTPUT", "out"),
+        help="directory for snapshots and metrics (fab train draws the curves from them)",
+    )
     for f in dataclasses.fields(TrainConfig):
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None)
     p.add_argument("--sample-chars", type=int, default=200)
-    p.add_argument("--memory-every", type=int, default=None,
-                   help="keep each rank's state in memory every K steps (0: never; default: every step "
-                        "that costs at most 3%% of one, measured; FABTRAIN_MEMORY_EVERY)")
-    p.add_argument("--exact", action="store_true", default=os.environ.get("FABTRAIN_EXACT") == "1",
-                   help="a resumed run ends bit for bit where an uninterrupted one does: DDP's gradient "
-                        "buckets fixed for the run's life, deterministic algorithms (FABTRAIN_EXACT=1)")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=None,
+        help="keep each rank's state in memory every K steps (0: never; default: every step "
+        "that costs at most 3%% of one, measured; FABTRAIN_MEMORY_EVERY)",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        default=os.environ.get("FABTRAIN_EXACT") == "1",
+        help="a resumed run ends bit for bit where an uninterrupted one does: DDP's gradient "
+        "buckets fixed for the run's life, deterministic algorithms (FABTRAIN_EXACT=1)",
+    )
     return p.parse_args(argv)
 
 
@@ -359,8 +398,15 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     # another layout than the uninterrupted run's step there: each element's sum across ranks taken
     # in another order (ring chunks), other float rounding. With find_unused_parameters the reducer
     # never rebuilds (torch's Reducer::should_rebuild_buckets): one layout for the run's whole life.
-    ddp = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None,
-              find_unused_parameters=args.exact) if d.enabled else model
+    ddp = (
+        DDP(
+            model,
+            device_ids=[d.local_rank] if device.type == "cuda" else None,
+            find_unused_parameters=args.exact,
+        )
+        if d.enabled
+        else model
+    )
     timer = StepTimer(ddp if isinstance(ddp, DDP) else None)  # a DDP exactly when d.enabled
 
     # A sampler yields the dataset's indices.
@@ -377,11 +423,16 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
         steps_per_epoch = min(steps_per_epoch, tc.max_steps_per_epoch)
     total_steps = steps_per_epoch * tc.epochs
     if d.rank == 0:
-        log(f"{tag} model {args.model}: {n_params(model) / 1e6:.2f}M params, layers={mc.n_layer} "
-              f"embd={mc.n_embd} block={mc.block_size}; world {d.world}, batch {tc.batch_size} x accum "
-              f"{tc.grad_accum} x world {d.world}; {steps_per_epoch} steps/epoch on {device.type}")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16(device)
-                else torch.autocast(device.type, enabled=False))
+        log(
+            f"{tag} model {args.model}: {n_params(model) / 1e6:.2f}M params, layers={mc.n_layer} "
+            f"embd={mc.n_embd} block={mc.block_size}; world {d.world}, batch {tc.batch_size} x accum "
+            f"{tc.grad_accum} x world {d.world}; {steps_per_epoch} steps/epoch on {device.type}"
+        )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if use_bf16(device)
+        else torch.autocast(device.type, enabled=False)
+    )
     metrics_path = out / "metrics.jsonl"
     if d.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -432,11 +483,23 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
             if step % tc.log_every == 0 or step == total_steps:
                 rate = tokens / (time.perf_counter() - t0)
                 mfu = fpt * rate / (peak * d.world) if peak else None
-                log(f"{tag} epoch {epoch} | step {step} | loss {loss_sum:.4f} | lr {g['lr']:.2e} "
-                    f"| {rate:,.0f} tok/s{timer.report()}{'' if mfu is None else f' | MFU {mfu:.1%}'}")
+                log(
+                    f"{tag} epoch {epoch} | step {step} | loss {loss_sum:.4f} | lr {g['lr']:.2e} "
+                    f"| {rate:,.0f} tok/s{timer.report()}{'' if mfu is None else f' | MFU {mfu:.1%}'}"
+                )
                 if d.rank == 0:
-                    _append(metrics_path, {"kind": "train", "epoch": epoch, "step": step, "loss": loss_sum,
-                                           "lr": g["lr"], "tokens_per_s": rate, "time": time.time()})
+                    _append(
+                        metrics_path,
+                        {
+                            "kind": "train",
+                            "epoch": epoch,
+                            "step": step,
+                            "loss": loss_sum,
+                            "lr": g["lr"],
+                            "tokens_per_s": rate,
+                            "time": time.time(),
+                        },
+                    )
                     curves = {"train/loss": loss_sum, "train/tokens_per_s": rate, "train/lr": g["lr"]}
                     board.scalars(step, curves if mfu is None else {**curves, "train/mfu": mfu})
             if d.rank == 0 and (step % tc.log_every == 0 or step == total_steps):
@@ -472,13 +535,21 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> dict:
     return result
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int,
-                   device: torch.device) -> dict:
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int, device: torch.device
+) -> dict:
     """All a rank needs to go on exactly from `step`: the data position is (epoch, step)."""
-    rng = {"cpu": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step,
-            "rng": rng}
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "rng": rng,
+    }
 
 
 def restore_rng(rng: dict, device: torch.device) -> None:
@@ -505,6 +576,7 @@ class StepTimer:
                 self.ready = time.perf_counter()
                 # None is the default group (torch handles it; its annotation says ProcessGroup).
                 return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
             ddp.register_comm_hook(None, hook)
         self.reset()
 
@@ -542,8 +614,10 @@ def progress(tag: str, epoch: int, epochs: int, step: int, total: int, t0: float
     done = step - step0
     eta = (time.perf_counter() - t0) / max(done, 1) * (total - step)
     bar = "#" * round(20 * step / max(total, 1))
-    log(f"{tag} progress [{bar:<20}] {100 * step / max(total, 1):5.1f}% epoch {epoch + 1}/{epochs} "
-        f"step {step}/{total} eta {eta:.0f}s")
+    log(
+        f"{tag} progress [{bar:<20}] {100 * step / max(total, 1):5.1f}% epoch {epoch + 1}/{epochs} "
+        f"step {step}/{total} eta {eta:.0f}s"
+    )
 
 
 class _null:

@@ -8,6 +8,7 @@ Runs with gloo on CPU and nccl on GPU, under torchrun, this orchestrator, or a s
 
     torchrun --nproc_per_node 4 trainers/mlp_tp.py --tp 2 --steps 50
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,8 @@ class MLP(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.ModuleDict({"up": nn.Linear(dim, hidden), "down": nn.Linear(hidden, dim)})
-            for _ in range(layers))
+            for _ in range(layers)
+        )
         self.act = nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ def synthetic_batch(
     """A learnable target (a fixed random linear map + tanh); each dp rank gets its own batch."""
     g = torch.Generator().manual_seed(10_000 * step + dp_rank)
     x = torch.randn(batch, dim, generator=g)
-    w = torch.randn(dim, dim, generator=torch.Generator().manual_seed(7)) / dim ** 0.5
+    w = torch.randn(dim, dim, generator=torch.Generator().manual_seed(7)) / dim**0.5
     return x.to(device), torch.tanh(x @ w).to(device)
 
 
@@ -104,8 +106,11 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--epochs", type=int, default=None, help="accepted for fab train; steps = 50 x epochs")
     p.add_argument("--model", default=None, help="accepted for fab train; ignored")
-    p.add_argument("--out", default=os.environ.get("FABTRAIN_OUTPUT", "out"),
-                   help="directory for the TensorBoard event files (tb/, rank 0)")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("FABTRAIN_OUTPUT", "out"),
+        help="directory for the TensorBoard event files (tb/, rank 0)",
+    )
     args = p.parse_args(argv)
     if args.epochs:
         args.steps = 50 * args.epochs
@@ -122,14 +127,17 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=pg_timeout())
         else:  # run alone, without a launcher: a group of one
-            dist.init_process_group(backend, timeout=pg_timeout(), rank=0, world_size=1,
-                                    init_method="tcp://127.0.0.1:29511")
+            dist.init_process_group(
+                backend, timeout=pg_timeout(), rank=0, world_size=1, init_method="tcp://127.0.0.1:29511"
+            )
     mesh = make_mesh(world, args.tp, "cuda" if cuda else "cpu")
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     dp_group_ranks = mesh.mesh[:, tp_rank].tolist()
     tp_group_ranks = mesh.mesh[dp_rank].tolist()
-    log(f"[{node} rank{rank}] dp_rank {dp_rank} tp_rank {tp_rank} | mesh {mesh.mesh.tolist()} "
-        f"| dp group {dp_group_ranks} | tp group {tp_group_ranks}")
+    log(
+        f"[{node} rank{rank}] dp_rank {dp_rank} tp_rank {tp_rank} | mesh {mesh.mesh.tolist()} "
+        f"| dp group {dp_group_ranks} | tp group {tp_group_ranks}"
+    )
     torch.manual_seed(0)  # identical initial weights everywhere before sharding
     device = torch.device("cuda" if cuda else "cpu")
     model = shard(MLP(args.dim, args.hidden, args.layers).to(device), mesh)
@@ -151,8 +159,14 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             log(f"[{node} rank{rank}] step {step} | loss {loss_val:.5f}")
             samples = (step + 1 - since) * args.batch * mesh["dp"].size()
-            board.scalars(step, {"train/loss": loss_val, "train/lr": args.lr,
-                                 "train/samples_per_s": samples / (time.perf_counter() - t0)})
+            board.scalars(
+                step,
+                {
+                    "train/loss": loss_val,
+                    "train/lr": args.lr,
+                    "train/samples_per_s": samples / (time.perf_counter() - t0),
+                },
+            )
             t0, since = time.perf_counter(), step + 1
     board.close()
     finish_distributed(hard_exit)

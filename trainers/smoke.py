@@ -2,6 +2,7 @@
 
 Bus bandwidth follows nccl-tests: for all_reduce, busbw = algbw x 2(n-1)/n.
 """
+
 import os
 import sys
 import time

@@ -14,6 +14,7 @@ default 2). Older ones are removed only once the new one is durable (renamed and
 fsynced), and the one just written is never removed, so a reader (a resume, the orchestrator's
 copy) always finds at least the newest complete snapshot.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,8 +47,10 @@ def keep_from_env(environ=os.environ) -> int:
         keep = 0
     if keep < 1:
         # Refused rather than clamped: 0 or a typo must not silently mean "keep one" or "keep all".
-        raise ValueError(f"{KEEP_ENV}={raw!r}: how many snapshots to keep must be a whole number, 1 or "
-                         f"more; set job.keep_snapshots in the inventory (or unset it for {DEFAULT_KEEP})")
+        raise ValueError(
+            f"{KEEP_ENV}={raw!r}: how many snapshots to keep must be a whole number, 1 or "
+            f"more; set job.keep_snapshots in the inventory (or unset it for {DEFAULT_KEEP})"
+        )
     return keep
 
 
@@ -81,10 +84,12 @@ class Writer:
 
     def save(self, model, optimizer, epoch: int, step: int) -> None:
         self.wait()  # a snapshot still being written is finished first (bounded memory: one copy)
-        state = cpu_copy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                          "epoch": epoch, "step": step})
-        self._thread = threading.Thread(target=self._write, args=(state, step), daemon=True,
-                                        name="snapshot-writer")
+        state = cpu_copy(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}
+        )
+        self._thread = threading.Thread(
+            target=self._write, args=(state, step), daemon=True, name="snapshot-writer"
+        )
         self._thread.start()
 
     def _write(self, state: dict, step: int) -> None:
@@ -180,8 +185,10 @@ def load_agreed(directory: Path, map_location=None) -> dict | None:
     path, data, digest = payload[0]
     got = hashlib.sha256(data).hexdigest()
     if got != digest:
-        raise RuntimeError(f"rank 0's snapshot {path} arrived with other bytes than it sent "
-                           f"(SHA-256 {got[:16]}, not {digest[:16]})")
+        raise RuntimeError(
+            f"rank 0's snapshot {path} arrived with other bytes than it sent "
+            f"(SHA-256 {got[:16]}, not {digest[:16]})"
+        )
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     state["path"], state["sha256"] = f"{path} (rank 0's copy)", digest
     return state

@@ -9,6 +9,7 @@ from S + 1 with no step twice, and a run that starts over replaces the curves it
 
     tensorboard --logdir runs/JOB/outputs
 """
+
 from __future__ import annotations
 
 import atexit
@@ -39,8 +40,12 @@ class Board:
         # An event file is named by the second, host and pid it was opened at: a container started
         # anew runs its trainer with the same pid, so a random suffix keeps two attempts' files apart
         # (the second would empty the first).
-        self.writer = SummaryWriter(str(out / SUBDIR), purge_step=first_step, flush_secs=FLUSH_SECS,
-                                    filename_suffix="." + os.urandom(4).hex())
+        self.writer = SummaryWriter(
+            str(out / SUBDIR),
+            purge_step=first_step,
+            flush_secs=FLUSH_SECS,
+            filename_suffix="." + os.urandom(4).hex(),
+        )
         atexit.register(self.close)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

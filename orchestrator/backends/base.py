@@ -10,6 +10,7 @@ logs`, `fab stop --job` and `fab train --resume` find a job's Runner in its reco
 
 Each declares the fab train options it takes (`accepts`, from TRAIN_OPTIONS, typed as TorchX's
 runopts are); the command line refuses any other one given, naming it and the backend's `declines`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -90,14 +91,14 @@ class Launch:
     policy: Policy
     record: JobRecord | None
     runs: Path
-    console: Console            # where people read (stderr with --json)
-    json: bool = False          # events as JSON lines on stdout
-    live: bool = True           # the status board at the bottom of a terminal
-    checks: bool = True         # preflight before the start
+    console: Console  # where people read (stderr with --json)
+    json: bool = False  # events as JSON lines on stdout
+    live: bool = True  # the status board at the bottom of a terminal
+    checks: bool = True  # preflight before the start
     smoke: bool = False
-    selected: tuple[str, ...] | None = None   # hosts chosen by --include/--exclude/--num-nodes/--health
-    notify: Notify | None = None      # --notify, --notify-url (None: as recorded)
-    queue: bool = False                       # wait in line while the hosts are held (fab train --queue)
+    selected: tuple[str, ...] | None = None  # hosts chosen by --include/--exclude/--num-nodes/--health
+    notify: Notify | None = None  # --notify, --notify-url (None: as recorded)
+    queue: bool = False  # wait in line while the hosts are held (fab train --queue)
 
 
 @dataclass(frozen=True)
@@ -105,36 +106,42 @@ class Finished:
     """How a job (or the following of one) ended, whatever ran it."""
 
     job_id: str
-    run_dir: Path | None        # runs/JOB: logs, outputs, curves
-    error: UserError | None     # None: it finished, every node exited 0 (or the follower detached)
-    closing: str = ""           # the last line for people
+    run_dir: Path | None  # runs/JOB: logs, outputs, curves
+    error: UserError | None  # None: it finished, every node exited 0 (or the follower detached)
+    closing: str = ""  # the last line for people
 
 
 @dataclass
 class Status:
     """A backend's part of `fab status`."""
 
-    doc: dict[str, Any] = field(default_factory=dict)   # merged into --json's document
-    tables: list[Any] = field(default_factory=list)      # rich renderables, in order
-    lines: list[str] = field(default_factory=list)       # after the tables
-    errors: list[str] = field(default_factory=list)      # hosts that did not answer: exit non-zero
+    doc: dict[str, Any] = field(default_factory=dict)  # merged into --json's document
+    tables: list[Any] = field(default_factory=list)  # rich renderables, in order
+    lines: list[str] = field(default_factory=list)  # after the tables
+    errors: list[str] = field(default_factory=list)  # hosts that did not answer: exit non-zero
 
 
 @dataclass
 class Stopped:
     """A backend's part of `fab stop`."""
 
-    lines: list[str] = field(default_factory=list)       # what was stopped (stdout)
-    problems: list[str] = field(default_factory=list)    # what could not be (stderr)
-    failed: list[str] = field(default_factory=list)      # hosts to try again
-    jobs: list[str] = field(default_factory=list)        # the jobs stopped (--json)
+    lines: list[str] = field(default_factory=list)  # what was stopped (stdout)
+    problems: list[str] = field(default_factory=list)  # what could not be (stderr)
+    failed: list[str] = field(default_factory=list)  # hosts to try again
+    jobs: list[str] = field(default_factory=list)  # the jobs stopped (--json)
     removed: dict[str, int] = field(default_factory=dict)  # host -> containers removed there (--json)
     left_alone: list[str] = field(default_factory=list)  # others' jobs not stopped (--json)
 
     def doc(self) -> dict:
         """`fab stop --json`: what was stopped, where, what was left alone, and what failed."""
-        return {"stopped": self.jobs, "containers_removed": self.removed, "left_alone": self.left_alone,
-                "failed_hosts": self.failed, "problems": self.problems, "lines": self.lines}
+        return {
+            "stopped": self.jobs,
+            "containers_removed": self.removed,
+            "left_alone": self.left_alone,
+            "failed_hosts": self.failed,
+            "problems": self.problems,
+            "lines": self.lines,
+        }
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class Rendered:
     job_id: str
     files: dict[str, str]
     warnings: tuple[str, ...] = ()
-    title: str = ""             # the line above the files in what --dry-run prints ("": none)
+    title: str = ""  # the line above the files in what --dry-run prints ("": none)
 
     def text(self) -> str:
         """What `fab train --on NAME --dry-run` prints: the title, then each file under its name; with
@@ -160,8 +167,8 @@ class Renderer(Protocol):
     for one that is not also a Runner."""
 
     name: str
-    accepts: tuple[Option, ...]   # the fab train options it reads from the Launch (TRAIN_OPTIONS')
-    declines: str                 # why it takes no other one (said with the refusal)
+    accepts: tuple[Option, ...]  # the fab train options it reads from the Launch (TRAIN_OPTIONS')
+    declines: str  # why it takes no other one (said with the refusal)
     settings: tuple[Option, ...]  # its own options (fab export.NAME's), handed to render with defaults
 
     def render(self, launch: Launch, settings: dict[str, Any]) -> Rendered:
@@ -174,8 +181,8 @@ class Runner(Protocol):
 
     name: str
     where: str  # in "resuming job JOB{where}": "" over SSH, " on Slurm"
-    accepts: tuple[Option, ...]   # the fab train options it takes (TRAIN_OPTIONS'); others are refused
-    declines: str                 # why it takes no other one (Slurm picks the nodes, requeues, ...)
+    accepts: tuple[Option, ...]  # the fab train options it takes (TRAIN_OPTIONS'); others are refused
+    declines: str  # why it takes no other one (Slurm picks the nodes, requeues, ...)
 
     def serves(self, inv: Inventory) -> bool:
         """Whether the inventory uses this backend (fab status and fab stop ask only those)."""
@@ -206,8 +213,9 @@ class Runner(Protocol):
         events as JSON lines on stdout instead of the hosts' log lines (as fab train --json)."""
         ...
 
-    def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
-             runs: Path) -> Stopped: ...
+    def stop(
+        self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float, runs: Path
+    ) -> Stopped: ...
 
     def status(self, inv: Inventory, runs: Path) -> Status: ...
 

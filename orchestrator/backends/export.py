@@ -8,6 +8,7 @@ a ConfigMap does. Every value from the inventory or the command line stays data:
 quoted once (the few that Slurm fills in at run time are double-quoted variables), YAML is written
 by a YAML library, and secrets are referenced by name, never written out.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,18 @@ from orchestrator.hostcmds.node import node_spec
 # Ends the sbatch script's heredoc of the entrypoint: no line of the entrypoint may be this.
 HEREDOC = "FABTRAIN_ENTRYPOINT"
 # Per-host fields a Slurm job cannot vary (Slurm, not the inventory, picks the nodes).
-UNIFORM_FIELDS = ("gpu_vendor", "gpu_count", "interface", "image", "env", "mounts", "devices",
-                  "ulimits", "cap_add", "security_opt")
+UNIFORM_FIELDS = (
+    "gpu_vendor",
+    "gpu_count",
+    "interface",
+    "image",
+    "env",
+    "mounts",
+    "devices",
+    "ulimits",
+    "cap_add",
+    "security_opt",
+)
 
 
 def comment(text: str) -> str:
@@ -32,8 +43,12 @@ def comment(text: str) -> str:
 def template_host(inv: Inventory) -> tuple[Host, list[str]]:
     """The settings every node gets, the first host's, and a warning for each host that differs."""
     first = inv.hosts[0]
-    warnings = [f"{h.name}: {f} differs from {first.name}'s; the export gives every node {first.name}'s"
-                for h in inv.hosts[1:] for f in UNIFORM_FIELDS if getattr(h, f) != getattr(first, f)]
+    warnings = [
+        f"{h.name}: {f} differs from {first.name}'s; the export gives every node {first.name}'s"
+        for h in inv.hosts[1:]
+        for f in UNIFORM_FIELDS
+        if getattr(h, f) != getattr(first, f)
+    ]
     return first, warnings
 
 
@@ -51,7 +66,6 @@ def summary(inv: Inventory, spec: jobspec.JobSpec, nodes: int, host: Host) -> li
     n = node_spec(inv, host, spec)
     what = " ".join(n.command)
     return [
-        f"#   {nodes} node(s) x {comment(nproc)} process(es), "
-        f"image {comment(n.image)}",
+        f"#   {nodes} node(s) x {comment(nproc)} process(es), image {comment(n.image)}",
         f"#   runs: {comment(what)}",
     ]

@@ -1,6 +1,7 @@
 """The one place that chooses a backend: BACKENDS names each one (a Runner, a Renderer, or both, as
 base.py says), for `fab train --on NAME`, `fab export.NAME` and a job's record; and the refusal of
 the fab train options a backend does not take, derived from the options it declares (`accepts`)."""
+
 from __future__ import annotations
 
 import importlib
@@ -65,6 +66,7 @@ def choose(on: str | None) -> Runner | Renderer:
 def of_job(runs: Path, job_id: str) -> Runner | None:
     """The runner a job ran on, from its record (runs/JOB/job.json); None when there is none."""
     from orchestrator.core.recovery import JobRecord
+
     try:
         record = JobRecord.load(runs, job_id)
     except UserError:
@@ -85,14 +87,19 @@ def refuse(backend: Runner | Renderer, given: Mapping[str, Any]) -> None:
     what it does take. A backend registered without `accepts` takes none of them."""
     accepted: tuple[Option, ...] = getattr(backend, "accepts", ())
     names = {o.name for o in accepted}
-    refused = [o.flag for o in TRAIN_OPTIONS
-               if o.name not in names and given.get(o.name) not in (None, False)]
+    refused = [
+        o.flag for o in TRAIN_OPTIONS if o.name not in names and given.get(o.name) not in (None, False)
+    ]
     if not refused:
         return
     why = getattr(backend, "declines", "")
     takes = ", ".join(o.flag for o in accepted)
-    raise UserError(f"{', '.join(refused)}: not with --on {backend.name}" + (f": {why}" if why else "")
-                    + (f" (it takes {takes})" if takes else ""), exit_code=2)
+    raise UserError(
+        f"{', '.join(refused)}: not with --on {backend.name}"
+        + (f": {why}" if why else "")
+        + (f" (it takes {takes})" if takes else ""),
+        exit_code=2,
+    )
 
 
 class Plan:
@@ -129,8 +136,9 @@ def render(backend: Renderer, launch: Launch, **settings: Any) -> Rendered:
             raise UserError(f"{Option(key, object).flag}: not with {backend.name}'s files", exit_code=2)
         option = declared[key]
         if value is not None and not isinstance(value, option.type):
-            raise UserError(f"{option.flag} {hostile.text(str(value))!r}: give a {option.type.__name__}",
-                            exit_code=2)
+            raise UserError(
+                f"{option.flag} {hostile.text(str(value))!r}: give a {option.type.__name__}", exit_code=2
+            )
     return backend.render(launch, {o.name: settings.get(o.name, o.default) for o in backend.settings})
 
 

@@ -11,6 +11,7 @@ A job's nodes are found as `fab status` finds them: by their containers' labels 
 `fab shell JOB -- CMD`: Fabric's own executor reads a command after '--' as "run it on the -H
 hosts"; Executor below hands it to `shell` instead and refuses it for every other task.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,20 +78,29 @@ def job_inventory(inventory: str | None, job: str, runs: Path) -> Inventory:
     return inventory_file.load(inventory)
 
 
-def find_node(session: Session, inv: Inventory, job: str, rank: int | None = None,
-              host: str | None = None, runs: Path | None = None) -> Node:
+def find_node(
+    session: Session,
+    inv: Inventory,
+    job: str,
+    rank: int | None = None,
+    host: str | None = None,
+    runs: Path | None = None,
+) -> Node:
     """The node of `job` to reach: on host `host`, or of node rank `rank` (default 0), where its
     container runs now; UserError naming what was asked, what runs, and what to do (and, given
     `runs`, that no job of that id exists, when neither the hosts nor runs/ know it)."""
     if not jobspec.valid_job_id(job):
-        raise UserError(f"{hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists the jobs",
-                        exit_code=2)
+        raise UserError(
+            f"{hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists the jobs", exit_code=2
+        )
     if rank is not None and host is not None:
         raise UserError("give --rank or --host, not both", exit_code=2)
     by_name = {h.name: h for h in inv.all_hosts}
     if host is not None and host not in by_name:
-        raise UserError(f"--host {hostile.text(host)!r}: no such host in {inv.path}; its hosts are "
-                        f"{', '.join(by_name)}", exit_code=2)
+        raise UserError(
+            f"--host {hostile.text(host)!r}: no such host in {inv.path}; its hosts are {', '.join(by_name)}",
+            exit_code=2,
+        )
     asked = (by_name[host],) if host is not None else inv.all_hosts
     found = survey.survey(session, inv, asked)
     ranks = survey.running_jobs(found).get(job, {})
@@ -101,8 +111,9 @@ def find_node(session: Session, inv: Inventory, job: str, rank: int | None = Non
             return Node(job, by_name[host], ranks[host])
         if unreachable:
             raise UserError("; ".join(unreachable))
-        raise UserError(f"job {job} runs no container on {host}; 'fab status' shows where it runs",
-                        exit_code=2)
+        raise UserError(
+            f"job {job} runs no container on {host}; 'fab status' shows where it runs", exit_code=2
+        )
     want = 0 if rank is None else rank
     for name, r in ranks.items():
         if r == want:
@@ -110,16 +121,28 @@ def find_node(session: Session, inv: Inventory, job: str, rank: int | None = Non
     seen = f"; not reached: {'; '.join(unreachable)}" if unreachable else ""
     if not ranks:
         if runs is not None and not jobcontrol.known_to(found, job, runs):
-            raise UserError(f"job {job} is not running on the hosts of {inv.path}: "
-                            f"{jobcontrol.unknown_job(job, f' there or in {runs}/')}", exit_code=2)
-        raise UserError(f"job {job} is not running on the hosts of {inv.path}{seen}; 'fab status' lists "
-                        "the jobs", exit_code=2)
+            raise UserError(
+                f"job {job} is not running on the hosts of {inv.path}: "
+                f"{jobcontrol.unknown_job(job, f' there or in {runs}/')}",
+                exit_code=2,
+            )
+        raise UserError(
+            f"job {job} is not running on the hosts of {inv.path}{seen}; 'fab status' lists the jobs",
+            exit_code=2,
+        )
     raise UserError(f"job {job} has no running node of rank {want}: it runs on {where}{seen}", exit_code=2)
 
 
-def shell(inventory: str | None, job: str, rank: str | int | None, host: str | None, command: list[str],
-          runs: Path, execute: Callable[[str, list[str]], Any] = os.execvp,
-          terminal: bool | None = None) -> None:
+def shell(
+    inventory: str | None,
+    job: str,
+    rank: str | int | None,
+    host: str | None,
+    command: list[str],
+    runs: Path,
+    execute: Callable[[str, list[str]], Any] = os.execvp,
+    terminal: bool | None = None,
+) -> None:
     """fab shell: replace this process with the system's ssh running `docker exec` in the node's
     container (its exit status is the command's). With a pseudo-terminal when stdin and stdout are
     both terminals (`terminal`), as `docker exec -it` would be used by hand."""
@@ -137,8 +160,15 @@ def shell(inventory: str | None, job: str, rank: str | int | None, host: str | N
     execute(argv[0], argv)
 
 
-def forward(inventory: str | None, job: str, port: str | int, local: str | int | None, runs: Path,
-            say: Callable[[str], None], stop: threading.Event | None = None) -> Node:
+def forward(
+    inventory: str | None,
+    job: str,
+    port: str | int,
+    local: str | int | None,
+    runs: Path,
+    say: Callable[[str], None],
+    stop: threading.Event | None = None,
+) -> Node:
     """fab forward: rank 0's host's port `port` (host networking: the container's port is the host's)
     at 127.0.0.1:`local` (default: the same number) until Ctrl+C or `stop`."""
     remote_port = whole("PORT", port, 1, 65535)
@@ -151,8 +181,10 @@ def forward(inventory: str | None, job: str, port: str | int, local: str | int |
     with listener, Session(inv.all_hosts) as session:
         node = find_node(session, inv, job, runs=runs)
         session.connection(node.host)  # connected (or a clear error) before the URL is shown
-        say(f"forwarding http://{forwarding.LOOPBACK}:{local_port} -> {node.host.name}:{remote_port} "
-            f"(rank {node.rank} of {job}); Ctrl+C ends it")
+        say(
+            f"forwarding http://{forwarding.LOOPBACK}:{local_port} -> {node.host.name}:{remote_port} "
+            f"(rank {node.rank} of {job}); Ctrl+C ends it"
+        )
         sys.stdout.flush()
         try:
             forwarding.serve(session, node.host, remote_port, listener, stop or threading.Event(), warn)
@@ -177,7 +209,7 @@ def refusal(tasks: list[str]) -> str:
         return f"a command after '--' needs a task: {what}"
     if any(t in TAKES_COMMAND for t in tasks):
         return f"fab {' '.join(tasks)}: a command after '--' is taken only with fab shell alone ({what})"
-    hint = "; fab train passes arguments to its script with --args \"...\"" if "train" in tasks else ""
+    hint = '; fab train passes arguments to its script with --args "..."' if "train" in tasks else ""
     return f"fab {' '.join(tasks)} takes no command after '--'; only fab shell does ({what}){hint}"
 
 
@@ -185,8 +217,9 @@ class Executor(fabric.Executor):
     """Fabric's executor, but a command after '--' goes to `fab shell JOB -- CMD` (as its argv, as
     typed), and is refused with a clear error for every other task (Fabric would run it on -H hosts)."""
 
-    def __init__(self, collection: Any, config: Any = None, core: Any = None,
-                 argv: list[str] | None = None) -> None:
+    def __init__(
+        self, collection: Any, config: Any = None, core: Any = None, argv: list[str] | None = None
+    ) -> None:
         super().__init__(collection, config, core)
         self.argv = list(sys.argv if argv is None else argv)
 
@@ -203,7 +236,7 @@ class Executor(fabric.Executor):
     def remainder(self) -> list[str]:
         """The words after the first '--', as typed (Invoke keeps them only joined by spaces)."""
         if "--" in self.argv:
-            words = self.argv[self.argv.index("--") + 1:]
+            words = self.argv[self.argv.index("--") + 1 :]
             if " ".join(words) == self.core.remainder:
                 return words
         raise Exit(f"error: cannot tell the command after '--' apart ({self.core.remainder!r})", code=2)

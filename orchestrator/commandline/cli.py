@@ -1,6 +1,7 @@
 """From command-line options to a job: a new job's spec, a resumed job's changes, the policy, and
 what is shown when a job ends. fabfile.py's tasks only parse options and call these.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,6 +45,7 @@ def quiet_on_closed_pipe() -> None:
                 pass
             os._exit(141)
         previous(kind, value, tb)
+
     sys.excepthook = hook
 
 
@@ -68,8 +70,10 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
     current directory), with its arguments."""
     script, module = o.get("script"), o.get("module")
     if not (script or module) and o.get("code"):
-        raise UserError("--code is the folder of your own --script or --module; the built-in trainers bring "
-                        "their own", exit_code=2)
+        raise UserError(
+            "--code is the folder of your own --script or --module; the built-in trainers bring their own",
+            exit_code=2,
+        )
     source, only = (
         (code_dir(o.get("code")), "") if script or module else (jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
     )
@@ -84,8 +88,11 @@ def new_spec(o: dict, trainers: dict[str, str]) -> jobspec.JobSpec:
     nproc = o.get("nproc")
     checkpoint = checkpoint_option(o.get("checkpoint"))
     if checkpoint and script in trainers.values() and not module:
-        raise UserError("--checkpoint names where your own program writes its checkpoints; the built-in "
-                        "trainers' snapshots are kept without it", exit_code=2)
+        raise UserError(
+            "--checkpoint names where your own program writes its checkpoints; the built-in "
+            "trainers' snapshots are kept without it",
+            exit_code=2,
+        )
     return jobspec.JobSpec(
         job_id=jobspec.new_job_id(job_name),
         script=script,
@@ -108,13 +115,19 @@ def _what_to_run(o: dict, trainers: dict[str, str], source: Path) -> tuple[str, 
         # Options only the built-in trainers read: silently dropped, a user would train something else.
         ignored = [f"--{k} {o[k]}" for k in ("trainer", "model", "epochs") if o.get(k) is not None]
         if ignored:
-            raise UserError(f"{', '.join(ignored)}: only the built-in trainers take "
-                            f"{'it' if len(ignored) == 1 else 'them'}; --{'module' if module else 'script'} "
-                            "runs your program: give its own options in --args \"...\"", exit_code=2)
+            raise UserError(
+                f"{', '.join(ignored)}: only the built-in trainers take "
+                f"{'it' if len(ignored) == 1 else 'them'}; --{'module' if module else 'script'} "
+                'runs your program: give its own options in --args "..."',
+                exit_code=2,
+            )
     if module:
         if not jobspec.MODULE_RE.match(module):
-            raise UserError(f"--module {hostile.text(module)!r} is not a Python module name; write e.g. "
-                            "mypkg.train (dotted names, no .py)", exit_code=2)
+            raise UserError(
+                f"--module {hostile.text(module)!r} is not a Python module name; write e.g. "
+                "mypkg.train (dotted names, no .py)",
+                exit_code=2,
+            )
         script, extra = module, split_args(args)
     elif script:
         if not (source / script).is_file():
@@ -127,13 +140,16 @@ def _what_to_run(o: dict, trainers: dict[str, str], source: Path) -> tuple[str, 
     else:
         trainer = o.get("trainer") or "gpt"
         if trainer not in trainers:
-            raise UserError(f"unknown trainer {trainer!r}; use one of {', '.join(trainers)} or --script PATH",
-                            exit_code=2)
+            raise UserError(
+                f"unknown trainer {trainer!r}; use one of {', '.join(trainers)} or --script PATH", exit_code=2
+            )
         script = trainers[trainer]
         model = o.get("model") or "tiny"
         if trainer == "gpt" and model not in GPT_PRESETS:
-            raise UserError(f"--model {hostile.text(str(model))!r}: the GPT presets are "
-                            f"{', '.join(GPT_PRESETS)}", exit_code=2)
+            raise UserError(
+                f"--model {hostile.text(str(model))!r}: the GPT presets are {', '.join(GPT_PRESETS)}",
+                exit_code=2,
+            )
         extra = [
             "--model",
             model,
@@ -181,8 +197,11 @@ def epochs(value: str | int) -> int:
 # What a resumed job keeps, because its snapshots and ranks depend on it: given again with the
 # recorded value, fine (the same command run again with --continue); with another, refused.
 FIXED_ON_RESUME = {
-    "trainer": "what the job runs", "script": "what the job runs", "module": "what the job runs",
-    "model": "the model its snapshots hold", "nproc": "its processes per node (the snapshots' world size)",
+    "trainer": "what the job runs",
+    "script": "what the job runs",
+    "module": "what the job runs",
+    "model": "the model its snapshots hold",
+    "nproc": "its processes per node (the snapshots' world size)",
     "name": "its id and output directory",
 }
 
@@ -190,12 +209,14 @@ FIXED_ON_RESUME = {
 def recorded(spec: jobspec.JobSpec, key: str, trainers: dict[str, str]) -> str | None:
     """The value option `key` had when the job was started, as the command line gives it."""
     builtin = not spec.module and spec.script in trainers.values()
-    return {"trainer": next((t for t, s in trainers.items() if s == spec.script and builtin), None),
-            "script": None if spec.module or builtin else spec.script,
-            "module": spec.script if spec.module else None,
-            "model": spec.args[1] if builtin and len(spec.args) > 1 else None,
-            "nproc": spec.nproc_per_node,
-            "name": job_name(spec.job_id)}.get(key)
+    return {
+        "trainer": next((t for t, s in trainers.items() if s == spec.script and builtin), None),
+        "script": None if spec.module or builtin else spec.script,
+        "module": spec.script if spec.module else None,
+        "model": spec.args[1] if builtin and len(spec.args) > 1 else None,
+        "nproc": spec.nproc_per_node,
+        "name": job_name(spec.job_id),
+    }.get(key)
 
 
 def job_name(job_id: str) -> str:
@@ -204,8 +225,9 @@ def job_name(job_id: str) -> str:
     return m.group(1) if m else job_id
 
 
-def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bool = False
-                 ) -> tuple[jobspec.JobSpec, dict]:
+def resumed_spec(
+    record: JobRecord, o: dict, trainers: dict[str, str], again: bool = False
+) -> tuple[jobspec.JobSpec, dict]:
     """The recorded job with the options a resume may change (--epochs, --args, --image, --code,
     --checkpoint), and what changed; an option that would make it another job is refused, never
     dropped. A finished job is resumed (--resume) only with something new to do (--epochs or
@@ -244,8 +266,11 @@ def resumed_spec(record: JobRecord, o: dict, trainers: dict[str, str], again: bo
         spec = replace(spec, code=str(code_dir(o["code"])), code_only="")
     if o.get("checkpoint") is not None:
         spec = replace(spec, checkpoint=checkpoint_option(o["checkpoint"]))
-    changed = {k: getattr(spec, k) for k in ("args", "image", "code", "checkpoint")
-               if getattr(spec, k) != getattr(before, k)}
+    changed = {
+        k: getattr(spec, k)
+        for k in ("args", "image", "code", "checkpoint")
+        if getattr(spec, k) != getattr(before, k)
+    }
     return spec, changed
 
 
@@ -270,19 +295,29 @@ def host_list(value: str, option: str, inv: Inventory) -> dict[str, tuple[int, .
             )
         listed = [u.strip() for u in units.split(",")] if colon else []
         if colon and (not all(u.isdigit() for u in listed) or len(set(listed)) != len(listed)):
-            raise UserError(f"{option} {value!r}: {part!r} should list distinct GPU (or CPU slot) indices "
-                            f"after the colon, e.g. {name}:0,1", exit_code=2)
+            raise UserError(
+                f"{option} {value!r}: {part!r} should list distinct GPU (or CPU slot) indices "
+                f"after the colon, e.g. {name}:0,1",
+                exit_code=2,
+            )
         if colon and option == "--exclude":
-            raise UserError(f"{option} {value!r}: --exclude takes whole hosts; choose GPUs with --include "
-                            f"{name}:i,j", exit_code=2)
+            raise UserError(
+                f"{option} {value!r}: --exclude takes whole hosts; choose GPUs with --include {name}:i,j",
+                exit_code=2,
+            )
         if name in out:
             raise UserError(f"{option} {value!r}: {name} is named twice", exit_code=2)
         out[name] = tuple(sorted(int(u) for u in listed))
     return out
 
 
-def select_hosts(inv: Inventory, include: str | None, exclude: str | None,
-                 busy: AbstractSet[str] = frozenset(), num_nodes: str | int | None = None) -> Inventory:
+def select_hosts(
+    inv: Inventory,
+    include: str | None,
+    exclude: str | None,
+    busy: AbstractSet[str] = frozenset(),
+    num_nodes: str | int | None = None,
+) -> Inventory:
     """The job's hosts: the inventory's (in its rank order), only --include's, less --exclude's; with
     --num-nodes N, the first N of them that no other job holds (`busy`). Ranks are renumbered."""
     hosts = list(inv.hosts)
@@ -306,8 +341,11 @@ def select_hosts(inv: Inventory, include: str | None, exclude: str | None,
     if not hosts:
         raise UserError("--include/--exclude leave no host to run on", exit_code=2)
     names = {h.name for h in hosts}
-    return replace(inv, hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
-                   spares=tuple(s for s in inv.spares if s.name not in names))
+    return replace(
+        inv,
+        hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
+        spares=tuple(s for s in inv.spares if s.name not in names),
+    )
 
 
 @overload
@@ -339,8 +377,13 @@ def units_asked(inv: Inventory, include: str | None) -> str:
 def resume_entry(record: JobRecord, changed: dict) -> Resume:
     """What JobRecord.resumes keeps of one resume."""
     import time
-    return Resume(time.time(), len(record.attempts), record.state,
-                  {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()})
+
+    return Resume(
+        time.time(),
+        len(record.attempts),
+        record.state,
+        {k: list(v) if isinstance(v, tuple) else v for k, v in changed.items()},
+    )
 
 
 def changes_line(changed: dict) -> str:
@@ -355,7 +398,7 @@ def inventory_checkpoint(inv: Inventory) -> str | None:
     c = inv.job.checkpoint
     if not c:
         return None
-    return c[len(jobspec.WORK) + 1:] if c.startswith(jobspec.WORK + "/") else f"{jobspec.OUTDIR}/{c}"
+    return c[len(jobspec.WORK) + 1 :] if c.startswith(jobspec.WORK + "/") else f"{jobspec.OUTDIR}/{c}"
 
 
 def find_named(run_root: Path, name: str) -> str | None:
@@ -364,13 +407,21 @@ def find_named(run_root: Path, name: str) -> str | None:
     return max(found, key=lambda p: p.name.split("-")[-3:-1]).name if found else None
 
 
-def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
-           hang_timeout: str | float | None, chosen: str = "") -> Policy:
+def policy(
+    inv: Inventory,
+    restarts: str | int,
+    min_nodes: str | int | None,
+    hang_timeout: str | float | None,
+    chosen: str = "",
+) -> Policy:
     """The job's policy from its options, each checked; --min-nodes against the job's hosts (`inv`'s,
     as the options named in `chosen`, e.g. "--include/--num-nodes", left them)."""
     try:
-        p = Policy(restarts=int(restarts), min_nodes=None if min_nodes in (None, "") else int(min_nodes),
-                   hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout))
+        p = Policy(
+            restarts=int(restarts),
+            min_nodes=None if min_nodes in (None, "") else int(min_nodes),
+            hang_timeout=HANG_TIMEOUT if hang_timeout is None else float(hang_timeout),
+        )
     except ValueError as exc:
         raise UserError(
             f"--restarts, --min-nodes and --hang-timeout take numbers: {exc}", exit_code=2
@@ -379,13 +430,15 @@ def policy(inv: Inventory, restarts: str | int, min_nodes: str | int | None,
         raise UserError("--restarts and --hang-timeout cannot be negative", exit_code=2)
     if p.min_nodes is not None and not 1 <= p.min_nodes <= len(inv.hosts):
         which = f"of {inv.path} left by {chosen}" if chosen else f"in {inv.path}"
-        raise UserError(f"--min-nodes {p.min_nodes}: give 1 to {len(inv.hosts)} (the hosts {which})",
-                        exit_code=2)
+        raise UserError(
+            f"--min-nodes {p.min_nodes}: give 1 to {len(inv.hosts)} (the hosts {which})", exit_code=2
+        )
     return p
 
 
-def planned_hosts(inv: Inventory, include: str | None, exclude: str | None,
-                  num_nodes: str | int | None) -> Inventory:
+def planned_hosts(
+    inv: Inventory, include: str | None, exclude: str | None, num_nodes: str | int | None
+) -> Inventory:
     """The job's hosts as far as the command line tells, before any host is asked: --include's (or
     the inventory's) less --exclude's, the first --num-nodes of them. Which N of them are free is
     known only from the hosts (select_hosts with `busy`); more than there are is refused here."""
@@ -402,6 +455,7 @@ def planned_hosts(inv: Inventory, include: str | None, exclude: str | None,
 def stderr_console() -> Console:
     """Where people read when stdout is for machines (--json)."""
     from rich.console import Console
+
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -413,7 +467,10 @@ def present(run_dir: Path, console: Console) -> None:
         if data["per_host"]:
             console.print(report.timing_table(data))
         for st in data["stragglers"]:
-            console.print(hostile.rich_text(report.straggler_line(st['rank'], st['compute_ms_median'],
-                                                                  st['times_median']), "red"))
+            console.print(
+                hostile.rich_text(
+                    report.straggler_line(st["rank"], st["compute_ms_median"], st["times_median"]), "red"
+                )
+            )
     except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended
         console.print(hostile.rich_text(f"could not write the run's curves and summary: {exc}", "yellow"))

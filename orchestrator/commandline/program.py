@@ -6,6 +6,7 @@ checkout runs the same tasks.
     fabtrain --help train
     fabtrain train --code . --script main.py --inventory cluster.yaml
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,12 +44,17 @@ def tasks() -> Collection:
 EXIT_CODES = (
     ("0", "done: the job finished on every host, the checks passed, the command did what it was asked"),
     ("1", "failed: a job, a check, or a host that did not answer (the message names it and the fix)"),
-    ("2", "refused, nothing started: an unknown task, option or job, a bad value, options that conflict "
-          "(all refused before any host is touched), or what cannot be done as asked (a job still running)"),
+    (
+        "2",
+        "refused, nothing started: an unknown task, option or job, a bad value, options that conflict "
+        "(all refused before any host is touched), or what cannot be done as asked (a job still running)",
+    ),
     ("128+N", "a job ended by signal N: 130 Ctrl+C, 143 SIGTERM (its containers were stopped)"),
     ("141", "the reader of the output went away (fabtrain status | head)"),
-    ("other", "a job on Slurm (train --on slurm, logs): the Slurm job's own exit code; shell JOB -- CMD: "
-              "CMD's"),
+    (
+        "other",
+        "a job on Slurm (train --on slurm, logs): the Slurm job's own exit code; shell JOB -- CMD: CMD's",
+    ),
 )
 
 
@@ -59,6 +65,7 @@ class Program(Fab):
 
     def execute(self) -> None:
         from orchestrator.commandline.access import Executor
+
         Executor(self.collection, self.config, self.core, argv=self.argv).execute(*self.tasks)
 
     def print_help(self) -> None:
@@ -69,14 +76,20 @@ class Program(Fab):
 
 def make_program() -> Fab:
     """The program, built as fabric.main.make_program builds `fab`, with the tasks bundled."""
-    return Program(name=NAME, binary=NAME, binary_names=[NAME],
-                   version=f"{__version__} (Fabric {fabric_version})", namespace=tasks(),
-                   config_class=Config)
+    return Program(
+        name=NAME,
+        binary=NAME,
+        binary_names=[NAME],
+        version=f"{__version__} (Fabric {fabric_version})",
+        namespace=tasks(),
+        config_class=Config,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console script entry point (pyproject.toml: fabtrain = orchestrator.commandline.program:main)."""
     from orchestrator.commandline.cli import quiet_on_closed_pipe
+
     quiet_on_closed_pipe()  # before the tasks load: `fabtrain --help | head` too
     make_program().run(argv)
 

@@ -2,6 +2,7 @@
 request into a Launch (resume or continue, host selection, the health gate), then hand it, or a
 stop, status or logs, to the backend that serves it, or a job to the renderer an export names
 (backends/registry.py chooses). The Fabric tasks (fabfile.py) only parse options and print."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -29,8 +30,19 @@ if TYPE_CHECKING:
     from orchestrator.core.policy import Policy
 
 # The options that describe the job itself (cli.new_spec and cli.resumed_spec read them).
-JOB_OPTIONS = ("model", "epochs", "trainer", "script", "args", "image", "nproc", "name", "code", "module",
-               "checkpoint")
+JOB_OPTIONS = (
+    "model",
+    "epochs",
+    "trainer",
+    "script",
+    "args",
+    "image",
+    "nproc",
+    "name",
+    "code",
+    "module",
+    "checkpoint",
+)
 
 
 def job_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -84,8 +96,9 @@ def refused(req: TrainRequest, backend: Runner | Renderer) -> None:
 def earlier(req: TrainRequest, runs: Path, say: Console, trainers: dict[str, str]) -> str | None:
     """The job to go on with: --resume's, or --continue's newest of its --name (None: a new one)."""
     if req.resume and req.continue_:
-        raise UserError("--resume names the job to continue and --continue finds it by --name; give one",
-                        exit_code=2)
+        raise UserError(
+            "--resume names the job to continue and --continue finds it by --name; give one", exit_code=2
+        )
     if not req.continue_:
         return req.resume
     name = cli.default_name(req.job, trainers)
@@ -95,8 +108,14 @@ def earlier(req: TrainRequest, runs: Path, say: Console, trainers: dict[str, str
     return found
 
 
-def resumed(req: TrainRequest, chosen: Runner | Renderer, record: JobRecord, inv: Inventory, say: Console,
-            trainers: dict[str, str]) -> tuple[jobspec.JobSpec, Policy, JobRecord]:
+def resumed(
+    req: TrainRequest,
+    chosen: Runner | Renderer,
+    record: JobRecord,
+    inv: Inventory,
+    say: Console,
+    trainers: dict[str, str],
+) -> tuple[jobspec.JobSpec, Policy, JobRecord]:
     """An earlier job's spec, policy and record as this request changes them (a new record value)."""
     if record.on != chosen.name:
         where = "over SSH" if record.on == "ssh" else f"on {record.on}"
@@ -105,9 +124,12 @@ def resumed(req: TrainRequest, chosen: Runner | Renderer, record: JobRecord, inv
     if not req.dry_run:
         backend.refuse_if_running(inv, record.job_id, "--continue" if req.continue_ else "--resume")
     spec, changed = cli.resumed_spec(record, req.job, trainers, again=req.continue_)
-    policy = cli.policy(inv, record.restarts if req.restarts is None else req.restarts,
-                        record.min_nodes if req.min_nodes is None else req.min_nodes,
-                        record.hang_timeout if req.hang_timeout is None else req.hang_timeout)
+    policy = cli.policy(
+        inv,
+        record.restarts if req.restarts is None else req.restarts,
+        record.min_nodes if req.min_nodes is None else req.min_nodes,
+        record.hang_timeout if req.hang_timeout is None else req.hang_timeout,
+    )
     record = replace(
         record,
         restarts=policy.restarts,
@@ -126,8 +148,12 @@ def resumed(req: TrainRequest, chosen: Runner | Renderer, record: JobRecord, inv
 def choosers(req: TrainRequest, include: str | None, health: bool = False) -> str:
     """The options that choose the job's hosts among the inventory's, as a message names them
     ("--include/--num-nodes"; "" when none does)."""
-    given = {"--include": include, "--exclude": req.exclude, "--num-nodes": req.num_nodes,
-             "--health": req.health and health}
+    given = {
+        "--include": include,
+        "--exclude": req.exclude,
+        "--num-nodes": req.num_nodes,
+        "--health": req.health and health,
+    }
     return "/".join(k for k, v in given.items() if v not in (None, "", False))
 
 
@@ -140,8 +166,9 @@ def checked_early(req: TrainRequest, inv: Inventory, include: str | None) -> Non
     cli.policy(planned, req.restarts or 0, req.min_nodes, req.hang_timeout, choosers(req, include))
 
 
-def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str, gpus: int | None,
-              say: Console) -> tuple[Inventory, bool]:
+def hosts_for(
+    req: TrainRequest, inv: Inventory, include: str | None, units: str, gpus: int | None, say: Console
+) -> tuple[Inventory, bool]:
     """The inventory with the hosts --include/--exclude/--num-nodes and --health leave (and whether
     any of them chose)."""
     selected = bool(include or req.exclude or req.num_nodes is not None)
@@ -159,6 +186,7 @@ def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str
         inv = cli.select_hosts(inv, include, req.exclude, busy, req.num_nodes)
     if req.health:
         from orchestrator.preflight import deep
+
         with Session(inv.all_hosts) as session:
             inv, lines = deep.gate(session, inv)
         for line in lines:
@@ -167,8 +195,9 @@ def hosts_for(req: TrainRequest, inv: Inventory, include: str | None, units: str
     return inv, selected
 
 
-def launch(req: TrainRequest, runs: Path, console: Console, say: Console, trainers: dict[str, str]
-           ) -> tuple[Runner | Renderer, Launch]:
+def launch(
+    req: TrainRequest, runs: Path, console: Console, say: Console, trainers: dict[str, str]
+) -> tuple[Runner | Renderer, Launch]:
     """The request resolved: its backend and the Launch to hand it (one that only renders, with
     --dry-run only)."""
     backend = registry.choose(req.on)
@@ -197,26 +226,35 @@ def launch(req: TrainRequest, runs: Path, console: Console, say: Console, traine
         try:
             listen_address(str(req.metrics_port))
         except ValueError as exc:
-            raise UserError(f"--metrics-port: {exc}; use a port (9400) or an address and port "
-                            "(0.0.0.0:9400)", exit_code=2) from None
+            raise UserError(
+                f"--metrics-port: {exc}; use a port (9400) or an address and port (0.0.0.0:9400)", exit_code=2
+            ) from None
         inv = replace(inv, job=replace(inv.job, metrics_port=str(req.metrics_port)))
     if req.stop_idle:
         inv = replace(inv, job=replace(inv.job, stop_idle=True))
     if record is None:
-        policy = cli.policy(inv, req.restarts or 0, req.min_nodes, req.hang_timeout,
-                            choosers(req, include, health=True))
+        policy = cli.policy(
+            inv, req.restarts or 0, req.min_nodes, req.hang_timeout, choosers(req, include, health=True)
+        )
         spec = cli.new_spec(
             {**req.job, "checkpoint": req.job.get("checkpoint") or cli.inventory_checkpoint(inv)}, trainers
         )
     # Who runs it now (fab stop ends only its own), and the GPUs or slots asked for (a resume keeps
     # the recorded ones unless given again).
-    spec = replace(spec, owner=claims.me(), units=units if req.include else spec.units,
-                   gpus=spec.gpus if gpus is None else gpus, cpuset=req.cpuset or spec.cpuset)
+    spec = replace(
+        spec,
+        owner=claims.me(),
+        units=units if req.include else spec.units,
+        gpus=spec.gpus if gpus is None else gpus,
+        cpuset=req.cpuset or spec.cpuset,
+    )
     chosen = tuple(h.name for h in inv.hosts) if selected else None
     if record is not None:
-        record = replace(record, selected=list(chosen) if chosen is not None else record.selected,
-                         spec=replace(record.spec, owner=spec.owner, units=spec.units, gpus=spec.gpus,
-                                      cpuset=spec.cpuset))
+        record = replace(
+            record,
+            selected=list(chosen) if chosen is not None else record.selected,
+            spec=replace(record.spec, owner=spec.owner, units=spec.units, gpus=spec.gpus, cpuset=spec.cpuset),
+        )
     return backend, Launch(
         inv,
         spec,
@@ -238,12 +276,14 @@ def hooks(req: TrainRequest, inv: Inventory, record: JobRecord | None) -> Notify
     """Where the job's notifications go: --notify/--notify-url, else what a resumed job recorded,
     else the inventory's job.notify/notify_url (None: keep the record's)."""
     from orchestrator.progress import notify
+
     if req.notify_url:
         notify.check_url(req.notify_url, "--notify-url")
     if record is not None and not (req.notify or req.notify_url):
         return None
-    return Notify(command=req.notify or inv.job.notify or None,
-                  url=req.notify_url or inv.job.notify_url or None)
+    return Notify(
+        command=req.notify or inv.job.notify or None, url=req.notify_url or inv.job.notify_url or None
+    )
 
 
 def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, str]) -> str | None:
@@ -268,8 +308,9 @@ def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, s
     return None
 
 
-def attach(inventory: str | None, job: str, runs: Path, console: Console, json: bool, plain: bool
-           ) -> Finished:
+def attach(
+    inventory: str | None, job: str, runs: Path, console: Console, json: bool, plain: bool
+) -> Finished:
     """fab attach: take over a running job whose fab train (or controller) is gone, as fab train
     would go on with it; its curves and step times shown at the end."""
     if not jobspec.valid_job_id(job):
@@ -277,22 +318,27 @@ def attach(inventory: str | None, job: str, runs: Path, console: Console, json: 
     if not (runs / job).is_dir():
         # Taking a job over needs its record, so the hosts are not asked: only a job started from
         # this directory has one.
-        raise unknown_job(job, f" in {runs}/ (fab attach takes over a job started from this directory; "
-                               f"'fab logs --job {job}' follows one started elsewhere)")
+        raise unknown_job(
+            job,
+            f" in {runs}/ (fab attach takes over a job started from this directory; "
+            f"'fab logs --job {job}' follows one started elsewhere)",
+        )
     say = cli.stderr_console() if json else console
     record = JobRecord.load(runs, job, "fab attach")
     inv = inventory_file.load(inventory or record.inventory)
     if record.selected:
         inv = cli.select_hosts(inv, "@".join(record.selected), None, set(), None)
     policy = cli.policy(inv, record.restarts, record.min_nodes, record.hang_timeout)
-    launch = Launch(inv, record.spec, policy, record, runs, say, json=json, live=not (plain or json),
-                    checks=False)
+    launch = Launch(
+        inv, record.spec, policy, record, runs, say, json=json, live=not (plain or json), checks=False
+    )
     backend = registry.of_job(runs, job) or registry.runner(registry.DEFAULT)
     return backend.take_over(launch)
 
 
-def stop(inventory: str | None, job: str | None, everyone: bool, yes: bool, grace: float | None,
-         runs: Path) -> Stopped:
+def stop(
+    inventory: str | None, job: str | None, everyone: bool, yes: bool, grace: float | None, runs: Path
+) -> Stopped:
     """fab stop: --job's backend (from its record), else every backend the inventory uses, Slurm's
     jobs first (they may hold the hosts)."""
     inv = inventory_file.load(inventory)
@@ -331,8 +377,9 @@ def status(inventory: str | None, runs: Path) -> Status:
     return out
 
 
-def logs(inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool,
-         json: bool = False) -> Finished:
+def logs(
+    inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool, json: bool = False
+) -> Finished:
     """fab logs: follow the job where it runs (its record says; the hosts when there is none). An id
     that cannot be a job's is refused before any host is asked; a well-formed one is looked for on
     the hosts, in runs/ or not (a detached job another machine started has its controller's
@@ -344,8 +391,16 @@ def logs(inventory: str | None, job: str | None, runs: Path, console: Console, p
     return backend.attach(inv, job, runs, console, live=not plain, json=json)
 
 
-def export(name: str, inventory: str | None, job: dict[str, Any], trainers: dict[str, str], runs: Path,
-           console: Console, restarts: str | int = 0, **settings: Any) -> Rendered:
+def export(
+    name: str,
+    inventory: str | None,
+    job: dict[str, Any],
+    trainers: dict[str, str],
+    runs: Path,
+    console: Console,
+    restarts: str | int = 0,
+    **settings: Any,
+) -> Rendered:
     """fab export.NAME: the job (`job`: JOB_OPTIONS) as the files of the backend called `name`
     (registry.renderer), with its own `settings`; `restarts` as fab train's."""
     inv = inventory_file.load(inventory)

@@ -7,6 +7,7 @@ raised ValueError from inside its parser. Here a task says its numeric options' 
 
     @task(kinds={"epochs": int, "grace": float}, help={...})
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,16 @@ class Task(_Task):
         if unknown:
             raise ValueError(f"kinds given for options {self.name} does not have: {sorted(unknown)}")
         return [
-            Option(names=a.names, kind=a.kind, default=a.default, help=a.help, positional=a.positional,
-                   optional=a.optional, incrementable=a.incrementable, attr_name=a.attr_name)
+            Option(
+                names=a.names,
+                kind=a.kind,
+                default=a.default,
+                help=a.help,
+                positional=a.positional,
+                optional=a.optional,
+                incrementable=a.incrementable,
+                attr_name=a.attr_name,
+            )
             for a in super().get_arguments(ignore_unknown_help)
         ]
 
@@ -64,6 +73,7 @@ def _help_for(original: Any) -> Any:
     """ParserContext.help_for, with a float option read as --grace=NUMBER. Invoke names only str and
     int options' values and shows any other kind as a flag without one; its collection is rebuilt by
     the loader (Collection.from_module), so a subclass of either never reaches `fab --help`."""
+
     @functools.wraps(original)
     def help_for(self: ParserContext, flag: str) -> tuple[str, str]:
         arg = self.flags.get(flag)
@@ -75,6 +85,7 @@ def _help_for(original: Any) -> Any:
         finally:
             arg.kind = float
         return names.replace("=INT", "=NUMBER").replace(" INT", " NUMBER"), text
+
     return help_for
 
 

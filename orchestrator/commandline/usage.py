@@ -14,6 +14,7 @@ of it never runs there: as typed.py does for help, the two parsing steps that fo
 then parse_cleanup for `--help TASK`) are wrapped on Invoke's Program itself by install(), which
 fabfile.py calls; both programs get them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,8 +51,7 @@ def closest(token: str, choices: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-def hint(token: str, tasks: Iterable[str], context: ParserContext | None,
-         core: ParserContext | None) -> str:
+def hint(token: str, tasks: Iterable[str], context: ParserContext | None, core: ParserContext | None) -> str:
     """' Did you mean X?' for an unknown token ('' when nothing is close): an option of the task
     being parsed (or a core option) for a flag, else a task; a word given to a task that takes
     --job is taken for the job it names."""
@@ -92,6 +92,7 @@ def _refusing(step: Callable[[Program], None]) -> Callable[[Program], None]:
             raise
         except ParseError as exc:
             raise explained(exc, self) from None
+
     return wrapped
 
 

@@ -18,6 +18,7 @@ rsync is given the exact list (`rsync_filters` with the tree: --files-from), so 
 exactly the files the key and the content hash are computed over, plus the tree's symbolic links
 as links; empty directories are not copied (git does not keep them either).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -35,9 +36,19 @@ from orchestrator.core.errors import UserError
 
 BUILTIN_ONLY = "trainers"
 # Never synced: version control, caches, virtualenvs, this project's local state.
-EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", ".cache", ".cluster", "runs", ".fabtrain",
-            ".pytest_cache", "*.egg-info")
-IGNORE_FILES = (".gitignore",)   # read in every directory
+EXCLUDES = (
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    ".venv",
+    ".cache",
+    ".cluster",
+    "runs",
+    ".fabtrain",
+    ".pytest_cache",
+    "*.egg-info",
+)
+IGNORE_FILES = (".gitignore",)  # read in every directory
 ROOT_IGNORE_FILE = ".fabtrainignore"  # read at the tree's root only, after its .gitignore
 # Above this many bytes synced, a warning: most often a data folder nobody meant to copy.
 WARN_BYTES = 100 * 1000 * 1000
@@ -51,13 +62,13 @@ LEFT_TOP_SHOWN = 3
 class Selection:
     """What a sync of a tree copies and what its ignore rules leave out (EXCLUDES not counted)."""
 
-    files: tuple[str, ...]   # regular files, './relative/path', C sort order
-    links: tuple[str, ...]   # symbolic links, copied as links (not in the key or the hash)
-    bytes: int               # the regular files' total size
+    files: tuple[str, ...]  # regular files, './relative/path', C sort order
+    links: tuple[str, ...]  # symbolic links, copied as links (not in the key or the hash)
+    bytes: int  # the regular files' total size
     left_files: int
     left_bytes: int
     left_top: tuple[tuple[str, int], ...]  # left-out top-level entries ('data/', bytes), biggest first
-    partial: bool = False    # counting inside left-out directories stopped at LEFT_COUNT_MAX
+    partial: bool = False  # counting inside left-out directories stopped at LEFT_COUNT_MAX
 
 
 def _excluded(name: str) -> bool:
@@ -94,7 +105,7 @@ class _Rules:
     def ignored(self, rel: str, is_dir: bool) -> bool:
         verdict = None
         for base, spec in self.specs:
-            inner = rel[len(base) + 1:] if base else rel
+            inner = rel[len(base) + 1 :] if base else rel
             got = spec.check_file(inner + "/" if is_dir else inner).include
             if got is not None:
                 verdict = got
@@ -205,18 +216,29 @@ def summary(sel: Selection, source: str | Path) -> list[tuple[str, str]]:
     if sel.left_files or sel.left_top:
         biggest = ", ".join(f"{name} {size_text(size)}" for name, size in sel.left_top[:LEFT_TOP_SHOWN])
         more = " (at least: counting stopped)" if sel.partial else ""
-        lines.append(("info", f"left out by .gitignore/{ROOT_IGNORE_FILE}: {sel.left_files} files, "
-                              f"{size_text(sel.left_bytes)}{more} ({biggest})"))
+        lines.append(
+            (
+                "info",
+                f"left out by .gitignore/{ROOT_IGNORE_FILE}: {sel.left_files} files, "
+                f"{size_text(sel.left_bytes)}{more} ({biggest})",
+            )
+        )
     if sel.bytes > WARN_BYTES:
         tops: dict[str, int] = {}
         for f in sel.files:
             first, _, rest = f[2:].partition("/")
             tops[first + ("/" if rest else "")] = tops.get(first + ("/" if rest else ""), 0) + _lsize(
-                Path(source) / f[2:])
+                Path(source) / f[2:]
+            )
         big = sorted(tops.items(), key=lambda kv: -kv[1])[:LEFT_TOP_SHOWN]
-        lines.append(("warning", f"{size_text(sel.bytes)} of code to sync (biggest: "
-                                 f"{', '.join(f'{n} {size_text(s)}' for n, s in big)}): a data folder? "
-                                 f"list it in .gitignore or {ROOT_IGNORE_FILE}"))
+        lines.append(
+            (
+                "warning",
+                f"{size_text(sel.bytes)} of code to sync (biggest: "
+                f"{', '.join(f'{n} {size_text(s)}' for n, s in big)}): a data folder? "
+                f"list it in .gitignore or {ROOT_IGNORE_FILE}",
+            )
+        )
     return lines
 
 
@@ -234,8 +256,9 @@ def key(root: str | Path, only: str = "") -> str:
 def content_hash(root: str | Path, only: str = "") -> str:
     """The hash the hosts compute over a synced tree (sha256sum of every file, C sort order)."""
     root = Path(root)
-    listing = "".join(f"{hashlib.sha256((root / f[2:]).read_bytes()).hexdigest()}  {f}\n"
-                      for f in files(root, only))
+    listing = "".join(
+        f"{hashlib.sha256((root / f[2:]).read_bytes()).hexdigest()}  {f}\n" for f in files(root, only)
+    )
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
@@ -243,8 +266,10 @@ def _lists_dir() -> Path:
     """A directory of this account's own for the file lists: the user's cache, else a private one
     under the temporary directory (a controller's container may have no writable home)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    for d in (Path(base) / "fabtrain" / "code-lists",
-              Path(tempfile.gettempdir()) / f"fabtrain-code-lists-{os.getuid()}"):
+    for d in (
+        Path(base) / "fabtrain" / "code-lists",
+        Path(tempfile.gettempdir()) / f"fabtrain-code-lists-{os.getuid()}",
+    ):
         try:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
             st = d.lstat()
@@ -252,8 +277,9 @@ def _lists_dir() -> Path:
                 return d
         except OSError:
             continue
-    raise UserError(f"no writable directory for the sync's file list: make {base} writable "
-                    f"or set XDG_CACHE_HOME")
+    raise UserError(
+        f"no writable directory for the sync's file list: make {base} writable or set XDG_CACHE_HOME"
+    )
 
 
 def list_file(root: str | Path, only: str = "") -> Path:

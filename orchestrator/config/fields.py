@@ -1,6 +1,7 @@
 """Readers of the inventory's fields that stand on their own: ssh: (as written, and resolved with
 ssh_config), mounts, container options, a host's address, name, GPUs, devices and interface, and
 job:'s paths, checkpoint, secret files and notify_url."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -56,16 +57,21 @@ def read_ssh(reader: Reader, base: Settings, check_files: bool) -> Settings:
     # At least 1 s: ssh's ConnectTimeout and ServerAliveInterval take whole seconds, and 0 turns
     # them off (sshargs.ssh_options).
     settings = Settings(
-        user=reader.get("user", str, None), port=reader.port("port", None),
+        user=reader.get("user", str, None),
+        port=reader.port("port", None),
         key=reader.path_field("key", None, must_exist=check_files),
         known_hosts=reader.path_field("known_hosts", None, must_exist=check_files),
         connect_timeout=reader.seconds("connect_timeout", base.connect_timeout, 1),
-        keepalive=reader.seconds("keepalive", base.keepalive, 1), jump=jump, config=config_path)
+        keepalive=reader.seconds("keepalive", base.keepalive, 1),
+        jump=jump,
+        config=config_path,
+    )
     return settings.over(base, {k for k in SSH_FIELDS if reader.given(k)})
 
 
 def read_checkpoint(reader: Reader) -> str:
     from orchestrator.core.jobspec import checkpoint_pattern  # plan imports this module
+
     value = reader.get("checkpoint", str, "")
     try:
         return checkpoint_pattern(value) if value else ""
@@ -76,8 +82,11 @@ def read_checkpoint(reader: Reader) -> str:
 def remote_path(reader: Reader, key: str, default: str) -> str:
     value = reader.get(key, str, default)
     if not value.startswith("/"):
-        reader.fail(reader._field(key), f"{value!r} is not an absolute path",
-                    "write the full path on the hosts, starting with /")
+        reader.fail(
+            reader._field(key),
+            f"{value!r} is not an absolute path",
+            "write the full path on the hosts, starting with /",
+        )
     return value.rstrip("/") or "/"
 
 
@@ -91,12 +100,18 @@ def read_mounts(reader: Reader, key: str) -> tuple[Mount, ...]:
                 or not all(parts[:2])
                 or (len(parts) == 3 and parts[2] not in ("ro", "rw"))
             ):
-                reader.fail(where, f"{show(item)} is not SOURCE:TARGET[:ro]",
-                            "write e.g. /data/corpus:/data:ro", line)
+                reader.fail(
+                    where, f"{show(item)} is not SOURCE:TARGET[:ro]", "write e.g. /data/corpus:/data:ro", line
+                )
             mount = Mount(parts[0], parts[1], len(parts) == 3 and parts[2] == "ro")
         else:
-            m = Reader(reader.path, item, where, line,
-                        "write SOURCE:TARGET[:ro], or source:, target: and read_only: under the '-'")
+            m = Reader(
+                reader.path,
+                item,
+                where,
+                line,
+                "write SOURCE:TARGET[:ro], or source:, target: and read_only: under the '-'",
+            )
             m.check_keys(("source", "target", "read_only"))
             mount = Mount(
                 m.get("source", str, required=True, fix="give the path on the host, e.g. /data/corpus"),
@@ -104,15 +119,34 @@ def read_mounts(reader: Reader, key: str) -> tuple[Mount, ...]:
                 m.get("read_only", bool, False),
             )
         if not (mount.source.startswith("/") and mount.target.startswith("/")):
-            reader.fail(where, f"{show(mount.source)}:{show(mount.target)} must use absolute paths",
-                        "write both paths starting with /", line)
+            reader.fail(
+                where,
+                f"{show(mount.source)}:{show(mount.target)} must use absolute paths",
+                "write both paths starting with /",
+                line,
+            )
         out.append(mount)
     return tuple(out)
 
 
 # docker run --ulimit names (Docker's ulimit parser, from setrlimit(2)).
-ULIMITS = ("core", "cpu", "data", "fsize", "locks", "memlock", "msgqueue", "nice", "nofile", "nproc",
-           "rss", "rtprio", "rttime", "sigpending", "stack")
+ULIMITS = (
+    "core",
+    "cpu",
+    "data",
+    "fsize",
+    "locks",
+    "memlock",
+    "msgqueue",
+    "nice",
+    "nofile",
+    "nproc",
+    "rss",
+    "rtprio",
+    "rttime",
+    "sigpending",
+    "stack",
+)
 ULIMIT_VALUE_RE = re.compile(r"-?[0-9]+(:-?[0-9]+)?")
 CAP_RE = re.compile(r"(CAP_)?[A-Z][A-Z_]*")
 SECURITY_OPT_RE = re.compile(r"[a-z-]+([=:][A-Za-z0-9_./:=-]+)?")
@@ -127,24 +161,28 @@ def read_container_options(reader: Reader) -> dict:
     for name in limits.data:
         where = limits._field(name)
         if name not in ULIMITS:
-            limits.fail(where, "is not a ulimit Docker knows", f"use one of: {', '.join(ULIMITS)}",
-                        limits.line_of(name))
+            limits.fail(
+                where,
+                "is not a ulimit Docker knows",
+                f"use one of: {', '.join(ULIMITS)}",
+                limits.line_of(name),
+            )
         value = limits.get(name, (int, str), required=True, fix=limit_fix + ", or remove the line")
         text = "-1" if value in ("unlimited", -1) else str(value)
         if not ULIMIT_VALUE_RE.fullmatch(text):
             limits.fail(where, f"{show(value)} is not a limit", limit_fix, limits.line_of(name))
         ulimits.append((name, text))
     lists = {}
-    for key, pattern, example in (("cap_add", CAP_RE, "IPC_LOCK or SYS_PTRACE"),
-                                  ("security_opt", SECURITY_OPT_RE, "seccomp=unconfined")):
+    for key, pattern, example in (
+        ("cap_add", CAP_RE, "IPC_LOCK or SYS_PTRACE"),
+        ("security_opt", SECURITY_OPT_RE, "seccomp=unconfined"),
+    ):
         items = reader.items(key, f"an entry such as {example.split()[0]}")
         for where, item, line in items:
             if not isinstance(item, str) or not pattern.fullmatch(item):
-                reader.fail(where, f"{show(item)} is not a valid {key} entry",
-                            f"write e.g. {example}", line)
+                reader.fail(where, f"{show(item)} is not a valid {key} entry", f"write e.g. {example}", line)
         lists[key] = tuple(item for _, item, _ in items)
     return dict(ulimits=tuple(ulimits), **lists)
-
 
 
 def read_address(reader: Reader) -> str:
@@ -152,9 +190,13 @@ def read_address(reader: Reader) -> str:
         "address", str, required=True, fix="give the host's name or IP address, e.g. 10.0.0.11"
     )
     if not ADDRESS_RE.fullmatch(address):
-        reader.fail(reader._field("address"), f"{show(address)} is neither a host name, an IP address nor "
-                    "an ssh_config alias", "write e.g. 10.0.0.11, gpu1.example.com or an alias from "
-                    "~/.ssh/config (user and port go in ssh:)", reader.line_of("address"))
+        reader.fail(
+            reader._field("address"),
+            f"{show(address)} is neither a host name, an IP address nor an ssh_config alias",
+            "write e.g. 10.0.0.11, gpu1.example.com or an alias from "
+            "~/.ssh/config (user and port go in ssh:)",
+            reader.line_of("address"),
+        )
     return address
 
 
@@ -171,8 +213,12 @@ def read_name(reader: Reader, address: str) -> str:
         )
     name = address if name is None else name
     if not NAME_RE.fullmatch(name):
-        reader.fail(reader._field("name"), f"{show(name)} has characters not allowed in a host name",
-                    "use letters, digits, '.', '_' and '-'", reader.line_of("name"))
+        reader.fail(
+            reader._field("name"),
+            f"{show(name)} has characters not allowed in a host name",
+            "use letters, digits, '.', '_' and '-'",
+            reader.line_of("name"),
+        )
     return name
 
 
@@ -181,12 +227,18 @@ def read_gpus(gpus: Reader) -> tuple[str, int]:
     gpus.check_keys(("vendor", "count"))
     vendor = gpus.get("vendor", str, "none")
     if vendor not in GPU_VENDORS:
-        gpus.fail(gpus._field("vendor"), f"{vendor!r} is not a known GPU vendor",
-                  f"use one of: {', '.join(GPU_VENDORS)}")
+        gpus.fail(
+            gpus._field("vendor"),
+            f"{vendor!r} is not a known GPU vendor",
+            f"use one of: {', '.join(GPU_VENDORS)}",
+        )
     count = gpus.get("count", int, 0)
     if count < 0 or (vendor == "none" and count) or (vendor != "none" and count == 0):
-        gpus.fail(gpus._field("count"), f"count {count} does not fit vendor {vendor!r}",
-                  "give the number of GPUs (at least 1) for nvidia/amd hosts, 0 for vendor none")
+        gpus.fail(
+            gpus._field("count"),
+            f"count {count} does not fit vendor {vendor!r}",
+            "give the number of GPUs (at least 1) for nvidia/amd hosts, 0 for vendor none",
+        )
     return vendor, count
 
 
@@ -194,14 +246,19 @@ def read_devices(reader: Reader) -> tuple[str, ...]:
     devices = reader.items("devices", "a device path such as /dev/infiniband")
     for where, d, line in devices:
         if not isinstance(d, str) or not d.startswith("/dev/"):
-            reader.fail(where, f"{show(d)} is not a device path",
-                        "list paths such as /dev/infiniband/uverbs0", line)
+            reader.fail(
+                where, f"{show(d)} is not a device path", "list paths such as /dev/infiniband/uverbs0", line
+            )
     return tuple(d for _, d, _ in devices)
 
 
 def read_interface(reader: Reader) -> str:
-    interface = reader.get("interface", str, required=True,
-                           fix="give the network interface that reaches the other hosts, e.g. eth0")
+    interface = reader.get(
+        "interface",
+        str,
+        required=True,
+        fix="give the network interface that reaches the other hosts, e.g. eth0",
+    )
     if not INTERFACE_RE.fullmatch(interface):
         reader.fail(
             reader._field("interface"),
@@ -229,8 +286,12 @@ def read_secret_files(secrets: Reader) -> tuple[tuple[str, str], ...]:
     secret_files: list[tuple[str, str]] = []
     for name in secrets.data:
         if not isinstance(name, str) or not ENV_KEY_RE.fullmatch(name):
-            secrets.fail(secrets._field(name), "is not a valid environment variable name",
-                         "use letters, digits and underscores", secrets.line_of(name))
+            secrets.fail(
+                secrets._field(name),
+                "is not a valid environment variable name",
+                "use letters, digits and underscores",
+                secrets.line_of(name),
+            )
         secret = secrets.path_field(
             name,
             None,
@@ -245,8 +306,12 @@ def read_secret_files(secrets: Reader) -> tuple[tuple[str, str], ...]:
 def read_notify_url(reader: Reader) -> str | None:
     url = reader.get("notify_url", str, None)
     if url is not None and not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", url):
-        reader.fail(reader._field("notify_url"), f"{show(url)} is not an http:// or https:// URL",
-                    "give the URL notifications are POSTed to", reader.line_of("notify_url"))
+        reader.fail(
+            reader._field("notify_url"),
+            f"{show(url)} is not an http:// or https:// URL",
+            "give the URL notifications are POSTed to",
+            reader.line_of("notify_url"),
+        )
     return url
 
 
@@ -278,6 +343,10 @@ def read_metrics_port(reader: Reader) -> str | None:
     try:
         listen_address(str(value))
     except ValueError as exc:
-        reader.fail(reader._field("metrics_port"), str(exc), "use a port (9400) or an address and port "
-                    "(0.0.0.0:9400)", reader.line_of("metrics_port"))
+        reader.fail(
+            reader._field("metrics_port"),
+            str(exc),
+            "use a port (9400) or an address and port (0.0.0.0:9400)",
+            reader.line_of("metrics_port"),
+        )
     return str(value)

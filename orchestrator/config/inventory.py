@@ -2,6 +2,7 @@
 
 Every validation error names the file, the line, the field, what was wrong and how to fix it.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,12 +79,19 @@ def read_ipc(reader: Reader) -> tuple[str | None, str]:
     shm_size = reader.get("shm_size", str, None)
     ipc = reader.get("ipc", str, "private" if shm_size else "host")
     if ipc not in ("host", "private"):
-        reader.fail(reader._field("ipc"), f"{show(ipc)} is not an IPC mode",
-                    "use host (the host's /dev/shm, shared with other jobs there) or private (the job's own)",
-                    reader.line_of("ipc"))
+        reader.fail(
+            reader._field("ipc"),
+            f"{show(ipc)} is not an IPC mode",
+            "use host (the host's /dev/shm, shared with other jobs there) or private (the job's own)",
+            reader.line_of("ipc"),
+        )
     if ipc == "host" and shm_size:
-        reader.fail(reader._field("shm_size"), "sizes a private /dev/shm, but job.ipc is host",
-                    "set job.ipc: private, or remove shm_size", reader.line_of("shm_size"))
+        reader.fail(
+            reader._field("shm_size"),
+            "sizes a private /dev/shm, but job.ipc is host",
+            "set job.ipc: private, or remove shm_size",
+            reader.line_of("shm_size"),
+        )
     return (shm_size or PRIVATE_SHM) if ipc == "private" else None, ipc
 
 
@@ -136,20 +144,20 @@ class Slurm:
     """The inventory's slurm: section, for fab train --on slurm: where jobs are submitted and how.
     The hosts: entries describe the nodes (GPUs, interface, image); Slurm picks which ones."""
 
-    login: Host                      # reached with the same SSH settings as the hosts
-    workdir: str                     # on the login node: scripts and JOB-ID.out (the compute nodes see it)
+    login: Host  # reached with the same SSH settings as the hosts
+    workdir: str  # on the login node: scripts and JOB-ID.out (the compute nodes see it)
     nodes: int
     partition: str | None = None
     account: str | None = None
     time: str | None = None
-    runtime: str = "docker"          # docker | pyxis
+    runtime: str = "docker"  # docker | pyxis
 
 
 @dataclass(frozen=True)
 class Controller:
     """The inventory's controller: section: where a detached job's control runs (fab train --detach)."""
 
-    host: str | None = None          # a host's or spare's name (None: the first host under hosts:)
+    host: str | None = None  # a host's or spare's name (None: the first host under hosts:)
     image: str = "fabtrain/controller:latest"
 
 
@@ -182,15 +190,25 @@ class Inventory:
         known = {h.name: h for h in self.hosts}
         missing = [n for n in names if n not in known]
         if missing:
-            raise UserError(
-                f"{self.path}: no host named {', '.join(missing)}; "
-                f"hosts are {', '.join(known)}")
+            raise UserError(f"{self.path}: no host named {', '.join(missing)}; hosts are {', '.join(known)}")
         return tuple(known[n] for n in names)
 
 
 def _host(reader: Reader, rank: int, base: Settings, check_files: bool, configs: dict) -> Host:
-    reader.check_keys(("name", "address", "interface", "gpus", "ssh", "image", "env", "mounts",
-                       "devices", *CONTAINER_FIELDS))
+    reader.check_keys(
+        (
+            "name",
+            "address",
+            "interface",
+            "gpus",
+            "ssh",
+            "image",
+            "env",
+            "mounts",
+            "devices",
+            *CONTAINER_FIELDS,
+        )
+    )
     address = read_address(reader)
     name = read_name(reader, address)
     vendor, count = read_gpus(reader.sub("gpus"))
@@ -241,8 +259,12 @@ def _job(reader: Reader) -> JobDefaults:
     nproc = str(reader.get("nproc_per_node", (int, str), "auto"))
     # [0-9], not isdigit(): '²' is a digit to isdigit() but not to int().
     if nproc != "auto" and not (re.fullmatch(r"[0-9]+", nproc) and int(nproc) > 0):
-        reader.fail(reader._field("nproc_per_node"), f"{show(nproc)} is not a process count",
-                    "use a positive number, or auto (GPU count, 1 on CPU)", reader.line_of("nproc_per_node"))
+        reader.fail(
+            reader._field("nproc_per_node"),
+            f"{show(nproc)} is not a process count",
+            "use a positive number, or auto (GPU count, 1 on CPU)",
+            reader.line_of("nproc_per_node"),
+        )
     secret_files = read_secret_files(reader.sub("secret_files"))
     shm_size, ipc = read_ipc(reader)
     return JobDefaults(
@@ -256,8 +278,9 @@ def _job(reader: Reader) -> JobDefaults:
         env=reader.env("env"),
         secret_files=secret_files,
         stop_grace=reader.seconds("stop_grace", JobDefaults.stop_grace, 0),
-        keep_snapshots=reader.integer("keep_snapshots", JobDefaults.keep_snapshots, 1, MAX_SNAPSHOTS,
-                                      "a number of snapshots to keep"),
+        keep_snapshots=reader.integer(
+            "keep_snapshots", JobDefaults.keep_snapshots, 1, MAX_SNAPSHOTS, "a number of snapshots to keep"
+        ),
         checkpoint=read_checkpoint(reader),
         notify=reader.get("notify", str, None),
         notify_url=read_notify_url(reader),
@@ -287,8 +310,13 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
     hosts: list[Host] = []
     configs: dict[str | None, paramiko.SSHConfig | None] = {}
     for rank, (where, item, line) in enumerate(items):
-        reader = Reader(path, item, where, getattr(item, "line", line),
-                         "write the host's address:, interface: and other fields indented under its '-'")
+        reader = Reader(
+            path,
+            item,
+            where,
+            getattr(item, "line", line),
+            "write the host's address:, interface: and other fields indented under its '-'",
+        )
         hosts.append(_host(reader, rank, ssh, check_files, configs))
     seen: dict[str, str] = {}
     for h, (where, item, line) in zip(hosts, items, strict=True):
@@ -307,17 +335,26 @@ def parse(text: str, path: Path, check_files: bool = False) -> Inventory:
         if top.given("slurm")
         else None
     )
-    return Inventory(path=path, hosts=tuple(hosts[:len(hosts_items)]), job=job,
-                     spares=tuple(hosts[len(hosts_items):]), slurm=slurm,
-                     controller=_controller(top.sub("controller"), [h.name for h in hosts]))
+    return Inventory(
+        path=path,
+        hosts=tuple(hosts[: len(hosts_items)]),
+        job=job,
+        spares=tuple(hosts[len(hosts_items) :]),
+        slurm=slurm,
+        controller=_controller(top.sub("controller"), [h.name for h in hosts]),
+    )
 
 
 def _controller(reader: Reader, names: list[str]) -> Controller:
     reader.check_keys(("host", "image"))
     host = reader.get("host", str, None)
     if host is not None and host not in names:
-        reader.fail(reader._field("host"), f"{show(host)} is not a host of this inventory",
-                    f"name one of {', '.join(names)}", reader.line_of("host"))
+        reader.fail(
+            reader._field("host"),
+            f"{show(host)} is not a host of this inventory",
+            f"name one of {', '.join(names)}",
+            reader.line_of("host"),
+        )
     return Controller(host=host, image=reader.get("image", str, Controller.image))
 
 
@@ -326,8 +363,9 @@ SLURM_RUNTIMES = ("docker", "pyxis")
 SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:=+-]+")
 
 
-def _slurm(reader: Reader, base: Settings, check_files: bool, configs: dict, job: JobDefaults,
-           hosts: int) -> Slurm:
+def _slurm(
+    reader: Reader, base: Settings, check_files: bool, configs: dict, job: JobDefaults, hosts: int
+) -> Slurm:
     reader.check_keys(("login", "ssh", "workdir", "nodes", "partition", "account", "time", "runtime"))
     login = reader.get(
         "login",
@@ -336,14 +374,20 @@ def _slurm(reader: Reader, base: Settings, check_files: bool, configs: dict, job
         fix="give the login node's name or address, where sbatch runs, e.g. login1.example.com",
     )
     if not ADDRESS_RE.fullmatch(login):
-        reader.fail(reader._field("login"), f"{show(login)} is neither a host name, an IP address nor an "
-                    "ssh_config alias", "write e.g. login1.example.com (user and port go in ssh:)")
+        reader.fail(
+            reader._field("login"),
+            f"{show(login)} is neither a host name, an IP address nor an ssh_config alias",
+            "write e.g. login1.example.com (user and port go in ssh:)",
+        )
     values = {}
     for key, example in (("partition", "gpu"), ("account", "myproject"), ("time", "04:00:00")):
         value = reader.get(key, (str, int), None)
         if value is not None and not SLURM_VALUE_RE.fullmatch(str(value)):
-            reader.fail(reader._field(key), f"{show(value)} is not a Slurm {key}",
-                        f"use letters, digits and _.,:=+- only, e.g. {key}: {example}")
+            reader.fail(
+                reader._field(key),
+                f"{show(value)} is not a Slurm {key}",
+                f"use letters, digits and _.,:=+- only, e.g. {key}: {example}",
+            )
         values[key] = None if value is None else str(value)
     runtime = reader.get("runtime", str, "docker")
     if runtime not in SLURM_RUNTIMES:
@@ -381,8 +425,10 @@ def locate(given: str | Path | None = None) -> Path:
         return Path(os.environ[INVENTORY_ENV]).expanduser()
     if Path(DEFAULT_FILE).is_file():
         return Path.cwd() / DEFAULT_FILE  # absolute: job.json records it for --resume from elsewhere
-    raise UserError(f"no inventory: no {DEFAULT_FILE} in {Path.cwd()}, no --inventory PATH and no "
-                    f"${INVENTORY_ENV}; pass one of them (docs/real-hosts.md shows one)")
+    raise UserError(
+        f"no inventory: no {DEFAULT_FILE} in {Path.cwd()}, no --inventory PATH and no "
+        f"${INVENTORY_ENV}; pass one of them (docs/real-hosts.md shows one)"
+    )
 
 
 def load(path: str | Path | None = None) -> Inventory:
@@ -390,8 +436,10 @@ def load(path: str | Path | None = None) -> Inventory:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise UserError(f"{path}: inventory not found; pass --inventory PATH, or run "
-                        f"'fab cluster.up' to write the local cluster's inventory") from None
+        raise UserError(
+            f"{path}: inventory not found; pass --inventory PATH, or run "
+            f"'fab cluster.up' to write the local cluster's inventory"
+        ) from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read the inventory: {exc.strerror}") from None
     return parse(decode(raw, path), path, check_files=True)
@@ -400,11 +448,13 @@ def load(path: str | Path | None = None) -> Inventory:
 def decode(raw: bytes, path: Path) -> str:
     """The file's text, or a clear error for a binary or non-UTF-8 file (never a traceback)."""
     if b"\0" in raw:
-        raise UserError(f"{path}: is a binary file, not a YAML inventory; pass the right file with "
-                        f"--inventory PATH")
+        raise UserError(
+            f"{path}: is a binary file, not a YAML inventory; pass the right file with --inventory PATH"
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise UserError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x}); save the inventory "
-                        f"as UTF-8") from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x}); save the inventory as UTF-8"
+        ) from None

@@ -1,6 +1,7 @@
 """Files fabtrain ships beside its code (docker/): found in the checkout, or in the installed
 package, where pyproject.toml installs docker/ as the package `fabtrain_docker` (a top-level
 `docker` would hide the docker library)."""
+
 from __future__ import annotations
 
 from importlib import resources
@@ -24,8 +25,10 @@ def docker_file(name: str) -> Path:
     except ModuleNotFoundError:
         found = None
     if found is None or not found.is_file():
-        raise FileNotFoundError(f"docker/{name}: neither in a fabtrain checkout ({CHECKOUT}) nor in the "
-                                f"installed package {PACKAGE}; reinstall fabtrain (pip install .)")
+        raise FileNotFoundError(
+            f"docker/{name}: neither in a fabtrain checkout ({CHECKOUT}) nor in the "
+            f"installed package {PACKAGE}; reinstall fabtrain (pip install .)"
+        )
     return Path(str(found))  # pip installs wheels unzipped: a real file
 
 

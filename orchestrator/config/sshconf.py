@@ -8,6 +8,7 @@ hop's own ProxyJump), Include (its files are read in place; OpenSSH applies an I
 Host block only to that block, so keep Include lines at the top, as is usual). A ProxyCommand is
 refused with a clear error: it cannot be checked or bounded here.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -106,8 +107,10 @@ def _inline_includes(path: Path, depth: int) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError as exc:  # an Include matching a directory or an unreadable file: ssh refuses it too
-        raise UserError(f"{path}: cannot read this ssh_config file ({exc.strerror}); fix the Include "
-                        "that names it, or its permissions") from None
+        raise UserError(
+            f"{path}: cannot read this ssh_config file ({exc.strerror}); fix the Include "
+            "that names it, or its permissions"
+        ) from None
     for line in text.splitlines():
         m = re.match(r"^\s*include\s*=?\s*(.+?)\s*$", line, re.I)
         if not m:
@@ -145,14 +148,21 @@ def parse_jump(spec: str) -> list[tuple[str | None, str, int | None]]:
     return hops
 
 
-def resolve(address: str, settings: Settings, config: paramiko.SSHConfig | None,
-            inherit: Settings | None = None, _depth: int = 0) -> SSH:
+def resolve(
+    address: str,
+    settings: Settings,
+    config: paramiko.SSHConfig | None,
+    inherit: Settings | None = None,
+    _depth: int = 0,
+) -> SSH:
     """The connection to `address`: the inventory's settings, then ssh_config, then (for a jump
     hop) the inventory's user, key and known_hosts, then OpenSSH's defaults."""
     cfg = config.lookup(address) if config is not None else {"hostname": address}
     if cfg.get("proxycommand"):
-        raise ValueError(f"ssh_config gives {address} a ProxyCommand, which fabtrain cannot check or "
-                         f"bound; use ProxyJump (or ssh.jump in the inventory) instead")
+        raise ValueError(
+            f"ssh_config gives {address} a ProxyCommand, which fabtrain cannot check or "
+            f"bound; use ProxyJump (or ssh.jump in the inventory) instead"
+        )
     inherit = inherit or Settings()
     port = settings.port or int(cfg.get("port", 22))
     user = settings.user or cfg.get("user") or inherit.user or getpass.getuser()
@@ -167,10 +177,13 @@ def resolve(address: str, settings: Settings, config: paramiko.SSHConfig | None,
         keys, keys_only = (inherit.key,), True
     else:
         keys, keys_only = (), False
-    known = ((settings.known_hosts,) if settings.known_hosts else
-             tuple(os.path.expanduser(k) for k in cfg.get("userknownhostsfile", "").split())
-             or ((inherit.known_hosts,) if inherit.known_hosts else ())
-             or (os.path.expanduser(DEFAULT_KNOWN_HOSTS),))
+    known = (
+        (settings.known_hosts,)
+        if settings.known_hosts
+        else tuple(os.path.expanduser(k) for k in cfg.get("userknownhostsfile", "").split())
+        or ((inherit.known_hosts,) if inherit.known_hosts else ())
+        or (os.path.expanduser(DEFAULT_KNOWN_HOSTS),)
+    )
     global_known = global_known_hosts(cfg.get("globalknownhostsfile"))
     jump_spec = settings.jump if settings.jump is not None else cfg.get("proxyjump")
     chain: list[SSH] = []
@@ -180,11 +193,24 @@ def resolve(address: str, settings: Settings, config: paramiko.SSHConfig | None,
         for i, (juser, jhost, jport) in enumerate(parse_jump(jump_spec)):
             # Only the first hop may bring a jump of its own (from ssh_config); later hops are
             # reached through the ones before them.
-            hop_settings = Settings(user=juser, port=jport, jump=None if i == 0 else "none",
-                                    connect_timeout=settings.connect_timeout, keepalive=settings.keepalive)
+            hop_settings = Settings(
+                user=juser,
+                port=jport,
+                jump=None if i == 0 else "none",
+                connect_timeout=settings.connect_timeout,
+                keepalive=settings.keepalive,
+            )
             hop = resolve(jhost, hop_settings, config, inherit if _depth else settings, _depth + 1)
             chain += [*hop.jump, replace(hop, jump=())]
-    return SSH(hostname=cfg.get("hostname", address), user=user, port=port, keys=keys,
-               keys_only=keys_only, known_hosts=known, global_known_hosts=global_known,
-               connect_timeout=settings.connect_timeout,
-               keepalive=settings.keepalive, jump=tuple(chain))
+    return SSH(
+        hostname=cfg.get("hostname", address),
+        user=user,
+        port=port,
+        keys=keys,
+        keys_only=keys_only,
+        known_hosts=known,
+        global_known_hosts=global_known,
+        connect_timeout=settings.connect_timeout,
+        keepalive=settings.keepalive,
+        jump=tuple(chain),
+    )

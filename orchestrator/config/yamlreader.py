@@ -1,5 +1,6 @@
 """The inventory's YAML read with the line of every mapping key and list entry (_Loader), and the
 Reader of its typed fields, whose errors name the file, the line and the field."""
+
 from __future__ import annotations
 
 import datetime
@@ -50,7 +51,8 @@ class _Loader(yaml.SafeLoader):
         except (ValueError, TypeError, KeyError, OverflowError):
             what = show(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
             raise yaml.constructor.ConstructorError(
-                None, None, f"{what} is not a valid {node.tag.rsplit(':', 1)[-1]}", node.start_mark) from None
+                None, None, f"{what} is not a valid {node.tag.rsplit(':', 1)[-1]}", node.start_mark
+            ) from None
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
@@ -60,8 +62,9 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
         try:
             hash(key)
         except TypeError:
-            raise yaml.constructor.ConstructorError(None, None, "a list or mapping used as a key",
-                                                    key_node.start_mark) from None
+            raise yaml.constructor.ConstructorError(
+                None, None, "a list or mapping used as a key", key_node.start_mark
+            ) from None
         mapping[key] = loader.construct_object(value_node, deep=True)
         mapping.lines[key] = key_node.start_mark.line + 1
     mapping.line = node.start_mark.line + 1
@@ -93,8 +96,9 @@ def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     # Hex and binary literals have no digit limit in Python; no field takes anything this long, and
     # printing it in a message would fail (int max_str_digits).
     if value.bit_length() > 128:
-        raise yaml.constructor.ConstructorError(None, None, f"{show(node.value)} is too large a number",
-                                                node.start_mark)
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(node.value)} is too large a number", node.start_mark
+        )
     return value
 
 
@@ -161,8 +165,9 @@ def _control_char(text: str) -> str | None:
 class Reader:
     """Reads typed fields out of one YAML mapping, raising errors that point at file:line field."""
 
-    def __init__(self, path: Path, data: Any, where: str, line: int,
-                 fix: str = "indent its fields under it") -> None:
+    def __init__(
+        self, path: Path, data: Any, where: str, line: int, fix: str = "indent its fields under it"
+    ) -> None:
         self.path, self.where, self.line = path, where, line
         self.lines: dict[Any, int] = {}
         if _is_blank(data) and where:
@@ -190,11 +195,21 @@ class Reader:
     def check_keys(self, allowed: tuple[str, ...]) -> None:
         for key in self.data:
             if key not in allowed:
-                self.fail(self._field(key), "unknown field",
-                          f"use one of: {', '.join(allowed)}", self.lines.get(key))
+                self.fail(
+                    self._field(key),
+                    "unknown field",
+                    f"use one of: {', '.join(allowed)}",
+                    self.lines.get(key),
+                )
 
-    def get(self, key: Any, kind: type | tuple, default: Any = None, required: bool = False,
-            fix: str = "give a value") -> Any:
+    def get(
+        self,
+        key: Any,
+        kind: type | tuple,
+        default: Any = None,
+        required: bool = False,
+        fix: str = "give a value",
+    ) -> Any:
         """The value of `key`, of one of the types in `kind`. Every field is read here, so an empty
         value means the same everywhere (see _unset); `fix` is the advice for a required field
         left empty."""
@@ -215,11 +230,19 @@ class Reader:
         number = float in kinds and isinstance(value, int)
         if not (isinstance(value, kinds) or number) or (isinstance(value, bool) and bool not in kinds):
             names = " or ".join(k.__name__ for k in kinds)
-            self.fail(field_, f"must be {names}, got {show(value)}",
-                      f"write an {names} value" if names[0] in "aeiou" else f"write a {names} value", line)
+            self.fail(
+                field_,
+                f"must be {names}, got {show(value)}",
+                f"write an {names} value" if names[0] in "aeiou" else f"write a {names} value",
+                line,
+            )
         if isinstance(value, str) and _control_char(value):
-            self.fail(field_, f"contains the control character {_control_char(value)}",
-                      "remove it (the value is one line of text)", line)
+            self.fail(
+                field_,
+                f"contains the control character {_control_char(value)}",
+                "remove it (the value is one line of text)",
+                line,
+            )
         return value
 
     def given(self, key: str) -> bool:
@@ -239,8 +262,12 @@ class Reader:
             if _unset(value, (list, dict)) or _is_blank(value):
                 self.fail(where, "is empty", f"write {entry} after the '-', or remove that line", line)
             if isinstance(value, str) and _control_char(value):
-                self.fail(where, f"contains the control character {_control_char(value)}",
-                          "remove it (an entry is one line of text)", line)
+                self.fail(
+                    where,
+                    f"contains the control character {_control_char(value)}",
+                    "remove it (an entry is one line of text)",
+                    line,
+                )
             out.append((where, value, line))
         return out
 
@@ -256,8 +283,12 @@ class Reader:
     def integer(self, key: str, default: int | None, low: int, high: int, what: str) -> int | None:
         value = self.get(key, int, default)
         if value is not None and not low <= value <= high:
-            self.fail(self._field(key), f"{value} is not {what}", f"use a number from {low} to {high}",
-                      self.line_of(key))
+            self.fail(
+                self._field(key),
+                f"{value} is not {what}",
+                f"use a number from {low} to {high}",
+                self.line_of(key),
+            )
         return value
 
     @overload
@@ -272,8 +303,12 @@ class Reader:
         value = self.get(key, float, default)
         # nan fails both comparisons; inf and 1e400 fail the upper bound.
         if not (low <= value <= MAX_SECONDS):
-            self.fail(self._field(key), f"{show(value)} is not a number of seconds",
-                      f"use a number from {low:g} to {MAX_SECONDS}", self.line_of(key))
+            self.fail(
+                self._field(key),
+                f"{show(value)} is not a number of seconds",
+                f"use a number from {low:g} to {MAX_SECONDS}",
+                self.line_of(key),
+            )
         return float(value)
 
     def env(self, key: str) -> tuple[tuple[str, str], ...]:
@@ -281,9 +316,12 @@ class Reader:
         out = []
         for name, value in env.data.items():
             if not isinstance(name, str) or not ENV_KEY_RE.fullmatch(name):
-                env.fail(env._field(name), "is not a valid environment variable name",
-                         "use letters, digits and underscores, not starting with a digit",
-                         env.line_of(name))
+                env.fail(
+                    env._field(name),
+                    "is not a valid environment variable name",
+                    "use letters, digits and underscores, not starting with a digit",
+                    env.line_of(name),
+                )
             # No default here: a variable with no value may be a value forgotten, and "" is a
             # legitimate value, so the user says which one is meant.
             if value is None:
@@ -295,23 +333,44 @@ class Reader:
                 )
             # datetime.date: an unquoted 2024-01-01, which reads back as written.
             if not isinstance(value, (str, int, float, datetime.date)):
-                env.fail(env._field(name), f"must be a single value, not {_kind_name(value)}",
-                         "quote it as a string", env.line_of(name))
-            out.append((name, value if isinstance(value, str) else str(value).lower()
-                        if isinstance(value, bool) else str(value)))
+                env.fail(
+                    env._field(name),
+                    f"must be a single value, not {_kind_name(value)}",
+                    "quote it as a string",
+                    env.line_of(name),
+                )
+            out.append(
+                (
+                    name,
+                    value
+                    if isinstance(value, str)
+                    else str(value).lower()
+                    if isinstance(value, bool)
+                    else str(value),
+                )
+            )
         return tuple(out)
 
-    def path_field(self, key: Any, default: str | None, must_exist: bool = False,
-                   fix: str = "fix the path (relative paths are relative to the inventory file)",
-                   required: bool = False) -> str | None:
+    def path_field(
+        self,
+        key: Any,
+        default: str | None,
+        must_exist: bool = False,
+        fix: str = "fix the path (relative paths are relative to the inventory file)",
+        required: bool = False,
+    ) -> str | None:
         value = self.get(key, str, default, required=required, fix=fix)
         if value is None:
             return None
         try:
             expanded = Path(value).expanduser()
         except RuntimeError:  # ~name of a user this machine does not know
-            self.fail(self._field(key), f"{show(value)}: no home directory for {value.split('/')[0]}",
-                      "write the full path", self.line_of(key))
+            self.fail(
+                self._field(key),
+                f"{show(value)}: no home directory for {value.split('/')[0]}",
+                "write the full path",
+                self.line_of(key),
+            )
         if not expanded.is_absolute():
             expanded = self.path.parent / expanded
         try:
@@ -335,9 +394,12 @@ def load_yaml(text: str, path: Path) -> Any:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 0
-        raise UserError(f"{path}:{line}: not valid YAML: {exc.problem}; check the indentation and "
-                        f"quoting on that line") from None
+        raise UserError(
+            f"{path}:{line}: not valid YAML: {exc.problem}; check the indentation and quoting on that line"
+        ) from None
     except yaml.reader.ReaderError as exc:  # raised before any mark exists
-        line = text[:exc.position].count("\n") + 1
-        raise UserError(f"{path}:{line}: not valid YAML: the control character U+{exc.character:04X} is not "
-                        f"allowed; remove it") from None
+        line = text[: exc.position].count("\n") + 1
+        raise UserError(
+            f"{path}:{line}: not valid YAML: the control character U+{exc.character:04X} is not "
+            f"allowed; remove it"
+        ) from None

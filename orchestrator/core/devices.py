@@ -12,6 +12,7 @@ read on the host by the probes that plan.py runs, and passed in.
   ROCm's runtime (ROCr makes a GPU agent of each node with SIMDs, in node order; HIP numbers them
   in that order), so index i of the job's GPUs is the i-th GPU node.
 """
+
 from __future__ import annotations
 
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
@@ -20,7 +21,7 @@ KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
 # after 9). A CPU node's gpu_id file holds 0; a host without KFD prints 'render' alone.
 AMD_PROBE = (
     f"printf render; for kfd_node in $(ls {KFD_NODES} 2>/dev/null | sort -n); do "
-    f"[ \"$(cat {KFD_NODES}/$kfd_node/gpu_id 2>/dev/null)\" -gt 0 ] 2>/dev/null && "
+    f'[ "$(cat {KFD_NODES}/$kfd_node/gpu_id 2>/dev/null)" -gt 0 ] 2>/dev/null && '
     f"printf ' %s' \"$(awk '$1 == \"drm_render_minor\" {{print $2}}' {KFD_NODES}/$kfd_node/properties)\"; "
     "done; echo"
 )
@@ -72,8 +73,9 @@ def amd_device_args(gpus: tuple[int, ...] | None, render: tuple[int, ...]) -> li
     args = ["--device", "/dev/kfd"]
     for gpu in gpus:
         if not 0 <= gpu < len(render):
-            raise ValueError(f"there is no GPU {gpu}: the KFD topology lists {len(render)} GPUs "
-                             f"(0 to {len(render) - 1})")
+            raise ValueError(
+                f"there is no GPU {gpu}: the KFD topology lists {len(render)} GPUs (0 to {len(render) - 1})"
+            )
         args += ["--device", f"/dev/dri/renderD{render[gpu]}"]
     return args
 

@@ -5,6 +5,7 @@ The lifecycle (job.py) and the watcher (watch.py) never print; they call `Report
 object a line (`fab train --json`) for scripts: every object has `event` and `time` (Unix
 seconds), and the fields listed in KINDS.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,28 +24,28 @@ if TYPE_CHECKING:  # the core loads no terminal library
 # Every event kind and its fields (docs/how-train-works.md: Events for scripts).
 KINDS = {
     "stage": "job, attempt, stage (plan, claim, sync+preflight, snapshot, start, watch, teardown, decide, "
-             "finish)",
+    "finish)",
     "attempt": "job, attempt, hosts ({host: node rank}), port, snapshot, run_dir",
     "note": "job, level (info, warning, error), text",
     "host_failed": "job, attempt, host, kind (exited, failed to start, hung, lost, engine stuck, failed "
-                   "preflight), detail",
+    "preflight), detail",
     "progress": "job, attempt, host, step (the newest step a node reported; at most one a second per host), "
-                "ranks (each of its ranks' newest step line: rank, step, loss, tokens_per_s, step_ms, "
-                "compute_ms)",
+    "ranks (each of its ranks' newest step line: rank, step, loss, tokens_per_s, step_ms, "
+    "compute_ms)",
     "telemetry": "job, attempt, host, sample (its GPUs, the job's containers, load and memory: docs: "
-                 "Metrics and telemetry)",
+    "Metrics and telemetry)",
     "hang": "job, attempt, ranks (one line per rank: where it is)",
     "attempt_end": "job, attempt, ok, outcome (one line)",
     "decision": "job, attempt, next (true: another attempt follows), reason, notes",
     "queued": "job, position (1: next in line), waits (per host, what it waits for)",
     "finished": "job, state (finished, failed, stopped, interrupted), attempts, run_dir",
     "controller_lost": "job, host (where the detached job's controller ran), why, seconds (since its last "
-                       "heartbeat)",
+    "heartbeat)",
     "controller_started": "job, host (where its standby took the job over), from_host, seconds (from the "
-                          "loss seen to the new controller following the job)",
+    "loss seen to the new controller following the job)",
     "transfer": "job, host, what (code sync, snapshot push, snapshot fetch), bytes_done, bytes_total "
-                "(at most one a second per host and what; the last has bytes_done == bytes_total when it "
-                "completed)",
+    "(at most one a second per host and what; the last has bytes_done == bytes_total when it "
+    "completed)",
 }
 # Kinds that come often: at most one a second per host (and `what`), the newest never lost (Throttle).
 THROTTLED = ("progress", "transfer")
@@ -98,8 +99,10 @@ class Terminal(Reporter):
         if kind == "controller_lost":
             return f"job {f['job']}: its controller on {f['host']} is lost ({hostile.text(f['why'])})"
         if kind == "controller_started":
-            return (f"job {f['job']}: its controller now runs on {f['host']} (took over from "
-                    f"{f['from_host']} in {f['seconds']}s)")
+            return (
+                f"job {f['job']}: its controller now runs on {f['host']} (took over from "
+                f"{f['from_host']} in {f['seconds']}s)"
+            )
         if kind == "decision" and f["next"]:
             return f"job {f['job']}: {hostile.text(f['reason'])}"
         return None  # stages, progress and the end are shown by the log lines and the final message

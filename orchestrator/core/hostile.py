@@ -17,6 +17,7 @@ handled here, and only here, before anything else looks at it:
 Time, the last kind, is bounded where commands run: remote.Command's deadline, and the attempt's
 label swept after it (see attempt.py).
 """
+
 from __future__ import annotations
 
 import posixpath
@@ -60,17 +61,19 @@ def text_bytes(data: bytes) -> bytes:
 def rich_text(value: str, style: str = "") -> Text:
     """Remote text as a rich Text: shown as it is, never parsed as markup (`[/red]`, `[link=...]`)."""
     from rich.text import Text
+
     return Text(text(value), style=style)
 
 
 # ---------------------------------------------------------------- names and paths
 
+
 class UnsafeName(ValueError):
     """A remote-derived name that cannot be a path here; the message says why."""
 
 
-NAME_MAX = 255    # bytes in one path component (Linux's NAME_MAX)
-PATH_MAX = 4096   # bytes in a whole path
+NAME_MAX = 255  # bytes in one path component (Linux's NAME_MAX)
+PATH_MAX = 4096  # bytes in a whole path
 _CONTROL_NAME = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -121,7 +124,7 @@ def refusal(host: str, what: str, name: str, why: UnsafeName) -> str:
 
 # ---------------------------------------------------------------- sizes
 
-LINE_MAX = 64 * 1024          # bytes of one line kept; the rest of it is dropped
+LINE_MAX = 64 * 1024  # bytes of one line kept; the rest of it is dropped
 CUT = b"...[cut]"
 OUTPUT_MAX = 4 * 1024 * 1024  # bytes of one command's buffered stdout (and of its stderr) kept
 
@@ -133,8 +136,8 @@ class LineCutter:
 
     def __init__(self, limit: int = LINE_MAX) -> None:
         self.limit = limit
-        self.length = 0        # bytes of the current line passed on so far
-        self.cutting = False   # the current line went past the limit: drop up to its newline
+        self.length = 0  # bytes of the current line passed on so far
+        self.cutting = False  # the current line went past the limit: drop up to its newline
 
     def feed(self, data: bytes) -> bytes:
         out = []

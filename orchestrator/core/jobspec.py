@@ -1,6 +1,7 @@
 """What a job is, before any host is involved: the JobSpec (what to run, with which options),
 its id, a program's checkpoint pattern, and the fixed layout of a job's container (its labels and
 mount points) that every backend renders the same way. Pure: no I/O, no other layer."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -20,7 +21,7 @@ LABEL_MANAGED = "fabtrain.managed"
 LABEL_JOB = "fabtrain.job"
 LABEL_RANK = "fabtrain.rank"
 LABEL_HOST = "fabtrain.host"
-LABEL_OWNER = "fabtrain.owner"    # user@machine that started the job (fab stop ends only its own)
+LABEL_OWNER = "fabtrain.owner"  # user@machine that started the job (fab stop ends only its own)
 LABEL_ATTEMPT = "fabtrain.attempt"
 LABEL_WARM = (
     "fabtrain.warm"  # a warm node's key (hostcmds/node.py warm_key): what its next generation may keep
@@ -77,24 +78,32 @@ def checkpoint_pattern(value: str) -> str:
     is wrong with it."""
     v = value.strip()
     if v.startswith(OUTDIR + "/"):
-        rel = v[len(OUTDIR) + 1:]
+        rel = v[len(OUTDIR) + 1 :]
     elif v.startswith("/"):
-        raise ValueError(f"{value!r} is outside the job's folders: give a path relative to the working "
-                         f"directory (checkpoints/ckpt.pt) or under {OUTDIR}/")
+        raise ValueError(
+            f"{value!r} is outside the job's folders: give a path relative to the working "
+            f"directory (checkpoints/ckpt.pt) or under {OUTDIR}/"
+        )
     else:
         rel = f"{WORK}/{v.removeprefix('./')}"
     if rel.endswith("/"):
         rel += "*"  # a directory: every file in it
     parts = rel.split("/")
     if ".." in parts or "" in parts or "." in parts or any(c < " " or c in "\x7f\\" for c in rel):
-        raise ValueError(f"{value!r} is not a plain path (no '..', no empty parts, no control characters "
-                         "or backslashes)")
+        raise ValueError(
+            f"{value!r} is not a plain path (no '..', no empty parts, no control characters or backslashes)"
+        )
     # The first folder is named, not matched: a glob there would take in fabtrain's own folders
     # (.console, .progress, snapshots) and the temporary folders a checkpoint is placed through.
-    if parts[0] in (CONSOLE_DIR, PROGRESS_DIR, "snapshots") or parts[0].startswith(".") \
-            or any(c in parts[0] for c in "*?["):
-        raise ValueError(f"{value!r} is fabtrain's own folder or a pattern over the whole output folder; "
-                         f"name the folder your program writes its checkpoints in ({OUTDIR}/ckpt/*)")
+    if (
+        parts[0] in (CONSOLE_DIR, PROGRESS_DIR, "snapshots")
+        or parts[0].startswith(".")
+        or any(c in parts[0] for c in "*?[")
+    ):
+        raise ValueError(
+            f"{value!r} is fabtrain's own folder or a pattern over the whole output folder; "
+            f"name the folder your program writes its checkpoints in ({OUTDIR}/ckpt/*)"
+        )
     return rel
 
 
@@ -122,13 +131,14 @@ def container_name(job_id: str, rank: int | str) -> str:
 def rank_of_container(job_id: str, name: str) -> int | None:
     """The node rank in a container's name (None: not a rank's, e.g. a hot spare still waiting)."""
     prefix = f"fabtrain-{job_id}-r"
-    tail = name[len(prefix):] if name.startswith(prefix) else ""
+    tail = name[len(prefix) :] if name.startswith(prefix) else ""
     return int(tail) if tail.isdigit() and len(tail) < 6 else None
 
 
 def console_name(rank: int | str) -> str:
     """Node `rank`'s console file, relative to the job's output directory (/output inside)."""
     return f"{CONSOLE_DIR}/node-{rank}.log"
+
 
 PROGRESS_DIR = ".progress"  # in the job's output directory: each node's heartbeat file
 

@@ -6,6 +6,7 @@ whether the user ended it (`fab stop`, Ctrl+C). The policy is the user's: restar
 job, down to `min_nodes` nodes. The roster is who runs the next attempt: the hosts in rank order,
 the unused spares, and how often each host has failed.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,11 +26,11 @@ BACKOFF_MAX = 30.0
 class Failure(enum.StrEnum):
     """How a host failed an attempt. `value` is the word used in messages and the JSON events."""
 
-    EXIT = "exited"               # its container exited non-zero
-    START = "failed to start"     # docker run, the secrets file or the snapshot push failed there
-    HUNG = "hung"                 # no progress for the hang timeout
-    LOST = "lost"                 # no SSH keepalive answer: the host is gone
-    ENGINE = "engine stuck"       # SSH answers but its Docker engine does not
+    EXIT = "exited"  # its container exited non-zero
+    START = "failed to start"  # docker run, the secrets file or the snapshot push failed there
+    HUNG = "hung"  # no progress for the hang timeout
+    LOST = "lost"  # no SSH keepalive answer: the host is gone
+    ENGINE = "engine stuck"  # SSH answers but its Docker engine does not
     PREFLIGHT = "failed preflight"  # at a restart, before anything started
 
     @property
@@ -55,8 +56,8 @@ class Outcome:
     """How an attempt ended: no failures and not ended by the user is success."""
 
     failures: tuple[HostFailure, ...] = ()
-    stopped: bool = False            # `fab stop` ended it
-    interrupted: int | None = None   # the signal that ended it (Ctrl+C, SIGTERM)
+    stopped: bool = False  # `fab stop` ended it
+    interrupted: int | None = None  # the signal that ended it (Ctrl+C, SIGTERM)
 
     @property
     def ok(self) -> bool:
@@ -75,9 +76,9 @@ class Policy:
 
 @dataclass(frozen=True)
 class Roster:
-    hosts: tuple[Host, ...]                      # the next attempt's, in rank order
-    spares: tuple[Host, ...] = ()                # not used yet
-    failed: tuple[tuple[str, int], ...] = ()     # host -> failures of its own (exit, start, hang)
+    hosts: tuple[Host, ...]  # the next attempt's, in rank order
+    spares: tuple[Host, ...] = ()  # not used yet
+    failed: tuple[tuple[str, int], ...] = ()  # host -> failures of its own (exit, start, hang)
     restarts_used: int = 0
 
     def failures_of(self, name: str) -> int:
@@ -94,8 +95,14 @@ class Decision:
     restart: bool = False  # this decision spends one of the policy's restarts
 
 
-def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int,
-           warm: frozenset[str] = frozenset(), hot: frozenset[str] = frozenset()) -> Decision:
+def decide(
+    outcome: Outcome,
+    policy: Policy,
+    roster: Roster,
+    target_nodes: int,
+    warm: frozenset[str] = frozenset(),
+    hot: frozenset[str] = frozenset(),
+) -> Decision:
     """The next attempt's roster, or why the job ends. `target_nodes` is the job's node count,
     which `policy.min_nodes` (default: all of them) may lower. `warm`: the hosts whose containers
     wait for the next generation; `hot`: the spares kept hot (waiting, workers warm).
@@ -133,8 +140,11 @@ def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int,
         elif f.kind is not Failure.PREFLIGHT and f.host not in warm and len(cold) < ready:
             why[f.host] = "its container is gone; a hot spare is ready"
             cold += [h for h in roster.hosts if h.name == f.host]
-    nxt = replace(roster, failed=tuple(sorted(failed.items())),
-                  restarts_used=roster.restarts_used + (0 if preflight_only else 1))
+    nxt = replace(
+        roster,
+        failed=tuple(sorted(failed.items())),
+        restarts_used=roster.restarts_used + (0 if preflight_only else 1),
+    )
     min_nodes = policy.min_nodes or target_nodes
     # Hot spares first: a rank given to one starts without a cold start.
     spares = sorted(roster.spares, key=lambda s: s.name not in hot)
@@ -142,16 +152,21 @@ def decide(outcome: Outcome, policy: Policy, roster: Roster, target_nodes: int,
     spares += cold
     if len(hosts) < min_nodes:
         gone = [n for n in why if n not in {h.name for h in hosts}]
-        return Decision(None, f"no spare host left to replace {', '.join(gone)} "
-                        f"({'; '.join(why[n] for n in gone)}), and {len(hosts)} node(s) are fewer than the "
-                        f"{min_nodes} the job needs. Add hosts under 'spares:' in the inventory, or allow "
-                        "fewer nodes with --min-nodes, then 'fab train --resume JOB'")
-    return Decision(replace(nxt, hosts=hosts, spares=tuple(spares)), notes=tuple(notes),
-                    restart=not preflight_only)
+        return Decision(
+            None,
+            f"no spare host left to replace {', '.join(gone)} "
+            f"({'; '.join(why[n] for n in gone)}), and {len(hosts)} node(s) are fewer than the "
+            f"{min_nodes} the job needs. Add hosts under 'spares:' in the inventory, or allow "
+            "fewer nodes with --min-nodes, then 'fab train --resume JOB'",
+        )
+    return Decision(
+        replace(nxt, hosts=hosts, spares=tuple(spares)), notes=tuple(notes), restart=not preflight_only
+    )
 
 
-def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str],
-          min_nodes: int) -> tuple[tuple[Host, ...], list[Host], list[str]]:
+def _swap(
+    hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str], min_nodes: int
+) -> tuple[tuple[Host, ...], list[Host], list[str]]:
     """Each host in `why` gives its node rank to the next spare (a new rank 0 when rank 0's host
     goes); with no spare left it is dropped and the ranks close up."""
     out, notes, dropped = [], [], []
@@ -168,8 +183,10 @@ def _swap(hosts: tuple[Host, ...], spares: list[Host], why: dict[str, str],
             dropped.append(h.name)
     if dropped:
         out = [replace(h, rank=i) for i, h in enumerate(out)]
-        notes.append(f"no spare left: going on without {', '.join(dropped)} with {len(out)} node(s) "
-                     f"(--min-nodes {min_nodes})")
+        notes.append(
+            f"no spare left: going on without {', '.join(dropped)} with {len(out)} node(s) "
+            f"(--min-nodes {min_nodes})"
+        )
     return tuple(out), spares, notes
 
 

@@ -6,6 +6,7 @@ and written (`plain`). Each part is frozen: a change is a new value (dataclasses
 The record's format has a version (VERSION, written as "version"); a record without one is the
 format written before versions (1): its parts had the same keys, with {} for a part that is absent.
 Pure: no I/O."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import types
 import typing
 from typing import Any, Union
 
-VERSION = 2   # job.json's format: "version": 2; none at all: 1 (read and migrated, never written)
+VERSION = 2  # job.json's format: "version": 2; none at all: 1 (read and migrated, never written)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,9 @@ class Controller:
     taken_over: float | None = None
 
     @classmethod
-    def at(cls, active: ControllerPlace, standby: ControllerPlace | None = None,
-           keys: typing.Iterable[str] = ()) -> Controller:
+    def at(
+        cls, active: ControllerPlace, standby: ControllerPlace | None = None, keys: typing.Iterable[str] = ()
+    ) -> Controller:
         return cls(active.host, active.dir, active.container, standby, tuple(sorted(keys)))
 
 
@@ -97,8 +99,11 @@ def read(cls: type[T], doc: object, where: str) -> T:
     if unknown:
         raise UnknownKey(f"unknown key {_join(where, str(unknown[0]))!r}")
     hints = typing.get_type_hints(cls)
-    missing = [n for n, f in fields.items() if n not in doc and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in doc and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ValueError(f"{_join(where, missing[0])} is missing")
     return cls(**{k: value(hints[k], v, _join(where, k)) for k, v in doc.items()})
@@ -126,8 +131,11 @@ def _as(kind: Any, v: object, where: str) -> Any:
                 return got
     elif kind is Any or (kind in (str, bool) and isinstance(v, kind)):
         return v
-    elif kind in (int, float) and isinstance(v, (int, float if kind is float else int)) \
-            and not isinstance(v, bool):
+    elif (
+        kind in (int, float)
+        and isinstance(v, (int, float if kind is float else int))
+        and not isinstance(v, bool)
+    ):
         return kind(v)
     elif origin in (tuple, list) and isinstance(v, list):
         if origin is list or args[-1] is Ellipsis:
@@ -146,8 +154,11 @@ def plain(obj: Any) -> Any:
     """A record's value as JSON holds it: dataclasses as objects, tuples as lists."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         sparse = getattr(obj, "SPARSE", False)
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not (sparse and getattr(obj, f.name) is None)}
+        return {
+            f.name: plain(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not (sparse and getattr(obj, f.name) is None)
+        }
     if isinstance(obj, (list, tuple)):
         return [plain(x) for x in obj]
     if isinstance(obj, dict):

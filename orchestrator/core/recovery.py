@@ -4,6 +4,7 @@ next attempt's hosts are policy.py's decision, its snapshots snapshots/store.py'
 A job keeps one id, one output directory and one set of arguments across attempts (fab train
 --restarts) and across invocations (fab train --resume JOB).
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,6 +35,7 @@ RECORD = "job.json"
 
 
 # ---------------------------------------------------------------- the job's record
+
 
 @dataclass
 class Attempt:
@@ -99,10 +101,16 @@ class JobRecord:
         tmp.replace(run_dir / RECORD)
 
     @classmethod
-    def new(cls, spec: jobspec.JobSpec, inv: Inventory, restarts: int, min_nodes: int | None,
-            hang_timeout: float) -> JobRecord:
-        return cls(spec=spec, inventory=str(inv.path), restarts=restarts, min_nodes=min_nodes,
-                   hang_timeout=hang_timeout)
+    def new(
+        cls, spec: jobspec.JobSpec, inv: Inventory, restarts: int, min_nodes: int | None, hang_timeout: float
+    ) -> JobRecord:
+        return cls(
+            spec=spec,
+            inventory=str(inv.path),
+            restarts=restarts,
+            min_nodes=min_nodes,
+            hang_timeout=hang_timeout,
+        )
 
     def with_host_data(self, doc: object, hosts: Collection[str]) -> JobRecord:
         """This record with what a detached job's controller legitimately changes, read from its
@@ -130,38 +138,54 @@ class JobRecord:
             (a.number, a.hosts) != (o.number, o.hosts) for a, o in zip(attempts, ours, strict=False)
         ):
             recorded = ", ".join(f"{o.number} on {'+'.join(o.hosts)}" for o in ours) or "none"
-            raise ValueError(f"its attempts do not begin with the {len(ours)} this machine recorded "
-                             f"({recorded})")
+            raise ValueError(
+                f"its attempts do not begin with the {len(ours)} this machine recorded ({recorded})"
+            )
         # The frozen parts (spec, backend, notify, controller) are shared; nothing that changes is.
-        return replace(self, state=state, attempts=[replace(a) for a in ours] + attempts[len(ours):],
-                       resumes=copy.deepcopy(self.resumes),
-                       selected=list(self.selected) if self.selected is not None else None)
+        return replace(
+            self,
+            state=state,
+            attempts=[replace(a) for a in ours] + attempts[len(ours) :],
+            resumes=copy.deepcopy(self.resumes),
+            selected=list(self.selected) if self.selected is not None else None,
+        )
 
     @classmethod
     def load(cls, run_root: Path, job_id: str, what: str = "--resume") -> JobRecord:
         if not jobspec.valid_job_id(job_id):
-            raise UserError(f"{what} {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them",
-                            exit_code=2)
+            raise UserError(
+                f"{what} {hostile.text(job_id)!r} is not a job id; 'ls {run_root}' lists them", exit_code=2
+            )
         path = run_root / job_id / RECORD
         try:
             record = cls.from_dict(json.loads(path.read_text()))
             if record.job_id != job_id:  # it names directories on the hosts and here
                 raise ValueError(f"it names job {hostile.line(repr(record.job_id), 80)}, not {job_id}")
         except FileNotFoundError:
-            raise UserError(f"{what} {job_id}: no {path}; only jobs started by 'fab train' from this "
-                            f"directory are recorded there ('ls {run_root}' lists them)",
-                            exit_code=2) from None
+            raise UserError(
+                f"{what} {job_id}: no {path}; only jobs started by 'fab train' from this "
+                f"directory are recorded there ('ls {run_root}' lists them)",
+                exit_code=2,
+            ) from None
         except NewerRecord as exc:
-            raise UserError(f"{path}: written by a newer fabtrain (job record version {exc.version}; this "
-                            f"one reads versions up to {VERSION}): update this fabtrain (git pull in "
-                            f"{jobspec.PROJECT_ROOT}), or use the one that wrote it", exit_code=2) from None
+            raise UserError(
+                f"{path}: written by a newer fabtrain (job record version {exc.version}; this "
+                f"one reads versions up to {VERSION}): update this fabtrain (git pull in "
+                f"{jobspec.PROJECT_ROOT}), or use the one that wrote it",
+                exit_code=2,
+            ) from None
         except UnknownKey as exc:
-            raise UserError(f"{path}: not a job record this version can read ({exc}, which no fabtrain "
-                            "writes in a record of its version): was it edited? Remove that key, or start "
-                            "a new job instead", exit_code=2) from None
+            raise UserError(
+                f"{path}: not a job record this version can read ({exc}, which no fabtrain "
+                "writes in a record of its version): was it edited? Remove that key, or start "
+                "a new job instead",
+                exit_code=2,
+            ) from None
         except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"{path}: not a job record this version can read ({exc}); start a new job "
-                            "instead", exit_code=2) from None
+            raise UserError(
+                f"{path}: not a job record this version can read ({exc}); start a new job instead",
+                exit_code=2,
+            ) from None
         return record
 
 
@@ -171,6 +195,7 @@ class NewerRecord(ValueError):
     def __init__(self, version: int) -> None:
         super().__init__(f"version {version}")
         self.version = version
+
 
 STATES = ("running", "finished", "failed", "interrupted", "stopped")
 MAX_ATTEMPTS = 10_000
@@ -214,6 +239,7 @@ def _time(value: object) -> float | None:
 
 
 # ---------------------------------------------------------------- stacks of a hung job
+
 
 def main_threads(dump: str) -> list[tuple[str, str, tuple[tuple[str, str, str], ...]]]:
     """Per rank in a stacks dump (docker/entrypoint.py's hook): (rank, pid, the frames of its main
@@ -270,9 +296,11 @@ def flight_summaries(host: str, text: str) -> list[tuple[str, int, dict]]:
             for pg, v in dict(doc["pgs"]).items():
                 done = v.get("completed")
                 pgs[hostile.line(str(pg), 40)] = {
-                    "seq": int(v["seq"]), "op": hostile.line(str(v.get("op") or "?"), 60),
+                    "seq": int(v["seq"]),
+                    "op": hostile.line(str(v.get("op") or "?"), 60),
                     "name": hostile.line(str(v.get("name") or pg), 60),
-                    "completed": int(done) if done not in (None, "") else None}
+                    "completed": int(done) if done not in (None, "") else None,
+                }
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
         out.append((host, rank, pgs))
@@ -293,8 +321,11 @@ def flight_verdict(summaries: list[tuple[str, int, dict]]) -> list[tuple[str, st
         if len(have) < 2:
             continue
         top = max(v["seq"] for _, v in have.values())
-        waiting = sorted(r for r, (_, v) in have.items() if v["seq"] == top
-                         and (v["completed"] is None or v["completed"] < top))
+        waiting = sorted(
+            r
+            for r, (_, v) in have.items()
+            if v["seq"] == top and (v["completed"] is None or v["completed"] < top)
+        )
         missing = sorted(r for r, (_, v) in have.items() if v["seq"] < top)
         if not waiting:
             continue
@@ -304,11 +335,21 @@ def flight_verdict(summaries: list[tuple[str, int, dict]]) -> list[tuple[str, st
             for r in missing:
                 h, v = have[r]
                 newest = f"{v['op']} #{v['seq']}" if v["seq"] else "no collective yet"
-                verdicts.append((h, f"flight recorder: rank {r} on {h} never entered {what}, which rank(s) "
-                                    f"{_ranks(waiting)} wait in (its newest: {newest})"))
+                verdicts.append(
+                    (
+                        h,
+                        f"flight recorder: rank {r} on {h} never entered {what}, which rank(s) "
+                        f"{_ranks(waiting)} wait in (its newest: {newest})",
+                    )
+                )
         elif len(waiting) == len(have):
-            verdicts.append(("", f"flight recorder: every rank is in {what} and none is missing: the "
-                                 "collective itself is stuck (network, device or a rank's GPU)"))
+            verdicts.append(
+                (
+                    "",
+                    f"flight recorder: every rank is in {what} and none is missing: the "
+                    "collective itself is stuck (network, device or a rank's GPU)",
+                )
+            )
     return verdicts
 
 
@@ -321,7 +362,7 @@ def _in_code(path: str) -> str:
     links to the code, and modules imported from it show the code's own mount."""
     for root in (jobspec.WORKDIR, jobspec.CODE_MOUNT):
         if path.startswith(root + "/"):
-            return path[len(root) + 1:]
+            return path[len(root) + 1 :]
     return ""
 
 

@@ -12,6 +12,7 @@ not one of this server's names is refused (a web page elsewhere cannot read the 
 pointing a name of its own at its address, 0.0.0.0 included), and on any address but loopback a
 request without the dashboard's token is refused (every job's logs are there).
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,16 +37,20 @@ from orchestrator.dashboard.gate import Gate, allow_list, allowed_hosts, as_host
 from orchestrator.progress import latest, report, top
 from orchestrator.transport.remote import Result, Session
 
-REFRESH = 5.0          # seconds between two looks at the hosts
-RUNS_TTL = 30.0        # seconds the list of past runs is kept (it reads every run's record)
+REFRESH = 5.0  # seconds between two looks at the hosts
+RUNS_TTL = 30.0  # seconds the list of past runs is kept (it reads every run's record)
 STATIC = Path(__file__).resolve().parent / "static"
-FILES = {"/": ("index.html", "text/html; charset=utf-8"),
-         "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-         "/style.css": ("style.css", "text/css; charset=utf-8")}
+FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/style.css": ("style.css", "text/css; charset=utf-8"),
+}
 HEADERS = {
-    "Content-Security-Policy": ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
-                                "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
-                                "frame-ancestors 'none'"),
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    ),
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "no-referrer",
@@ -62,8 +67,9 @@ class CountingSession(Session):
         self.commands = 0
         self._count = threading.Lock()
 
-    def run(self, host: Host, command: str, timeout: float = 60, stdin: bytes | None = None,
-            what: str = "") -> Result:
+    def run(
+        self, host: Host, command: str, timeout: float = 60, stdin: bytes | None = None, what: str = ""
+    ) -> Result:
         with self._count:
             self.commands += 1
         return super().run(host, command, timeout, stdin, what)
@@ -77,8 +83,14 @@ class Refresher(threading.Thread):
         self.inv, self.runs, self.every = inv, runs, every
         self.stopping = threading.Event()
         self.lock = threading.Lock()
-        self.doc: dict[str, Any] = {"time": None, "hosts": [], "jobs": [], "queue": [], "errors": [],
-                                    "loading": True}
+        self.doc: dict[str, Any] = {
+            "time": None,
+            "hosts": [],
+            "jobs": [],
+            "queue": [],
+            "errors": [],
+            "loading": True,
+        }
         self.commands = 0
         self.refreshes = 0
         self.started = time.time()
@@ -94,8 +106,9 @@ class Refresher(threading.Thread):
             out[job] = views.figures(latest.latest(where, views.OVERVIEW_TAIL))
         return out
 
-    def refresh(self, session: CountingSession, before: dict[str, tuple[float, int]]
-                ) -> dict[str, tuple[float, int]]:
+    def refresh(
+        self, session: CountingSession, before: dict[str, tuple[float, int]]
+    ) -> dict[str, tuple[float, int]]:
         started = time.monotonic()
         answers = top.ask(session, self.inv)
         found, _ = top.surveyed(answers)
@@ -118,16 +131,24 @@ class Refresher(threading.Thread):
                     before = self.refresh(session, before)
                 except Exception as exc:  # noqa: BLE001 - the page says what went wrong; the next look retries
                     with self.lock:
-                        self.doc = {**self.doc, "errors": [f"the last look at the hosts failed: "
-                                                           f"{hostile.line(str(exc), 300)}"]}
+                        self.doc = {
+                            **self.doc,
+                            "errors": [f"the last look at the hosts failed: {hostile.line(str(exc), 300)}"],
+                        }
                 self.stopping.wait(max(0.5, self.every - (time.monotonic() - started)))
         finally:
             session.close()
 
     def overview(self) -> dict[str, Any]:
         with self.lock:
-            return {**self.doc, "cost": {"ssh_commands": self.commands, "refreshes": self.refreshes,
-                                         "seconds": round(time.time() - self.started, 1)}}
+            return {
+                **self.doc,
+                "cost": {
+                    "ssh_commands": self.commands,
+                    "refreshes": self.refreshes,
+                    "seconds": round(time.time() - self.started, 1),
+                },
+            }
 
 
 def _jobs_of(hj: Any) -> set[str]:
@@ -180,6 +201,7 @@ class JobPages:
 
 def make_handler(refresher: Refresher, pages: JobPages, gate: Gate) -> type[BaseHTTPRequestHandler]:
     """The request handler: `gate` first, then the page, its files and the JSON."""
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "fabtrain-dashboard"
         sys_version = ""
@@ -187,8 +209,14 @@ def make_handler(refresher: Refresher, pages: JobPages, gate: Gate) -> type[Base
         def log_message(self, format: str, *args: Any) -> None:
             pass  # the terminal stays quiet: a browser polls every few seconds
 
-        def send(self, status: HTTPStatus, body: bytes, kind: str, head: bool = False,
-                 extra: tuple[tuple[str, str], ...] = ()) -> None:
+        def send(
+            self,
+            status: HTTPStatus,
+            body: bytes,
+            kind: str,
+            head: bool = False,
+            extra: tuple[tuple[str, str], ...] = (),
+        ) -> None:
             self.send_response(status)
             for k, v in (*HEADERS.items(), *extra):
                 self.send_header(k, v)
@@ -198,16 +226,21 @@ def make_handler(refresher: Refresher, pages: JobPages, gate: Gate) -> type[Base
             if not head:
                 self.wfile.write(body)
 
-        def refuse(self, status: HTTPStatus, why: str, head: bool = False,
-                   extra: tuple[tuple[str, str], ...] = ()) -> None:
+        def refuse(
+            self, status: HTTPStatus, why: str, head: bool = False, extra: tuple[tuple[str, str], ...] = ()
+        ) -> None:
             """JSON to the page's fetches (it shows `error`), plain text to a person at any other URL."""
             if urlsplit(self.path).path.startswith("/api/"):
                 return self.send(status, views.to_json({"error": why}), "application/json", head, extra)
             return self.send(status, f"{why}\n".encode(), "text/plain; charset=utf-8", head, extra)
 
         def answer(self, head: bool) -> None:
-            stop = gate.check(self.headers.get("Host", ""), self.path, self.headers.get_all("Cookie") or [],
-                              self.headers.get("Authorization", ""))
+            stop = gate.check(
+                self.headers.get("Host", ""),
+                self.path,
+                self.headers.get_all("Cookie") or [],
+                self.headers.get("Authorization", ""),
+            )
             if stop is not None:
                 return self.refuse(stop.status, stop.why, head, stop.headers)
             path = unquote(urlsplit(self.path).path)
@@ -216,16 +249,22 @@ def make_handler(refresher: Refresher, pages: JobPages, gate: Gate) -> type[Base
                     name, kind = FILES[path]
                     return self.send(HTTPStatus.OK, (STATIC / name).read_bytes(), kind, head)
                 if path == "/api/overview":
-                    return self.send(HTTPStatus.OK, views.to_json(refresher.overview()), "application/json",
-                                     head)
+                    return self.send(
+                        HTTPStatus.OK, views.to_json(refresher.overview()), "application/json", head
+                    )
                 if path == "/api/runs":
                     return self.send(HTTPStatus.OK, pages.runs_list(), "application/json", head)
                 if path.startswith("/api/plan/"):
-                    return self.send(HTTPStatus.OK, views.to_json(views.plan_page(pages.runs, path[10:])),
-                                     "application/json", head)
+                    return self.send(
+                        HTTPStatus.OK,
+                        views.to_json(views.plan_page(pages.runs, path[10:])),
+                        "application/json",
+                        head,
+                    )
                 if path.startswith("/api/job/"):
-                    return self.send(HTTPStatus.OK, pages.page(path[len("/api/job/"):]), "application/json",
-                                     head)
+                    return self.send(
+                        HTTPStatus.OK, pages.page(path[len("/api/job/") :]), "application/json", head
+                    )
             except views.NotFound as exc:
                 return self.refuse(HTTPStatus.NOT_FOUND, str(exc), head)
             return self.refuse(HTTPStatus.NOT_FOUND, "no such page", head)
@@ -250,7 +289,7 @@ def make_handler(refresher: Refresher, pages: JobPages, gate: Gate) -> type[Base
 
 
 class Server(ThreadingHTTPServer):
-    daemon_threads = True   # a browser that keeps a connection open never holds up the end
+    daemon_threads = True  # a browser that keeps a connection open never holds up the end
     allow_reuse_address = True
     gate = Gate(frozenset())  # answers nobody until listen() knows the port it got
 
@@ -265,8 +304,14 @@ class Server6(Server):
     address_family = socket.AF_INET6
 
 
-def listen(address: str, port: int, refresher: Refresher, pages: JobPages, token: str | None = None,
-           allow: Iterable[str] = ()) -> Server:
+def listen(
+    address: str,
+    port: int,
+    refresher: Refresher,
+    pages: JobPages,
+    token: str | None = None,
+    allow: Iterable[str] = (),
+) -> Server:
     """A server listening on address:port (0: any free port), not yet serving, that answers only its
     own names and `allow`, and with `token` only requests carrying it; UserError naming --address or
     --port when it cannot listen there."""
@@ -274,8 +319,11 @@ def listen(address: str, port: int, refresher: Refresher, pages: JobPages, token
         kind = Server6 if ":" in address else Server
         server = kind((address, port), make_handler(refresher, pages, Server.gate))
     except OSError as exc:
-        why = ("it is in use (another dashboard?); pick another with --port"
-               if exc.errno == errno.EADDRINUSE else f"{exc.strerror}; pick another --address or --port")
+        why = (
+            "it is in use (another dashboard?); pick another with --port"
+            if exc.errno == errno.EADDRINUSE
+            else f"{exc.strerror}; pick another --address or --port"
+        )
         raise UserError(f"the dashboard cannot listen on {address}:{port}: {why}", exit_code=2) from None
     bound = server.server_address[1]
     server.gate = Gate(frozenset(allowed_hosts(address, bound, allow)), token, f"fabtrain_dashboard_{bound}")
@@ -283,21 +331,31 @@ def listen(address: str, port: int, refresher: Refresher, pages: JobPages, token
     return server
 
 
-def start(inv: Inventory, runs: Path, address: str, port: int, every: float = REFRESH,
-          token_file: str | None = None, allow: Iterable[str] = ()) -> tuple[Server, Refresher]:
+def start(
+    inv: Inventory,
+    runs: Path,
+    address: str,
+    port: int,
+    every: float = REFRESH,
+    token_file: str | None = None,
+    allow: Iterable[str] = (),
+) -> tuple[Server, Refresher]:
     """The server listening (not yet serving) and its refresher started; UserError naming --address,
     --port, --refresh, --token-file or --allow-host when one is wrong."""
     try:
         ipaddress.ip_address(address)
     except ValueError:
-        raise UserError(f"--address {hostile.text(address)!r} is not an IP address; give one such as "
-                        "127.0.0.1 (this machine only, the default) or 0.0.0.0 (every address)",
-                        exit_code=2) from None
+        raise UserError(
+            f"--address {hostile.text(address)!r} is not an IP address; give one such as "
+            "127.0.0.1 (this machine only, the default) or 0.0.0.0 (every address)",
+            exit_code=2,
+        ) from None
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port} is not a TCP port; give one from 1 to 65535", exit_code=2)
     if every <= 0:
-        raise UserError(f"--refresh {every:g} must be a number of seconds above 0 (default {REFRESH:g})",
-                        exit_code=2)
+        raise UserError(
+            f"--refresh {every:g} must be a number of seconds above 0 (default {REFRESH:g})", exit_code=2
+        )
     names = allow_list(allow)
     token = token_for(address, token_file)
     refresher = Refresher(inv, runs, every)
@@ -322,25 +380,41 @@ def start_message(server: Server, address: str, token_file: str | None) -> str:
         first, asked = url, "no token asked (every account on this machine can read it; --token-file asks)"
     elif token_file:
         first = url
-        asked = (f"a token is asked for: open {url}?token=TOKEN once, TOKEN being the first line of "
-                 f"{hostile.text(token_file)}; the browser keeps it in a cookie")
+        asked = (
+            f"a token is asked for: open {url}?token=TOKEN once, TOKEN being the first line of "
+            f"{hostile.text(token_file)}; the browser keeps it in a cookie"
+        )
     else:
         first = f"{url}?token={token}"
-        asked = ("a token is asked for: open this URL once (a new token at every start); the browser "
-                 "keeps it in a cookie")
+        asked = (
+            "a token is asked for: open this URL once (a new token at every start); the browser "
+            "keeps it in a cookie"
+        )
     names = sorted({n.rpartition(":")[0] if n.endswith(f":{port}") else n for n in server.gate.hosts})
-    return (f"dashboard: {first}\n"
-            f"  listening on {as_host(address)}:{port} ({where}); {asked}\n"
-            f"  answers the names {', '.join(names)} (--allow-host NAME adds one)")
+    return (
+        f"dashboard: {first}\n"
+        f"  listening on {as_host(address)}:{port} ({where}); {asked}\n"
+        f"  answers the names {', '.join(names)} (--allow-host NAME adds one)"
+    )
 
 
-def serve(inv: Inventory, runs: Path, address: str, port: int, every: float, say: Any,
-          token_file: str | None = None, allow: Iterable[str] = ()) -> None:
+def serve(
+    inv: Inventory,
+    runs: Path,
+    address: str,
+    port: int,
+    every: float,
+    say: Any,
+    token_file: str | None = None,
+    allow: Iterable[str] = (),
+) -> None:
     """fab dashboard: serve until Ctrl+C."""
     server, refresher = start(inv, runs, address, port, every, token_file, allow)
     hosts = len(inv.all_hosts)
-    say(f"{start_message(server, address, token_file)}\n"
-        f"  {hosts} host{'' if hosts == 1 else 's'}, looked at every {every:g}s; read-only; Ctrl+C ends it")
+    say(
+        f"{start_message(server, address, token_file)}\n"
+        f"  {hosts} host{'' if hosts == 1 else 's'}, looked at every {every:g}s; read-only; Ctrl+C ends it"
+    )
     sys.stdout.flush()  # the address reaches a pipe (a script waiting for it) now, not at the end
     try:
         server.serve_forever(poll_interval=0.5)

@@ -12,6 +12,7 @@ Every string that came from a host, a container or a file is passed through host
 the page puts text in with textContent only, so a log line holding ESC bytes or `<script>` is shown
 as the text it is.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,14 @@ from orchestrator.hosts import survey
 from orchestrator.progress import latest, top
 from orchestrator.progress.notify import EVENTS_FILE
 
-OVERVIEW_TAIL = 256 * 1024   # bytes of a job's events.jsonl and telemetry.jsonl read for the job list
-LOG_TAIL = 16 * 1024         # bytes read from the end of each host's log
-LOG_LINES = 80               # lines of it shown
-LINE_CHARS = 2000            # characters of one log line shown
-LOGS_MAX = 64                # host logs shown on a job page
-PLAN_MAX = 256 * 1024        # bytes of plan.txt shown
-POINTS_MAX = 2000            # points of a curve (the newest)
-FAILURES_MAX = 50            # the newest host failures shown
+OVERVIEW_TAIL = 256 * 1024  # bytes of a job's events.jsonl and telemetry.jsonl read for the job list
+LOG_TAIL = 16 * 1024  # bytes read from the end of each host's log
+LOG_LINES = 80  # lines of it shown
+LINE_CHARS = 2000  # characters of one log line shown
+LOGS_MAX = 64  # host logs shown on a job page
+PLAN_MAX = 256 * 1024  # bytes of plan.txt shown
+POINTS_MAX = 2000  # points of a curve (the newest)
+FAILURES_MAX = 50  # the newest host failures shown
 
 
 class NotFound(Exception):
@@ -62,14 +63,25 @@ def _number(x: Any) -> float | None:
 def figures(doc: dict[str, Any]) -> dict[str, Any]:
     """A job's newest loss (its lowest rank's) and tokens/s (all ranks together) from latest.latest."""
     ranks = [r for r in doc.get("ranks", ()) if isinstance(r, dict)]
-    loss = next((_number(r.get("loss")) for r in sorted(ranks, key=lambda r: r.get("rank", 0))
-                 if _number(r.get("loss")) is not None), None)
+    loss = next(
+        (
+            _number(r.get("loss"))
+            for r in sorted(ranks, key=lambda r: r.get("rank", 0))
+            if _number(r.get("loss")) is not None
+        ),
+        None,
+    )
     rates = [t for r in ranks if (t := _number(r.get("tokens_per_s"))) is not None]
     return {"loss": loss, "tokens_per_s": sum(rates) if rates else None, "updated": doc.get("updated")}
 
 
-def overview(inv: Inventory, answers: dict[str, top.Answer | str], now: float,
-             before: dict[str, tuple[float, int]] | None, local: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def overview(
+    inv: Inventory,
+    answers: dict[str, top.Answer | str],
+    now: float,
+    before: dict[str, tuple[float, int]] | None,
+    local: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     """The cluster page from one refresh's answers (top.ask): `top`'s snapshot of the hosts, `fab
     status`'s rows of the jobs (with the step rate since `before` and `local`'s figures: job ->
     figures() of its run here) and the queue (the queued jobs, first first)."""
@@ -79,11 +91,26 @@ def overview(inv: Inventory, answers: dict[str, top.Answer | str], now: float,
     rows = []
     for r in jobcontrol.status_rows(survey.job_views(found), steps):
         mine = local.get(r["job"], {})
-        rows.append({**r, "rate": rates.get(r["job"]), "loss": mine.get("loss"),
-                     "tokens_per_s": mine.get("tokens_per_s"), "local": r["job"] in local})
+        rows.append(
+            {
+                **r,
+                "rate": rates.get(r["job"]),
+                "loss": mine.get("loss"),
+                "tokens_per_s": mine.get("tokens_per_s"),
+                "local": r["job"] in local,
+            }
+        )
     queue = sorted((r for r in rows if r["queue"]), key=lambda r: (r["queue"]["position"], r["since"] or 0))
-    return clean({"time": now, "inventory": str(inv.path), "hosts": snap["hosts"], "jobs": rows,
-                  "queue": queue, "errors": snap["errors"]})
+    return clean(
+        {
+            "time": now,
+            "inventory": str(inv.path),
+            "hosts": snap["hosts"],
+            "jobs": rows,
+            "queue": queue,
+            "errors": snap["errors"],
+        }
+    )
 
 
 def run_dir(runs: Path, job_id: str) -> Path:
@@ -96,8 +123,10 @@ def run_dir(runs: Path, job_id: str) -> Path:
     except hostile.UnsafeName as exc:
         raise NotFound(str(exc)) from None
     if not where.is_dir():
-        raise NotFound(f"no run {job_id} in {runs}/ on this machine (a job started elsewhere keeps its "
-                       "run where it was started)")
+        raise NotFound(
+            f"no run {job_id} in {runs}/ on this machine (a job started elsewhere keeps its "
+            "run where it was started)"
+        )
     return where
 
 
@@ -140,8 +169,10 @@ def curves(records: list[dict]) -> dict[str, list[list[float]]]:
             loss[step] = (rank, x)
         if (t := _number(r.get("tokens_per_s"))) is not None:
             rate[step] = rate.get(step, 0.0) + t
-    return {"loss": [[s, loss[s][1]] for s in sorted(loss)][-POINTS_MAX:],
-            "tokens_per_s": [[s, rate[s]] for s in sorted(rate)][-POINTS_MAX:]}
+    return {
+        "loss": [[s, loss[s][1]] for s in sorted(loss)][-POINTS_MAX:],
+        "tokens_per_s": [[s, rate[s]] for s in sorted(rate)][-POINTS_MAX:],
+    }
 
 
 def failures(records: list[dict]) -> list[dict]:
@@ -149,17 +180,32 @@ def failures(records: list[dict]) -> list[dict]:
     out = []
     for rec in records:
         if rec.get("event") == "host_failed":
-            out.append({"time": rec.get("time"), "attempt": rec.get("attempt"), "host": rec.get("host"),
-                        "kind": rec.get("kind"), "detail": hostile.line(str(rec.get("detail", "")), 2000)})
+            out.append(
+                {
+                    "time": rec.get("time"),
+                    "attempt": rec.get("attempt"),
+                    "host": rec.get("host"),
+                    "kind": rec.get("kind"),
+                    "detail": hostile.line(str(rec.get("detail", "")), 2000),
+                }
+            )
     return out[-FAILURES_MAX:]
 
 
 def attempts(record: recovery.JobRecord | None) -> list[dict]:
     if record is None:
         return []
-    return [{"number": a.number, "hosts": list(a.hosts), "started": a.started, "ended": a.ended,
-             "outcome": hostile.line(str(a.outcome), 2000), "resumed_from": a.resumed_from}
-            for a in record.attempts]
+    return [
+        {
+            "number": a.number,
+            "hosts": list(a.hosts),
+            "started": a.started,
+            "ended": a.ended,
+            "outcome": hostile.line(str(a.outcome), 2000),
+            "resumed_from": a.resumed_from,
+        }
+        for a in record.attempts
+    ]
 
 
 def job_page(runs: Path, job_id: str) -> dict[str, Any]:
@@ -180,20 +226,22 @@ def job_page(runs: Path, job_id: str) -> dict[str, Any]:
             continue
         if path.is_file() and not path.is_symlink():
             logs[host] = log_lines(*read_tail(path, LOG_TAIL))
-    return clean({
-        "job": job_id,
-        "state": record.state if record else newest["state"],
-        "owner": record.spec.owner if record else None,
-        "script": record.spec.script if record else None,
-        "args": list(record.spec.args) if record else [],
-        "record_error": problem,
-        "attempts": attempts(record),
-        "failures": failures(events),
-        "curves": curves(events),
-        "newest": newest,
-        "figures": figures(newest),
-        "logs": logs,
-    })
+    return clean(
+        {
+            "job": job_id,
+            "state": record.state if record else newest["state"],
+            "owner": record.spec.owner if record else None,
+            "script": record.spec.script if record else None,
+            "args": list(record.spec.args) if record else [],
+            "record_error": problem,
+            "attempts": attempts(record),
+            "failures": failures(events),
+            "curves": curves(events),
+            "newest": newest,
+            "figures": figures(newest),
+            "logs": logs,
+        }
+    )
 
 
 def plan_page(runs: Path, job_id: str) -> dict[str, Any]:

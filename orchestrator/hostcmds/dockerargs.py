@@ -1,6 +1,7 @@
 """The job's container as `docker run` argv and the docker commands around it (probe a host's
 GPU access, stop, list, dump stacks). Pure functions from (inventory, host, JobSpec) to argv; they
 stay argv until the edge, where sshargs.shell quotes them exactly once."""
+
 from __future__ import annotations
 
 import io
@@ -49,9 +50,9 @@ def runtime_files() -> bytes:
 class GpuAccess:
     """How a GPU host hands its GPUs to containers, read on the host (gpu_probe_argv)."""
 
-    nvidia_runtime: bool = True   # the NVIDIA runtime hook, which `--gpus` needs
-    cdi: bool = False             # CDI specs for nvidia.com/gpu (/etc/cdi, /var/run/cdi)
-    gids: tuple[int, ...] = ()    # AMD: the groups owning /dev/kfd and the render nodes
+    nvidia_runtime: bool = True  # the NVIDIA runtime hook, which `--gpus` needs
+    cdi: bool = False  # CDI specs for nvidia.com/gpu (/etc/cdi, /var/run/cdi)
+    gids: tuple[int, ...] = ()  # AMD: the groups owning /dev/kfd and the render nodes
     render: tuple[int, ...] = ()  # AMD: each GPU's render node minor, in ROCm's GPU order
 
 
@@ -68,8 +69,11 @@ def gpu_probe_argv(host: Host) -> list[str] | None:
             "2>/dev/null | grep -c 'nvidia.com/gpu')",
         ]
     if host.gpu_vendor == "amd":
-        return ["sh", "-c", "echo gids $(stat -c %g /dev/kfd /dev/dri/renderD* 2>/dev/null | sort -un); "
-                + devices.AMD_PROBE]
+        return [
+            "sh",
+            "-c",
+            "echo gids $(stat -c %g /dev/kfd /dev/dri/renderD* 2>/dev/null | sort -un); " + devices.AMD_PROBE,
+        ]
     return None
 
 
@@ -77,8 +81,12 @@ def parse_gpu_probe(text: str) -> GpuAccess:
     fields = {line.split(" ", 1)[0]: line.partition(" ")[2].strip() for line in text.splitlines() if line}
     gids = tuple(sorted({int(g) for g in fields.get("gids", "").split() if g.isdigit() and g != "0"}))
     cdi = fields.get("cdi", "0")
-    return GpuAccess(nvidia_runtime='"nvidia"' in fields.get("runtimes", ""),
-                     cdi=cdi.isdigit() and int(cdi) > 0, gids=gids, render=devices.parse_amd_render(text))
+    return GpuAccess(
+        nvidia_runtime='"nvidia"' in fields.get("runtimes", ""),
+        cdi=cdi.isdigit() and int(cdi) > 0,
+        gids=gids,
+        render=devices.parse_amd_render(text),
+    )
 
 
 def device_args(
@@ -227,7 +235,9 @@ def summarize(doc):
             pgs[str(pg)]["completed"] = st.get("last_completed_collective")
     return pgs
 """
-FLIGHT_PY = FLIGHT_SUMMARY + """\
+FLIGHT_PY = (
+    FLIGHT_SUMMARY
+    + """\
 import glob, json, os, time
 d = "/tmp/fabtrain-stacks"
 live = {}
@@ -252,7 +262,7 @@ for pid, rank in sorted(live.items()):
         continue
     print(json.dumps({"rank": rank, "pgs": summarize(doc)}), flush=True)
 """
-
+)
 
 
 def label_filter(job_id: str | None) -> list[str]:
@@ -279,8 +289,10 @@ def stop_script(job_id: str | list[str] | None = None, grace: float = 0) -> str:
 
 # Removed ids to stdout; "already being removed" / "already gone" dropped; any other line to
 # stderr and a non-zero exit.
-RM_FILTER = ('/is already in progress|No such container/ {next} /^[0-9a-f]+$/ {print; next} '
-             '{print > "/dev/stderr"; bad = 1} END {exit bad}')
+RM_FILTER = (
+    "/is already in progress|No such container/ {next} /^[0-9a-f]+$/ {print; next} "
+    '{print > "/dev/stderr"; bad = 1} END {exit bad}'
+)
 
 
 def status_argv(job_id: str | None = None) -> list[str]:

@@ -1,6 +1,7 @@
 """Where a job lives on a host (output, code, runtime and console directories, the lease and the
 stop marker) and the shell scripts that make and read them safely in directories an admin shares
 between accounts. Pure: text only, run by the transport."""
+
 from __future__ import annotations
 
 import os
@@ -69,11 +70,11 @@ def stopped_marker(inv: Inventory, job_id: str) -> str:
 # holding others' (output_dir, `.runtime`) can still rename what they hold, the sticky bit
 # notwithstanding, so the admin makes those root's (README: install -d -o root -g GROUP -m 3775),
 # and the scripts use them as they are.
-SHARED_MODE = "g+rwxs"           # only added, by the directory's owner: what it took from others stays taken
+SHARED_MODE = "g+rwxs"  # only added, by the directory's owner: what it took from others stays taken
 RUNTIME_MODE = "0711"
 STOPPED_DIR = ".stopped"
-NOT_WRITABLE = 6   # exit status: a shared directory this account cannot write (made narrower by another)
-NOT_OWN = 7        # ... the job's runtime directory is there and not this account's (or not a directory)
+NOT_WRITABLE = 6  # exit status: a shared directory this account cannot write (made narrower by another)
+NOT_OWN = 7  # ... the job's runtime directory is there and not this account's (or not a directory)
 
 
 def not_link_script(path: str) -> str:
@@ -148,15 +149,18 @@ def stop_mark_script(inv: Inventory, job_ids: list[str] | tuple[str, ...]) -> st
     marks = "; ".join(
         f"[ -e {m} ] || ( set -C; : > {m} )" for m in (shell([stopped_marker(inv, j)]) for j in job_ids)
     )
-    return (shared_dir_script(shell([f"{inv.job.output_dir}/.runtime"]), sticky=True, check=False)
-            + shared_dir_script(d) + f"umask 022; {marks}")
+    return (
+        shared_dir_script(shell([f"{inv.job.output_dir}/.runtime"]), sticky=True, check=False)
+        + shared_dir_script(d)
+        + f"umask 022; {marks}"
+    )
 
 
 # Not a job: the preflight's cache of image facts (python, torch, CUDA per image id), kept in the
 # runtime directory's parent beside the jobs' own directories.
 IMAGE_CACHE = "images"
-LEASE = "lease"        # in the job's runtime directory: touched while `fab train` looks after the job
-LEASE_EVERY = 5.0      # seconds between touches
+LEASE = "lease"  # in the job's runtime directory: touched while `fab train` looks after the job
+LEASE_EVERY = 5.0  # seconds between touches
 # A lease younger than this means a `fab train` looks after the job right now (it missed at most
 # two touches): `fab stop` ends that job, and a new job on the same hosts is refused. A host lost
 # mid-job keeps an older lease, which blocks nobody.
@@ -202,10 +206,10 @@ def follow_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = Fa
     name, root = container_name(spec.job_id, rank), shell([job_dir(inv, spec)])
     wait = f"{shell(['docker', 'wait', name])} >/dev/null 2>&1"
     if warm:
-        wait = f'( {wait} & w=$!; {touched.until(root, end_rel(rank), "$w")}; kill $w 2>/dev/null )'
+        wait = f"( {wait} & w=$!; {touched.until(root, end_rel(rank), '$w')}; kill $w 2>/dev/null )"
     # tail reads new output at once (inotify); it looks every 0.05 s whether the wait ended: a warm
     # node's end is seen within 0.1 s, a restart waits for it.
-    return f'{wait} & w=$!; {touched.follow(root, console_name(rank), "$w")} 2>/dev/null; wait'
+    return f"{wait} & w=$!; {touched.follow(root, console_name(rank), '$w')} 2>/dev/null; wait"
 
 
 # The end of a node's output read after it exits, in bytes, not lines: one line can be any size.
@@ -223,20 +227,26 @@ def finish_logs_script(inv: Inventory, spec: JobSpec, rank: int, warm: bool = Fa
     code = f"code=$({shell(['docker', 'wait', name])} 2>/dev/null); "
     if warm:
         end = touched.head(root, end_rel(rank), 12)
-        code = (f"if {touched.is_file(root, end_rel(rank))}; then code=$({end} | tr -cd 0-9); w=' warm'; "
-                f"else {code}fi; ")
-    return (f"{code}echo \"${{code:-255}}{'$w' if warm else ''}\"; "
-            f"{touched.tail(root, console_name(rank), TAIL_BYTES)}; "
-            f"[ $? = 4 ] && [ -n \"$code\" ] && {shell(['docker', 'logs', '--tail', '1000', name])} 2>&1 "
-            f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; true")
+        code = (
+            f"if {touched.is_file(root, end_rel(rank))}; then code=$({end} | tr -cd 0-9); w=' warm'; "
+            f"else {code}fi; "
+        )
+    return (
+        f'{code}echo "${{code:-255}}{"$w" if warm else ""}"; '
+        f"{touched.tail(root, console_name(rank), TAIL_BYTES)}; "
+        f'[ $? = 4 ] && [ -n "$code" ] && {shell(["docker", "logs", "--tail", "1000", name])} 2>&1 '
+        f"| {shell(['tail', '-c', str(TAIL_BYTES)])}; true"
+    )
 
 
 def remainder_logs_script(inv: Inventory, spec: JobSpec, rank: int, start: int | str) -> str:
     """All output from byte `start` on, counted from 1 (when the follow missed more than the tail).
     A plan renders it with a placeholder word, replaced by the number when it runs."""
     name, root = container_name(spec.job_id, rank), shell([job_dir(inv, spec)])
-    return (f"{touched.read_from(root, console_name(rank), start)}; [ $? = 4 ] && "
-            f"{shell(['docker', 'logs', name])} 2>&1 | {shell(['tail', '-c', f'+{start}'])}; true")
+    return (
+        f"{touched.read_from(root, console_name(rank), start)}; [ $? = 4 ] && "
+        f"{shell(['docker', 'logs', name])} 2>&1 | {shell(['tail', '-c', f'+{start}'])}; true"
+    )
 
 
 def progress_script(inv: Inventory, spec: JobSpec, rank: int) -> str:

@@ -2,6 +2,7 @@
 job's options into a NodeSpec (core/nodespec.py) that every backend renders: `docker run` here and
 in dockerargs, the sbatch script in backends/slurm/script.py and the Kubernetes container in
 backends/kubernetes/manifests.py."""
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,10 @@ def job_env(
         ("MASTER_PORT", str(spec.master_port or inv.job.master_port)),
         ("NNODES", str(len(inv.hosts))),
         ("NODE_RANK", str(host.rank)),
-        ("NPROC_PER_NODE", str(len(units)) if asked and units is not None
-         else spec.nproc_per_node or inv.job.nproc_per_node),
+        (
+            "NPROC_PER_NODE",
+            str(len(units)) if asked and units is not None else spec.nproc_per_node or inv.job.nproc_per_node,
+        ),
         # NCCL matches a name as a prefix (eth0 would take eth0.100 too); '=' asks for exactly it.
         # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname
         ("NCCL_SOCKET_IFNAME", "=" + host.interface),
@@ -92,15 +95,28 @@ def job_env(
     return list(merged.items())
 
 
-def node_spec(inv: Inventory, host: Host, spec: JobSpec, *, name: str | None = None, rank: str | None = None,
-              env: list[tuple[str, str | None]] | None = None, access: GpuAccess | None = None,
-              runtime: str | None = None, units: tuple[int, ...] | None = None) -> NodeSpec:
+def node_spec(
+    inv: Inventory,
+    host: Host,
+    spec: JobSpec,
+    *,
+    name: str | None = None,
+    rank: str | None = None,
+    env: list[tuple[str, str | None]] | None = None,
+    access: GpuAccess | None = None,
+    runtime: str | None = None,
+    units: tuple[int, ...] | None = None,
+) -> NodeSpec:
     """One node of the job on `host`. The Slurm script gives `name`, `rank` and some variables at run
     time (a None value in `env` passes the variable on from the caller) and its own `runtime`
     directory, one per attempt. `units`: the GPUs (CPU slots) the job holds on the host
     (hosts/claims.py); None: all of it."""
-    labels = [(LABEL_MANAGED, "1"), (LABEL_JOB, spec.job_id),
-              (LABEL_RANK, str(host.rank) if rank is None else rank), (LABEL_HOST, host.name)]
+    labels = [
+        (LABEL_MANAGED, "1"),
+        (LABEL_JOB, spec.job_id),
+        (LABEL_RANK, str(host.rank) if rank is None else rank),
+        (LABEL_HOST, host.name),
+    ]
     if spec.owner:
         labels.append((LABEL_OWNER, spec.owner))
     if "FABTRAIN_ATTEMPT" in dict(spec.env):
@@ -110,14 +126,16 @@ def node_spec(inv: Inventory, host: Host, spec: JobSpec, *, name: str | None = N
     if spec.cpuset and units is not None and host.gpu_vendor == "none":
         cpuset = ",".join(map(str, units))  # a CPU host's slot i is its CPU i
     ulimits, caps, security = container_options_of(inv, host)
-    mounts = (NodeMount(CODE, Mount(code_path(inv, spec), CODE_MOUNT, True)),
-              NodeMount(WORK, Mount(work_dir(inv, spec), WORKDIR)),
-              NodeMount(OUTPUT, Mount(job_dir(inv, spec), OUTDIR)),
-              # The same directory again where it lies in /output, so no container of the job can
-              # rename it or put a link in its place (a mount point: EBUSY): hostfiles.work_dir.
-              NodeMount(WORK, Mount(work_dir(inv, spec), f"{OUTDIR}/{jobspec.WORK}")),
-              NodeMount(RUNTIME, Mount(runtime or runtime_dir(inv, spec), RUNTIME_MOUNT, True)),
-              *(NodeMount(HOST, m) for m in host.mounts))
+    mounts = (
+        NodeMount(CODE, Mount(code_path(inv, spec), CODE_MOUNT, True)),
+        NodeMount(WORK, Mount(work_dir(inv, spec), WORKDIR)),
+        NodeMount(OUTPUT, Mount(job_dir(inv, spec), OUTDIR)),
+        # The same directory again where it lies in /output, so no container of the job can
+        # rename it or put a link in its place (a mount point: EBUSY): hostfiles.work_dir.
+        NodeMount(WORK, Mount(work_dir(inv, spec), f"{OUTDIR}/{jobspec.WORK}")),
+        NodeMount(RUNTIME, Mount(runtime or runtime_dir(inv, spec), RUNTIME_MOUNT, True)),
+        *(NodeMount(HOST, m) for m in host.mounts),
+    )
     return NodeSpec(
         name=container_name(spec.job_id, host.rank) if name is None else name,
         labels=tuple(labels),
@@ -149,6 +167,7 @@ def warm_key(node: NodeSpec) -> str:
     a container whose key differs from the next attempt's (another image, code, GPUs, variables)
     is started cold. A hot spare's key is that of any rank on its host, so it can take one."""
     import hashlib
+
     env = tuple((k, v) for k, v in node.env if k not in (*WARM_KEYS, "FABTRAIN_CONSOLE", "FABTRAIN_SPARE"))
     labels = tuple((k, v) for k, v in node.labels if k not in (LABEL_ATTEMPT, LABEL_RANK))
     return hashlib.sha256(repr(replace(node, name="", env=env, labels=labels)).encode()).hexdigest()[:16]
@@ -169,14 +188,24 @@ def docker_run_argv(
     return docker_run(node, "--detach", *(["--label", f"{LABEL_WARM}={warm_key(node)}"] if warm else []))
 
 
-def node_of(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-            units: tuple[int, ...] | None = None, warm: bool = False, direct: bool = False) -> NodeSpec:
+def node_of(
+    inv: Inventory,
+    host: Host,
+    spec: JobSpec,
+    access: GpuAccess | None = None,
+    units: tuple[int, ...] | None = None,
+    warm: bool = False,
+    direct: bool = False,
+) -> NodeSpec:
     """The node as the SSH backend starts it: its console file, FABTRAIN_WARM when warm, and
     FABTRAIN_LAUNCH=direct when its workers start without torchrun (start_script)."""
     console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(host.rank)}")  # console_file() on the host
-    env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console,
-                                         *([("FABTRAIN_WARM", "1")] if warm else []),
-                                         *([("FABTRAIN_LAUNCH", "direct")] if direct else [])]
+    env: list[tuple[str, str | None]] = [
+        *job_env(inv, host, spec, units),
+        console,
+        *([("FABTRAIN_WARM", "1")] if warm else []),
+        *([("FABTRAIN_LAUNCH", "direct")] if direct else []),
+    ]
     return node_spec(inv, host, spec, env=env, access=access, units=units)
 
 
@@ -205,8 +234,13 @@ def start_script(
     `hot` (the job keeps hot spares): else, when the job's hot spare waits on this host with the same
     key, it takes this rank: renamed to the rank's container and told the rank, its console and go.
     Whatever fails there, the node is started cold as without a spare."""
-    cold = fresh_start(inv, spec, docker_run_argv(inv, host, spec, access, units, warm, direct),
-                       [console_name(host.rank)], timeout)
+    cold = fresh_start(
+        inv,
+        spec,
+        docker_run_argv(inv, host, spec, access, units, warm, direct),
+        [console_name(host.rank)],
+        timeout,
+    )
     if not warm:
         return cold
     name, root = container_name(spec.job_id, host.rank), shell([job_dir(inv, spec)])
@@ -217,8 +251,10 @@ def start_script(
     if any("\n" in v for v in values):
         raise ValueError(f"a warm node's variables hold a newline: {values!r}")
     waiting = f'[ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ]'
-    kept = (f"if {waiting} && {touched.is_file(root, end)}; then {_remove(root, console, end)} && "
-            f"{write_go(warm_go_file(inv, spec, host.rank), values)} && echo warm; ")
+    kept = (
+        f"if {waiting} && {touched.is_file(root, end)}; then {_remove(root, console, end)} && "
+        f"{write_go(warm_go_file(inv, spec, host.rank), values)} && echo warm; "
+    )
     remove = f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1"
     if hot:
         spare, spare_end = container_name(spec.job_id, SPARE), end_rel(SPARE)
@@ -243,12 +279,17 @@ def fresh_start(inv: Inventory, spec: JobSpec, run: list[str], old: list[str], t
     root = shell([out])
     # An earlier attempt's console file goes first: the follower must not read it as this one's.
     # (The stop marker stays: `fab stop` between two attempts must end the job; see claims.claim_script.)
-    return (f"{shell(['mkdir', '-p', out, rt])} && {touched.make_dir(root, jobspec.WORK)} && "
-            f"{touched.make_dir(root, CONSOLE_DIR)} && {_remove(root, *old)} && "
-            f"{touched.mount_sources_check([out, work_dir(inv, spec)])} && "
-            f"(umask 022 && tar -x -o -f - -C {shell([rt])}) && "
-            + (f"{shell(run)} >/dev/null" if timeout is None else
-               f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"))
+    return (
+        f"{shell(['mkdir', '-p', out, rt])} && {touched.make_dir(root, jobspec.WORK)} && "
+        f"{touched.make_dir(root, CONSOLE_DIR)} && {_remove(root, *old)} && "
+        f"{touched.mount_sources_check([out, work_dir(inv, spec)])} && "
+        f"(umask 022 && tar -x -o -f - -C {shell([rt])}) && "
+        + (
+            f"{shell(run)} >/dev/null"
+            if timeout is None
+            else f"{shell(bounded(run, timeout))} >/dev/null{timed_out_note(timeout)}"
+        )
+    )
 
 
 def _remove(root: str, *rels: str) -> str:
@@ -266,31 +307,59 @@ def waiting_state(name: str) -> str:
 
 def write_go(go: str, values: list[str]) -> str:
     """A go file written whole (then renamed), world-readable: the container reads it as its user."""
-    return (f"(umask 022 && printf '%s\\n' {shell(values)} > {shell([go + '.tmp'])} && "
-            f"mv -f {shell([go + '.tmp', go])})")
+    return (
+        f"(umask 022 && printf '%s\\n' {shell(values)} > {shell([go + '.tmp'])} && "
+        f"mv -f {shell([go + '.tmp', go])})"
+    )
 
 
-def spare_node(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-               units: tuple[int, ...] | None = None) -> NodeSpec:
+def spare_node(
+    inv: Inventory,
+    host: Host,
+    spec: JobSpec,
+    access: GpuAccess | None = None,
+    units: tuple[int, ...] | None = None,
+) -> NodeSpec:
     """A hot spare on `host`: the node any rank would be there (warm, launched direct), named and
     labelled as the job's spare, with the spare's console; FABTRAIN_SPARE makes it wait for a rank."""
     console = ("FABTRAIN_CONSOLE", f"{OUTDIR}/{console_name(SPARE)}")
-    env: list[tuple[str, str | None]] = [*job_env(inv, host, spec, units), console, ("FABTRAIN_WARM", "1"),
-                                         ("FABTRAIN_LAUNCH", "direct"), ("FABTRAIN_SPARE", "1")]
-    return node_spec(inv, host, spec, name=container_name(spec.job_id, SPARE), rank=SPARE, env=env,
-                     access=access, units=units)
+    env: list[tuple[str, str | None]] = [
+        *job_env(inv, host, spec, units),
+        console,
+        ("FABTRAIN_WARM", "1"),
+        ("FABTRAIN_LAUNCH", "direct"),
+        ("FABTRAIN_SPARE", "1"),
+    ]
+    return node_spec(
+        inv,
+        host,
+        spec,
+        name=container_name(spec.job_id, SPARE),
+        rank=SPARE,
+        env=env,
+        access=access,
+        units=units,
+    )
 
 
-def spare_script(inv: Inventory, host: Host, spec: JobSpec, access: GpuAccess | None = None,
-                 units: tuple[int, ...] | None = None, timeout: float | None = None) -> str:
+def spare_script(
+    inv: Inventory,
+    host: Host,
+    spec: JobSpec,
+    access: GpuAccess | None = None,
+    units: tuple[int, ...] | None = None,
+    timeout: float | None = None,
+) -> str:
     """Keep the job's hot spare on `host`: when one of the same key waits there (its end file),
     nothing; else (none, another key, ended) it is started again, the entrypoint from stdin."""
     node = spare_node(inv, host, spec, access, units)
     key = warm_key(node)
     name, end = container_name(spec.job_id, SPARE), end_rel(SPARE)
     run = docker_run(node, "--detach", "--label", f"{LABEL_WARM}={key}")
-    start = (f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; "
-             f"{fresh_start(inv, spec, run, [console_name(SPARE), end], timeout)} && echo started")
+    start = (
+        f"{shell(['docker', 'rm', '--force', name])} >/dev/null 2>&1; "
+        f"{fresh_start(inv, spec, run, [console_name(SPARE), end], timeout)} && echo started"
+    )
     return (
         f'if [ "$({waiting_state(name)} 2>/dev/null)" = {shell([key + " true"])} ] && '
         f"{touched.is_file(shell([job_dir(inv, spec)]), end)}; "

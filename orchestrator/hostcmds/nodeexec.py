@@ -2,6 +2,7 @@
 the system's OpenSSH client over the same SSH path fabtrain uses for that host (sshargs.ssh_argv:
 the inventory's user, port, keys, known_hosts and jump hosts; host keys checked, never prompted).
 Pure: argv lists, the remote command quoted exactly once (sshargs.shell)."""
+
 from __future__ import annotations
 
 from orchestrator.config.inventory import Host
@@ -13,14 +14,21 @@ from orchestrator.hostcmds.sshargs import shell, ssh_argv
 LOGIN_SHELL = ("sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi")
 
 
-def exec_argv(job_id: str, rank: int, command: list[str] | tuple[str, ...], tty: bool,
-              term: str | None = None) -> list[str]:
+def exec_argv(
+    job_id: str, rank: int, command: list[str] | tuple[str, ...], tty: bool, term: str | None = None
+) -> list[str]:
     """`docker exec` of `command` (LOGIN_SHELL when empty) in node `rank`'s container of the job.
     stdin is always passed on (`fab shell JOB -- python - < script.py`); a terminal only with `tty`,
     of this terminal's type `term` (docker exec would say xterm: no 256 colours, wrong keys)."""
     terminal = ["--tty", *(["--env", f"TERM={term}"] if term else [])] if tty else []
-    return ["docker", "exec", "--interactive", *terminal, container_name(job_id, rank),
-            *(command or LOGIN_SHELL)]
+    return [
+        "docker",
+        "exec",
+        "--interactive",
+        *terminal,
+        container_name(job_id, rank),
+        *(command or LOGIN_SHELL),
+    ]
 
 
 def ssh_command_argv(host: Host, remote: list[str], tty: bool) -> list[str]:
@@ -28,5 +36,12 @@ def ssh_command_argv(host: Host, remote: list[str], tty: bool) -> list[str]:
     terminal (-t) when `tty`, else none (-T: output byte for byte, stdout and stderr apart). '--'
     ends ssh's options, so neither the address nor the command is read as one. LogLevel=ERROR: ssh's
     errors still show, its "Connection to ... closed." after a terminal session does not."""
-    return [*ssh_argv(host), "-o", "LogLevel=ERROR", "-t" if tty else "-T", "--", host.ssh.hostname,
-            shell(remote)]
+    return [
+        *ssh_argv(host),
+        "-o",
+        "LogLevel=ERROR",
+        "-t" if tty else "-T",
+        "--",
+        host.ssh.hostname,
+        shell(remote),
+    ]

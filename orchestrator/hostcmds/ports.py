@@ -1,11 +1,12 @@
 """The job's master port: what listens on a host, and the first free port above job.master_port."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from orchestrator.hostcmds import sshargs
 
-PORT_RANGE = 100      # master ports tried above job.master_port
+PORT_RANGE = 100  # master ports tried above job.master_port
 
 
 def port_command() -> str:

@@ -26,42 +26,49 @@ Each script is `sh -c SCRIPT sh ARGS...`: the paths are arguments, the script is
 quoted once and the watchdog of a bounded open can end exactly that shell (its $$), nothing else.
 Pure: text only, run by the transport.
 """
+
 from __future__ import annotations
 
 from orchestrator.hostcmds.sshargs import shell
 
 REFUSED = "refused: "  # what every refusal the scripts print on stderr starts with
 OPEN_BOUND = 10  # seconds an open may block (only a FIFO swapped in after the look does)
-NOT_SAFE = 5     # exit status: a name there is not the directory or regular file it must be
+NOT_SAFE = 5  # exit status: a name there is not the directory or regular file it must be
 
 # $1 root (made by fabtrain, no container can replace it), $2 the directories below it ('/'
 # between, each a name of ours), $3 the file's name there, $4 what to do, $5 its argument.
 # One line (a plan shows each command on one line), read as these statements in turn.
-_SCRIPT = " ".join((
-    'cd -P "$1" 2>/dev/null || exit 4;',
-    "IFS=/; set -f;",
-    'for c in $2; do [ -e "$c" ] || [ -L "$c" ] || exit 4;',
-    'p=$(stat -c %d:%i -- "$c" 2>/dev/null) && cd -P -- "$c" 2>/dev/null && [ "$(stat -c %d:%i .)" = "$p" ]',
-    '|| { echo "refused: $1/$2 is not a directory (a link, or changed while entered)" >&2; exit 5; }; done;',
-    "unset IFS; n=$3;",
-    'case $4 in remove) shift 4; exec rm -f -- "$@";;',
-    'age) [ -f "$n" ] && [ ! -L "$n" ] && echo $(( $(date +%s) - $(stat -c %Y -- "$n") )); exit;;',
-    'is) [ -f "$n" ] && [ ! -L "$n" ]; exit;;',
-    'until) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done; exit 0;;',
-    'follow) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null; do sleep 0.05; done;; esac;',
-    '[ -e "$n" ] || [ -L "$n" ] || exit 4;',
-    '[ -f "$n" ] && [ ! -L "$n" ]',
-    '|| { echo "refused: $1/$2/$n is not a regular file (a link?)" >&2; exit 5; };',
-    f"( sleep {OPEN_BOUND}; kill -KILL $$ ) >/dev/null 2>&1 </dev/null & w=$!;",
-    'command exec 3<"$n"; r=$?; kill $w 2>/dev/null;',
-    '[ $r = 0 ] && [ -f /proc/self/fd/3 ]',
-    '&& [ "$(stat -L -c %d:%i /proc/self/fd/3)" = "$(stat -c %d:%i -- "$n")" ]',
-    '|| { echo "refused: $1/$2/$n changed while opened (a link?)" >&2; exit 5; };',
-    'case $4 in tail) exec tail -c "$5" /proc/self/fd/3;;',
-    'from) exec tail -c "+$5" /proc/self/fd/3;;',
-    'head) exec head -c "$5" /proc/self/fd/3;;',
-    'follow) exec tail -c +1 -s 0.05 -f --pid="$5" /proc/self/fd/3;; esac',
-))
+_SCRIPT = " ".join(
+    (
+        'cd -P "$1" 2>/dev/null || exit 4;',
+        "IFS=/; set -f;",
+        'for c in $2; do [ -e "$c" ] || [ -L "$c" ] || exit 4;',
+        'p=$(stat -c %d:%i -- "$c" 2>/dev/null) && cd -P -- "$c" 2>/dev/null'
+        ' && [ "$(stat -c %d:%i .)" = "$p" ]',
+        '|| { echo "refused: $1/$2 is not a directory (a link, or changed while entered)" >&2;'
+        " exit 5; }; done;",
+        "unset IFS; n=$3;",
+        'case $4 in remove) shift 4; exec rm -f -- "$@";;',
+        'age) [ -f "$n" ] && [ ! -L "$n" ] && echo $(( $(date +%s) - $(stat -c %Y -- "$n") )); exit;;',
+        'is) [ -f "$n" ] && [ ! -L "$n" ]; exit;;',
+        'until) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null;'
+        " do sleep 0.05; done; exit 0;;",
+        'follow) while [ ! -e "$n" ] && [ ! -L "$n" ] && kill -0 "$5" 2>/dev/null;'
+        " do sleep 0.05; done;; esac;",
+        '[ -e "$n" ] || [ -L "$n" ] || exit 4;',
+        '[ -f "$n" ] && [ ! -L "$n" ]',
+        '|| { echo "refused: $1/$2/$n is not a regular file (a link?)" >&2; exit 5; };',
+        f"( sleep {OPEN_BOUND}; kill -KILL $$ ) >/dev/null 2>&1 </dev/null & w=$!;",
+        'command exec 3<"$n"; r=$?; kill $w 2>/dev/null;',
+        "[ $r = 0 ] && [ -f /proc/self/fd/3 ]",
+        '&& [ "$(stat -L -c %d:%i /proc/self/fd/3)" = "$(stat -c %d:%i -- "$n")" ]',
+        '|| { echo "refused: $1/$2/$n changed while opened (a link?)" >&2; exit 5; };',
+        'case $4 in tail) exec tail -c "$5" /proc/self/fd/3;;',
+        'from) exec tail -c "+$5" /proc/self/fd/3;;',
+        'head) exec head -c "$5" /proc/self/fd/3;;',
+        'follow) exec tail -c +1 -s 0.05 -f --pid="$5" /proc/self/fd/3;; esac',
+    )
+)
 _SH = shell(["sh", "-c", _SCRIPT, "sh"])
 
 
@@ -129,7 +136,7 @@ def mount_sources_check(paths: list[str]) -> str:
     """Fail, naming the path and the fix, unless every path is a directory of this account's own
     and no link: joined with && to the `docker run` that mounts them, in the same shell command."""
     return (
-        f"{{ for d in {shell(paths)}; do if [ -L \"$d\" ] || [ ! -d \"$d\" ] || [ ! -O \"$d\" ]; then "
+        f'{{ for d in {shell(paths)}; do if [ -L "$d" ] || [ ! -d "$d" ] || [ ! -O "$d" ]; then '
         "printf '%s is not a directory of %s (a link, or made by another account): not mounted; remove it "
-        f"and run again\\n' \"$d\" \"$(id -un)\" >&2; exit {NOT_SAFE}; fi; done; }}"
+        f'and run again\\n\' "$d" "$(id -un)" >&2; exit {NOT_SAFE}; fi; done; }}'
     )

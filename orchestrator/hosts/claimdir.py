@@ -3,6 +3,7 @@ the queue of jobs waiting for the host (queue.py) live: where it is, made shared
 and a script run in it under its lock; the units (GPUs, CPU slots) as its files write them; how
 the scripts read its files (entries_script), which anyone of the group may have written.
 """
+
 from __future__ import annotations
 
 from orchestrator.config.inventory import Inventory
@@ -10,7 +11,7 @@ from orchestrator.core import hostile
 from orchestrator.hostcmds import hostfiles, sshargs
 
 DIR = ".claims"
-LOCK_WAIT = 10    # seconds the claim script waits for another claim on the same host
+LOCK_WAIT = 10  # seconds the claim script waits for another claim on the same host
 # How far ahead of the host's clock (`date +%s` there) a lease or a queue place may be dated and
 # still count as renewed. fab train dates them by the host's own clock, so only a file server's clock
 # (NFS sets times by its own) puts a real one ahead; a server a minute behind would already make
@@ -42,7 +43,7 @@ def parse_units(text: str) -> tuple[int, ...]:
 
 def host_dir(inv: Inventory) -> str:
     """The claims directory of the host a command runs on (a shell word, expanded there)."""
-    return f"{sshargs.shell([f'{inv.job.output_dir}/{DIR}'])}/\"$(hostname)\""
+    return f'{sshargs.shell([f"{inv.job.output_dir}/{DIR}"])}/"$(hostname)"'
 
 
 def dirs_script(inv: Inventory) -> str:
@@ -114,7 +115,7 @@ def entries_script() -> str:
         '{ command exec 8<"$1"; } 2>/dev/null || return 1; [ ! -L "$1" ] && [ "$1" -ef /dev/fd/8 ] || '
         '{ exec 8<&-; ignored "$1" changed; return 1; }; '
         f'c=$(head -c {ENTRY_MAX} <&8 | LC_ALL=C tr -cd "\\n -~"); '
-        'a=$((now - $(stat -L -c %Y /dev/fd/8))); exec 8<&-; }; '
+        "a=$((now - $(stat -L -c %Y /dev/fd/8))); exec 8<&-; }; "
     )
 
 

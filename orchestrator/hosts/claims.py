@@ -23,6 +23,7 @@ exactly one of them gets it; the other releases what it took and is refused, nam
 Several Unix accounts of one group share these directories (hostfiles.shared_dir_script): any of them
 claims, and clears another's stale claim; none reads another's runtime files (secrets).
 """
+
 from __future__ import annotations
 
 import getpass
@@ -47,8 +48,8 @@ from orchestrator.hosts.claimdir import (
 )
 from orchestrator.hosts.queue import QUEUE, QUEUED, Waiting, parse_waiting, queue_scan_script, queue_warnings
 
-REFUSED = 3       # the claim script's exit code when a unit it wants is held
-PORT_TAKEN = 5    # ... when its master port was claimed by another job on this host meanwhile
+REFUSED = 3  # the claim script's exit code when a unit it wants is held
+PORT_TAKEN = 5  # ... when its master port was claimed by another job on this host meanwhile
 
 
 def me() -> str:
@@ -80,14 +81,16 @@ class Holder:
     who: str = ""
     since: float = 0.0
     units: tuple[int, ...] = ()
-    port: int | None = None       # the job's master port, in its claim of its rank-0 host
-    age: float | None = None      # a cleared claim's lease's age by the host's clock (None: none)
+    port: int | None = None  # the job's master port, in its claim of its rank-0 host
+    age: float | None = None  # a cleared claim's lease's age by the host's clock (None: none)
 
     def describe(self, host: Host | None = None) -> str:
         what = f"{kind(host)}s " if host is not None else ""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since)) if self.since else "?"
-        return (f"{self.job} (started by {self.who or 'unknown'} at {when}, "
-                f"{what}{units_text(self.units) or 'all'})")
+        return (
+            f"{self.job} (started by {self.who or 'unknown'} at {when}, "
+            f"{what}{units_text(self.units) or 'all'})"
+        )
 
 
 def parse_holder(line: str) -> Holder | None:
@@ -107,28 +110,36 @@ def parse_holder(line: str) -> Holder | None:
     except ValueError:
         since = 0.0
     port, age = kv.get("port", ""), kv.get("age", "")
-    return Holder(job, hostile.line(kv.get("who", ""), 100), since, parse_units(units),
-                  int(port) if port.isdigit() else None,
-                  float(age) if age.lstrip("-").isdigit() else None)
+    return Holder(
+        job,
+        hostile.line(kv.get("who", ""), 100),
+        since,
+        parse_units(units),
+        int(port) if port.isdigit() else None,
+        float(age) if age.lstrip("-").isdigit() else None,
+    )
 
 
 # ------------------------------------------------------------------ on the hosts
+
 
 def survey_script(inv: Inventory) -> str:
     """Read-only: the host's CPU count, then one line per claim file (parse_survey); links (which
     another account of the group may put there) are not claims and are never read, nor is a claims
     directory that is one (the files are listed in the directory entered and checked, as in
     claim_script)."""
-    return (f"echo @@claims; nproc; d={host_dir(inv)}; "
-            '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && '
-            'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
-            '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
-            'done ); echo @@queue; now=$(date +%s); '
-            f'( q="$d"/{QUEUE}; cd -P "$q" 2>/dev/null && [ ! -L "$q" ] && [ "$q" -ef . ] && '
-            'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
-            '[ -f "$f" ] && [ ! -L "$f" ] && '
-            'echo "$(basename "$f") age=$((now - $(stat -c %Y "$f"))) $(tr "\\n" " " < "$f")"; '
-            'done ); true')
+    return (
+        f"echo @@claims; nproc; d={host_dir(inv)}; "
+        '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && '
+        'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+        '[ -f "$f" ] && [ ! -L "$f" ] && echo "$(basename "$f") $(tr "\\n" " " < "$f")"; '
+        "done ); echo @@queue; now=$(date +%s); "
+        f'( q="$d"/{QUEUE}; cd -P "$q" 2>/dev/null && [ ! -L "$q" ] && [ "$q" -ef . ] && '
+        'for f in ./*; do case "${f##*/}" in *[!A-Za-z0-9._-]*) continue;; esac; '
+        '[ -f "$f" ] && [ ! -L "$f" ] && '
+        'echo "$(basename "$f") age=$((now - $(stat -c %Y "$f"))) $(tr "\\n" " " < "$f")"; '
+        "done ); true"
+    )
 
 
 def parse_survey(text: str) -> tuple[int, list[Holder], list[Waiting]]:
@@ -137,12 +148,22 @@ def parse_survey(text: str) -> tuple[int, list[Holder], list[Waiting]]:
     # Only the script's own newlines end a line: splitlines() also breaks at a \r in a file's text.
     lines = text.split("\n")
     cpus = int(lines[0]) if lines and lines[0].strip().isdigit() else 1
-    return (cpus, [h for line in lines[1:] if line.strip() and (h := parse_holder(line))],
-            [w for line in queued.split("\n") if line.strip() and (w := parse_waiting(line))])
+    return (
+        cpus,
+        [h for line in lines[1:] if line.strip() and (h := parse_holder(line))],
+        [w for line in queued.split("\n") if line.strip() and (w := parse_waiting(line))],
+    )
 
 
-def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who: str, first: bool,
-                 port: int | None = None, ticket: str | None = None) -> str:
+def claim_script(
+    inv: Inventory,
+    job_id: str,
+    units: tuple[int, ...] | None,
+    who: str,
+    first: bool,
+    port: int | None = None,
+    ticket: str | None = None,
+) -> str:
     """Under the host's claims lock: each other claim is judged by the host's own clock (held: its
     job has a container here, or a lease renewed within hostfiles.LEASE_STALE and dated no more than
     claimdir.FUTURE_SLACK ahead; else stale, removed, and said so with its lease's age), and a file
@@ -218,8 +239,9 @@ def claim_script(inv: Inventory, job_id: str, units: tuple[int, ...] | None, who
     return locked(inv, body)
 
 
-def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True,
-                    queue: bool = True) -> str:
+def release_command(
+    inv: Inventory, job_ids: list[str] | tuple[str, ...], runtime: bool = True, queue: bool = True
+) -> str:
     """Remove these jobs' claims on the host it runs on, (`queue`) their places in its queue, and
     (`runtime`) their runtime directories and stop markers (`fab stop` leaves both for the job's own
     `fab train` to see)."""
@@ -228,8 +250,11 @@ def release_command(inv: Inventory, job_ids: list[str] | tuple[str, ...], runtim
         return "true"
     rt = f"{inv.job.output_dir}/.runtime"
     gone = [p for j in ids for p in (f"{rt}/{j}", hostfiles.stopped_marker(inv, j))]
-    return (f"d={host_dir(inv)}; " + (f"rm -rf {sshargs.shell(gone)}; " if runtime else "")
-            + "; ".join(f'rm -f "$d"/{j}' + (f' "$d"/{QUEUE}/{j}' if queue else "") for j in ids))
+    return (
+        f"d={host_dir(inv)}; "
+        + (f"rm -rf {sshargs.shell(gone)}; " if runtime else "")
+        + "; ".join(f'rm -f "$d"/{j}' + (f' "$d"/{QUEUE}/{j}' if queue else "") for j in ids)
+    )
 
 
 def parse_claim_output(text: str) -> tuple[list[Holder], list[Holder]]:
@@ -250,9 +275,11 @@ def cleared_why(age: float | None, host: str) -> str:
     if age is None:
         return "it has no lease (the file its fab train renews while it looks after the job)"
     if age < 0:
-        return (f"its lease is future-dated by {-age:.0f} s on {host}'s clock (more than the "
-                f"{FUTURE_SLACK} s allowed): fab train renews it with the host's own clock, so something "
-                "else wrote this date")
+        return (
+            f"its lease is future-dated by {-age:.0f} s on {host}'s clock (more than the "
+            f"{FUTURE_SLACK} s allowed): fab train renews it with the host's own clock, so something "
+            "else wrote this date"
+        )
     return f"its lease was not renewed for {age:.0f} s (its fab train is gone)"
 
 
@@ -269,13 +296,14 @@ def claim_warnings(host: Host, text: str) -> list[str]:
 
 # ------------------------------------------------------------------ choosing units
 
+
 @dataclass(frozen=True)
 class Want:
     """What a job asks of each host: exact units (--include node1:0,1), or a count."""
 
     exact: dict[str, tuple[int, ...]]
-    count: int | None = None      # --gpus N (or --nproc N): N units on each host
-    explicit: bool = False        # the units were asked for (sets each node's processes)
+    count: int | None = None  # --gpus N (or --nproc N): N units on each host
+    explicit: bool = False  # the units were asked for (sets each node's processes)
 
     def of(self, host: Host, cap: int) -> tuple[int, ...] | int:
         if host.name in self.exact:
@@ -322,11 +350,14 @@ def choose(host: Host, cap: int, holders: list[Holder], asked: tuple[int, ...] |
         return tuple(free[:asked])
     need = f"{kind(host)}s {units_text(asked)}" if isinstance(asked, tuple) else f"{asked} {kind(host)}(s)"
     holding = "; ".join(h.describe(host) for h in holders)
-    raise UserError(f"{host.name}: this job needs {need}, but {holding} hold(s) "
-                    f"{units_text(tuple(sorted(taken)))}; free there: {units_text(tuple(free)) or 'none'}. "
-                    "Wait for that job, stop it if it is yours ('fab stop --job JOB'), or ask for free ones "
-                    "(--include HOST:i,j, --gpus N, --num-nodes N), or add --queue: the job waits in line "
-                    "and starts by itself when they are free", exit_code=1)
+    raise UserError(
+        f"{host.name}: this job needs {need}, but {holding} hold(s) "
+        f"{units_text(tuple(sorted(taken)))}; free there: {units_text(tuple(free)) or 'none'}. "
+        "Wait for that job, stop it if it is yours ('fab stop --job JOB'), or ask for free ones "
+        "(--include HOST:i,j, --gpus N, --num-nodes N), or add --queue: the job waits in line "
+        "and starts by itself when they are free",
+        exit_code=1,
+    )
 
 
 def order(hosts: tuple[Host, ...]) -> list[Host]:

@@ -6,6 +6,7 @@ which say so. Several Unix accounts of one group may share a host's directories
 (hostfiles.shared_dir_script): a left-over runtime directory of another account is never read or removed
 (its secrets are its own), only named, and blocks no one.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,9 +24,14 @@ from orchestrator.transport.deadlines import COPY_TIMEOUT, STATUS_TIMEOUT, STOP_
 from orchestrator.transport.remote import PerHost, Session
 
 
-def sync(session: Session, inv: Inventory, source: Path, only: str = "",
-         hosts: tuple[Host, ...] | None = None, transfers: bars.Transfers | None = None,
-         ) -> tuple[str, dict[str, float]]:
+def sync(
+    session: Session,
+    inv: Inventory,
+    source: Path,
+    only: str = "",
+    hosts: tuple[Host, ...] | None = None,
+    transfers: bars.Transfers | None = None,
+) -> tuple[str, dict[str, float]]:
     """rsync the local tree (with `only`, its top folder of that name) to job.code_dir/KEY on every
     host at once (codetree.py): where it went, and the seconds per host. With `transfers`, each
     host's bytes as they go (a bar, `transfer` events)."""
@@ -42,9 +48,11 @@ def sync(session: Session, inv: Inventory, source: Path, only: str = "",
             r = session.local(argv, COPY_TIMEOUT, on_output=t.output)
             t.finish(r.ok)
         if not r.ok:
-            raise UserError(f"sync to {host.name} ({host.ssh.where()}) failed (rsync exit {r.exited}): "
-                            f"{hostile.text(r.stderr.strip()[-400:])}; check SSH access with: "
-                            f"{sshargs.shell([*sshargs.ssh_argv(host), host.hostname, 'true'])}")
+            raise UserError(
+                f"sync to {host.name} ({host.ssh.where()}) failed (rsync exit {r.exited}): "
+                f"{hostile.text(r.stderr.strip()[-400:])}; check SSH access with: "
+                f"{sshargs.shell([*sshargs.ssh_argv(host), host.hostname, 'true'])}"
+            )
         return r.seconds
 
     results = session.fan_out(one, hosts)
@@ -56,12 +64,15 @@ def tree_lines(source: Path, only: str = "") -> list[str]:
     """What a sync of the tree copies and what its ignore rules leave out, for a person (a warning
     above codetree.WARN_BYTES synced): codetree.summary's lines."""
     shown = Path(source) / only if only else Path(source)
-    return [("warning: " if level == "warning" else "") + hostile.text(text)
-            for level, text in codetree.summary(codetree.select(source, only), shown)]
+    return [
+        ("warning: " if level == "warning" else "") + hostile.text(text)
+        for level, text in codetree.summary(codetree.select(source, only), shown)
+    ]
 
 
 def raise_any(hosts: tuple[Host, ...], results: PerHost, what: str) -> None:
     from orchestrator.transport.remote import describe
+
     errors = [describe(h, e) for h in hosts if (e := results.error(h.name))]
     if errors:
         raise UserError(f"{what} failed:\n" + "\n".join(errors))
@@ -70,6 +81,7 @@ def raise_any(hosts: tuple[Host, ...], results: PerHost, what: str) -> None:
 def port_script(inv: Inventory) -> str:
     """One round trip to rank 0's host: the ports listening there, then its claims (claims.survey_script)."""
     from orchestrator.hostcmds.ports import port_command
+
     return f"{port_command()}; {claims.survey_script(inv)}"
 
 
@@ -78,6 +90,7 @@ def parse_ports(text: str, base: int) -> int | None:
     `fab train` chooses it: another job's claim holds its master port before its rank 0 listens),
     from port_script's output."""
     from orchestrator.hostcmds.ports import free_port
+
     listening, _, claimed = text.partition("@@claims\n")
     return free_port(listening, base, {h.port for h in claims.parse_survey(claimed)[1] if h.port})
 
@@ -96,9 +109,9 @@ def with_free_port(session: Session, inv: Inventory) -> Inventory:
     and no job claims at rank 0's host, as `fab train` chooses it (other jobs may hold
     job.master_port). Unchanged when the host does not answer: the preflight names it."""
     from dataclasses import replace
+
     port = free_port(session, inv)
     return replace(inv, job=replace(inv.job, master_port=port)) if port else inv
-
 
 
 def clear_stale_script(inv: Inventory, jobs: list[str]) -> str:
@@ -111,7 +124,7 @@ def clear_stale_script(inv: Inventory, jobs: list[str]) -> str:
         d, word = sshargs.shell([f"{rt}/{j}"]), sshargs.shell([j])
         parts.append(
             f'if [ -O {d} ] || [ "$(id -u)" = 0 ]; then '
-            f'rm -rf {d} {sshargs.shell([hostfiles.stopped_marker(inv, j)])} '
+            f"rm -rf {d} {sshargs.shell([hostfiles.stopped_marker(inv, j)])} "
             f'&& echo removed {word}; else echo kept {word} "$(stat -c %U {d} 2>/dev/null)"; fi'
         )
     return "; ".join(parts) or "true"
@@ -138,9 +151,14 @@ def clear_stale(session: Session, inv: Inventory, found: PerHost) -> list[str]:
     hosts = {h.name: h for h in inv.all_hosts}
 
     def one(h: Host) -> tuple[list[str], dict[str, str]]:
-        r = session.run(h, clear_stale_script(inv, stale[h.name]), timeout=STATUS_TIMEOUT,
-                        what="removing left-over runtime files")
+        r = session.run(
+            h,
+            clear_stale_script(inv, stale[h.name]),
+            timeout=STATUS_TIMEOUT,
+            what="removing left-over runtime files",
+        )
         return parse_clear_stale(r.stdout)
+
     done = session.fan_out(one, tuple(hosts[n] for n in stale if n in hosts))
     lines = []
     for n in stale:
@@ -161,6 +179,7 @@ def clear_stale(session: Session, inv: Inventory, found: PerHost) -> list[str]:
 def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, list[str]]) -> None:
     """Tell a watching `fab train` that these jobs (job -> its hosts) were ended on purpose: a
     marker in the job's runtime directory on its hosts, which the job looks for between stages."""
+
     def mark(h: Host) -> None:
         ids = [j for j, where in jobs.items() if h.name in where and jobspec.valid_job_id(j)]
         if ids:  # in a directory the group shares: the job's account removes a marker another left
@@ -175,8 +194,14 @@ def mark_stopped(session: Session, inv: Inventory, jobs: dict[str, list[str]]) -
     session.fan_out(mark, tuple(h for h in inv.all_hosts if any(h.name in w for w in jobs.values())))
 
 
-def stop(session: Session, inv: Inventory, job_ids: list[str] | None, grace: float,
-         hosts: tuple[Host, ...] | None = None, revoke: list[str] | tuple[str, ...] = ()) -> PerHost:
+def stop(
+    session: Session,
+    inv: Inventory,
+    job_ids: list[str] | None,
+    grace: float,
+    hosts: tuple[Host, ...] | None = None,
+    revoke: list[str] | tuple[str, ...] = (),
+) -> PerHost:
     """Stop and remove these jobs' containers (None: every fabtrain container) on each host, all at
     once, and release their claims there: host -> Result (the removed ids on stdout) or error.
     Their runtime directories stay for a `fab train` watching them to see the stop marker
@@ -188,8 +213,9 @@ def stop(session: Session, inv: Inventory, job_ids: list[str] | None, grace: flo
     )
 
 
-def stop_script(inv: Inventory, job_ids: list[str] | None, grace: float,
-                revoke: list[str] | tuple[str, ...] = ()) -> str:
+def stop_script(
+    inv: Inventory, job_ids: list[str] | None, grace: float, revoke: list[str] | tuple[str, ...] = ()
+) -> str:
     """What `stop` runs on each host: the containers stopped and removed, the claims released, then
     (`revoke`) those jobs' controller keys and directories removed (keys.revoke_script; a controller
     that died before its end leaves its directory, private key and secrets included). The command's
@@ -205,7 +231,9 @@ def stop_script(inv: Inventory, job_ids: list[str] | None, grace: float,
         dirs = sshargs.shell(["rm", "-rf", "--", *(hostfiles.controller_dir(inv, j) for j in jobs)])
         # Tried three times, a short wait for the lock each (the stop's deadline is grace + STOP_MARGIN);
         # each try's reason goes to stderr, the last one is what fab stop names.
-        script += (f"; s=$?; k=1; for i in 1 2 3; do ( {revoke_script(jobs, lock_wait=2)} ) >/dev/null && "
-                   f"{{ k=0; break; }}; [ $i = 3 ] || sleep $i; done; [ $k = 0 ] || [ $s != 0 ] || s={LEFT}; "
-                   f"{dirs} >/dev/null 2>&1; exit $s")
+        script += (
+            f"; s=$?; k=1; for i in 1 2 3; do ( {revoke_script(jobs, lock_wait=2)} ) >/dev/null && "
+            f"{{ k=0; break; }}; [ $i = 3 ] || sleep $i; done; [ $k = 0 ] || [ $s != 0 ] || s={LEFT}; "
+            f"{dirs} >/dev/null 2>&1; exit $s"
+        )
     return script

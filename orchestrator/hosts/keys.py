@@ -30,6 +30,7 @@ key too; revoke_script takes such a line, glued by an older fabtrain, off the us
 script checks what it did (the line is there once, or no line of the job is left) and exits
 non-zero saying what it saw when it is not so.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -48,7 +49,7 @@ FILE = "~/.ssh/authorized_keys"
 # controller's host, or left by a controller that died, is refused two hours later at most.
 LIFETIME = 2 * 3600
 RENEW = 20 * 60
-LIFETIME_ENV = "FABTRAIN_CONTROLLER_KEY_LIFETIME"   # seconds: a test may use a minute
+LIFETIME_ENV = "FABTRAIN_CONTROLLER_KEY_LIFETIME"  # seconds: a test may use a minute
 RENEW_ENV = "FABTRAIN_CONTROLLER_KEY_RENEW"
 
 # How long a script waits for the lock (a change by another job, a renewal), and fab for a script.
@@ -63,7 +64,7 @@ LEFT = 4
 # The options an older fabtrain gave the line (revoke_script still repairs what it glued).
 OLD_OPTIONS = "no-agent-forwarding,no-port-forwarding,no-X11-forwarding"
 
-MAX_SOURCES = 64        # addresses in one from= (a host with more is named, not guessed at)
+MAX_SOURCES = 64  # addresses in one from= (a host with more is named, not guessed at)
 LOOPBACK = ("127.0.0.0/8", "::1")
 
 _PUBLIC_RE = re.compile(r"ssh-ed25519 [A-Za-z0-9+/]+={0,2}")
@@ -82,12 +83,18 @@ def lifetimes(env: Mapping[str, str] | None = None) -> tuple[int, int]:
         try:
             values.append(int(raw) if raw.strip() else default)
         except ValueError:
-            raise UserError(f"{name}={hostile.line(raw, 40)!r} is not a whole number of seconds; unset it or "
-                            f"give one (default {default})", exit_code=2) from None
+            raise UserError(
+                f"{name}={hostile.line(raw, 40)!r} is not a whole number of seconds; unset it or "
+                f"give one (default {default})",
+                exit_code=2,
+            ) from None
     lifetime, renew = values
     if not 0 < renew < lifetime:
-        raise UserError(f"{RENEW_ENV} ({renew} s) must be above 0 and below {LIFETIME_ENV} ({lifetime} s): "
-                        "the controller writes its key's line again before it expires", exit_code=2)
+        raise UserError(
+            f"{RENEW_ENV} ({renew} s) must be above 0 and below {LIFETIME_ENV} ({lifetime} s): "
+            "the controller writes its key's line again before it expires",
+            exit_code=2,
+        )
     return lifetime, renew
 
 
@@ -99,8 +106,10 @@ RESOLVED = "@@resolved"
 def addresses_script(address: str) -> str:
     """Run on the controller's host: its addresses (`ip -o addr`, else `hostname -I`), then what
     `address` (the inventory's, as the controller connects to it) resolves to there."""
-    return (f"{{ ip -o addr show 2>/dev/null || hostname -I; }}; echo {RESOLVED}; "
-            f"getent ahosts {sshargs.shell([address])} 2>/dev/null; true")
+    return (
+        f"{{ ip -o addr show 2>/dev/null || hostname -I; }}; echo {RESOLVED}; "
+        f"getent ahosts {sshargs.shell([address])} 2>/dev/null; true"
+    )
 
 
 def parse_addresses(text: str, host: str) -> tuple[tuple[str, ...], bool]:
@@ -118,13 +127,19 @@ def parse_addresses(text: str, host: str) -> tuple[tuple[str, ...], bool]:
             found.append(str(ip))
     if not found:
         said = hostile.line(mine.strip() or "nothing", 200)
-        raise UserError(f"--detach: {host}, the controller's host, shows no address but loopback (`ip "
-                        f"-o addr`, `hostname -I` said {said!r}): its key could not be limited to it; check "
-                        "that `ip` or `hostname -I` works there", exit_code=1)
+        raise UserError(
+            f"--detach: {host}, the controller's host, shows no address but loopback (`ip "
+            f"-o addr`, `hostname -I` said {said!r}): its key could not be limited to it; check "
+            "that `ip` or `hostname -I` works there",
+            exit_code=1,
+        )
     if len(found) > MAX_SOURCES:
-        raise UserError(f"--detach: {host}, the controller's host, has {len(found)} addresses, more than "
-                        f"{MAX_SOURCES}: its key's from= would be too wide; name another host under "
-                        "controller: in the inventory", exit_code=2)
+        raise UserError(
+            f"--detach: {host}, the controller's host, has {len(found)} addresses, more than "
+            f"{MAX_SOURCES}: its key's from= would be too wide; name another host under "
+            "controller: in the inventory",
+            exit_code=2,
+        )
     resolved_ips = (_ip(line.split(" ", 1)[0]) for line in resolved.splitlines() if line.strip())
     via_loopback = any(ip is not None and ip.is_loopback for ip in resolved_ips)
     return tuple(found), via_loopback
@@ -137,14 +152,16 @@ def _ip(word: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None
 
 
-def sources_by_host(names: Sequence[str], own: str, addresses: Sequence[str], via_loopback: bool
-                    ) -> dict[str, tuple[str, ...]]:
+def sources_by_host(
+    names: Sequence[str], own: str, addresses: Sequence[str], via_loopback: bool
+) -> dict[str, tuple[str, ...]]:
     """Each host's from= list: the controller's host's addresses, and on that host's own line
     loopback too when the controller reaches it that way."""
     return {n: tuple(addresses) + (LOOPBACK if n == own and via_loopback else ()) for n in names}
 
 
 # ---------------------------------------------------------------- the scripts
+
 
 def authorize_script(job_id: str, public: str, sources: Sequence[str], lifetime: int) -> str:
     """Add the job's line (module docstring), or write it again with a later expiry when it is there."""
@@ -182,10 +199,12 @@ def _write_script(job_id: str, public: str, sources: Sequence[str], lifetime: in
     before, after = entry_options(sources)
     job = sshargs.shell([job_id])
     if renew:
-        absent = ("{ printf '%s: no line of job %s is left to renew (fab stop took it back)\\n' "
-                  f"\"$f\" {job} >&2; exit {GONE}; }}")
+        absent = (
+            "{ printf '%s: no line of job %s is left to renew (fab stop took it back)\\n' "
+            f'"$f" {job} >&2; exit {GONE}; }}'
+        )
     else:
-        absent = f"{_LINE} >> \"$f\""
+        absent = f'{_LINE} >> "$f"'
     return (
         _prelude([job_id])
         # The host's own clock and time zone, as its sshd reads expiry-time (module docstring).
@@ -193,13 +212,13 @@ def _write_script(job_id: str, public: str, sources: Sequence[str], lifetime: in
         + f'l={sshargs.shell([before])}"$e"{sshargs.shell([after + public])}; '
         # A last line without its newline gets one first: ours would be glued onto it.
         + 'if [ -s "$f" ] && [ "$(tail -c 1 "$f" | wc -l)" -eq 0 ]; then '
-        + 'printf \'\\n\' >> "$f" || exit 1; fi; '
+        + "printf '\\n' >> \"$f\" || exit 1; fi; "
         + 'if [ -f "$f" ] && grep -a -q -e "$m0" "$f"; then t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) || exit 1; '
         + f'{{ sed -e "/$m0/d" "$f" && {_LINE}; }} > "$t" && cat "$t" > "$f"; r=$?; rm -f "$t"; '
-        + f'[ $r = 0 ] || exit 1; else {absent} || exit 1; fi; '
+        + f"[ $r = 0 ] || exit 1; else {absent} || exit 1; fi; "
         + '[ "$(grep -a -c -x -F -e "$l" "$f")" = 1 ] && [ "$(grep -a -c -e "$m0" "$f")" = 1 ] || '
         + "{ printf '%s: the line of job %s is not there once after writing it\\n' "
-        + f"\"$f\" {job} >&2; exit 1; }}"
+        + f'"$f" {job} >&2; exit 1; }}'
     )
 
 
@@ -220,9 +239,12 @@ def revoke_script(job_ids: Sequence[str], lock_wait: int = LOCK_WAIT) -> str:
     )
     delete = " ".join(f'-e "s|\\(.\\)$g{i}|\\1|" -e "/$m{i}/d"' for i in range(len(ids)))
     match = " ".join(f'-e "$m{i}"' for i in range(len(ids)))
-    said = f"\\n' \"$f\" {sshargs.shell([', '.join(ids)])} >&2"
+    said = f'\\n\' "$f" {sshargs.shell([", ".join(ids)])} >&2'
     return (
-        f"[ -e {FILE} ] || exit 0; " + _prelude(ids, lock_wait) + glued + "; "
+        f"[ -e {FILE} ] || exit 0; "
+        + _prelude(ids, lock_wait)
+        + glued
+        + "; "
         + f'if grep -a -q {match} "$f"; then t=$(mktemp ~/.ssh/.fabtrain.XXXXXX) || exit 1; '
         + f'sed {delete} "$f" > "$t" && cat "$t" > "$f"; r=$?; rm -f "$t"; '
         + "[ $r = 0 ] || "

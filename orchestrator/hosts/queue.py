@@ -2,6 +2,7 @@
 claims directory (claimdir.py), ordered by its ticket (new_ticket). The claim script (claims.py)
 keeps a job from a host while one queued there before it waits (queue_scan_script states the rule).
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,8 @@ from orchestrator.hosts.claimdir import (
 )
 
 TICKET_RE = re.compile(r"[0-9]{20}-[A-Za-z0-9._-]+")
-QUEUED = 8        # the claim script's exit code when a job queued before it waits for this host
-QUEUE = "queue"   # in the host's claims directory: one file per job waiting for the host
+QUEUED = 8  # the claim script's exit code when a job queued before it waits for this host
+QUEUE = "queue"  # in the host's claims directory: one file per job waiting for the host
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,9 @@ class Waiting:
     job: str
     who: str = ""
     since: float = 0.0
-    ticket: str = ""              # the order: earlier tickets go first (new_ticket)
-    wants: str = ""               # the units it asked for here ("" or all: the whole host)
-    age: float = 0.0              # seconds since its fab train last renewed the place
+    ticket: str = ""  # the order: earlier tickets go first (new_ticket)
+    wants: str = ""  # the units it asked for here ("" or all: the whole host)
+    age: float = 0.0  # seconds since its fab train last renewed the place
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since)) if self.since else "?"
@@ -62,9 +63,16 @@ def parse_waiting(line: str) -> Waiting | None:
             return float(kv.get(key, "0"))
         except ValueError:
             return 0.0
+
     ticket = kv.get("ticket", "")
-    return Waiting(job, hostile.line(kv.get("who", ""), 100), number("since"),
-                   ticket if TICKET_RE.fullmatch(ticket) else "", kv.get("wants", ""), number("age"))
+    return Waiting(
+        job,
+        hostile.line(kv.get("who", ""), 100),
+        number("since"),
+        ticket if TICKET_RE.fullmatch(ticket) else "",
+        kv.get("wants", ""),
+        number("age"),
+    )
 
 
 def queue_order(waiting: list[Waiting]) -> list[Waiting]:
@@ -72,8 +80,9 @@ def queue_order(waiting: list[Waiting]) -> list[Waiting]:
     return sorted(waiting, key=lambda w: (w.ticket or "~", w.job))
 
 
-def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
-                      wants: tuple[int, ...]) -> str:
+def queue_scan_script(
+    inv: Inventory, job_id: str, ticket: str | None, who: str, wants: tuple[int, ...]
+) -> str:
     """Part of claims.claim_script and enqueue_script (in the claims directory, under its lock, `now`
     set, claimdir.entries_script's functions defined): each other job's place in the host's queue is
     judged by the host's own clock: one its fab train has not renewed for hostfiles.LEASE_STALE s, or
@@ -118,7 +127,7 @@ def queue_scan_script(inv: Inventory, job_id: str, ticket: str | None, who: str,
 
 def dequeue_command(inv: Inventory, job_id: str) -> str:
     """Leave the host's queue (the job started, or ended while it waited)."""
-    return f"d={host_dir(inv)}; rm -f \"$d\"/{QUEUE}/{sshargs.shell([job_id])}"
+    return f'd={host_dir(inv)}; rm -f "$d"/{QUEUE}/{sshargs.shell([job_id])}'
 
 
 def enqueue_script(inv: Inventory, job_id: str, ticket: str, who: str, wants: tuple[int, ...]) -> str:
@@ -142,11 +151,15 @@ def parse_queue_output(text: str) -> tuple[list[Waiting], list[Waiting]]:
 def dropped_why(age: float, host: str) -> str:
     """Why a place `age` s old by `host`'s clock was dropped (the queue scan's rule)."""
     if age < 0:
-        return (f"future-dated by {-age:.0f} s on {host}'s clock (more than the {FUTURE_SLACK} s allowed): "
-                "fab train dates its places by the host's own clock, so something else wrote this date, "
-                "and the place would have held up every later job until then")
-    return (f"not renewed for {age:.0f} s (its fab train, or controller, renews it every few seconds while "
-            f"it waits; a place is dropped after {hostfiles.LEASE_STALE:g} s)")
+        return (
+            f"future-dated by {-age:.0f} s on {host}'s clock (more than the {FUTURE_SLACK} s allowed): "
+            "fab train dates its places by the host's own clock, so something else wrote this date, "
+            "and the place would have held up every later job until then"
+        )
+    return (
+        f"not renewed for {age:.0f} s (its fab train, or controller, renews it every few seconds while "
+        f"it waits; a place is dropped after {hostfiles.LEASE_STALE:g} s)"
+    )
 
 
 def queue_warnings(host: str, text: str) -> list[str]:

@@ -9,6 +9,7 @@ runtime directory with no container of its job and a lease older than hostfiles.
 over (its `fab train` is gone, or the host was lost while the job ran): `fab stop` and preflight
 clear it (hostops.clear_stale).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,24 +28,26 @@ from orchestrator.transport.remote import PerHost, Session
 class HostJobs:
     """What one host holds of our jobs."""
 
-    running: dict[str, int]           # job -> node rank, containers running
-    containers: frozenset[str]        # jobs with any container, running or not
+    running: dict[str, int]  # job -> node rank, containers running
+    containers: frozenset[str]  # jobs with any container, running or not
     runtime: dict[str, float | None]  # job -> its lease's age in seconds (None: no lease)
-    owners: dict[str, str] = field(default_factory=dict)    # job -> who started it (container label)
+    owners: dict[str, str] = field(default_factory=dict)  # job -> who started it (container label)
     attempts: dict[str, str] = field(default_factory=dict)  # job -> its containers' attempt
-    states: dict[str, str] = field(default_factory=dict)    # job -> its container's state here
-    cpus: int = 1                     # the host's CPUs (its slots, without GPUs)
+    states: dict[str, str] = field(default_factory=dict)  # job -> its container's state here
+    cpus: int = 1  # the host's CPUs (its slots, without GPUs)
     claimed: tuple[claims.Holder, ...] = ()  # every claim file there, stale ones included
     ranks: dict[str, int] = field(default_factory=dict)  # job -> node rank of its container, any state
     controllers: dict[str, str] = field(default_factory=dict)  # job -> state of its controller container
-    queued: tuple[queue.Waiting, ...] = ()    # the host's queue (queue.QUEUE), any order
+    queued: tuple[queue.Waiting, ...] = ()  # the host's queue (queue.QUEUE), any order
 
     def holders(self, but: str = "") -> list[claims.Holder]:
         """Who holds units here, other than job `but`: claims whose job runs here or has a lease
         renewed within hostfiles.LEASE_STALE, not dated ahead (as the claim script judges them), and a
         job running here with no claim file (it holds the whole host)."""
+
         def alive(job: str) -> bool:
             return job in self.running or renewed_within(self.runtime.get(job), hostfiles.LEASE_STALE)
+
         held = [c for c in self.claimed if c.job != but and alive(c.job)]
         named = {c.job for c in self.claimed}
         return held + [claims.Holder(j) for j in sorted(self.running) if j != but and j not in named]
@@ -65,9 +68,19 @@ def survey_script(inv: Inventory) -> str:
         f'if [ -e "${{d}}{hostfiles.LEASE}" ]; then '
         f'echo "$j $((now - $(stat -c %Y "${{d}}{hostfiles.LEASE}")))"; '
         'else echo "$j none"; fi; done; echo @@controllers; '
-        + sshargs.shell(["docker", "ps", "--all", "--filter", "label=" + CONTROLLER_LABEL, "--format",
-                         '{{.Label "' + CONTROLLER_LABEL + '"}}\t{{.State}}'])
-        + "; " + claims.survey_script(inv)
+        + sshargs.shell(
+            [
+                "docker",
+                "ps",
+                "--all",
+                "--filter",
+                "label=" + CONTROLLER_LABEL,
+                "--format",
+                '{{.Label "' + CONTROLLER_LABEL + '"}}\t{{.State}}',
+            ]
+        )
+        + "; "
+        + claims.survey_script(inv)
     )
 
 
@@ -100,8 +113,19 @@ def parse_survey(text: str) -> HostJobs:
         job, _, age = line.partition(" ")
         if jobspec.valid_job_id(job) and job != hostfiles.IMAGE_CACHE:
             dirs[job] = float(age) if age.lstrip("-").isdigit() else None
-    return HostJobs(running, frozenset(any_container), dirs, owners, attempts, states, cpus, tuple(held),
-                    ranks, controllers, tuple(queued))
+    return HostJobs(
+        running,
+        frozenset(any_container),
+        dirs,
+        owners,
+        attempts,
+        states,
+        cpus,
+        tuple(held),
+        ranks,
+        controllers,
+        tuple(queued),
+    )
 
 
 def survey(session: Session, inv: Inventory, hosts: tuple[Host, ...] | None = None) -> PerHost:
@@ -111,6 +135,7 @@ def survey(session: Session, inv: Inventory, hosts: tuple[Host, ...] | None = No
     def one(h: Host) -> HostJobs:
         r = session.run(h, script, timeout=STATUS_TIMEOUT, what="docker ps")
         return parse_survey(r.stdout)
+
     return session.fan_out(one, hosts or inv.all_hosts)
 
 
@@ -147,12 +172,12 @@ class JobView:
     hosts: dict[str, tuple[int, ...] | None] = field(
         default_factory=dict
     )  # host -> units (None: not claimed)
-    ranks: dict[str, int] = field(default_factory=dict)    # host -> node rank, where a container runs
-    states: dict[str, str] = field(default_factory=dict)   # host -> container state, or 'claimed'/'left over'
+    ranks: dict[str, int] = field(default_factory=dict)  # host -> node rank, where a container runs
+    states: dict[str, str] = field(default_factory=dict)  # host -> container state, or 'claimed'/'left over'
     attempt: str = ""
-    live: bool = False             # a container runs, or its fab train holds a fresh lease
-    queue: dict[str, int] = field(default_factory=dict)    # host -> its position in that host's queue
-    waits: list[str] = field(default_factory=list)         # what a queued job waits for, per host
+    live: bool = False  # a container runs, or its fab train holds a fresh lease
+    queue: dict[str, int] = field(default_factory=dict)  # host -> its position in that host's queue
+    waits: list[str] = field(default_factory=list)  # what a queued job waits for, per host
 
     @property
     def state(self) -> str:
@@ -171,6 +196,7 @@ def job_views(found: PerHost) -> dict[str, JobView]:
 
     def view(job: str) -> JobView:
         return views.setdefault(job, JobView(job))
+
     for host, hj in found.items():
         if not isinstance(hj, HostJobs):
             continue
@@ -203,8 +229,16 @@ def job_views(found: PerHost) -> dict[str, JobView]:
             v.queue[host] = i + 1
             ahead = [x.job for x in fresh[:i]]
             held = [c.job for c in hj.claimed if c.job != w.job]
-            v.waits.append(f"{host}: " + (f"behind {', '.join(ahead)}" if ahead else
-                                          f"held by {', '.join(held)}" if held else "free now"))
+            v.waits.append(
+                f"{host}: "
+                + (
+                    f"behind {', '.join(ahead)}"
+                    if ahead
+                    else f"held by {', '.join(held)}"
+                    if held
+                    else "free now"
+                )
+            )
     for v in views.values():
         v.live = v.live or bool(v.ranks)
     return views
@@ -230,6 +264,7 @@ def last_steps_script(files: dict[str, tuple[str, str]]) -> str:
 def parse_last_steps(text: bytes) -> dict[str, int]:
     """job -> the last step its tail shows, from last_steps_script's output (jobs with none left out)."""
     from orchestrator.progress.live import STEP
+
     out = {}
     for part in text.split(b"\n" + STEP_MARK.encode())[1:]:
         job, _, tail = part.partition(b"\n")
@@ -249,7 +284,8 @@ def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> d
         for host, rank in v.ranks.items():
             if rank == 0 and host in hosts:
                 files.setdefault(host, {})[job] = (
-                    hostfiles.job_dir(inv, jobspec.JobSpec(job_id=job, script="")), jobspec.console_name(0)
+                    hostfiles.job_dir(inv, jobspec.JobSpec(job_id=job, script="")),
+                    jobspec.console_name(0),
                 )
 
     def one(h: Host) -> dict[str, int]:
@@ -257,6 +293,7 @@ def last_steps(session: Session, inv: Inventory, views: dict[str, JobView]) -> d
             h, last_steps_script(files[h.name]), timeout=STATUS_TIMEOUT, what="reading the last steps"
         )
         return parse_last_steps(r.stdout.encode())
+
     got: dict[str, int] = {}
     for steps in session.fan_out(one, tuple(hosts[n] for n in files)).values_ok():  # a step not read is '-'
         got.update(steps)
@@ -285,9 +322,11 @@ def stale_runtime(found: PerHost) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for host, hj in found.items():
         if isinstance(hj, HostJobs):
-            left = [j for j, age in hj.runtime.items()
-                    if j not in hj.containers and not renewed_within(age, hostfiles.LEASE_STALE)]
+            left = [
+                j
+                for j, age in hj.runtime.items()
+                if j not in hj.containers and not renewed_within(age, hostfiles.LEASE_STALE)
+            ]
             if left:
                 out[host] = sorted(left)
     return out
-

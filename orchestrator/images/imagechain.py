@@ -18,6 +18,7 @@ run_round is the one function that runs a chain on real hosts. Every step has a 
 relays time out on a stalled socket (`stall` seconds) and on their whole run, and run_round
 stops waiting for a host that has said nothing for `stall` seconds.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,6 +44,7 @@ CHUNK = 1 << 20
 
 # ---- layers: which ones a host lacks -------------------------------------------------------------
 
+
 def chain_ids(diff_ids: list[str] | tuple[str, ...]) -> list[str]:
     """The chain ID of each layer prefix (OCI image spec): what Docker's layer store keys a layer by,
     so a layer counts as present only on top of the same layers below it."""
@@ -66,6 +68,7 @@ def missing_layers(diff_ids: list[str] | tuple[str, ...], held: frozenset[str]) 
 class Probe:
     """What one look at a host found: the id under the tag (None: absent), the chain IDs of
     everything it holds, and whether it has a python3 to run the relay."""
+
     image_id: str | None
     held: frozenset[str]
     python: bool
@@ -100,18 +103,20 @@ def parse_probe(stdout: str) -> Probe:
 
 # ---- the plan: who is already done, who goes in the chain, who is sent directly -----------------
 
+
 @dataclass(frozen=True)
 class HostPlan:
-    present: tuple[str, ...]            # same image id: nothing to send
-    chain: tuple[str, ...]              # in chain order: this machine -> chain[0] -> chain[1] ...
-    direct: tuple[str, ...]             # sent straight from this machine (see plan_hosts)
-    failed: dict = field(default_factory=dict)   # host -> why it could not be looked at
-    send: tuple[int, ...] = ()          # layer indices the chain's stream carries
-    need: dict = field(default_factory=dict)     # host -> layer indices it lacks
+    present: tuple[str, ...]  # same image id: nothing to send
+    chain: tuple[str, ...]  # in chain order: this machine -> chain[0] -> chain[1] ...
+    direct: tuple[str, ...]  # sent straight from this machine (see plan_hosts)
+    failed: dict = field(default_factory=dict)  # host -> why it could not be looked at
+    send: tuple[int, ...] = ()  # layer indices the chain's stream carries
+    need: dict = field(default_factory=dict)  # host -> layer indices it lacks
 
 
-def plan_hosts(want_id: str, diff_ids: tuple[str, ...], hosts: tuple[str, ...], probes: dict,
-               method: str = "chain") -> HostPlan:
+def plan_hosts(
+    want_id: str, diff_ids: tuple[str, ...], hosts: tuple[str, ...], probes: dict, method: str = "chain"
+) -> HostPlan:
     """Who needs what. probes: host -> Probe, or a string saying why the host could not be probed.
     The chain keeps the inventory's order; a host without python3 (no relay) is sent directly, as is
     every host with method="direct". The stream carries the union of the layers the chain's hosts
@@ -145,7 +150,7 @@ def relink(chain: tuple[str, ...], unreachable: tuple[str, ...]) -> tuple[tuple[
 @dataclass(frozen=True)
 class RoundOutcome:
     loaded: tuple[str, ...]
-    failed: dict            # host -> why (named to the user)
+    failed: dict  # host -> why (named to the user)
     retry: tuple[str, ...]  # got a short stream because a host before it failed: goes in the next chain
     load_failed: tuple[str, ...] = ()  # its own `docker load` failed on a stream it received whole
 
@@ -175,8 +180,9 @@ def judge_round(chain: tuple[str, ...], reports: dict, size: int) -> RoundOutcom
             ):
                 retry.append(h)
             else:
-                failed[h] = (f"{h}: received {r.received} of {size} bytes from {upstream}"
-                             + (f" ({r.source_error})" if r.source_error else ""))
+                failed[h] = f"{h}: received {r.received} of {size} bytes from {upstream}" + (
+                    f" ({r.source_error})" if r.source_error else ""
+                )
             broken_before = True
             continue
         if r.load_exit == 0:
@@ -190,6 +196,7 @@ def judge_round(chain: tuple[str, ...], reports: dict, size: int) -> RoundOutcom
 
 
 # ---- the local tarball: saved once, sent less the layers nobody lacks ---------------------------
+
 
 class Spool:
     """`docker save` of the image into a local file, indexed so that a stream can leave out
@@ -271,17 +278,25 @@ class Spool:
 
 # ---- one round of a chain on real hosts ---------------------------------------------------------
 
+
 @dataclass
 class RoundResult:
-    reports: dict          # host -> Report, or why there is none (the round ran)
-    unreachable: tuple[str, ...] = ()   # its upstream could not connect to it (the round did not run)
+    reports: dict  # host -> Report, or why there is none (the round ran)
+    unreachable: tuple[str, ...] = ()  # its upstream could not connect to it (the round did not run)
     dead: dict = field(default_factory=dict)  # host -> why its relay did not start (the round did not run)
     sent: int = 0
 
 
-def run_round(session: Session, hosts: tuple[Host, ...], chunks: Iterable[bytes], size: int,
-              deadline: float, stall: float = 60, connect: float = 5,
-              on_sent: Callable[[int], object] | None = None) -> RoundResult:
+def run_round(
+    session: Session,
+    hosts: tuple[Host, ...],
+    chunks: Iterable[bytes],
+    size: int,
+    deadline: float,
+    stall: float = 60,
+    connect: float = 5,
+    on_sent: Callable[[int], object] | None = None,
+) -> RoundResult:
     """Run one chain over `hosts` (in order), feeding it `chunks` (bytes, `size` in all)."""
     relays = [Relay(session, h, i == 0, deadline) for i, h in enumerate(hosts)]
     threads = [threading.Thread(target=r.start, daemon=True) for r in relays]
@@ -300,8 +315,9 @@ def run_round(session: Session, hosts: tuple[Host, ...], chunks: Iterable[bytes]
             r.close()
 
 
-def _link(relays: list[Relay], size: int, deadline: float, stall: float,
-          connect: float) -> RoundResult | None:
+def _link(
+    relays: list[Relay], size: int, deadline: float, stall: float, connect: float
+) -> RoundResult | None:
     """Every started relay's port, its control line (the next hop), then each link to the next host;
     why the round cannot run (relays that did not start or link, hosts their upstream could not
     reach), or None when the chain is linked."""
@@ -361,6 +377,9 @@ def _reports(relays: list[Relay], stall: float) -> dict:
         if not pending or time.monotonic() - max(r.heard for r in relays) > stall + 10:
             break
         pending[0].done.wait(0.2)
-    return {r.host.name: r.report if r.report is not None else
-            (r.error or f"{r.host.name}: stopped answering mid-chain (nothing for {stall:g}s)")
-            for r in relays}
+    return {
+        r.host.name: r.report
+        if r.report is not None
+        else (r.error or f"{r.host.name}: stopped answering mid-chain (nothing for {stall:g}s)")
+        for r in relays
+    }

@@ -6,6 +6,7 @@ lacks the image. Either way a host with the same id gets nothing and the id is v
 build: a derived image from a base image plus the user's requirements file and this project's
 entrypoint, so any image starts the same way (see docker/entrypoint.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,11 +45,14 @@ class PushResult:
 
 def local_image(image: str) -> tuple[str, int]:
     """(id, size in bytes) of an image in the local engine."""
-    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}} {{.Size}}", image],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}} {{.Size}}", image], capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        raise UserError(f"image {image} is not in the local Docker engine ({proc.stderr.strip()}); "
-                        f"build or pull it here first (fab images, fab image.build, docker pull)")
+        raise UserError(
+            f"image {image} is not in the local Docker engine ({proc.stderr.strip()}); "
+            f"build or pull it here first (fab images, fab image.build, docker pull)"
+        )
     image_id, size = proc.stdout.split()
     return image_id, int(size)
 
@@ -62,15 +66,24 @@ def remote_image_id(session: Session, host: Host, image: str) -> str | None:
 
 def local_layers(image: str) -> tuple[str, ...]:
     """The image's layer diff IDs (RootFS.Layers), bottom first."""
-    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", image],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", image],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise UserError(f"image {image} is not in the local Docker engine ({proc.stderr.strip()})")
     return tuple(json.loads(proc.stdout) or ())
 
 
-def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None,
-         progress: Progress | None = None, method: str = "chain", stall: float = 60) -> list[PushResult]:
+def push(
+    session: Session,
+    image: str,
+    hosts: tuple[Host, ...] | None = None,
+    progress: Progress | None = None,
+    method: str = "chain",
+    stall: float = 60,
+) -> list[PushResult]:
     """Load `image` into every host's engine that does not hold the same id; verify after.
 
     method="chain" (see imagechain): the hosts forward the stream to each other, and only the layers
@@ -96,8 +109,9 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None,
         spool = imagechain.Spool.save(image)
         try:
             direct = _run_chain(session, image, spool, hp, by_name, progress, stall, results)
-            direct += [(h, hp.need[h], "no python3 to run the relay" if method == "chain" else "")
-                       for h in hp.direct]
+            direct += [
+                (h, hp.need[h], "no python3 to run the relay" if method == "chain" else "") for h in hp.direct
+            ]
             if direct:
                 _push_spool_direct(session, image, spool, direct, by_name, progress, results)
         finally:
@@ -109,8 +123,10 @@ def push(session: Session, image: str, hosts: tuple[Host, ...] | None = None,
 def _probe(session: Session, host: Host, image: str) -> imagechain.Probe:
     r = session.run(host, imagechain.probe_command(image), timeout=30, what="looking at its images")
     if not r.ok:
-        raise UserError(f"{host.name}: cannot list its images (exit {r.exited}): {r.stderr.strip()[-200:]}; "
-                        f"is its Docker engine running?")
+        raise UserError(
+            f"{host.name}: cannot list its images (exit {r.exited}): {r.stderr.strip()[-200:]}; "
+            f"is its Docker engine running?"
+        )
     return imagechain.parse_probe(r.stdout)
 
 
@@ -133,9 +149,16 @@ def _sender(cmds: dict[str, Command], data: bytes) -> Callable[[Host], None]:
     return lambda h: cmds[h.name].send(data)
 
 
-def _run_chain(session: Session, image: str, spool: imagechain.Spool, hp: imagechain.HostPlan,
-               by_name: dict[str, Host], progress: Progress | None, stall: float,
-               results: dict[str, PushResult]) -> list[Direct]:
+def _run_chain(
+    session: Session,
+    image: str,
+    spool: imagechain.Spool,
+    hp: imagechain.HostPlan,
+    by_name: dict[str, Host],
+    progress: Progress | None,
+    stall: float,
+    results: dict[str, PushResult],
+) -> list[Direct]:
     """Chain rounds until every chain host is loaded, named, or moved to a direct push (returned:
     (host, layer indices, why))."""
     chain = list(hp.chain)
@@ -149,8 +172,15 @@ def _run_chain(session: Session, image: str, spool: imagechain.Spool, hp: imagec
         task = progress.add_task(f"push {image} (chain of {len(chain)})", total=size) if progress else None
         on_sent = _sent_to(progress, task) if progress is not None and task is not None else None
         start = time.monotonic()
-        rr = imagechain.run_round(session, tuple(by_name[h] for h in chain), spool.chunks(ranges), size,
-                                  _deadline(size), stall=stall, on_sent=on_sent)
+        rr = imagechain.run_round(
+            session,
+            tuple(by_name[h] for h in chain),
+            spool.chunks(ranges),
+            size,
+            _deadline(size),
+            stall=stall,
+            on_sent=on_sent,
+        )
         seconds = time.monotonic() - start
         if progress is not None and task is not None:
             progress.remove_task(task)
@@ -168,8 +198,9 @@ def _run_chain(session: Session, image: str, spool: imagechain.Spool, hp: imagec
         out = imagechain.judge_round(tuple(chain), rr.reports, size)
         for i, h in enumerate(chain):
             if h in out.loaded:
-                results[h] = PushResult(h, "sent", seconds, size,
-                                        f"chain {i + 1}/{len(chain)}{_layers_note(send, spool)}")
+                results[h] = PushResult(
+                    h, "sent", seconds, size, f"chain {i + 1}/{len(chain)}{_layers_note(send, spool)}"
+                )
             elif h in out.load_failed and "layer.tar" in rr.reports[h].load_error:
                 # It no longer holds a layer it held when looked at: the whole image, directly.
                 direct.append((h, tuple(range(len(spool.layer_paths))), f"after: {out.failed[h]}"))
@@ -180,17 +211,24 @@ def _run_chain(session: Session, image: str, spool: imagechain.Spool, hp: imagec
     return direct
 
 
-def _push_spool_direct(session: Session, image: str, spool: imagechain.Spool, direct: list[Direct],
-                       by_name: dict[str, Host], progress: Progress | None,
-                       results: dict[str, PushResult]) -> None:
+def _push_spool_direct(
+    session: Session,
+    image: str,
+    spool: imagechain.Spool,
+    direct: list[Direct],
+    by_name: dict[str, Host],
+    progress: Progress | None,
+    results: dict[str, PushResult],
+) -> None:
     """One stream from the saved tarball to every host in `direct` at once (the union of the
     layers they lack)."""
     send = tuple(sorted({i for _, need, _ in direct for i in need}))
     ranges = spool.ranges(send)
     size = imagechain.Spool.size(ranges)
     why = {h: w for h, _, w in direct}
-    for r in _stream(session, f"push {image} (direct)", size, [by_name[h] for h in why], progress,
-                     spool.chunks(ranges)):
+    for r in _stream(
+        session, f"push {image} (direct)", size, [by_name[h] for h in why], progress, spool.chunks(ranges)
+    ):
         if r.action == "sent":
             r.detail = f"direct{' (' + why[r.host] + ')' if why[r.host] else ''}{_layers_note(send, spool)}"
         results[r.host] = r
@@ -247,7 +285,11 @@ PUSH_MARGIN = 120
 
 
 def _stream(
-    session: Session, label: str, size: int, targets: list[Host], progress: Progress | None,
+    session: Session,
+    label: str,
+    size: int,
+    targets: list[Host],
+    progress: Progress | None,
     chunks: Iterable[bytes],
 ) -> list[PushResult]:
     """Send one stream of chunks to a `docker load` per host, each bounded by the push deadline."""
@@ -328,7 +370,11 @@ def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool
 
 
 def build(
-    base: str, requirements: Path, tag: str, pip_flags: tuple[str, ...] = (), wheels: Path | None = None,
+    base: str,
+    requirements: Path,
+    tag: str,
+    pip_flags: tuple[str, ...] = (),
+    wheels: Path | None = None,
     progress: Progress | None = None,
 ) -> str:
     """Build `tag` from `base` + requirements + the entrypoint on the local engine; its id. With
@@ -358,15 +404,20 @@ def run_build(argv: list[str], label: str, progress: Progress | None) -> tuple[i
     """Run a docker build (the classic builder: its 'Step N/M' lines are the bar's steps, read by
     bars.parse_build_step); its exit status and stderr (capped)."""
     from orchestrator.progress import bars
+
     task = progress.add_task(label, total=None, step="") if progress is not None else None
 
     def on_line(line: bytes) -> None:
         got = bars.parse_build_step(line)
         if got is not None and progress is not None and task is not None:
             progress.update(task, completed=got[0] - 1, total=got[1], step=got[2])
+
     try:
-        code, err = bars.run_watched(argv, bars.Lines(on_line).feed,
-                                     env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+        code, err = bars.run_watched(
+            argv,
+            bars.Lines(on_line).feed,
+            env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"},
+        )
     finally:
         if progress is not None and task is not None:
             progress.remove_task(task)

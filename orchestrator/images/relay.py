@@ -1,5 +1,6 @@
 """The relay that runs on each host of an image chain (imagechain): the script, its command and
 control line, what it reports, and its one SSH command seen from this machine."""
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from orchestrator.transport.remote import Session, describe
 @dataclass(frozen=True)
 class Report:
     """A relay's last line (None fields where the relay never said it)."""
+
     received: int
     load_exit: int | None
     load_error: str = ""
@@ -30,7 +32,7 @@ class Report:
 # that sends the token), forwards each chunk and writes it to `docker load`, says `got N` about
 # once a second, and ends with `result {json}`. A relay that is not first leaves as soon as its
 # stdin closes: the orchestrator gave up on the round.
-RELAY = r'''
+RELAY = r"""
 import hmac, json, os, socket, subprocess, sys, threading, time
 CHUNK = 1 << 20
 def say(*words):
@@ -160,17 +162,29 @@ if load is not None:
         load.kill()
         load.wait()
 finish()
-'''
+"""
 
 
 def relay_command(first: bool, bind: str) -> str:
     return sshargs.shell(["python3", "-c", RELAY, "first" if first else "relay", bind])
 
 
-def control_line(token: str, next_hop: tuple[str, int] | None, size: int, stall: float, deadline: float,
-                 connect: float) -> bytes:
-    return (json.dumps({"token": token, "next": list(next_hop) if next_hop else None, "size": size,
-                        "stall": stall, "deadline": deadline, "connect": connect}) + "\n").encode()
+def control_line(
+    token: str, next_hop: tuple[str, int] | None, size: int, stall: float, deadline: float, connect: float
+) -> bytes:
+    return (
+        json.dumps(
+            {
+                "token": token,
+                "next": list(next_hop) if next_hop else None,
+                "size": size,
+                "stall": stall,
+                "deadline": deadline,
+                "connect": connect,
+            }
+        )
+        + "\n"
+    ).encode()
 
 
 class Relay:
@@ -181,7 +195,7 @@ class Relay:
         self.cmd = session.command(host, relay_command(first, host.address), deadline, "image relay")
         self.events: queue.Queue = queue.Queue()
         self.port: int | None = None
-        self.link: str | None = None     # "" linked, else why not
+        self.link: str | None = None  # "" linked, else why not
         self.report: Report | None = None
         self.error: str | None = None
         self.got = 0
@@ -217,8 +231,9 @@ class Relay:
                     err += self.cmd.channel.recv_stderr(65536)
             except Exception:  # noqa: BLE001 - only for the message
                 pass
-            self.error = (f"{self.host.name}: the image relay ended without a report"
-                          + (f": {err.decode(errors='replace').strip()[-300:]}" if err.strip() else ""))
+            self.error = f"{self.host.name}: the image relay ended without a report" + (
+                f": {err.decode(errors='replace').strip()[-300:]}" if err.strip() else ""
+            )
         self.done.set()
         self.events.put("end")
 

@@ -13,6 +13,7 @@ The judging functions take plain data, so they are unit-tested without a network
 and the statuses are in checks, the table and the JSON in render. This module runs the phases in
 order (`run`) and re-exports the names used as `preflight.NAME` elsewhere.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -182,8 +183,15 @@ def run(
     return sorted(checks, key=lambda c: (ranks.get(c.host, -1), order.get(c.check, 99)))
 
 
-def _probe_host(session: Session, inv: Inventory, host: Host, image: str | None, limits: Limits,
-                code_path: str, marker: str) -> tuple[list[Check], dict]:
+def _probe_host(
+    session: Session,
+    inv: Inventory,
+    host: Host,
+    image: str | None,
+    limits: Limits,
+    code_path: str,
+    marker: str,
+) -> tuple[list[Check], dict]:
     """One host's probe (one SSH round trip) and clock offset, judged: its checks, and what the hosts
     are compared on (judge_across; empty when it could not be reached)."""
     img = image or inv.image_for(host)
@@ -195,13 +203,15 @@ def _probe_host(session: Session, inv: Inventory, host: Host, image: str | None,
     connect = time.monotonic() - start
     access = gpu_access(session, host)
     cmds = probe_commands(inv, host, img, access, code_path)
-    res = session.run(host, probe_script(cmds, marker), what="preflight probe",
-                      timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT)
+    res = session.run(
+        host,
+        probe_script(cmds, marker),
+        what="preflight probe",
+        timeout=PROBE_TIMEOUT + GPU_CONTAINER_TIMEOUT,
+    )
     facts = parse_probe(res.stdout, marker)
     offset, rtt = measure_clock(session, host)
-    checks = [
-        Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")
-    ]
+    checks = [Check(host.name, "ssh", OK, f"connect {connect * 1000:.0f} ms, rtt {rtt * 1000:.1f} ms")]
     checks += judge_host(inv, host, facts, img, limits, access)
     checks.append(judge_time(host, offset, rtt, facts.get("ntp", (1, ""))[1], limits))
     return checks, _summary(host, facts)
@@ -215,9 +225,7 @@ def _summary(host: Host, facts: Facts) -> dict:
     summary = {
         "image_id": facts.get("image", (1, ""))[1] if facts.get("image", (1, ""))[0] == 0 else None,
         "code": (
-            facts["code"][1].split()[0]
-            if facts.get("code", (1, ""))[0] == 0 and facts["code"][1]
-            else None
+            facts["code"][1].split()[0] if facts.get("code", (1, ""))[0] == 0 and facts["code"][1] else None
         ),
         "python": facts.get("python", (1, ""))[0] == 0,
         "image_info": image_info(facts),
@@ -237,18 +245,24 @@ def _reach(session: Session, inv: Inventory, checks: list[Check], per_host: dict
     if master not in per_host or (master, "port") in bad or not per_host[master].get("python"):
         why = "master port busy" if (master, "port") in bad else "rank 0 not probed or has no python3"
         return [Check(h.name, "reach", SKIP, why) for h in inv.hosts if h.rank > 0]
-    sources = {n: f["source"] for n, f in per_host.items()
-               if f.get("source") and f.get("python") and n != master}
-    skipped = [Check(h.name, "reach", SKIP, "no usable interface address or python3")
-               for h in inv.hosts if h.rank > 0 and h.name not in sources and h.name in per_host]
+    sources = {
+        n: f["source"] for n, f in per_host.items() if f.get("source") and f.get("python") and n != master
+    }
+    skipped = [
+        Check(h.name, "reach", SKIP, "no usable interface address or python3")
+        for h in inv.hosts
+        if h.rank > 0 and h.name not in sources and h.name in per_host
+    ]
     return reachability(session, inv, sources) + skipped
 
 
 def _ssh_fix(host: Host, exc: BaseException) -> str:
     if isinstance(exc, HostKeyError) or "host key" in str(exc):
         return "compare the fingerprint with the host's own, then add it to known_hosts (see detail)"
-    return (f"check that {host.ssh.hostname}:{host.ssh.port} runs sshd and accepts the key "
-            f"{host.ssh.key or '(agent)'}")
+    return (
+        f"check that {host.ssh.hostname}:{host.ssh.port} runs sshd and accepts the key "
+        f"{host.ssh.key or '(agent)'}"
+    )
 
 
 def left_over_runtime(session: Session, inv: Inventory) -> list[Check]:

@@ -1,15 +1,37 @@
 """The vocabulary of a preflight: a Check (one named check on one host, with its status, what was
 seen, and the fix), the statuses and the order checks are shown in, the Limits the judging uses, and
 `failed`, which picks the checks that stop a start."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 OK, WARN, FAIL, NA, SKIP = "ok", "warn", "fail", "n/a", "skipped"
-CHECKS = ("ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
-          "shm", "disk", "dirs", "rsync", "code", "runtime", "smoke",
-          # the deep check (preflight/deep.py)
-          "disk-speed", "compute", "net", "link", "gpu-health")
+CHECKS = (
+    "ssh",
+    "docker",
+    "image",
+    "gpus",
+    "interface",
+    "route",
+    "port",
+    "reach",
+    "mtu",
+    "time",
+    "shm",
+    "disk",
+    "dirs",
+    "rsync",
+    "code",
+    "runtime",
+    "smoke",
+    # the deep check (preflight/deep.py)
+    "disk-speed",
+    "compute",
+    "net",
+    "link",
+    "gpu-health",
+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Phase 2 of a preflight, its second half: once each host is judged on its own (judge), the hosts
 against each other (`judge_across`: same image id, same MTU, same code as this machine). Pure, so
 unit-tested without a network."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,18 +22,35 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
         majority = max(groups.values(), key=len)
         for n, i in ids.items():
             if n not in majority:
-                out.append(Check(n, "image", FAIL, f"image id {i[7:19]} differs from {majority[0]}'s "
-                                 f"{ids[majority[0]][7:19]} (same tag, other image)",
-                                 f"fab image.push to {n}, so every host runs the same image"))
+                out.append(
+                    Check(
+                        n,
+                        "image",
+                        FAIL,
+                        f"image id {i[7:19]} differs from {majority[0]}'s "
+                        f"{ids[majority[0]][7:19]} (same tag, other image)",
+                        f"fab image.push to {n}, so every host runs the same image",
+                    )
+                )
     if not out:  # same image everywhere, or per-host images: their contents must still agree
-        versions = {n: describe_image(f["image_info"]) for n, f in per_host.items()
-                    if f.get("image_info") and "error" not in f["image_info"]}
+        versions = {
+            n: describe_image(f["image_info"])
+            for n, f in per_host.items()
+            if f.get("image_info") and "error" not in f["image_info"]
+        }
         if len(set(versions.values())) > 1:
             common = Counter(versions.values()).most_common(1)[0][0]
             for n, v in versions.items():
                 if v != common:
-                    out.append(Check(n, "image", WARN, f"{v} here, {common} on the others",
-                                     "run one image everywhere (job.image), or the same versions in each"))
+                    out.append(
+                        Check(
+                            n,
+                            "image",
+                            WARN,
+                            f"{v} here, {common} on the others",
+                            "run one image everywhere (job.image), or the same versions in each",
+                        )
+                    )
     mtus = {n: f["mtu"] for n, f in per_host.items() if f.get("mtu")}
     for n, f in per_host.items():
         if "mtu" not in f:

@@ -13,6 +13,7 @@ What it measured is kept per host with the time, for `fab train --health`, as st
 (`results_path`: $XDG_STATE_HOME/fabtrain/health.json, else .fabtrain/health.json beside runs/).
 The collective all_reduce in the job's image is the ordinary preflight's smoke test, run with it.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,8 @@ from orchestrator.transport.remote import Result, Session, describe
 
 DISK_TIMEOUT = 60
 COMPUTE_SECONDS = 2.0
-COMPUTE_START = 5.0         # seconds for every host to start its container and import torch
-CONTAINER_TIMEOUT = 90      # a measuring container: start, run, exit
+COMPUTE_START = 5.0  # seconds for every host to start its container and import torch
+CONTAINER_TIMEOUT = 90  # a measuring container: start, run, exit
 
 
 def results_path() -> Path:
@@ -42,19 +43,49 @@ def results_path() -> Path:
     return (Path(base) / "fabtrain" if base else Path(".fabtrain")) / "health.json"
 
 
-def container(inv: Inventory, host: Host, name: str, code: str, args: list[str], image: str | None,
-              access: dockerargs.GpuAccess | None = None, gpus: bool = False) -> str:
+def container(
+    inv: Inventory,
+    host: Host,
+    name: str,
+    code: str,
+    args: list[str],
+    image: str | None,
+    access: dockerargs.GpuAccess | None = None,
+    gpus: bool = False,
+) -> str:
     """`docker run` of a measuring script in the job's image with the host's network, removed after."""
-    argv = ["docker", "run", "--rm", "--name", name, "--network", "host", "--pull", "never",
-            *(dockerargs.device_args(host, access) if gpus else []),
-            "--entrypoint", "python3", image or inv.image_for(host), "-c", code, *args]
+    argv = [
+        "docker",
+        "run",
+        "--rm",
+        "--name",
+        name,
+        "--network",
+        "host",
+        "--pull",
+        "never",
+        *(dockerargs.device_args(host, access) if gpus else []),
+        "--entrypoint",
+        "python3",
+        image or inv.image_for(host),
+        "-c",
+        code,
+        *args,
+    ]
     # Bounded on the host too: past fab's deadline the client is ended there and the container removed.
-    return (f"{sshargs.shell(sshargs.bounded(argv, CONTAINER_TIMEOUT))}; rc=$?; "
-            f"{sshargs.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc")
+    return (
+        f"{sshargs.shell(sshargs.bounded(argv, CONTAINER_TIMEOUT))}; rc=$?; "
+        f"{sshargs.shell(['docker', 'rm', '-f', name])} >/dev/null 2>&1; exit $rc"
+    )
 
 
-def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thresholds = THRESHOLDS,
-             access: dict | None = None) -> tuple[list[Check], dict]:
+def run_deep(
+    session: Session,
+    inv: Inventory,
+    image: str | None = None,
+    t: Thresholds = THRESHOLDS,
+    access: dict | None = None,
+) -> tuple[list[Check], dict]:
     """Every phase on every host of `inv`: the checks, and what was measured (for --json and the
     matrix)."""
     hosts = list(inv.hosts)
@@ -68,8 +99,9 @@ def run_deep(session: Session, inv: Inventory, image: str | None = None, t: Thre
     return checks, data
 
 
-def disk_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thresholds,
-                data: dict) -> list[Check]:
+def disk_checks(
+    session: Session, inv: Inventory, hosts: list[Host], t: Thresholds, data: dict
+) -> list[Check]:
     """1. disk: free space and write + fsync speed of the job's directories on each host."""
     checks: list[Check] = []
     script = health.disk_script([inv.job.output_dir, inv.job.code_dir])
@@ -102,8 +134,16 @@ def disk_checks(session: Session, inv: Inventory, hosts: list[Host], t: Threshol
     return checks
 
 
-def compute_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thresholds, data: dict,
-                   image: str | None, access: dict, tag: str) -> list[Check]:
+def compute_checks(
+    session: Session,
+    inv: Inventory,
+    hosts: list[Host],
+    t: Thresholds,
+    data: dict,
+    image: str | None,
+    access: dict,
+    tag: str,
+) -> list[Check]:
     """2. compute, every host over the same seconds (after all have started their containers)."""
     checks: list[Check] = []
     start = time.time() + COMPUTE_START + 0.5 * len(hosts)
@@ -125,6 +165,7 @@ def compute_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thres
             timeout=CONTAINER_TIMEOUT,
             what="compute benchmark",
         )
+
     got = session.fan_out(compute, hosts)
     speed, kind = {}, {}
     for h in hosts:
@@ -132,13 +173,17 @@ def compute_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thres
         out = health.parse_line("COMPUTE", r.stdout) if r is not None else None
         if not out:
             error = got.error(h.name)
-            why = (
-                describe(h, error)
-                if error
-                else f"no result: {(r.stderr or r.stdout).strip()[-200:]}"
+            why = describe(h, error) if error else f"no result: {(r.stderr or r.stdout).strip()[-200:]}"
+            checks.append(
+                Check(
+                    h.name,
+                    "compute",
+                    FAIL,
+                    why,
+                    f"run the image on {h.name}: docker run --rm "
+                    f"{image or inv.image_for(h)} python3 -c 'import torch'",
+                )
             )
-            checks.append(Check(h.name, "compute", FAIL, why, f"run the image on {h.name}: docker run --rm "
-                                f"{image or inv.image_for(h)} python3 -c 'import torch'"))
             continue
         for unit, (gflops, model) in out.items():
             key = h.name if unit == "cpu" else f"{h.name}/{unit}"
@@ -147,8 +192,9 @@ def compute_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thres
     return checks + judge_compute(hosts, speed, kind, t)
 
 
-def judge_compute(hosts: list[Host], speed: dict[str, float], kind: dict[str, str],
-                  t: Thresholds) -> list[Check]:
+def judge_compute(
+    hosts: list[Host], speed: dict[str, float], kind: dict[str, str], t: Thresholds
+) -> list[Check]:
     """Each measured host's units against their peers (health.compute_outliers): slow ones named."""
     checks: list[Check] = []
     slow = health.compute_outliers(speed, kind, t)
@@ -168,13 +214,26 @@ def judge_compute(hosts: list[Host], speed: dict[str, float], kind: dict[str, st
                 )
             )
         else:
-            checks.append(Check(h.name, "compute", OK, ", ".join(f"{k.split('/')[-1]} {v:.1f} GFLOP/s"
-                                                                   for k, v in mine.items())))
+            checks.append(
+                Check(
+                    h.name,
+                    "compute",
+                    OK,
+                    ", ".join(f"{k.split('/')[-1]} {v:.1f} GFLOP/s" for k, v in mine.items()),
+                )
+            )
     return checks
 
 
-def network_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thresholds, data: dict,
-                   image: str | None, tag: str) -> list[Check]:
+def network_checks(
+    session: Session,
+    inv: Inventory,
+    hosts: list[Host],
+    t: Thresholds,
+    data: dict,
+    image: str | None,
+    tag: str,
+) -> list[Check]:
     """3. network: every pair of hosts measured (measure_network), the slow hosts and links named."""
     checks: list[Check] = []
     names = [h.name for h in hosts]
@@ -182,12 +241,16 @@ def network_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thres
     port = inv.job.master_port + health.PORT_OFFSET
     bw, rtt, failed_pairs = measure_network(session, inv, hosts, image, tag, port)
     verdict = health.network_outliers(bw, rtt, names, t)
-    data["network"] = {"hosts": names, "mbit_s": [[a, b, v] for (a, b), v in bw.items()],
-                       "rtt_ms": [[a, b, v] for (a, b), v in rtt.items()], "median_mbit_s": verdict.reference,
-                       "slow_hosts": verdict.slow_hosts,
-                       "slow_links": [[a, b, why] for (a, b), why in verdict.slow_links.items()],
-                       "failed": [[a, b, why] for (a, b), why in failed_pairs.items()],
-                       "matrix": health.matrix_text(names, bw, rtt)}
+    data["network"] = {
+        "hosts": names,
+        "mbit_s": [[a, b, v] for (a, b), v in bw.items()],
+        "rtt_ms": [[a, b, v] for (a, b), v in rtt.items()],
+        "median_mbit_s": verdict.reference,
+        "slow_hosts": verdict.slow_hosts,
+        "slow_links": [[a, b, why] for (a, b), why in verdict.slow_links.items()],
+        "failed": [[a, b, why] for (a, b), why in failed_pairs.items()],
+        "matrix": health.matrix_text(names, bw, rtt),
+    }
     for name in names:
         if len(names) < 2:
             break
@@ -213,18 +276,32 @@ def network_checks(session: Session, inv: Inventory, hosts: list[Host], t: Thres
                 )
             )
     for (a, b), why in verdict.slow_links.items():
-        checks.append(Check(a, "link", FAIL, f"link {a} -> {b}: {why}",
-                            f"the path from {a} to {b} (a switch port, a cable, a route or tc filter); "
-                            "the hosts themselves are fast with their other peers"))
+        checks.append(
+            Check(
+                a,
+                "link",
+                FAIL,
+                f"link {a} -> {b}: {why}",
+                f"the path from {a} to {b} (a switch port, a cable, a route or tc filter); "
+                "the hosts themselves are fast with their other peers",
+            )
+        )
     for (a, b), why in failed_pairs.items():
-        checks.append(Check(b, "link", FAIL, f"link {a} -> {b} not measured: {why}",
-                            f"can {b} listen on port {port} and {a} reach it? (firewall)"))
+        checks.append(
+            Check(
+                b,
+                "link",
+                FAIL,
+                f"link {a} -> {b} not measured: {why}",
+                f"can {b} listen on port {port} and {a} reach it? (firewall)",
+            )
+        )
     return checks
 
 
-def measure_network(session: Session, inv: Inventory, hosts: list[Host], image: str | None, tag: str,
-                    port: int) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float],
-                                    dict[tuple[str, str], str]]:
+def measure_network(
+    session: Session, inv: Inventory, hosts: list[Host], image: str | None, tag: str, port: int
+) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float], dict[tuple[str, str], str]]:
     """Every pair of hosts, in rounds (health.rounds): the bandwidth received (sender, receiver), the
     round trip (from, to), and the pairs not measured with why."""
     names = [h.name for h in hosts]
@@ -251,6 +328,7 @@ def measure_network(session: Session, inv: Inventory, hosts: list[Host], image: 
                 timeout=CONTAINER_TIMEOUT,
                 what=f"network test with {other.name}",
             )
+
         got = session.fan_out(measure, tuple(by_name[n] for n in peer))
         for n in peer:
             r = got.value(n)
@@ -260,8 +338,11 @@ def measure_network(session: Session, inv: Inventory, hosts: list[Host], image: 
                 rtt[(n, peer[n])] = float(out["rtt_ms"])
             else:
                 error = got.error(n)
-                failed_pairs[(peer[n], n)] = (describe(by_name[n], error) if error
-                                              else (r.stderr or r.stdout).strip()[-200:] or "no result")
+                failed_pairs[(peer[n], n)] = (
+                    describe(by_name[n], error)
+                    if error
+                    else (r.stderr or r.stdout).strip()[-200:] or "no result"
+                )
     return bw, rtt, failed_pairs
 
 
@@ -270,6 +351,7 @@ def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
     on AMD hosts (gpuparse reads the tools' outputs, gpuhealth judges them; its thresholds are one
     table there)."""
     from orchestrator.preflight import gpuhealth, gpuparse
+
     gpu_hosts = [h for h in inv.hosts if h.gpu_vendor in ("nvidia", "amd")]
     if not gpu_hosts:
         return []
@@ -285,6 +367,7 @@ def gpu_checks(session: Session, inv: Inventory, data: dict) -> list[Check]:
             smi = session.run(h, sshargs.shell(gpuhealth.ROCM_COMMAND), timeout=60, what="rocm-smi")
             found = gpuhealth.judge_amd(gpuparse.parse_rocm_smi(smi.stdout))
         return found
+
     got = session.fan_out(one, tuple(gpu_hosts))
     out = []
     data["gpus"] = {}
@@ -329,8 +412,13 @@ def load(path: Path | None = None) -> dict:
         return {}
 
 
-def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Path | None = None,
-         now: float | None = None) -> tuple[Inventory, list[str]]:
+def gate(
+    session: Session,
+    inv: Inventory,
+    t: Thresholds = THRESHOLDS,
+    path: Path | None = None,
+    now: float | None = None,
+) -> tuple[Inventory, list[str]]:
     """fab train --health: the job's hosts and spares judged by the deep check (results younger than
     t.fresh_s are reused; otherwise every one is measured again, together, so that the network is
     measured between them). Unhealthy hosts are left out and spares, healthy ones, take their places
@@ -339,6 +427,7 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
     from dataclasses import replace
 
     from orchestrator.core.errors import UserError
+
     now = time.time() if now is None else now
     path = path or results_path()
     everyone = (*inv.hosts, *inv.spares)
@@ -354,6 +443,7 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
 
     def why(name: str) -> str:
         return "; ".join(f"{c['check']}: {c['detail']}" for c in kept[name]["checks"] if c["status"] == FAIL)
+
     sick = [h for h in everyone if not kept.get(h.name, {}).get("ok", False)]
     healthy_spares = [s for s in inv.spares if s not in sick]
     hosts = []
@@ -365,13 +455,19 @@ def gate(session: Session, inv: Inventory, t: Thresholds = THRESHOLDS, path: Pat
             hosts.append(spare)
             lines.append(f"{h.name} left out ({why(h.name)}); spare {spare.name} takes its place")
         else:
-            spares = "".join(f"; spare {s.name} is not healthy either ({why(s.name)})"
-                             for s in inv.spares if s in sick)
-            raise UserError(f"{h.name} is not healthy ({why(h.name)}) and no healthy spare is left{spares}; "
-                            f"fix it, add a spare to the inventory, or leave it out with --exclude {h.name}")
+            spares = "".join(
+                f"; spare {s.name} is not healthy either ({why(s.name)})" for s in inv.spares if s in sick
+            )
+            raise UserError(
+                f"{h.name} is not healthy ({why(h.name)}) and no healthy spare is left{spares}; "
+                f"fix it, add a spare to the inventory, or leave it out with --exclude {h.name}"
+            )
     for s in inv.spares:
         if s in sick:
             lines.append(f"spare {s.name} is not healthy either ({why(s.name)})")
     used = {h.name for h in hosts}
-    return replace(inv, hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
-                   spares=tuple(s for s in healthy_spares if s.name not in used)), lines
+    return replace(
+        inv,
+        hosts=tuple(replace(h, rank=i) for i, h in enumerate(hosts)),
+        spares=tuple(s for s in healthy_spares if s.name not in used),
+    ), lines

@@ -10,6 +10,7 @@ THRESHOLDS, keyed by GPU model (thresholds_for).
 A Finding is one problem: `fail` means the host should not run jobs (drain it), `warn` that it can,
 but something is off that a person should look at.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,10 +22,10 @@ from orchestrator.telemetry.commands import XID_SOURCE
 
 @dataclass(frozen=True)
 class Finding:
-    gpu: str        # "0", "1", ... (the tool's GPU index) or "" for the whole host
-    level: str      # "fail" or "warn"
-    what: str       # short, e.g. "uncorrectable ECC errors"
-    detail: str     # e.g. "GPU 2 (00000000:3B:00.0): 4 volatile uncorrectable ECC errors"
+    gpu: str  # "0", "1", ... (the tool's GPU index) or "" for the whole host
+    level: str  # "fail" or "warn"
+    what: str  # short, e.g. "uncorrectable ECC errors"
+    detail: str  # e.g. "GPU 2 (00000000:3B:00.0): 4 volatile uncorrectable ECC errors"
 
 
 FAIL, WARN = "fail", "warn"
@@ -49,9 +50,11 @@ DCGMI_ABSENT = "gpuhealth: dcgmi absent"
 DCGMI_TIMED_OUT = "gpuhealth: dcgmi timed out"
 # `dcgmi diag -r 1` (the quick level: deployment checks, seconds) only where dcgmi is installed;
 # else a marker line. Bounded below deep.py's 300 s so that a hung diag reports itself.
-DCGMI_COMMAND = ("if command -v dcgmi >/dev/null 2>&1; then timeout 240 dcgmi diag -r 1 2>&1; "
-                 f"[ $? -eq 124 ] && echo '{DCGMI_TIMED_OUT}'; "
-                 f"else echo '{DCGMI_ABSENT}'; fi; true")
+DCGMI_COMMAND = (
+    "if command -v dcgmi >/dev/null 2>&1; then timeout 240 dcgmi diag -r 1 2>&1; "
+    f"[ $? -eq 124 ] && echo '{DCGMI_TIMED_OUT}'; "
+    f"else echo '{DCGMI_ABSENT}'; fi; true"
+)
 
 # rocm-smi's text output, one run: --showproductname (model, for THRESHOLDS), --showbus (PCI
 # address), --showclocks (the current PCIe level, "pcie clock level: 1 (16.0GT/s x16)"),
@@ -61,8 +64,15 @@ DCGMI_COMMAND = ("if command -v dcgmi >/dev/null 2>&1; then timeout 240 dcgmi di
 # JSON ("WARNING: No JSON data to report", ROCm/legacy-rocm-build#4374). Not --showpcibandwidth: it
 # estimates traffic, it does not give the link state. rocm-smi is deprecated for amd-smi, which
 # AMD hosts may have instead; this reads rocm-smi only.
-ROCM_COMMAND = ["rocm-smi", "--showproductname", "--showbus", "--showclocks", "--showclkfrq",
-                "--showrasinfo", "all"]
+ROCM_COMMAND = [
+    "rocm-smi",
+    "--showproductname",
+    "--showbus",
+    "--showclocks",
+    "--showclkfrq",
+    "--showrasinfo",
+    "all",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Thresholds
@@ -86,13 +96,19 @@ _SLOWDOWNS = ("HW Slowdown", "HW Thermal Slowdown", "HW Power Brake Slowdown", "
 #   throttle_fail          clocks event reasons that fail the GPU when active
 #   throttle_warn          clocks event reasons that warn when active
 THRESHOLDS: dict[str, dict] = {
-    "default": {"max_uncorrectable_ecc": 0, "max_pending_rows": 0, "pcie_gen": None, "pcie_width": 16,
-                "throttle_fail": (), "throttle_warn": _SLOWDOWNS},
+    "default": {
+        "max_uncorrectable_ecc": 0,
+        "max_pending_rows": 0,
+        "pcie_gen": None,
+        "pcie_width": 16,
+        "throttle_fail": (),
+        "throttle_warn": _SLOWDOWNS,
+    },
     # NVIDIA data center GPUs: PCIe generation from NVIDIA's product pages.
     "H100": {"pcie_gen": 5},
     "H200": {"pcie_gen": 5},
     "A100": {"pcie_gen": 4},
-    "A10": {"pcie_gen": 4},          # A10, A10G
+    "A10": {"pcie_gen": 4},  # A10, A10G
     "L40S": {"pcie_gen": 4},
     "V100": {"pcie_gen": 3},
     # AMD Instinct
@@ -147,25 +163,54 @@ def _pcie_findings(g: dict, t: dict, idle: bool, dpm: bool) -> list[Finding]:
     """The link rules shared by both vendors (see judge_nvidia and judge_amd)."""
     out = []
     gpu, name = g["index"], _name(g)
-    wc, wm, gc, gm = (g.get(k) for k in ("pcie_width_current", "pcie_width_max",
-                                         "pcie_gen_current", "pcie_gen_max"))
-    maybe = (" (the GPU is idle: links downtrain at idle, so this may be harmless)" if idle else
-             " (AMD power management lowers the link when the GPU is not busy, so this may be harmless)"
-             if dpm else "")
+    wc, wm, gc, gm = (
+        g.get(k) for k in ("pcie_width_current", "pcie_width_max", "pcie_gen_current", "pcie_gen_max")
+    )
+    maybe = (
+        " (the GPU is idle: links downtrain at idle, so this may be harmless)"
+        if idle
+        else " (AMD power management lowers the link when the GPU is not busy, so this may be harmless)"
+        if dpm
+        else ""
+    )
     if wc is not None and wm is not None and wc < wm:
-        out.append(Finding(gpu, WARN, "PCIe link narrower than its maximum",
-                           f"{name}: PCIe link x{wc}, max x{wm}{maybe if dpm else ''}"))
+        out.append(
+            Finding(
+                gpu,
+                WARN,
+                "PCIe link narrower than its maximum",
+                f"{name}: PCIe link x{wc}, max x{wm}{maybe if dpm else ''}",
+            )
+        )
     if gc is not None and gm is not None and gc < gm:
-        out.append(Finding(gpu, WARN, "PCIe link below its maximum generation",
-                           f"{name}: PCIe gen {gc}, max gen {gm}{maybe}"))
+        out.append(
+            Finding(
+                gpu,
+                WARN,
+                "PCIe link below its maximum generation",
+                f"{name}: PCIe gen {gc}, max gen {gm}{maybe}",
+            )
+        )
     if t["pcie_width"] and wm is not None and wm < t["pcie_width"]:
-        out.append(Finding(gpu, WARN, "PCIe link narrower than expected",
-                           f"{name}: PCIe link can do at most x{wm}, x{t['pcie_width']} expected "
-                           "(slot, riser or bridge)"))
+        out.append(
+            Finding(
+                gpu,
+                WARN,
+                "PCIe link narrower than expected",
+                f"{name}: PCIe link can do at most x{wm}, x{t['pcie_width']} expected "
+                "(slot, riser or bridge)",
+            )
+        )
     if t["pcie_gen"] and gm is not None and gm < t["pcie_gen"]:
-        out.append(Finding(gpu, WARN, "PCIe link slower than expected",
-                           f"{name}: PCIe link can do at most gen {gm}, gen {t['pcie_gen']} expected "
-                           "(slot, riser, bridge or BIOS setting)"))
+        out.append(
+            Finding(
+                gpu,
+                WARN,
+                "PCIe link slower than expected",
+                f"{name}: PCIe link can do at most gen {gm}, gen {t['pcie_gen']} expected "
+                "(slot, riser, bridge or BIOS setting)",
+            )
+        )
     return out
 
 
@@ -176,24 +221,44 @@ def _memory_findings(g: dict, t: dict, name: str) -> list[Finding]:
     limit = t["max_uncorrectable_ecc"]
     vol, agg = g.get("ecc_volatile_uncorrectable"), g.get("ecc_aggregate_uncorrectable")
     if vol is not None and vol > limit:
-        out.append(Finding(gpu, FAIL, "uncorrectable ECC errors",
-                           f"{name}: {vol} volatile uncorrectable ECC errors"))
+        out.append(
+            Finding(gpu, FAIL, "uncorrectable ECC errors", f"{name}: {vol} volatile uncorrectable ECC errors")
+        )
     elif agg is not None and agg > limit:
-        out.append(Finding(gpu, WARN, "uncorrectable ECC errors in the past",
-                           f"{name}: {agg} aggregate (lifetime) uncorrectable ECC errors, "
-                           "none since the driver loaded"))
-    pend = [what for what, v in (("page retirement pending", g.get("retired_pages_pending")),
-                                 ("row remap pending", g.get("remapped_rows_pending")),
-                                 ("memory repair pending", g.get("repair_pending"))) if v]
+        out.append(
+            Finding(
+                gpu,
+                WARN,
+                "uncorrectable ECC errors in the past",
+                f"{name}: {agg} aggregate (lifetime) uncorrectable ECC errors, none since the driver loaded",
+            )
+        )
+    pend = [
+        what
+        for what, v in (
+            ("page retirement pending", g.get("retired_pages_pending")),
+            ("row remap pending", g.get("remapped_rows_pending")),
+            ("memory repair pending", g.get("repair_pending")),
+        )
+        if v
+    ]
     if len(pend) > t["max_pending_rows"]:
         rows = g.get("remapped_rows_uncorrectable")
-        out.append(Finding(gpu, FAIL, "pending page retirement or row remap",
-                           f"{name}: {', '.join(pend)}"
-                           + (f" ({rows} rows remapped for uncorrectable errors)" if rows else "")
-                           + "; a GPU reset applies it"))
-    for key, what in (("remapping_failure", "row remapping failed"),
-                      ("unrepairable_memory", "unrepairable memory"),
-                      ("sram_threshold_exceeded", "SRAM error threshold exceeded")):
+        out.append(
+            Finding(
+                gpu,
+                FAIL,
+                "pending page retirement or row remap",
+                f"{name}: {', '.join(pend)}"
+                + (f" ({rows} rows remapped for uncorrectable errors)" if rows else "")
+                + "; a GPU reset applies it",
+            )
+        )
+    for key, what in (
+        ("remapping_failure", "row remapping failed"),
+        ("unrepairable_memory", "unrepairable memory"),
+        ("sram_threshold_exceeded", "SRAM error threshold exceeded"),
+    ):
         if g.get(key):
             out.append(Finding(gpu, FAIL, what, f"{name}: {what}"))
     return out
@@ -257,9 +322,14 @@ def _xid_findings(gpus: list[dict], xids: list[tuple[str, int]]) -> list[Finding
         g = by_bus.get(pci_key(bus))
         where = _name(g) if g else f"PCI {bus} (no GPU listed there)"
         serious = code in SERIOUS_XIDS
-        out.append(Finding(g["index"] if g else "", FAIL if serious else WARN,
-                           f"XID {code}" + (" (serious)" if serious else ""),
-                           f"{where}: XID {code} in the kernel log" + (f" ({n} times)" if n > 1 else "")))
+        out.append(
+            Finding(
+                g["index"] if g else "",
+                FAIL if serious else WARN,
+                f"XID {code}" + (" (serious)" if serious else ""),
+                f"{where}: XID {code} in the kernel log" + (f" ({n} times)" if n > 1 else ""),
+            )
+        )
     return out
 
 
@@ -292,8 +362,11 @@ def parse_dcgmi_diag(text: str) -> list[Finding]:
                 detail = f"dcgmi diag: {t['test']}: {result}" + (f" on GPU {gpu}" if gpu else "")
                 if mine:
                     detail += f": {mine[0][:300]}" + (f" (+{len(mine) - 1} more)" if len(mine) > 1 else "")
-                out.append(Finding(gpu, level, f"dcgmi {t['test']} {'failed' if level == FAIL else 'warned'}",
-                                   detail))
+                out.append(
+                    Finding(
+                        gpu, level, f"dcgmi {t['test']} {'failed' if level == FAIL else 'warned'}", detail
+                    )
+                )
     if DCGMI_TIMED_OUT in text:
         out.append(Finding("", WARN, "dcgmi diag timed out", "dcgmi diag -r 1 did not finish"))
     elif not table:
@@ -326,8 +399,11 @@ def judge_amd(gpus: list[dict]) -> list[Finding]:
         ue = g.get("ecc_uncorrectable")
         if ue is not None and ue > t["max_uncorrectable_ecc"]:
             blocks = ", ".join(f"{b} {c[2]}" for b, c in g["ras"].items() if c[2])
-            out.append(Finding(gpu, FAIL, "uncorrectable ECC errors",
-                               f"{name}: {ue} uncorrectable RAS errors ({blocks})"))
+            out.append(
+                Finding(
+                    gpu, FAIL, "uncorrectable ECC errors", f"{name}: {ue} uncorrectable RAS errors ({blocks})"
+                )
+            )
         for block, (status, _, _) in g.get("ras", {}).items():
             if "UNCORRECTABLE" in status.upper():
                 out.append(

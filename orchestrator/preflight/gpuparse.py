@@ -2,6 +2,7 @@
 judges what is read here): `nvidia-smi -q`, the kernel log's XID lines, `dcgmi diag`'s result table
 and `rocm-smi`. Every parser is tested on outputs recorded on real machines
 (tests/unit/test_gpuhealth.py says where each is from)."""
+
 from __future__ import annotations
 
 import re
@@ -12,6 +13,7 @@ from orchestrator.telemetry import samples
 # ---------------------------------------------------------------------------------------------
 # XID
 # ---------------------------------------------------------------------------------------------
+
 
 def parse_xid(text: str) -> list[tuple[str, int]]:
     """(PCI bus id, XID code) of each XID line, in order, repeats kept (telemetry/samples.py reads
@@ -90,8 +92,9 @@ def _uncorrectable(fields: dict, scope: str) -> int | None:
     total = fields.get(base + ("double bit", "total"))
     if total is not None:
         return _int(total[1])
-    return _sum_ints([v for p, (_, v) in fields.items()
-                      if len(p) == 3 and p[:2] == base and "uncorrectable" in p[2]])
+    return _sum_ints(
+        [v for p, (_, v) in fields.items() if len(p) == 3 and p[:2] == base and "uncorrectable" in p[2]]
+    )
 
 
 def parse_nvidia_smi_q(text: str) -> list[dict]:
@@ -129,49 +132,63 @@ def parse_nvidia_smi_q(text: str) -> list[dict]:
             hit = f.get(tuple(p.lower() for p in path))
             return hit[1] if hit else None
 
-        throttle = [key for p, (key, v) in f.items()
-                    if p[0] in ("clocks event reasons", "clocks throttle reasons") and len(p) == 2
-                    and v.strip().lower() == "active"]
-        pending = [v for p, (_, v) in f.items() if p[:1] == ("retired pages",) and len(p) == 2
-                   and p[1].startswith("pending")]
+        throttle = [
+            key
+            for p, (key, v) in f.items()
+            if p[0] in ("clocks event reasons", "clocks throttle reasons")
+            and len(p) == 2
+            and v.strip().lower() == "active"
+        ]
+        pending = [
+            v
+            for p, (_, v) in f.items()
+            if p[:1] == ("retired pages",) and len(p) == 2 and p[1].startswith("pending")
+        ]
         repair = [_yes(get("ECC Errors", k)) for k in ("Channel Repair Pending", "TPC Repair Pending")]
         reset = [_yes(get("GPU Reset Status", k)) for k in ("Reset Required", "Drain and Reset Recommended")]
-        gpus.append({
-            "index": str(len(gpus)),
-            "bus_id": bus_id,
-            "product": get("Product Name") or "",
-            "ecc_mode": get("ECC Mode", "Current"),
-            "ecc_volatile_uncorrectable": _uncorrectable(f, "volatile"),
-            "ecc_aggregate_uncorrectable": _uncorrectable(f, "aggregate"),
-            "retired_pages_sbe": _int(get("Retired Pages", "Single Bit ECC")),
-            "retired_pages_dbe": _int(get("Retired Pages", "Double Bit ECC")),
-            "retired_pages_pending": _yes(pending[0]) if pending else None,
-            "remapped_rows_correctable": _int(get("Remapped Rows", "Correctable Error")),
-            "remapped_rows_uncorrectable": _int(get("Remapped Rows", "Uncorrectable Error")),
-            "remapped_rows_pending": _yes(get("Remapped Rows", "Pending")),
-            "remapping_failure": _yes(get("Remapped Rows", "Remapping Failure Occurred")),
-            "sram_threshold_exceeded": _yes(get("ECC Errors", "Aggregate", "SRAM Threshold Exceeded")),
-            "repair_pending": True if True in repair else False if False in repair else None,
-            "unrepairable_memory": _yes(get("ECC Errors", "Unrepairable Memory")),
-            "recovery_action": get("GPU Recovery Action"),
-            "reset_required": True if True in reset else False if False in reset else None,
-            "throttle_active": throttle,
-            "pcie_gen_current": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Current")),
-            "pcie_gen_max": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Max")),
-            "pcie_width_current": _int(get("PCI", "GPU Link Info", "Link Width", "Current")),
-            "pcie_width_max": _int(get("PCI", "GPU Link Info", "Link Width", "Max")),
-            "error": None,
-        })
+        gpus.append(
+            {
+                "index": str(len(gpus)),
+                "bus_id": bus_id,
+                "product": get("Product Name") or "",
+                "ecc_mode": get("ECC Mode", "Current"),
+                "ecc_volatile_uncorrectable": _uncorrectable(f, "volatile"),
+                "ecc_aggregate_uncorrectable": _uncorrectable(f, "aggregate"),
+                "retired_pages_sbe": _int(get("Retired Pages", "Single Bit ECC")),
+                "retired_pages_dbe": _int(get("Retired Pages", "Double Bit ECC")),
+                "retired_pages_pending": _yes(pending[0]) if pending else None,
+                "remapped_rows_correctable": _int(get("Remapped Rows", "Correctable Error")),
+                "remapped_rows_uncorrectable": _int(get("Remapped Rows", "Uncorrectable Error")),
+                "remapped_rows_pending": _yes(get("Remapped Rows", "Pending")),
+                "remapping_failure": _yes(get("Remapped Rows", "Remapping Failure Occurred")),
+                "sram_threshold_exceeded": _yes(get("ECC Errors", "Aggregate", "SRAM Threshold Exceeded")),
+                "repair_pending": True if True in repair else False if False in repair else None,
+                "unrepairable_memory": _yes(get("ECC Errors", "Unrepairable Memory")),
+                "recovery_action": get("GPU Recovery Action"),
+                "reset_required": True if True in reset else False if False in reset else None,
+                "throttle_active": throttle,
+                "pcie_gen_current": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Current")),
+                "pcie_gen_max": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Max")),
+                "pcie_width_current": _int(get("PCI", "GPU Link Info", "Link Width", "Current")),
+                "pcie_width_max": _int(get("PCI", "GPU Link Info", "Link Width", "Max")),
+                "error": None,
+            }
+        )
     listed = {pci_key(g["bus_id"]): g for g in gpus}
     for bus_id, why in errors:
         if pci_key(bus_id) in listed:
             listed[pci_key(bus_id)]["error"] = why
-        else:                           # not listed: its index is not known
+        else:  # not listed: its index is not known
             gpus.append({"index": "", "bus_id": bus_id, "error": why})
     attached = _ATTACHED.search(text)
     if attached and int(attached.group(1)) > len(gpus):
-        gpus.append({"index": "", "bus_id": "", "error": f"nvidia-smi -q counts {attached.group(1)} "
-                     f"attached and lists {len(gpus)}"})
+        gpus.append(
+            {
+                "index": "",
+                "bus_id": "",
+                "error": f"nvidia-smi -q counts {attached.group(1)} attached and lists {len(gpus)}",
+            }
+        )
     return gpus
 
 
@@ -180,12 +197,12 @@ def parse_nvidia_smi_q(text: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 _RESULT = re.compile(r"^(Pass|Fail|Warn|Skip|Not Run)\b(?:\s*-\s*(.*))?$")
-_GPU_RESULT = re.compile(r"^GPU\s*(\d+)\s*:\s*(Pass|Fail|Warn|Skip|Not Run)\b")   # DCGM 4
+_GPU_RESULT = re.compile(r"^GPU\s*(\d+)\s*:\s*(Pass|Fail|Warn|Skip|Not Run)\b")  # DCGM 4
 _MESSAGES = ("Error", "Warning", "Info")
 
 
 def _scope_gpus(scope: str | None) -> list[str]:
-    """"All" or nothing: [""] (every GPU); "GPUs: 0, 2, 3" / "GPU: 1": the indices."""
+    """ "All" or nothing: [""] (every GPU); "GPUs: 0, 2, 3" / "GPU: 1": the indices."""
     m = re.match(r"GPUs?\s*:\s*([\d,\s]+)$", (scope or "").strip())
     return re.findall(r"\d+", m.group(1)) if m else [""]
 
@@ -260,10 +277,12 @@ def parse_rocm_smi(text: str) -> list[dict]:
     gpus: dict[int, dict] = {}
 
     def gpu(i: int) -> dict:
-        return gpus.setdefault(i, {"index": str(i), "bus_id": "", "product": "", "ras": {},
-                                   "levels": [], "current": None})
-    levels_of: int | None = None       # inside "Supported PCIe frequencies on GPUn"
-    ras_of: int | None = None          # inside GPU n's RAS INFO table
+        return gpus.setdefault(
+            i, {"index": str(i), "bus_id": "", "product": "", "ras": {}, "levels": [], "current": None}
+        )
+
+    levels_of: int | None = None  # inside "Supported PCIe frequencies on GPUn"
+    ras_of: int | None = None  # inside GPU n's RAS INFO table
     series: dict[int, str] = {}
     models: dict[int, str] = {}
     for raw in (text or "").splitlines():
@@ -271,11 +290,11 @@ def parse_rocm_smi(text: str) -> list[dict]:
         if not m:
             if ras_of is not None:
                 words = raw.split()
-                if not words or raw.strip()[0] in "_=-":    # the table's end, or the next section
+                if not words or raw.strip()[0] in "_=-":  # the table's end, or the next section
                     ras_of = None
                 elif words[0] != "Block" and re.fullmatch(r"[A-Z0-9_]+", words[0]):
                     nums = words[-2:] if len(words) >= 4 and all(w.isdigit() for w in words[-2:]) else []
-                    status = " ".join(words[1:len(words) - len(nums)])
+                    status = " ".join(words[1 : len(words) - len(nums)])
                     gpu(ras_of)["ras"][words[0]] = (
                         (status, *(int(n) for n in nums)) if nums else (status, None, None)
                     )

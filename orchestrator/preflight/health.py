@@ -14,6 +14,7 @@ job.output_dir and job.code_dir.
 
 Thresholds are data, in THRESHOLDS; nothing else holds a limit.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,16 @@ from orchestrator.preflight.checks import FAIL, OK, WARN, Check
 class Thresholds:
     net_slow: float = 0.5  # a link below this share of a typical link's bandwidth is slow
     rtt_slow: float = 5.0  # ... or with a round trip above this many times a typical one (and 1 ms more)
-    compute_slow: float = 0.8     # a host (GPU) below this share of its peers' median speed is slow
+    compute_slow: float = 0.8  # a host (GPU) below this share of its peers' median speed is slow
     disk_min_free_gb: float = 1.0
-    disk_min_write_mb_s: float = 20.0   # sequential write + fsync of DISK_PROBE_MB
-    fresh_s: float = 3600.0       # a host's result younger than this is reused by fab train --health
+    disk_min_write_mb_s: float = 20.0  # sequential write + fsync of DISK_PROBE_MB
+    fresh_s: float = 3600.0  # a host's result younger than this is reused by fab train --health
 
 
 THRESHOLDS = Thresholds()
-NET_SECONDS = 2.0       # the bulk stream of each pair, each direction
+NET_SECONDS = 2.0  # the bulk stream of each pair, each direction
 DISK_PROBE_MB = 16
-PORT_OFFSET = 150       # the deep check listens on job.master_port + this (outside the master ports)
+PORT_OFFSET = 150  # the deep check listens on job.master_port + this (outside the master ports)
 
 
 def rounds(hosts: list[str]) -> list[list[tuple[str, str]]]:
@@ -71,13 +72,17 @@ def quantile(values: Iterable[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class NetVerdict:
-    slow_hosts: dict[str, str]                 # host -> why
-    slow_links: dict[tuple[str, str], str]     # (from, to) -> why
-    reference: float                           # a typical good link (upper quartile), Mbit/s
+    slow_hosts: dict[str, str]  # host -> why
+    slow_links: dict[tuple[str, str], str]  # (from, to) -> why
+    reference: float  # a typical good link (upper quartile), Mbit/s
 
 
-def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str], float],
-                     hosts: list[str], t: Thresholds = THRESHOLDS) -> NetVerdict:
+def network_outliers(
+    bw: dict[tuple[str, str], float],
+    rtt: dict[tuple[str, str], float],
+    hosts: list[str],
+    t: Thresholds = THRESHOLDS,
+) -> NetVerdict:
     """bw[(a, b)]: Mbit/s from a to b; rtt[(a, b)]: ms between them, as a measured it. A host is
     slow when it is slow with every peer in one direction (with at least two peers); the slow links
     that do not touch a slow host are named as links."""
@@ -115,8 +120,10 @@ def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str]
             continue  # the slower direction names the link (its queue also holds the other's ACKs)
         why = []
         if k in slow:
-            why.append(f"{bw[k]:.0f} Mbit/s (typical link {ref:.0f})"
-                       + (f"; back {bw[back]:.0f}" if back in slow else ""))
+            why.append(
+                f"{bw[k]:.0f} Mbit/s (typical link {ref:.0f})"
+                + (f"; back {bw[back]:.0f}" if back in slow else "")
+            )
         if k in laggy:
             why.append(f"round trip {rtt[k]:.2f} ms (typical {ref_rtt:.2f})")
         links[k] = ", ".join(why)
@@ -124,8 +131,9 @@ def network_outliers(bw: dict[tuple[str, str], float], rtt: dict[tuple[str, str]
 
 
 def fmt_links(bw: dict[tuple[str, str], float], keys: list[tuple[str, str]]) -> str:
-    return ", ".join(f"to {b} {bw[(a, b)]:.0f}" if a == keys[0][0] else f"from {a} {bw[(a, b)]:.0f}"
-                     for a, b in keys)
+    return ", ".join(
+        f"to {b} {bw[(a, b)]:.0f}" if a == keys[0][0] else f"from {a} {bw[(a, b)]:.0f}" for a, b in keys
+    )
 
 
 def compute_outliers(
@@ -249,6 +257,7 @@ def disk_script(dirs: list[str]) -> str:
     with fsync (dd conv=fsync), the probe file removed. One 'DISK<tab>dir<tab>free_kb<tab>dd's last
     line' line each."""
     import shlex
+
     parts = []
     for d in dirs:
         q = shlex.quote(d)
@@ -274,16 +283,20 @@ def parse_disk(text: str) -> dict[str, tuple[float | None, float | None, str]]:
         said = said.strip()
         m = DD_RE.search(said)
         speed = int(m.group(1)) / 1e6 / max(float(m.group(2)), 1e-6) if m else None
-        out[d] = (int(free) / 1024 ** 2 if free.isdigit() else None, speed, "" if m else said)
+        out[d] = (int(free) / 1024**2 if free.isdigit() else None, speed, "" if m else said)
     return out
 
 
-def judge_disk(host: str, found: dict[str, tuple[float | None, float | None, str]],
-               t: Thresholds = THRESHOLDS) -> list[Check]:
+def judge_disk(
+    host: str, found: dict[str, tuple[float | None, float | None, str]], t: Thresholds = THRESHOLDS
+) -> list[Check]:
     checks = []
     for d, (free, speed, said) in found.items():
-        free_txt = f"{free * 1024:.1f} MB free" if free is not None and free < 1 else (
-            f"{free:.1f} GB free" if free is not None else "free space unknown")
+        free_txt = (
+            f"{free * 1024:.1f} MB free"
+            if free is not None and free < 1
+            else (f"{free:.1f} GB free" if free is not None else "free space unknown")
+        )
         if speed is None:
             checks.append(
                 Check(
@@ -324,7 +337,7 @@ def parse_line(prefix: str, text: str) -> dict | None:
     for line in reversed(text.splitlines()):
         if line.startswith(prefix + " "):
             try:
-                return json.loads(line[len(prefix) + 1:])
+                return json.loads(line[len(prefix) + 1 :])
             except ValueError:
                 return None
     return None

@@ -1,6 +1,7 @@
 """Phase 2 of a preflight: pure functions judge each host's facts into checks (`judge_host` and
 the judge_* per check, `judge_time` for the clock offset); then the hosts are compared against each
 other (compare). They take plain data, so they are unit-tested without a network."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -26,8 +27,14 @@ from orchestrator.preflight.probe import (
 )
 
 
-def judge_host(inv: Inventory, host: Host, facts: Facts, image: str,
-               limits: Limits = DEFAULT_LIMITS, access: dockerargs.GpuAccess | None = None) -> list[Check]:
+def judge_host(
+    inv: Inventory,
+    host: Host,
+    facts: Facts,
+    image: str,
+    limits: Limits = DEFAULT_LIMITS,
+    access: dockerargs.GpuAccess | None = None,
+) -> list[Check]:
     n = host.name
     out = [judge_docker(host, facts, access), judge_image(host, facts, image)]
     out.append(judge_gpus(host, facts))
@@ -78,15 +85,23 @@ def judge_rsync(name: str, fact: tuple[int, str]) -> Check:
         )
     version = parse_rsync_version(info["version"])
     if version is None:
-        return Check(name, "rsync", FAIL, f"cannot read rsync's version from {shown!r} (not rsync 3.x?)",
-                     f"{where}: install rsync 3.4 or later, first in PATH")
+        return Check(
+            name,
+            "rsync",
+            FAIL,
+            f"cannot read rsync's version from {shown!r} (not rsync 3.x?)",
+            f"{where}: install rsync 3.4 or later, first in PATH",
+        )
     number = ".".join(map(str, version))
     env = info["env"]
     note = ""
     if env:
         names = ", ".join(f"{k}={hostile.line(v, 40)}" for k, v in sorted(env.items()))
-        note = (f"; {names} set (no effect: fab passes -s, which overrides it)" if here else
-                f"; {names} in its SSH environment (no effect: rsync's server side reads neither)")
+        note = (
+            f"; {names} set (no effect: fab passes -s, which overrides it)"
+            if here
+            else f"; {names} in its SSH environment (no effect: rsync's server side reads neither)"
+        )
     if version < RSYNC_MIN:
         return Check(
             name,
@@ -127,11 +142,18 @@ def judge_image(host: Host, facts: Facts, image: str) -> Check:
     if rc == TIMED_OUT:
         return Check(n, "image", SKIP, "the Docker engine did not answer")
     if not (rc == 0 and text.startswith("sha256:")):
-        return Check(n, "image", FAIL, f"{image} not present",
-                     f"fab image.push --image {image} (or docker pull it on {n})")
+        return Check(
+            n,
+            "image",
+            FAIL,
+            f"{image} not present",
+            f"fab image.push --image {image} (or docker pull it on {n})",
+        )
     ident = f"{image} {text[7:19]}"
-    build = (f"fab image.build --base {image} --requirements REQS --tag NEW (REQS naming torch), then "
-             "fab image.push --image NEW")
+    build = (
+        f"fab image.build --base {image} --requirements REQS --tag NEW (REQS naming torch), then "
+        "fab image.push --image NEW"
+    )
     rc, out = facts.get("image_info", (1, ""))
     info = image_info(facts)
     if info is None:
@@ -144,10 +166,20 @@ def judge_image(host: Host, facts: Facts, image: str) -> Check:
                 f"on {n}: check the Docker engine (docker run --rm {image} true)",
             )
         if "python3" in out and ("not found" in out or "no such file" in out.lower()):
-            return Check(n, "image", FAIL, f"{ident} has no python3",
-                         "use an image with python3 and torch (e.g. nvcr.io/nvidia/pytorch, rocm/pytorch)")
-        return Check(n, "image", FAIL, f"{ident}: python3 in it failed: {_last(out)}",
-                     f"on {n}: docker run --rm --entrypoint python3 {image} -c 'import torch'")
+            return Check(
+                n,
+                "image",
+                FAIL,
+                f"{ident} has no python3",
+                "use an image with python3 and torch (e.g. nvcr.io/nvidia/pytorch, rocm/pytorch)",
+            )
+        return Check(
+            n,
+            "image",
+            FAIL,
+            f"{ident}: python3 in it failed: {_last(out)}",
+            f"on {n}: docker run --rm --entrypoint python3 {image} -c 'import torch'",
+        )
     if "error" in info:
         return Check(
             n,
@@ -174,9 +206,14 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
         why = "not writable" if blocker == path else f"cannot be created: {blocker} is owned by {owner}"
         parts.append(f"{path} ({why})")
     paths = " ".join(f[1] for f in denied)
-    return Check(n, "dirs", FAIL, f"{user} cannot write " + ", ".join(parts),
-                 f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
-                 f"job.output_dir to directories {user} owns)")
+    return Check(
+        n,
+        "dirs",
+        FAIL,
+        f"{user} cannot write " + ", ".join(parts),
+        f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
+        f"job.output_dir to directories {user} owns)",
+    )
 
 
 def judge_docker(host: Host, facts: Facts, access: dockerargs.GpuAccess | None = None) -> Check:
@@ -186,12 +223,22 @@ def judge_docker(host: Host, facts: Facts, access: dockerargs.GpuAccess | None =
         detail = f"engine {text}"
         if host.gpu_vendor == "nvidia":
             if access is None or not (access.nvidia_runtime or access.cdi):
-                return Check(n, "docker", FAIL, f"{detail}, but no nvidia runtime and no CDI specs",
-                             f"on {n}: install nvidia-container-toolkit and run "
-                             "'nvidia-ctk runtime configure --runtime=docker' (or generate CDI specs)")
+                return Check(
+                    n,
+                    "docker",
+                    FAIL,
+                    f"{detail}, but no nvidia runtime and no CDI specs",
+                    f"on {n}: install nvidia-container-toolkit and run "
+                    "'nvidia-ctk runtime configure --runtime=docker' (or generate CDI specs)",
+                )
         if host.gpu_vendor == "amd" and facts.get("runtime", (1, ""))[0] != 0:
-            return Check(n, "docker", FAIL, f"{detail}, but /dev/kfd or /dev/dri is missing",
-                         f"on {n}: install the ROCm kernel driver (amdgpu-dkms) and reboot")
+            return Check(
+                n,
+                "docker",
+                FAIL,
+                f"{detail}, but /dev/kfd or /dev/dri is missing",
+                f"on {n}: install the ROCm kernel driver (amdgpu-dkms) and reboot",
+            )
         return Check(n, "docker", OK, detail)
     if rc == TIMED_OUT:
         return Check(
@@ -203,10 +250,20 @@ def judge_docker(host: Host, facts: Facts, access: dockerargs.GpuAccess | None =
             f"and check its disk (journalctl -u docker)",
         )
     if "permission denied" in text.lower():
-        return Check(n, "docker", FAIL, f"{host.ssh.user} may not use the Docker socket",
-                     f"on {n}: sudo usermod -aG docker {host.ssh.user} (then log in again)")
-    return Check(n, "docker", FAIL, f"engine not reachable: {_last(text)}",
-                 f"on {n}: start the engine (sudo systemctl start docker)")
+        return Check(
+            n,
+            "docker",
+            FAIL,
+            f"{host.ssh.user} may not use the Docker socket",
+            f"on {n}: sudo usermod -aG docker {host.ssh.user} (then log in again)",
+        )
+    return Check(
+        n,
+        "docker",
+        FAIL,
+        f"engine not reachable: {_last(text)}",
+        f"on {n}: start the engine (sudo systemctl start docker)",
+    )
 
 
 def judge_gpus(host: Host, facts: Facts) -> Check:
@@ -221,8 +278,13 @@ def judge_gpus(host: Host, facts: Facts) -> Check:
         )
     count, model = count_gpus(host.gpu_vendor, text)
     if count != host.gpu_count:
-        return Check(n, "gpus", FAIL, f"{count} x {model} found, inventory says {host.gpu_count}",
-                     f"set gpus.count: {count} for {n}, or find the missing GPUs ({tool})")
+        return Check(
+            n,
+            "gpus",
+            FAIL,
+            f"{count} x {model} found, inventory says {host.gpu_count}",
+            f"set gpus.count: {count} for {n}, or find the missing GPUs ({tool})",
+        )
     info = image_info(facts)
     rc, text = facts.get("image_info", (1, ""))
     if info is None or "gpus" not in info:
@@ -243,8 +305,13 @@ def judge_gpus(host: Host, facts: Facts) -> Check:
         )
     seen = int(info["gpus"])
     if seen != count:
-        return Check(n, "gpus", FAIL, f"{count} on the host, {seen} visible in the container",
-                     "check CUDA_VISIBLE_DEVICES / device flags and the image's CUDA or ROCm version")
+        return Check(
+            n,
+            "gpus",
+            FAIL,
+            f"{count} on the host, {seen} visible in the container",
+            "check CUDA_VISIBLE_DEVICES / device flags and the image's CUDA or ROCm version",
+        )
     return Check(n, "gpus", OK, f"{count} x {model}, {seen} visible in container")
 
 
@@ -252,26 +319,52 @@ def judge_interface(inv: Inventory, host: Host, addrs: dict[str, list[str]], lin
     n, iface = host.name, host.interface
     if iface not in links:
         hint = suggest_interface(inv.master.hostname, addrs)
-        fix = (f"set interface: {hint} for {n} (its subnet holds {inv.master.hostname})" if hint
-               else f"set interface to one of: {', '.join(sorted(addrs))}")
+        fix = (
+            f"set interface: {hint} for {n} (its subnet holds {inv.master.hostname})"
+            if hint
+            else f"set interface to one of: {', '.join(sorted(addrs))}"
+        )
         return Check(n, "interface", FAIL, f"no interface {iface!r}", fix)
     if iface == "lo" or iface.startswith(("docker", "br-", "veth", "virbr")):
         hint = suggest_interface(inv.master.hostname, addrs)
-        return Check(n, "interface", FAIL, f"{iface} is a loopback or container bridge, not a network card",
-                     f"set interface: {hint or 'the NIC that links the hosts'} for {n}")
+        return Check(
+            n,
+            "interface",
+            FAIL,
+            f"{iface} is a loopback or container bridge, not a network card",
+            f"set interface: {hint or 'the NIC that links the hosts'} for {n}",
+        )
     if not links[iface]["up"]:
         return Check(n, "interface", FAIL, f"{iface} is down", f"on {n}: sudo ip link set {iface} up")
     if iface not in addrs:
-        return Check(n, "interface", FAIL, f"{iface} has no IPv4 address",
-                     f"give {iface} an address, or pick another interface")
-    if host.rank == 0 and _is_ip(host.hostname) and not any(
-            ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.hostname) for c in addrs[iface]):
-        owner = next((i for i, cs in addrs.items() for c in cs
-                      if ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.hostname)), None)
-        return Check(n, "interface", FAIL,
-                     f"MASTER_ADDR {host.hostname} is not on {iface} ({', '.join(addrs[iface])})",
-                     f"set interface: {owner} for {n}" if owner else
-                     f"use an address of {iface} as rank 0's address")
+        return Check(
+            n,
+            "interface",
+            FAIL,
+            f"{iface} has no IPv4 address",
+            f"give {iface} an address, or pick another interface",
+        )
+    if (
+        host.rank == 0
+        and _is_ip(host.hostname)
+        and not any(ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.hostname) for c in addrs[iface])
+    ):
+        owner = next(
+            (
+                i
+                for i, cs in addrs.items()
+                for c in cs
+                if ipaddress.ip_interface(c).ip == ipaddress.ip_address(host.hostname)
+            ),
+            None,
+        )
+        return Check(
+            n,
+            "interface",
+            FAIL,
+            f"MASTER_ADDR {host.hostname} is not on {iface} ({', '.join(addrs[iface])})",
+            f"set interface: {owner} for {n}" if owner else f"use an address of {iface} as rank 0's address",
+        )
     return Check(n, "interface", OK, f"{iface} {addrs[iface][0]} mtu {links[iface]['mtu']}")
 
 
@@ -283,8 +376,13 @@ def judge_route(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
     rc, text = fact
     m = re.search(r"\bdev (\S+)", text)
     if rc != 0 or not m:
-        return Check(n, "route", FAIL, f"no route to MASTER_ADDR {inv.master.hostname}: {_last(text)}",
-                     f"on {n}: add a route to {inv.master.hostname} via {host.interface}")
+        return Check(
+            n,
+            "route",
+            FAIL,
+            f"no route to MASTER_ADDR {inv.master.hostname}: {_last(text)}",
+            f"on {n}: add a route to {inv.master.hostname} via {host.interface}",
+        )
     if m.group(1) != host.interface and not m.group(1) == "lo":
         return Check(
             n,
@@ -306,8 +404,13 @@ def judge_port(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
     if text:
         holder = re.search(r'users:\(\("([^"]+)",pid=(\d+)', text)
         who = f" by {holder.group(1)} (pid {holder.group(2)})" if holder else ""
-        return Check(n, "port", FAIL, f"master port {port} already in use{who}",
-                     f"stop it (fab stop, or kill the process on {n}) or set job.master_port")
+        return Check(
+            n,
+            "port",
+            FAIL,
+            f"master port {port} already in use{who}",
+            f"stop it (fab stop, or kill the process on {n}) or set job.master_port",
+        )
     return Check(n, "port", OK, f"master port {port} free")
 
 
@@ -323,8 +426,13 @@ def judge_shm(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits)
         )
     mb = int(fields[1]) // 1024
     if mb < limits.shm_warn_mb:
-        return Check(n, "shm", WARN, f"/dev/shm is {mb} MB (--ipc host)",
-                     f"enlarge /dev/shm on {n}, or set job.shm_size (e.g. 16g)")
+        return Check(
+            n,
+            "shm",
+            WARN,
+            f"/dev/shm is {mb} MB (--ipc host)",
+            f"enlarge /dev/shm on {n}, or set job.shm_size (e.g. 16g)",
+        )
     return Check(n, "shm", OK, f"{mb} MB (--ipc host)")
 
 
@@ -334,7 +442,7 @@ def judge_disk(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits
     rows = [line.split() for line in text.splitlines() if len(line.split()) >= 6]
     if rc != 0 or len(rows) < 2:
         return Check(n, "disk", WARN, f"could not read free space: {_last(text)}", "")
-    worst = min(int(r[3]) for r in rows[:2]) / 1024 ** 2
+    worst = min(int(r[3]) for r in rows[:2]) / 1024**2
     paths = f"{inv.job.code_dir}, {inv.job.output_dir}"
     if worst < limits.disk_fail_gb:
         return Check(

@@ -2,6 +2,7 @@
 connection (no handshake in the measurement), and reachability: rank 0 opens a short-lived
 listener on the master port and every worker connects to it from its own interface, which is what
 finds a firewall."""
+
 from __future__ import annotations
 
 import time
@@ -72,20 +73,32 @@ def reachability(
     """Open a listener on rank 0's master port for a few seconds; connect from each worker's own
     interface address. A dropped SYN (firewall) times out; a rejected one is refused."""
     master, port = inv.master, inv.job.master_port
-    with session.command(master, shell(["python3", "-c", LISTENER, str(port), str(timeout + 10)]),
-                         timeout + 15, "test listener") as listener:
+    with session.command(
+        master,
+        shell(["python3", "-c", LISTENER, str(port), str(timeout + 10)]),
+        timeout + 15,
+        "test listener",
+    ) as listener:
         ready = b""
         while b"listening" not in ready:
             data = listener.recv(1024)
             if not data:
-                return [Check(master.name, "reach", FAIL, "could not open a test listener on the master port",
-                              f"check python3 and port {port} on {master.name}")]
+                return [
+                    Check(
+                        master.name,
+                        "reach",
+                        FAIL,
+                        "could not open a test listener on the master port",
+                        f"check python3 and port {port} on {master.name}",
+                    )
+                ]
             ready += data
         return _connect_workers(session, inv, sources, listener, timeout)
 
 
-def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], listener: Command,
-                     timeout: float) -> list[Check]:
+def _connect_workers(
+    session: Session, inv: Inventory, sources: dict[str, str], listener: Command, timeout: float
+) -> list[Check]:
     master, port = inv.master, inv.job.master_port
 
     def connect(host: Host) -> Check:
@@ -105,6 +118,7 @@ def _connect_workers(session: Session, inv: Inventory, sources: dict[str, str], 
             f"open TCP {port} on {master.name} for {src} (firewall: iptables/nftables/ufw), "
             f"and check the route between the hosts",
         )
+
     workers = tuple(h for h in inv.hosts if h.rank > 0 and h.name in sources)
     results = session.fan_out(connect, workers)
     listener.close_stdin()  # the listener exits on EOF; wait for it so the port is free again

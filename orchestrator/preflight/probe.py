@@ -3,6 +3,7 @@ runs every fact's command between markers, with Docker commands bounded so a stu
 its timeout once; `parse_probe` and the parse_* functions turn the output into plain data. Also
 how a host gives containers its GPUs (`gpu_access`), counting GPUs from the vendor's tool, and the
 hash of this machine's code tree, computed as the hosts compute it."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,13 @@ print("IMAGEINFO " + json.dumps(info))
 TIMED_OUT = 124
 
 
-def probe_commands(inv: Inventory, host: Host, image: str, access: dockerargs.GpuAccess | None = None,
-                   code: str | None = None) -> dict[str, list[str]]:
+def probe_commands(
+    inv: Inventory,
+    host: Host,
+    image: str,
+    access: dockerargs.GpuAccess | None = None,
+    code: str | None = None,
+) -> dict[str, list[str]]:
     """The raw facts gathered on one host, as name -> argv (run in one script). `access`: how the
     host gives containers its GPUs (dockerargs.gpu_probe_argv, read before this probe); `code`: where
     the local tree's copy would be (job.code_dir/KEY)."""
@@ -53,19 +59,34 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: dockerargs.Gp
         # Per job directory, from its nearest existing directory (code_dir may not exist before the
         # first sync): the free space there (judge_disk), and whether the SSH user can create and
         # write it (judge_dirs; sync and the job need to).
-        "dirs": ["sh", "-c", 'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
-                 'df -Pk "$q" | tail -n 1; '
-                 'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
-                 'else echo "denied $p $q $(stat -c %U "$q")"; fi; done', "sh",
-                 inv.job.code_dir, inv.job.output_dir],
+        "dirs": [
+            "sh",
+            "-c",
+            'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
+            'df -Pk "$q" | tail -n 1; '
+            'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
+            'else echo "denied $p $q $(stat -c %U "$q")"; fi; done',
+            "sh",
+            inv.job.code_dir,
+            inv.job.output_dir,
+        ],
         "addr": ["ip", "-o", "-4", "addr", "show"],
         "link": ["ip", "-o", "link", "show"],
         "route": ["ip", "-o", "route", "get", inv.master.hostname],
         "shm": ["df", "-Pk", "/dev/shm"],
-        "code": ["sh", "-c", 'cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0r sha256sum '
-                 '| sha256sum', "sh", code or inv.job.code_dir],
-        "ntp": ["sh", "-c", "timedatectl show -p NTPSynchronized --value 2>/dev/null "
-                "|| chronyc -n tracking 2>/dev/null | grep -i 'leap status' || echo unknown"],
+        "code": [
+            "sh",
+            "-c",
+            'cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0r sha256sum | sha256sum',
+            "sh",
+            code or inv.job.code_dir,
+        ],
+        "ntp": [
+            "sh",
+            "-c",
+            "timedatectl show -p NTPSynchronized --value 2>/dev/null "
+            "|| chronyc -n tracking 2>/dev/null | grep -i 'leap status' || echo unknown",
+        ],
         "python": ["python3", "-c", "print('ok')"],
         "rsync": rsync_fact_argv(),
     }
@@ -76,8 +97,12 @@ def probe_commands(inv: Inventory, host: Host, image: str, access: dockerargs.Gp
     elif host.gpu_vendor == "amd":
         # rocm-smi lists one "card" line per GPU (per GCD on an MI250X); without it, the KFD topology
         # has a node per CPU socket too, whose gpu_id is 0 (count_gpus skips those).
-        cmds["gpu"] = ["sh", "-c", "rocm-smi --showproductname --csv 2>/dev/null; echo @@sysfs; "
-                       "cat /sys/class/kfd/kfd/topology/nodes/*/gpu_id 2>/dev/null"]
+        cmds["gpu"] = [
+            "sh",
+            "-c",
+            "rocm-smi --showproductname --csv 2>/dev/null; echo @@sysfs; "
+            "cat /sys/class/kfd/kfd/topology/nodes/*/gpu_id 2>/dev/null",
+        ]
         cmds["runtime"] = ["ls", "-d", "/dev/kfd", "/dev/dri"]
     return cmds
 
@@ -112,8 +137,9 @@ def local_rsync() -> tuple[int, str]:
     """The rsync fact of this machine (the one running fab, whose rsync copies to and from the
     hosts), as the probe gives a host's: (exit code, output)."""
     try:
-        r = subprocess.run(rsync_fact_argv(), capture_output=True, text=True, errors="replace",
-                           timeout=LOCAL_RSYNC_TIMEOUT)
+        r = subprocess.run(
+            rsync_fact_argv(), capture_output=True, text=True, errors="replace", timeout=LOCAL_RSYNC_TIMEOUT
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return 1, f"{type(exc).__name__}: {exc}"
     return r.returncode, (r.stdout + r.stderr).strip()
@@ -178,13 +204,15 @@ def image_info_argv(inv: Inventory, host: Host, image: str, access: dockerargs.G
     # the answer is written new (noclobber), readable by all whatever the umask, in the directory
     # entered and checked (never through a link at the directory's name), and a link is never read
     # as an answer.
-    script = ('id=$(docker image inspect --format "{{.Id}}" "$1") || exit 1; f="$2/${id#sha256:}"; '
-              'if [ -s "$f" ] && [ -r "$f" ] && [ ! -L "$f" ]; then cat "$f"; exit 0; fi; '
-              'shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
-              'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && d="${f%/*}" && [ ! -L "$d" ] && mkdir -p "$d" && '
-              'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && { [ ! -O . ] || chmod g+ws .; } && '
-              't="./${f##*/}.$$" && rm -f "$t" && ( umask 022; set -C; printf "%s\\n" "$out" > "$t" ) && '
-              'mv -T "$t" "./${f##*/}";; esac 2>/dev/null; exit $rc')
+    script = (
+        'id=$(docker image inspect --format "{{.Id}}" "$1") || exit 1; f="$2/${id#sha256:}"; '
+        'if [ -s "$f" ] && [ -r "$f" ] && [ ! -L "$f" ]; then cat "$f"; exit 0; fi; '
+        'shift 2; out=$("$@"); rc=$?; printf "%s\\n" "$out"; '
+        'case "$out" in *IMAGEINFO*) [ $rc = 0 ] && d="${f%/*}" && [ ! -L "$d" ] && mkdir -p "$d" && '
+        'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] && { [ ! -O . ] || chmod g+ws .; } && '
+        't="./${f##*/}.$$" && rm -f "$t" && ( umask 022; set -C; printf "%s\\n" "$out" > "$t" ) && '
+        'mv -T "$t" "./${f##*/}";; esac 2>/dev/null; exit $rc'
+    )
     return ["sh", "-c", script, "sh", image, f"{inv.job.output_dir}/.runtime/{hostfiles.IMAGE_CACHE}", *run]
 
 
@@ -208,8 +236,9 @@ def gpu_access(session: Session, host: Host) -> dockerargs.GpuAccess | None:
     probe = dockerargs.gpu_probe_argv(host)
     if probe is None:
         return None
-    return dockerargs.parse_gpu_probe(session.run(host, shell(probe), timeout=DOCKER_TIMEOUT + 5,
-                                            what="reading the GPU runtime").stdout)
+    return dockerargs.parse_gpu_probe(
+        session.run(host, shell(probe), timeout=DOCKER_TIMEOUT + 5, what="reading the GPU runtime").stdout
+    )
 
 
 def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
@@ -222,9 +251,11 @@ def probe_script(cmds: dict[str, list[str]], marker: str) -> str:
     for name, argv in cmds.items():
         if name in DOCKER_FACTS:
             limit = GPU_CONTAINER_TIMEOUT if name == "image_info" else DOCKER_TIMEOUT
-            cmd = (f'if [ $stuck = 1 ]; then echo "engine did not answer"; (exit {TIMED_OUT}); else '
-                   f"{shell(['timeout', '-k', '2', str(limit), *argv])} 2>&1; fi; "
-                   f"rc=$?; [ $rc = {TIMED_OUT} ] && stuck=1")
+            cmd = (
+                f'if [ $stuck = 1 ]; then echo "engine did not answer"; (exit {TIMED_OUT}); else '
+                f"{shell(['timeout', '-k', '2', str(limit), *argv])} 2>&1; fi; "
+                f"rc=$?; [ $rc = {TIMED_OUT} ] && stuck=1"
+            )
         else:
             cmd = f"{shell(argv)} 2>&1; rc=$?"
         parts.append(f"echo {marker} {name}; {cmd}; echo {marker}rc $rc")

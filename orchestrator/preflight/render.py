@@ -1,5 +1,6 @@
 """Showing a preflight's checks: a rich table of check x host with every failure and warning and
 its fix below it (`render`), or JSON for scripts (`to_json`)."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ def to_json(checks: list[Check], strict: bool = False) -> str:
 
 def short(detail: str, width: int = 60) -> str:
     """A cell's text: cut at a word, marked, never inside a number (the full text is below the table)."""
-    return detail if len(detail) <= width else detail[:width - 1].rsplit(" ", 1)[0] + " …"
+    return detail if len(detail) <= width else detail[: width - 1].rsplit(" ", 1)[0] + " …"
 
 
 def render(checks: list[Check], console: Console) -> None:
@@ -39,14 +40,21 @@ def render(checks: list[Check], console: Console) -> None:
         cells = []
         for h in hosts:
             c = by.get((h, name))
-            cells.append(Text.assemble((c.status, style[c.status]), " ", hostile.rich_text(short(c.detail)))
-                         if c else Text("-", style="dim"))
+            cells.append(
+                Text.assemble((c.status, style[c.status]), " ", hostile.rich_text(short(c.detail)))
+                if c
+                else Text("-", style="dim")
+            )
         table.add_row(name, *cells)
     console.print(table)
     for c in checks:
         if c.status in (FAIL, WARN):
             colour = "red" if c.status == FAIL else "yellow"
-            line = Text.assemble((c.status.upper(), colour), " ",
-                                 hostile.rich_text(f"{c.host} {c.check}: {c.detail}"
-                                                   + (f"\n      fix: {c.fix}" if c.fix else "")))
+            line = Text.assemble(
+                (c.status.upper(), colour),
+                " ",
+                hostile.rich_text(
+                    f"{c.host} {c.check}: {c.detail}" + (f"\n      fix: {c.fix}" if c.fix else "")
+                ),
+            )
             console.print(line, highlight=False, soft_wrap=True)

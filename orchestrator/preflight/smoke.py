@@ -7,6 +7,7 @@ holds, the same number on every host, and a master port no one listens on or cla
 both under its own job id and owner (claims.me(), also its containers' owner label) and releases
 them at its end, on failure and Ctrl+C too. Run by a job before it starts (`fab train --smoke`,
 `within` that job), it uses that job's own claimed units and port instead of claiming more."""
+
 from __future__ import annotations
 
 import re
@@ -57,8 +58,14 @@ class JobEnding(Protocol):
 RunJob = Callable[[Session, Inventory, jobspec.JobSpec, Path], JobEnding]
 
 
-def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list[Check], run_job: RunJob,
-               within: str = "") -> list[Check]:
+def smoke_test(
+    session: Session,
+    inv: Inventory,
+    image: str | None,
+    checks: list[Check],
+    run_job: RunJob,
+    within: str = "",
+) -> list[Check]:
     """An all_reduce across every host inside the real containers, with the measured bus bandwidth.
     `run_job(session, inv, spec, run_dir)` is the job lifecycle's start -> watch -> clean up. The
     GPUs (slots) and master port are free ones, claimed for the test (see the module's docstring),
@@ -67,9 +74,14 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
         return [Check(h.name, "smoke", SKIP, "other checks failed") for h in inv.hosts]
     # NCCL says which transport it took (NET/IB or NET/Socket) at INFO level; gloo ignores these.
     # The built-in trainers' tree (smoke.py among them), synced by the short job itself.
-    spec = jobspec.JobSpec(job_id=jobspec.new_job_id("preflight"), script="trainers/smoke.py", image=image,
-                        code_only=codetree.BUILTIN_ONLY, owner=claims.me(),
-                        env=(("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET")))
+    spec = jobspec.JobSpec(
+        job_id=jobspec.new_job_id("preflight"),
+        script="trainers/smoke.py",
+        image=image,
+        code_only=codetree.BUILTIN_ONLY,
+        owner=claims.me(),
+        env=(("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET")),
+    )
     run_dir = RUNS / spec.job_id
     claimed: list[Host] = []
     try:
@@ -83,8 +95,9 @@ def smoke_test(session: Session, inv: Inventory, image: str | None, checks: list
     return read_ends(inv, result, run_dir)
 
 
-def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
-         claimed: list[Host]) -> tuple[Inventory, jobspec.JobSpec] | list[Check]:
+def take(
+    session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str, claimed: list[Host]
+) -> tuple[Inventory, jobspec.JobSpec] | list[Check]:
     """The inventory and spec the smoke test runs with (its units and port), claimed on every host
     (each host claimed is added to `claimed` at once, for release), or the rows saying why it
     cannot run now."""
@@ -100,18 +113,32 @@ def take(session: Session, inv: Inventory, spec: jobspec.JobSpec, within: str,
             return narrowed, spec
         raced = False
         for h in claims.order(narrowed.hosts):
-            r = session.run(h, claims.claim_script(narrowed, spec.job_id, units[h.name], spec.owner, True,
-                                                   port if h.rank == 0 else None),
-                            timeout=STATUS_TIMEOUT + LOCK_WAIT, what="claiming the smoke test's units")
+            r = session.run(
+                h,
+                claims.claim_script(
+                    narrowed, spec.job_id, units[h.name], spec.owner, True, port if h.rank == 0 else None
+                ),
+                timeout=STATUS_TIMEOUT + LOCK_WAIT,
+                what="claiming the smoke test's units",
+            )
             if r.exited in (claims.REFUSED, claims.PORT_TAKEN):
                 raced = True
                 break
             claimed.append(h)
             if not r.ok:
-                why = (f"claiming its {claims.kind(h)}s failed (exit {r.exited}): "
-                       f"{hostile.line(r.stderr.strip()[-400:])}")
-                return [Check(x.name, "smoke", FAIL if x.name == h.name else SKIP,
-                              why if x.name == h.name else f"{h.name}: {why}") for x in inv.hosts]
+                why = (
+                    f"claiming its {claims.kind(h)}s failed (exit {r.exited}): "
+                    f"{hostile.line(r.stderr.strip()[-400:])}"
+                )
+                return [
+                    Check(
+                        x.name,
+                        "smoke",
+                        FAIL if x.name == h.name else SKIP,
+                        why if x.name == h.name else f"{h.name}: {why}",
+                    )
+                    for x in inv.hosts
+                ]
         if not raced:
             return narrowed, spec
         release(session, inv, spec, claimed)
@@ -154,8 +181,15 @@ def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[
             : asked if isinstance(asked, int) else len(asked)
         ]
         if not free[h.name]:
-            rows.append(Check(h.name, "smoke", SKIP, f"no free {claims.kind(h)} here: held by "
-                              + hostile.line("; ".join(c.describe(h) for c in holders))))
+            rows.append(
+                Check(
+                    h.name,
+                    "smoke",
+                    SKIP,
+                    f"no free {claims.kind(h)} here: held by "
+                    + hostile.line("; ".join(c.describe(h) for c in holders)),
+                )
+            )
     if rows:
         named = {c.host for c in rows}
         return rows + [
@@ -170,8 +204,12 @@ def choose(inv: Inventory, found: PerHost, within: str = "") -> dict[str, tuple[
 def narrow(inv: Inventory, units: dict[str, tuple[int, ...]], port: int) -> Inventory:
     """The inventory the smoke test's containers run with: the master port taken, and each GPU
     host's processes kept to its units (VISIBLE; the container is given every GPU of the host)."""
-    hosts = tuple(replace(h, env=(*h.env, (VISIBLE[h.gpu_vendor], units_text(units[h.name]))))
-                  if h.gpu_vendor in VISIBLE else h for h in inv.hosts)
+    hosts = tuple(
+        replace(h, env=(*h.env, (VISIBLE[h.gpu_vendor], units_text(units[h.name]))))
+        if h.gpu_vendor in VISIBLE
+        else h
+        for h in inv.hosts
+    )
     return replace(inv, hosts=hosts, job=replace(inv.job, master_port=port))
 
 
@@ -185,8 +223,12 @@ def release(session: Session, inv: Inventory, spec: jobspec.JobSpec, hosts: list
     interrupted before it): never leave a claim behind, whatever a host answers."""
     if hosts:
         script = release_script(inv, spec.job_id)
-        session.fan_out(lambda h: session.run(h, script, timeout=STATUS_TIMEOUT + STOP_MARGIN,
-                                              what="releasing the smoke test's claim"), tuple(hosts))
+        session.fan_out(
+            lambda h: session.run(
+                h, script, timeout=STATUS_TIMEOUT + STOP_MARGIN, what="releasing the smoke test's claim"
+            ),
+            tuple(hosts),
+        )
 
 
 def read_ends(inv: Inventory, result: JobEnding, run_dir: Path) -> list[Check]:
@@ -231,9 +273,14 @@ def judge_transport(host: Host, detail: str, transport: str | None) -> Check:
     if transport is None:
         return Check(host.name, "smoke", OK, detail)
     if transport == "Socket" and host.infiniband:
-        return Check(host.name, "smoke", WARN, f"{detail}, NCCL over TCP sockets although InfiniBand devices "
-                     "are mapped", f"on {host.name}: check the IB links (ibstat), NCCL_IB_HCA, and that the "
-                     "image has libibverbs (rdma-core); the log has NCCL's NET lines")
+        return Check(
+            host.name,
+            "smoke",
+            WARN,
+            f"{detail}, NCCL over TCP sockets although InfiniBand devices are mapped",
+            f"on {host.name}: check the IB links (ibstat), NCCL_IB_HCA, and that the "
+            "image has libibverbs (rdma-core); the log has NCCL's NET lines",
+        )
     return Check(
         host.name, "smoke", OK, f"{detail}, NCCL over {'InfiniBand' if transport == 'IB' else 'TCP sockets'}"
     )

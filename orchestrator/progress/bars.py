@@ -7,6 +7,7 @@ read as hostile text: numbers bounded, a line with no end kept to its last LINE_
 an exception. A bar shows only on a terminal (`bar`: rich's `disable` when the console is not one),
 so a piped or logged run prints nothing extra.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import ProgressColumn, TaskID
 
-MAX_BYTES = 1 << 60     # no copy is bigger: a larger number read back is cut to this
-LINE_KEEP = 256         # bytes of an unfinished progress line kept between chunks
+MAX_BYTES = 1 << 60  # no copy is bigger: a larger number read back is cut to this
+LINE_KEEP = 256  # bytes of an unfinished progress line kept between chunks
 _PROGRESS2 = re.compile(rb"^\s*(\d[\d,.' ]{0,40}?)\s+(\d{1,3})%")
 _STEP = re.compile(rb"^Step (\d{1,6})/(\d{1,6}) : ?(.{0,200})")
 
@@ -99,13 +100,15 @@ def transfer_fields(host: str, what: str, done: int, total: int) -> dict:
 class Transfer:
     """One copy's progress, to a bar (when there is one) and as `transfer` events (when `emit`)."""
 
-    def __init__(self, host: str, what: str, total: int, progress: Progress | None,
-                 emit: Callable[..., None] | None) -> None:
+    def __init__(
+        self, host: str, what: str, total: int, progress: Progress | None, emit: Callable[..., None] | None
+    ) -> None:
         self.host, self.what, self.total = host, what, max(0, min(total, MAX_BYTES))
         self.progress, self.emit = progress, emit
         self.done = -1
-        self.task: TaskID | None = (progress.add_task(f"{what} {host}", total=self.total or None)
-                                    if progress is not None else None)
+        self.task: TaskID | None = (
+            progress.add_task(f"{what} {host}", total=self.total or None) if progress is not None else None
+        )
         self.lines = Lines(self._line)
 
     def _line(self, line: bytes) -> None:
@@ -155,8 +158,9 @@ class Transfers:
             self.emit(event, **fields)
 
 
-def run_watched(argv: list[str], on_output: Callable[[bytes], None],
-                env: dict[str, str] | None = None) -> tuple[int, bytes]:
+def run_watched(
+    argv: list[str], on_output: Callable[[bytes], None], env: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     """Run a local command whose stdout is progress (rsync --info=progress2, docker build), handing
     each chunk to `on_output` as it comes: its exit status and its stderr (capped, hostile.Capped).
     No deadline of its own: rsync's --timeout ends a copy whose data stops moving."""
@@ -168,6 +172,7 @@ def run_watched(argv: list[str], on_output: Callable[[bytes], None],
     def read_stderr() -> None:
         for chunk in iter(lambda: os.read(err_fd, 1 << 16), b""):
             err.write(chunk)
+
     reader = threading.Thread(target=read_stderr, daemon=True, name="watched-stderr")
     reader.start()
     try:

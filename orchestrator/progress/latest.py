@@ -2,6 +2,7 @@
 rank's newest step line (the `progress` events of events.jsonl) and every host's newest telemetry
 sample (telemetry.jsonl). Only the files' tails are read (TAIL bytes), so a week-long job answers
 as fast as a short one."""
+
 from __future__ import annotations
 
 import json
@@ -68,27 +69,40 @@ def latest(run_dir: Path, size: int = TAIL) -> dict[str, Any]:
     for rec in tail_records(run_dir / TELEMETRY_FILE, size):
         if isinstance(rec.get("sample"), dict):
             hosts[hostile.text(str(rec.get("host")))] = {"time": rec.get("time"), **rec["sample"]}
-    return {"job": run_dir.name, "attempt": attempt, "state": state, "updated": updated,
-            "ranks": [{"host": h, **r} for (h, _), r in sorted(ranks.items(), key=lambda kv: kv[0][1])],
-            "hosts": hosts}
+    return {
+        "job": run_dir.name,
+        "attempt": attempt,
+        "state": state,
+        "updated": updated,
+        "ranks": [{"host": h, **r} for (h, _), r in sorted(ranks.items(), key=lambda kv: kv[0][1])],
+        "hosts": hosts,
+    }
 
 
 def lines(doc: dict[str, Any]) -> list[str]:
     """The figures as lines for a person."""
     out = [f"job {doc['job']}: {doc['state']}, attempt {doc['attempt'] or '-'}"]
     for r in doc["ranks"]:
-        times = (f" | step {r['step_ms']:.1f} ms | compute {r['compute_ms']:.1f} ms"
-                 if r.get("step_ms") is not None and r.get("compute_ms") is not None else "")
-        out.append(f"  {r['host']} rank {r['rank']}: step {r['step']} | loss {r['loss']:.4f} | "
-                   f"{r['tokens_per_s']:,.0f} tok/s{times}")
+        times = (
+            f" | step {r['step_ms']:.1f} ms | compute {r['compute_ms']:.1f} ms"
+            if r.get("step_ms") is not None and r.get("compute_ms") is not None
+            else ""
+        )
+        out.append(
+            f"  {r['host']} rank {r['rank']}: step {r['step']} | loss {r['loss']:.4f} | "
+            f"{r['tokens_per_s']:,.0f} tok/s{times}"
+        )
     if not doc["ranks"]:
         out.append("  no step lines yet (a script of your own shows none; its telemetry is below)")
     for host, s in sorted(doc["hosts"].items()):
-        gpus = ", ".join(f"GPU {g['index']} {100 * g['util']:.0f}%" for g in s.get("gpus", ())
-                         if g.get("util") is not None)
-        conts = ", ".join(f"{c['name']} {c['cpu']:.1f} cores {c['mem'] / 2**30:.2f} GiB"
-                          for c in s.get("containers", ())
-                          if c.get("cpu") is not None and c.get("mem") is not None)
+        gpus = ", ".join(
+            f"GPU {g['index']} {100 * g['util']:.0f}%" for g in s.get("gpus", ()) if g.get("util") is not None
+        )
+        conts = ", ".join(
+            f"{c['name']} {c['cpu']:.1f} cores {c['mem'] / 2**30:.2f} GiB"
+            for c in s.get("containers", ())
+            if c.get("cpu") is not None and c.get("mem") is not None
+        )
         load = (s.get("host") or {}).get("load1")
         parts = (gpus, conts, f"load {load:.2f}" if load is not None else "")
         out.append(f"  {host}: " + "; ".join(p for p in parts if p))

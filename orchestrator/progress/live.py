@@ -6,6 +6,7 @@ stragglers named once their recent steps have shown it for long enough (Board.st
 Only our trainers' step and progress lines carry step information (report.STEP_LINE); a user's
 script shows "no step info" and is still watched for silence.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,13 +33,13 @@ PROGRESS = re.compile(
     r"progress \[[# ]{0,100}\] +[\d.]{1,10}% epoch \d{1,9}/\d{1,9} "
     r"step (?P<step>\d{1,15})/(?P<total>\d{1,15})"
 )
-RECENT = 5        # a rank's straggler test uses the median of its last RECENT compute times
-MIN_SAMPLES = 3   # and only once every rank has reported this many
+RECENT = 5  # a rank's straggler test uses the median of its last RECENT compute times
+MIN_SAMPLES = 3  # and only once every rank has reported this many
 # How long a rank must stay slow before it is named (whichever comes first): a pause of a few steps
 # is no straggler. Lines, for a short job that logs often (a starved node shows in its first
 # minute); seconds, for a job that logs rarely.
 SUSTAIN_LINES = 5  # its own step lines in a row
-SUSTAIN = 30.0     # seconds
+SUSTAIN = 30.0  # seconds
 SILENT_AFTER = 30.0  # seconds without output before a host's status line turns yellow
 # Host lines the board shows at most: a taller live display than the terminal is cropped by rich
 # and pushes the log lines out of sight (64 hosts). Beyond it, the hosts worth a look (stragglers,
@@ -67,7 +68,7 @@ class Board:
         self.named: set[str] = set()
         self.slow: list[tuple[str, float, float]] = []  # report.stragglers as of the newest step line
         self.slow_since: dict[str, float] = {}  # rank -> since when its step lines have shown it slow
-        self.slow_lines: dict[str, int] = {}    # rank -> how many of its own step lines in a row did
+        self.slow_lines: dict[str, int] = {}  # rank -> how many of its own step lines in a row did
         self._lock = threading.Lock()
 
     def observe(self, host: str, block: bytes) -> None:
@@ -133,8 +134,11 @@ class Board:
         SUSTAIN_LINES of its lines or SUSTAIN seconds."""
         with self._lock:
             now = self.clock()
-            return [s for s in self.slow
-                    if self.slow_lines[s[0]] >= SUSTAIN_LINES or now - self.slow_since[s[0]] >= SUSTAIN]
+            return [
+                s
+                for s in self.slow
+                if self.slow_lines[s[0]] >= SUSTAIN_LINES or now - self.slow_since[s[0]] >= SUSTAIN
+            ]
 
     def new_stragglers(self) -> list[str]:
         """A line for each rank that has become a straggler since the last call (each named once)."""
@@ -150,6 +154,7 @@ class Board:
         from rich.console import Group
         from rich.table import Table
         from rich.text import Text
+
         slow = {rank: times for rank, _, times in self.stragglers()}
         now = self.clock()
         table = Table.grid(padding=(0, 2))
@@ -162,12 +167,15 @@ class Board:
                 if st.step is None:
                     cells += ["no step info", "", "", ""]
                 else:
-                    cells += [f"step {st.step}/{self.total}" if self.total else f"step {st.step}",
-                              f"loss {st.loss:.4f}" if st.loss is not None else "",
-                              f"{st.rate:,.0f} tok/s" if st.rate is not None else "",
-                              self._compute_cell(st, slow)]
-                cells.append(Text(f"last output {silent:.0f}s ago",
-                                  style="yellow" if silent > SILENT_AFTER else "dim"))
+                    cells += [
+                        f"step {st.step}/{self.total}" if self.total else f"step {st.step}",
+                        f"loss {st.loss:.4f}" if st.loss is not None else "",
+                        f"{st.rate:,.0f} tok/s" if st.rate is not None else "",
+                        self._compute_cell(st, slow),
+                    ]
+                cells.append(
+                    Text(f"last output {silent:.0f}s ago", style="yellow" if silent > SILENT_AFTER else "dim")
+                )
                 table.add_row(*cells)
             if len(shown) == len(states):
                 return table
@@ -181,6 +189,7 @@ class Board:
     ) -> list[HostState]:
         """The `rows` hosts to show when not all fit, in rank order: stragglers first, then silent
         hosts, then those furthest behind (no step info counts as furthest)."""
+
         def urgency(st: HostState):
             straggling = any(r in slow for r in st.compute_ms)
             silent = now - st.last_output > SILENT_AFTER
@@ -208,6 +217,7 @@ class Board:
     @staticmethod
     def _compute_cell(st: HostState, slow: dict[str, float]) -> str | Text:
         from rich.text import Text
+
         if not st.compute_ms:
             return ""
         ms = max(statistics.median(times) for times in st.compute_ms.values())  # the host's slowest rank

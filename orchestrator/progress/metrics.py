@@ -11,6 +11,7 @@ names its job in `job_id` (`job` is the label Prometheus itself gives a scrape t
 base units in the name (`_seconds`, `_bytes`), counters end in `_total`, and a time is a Unix
 timestamp gauge (`fabtrain_last_progress_timestamp_seconds`: `time() - ...` is how long ago).
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,15 +29,16 @@ class Metrics(Reporter):
 
     def __init__(self, job_id: str, owner: str, clock: Callable[[], float] = time.time) -> None:
         from prometheus_client.registry import CollectorRegistry
+
         self.job, self.owner, self.clock = job_id, owner, clock
         self.lock = threading.Lock()
         self.attempt = 0
         self.running = 0
-        self.ranks: dict[tuple[str, int], dict] = {}      # (host, rank) -> its newest step line
-        self.moved: dict[str, float] = {}                   # host -> when its step last rose (Unix s)
-        self.steps: dict[str, int] = {}                     # host -> its newest step
-        self.failures: dict[tuple[str, str], int] = {}      # (host, kind) -> count
-        self.samples: dict[str, dict] = {}                  # host -> its newest telemetry sample
+        self.ranks: dict[tuple[str, int], dict] = {}  # (host, rank) -> its newest step line
+        self.moved: dict[str, float] = {}  # host -> when its step last rose (Unix s)
+        self.steps: dict[str, int] = {}  # host -> its newest step
+        self.failures: dict[tuple[str, str], int] = {}  # (host, kind) -> count
+        self.samples: dict[str, dict] = {}  # host -> its newest telemetry sample
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)
         self.server: Any = None
@@ -91,11 +93,13 @@ class Metrics(Reporter):
             running.add_metric([job], self.running)
             yield from (info, attempt, running)
 
-            per_rank = (("step", "step", "The newest step a rank reported."),
-                        ("loss", "loss", "The training loss at the rank's newest step."),
-                        ("tokens_per_second", "tokens_per_s", "Tokens a second, the rank's last interval."),
-                        ("step_seconds", "step_ms", "Seconds a step took, the rank's last interval."),
-                        ("compute_seconds", "compute_ms", "Seconds of compute a step (no waiting)."))
+            per_rank = (
+                ("step", "step", "The newest step a rank reported."),
+                ("loss", "loss", "The training loss at the rank's newest step."),
+                ("tokens_per_second", "tokens_per_s", "Tokens a second, the rank's last interval."),
+                ("step_seconds", "step_ms", "Seconds a step took, the rank's last interval."),
+                ("compute_seconds", "compute_ms", "Seconds of compute a step (no waiting)."),
+            )
             for name, key, doc in per_rank:
                 family = gauge(name, doc, ("host", "rank"))
                 for (host, rank), r in sorted(self.ranks.items()):
@@ -105,8 +109,11 @@ class Metrics(Reporter):
                         family.add_metric([job, host, str(rank)], value)
                 yield family
 
-            moved = gauge("last_progress_timestamp_seconds", "When the host's step last rose (or its "
-                          "attempt started), Unix time.", ("host",))
+            moved = gauge(
+                "last_progress_timestamp_seconds",
+                "When the host's step last rose (or its attempt started), Unix time.",
+                ("host",),
+            )
             for host, t in sorted(self.moved.items()):
                 moved.add_metric([job, host], round(t, 3))
             yield moved
@@ -120,13 +127,15 @@ class Metrics(Reporter):
     def _telemetry(self, gauge: Callable[..., Any], counter: Callable[..., Any]) -> Iterator[Any]:
         """The hosts' newest telemetry samples (telemetry/samples.parse_sample's shape)."""
         job = self.job
-        per_gpu = (("gpu_utilization_ratio", "util", "GPU utilisation, 0 to 1."),
-                   ("gpu_memory_used_bytes", "mem_used", "GPU memory in use."),
-                   ("gpu_memory_total_bytes", "mem_total", "GPU memory in all."),
-                   ("gpu_power_watts", "power_w", "GPU power draw."),
-                   ("gpu_temperature_celsius", "temp_c", "GPU temperature."),
-                   # A count that only rises until the driver reloads: a counter (rate() sees the reset).
-                   ("gpu_ecc_uncorrected_errors", "ecc_uncorrected", "Uncorrected ECC errors (volatile)."))
+        per_gpu = (
+            ("gpu_utilization_ratio", "util", "GPU utilisation, 0 to 1."),
+            ("gpu_memory_used_bytes", "mem_used", "GPU memory in use."),
+            ("gpu_memory_total_bytes", "mem_total", "GPU memory in all."),
+            ("gpu_power_watts", "power_w", "GPU power draw."),
+            ("gpu_temperature_celsius", "temp_c", "GPU temperature."),
+            # A count that only rises until the driver reloads: a counter (rate() sees the reset).
+            ("gpu_ecc_uncorrected_errors", "ecc_uncorrected", "Uncorrected ECC errors (volatile)."),
+        )
         for name, key, doc in per_gpu:
             family = (counter if key == "ecc_uncorrected" else gauge)(name, doc, ("host", "gpu"))
             for host, sample in sorted(self.samples.items()):
@@ -134,8 +143,10 @@ class Metrics(Reporter):
                     if g.get(key) is not None:
                         family.add_metric([job, host, str(g["index"])], g[key])
             yield family
-        per_container = (("container_cpu_cores", "cpu", "CPU cores the job's container uses (1: one core)."),
-                         ("container_memory_bytes", "mem", "Memory the job's container uses."))
+        per_container = (
+            ("container_cpu_cores", "cpu", "CPU cores the job's container uses (1: one core)."),
+            ("container_memory_bytes", "mem", "Memory the job's container uses."),
+        )
         for name, key, doc in per_container:
             family = gauge(name, doc, ("host", "container"))
             for host, sample in sorted(self.samples.items()):
@@ -154,6 +165,7 @@ class Metrics(Reporter):
     def serve(self, where: str) -> str:
         """Serve /metrics at `where` ([ADDR:]PORT); its URL. OSError when the port is taken."""
         from prometheus_client import start_http_server
+
         addr, port = listen_address(where)
         self.server, _ = start_http_server(port, addr, registry=self.registry)
         host = f"[{addr}]" if ":" in addr else addr

@@ -13,6 +13,7 @@ first line: readers read a long job's file from its tail (latest.tail_records), 
 would be out of sight, and a file copied or cut in part still says its version on every line. An
 object without `v` was written before the field existed and has version 1's shape.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,8 @@ from orchestrator.core import hostile
 from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter, Throttle
 
-NOTIFY_TIMEOUT = 10.0   # seconds one delivery (the command, or the POST) may take
-TRIES = 3               # attempts per delivery, BACKOFF s apart (doubling)
+NOTIFY_TIMEOUT = 10.0  # seconds one delivery (the command, or the POST) may take
+TRIES = 3  # attempts per delivery, BACKOFF s apart (doubling)
 BACKOFF = 1.0
 DRAIN = 3 * (NOTIFY_TIMEOUT + 2 * BACKOFF)  # the job's end waits at most this for undelivered ones
 
@@ -66,7 +67,7 @@ class Notices:
 
     def __init__(self, job: str, owner: str, started: bool = False, secrets: tuple[str, ...] = ()) -> None:
         self.job, self.owner = job, owner
-        self.started = started          # a job taken over was started by another process
+        self.started = started  # a job taken over was started by another process
         self.secrets = tuple(s for s in secrets if len(s) >= 4)
         self.hosts: list[str] = []
 
@@ -91,9 +92,15 @@ class Notices:
             detail = "" if state in ("finished", "failed", "stopped") else state
         if kind is None:
             return None
-        return {"event": kind, "job": self.job, "time": round(time.time(), 3), "owner": self.owner,
-                "attempt": f.get("attempt", f.get("attempts")), "hosts": list(self.hosts),
-                "detail": self.mask(hostile.text(detail))}
+        return {
+            "event": kind,
+            "job": self.job,
+            "time": round(time.time(), 3),
+            "owner": self.owner,
+            "attempt": f.get("attempt", f.get("attempts")),
+            "hosts": list(self.hosts),
+            "detail": self.mask(hostile.text(detail)),
+        }
 
     def mask(self, text: str) -> str:
         for s in self.secrets:
@@ -104,8 +111,13 @@ class Notices:
 def run_hook(command: str, payload: bytes, timeout: float = NOTIFY_TIMEOUT) -> str | None:
     """The command with the payload on stdin: None when it exited 0, else why not."""
     try:
-        r = subprocess.run(["/bin/sh", "-c", command], input=payload, capture_output=True, timeout=timeout,
-                           env={**os.environ, "FABTRAIN_NOTIFY": "1"})
+        r = subprocess.run(
+            ["/bin/sh", "-c", command],
+            input=payload,
+            capture_output=True,
+            timeout=timeout,
+            env={**os.environ, "FABTRAIN_NOTIFY": "1"},
+        )
     except subprocess.TimeoutExpired:
         return f"did not end within {timeout:g}s"
     except OSError as exc:
@@ -117,8 +129,12 @@ def run_hook(command: str, payload: bytes, timeout: float = NOTIFY_TIMEOUT) -> s
 
 def post(url: str, payload: bytes, timeout: float = NOTIFY_TIMEOUT) -> str | None:
     """POST the payload as JSON: None on a 2xx answer, else why not."""
-    req = urllib.request.Request(url, data=payload, method="POST",
-                                 headers={"Content-Type": "application/json", "User-Agent": "fabtrain"})
+    req = urllib.request.Request(
+        url,
+        data=payload,
+        method="POST",
+        headers={"Content-Type": "application/json", "User-Agent": "fabtrain"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - http(s) only (check_url)
             return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
@@ -131,8 +147,14 @@ def post(url: str, payload: bytes, timeout: float = NOTIFY_TIMEOUT) -> str | Non
 class Notifier(Reporter):
     """Delivers Notices of the events it is given, in order, from one thread (see the module)."""
 
-    def __init__(self, notices: Notices, command: str | None, url: str | None,
-                 warn: Callable[[str], None], backoff: float = BACKOFF) -> None:
+    def __init__(
+        self,
+        notices: Notices,
+        command: str | None,
+        url: str | None,
+        warn: Callable[[str], None],
+        backoff: float = BACKOFF,
+    ) -> None:
         self.notices, self.command, self.url, self.warn = notices, command, url, warn
         self.backoff = backoff
         self.queue: queue.Queue[dict | None] = queue.Queue()
@@ -154,8 +176,11 @@ class Notifier(Reporter):
             if self.command:
                 self.deliver("--notify", n["event"], functools.partial(run_hook, self.command, payload))
             if self.url:
-                self.deliver(f"--notify-url {shown_url(self.url)}", n["event"],
-                             functools.partial(post, self.url, payload))
+                self.deliver(
+                    f"--notify-url {shown_url(self.url)}",
+                    n["event"],
+                    functools.partial(post, self.url, payload),
+                )
 
     def deliver(self, target: str, event: str, send: Callable[[], str | None]) -> None:
         why = None
@@ -167,8 +192,9 @@ class Notifier(Reporter):
                 time.sleep(self.backoff * 2**i)
         if target not in self.warned:  # once per hook: a dead hook does not flood the job's output
             self.warned.add(target)
-            self.warn(f"notification {event} not delivered by {target} after {TRIES} tries: {why}; "
-                      "the job goes on")
+            self.warn(
+                f"notification {event} not delivered by {target} after {TRIES} tries: {why}; the job goes on"
+            )
 
     def close(self, within: float = DRAIN) -> None:
         """Deliver what is queued, waiting at most `within` seconds."""
@@ -182,8 +208,13 @@ class EventLog(Reporter):
     with `"v": EVENTS_VERSION`; with `only`, just those kinds (runs/JOB/telemetry.jsonl: the
     telemetry samples), else all but `skip`."""
 
-    def __init__(self, path: Path, enabled: bool = True, only: frozenset[str] | None = None,
-                 skip: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        path: Path,
+        enabled: bool = True,
+        only: frozenset[str] | None = None,
+        skip: frozenset[str] = frozenset(),
+    ) -> None:
         self.path, self.enabled = path, enabled  # off: a dry run writes nothing
         self.only, self.skip = only, skip
         self.lock = threading.Lock()
@@ -193,9 +224,10 @@ class EventLog(Reporter):
         if not self.enabled or event in self.skip or (self.only is not None and event not in self.only):
             return
         with self.lock:
-            lines = [json.dumps({"event": kind, "time": round(stamp, 3), **f, "v": EVENTS_VERSION},
-                                default=str)
-                     for kind, stamp, f in self.throttle.take(event, fields)]
+            lines = [
+                json.dumps({"event": kind, "time": round(stamp, 3), **f, "v": EVENTS_VERSION}, default=str)
+                for kind, stamp, f in self.throttle.take(event, fields)
+            ]
             if not lines:
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)

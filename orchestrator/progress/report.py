@@ -4,6 +4,7 @@ Drawn on this machine with matplotlib from what was fetched into runs/JOB: the t
 (`outputs/HOST/metrics.jsonl`, written by global rank 0 wherever it ran in each attempt) and every
 rank's step lines in `HOST.log`. The training image needs no plotting library.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,9 +78,13 @@ def rate_of(m: re.Match) -> float:
 def step_of(m: re.Match) -> dict:
     """A step line's figures: step, loss, tokens/s, and the interval's step and compute ms (None
     when the line has no times)."""
-    return {"step": int(m["step"]), "loss": float(m["loss"]), "tokens_per_s": rate_of(m),
-            "step_ms": float(m["step_ms"]) if m["step_ms"] else None,
-            "compute_ms": float(m["compute_ms"]) if m["compute_ms"] else None}
+    return {
+        "step": int(m["step"]),
+        "loss": float(m["loss"]),
+        "tokens_per_s": rate_of(m),
+        "step_ms": float(m["step_ms"]) if m["step_ms"] else None,
+        "compute_ms": float(m["compute_ms"]) if m["compute_ms"] else None,
+    }
 
 
 def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
@@ -95,8 +100,7 @@ def rank_steps(run_dir: Path) -> dict[str, list[re.Match]]:
 
 def rank_rates(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """'node1 rank0' -> [(step, tokens/s)] from every host's log."""
-    return {name: [(int(m["step"]), rate_of(m)) for m in ms]
-            for name, ms in rank_steps(run_dir).items()}
+    return {name: [(int(m["step"]), rate_of(m)) for m in ms] for name, ms in rank_steps(run_dir).items()}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -135,8 +139,11 @@ def timings(run_dir: Path) -> dict:
     by_host: dict[str, dict[str, list[Any]]] = {}  # ranks (names), step_ms, compute_ms, rates
     for name, ms in rank_steps(run_dir).items():
         rates = [rate_of(m) for m in ms]
-        entry = {"tokens_per_s_median": round(statistics.median(rates), 1),
-                 "tokens_per_s_p5": round(percentile(rates, 0.05), 1), "samples": len(ms)}
+        entry = {
+            "tokens_per_s_median": round(statistics.median(rates), 1),
+            "tokens_per_s_p5": round(percentile(rates, 0.05), 1),
+            "samples": len(ms),
+        }
         timed = [m for m in ms if m["compute_ms"]]
         if timed:
             step_ms = [float(m["step_ms"]) for m in timed]
@@ -151,10 +158,15 @@ def timings(run_dir: Path) -> dict:
             host["compute_ms"] += compute_ms
             host["rates"] += rates
         ranks[name] = entry
-    hosts = {h: {"ranks": v["ranks"], **{f"step_ms_{k}": x for k, x in _stats(v["step_ms"]).items()},
-                 **{f"compute_ms_{k}": x for k, x in _stats(v["compute_ms"]).items()},
-                 "tokens_per_s_median": round(statistics.median(v["rates"]), 1)}
-             for h, v in by_host.items()}
+    hosts = {
+        h: {
+            "ranks": v["ranks"],
+            **{f"step_ms_{k}": x for k, x in _stats(v["step_ms"]).items()},
+            **{f"compute_ms_{k}": x for k, x in _stats(v["compute_ms"]).items()},
+            "tokens_per_s_median": round(statistics.median(v["rates"]), 1),
+        }
+        for h, v in by_host.items()
+    }
     slow = stragglers({n: r["compute_ms_median"] for n, r in ranks.items() if "compute_ms_median" in r})
     return {
         "ranks": ranks,
@@ -168,13 +180,16 @@ def timings(run_dir: Path) -> dict:
 
 
 def straggler_line(rank: str, compute_ms: float, times: float) -> str:
-    return (f"straggler: {rank} takes {compute_ms:.1f} ms of compute per step, {times:.1f}x the median rank "
-            f"(more than {STRAGGLER_MARGIN:.0%} slower); the job runs at its pace")
+    return (
+        f"straggler: {rank} takes {compute_ms:.1f} ms of compute per step, {times:.1f}x the median rank "
+        f"(more than {STRAGGLER_MARGIN:.0%} slower); the job runs at its pace"
+    )
 
 
 def timing_table(data: dict) -> Table:
     """The end-of-run table: one row per host, then one per rank; stragglers in red."""
     from rich.table import Table
+
     slow = {s["rank"] for s in data.get("stragglers", [])}
     table = Table(title="step times (ms per optimizer step: median / p95)", title_justify="left")
     for col in ("host / rank", "step ms", "compute ms", "tokens/s", "samples"):
@@ -214,17 +229,25 @@ def describe_run(run_dir: Path) -> dict:
     model = args[args.index("--model") + 1] if "--model" in args[:-1] else None
     hosts = list(dict.fromkeys(h for a in attempts for h in a.get("hosts", [])))
     ends = [a["ended"] for a in attempts if a.get("ended")]
-    return {"job": rec.get("spec", {}).get("job_id", run_dir.name), "state": rec.get("state"),
-            "attempts": len(attempts), "hosts": hosts, "model": model,
-            "script": rec.get("spec", {}).get("script"), "on": (rec.get("backend") or {}).get("on", "ssh"),
-            "seconds": round(max(ends) - attempts[0]["started"], 1) if attempts and ends else None}
+    return {
+        "job": rec.get("spec", {}).get("job_id", run_dir.name),
+        "state": rec.get("state"),
+        "attempts": len(attempts),
+        "hosts": hosts,
+        "model": model,
+        "script": rec.get("spec", {}).get("script"),
+        "on": (rec.get("backend") or {}).get("on", "ssh"),
+        "seconds": round(max(ends) - attempts[0]["started"], 1) if attempts and ends else None,
+    }
 
 
 def figure(run_dirs: list[Path]) -> Figure:
     """Loss per step (train line, eval markers) and tokens/s per rank, one colour per run."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     samples = load_telemetry(run_dirs[0]) if len(run_dirs) == 1 else []
     rows = 3 if samples else 2
     fig, axes = plt.subplots(rows, 1, figsize=(9, 3.5 * rows), constrained_layout=True)
@@ -237,18 +260,28 @@ def figure(run_dirs: list[Path]) -> Figure:
         train, evals = load_metrics(run_dir)
         label = info["job"] if len(run_dirs) > 1 else ""
         if train:
-            line, = loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train],
-                                 label=f"{label} train".strip())
+            (line,) = loss_ax.plot(
+                [r["step"] for r in train], [r["loss"] for r in train], label=f"{label} train".strip()
+            )
             colour = line.get_color()
         else:
             colour = None
         if evals:
-            loss_ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o--", color=colour,
-                         label=f"{label} eval (per epoch)".strip())
+            loss_ax.plot(
+                [r["step"] for r in evals],
+                [r["loss"] for r in evals],
+                "o--",
+                color=colour,
+                label=f"{label} eval (per epoch)".strip(),
+            )
         for name, points in rank_rates(run_dir).items():
             # A rank's name is what its program printed: never matplotlib's $math$ markup.
-            rate_ax.plot([s for s, _ in points], [r for _, r in points],
-                         label=f"{label} {name}".strip().replace("$", r"\$"), linewidth=1)
+            rate_ax.plot(
+                [s for s, _ in points],
+                [r for _, r in points],
+                label=f"{label} {name}".strip().replace("$", r"\$"),
+                linewidth=1,
+            )
         parts = [info["job"]]
         if info.get("model"):
             parts.append(f"model {info['model']}")
@@ -307,8 +340,13 @@ def telemetry_panel(ax: Axes, samples: list[dict]) -> None:
     def plot(axis: Axes, series: dict[str, list[tuple[float, float]]], style: str = "-") -> None:
         for name, points in sorted(series.items()):
             # Names come from hosts: never matplotlib's $math$ markup.
-            axis.plot([p[0] for p in points], [p[1] for p in points], style, linewidth=1,
-                      label=name.replace("$", r"\$") + (" memory" if style != "-" else ""))
+            axis.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                style,
+                linewidth=1,
+                label=name.replace("$", r"\$") + (" memory" if style != "-" else ""),
+            )
 
     if gpu:
         plot(ax, gpu)
@@ -327,6 +365,7 @@ def telemetry_panel(ax: Axes, samples: list[dict]) -> None:
 
 def write_plot(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
+
     fig = figure(run_dirs)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -337,15 +376,20 @@ def summary(run_dir: Path) -> dict:
     """runs/JOB/summary.json: the run's record, final losses, per-rank and per-host step times and
     throughput, stragglers."""
     train, evals = load_metrics(run_dir)
-    return {**describe_run(run_dir), "final_train_loss": train[-1]["loss"] if train else None,
-            "final_eval_loss": evals[-1]["loss"] if evals else None,
-            "steps": train[-1]["step"] if train else None, **timings(run_dir),
-            "telemetry": telemetry_summary(load_telemetry(run_dir))}
+    return {
+        **describe_run(run_dir),
+        "final_train_loss": train[-1]["loss"] if train else None,
+        "final_eval_loss": evals[-1]["loss"] if evals else None,
+        "steps": train[-1]["step"] if train else None,
+        **timings(run_dir),
+        "telemetry": telemetry_summary(load_telemetry(run_dir)),
+    }
 
 
 def telemetry_summary(samples: list[dict]) -> dict:
     """Per host: telemetry/samples.summarise of its samples, and how many there were."""
     from orchestrator.telemetry.samples import summarise
+
     by_host: dict[str, list[dict]] = {}
     for rec in samples:
         by_host.setdefault(rec["host"], []).append(rec["sample"])
@@ -362,8 +406,11 @@ def gather_tensorboard(run_dir: Path) -> Path | None:
     shows one curve; a later attempt's purge_step drops the steps an earlier one logged past its
     snapshot, across hosts too. Regular files only, linked (or copied) as they came; None when
     there are none."""
-    found = [p for p in sorted(run_dir.glob(f"outputs/*/tb/{TB_FILES}"))[:TB_MAX]
-             if p.is_file() and not p.is_symlink()]
+    found = [
+        p
+        for p in sorted(run_dir.glob(f"outputs/*/tb/{TB_FILES}"))[:TB_MAX]
+        if p.is_file() and not p.is_symlink()
+    ]
     if not found:
         return None
     tb = run_dir / "tb"

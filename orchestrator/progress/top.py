@@ -9,6 +9,7 @@ there, the telemetry), all hosts at once, each within TOP_TIMEOUT; a host that d
 named and the others are shown. `snapshot` (pure) turns the answers into one JSON-able document,
 `render` (pure) into what the terminal shows; `take` and `live` do the I/O.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,12 +29,12 @@ from orchestrator.transport.remote import PerHost, Session, describe
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-REFRESH = 2.0          # seconds between two refreshes of the live view
-TOP_TIMEOUT = 20.0     # seconds one host has to answer a refresh (telemetry's tools are bounded inside)
+REFRESH = 2.0  # seconds between two refreshes of the live view
+TOP_TIMEOUT = 20.0  # seconds one host has to answer a refresh (telemetry's tools are bounded inside)
 STEPS_MARK = "@@fabtrain-top steps"
 TELEMETRY_MARK = "@@fabtrain-top telemetry"
-JOBS_MAX = 64          # jobs whose last step one host is asked for
-_PLACE = "JOBID"       # a job id's place in a path or a container name, filled in on the host
+JOBS_MAX = 64  # jobs whose last step one host is asked for
+_PLACE = "JOBID"  # a job id's place in a path or a container name, filled in on the host
 
 
 def steps_script(inv: Inventory) -> str:
@@ -44,21 +45,26 @@ def steps_script(inv: Inventory) -> str:
     root = f'{sshargs.shell([before])}"$j"'
     tail = touched.tail(root, jobspec.console_name(0), 8192)
     name_before, _, name_after = jobspec.container_name(_PLACE, 0).partition(_PLACE)
-    ps = sshargs.shell(["docker", "ps", *label_filter(None), "--format",
-                        '{{.Label "' + jobspec.LABEL_JOB + '"}} {{.Names}}'])
-    return (f"timeout -k 2 {TOOL_TIMEOUT} {ps} 2>/dev/null | head -n {JOBS_MAX} | while read -r j n; do "
-            # Only a job id's characters: the id goes into a path and a marker line.
-            'case "$j" in ""|*[!A-Za-z0-9._-]*) continue;; esac; '
-            f'[ "$n" = {sshargs.shell([name_before])}"$j"{sshargs.shell([name_after])} ] || continue; '
-            f'echo; echo "{survey.STEP_MARK}$j"; '
-            f'{tail} 2>/dev/null; done; true')
+    ps = sshargs.shell(
+        ["docker", "ps", *label_filter(None), "--format", '{{.Label "' + jobspec.LABEL_JOB + '"}} {{.Names}}']
+    )
+    return (
+        f"timeout -k 2 {TOOL_TIMEOUT} {ps} 2>/dev/null | head -n {JOBS_MAX} | while read -r j n; do "
+        # Only a job id's characters: the id goes into a path and a marker line.
+        'case "$j" in ""|*[!A-Za-z0-9._-]*) continue;; esac; '
+        f'[ "$n" = {sshargs.shell([name_before])}"$j"{sshargs.shell([name_after])} ] || continue; '
+        f'echo; echo "{survey.STEP_MARK}$j"; '
+        f"{tail} 2>/dev/null; done; true"
+    )
 
 
 def top_script(inv: Inventory) -> str:
     """One refresh of one host: the survey (survey.survey_script), the jobs' last steps
     (steps_script), the telemetry (telemetry_script, every container of ours), apart by marker lines."""
-    return (f"{survey.survey_script(inv)}; echo; echo {sshargs.shell([STEPS_MARK])}; {steps_script(inv)}; "
-            f"echo; echo {sshargs.shell([TELEMETRY_MARK])}; {telemetry_script(inv, None)}")
+    return (
+        f"{survey.survey_script(inv)}; echo; echo {sshargs.shell([STEPS_MARK])}; {steps_script(inv)}; "
+        f"echo; echo {sshargs.shell([TELEMETRY_MARK])}; {telemetry_script(inv, None)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,7 @@ def parse_answer(text: str) -> Answer:
     """top_script's output. The survey comes first: what a host's telemetry prints cannot reach it."""
     head, _, tele = text.partition(f"\n{TELEMETRY_MARK}\n")
     found, _, steps = head.partition(f"\n{STEPS_MARK}\n")
-    return Answer(survey.parse_survey(found), survey.parse_last_steps(steps.encode()),
-                  parse_sample(tele))
+    return Answer(survey.parse_survey(found), survey.parse_last_steps(steps.encode()), parse_sample(tele))
 
 
 # ------------------------------------------------------------------ the snapshot (pure)
@@ -118,13 +123,29 @@ def host_view(host: Host, answer: Answer) -> dict[str, Any]:
     for u in range(cap):
         h = held.get(u)
         g = gpus.get(u, {}) if host.gpu_vendor != "none" else {}
-        slots.append({"unit": u, "job": h.job if h else None,
-                      "who": (h.who or hj.owners.get(h.job) or None) if h else None,
-                      "util": g.get("util"), "mem_used": g.get("mem_used"), "mem_total": g.get("mem_total")})
+        slots.append(
+            {
+                "unit": u,
+                "job": h.job if h else None,
+                "who": (h.who or hj.owners.get(h.job) or None) if h else None,
+                "util": g.get("util"),
+                "mem_used": g.get("mem_used"),
+                "mem_total": g.get("mem_total"),
+            }
+        )
     containers = [{**c, "job": _job_of(c["name"], hj.containers)} for c in sample["containers"]]
-    return {"host": host.name, "answered": True, "error": None, "kind": claims.kind(host),
-            "vendor": sample["vendor"], "slots": slots, "containers": containers, "load": sample["host"],
-            "xid": sample["xid"], "telemetry_errors": sample["errors"]}
+    return {
+        "host": host.name,
+        "answered": True,
+        "error": None,
+        "kind": claims.kind(host),
+        "vendor": sample["vendor"],
+        "slots": slots,
+        "containers": containers,
+        "load": sample["host"],
+        "xid": sample["xid"],
+        "telemetry_errors": sample["errors"],
+    }
 
 
 def surveyed(answers: dict[str, Answer | str]) -> tuple[PerHost, dict[str, int]]:
@@ -138,8 +159,12 @@ def surveyed(answers: dict[str, Answer | str]) -> tuple[PerHost, dict[str, int]]
     return found, steps
 
 
-def snapshot(inv: Inventory, answers: dict[str, Answer | str], now: float,
-             before: dict[str, tuple[float, int]] | None = None) -> dict[str, Any]:
+def snapshot(
+    inv: Inventory,
+    answers: dict[str, Answer | str],
+    now: float,
+    before: dict[str, tuple[float, int]] | None = None,
+) -> dict[str, Any]:
     """The whole view as one JSON-able document: hosts (in the inventory's order), jobs (as
     `fab status` lists them, with the step rate since `before`: job -> (time, step) of the last
     refresh) and errors (a host that did not answer: `answers` holds the reason as text)."""
@@ -150,17 +175,39 @@ def snapshot(inv: Inventory, answers: dict[str, Answer | str], now: float,
         if isinstance(a, Answer):
             hosts.append(host_view(h, a))
         else:
-            hosts.append({"host": h.name, "answered": False, "error": a, "kind": claims.kind(h),
-                          "vendor": None, "slots": [], "containers": [], "load": None, "xid": [],
-                          "telemetry_errors": []})
+            hosts.append(
+                {
+                    "host": h.name,
+                    "answered": False,
+                    "error": a,
+                    "kind": claims.kind(h),
+                    "vendor": None,
+                    "slots": [],
+                    "containers": [],
+                    "load": None,
+                    "xid": [],
+                    "telemetry_errors": [],
+                }
+            )
     jobs = []
     for v in sorted(survey.job_views(found).values(), key=lambda v: (-v.since, v.job)):
         step = steps.get(v.job)
-        jobs.append({"job": v.job, "who": v.who or None, "state": v.state, "step": step,
-                     "rate": rate((before or {}).get(v.job), (now, step) if step is not None else None),
-                     "hosts": {n: list(u) if u is not None else None for n, u in v.hosts.items()}})
-    return {"time": now, "hosts": hosts, "jobs": jobs,
-            "errors": [a for n, a in answers.items() if not isinstance(a, Answer)]}
+        jobs.append(
+            {
+                "job": v.job,
+                "who": v.who or None,
+                "state": v.state,
+                "step": step,
+                "rate": rate((before or {}).get(v.job), (now, step) if step is not None else None),
+                "hosts": {n: list(u) if u is not None else None for n, u in v.hosts.items()},
+            }
+        )
+    return {
+        "time": now,
+        "hosts": hosts,
+        "jobs": jobs,
+        "errors": [a for n, a in answers.items() if not isinstance(a, Answer)],
+    }
 
 
 def readings(snap: dict[str, Any]) -> dict[str, tuple[float, int]]:
@@ -184,8 +231,10 @@ def _spans(slots: list[dict]) -> list[tuple[str, dict]]:
     out: list[tuple[str, dict]] = []
     start = 0
     for i in range(1, len(slots) + 1):
-        if i == len(slots) or (slots[i]["job"], slots[i]["who"]) != (slots[start]["job"],
-                                                                     slots[start]["who"]):
+        if i == len(slots) or (slots[i]["job"], slots[i]["who"]) != (
+            slots[start]["job"],
+            slots[start]["who"],
+        ):
             a, b = slots[start]["unit"], slots[i - 1]["unit"]
             out.append((str(a) if a == b else f"{a}-{b}", slots[start]))
             start = i
@@ -209,31 +258,52 @@ def render(snap: dict[str, Any]) -> RenderableType:
             continue
         load = h["load"] or {}
         where = t(h["host"])
-        where.append(f"\nload {load.get('load1') if load.get('load1') is not None else '-'}"
-                     f" / {load.get('cpus') or '-'} cpus\nmemory {_bytes(load.get('mem_used'))}"
-                     f" / {_bytes(load.get('mem_total'))}", style="dim")
-        rows = ([(f"GPU {s['unit']}", s) for s in h["slots"]] if h["kind"] == "GPU"
-                else [(f"slots {span}", s) for span, s in _spans(h["slots"])])
+        where.append(
+            f"\nload {load.get('load1') if load.get('load1') is not None else '-'}"
+            f" / {load.get('cpus') or '-'} cpus\nmemory {_bytes(load.get('mem_used'))}"
+            f" / {_bytes(load.get('mem_total'))}",
+            style="dim",
+        )
+        rows = (
+            [(f"GPU {s['unit']}", s) for s in h["slots"]]
+            if h["kind"] == "GPU"
+            else [(f"slots {span}", s) for span, s in _spans(h["slots"])]
+        )
         for i, (label, s) in enumerate(rows or [("-", {"job": None, "who": None})]):
-            memory = (f"{_bytes(s.get('mem_used'))} / {_bytes(s.get('mem_total'))}"
-                      if s.get("mem_total") is not None else "-")
-            units.add_row(where if i == 0 else "", label, t(s["job"] or "free", "" if s["job"] else "dim"),
-                          t(s["who"] or "-"), _pct(s.get("util")), memory)
+            memory = (
+                f"{_bytes(s.get('mem_used'))} / {_bytes(s.get('mem_total'))}"
+                if s.get("mem_total") is not None
+                else "-"
+            )
+            units.add_row(
+                where if i == 0 else "",
+                label,
+                t(s["job"] or "free", "" if s["job"] else "dim"),
+                t(s["who"] or "-"),
+                _pct(s.get("util")),
+                memory,
+            )
     containers = Table(title="containers")
     for col in ("host", "container", "job", "cpu (cores)", "memory"):
         containers.add_column(col, no_wrap=col == "container")
     for h in snap["hosts"]:
         for c in h["containers"]:
             limit = f" / {_bytes(c['mem_limit'])}" if c["mem_limit"] else ""
-            containers.add_row(t(h["host"]), t(c["name"]), t(c["job"] or "-"), f"{c['cpu']:.2f}",
-                               _bytes(c["mem"]) + limit)
+            containers.add_row(
+                t(h["host"]), t(c["name"]), t(c["job"] or "-"), f"{c['cpu']:.2f}", _bytes(c["mem"]) + limit
+            )
     jobs = Table(title="jobs")
     for col in ("job", "who", "state", "step", "steps/s", "hosts"):
         jobs.add_column(col, no_wrap=col == "job")
     for j in snap["jobs"]:
-        jobs.add_row(t(j["job"]), t(j["who"] or "-"), t(j["state"]),
-                     "-" if j["step"] is None else str(j["step"]),
-                     "-" if j["rate"] is None else f"{j['rate']:.2f}", t(", ".join(j["hosts"])))
+        jobs.add_row(
+            t(j["job"]),
+            t(j["who"] or "-"),
+            t(j["state"]),
+            "-" if j["step"] is None else str(j["step"]),
+            "-" if j["rate"] is None else f"{j['rate']:.2f}",
+            t(", ".join(j["hosts"])),
+        )
     parts: list[RenderableType] = [units]
     if containers.row_count:
         parts.append(containers)
@@ -253,13 +323,18 @@ def ask(session: Session, inv: Inventory) -> dict[str, Answer | str]:
 
     def one(h: Host) -> Answer:
         return parse_answer(session.run(h, script, timeout=TOP_TIMEOUT, what="fab top").stdout)
+
     got = session.fan_out(one, inv.all_hosts)
     by_name = {h.name: h for h in inv.all_hosts}
     return {n: a if isinstance(a, Answer) else describe(by_name[n], a) for n, a in got.items()}
 
 
-def take(session: Session, inv: Inventory, before: dict[str, tuple[float, int]] | None = None,
-         clock: Callable[[], float] = time.time) -> dict[str, Any]:
+def take(
+    session: Session,
+    inv: Inventory,
+    before: dict[str, tuple[float, int]] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> dict[str, Any]:
     """One refresh: the hosts' answers (ask), the snapshot."""
     return snapshot(inv, ask(session, inv), clock(), before)
 
@@ -276,8 +351,10 @@ def live(inv: Inventory, console: Console, every: float = REFRESH) -> None:
 
     before: dict[str, tuple[float, int]] = {}
     try:
-        with Session(inv.all_hosts) as session, Live(console=console, auto_refresh=False,
-                                                     transient=False) as view:
+        with (
+            Session(inv.all_hosts) as session,
+            Live(console=console, auto_refresh=False, transient=False) as view,
+        ):
             while True:
                 started = time.monotonic()
                 snap = take(session, inv, before)

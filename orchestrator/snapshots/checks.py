@@ -2,6 +2,7 @@
 host's listing of the job's snapshots, each command under its deadline; a try that gets no
 usable answer is a CopyFailed naming why. Snapshots (snapshots/store.py) copies, checks
 and places with these."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +27,7 @@ from orchestrator.snapshots.listings import (
 )
 from orchestrator.transport.remote import Session, describe
 
-LIST_TIMEOUT = 10     # find, mv, rm in the snapshot directory: metadata only
+LIST_TIMEOUT = 10  # find, mv, rm in the snapshot directory: metadata only
 # sha256sum reads the whole file: at a slow disk's 100 MB/s that is 30 GB of snapshot, well beyond
 # the medium preset's ~4 GB (weights and AdamW state), while a stuck disk is still named in time.
 CHECKSUM_TIMEOUT = 300
@@ -95,8 +96,9 @@ def remote_check(
     except Exception as exc:  # noqa: BLE001 - an unreachable host or a deadline: this try failed
         raise CopyFailed(f"no checksum from the host: {describe(host, exc)}") from None
     if not r.ok:
-        raise CopyFailed(f"stat/sha256sum on the host exited {r.exited}: "
-                         f"{hostile.text(r.stderr.strip())[-200:]}")
+        raise CopyFailed(
+            f"stat/sha256sum on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}"
+        )
     try:
         return parse(r.stdout)
     except ValueError as exc:
@@ -106,8 +108,14 @@ def remote_check(
 Warn = Callable[[str, str, str], None]  # (host, name as sent, why)
 
 
-def remote_newest(session: Session, host: Host, inv: Inventory, spec: jobspec.JobSpec,
-                  settle: float = 0.0, warn: Warn | None = None) -> str | None:
+def remote_newest(
+    session: Session,
+    host: Host,
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    settle: float = 0.0,
+    warn: Warn | None = None,
+) -> str | None:
     """The newest complete snapshot in the job's output directory on a host (None: none, or no
     answer); each name refused told to `warn`."""
     try:

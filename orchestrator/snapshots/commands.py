@@ -3,6 +3,7 @@ tells what they are for and how they are used), built by pure functions (Layout.
 checksum_command, manifest_command, rename_command, set_place_command, remove_command, and
 sshargs.fetch_file_argv / push_file_argv, fetch_set_argv / push_set_argv for the copies, with
 temp_name for the temporary names), so a job's plan can show exactly what runs."""
+
 from __future__ import annotations
 
 import posixpath
@@ -25,7 +26,7 @@ from orchestrator.snapshots.listings import (
 )
 
 PLACE_TMP = ".fabtrain-set-{}.tmp"  # a set pushed to a host, in the job's output directory, until checked
-REPLACED = ".fabtrain-replaced"     # where a host's files matching the glob, not in the set placed, go
+REPLACED = ".fabtrain-replaced"  # where a host's files matching the glob, not in the set placed, go
 
 
 def snapshots_dir(inv: Inventory, spec: jobspec.JobSpec) -> str:
@@ -125,16 +126,20 @@ class Layout:
     def local_names(self, local_dir: Path) -> list[str]:
         """The snapshots kept in local_dir (temporary copies and anything else ignored)."""
         if not self.pattern:
-            return [p.name for p in local_dir.iterdir() if SNAPSHOT_RE.fullmatch(p.name) and p.is_file()
-                    and not p.is_symlink()]
+            return [
+                p.name
+                for p in local_dir.iterdir()
+                if SNAPSHOT_RE.fullmatch(p.name) and p.is_file() and not p.is_symlink()
+            ]
         return [
             p.name
             for p in local_dir.iterdir()
             if SET_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
         ]
 
-    def push_commands(self, host: Host, inv: Inventory, spec: jobspec.JobSpec, name: str,
-                      local_dir: Path) -> tuple[list[str], str, str]:
+    def push_commands(
+        self, host: Host, inv: Inventory, spec: jobspec.JobSpec, name: str, local_dir: Path
+    ) -> tuple[list[str], str, str]:
         """One checked push of snapshot `name` (Snapshots.push): the rsync to a temporary name on the
         host, the host's sizes and SHA-256 of it, the rename into place."""
         return push_commands(
@@ -173,12 +178,18 @@ def push_commands(
     if SET_RE.fullmatch(posixpath.basename(local_file.rstrip("/"))):
         name = posixpath.basename(local_file.rstrip("/"))
         tmp = f"{remote_file}/{PLACE_TMP.format(name)}"
-        return (push_set_argv(host, local_file, tmp), manifest_command(tmp),
-                set_place_command(remote_file, PLACE_TMP.format(name), pattern))
+        return (
+            push_set_argv(host, local_file, tmp),
+            manifest_command(tmp),
+            set_place_command(remote_file, PLACE_TMP.format(name), pattern),
+        )
     tmp = temp_path(remote_file)
     guard = no_link_command(posixpath.dirname(remote_file))
-    return (sshargs.push_file_argv(host, local_file, tmp, guard), checksum_command(tmp),
-            rename_command(tmp, remote_file))
+    return (
+        sshargs.push_file_argv(host, local_file, tmp, guard),
+        checksum_command(tmp),
+        rename_command(tmp, remote_file),
+    )
 
 
 def temp_name(name: str) -> str:
@@ -201,6 +212,7 @@ def temp_path(path: str) -> str:
 
 
 # ---------------------------------------------------------------- the remote commands
+
 
 def list_command(inv: Inventory, spec: jobspec.JobSpec) -> str:
     """List the job's snapshots on a host; no output (and success) when there are none."""
@@ -254,16 +266,19 @@ REFUSED_MARK = "fabtrain: refused: "
 # on each component before anything is written through it. A check, then an act: fine here, as
 # a set is placed between attempts, when no container of the job runs to swap a folder for a
 # link in between (Snapshots.push, attempt.py's place steps).
-_NO_SH = ('no() { printf "' + REFUSED_MARK + '%s %s in the job output directory %s; nothing is written '
-          'through it\\n" "$1" "$2" "$(pwd)" >&2; exit 3; }; ')
-_PLACE_FUNCS = ('set -f; ' + _NO_SH
-                + 'dir() { p=; IFS=/; for c in $1; do '
-                '[ -z "$c" ] || [ "$c" = . ] && continue; [ "$c" = .. ] && no "$1" "goes up (..)"; '
-                'p=${p:+$p/}$c; if [ -L "$p" ]; then no "$p" "is a symbolic link"; '
-                'elif [ ! -e "$p" ]; then mkdir -- "$p" || exit 1; '
-                'elif [ ! -d "$p" ]; then no "$p" "is not a directory"; fi; done; unset IFS; }; '
-                'spot() { if [ -L "$1" ]; then rm -f -- "$1" || exit 1; '
-                'elif [ -d "$1" ]; then no "$1" "is a directory where a file goes"; fi; }; ')
+_NO_SH = (
+    'no() { printf "' + REFUSED_MARK + "%s %s in the job output directory %s; nothing is written "
+    'through it\\n" "$1" "$2" "$(pwd)" >&2; exit 3; }; '
+)
+_PLACE_FUNCS = (
+    "set -f; " + _NO_SH + "dir() { p=; IFS=/; for c in $1; do "
+    '[ -z "$c" ] || [ "$c" = . ] && continue; [ "$c" = .. ] && no "$1" "goes up (..)"; '
+    'p=${p:+$p/}$c; if [ -L "$p" ]; then no "$p" "is a symbolic link"; '
+    'elif [ ! -e "$p" ]; then mkdir -- "$p" || exit 1; '
+    'elif [ ! -d "$p" ]; then no "$p" "is not a directory"; fi; done; unset IFS; }; '
+    'spot() { if [ -L "$1" ]; then rm -f -- "$1" || exit 1; '
+    'elif [ -d "$1" ]; then no "$1" "is a directory where a file goes"; fi; }; '
+)
 
 
 def set_place_command(root: str, tmp: str, pattern: str) -> str:
@@ -283,15 +298,18 @@ def set_place_command(root: str, tmp: str, pattern: str) -> str:
     check = (
         _NO_SH + '[ -L "$0" ] && no "$0" "is a symbolic link"; [ -d "$0" ] || no "$0" "is not a directory"'
     )
-    move = _PLACE_FUNCS + ('for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; '
-                           'mv -f -- "$f" "$d" || exit 1; done')
+    move = _PLACE_FUNCS + (
+        'for f; do d=./${f#"$0"/}; dir "${d%/*}"; spot "$d"; mv -f -- "$f" "$d" || exit 1; done'
+    )
     steps = [sshargs.shell(["sh", "-c", check, "./" + tmp])]
     if pattern:
         p = "./" + pattern
         match = ["(", "-path", p, "-o", "-path", p + "/*", ")"]
-        aside = _PLACE_FUNCS + ('for f; do [ -e "$0/$f" ] && continue; '
-                                f'dir "{REPLACED}/${{f%/*}}"; spot "{REPLACED}/$f"; '
-                                f'mv -f -- "$f" "{REPLACED}/$f" || exit 1; done')
+        aside = _PLACE_FUNCS + (
+            'for f; do [ -e "$0/$f" ] && continue; '
+            f'dir "{REPLACED}/${{f%/*}}"; spot "{REPLACED}/$f"; '
+            f'mv -f -- "$f" "{REPLACED}/$f" || exit 1; done'
+        )
         steps += [
             sshargs.shell(
                 ["find", ".", *match, "-type", "f", "-exec", "sh", "-c", aside, "./" + tmp, "{}", "+"]
@@ -361,8 +379,18 @@ def push_set_argv(host: Host, local_dir: str, remote_dir: str) -> list[str]:
     points to (the name is given without a trailing slash, which would follow it). The path is
     quoted for the host's shell; it is the inventory's output directory and fabtrain's own name."""
     target = remote_dir.rstrip("/")
-    return ["rsync", "--recursive", "--times", "--mkpath", f"--timeout={sshargs.RSYNC_IO_TIMEOUT}",
-            "--info=progress2", *sshargs.RSYNC_PROTECT,
-            "--rsync-path", f"rm -rf -- {sshargs.shell([target])} && rsync",
-            "--rsh", sshargs.shell(sshargs.ssh_argv(host)),
-            local_dir.rstrip("/") + "/", sshargs.rsync_remote(host, target + "/")]
+    return [
+        "rsync",
+        "--recursive",
+        "--times",
+        "--mkpath",
+        f"--timeout={sshargs.RSYNC_IO_TIMEOUT}",
+        "--info=progress2",
+        *sshargs.RSYNC_PROTECT,
+        "--rsync-path",
+        f"rm -rf -- {sshargs.shell([target])} && rsync",
+        "--rsh",
+        sshargs.shell(sshargs.ssh_argv(host)),
+        local_dir.rstrip("/") + "/",
+        sshargs.rsync_remote(host, target + "/"),
+    ]

@@ -3,6 +3,7 @@ set (NUL-separated records, every name checked by hostile.relpath and the glob),
 one set and when it is complete (Settle), our snapshots' names, and the checksums a copy is
 checked by (Digest, Manifest). The commands that print these are in snapshots/commands.py; what
 runs them, in snapshots/store.py (whose docstring tells the whole story)."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -16,13 +17,13 @@ from orchestrator.core import hostile
 
 # Whole names only (fullmatch), in ASCII digits: [0-9], not \d, which takes other scripts' digits too.
 SNAPSHOT_RE = re.compile(r"snapshot-[0-9]{9}\.pt")  # ours
-SET_RE = re.compile(r"[0-9]{20}")                    # a program's checkpoint set
+SET_RE = re.compile(r"[0-9]{20}")  # a program's checkpoint set
 # A program's checkpoint set is complete, while the job runs, once two looks this far apart saw
 # the same files and its newest file is this old by the host's clock (snapshots/store.py's
 # docstring).
 SETTLE = 1.0
 MAX_SET_FILES = 10000  # files in one checkpoint set; a listing with more is not taken as a set
-END = "end"            # the last record of a set listing: the listing is whole (not cut, find succeeded)
+END = "end"  # the last record of a set listing: the listing is whole (not cut, find succeeded)
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint writes it last, once every rank's file is there
 
 
@@ -34,6 +35,7 @@ def newest(names: Iterable[str]) -> str | None:
 
 
 # ---------------------------------------------------------------- listings from hosts (pure)
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -116,8 +118,12 @@ def parse_listing(stdout: str, pattern: str) -> Listing | None:
         entries.append(Entry(clean, int(size), ns))
     if len(entries) > MAX_SET_FILES:
         whole = False
-    return Listing(now, tuple(sorted(entries, key=lambda e: e.path)),
-                   tuple((name, str(why)) for name, why in refused), whole)
+    return Listing(
+        now,
+        tuple(sorted(entries, key=lambda e: e.path)),
+        tuple((name, str(why)) for name, why in refused),
+        whole,
+    )
 
 
 @dataclass(frozen=True)
@@ -141,9 +147,12 @@ def checkpoint_set(entries: Sequence[Entry]) -> CheckpointSet | None:
     by_dir: dict[str, list[Entry]] = {}
     for e in entries:
         by_dir.setdefault(posixpath.dirname(e.path), []).append(e)
-    partial = sorted(d for d, es in by_dir.items()
-                     if any(e.path.endswith(".distcp") for e in es)
-                     and not any(posixpath.basename(e.path) == DCP_METADATA for e in es))
+    partial = sorted(
+        d
+        for d, es in by_dir.items()
+        if any(e.path.endswith(".distcp") for e in es)
+        and not any(posixpath.basename(e.path) == DCP_METADATA for e in es)
+    )
     files = tuple(
         sorted((e for e in entries if posixpath.dirname(e.path) not in partial), key=lambda e: e.path)
     )
@@ -184,7 +193,9 @@ def parse_names(stdout: str) -> list[str]:
     could have written that file itself. So ours need no NUL-separated list; a set's does."""
     return [n for n in stdout.split("\n") if SNAPSHOT_RE.fullmatch(n)]
 
+
 # ---------------------------------------------------------------- checking a copy
+
 
 @dataclass(frozen=True)
 class Digest:

@@ -68,6 +68,7 @@ in the output directory (the working directory's links into the code) are left a
 The commands are built by pure functions (snapshots/commands.py), so a job's plan can show
 exactly what runs; what hosts send back is read by snapshots/listings.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -121,9 +122,9 @@ from orchestrator.snapshots.listings import (
 )
 from orchestrator.transport.remote import Session, describe
 
-SNAPSHOT_POLL = 0.5   # seconds between looks for a new snapshot on rank 0's host (a find on an open SSH link)
-COPY_TRIES = 3        # tries per copy, the first included
-RETRY_PAUSE = 1.0     # seconds between two tries: a dropped link gets a moment to come back
+SNAPSHOT_POLL = 0.5  # seconds between looks for a new snapshot on rank 0's host (a find on an open SSH link)
+COPY_TRIES = 3  # tries per copy, the first included
+RETRY_PAUSE = 1.0  # seconds between two tries: a dropped link gets a moment to come back
 
 
 class _Refused(CopyFailed):
@@ -149,9 +150,16 @@ class Snapshots:
     (sshargs.fetch_file_argv / push_file_argv, fetch_set_argv / push_set_argv) as subprocess.run
     would, and returns what it returns; rsync's own --timeout ends a copy whose data stops moving."""
 
-    def __init__(self, run_dir: Path, inv: Inventory, spec: jobspec.JobSpec, keep: int, report: Report,
-                 copy: Callable[..., subprocess.CompletedProcess] | None = None,
-                 transfers: bars.Transfers | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        inv: Inventory,
+        spec: jobspec.JobSpec,
+        keep: int,
+        report: Report,
+        copy: Callable[..., subprocess.CompletedProcess] | None = None,
+        transfers: bars.Transfers | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest snapshot is kept (1 or more)")
         self.layout = layout(spec)
@@ -173,8 +181,11 @@ class Snapshots:
         if (host, name) in self.warned:
             return
         self.warned.add((host, name))
-        self.report(hostile.refusal(host, "checkpoint" if self.spec.checkpoint else "snapshot", name,
-                                    hostile.UnsafeName(why)))
+        self.report(
+            hostile.refusal(
+                host, "checkpoint" if self.spec.checkpoint else "snapshot", name, hostile.UnsafeName(why)
+            )
+        )
 
     def local_newest(self) -> str | None:
         """The newest snapshot in runs/JOB/snapshots (every one there was checked)."""
@@ -239,15 +250,21 @@ class Snapshots:
             _remove(tmp)
             _remove(tmp.with_name(tmp.name + ".files"))
         have = self.local_newest()
-        self.report(f"{host.name}: could not copy snapshot {name} to {self.dir} in {COPY_TRIES} tries "
-                    f"(last: {why}); {'still ' + have if have else 'no snapshot'} here to resume from. "
-                    f"Check {host.name}'s disk and the network if this repeats")
+        self.report(
+            f"{host.name}: could not copy snapshot {name} to {self.dir} in {COPY_TRIES} tries "
+            f"(last: {why}); {'still ' + have if have else 'no snapshot'} here to resume from. "
+            f"Check {host.name}'s disk and the network if this repeats"
+        )
         return False
 
     def _fetch_file(self, session: Session, host: Host, name: str, tmp: Path) -> None:
         want = remote_digest(session, host, self.remote_path(name))
-        self._copy(sshargs.fetch_file_argv(host, self.remote_path(name), str(tmp)),
-                   host.name, "snapshot fetch", want.size)
+        self._copy(
+            sshargs.fetch_file_argv(host, self.remote_path(name), str(tmp)),
+            host.name,
+            "snapshot fetch",
+            want.size,
+        )
         try:
             got = local_digest(tmp)
         except OSError as exc:
@@ -289,9 +306,14 @@ class Snapshots:
         listfile = tmp.with_name(tmp.name + ".files")
         listfile.write_bytes(b"".join(p.encode() + b"\0" for p in found.paths))
         link = self.local_newest()
-        self._copy(fetch_set_argv(host, root, str(listfile), str(tmp),
-                                  str(self.local_path(link).resolve()) if link else None),
-                   host.name, "snapshot fetch", sum(d.size for _, d in want.files))
+        self._copy(
+            fetch_set_argv(
+                host, root, str(listfile), str(tmp), str(self.local_path(link).resolve()) if link else None
+            ),
+            host.name,
+            "snapshot fetch",
+            sum(d.size for _, d in want.files),
+        )
         try:
             got = local_manifest(tmp)
         except OSError as exc:
@@ -304,7 +326,7 @@ class Snapshots:
 
     def _prune(self) -> None:
         """Keep the newest `keep` snapshots here (called with the lock held, after a checked copy)."""
-        for old in sorted(self.layout.local_names(self.dir))[:-self.keep]:
+        for old in sorted(self.layout.local_names(self.dir))[: -self.keep]:
             _remove(self.local_path(old))
 
     def follow(self, session: Session, rank0: Host, stop: threading.Event) -> threading.Thread:
@@ -336,6 +358,7 @@ class Snapshots:
             while not stop.wait(SNAPSHOT_POLL):
                 look()
             look()
+
         t = threading.Thread(target=loop, daemon=True, name="snapshot-copy")
         t.start()
         return t
@@ -357,8 +380,17 @@ class Snapshots:
         except CopyFailed:
             return False
 
-    def push(self, session: Session, host: Host, name: str, digest: Digest | Manifest, *,
-             argv: Sequence[str], check: str, rename: str) -> None:
+    def push(
+        self,
+        session: Session,
+        host: Host,
+        name: str,
+        digest: Digest | Manifest,
+        *,
+        argv: Sequence[str],
+        check: str,
+        rename: str,
+    ) -> None:
         """Copy runs/JOB/snapshots/`name` to its place on a host under temp_name (a set: into
         PLACE_TMP), check it there, and rename it into place (a set: set_place_command); UserError
         (also told to `report`) when every try failed. `argv`, `check` and `rename` are the plan's
@@ -378,8 +410,12 @@ class Snapshots:
                 why = str(exc)
                 # Removed, not left for the next try: rsync would skip a file whose size and time match.
                 try:
-                    session.run(host, remove_tree_command(tmp) if is_set else remove_command(tmp),
-                                timeout=LIST_TIMEOUT, what=f"removing {tmp}")
+                    session.run(
+                        host,
+                        remove_tree_command(tmp) if is_set else remove_command(tmp),
+                        timeout=LIST_TIMEOUT,
+                        what=f"removing {tmp}",
+                    )
                 except Exception:  # noqa: BLE001 - a host that does not answer fails the next try anyway
                     pass
                 if isinstance(exc, _Refused):  # the same the next time: not tried again
@@ -398,8 +434,16 @@ class Snapshots:
         self.report(line)
         raise UserError(line)
 
-    def _push_once(self, session: Session, host: Host, argv: Sequence[str], check: str, rename: str,
-                   tmp: str, digest: Digest | Manifest) -> None:
+    def _push_once(
+        self,
+        session: Session,
+        host: Host,
+        argv: Sequence[str],
+        check: str,
+        rename: str,
+        tmp: str,
+        digest: Digest | Manifest,
+    ) -> None:
         """One try of push: the copy, its check against `digest`, the rename; CopyFailed (_Refused:
         the rename refused a path) says why not."""
         is_set = isinstance(digest, Manifest)
@@ -408,28 +452,33 @@ class Snapshots:
         if isinstance(digest, Manifest):
             got_set = remote_check(session, host, check, parse_manifest, tmp)
             if got_set != digest:
-                raise CopyFailed(f"the host's copy ({got_set}) differs from this machine's "
-                                 f"({digest}): {got_set.differs(digest)}")
+                raise CopyFailed(
+                    f"the host's copy ({got_set}) differs from this machine's "
+                    f"({digest}): {got_set.differs(digest)}"
+                )
         else:
             got = remote_check(session, host, check, parse_checksum, tmp)
             if got != digest:
                 raise CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest})")
         try:
-            r = session.run(host, rename, timeout=CHECKSUM_TIMEOUT if is_set else LIST_TIMEOUT,
-                            what=f"renaming {tmp}")
+            r = session.run(
+                host, rename, timeout=CHECKSUM_TIMEOUT if is_set else LIST_TIMEOUT, what=f"renaming {tmp}"
+            )
         except Exception as exc:  # noqa: BLE001 - this try failed; the next one says more
             raise CopyFailed(f"mv on the host failed: {describe(host, exc)}") from None
         if not r.ok and REFUSED_MARK in r.stderr:
-            refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK):]
+            refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK) :]
             raise _Refused(hostile.line(refused.split("\n", 1)[0].strip(), 300))
         if not r.ok:
-            raise CopyFailed(
-                f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}"
-            )
+            raise CopyFailed(f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}")
 
 
-def run_copy(argv: list[str], capture_output: bool = True, text: bool = True,
-             on_output: Callable[[bytes], None] | None = None) -> subprocess.CompletedProcess:
+def run_copy(
+    argv: list[str],
+    capture_output: bool = True,
+    text: bool = True,
+    on_output: Callable[[bytes], None] | None = None,
+) -> subprocess.CompletedProcess:
     """subprocess.run for a copy's rsync; with `on_output`, its stdout (--info=progress2) handed
     over as it comes (bars.run_watched) and only its stderr kept."""
     if on_output is None:

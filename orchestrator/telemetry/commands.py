@@ -4,6 +4,7 @@ containers' CPU and memory, and the host's load and memory, each section after a
 caller runs it over SSH with its own deadline, and every tool in it is bounded here too (a hung
 nvidia-smi or Docker engine costs TOOL_TIMEOUT, not the caller's whole deadline), as is the whole
 output (OUTPUT_MAX bytes)."""
+
 from __future__ import annotations
 
 from orchestrator.config.inventory import Inventory
@@ -12,7 +13,14 @@ from orchestrator.hostcmds.sshargs import shell
 
 # The marker line before each section's output (parse_sample splits on these).
 NVIDIA, XID, AMD, AMD_LIST, ROCM, CONTAINERS, HOST = (
-    "nvidia", "xid", "amd", "amd-list", "rocm", "containers", "host")
+    "nvidia",
+    "xid",
+    "amd",
+    "amd-list",
+    "rocm",
+    "containers",
+    "host",
+)
 SECTIONS = (NVIDIA, XID, AMD, AMD_LIST, ROCM, CONTAINERS, HOST)
 MARK = "== "
 
@@ -21,18 +29,27 @@ MARK = "== "
 # (the sampler's 20 s, fab top's).
 TOOL_TIMEOUT = 4
 XID_TIMEOUT = 2
-OUTPUT_MAX = 256 * 1024   # bytes of the whole script's output kept on the host
-XID_LINES = 50            # the newest kernel XID lines sent
-CONTAINERS_MAX = 64       # containers whose stats are read (docker stats takes them all at once)
+OUTPUT_MAX = 256 * 1024  # bytes of the whole script's output kept on the host
+XID_LINES = 50  # the newest kernel XID lines sent
+CONTAINERS_MAX = 64  # containers whose stats are read (docker stats takes them all at once)
 
 # The fields of `nvidia-smi --query-gpu`, in the order parse_sample reads them. Units are left out
 # (nounits): memory in MiB, power in W, temperature in C, utilization in %. The clocks reasons as
 # NVML's bitmask: `clocks_throttle_reasons.active` is the name every driver knows; drivers from 535
 # on call it clocks_event_reasons and still answer to the old name (recorded on driver 580 in
 # tests/unit/recorded/nvidia-h100/nvidia-smi.txt: both queries print the same line).
-NVIDIA_FIELDS = ("index", "uuid", "pci.bus_id", "utilization.gpu", "memory.used", "memory.total",
-                 "power.draw", "temperature.gpu", "clocks_throttle_reasons.active",
-                 "ecc.errors.uncorrected.volatile.total")
+NVIDIA_FIELDS = (
+    "index",
+    "uuid",
+    "pci.bus_id",
+    "utilization.gpu",
+    "memory.used",
+    "memory.total",
+    "power.draw",
+    "temperature.gpu",
+    "clocks_throttle_reasons.active",
+    "ecc.errors.uncorrected.volatile.total",
+)
 NVIDIA_QUERY = ["nvidia-smi", f"--query-gpu={','.join(NVIDIA_FIELDS)}", "--format=csv,noheader,nounits"]
 # AMD: amd-smi (ROCm 6 on) where it is installed: usage, power, temperature, ECC and VRAM of every
 # GPU as JSON (only these: the whole `metric` reads clocks, PCIe, fans... and takes seconds on an
@@ -42,12 +59,23 @@ NVIDIA_QUERY = ["nvidia-smi", f"--query-gpu={','.join(NVIDIA_FIELDS)}", "--forma
 AMD_METRIC = ["amd-smi", "metric", "--usage", "--power", "--temperature", "--ecc", "--mem-usage", "--json"]
 AMD_METRIC_ALL = ["amd-smi", "metric", "--json"]
 AMD_LIST_ARGV = ["amd-smi", "list", "--json"]
-ROCM_QUERY = ["rocm-smi", "--showuse", "--showmemuse", "--showmeminfo", "vram", "--showpower", "--showtemp",
-              "--showbus", "--json"]
+ROCM_QUERY = [
+    "rocm-smi",
+    "--showuse",
+    "--showmemuse",
+    "--showmeminfo",
+    "vram",
+    "--showpower",
+    "--showtemp",
+    "--showbus",
+    "--json",
+]
 # The kernel's XID lines of this boot: dmesg, or where it is not permitted (kernel.dmesg_restrict) or
 # absent, the journal's kernel messages; neither needs a terminal. Nothing when neither can be read.
-XID_SOURCE = (f"{{ timeout -k 1 {XID_TIMEOUT} dmesg 2>/dev/null || "
-              f"timeout -k 1 {XID_TIMEOUT} journalctl -k -b -q --no-pager 2>/dev/null; }}")
+XID_SOURCE = (
+    f"{{ timeout -k 1 {XID_TIMEOUT} dmesg 2>/dev/null || "
+    f"timeout -k 1 {XID_TIMEOUT} journalctl -k -b -q --no-pager 2>/dev/null; }}"
+)
 
 
 def _bounded(argv: list[str]) -> str:

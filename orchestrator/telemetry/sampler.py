@@ -11,6 +11,7 @@ job.stop_idle, `on_idle` is called (the job is stopped as by fab stop).
 The sampler sits below the backends: it reads an SSH attempt's plan (backends/ssh/attempt.AttemptPlan)
 through `Sampled`, the few fields it needs, so that it names no backend's type.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,8 @@ if TYPE_CHECKING:
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.transport.remote import Session
 
-IDLE_UTIL = 0.01   # a GPU at most this busy (0 to 1) is idle
-MAX_WORKERS = 16   # hosts sampled at once
+IDLE_UTIL = 0.01  # a GPU at most this busy (0 to 1) is idle
+MAX_WORKERS = 16  # hosts sampled at once
 
 
 class SampleStep(Protocol):
@@ -94,10 +95,16 @@ def held(sample: dict, host: Host, units: tuple[int, ...] | None) -> dict:
 class Sampler:
     """Samples an attempt's hosts in the background (see the module's docstring) until `stop`."""
 
-    def __init__(self, session: Session, attempt: Sampled, emit: Callable[..., None],
-                 note: Callable[[str, str], None], on_idle: Callable[[str], None] | None = None,
-                 watched: Callable[[str], bool] = lambda host: True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        session: Session,
+        attempt: Sampled,
+        emit: Callable[..., None],
+        note: Callable[[str, str], None],
+        on_idle: Callable[[str], None] | None = None,
+        watched: Callable[[str], bool] = lambda host: True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.session, self.attempt, self.emit, self.note = session, attempt, emit, note
         self.watched = watched  # False: the host's node has ended, or the host is lost: not asked again
         self.on_idle, self.clock = on_idle, clock
@@ -108,7 +115,7 @@ class Sampler:
         self.steps = {s.where: s for s in attempt.steps if s.key == "telemetry"}
         self.hosts = [h for h in attempt.hosts if h.name in self.steps]
         self.busy: set[str] = set()
-        self.silent: set[str] = set()   # hosts named as not answering (named again once they do)
+        self.silent: set[str] = set()  # hosts named as not answering (named again once they do)
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
@@ -117,8 +124,9 @@ class Sampler:
     def start(self) -> None:
         if not self.every or not self.hosts:
             return
-        self.pool = ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(self.hosts)),
-                                       thread_name_prefix="telemetry")
+        self.pool = ThreadPoolExecutor(
+            max_workers=min(MAX_WORKERS, len(self.hosts)), thread_name_prefix="telemetry"
+        )
         self.thread = threading.Thread(target=self.run, daemon=True, name="telemetry")
         self.thread.start()
 
@@ -162,8 +170,15 @@ class Sampler:
         sample = held(parse_sample(r.stdout), h, self.attempt.units.get(h.name))
         self.emit("telemetry", host=h.name, sample=sample)
         for index, seconds in self.idle.see(h.name, sample.get("gpus", []), self.clock()):
-            self.note(f"{h.name} GPU {index}: idle (utilisation at most {IDLE_UTIL:.0%}) for {seconds:.0f}s "
-                      "while the job holds it" + ("; stopping the job (--stop-idle)" if self.stop_idle else
-                                                  "; --stop-idle would stop the job"), "warning")
+            self.note(
+                f"{h.name} GPU {index}: idle (utilisation at most {IDLE_UTIL:.0%}) for {seconds:.0f}s "
+                "while the job holds it"
+                + (
+                    "; stopping the job (--stop-idle)"
+                    if self.stop_idle
+                    else "; --stop-idle would stop the job"
+                ),
+                "warning",
+            )
             if self.stop_idle and self.on_idle is not None:
                 self.on_idle(f"{h.name} GPU {index} idle for {seconds:.0f}s")

@@ -17,6 +17,7 @@ A sample (JSON-able):
      "host": {"load1", "mem_used", "mem_total" (bytes), "cpus"},
      "errors": [str, ...]}
 """
+
 from __future__ import annotations
 
 import json
@@ -29,18 +30,18 @@ from orchestrator.core import hostile
 from orchestrator.telemetry import commands
 
 SAMPLE_KEYS = ("vendor", "gpus", "xid", "containers", "host", "errors")
-INPUT_MAX = 2 * commands.OUTPUT_MAX   # characters of a host's output read (the script cuts at half)
-LINE_MAX = 4096                       # characters of one line read (a real one is under 300)
-ERRORS_MAX = 20                       # error lines kept per sample; the rest counted in one more
+INPUT_MAX = 2 * commands.OUTPUT_MAX  # characters of a host's output read (the script cuts at half)
+LINE_MAX = 4096  # characters of one line read (a real one is under 300)
+ERRORS_MAX = 20  # error lines kept per sample; the rest counted in one more
 GPUS_MAX = 64
 CONTAINERS_MAX = commands.CONTAINERS_MAX
 
 # What a real machine can report; anything outside is garbage (None).
 MIB = 1024 * 1024
-MEM_MAX = 1 << 50           # bytes (1 PiB): a GPU's memory, a container's, a host's
-POWER_MAX = 10_000.0        # W, one GPU
-TEMP_MAX = 200.0            # C
-ECC_MAX = 10 ** 12
+MEM_MAX = 1 << 50  # bytes (1 PiB): a GPU's memory, a container's, a host's
+POWER_MAX = 10_000.0  # W, one GPU
+TEMP_MAX = 200.0  # C
+ECC_MAX = 10**12
 CPUS_MAX = 1 << 16
 LOAD_MAX = 1e6
 
@@ -59,18 +60,27 @@ THROTTLE_BITS = {
 _IDLE = 0x1
 _KNOWN_BITS = _IDLE | sum(THROTTLE_BITS)
 
-_NOT_A_VALUE = re.compile(r"^\[?\s*(n/a|not supported|unknown( error)?|insufficient permissions|gpu is lost|"
-                          r"requested functionality has been deprecated)\s*\]?$", re.I)
+_NOT_A_VALUE = re.compile(
+    r"^\[?\s*(n/a|not supported|unknown( error)?|insufficient permissions|gpu is lost|"
+    r"requested functionality has been deprecated)\s*\]?$",
+    re.I,
+)
 _BUS = re.compile(r"^(?:[0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 # The kernel's XID lines, as preflight/gpuparse.parse_xid reads them: "NVRM: Xid (PCI:0000:3b:00):
 # 79, pid=...", with a MIG instance "(PCI:0000:01:00 GPU-I:05)", and in old drivers without "PCI:".
-_XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})"
-                     r"(?:\.[0-9A-Fa-f])?(?:\s[^)]*)?\):\s*(\d{1,6})")
+_XID_RE = re.compile(
+    r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})"
+    r"(?:\.[0-9A-Fa-f])?(?:\s[^)]*)?\):\s*(\d{1,6})"
+)
 # docker stats sizes: "264MiB", "23.54GiB", "0B" (binary units: memory), "1.2kB", "3MB" (decimal
 # ones: what docker prints for network and block I/O).
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(B|[KMGTP]iB|[kKMGTP]B)\s*$")
-_UNITS = {"B": 1, **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
-          **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")}, "kB": 1000}
+_UNITS = {
+    "B": 1,
+    **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
+    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")},
+    "kB": 1000,
+}
 
 
 # ---------------------------------------------------------------- numbers
@@ -165,19 +175,37 @@ def sections(text: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in text.splitlines():
-        if line.startswith(commands.MARK) and line[len(commands.MARK):].strip() in commands.SECTIONS:
-            current = out.setdefault(line[len(commands.MARK):].strip(), [])
+        if line.startswith(commands.MARK) and line[len(commands.MARK) :].strip() in commands.SECTIONS:
+            current = out.setdefault(line[len(commands.MARK) :].strip(), [])
         elif current is not None:
             current.append(line)
     return out
 
 
-def _gpu(index: int, uuid: str = "", bus: str = "", util: float | None = None, mem_used: int | None = None,
-         mem_total: int | None = None, power_w: float | None = None, temp_c: float | None = None,
-         throttle: list[str] | None = None, ecc_uncorrected: int | None = None) -> dict[str, Any]:
-    return {"index": index, "uuid": uuid, "bus": bus, "util": util, "mem_used": mem_used,
-            "mem_total": mem_total, "power_w": power_w, "temp_c": temp_c, "throttle": throttle or [],
-            "ecc_uncorrected": ecc_uncorrected}
+def _gpu(
+    index: int,
+    uuid: str = "",
+    bus: str = "",
+    util: float | None = None,
+    mem_used: int | None = None,
+    mem_total: int | None = None,
+    power_w: float | None = None,
+    temp_c: float | None = None,
+    throttle: list[str] | None = None,
+    ecc_uncorrected: int | None = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "uuid": uuid,
+        "bus": bus,
+        "util": util,
+        "mem_used": mem_used,
+        "mem_total": mem_total,
+        "power_w": power_w,
+        "temp_c": temp_c,
+        "throttle": throttle or [],
+        "ecc_uncorrected": ecc_uncorrected,
+    }
 
 
 def _mib(value: Any) -> int | None:
@@ -202,9 +230,20 @@ def parse_nvidia(lines: list[str], errors: _Errors) -> list[dict]:
             errors.add("nvidia-smi", "unreadable line", line)
             continue
         _, uuid, bus, util, used, total, power, temp, reasons, ecc = cells
-        gpus.append(_gpu(index, plain(uuid, 80), bus_id(bus), _util(util), _mib(used), _mib(total),
-                         number(power, 0, POWER_MAX), number(temp, 0, TEMP_MAX),
-                         throttle_reasons(reasons), _int(ecc, ECC_MAX)))
+        gpus.append(
+            _gpu(
+                index,
+                plain(uuid, 80),
+                bus_id(bus),
+                _util(util),
+                _mib(used),
+                _mib(total),
+                number(power, 0, POWER_MAX),
+                number(temp, 0, TEMP_MAX),
+                throttle_reasons(reasons),
+                _int(ecc, ECC_MAX),
+            )
+        )
     return gpus
 
 
@@ -220,7 +259,7 @@ def _json(lines: list[str], section: str, errors: _Errors) -> Any:
     try:
         doc, _ = json.JSONDecoder().raw_decode(text, min(starts))
     except (ValueError, RecursionError):
-        errors.add(section, "unreadable JSON", text[min(starts):])
+        errors.add(section, "unreadable JSON", text[min(starts) :])
         return None
     return doc
 
@@ -282,12 +321,20 @@ def parse_amd(metric: list[str], listing: list[str], errors: _Errors) -> list[di
             temp = number(_value(_get(e, "temperature", "hotspot"))[0], 0, TEMP_MAX)
         throttled = str(_get(e, "power", "throttle_status") or "").upper() == "THROTTLED"
         uuid, bus = ids.get(index, ("", ""))
-        gpus.append(_gpu(index, uuid, bus, _util(_value(_get(e, "usage", "gfx_activity"))[0]),
-                         _amd_mem(_get(e, "mem_usage", "used_vram")),
-                         _amd_mem(_get(e, "mem_usage", "total_vram")),
-                         number(_value(_get(e, "power", "socket_power"))[0], 0, POWER_MAX), temp,
-                         ["throttled"] if throttled else [],
-                         _int(_value(_get(e, "ecc", "total_uncorrectable_count"))[0], ECC_MAX)))
+        gpus.append(
+            _gpu(
+                index,
+                uuid,
+                bus,
+                _util(_value(_get(e, "usage", "gfx_activity"))[0]),
+                _amd_mem(_get(e, "mem_usage", "used_vram")),
+                _amd_mem(_get(e, "mem_usage", "total_vram")),
+                number(_value(_get(e, "power", "socket_power"))[0], 0, POWER_MAX),
+                temp,
+                ["throttled"] if throttled else [],
+                _int(_value(_get(e, "ecc", "total_uncorrectable_count"))[0], ECC_MAX),
+            )
+        )
     return gpus
 
 
@@ -297,21 +344,30 @@ def parse_rocm(lines: list[str], errors: _Errors) -> list[dict]:
     if not isinstance(doc, dict):
         return []
     gpus = []
-    for card, f in list(doc.items())[:GPUS_MAX + 1]:
+    for card, f in list(doc.items())[: GPUS_MAX + 1]:
         m = re.fullmatch(r"card(\d{1,3})", str(card))
         if not m or not isinstance(f, dict):
             continue
 
         def first(*keys: str, f: dict = f) -> Any:
             return next((f[k] for k in keys if k in f), None)
+
         total = _int(first("VRAM Total Memory (B)"), MEM_MAX)
         used = _int(first("VRAM Total Used Memory (B)"), MEM_MAX)
         power = first("Average Graphics Package Power (W)", "Current Socket Graphics Package Power (W)")
         temp = number(first("Temperature (Sensor edge) (C)"), 0, TEMP_MAX)
-        gpus.append(_gpu(int(m.group(1)), plain(first("Unique ID") or "", 80), bus_id(first("PCI Bus")),
-                         _util(first("GPU use (%)")), used, total, number(power, 0, POWER_MAX),
-                         temp if temp is not None else number(first("Temperature (Sensor junction) (C)"), 0,
-                                                              TEMP_MAX)))
+        gpus.append(
+            _gpu(
+                int(m.group(1)),
+                plain(first("Unique ID") or "", 80),
+                bus_id(first("PCI Bus")),
+                _util(first("GPU use (%)")),
+                used,
+                total,
+                number(power, 0, POWER_MAX),
+                temp if temp is not None else number(first("Temperature (Sensor junction) (C)"), 0, TEMP_MAX),
+            )
+        )
     return gpus
 
 
@@ -367,9 +423,14 @@ def parse_host(lines: list[str], errors: _Errors) -> dict[str, Any]:
 def parse_sample(text: str) -> dict[str, Any]:
     """One sample from telemetry_script's output (the module's docstring says its shape)."""
     errors = _Errors()
-    sample: dict[str, Any] = {"vendor": "none", "gpus": [], "xid": [], "containers": [],
-                              "host": {"load1": None, "mem_used": None, "mem_total": None, "cpus": None},
-                              "errors": errors}
+    sample: dict[str, Any] = {
+        "vendor": "none",
+        "gpus": [],
+        "xid": [],
+        "containers": [],
+        "host": {"load1": None, "mem_used": None, "mem_total": None, "cpus": None},
+        "errors": errors,
+    }
     try:
         text = text if isinstance(text, str) else ""
         if len(text) > INPUT_MAX:
@@ -384,7 +445,7 @@ def parse_sample(text: str) -> dict[str, Any]:
         if commands.NVIDIA in found:
             sample["vendor"] = "nvidia"
             sample["gpus"] = parse_nvidia(found[commands.NVIDIA], errors)
-            sample["xid"] = parse_xid("\n".join(found.get(commands.XID, [])))[-commands.XID_LINES:]
+            sample["xid"] = parse_xid("\n".join(found.get(commands.XID, [])))[-commands.XID_LINES :]
         elif commands.AMD in found:
             sample["vendor"] = "amd"
             sample["gpus"] = parse_amd(found[commands.AMD], found.get(commands.AMD_LIST, []), errors)
@@ -417,13 +478,13 @@ def _max(values: list[Any]) -> Any:
 def summarise(samples: list[dict]) -> dict[str, Any]:
     """What one host's samples (in time order) add up to, for summary.json:
 
-        {"samples": n,
-         "gpus": [{"index", "uuid", "util_mean", "util_max", "mem_max", "temp_max", "power_max",
-                   "throttle": {reason: samples it was seen in}, "ecc_rise": last - first (None:
-                   not read twice)}],
-         "containers": [{"name", "cpu_mean", "cpu_max", "mem_max"}],
-         "xid_new": [[bus, code], ...] (in the last sample's kernel log, not in the first's),
-         "errors": error lines over all samples}
+    {"samples": n,
+     "gpus": [{"index", "uuid", "util_mean", "util_max", "mem_max", "temp_max", "power_max",
+               "throttle": {reason: samples it was seen in}, "ecc_rise": last - first (None:
+               not read twice)}],
+     "containers": [{"name", "cpu_mean", "cpu_max", "mem_max"}],
+     "xid_new": [[bus, code], ...] (in the last sample's kernel log, not in the first's),
+     "errors": error lines over all samples}
     """
     samples = [s for s in samples if isinstance(s, dict)]
     gpus: dict[int, list[dict]] = {}
@@ -437,22 +498,34 @@ def summarise(samples: list[dict]) -> dict[str, Any]:
     for index, seen in sorted(gpus.items()):
         mean, top = _stats([g["util"] for g in seen])
         ecc = [g["ecc_uncorrected"] for g in seen if g["ecc_uncorrected"] is not None]
-        gpu_rows.append({
-            "index": index, "uuid": next((g["uuid"] for g in seen if g["uuid"]), ""),
-            "util_mean": mean, "util_max": top, "mem_max": _max([g["mem_used"] for g in seen]),
-            "temp_max": _max([g["temp_c"] for g in seen]), "power_max": _max([g["power_w"] for g in seen]),
-            "throttle": dict(sorted(Counter(r for g in seen for r in set(g["throttle"])).items())),
-            "ecc_rise": ecc[-1] - ecc[0] if len(ecc) >= 2 else None,
-        })
+        gpu_rows.append(
+            {
+                "index": index,
+                "uuid": next((g["uuid"] for g in seen if g["uuid"]), ""),
+                "util_mean": mean,
+                "util_max": top,
+                "mem_max": _max([g["mem_used"] for g in seen]),
+                "temp_max": _max([g["temp_c"] for g in seen]),
+                "power_max": _max([g["power_w"] for g in seen]),
+                "throttle": dict(sorted(Counter(r for g in seen for r in set(g["throttle"])).items())),
+                "ecc_rise": ecc[-1] - ecc[0] if len(ecc) >= 2 else None,
+            }
+        )
     container_rows = []
     for name, seen in sorted(containers.items()):
         mean, top = _stats([c["cpu"] for c in seen])
-        container_rows.append({"name": name, "cpu_mean": mean, "cpu_max": top,
-                               "mem_max": _max([c["mem"] for c in seen])})
+        container_rows.append(
+            {"name": name, "cpu_mean": mean, "cpu_max": top, "mem_max": _max([c["mem"] for c in seen])}
+        )
     xid_new: list[list[Any]] = []
     if samples:
         first = Counter(tuple(x) for x in samples[0].get("xid") or [])
         last = Counter(tuple(x) for x in samples[-1].get("xid") or [])
         xid_new = [list(x) for x in (last - first).elements()]
-    return {"samples": len(samples), "gpus": gpu_rows, "containers": container_rows, "xid_new": xid_new,
-            "errors": sum(len(s.get("errors") or []) for s in samples)}
+    return {
+        "samples": len(samples),
+        "gpus": gpu_rows,
+        "containers": container_rows,
+        "xid_new": xid_new,
+        "errors": sum(len(s.get("errors") or []) for s in samples),
+    }

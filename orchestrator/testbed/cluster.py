@@ -6,6 +6,7 @@ that run the current host image, replaces stale ones, and loads the trainer imag
 image id differs. Host keys are read through `docker exec` (a trusted channel) and written to a
 known_hosts file, so host-key checking stays on.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -42,7 +43,7 @@ NETWORK = "fabtrain-net"
 SUBNET = "172.28.5.0/24"
 LABEL = "fabtrain.cluster"
 # Training containers share their host's /dev/shm (--ipc host); Docker's 64 MB default is too small.
-SHM_BYTES = 2 * 1024 ** 3
+SHM_BYTES = 2 * 1024**3
 # One directory every test host sees (a volume of this machine's engine), as a shared filesystem
 # (NFS, Lustre) is seen by the nodes of a Slurm cluster.
 SHARED_VOLUME = "fabtrain-shared"
@@ -50,14 +51,17 @@ SHARED_DIR = "/shared"
 # Docker-in-Docker without --privileged: every capability but the one this VM lacks, no seccomp,
 # AppArmor or masked /proc paths (the CLI's systempaths=unconfined), the cgroup tree writable, and a
 # volume for the inner engine.
-DIND_OPTS = dict(cap_add=["ALL"], cap_drop=["SYS_RESOURCE"],
-                 security_opt=["seccomp=unconfined", "apparmor=unconfined"])
+DIND_OPTS = dict(
+    cap_add=["ALL"], cap_drop=["SYS_RESOURCE"], security_opt=["seccomp=unconfined", "apparmor=unconfined"]
+)
 
 
 def node_infos(count: int, subnet: str = SUBNET) -> list[NodeInfo]:
     net = ipaddress.ip_network(subnet)
-    return [NodeInfo(f"node{i}", f"fabtrain-node{i}", str(net.network_address + 10 + i))
-            for i in range(1, count + 1)]
+    return [
+        NodeInfo(f"node{i}", f"fabtrain-node{i}", str(net.network_address + 10 + i))
+        for i in range(1, count + 1)
+    ]
 
 
 def _client() -> DockerClient:
@@ -66,8 +70,10 @@ def _client() -> DockerClient:
         client.ping()
         return client
     except docker.errors.DockerException as exc:
-        raise UserError(f"local Docker engine not reachable ({exc}); start it (sudo dockerd &) or run "
-                        f"bash docker/bootstrap.sh") from None
+        raise UserError(
+            f"local Docker engine not reachable ({exc}); start it (sudo dockerd &) or run "
+            f"bash docker/bootstrap.sh"
+        ) from None
 
 
 def build_images() -> None:
@@ -84,8 +90,10 @@ def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:
     state.mkdir(mode=0o700, exist_ok=True)
     key = state / "id_ed25519"
     if not key.exists():
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fabtrain-local-cluster",
-                        "-f", str(key)], check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fabtrain-local-cluster", "-f", str(key)],
+            check=True,
+        )
     return key, (state / "id_ed25519.pub").read_text().strip()
 
 
@@ -94,8 +102,9 @@ def _ensure_network(client: DockerClient, subnet: str) -> Network:
         net = client.networks.get(NETWORK)
         have = net.attrs["IPAM"]["Config"][0]["Subnet"]
         if have != subnet:
-            raise UserError(f"network {NETWORK} exists with subnet {have}, not {subnet}; "
-                            f"run 'fab cluster.down' first")
+            raise UserError(
+                f"network {NETWORK} exists with subnet {have}, not {subnet}; run 'fab cluster.down' first"
+            )
         return net
     except docker.errors.NotFound:
         ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet)])
@@ -121,16 +130,26 @@ def _ensure_node(client: DockerClient, node: NodeInfo, host_image_id: str) -> Co
     api = client.api
     host_config = api.create_host_config(
         shm_size=SHM_BYTES,
-        binds={"/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
-               f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"},
-               SHARED_VOLUME: {"bind": SHARED_DIR, "mode": "rw"}},
-        **DIND_OPTS)
+        binds={
+            "/sys/fs/cgroup": {"bind": "/sys/fs/cgroup", "mode": "rw"},
+            f"{node.container}-docker": {"bind": "/var/lib/docker", "mode": "rw"},
+            SHARED_VOLUME: {"bind": SHARED_DIR, "mode": "rw"},
+        },
+        **DIND_OPTS,
+    )
     host_config.update(MaskedPaths=[], ReadonlyPaths=[])
     net_config = api.create_networking_config(
-        {NETWORK: api.create_endpoint_config(ipv4_address=node.address)})
-    created = api.create_container(HOST_IMAGE, name=node.container, hostname=node.name,
-                                   host_config=host_config, networking_config=net_config,
-                                   labels={LABEL: "1"}, detach=True)
+        {NETWORK: api.create_endpoint_config(ipv4_address=node.address)}
+    )
+    created = api.create_container(
+        HOST_IMAGE,
+        name=node.container,
+        hostname=node.name,
+        host_config=host_config,
+        networking_config=net_config,
+        labels={LABEL: "1"},
+        detach=True,
+    )
     api.start(created["Id"])
     return client.containers.get(created["Id"])
 
@@ -149,13 +168,21 @@ def _wait_ready(container: Container, timeout: float = 90) -> None:
         if code == 0:
             return
         time.sleep(0.5)
-    raise UserError(f"{container.name}: its Docker engine or sshd did not start within {timeout:g}s; "
-                    f"see: docker exec {container.name} cat /var/log/dockerd.log")
+    raise UserError(
+        f"{container.name}: its Docker engine or sshd did not start within {timeout:g}s; "
+        f"see: docker exec {container.name} cat /var/log/dockerd.log"
+    )
 
 
-def up(count: int = 2, inventory_out: str | None = None, subnet: str = SUBNET,
-       images: tuple[str, ...] = (TRAINER_IMAGE,), log: Log = print, spares: int = 0,
-       slurm: bool = False) -> list[NodeInfo]:
+def up(
+    count: int = 2,
+    inventory_out: str | None = None,
+    subnet: str = SUBNET,
+    images: tuple[str, ...] = (TRAINER_IMAGE,),
+    log: Log = print,
+    spares: int = 0,
+    slurm: bool = False,
+) -> list[NodeInfo]:
     """`count` hosts and `spares` spare hosts (listed under spares: in the inventory); with `slurm`,
     the hosts (not the spares) are also a Slurm cluster."""
     if count < 1 or spares < 0:
@@ -219,9 +246,7 @@ def _prepare(client: DockerClient, node: NodeInfo, host_image_id: str, pubkey: s
         if len(host_key) >= 2:
             return f"{node.address} {host_key[0]} {host_key[1]}\n"
         time.sleep(0.5)
-    raise UserError(
-        f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh"
-    )
+    raise UserError(f"{c.name}: its SSH host key could not be read; see docker exec {c.name} ls -l /etc/ssh")
 
 
 def _push_images(inv: inventory.Inventory, images: tuple[str, ...], hosts: int, log: Log) -> None:
@@ -235,25 +260,43 @@ def _push_images(inv: inventory.Inventory, images: tuple[str, ...], hosts: int, 
                     "loading the trainer image failed: " + "; ".join(f"{r.host}: {r.detail}" for r in bad)
                 )
             sent = [r for r in results if r.action == "sent"]
-            log(f"{image}: sent to {len(sent)} host(s)"
+            log(
+                f"{image}: sent to {len(sent)} host(s)"
                 + (f" in {max(r.seconds for r in sent):.0f}s" if sent else "")
-                + f", already present on {hosts - len(sent)}")
+                + f", already present on {hosts - len(sent)}"
+            )
 
 
-def render_inventory(nodes: Sequence[NodeInfo], key: Path = STATE_DIR / "id_ed25519",
-                     known_hosts: Path = STATE_DIR / "known_hosts", spares: Sequence[NodeInfo] = (),
-                     slurm: bool = False) -> str:
+def render_inventory(
+    nodes: Sequence[NodeInfo],
+    key: Path = STATE_DIR / "id_ed25519",
+    known_hosts: Path = STATE_DIR / "known_hosts",
+    spares: Sequence[NodeInfo] = (),
+    slurm: bool = False,
+) -> str:
     """The inventory of these test hosts; with `slurm`, a slurm: section whose login node is the
     first host (Slurm's controller, where sbatch runs: fab train --on slurm)."""
-    lines = ["# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
-             "ssh:", "  user: root", f"  key: {key}", f"  known_hosts: {known_hosts}", "  config: none",
-             "job:", f"  image: {TRAINER_IMAGE}", "  nproc_per_node: 2"]
+    lines = [
+        "# Local Docker-in-Docker cluster, written by 'fab cluster.up'. Hosts are in rank order.",
+        "ssh:",
+        "  user: root",
+        f"  key: {key}",
+        f"  known_hosts: {known_hosts}",
+        "  config: none",
+        "job:",
+        f"  image: {TRAINER_IMAGE}",
+        "  nproc_per_node: 2",
+    ]
     for title, group in (("hosts:", nodes), ("spares:", spares)):
         if group:
             lines.append(title)
         for n in group:
-            lines += [f"  - name: {n.name}", f"    address: {n.address}", "    interface: eth0",
-                      "    gpus: {vendor: none, count: 0}"]
+            lines += [
+                f"  - name: {n.name}",
+                f"    address: {n.address}",
+                "    interface: eth0",
+                "    gpus: {vendor: none, count: 0}",
+            ]
     if slurm:
         lines += ["slurm:", f"  login: {nodes[0].address}"]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """A test host as a container of this machine's Docker engine (its name, container and address),
 commands run in it through `docker exec` (a trusted channel, no SSH), and where progress lines
 go: what the cluster (cluster) and its Slurm (slurmbed) both use."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

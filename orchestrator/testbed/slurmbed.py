@@ -1,5 +1,6 @@
 """The local cluster's test hosts as a Slurm cluster too (fab cluster.up --slurm): munged and
 slurmd on every host, slurmctld on the first, next to their sshd and Docker engine."""
+
 from __future__ import annotations
 
 import io
@@ -71,8 +72,9 @@ echo started
 """
 
 
-def slurm_up(client: DockerClient, nodes: list[NodeInfo], state: Path, log: Log = print,
-             timeout: float = 60) -> None:
+def slurm_up(
+    client: DockerClient, nodes: list[NodeInfo], state: Path, log: Log = print, timeout: float = 60
+) -> None:
     """The test hosts as a Slurm cluster (Debian's slurm-wlm and munge, in the host image): one
     munge key (kept in `state`, the cluster's state directory), one slurm.conf, slurmd everywhere,
     slurmctld on the first. Idempotent; SSH jobs on the same hosts are unaffected."""
@@ -80,12 +82,17 @@ def slurm_up(client: DockerClient, nodes: list[NodeInfo], state: Path, log: Log 
     if not key_file.exists():
         key_file.write_bytes(os.urandom(1024))
         key_file.chmod(0o600)
-    conf = SLURM_CONF.format(first=nodes[0].name, first_address=nodes[0].address, nodes="\n".join(
-        f"NodeName={n.name} NodeAddr={n.address} State=UNKNOWN" for n in nodes))
+    conf = SLURM_CONF.format(
+        first=nodes[0].name,
+        first_address=nodes[0].address,
+        nodes="\n".join(f"NodeName={n.name} NodeAddr={n.address} State=UNKNOWN" for n in nodes),
+    )
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w") as tar:
-        for name, data, mode in (("slurm/slurm.conf", conf.encode(), 0o644),
-                                 ("munge/munge.key.new", key_file.read_bytes(), 0o400)):
+        for name, data, mode in (
+            ("slurm/slurm.conf", conf.encode(), 0o644),
+            ("munge/munge.key.new", key_file.read_bytes(), 0o400),
+        ):
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), mode
             tar.addfile(info, io.BytesIO(data))
@@ -112,5 +119,7 @@ def slurm_up(client: DockerClient, nodes: list[NodeInfo], state: Path, log: Log 
             )
         time.sleep(0.5)
     started = sum(a == "started" for a in actions)
-    log(f"slurm up: controller on {nodes[0].name}, {len(nodes)} node(s) idle "
-        f"({started} started, {len(nodes) - started} already running)")
+    log(
+        f"slurm up: controller on {nodes[0].name}, {len(nodes)} node(s) idle "
+        f"({started} started, {len(nodes) - started} already running)"
+    )

@@ -1,5 +1,6 @@
 """A command's output, captured with bounded memory: a remote command's channel (drain) and a
 local process's pipes (run_capped)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -16,8 +17,9 @@ from orchestrator.core import hostile
 EOF_GRACE = 2.0
 
 
-def run_capped(argv: list[str], timeout: float,
-               on_output: Callable[[bytes], None] | None = None) -> tuple[int | None, bytes, bytes]:
+def run_capped(
+    argv: list[str], timeout: float, on_output: Callable[[bytes], None] | None = None
+) -> tuple[int | None, bytes, bytes]:
     """Run a local command, keeping at most OUTPUT_MAX bytes of each of its stdout and stderr:
     its exit status (None when it was killed at `timeout`), stdout, stderr. `on_output` sees every
     chunk of stdout as it comes (rsync's progress)."""
@@ -31,8 +33,10 @@ def run_capped(argv: list[str], timeout: float,
                 if on_output is not None and buf is bufs[0]:
                     on_output(chunk)
 
-    pumps = [threading.Thread(target=pump, args=(pipe, buf), daemon=True, name="local-output")
-             for pipe, buf in zip((proc.stdout, proc.stderr), bufs, strict=True)]
+    pumps = [
+        threading.Thread(target=pump, args=(pipe, buf), daemon=True, name="local-output")
+        for pipe, buf in zip((proc.stdout, proc.stderr), bufs, strict=True)
+    ]
     for t in pumps:
         t.start()
     deadline = time.monotonic() + timeout
@@ -45,7 +49,6 @@ def run_capped(argv: list[str], timeout: float,
     for t in pumps:  # a child (rsync's ssh) may hold the pipes a little longer
         t.join(max(5.0, deadline - time.monotonic()))
     return code, bufs[0].getvalue(), bufs[1].getvalue()
-
 
 
 class _AlsoSets(threading.Event):
@@ -102,4 +105,3 @@ def drain(chan: paramiko.Channel) -> tuple[bytes, bytes]:
     while chan.recv_stderr_ready():
         err.write(chan.recv_stderr(1 << 16))
     return out.getvalue(), err.getvalue()
-

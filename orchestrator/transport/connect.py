@@ -6,6 +6,7 @@ whose key is missing, changed or revoked (hostkeys.py). First contact is accepte
 (`fab cluster.up` records keys it read through `docker exec`; for real hosts, `ssh-keyscan` after
 comparing the fingerprint).
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,10 @@ from orchestrator.transport.hostkeys import HostKeyError, RejectUnknown, host_tr
 IDLE_WAKE = 1.0
 
 if tuple(int(x) for x in paramiko.__version__.split(".")[:2]) < (3, 4):
-    raise ImportError(f"paramiko {paramiko.__version__} is too old: 3.4 or newer is required "
-                      "(Terrapin fix); run: pip install -r requirements.txt")
+    raise ImportError(
+        f"paramiko {paramiko.__version__} is too old: 3.4 or newer is required "
+        "(Terrapin fix); run: pip install -r requirements.txt"
+    )
 
 
 def fds_needed(hosts: int) -> int:
@@ -49,6 +52,7 @@ def raise_fd_limit(want: int, resource_module: ResourceLimits | None = None) -> 
     """Raise this process's soft limit of open files to `want` (at most the hard limit): the
     usual soft limit of 1024 is met from about 300 hosts. The limit in force after."""
     import resource
+
     res = resource_module or resource
     soft, hard = res.getrlimit(res.RLIMIT_NOFILE)
     target = want if hard == res.RLIM_INFINITY else min(want, hard)
@@ -60,9 +64,13 @@ def raise_fd_limit(want: int, resource_module: ResourceLimits | None = None) -> 
 
 def connect_kwargs(ssh: SSH) -> dict:
     """What paramiko is given for one hop: the same keys as sshargs.ssh_argv gives OpenSSH."""
-    kwargs: dict = {"banner_timeout": ssh.connect_timeout, "auth_timeout": ssh.connect_timeout,
-                    # The agent is always asked too, so a passphrase-protected key loaded there works.
-                    "allow_agent": True, "look_for_keys": not ssh.keys}
+    kwargs: dict = {
+        "banner_timeout": ssh.connect_timeout,
+        "auth_timeout": ssh.connect_timeout,
+        # The agent is always asked too, so a passphrase-protected key loaded there works.
+        "allow_agent": True,
+        "look_for_keys": not ssh.keys,
+    }
     if ssh.keys:
         kwargs["key_filename"] = list(ssh.keys)
     return kwargs
@@ -75,10 +83,14 @@ def _open(ssh: SSH, label: str, sock: paramiko.Channel | None = None) -> Connect
     trust = host_trust(ssh)
     prefer: paramiko.PKey | None = None
     for attempt in range(2):
-        conn = Connection(ssh.hostname, user=ssh.user, port=ssh.port,
-                          config=Config(overrides={"load_ssh_configs": False}),
-                          connect_timeout=ssh.connect_timeout,
-                          connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})})
+        conn = Connection(
+            ssh.hostname,
+            user=ssh.user,
+            port=ssh.port,
+            config=Config(overrides={"load_ssh_configs": False}),
+            connect_timeout=ssh.connect_timeout,
+            connect_kwargs={**connect_kwargs(ssh), **({"sock": sock} if sock else {})},
+        )
         conn.client.set_missing_host_key_policy(RejectUnknown(label, ssh, trust))
         mine = conn.client.get_host_keys()
         given: dict[str, paramiko.PKey] = {}
@@ -144,8 +156,9 @@ class Gateways:
         """A direct-tcpip channel to `to` through the chain `hops` (None when there is none)."""
         if not hops:
             return None
-        return self.get(hops, host).transport.open_channel("direct-tcpip", (to.hostname, to.port), ("", 0),
-                                                          timeout=hops[-1].connect_timeout)
+        return self.get(hops, host).transport.open_channel(
+            "direct-tcpip", (to.hostname, to.port), ("", 0), timeout=hops[-1].connect_timeout
+        )
 
     def close(self) -> None:
         for conn in reversed(list(self._conns.values())):  # the last hops first
@@ -162,8 +175,9 @@ def connect_host(host: Host, gateways: Gateways) -> Connection:
     conn = _open(host.ssh, host.name, gateways.channel(tuple(host.ssh.jump), host.ssh, host))
     conn.transport.set_keepalive(int(host.ssh.keepalive))
     conn._fabtrain_alive = time.monotonic()
-    threading.Thread(target=_heartbeat, args=(conn, host.ssh.keepalive), daemon=True,
-                     name=f"heartbeat-{host.name}").start()
+    threading.Thread(
+        target=_heartbeat, args=(conn, host.ssh.keepalive), daemon=True, name=f"heartbeat-{host.name}"
+    ).start()
     return conn
 
 

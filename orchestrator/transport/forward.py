@@ -6,6 +6,7 @@ else happens: a LOCAL port that is taken is a clear error, not a line in ssh's o
 the host refuses (nothing listens there yet) is named and the forward goes on for the next one.
 Fabric's own forward_local ends at the first refused connection and polls its socket every 10 ms.
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,17 +39,29 @@ def listen(port: int, option: str = "LOCAL") -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise UserError(f"{option} port {port} on {LOOPBACK} is already in use on this machine; give "
-                            "another local port (fab forward JOB PORT --local LOCAL)", exit_code=2) from None
+            raise UserError(
+                f"{option} port {port} on {LOOPBACK} is already in use on this machine; give "
+                "another local port (fab forward JOB PORT --local LOCAL)",
+                exit_code=2,
+            ) from None
         if exc.errno == errno.EACCES:
-            raise UserError(f"{option} port {port}: only root may listen on ports below 1024 here; give a "
-                            "local port of 1024 or more", exit_code=2) from None
+            raise UserError(
+                f"{option} port {port}: only root may listen on ports below 1024 here; give a "
+                "local port of 1024 or more",
+                exit_code=2,
+            ) from None
         raise UserError(f"cannot listen on {LOOPBACK}:{port}: {exc.strerror}", exit_code=2) from None
     return sock
 
 
-def serve(session: Session, host: Host, remote_port: int, listener: socket.socket, stop: threading.Event,
-          warn: Callable[[str], None]) -> None:
+def serve(
+    session: Session,
+    host: Host,
+    remote_port: int,
+    listener: socket.socket,
+    stop: threading.Event,
+    warn: Callable[[str], None],
+) -> None:
     """Forward every connection to `listener` to 127.0.0.1:`remote_port` on the host until `stop` is
     set; UserError when the host stops answering (no keepalive reply for 4 intervals)."""
     listener.settimeout(TICK)
@@ -59,21 +72,34 @@ def serve(session: Session, host: Host, remote_port: int, listener: socket.socke
         except TimeoutError:
             alive = session.alive_since(host)
             if alive is not None and time.monotonic() - alive > lost_after:
-                raise UserError(f"{host.name}: no answer over SSH for {lost_after:g}s; the forward "
-                                "ended. Run fab forward again once the host answers") from None
+                raise UserError(
+                    f"{host.name}: no answer over SSH for {lost_after:g}s; the forward "
+                    "ended. Run fab forward again once the host answers"
+                ) from None
             continue
-        threading.Thread(target=_pipe, args=(session, host, remote_port, client, peer, warn), daemon=True,
-                         name=f"forward-{peer[1]}").start()
+        threading.Thread(
+            target=_pipe,
+            args=(session, host, remote_port, client, peer, warn),
+            daemon=True,
+            name=f"forward-{peer[1]}",
+        ).start()
 
 
-def _pipe(session: Session, host: Host, remote_port: int, client: socket.socket, peer: tuple[str, int],
-          warn: Callable[[str], None]) -> None:
+def _pipe(
+    session: Session,
+    host: Host,
+    remote_port: int,
+    client: socket.socket,
+    peer: tuple[str, int],
+    warn: Callable[[str], None],
+) -> None:
     """One forwarded connection, both ways, until either side closes."""
     with client:
         try:
             transport = session.connection(host).transport
-            channel = transport.open_channel("direct-tcpip", (LOOPBACK, remote_port), peer,
-                                             timeout=host.ssh.connect_timeout)
+            channel = transport.open_channel(
+                "direct-tcpip", (LOOPBACK, remote_port), peer, timeout=host.ssh.connect_timeout
+            )
         except paramiko.ChannelException as exc:
             # The host's sshd says why (connect failed: nothing listens there yet, or forwarding is
             # off); its text is the host's, so only its code is shown.

@@ -5,6 +5,7 @@ paramiko.HostKeys, which fails the whole file on one `@cert-authority` line and 
 `@revoked` nor wildcards. Host certificates are not checked (paramiko cannot): a host known only
 through a `@cert-authority` line is refused with the way to add its plain key.
 """
+
 from __future__ import annotations
 
 import binascii
@@ -45,14 +46,18 @@ class RejectUnknown(paramiko.MissingHostKeyPolicy):
 
 def _keyscan(ssh: SSH, key: paramiko.PKey) -> str:
     """How to check a host's key on the host and then accept it deliberately."""
-    return (f"Check that fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_"
-            f"{key.get_name().split('-')[-1]}_key.pub), then accept it deliberately: ssh-keyscan -p "
-            f"{ssh.port} {ssh.hostname} >> {ssh.known_hosts_file}")
+    return (
+        f"Check that fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_"
+        f"{key.get_name().split('-')[-1]}_key.pub), then accept it deliberately: ssh-keyscan -p "
+        f"{ssh.port} {ssh.hostname} >> {ssh.known_hosts_file}"
+    )
 
 
 def unknown_key(label: str, ssh: SSH, hostname: str, key: paramiko.PKey) -> str:
-    return (f"{label} ({hostname}): host key unknown ({key.get_name()} {key.fingerprint}), not in "
-            f"{', '.join(ssh.known_hosts + ssh.global_known_hosts)}. {_keyscan(ssh, key)}")
+    return (
+        f"{label} ({hostname}): host key unknown ({key.get_name()} {key.fingerprint}), not in "
+        f"{', '.join(ssh.known_hosts + ssh.global_known_hosts)}. {_keyscan(ssh, key)}"
+    )
 
 
 MARKERS = ("@cert-authority", "@revoked")
@@ -86,7 +91,8 @@ def hosts_match(name: str, field: str) -> bool:
         # ssh looks a host up by its name in lower case; a file written by another tool may not.
         return salted is not None and any(
             hmac.compare_digest(hmac.new(salted[0], n.encode(), sha1).digest(), salted[1])
-            for n in {name, name.lower()})
+            for n in {name, name.lower()}
+        )
     found = False
     for pattern in field.split(","):
         if pattern.startswith("!"):
@@ -101,8 +107,8 @@ def hosts_match(name: str, field: str) -> bool:
 class KnownKey:
     """One usable line of a known_hosts file."""
 
-    marker: str            # "", "@revoked" or "@cert-authority"
-    hosts: str             # the host field as written (patterns, or one hashed name)
+    marker: str  # "", "@revoked" or "@cert-authority"
+    hosts: str  # the host field as written (patterns, or one hashed name)
     key: paramiko.PKey
     path: str
     line: int
@@ -218,9 +224,9 @@ class HostTrust:
     ssh looks it up by."""
 
     name: str
-    keys: tuple[KnownKey, ...]          # plain lines, revoked keys left out
+    keys: tuple[KnownKey, ...]  # plain lines, revoked keys left out
     revoked: tuple[KnownKey, ...]
-    authorities: tuple[KnownKey, ...]   # @cert-authority lines (certificates are not checked)
+    authorities: tuple[KnownKey, ...]  # @cert-authority lines (certificates are not checked)
 
     def known(self, key: paramiko.PKey) -> bool:
         return any(e.key == key for e in self.keys)
@@ -229,19 +235,23 @@ class HostTrust:
         """Why `key`, presented by the host, is refused beyond being unknown (None if not)."""
         for e in self.revoked:
             if e.key == key:
-                return (f"{label} ({self.name}): host key {key.get_name()} {key.fingerprint} is REVOKED "
-                        f"(@revoked line {e.where}); refused, as ssh refuses it. The host needs a new "
-                        f"host key: make one there (ssh-keygen -A after removing the old "
-                        f"/etc/ssh/ssh_host_{key.get_name().split('-')[-1]}_key*), then check its "
-                        f"fingerprint and add it: ssh-keyscan -p {ssh.port} {ssh.hostname} >> "
-                        f"{ssh.known_hosts_file}; if the revocation is a mistake, remove line {e.line} "
-                        f"of {e.path}")
+                return (
+                    f"{label} ({self.name}): host key {key.get_name()} {key.fingerprint} is REVOKED "
+                    f"(@revoked line {e.where}); refused, as ssh refuses it. The host needs a new "
+                    f"host key: make one there (ssh-keygen -A after removing the old "
+                    f"/etc/ssh/ssh_host_{key.get_name().split('-')[-1]}_key*), then check its "
+                    f"fingerprint and add it: ssh-keyscan -p {ssh.port} {ssh.hostname} >> "
+                    f"{ssh.known_hosts_file}; if the revocation is a mistake, remove line {e.line} "
+                    f"of {e.path}"
+                )
         if self.authorities and not self.keys:
             first = self.authorities[0]
-            return (f"{label} ({self.name}): known only through the @cert-authority line {first.where}; "
-                    f"fabtrain checks host keys with paramiko, which does not verify host certificates, "
-                    f"so it does not accept CA-signed host keys. Add the host's plain key: "
-                    f"{_keyscan(ssh, key)}")
+            return (
+                f"{label} ({self.name}): known only through the @cert-authority line {first.where}; "
+                f"fabtrain checks host keys with paramiko, which does not verify host certificates, "
+                f"so it does not accept CA-signed host keys. Add the host's plain key: "
+                f"{_keyscan(ssh, key)}"
+            )
         return None
 
 
@@ -258,4 +268,3 @@ def host_trust(ssh: SSH) -> HostTrust:
     revoked = tuple(e for e in found if e.marker == "@revoked")
     keys = tuple(e for e in found if not e.marker and not any(r.key == e.key for r in revoked))
     return HostTrust(name, keys, revoked, tuple(e for e in found if e.marker == "@cert-authority"))
-

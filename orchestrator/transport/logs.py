@@ -4,6 +4,7 @@ log file per host on the local disk.
 Bytes are written to the host's file as they arrive (nothing is lost if the terminal is slow or
 gone); only complete lines go to the terminal, each whole, so lines of different hosts never mix.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,15 +33,24 @@ class Multiplexer:
     display stays below them; otherwise straight to `out` as bytes. A `board` (live.Board) sees
     every host's complete lines."""
 
-    def __init__(self, run_dir: Path, out: BinaryIO | None = None, colour: bool | None = None,
-                 echo: bool = True, console: Console | None = None,
-                 board: LineObserver | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        out: BinaryIO | None = None,
+        colour: bool | None = None,
+        echo: bool = True,
+        console: Console | None = None,
+        board: LineObserver | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.console, self.board = console, board
         self.out = out if out is not None else sys.stdout.buffer
         if colour is None:
-            colour = (console.is_terminal if console is not None else
-                      hasattr(self.out, "isatty") and self.out.isatty()) and "NO_COLOR" not in os.environ
+            colour = (
+                console.is_terminal
+                if console is not None
+                else hasattr(self.out, "isatty") and self.out.isatty()
+            ) and "NO_COLOR" not in os.environ
         self.colour = colour
         self.echo = echo
         self._lock = threading.Lock()
@@ -49,8 +59,9 @@ class Multiplexer:
     def sink(self, name: str, rank: int, width: int = 0) -> HostSink:
         name = hostile.component(name)  # it names a file in run_dir: never a path out of it
         label = f"{name} r{rank}".ljust(width)
-        prefix = (f"\x1b[{COLOURS[rank % len(COLOURS)]}m{label} |\x1b[0m " if self.colour
-                  else f"{label} | ").encode()
+        prefix = (
+            f"\x1b[{COLOURS[rank % len(COLOURS)]}m{label} |\x1b[0m " if self.colour else f"{label} | "
+        ).encode()
         return HostSink(self, self.run_dir / f"{name}.log", prefix, name)
 
     def write(self, data: bytes) -> None:
@@ -99,8 +110,8 @@ class HostSink:
         self._partial = data[cut:]
         if not cut:
             return
-        block = hostile.text_bytes(data[:cut - 1])  # complete lines, without the last newline
-        self.tail.extend(block.rsplit(b"\n", self.tail_lines)[-self.tail_lines:])
+        block = hostile.text_bytes(data[: cut - 1])  # complete lines, without the last newline
+        self.tail.extend(block.rsplit(b"\n", self.tail_lines)[-self.tail_lines :])
         if self.mux.board is not None:
             self.mux.board.observe(self.name, block)
         if self.mux.echo:
@@ -140,4 +151,4 @@ def missing_output(received_total: int, received_tail: bytes, tail: bytes, tail_
     first = tail.find(received_tail)
     if first < 0 or tail.find(received_tail, first + 1) >= 0:
         return None
-    return tail[first + len(received_tail):]
+    return tail[first + len(received_tail) :]

@@ -1,5 +1,6 @@
 """The one place that talks SSH: a Session of open connections (connect.py), fan-out, commands
 bounded by deadlines, streaming."""
+
 from __future__ import annotations
 
 import heapq
@@ -30,10 +31,11 @@ class CommandTimedOut(UserError):
     """A remote step that did not finish within its deadline (a stuck engine, disk or script)."""
 
     def __init__(self, host: Host, what: str, seconds: float) -> None:
-        super().__init__(f"{host.name}: no answer within {seconds:g}s ({what}); the host answers SSH "
-                         f"but the command hangs: check its Docker engine and disks")
+        super().__init__(
+            f"{host.name}: no answer within {seconds:g}s ({what}); the host answers SSH "
+            f"but the command hangs: check its Docker engine and disks"
+        )
         self.host, self.what, self.seconds = host, what, seconds
-
 
 
 @dataclass
@@ -56,29 +58,41 @@ def describe(host: Host, exc: BaseException) -> str:
         return hostile.line(str(exc), 2000)
     if isinstance(exc, paramiko.PasswordRequiredException):
         keys = " ".join(host.ssh.keys) or "your key"
-        return (f"{where}: the key {keys} is encrypted and no ssh-agent holds it; fabtrain never asks "
-                f"for passphrases: run 'eval $(ssh-agent); ssh-add {keys}' first")
+        return (
+            f"{where}: the key {keys} is encrypted and no ssh-agent holds it; fabtrain never asks "
+            f"for passphrases: run 'eval $(ssh-agent); ssh-add {keys}' first"
+        )
     if isinstance(exc, paramiko.BadHostKeyException):
-        return (f"{where}: host key CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}). "
-                f"This may be an attack or a reinstalled host; if you know it was reinstalled, "
-                f"remove its line from {host.ssh.known_hosts_file} and accept the new key deliberately")
+        return (
+            f"{where}: host key CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}). "
+            f"This may be an attack or a reinstalled host; if you know it was reinstalled, "
+            f"remove its line from {host.ssh.known_hosts_file} and accept the new key deliberately"
+        )
     if isinstance(exc, paramiko.AuthenticationException):
-        return (f"{where}: SSH key authentication failed; install the public key of "
-                f"{host.ssh.key or 'your agent'} in ~{host.ssh.user}/.ssh/authorized_keys there")
+        return (
+            f"{where}: SSH key authentication failed; install the public key of "
+            f"{host.ssh.key or 'your agent'} in ~{host.ssh.user}/.ssh/authorized_keys there"
+        )
     if isinstance(exc, paramiko.ChannelException):
-        return (f"{where}: the jump host could not open a connection to {host.ssh.hostname}:"
-                f"{host.ssh.port} ({hostile.line(str(exc.text), 200)}); check the address as the jump "
-                f"host sees it")
+        return (
+            f"{where}: the jump host could not open a connection to {host.ssh.hostname}:"
+            f"{host.ssh.port} ({hostile.line(str(exc.text), 200)}); check the address as the jump "
+            f"host sees it"
+        )
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return f"{where}: no answer within {host.ssh.connect_timeout:g}s; is the host up and sshd running?"
     if isinstance(exc, (ConnectionRefusedError, paramiko.ssh_exception.NoValidConnectionsError)):
         return f"{where}: connection refused; start sshd there or fix ssh.port in the inventory"
     if isinstance(exc, socket.gaierror):
-        return (f"{where}: cannot resolve {host.ssh.hostname}; check the address, or the Host entry in "
-                f"your ssh_config")
+        return (
+            f"{where}: cannot resolve {host.ssh.hostname}; check the address, or the Host entry in "
+            f"your ssh_config"
+        )
     if isinstance(exc, OSError):
-        return (f"{where}: cannot connect: {hostile.line(str(exc.strerror or exc))}; check the address and "
-                f"the network")
+        return (
+            f"{where}: cannot connect: {hostile.line(str(exc.strerror or exc))}; check the address and "
+            f"the network"
+        )
     # paramiko's SSHException text quotes what the server sent (a banner it could not read).
     return f"{where}: {type(exc).__name__}: {hostile.line(str(exc))}"
 
@@ -113,7 +127,7 @@ def failure(host: Host, result: Result | BaseException, what: str) -> str | None
 
 def _tail(stderr: str, limit: int = 200) -> str:
     """The end of a command's stderr (where its error is) as one safe line of at most `limit`."""
-    end = stderr[-8 * limit:]
+    end = stderr[-8 * limit :]
     return hostile.line(end, 3 * len(end))[-limit:]  # each newline becomes ' | ': never cut there
 
 
@@ -181,8 +195,9 @@ class Command:
     following only, whose liveness the keepalive watcher bounds instead.
     """
 
-    def __init__(self, session: Session, host: Host, command: str, timeout: float | None,
-                 what: str = "") -> None:
+    def __init__(
+        self, session: Session, host: Host, command: str, timeout: float | None, what: str = ""
+    ) -> None:
         self.session, self.host, self.command, self.timeout = session, host, command, timeout
         self.what = what or command[:60]
         self.expired = False
@@ -218,8 +233,9 @@ class Command:
         if self._timer is not None:
             DEADLINES.cancel(self._timer)
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._cancel()
         if self.chan is not None:
             self.chan.close()
@@ -230,8 +246,9 @@ class Command:
     def channel(self) -> paramiko.Channel:
         """The command's open channel: there is one inside the `with` block (__enter__ opens it)."""
         if self.chan is None:
-            raise RuntimeError(f"{self.host.name}: {self.what}: the command is not open (use it in a "
-                               f"with block)")
+            raise RuntimeError(
+                f"{self.host.name}: {self.what}: the command is not open (use it in a with block)"
+            )
         return self.chan
 
     def recv(self, n: int = 1 << 16) -> bytes:
@@ -256,8 +273,7 @@ class Session:
         self._lock = threading.Lock()
         self.gateways = Gateways()
         raise_fd_limit(fds_needed(len(self.hosts)))
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.hosts)),
-                                        thread_name_prefix="ssh")
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.hosts)), thread_name_prefix="ssh")
 
     def connection(self, host: Host) -> Connection:
         with self._lock:
@@ -285,8 +301,9 @@ class Session:
         """A remote command with a deadline, for callers that talk to it (see Command)."""
         return Command(self, host, command, timeout, what)
 
-    def run(self, host: Host, command: str, timeout: float = 60, stdin: bytes | None = None,
-            what: str = "") -> Result:
+    def run(
+        self, host: Host, command: str, timeout: float = 60, stdin: bytes | None = None, what: str = ""
+    ) -> Result:
         """Run one command string (already quoted once, see sshargs.shell) and capture its output;
         CommandTimedOut if it has not finished within `timeout` seconds."""
         start = time.monotonic()
@@ -296,11 +313,18 @@ class Session:
                 cmd.close_stdin()
             out, err = drain(cmd.channel)
             code = cmd.exit_status()
-        return Result(out.decode(errors="replace"), err.decode(errors="replace"), code,
-                      time.monotonic() - start)
+        return Result(
+            out.decode(errors="replace"), err.decode(errors="replace"), code, time.monotonic() - start
+        )
 
-    def stream(self, host: Host, command: str, on_data: Callable[[bytes], None],
-               chunk: int = 1 << 16, timeout: float | None = None) -> int:
+    def stream(
+        self,
+        host: Host,
+        command: str,
+        on_data: Callable[[bytes], None],
+        chunk: int = 1 << 16,
+        timeout: float | None = None,
+    ) -> int:
         """Run a command, passing its combined stdout/stderr to on_data as it arrives; exit code."""
         with self.command(host, command, timeout) as cmd:
             cmd.channel.set_combine_stderr(True)
@@ -317,8 +341,9 @@ class Session:
         if not r.ok:
             raise UserError(f"{host.name}: cannot write {path}: {_tail(r.stderr)}")
 
-    def local(self, argv: list[str], timeout: float,
-              on_output: Callable[[bytes], None] | None = None) -> Result:
+    def local(
+        self, argv: list[str], timeout: float, on_output: Callable[[bytes], None] | None = None
+    ) -> Result:
         """Run a command on this machine (rsync to or from a host): the one place a job starts a
         local process, so a recording stand-in sees those too. Its stdout and stderr are capped like
         a remote command's (drain): what rsync prints can be the host's (its shell's stderr).
@@ -327,8 +352,12 @@ class Session:
         code, out, err = run_capped(argv, timeout, on_output)
         out_text, err_text = out.decode(errors="replace"), err.decode(errors="replace")
         if code is None:
-            return Result(out_text, f"{err_text}\n{argv[0]} did not finish within {timeout:g}s", 124,
-                          time.monotonic() - start)
+            return Result(
+                out_text,
+                f"{err_text}\n{argv[0]} did not finish within {timeout:g}s",
+                124,
+                time.monotonic() - start,
+            )
         return Result(out_text, err_text, code, time.monotonic() - start)
 
     def alive_since(self, host: Host) -> float | None:
@@ -352,8 +381,6 @@ class Session:
         self.close()
 
 
-
-
 def put_command(path: str, mode: int = 0o600) -> str:
     """Write the command's stdin to `path` (its directory made if missing), created private and then
     given `mode`: the bytes (a secret, a batch script) travel on stdin, never on a command line.
@@ -374,4 +401,3 @@ def put_command(path: str, mode: int = 0o600) -> str:
         '( set -C; exec 3> "$f" && cat >&3 && chmod "$2" /dev/fd/3 )'
     )
     return sshargs.shell(["sh", "-c", script, "sh", path, f"{mode:o}"])
-

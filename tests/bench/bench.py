@@ -31,6 +31,7 @@ Brings the local cluster up at each size and measures, as medians of --repeat ru
 Prints a table per size and writes the raw numbers as JSON. Only the project's own test hosts and
 loopback are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,18 +79,29 @@ class Baselines:
         self.inv = inv
         h = inv.hosts[0]
         self.ssh_opts = sshargs.ssh_argv(h)[1:]  # same key, known_hosts and strict host-key checking
-        self.env = dict(os.environ, PDSH_RCMD_TYPE="ssh",
-                        PDSH_SSH_ARGS_APPEND=" ".join(shlex.quote(x) for x in self.ssh_opts[2:]))
+        self.env = dict(
+            os.environ,
+            PDSH_RCMD_TYPE="ssh",
+            PDSH_SSH_ARGS_APPEND=" ".join(shlex.quote(x) for x in self.ssh_opts[2:]),
+        )
         self.hostlist = ",".join(f"{x.ssh.user}@{x.address}" for x in inv.hosts)
 
     def pdsh(self, command: str, capture=False):
-        return subprocess.run(["pdsh", "-f", str(len(self.inv.hosts)), "-w", self.hostlist, command],
-                              env=self.env, capture_output=True, text=not capture, check=False)
+        return subprocess.run(
+            ["pdsh", "-f", str(len(self.inv.hosts)), "-w", self.hostlist, command],
+            env=self.env,
+            capture_output=True,
+            text=not capture,
+            check=False,
+        )
 
     def serial(self, commands: dict[str, str]):
         for h in self.inv.hosts:
-            subprocess.run(["ssh", *self.ssh_opts, f"{h.ssh.user}@{h.address}", commands[h.name]],
-                           capture_output=True, check=False)
+            subprocess.run(
+                ["ssh", *self.ssh_opts, f"{h.ssh.user}@{h.address}", commands[h.name]],
+                capture_output=True,
+                check=False,
+            )
 
 
 def rm_all(session, inv):
@@ -97,11 +109,17 @@ def rm_all(session, inv):
 
 
 def bench_launch(inv, base: Baselines, repeat: int) -> dict:
-    res = {"fabtrain_started": [], "pdsh_started": [], "serial_started": [], "all_initialised": [],
-           "all_gone": []}
+    res = {
+        "fabtrain_started": [],
+        "pdsh_started": [],
+        "serial_started": [],
+        "all_initialised": [],
+        "all_gone": [],
+    }
     for i in range(repeat):
-        spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/bench/scripts/init_exit.py",
-                            nproc_per_node="1")
+        spec = jobspec.JobSpec(
+            job_id=jobspec.new_job_id("bench"), script="tests/bench/scripts/init_exit.py", nproc_per_node="1"
+        )
         t0 = time.perf_counter()
         wall0 = time.time()
         with Session(inv.hosts) as session:
@@ -111,8 +129,12 @@ def bench_launch(inv, base: Baselines, repeat: int) -> dict:
             result = watch(session, a, run_dir, echo=False)
             steps.end_quiet(session, a)
             gone = time.perf_counter() - t0
-        inits = [float(line.split()[1]) for f in run_dir.glob("*.log") for line in f.read_text().splitlines()
-                 if line.startswith("INIT ")]
+        inits = [
+            float(line.split()[1])
+            for f in run_dir.glob("*.log")
+            for line in f.read_text().splitlines()
+            if line.startswith("INIT ")
+        ]
         assert result.ok and len(inits) == len(inv.hosts), (result, inits)
         res["fabtrain_started"].append(started)
         res["all_initialised"].append(max(inits) - wall0)
@@ -150,8 +172,14 @@ def bench_sync(inv, base: Baselines, repeat: int) -> dict:
     res = {"fabtrain_nochange": [], "rsync_loop_nochange": [], "fabtrain_50mb": [], "rsync_loop_50mb": []}
 
     def rsync_loop():
-        procs = [subprocess.Popen(sshargs.rsync_argv(h, str(src), code_dir), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL) for h in inv.hosts]
+        procs = [
+            subprocess.Popen(
+                sshargs.rsync_argv(h, str(src), code_dir),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for h in inv.hosts
+        ]
         for p in procs:
             p.wait()
 
@@ -173,8 +201,12 @@ def bench_sync(inv, base: Baselines, repeat: int) -> dict:
 def bench_preflight(inv_path, repeat: int) -> dict:
     res = {"fab_preflight_no_smoke": []}
     for _ in range(repeat):
-        dt, p = timed(subprocess.run, [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
-                      cwd=ROOT, capture_output=True)
+        dt, p = timed(
+            subprocess.run,
+            [FAB, "preflight", "--no-smoke", "--inventory", str(inv_path)],
+            cwd=ROOT,
+            capture_output=True,
+        )
         res["fab_preflight_no_smoke"].append(dt)
     return res
 
@@ -184,8 +216,13 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
     how long the whole CLI of preflight, status and stop takes to name it, beside a healthy
     preflight measured in the same run."""
     victim = f"fabtrain-{inv.hosts[-1].name}"
-    res: dict[str, list] = {"healthy_preflight": [], "frozen_preflight": [], "frozen_status": [],
-                            "frozen_stop": [], "named": []}
+    res: dict[str, list] = {
+        "healthy_preflight": [],
+        "frozen_preflight": [],
+        "frozen_status": [],
+        "frozen_stop": [],
+        "named": [],
+    }
 
     def cli(*args):
         return timed(
@@ -196,6 +233,7 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
             text=True,
             timeout=300,
         )
+
     for _ in range(repeat):
         res["healthy_preflight"].append(cli("preflight", "--no-smoke")[0])
         subprocess.run(
@@ -220,8 +258,12 @@ def bench_frozen(inv, inv_path, repeat: int) -> dict:
 
 
 def _sleep_job(session, inv):
-    spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/integration/scripts/report.py",
-                        args=("--sleep", "300"), nproc_per_node="1")
+    spec = jobspec.JobSpec(
+        job_id=jobspec.new_job_id("bench"),
+        script="tests/integration/scripts/report.py",
+        args=("--sleep", "300"),
+        nproc_per_node="1",
+    )
     return steps.start_quiet(session, inv, spec)
 
 
@@ -259,8 +301,11 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
         spec = a.spec
         time.sleep(2)
         holder = {}
-        t = threading.Thread(target=lambda: holder.update(r=watch(
-            session, a, Path(tempfile.mkdtemp(prefix="bench-fault-")), echo=False)))
+        t = threading.Thread(
+            target=lambda: holder.update(
+                r=watch(session, a, Path(tempfile.mkdtemp(prefix="bench-fault-")), echo=False)
+            )
+        )
         t.start()
         time.sleep(1)
         t_fault = time.perf_counter()
@@ -268,8 +313,12 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
         try:
             t.join()
             rest = tuple(h for h in inv.hosts if h.name != victim.name)
-            left = session.fan_out(lambda h: session.run(h, sshargs.shell(
-                ["docker", "ps", "-q", *dockerargs.label_filter(spec.job_id)])).stdout.strip(), rest)
+            left = session.fan_out(
+                lambda h: session.run(
+                    h, sshargs.shell(["docker", "ps", "-q", *dockerargs.label_filter(spec.job_id)])
+                ).stdout.strip(),
+                rest,
+            )
             took = time.perf_counter() - t_fault
             assert not any(left.values()) and not holder["r"].ok, left
         finally:
@@ -282,19 +331,32 @@ def _time_to_rest_gone(inv, fault, undo=None) -> float:
 
 def bench_failure(inv, repeat: int) -> dict:
     """One container killed: time until every other container of the job is gone."""
+
     def kill(victim, spec):
-        subprocess.run(["docker", "exec", f"fabtrain-{victim.name}", "docker", "kill",
-                        jobspec.container_name(spec.job_id, victim.rank)], capture_output=True)
+        subprocess.run(
+            [
+                "docker",
+                "exec",
+                f"fabtrain-{victim.name}",
+                "docker",
+                "kill",
+                jobspec.container_name(spec.job_id, victim.rank),
+            ],
+            capture_output=True,
+        )
+
     return {"kill_to_all_gone": [_time_to_rest_gone(inv, kill) for _ in range(repeat)]}
 
 
 def bench_paused(inv, repeat: int) -> dict:
     """A frozen host (its whole test-host container paused): time until the rest of the job is gone."""
+
     def pause(victim, spec):
         cluster.freeze(victim.name)
 
     def unpause(victim):
         cluster.thaw(victim.name)
+
     return {"pause_to_rest_gone": [_time_to_rest_gone(inv, pause, unpause) for _ in range(repeat)]}
 
 
@@ -303,8 +365,12 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
     n_hosts = len(inv.hosts)
     for _ in range(repeat):
         # One process per node (the entrypoint and torchrun as in any job, then the printing script).
-        spec = jobspec.JobSpec(job_id=jobspec.new_job_id("bench"), script="tests/bench/scripts/spew.py",
-                            args=(str(lines),), nproc_per_node="1")
+        spec = jobspec.JobSpec(
+            job_id=jobspec.new_job_id("bench"),
+            script="tests/bench/scripts/spew.py",
+            args=(str(lines),),
+            nproc_per_node="1",
+        )
         term = tempfile.NamedTemporaryFile(prefix="bench-term-", delete=False)
         run_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
         with Session(inv.hosts) as session:
@@ -368,6 +434,7 @@ def bench_logs(inv, base: Baselines, repeat: int, lines: int) -> dict:
 def table(n: int, r: dict) -> str:
     def ms(x):
         return f"{med(x) * 1000:.0f} ms"
+
     rows = [
         (
             "launch: all containers started",
@@ -415,8 +482,12 @@ def table(n: int, r: dict) -> str:
         ),
     ]
     w = max(len(x[0]) for x in rows)
-    out = [f"\n## {n} hosts (medians of {len(r['launch']['fabtrain_started'])})", "",
-           f"| {'measure'.ljust(w)} | fabtrain | baseline | ratio |", f"|{'-' * (w + 2)}|---|---|---|"]
+    out = [
+        f"\n## {n} hosts (medians of {len(r['launch']['fabtrain_started'])})",
+        "",
+        f"| {'measure'.ljust(w)} | fabtrain | baseline | ratio |",
+        f"|{'-' * (w + 2)}|---|---|---|",
+    ]
     out += [f"| {a.ljust(w)} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(out)
 
@@ -475,6 +546,7 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
     warm restarts (the default) and cold ones (job.warm_restarts: false), and the container killed
     with the inventory's spare kept hot (job.hot_spares: the spare takes the last host's rank)."""
     import yaml
+
     last = inv.hosts[-1].name
     doc = yaml.safe_load(inv_path.read_text())
     paths = {}
@@ -484,10 +556,21 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
             changed.pop("spares", None)
         paths[mode] = inv_path.with_name(f"inventory-{mode}.yaml")
         paths[mode].write_text(yaml.safe_dump(changed))
-    kills = {"worker": cluster.KILL_ONE_WORKER,
-             "container": "docker kill $(docker ps -q --filter label=fabtrain.managed=1)"}
-    ways = [w for w in (("worker", "warm"), ("worker", "cold"), ("container", "warm"), ("container", "cold"),
-                        ("container", "hot")) if f"{w[0]}-{w[1]}" in WAYS and (w[1] != "hot" or inv.spares)]
+    kills = {
+        "worker": cluster.KILL_ONE_WORKER,
+        "container": "docker kill $(docker ps -q --filter label=fabtrain.managed=1)",
+    }
+    ways = [
+        w
+        for w in (
+            ("worker", "warm"),
+            ("worker", "cold"),
+            ("container", "warm"),
+            ("container", "cold"),
+            ("container", "hot"),
+        )
+        if f"{w[0]}-{w[1]}" in WAYS and (w[1] != "hot" or inv.spares)
+    ]
     r: dict[str, list[float]] = {}
     for _ in range(repeat):
         for kill, mode in ways:
@@ -500,10 +583,17 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
 def recovery_table(n: int, r: dict) -> str:
     """Medians (min - max) of bench_recovery's numbers, one row per way, seconds after the kill."""
     cols = ("detected", "stage_plan", "stage_start", "stage_watch", "first_step")
-    rows = [f"| {n} hosts | " + " | ".join(c.removeprefix("stage_") for c in cols) + " |",
-            "|---" * (len(cols) + 1) + "|"]
-    for kill, mode in (("worker", "warm"), ("worker", "cold"), ("container", "warm"), ("container", "cold"),
-                       ("container", "hot")):
+    rows = [
+        f"| {n} hosts | " + " | ".join(c.removeprefix("stage_") for c in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
+    for kill, mode in (
+        ("worker", "warm"),
+        ("worker", "cold"),
+        ("container", "warm"),
+        ("container", "cold"),
+        ("container", "hot"),
+    ):
         cells = []
         for c in cols:
             xs = r.get(f"{kill}_{mode}_{c}", [])
@@ -514,8 +604,24 @@ def recovery_table(n: int, r: dict) -> str:
 
 
 def recover_once(inv_path: Path, last: str, kill: str) -> dict[str, float]:
-    run = Lines([FAB, "train", "--inventory", str(inv_path), "--model", "tiny", "--epochs", "50", "--json",
-                 "--restarts", "1", "--skip-preflight", "--args", "--snapshot-every 10 --log-every 1"])
+    run = Lines(
+        [
+            FAB,
+            "train",
+            "--inventory",
+            str(inv_path),
+            "--model",
+            "tiny",
+            "--epochs",
+            "50",
+            "--json",
+            "--restarts",
+            "1",
+            "--skip-preflight",
+            "--args",
+            "--snapshot-every 10 --log-every 1",
+        ]
+    )
     r: dict[str, float] = {}
     try:
         run.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20)
@@ -523,17 +629,30 @@ def recover_once(inv_path: Path, last: str, kill: str) -> dict[str, float]:
         killed = time.monotonic()
         r["detected"] = run.wait_event(lambda e: e["event"] == "host_failed", killed) - killed
         for stage in ("plan", "claim", "sync+preflight", "snapshot", "start", "watch"):
+
             def begun(e, stage=stage):
                 return e["event"] == "stage" and e["attempt"] == 2 and e["stage"] == stage
 
             r[f"stage_{stage}"] = run.wait_event(begun, killed) - killed
         # The first step trained after the resume: a step past the snapshot's (the trainer's
         # "resumed from ... step N" line is a progress event of step N too, and comes first).
-        resumed = json.loads(next(line for _, line in run.seen if line.startswith('{"event": "attempt"')
-                                  and '"attempt": 2' in line))["snapshot"] or "snapshot-0.pt"
+        resumed = (
+            json.loads(
+                next(
+                    line
+                    for _, line in run.seen
+                    if line.startswith('{"event": "attempt"') and '"attempt": 2' in line
+                )
+            )["snapshot"]
+            or "snapshot-0.pt"
+        )
         after = int(re.sub(r"\D", "", resumed) or 0)
-        r["first_step"] = run.wait_event(lambda e: e["event"] == "progress" and e["attempt"] == 2
-                                         and e["step"] > after, killed) - killed
+        r["first_step"] = (
+            run.wait_event(
+                lambda e: e["event"] == "progress" and e["attempt"] == 2 and e["step"] > after, killed
+            )
+            - killed
+        )
     finally:
         run.proc.send_signal(2)
         run.proc.wait(timeout=120)
@@ -579,8 +698,13 @@ def bench_deep(inv, inv_path: Path, repeat: int) -> dict:
                 capture_output=True,
             )[0]
         )
-        t, out = timed(subprocess.run, [FAB, "preflight", "--deep", "--no-smoke", "--json", "--inventory",
-                                        str(inv_path)], cwd=ROOT, capture_output=True, text=True)
+        t, out = timed(
+            subprocess.run,
+            [FAB, "preflight", "--deep", "--no-smoke", "--json", "--inventory", str(inv_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         r["deep"].append(t)
         if len(inv.hosts) == 2:
             links = {(x, y): v for x, y, v in json.loads(out.stdout)["deep"]["network"]["mbit_s"]}
@@ -623,8 +747,14 @@ SLURM_GPT = ["--model", "tiny", "--epochs", "1", "--args", "--max-steps-per-epoc
 def bench_slurm(inv_path: Path, repeat: int) -> dict:
     script = inv_path.parent / "job.sbatch"
     subprocess.run([FAB, "sync", "--inventory", str(inv_path)], cwd=ROOT, check=True, capture_output=True)
-    r = {"fab_train_first_step": [], "fab_train_end": [], "sbatch_first_step": [], "sbatch_end": [],
-         "on_slurm_first_step": [], "on_slurm_end": []}
+    r = {
+        "fab_train_first_step": [],
+        "fab_train_end": [],
+        "sbatch_first_step": [],
+        "sbatch_end": [],
+        "on_slurm_first_step": [],
+        "on_slurm_end": [],
+    }
     for _ in range(repeat):
         run = Lines([FAB, "train", "--on", "slurm", "--plain", "--inventory", str(inv_path), *SLURM_GPT])
         start = time.monotonic()
@@ -680,8 +810,13 @@ def main() -> None:
     for n in [int(x) for x in a.hosts.split(",")]:
         inv_path = Path(tempfile.mkdtemp(prefix="bench-inv-")) / "inventory.yaml"
         # The recovery bench keeps one spare host: its hot-spare way needs it (the others leave it idle).
-        cluster.up(n, inventory_out=str(inv_path), log=lambda *_: None, slurm="slurm" in only,
-                   spares=1 if "recovery" in only else 0)
+        cluster.up(
+            n,
+            inventory_out=str(inv_path),
+            log=lambda *_: None,
+            slurm="slurm" in only,
+            spares=1 if "recovery" in only else 0,
+        )
         inv = load(inv_path)
         with Session(inv.hosts) as s:
             hostops.sync(s, inv, jobspec.PROJECT_ROOT)
@@ -719,8 +854,18 @@ def main() -> None:
         elif only == {"recovery"}:
             print(recovery_table(n, r["recovery"]), flush=True)
         else:
-            print(json.dumps({n: {k: {m: (med(v) if m != "named" else all(v)) for m, v in d.items()}
-                                  for k, d in r.items()}}, indent=1), flush=True)
+            print(
+                json.dumps(
+                    {
+                        n: {
+                            k: {m: (med(v) if m != "named" else all(v)) for m, v in d.items()}
+                            for k, d in r.items()
+                        }
+                    },
+                    indent=1,
+                ),
+                flush=True,
+            )
     Path(a.json).parent.mkdir(exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=1, default=str))
 

@@ -10,6 +10,7 @@ reads. CPU: user + system time of the dashboard's process (/proc/PID/stat) over 
 warm-up; SSH commands: the count the dashboard keeps of its own (its /api/overview `cost`). Prints a
 table of medians per size. Only the project's own test hosts and loopback are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.testbed import cluster  # noqa: E402
 
 FAB = str(Path(sys.executable).parent / "fab")
-POLL = 3.0          # seconds between two polls of the page (app.js POLL_MS)
-REFRESH = 5.0       # the dashboard's default look at the hosts
+POLL = 3.0  # seconds between two polls of the page (app.js POLL_MS)
+REFRESH = 5.0  # the dashboard's default look at the hosts
 WARMUP = 15.0
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -59,9 +60,12 @@ def commands(base: str) -> int:
 def measure(inv: Path, job: str, hosts: int, browser: bool, seconds: float) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}/"
-    proc = subprocess.Popen([FAB, "dashboard", "--port", str(port), "--refresh", f"{REFRESH:g}",
-                             "--inventory", str(inv)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [FAB, "dashboard", "--port", str(port), "--refresh", f"{REFRESH:g}", "--inventory", str(inv)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -92,8 +96,13 @@ def stop(job: str | None, job_proc: subprocess.Popen, inv: Path) -> None:
     """The bench's job stopped (fab stop --job, again if it still runs), its fab train ended."""
     for _ in range(3):
         if job is not None:
-            r = subprocess.run([FAB, "stop", "--job", job, "--grace", "0", "--inventory", str(inv)], cwd=ROOT,
-                               capture_output=True, text=True, timeout=300)
+            r = subprocess.run(
+                [FAB, "stop", "--job", job, "--grace", "0", "--inventory", str(inv)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if r.returncode != 0:
                 print(f"  fab stop --job {job}: {r.stderr.strip()[-500:]}", flush=True)
         try:
@@ -118,14 +127,34 @@ def main() -> None:
         name = f"dashbench{n}"
         earlier = {p.name for p in (ROOT / "runs").glob(f"{name}-*")}
         job_proc = subprocess.Popen(
-            [FAB, "train", "--script", "tests/integration/scripts/dashboard_job.py", "--skip-preflight",
-             "--plain", "--args", "--steps 100000 --step-time 0.5", "--name", name, "--inventory", str(inv)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                FAB,
+                "train",
+                "--script",
+                "tests/integration/scripts/dashboard_job.py",
+                "--skip-preflight",
+                "--plain",
+                "--args",
+                "--steps 100000 --step-time 0.5",
+                "--name",
+                name,
+                "--inventory",
+                str(inv),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         job = None
         try:
             deadline = time.monotonic() + 300
-            while not (started := [p.parent.name for p in (ROOT / "runs").glob(f"{name}-*/events.jsonl")
-                                   if p.parent.name not in earlier]):
+            while not (
+                started := [
+                    p.parent.name
+                    for p in (ROOT / "runs").glob(f"{name}-*/events.jsonl")
+                    if p.parent.name not in earlier
+                ]
+            ):
                 if time.monotonic() > deadline or job_proc.poll() is not None:
                     raise RuntimeError(f"the {n}-host job never started")
                 time.sleep(1)
@@ -137,13 +166,18 @@ def main() -> None:
             results[n] = got
         finally:
             stop(job, job_proc, inv)
-        print(f"\n{n} hosts, a job on every host, medians of {a.repeat} windows of {a.seconds:g} s "
-              f"(looks every {REFRESH:g} s, the page polled every {POLL:g} s)")
+        print(
+            f"\n{n} hosts, a job on every host, medians of {a.repeat} windows of {a.seconds:g} s "
+            f"(looks every {REFRESH:g} s, the page polled every {POLL:g} s)"
+        )
         print("| dashboard | CPU s per minute | SSH commands per host per minute |")
         print("|---|---|---|")
         for way, runs in got.items():
-            print(f"| {way} | {statistics.median(r['cpu_s_per_min'] for r in runs):.2f} | "
-                  f"{statistics.median(r['ssh_per_host_per_min'] for r in runs):.1f} |", flush=True)
+            print(
+                f"| {way} | {statistics.median(r['cpu_s_per_min'] for r in runs):.2f} | "
+                f"{statistics.median(r['ssh_per_host_per_min'] for r in runs):.1f} |",
+                flush=True,
+            )
     out = ROOT / "runs" / "bench-dashboard.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -10,6 +10,7 @@ Alternately, the same tiny GPT job (one epoch of 20 steps):
 Prints medians (and every sample) and writes them as JSON (--out). Only the project's own test
 hosts are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +29,28 @@ from orchestrator.core import jobspec  # noqa: E402
 from orchestrator.testbed import cluster  # noqa: E402
 
 FAB = str(ROOT / ".venv" / "bin" / "fab")
-JOB = ["train", "--model", "tiny", "--epochs", "1", "--args", "--max-steps-per-epoch 20 --sample-chars 0",
-       "--skip-preflight"]
+JOB = [
+    "train",
+    "--model",
+    "tiny",
+    "--epochs",
+    "1",
+    "--args",
+    "--max-steps-per-epoch 20 --sample-chars 0",
+    "--skip-preflight",
+]
 STEP = re.compile(r"\| step \d+ \|")
 
 
 def foreground(inventory: str) -> float:
     start = time.monotonic()
-    proc = subprocess.Popen([FAB, *JOB, "--plain", "--inventory", inventory], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [FAB, *JOB, "--plain", "--inventory", inventory],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     first = None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -59,16 +73,22 @@ def detached(inventory: str) -> tuple[float, float]:
     job = found.group(1)
     console = f"/opt/fabtrain/output/{job}/{jobspec.console_name(0)}"
     while True:
-        out = subprocess.run(["docker", "exec", "fabtrain-node1", "cat", console], capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            ["docker", "exec", "fabtrain-node1", "cat", console], capture_output=True, text=True
+        ).stdout
         if STEP.search(out):
             first = time.monotonic() - start
             break
         if time.monotonic() - start > 300:
             raise SystemExit(f"job {job} never reached a step")
         time.sleep(0.2)
-    done = subprocess.run([FAB, "logs", "--job", job, "--plain", "--inventory", inventory], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [FAB, "logs", "--job", job, "--plain", "--inventory", inventory],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise SystemExit(f"job {job} did not finish: {done.stderr[-2000:]}")
     return returned, first
@@ -89,8 +109,11 @@ def main() -> None:
         r, f = detached(str(inventory))
         ret.append(r)
         first.append(f)
-        print(f"run {i + 1}: foreground first step {fg[-1]:.1f}s; --detach returned {r:.1f}s, "
-              f"first step {f:.1f}s", flush=True)
+        print(
+            f"run {i + 1}: foreground first step {fg[-1]:.1f}s; --detach returned {r:.1f}s, "
+            f"first step {f:.1f}s",
+            flush=True,
+        )
     med = statistics.median
     print(f"\n| measure (median of {args.repeat}, seconds) | value |\n|---|---|")
     print(f"| `fab train --detach` returns | {med(ret):.2f} |")

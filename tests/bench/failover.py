@@ -14,6 +14,7 @@ Alternately:
 Each job is stopped once measured (fab stop), the frozen host thawed. Prints medians (and every
 sample) and writes them as JSON (--out). Only the project's own test hosts are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,24 @@ from orchestrator.core import jobspec  # noqa: E402
 from orchestrator.testbed import cluster  # noqa: E402
 
 FAB = str(ROOT / ".venv" / "bin" / "fab")
-JOB = ["train", "--model", "tiny", "--epochs", "12", "--skip-preflight",
-       "--args", "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0"]
+JOB = [
+    "train",
+    "--model",
+    "tiny",
+    "--epochs",
+    "12",
+    "--skip-preflight",
+    "--args",
+    "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0",
+]
 CONTROLLERS = "/opt/fabtrain/output/.controllers"
 STEP = re.compile(r"\| step \d+ \|")
 
 
 def on(node: str, script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", "exec", f"fabtrain-{node}", "sh", "-c", script], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["docker", "exec", f"fabtrain-{node}", "sh", "-c", script], capture_output=True, text=True, timeout=60
+    )
 
 
 def until(node: str, test: str, timeout: float, what: str, since: float) -> float:
@@ -52,8 +62,12 @@ def until(node: str, test: str, timeout: float, what: str, since: float) -> floa
 
 
 def detach(inventory: Path, *more: str) -> str:
-    r = subprocess.run([FAB, *JOB, *more, "--detach", "--inventory", str(inventory)], cwd=ROOT, text=True,
-                       capture_output=True)
+    r = subprocess.run(
+        [FAB, *JOB, *more, "--detach", "--inventory", str(inventory)],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+    )
     found = re.search(r"job (\S+) detached", r.stdout)
     if r.returncode != 0 or not found:
         raise SystemExit(f"--detach failed: {r.stderr[-2000:]}")
@@ -61,16 +75,25 @@ def detach(inventory: Path, *more: str) -> str:
 
 
 def stop(inventory: Path, job: str) -> None:
-    subprocess.run([FAB, "stop", "--job", job, "--grace", "0", "--inventory", str(inventory)], cwd=ROOT,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [FAB, "stop", "--job", job, "--grace", "0", "--inventory", str(inventory)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=300,
+    )
     subprocess.run([FAB, "status", "--inventory", str(inventory)], cwd=ROOT, capture_output=True, timeout=300)
 
 
 def frozen(inventory: Path, *more: str) -> tuple[float, float]:
     job = detach(inventory, "--restarts", "2", *more)
     try:
-        until("node3", f"ls {CONTROLLERS}/{job}/mirror/runs/{job}/snapshots | grep -q snapshot-", 300,
-              "a mirrored snapshot", time.monotonic())
+        until(
+            "node3",
+            f"ls {CONTROLLERS}/{job}/mirror/runs/{job}/snapshots | grep -q snapshot-",
+            300,
+            "a mirrored snapshot",
+            time.monotonic(),
+        )
         cluster.freeze("node1")
         t0 = time.monotonic()
         ctl = until("node3", f"test -e {CONTROLLERS}/{job}/taken", 120, "the takeover", t0)
@@ -113,8 +136,11 @@ def main() -> None:
         hot_ctl.append(hc)
         hot_train.append(ht)
         back.append(killed(two))
-        print(f"run {i + 1}: frozen -> new controller {c:.1f}s, training again {t:.1f}s; with a hot "
-              f"spare {hc:.1f}s, {ht:.1f}s; killed -> new controller {back[-1]:.1f}s", flush=True)
+        print(
+            f"run {i + 1}: frozen -> new controller {c:.1f}s, training again {t:.1f}s; with a hot "
+            f"spare {hc:.1f}s, {ht:.1f}s; killed -> new controller {back[-1]:.1f}s",
+            flush=True,
+        )
     med = statistics.median
     print(f"\n| measure (median of {args.repeat}, seconds) | value | target |\n|---|---|---|")
     print(f"| controller's host frozen -> a new controller running | {med(ctl):.1f} | 20 |")
@@ -122,9 +148,19 @@ def main() -> None:
     print(f"| the same with --hot-spares: -> a new controller | {med(hot_ctl):.1f} | 20 |")
     print(f"| the same with --hot-spares: -> training again | {med(hot_train):.1f} | 45 |")
     print(f"| controller killed -> a new controller running | {med(back):.1f} | 15 |")
-    Path(args.out).write_text(json.dumps({"frozen_controller": ctl, "frozen_training": train,
-                                          "hot_controller": hot_ctl, "hot_training": hot_train,
-                                          "killed_controller": back}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "frozen_controller": ctl,
+                "frozen_training": train,
+                "hot_controller": hot_ctl,
+                "hot_training": hot_train,
+                "killed_controller": back,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

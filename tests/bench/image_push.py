@@ -17,6 +17,7 @@ for: the machine running fab (a laptop, a login node) reaches the cluster throug
 than the cluster's own network. Only traffic from this machine to the hosts is limited; host to
 host traffic (the chain's forwarding) is not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,12 @@ def make_image(mb: int) -> str:
 
 def bridge_device() -> str:
     """The Linux bridge behind the cluster's Docker network: this machine's link to the hosts."""
-    net_id = subprocess.run(["docker", "network", "inspect", "--format", "{{.Id}}", cluster.NETWORK],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    net_id = subprocess.run(
+        ["docker", "network", "inspect", "--format", "{{.Id}}", cluster.NETWORK],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return "br-" + net_id[:12]
 
 
@@ -69,13 +74,40 @@ def limit_uplink(mbit: int | None) -> None:
     if mbit is None:
         subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
         return
-    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                    "burst", "256kb", "latency", "100ms"], check=True)
+    subprocess.run(
+        [
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{mbit}mbit",
+            "burst",
+            "256kb",
+            "latency",
+            "100ms",
+        ],
+        check=True,
+    )
 
 
 def forget(names: list[str]) -> None:
-    procs = [subprocess.Popen(["docker", "exec", f"fabtrain-{n}", "sh", "-c",
-                               f"docker image rm -f {IMAGE} >/dev/null 2>&1; true"]) for n in names]
+    procs = [
+        subprocess.Popen(
+            [
+                "docker",
+                "exec",
+                f"fabtrain-{n}",
+                "sh",
+                "-c",
+                f"docker image rm -f {IMAGE} >/dev/null 2>&1; true",
+            ]
+        )
+        for n in names
+    ]
     for p in procs:
         p.wait(timeout=120)
 
@@ -99,8 +131,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench-image-push.json"))
-    ap.add_argument("--uplink", type=int, default=None, metavar="MBIT",
-                    help="limit this machine's link to the hosts to MBIT Mbit/s during the pushes")
+    ap.add_argument(
+        "--uplink",
+        type=int,
+        default=None,
+        metavar="MBIT",
+        help="limit this machine's link to the hosts to MBIT Mbit/s during the pushes",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.hosts.split(",")]
     most = max(sizes)

@@ -8,6 +8,7 @@ Now each file is parsed once (hostkeys.known_hosts) and each connection gets onl
 entries. Both are timed here side by side on the same generated file (ed25519 keys, unhashed
 names as ssh-keyscan writes them), CPU seconds of this process, median of --repeat. No network.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ def write_file(path: Path, entries: int) -> list[str]:
     names = [f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(entries)]
     with open(path, "w") as f:
         for name in names:
-            key = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
-                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+            key = (
+                ed25519.Ed25519PrivateKey.generate()
+                .public_key()
+                .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+                .decode()
+            )
             f.write(f"{name} {key}\n")
     return names
 

@@ -9,6 +9,7 @@ Both are fed the same 64 KiB chunks here, side by side, into a real HostSink wri
 (the old one as it was, inlined), CPU seconds of this process and tracemalloc's peak, median of
 --repeat. No network; the old way is skipped above --old-max-mb (it grows quadratically).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,11 @@ class OldSink:
 def measure(kind: str, mb: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = io.BytesIO()
-        sink = (Multiplexer(Path(tmp), out=out, colour=False).sink("node1", 0) if kind == "now"
-                else OldSink(Path(tmp) / "node1.log", out))
+        sink = (
+            Multiplexer(Path(tmp), out=out, colour=False).sink("node1", 0)
+            if kind == "now"
+            else OldSink(Path(tmp) / "node1.log", out)
+        )
         chunk = b"A" * CHUNK
         tracemalloc.start()
         start = time.process_time()

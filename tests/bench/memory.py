@@ -22,6 +22,7 @@ Every job is stopped once measured (Ctrl+C, then fab stop). Prints a markdown ta
 (median and every sample) and writes the samples as JSON (--out). Only the project's own test
 hosts are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,13 +46,17 @@ COMMON = "--sample-chars 0 --exact --log-every 1"
 KILL_JOB = f"--snapshot-every 10 --max-steps-per-epoch 40 {COMMON}"  # 2 epochs: 80 steps
 KILL_AT = (25, 33, 47, 28, 56)  # step N (printed) at which the worker is killed, by round
 STEPS = {"tiny": 40, "small": 30, "medium": 20}  # overhead jobs: steps of their one epoch (tiny has 43)
-STEP_LINE = re.compile(r"\[\w+ rank(\d+)\] epoch (\d+) \| step (\d+) \| .*?([\d,]+) tok/s "
-                       r"\| step ([\d.]+) ms")
+STEP_LINE = re.compile(
+    r"\[\w+ rank(\d+)\] epoch (\d+) \| step (\d+) \| .*?([\d,]+) tok/s "
+    r"\| step ([\d.]+) ms"
+)
 MODEL_LINE = re.compile(r"block=(\d+); world (\d+), batch (\d+) x accum (\d+)")
 RESUMED = re.compile(r"rank0\] resumed from (\S+) .*\(epoch \d+, step (\d+)\)")
 LOST = re.compile(r"\[fabtrain\] resumed from (?:memory|the disk snapshot) at step \d+.*?(\d+) steps? lost")
-AUTO = re.compile(r"\[fabtrain\] memory: each rank's state kept every (\d+) steps?"
-                  r"(?: \(a copy costs ([\d.]+) ms of a ([\d.]+) ms step, ([\d.]+)%)?")
+AUTO = re.compile(
+    r"\[fabtrain\] memory: each rank's state kept every (\d+) steps?"
+    r"(?: \(a copy costs ([\d.]+) ms of a ([\d.]+) ms step, ([\d.]+)%)?"
+)
 
 
 def wait_re(run: Lines, pattern: re.Pattern, after: float = 0, timeout: float = 300, ok=lambda m: True):
@@ -68,8 +73,23 @@ def wait_re(run: Lines, pattern: re.Pattern, after: float = 0, timeout: float = 
 
 
 def train(inv: Path, model: str, epochs: int, args: str) -> Lines:
-    return Lines([FAB, "train", "--inventory", str(inv), "--model", model, "--epochs", str(epochs),
-                  "--restarts", "1", "--skip-preflight", "--args", args])
+    return Lines(
+        [
+            FAB,
+            "train",
+            "--inventory",
+            str(inv),
+            "--model",
+            model,
+            "--epochs",
+            str(epochs),
+            "--restarts",
+            "1",
+            "--skip-preflight",
+            "--args",
+            args,
+        ]
+    )
 
 
 def end(run: Lines, inv: Path) -> None:
@@ -84,8 +104,9 @@ def end(run: Lines, inv: Path) -> None:
     if named:
         stop(inv, named[0])
     else:
-        subprocess.run([FAB, "stop", "--grace", "0", "--inventory", str(inv)], cwd=ROOT, capture_output=True,
-                       timeout=300)
+        subprocess.run(
+            [FAB, "stop", "--grace", "0", "--inventory", str(inv)], cwd=ROOT, capture_output=True, timeout=300
+        )
 
 
 def killed_once(inv: Path, every: int, kill_at: int) -> dict:
@@ -103,9 +124,15 @@ def killed_once(inv: Path, every: int, kill_at: int) -> dict:
         first, _ = wait_re(run, STEP_LINE, again, ok=lambda m: int(m.group(3)) > step)
         printed = max(int(m.group(3)) for t, x in run.seen if t < again and (m := STEP_LINE.search(x)))
         said = [int(m.group(1)) for t, x in run.seen if t >= again and (m := LOST.search(x))]
-        return {"kill_at": kill_at, "printed": printed, "resumed": step, "from": res.group(1),
-                "lost_said": said[0] if said else None, "lost_printed": printed - step,
-                "to_training": first - killed}
+        return {
+            "kill_at": kill_at,
+            "printed": printed,
+            "resumed": step,
+            "from": res.group(1),
+            "lost_said": said[0] if said else None,
+            "lost_printed": printed - step,
+            "to_training": first - killed,
+        }
     finally:
         end(run, inv)
 
@@ -134,13 +161,19 @@ def overhead_once(inv: Path, model: str, every: int | None) -> dict:
         if every is None:  # the automatic K: its probe's line is all that is wanted
             _, m = wait_re(run, AUTO, timeout=600)
             k, cost, step, pct = m.groups()
-            return {"k": int(k), "copy_ms": cost and float(cost), "step_ms": step and float(step),
-                    "pct": pct and float(pct)}
+            return {
+                "k": int(k),
+                "copy_ms": cost and float(cost),
+                "step_ms": step and float(step),
+                "pct": pct and float(pct),
+            }
         done, deadline = re.compile(rf"\| step {last} \|"), time.monotonic() + 900
         while sum(bool(done.search(x)) for _, x in list(run.seen)) < 4:  # every rank's last step
             if time.monotonic() > deadline or run.proc.poll() is not None:
-                raise RuntimeError(f"{model}: step {last} not printed by 4 ranks; last lines: "
-                                   f"{''.join(x for _, x in run.seen[-20:])}")
+                raise RuntimeError(
+                    f"{model}: step {last} not printed by 4 ranks; last lines: "
+                    f"{''.join(x for _, x in run.seen[-20:])}"
+                )
             time.sleep(0.2)
         return steps_of(run, last)
     finally:
@@ -161,31 +194,43 @@ def tables(r: dict, repeat: int) -> str:
     head = f"| medians of {repeat} | median | samples |\n|---|---|---|"
     if "kill" in r:
         on_, off = r["kill"]["on"], r["kill"]["off"]
-        out += ["\n### Steps lost per failure (tiny, a worker killed, warm restart)", head,
-                row("memory on (K = 1): L of the resume line", [s["lost_said"] for s in on_], "{:.0f}"),
-                row("memory on: newest step printed - step resumed",
-                    [s["lost_printed"] for s in on_], "{:.0f}"),
-                row("memory off: newest step printed - snapshot's step",
-                    [s["lost_printed"] for s in off], "{:.0f}"),
-                row("newest step printed before the restart (on, then off)",
-                    [s["printed"] for s in on_ + off], "{:.0f}"),
-                "\n### Kill -> training again (s, to the first step past the one resumed from)", head,
-                row("memory on (K = 1)", [s["to_training"] for s in on_]),
-                row("memory off (disk snapshot, today's warm restart)", [s["to_training"] for s in off])]
+        out += [
+            "\n### Steps lost per failure (tiny, a worker killed, warm restart)",
+            head,
+            row("memory on (K = 1): L of the resume line", [s["lost_said"] for s in on_], "{:.0f}"),
+            row("memory on: newest step printed - step resumed", [s["lost_printed"] for s in on_], "{:.0f}"),
+            row(
+                "memory off: newest step printed - snapshot's step",
+                [s["lost_printed"] for s in off],
+                "{:.0f}",
+            ),
+            row(
+                "newest step printed before the restart (on, then off)",
+                [s["printed"] for s in on_ + off],
+                "{:.0f}",
+            ),
+            "\n### Kill -> training again (s, to the first step past the one resumed from)",
+            head,
+            row("memory on (K = 1)", [s["to_training"] for s in on_]),
+            row("memory off (disk snapshot, today's warm restart)", [s["to_training"] for s in off]),
+        ]
     for model, o in r.get("overhead", {}).items():
         t_on, t_off = [s["timer_ms"] for s in o["on"]], [s["timer_ms"] for s in o["off"]]
         w_on, w_off = [s["wall_ms"] for s in o["on"]], [s["wall_ms"] for s in o["off"]]
-        out += [f"\n### Overhead per step, --model {model} ({STEPS[model]} steps, ms)", head,
-                row("timer step, memory on (K = 1)", t_on, "{:.1f}"),
-                row("timer step, memory off", t_off, "{:.1f}"),
-                row("timer overhead %", [pct(a, b) for a, b in zip(t_on, t_off, strict=True)], "{:+.1f}"),
-                row("wall per step, memory on (K = 1)", w_on, "{:.1f}"),
-                row("wall per step, memory off", w_off, "{:.1f}"),
-                row("wall overhead %", [pct(a, b) for a, b in zip(w_on, w_off, strict=True)], "{:+.1f}"),
-                row("automatic K", [s["k"] for s in o["auto"]], "{:.0f}"),
-                row("automatic: a copy costs (ms)", [s["copy_ms"] for s in o["auto"]], "{:.1f}"),
-                row("automatic: of a step of (ms)", [s["step_ms"] for s in o["auto"]], "{:.1f}"),
-                row("automatic: copy / step %", [s["pct"] for s in o["auto"]], "{:.1f}")]
+        out += [
+            f"\n### Overhead per step, --model {model} ({STEPS[model]} steps, ms)",
+            head,
+            row("timer step, memory on (K = 1)", t_on, "{:.1f}"),
+            row("timer step, memory off", t_off, "{:.1f}"),
+            row("timer overhead %", [pct(a, b) for a, b in zip(t_on, t_off, strict=True)], "{:+.1f}"),
+            row("wall per step, memory on (K = 1)", w_on, "{:.1f}"),
+            row("wall per step, memory off", w_off, "{:.1f}"),
+            row("wall overhead %", [pct(a, b) for a, b in zip(w_on, w_off, strict=True)], "{:+.1f}"),
+            row("automatic K", [s["k"] for s in o["auto"]], "{:.0f}"),
+            row("automatic: a copy costs (ms)", [s["copy_ms"] for s in o["auto"]], "{:.1f}"),
+            row("automatic: of a step of (ms)", [s["step_ms"] for s in o["auto"]], "{:.1f}"),
+            row("automatic: copy / step %", [s["pct"] for s in o["auto"]], "{:.1f}"),
+        ]
     return "\n".join(out)
 
 

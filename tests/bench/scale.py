@@ -37,6 +37,7 @@ samples this process's threads and open file descriptors during each operation. 
 table with seconds at each N and the growth per doubling of N, and writes the raw numbers as JSON
 (--json). Only the project's own test hosts and loopback are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -144,8 +145,13 @@ def load_tiny(nodes, image_id: str) -> float:
             text=True,
         ).stdout.strip()
         if have != image_id:
-            subprocess.run(["docker", "exec", "-i", node.container, "docker", "load"], input=saved,
-                           capture_output=True, check=True)
+            subprocess.run(
+                ["docker", "exec", "-i", node.container, "docker", "load"],
+                input=saved,
+                capture_output=True,
+                check=True,
+            )
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, nodes))
@@ -176,19 +182,38 @@ CPU: dict[str, float] = {}  # the last cli() call's CPU seconds on this machine 
 
 def cli(*args, inv_path: Path, timeout: float = 600):
     c0, t0 = cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
-    p = subprocess.run([FAB, *args, "--inventory", str(inv_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        [FAB, *args, "--inventory", str(inv_path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     CPU["last"] = cpu(resource.RUSAGE_CHILDREN) - c0
     return time.perf_counter() - t0, p
 
 
 def run_argv(inv, host, spec: jobspec.JobSpec, command: list[str], out_dir: str) -> list[str]:
     """`docker run -d` of the tiny image, labelled as a job's node, its output dir at /out."""
-    return ["docker", "run", "-d", "--name", jobspec.container_name(spec.job_id, host.rank),
-            "--label", f"{jobspec.LABEL_MANAGED}=1", "--label", f"{jobspec.LABEL_JOB}={spec.job_id}",
-            "--label", f"{jobspec.LABEL_RANK}={host.rank}", "--label", f"{jobspec.LABEL_HOST}={host.name}",
-            "--label", f"{jobspec.LABEL_OWNER}={claims.me()}", "--label", f"{jobspec.LABEL_ATTEMPT}=1",
-            "-v", f"{out_dir}:/out", TINY, *command]
+    return [
+        "docker",
+        "run",
+        "-d",
+        "--name",
+        jobspec.container_name(spec.job_id, host.rank),
+        "--label",
+        f"{jobspec.LABEL_MANAGED}=1",
+        "--label",
+        f"{jobspec.LABEL_JOB}={spec.job_id}",
+        "--label",
+        f"{jobspec.LABEL_RANK}={host.rank}",
+        "--label",
+        f"{jobspec.LABEL_HOST}={host.name}",
+        "--label",
+        f"{jobspec.LABEL_OWNER}={claims.me()}",
+        "--label",
+        f"{jobspec.LABEL_ATTEMPT}=1",
+        "-v",
+        f"{out_dir}:/out",
+        TINY,
+        *command,
+    ]
 
 
 def start_all(session: Session, inv, spec: jobspec.JobSpec, command_for) -> float:
@@ -252,8 +277,11 @@ def one_round(inv, inv_path: Path, lines: int) -> dict:
     )
     dt, p = cli("stop", "--grace", "0", inv_path=inv_path)
     r["stop"], r["stop_cpu"] = dt, CPU["last"]
-    r["stop_removed"] = sum(int(line.split("removed ")[1].split()[0]) for line in p.stdout.splitlines()
-                            if ": removed " in line and "container" in line)
+    r["stop_removed"] = sum(
+        int(line.split("removed ")[1].split()[0])
+        for line in p.stdout.splitlines()
+        if ": removed " in line and "container" in line
+    )
 
     # log streaming through the Watcher
     spec = jobspec.JobSpec(job_id=jobspec.new_job_id("scale"), script="")
@@ -355,8 +383,11 @@ def table(results: dict[int, dict]) -> str:
     rows.append(
         ["logs: lines lost"] + [str(sum(x["logs_lost"] for x in results[n]["rounds"])) for n in sizes] + [""]
     )
-    for key, label in (("start_threads", "threads (peak, start)"), ("logs_threads", "threads (peak, logs)"),
-                       ("logs_fds", "open fds (peak, logs)")):
+    for key, label in (
+        ("start_threads", "threads (peak, start)"),
+        ("logs_threads", "threads (peak, logs)"),
+        ("logs_fds", "open fds (peak, logs)"),
+    ):
         rows.append([label] + [str(max(x[key] for x in results[n]["rounds"])) for n in sizes] + [""])
     rows.append(["bring-up (cluster.up)"] + [f"{results[n]['up']['up_s']:.0f} s" for n in sizes] + [""])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -369,8 +400,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lines", type=int, default=10000, help="lines each host prints in the log test")
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench-scale.json"))
-    ap.add_argument("--table", nargs="+", metavar="JSON",
-                    help="print the table from earlier runs' JSON files (one size per run) and exit")
+    ap.add_argument(
+        "--table",
+        nargs="+",
+        metavar="JSON",
+        help="print the table from earlier runs' JSON files (one size per run) and exit",
+    )
     args = ap.parse_args()
     if args.table:
         merged = {int(n): r for f in args.table for n, r in json.loads(Path(f).read_text()).items()}
@@ -390,8 +425,11 @@ def main() -> None:
         rounds = []
         for i in range(args.repeat):
             r = one_round(inv, inv_path, args.lines)
-            print(f"   round {i + 1}: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                                    for k, v in r.items()), flush=True)
+            print(
+                f"   round {i + 1}: "
+                + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                flush=True,
+            )
             rounds.append(r)
         results[n] = {"up": up, "rounds": rounds}
         out.write_text(json.dumps(results, indent=1))

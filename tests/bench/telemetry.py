@@ -9,6 +9,7 @@ included: rsync, ssh), its wall time, and the telemetry commands run per host pe
 watching (runs/JOB/telemetry.jsonl). Prints a table per size. Only the project's own test hosts and
 loopback are contacted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,17 @@ from orchestrator.testbed import cluster  # noqa: E402
 
 FAB = str(Path(sys.executable).parent / "fab")
 WAYS = {"off": 0, "every 10 s (default)": 10, "every 2 s": 2}
-JOB = ["train", "--plain", "--model", "tiny", "--epochs", "8", "--skip-preflight",
-       "--args", "--max-steps-per-epoch 120 --sample-chars 0 --snapshot-every 0 --log-every 5"]
+JOB = [
+    "train",
+    "--plain",
+    "--model",
+    "tiny",
+    "--epochs",
+    "8",
+    "--skip-preflight",
+    "--args",
+    "--max-steps-per-epoch 120 --sample-chars 0 --snapshot-every 0 --log-every 5",
+]
 
 
 def inventory_with(base: Path, every: float) -> Path:
@@ -44,8 +54,9 @@ def inventory_with(base: Path, every: float) -> Path:
 def run_once(inv: Path) -> dict:
     before = os.times()
     start = time.monotonic()
-    proc = subprocess.run([FAB, *JOB, "--inventory", str(inv)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [FAB, *JOB, "--inventory", str(inv)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     wall = time.monotonic() - start
     after = os.times()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -92,8 +103,11 @@ def main() -> None:
         off = statistics.median(r["tokens_per_s"] for r in got["off"])
         for way, runs in got.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            print(f"| {way} | {med['tokens_per_s']:,.0f} | {med['tokens_per_s'] / off:.3f} | "
-                  f"{med['cpu_s']:.1f} | {med['wall_s']:.1f} | {med['per_host_per_min']:.1f} |", flush=True)
+            print(
+                f"| {way} | {med['tokens_per_s']:,.0f} | {med['tokens_per_s'] / off:.3f} | "
+                f"{med['cpu_s']:.1f} | {med['wall_s']:.1f} | {med['per_host_per_min']:.1f} |",
+                flush=True,
+            )
     out = ROOT / "runs" / "bench-telemetry.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

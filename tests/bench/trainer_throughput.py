@@ -1,7 +1,8 @@
 """Tokens per second of each GPT preset on this machine (one process; the CPU setting on a CPU).
 
-    .venv/bin/python tests/bench/trainer_throughput.py
+.venv/bin/python tests/bench/trainer_throughput.py
 """
+
 import contextlib
 import io
 import json
@@ -20,10 +21,29 @@ def main() -> None:
     for preset in ("tiny", "small", "medium"):
         out = Path(tempfile.mkdtemp())
         with contextlib.redirect_stdout(io.StringIO()) as text:
-            gpt.main(["--model", preset, "--epochs", "1", "--max-steps-per-epoch", "30", "--log-every", "5",
-                      "--sample-chars", "0", "--snapshot-every", "0", "--out", str(out)])
-        rates = [json.loads(x)["tokens_per_s"] for x in (out / "metrics.jsonl").read_text().splitlines()
-                 if '"train"' in x]
+            gpt.main(
+                [
+                    "--model",
+                    preset,
+                    "--epochs",
+                    "1",
+                    "--max-steps-per-epoch",
+                    "30",
+                    "--log-every",
+                    "5",
+                    "--sample-chars",
+                    "0",
+                    "--snapshot-every",
+                    "0",
+                    "--out",
+                    str(out),
+                ]
+            )
+        rates = [
+            json.loads(x)["tokens_per_s"]
+            for x in (out / "metrics.jsonl").read_text().splitlines()
+            if '"train"' in x
+        ]
         params = next(
             line.split(": ")[1].split(" params")[0]
             for line in text.getvalue().splitlines()

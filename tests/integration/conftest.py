@@ -4,6 +4,7 @@ engines), real SSH with host-key checking, real torch.distributed (gloo) inside 
 The cluster is started once per test run (reused if it is already up) and its inventory written
 to a temporary file; each test leaves the hosts as it found them.
 """
+
 import os
 import subprocess
 import sys
@@ -79,18 +80,28 @@ def inv(inventory_path):
 
 def fab(inventory_path, *args, timeout=600, cwd=ROOT, **kwargs):
     """Run the real command line, as a user would (from `cwd`: this project, or a user's own)."""
-    return subprocess.run([*command(cwd), *args, "--inventory", str(inventory_path)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        [*command(cwd), *args, "--inventory", str(inventory_path)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 class Run:
     """`fab ARGS` in the background; its output lines (stdout and stderr) collected as they come."""
 
     def __init__(self, inventory_path, *args, env=None, cwd=ROOT):
-        self.proc = subprocess.Popen([*command(cwd), *args, "--inventory", str(inventory_path)], cwd=cwd,
-                                     text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [*command(cwd), *args, "--inventory", str(inventory_path)],
+            cwd=cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -143,6 +154,7 @@ def project_containers(node: str) -> list[str]:
 def free_port() -> int:
     """A TCP port free on loopback now."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -153,6 +165,7 @@ class Prometheus:
 
     def __init__(self, tmp: Path, target: str) -> None:
         import shutil
+
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed: bash docker/bootstrap.sh --tests installs it"
         self.port = free_port()
@@ -165,9 +178,14 @@ class Prometheus:
         )
         self.log = (tmp / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         while not self.ready():
@@ -177,6 +195,7 @@ class Prometheus:
 
     def ready(self) -> bool:
         import urllib.request
+
         try:
             return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status == 200
         except OSError:
@@ -187,8 +206,10 @@ class Prometheus:
         import json
         import urllib.parse
         import urllib.request
-        url = (f"http://127.0.0.1:{self.port}/api/v1/query_range?"
-               + urllib.parse.urlencode({"query": query, "start": start, "end": end, "step": 1}))
+
+        url = f"http://127.0.0.1:{self.port}/api/v1/query_range?" + urllib.parse.urlencode(
+            {"query": query, "start": start, "end": end, "step": 1}
+        )
         body = json.loads(urllib.request.urlopen(url, timeout=10).read())
         assert body["status"] == "success", body
         return body["data"]["result"]

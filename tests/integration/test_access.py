@@ -2,6 +2,7 @@
 rank 1's container (its hostname, as docker exec on that host reports it), an exit status and stdin
 passed through, words after '--' kept as typed, a python http.server in rank 0's container reached
 through fab forward, and the errors for a taken local port, a bad rank, host or job."""
+
 import signal
 import subprocess
 import time
@@ -16,8 +17,15 @@ REPORT = "tests/integration/scripts/report.py"
 def shell(inventory_path, job, *args, input=None, timeout=60):
     """`fab shell JOB ARGS...` as typed (the inventory before '--', the command after it)."""
     argv = [FAB, "-r", str(ROOT), "shell", job, "--inventory", str(inventory_path), *args]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          input=input, stdin=None if input is not None else subprocess.DEVNULL)
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+    )
 
 
 def fetch(url: str, timeout: float = 30) -> str:
@@ -34,8 +42,18 @@ def fetch(url: str, timeout: float = 30) -> str:
 
 def test_shell_and_forward_into_a_running_job(inventory_path):
     name = f"access-{int(time.time())}"
-    job_run = Run(inventory_path, "train", "--script", REPORT, "--args", "--sleep 300", "--skip-preflight",
-                  "--plain", "--name", name)
+    job_run = Run(
+        inventory_path,
+        "train",
+        "--script",
+        REPORT,
+        "--args",
+        "--sleep 300",
+        "--skip-preflight",
+        "--plain",
+        "--name",
+        name,
+    )
     try:
         job = wait_for_job(name, ["node1", "node2"])
 
@@ -55,8 +73,10 @@ def test_shell_and_forward_into_a_running_job(inventory_path):
 
         # A web server in rank 0's container, reached from here through fab forward.
         port, local = free_port() % 20000 + 20000, free_port()
-        serve = (f"mkdir -p /tmp/www && echo hello from rank 0 > /tmp/www/index.html && cd /tmp/www && "
-                 f"nohup python3 -m http.server {port} --bind 127.0.0.1 >/dev/null 2>&1 &")
+        serve = (
+            f"mkdir -p /tmp/www && echo hello from rank 0 > /tmp/www/index.html && cd /tmp/www && "
+            f"nohup python3 -m http.server {port} --bind 127.0.0.1 >/dev/null 2>&1 &"
+        )
         assert shell(inventory_path, job, "--", "sh", "-c", serve).returncode == 0
         tunnel = Run(inventory_path, "forward", job, str(port), "--local", str(local))
         try:
@@ -65,8 +85,10 @@ def test_shell_and_forward_into_a_running_job(inventory_path):
             # A taken local port (this forward's own) is refused at once, before any SSH.
             r = fab(inventory_path, "forward", job, str(port), "--local", str(local), timeout=60)
             assert r.returncode == 2
-            assert r.stderr == (f"error: LOCAL port {local} on 127.0.0.1 is already in use on this machine; "
-                                "give another local port (fab forward JOB PORT --local LOCAL)\n")
+            assert r.stderr == (
+                f"error: LOCAL port {local} on 127.0.0.1 is already in use on this machine; "
+                "give another local port (fab forward JOB PORT --local LOCAL)\n"
+            )
             tunnel.proc.send_signal(signal.SIGINT)  # Ctrl+C
             assert tunnel.finish(30) == 0, tunnel.text
         finally:
@@ -75,8 +97,9 @@ def test_shell_and_forward_into_a_running_job(inventory_path):
         # Clear errors, no traceback: a rank, a host and a job that are not there.
         r = shell(inventory_path, job, "--rank", "5", "--", "true")
         assert r.returncode == 2
-        assert r.stderr == (f"error: job {job} has no running node of rank 5: it runs on node1 (rank 0), "
-                            "node2 (rank 1)\n")
+        assert r.stderr == (
+            f"error: job {job} has no running node of rank 5: it runs on node1 (rank 0), node2 (rank 1)\n"
+        )
         r = shell(inventory_path, job, "--host", "node9", "--", "true")
         assert r.returncode == 2 and r.stderr.startswith("error: --host 'node9': no such host in ")
         r = shell(inventory_path, "nosuch-20260101-000000-0000", "--", "true")

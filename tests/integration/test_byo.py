@@ -1,4 +1,5 @@
 """Bring your own code and image, on the local cluster."""
+
 import json
 import subprocess
 
@@ -28,8 +29,10 @@ sys.stdout.write("USER " + json.dumps({"rank": dist.get_rank(), "world": dist.ge
 def with_host_extras(text: str) -> str:
     """node1 gets env COLOUR=red; node2 gets COLOUR=blue and a read-only data mount."""
     text = text.replace("  - name: node1\n", "  - name: node1\n    env: {COLOUR: red}\n")
-    return text.replace("  - name: node2\n", "  - name: node2\n    env: {COLOUR: blue}\n"
-                                             "    mounts: ['/srv/fabtrain-test-data:/data:ro']\n")
+    return text.replace(
+        "  - name: node2\n",
+        "  - name: node2\n    env: {COLOUR: blue}\n    mounts: ['/srv/fabtrain-test-data:/data:ro']\n",
+    )
 
 
 def test_user_script_outside_the_project(inventory_path, tmp_path):
@@ -43,8 +46,18 @@ def test_user_script_outside_the_project(inventory_path, tmp_path):
         "mkdir -p /srv/fabtrain-test-data && echo from-node2-disk > /srv/fabtrain-test-data/hello.txt",
     )
     try:
-        r = fab(inv, "train", "--code", str(proj), "--script", "train_user.py", "--nproc", "2",
-                "--args", "--name 'a b  c' --quote \"it's \\\"quoted\\\"\" --steps=3")
+        r = fab(
+            inv,
+            "train",
+            "--code",
+            str(proj),
+            "--script",
+            "train_user.py",
+            "--nproc",
+            "2",
+            "--args",
+            '--name \'a b  c\' --quote "it\'s \\"quoted\\"" --steps=3',
+        )
     finally:
         on_host("node2", "rm -rf /srv/fabtrain-test-data")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
@@ -85,8 +98,16 @@ def local(*argv, **kw):
 
 def test_image_push_is_idempotent_and_corrects_drift(inventory_path):
     tag = "fabtrain/push-test:1"
-    local("docker", "build", "-q", "-t", tag, "-", input="FROM fabtrain/base:bookworm\nLABEL push-test=1\n",
-          env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    local(
+        "docker",
+        "build",
+        "-q",
+        "-t",
+        tag,
+        "-",
+        input="FROM fabtrain/base:bookworm\nLABEL push-test=1\n",
+        env={"DOCKER_BUILDKIT": "0", "PATH": "/usr/local/bin:/usr/bin:/bin"},
+    )
     want = local("docker", "image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
     try:
         first = fab(inventory_path, "image.push", "--image", tag)
@@ -125,10 +146,13 @@ def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory
             name = f"by-hand-{h.rank}"
             names.append(name)
             # Only what a platform sets: number of nodes, this node's rank, the master.
-            on_host(h.name, f"docker run -d --name {name} --network host -e WORLD_SIZE=2 -e RANK={h.rank} "
-                            f"-e MASTER_ADDR={inv.master.address} -e MASTER_PORT=29517 "
-                            f"-v {code}:/workspace -w /workspace {inv.job.image} "
-                            f"tests/integration/scripts/report.py")
+            on_host(
+                h.name,
+                f"docker run -d --name {name} --network host -e WORLD_SIZE=2 -e RANK={h.rank} "
+                f"-e MASTER_ADDR={inv.master.address} -e MASTER_PORT=29517 "
+                f"-v {code}:/workspace -w /workspace {inv.job.image} "
+                f"tests/integration/scripts/report.py",
+            )
         logs = {}
         for h, name in zip(inv.hosts, names, strict=True):
             code = on_host(h.name, f"docker wait {name}").stdout.strip()
@@ -156,17 +180,41 @@ def test_derived_image_from_base_plus_requirements(tmp_path):
     reqs.write_text("six==1.16.0\n")
     tag = "fabtrain/derived-test:1"
     try:
-        r = fab_no_inventory("image.build", "--base", "fabtrain/trainer:latest", "--requirements", str(reqs),
-                             "--tag", tag, "--wheels", str(wheels))
+        r = fab_no_inventory(
+            "image.build",
+            "--base",
+            "fabtrain/trainer:latest",
+            "--requirements",
+            str(reqs),
+            "--tag",
+            tag,
+            "--wheels",
+            str(wheels),
+        )
         assert r.returncode == 0, r.stderr
         assert f"push it with: fab image.push --image {tag}" in r.stdout
-        out = local("docker", "run", "--rm", "--entrypoint", "python3", tag, "-c",
-                    "import six, torch; print(six.__version__)").stdout.strip()
+        out = local(
+            "docker",
+            "run",
+            "--rm",
+            "--entrypoint",
+            "python3",
+            tag,
+            "-c",
+            "import six, torch; print(six.__version__)",
+        ).stdout.strip()
         assert out == "1.16.0"
         usage = subprocess.run(["docker", "run", "--rm", tag], capture_output=True, text=True)
         assert "usage: fabtrain-entrypoint SCRIPT" in usage.stderr  # the same entrypoint
     finally:
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
-    bad = fab_no_inventory("image.build", "--base", "fabtrain/trainer:latest", "--requirements",
-                           str(tmp_path / "missing.txt"), "--tag", tag)
+    bad = fab_no_inventory(
+        "image.build",
+        "--base",
+        "fabtrain/trainer:latest",
+        "--requirements",
+        str(tmp_path / "missing.txt"),
+        "--tag",
+        tag,
+    )
     assert bad.returncode == 1 and "missing.txt: requirements file not found" in bad.stderr

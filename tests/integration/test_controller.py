@@ -1,5 +1,6 @@
 """Jobs that outlive the terminal, on the local cluster: a job whose `fab train` was killed is taken
 over by `fab attach` and goes on (watchdog, restarts, fetch)."""
+
 import json
 import re
 import time
@@ -89,8 +90,9 @@ def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path)
     assert record["controller"]["standby"]["host"] == "node1" and record["controller"]["ended_on"] == "node2"
     node1 = (run / "node1.log").read_text()
     # From memory (node1's keeper held node2's ranks' replicas), or the newest snapshot if as new.
-    assert "| step 10 |" in node1 and re.search(r"resumed from (memory|/output/snapshots/snapshot-0000000)",
-                                                  node1), node1[-3000:]
+    assert "| step 10 |" in node1 and re.search(
+        r"resumed from (memory|/output/snapshots/snapshot-0000000)", node1
+    ), node1[-3000:]
     assert (run / "loss.png").is_file() and final_state(job)["step"] == 80
     events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
     assert events.count("attempt") == 2 and events[-1] == "finished"
@@ -124,11 +126,27 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
         a.wait_for("attempt 1: starting 2 node(s)")
         refused = fab(inventory_path, *common, "--name", "qx")
         assert refused.returncode != 0 and "add --queue" in refused.stderr, refused.stderr[-2000:]
-        b = Run(inventory_path, *common, "--args", "--sleep 5", "--name", "qb", "--queue",
-                env={"FABTRAIN_USER": "bob"})
+        b = Run(
+            inventory_path,
+            *common,
+            "--args",
+            "--sleep 5",
+            "--name",
+            "qb",
+            "--queue",
+            env={"FABTRAIN_USER": "bob"},
+        )
         b.wait_for("queued: position 1 (")
-        c = Run(inventory_path, *common, "--args", "--sleep 5", "--name", "qc", "--queue",
-                env={"FABTRAIN_USER": "carol"})
+        c = Run(
+            inventory_path,
+            *common,
+            "--args",
+            "--sleep 5",
+            "--name",
+            "qc",
+            "--queue",
+            env={"FABTRAIN_USER": "carol"},
+        )
         c.wait_for("queued: position 2 (")
         rows = queued_rows(inventory_path)
         by_name = {r["job"].split("-")[0]: r for r in rows.values()}

@@ -4,6 +4,7 @@ both jobs, the owner of every host's slots, a loss curve that grows between two 
 host's log tail, in which a line carrying ESC bytes, a <script> element and an <img onerror> is text
 and runs nothing. A screenshot of each page is kept (pytest's tmp dir; with FABTRAIN_README_SHOTS=1
 also tests/readme/, for the README)."""
+
 import json
 import os
 import secrets
@@ -36,10 +37,21 @@ def browser(profile: Path):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     # Without the background-networking flags chromium keeps trying to reach the internet.
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-default-apps",
-                 "--disable-extensions", "--window-size=1400,1100", f"--user-data-dir={profile}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-default-apps",
+        "--disable-extensions",
+        "--window-size=1400,1100",
+        f"--user-data-dir={profile}",
+    ):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
 
@@ -65,16 +77,19 @@ def get(url: str):
 
 
 def job_of(name: str) -> str:
-    return until(f"runs/{name}-*",
-                 lambda: max((p.name for p in (ROOT / "runs").glob(f"{name}-*")), default=None))
+    return until(
+        f"runs/{name}-*", lambda: max((p.name for p in (ROOT / "runs").glob(f"{name}-*")), default=None)
+    )
 
 
 def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(inventory_path, tmp_path):
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         if os.environ.get("CI"):
             pytest.fail("no chromium/chromedriver: CI must run bash docker/bootstrap.sh --tests first")
-        pytest.skip("Debian's chromium and chromium-driver are not installed (docker/bootstrap.sh "
-                    "--tests installs them)")
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (docker/bootstrap.sh "
+            "--tests installs them)"
+        )
     tag = secrets.token_hex(2)
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
@@ -83,13 +98,28 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
     jobs: list[str] = []
     try:
         dash.wait_for(f"dashboard: {url}", timeout=60)
-        alice = Run(inventory_path, *COMMON, "--args", "--steps 600 --step-time 0.5", "--name", f"dash-{tag}",
-                    env={"FABTRAIN_USER": "alice"})
+        alice = Run(
+            inventory_path,
+            *COMMON,
+            "--args",
+            "--steps 600 --step-time 0.5",
+            "--name",
+            f"dash-{tag}",
+            env={"FABTRAIN_USER": "alice"},
+        )
         alice.wait_for("attempt 1: starting 2 node(s)")
         job_a = job_of(f"dash-{tag}")
         jobs.append(job_a)
-        bob = Run(inventory_path, *COMMON, "--args", "--steps 5 --step-time 0.1", "--name", f"dashq-{tag}",
-                  "--queue", env={"FABTRAIN_USER": "bob"})
+        bob = Run(
+            inventory_path,
+            *COMMON,
+            "--args",
+            "--steps 5 --step-time 0.1",
+            "--name",
+            f"dashq-{tag}",
+            "--queue",
+            env={"FABTRAIN_USER": "bob"},
+        )
         bob.wait_for("queued: position 1 (")
         job_b = job_of(f"dashq-{tag}")
         jobs.append(job_b)
@@ -112,13 +142,17 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
         from selenium.webdriver.common.by import By
 
         def rows():
-            return {r.get_attribute("data-job"): r.get_attribute("data-state")
-                    for r in driver.find_elements(By.CSS_SELECTOR, "#jobs tbody tr[data-job]")}
+            return {
+                r.get_attribute("data-job"): r.get_attribute("data-state")
+                for r in driver.find_elements(By.CSS_SELECTOR, "#jobs tbody tr[data-job]")
+            }
+
         until("both jobs on the page", lambda: job_a in rows() and job_b in rows())
         shown = rows()
         assert shown[job_a] == "running" and shown[job_b].startswith("queued"), shown
-        queue = [r.get_attribute("data-job")
-                 for r in driver.find_elements(By.CSS_SELECTOR, "#queue tbody tr")]
+        queue = [
+            r.get_attribute("data-job") for r in driver.find_elements(By.CSS_SELECTOR, "#queue tbody tr")
+        ]
         assert queue == [job_b], queue
         assert "bob@" in driver.find_element(By.CSS_SELECTOR, "#queue tbody tr").text
 
@@ -127,11 +161,18 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
             for card in driver.find_elements(By.CSS_SELECTOR, "#hosts .host"):
                 out[card.get_attribute("data-host")] = [
                     (s.get_attribute("data-job"), s.get_attribute("data-who").partition("@")[0])
-                    for s in card.find_elements(By.CSS_SELECTOR, ".slot")]
+                    for s in card.find_elements(By.CSS_SELECTOR, ".slot")
+                ]
             return out
-        held = until("every slot of both hosts held by alice's job",
-                     lambda: (o := owners()) and all(o.get(h) and all(s == (job_a, "alice") for s in o[h])
-                                                     for h in ("node1", "node2")) and o)
+
+        held = until(
+            "every slot of both hosts held by alice's job",
+            lambda: (
+                (o := owners())
+                and all(o.get(h) and all(s == (job_a, "alice") for s in o[h]) for h in ("node1", "node2"))
+                and o
+            ),
+        )
         assert sorted(held) == ["node1", "node2"], held
         row_a = driver.find_element(By.CSS_SELECTOR, f'#jobs tbody tr[data-job="{job_a}"]').text
         assert "alice@" in row_a and "node1" in row_a and "node2" in row_a, row_a
@@ -142,6 +183,7 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
 
         def points():
             return int(driver.find_element(By.ID, "loss-chart").get_attribute("data-points") or 0)
+
         first = until("a loss curve of two points", lambda: (n := points()) >= 2 and n)
         later = until("the curve growing", lambda: (n := points()) > first and n, timeout=60)
         assert later > first >= 2
@@ -150,6 +192,7 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
 
         def log_of(host):
             return driver.find_element(By.CSS_SELECTOR, f'#logs .log[data-host="{host}"] pre').text
+
         until("both hosts' log tails", lambda: "step" in log_of("node1") and "step" in log_of("node2"))
         hostile = log_of("node1")
         assert "<script>window.__pwned = 1; document.title = 'pwned'</script>" in hostile, hostile[-2000:]
@@ -159,10 +202,13 @@ def test_dashboard_in_a_browser_shows_jobs_queue_slots_curves_and_logs_as_text(i
         assert driver.title == title == "fabtrain dashboard"
         assert not driver.find_elements(By.CSS_SELECTOR, "#logs script, #logs img")
         assert "alice@" in driver.find_element(By.ID, "job-summary").text
-        until("attempt 1 listed",
-              lambda: driver.find_element(By.CSS_SELECTOR, "#attempts tbody td").text == "1")
-        until("the plan",
-              lambda: "docker run" in driver.find_element(By.ID, "plan").get_attribute("textContent"))
+        until(
+            "attempt 1 listed", lambda: driver.find_element(By.CSS_SELECTOR, "#attempts tbody td").text == "1"
+        )
+        until(
+            "the plan",
+            lambda: "docker run" in driver.find_element(By.ID, "plan").get_attribute("textContent"),
+        )
         driver.save_screenshot(str(tmp_path / "dashboard-job.png"))
         if os.environ.get("FABTRAIN_README_SHOTS") == "1":
             (ROOT / "tests" / "readme").mkdir(exist_ok=True)
@@ -201,21 +247,33 @@ job: {{image: img:1, code_dir: /opt/code, output_dir: /opt/out}}
 hosts:
   - {{name: nowhere, address: 127.0.0.1, interface: lo, ssh: {{port: {free_port()}}}}}
 """)
-    missing = fab(inv, "dashboard", "--address", "0.0.0.0", "--token-file", str(tmp_path / "none"),
-                  timeout=60)
+    missing = fab(
+        inv, "dashboard", "--address", "0.0.0.0", "--token-file", str(tmp_path / "none"), timeout=60
+    )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
     assert missing.stderr.startswith(f"error: --token-file {tmp_path}/none: no such file;"), missing.stderr
 
     port = free_port()
-    dash = Run(inv, "dashboard", "--address", "0.0.0.0", "--port", str(port), "--refresh", "30",
-               "--allow-host", "dash.example")
+    dash = Run(
+        inv,
+        "dashboard",
+        "--address",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--refresh",
+        "30",
+        "--allow-host",
+        "dash.example",
+    )
     try:
         dash.wait_for("Ctrl+C ends it", timeout=60)
         printed = re.search(r"dashboard: http://\S+:(\d+)/\?token=([A-Za-z0-9_-]{43,})\n", dash.text)
         assert printed and int(printed[1]) == port, dash.text
         token = printed[2]
-        assert (f"listening on 0.0.0.0:{port} (every address of this machine); a token is asked for"
-                in dash.text), dash.text
+        assert (
+            f"listening on 0.0.0.0:{port} (every address of this machine); a token is asked for" in dash.text
+        ), dash.text
         assert "dash.example" in dash.text and dash.text.count(token) == 1
         url = f"http://127.0.0.1:{port}/"
 
@@ -224,10 +282,12 @@ hosts:
                 urllib.request.urlopen(request, timeout=10)
             assert got.value.code == code, got.value.read()
             return got.value.read().decode()
+
         assert "?token=" in refused(url, 401) and "cookie" in refused(url + "api/overview", 401)
         refused(url + "?token=WRONG", 401)
-        refused(urllib.request.Request(url + f"?token={token}", headers={"Host": f"rebind.example:{port}"}),
-                421)
+        refused(
+            urllib.request.Request(url + f"?token={token}", headers={"Host": f"rebind.example:{port}"}), 421
+        )
 
         jar = http.cookiejar.CookieJar()
         client = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
@@ -238,8 +298,9 @@ hosts:
         assert cookie.has_nonstandard_attr("HttpOnly") and cookie.get_nonstandard_attr("SameSite") == "Strict"
         with client.open(url + "api/overview", timeout=10) as r:
             assert r.status == 200 and "hosts" in json.loads(r.read())
-        with client.open(urllib.request.Request(url + "api/runs", headers={"Host": f"dash.example:{port}"}),
-                          timeout=10) as r:
+        with client.open(
+            urllib.request.Request(url + "api/runs", headers={"Host": f"dash.example:{port}"}), timeout=10
+        ) as r:
             assert r.status == 200
         refused(urllib.request.Request(url + "api/runs", headers={"Host": f"evil.example:{port}"}), 421)
 
@@ -248,12 +309,16 @@ hosts:
         # without the token, reads how to get in.
         if Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists():
             from selenium.webdriver.common.by import By
+
             driver = browser(tmp_path / "chromium")
             try:
                 driver.get(url + f"?token={token}")
                 assert driver.current_url == url
-                until("the overview, with why the host did not answer",
-                      lambda: "nowhere" in driver.find_element(By.ID, "errors").text, timeout=30)
+                until(
+                    "the overview, with why the host did not answer",
+                    lambda: "nowhere" in driver.find_element(By.ID, "errors").text,
+                    timeout=30,
+                )
                 assert token not in driver.page_source
             finally:
                 driver.quit()

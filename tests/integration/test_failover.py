@@ -2,6 +2,7 @@
 frozen (docker pause) while it also runs rank 0, and its controller's container killed. The standby
 takes the job over from its mirror of the record and snapshots; the job finishes once; another
 clone follows it; the old controller, thawed, stops itself; nothing of the job is left."""
+
 import json
 import re
 import subprocess
@@ -14,8 +15,14 @@ from .test_controller import status_doc
 
 CONTROLLERS = "/opt/fabtrain/output/.controllers"
 # 12 epochs of 40 steps, a snapshot every 10: long enough to be frozen mid-run and resumed.
-LONG = ["--model", "tiny", "--epochs", "12",
-        "--args", "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0"]
+LONG = [
+    "--model",
+    "tiny",
+    "--epochs",
+    "12",
+    "--args",
+    "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0",
+]
 NODES = ("node1", "node2", "node3")
 
 
@@ -43,9 +50,13 @@ def step_of(inventory_path, job: str) -> int:
 def nothing_left(job: str) -> None:
     for node in NODES:
         assert project_containers(node) == [], node
-        left = on_host(node, f"docker ps -aq --filter label=fabtrain.controller={job}; "
-                             f"ls {CONTROLLERS} 2>/dev/null | grep -x {job}; "
-                             f"grep -c {job} ~/.ssh/authorized_keys", check=False)
+        left = on_host(
+            node,
+            f"docker ps -aq --filter label=fabtrain.controller={job}; "
+            f"ls {CONTROLLERS} 2>/dev/null | grep -x {job}; "
+            f"grep -c {job} ~/.ssh/authorized_keys",
+            check=False,
+        )
         assert left.stdout.split() == ["0"], (node, left.stdout)
 
 
@@ -61,8 +72,12 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
     frozen = False
     try:
         # A snapshot mirrored on node3 before the freeze: the newest state lives on two hosts.
-        wait_on("node3", f"ls {CONTROLLERS}/{job}/mirror/runs/{job}/snapshots | grep -q snapshot-", 240,
-                "a snapshot in the standby's mirror")
+        wait_on(
+            "node3",
+            f"ls {CONTROLLERS}/{job}/mirror/runs/{job}/snapshots | grep -q snapshot-",
+            240,
+            "a snapshot in the standby's mirror",
+        )
         cluster.freeze("node1")
         frozen = True
         took = wait_on("node3", f"test -e {CONTROLLERS}/{job}/taken", 60, "the standby taking over")
@@ -102,8 +117,12 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
         cluster.thaw("node1")
         frozen = False
         # Thawed: the old controller learns it was taken over and stops itself.
-        gone = wait_on("node1", f"test -z \"$(docker ps -q --filter label=fabtrain.controller={job})\"", 60,
-                       "the old controller stopping")
+        gone = wait_on(
+            "node1",
+            f'test -z "$(docker ps -q --filter label=fabtrain.controller={job})"',
+            60,
+            "the old controller stopping",
+        )
         print(f"thawed -> the old controller gone in {gone:.1f}s")
         status = fab(inv, "status")
         assert status.returncode == 0, status.stdout + status.stderr

@@ -2,6 +2,7 @@
 NIC shaped with tc (named as the host, not its peers), one link shaped with a tc filter on one
 destination (named as the link), a test host starved of CPU (named as slow), an output_dir on a tiny
 tmpfs (named with its free space), and fab train --health putting a spare in a shaped host's place."""
+
 import json
 import os
 import subprocess
@@ -67,8 +68,11 @@ def deep(inventory, *extra, timeout=300):
 def tiny_output(four_hosts_inventory_path, tmp_path):
     """The four hosts with job.output_dir on TINY: a 4 MB tmpfs on node3, a plain directory elsewhere."""
     inv = tmp_path / "inv.yaml"
-    inv.write_text(four_hosts_inventory_path.read_text().replace(
-        "  nproc_per_node: 2", f"  nproc_per_node: 2\n  output_dir: {TINY}"))
+    inv.write_text(
+        four_hosts_inventory_path.read_text().replace(
+            "  nproc_per_node: 2", f"  nproc_per_node: 2\n  output_dir: {TINY}"
+        )
+    )
     for n in ("node1", "node2", "node3", "node4"):
         on_host(n, f"mkdir -p {TINY}")
     on_host("node3", f"mount -t tmpfs -o size=4m tmpfs {TINY}")

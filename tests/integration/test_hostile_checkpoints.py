@@ -2,6 +2,7 @@
 to escape runs/JOB (a newline and a fake `STAMP /tmp/...` line, a hidden '..' name, `$(touch x)`)
 write nothing outside it; model.pt + optim.pt written each epoch reach a spare that takes a frozen
 rank 0's place as one set, both of the same epoch."""
+
 import re
 import secrets
 import time
@@ -68,8 +69,20 @@ def project(tmp_path: Path, source: str) -> Path:
 def test_checkpoint_names_made_to_escape_write_nothing_outside_the_run(inventory_path, tmp_path):
     pwned = f"/tmp/pwned-{secrets.token_hex(4)}"
     proj = project(tmp_path, HOSTILE.replace("PWNED", pwned))
-    r = fab(inventory_path, "train", "--script", "train.py", "--checkpoint", "checkpoints/*", "--nproc", "1",
-            "--skip-preflight", "--plain", cwd=proj, timeout=240)
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        "train.py",
+        "--checkpoint",
+        "checkpoints/*",
+        "--nproc",
+        "1",
+        "--skip-preflight",
+        "--plain",
+        cwd=proj,
+        timeout=240,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "WROTE" in out
@@ -94,8 +107,21 @@ def test_checkpoint_names_made_to_escape_write_nothing_outside_the_run(inventory
 
 def test_a_spare_resumes_from_model_and_optimizer_of_the_same_epoch(spares_inventory_path, tmp_path):
     proj = project(tmp_path, EPOCHS)
-    run = Run(spares_inventory_path, "train", "--script", "train.py", "--checkpoint", "checkpoints/*",
-              "--nproc", "1", "--restarts", "1", "--skip-preflight", "--plain", cwd=proj)
+    run = Run(
+        spares_inventory_path,
+        "train",
+        "--script",
+        "train.py",
+        "--checkpoint",
+        "checkpoints/*",
+        "--nproc",
+        "1",
+        "--restarts",
+        "1",
+        "--skip-preflight",
+        "--plain",
+        cwd=proj,
+    )
     try:
         # Once a set of both files has been copied here, rank 0's host freezes.
         deadline = time.monotonic() + 90

@@ -2,6 +2,7 @@
 meets it: its key copied off its host works from nowhere else, not past the job, not past its expiry
 when its controller dies, and renewed while the job lives; a user's authorized_keys without a final
 newline keeps the user's key; a record edited on the controller's host runs nothing here."""
+
 import json
 import os
 import re
@@ -20,8 +21,18 @@ MOUNTS = "{{range .Mounts}}{{.Source}} {{end}}"  # docker inspect's format: a co
 
 def detach(inventory_path, sleep: float, *more, env=None) -> tuple[str, str]:
     """(job, the controller's host) of a detached run of the report script, sleeping `sleep` s."""
-    r = fab(inventory_path, "train", "--script", REPORT, "--skip-preflight", "--args", f"--sleep {sleep}",
-            *more, "--detach", env={**os.environ, **(env or {})})
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        REPORT,
+        "--skip-preflight",
+        "--args",
+        f"--sleep {sleep}",
+        *more,
+        "--detach",
+        env={**os.environ, **(env or {})},
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     m = re.search(r"job (\S+) detached: its controller runs on (\S+) \(", r.stdout)
     assert m, r.stdout
@@ -30,9 +41,25 @@ def detach(inventory_path, sleep: float, *more, env=None) -> tuple[str, str]:
 
 def ssh_argv(key: str) -> list[str]:
     """ssh with `key` alone, any host key taken (a test host's), no chatter but errors."""
-    return ["ssh", "-i", key, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o",
-            "UserKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes", "-o", "ConnectTimeout=10",
-            "-o", "LogLevel=ERROR", "-l", "root"]
+    return [
+        "ssh",
+        "-i",
+        key,
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "ConnectTimeout=10",
+        "-o",
+        "LogLevel=ERROR",
+        "-l",
+        "root",
+    ]
 
 
 def ssh_with(node: str, key: str, address: str, command: str = "true") -> tuple[int, str]:
@@ -71,7 +98,9 @@ def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_liv
         line = lines_of(job, target)
         assert len(line) == 1 and re.fullmatch(
             rf'restrict,from="[0-9a-f.:,/]*{re.escape(addresses[ctl])}[0-9a-f.:,/]*",expiry-time="\d{{14}}" '
-            rf"ssh-ed25519 \S+ fabtrain-controller:{re.escape(job)}", line[0]), line
+            rf"ssh-ed25519 \S+ fabtrain-controller:{re.escape(job)}",
+            line[0],
+        ), line
         for node in (ctl, other):
             keys_here[node] = copy_key(job, ctl, node)
         # Its directory is the SSH user's alone.
@@ -83,8 +112,11 @@ def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_liv
         assert "not a tty" in out, out
         # (sshd's reason comes at ssh's INFO level.)
         forwarding = [a.replace("LogLevel=ERROR", "LogLevel=INFO") for a in ssh_argv(keys_here[ctl])]
-        forwarded = on_host(ctl, shlex.join([*forwarding, "-W", "127.0.0.1:22", addresses[target]])
-                            + " </dev/null 2>&1", check=False)
+        forwarded = on_host(
+            ctl,
+            shlex.join([*forwarding, "-W", "127.0.0.1:22", addresses[target]]) + " </dev/null 2>&1",
+            check=False,
+        )
         assert forwarded.returncode != 0, forwarded.stdout
         assert "administratively prohibited" in forwarded.stdout, forwarded.stdout
         # From any other host, the same key is refused: to the third host and to the controller's own.
@@ -185,8 +217,9 @@ def test_a_record_edited_on_the_controllers_host_runs_nothing_here(inventory_pat
         attach = fab(inventory_path, "attach", job)
         assert attach.returncode == 2 and "nothing to take over" in attach.stderr, attach.stderr[-2000:]
         assert not pwned.exists()
-        resumed = fab(inventory_path, "train", "--resume", job, "--args", "--sleep 1", "--skip-preflight",
-                      "--plain")
+        resumed = fab(
+            inventory_path, "train", "--resume", job, "--args", "--sleep 1", "--skip-preflight", "--plain"
+        )
         assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
         assert not pwned.exists() and ours.exists()  # this machine's own hook, from its own record
         record = json.loads((ROOT / "runs" / job / "job.json").read_text())

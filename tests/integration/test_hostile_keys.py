@@ -2,6 +2,7 @@
 `@revoked` line, a line that is no key at all, and a system-wide file (ssh_config's
 GlobalKnownHostsFile) next to the user's. paramiko (fab status) and the ssh that rsync runs
 (fab sync) must agree: other hosts unharmed, a revoked key refused by both."""
+
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -9,8 +10,12 @@ from .conftest import fab, on_host
 
 
 def new_key() -> str:
-    return ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    return (
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .decode()
+    )
 
 
 def host_key(node: str) -> str:
@@ -25,8 +30,10 @@ def test_ca_and_revoked_lines_in_the_users_and_the_global_known_hosts(inventory_
     # reader failed every host on it) and a line that is no key; first, node1's key under a pattern
     # that names node2 too (two keys of one type for node2: either is its key, as ssh reads it).
     user = tmp_path / "known_hosts"
-    user.write_text(f"172.28.5.1?,!172.28.5.13 {host_key('node1')}\n"
-                    f"@cert-authority 172.28.5.*,*.example.com {new_key()}\n{real}this line is no key\n")
+    user.write_text(
+        f"172.28.5.1?,!172.28.5.13 {host_key('node1')}\n"
+        f"@cert-authority 172.28.5.*,*.example.com {new_key()}\n{real}this line is no key\n"
+    )
     # The system-wide file, named by ssh_config as OpenSSH reads it: a revoked key of another host.
     system = tmp_path / "ssh_known_hosts"
     system.write_text(f"@revoked * {new_key()}\n")
@@ -72,9 +79,11 @@ def test_ca_and_revoked_lines_in_the_users_and_the_global_known_hosts(inventory_
         r = fab(inv, "status", timeout=120)
         out = r.stdout + r.stderr
         assert r.returncode == 1 and "hosts: 1 answering; unreachable: node2" in out, out
-        assert (f"node2 (172.28.5.12): known only through the @cert-authority line {user}:2; fabtrain checks "
-                "host keys with paramiko, which does not verify host certificates, so it does not accept "
-                "CA-signed host keys") in out
+        assert (
+            f"node2 (172.28.5.12): known only through the @cert-authority line {user}:2; fabtrain checks "
+            "host keys with paramiko, which does not verify host certificates, so it does not accept "
+            "CA-signed host keys"
+        ) in out
         assert f"ssh-keyscan -p 22 172.28.5.12 >> {user}" in out
     finally:
         if dest:

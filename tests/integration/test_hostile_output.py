@@ -1,6 +1,7 @@
 """What a job's containers print is hostile input (docs/security.md): ranks that attack the
 terminal (escape sequences, OSC-52, rich markup in rank names and log lines), a rank printing
 256 MB with no newline, and a second command that tries to continue a job that runs."""
+
 import re
 import time
 from pathlib import Path
@@ -25,8 +26,20 @@ def job_of(text: str, name: str) -> str:
 def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continued_and_stop_ends_it(
     inventory_path,
 ):
-    run = Run(inventory_path, "train", "--script", SCRIPT, "--name", "bigline", "--nproc", "1",
-              "--skip-preflight", "--plain", "--args", "--big-mb 256 --wait 300")
+    run = Run(
+        inventory_path,
+        "train",
+        "--script",
+        SCRIPT,
+        "--name",
+        "bigline",
+        "--nproc",
+        "1",
+        "--skip-preflight",
+        "--plain",
+        "--args",
+        "--big-mb 256 --wait 300",
+    )
     try:
         run.wait_for("log line 1", timeout=180)
         idle = rss_kib(run.proc.pid, "VmRSS")
@@ -41,8 +54,18 @@ def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continue
 
         # The job runs: continuing it by name, or resuming it by id, is refused and harms nothing.
         for how in (("--name", "bigline", "--continue"), ("--resume", job_id)):
-            r = fab(inventory_path, "train", "--script", SCRIPT, *how, "--nproc", "1", "--skip-preflight",
-                    "--plain", timeout=120)
+            r = fab(
+                inventory_path,
+                "train",
+                "--script",
+                SCRIPT,
+                *how,
+                "--nproc",
+                "1",
+                "--skip-preflight",
+                "--plain",
+                timeout=120,
+            )
             assert r.returncode == 2, (r.stdout + r.stderr)[-2000:]
             assert f"{job_id}: that job is still running on node1, node2" in r.stderr, r.stderr
             assert "Traceback" not in r.stderr
@@ -68,8 +91,21 @@ def test_a_line_with_no_end_costs_bounded_memory_a_running_job_is_never_continue
 
 
 def test_escape_sequences_and_markup_from_ranks_reach_no_terminal(inventory_path):
-    r = fab(inventory_path, "train", "--script", SCRIPT, "--name", "evil", "--nproc", "1", "--skip-preflight",
-            "--plain", "--args", "--big-mb 0 --wait 0", timeout=240)
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        SCRIPT,
+        "--name",
+        "evil",
+        "--nproc",
+        "1",
+        "--skip-preflight",
+        "--plain",
+        "--args",
+        "--big-mb 0 --wait 0",
+        timeout=240,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     # Nothing a terminal obeys came through, piped as here: no ESC, no C1, no BEL.

@@ -3,6 +3,7 @@
 console and heartbeat files for links to a root-only file on the host. A resumed job (a cold
 start, as --resume, a restart with warm_restarts: false or a spare make) must find no host file
 written, and that file's content must appear nowhere here."""
+
 import secrets
 
 from .conftest import ROOT, fab, on_host
@@ -17,8 +18,16 @@ def test_links_planted_in_the_output_directory_reach_no_host_file(inventory_path
     for node in ("node1", "node2"):
         on_host(node, f"umask 077; printf '%s\\n' {secret_text} > {secret}")
     name = f"links{tag[:4]}"
-    args = ("--script", SCRIPT, "--nproc", "1", "--skip-preflight", "--plain", "--args",
-            f"--secret {secret} --marker {marker}")
+    args = (
+        "--script",
+        SCRIPT,
+        "--nproc",
+        "1",
+        "--skip-preflight",
+        "--plain",
+        "--args",
+        f"--secret {secret} --marker {marker}",
+    )
     try:
         first = fab(inventory_path, "train", "--name", name, *args, timeout=300)
         out1 = first.stdout + first.stderr

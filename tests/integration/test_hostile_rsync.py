@@ -5,6 +5,7 @@ judges every host's rsync.
 old-style arguments, which a user may have exported) to a job.code_dir holding spaces, quotes
 and a `$(...)`: without -s in rsync's argv the remote shell splits the path and runs the
 substitution; with it the path and the tree's odd file names arrive exactly."""
+
 import json
 import os
 import subprocess
@@ -20,15 +21,17 @@ NAMES = ("$(touch pwned)", "it's a file.txt")
 
 def host_exec(node: str, *argv: str, check=True) -> subprocess.CompletedProcess:
     """A command on a test host, as an argv (no shell of ours reads the odd names)."""
-    return subprocess.run(["docker", "exec", f"fabtrain-{node}", *argv], capture_output=True, text=True,
-                          check=check, timeout=60)
+    return subprocess.run(
+        ["docker", "exec", f"fabtrain-{node}", *argv], capture_output=True, text=True, check=check, timeout=60
+    )
 
 
 def pwned(node: str) -> list[str]:
     """Files named pwned* in the SSH user's home, /tmp (the hostile code_dir's parent) and the
     default code_dir, where a substitution run by rsync's remote shell would have made one."""
-    out = host_exec(node, "find", "/root", "/tmp", "/opt/fabtrain/code", "-maxdepth", "3",
-                    "-name", "pwned*", check=False).stdout
+    out = host_exec(
+        node, "find", "/root", "/tmp", "/opt/fabtrain/code", "-maxdepth", "3", "-name", "pwned*", check=False
+    ).stdout
     return [line for line in out.splitlines() if line and not line.startswith(CODE_DIR + "/")]
 
 
@@ -64,8 +67,16 @@ def test_odd_names_arrive_exactly_and_preflight_judges_rsync(inventory_path, inv
         for node in nodes:  # what a shell-run substitution would have made goes too
             host_exec(node, "rm", "-rf", "--", CODE_DIR, *pwned(node), check=False)
             # and where a shell split the path ('/tmp/fabtrain' ...), when it holds this tree
-            host_exec(node, "sh", "-c", '[ -e "$1/$2" ] && rm -rf -- "$1"', "sh", "/tmp/fabtrain", NAMES[1],
-                      check=False)
+            host_exec(
+                node,
+                "sh",
+                "-c",
+                '[ -e "$1/$2" ] && rm -rf -- "$1"',
+                "sh",
+                "/tmp/fabtrain",
+                NAMES[1],
+                check=False,
+            )
     assert all(host_exec(n, "test", "-e", CODE_DIR, check=False).returncode == 1 for n in nodes)
 
     # Preflight's rsync row per host, as judged from the host's own rsync (read here directly).

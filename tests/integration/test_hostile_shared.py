@@ -5,6 +5,7 @@ job holding node1's slot 0 and the master port, it takes only free slots and the
 its owner, and leaves the other job as it was. A place in node1's queue dated a day ahead of its
 clock, which once refused every later job there for ever, is dropped by the next plain job, which
 runs and says so."""
+
 import json
 import os
 import re
@@ -67,8 +68,14 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
             ).returncode
             == 0
         )
-        assert as_user(alice, f"cat > {shlex.quote(hostfiles.runtime_dir(inv, spec) + '/entrypoint.py')}",
-                       "print('entrypoint ok')\n").returncode == 0
+        assert (
+            as_user(
+                alice,
+                f"cat > {shlex.quote(hostfiles.runtime_dir(inv, spec) + '/entrypoint.py')}",
+                "print('entrypoint ok')\n",
+            ).returncode
+            == 0
+        )
         # bob sees her claim and her lease's age, is refused her slot, and takes the other one.
         survey = parse_survey(as_user(bob, survey_script(inv)).stdout)
         assert {c.job: (c.who, c.units) for c in survey.claimed} == {spec.job_id: ("alice@ws", (0,))}
@@ -106,11 +113,17 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         # In alice's container the entrypoint runs from the read-only mount, as root and as a
         # non-root image user; only root there reads the secrets.
         mount = f"{hostfiles.runtime_dir(inv, spec)}:{jobspec.RUNTIME_MOUNT}:ro"
-        read = (f"python3 {jobspec.ENTRYPOINT_PATH} && "
-                f"python3 -c \"open('{jobspec.SECRETS_PATH}').read(); print('secrets read')\"")
+        read = (
+            f"python3 {jobspec.ENTRYPOINT_PATH} && "
+            f"python3 -c \"open('{jobspec.SECRETS_PATH}').read(); print('secrets read')\""
+        )
         for user, want in (("0", "entrypoint ok\nsecrets read"), ("65534", "entrypoint ok")):
-            c = on_host(NODE, f"docker run --rm --user {user} --network none -v {mount} --entrypoint sh "
-                              f"fabtrain/trainer:latest -c {shlex.quote(read)}", check=False)
+            c = on_host(
+                NODE,
+                f"docker run --rm --user {user} --network none -v {mount} --entrypoint sh "
+                f"fabtrain/trainer:latest -c {shlex.quote(read)}",
+                check=False,
+            )
             assert c.stdout.strip() == want, (user, c.stdout, c.stderr)
         # alice's own clean up removes her runtime files and bob's stop marker.
         assert (
@@ -119,11 +132,18 @@ def test_two_accounts_of_one_group_share_claims_and_never_read_each_others_secre
         )
         left = on_host(NODE, f"ls -A {rt} {rt}/.stopped").stdout
         assert spec.job_id not in left and f"bob-{tag}" in left, left
-        modes = on_host(NODE, f"stat -c '%a %G %n' {out}/.claims {out}/.claims/* {rt} {rt}/bob-{tag} "
-                              f"{out}/.claims/*/bob-{tag}").stdout.split("\n")
+        modes = on_host(
+            NODE,
+            f"stat -c '%a %G %n' {out}/.claims {out}/.claims/* {rt} {rt}/bob-{tag} {out}/.claims/*/bob-{tag}",
+        ).stdout.split("\n")
         # alice's umask 077 kept others out of the claims she made; the group got in all the same.
-        assert [m.split()[:2] for m in modes if m] == [["2770", group], ["2770", group], ["3775", group],
-                                                       ["2711", group], ["644", group]], modes
+        assert [m.split()[:2] for m in modes if m] == [
+            ["2770", group],
+            ["2770", group],
+            ["3775", group],
+            ["2711", group],
+            ["644", group],
+        ], modes
     finally:
         on_host(
             NODE, f"rm -rf /tmp/fabshare-{tag}; userdel {alice}; userdel {bob}; groupdel {group}", check=False
@@ -148,11 +168,17 @@ def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owner
 
     def watch():
         while not done.is_set():
-            seen.update(on_host(NODE, "docker ps --filter label=fabtrain.managed=1 --format "
-                                      "'{{.Label \"fabtrain.job\"}} {{.Label \"fabtrain.owner\"}}'; "
-                                      f"cat {inv.job.output_dir}/.claims/*/preflight-* 2>/dev/null",
-                                check=False).stdout.splitlines())
+            seen.update(
+                on_host(
+                    NODE,
+                    "docker ps --filter label=fabtrain.managed=1 --format "
+                    '\'{{.Label "fabtrain.job"}} {{.Label "fabtrain.owner"}}\'; '
+                    f"cat {inv.job.output_dir}/.claims/*/preflight-* 2>/dev/null",
+                    check=False,
+                ).stdout.splitlines()
+            )
             time.sleep(0.3)
+
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
@@ -175,8 +201,11 @@ def test_the_smoke_test_takes_free_slots_and_a_claimed_port_beside_another_owner
         assert "units=1" in seen and f"port={port + 1}" in seen and "who=carol@" in " ".join(seen), seen
         # The other job is as it was; nothing of the smoke test is left.
         assert on_host(NODE, f"cat {claim}; docker ps -q --filter name={other}").stdout == before
-        left = on_host(NODE, f"ls {inv.job.output_dir}/.claims/*/ {inv.job.output_dir}/.runtime/; "
-                             "docker ps -aq --filter label=fabtrain.managed=1").stdout.split()
+        left = on_host(
+            NODE,
+            f"ls {inv.job.output_dir}/.claims/*/ {inv.job.output_dir}/.runtime/; "
+            "docker ps -aq --filter label=fabtrain.managed=1",
+        ).stdout.split()
         assert not [x for x in left if x.startswith("preflight-")], left
         print(f"preflight with the smoke test beside another job: {took:.1f}s")
     finally:
@@ -192,15 +221,34 @@ def test_a_queue_place_dated_ahead_blocks_no_job_and_is_dropped_naming_it_and_it
     The next job's claim drops it by node1's own clock and runs, naming the file and its owner."""
     tag = secrets.token_hex(3)
     ghost = f"x-{tag}"
-    where = on_host(NODE, f'd={shlex.quote(inv.job.output_dir)}/.claims/"$(hostname)"; '
-                          'mkdir -p "$d"/queue && cd -P "$d" && pwd').stdout.strip()
+    where = on_host(
+        NODE,
+        f'd={shlex.quote(inv.job.output_dir)}/.claims/"$(hostname)"; '
+        'mkdir -p "$d"/queue && cd -P "$d" && pwd',
+    ).stdout.strip()
     place = f"{where}/queue/{ghost}"
-    on_host(NODE, f"printf 'who=bob@vm\\nsince=1\\nticket=%s\\nwants=all\\n' {queue.new_ticket(ghost)} "
-                  f"> {shlex.quote(place)} && touch -d @$(( $(date +%s) + 100000 )) {shlex.quote(place)}")
+    on_host(
+        NODE,
+        f"printf 'who=bob@vm\\nsince=1\\nticket=%s\\nwants=all\\n' {queue.new_ticket(ghost)} "
+        f"> {shlex.quote(place)} && touch -d @$(( $(date +%s) + 100000 )) {shlex.quote(place)}",
+    )
     try:
-        r = fab(inventory_path, "train", "--script", "tests/integration/scripts/report.py",
-                "--skip-preflight", "--plain", "--nproc", "1", "--include", NODE, "--name", f"ahead-{tag}",
-                timeout=240, env={**os.environ, "COLUMNS": "1000"})
+        r = fab(
+            inventory_path,
+            "train",
+            "--script",
+            "tests/integration/scripts/report.py",
+            "--skip-preflight",
+            "--plain",
+            "--nproc",
+            "1",
+            "--include",
+            NODE,
+            "--name",
+            f"ahead-{tag}",
+            timeout=240,
+            env={**os.environ, "COLUMNS": "1000"},
+        )
         out = " ".join((r.stdout + r.stderr).split())
         assert r.returncode == 0, out[-3000:]
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1))

@@ -3,14 +3,15 @@ after its deadline (a `docker` earlier in root's PATH sleeps first, then runs th
 fails naming node2 and the deadline, and once even the slow `docker run` would have finished, no
 container of the job is on node2: the host ended it (GNU timeout), and the teardown and the finish
 swept by the job's label."""
+
 import re
 import time
 
 from .conftest import ROOT, Run, on_host
 
-START_TIMEOUT = 20   # fab gives up on a start after this; the host ends docker run after 10 s
-SLEEP = 27.5         # the slow docker's sleep, longer than START_TIMEOUT (and a name to look for)
-WRAPPER = "/usr/local/bin/docker"   # before /usr/bin in the PATH sshd gives a command
+START_TIMEOUT = 20  # fab gives up on a start after this; the host ends docker run after 10 s
+SLEEP = 27.5  # the slow docker's sleep, longer than START_TIMEOUT (and a name to look for)
+WRAPPER = "/usr/local/bin/docker"  # before /usr/bin in the PATH sshd gives a command
 MARK = "/tmp/fabtrain-late-docker"  # .started: when the slow docker began; .ran: it got to the real one
 
 SLOW_DOCKER = f"""#!/bin/sh
@@ -84,5 +85,9 @@ def test_a_docker_run_past_its_deadline_leaves_no_container_on_its_host(inventor
         on_host("node2", f"rm -f {MARK}.started {MARK}.ran")
         if job_id:
             for node in ("node1", "node2"):
-                on_host(node, f"/usr/bin/docker ps -aq --filter label=fabtrain.job={job_id} | "
-                        f"xargs -r /usr/bin/docker rm -f; rm -rf {inv.job.output_dir}/{job_id}", check=False)
+                on_host(
+                    node,
+                    f"/usr/bin/docker ps -aq --filter label=fabtrain.job={job_id} | "
+                    f"xargs -r /usr/bin/docker rm -f; rm -rf {inv.job.output_dir}/{job_id}",
+                    check=False,
+                )

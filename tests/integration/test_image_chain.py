@@ -2,6 +2,7 @@
 mid-transfer is named while the others get the image; a host frozen mid-chain is named and the
 hosts after it get the image from a reformed chain; a changed small layer is all a second push
 sends. Image ids are checked on the hosts directly. Each test leaves the hosts' engines running."""
+
 import subprocess
 from contextlib import contextmanager
 
@@ -28,7 +29,8 @@ def build(tmp_path, small: str, tag: str) -> str:
     (tmp_path / f"Dockerfile.{small}").write_text(
         "FROM fabtrain/base:bookworm\n"
         f"RUN head -c {BIG_MB * 1000 * 1000} /dev/urandom > /big\n"
-        f"RUN echo {small} > /small\n")
+        f"RUN echo {small} > /small\n"
+    )
     subprocess.run(
         ["docker", "build", "-q", "-t", tag, "-f", str(tmp_path / f"Dockerfile.{small}"), str(tmp_path)],
         check=True,
@@ -48,8 +50,12 @@ def forget_test_images(nodes):
     untagged, and would keep its layers there)."""
     ids = " ".join(BUILT)
     for node in nodes:
-        on_host(node, f"docker image ls --quiet {REPO} | xargs -r docker rmi -f >/dev/null 2>&1; "
-                      f"for i in {ids}; do docker rmi -f $i >/dev/null 2>&1; done; true", check=False)
+        on_host(
+            node,
+            f"docker image ls --quiet {REPO} | xargs -r docker rmi -f >/dev/null 2>&1; "
+            f"for i in {ids}; do docker rmi -f $i >/dev/null 2>&1; done; true",
+            check=False,
+        )
 
 
 @pytest.fixture
@@ -83,15 +89,23 @@ class OnProgress:
 @contextmanager
 def engine_stopped_later(node):
     """Yields a function that stops the host's dockerd (its command line kept); restarted after."""
+
     def stop():
-        on_host(node, "tr '\\0' ' ' < /proc/$(pgrep -x dockerd)/cmdline > /run/dockerd.cmdline; "
-                      "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done")
+        on_host(
+            node,
+            "tr '\\0' ' ' < /proc/$(pgrep -x dockerd)/cmdline > /run/dockerd.cmdline; "
+            "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done",
+        )
+
     try:
         yield stop
     finally:
-        on_host(node, "pgrep -x dockerd >/dev/null && exit 0; "
-                      "$(cat /run/dockerd.cmdline) >/var/log/dockerd.log 2>&1 & "
-                      "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1")
+        on_host(
+            node,
+            "pgrep -x dockerd >/dev/null && exit 0; "
+            "$(cat /run/dockerd.cmdline) >/var/log/dockerd.log 2>&1 & "
+            "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1",
+        )
 
 
 def test_engine_stopped_mid_chain_is_named_and_the_others_get_the_image(four, tmp_path):
@@ -151,8 +165,9 @@ def test_second_push_sends_only_the_changed_layer(four, four_hosts_inventory_pat
     # The command line, unchanged: nothing left to send.
     out = fab(four_hosts_inventory_path, "image.push", "--image", TAG, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert [line for line in out.stdout.splitlines() if line.startswith("node")] == \
-        [f"node{i}: present" for i in range(1, 5)]
+    assert [line for line in out.stdout.splitlines() if line.startswith("node")] == [
+        f"node{i}: present" for i in range(1, 5)
+    ]
 
 
 def test_host_no_other_host_can_reach_is_sent_to_directly(four, tmp_path):

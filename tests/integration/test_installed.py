@@ -6,6 +6,7 @@ interpreter running the tests (so nothing is downloaded; `pip check` then proves
 pins match them), and fabtrain itself is built and installed from a copy of the checkout, so no
 build files land in it. No cluster is needed: the project's inventory names hosts on a closed
 local port, which a dry run reports as not answering (its look at the hosts is read-only)."""
+
 import os
 import shutil
 import socket
@@ -18,8 +19,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Never part of the package: version control, virtualenvs, caches, runs, the local cluster's files.
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".cache", ".cluster", ".ci", "runs", "tests", "build",
-                                    "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache")
+NOT_COPIED = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    ".cache",
+    ".cluster",
+    ".ci",
+    "runs",
+    "tests",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+)
 
 
 # Run by the installed interpreter: every third-party distribution that fabfile.py and the
@@ -61,8 +75,11 @@ def closed_port() -> int:
 def listing(root: Path) -> set[str]:
     """Every file and directory under root, relative; compiled caches left out (Python may write
     them beside any module it imports)."""
-    return {p.relative_to(root).as_posix() for p in root.rglob("*")
-            if "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +156,9 @@ def fabtrain(venv: Path, cwd: Path, *args: str, timeout: float = 120) -> subproc
     env = {
         k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FABTRAIN_INVENTORY", "VIRTUAL_ENV")
     }
-    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", HOME=str(cwd.parent / "home"),
-               COLUMNS="200")
+    env.update(
+        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", HOME=str(cwd.parent / "home"), COLUMNS="200"
+    )
     (cwd.parent / "home").mkdir(exist_ok=True)
     return subprocess.run(
         ["fabtrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
@@ -188,8 +206,13 @@ def test_installed_package_uses_its_own_files_and_pinned_dependencies(installed,
     # And nothing the package imports is left out of them (they reach this virtualenv only
     # through the .pth file, so a missing one would not show otherwise).
     deps = (purelib / "fabtrain-test-deps.pth").read_text().strip()
-    undeclared = subprocess.run([str(venv / "bin" / "python"), "-c", UNDECLARED, deps, *OPPORTUNISTIC],
-                                cwd=project, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    undeclared = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", UNDECLARED, deps, *OPPORTUNISTIC],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert undeclared.returncode == 0, undeclared.stderr
     assert undeclared.stdout.split() == [], (
         f"imported but not in pyproject.toml's dependencies: {undeclared.stdout}"
@@ -215,8 +238,18 @@ def test_fabtrain_runs_from_a_project_outside_the_checkout(installed, project):
     assert "runs in runs/" in r.stdout and not (project / "runs").exists()
 
     inventory = project / "inventory.yaml"
-    r = fabtrain(venv, project, "train", "--dry-run", "--code", ".", "--script", "main.py",
-                 "--inventory", str(inventory))
+    r = fabtrain(
+        venv,
+        project,
+        "train",
+        "--dry-run",
+        "--code",
+        ".",
+        "--script",
+        "main.py",
+        "--inventory",
+        str(inventory),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     plan = r.stdout
     assert f"{project}/ " in plan, plan  # rsync's source: this project, resolved

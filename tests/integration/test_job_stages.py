@@ -2,6 +2,7 @@
 options and --dry-run, hang detection by where the ranks are (a chatty hung job, a silent healthy
 phase, a module), a frozen Docker engine blamed as such, and a lost host's runtime files cleared once it
 answers again."""
+
 import json
 import os
 import re
@@ -27,8 +28,17 @@ def record(job: str) -> dict:
 
 
 def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(inventory_path):
-    run = Run(inventory_path, "train", "--script", EXIT, "--args", "--node 1 --code 3 --after 0.5",
-              "--restarts", "3", "--skip-preflight")
+    run = Run(
+        inventory_path,
+        "train",
+        "--script",
+        EXIT,
+        "--args",
+        "--node 1 --code 3 --after 0.5",
+        "--restarts",
+        "3",
+        "--skip-preflight",
+    )
     run.wait_for("restart 1 of 3 in")  # attempt 1 failed; the job is between attempts
     stop = fab(inventory_path, "stop")
     assert stop.returncode == 0, stop.stderr
@@ -73,8 +83,17 @@ def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(
         r = fab(inventory_path, "train", "--resume", job, "--dry-run", *bad)
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
     # --restarts 0 overrides the recorded 3: the resumed job fails once and ends.
-    r = fab(inventory_path, "train", "--resume", job, "--restarts", "0", "--skip-preflight",
-            "--args", "--node 1 --code 5 --after 0.5")
+    r = fab(
+        inventory_path,
+        "train",
+        "--resume",
+        job,
+        "--restarts",
+        "0",
+        "--skip-preflight",
+        "--args",
+        "--node 1 --code 5 --after 0.5",
+    )
     assert r.returncode == 1 and "no --restarts" in r.stderr, r.stderr
     rec = record(job)
     assert rec["restarts"] == 0 and len(rec["attempts"]) == attempts + 1
@@ -83,8 +102,17 @@ def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(
 def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     # Every rank waits in all_reduce (the last sleeps) while rank 0's logging thread prints every
     # 2 s, before any step was printed: caught from the ranks' stacks, the stuck ranks named.
-    run = Run(inventory_path, "train", "--script", PROGRESS, "--args", "--mode chatty", "--hang-timeout",
-              "10", "--skip-preflight")
+    run = Run(
+        inventory_path,
+        "train",
+        "--script",
+        PROGRESS,
+        "--args",
+        "--mode chatty",
+        "--hang-timeout",
+        "10",
+        "--skip-preflight",
+    )
     run.wait_for("stuck from ", timeout=180)
     run.wait_for("hang watchdog: stacks of every rank", timeout=60)
     seen = time.time()
@@ -97,22 +125,42 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     assert "rank 3 on node2: tests/integration/scripts/progress.py:" in out and "time.sleep(3600)" in out
     assert "failed: node2 (node rank 1) hung" in out  # the rank the others wait for
     # torch's flight recorder, read in the containers, names the same rank.
-    verdict = (r"flight recorder: rank 3 on node2 never entered gloo:all_reduce #\d+ of process group \S+, "
-               r"which rank\(s\) 0, 1, 2 wait in \(its newest: gloo:barrier #\d+\)")
+    verdict = (
+        r"flight recorder: rank 3 on node2 never entered gloo:all_reduce #\d+ of process group \S+, "
+        r"which rank\(s\) 0, 1, 2 wait in \(its newest: gloo:barrier #\d+\)"
+    )
     assert re.search(verdict, out), out[-3000:]
     # The periodic looks stay out of the log: the stacks appear once per host, at the hang.
     assert out.count("hang watchdog: stacks of every rank on node1") == 1
     # A healthy job silent for 40 s: 25 s tokenizing (its main thread moves), then 15 s sleeping
     # with its heartbeat touched. Neither is a hang at --hang-timeout 10.
-    r = fab(inventory_path, "train", "--script", PROGRESS, "--args", "--mode quiet-phase", "--hang-timeout",
-            "10", "--skip-preflight", timeout=240)
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        PROGRESS,
+        "--args",
+        "--mode quiet-phase",
+        "--hang-timeout",
+        "10",
+        "--skip-preflight",
+        timeout=240,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "rank 0 step 5" in r.stdout and "hang watchdog" not in r.stdout + r.stderr
 
 
 def test_a_hung_module_names_its_ranks_and_frames(inventory_path):
-    r = fab(inventory_path, "train", "--module", "tests.integration.scripts.hang", "--hang-timeout", "10",
-            "--skip-preflight", timeout=240)
+    r = fab(
+        inventory_path,
+        "train",
+        "--module",
+        "tests.integration.scripts.hang",
+        "--hang-timeout",
+        "10",
+        "--skip-preflight",
+        timeout=240,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-3000:]
     assert "rank 3 on node2: tests/integration/scripts/hang.py:14 in <module> `time.sleep(3600)`" in out
@@ -163,8 +211,14 @@ def test_a_lost_hosts_secrets_are_removed_once_it_answers_again(inventory_path, 
     left = f"/opt/fabtrain/output/.runtime/{job}/secrets.env"
     assert on_host("node2", f"test -e {left}", check=False).returncode == 0  # lost: nobody could remove it
     assert on_host("node1", f"test -e {left}", check=False).returncode == 1
-    r = subprocess.run([FAB, "stop", "--inventory", str(inv2)], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "FABTRAIN_LEASE_STALE": "2"}, timeout=120)
+    r = subprocess.run(
+        [FAB, "stop", "--inventory", str(inv2)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FABTRAIN_LEASE_STALE": "2"},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert f"node2: removed the left-over runtime files (secrets included) of {job}" in r.stdout
     assert on_host("node2", f"test -e {left}", check=False).returncode == 1

@@ -1,4 +1,5 @@
 """Lifecycle on the local cluster: fail fast, lost hosts, Ctrl+C, one job at a time, security."""
+
 import json
 import os
 import signal
@@ -15,20 +16,25 @@ REPORT = "tests/integration/scripts/report.py"
 
 
 def start_fab(inventory_path, *args) -> subprocess.Popen:
-    return subprocess.Popen([FAB, *args, "--inventory", str(inventory_path)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [FAB, *args, "--inventory", str(inventory_path)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def wait_for_containers(nodes, count=1, timeout=90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(len(on_host(n, "docker ps -q --filter label=fabtrain.managed=1").stdout.split()) >= count
-               for n in nodes):
+        if all(
+            len(on_host(n, "docker ps -q --filter label=fabtrain.managed=1").stdout.split()) >= count
+            for n in nodes
+        ):
             return
         time.sleep(0.3)
     raise AssertionError(f"job containers did not start on {nodes}")
-
-
 
 
 def running(node) -> list[str]:
@@ -113,14 +119,23 @@ HOSTILE = ["'; touch /tmp/pwned #", "$(touch /tmp/pwned2)", "`id`", "a b  c", "l
 def test_hostile_arguments_and_env_arrive_verbatim(inventory_path, tmp_path):
     """Also: every rank has the job's W&B variables, the inventory's own value in place of fabtrain's."""
     inv_text = inventory_path.read_text().replace(
-        "job:\n", "job:\n  env:\n    HOSTILE: " + json.dumps("$(touch /tmp/pwned3); 'x' \"y\" `id`") + "\n"
-        "    WANDB_RUN_GROUP: sweep-7\n")
+        "job:\n",
+        "job:\n  env:\n    HOSTILE: " + json.dumps("$(touch /tmp/pwned3); 'x' \"y\" `id`") + "\n"
+        "    WANDB_RUN_GROUP: sweep-7\n",
+    )
     inv2 = tmp_path / "hostile.yaml"
     inv2.write_text(inv_text)
     import shlex
+
     wandb = ["WANDB_RUN_GROUP", "WANDB_RUN_ID", "WANDB_RESUME"]
-    r = fab(inv2, "train", "--script", REPORT,
-            "--args", shlex.join(["--env", "HOSTILE", *(a for k in wandb for a in ("--env", k)), *HOSTILE]))
+    r = fab(
+        inv2,
+        "train",
+        "--script",
+        REPORT,
+        "--args",
+        shlex.join(["--env", "HOSTILE", *(a for k in wandb for a in ("--env", k)), *HOSTILE]),
+    )
     assert r.returncode == 0, r.stderr
     job = r.stdout.split("logs and outputs in ")[-1].split()[0].rstrip("/").rsplit("/", 1)[-1]
     reports = [json.loads(line.split("REPORT ", 1)[1]) for line in r.stdout.splitlines() if "REPORT " in line]
@@ -143,7 +158,8 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
     secret.write_text(token + "\n")
     inv2 = tmp_path / "secret.yaml"
     text = inventory_path.read_text().replace(
-        "job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n  cap_add: [SYS_PTRACE]\n")
+        "job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n  cap_add: [SYS_PTRACE]\n"
+    )
     inv2.write_text(
         text.replace(
             "  - name: node2\n",
@@ -170,8 +186,13 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
                 on_host(node, f"stat -c %a /opt/fabtrain/output/.runtime/{job}/secrets.env").stdout.strip()
                 == "600"
             )
-            config = json.loads(on_host(node, "docker inspect --format '{{json .HostConfig}}' "
-                                              "$(docker ps -q --filter label=fabtrain.managed=1)").stdout)
+            config = json.loads(
+                on_host(
+                    node,
+                    "docker inspect --format '{{json .HostConfig}}' "
+                    "$(docker ps -q --filter label=fabtrain.managed=1)",
+                ).stdout
+            )
             assert config["CapAdd"] == ["SYS_PTRACE"]
             if node == "node2":
                 assert config["Ulimits"] == [{"Name": "nofile", "Soft": 4096, "Hard": 8192}]
@@ -183,6 +204,7 @@ def test_secret_never_on_a_command_line_log_or_inspect(inventory_path, tmp_path)
         proc.kill()
     assert proc.returncode == 0, err
     import hashlib
+
     want = hashlib.sha256(token.encode()).hexdigest()
     reports = [json.loads(line.split("REPORT ", 1)[1]) for line in out.splitlines() if "REPORT " in line]
     assert reports and all(rep["hash"]["API_TOKEN"] == want for rep in reports)

@@ -3,6 +3,7 @@ hydra + DDP program with a relative checkpoint (tests/integration/projects/hydra
 outputs fetched, a killed container resumed from the program's own checkpoint on every node,
 `--continue` of a finished named job, and two projects one after the other on the same hosts, each
 with its own code."""
+
 import json
 import re
 import secrets
@@ -28,8 +29,18 @@ def test_a_hydra_program_runs_unmodified_resumes_from_its_own_checkpoint_and_con
     shutil.copytree(PROJECT, proj)
     before = sorted(p.relative_to(proj).as_posix() for p in proj.rglob("*"))
     name = "hydra-" + secrets.token_hex(2)
-    common = ("--script", "main.py", "--checkpoint", "checkpoints/ckpt.pt", "--name", name, "--nproc", "2",
-              "--skip-preflight", "--plain")
+    common = (
+        "--script",
+        "main.py",
+        "--checkpoint",
+        "checkpoints/ckpt.pt",
+        "--name",
+        name,
+        "--nproc",
+        "2",
+        "--skip-preflight",
+        "--plain",
+    )
     run = Run(inventory_path, "train", *common, "--restarts", "1", "--args", "epochs=10", cwd=proj)
     # Once the program's checkpoint has been copied here, a node's container is killed mid-run.
     deadline = time.monotonic() + 150

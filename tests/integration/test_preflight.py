@@ -1,5 +1,6 @@
 """Preflight on the local cluster: each injected fault fails the right check on the right host,
 with a message that says what was seen and how to fix it. Every test undoes its fault."""
+
 import json
 import subprocess
 from contextlib import contextmanager
@@ -58,8 +59,22 @@ def test_clean_cluster_passes_everything_including_the_smoke_test(inventory_path
     checks = json.loads(r.stdout)["checks"]
     assert {c["status"] for c in checks} <= {"ok", "n/a"}
     names = {c["check"] for c in checks}
-    assert names >= {"ssh", "docker", "image", "gpus", "interface", "route", "port", "reach", "mtu", "time",
-                     "shm", "disk", "code", "smoke"}
+    assert names >= {
+        "ssh",
+        "docker",
+        "image",
+        "gpus",
+        "interface",
+        "route",
+        "port",
+        "reach",
+        "mtu",
+        "time",
+        "shm",
+        "disk",
+        "code",
+        "smoke",
+    }
     smoke = [c for c in checks if c["check"] == "smoke"]
     assert len(smoke) == 2 and all("all_reduce over 4 ranks (gloo), bus bw" in c["detail"] for c in smoke)
     for node in ("node1", "node2"):  # the smoke test's runtime files (entrypoint, secrets) are gone
@@ -75,8 +90,9 @@ def test_firewall_dropping_the_master_port_on_rank0(inventory_path, inv):
     assert code == 1
     assert failures(checks) == [("node2", "reach")]
     c = checks[("node2", "reach")]
-    assert c["detail"] == (f"cannot reach node1 172.28.5.11:{port} from 172.28.5.12: "
-                           "timed out (packets dropped: a firewall?)")
+    assert c["detail"] == (
+        f"cannot reach node1 172.28.5.11:{port} from 172.28.5.12: timed out (packets dropped: a firewall?)"
+    )
     assert c["fix"].startswith(f"open TCP {port} on node1 for 172.28.5.12")
     assert checks[("node1", "port")]["status"] == "ok"  # free, just not reachable
 
@@ -103,10 +119,13 @@ def test_sshd_stopped_on_one_host(inventory_path):
 
 def test_docker_engine_stopped_on_one_host(inventory_path):
     # The engine comes back as the host started it (host-init's flags), kept before it is stopped.
-    with fault("node2", "tr '\\0' ' ' < /proc/$(pgrep -x dockerd)/cmdline > /run/dockerd.cmdline; "
-                        "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done",
-               "$(cat /run/dockerd.cmdline) >/var/log/dockerd.log 2>&1 & "
-               "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1"):
+    with fault(
+        "node2",
+        "tr '\\0' ' ' < /proc/$(pgrep -x dockerd)/cmdline > /run/dockerd.cmdline; "
+        "pkill -x dockerd; while pgrep -x dockerd >/dev/null; do sleep 0.2; done",
+        "$(cat /run/dockerd.cmdline) >/var/log/dockerd.log 2>&1 & "
+        "for i in $(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 0.5; done; exit 1",
+    ):
         code, checks = preflight(inventory_path)
     assert code == 1
     assert ("node2", "docker") in failures(checks) and ("node1", "docker") not in failures(checks)
@@ -153,8 +172,10 @@ def test_different_image_under_the_same_tag(inventory_path, inv, tmp_path):
 
 
 def test_clock_two_seconds_off_on_one_host(inventory_path):
-    skew = ("cp /etc/environment /etc/environment.orig; "
-            f"printf 'LD_PRELOAD={FAKETIME}\\nFAKETIME=+2s\\n' >> /etc/environment")
+    skew = (
+        "cp /etc/environment /etc/environment.orig; "
+        f"printf 'LD_PRELOAD={FAKETIME}\\nFAKETIME=+2s\\n' >> /etc/environment"
+    )
     with fault("node2", skew, "mv /etc/environment.orig /etc/environment"):
         code, checks = preflight(inventory_path)
     assert code == 1
@@ -166,11 +187,17 @@ def test_clock_two_seconds_off_on_one_host(inventory_path):
 
 
 def test_worker_interface_that_cannot_reach_the_master(inventory_path, tmp_path):
-    subprocess.run(["docker", "network", "create", "--subnet", "172.28.6.0/24", "fabtrain-test-side"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["docker", "network", "create", "--subnet", "172.28.6.0/24", "fabtrain-test-side"],
+        check=True,
+        capture_output=True,
+    )
     try:
-        subprocess.run(["docker", "network", "connect", "--ip", "172.28.6.12", "fabtrain-test-side",
-                        "fabtrain-node2"], check=True, capture_output=True)
+        subprocess.run(
+            ["docker", "network", "connect", "--ip", "172.28.6.12", "fabtrain-test-side", "fabtrain-node2"],
+            check=True,
+            capture_output=True,
+        )
         iface = on_host("node2", "ip -o -4 addr show | awk '/172.28.6.12/ {print $2}'").stdout.strip()
         code, checks = preflight(node2_interface(inventory_path, tmp_path, iface))
     finally:

@@ -1,6 +1,7 @@
 """Hosts as users actually have them, on the local cluster: ssh_config aliases on a non-default
 port, a jump host (the target refuses this machine), agent-held and encrypted keys, a frozen Docker
 engine, a non-root user, and hostile output. Every test undoes what it changes on the hosts."""
+
 import json
 import os
 import stat
@@ -65,9 +66,12 @@ def test_ssh_config_aliases_hashed_known_hosts_and_a_second_port(inventory_path,
             f"Host gpu2\n  HostName 172.28.5.12\n  Port 2222\n  User root\n"
             f"  IdentityFile {CLUSTER}/id_ed25519\n"
         )
-        path = write_inventory(tmp_path, f"  config: {config}\n  known_hosts: {kh}\n",
-                               "  - {name: node1, address: gpu1, interface: eth0}\n"
-                               "  - {name: node2, address: gpu2, interface: eth0}\n")
+        path = write_inventory(
+            tmp_path,
+            f"  config: {config}\n  known_hosts: {kh}\n",
+            "  - {name: node1, address: gpu1, interface: eth0}\n"
+            "  - {name: node2, address: gpu2, interface: eth0}\n",
+        )
         r, _, checks = preflight_json(path)
         assert r.returncode == 0, r.stdout + r.stderr
         assert checks[("node2", "ssh")]["status"] == "ok"
@@ -86,16 +90,25 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
     rule = f"INPUT -p tcp --dport 22 -s {GATEWAY} -j DROP"
     on_host("node2", f"iptables -I {rule}")
     with undo("node2", f"iptables -D {rule}"):
-        ssh = (f"  user: root\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n"
-               "  connect_timeout: 3\n")
-        direct = write_inventory(tmp_path, ssh, "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-                                 "  - {name: node2, address: 172.28.5.12, interface: eth0}\n", "direct.yaml")
+        ssh = (
+            f"  user: root\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n"
+            "  connect_timeout: 3\n"
+        )
+        direct = write_inventory(
+            tmp_path,
+            ssh,
+            "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
+            "  - {name: node2, address: 172.28.5.12, interface: eth0}\n",
+            "direct.yaml",
+        )
         r, _, checks = preflight_json(direct)
         assert r.returncode == 1 and failures(checks) == [("node2", "ssh")]  # the target is really isolated
         assert "no answer within 3s" in checks[("node2", "ssh")]["detail"]
 
-        hosts = ("  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-                 "  - {name: node2, address: 172.28.5.12, interface: eth0, ssh: {jump: root@172.28.5.11}}\n")
+        hosts = (
+            "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
+            "  - {name: node2, address: 172.28.5.12, interface: eth0, ssh: {jump: root@172.28.5.11}}\n"
+        )
         path = write_inventory(tmp_path, ssh, hosts)
         r, _, checks = preflight_json(path)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -108,13 +121,17 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
         # The jump host's key is missing from known_hosts: refused, naming the jump host.
         only_node2 = tmp_path / "kh_node2"
         only_node2.write_text(f"172.28.5.12 {host_key('node2')}\n")
-        path = write_inventory(tmp_path, ssh.replace(f"{CLUSTER}/known_hosts", str(only_node2)),
-                               "  - {name: node2, address: 172.28.5.12, interface: eth0, "
-                               "ssh: {jump: root@172.28.5.11}}\n", "badjump.yaml")
+        path = write_inventory(
+            tmp_path,
+            ssh.replace(f"{CLUSTER}/known_hosts", str(only_node2)),
+            "  - {name: node2, address: 172.28.5.12, interface: eth0, ssh: {jump: root@172.28.5.11}}\n",
+            "badjump.yaml",
+        )
         r, _, checks = preflight_json(path)
         assert r.returncode == 1
         assert checks[("node2", "ssh")]["detail"].startswith(
-            "jump host 172.28.5.11 (for node2) (172.28.5.11): host key unknown (ssh-ed25519 SHA256:")
+            "jump host 172.28.5.11 (for node2) (172.28.5.11): host key unknown (ssh-ed25519 SHA256:"
+        )
 
 
 def test_agent_key_and_an_encrypted_key(inventory_path, tmp_path):
@@ -129,8 +146,10 @@ def test_agent_key_and_an_encrypted_key(inventory_path, tmp_path):
             time.sleep(0.1)
         env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
         subprocess.run(["ssh-add", str(CLUSTER / "id_ed25519")], env=env, check=True, capture_output=True)
-        hosts = ("  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-                 "  - {name: node2, address: 172.28.5.12, interface: eth0}\n")
+        hosts = (
+            "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
+            "  - {name: node2, address: 172.28.5.12, interface: eth0}\n"
+        )
         ssh = f"  user: root\n  config: none\n  known_hosts: {CLUSTER}/known_hosts\n"
         path = write_inventory(tmp_path, ssh, hosts)
         r = fab(path, "sync", env=env)
@@ -151,8 +170,10 @@ def test_agent_key_and_an_encrypted_key(inventory_path, tmp_path):
     r = fab(path, "preflight", "--no-smoke", "--json", env=env)
     checks = {(c["host"], c["check"]): c for c in json.loads(r.stdout)["checks"]}
     assert r.returncode == 1
-    assert (f"the key {locked} is encrypted and no ssh-agent holds it; fabtrain never asks for passphrases: "
-            f"run 'eval $(ssh-agent); ssh-add {locked}' first") in checks[("node1", "ssh")]["detail"]
+    assert (
+        f"the key {locked} is encrypted and no ssh-agent holds it; fabtrain never asks for passphrases: "
+        f"run 'eval $(ssh-agent); ssh-add {locked}' first"
+    ) in checks[("node1", "ssh")]["detail"]
 
 
 def test_frozen_docker_engine_is_named_and_bounded(inventory_path, inv):
@@ -202,8 +223,10 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
     for node in ("node1", "node2"):
         on_host(node, setup)
     ssh = f"  user: alice\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n"
-    hosts = ("  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-             "  - {name: node2, address: 172.28.5.12, interface: eth0}\n")
+    hosts = (
+        "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
+        "  - {name: node2, address: 172.28.5.12, interface: eth0}\n"
+    )
     path = write_inventory(tmp_path, ssh, hosts)
     r, _, checks = preflight_json(path)
     assert r.returncode == 1
@@ -213,8 +236,9 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
         c["detail"]
         == "alice cannot write /opt/fabtrain/code (not writable), /opt/fabtrain/output (not writable)"
     )
-    assert c["fix"].startswith("on node2: sudo install -d -o alice -g $(id -gn alice) /opt/fabtrain/code "
-                               "/opt/fabtrain/output")
+    assert c["fix"].startswith(
+        "on node2: sudo install -d -o alice -g $(id -gn alice) /opt/fabtrain/code /opt/fabtrain/output"
+    )
     job = "  code_dir: /home/alice/fabtrain/code\n  output_dir: /home/alice/fabtrain/output\n"
     path = write_inventory(tmp_path, ssh, hosts, "mine.yaml", job=job)
     r, _, checks = preflight_json(path)
@@ -246,13 +270,22 @@ def test_hostile_output_reaches_this_machine_defused(inventory_path, tmp_path):
     code = tmp_path / "code"
     code.mkdir()
     (code / "hostile.py").write_text(HOSTILE)
-    r = fab(inventory_path, "train", "--code", str(code), "--script", "hostile.py", "--nproc", "1",
-            "--skip-preflight")
+    r = fab(
+        inventory_path,
+        "train",
+        "--code",
+        str(code),
+        "--script",
+        "hostile.py",
+        "--nproc",
+        "1",
+        "--skip-preflight",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [line for line in r.stdout.splitlines() if "clear" in line]
     assert len(lines) == 2  # one per host
     for line in lines:
-        assert not any(ord(ch) < 32 and ch != "\t" or 0x7f <= ord(ch) <= 0x9f for ch in line), repr(line)
+        assert not any(ord(ch) < 32 and ch != "\t" or 0x7F <= ord(ch) <= 0x9F for ch in line), repr(line)
         assert "markup [/x] [bold red]not bold[/]" in line
     run_dir = next(
         p for p in (ROOT / "runs").iterdir() if p.name in r.stdout and p.name.startswith("hostile-")

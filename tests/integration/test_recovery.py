@@ -1,5 +1,6 @@
 """Jobs that outlive failures, on the local cluster: restarts from the newest snapshot, a spare
 taking a frozen rank 0's place, fewer nodes, a spent budget, the hang watchdog, --resume."""
+
 import glob
 import json
 import re
@@ -75,8 +76,11 @@ def reference(inventory_path):
 def assert_resumed_from_memory(out: str, replicas: bool = False) -> None:
     """Every restart of the run resumed from memory, at most one step lost (K = 1); with `replicas`,
     a replaced node's ranks took their state from their replicas on another host."""
-    lines = re.findall(r"\[fabtrain\] resumed from memory at step (\d+) \(the newest every rank holds\), "
-                       r"(\d+) steps? lost(.*)", out)
+    lines = re.findall(
+        r"\[fabtrain\] resumed from memory at step (\d+) \(the newest every rank holds\), "
+        r"(\d+) steps? lost(.*)",
+        out,
+    )
     assert lines, out[-3000:]
     assert all(int(lost) <= 1 for _, lost, _ in lines), lines
     assert "resumed from /output/snapshots" not in out
@@ -100,7 +104,7 @@ def assert_same_model(job: str, reference, out: str, host: str = "node1") -> Non
     # Not bit-identical: DDP rebuilds its gradient buckets on the first step after any start, so the
     # first resumed step sums gradients in another order (float rounding). Same eval losses to 4
     # decimals, weights within 1e-3.
-    assert eval_losses(out) [-1:] == ref_losses[-1:]
+    assert eval_losses(out)[-1:] == ref_losses[-1:]
     worst = max((got["model"][k] - v).abs().max().item() for k, v in ref_state["model"].items())
     assert worst < 1e-3, worst
 
@@ -123,12 +127,26 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     """Also: the job's notifications reach a command here and a web hook on a test host, in order,
     each once; runs/JOB/events.jsonl holds every event of both attempts."""
     log, told = tmp_path / "out.txt", tmp_path / "told.jsonl"
-    on_host("node3", "rm -f /tmp/hook.jsonl; pkill -f 'python3 /tmp/hook_[s]erver'; "
-                     f"printf %s {shlex.quote(HOOK_SERVER)} > /tmp/hook_server.py", check=False)
+    on_host(
+        "node3",
+        "rm -f /tmp/hook.jsonl; pkill -f 'python3 /tmp/hook_[s]erver'; "
+        f"printf %s {shlex.quote(HOOK_SERVER)} > /tmp/hook_server.py",
+        check=False,
+    )
     on_host("node3", "python3 /tmp/hook_server.py", detach=True)
     hook = f"http://{cluster.node_infos(3)[2].address}:8765/hook"
-    proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1",
-                             "--notify", f"cat >> {told}; echo >> {told}", "--notify-url", hook)
+    proc = run_in_background(
+        inventory_path,
+        log,
+        "train",
+        *GPT,
+        "--restarts",
+        "1",
+        "--notify",
+        f"cat >> {told}; echo >> {told}",
+        "--notify-url",
+        hook,
+    )
     try:
         wait_for_line(log, "| step 20 |")
         on_host("node2", "docker kill $(docker ps -q --filter label=fabtrain.managed=1)")
@@ -168,7 +186,8 @@ def test_killed_container_restarts_from_the_newest_snapshot(inventory_path, refe
     tb = ROOT / "runs" / job / "tb"  # gathered from the hosts' outputs (rank 0's: node1's)
     assert len(list(tb.glob("events.out.tfevents.*"))) == 2
     assert {p.name for p in tb.iterdir()} == {
-        p.name for p in (ROOT / "runs" / job / "outputs" / "node1" / "tb").iterdir()}
+        p.name for p in (ROOT / "runs" / job / "outputs" / "node1" / "tb").iterdir()
+    }
     board = EventAccumulator(str(tb))
     board.Reload()
     assert [e.step for e in board.Scalars("train/loss")] == list(range(10, 81, 10))
@@ -193,8 +212,9 @@ def test_a_killed_worker_restarts_warm_from_memory(inventory_path, reference, tm
     port = free_port()
     prometheus = Prometheus(tmp_path, f"127.0.0.1:{port}")
     began = time.time()
-    proc = run_in_background(inventory_path, log, "train", *GPT_MEMORY, "--restarts", "1",
-                             "--metrics-port", str(port))
+    proc = run_in_background(
+        inventory_path, log, "train", *GPT_MEMORY, "--restarts", "1", "--metrics-port", str(port)
+    )
     try:
         wait_for_line(log, "| step 20 |")
         kept = {n: job_containers(n) for n in ("node1", "node2")}
@@ -234,16 +254,26 @@ def test_a_killed_worker_restarts_warm_from_memory(inventory_path, reference, tm
     summary = json.loads((ROOT / "runs" / job / "summary.json").read_text())
     assert set(summary["telemetry"]) == {"node1", "node2"} and summary["telemetry"]["node1"]["samples"] >= 2
     # fab metrics: the newest figures of the job's last attempt, per rank and per host.
-    shown = subprocess.run([str(ROOT / ".venv/bin/fab"), "metrics", "--job", job, "--json"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [str(ROOT / ".venv/bin/fab"), "metrics", "--job", job, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     doc = json.loads(shown.stdout)
     assert doc["state"] == "finished" and doc["attempt"] == 2, doc
-    assert [(r["host"], r["rank"]) for r in doc["ranks"]] == [("node1", 0), ("node1", 1), ("node2", 2),
-                                                              ("node2", 3)]
+    assert [(r["host"], r["rank"]) for r in doc["ranks"]] == [
+        ("node1", 0),
+        ("node1", 1),
+        ("node2", 2),
+        ("node2", 3),
+    ]
     assert all(r["step"] > 20 and r["tokens_per_s"] > 0 for r in doc["ranks"]) and set(doc["hosts"]) == hosts
     # Launched without torchrun (a warm job): the node ends with its killed worker's code, at once.
-    assert re.search(r"attempt 1 failed \(node2 exited with code 137 \(worker rank [23] exited with code 137",
-                     out), out[-3000:]
+    assert re.search(
+        r"attempt 1 failed \(node2 exited with code 137 \(worker rank [23] exited with code 137", out
+    ), out[-3000:]
     assert out.count("generation=2 (warm: this container was kept; its workers started ahead)") == 2
     plan = (ROOT / "runs" / job / "plan.txt").read_text()
     assert "attempt 2: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1" in plan and "warm nodes" in plan
@@ -301,8 +331,9 @@ def test_frozen_rank0_host_is_replaced_by_the_spare(spares_inventory_path, tmp_p
     )
     # node2's keeper held rank 0's and 1's replicas (memory on, K measured): memory, or the newest
     # snapshot where that is as new.
-    assert re.search(r"\[node3 rank0\] resumed from (memory|/output/snapshots/snapshot-0000000)", out), \
-        out[-3000:]
+    assert re.search(r"\[node3 rank0\] resumed from (memory|/output/snapshots/snapshot-0000000)", out), out[
+        -3000:
+    ]
     assert "lost during the job: node1" in out
     # The snapshot came off node1 before it froze: it was copied here as it was written.
     assert sorted(p.name for p in (ROOT / "runs" / job / "snapshots").iterdir())
@@ -315,14 +346,15 @@ def wait_for_step_after(log: Path, marker: str, timeout: float = 120, steps: int
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
-        if marker in text and len(set(re.findall(r"\| step (\d+) \|", text[text.index(marker):]))) >= steps:
+        if marker in text and len(set(re.findall(r"\| step (\d+) \|", text[text.index(marker) :]))) >= steps:
             return
         time.sleep(0.2)
     raise AssertionError(f"no step after {marker!r}")
 
 
 def test_hot_spares_take_a_killed_containers_rank_then_a_frozen_hosts(
-        two_spares_inventory_path, reference, tmp_path):
+    two_spares_inventory_path, reference, tmp_path
+):
     """--hot-spares with node3 and node4 waiting: node2's container killed -> node3's waiting
     container takes rank 1 (renamed, told its rank), node2 becomes a hot spare; then node3's whole
     host frozen -> node4 takes rank 1, node3 named lost. Each time the replaced node's ranks take
@@ -348,18 +380,21 @@ def test_hot_spares_take_a_killed_containers_rank_then_a_frozen_hosts(
         fab(inv, "stop", "--grace", "0")
     out = log.read_text()
     job = job_id(out)
-    assert ("spare node3 takes the place of node2 (its container is gone; a hot spare is ready) as node "
-            "rank 1") in out
+    assert (
+        "spare node3 takes the place of node2 (its container is gone; a hot spare is ready) as node rank 1"
+    ) in out
     assert "spare node4 takes the place of node3 (lost) as node rank 1" in out
     assert "attempt 2 failed (node3 lost: no SSH keepalive answer for" in out
     assert "lost during the job: node3" in out
     # Both spares ran their rank from the container that waited: no cold start.
     assert out.count("(hot spare: this container waited for a rank; its workers started ahead)") == 2
     plans = (ROOT / "runs" / job / "plan.txt").read_text()
-    assert re.search(r"attempt 1: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1; .*hot spares node3, node4",
-                     plans)
-    assert re.search(r"attempt 2: node1=rank 0 slots 0,1, node3=rank 1 slots 0,1; .*hot spares node4, node2",
-                     plans)
+    assert re.search(
+        r"attempt 1: node1=rank 0 slots 0,1, node2=rank 1 slots 0,1; .*hot spares node3, node4", plans
+    )
+    assert re.search(
+        r"attempt 2: node1=rank 0 slots 0,1, node3=rank 1 slots 0,1; .*hot spares node4, node2", plans
+    )
     assert re.search(r"attempt 3: node1=rank 0 slots 0,1, node4=rank 1 slots 0,1;", plans)
     assert "docker rename fabtrain-" in plans
     assert_same_model(job, reference, out)
@@ -378,13 +413,25 @@ def test_without_a_spare_the_job_finishes_on_fewer_nodes(inventory_path, tmp_pat
 
 
 def test_spent_budget_names_every_failure(inventory_path):
-    r = fab(inventory_path, "train", "--script", "tests/integration/scripts/exit_on_node.py",
-            "--args", "--node 1 --code 3 --after 0.5", "--restarts", "1", "--skip-preflight")
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        "tests/integration/scripts/exit_on_node.py",
+        "--args",
+        "--node 1 --code 3 --after 0.5",
+        "--restarts",
+        "1",
+        "--skip-preflight",
+    )
     assert r.returncode == 1
     assert "every attempt failed (2):" in r.stderr
     # Both attempts launched by the entrypoint (a warm job): the node exits with the worker's own code.
-    assert re.search(r"attempt 1 on node1, node2: node2 exited with code 3 \(worker rank [23] exited with "
-                     r"code 3\)", r.stderr), r.stderr
+    assert re.search(
+        r"attempt 1 on node1, node2: node2 exited with code 3 \(worker rank [23] exited with "
+        r"code 3\)",
+        r.stderr,
+    ), r.stderr
     last = r"failed: node2 \(node rank 1\) exited with code 3 \(worker rank [23] exited with code 3\)"
     assert re.search(last, r.stderr), r.stderr
     assert "attempt 1 on node1, node2:" in r.stderr and "attempt 2 on node1, node2:" in r.stderr
@@ -393,8 +440,16 @@ def test_spent_budget_names_every_failure(inventory_path):
 
 def test_hang_watchdog_dumps_every_ranks_stack_and_ends_the_job(inventory_path):
     start = time.monotonic()
-    r = fab(inventory_path, "train", "--script", "tests/integration/scripts/hang.py", "--hang-timeout", "15",
-            "--skip-preflight", timeout=180)
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        "tests/integration/scripts/hang.py",
+        "--hang-timeout",
+        "15",
+        "--skip-preflight",
+        timeout=180,
+    )
     took = time.monotonic() - start
     assert r.returncode == 1, r.stderr[-2000:]
     assert took < 15 + 30, f"{took:.0f}s"
@@ -413,8 +468,17 @@ def test_hang_watchdog_dumps_every_ranks_stack_and_ends_the_job(inventory_path):
 
 
 def test_fab_stop_ends_a_job_that_has_restarts_left(inventory_path):
-    proc = start_fab(inventory_path, "train", "--script", "tests/integration/scripts/report.py",
-                     "--args", "--sleep 300", "--restarts", "3", "--skip-preflight")
+    proc = start_fab(
+        inventory_path,
+        "train",
+        "--script",
+        "tests/integration/scripts/report.py",
+        "--args",
+        "--sleep 300",
+        "--restarts",
+        "3",
+        "--skip-preflight",
+    )
     try:
         wait_for_containers(["node1", "node2"])
         assert fab(inventory_path, "stop").returncode == 0

@@ -3,6 +3,7 @@ on disjoint CPU slots of the same hosts run side by side with their own master p
 refused naming the holder; two jobs started at the same moment over the same hosts end with exactly
 one running and nothing left of the other; `fab stop` ends your own jobs, `--job` one, `--all`
 everyone's; a failure in one job never touches another."""
+
 import json
 import os
 import re
@@ -49,9 +50,12 @@ def traces(job_name: str, nodes: list[str]) -> list[str]:
     """Anything of a job left on the hosts: containers, claim files, runtime directories (secrets)."""
     found = []
     for n in nodes:
-        out = on_host(n, f"docker ps -aq --filter name={job_name}; "
-                         f"ls /opt/fabtrain/output/.claims/*/ /opt/fabtrain/output/.runtime/ 2>/dev/null | "
-                         f"grep -F {job_name} || true").stdout.split()
+        out = on_host(
+            n,
+            f"docker ps -aq --filter name={job_name}; "
+            f"ls /opt/fabtrain/output/.claims/*/ /opt/fabtrain/output/.runtime/ 2>/dev/null | "
+            f"grep -F {job_name} || true",
+        ).stdout.split()
         found += [f"{n}: {x}" for x in out]
     return found
 
@@ -179,11 +183,23 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         assert bob.finish(timeout=120) == 1 and "ended by 'fab stop'" in bob.text
         assert containers_of(job_a, "node1") and containers_of(job_a, "node2")
         # --all without a terminal and without --yes stops nothing.
-        refused = fab(inventory_path, "stop", "--all", env={**os.environ, "FABTRAIN_USER": "bob"},
-                      stdin=subprocess.DEVNULL)
+        refused = fab(
+            inventory_path,
+            "stop",
+            "--all",
+            env={**os.environ, "FABTRAIN_USER": "bob"},
+            stdin=subprocess.DEVNULL,
+        )
         assert refused.returncode == 2 and "add --yes" in refused.stderr and containers_of(job_a, "node1")
-        everything = fab(inventory_path, "stop", "--all", "--yes", "--grace", "1",
-                         env={**os.environ, "FABTRAIN_USER": "bob"})
+        everything = fab(
+            inventory_path,
+            "stop",
+            "--all",
+            "--yes",
+            "--grace",
+            "1",
+            env={**os.environ, "FABTRAIN_USER": "bob"},
+        )
         assert everything.returncode == 0 and f"stopped {job_a}" in everything.stdout
         assert alice.finish(timeout=120) == 1
         assert traces(job_a, ["node1", "node2"]) == [] and traces(job_b, ["node1", "node2"]) == []
@@ -209,8 +225,9 @@ def test_two_jobs_started_in_the_same_second_over_the_same_hosts_exactly_one_run
         assert sorted(codes) == [0, 1], [r.text[-2000:] for r in runs]
         winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
         assert "finished on every host" in runs[winner].text
-        assert f"{names[winner]}-" in runs[loser].text and "hold(s) 0,1; free there:" in runs[loser].text, \
+        assert f"{names[winner]}-" in runs[loser].text and "hold(s) 0,1; free there:" in runs[loser].text, (
             runs[loser].text[-2000:]
+        )
         assert "Traceback" not in runs[loser].text and "REPORT" not in runs[loser].text
         # Nothing of the refused job: no container, claim or runtime directory (with its secrets), no run.
         assert traces(names[loser], ["node1", "node2"]) == []

@@ -1,4 +1,5 @@
 """The walking skeleton on the local cluster: sync, preflight, train, stop."""
+
 import hashlib
 import json
 import re
@@ -28,7 +29,7 @@ def test_a_busy_master_port_is_passed_over_by_preflight_and_train_alike(inventor
     port = inv.job.master_port
     on_host(
         "node1",
-        'exec python3 -c \'import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, '
+        "exec python3 -c 'import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
         f'socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", {port})); '
         f"s.listen(); time.sleep(120)' port-holder",
         detach=True,
@@ -97,8 +98,20 @@ def test_train_streams_both_hosts_and_exits_zero(inventory_path, inv):
 
 def test_train_json_writes_json_lines_only_to_stdout(inventory_path):
     """--json: every stdout line an event; the end-of-run table and the last line go to stderr."""
-    r = fab(inventory_path, "train", "--json", "--model", "tiny", "--epochs", "1", "--nproc", "1",
-            "--skip-preflight", "--args", "--max-steps-per-epoch 6 --log-every 2 --sample-chars 0")
+    r = fab(
+        inventory_path,
+        "train",
+        "--json",
+        "--model",
+        "tiny",
+        "--epochs",
+        "1",
+        "--nproc",
+        "1",
+        "--skip-preflight",
+        "--args",
+        "--max-steps-per-epoch 6 --log-every 2 --sample-chars 0",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     events = [json.loads(line) for line in r.stdout.splitlines()]
     assert all(isinstance(e, dict) and "event" in e for e in events)
@@ -110,10 +123,25 @@ def test_train_json_writes_json_lines_only_to_stdout(inventory_path):
 def test_a_cpu_starved_host_is_named_as_the_straggler(inventory_path):
     """node2's training container limited to 0.3 CPU as soon as it starts (docker update --cpus on
     node2's engine): its ranks are named while the job runs and at the end, node1's never."""
-    proc = subprocess.Popen([FAB, "train", "--model", "tiny", "--epochs", "1", "--skip-preflight",
-                             "--args", "--max-steps-per-epoch 48 --log-every 4 --sample-chars 0",
-                             "--inventory", str(inventory_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            FAB,
+            "train",
+            "--model",
+            "tiny",
+            "--epochs",
+            "1",
+            "--skip-preflight",
+            "--args",
+            "--max-steps-per-epoch 48 --log-every 4 --sample-chars 0",
+            "--inventory",
+            str(inventory_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (
@@ -143,8 +171,14 @@ def test_a_cpu_starved_host_is_named_as_the_straggler(inventory_path):
 
 
 def test_failed_node_is_named_and_job_exits_nonzero(inventory_path):
-    r = fab(inventory_path, "train", "--script", "tests/integration/scripts/exit_on_node.py",
-            "--args", "--node 1 --code 7")
+    r = fab(
+        inventory_path,
+        "train",
+        "--script",
+        "tests/integration/scripts/exit_on_node.py",
+        "--args",
+        "--node 1 --code 7",
+    )
     assert r.returncode == 1
     # Both of node2's workers exit 7; torchrun reports whichever it saw first as the root cause.
     assert re.search(
@@ -159,8 +193,11 @@ def test_failed_node_is_named_and_job_exits_nonzero(inventory_path):
 def test_stop_removes_every_project_container_and_is_idempotent(inventory_path, inv):
     for h in inv.hosts:
         for job in ("a", "b"):
-            on_host(h.name, f"docker run -d --label fabtrain.managed=1 --label fabtrain.job={job} "
-                            f"--entrypoint sleep {inv.job.image} 300")
+            on_host(
+                h.name,
+                f"docker run -d --label fabtrain.managed=1 --label fabtrain.job={job} "
+                f"--entrypoint sleep {inv.job.image} 300",
+            )
         # Not ours: must survive.
         on_host(h.name, f"docker run -d --name bystander --entrypoint sleep {inv.job.image} 300")
     try:

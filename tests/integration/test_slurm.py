@@ -1,5 +1,6 @@
 """The exported sbatch script on a real Slurm: the test hosts run munged and slurmd (slurmctld on
 node1), started by slurmbed.slurm_up next to their sshd and Docker engine."""
+
 import json
 import re
 import signal
@@ -13,8 +14,14 @@ from orchestrator.testbed import slurmbed
 
 from .conftest import ROOT, Run, command, fab, on_host, project_containers
 
-GPT = ["--model", "tiny", "--epochs", "2",
-       "--args", "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0"]
+GPT = [
+    "--model",
+    "tiny",
+    "--epochs",
+    "2",
+    "--args",
+    "--max-steps-per-epoch 30 --log-every 5 --sample-chars 0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +39,11 @@ def submit(inventory_path, tmp_path, *args) -> tuple[str, str, float]:
     r = fab(inventory_path, "export.slurm", *args, "--out", str(script))
     assert r.returncode == 0, r.stderr
     job = re.search(r"\(job (\S+)\)", r.stdout).group(1)
-    subprocess.run(["docker", "exec", "-i", "fabtrain-node1", "sh", "-c", "cat > /root/job.sbatch"],
-                   input=script.read_bytes(), check=True)
+    subprocess.run(
+        ["docker", "exec", "-i", "fabtrain-node1", "sh", "-c", "cat > /root/job.sbatch"],
+        input=script.read_bytes(),
+        check=True,
+    )
     submitted = time.monotonic()
     out = on_host("node1", "cd /root && sbatch --parsable job.sbatch").stdout.strip()
     return out.split(";")[0], job, submitted
@@ -79,18 +89,21 @@ def sacct_state(slurm_id: str) -> str:
 def slurm_idle(slurm):
     """Each test starts and leaves the Slurm cluster idle: a test that fails midway must not leave a
     job holding the nodes (and their claims) for the tests after it."""
+
     def settle():
         on_host("node1", "scancel --user root", check=False)
         deadline = time.monotonic() + 90
-        while on_host("node1", "squeue --noheader", check=False).stdout.strip() or \
-                on_host("node1", "sinfo --noheader --format %T", check=False).stdout.split() != ["idle"]:
+        while on_host("node1", "squeue --noheader", check=False).stdout.strip() or on_host(
+            "node1", "sinfo --noheader --format %T", check=False
+        ).stdout.split() != ["idle"]:
             if time.monotonic() > deadline:
                 break
             on_host("node1", "scontrol update nodename=node[1-2] state=resume", check=False)
             time.sleep(1)
         for node in ("node1", "node2"):
-            on_host(node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f",
-                    check=False)
+            on_host(
+                node, "docker ps -aq --filter label=fabtrain.managed=1 | xargs -r docker rm -f", check=False
+            )
         # After a node was set DOWN under a running step (the requeue tests), this Slurm (22.05) can
         # keep that step's resources counted: the next job stays PENDING (Resources) on IDLE+PLANNED
         # nodes for minutes. Rebuilding the controller's view from its jobs clears it at once.
@@ -137,8 +150,16 @@ def test_job_requeued_after_a_node_failure_resumes_from_its_snapshot(slurm, tmp_
     """node2 marked DOWN mid-run (Slurm's node failure): the job is requeued, runs again with the
     same output directory and every rank resumes from rank 0's newest snapshot (node2's disk never
     had it: rank 0 sends it), then finishes."""
-    slurm_id, job, _ = submit(slurm, tmp_path, "--model", "tiny", "--epochs", "2", "--args",
-                              "--max-steps-per-epoch 40 --snapshot-every 10 --log-every 1 --sample-chars 0")
+    slurm_id, job, _ = submit(
+        slurm,
+        tmp_path,
+        "--model",
+        "tiny",
+        "--epochs",
+        "2",
+        "--args",
+        "--max-steps-per-epoch 40 --snapshot-every 10 --log-every 1 --sample-chars 0",
+    )
     wait_for(job, slurm_id, "| step 25 |")
     on_host("node1", "scontrol update nodename=node2 state=down reason=fabtrain-test")
     deadline = time.monotonic() + 60
@@ -167,6 +188,7 @@ def test_job_requeued_after_a_node_failure_resumes_from_its_snapshot(slurm, tmp_
 
 
 # ---------------------------------------------------------------- fab train --on slurm
+
 
 @pytest.fixture(scope="module")
 def slurm_inventory(slurm):
@@ -225,8 +247,19 @@ def test_fab_train_on_slurm_streams_both_nodes_and_exits_with_the_jobs_result(sl
 
 def long_job(inventory) -> tuple[Run, str, str]:
     """A 50-epoch fab train --on slurm in the background, once it trains: (run, job, slurm id)."""
-    run = Run(inventory, "train", "--on", "slurm", "--plain", "--model", "tiny", "--epochs", "50",
-              "--args", "--log-every 1 --sample-chars 0")
+    run = Run(
+        inventory,
+        "train",
+        "--on",
+        "slurm",
+        "--plain",
+        "--model",
+        "tiny",
+        "--epochs",
+        "50",
+        "--args",
+        "--log-every 1 --sample-chars 0",
+    )
     run.wait_for("| step ", timeout=180)
     job = job_of(run.text)
     return run, job, record(job)["backend"]["slurm_id"]
@@ -250,8 +283,9 @@ def test_fab_stop_job_cancels_a_slurm_job_and_its_containers(slurm_inventory):
     assert logs.finish(timeout=30) == 0 and "detached; the job goes on" in logs.text
     assert record(job)["state"] == "running" and job_state(slurm_id)["JobState"] == "RUNNING"
     stopped = fab(slurm_inventory, "stop", "--job", job)
-    assert stopped.returncode == 0 and f"stopped {job} (slurm job {slurm_id}: CANCELLED)" in stopped.stdout, \
+    assert stopped.returncode == 0 and f"stopped {job} (slurm job {slurm_id}: CANCELLED)" in stopped.stdout, (
         stopped.stdout + stopped.stderr
+    )
     code = run.finish(timeout=120)
     assert code != 0 and f"slurm job {slurm_id} ended CANCELLED" in run.text, run.text[-2000:]
     assert sacct_state(slurm_id) == "CANCELLED"
@@ -326,8 +360,7 @@ def test_fab_train_on_slurm_with_a_shared_output_dir_is_requeued_and_resumes(sha
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr
     assert (
         f"resuming job {job} on Slurm ({len(outcomes)} attempt(s) so far, finished); now args '--model tiny "
-        "--epochs 3"
-        in more.stdout
+        "--epochs 3" in more.stdout
     )
     assert re.search(
         r"^node2 r1 \| \[node2 rank2\] resumed from /output/snapshots/snapshot-\d+\.pt", more.stdout, re.M

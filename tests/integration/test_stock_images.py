@@ -1,6 +1,7 @@
 """Images as users have them: a stock image whose own ENTRYPOINT execs its arguments (as NGC's
 does) and which holds no fabtrain entrypoint, a module installed only in the image, and an image
 without torch. The images are built on the test hosts from the trainer image."""
+
 import json
 import subprocess
 
@@ -20,7 +21,8 @@ MODULE = (
     # One write per line (chr(10): no escapes to survive printf), so ranks' lines never interleave.
     "os.write(1, ('MODULE ' + json.dumps({'rank': dist.get_rank(), 'world': dist.get_world_size(),"
     " 'sum': t.item(), 'file': __file__}) + chr(10)).encode())\\n"
-    "dist.barrier(); dist.destroy_process_group()\\n")
+    "dist.barrier(); dist.destroy_process_group()\\n"
+)
 
 
 def build(tag: str, dockerfile: str) -> None:
@@ -32,19 +34,27 @@ def copy_to_node2(*tags: str) -> None:
     save = subprocess.Popen(
         ["docker", "exec", "fabtrain-node1", "docker", "save", *tags], stdout=subprocess.PIPE
     )
-    subprocess.run(["docker", "exec", "-i", "fabtrain-node2", "docker", "load", "-q"], stdin=save.stdout,
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        ["docker", "exec", "-i", "fabtrain-node2", "docker", "load", "-q"],
+        stdin=save.stdout,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert save.wait(timeout=60) == 0
 
 
 @pytest.fixture(scope="module")
 def stock_images(inventory_path):
-    build(STOCK, "FROM fabtrain/trainer:latest\n"
-                          "RUN rm -f /usr/local/bin/fabtrain-entrypoint\n"
-                          f"RUN printf '{VENDOR_ENTRYPOINT}' > /usr/local/bin/vendor-entrypoint && "
-                          "chmod +x /usr/local/bin/vendor-entrypoint\n"
-                          f"RUN printf \"{MODULE}\" > {SITE}/fabmod_probe.py\n"
-                          'ENTRYPOINT ["/usr/local/bin/vendor-entrypoint"]\n')
+    build(
+        STOCK,
+        "FROM fabtrain/trainer:latest\n"
+        "RUN rm -f /usr/local/bin/fabtrain-entrypoint\n"
+        f"RUN printf '{VENDOR_ENTRYPOINT}' > /usr/local/bin/vendor-entrypoint && "
+        "chmod +x /usr/local/bin/vendor-entrypoint\n"
+        f'RUN printf "{MODULE}" > {SITE}/fabmod_probe.py\n'
+        'ENTRYPOINT ["/usr/local/bin/vendor-entrypoint"]\n',
+    )
     build(NO_TORCH, f"FROM fabtrain/trainer:latest\nRUN rm -rf {SITE}/torch\n")
     copy_to_node2(STOCK, NO_TORCH)
     yield
@@ -56,8 +66,20 @@ def test_stock_image_with_a_foreign_entrypoint_trains_as_is(inventory_path, stoc
     # The image really is foreign: its entrypoint wins when it is run plainly.
     plain = on_host("node1", f"docker run --rm {STOCK} echo hi").stdout
     assert plain.split() == ["VENDOR-BANNER", "hi"]
-    r = fab(inventory_path, "train", "--image", STOCK, "--model", "tiny", "--epochs", "1", "--nproc", "1",
-            "--args", "--max-steps-per-epoch 3 --log-every 1 --sample-chars 0")
+    r = fab(
+        inventory_path,
+        "train",
+        "--image",
+        STOCK,
+        "--model",
+        "tiny",
+        "--epochs",
+        "1",
+        "--nproc",
+        "1",
+        "--args",
+        "--max-steps-per-epoch 3 --log-every 1 --sample-chars 0",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     assert "nodes=2 node_rank=0" in r.stdout and "nodes=2 node_rank=1" in r.stdout  # our entrypoint ran
     assert "VENDOR-BANNER" not in r.stdout
@@ -65,8 +87,17 @@ def test_stock_image_with_a_foreign_entrypoint_trains_as_is(inventory_path, stoc
 
 
 def test_module_installed_only_in_the_image(inventory_path, stock_images):
-    r = fab(inventory_path, "train", "--image", STOCK, "--module", "fabmod_probe", "--nproc", "2",
-            "--skip-preflight")
+    r = fab(
+        inventory_path,
+        "train",
+        "--image",
+        STOCK,
+        "--module",
+        "fabmod_probe",
+        "--nproc",
+        "2",
+        "--skip-preflight",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     reports = [
         json.loads(line.split("MODULE ", 1)[1]) for line in r.stdout.splitlines() if "| MODULE " in line

@@ -26,13 +26,20 @@ def single_process_env(monkeypatch):
 def spawn(fn, world: int, *args):
     """Run fn(rank, world, port, *args) in `world` processes joined by gloo over loopback."""
     import torch.multiprocessing as mp
+
     mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
@@ -41,5 +48,6 @@ def finish_gloo() -> None:
     that peer's gloo thread abort the process (SIGABRT, "terminate called without an active
     exception")."""
     import torch.distributed as dist
+
     dist.barrier()
     dist.destroy_process_group()

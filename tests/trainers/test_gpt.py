@@ -1,5 +1,6 @@
 """The GPT trainer is correct: DDP matches one process, resume matches an unbroken run,
 snapshots survive a killed writer, and loss falls on the shipped corpus."""
+
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ def make_opt(name, params):
 def _ddp_worker(rank, world, port, out_dir, opt_name):
     import gpt
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     init_gloo(rank, world, port)
     torch.manual_seed(0)
     model = gpt.GPT(gpt.ModelConfig(**CFG))
@@ -57,6 +59,7 @@ def _ddp_worker(rank, world, port, out_dir, opt_name):
 @pytest.mark.parametrize("opt_name,tol", [("sgd", 1e-6), ("adamw", 1e-4)])
 def test_ddp_two_ranks_equals_one_rank_full_batch(tmp_path, opt_name, tol):
     import gpt
+
     spawn(_ddp_worker, 2, str(tmp_path), opt_name)
     torch.manual_seed(0)
     ref = gpt.GPT(gpt.ModelConfig(**CFG))
@@ -65,18 +68,31 @@ def test_ddp_two_ranks_equals_one_rank_full_batch(tmp_path, opt_name, tol):
     got = torch.load(tmp_path / "ddp.pt")
     worst = max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     assert worst < tol, worst
-    moved = max((v - gpt.GPT(gpt.ModelConfig(**CFG)).state_dict()[k]).abs().max().item()
-                for k, v in ref.state_dict().items())
+    moved = max(
+        (v - gpt.GPT(gpt.ModelConfig(**CFG)).state_dict()[k]).abs().max().item()
+        for k, v in ref.state_dict().items()
+    )
     assert moved > 1e-3  # training really changed the weights
 
 
-ARGS = ["--model", "tiny", "--max-steps-per-epoch", "12", "--log-every", "100", "--sample-chars", "0",
-        "--snapshot-every", "5"]
+ARGS = [
+    "--model",
+    "tiny",
+    "--max-steps-per-epoch",
+    "12",
+    "--log-every",
+    "100",
+    "--sample-chars",
+    "0",
+    "--snapshot-every",
+    "5",
+]
 
 
 def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path, capsys):
     import gpt
     import snapshot
+
     gpt.main(ARGS + ["--epochs", "2", "--out", str(tmp_path / "a")])
     gpt.main(ARGS + ["--epochs", "1", "--out", str(tmp_path / "b")])
     gpt.main(ARGS + ["--epochs", "2", "--out", str(tmp_path / "b")])
@@ -91,6 +107,7 @@ def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path, capsys):
 def test_resume_mid_epoch_from_a_step_snapshot(tmp_path):
     import gpt
     import snapshot
+
     gpt.main(ARGS + ["--epochs", "2", "--out", str(tmp_path / "a")])
     gpt.main(ARGS + ["--epochs", "2", "--out", str(tmp_path / "b")])
     snaps = tmp_path / "b" / "snapshots"
@@ -119,6 +136,7 @@ while True:
 
 def test_killed_writer_never_leaves_a_broken_snapshot(tmp_path):
     import snapshot
+
     d = tmp_path / "snaps"
     script = WRITER.format(trainers=str(TRAINERS), d=str(d))
     newest = 0
@@ -150,8 +168,21 @@ def test_killed_writer_never_leaves_a_broken_snapshot(tmp_path):
 def test_loss_falls_on_the_shipped_corpus(tmp_path):
     """Stated bound: eval loss below 2.0 nats after 150 steps of tiny on CPU (uniform is ~3.7)."""
     import gpt
-    result = gpt.main(["--model", "tiny", "--epochs", "1", "--max-steps-per-epoch", "150",
-                       "--sample-chars", "0", "--out", str(tmp_path)])
+
+    result = gpt.main(
+        [
+            "--model",
+            "tiny",
+            "--epochs",
+            "1",
+            "--max-steps-per-epoch",
+            "150",
+            "--sample-chars",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert result["eval_loss"] < 2.0, result
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("eval") == 1 and kinds.count("train") >= 15
@@ -159,6 +190,7 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path):
 
 def test_mfu_peak_by_exact_device_name(monkeypatch):
     import gpt
+
     monkeypatch.delenv("FABTRAIN_PEAK_TFLOPS", raising=False)
     assert gpt.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert gpt.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's peak
@@ -175,6 +207,7 @@ def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatc
     import threading
 
     import snapshot
+
     disk = threading.Event()
     real_write = snapshot.write
     monkeypatch.setattr(
@@ -196,6 +229,7 @@ def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatc
 
 def _agreed_worker(rank, world, port, root):
     import snapshot
+
     init_gloo(rank, world, port)
     # Each rank its own disk; only rank 0's holds snapshots (steps 10 and 20), rank 2's an older one,
     # rank 3's a step-20 snapshot of the same name with other bytes.

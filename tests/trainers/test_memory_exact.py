@@ -1,6 +1,7 @@
 """A resumed DDP run ends bit for bit where an uninterrupted one ends (gpt.py --exact), and why the
 flag is needed: without it DDP rebuilds its gradient buckets after the first step of every start,
 so the step after a resume all-reduces with another layout (another float summation order)."""
+
 import copy
 import os
 
@@ -14,6 +15,7 @@ STEPS, RESUME_AT, WORLD = 6, 3, 4
 
 def _train(model, opt, batches, exact):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     ddp = DDP(model, find_unused_parameters=exact)  # what gpt.py does with --exact
     for x, y in batches:
         _, loss = ddp(x, y)
@@ -24,10 +26,13 @@ def _train(model, opt, batches, exact):
 
 def _worker(rank, world, port, out_dir):
     import gpt
+
     init_gloo(rank, world, port)
     g = torch.Generator().manual_seed(3)
-    data = [torch.randint(0, CFG["vocab_size"], (8 * world, CFG["block_size"] + 1), generator=g)
-            for _ in range(STEPS)]
+    data = [
+        torch.randint(0, CFG["vocab_size"], (8 * world, CFG["block_size"] + 1), generator=g)
+        for _ in range(STEPS)
+    ]
     batches = [(d[:, :-1].chunk(world)[rank], d[:, 1:].chunk(world)[rank]) for d in data]
     got = {}
     for exact in (False, True):
@@ -57,6 +62,7 @@ def test_exact_mode_resumes_bit_for_bit_and_default_ddp_does_not(tmp_path):
 
     def differing(a, b):
         return [k for k in a if not torch.equal(a[k], b[k])]
+
     assert differing(got[(True, False)], got[(True, True)]) == []
     # The default: the resumed run's first step summed the gradients in another order.
     assert differing(got[(False, False)], got[(False, True)]) != []

@@ -4,6 +4,7 @@ their containers (here: their entrypoint processes), the next generation resumes
 step N - 1 or later, and the run ends with the same parameters, bit for bit, as one never
 interrupted. A node lost whole and replaced by a hot spare (an empty keeper): its ranks take their
 states from the replicas the other node holds."""
+
 import os
 import shutil
 import signal
@@ -20,8 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 # dropout > 0: the RNG state is part of what must be resumed exactly.
 CONFIG = "model:\n  dropout: 0.1\n"
-ARGS = ["--model", "tiny", "--epochs", "1", "--max-steps-per-epoch", str(STEPS), "--log-every", "1",
-        "--sample-chars", "0", "--snapshot-every", "0", "--exact"]
+ARGS = [
+    "--model",
+    "tiny",
+    "--epochs",
+    "1",
+    "--max-steps-per-epoch",
+    str(STEPS),
+    "--log-every",
+    "1",
+    "--sample-chars",
+    "0",
+    "--snapshot-every",
+    "0",
+    "--exact",
+]
 
 
 def free_port() -> int:
@@ -50,17 +64,42 @@ class Node:
         (self.root / "config.yaml").write_text(CONFIG)
         spare = rank is None
         self.console = self.out / ".console" / ("spare.log" if spare else f"node-{rank}.log")
-        env = {**os.environ, "NNODES": "2", "NODE_RANK": "0" if spare else str(rank), "NPROC_PER_NODE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FABTRAIN_WARM": "1",
-               "FABTRAIN_LAUNCH": "direct", "FABTRAIN_ATTEMPT": "1", "FABTRAIN_OUTPUT": str(self.out),
-               "FABTRAIN_CONSOLE": str(self.console), "FABTRAIN_STANDBY_AHEAD": "0.5",
-               "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", "FABTRAIN_PG_TIMEOUT": "30",
-               **({"FABTRAIN_SPARE": "1"} if spare else {}), **extra}
+        env = {
+            **os.environ,
+            "NNODES": "2",
+            "NODE_RANK": "0" if spare else str(rank),
+            "NPROC_PER_NODE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "FABTRAIN_WARM": "1",
+            "FABTRAIN_LAUNCH": "direct",
+            "FABTRAIN_ATTEMPT": "1",
+            "FABTRAIN_OUTPUT": str(self.out),
+            "FABTRAIN_CONSOLE": str(self.console),
+            "FABTRAIN_STANDBY_AHEAD": "0.5",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "NCCL_SOCKET_IFNAME": "=lo",
+            "FABTRAIN_PG_TIMEOUT": "30",
+            **({"FABTRAIN_SPARE": "1"} if spare else {}),
+            **extra,
+        }
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(
-            [sys.executable, str(self.runtime / "entrypoint.py"), str(ROOT / "trainers" / "gpt.py"), *ARGS,
-             "--config", str(self.root / "config.yaml"), "--out", str(self.out)],
-            cwd=self.root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                str(self.runtime / "entrypoint.py"),
+                str(ROOT / "trainers" / "gpt.py"),
+                *ARGS,
+                "--config",
+                str(self.root / "config.yaml"),
+                "--out",
+                str(self.out),
+            ],
+            cwd=self.root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def text(self) -> str:
         return self.console.read_text() if self.console.exists() else ""
@@ -78,8 +117,14 @@ class Node:
         else:
             self.console.unlink(missing_ok=True)
         end.unlink(missing_ok=True)
-        lines = ["MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}", "NNODES=2", f"NODE_RANK={rank}",
-                 f"FABTRAIN_ATTEMPT={attempt}", "FABTRAIN_LAUNCH=direct"]
+        lines = [
+            "MASTER_ADDR=127.0.0.1",
+            f"MASTER_PORT={port}",
+            "NNODES=2",
+            f"NODE_RANK={rank}",
+            f"FABTRAIN_ATTEMPT={attempt}",
+            "FABTRAIN_LAUNCH=direct",
+        ]
         if spare:
             lines += ["FABTRAIN_SPARE=0", f"FABTRAIN_CONSOLE_PATH={self.console}"]
         go = self.runtime / ("warm-spare.env" if spare else f"warm-{rank}.env")
@@ -95,6 +140,7 @@ class Node:
 def kill_tree(root: int) -> None:
     sys.path.insert(0, str(ROOT / "docker"))
     import entrypoint
+
     entrypoint.kill_tree(root)
 
 
@@ -106,15 +152,16 @@ def worker_pid(node: Node, rank: int) -> int:
                 stat = fh.read()
         except OSError:
             continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         if name == f"fabtrain-r{rank}" and int(rest[1]) == node.proc.pid:
             return int(entry)
     raise AssertionError(f"no worker of rank {rank} under {node.name}")
 
 
 def logged_step(node: Node) -> int:
-    steps = [int(line.split("| step ")[1].split()[0])
-             for line in node.text().splitlines() if "| step " in line]
+    steps = [
+        int(line.split("| step ")[1].split()[0]) for line in node.text().splitlines() if "| step " in line
+    ]
     return max(steps, default=0)
 
 
@@ -170,7 +217,8 @@ def test_a_killed_worker_resumes_from_memory_and_ends_bit_for_bit(tmp_path, refe
 
 
 def test_a_node_lost_whole_is_replaced_by_a_hot_spare_that_takes_its_ranks_states_from_replicas(
-        tmp_path, reference):
+    tmp_path, reference
+):
     """Node 1's container gone (its entrypoint, keeper and workers killed): the hot spare, whose keeper
     holds nothing, becomes node 1; ranks 2 and 3 get their states from node 0's keeper."""
     port = free_port()

@@ -1,4 +1,5 @@
 """The tensor-parallel MLP computes exactly what the unsharded MLP does, forward and backward."""
+
 import os
 
 import pytest
@@ -9,6 +10,7 @@ from .conftest import finish_gloo, init_gloo, spawn
 
 def _tp_worker(rank, world, port, tp, out_dir):
     import mlp_tp
+
     init_gloo(rank, world, port)
     mesh = mlp_tp.make_mesh(world, tp, "cpu")
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """The trainer keeps only the newest K snapshots: pruned after each durable write, never the one
 just written, K from FABTRAIN_KEEP_SNAPSHOTS (default 2, at least 1)."""
+
 import os
 
 import pytest
@@ -36,15 +37,27 @@ def test_a_thousand_snapshots_leave_the_newest_k(tmp_path, monkeypatch, env, kee
     assert latest["step"] == 1000 and latest["model"]["weight"][0, 0].item() == 1000.0
 
 
-@pytest.mark.parametrize("raw,expected", [
-    (None, 2), ("", 2), ("  ", 2), ("1", 1), (" 5 ", 5), ("0", ValueError), ("-1", ValueError),
-    ("two", ValueError), ("1.5", ValueError),
-])
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        (None, 2),
+        ("", 2),
+        ("  ", 2),
+        ("1", 1),
+        (" 5 ", 5),
+        ("0", ValueError),
+        ("-1", ValueError),
+        ("two", ValueError),
+        ("1.5", ValueError),
+    ],
+)
 def test_keep_from_env(raw, expected):
     environ = {} if raw is None else {snapshot.KEEP_ENV: raw}
     if expected is ValueError:
-        with pytest.raises(ValueError, match=f"{snapshot.KEEP_ENV}={raw!r}: .* whole number, 1 or more; "
-                                             "set job.keep_snapshots"):
+        with pytest.raises(
+            ValueError,
+            match=f"{snapshot.KEEP_ENV}={raw!r}: .* whole number, 1 or more; set job.keep_snapshots",
+        ):
             snapshot.keep_from_env(environ)
     else:
         assert snapshot.keep_from_env(environ) == expected
@@ -87,12 +100,18 @@ def test_pruning_happens_only_after_the_new_snapshot_is_durable(tmp_path, monkey
     def unlink(self, missing_ok=False):
         events.append(("unlink", self.name))
         return real_unlink(self, missing_ok=missing_ok)
+
     monkeypatch.setattr(snapshot.os, "replace", replace)
     monkeypatch.setattr(snapshot.os, "fsync", fsync)
     monkeypatch.setattr(snapshot.Path, "unlink", unlink)
     snapshot.write(tmp_path, {"step": 3}, 3, keep=1)
-    assert events == [("fsync", "file"), ("rename", snap(3)), ("fsync", "dir"),
-                      ("unlink", snap(1)), ("unlink", snap(2))]
+    assert events == [
+        ("fsync", "file"),
+        ("rename", snap(3)),
+        ("fsync", "dir"),
+        ("unlink", snap(1)),
+        ("unlink", snap(2)),
+    ]
 
 
 def test_keep_none_keeps_every_snapshot(tmp_path):
@@ -117,7 +136,24 @@ def test_keep_below_one_is_refused(tmp_path):
 
 def test_gpt_keeps_as_many_as_the_environment_says(tmp_path, monkeypatch):
     import gpt
+
     monkeypatch.setenv(snapshot.KEEP_ENV, "1")
-    gpt.main(["--model", "tiny", "--max-steps-per-epoch", "12", "--log-every", "100", "--sample-chars", "0",
-              "--snapshot-every", "5", "--epochs", "2", "--out", str(tmp_path)])
+    gpt.main(
+        [
+            "--model",
+            "tiny",
+            "--max-steps-per-epoch",
+            "12",
+            "--log-every",
+            "100",
+            "--sample-chars",
+            "0",
+            "--snapshot-every",
+            "5",
+            "--epochs",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert names(tmp_path / "snapshots") == [snap(24)]

@@ -1,5 +1,6 @@
 """The trainers' TensorBoard event files (OUT/tb, rank 0), read back as TensorBoard reads them: the
 logged steps and the epochs' eval losses, one curve across a resume, nothing without tensorboard."""
+
 import json
 import subprocess
 import sys
@@ -9,8 +10,18 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from .conftest import TRAINERS, free_port
 
-ARGS = ["--model", "tiny", "--max-steps-per-epoch", "12", "--log-every", "4", "--sample-chars", "0",
-        "--snapshot-every", "5"]
+ARGS = [
+    "--model",
+    "tiny",
+    "--max-steps-per-epoch",
+    "12",
+    "--log-every",
+    "4",
+    "--sample-chars",
+    "0",
+    "--snapshot-every",
+    "5",
+]
 
 
 def curves(out) -> dict[str, list[tuple[int, float]]]:
@@ -26,6 +37,7 @@ def metrics(out, kind: str) -> list[dict]:
 
 def test_gpt_writes_train_and_eval_curves_by_global_step(tmp_path):
     import gpt
+
     gpt.main(ARGS + ["--epochs", "2", "--out", str(tmp_path)])
     got = curves(tmp_path)
     assert sorted(got) == ["eval/loss", "train/loss", "train/lr", "train/tokens_per_s"]  # no MFU on a CPU
@@ -43,6 +55,7 @@ def test_a_resumed_run_continues_the_same_curves_with_no_step_twice(tmp_path):
     """The run dies after step 22, its newest snapshot at step 20: the restart logs from step 21 on,
     and TensorBoard shows the first attempt's steps up to 20 and the second's after, once each."""
     import gpt
+
     gpt.main(ARGS + ["--epochs", "2", "--out", str(tmp_path / "a")])
     b = tmp_path / "b"
     gpt.main(ARGS + ["--epochs", "2", "--out", str(b)])
@@ -86,17 +99,21 @@ def test_the_curves_up_to_a_snapshot_are_on_disk_before_it_is_written(tmp_path):
 
 def test_without_tensorboard_the_run_goes_on_and_says_so_once(tmp_path, monkeypatch, capsys):
     import gpt
+
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as when not installed
     result = gpt.main(ARGS + ["--epochs", "1", "--out", str(tmp_path)])
     assert result["step"] == 12 and not (tmp_path / "tb").exists()
     lines = [line for line in capsys.readouterr().out.splitlines() if "tensorboard" in line]
-    assert len(lines) == 1 and lines[0].endswith("] tensorboard: no event files "
-                                                 "(ModuleNotFoundError: import of torch.utils.tensorboard "
-                                                 "halted; None in sys.modules)"), lines
+    assert len(lines) == 1 and lines[0].endswith(
+        "] tensorboard: no event files "
+        "(ModuleNotFoundError: import of torch.utils.tensorboard "
+        "halted; None in sys.modules)"
+    ), lines
 
 
 def test_only_global_rank_0_writes(tmp_path):
     import tensorboard_events
+
     board = tensorboard_events.Board(tmp_path, 1, "[n rank1]", first_step=1)
     board.scalars(1, {"train/loss": 1.0})
     board.flush()
@@ -106,6 +123,7 @@ def test_only_global_rank_0_writes(tmp_path):
 
 def test_mlp_writes_its_loss_by_the_step_its_log_lines_name(tmp_path, monkeypatch):
     import mlp_tp
+
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")

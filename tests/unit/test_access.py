@@ -1,6 +1,7 @@
 """fab shell and fab forward without a cluster: the exact ssh and docker exec argv, which node a job's
 rank or host is (from the hosts' survey), their errors, the command after '--' reaching `shell` as
 typed (and refused for every other task), and the forward's loop over real local sockets."""
+
 import json
 import socket
 import subprocess
@@ -57,19 +58,34 @@ def surveyed(monkeypatch, per_host):
     def fake(session, inv, hosts=None):
         asked.append(tuple(h.name for h in hosts or inv.all_hosts))
         return PerHost({h.name: per_host[h.name] for h in hosts or inv.all_hosts})
+
     monkeypatch.setattr(survey, "survey", fake)
     return asked
 
 
 # ---------------------------------------------------------------- argv
 
+
 def test_docker_exec_argv():
     assert nodeexec.exec_argv(JOB, 1, ["hostname"], tty=False) == [
-        "docker", "exec", "--interactive", f"fabtrain-{JOB}-r1", "hostname"]
+        "docker",
+        "exec",
+        "--interactive",
+        f"fabtrain-{JOB}-r1",
+        "hostname",
+    ]
     assert nodeexec.exec_argv(JOB, 0, [], tty=True, term="xterm-256color") == [
-        "docker", "exec", "--interactive", "--tty", "--env", "TERM=xterm-256color", f"fabtrain-{JOB}-r0",
-        "sh", "-c",
-        "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi"]
+        "docker",
+        "exec",
+        "--interactive",
+        "--tty",
+        "--env",
+        "TERM=xterm-256color",
+        f"fabtrain-{JOB}-r0",
+        "sh",
+        "-c",
+        "if command -v bash >/dev/null 2>&1; then exec bash; else exec sh; fi",
+    ]
 
 
 def test_ssh_argv_quotes_the_remote_command_once(inv):
@@ -77,13 +93,38 @@ def test_ssh_argv_quotes_the_remote_command_once(inv):
     remote = nodeexec.exec_argv(JOB, 0, ["sh", "-c", "echo 'a b' $HOME; exit 3"], tty=False)
     argv = nodeexec.ssh_command_argv(node1, remote, tty=False)
     assert argv == [
-        "ssh", "-F", "none", "-p", "2222", "-l", "trainer", "-o", "BatchMode=yes",
-        "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={inv.path.parent}/known_hosts",
-        "-o", f"GlobalKnownHostsFile={' '.join(node1.ssh.global_known_hosts) or '/dev/null'}",
-        "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
-        "-i", f"{inv.path.parent}/id", "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR",
-        "-T", "--", "10.0.0.1",
-        f"docker exec --interactive fabtrain-{JOB}-r0 sh -c 'echo '\"'\"'a b'\"'\"' $HOME; exit 3'"]
+        "ssh",
+        "-F",
+        "none",
+        "-p",
+        "2222",
+        "-l",
+        "trainer",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={inv.path.parent}/known_hosts",
+        "-o",
+        f"GlobalKnownHostsFile={' '.join(node1.ssh.global_known_hosts) or '/dev/null'}",
+        "-o",
+        "ConnectTimeout=10",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-i",
+        f"{inv.path.parent}/id",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "LogLevel=ERROR",
+        "-T",
+        "--",
+        "10.0.0.1",
+        f"docker exec --interactive fabtrain-{JOB}-r0 sh -c 'echo '\"'\"'a b'\"'\"' $HOME; exit 3'",
+    ]
     assert nodeexec.ssh_command_argv(node1, remote, tty=True)[-4:-2] == ["-t", "--"]
 
 
@@ -102,10 +143,12 @@ def test_ssh_reads_the_argv_as_meant_jump_host_included(inv):
 
 # ---------------------------------------------------------------- which node
 
+
 def test_rank_and_host_find_the_node_where_its_container_runs(monkeypatch, inv):
     # A restart moved rank 1 to the spare node3.
-    asked = surveyed(monkeypatch, {"node1": host_jobs({JOB: 0}), "node2": host_jobs({}),
-                                   "node3": host_jobs({JOB: 1})})
+    asked = surveyed(
+        monkeypatch, {"node1": host_jobs({JOB: 0}), "node2": host_jobs({}), "node3": host_jobs({JOB: 1})}
+    )
     node = access.find_node(None, inv, JOB)
     assert (node.host.name, node.rank) == ("node1", 0)
     assert asked == [("node1", "node2", "node3")]
@@ -124,17 +167,23 @@ def test_errors_name_what_was_asked_and_what_runs(monkeypatch, inv):
         with pytest.raises(UserError) as exc:
             access.find_node(None, inv, kw.pop("job", JOB), **kw)
         return exc.value
+
     e = error(rank=1)
-    assert str(e) == (f"job {JOB} has no running node of rank 1: it runs on node1 (rank 0); not reached: "
-                      "node2 (trainer@10.0.0.2:2222 via bastion): connection refused; start sshd there or "
-                      "fix ssh.port in the inventory")
+    assert str(e) == (
+        f"job {JOB} has no running node of rank 1: it runs on node1 (rank 0); not reached: "
+        "node2 (trainer@10.0.0.2:2222 via bastion): connection refused; start sshd there or "
+        "fix ssh.port in the inventory"
+    )
     assert e.exit_code == 2
-    assert str(error(host="node9")) == (f"--host 'node9': no such host in {inv.path}; its hosts are node1, "
-                                        "node2, node3")
-    assert str(error(host="node3")) == (f"job {JOB} runs no container on node3; 'fab status' shows where "
-                                        "it runs")
+    assert str(error(host="node9")) == (
+        f"--host 'node9': no such host in {inv.path}; its hosts are node1, node2, node3"
+    )
+    assert str(error(host="node3")) == (
+        f"job {JOB} runs no container on node3; 'fab status' shows where it runs"
+    )
     assert str(error(job="other-20261125-000000-0000")).startswith(
-        f"job other-20261125-000000-0000 is not running on the hosts of {inv.path}; not reached: node2")
+        f"job other-20261125-000000-0000 is not running on the hosts of {inv.path}; not reached: node2"
+    )
     assert str(error(job="../x")) == "'../x' is not a fabtrain job id; 'fab status' lists the jobs"
     assert str(error(rank=0, host="node1")) == "give --rank or --host, not both"
 
@@ -149,14 +198,26 @@ def test_numbers_are_checked_before_anything_is_reached():
 
 
 def test_shell_execs_ssh_with_the_command(monkeypatch, inv_path, tmp_path):
-    surveyed(monkeypatch, {"node1": host_jobs({JOB: 0}), "node2": host_jobs({JOB: 1}),
-                           "node3": host_jobs({})})
+    surveyed(
+        monkeypatch, {"node1": host_jobs({JOB: 0}), "node2": host_jobs({JOB: 1}), "node3": host_jobs({})}
+    )
     ran = []
-    access.shell(str(inv_path), JOB, 1, None, ["hostname"], tmp_path,
-                 execute=lambda file, argv: ran.append((file, argv)), terminal=False)
-    (file, argv), = ran
-    assert file == "ssh" and argv[-3:] == ["--", "10.0.0.2", f"docker exec --interactive fabtrain-{JOB}-r1 "
-                                           "hostname"]
+    access.shell(
+        str(inv_path),
+        JOB,
+        1,
+        None,
+        ["hostname"],
+        tmp_path,
+        execute=lambda file, argv: ran.append((file, argv)),
+        terminal=False,
+    )
+    ((file, argv),) = ran
+    assert file == "ssh" and argv[-3:] == [
+        "--",
+        "10.0.0.2",
+        f"docker exec --interactive fabtrain-{JOB}-r1 hostname",
+    ]
     assert "-T" in argv and "ProxyCommand=" in " ".join(argv)
 
 
@@ -169,6 +230,7 @@ def test_a_job_started_here_uses_its_recorded_inventory(tmp_path, inv_path):
 
 # ---------------------------------------------------------------- the command after '--'
 
+
 @pytest.fixture
 def called(monkeypatch):
     calls = []
@@ -177,24 +239,36 @@ def called(monkeypatch):
 
 
 def test_the_command_after_dashes_reaches_shell_as_typed(called):
-    program.make_program().run(["fabtrain", "shell", JOB, "--rank", "1", "--", "sh", "-c", "echo 'a  b'"],
-                               exit=False)
-    (inventory, job, rank, host, command, _runs), = called
+    program.make_program().run(
+        ["fabtrain", "shell", JOB, "--rank", "1", "--", "sh", "-c", "echo 'a  b'"], exit=False
+    )
+    ((inventory, job, rank, host, command, _runs),) = called
     assert (job, rank, host, command) == (JOB, 1, None, ["sh", "-c", "echo 'a  b'"])
     called.clear()
     program.make_program().run(["fabtrain", "shell", JOB], exit=False)
     assert called[0][4] == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--", "--lr", "1"], "error: fab train takes no command after '--'; only fab shell does (fab "
-     "shell JOB -- CMD runs CMD in a job's container); fab train passes arguments to its script with "
-     "--args \"...\""),
-    (["status", "shell", JOB, "--", "x"], "error: fab status shell: a command after '--' is taken only "
-     "with fab shell alone (fab shell JOB -- CMD runs CMD in a job's container)"),
-    (["--", "hostname"], "error: a command after '--' needs a task: fab shell JOB -- CMD runs CMD in a "
-     "job's container"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train", "--", "--lr", "1"],
+            "error: fab train takes no command after '--'; only fab shell does (fab "
+            "shell JOB -- CMD runs CMD in a job's container); fab train passes arguments to its script with "
+            '--args "..."',
+        ),
+        (
+            ["status", "shell", JOB, "--", "x"],
+            "error: fab status shell: a command after '--' is taken only "
+            "with fab shell alone (fab shell JOB -- CMD runs CMD in a job's container)",
+        ),
+        (
+            ["--", "hostname"],
+            "error: a command after '--' needs a task: fab shell JOB -- CMD runs CMD in a job's container",
+        ),
+    ],
+)
 def test_a_command_after_dashes_for_any_other_task_is_refused(called, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         program.make_program().run(["fabtrain", *argv])
@@ -208,13 +282,18 @@ def test_fab_in_the_checkout_uses_the_same_executor():
     assert conf["tasks"]["executor_class"] == f"{access.Executor.__module__}.{access.Executor.__name__}"
     # Fabric's own `fab` reads it (Invoke's project configuration): no NothingToDo traceback.
     fab = Path(sys.executable).parent / "fab"
-    r = subprocess.run([str(fab), "-r", str(ROOT), "status", "--", "x"], capture_output=True, text=True,
-                       timeout=60)
-    assert (r.returncode, r.stderr) == (2, "error: fab status takes no command after '--'; only fab shell "
-                                           "does (fab shell JOB -- CMD runs CMD in a job's container)\n")
+    r = subprocess.run(
+        [str(fab), "-r", str(ROOT), "status", "--", "x"], capture_output=True, text=True, timeout=60
+    )
+    assert (r.returncode, r.stderr) == (
+        2,
+        "error: fab status takes no command after '--'; only fab shell "
+        "does (fab shell JOB -- CMD runs CMD in a job's container)\n",
+    )
 
 
 # ---------------------------------------------------------------- the forward
+
 
 def test_a_taken_local_port_is_a_clear_error():
     with socket.socket() as taken:
@@ -223,8 +302,10 @@ def test_a_taken_local_port_is_a_clear_error():
         port = taken.getsockname()[1]
         with pytest.raises(UserError) as exc:
             forward.listen(port)
-    assert str(exc.value) == (f"LOCAL port {port} on 127.0.0.1 is already in use on this machine; give "
-                              "another local port (fab forward JOB PORT --local LOCAL)")
+    assert str(exc.value) == (
+        f"LOCAL port {port} on 127.0.0.1 is already in use on this machine; give "
+        "another local port (fab forward JOB PORT --local LOCAL)"
+    )
     assert exc.value.exit_code == 2
 
 
@@ -265,8 +346,10 @@ def forwarded(transport, inv, send: bytes) -> tuple[bytes, list[str]]:
     stop = threading.Event()
     with forward.listen(0) as listener:
         port = listener.getsockname()[1]
-        loop = threading.Thread(target=forward.serve, args=(FakeSession(transport), inv.hosts[0], 6006,
-                                                            listener, stop, warnings.append))
+        loop = threading.Thread(
+            target=forward.serve,
+            args=(FakeSession(transport), inv.hosts[0], 6006, listener, stop, warnings.append),
+        )
         loop.start()
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=5) as client:

@@ -1,5 +1,6 @@
 """tests/arch_report.py, on a tiny project written in tmp_path: its sizes, cycles, coverage and times
 are known exactly."""
+
 import textwrap
 
 import pytest
@@ -67,16 +68,20 @@ def project(tmp_path):
         path.write_text(textwrap.dedent(text))
     (tmp_path / "trainers").mkdir()
     (tmp_path / "trainers" / "long.py").write_text(
-        body(61).replace("def f", "def sixty_one") + "\n\n"
-        + body(60).replace("def f", "def sixty") + "\n\n"
-        + "class K:\n" + textwrap.indent(body(62).replace("def f():", "def m(self):"), "    ")
+        body(61).replace("def f", "def sixty_one")
+        + "\n\n"
+        + body(60).replace("def f", "def sixty")
+        + "\n\n"
+        + "class K:\n"
+        + textwrap.indent(body(62).replace("def f():", "def m(self):"), "    ")
     )
     (tmp_path / "docker").mkdir()
     (tmp_path / "docker" / "entrypoint.py").write_text("def main():\n    def inner():\n        pass\n")
     (tmp_path / "docker" / "other.py").write_text("x = 1\n")  # not part of the project
     (tmp_path / "fabfile.py").write_text("import orchestrator\n")
-    (tmp_path / "pyproject.toml").write_text('[tool.mypy]\nfiles = ["orchestrator", "fabfile.py"]\n'
-                                             'exclude = ["sub/deep"]\n')
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.mypy]\nfiles = ["orchestrator", "fabfile.py"]\nexclude = ["sub/deep"]\n'
+    )
     return tmp_path
 
 
@@ -99,8 +104,11 @@ def test_module_sizes(project):
         "orchestrator/x.py": 1,
         "trainers/long.py": 61 + 2 + 60 + 2 + 1 + 62,
     }
-    assert ar.over(sizes, 5) == [("trainers/long.py", 188), ("orchestrator/a.py", 8),
-                                 ("orchestrator/g.py", 6)]
+    assert ar.over(sizes, 5) == [
+        ("trainers/long.py", 188),
+        ("orchestrator/a.py", 8),
+        ("orchestrator/g.py", 6),
+    ]
 
 
 def test_a_61_line_function_is_flagged_and_a_60_line_one_is_not(project):
@@ -110,8 +118,10 @@ def test_a_61_line_function_is_flagged_and_a_60_line_one_is_not(project):
     assert sizes["trainers/long.py:K.m"] == 62
     assert sizes["docker/entrypoint.py:main.inner"] == 2
     assert len(sizes) == 7
-    assert ar.over(sizes, ar.FUNCTION_LIMIT) == [("trainers/long.py:K.m", 62),
-                                                 ("trainers/long.py:sixty_one", 61)]
+    assert ar.over(sizes, ar.FUNCTION_LIMIT) == [
+        ("trainers/long.py:K.m", 62),
+        ("trainers/long.py:sixty_one", 61),
+    ]
 
 
 def test_a_type_checking_cycle_is_in_the_all_imports_graph_only(project):
@@ -151,8 +161,11 @@ def test_mypy_coverage(project):
     assert (cov.files, cov.covered_files) == (15, 12)
     assert (cov.lines, cov.covered_lines) == (223, 223 - 188 - 3 - 2)
     assert round(cov.percent, 2) == 13.45
-    assert cov.not_covered == {"docker/entrypoint.py": 3, "orchestrator/sub/deep.py": 2,
-                               "trainers/long.py": 188}
+    assert cov.not_covered == {
+        "docker/entrypoint.py": 3,
+        "orchestrator/sub/deep.py": 2,
+        "trainers/long.py": 188,
+    }
 
 
 DURATIONS = """\
@@ -176,8 +189,11 @@ name="test_slow" time="2.900" /><testcase classname="tests.unit.test_y" name="te
 def test_durations_from_pytest_output(tmp_path):
     (tmp_path / "d.txt").write_text(DURATIONS)
     d = ar.read_durations(tmp_path / "d.txt")
-    assert d == ar.Durations(total=12.34, total_is_wall=True, tests={
-        "tests/unit/test_x.py::test_slow": 2.9, "tests/unit/test_y.py::test_param[a b]": 0.1})
+    assert d == ar.Durations(
+        total=12.34,
+        total_is_wall=True,
+        tests={"tests/unit/test_x.py::test_slow": 2.9, "tests/unit/test_y.py::test_param[a b]": 0.1},
+    )
     # As with --color=yes:
     colored = DURATIONS.replace("\n=", "\n\x1b[32m=").replace(" in 12.34s", "\x1b[0m in 12.34s")
     (tmp_path / "d.txt").write_text(colored)
@@ -188,8 +204,11 @@ def test_durations_from_pytest_output(tmp_path):
 
 def test_durations_from_junit_xml(tmp_path):
     (tmp_path / "suite.xml").write_text(JUNIT)
-    assert ar.read_durations(tmp_path / "suite.xml") == ar.Durations(total=3.21, total_is_wall=True, tests={
-        "tests.unit.test_x::test_slow": 2.9, "tests.unit.test_y::test_fast": 0.1})
+    assert ar.read_durations(tmp_path / "suite.xml") == ar.Durations(
+        total=3.21,
+        total_is_wall=True,
+        tests={"tests.unit.test_x::test_slow": 2.9, "tests.unit.test_y::test_fast": 0.1},
+    )
 
 
 def test_the_report(project, capsys):
@@ -199,15 +218,22 @@ def test_the_report(project, capsys):
     assert "15 Python files, 223 lines; 0 over 400 lines:" in out
     assert "7 functions and methods; 2 over 60 lines:" in out
     assert "| `trainers/long.py:sixty_one` | 61 |" in out
-    assert ("Imports run when the modules load (module and class level, outside `if TYPE_CHECKING:`): "
-            "9 module-to-module imports, 2 cycles.") in out
-    assert ("All imports (`TYPE_CHECKING` blocks and imports inside functions included): "
-            "11 module-to-module imports, 4 cycles.") in out
-    assert ("[tool.mypy] files = orchestrator, fabfile.py: 30 of 223 lines (13.5 %), 12 of 15 files. "
-            "Not checked:") in out
+    assert (
+        "Imports run when the modules load (module and class level, outside `if TYPE_CHECKING:`): "
+        "9 module-to-module imports, 2 cycles."
+    ) in out
+    assert (
+        "All imports (`TYPE_CHECKING` blocks and imports inside functions included): "
+        "11 module-to-module imports, 4 cycles."
+    ) in out
+    assert (
+        "[tool.mypy] files = orchestrator, fabfile.py: 30 of 223 lines (13.5 %), 12 of 15 files. Not checked:"
+    ) in out
     assert "2 tests, 3.2 s (the run's own time); the 2 slowest:" in out
-    assert out[-2:] == ["| `tests.unit.test_x::test_slow` | 2.90 |",
-                        "| `tests.unit.test_y::test_fast` | 0.10 |"]
+    assert out[-2:] == [
+        "| `tests.unit.test_x::test_slow` | 2.90 |",
+        "| `tests.unit.test_y::test_fast` | 0.10 |",
+    ]
 
 
 def test_a_missing_durations_file_says_how_to_make_one(tmp_path, capsys):
@@ -215,4 +241,5 @@ def test_a_missing_durations_file_says_how_to_make_one(tmp_path, capsys):
         ar.main(["--durations", str(tmp_path / "none.txt")])
     assert exit_.value.code == 2
     assert "none.txt: no such file; to make one, run `.venv/bin/pytest tests --durations=0 -vv" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )

@@ -1,6 +1,7 @@
 """fab train, status, logs and stop as the command line runs them (commandline/requests.py), against
 a backend that is one folder (tests/unit/localbackend: each node a local process) and one
 registration: nothing else in the orchestrator knows it. What holds here holds for any backend."""
+
 import io
 import json
 import threading
@@ -33,8 +34,10 @@ def here(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "DEFAULT", "local")
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "node.py").write_text(NODE)
-    (tmp_path / "inv.yaml").write_text("hosts:\n  - {name: a, address: 127.0.0.1, interface: lo}\n"
-                                       "  - {name: b, address: 127.0.0.2, interface: lo}\n")
+    (tmp_path / "inv.yaml").write_text(
+        "hosts:\n  - {name: a, address: 127.0.0.1, interface: lo}\n"
+        "  - {name: b, address: 127.0.0.2, interface: lo}\n"
+    )
     return tmp_path
 
 
@@ -124,11 +127,13 @@ def test_kubernetes_is_a_backend_that_only_renders_its_manifests(here, monkeypat
     from orchestrator.backends.kubernetes.backend import RENDER_ONLY, KubernetesBackend
     from orchestrator.config import inventory
     from orchestrator.core.policy import Policy
+
     monkeypatch.setitem(registry.BACKENDS, "kubernetes", REGISTERED["kubernetes"])
     kubernetes = registry.get("kubernetes")
     assert isinstance(kubernetes, KubernetesBackend) and not registry.runs_jobs(kubernetes)
-    text = requests.train(request(here, on="kubernetes", dry_run=True, restarts=2), here / "runs", console(),
-                          TRAINERS)
+    text = requests.train(
+        request(here, on="kubernetes", dry_run=True, restarts=2), here / "runs", console(), TRAINERS
+    )
     job = text.split()[1]
     inv = inventory.load(str(here / "inv.yaml"))
     spec = replace(cli.new_spec(request(here).job, TRAINERS), job_id=job)
@@ -136,8 +141,10 @@ def test_kubernetes_is_a_backend_that_only_renders_its_manifests(here, monkeypat
     rendered = KubernetesBackend().render(job_launch, {})
     files, warnings = rendered.files, rendered.warnings
     assert list(files) == ["trainjob.yaml", "pytorchjob.yaml", "indexed-job.yaml"] and warnings == ()
-    assert text == (f"job {job} as Kubernetes manifests (fab export.k8s writes these files; kubectl apply -f "
-                    "one of them):\n" + "".join(f"\n--- {f} ---\n{t}\n" for f, t in files.items())[:-1])
+    assert text == (
+        f"job {job} as Kubernetes manifests (fab export.k8s writes these files; kubectl apply -f "
+        "one of them):\n" + "".join(f"\n--- {f} ---\n{t}\n" for f, t in files.items())[:-1]
+    )
     assert "backoffLimit: 2" in files["indexed-job.yaml"]
     with pytest.raises(UserError) as e:
         requests.train(request(here, on="kubernetes"), here / "runs", console(), TRAINERS)

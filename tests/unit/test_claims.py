@@ -1,6 +1,7 @@
 """Claims (claims.py): choosing GPUs or CPU slots beside other jobs, the refusal's wording, and the
 claim script itself run by a real sh against a directory of claim files, with a stand-in `docker`
 on PATH saying which jobs have containers; the hosts' queues (queue.py) the claim script keeps."""
+
 import os
 import subprocess
 import time
@@ -16,12 +17,15 @@ from orchestrator.hosts import claims, queue
 
 
 def inventory(out: Path | str = "/opt/out"):
-    return parse(f"""\
+    return parse(
+        f"""\
 job: {{output_dir: {out}}}
 hosts:
   - {{name: gpu1, address: 10.0.0.1, interface: eth0, gpus: {{vendor: nvidia, count: 4}}}}
   - {{name: cpu1, address: 10.0.0.2, interface: eth0}}
-""", Path("inv.yaml"))
+""",
+        Path("inv.yaml"),
+    )
 
 
 INV = inventory()
@@ -68,11 +72,14 @@ def test_a_refusal_names_the_holder_who_since_which_gpus_and_what_is_free():
 
 
 def test_hosts_are_claimed_in_one_order_whatever_the_inventory_calls_them():
-    other = parse("""\
+    other = parse(
+        """\
 hosts:
   - {name: b, address: 10.0.0.2, interface: eth0}
   - {name: a, address: 10.0.0.1, interface: eth0}
-""", Path("other.yaml"))
+""",
+        Path("other.yaml"),
+    )
     assert [h.hostname for h in claims.order(INV.hosts)] == [h.hostname for h in claims.order(other.hosts)]
 
 
@@ -85,15 +92,21 @@ def host(tmp_path):
     (tmp_path / "running").write_text("")
     (bin_dir / "docker").write_text(
         f"#!/bin/sh\n# docker ps --quiet --filter label=fabtrain.job=JOB\n"
-        f"job=${{4#label=fabtrain.job=}}; grep -qx \"$job\" {tmp_path}/running && echo 0123abcd; exit 0\n")
+        f'job=${{4#label=fabtrain.job=}}; grep -qx "$job" {tmp_path}/running && echo 0123abcd; exit 0\n'
+    )
     (bin_dir / "docker").chmod(0o755)
     inv = inventory(tmp_path / "out")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
     def run(command: str) -> subprocess.CompletedProcess:
         return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, timeout=30)
-    claim_dir = tmp_path / "out" / ".claims" / subprocess.run(["hostname"], capture_output=True,
-                                                              text=True).stdout.strip()
+
+    claim_dir = (
+        tmp_path
+        / "out"
+        / ".claims"
+        / subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    )
     return inv, run, claim_dir, tmp_path
 
 
@@ -123,7 +136,9 @@ def test_the_claim_script_refuses_overlaps_takes_disjoint_units_and_clears_stale
     held, cleared = claims.parse_claim_output(c.stdout)
     assert [h.job for h in cleared] == ["alice-1"] and [h.job for h in held] == ["bob-1"]
     assert sorted(p.name for p in claim_dir.iterdir() if p.is_file() and not p.name.startswith(".")) == [
-        "bob-1", "carol-1"]
+        "bob-1",
+        "carol-1",
+    ]
     # The survey reads the same files; release removes a job's claim and runtime directory.
     cpus, found, queued = claims.parse_survey(
         run(claims.survey_script(inv)).stdout.partition("@@claims\n")[2]
@@ -184,8 +199,12 @@ def test_the_queue_is_first_come_first_served_per_host_and_drops_places_not_kept
     assert run(queue.dequeue_command(inv, "carol-1")).returncode == 0
     # A forged place (no real ticket) orders after every real one: it holds nobody up.
     (claim_dir / "queue" / "mallory-1").write_text("who=m\nticket=$(reboot)\n")
-    assert run(claims.claim_script(inv, "gwen-1", (2,), "gwen@ws7", True, ticket=queue.new_ticket("gwen-1"))
-               ).returncode == 0
+    assert (
+        run(
+            claims.claim_script(inv, "gwen-1", (2,), "gwen@ws7", True, ticket=queue.new_ticket("gwen-1"))
+        ).returncode
+        == 0
+    )
     (claim_dir / "queue" / "mallory-1").unlink()
     assert run(claims.release_command(inv, ["gwen-1"])).returncode == 0
     # A running job's restart (not its first claim) never waits in the queue, onto a spare neither.

@@ -1,5 +1,6 @@
 """The command line: every task's help, as `fab` (the checkout's fabfile.py) and as `fabtrain` (the
 installed program) render it, and where the inventory is looked for."""
+
 import re
 import sys
 from pathlib import Path
@@ -171,15 +172,19 @@ def test_the_inventory_directory_is_never_the_checkout(places, monkeypatch):
         inventory.locate()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["-H", "node1,node2"], "-H/--hosts (node1) is Fabric's host list"),
-    (["--hosts", "node1"], "-H/--hosts (node1) is Fabric's host list"),
-    (["-i", "/tmp/key"], "-i/--identity is Fabric's key option"),
-    (["-S", "SSH_CONFIG"], "-S/--ssh-config is Fabric's option"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["-H", "node1,node2"], "-H/--hosts (node1) is Fabric's host list"),
+        (["--hosts", "node1"], "-H/--hosts (node1) is Fabric's host list"),
+        (["-i", "/tmp/key"], "-i/--identity is Fabric's key option"),
+        (["-S", "SSH_CONFIG"], "-S/--ssh-config is Fabric's option"),
+    ],
+)
 def test_fabric_core_flags_that_fabtrain_cannot_honour_stop_with_a_clear_error(flags, message, tmp_path):
     """Never ignored: `fab -H node1 train` once planned every host of the inventory."""
     import subprocess
+
     ssh_config = tmp_path / "ssh_config"
     ssh_config.write_text("")
     flags = [str(ssh_config) if f == "SSH_CONFIG" else f for f in flags]
@@ -204,8 +209,14 @@ def test_each_task_lists_a_whole_sentence(name):
 
 # Every numeric option of every task, as --help shows it.
 NUMERIC = {
-    "train": {"epochs": "INT", "restarts": "INT", "min-nodes": "INT", "hang-timeout": "NUMBER",
-              "num-nodes": "INT", "gpus": "INT"},
+    "train": {
+        "epochs": "INT",
+        "restarts": "INT",
+        "min-nodes": "INT",
+        "hang-timeout": "NUMBER",
+        "num-nodes": "INT",
+        "gpus": "INT",
+    },
     "stop": {"grace": "NUMBER"},
     "preflight": {"clock-warn": "NUMBER", "clock-fail": "NUMBER"},
     "cluster.up": {"nodes": "INT", "spares": "INT"},
@@ -222,12 +233,15 @@ def test_numeric_options_are_typed_in_help(name, monkeypatch, capsys):
         assert re.search(rf"^  --{option}={kind}\s", text, re.M), f"{name} --{option} not shown as {kind}"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--epochs", "x"], "--epochs 'x': give a whole number"),
-    (["train", "--hang-timeout", "soon"], "--hang-timeout 'soon': give a number"),
-    (["cluster.up", "--nodes", "two"], "--nodes 'two': give a whole number"),
-    (["stop", "--grace", "1s"], "--grace '1s': give a number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--epochs", "x"], "--epochs 'x': give a whole number"),
+        (["train", "--hang-timeout", "soon"], "--hang-timeout 'soon': give a number"),
+        (["cluster.up", "--nodes", "two"], "--nodes 'two': give a whole number"),
+        (["stop", "--grace", "1s"], "--grace '1s': give a number"),
+    ],
+)
 def test_a_bad_number_names_its_option_with_no_traceback(argv, message, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exc:
@@ -241,11 +255,13 @@ def test_a_bad_number_names_its_option_with_no_traceback(argv, message, monkeypa
 def contacts(monkeypatch):
     """Every host a command tries to reach (none is): Session.connection is where SSH starts."""
     from orchestrator.transport.remote import Session
+
     reached = []
 
     def refuse(session, host):
         reached.append(host.name)
         raise ConnectionRefusedError(f"{host.name} was reached")
+
     monkeypatch.setattr(Session, "connection", refuse)
     return reached
 
@@ -254,9 +270,14 @@ def contacts(monkeypatch):
 def bogus(tmp_path):
     """An inventory of two hosts at documentation addresses (TEST-NET-1): nothing answers there."""
     path = tmp_path / "bogus.yaml"
-    path.write_text("ssh: {user: root, config: none}\nhosts:\n" + "".join(
-        f"  - {{name: node{i}, address: 192.0.2.{10 + i}, interface: eth0, "
-        "gpus: {vendor: none, count: 0}}\n" for i in (1, 2)))
+    path.write_text(
+        "ssh: {user: root, config: none}\nhosts:\n"
+        + "".join(
+            f"  - {{name: node{i}, address: 192.0.2.{10 + i}, interface: eth0, "
+            "gpus: {vendor: none, count: 0}}\n"
+            for i in (1, 2)
+        )
+    )
     return path
 
 
@@ -269,28 +290,51 @@ def refused(argv: list[str], capsys) -> tuple[int, str]:
     return exc.value.code, out.err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--epochs", "0"], "error: --epochs 0: give a whole number, 1 or more"),
-    (["train", "--epochs", "-2"], "error: --epochs -2: give a whole number, 1 or more"),
-    (["train", "--min-nodes", "0"], "error: --min-nodes 0: give 1 to 2 (the hosts in INV)"),
-    (["train", "--min-nodes", "3"], "error: --min-nodes 3: give 1 to 2 (the hosts in INV)"),
-    # The hosts --include/--exclude leave, and --num-nodes's count, are known without asking them.
-    (["train", "--include", "node1", "--min-nodes", "2"],
-     "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --include)"),
-    (["train", "--exclude", "node2", "--min-nodes", "2"],
-     "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --exclude)"),
-    (["train", "--num-nodes", "1", "--min-nodes", "2"],
-     "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --num-nodes)"),
-    (["train", "--num-nodes", "3"], "error: --num-nodes 3: give 1 to 2 (the hosts in INV)"),
-    (["train", "--exclude", "node1", "--num-nodes", "2"],
-     "error: --num-nodes 2: give 1 to 1 (the hosts of INV left by --include/--exclude)"),
-    (["train", "--num-nodes", "2", "--restarts", "-1"],
-     "error: --restarts and --hang-timeout cannot be negative"),
-    (["train", "--model", "huge"], "error: --model 'huge': the GPT presets are tiny, small, medium"),
-    (["train", "--script", "tests/integration/scripts/progress.py", "--model", "small", "--epochs", "3"],
-     'error: --model small, --epochs 3: only the built-in trainers take them; --script runs your program: '
-     'give its own options in --args "..."'),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--epochs", "0"], "error: --epochs 0: give a whole number, 1 or more"),
+        (["train", "--epochs", "-2"], "error: --epochs -2: give a whole number, 1 or more"),
+        (["train", "--min-nodes", "0"], "error: --min-nodes 0: give 1 to 2 (the hosts in INV)"),
+        (["train", "--min-nodes", "3"], "error: --min-nodes 3: give 1 to 2 (the hosts in INV)"),
+        # The hosts --include/--exclude leave, and --num-nodes's count, are known without asking them.
+        (
+            ["train", "--include", "node1", "--min-nodes", "2"],
+            "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --include)",
+        ),
+        (
+            ["train", "--exclude", "node2", "--min-nodes", "2"],
+            "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --exclude)",
+        ),
+        (
+            ["train", "--num-nodes", "1", "--min-nodes", "2"],
+            "error: --min-nodes 2: give 1 to 1 (the hosts of INV left by --num-nodes)",
+        ),
+        (["train", "--num-nodes", "3"], "error: --num-nodes 3: give 1 to 2 (the hosts in INV)"),
+        (
+            ["train", "--exclude", "node1", "--num-nodes", "2"],
+            "error: --num-nodes 2: give 1 to 1 (the hosts of INV left by --include/--exclude)",
+        ),
+        (
+            ["train", "--num-nodes", "2", "--restarts", "-1"],
+            "error: --restarts and --hang-timeout cannot be negative",
+        ),
+        (["train", "--model", "huge"], "error: --model 'huge': the GPT presets are tiny, small, medium"),
+        (
+            [
+                "train",
+                "--script",
+                "tests/integration/scripts/progress.py",
+                "--model",
+                "small",
+                "--epochs",
+                "3",
+            ],
+            "error: --model small, --epochs 3: only the built-in trainers take them; "
+            '--script runs your program: give its own options in --args "..."',
+        ),
+    ],
+)
 def test_bad_input_is_refused_before_any_host_is_touched(argv, message, bogus, contacts, monkeypatch, capsys):
     """Exit 2 and one line naming the option, its value and what is allowed; no host is reached
     (--num-nodes would ask every host which are free)."""
@@ -305,9 +349,13 @@ def test_bad_input_is_refused_before_any_host_is_touched(argv, message, bogus, c
 
 def test_the_gpt_presets_named_here_are_the_trainers():
     import ast
+
     tree = ast.parse((ROOT / "trainers" / "gpt.py").read_text())
-    presets = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-                   and getattr(n.targets[0], "id", "") == "PRESETS")
+    presets = next(
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PRESETS"
+    )
     assert tuple(k.value for k in presets.keys) == cli.GPT_PRESETS
 
 
@@ -315,6 +363,7 @@ def test_the_gpt_presets_named_here_are_the_trainers():
 def test_a_job_is_optional_where_a_default_exists_and_positional_only_where_one_is_required(argv):
     # invoke's positional arguments are required: 'fab stop' with no job must still parse.
     from invoke.parser import Parser
+
     parsed = Parser(contexts=fabfile.ns.to_contexts()).parse_argv(argv)
     assert parsed[0].name == argv[0]
     assert parsed[0].args["job"].value == (argv[-1] if len(argv) > 1 else None)
@@ -338,31 +387,41 @@ def hosts_hold(monkeypatch, jobs_there: dict[str, survey_mod.HostJobs] | None = 
     def fake(session, inv, hosts=None):
         empty = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={})
         return PerHost({h.name: (jobs_there or {}).get(h.name, empty) for h in hosts or inv.all_hosts})
+
     monkeypatch.setattr(survey_mod, "survey", fake)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["metrics", "--job", NOSUCH], f"error: no job {NOSUCH} in runs/; {LISTS}\n"),
-    (["metrics", "--job", "../x"], f"error: no job ../x; {LISTS}\n"),
-    (["attach", NOSUCH], f"error: no job {NOSUCH} in runs/ (fab attach takes over a job started from this "
-                         f"directory; 'fab logs --job {NOSUCH}' follows one started elsewhere); {LISTS}\n"),
-    (["attach", "../x"], f"error: no job ../x; {LISTS}\n"),
-    (["logs", "--job", "../x", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
-    (["shell", "../x", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
-    (["forward", "../x", "6006", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
-])
-def test_a_job_that_is_not_one_is_refused_before_any_host_is_touched(argv, message, bogus, contacts, tmp_path,
-                                                                     monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["metrics", "--job", NOSUCH], f"error: no job {NOSUCH} in runs/; {LISTS}\n"),
+        (["metrics", "--job", "../x"], f"error: no job ../x; {LISTS}\n"),
+        (
+            ["attach", NOSUCH],
+            f"error: no job {NOSUCH} in runs/ (fab attach takes over a job started from this "
+            f"directory; 'fab logs --job {NOSUCH}' follows one started elsewhere); {LISTS}\n",
+        ),
+        (["attach", "../x"], f"error: no job ../x; {LISTS}\n"),
+        (["logs", "--job", "../x", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
+        (["shell", "../x", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
+        (["forward", "../x", "6006", "--inventory", "INV"], f"error: no job ../x; {LISTS}\n"),
+    ],
+)
+def test_a_job_that_is_not_one_is_refused_before_any_host_is_touched(
+    argv, message, bogus, contacts, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     code, err = refused([str(bogus) if a == "INV" else a for a in argv], capsys)
     assert (code, err) == (2, message)
     assert contacts == [] and not (tmp_path / "runs").exists()
 
 
-def test_logs_of_a_job_neither_the_hosts_nor_runs_know_is_refused(bogus, contacts, tmp_path, monkeypatch,
-                                                                  capsys):
+def test_logs_of_a_job_neither_the_hosts_nor_runs_know_is_refused(
+    bogus, contacts, tmp_path, monkeypatch, capsys
+):
     """Followed anyway, it would wait on every host for containers that never come."""
     from orchestrator.backends.ssh import detachedview
+
     monkeypatch.chdir(tmp_path)
     hosts_hold(monkeypatch)
     monkeypatch.setattr(detachedview, "found_places", lambda session, inv, job: [])
@@ -370,13 +429,15 @@ def test_logs_of_a_job_neither_the_hosts_nor_runs_know_is_refused(bogus, contact
     assert (code, err) == (2, f"error: no job {NOSUCH} on the hosts of {bogus} or in runs/; {LISTS}\n")
 
 
-def test_logs_of_a_detached_job_another_machine_started_is_still_followed(bogus, contacts, tmp_path,
-                                                                          monkeypatch, capsys):
+def test_logs_of_a_detached_job_another_machine_started_is_still_followed(
+    bogus, contacts, tmp_path, monkeypatch, capsys
+):
     # No runs/JOB here: its controller's directory on the hosts is what finds it.
     from orchestrator.backends.base import Finished
     from orchestrator.backends.ssh import detachedview
     from orchestrator.backends.ssh.placement import at
     from orchestrator.config import inventory as inventory_file
+
     monkeypatch.chdir(tmp_path)
     inv = inventory_file.load(str(bogus))
     places = [at(inv, NOSUCH, inv.hosts[0])]
@@ -386,34 +447,43 @@ def test_logs_of_a_detached_job_another_machine_started_is_still_followed(bogus,
     def follow_unowned(inv, job, found, runs, console, live, json=False):
         followed.append((job, found))
         return Finished(job, None, None, f"job {job} ended")
+
     monkeypatch.setattr(detachedview, "follow_unowned", follow_unowned)
     program.make_program().run(["fabtrain", "logs", "--job", NOSUCH, "--inventory", str(bogus)])
     assert followed == [(NOSUCH, places)]
     assert capsys.readouterr().out == f"job {NOSUCH} ended\n"
 
 
-def test_shell_into_a_job_neither_the_hosts_nor_runs_know_says_so(bogus, contacts, tmp_path, monkeypatch,
-                                                                  capsys):
+def test_shell_into_a_job_neither_the_hosts_nor_runs_know_says_so(
+    bogus, contacts, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     hosts_hold(monkeypatch)
     code, err = refused(["shell", NOSUCH, "--inventory", str(bogus)], capsys)
-    assert (code, err) == (2, f"error: job {NOSUCH} is not running on the hosts of {bogus}: no job {NOSUCH} "
-                              f"there or in runs/; {LISTS}\n")
+    assert (code, err) == (
+        2,
+        f"error: job {NOSUCH} is not running on the hosts of {bogus}: no job {NOSUCH} "
+        f"there or in runs/; {LISTS}\n",
+    )
     # One this machine started, no longer running: that is what it is told.
     (tmp_path / "runs" / NOSUCH).mkdir(parents=True)
     (tmp_path / "runs" / NOSUCH / "job.json").write_text("{}")
     code, err = refused(["shell", NOSUCH, "--inventory", str(bogus)], capsys)
-    assert (code, err) == (2, f"error: job {NOSUCH} is not running on the hosts of {bogus}; 'fab status' "
-                              "lists the jobs\n")
+    assert (code, err) == (
+        2,
+        f"error: job {NOSUCH} is not running on the hosts of {bogus}; 'fab status' lists the jobs\n",
+    )
 
 
 def test_a_job_is_known_by_what_the_hosts_hold_or_runs_records(tmp_path):
     from orchestrator.backends.ssh import jobcontrol
     from orchestrator.transport.remote import PerHost
+
     empty = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={})
     left = survey_mod.HostJobs(running={}, containers=frozenset({NOSUCH}), runtime={})
-    controlled = survey_mod.HostJobs(running={}, containers=frozenset(), runtime={},
-                                     controllers={NOSUCH: "exited"})
+    controlled = survey_mod.HostJobs(
+        running={}, containers=frozenset(), runtime={}, controllers={NOSUCH: "exited"}
+    )
     assert not jobcontrol.known_to(PerHost(node1=empty, node2=empty), NOSUCH, tmp_path)
     assert jobcontrol.known_to(PerHost(node1=empty, node2=left), NOSUCH, tmp_path)  # a container left over
     assert jobcontrol.known_to(PerHost(node1=controlled), NOSUCH, tmp_path)  # a detached job's controller
@@ -428,24 +498,28 @@ def test_a_job_is_known_by_what_the_hosts_hold_or_runs_records(tmp_path):
 # ---------------------------------------------------------------- a mistyped task or option
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["trian"], "No idea what 'trian' is! Did you mean 'train'?"),
-    (["--help", "trian"], "No idea what 'trian' is! Did you mean 'train'?"),
-    (["train", "--epoch", "3"], "No idea what '--epoch' is! Did you mean '--epochs'?"),
-    (["train", "--epoch=3"], "No idea what '--epoch' is! Did you mean '--epochs'?"),
-    (["preflight", "--no-smok"], "No idea what '--no-smok' is! Did you mean '--no-smoke'?"),
-    (["train", "stauts"], "No idea what 'stauts' is! Did you mean 'status'?"),
-    (["cluster.upp"], "No idea what 'cluster.upp' is! Did you mean 'cluster.up'?"),
-    (["--lsit"], "No idea what '--lsit' is! Did you mean '--list'?"),
-    # The job of fab logs, stop and metrics is an option (it may be left out).
-    (["logs", NOSUCH], f"No idea what '{NOSUCH}' is! Did you mean '--job {NOSUCH}'?"),
-    (["zzzz"], "No idea what 'zzzz' is!"),
-    (["shell"], "'shell' did not receive required positional arguments: 'job'"),
-    (["stop", "--job"], "Flag <Option: job> needed value and was not given one!"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trian"], "No idea what 'trian' is! Did you mean 'train'?"),
+        (["--help", "trian"], "No idea what 'trian' is! Did you mean 'train'?"),
+        (["train", "--epoch", "3"], "No idea what '--epoch' is! Did you mean '--epochs'?"),
+        (["train", "--epoch=3"], "No idea what '--epoch' is! Did you mean '--epochs'?"),
+        (["preflight", "--no-smok"], "No idea what '--no-smok' is! Did you mean '--no-smoke'?"),
+        (["train", "stauts"], "No idea what 'stauts' is! Did you mean 'status'?"),
+        (["cluster.upp"], "No idea what 'cluster.upp' is! Did you mean 'cluster.up'?"),
+        (["--lsit"], "No idea what '--lsit' is! Did you mean '--list'?"),
+        # The job of fab logs, stop and metrics is an option (it may be left out).
+        (["logs", NOSUCH], f"No idea what '{NOSUCH}' is! Did you mean '--job {NOSUCH}'?"),
+        (["zzzz"], "No idea what 'zzzz' is!"),
+        (["shell"], "'shell' did not receive required positional arguments: 'job'"),
+        (["stop", "--job"], "Flag <Option: job> needed value and was not given one!"),
+    ],
+)
 @pytest.mark.parametrize("binary", ["fab", "fabtrain"])
-def test_a_mistyped_command_line_gets_the_nearest_spelling_and_exits_2(binary, argv, message, contacts,
-                                                                      monkeypatch, capsys):
+def test_a_mistyped_command_line_gets_the_nearest_spelling_and_exits_2(
+    binary, argv, message, contacts, monkeypatch, capsys
+):
     monkeypatch.chdir(ROOT)  # where `fab` finds fabfile.py
     run = make_fab().run if binary == "fab" else program.make_program().run
     with pytest.raises(SystemExit) as exc:
@@ -460,6 +534,7 @@ def test_the_usage_refusal_is_a_parse_error_to_invoke_and_an_exit_to_its_program
     from invoke import Exit, ParseError
 
     from orchestrator.commandline import usage
+
     e = usage.UsageError("No idea what 'x' is!")
     assert isinstance(e, ParseError) and isinstance(e, Exit)
     assert (str(e), e.code, e.message) == ("No idea what 'x' is!", 2, None)
@@ -498,9 +573,20 @@ def test_every_exit_code_in_use_is_documented():
 
 def test_stop_json_says_what_was_stopped_where_and_what_failed():
     from orchestrator.backends.base import Stopped
-    out = Stopped(lines=["node1: removed 2 container(s)", "stopped j-1 (ann@m)"],
-                  problems=["node2: could not"], failed=["node2"], jobs=["j-1"], removed={"node1": 2},
-                  left_alone=["j-2"])
-    assert out.doc() == {"stopped": ["j-1"], "containers_removed": {"node1": 2}, "left_alone": ["j-2"],
-                         "failed_hosts": ["node2"], "problems": ["node2: could not"],
-                         "lines": ["node1: removed 2 container(s)", "stopped j-1 (ann@m)"]}
+
+    out = Stopped(
+        lines=["node1: removed 2 container(s)", "stopped j-1 (ann@m)"],
+        problems=["node2: could not"],
+        failed=["node2"],
+        jobs=["j-1"],
+        removed={"node1": 2},
+        left_alone=["j-2"],
+    )
+    assert out.doc() == {
+        "stopped": ["j-1"],
+        "containers_removed": {"node1": 2},
+        "left_alone": ["j-2"],
+        "failed_hosts": ["node2"],
+        "problems": ["node2: could not"],
+        "lines": ["node1: removed 2 container(s)", "stopped j-1 (ann@m)"],
+    }

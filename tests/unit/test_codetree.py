@@ -1,4 +1,5 @@
 """A job's code on the hosts: keyed by what it holds, linked into a writable working directory."""
+
 import importlib.util
 import os
 import time

@@ -1,4 +1,5 @@
 """What a sync copies: .gitignore files as git reads them, .fabtrainignore, and what is left out."""
+
 import os
 from pathlib import Path
 
@@ -40,8 +41,13 @@ def tree(tmp_path: Path) -> Path:
 def test_gitignore_files_nested_and_negated_as_git_reads_them(tmp_path):
     root = tree(tmp_path)
     assert codetree.files(root) == [
-        "./.gitignore", "./keep.log", "./other/a.csv", "./pkg/.gitignore", "./pkg/outputs/kept.txt",
-        "./pkg/pkg-keep.csv", "./train.py",
+        "./.gitignore",
+        "./keep.log",
+        "./other/a.csv",
+        "./pkg/.gitignore",
+        "./pkg/outputs/kept.txt",
+        "./pkg/pkg-keep.csv",
+        "./train.py",
     ]
 
 
@@ -55,8 +61,11 @@ def test_what_was_left_out_is_counted_and_the_biggest_named(tmp_path):
     info = codetree.summary(sel, root)
     assert info == [
         ("info", f"code: 7 files, {codetree.size_text(sel.bytes)} from {root}"),
-        ("info", "left out by .gitignore/.fabtrainignore: 6 files, 8.1 kB (data/ 8.0 kB, wandb/ 100 B, "
-                 "outputs/ 20 B)"),
+        (
+            "info",
+            "left out by .gitignore/.fabtrainignore: 6 files, 8.1 kB (data/ 8.0 kB, wandb/ 100 B, "
+            "outputs/ 20 B)",
+        ),
     ]
 
 
@@ -97,8 +106,10 @@ def test_a_large_tree_is_warned_about_naming_its_biggest_folder(tmp_path, monkey
     monkeypatch.setattr(codetree, "WARN_BYTES", 2000)
     level, text = codetree.summary(codetree.select(root), root)[-1]
     assert level == "warning"
-    assert text == ("3.0 kB of code to sync (biggest: data/ 3.0 kB, main.py 1 B): a data folder? "
-                    "list it in .gitignore or .fabtrainignore")
+    assert text == (
+        "3.0 kB of code to sync (biggest: data/ 3.0 kB, main.py 1 B): a data folder? "
+        "list it in .gitignore or .fabtrainignore"
+    )
 
 
 def test_excludes_stay_and_links_are_listed_but_not_keyed(tmp_path):
@@ -145,7 +156,13 @@ def test_an_unreadable_ignore_file_is_named(tmp_path):
 
 def test_sizes_for_a_person():
     assert [codetree.size_text(n) for n in (0, 999, 1000, 52_428_800, 3 * 10**9, 5 * 10**12)] == [
-        "0 B", "999 B", "1.0 kB", "52.4 MB", "3.0 GB", "5000.0 GB"]
+        "0 B",
+        "999 B",
+        "1.0 kB",
+        "52.4 MB",
+        "3.0 GB",
+        "5000.0 GB",
+    ]
 
 
 def test_a_plan_walks_the_tree_once_for_all_its_hosts(tmp_path, monkeypatch):

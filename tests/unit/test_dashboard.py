@@ -3,6 +3,7 @@ the JSON the page reads, made from what `fab top` and `fab status` read (exact d
 as the terminal shows them; job ids from a URL checked and kept inside runs/; GET and HEAD only,
 strict headers, a foreign Host refused; on every address but loopback, the token (once in the URL,
 then a cookie). Servers here listen on 0.0.0.0 at most and are only ever asked at 127.0.0.1."""
+
 import http.client
 import ipaddress
 import json
@@ -69,14 +70,26 @@ def test_the_overview_is_top_snapshot_and_status_rows_of_one_look():
     snap = top.snapshot(INV, answers, 1000.0, {"alice-1": (990.0, 100)})
     assert doc["hosts"] == snap["hosts"] and doc["errors"] == [REFUSED]
     cpu1, cpu2 = doc["hosts"]
-    assert [(s["unit"], s["job"], s["who"]) for s in cpu1["slots"]] == [(0, "alice-1", "alice@lap"),
-                                                                       (1, "alice-1", "alice@lap")]
+    assert [(s["unit"], s["job"], s["who"]) for s in cpu1["slots"]] == [
+        (0, "alice-1", "alice@lap"),
+        (1, "alice-1", "alice@lap"),
+    ]
     assert cpu2["answered"] is False and cpu2["error"] == REFUSED
     bob, alice = doc["jobs"]  # newest first, as fab status lists them
-    assert alice == {"job": "alice-1", "who": "alice@lap", "state": "running", "attempt": 1, "step": 120,
-                     "since": 1795560000.0, "queue": None,
-                     "hosts": {"cpu1": {"units": [0, 1], "rank": 0, "container": "running"}},
-                     "rate": 2.0, "loss": 1.5, "tokens_per_s": 4000.0, "local": True}
+    assert alice == {
+        "job": "alice-1",
+        "who": "alice@lap",
+        "state": "running",
+        "attempt": 1,
+        "step": 120,
+        "since": 1795560000.0,
+        "queue": None,
+        "hosts": {"cpu1": {"units": [0, 1], "rank": 0, "container": "running"}},
+        "rate": 2.0,
+        "loss": 1.5,
+        "tokens_per_s": 4000.0,
+        "local": True,
+    }
     assert bob["job"] == "bob-2" and bob["state"] == "queued (1)" and bob["who"] == "bob@desk"
     assert bob["queue"] == {"position": 1, "hosts": {"cpu1": 1}, "waits": ["cpu1: held by alice-1"]}
     assert (bob["loss"], bob["local"]) == (None, False)
@@ -86,17 +99,27 @@ def test_the_overview_is_top_snapshot_and_status_rows_of_one_look():
 def test_every_string_is_made_plain_text_and_numbers_json_can_carry():
     evil = "\x1b]52;c;cGF5bG9hZA==\x07<script>x()</script>\x9b31m"
     assert views.clean({evil: [evil, 1.5, math.nan, math.inf, None, True]}) == {
-        "]52;c;cGF5bG9hZA==<script>x()</script>31m": ["]52;c;cGF5bG9hZA==<script>x()</script>31m", 1.5,
-                                                      None, None, None, True]}
+        "]52;c;cGF5bG9hZA==<script>x()</script>31m": [
+            "]52;c;cGF5bG9hZA==<script>x()</script>31m",
+            1.5,
+            None,
+            None,
+            None,
+            True,
+        ]
+    }
     with pytest.raises(ValueError):
         views.to_json({"x": math.nan})
 
 
 def test_a_log_tail_as_the_terminal_shows_it():
-    data = (b"cut part of a line\nstep 1 \x1b[31mred\x1b[0m <script>alert(1)</script>\r\n"
-            + b"x" * 2500 + b"\n")
-    assert views.log_lines(data, cut=True) == ["step 1 [31mred[0m <script>alert(1)</script>",
-                                               "x" * views.LINE_CHARS + "...[cut]"]
+    data = (
+        b"cut part of a line\nstep 1 \x1b[31mred\x1b[0m <script>alert(1)</script>\r\n" + b"x" * 2500 + b"\n"
+    )
+    assert views.log_lines(data, cut=True) == [
+        "step 1 [31mred[0m <script>alert(1)</script>",
+        "x" * views.LINE_CHARS + "...[cut]",
+    ]
     assert views.log_lines(b"a\nb\nc\n", cut=False, lines=2) == ["b", "c"]
     assert views.log_lines(b"\xff\xfeok\n", cut=False) == ["\ufffd\ufffdok"]
 
@@ -112,30 +135,55 @@ def test_a_tail_reads_only_the_end_and_no_link(tmp_path):
 
 
 def progress(step, ranks, attempt=1):
-    return {"event": "progress", "time": 100.0 + step, "attempt": attempt, "host": "node1", "step": step,
-            "ranks": ranks}
+    return {
+        "event": "progress",
+        "time": 100.0 + step,
+        "attempt": attempt,
+        "host": "node1",
+        "step": step,
+        "ranks": ranks,
+    }
 
 
 def test_curves_loss_of_the_lowest_rank_tokens_of_all_ranks_newest_attempt_wins():
     records = [
-        progress(10, [{"rank": 0, "step": 10, "loss": 3.0, "tokens_per_s": 100.0},
-                      {"rank": 1, "step": 10, "loss": 3.1, "tokens_per_s": 110.0}]),
+        progress(
+            10,
+            [
+                {"rank": 0, "step": 10, "loss": 3.0, "tokens_per_s": 100.0},
+                {"rank": 1, "step": 10, "loss": 3.1, "tokens_per_s": 110.0},
+            ],
+        ),
         progress(20, [{"rank": 1, "step": 20, "loss": 2.9, "tokens_per_s": 120.0}]),
         # a resumed attempt logs step 20 again: its figures replace the first attempt's
         progress(20, [{"rank": 0, "step": 20, "loss": 2.5, "tokens_per_s": 90.0}], attempt=2),
         # what a container printed is hostile: no rank, a float step, NaN loss, a bool rank
-        progress(30, [{"rank": "0", "step": 30, "loss": 1.0}, {"rank": 0, "step": 30.5, "loss": 1.0},
-                      {"rank": 0, "step": 30, "loss": math.nan, "tokens_per_s": math.inf},
-                      {"rank": True, "step": 40, "loss": 0.1}, "junk"]),
+        progress(
+            30,
+            [
+                {"rank": "0", "step": 30, "loss": 1.0},
+                {"rank": 0, "step": 30.5, "loss": 1.0},
+                {"rank": 0, "step": 30, "loss": math.nan, "tokens_per_s": math.inf},
+                {"rank": True, "step": 40, "loss": 0.1},
+                "junk",
+            ],
+        ),
         {"event": "telemetry", "time": 1.0},
     ]
-    assert views.curves(records) == {"loss": [[10, 3.0], [20, 2.5]],
-                                     "tokens_per_s": [[10, 210.0], [20, 210.0]]}
+    assert views.curves(records) == {
+        "loss": [[10, 3.0], [20, 2.5]],
+        "tokens_per_s": [[10, 210.0], [20, 210.0]],
+    }
 
 
 def test_figures_newest_loss_of_the_lowest_rank_and_the_ranks_tokens_together():
-    doc = {"updated": 5.0, "ranks": [{"rank": 1, "loss": 2.0, "tokens_per_s": 10.0},
-                                     {"rank": 0, "loss": 1.0, "tokens_per_s": 30.0}]}
+    doc = {
+        "updated": 5.0,
+        "ranks": [
+            {"rank": 1, "loss": 2.0, "tokens_per_s": 10.0},
+            {"rank": 0, "loss": 1.0, "tokens_per_s": 30.0},
+        ],
+    }
     assert views.figures(doc) == {"loss": 1.0, "tokens_per_s": 40.0, "updated": 5.0}
     assert views.figures({"ranks": []}) == {"loss": None, "tokens_per_s": None, "updated": None}
 
@@ -162,16 +210,26 @@ def job_dir(tmp_path):
     runs = tmp_path / "runs"
     d = runs / "gpt-20261125-010203-abcd"
     d.mkdir(parents=True)
-    rec = recovery.JobRecord(spec=JobSpec(job_id=d.name, script="trainers/gpt.py", args=("--model", "tiny"),
-                                          owner="alice@lap"), inventory="/i/inv.yaml", state="running",
-                             attempts=[recovery.Attempt(1, ["node1", "node2"], 10.0, 20.0,
-                                                        "node2 exited 1: \x1b[2Jboom"),
-                                       recovery.Attempt(2, ["node1", "node3"], 21.0)])
+    rec = recovery.JobRecord(
+        spec=JobSpec(job_id=d.name, script="trainers/gpt.py", args=("--model", "tiny"), owner="alice@lap"),
+        inventory="/i/inv.yaml",
+        state="running",
+        attempts=[
+            recovery.Attempt(1, ["node1", "node2"], 10.0, 20.0, "node2 exited 1: \x1b[2Jboom"),
+            recovery.Attempt(2, ["node1", "node3"], 21.0),
+        ],
+    )
     rec.save(d)
     events = [
         {"event": "attempt", "time": 21.0, "attempt": 2},
-        {"event": "host_failed", "time": 19.0, "attempt": 1, "host": "node2", "kind": "exited",
-         "detail": "line one\nline \x1b[31mtwo"},
+        {
+            "event": "host_failed",
+            "time": 19.0,
+            "attempt": 1,
+            "host": "node2",
+            "kind": "exited",
+            "detail": "line one\nline \x1b[31mtwo",
+        },
         progress(5, [{"rank": 0, "step": 5, "loss": 2.0, "tokens_per_s": 50.0}], attempt=2),
         progress(6, [{"rank": 0, "step": 6, "loss": 1.9, "tokens_per_s": 55.0}], attempt=2),
     ]
@@ -188,14 +246,34 @@ def test_a_job_page_from_its_run(tmp_path):
     page = views.job_page(runs, job)
     json.dumps(page, allow_nan=False)
     assert [page[k] for k in ("job", "state", "owner", "script", "args", "record_error")] == [
-        job, "running", "alice@lap", "trainers/gpt.py", ["--model", "tiny"], None]
+        job,
+        "running",
+        "alice@lap",
+        "trainers/gpt.py",
+        ["--model", "tiny"],
+        None,
+    ]
     assert page["attempts"] == [
-        {"number": 1, "hosts": ["node1", "node2"], "started": 10.0, "ended": 20.0,
-         "outcome": "node2 exited 1: [2Jboom", "resumed_from": None},
-        {"number": 2, "hosts": ["node1", "node3"], "started": 21.0, "ended": None, "outcome": "running",
-         "resumed_from": None}]
-    assert page["failures"] == [{"time": 19.0, "attempt": 1, "host": "node2", "kind": "exited",
-                                 "detail": "line one | line [31mtwo"}]
+        {
+            "number": 1,
+            "hosts": ["node1", "node2"],
+            "started": 10.0,
+            "ended": 20.0,
+            "outcome": "node2 exited 1: [2Jboom",
+            "resumed_from": None,
+        },
+        {
+            "number": 2,
+            "hosts": ["node1", "node3"],
+            "started": 21.0,
+            "ended": None,
+            "outcome": "running",
+            "resumed_from": None,
+        },
+    ]
+    assert page["failures"] == [
+        {"time": 19.0, "attempt": 1, "host": "node2", "kind": "exited", "detail": "line one | line [31mtwo"}
+    ]
     assert page["curves"] == {"loss": [[5, 2.0], [6, 1.9]], "tokens_per_s": [[5, 50.0], [6, 55.0]]}
     assert page["figures"]["loss"] == 1.9 and page["newest"]["attempt"] == 2
     assert "plan" not in page
@@ -230,8 +308,9 @@ def serving(srv):
 @pytest.fixture
 def running(tmp_path):
     runs, job = job_dir(tmp_path)
-    srv = server.listen("127.0.0.1", 0, StillRefresher(), server.JobPages(runs),
-                        gate.token_for("127.0.0.1", None))
+    srv = server.listen(
+        "127.0.0.1", 0, StillRefresher(), server.JobPages(runs), gate.token_for("127.0.0.1", None)
+    )
     serving(srv)
     yield srv.server_address[1], job
     srv.shutdown()
@@ -299,9 +378,12 @@ def test_a_host_header_not_this_servers_is_refused(running):
     assert ask(port, "GET", "/", host=f"localhost:{port}")[0] == 200
     assert ask(port, "GET", "/", host=f"127.0.0.1:{port}")[0] == 200
     status, _, body = ask(port, "GET", "/api/overview", host=f"attacker.example:{port}")
-    assert status == 421 and json.loads(body) == {"error": (
-        f"Host 'attacker.example:{port}' is not a name of this dashboard: open it by a name it printed at "
-        "its start, or start it with --allow-host NAME to answer this one")}
+    assert status == 421 and json.loads(body) == {
+        "error": (
+            f"Host 'attacker.example:{port}' is not a name of this dashboard: "
+            "open it by a name it printed at its start, or start it with --allow-host NAME to answer this one"
+        )
+    }
     status, headers, body = ask(port, "GET", "/", host="attacker.example")
     assert status == 421 and headers["Content-Type"].startswith("text/plain") and b"--allow-host" in body
     assert ask(port, "GET", "/", host="")[0] == 421
@@ -315,13 +397,16 @@ def this_machine(monkeypatch):
 
     def getaddrinfo(name, port, *args, **kwargs):
         if name in found:
-            return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0))
-                    for a in found[name]]
+            return [
+                (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0))
+                for a in found[name]
+            ]
         try:
             ipaddress.ip_address(name)
         except ValueError:
             raise socket.gaierror(-2, "Name or service not known") from None
         return real(name, port, *args, **kwargs)  # an address (the tests' own 127.0.0.1): no lookup
+
     monkeypatch.setattr(gate.socket, "gethostname", lambda: "Box")
     monkeypatch.setattr(gate.socket, "getfqdn", lambda name="": "box.lab.example")
     monkeypatch.setattr(gate.socket, "getaddrinfo", getaddrinfo)
@@ -330,18 +415,35 @@ def this_machine(monkeypatch):
 def test_allowed_hosts(this_machine):
     assert gate.allowed_hosts("10.1.2.3", 8765) == {"10.1.2.3", "10.1.2.3:8765"}
     assert gate.allowed_hosts("127.0.0.1", 8765) == {
-        "127.0.0.1", "127.0.0.1:8765", "localhost", "localhost:8765", "[::1]", "[::1]:8765"}
+        "127.0.0.1",
+        "127.0.0.1:8765",
+        "localhost",
+        "localhost:8765",
+        "[::1]",
+        "[::1]:8765",
+    }
     every = {"box", "box.lab.example", "10.0.0.5", "[fe80::5]", "localhost", "127.0.0.1", "[::1]"}
     assert gate.answered_names("0.0.0.0") == gate.answered_names("::") == every
     assert gate.allowed_hosts("0.0.0.0", 8765) == every | {f"{n}:8765" for n in every}
     assert gate.allowed_hosts("10.1.2.3", 80, ["Dash.Example", "proxy.example:443", "fd00::9"]) == {
-        "10.1.2.3", "10.1.2.3:80", "dash.example", "dash.example:80", "proxy.example:443", "[fd00::9]",
-        "[fd00::9]:80"}
+        "10.1.2.3",
+        "10.1.2.3:80",
+        "dash.example",
+        "dash.example:80",
+        "proxy.example:443",
+        "[fd00::9]",
+        "[fd00::9]:80",
+    }
 
 
 def test_allow_host_repeated_or_comma_separated_and_only_names():
     assert gate.allow_list(["a.example", "b.example,10.0.0.9:8080", " c , d"]) == (
-        "a.example", "b.example", "10.0.0.9:8080", "c", "d")
+        "a.example",
+        "b.example",
+        "10.0.0.9:8080",
+        "c",
+        "d",
+    )
     for bad in ("*", "a/b", "evil.example?x", "a@b"):
         with pytest.raises(UserError, match=r"--allow-host '.*' is not a host name or address; give the"):
             gate.allow_list([bad])
@@ -362,11 +464,14 @@ def test_a_token_file(tmp_path):
     (tmp_path / "short").write_text("abc\n")
     (tmp_path / "spaces").write_text("a token with spaces in it\n")
     os.mkfifo(tmp_path / "fifo")
-    for name, why in (("missing", "no such file; write a token of 16 or more"),
-                      ("empty", "is empty \\(its first line holds no token\\)"),
-                      ("short", "its first line is not a token of 16 or more .* \\(it has 3 characters\\)"),
-                      ("spaces", "its first line is not a token"),
-                      ("fifo", "is not a regular file"), (".", "is not a regular file")):
+    for name, why in (
+        ("missing", "no such file; write a token of 16 or more"),
+        ("empty", "is empty \\(its first line holds no token\\)"),
+        ("short", "its first line is not a token of 16 or more .* \\(it has 3 characters\\)"),
+        ("spaces", "its first line is not a token"),
+        ("fifo", "is not a regular file"),
+        (".", "is not a regular file"),
+    ):
         path = tmp_path / name
         with pytest.raises(UserError, match=f"^--token-file {path}:? {why}") as refused:
             gate.token_for("0.0.0.0", str(path))
@@ -380,8 +485,7 @@ GOOD_TOKEN = "right-token-0123456789abcdef"
 def everywhere(tmp_path, this_machine):
     """The server on 0.0.0.0 (every address), asking for GOOD_TOKEN, answering one more name."""
     runs, job = job_dir(tmp_path)
-    srv = server.listen("0.0.0.0", 0, StillRefresher(), server.JobPages(runs), GOOD_TOKEN,
-                        ["dash.example"])
+    srv = server.listen("0.0.0.0", 0, StillRefresher(), server.JobPages(runs), GOOD_TOKEN, ["dash.example"])
     serving(srv)
     yield srv, srv.server_address[1], job
     srv.shutdown()
@@ -391,13 +495,24 @@ def everywhere(tmp_path, this_machine):
 def test_on_every_address_a_foreign_host_is_refused_whatever_it_carries(everywhere):
     _, port, _ = everywhere
     cookie = {"Cookie": f"fabtrain_dashboard_{port}={GOOD_TOKEN}"}
-    for host in (f"attacker.example:{port}", "rebind.attacker.example", "10.9.9.9",
-                 f"box.lab.example.evil:{port}"):
+    for host in (
+        f"attacker.example:{port}",
+        "rebind.attacker.example",
+        "10.9.9.9",
+        f"box.lab.example.evil:{port}",
+    ):
         status, _, body = ask(port, "GET", "/api/overview", host=host, headers=cookie)
         assert status == 421 and "--allow-host NAME" in json.loads(body)["error"], host
     assert ask(port, "GET", f"/?token={GOOD_TOKEN}", host="attacker.example")[0] == 421
-    for host in (f"box:{port}", f"BOX.lab.example:{port}", f"10.0.0.5:{port}", "[fe80::5]",
-                 f"localhost:{port}", f"[::1]:{port}", f"dash.example:{port}"):
+    for host in (
+        f"box:{port}",
+        f"BOX.lab.example:{port}",
+        f"10.0.0.5:{port}",
+        "[fe80::5]",
+        f"localhost:{port}",
+        f"[::1]:{port}",
+        f"dash.example:{port}",
+    ):
         assert ask(port, "GET", "/api/overview", host=host, headers=cookie)[0] == 200, host
 
 
@@ -418,8 +533,13 @@ def test_on_every_address_a_request_without_the_token_is_refused(everywhere):
         status, headers, body = ask(port, "GET", f"/?token={wrong}")
         assert (status, body) == (401, (gate.WRONG_TOKEN + "\n").encode()) and "Set-Cookie" not in headers
     assert ask(port, "GET", f"/?token={GOOD_TOKEN}&token=WRONG")[0] == 401
-    for cookie in (f"fabtrain_dashboard_{port}=WRONG", f"fabtrain_dashboard_1={GOOD_TOKEN}",
-                   f"fabtrain_dashboard_{port}x={GOOD_TOKEN}", f"other={GOOD_TOKEN}", "\u00e9=\u00e9"):
+    for cookie in (
+        f"fabtrain_dashboard_{port}=WRONG",
+        f"fabtrain_dashboard_1={GOOD_TOKEN}",
+        f"fabtrain_dashboard_{port}x={GOOD_TOKEN}",
+        f"other={GOOD_TOKEN}",
+        "\u00e9=\u00e9",
+    ):
         assert ask(port, "GET", "/api/overview", headers={"Cookie": cookie})[0] == 401, cookie
     assert ask(port, "GET", "/api/overview", headers={"Authorization": "Bearer WRONG"})[0] == 401
     assert ask(port, "GET", "/api/overview", headers={"Authorization": f"Basic {GOOD_TOKEN}"})[0] == 401
@@ -429,8 +549,9 @@ def test_the_right_token_sets_a_cookie_and_leaves_the_url(everywhere):
     _, port, job = everywhere
     status, headers, body = ask(port, "GET", f"/?token={GOOD_TOKEN}")
     assert status == 303 and headers["Location"] == "/"
-    assert headers["Set-Cookie"] == (f"fabtrain_dashboard_{port}={GOOD_TOKEN}; Path=/; HttpOnly; "
-                                     "SameSite=Strict")
+    assert headers["Set-Cookie"] == (
+        f"fabtrain_dashboard_{port}={GOOD_TOKEN}; Path=/; HttpOnly; SameSite=Strict"
+    )
     assert headers["Referrer-Policy"] == "no-referrer" and headers["Cache-Control"] == "no-store"
     assert ask(port, "HEAD", f"/?token={GOOD_TOKEN}")[0] == 303
     # the rest of the query stays; a path of two slashes cannot send the browser to another server
@@ -470,11 +591,13 @@ def test_the_start_message_says_where_whether_a_token_and_the_url(everywhere, tm
         f"  listening on 0.0.0.0:{port} (every address of this machine); a token is asked for: open this URL "
         "once (a new token at every start); the browser keeps it in a cookie",
         "  answers the names 10.0.0.5, 127.0.0.1, [::1], [fe80::5], box, box.lab.example, dash.example, "
-        "localhost (--allow-host NAME adds one)"]
+        "localhost (--allow-host NAME adds one)",
+    ]
     said = server.start_message(srv, "0.0.0.0", "/etc/fab/token")
     assert said.startswith(f"dashboard: http://box.lab.example:{port}/\n") and GOOD_TOKEN not in said
-    assert (f"open http://box.lab.example:{port}/?token=TOKEN once, TOKEN being the first line of "
-            "/etc/fab/token") in said
+    assert (
+        f"open http://box.lab.example:{port}/?token=TOKEN once, TOKEN being the first line of /etc/fab/token"
+    ) in said
     runs, _ = job_dir(tmp_path / "here")
     local = server.listen("127.0.0.1", 0, StillRefresher(), server.JobPages(runs))
     try:
@@ -482,7 +605,8 @@ def test_the_start_message_says_where_whether_a_token_and_the_url(everywhere, tm
         assert server.start_message(local, "127.0.0.1", None).splitlines()[:2] == [
             f"dashboard: http://127.0.0.1:{port}/",
             f"  listening on 127.0.0.1:{port} (this machine only); no token asked (every account on this "
-            "machine can read it; --token-file asks)"]
+            "machine can read it; --token-file asks)",
+        ]
     finally:
         local.server_close()
 

@@ -5,6 +5,7 @@ played by this machine: commands run by sh with HOME a temporary folder, rsync c
 jobs' keys `fab stop` removes; the inventory the controller uses, the addresses its key is limited
 to, a mount that would show its directory to the job refused, its renewal, and the command that
 starts it. The key's scripts themselves: test_keys.py."""
+
 import json
 import os
 import re
@@ -40,8 +41,9 @@ def test_fab_stop_removes_the_keys_of_jobs_a_controller_or_a_record_shows_unless
     )
     for job, place in ((recorded, Controller("gpu2", "/d", "c")), (plain, None)):
         (tmp_path / job).mkdir()
-        JobRecord(spec=JobSpec(job_id=job, script="t.py"), inventory="inv.yaml",
-                  controller=place).save(tmp_path / job)
+        JobRecord(spec=JobSpec(job_id=job, script="t.py"), inventory="inv.yaml", controller=place).save(
+            tmp_path / job
+        )
     assert detached.keys_to_revoke(found, [ran, gone, recorded, plain, unknown], tmp_path) == [gone, recorded]
     assert detached.keys_to_revoke(found, [], tmp_path) == []
 
@@ -63,7 +65,9 @@ def test_the_controller_reaches_every_host_with_the_jobs_key_and_its_copied_file
         assert h.ssh.keys == ("/ctl/key",) and h.ssh.keys_only and h.ssh.known_hosts == ("/ctl/known_hosts",)
         assert h.ssh.global_known_hosts == () and h.ssh.jump == ()
     assert [(h.ssh.hostname, h.ssh.port, h.ssh.user) for h in ctl.hosts] == [
-        ("10.0.0.1", 22, "ann"), ("10.0.0.2", 2222, "ann")]
+        ("10.0.0.1", 22, "ann"),
+        ("10.0.0.2", 2222, "ann"),
+    ]
     assert ctl.job.secret_files == (("WANDB_API_KEY", "/ctl/secrets/WANDB_API_KEY"),)
 
 
@@ -78,8 +82,9 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
     passwd, run = script.split(" && ", 1)
     assert run.startswith('docker run -d --rm --user "$(id -u):$(id -g)" ')
     run, waits = run.split(" >/dev/null && ", 1)
-    assert waits.startswith(f"i=0; while [ ! -e {p.dir}/started ]; do if ! docker inspect "
-                            f"fabtrain-ctl-{JOB} ")
+    assert waits.startswith(
+        f"i=0; while [ ! -e {p.dir}/started ]; do if ! docker inspect fabtrain-ctl-{JOB} "
+    )
     argv = shlex.split(run.split('"$(id -u):$(id -g)" ', 1)[1])
     assert argv == [
         "--name",
@@ -110,12 +115,20 @@ def test_the_controller_runs_on_the_named_host_as_the_users_uid_without_capabili
         "exec python3 -m orchestrator.backends.ssh.controller /ctl >> /ctl/controller.log 2>&1",
     ]
     assert "--privileged" not in script and passwd.endswith(f"> {p.dir}/passwd")
-    assert detached.place(INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB
-                          ).host.name == "gpu2"  # the default: the last host (no spare here)
-    standby = shlex.split(submit.start_script(p, "fabtrain/controller:latest", "ann@ws", standby=True)
-                          .split('"$(id -u):$(id -g)" ', 1)[1].split(" >/dev/null && ", 1)[0])
+    assert (
+        detached.place(
+            INV.__class__(**{**INV.__dict__, "controller": INV.controller.__class__()}), JOB
+        ).host.name
+        == "gpu2"
+    )  # the default: the last host (no spare here)
+    standby = shlex.split(
+        submit.start_script(p, "fabtrain/controller:latest", "ann@ws", standby=True)
+        .split('"$(id -u):$(id -g)" ', 1)[1]
+        .split(" >/dev/null && ", 1)[0]
+    )
     assert standby[:-1] == argv[:-1] and standby[-1] == (
-        "exec python3 -m orchestrator.backends.ssh.controller /ctl --standby >> /ctl/controller.log 2>&1")
+        "exec python3 -m orchestrator.backends.ssh.controller /ctl --standby >> /ctl/controller.log 2>&1"
+    )
 
 
 def test_a_controller_that_exits_at_once_is_named_with_its_log_and_one_that_started_is_not(tmp_path):
@@ -124,6 +137,7 @@ def test_a_controller_that_exits_at_once_is_named_with_its_log_and_one_that_star
     controller wrote `started`, the same script succeeds."""
     import subprocess
     from dataclasses import replace
+
     p = replace(detached.place(INV, JOB), dir=str(tmp_path / "ctl"))
     (tmp_path / "ctl").mkdir()
     (tmp_path / "ctl" / "controller.log").write_text("Traceback ...\nFileNotFoundError: docker/x.py\n")
@@ -135,8 +149,9 @@ def test_a_controller_that_exits_at_once_is_named_with_its_log_and_one_that_star
     env = {"PATH": f"{bin_}:/usr/bin:/bin"}
     script = submit.start_script(p, "fabtrain/controller:latest", "ann@ws")
     r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
-    assert r.returncode == 1 and r.stderr == ("it exited at once; the end of its log:\nTraceback ...\n"
-                                              "FileNotFoundError: docker/x.py\n"), r.stderr
+    assert r.returncode == 1 and r.stderr == (
+        "it exited at once; the end of its log:\nTraceback ...\nFileNotFoundError: docker/x.py\n"
+    ), r.stderr
     (tmp_path / "ctl" / "started").touch()
     r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 0, r.stderr
@@ -149,6 +164,7 @@ def test_the_controller_image_has_every_runtime_library_a_controller_imports():
     new and missing there, stopped every controller at its first import."""
     import re
     import tomllib
+
     root = Path(__file__).resolve().parents[2]
     script = (root / "docker" / "build-controller.sh").read_text()
     libs = set(re.search(r'^LIBS="([^"]+)"', script, re.M).group(1).split())
@@ -160,7 +176,8 @@ def test_the_controller_image_has_every_runtime_library_a_controller_imports():
 # ---------------------------------------------------------------- this machine after a detached job's end
 
 PUBLIC = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFtPTYnYmOPCTMbyHOfaa6Rgq4C4HyQk0u1A4mVZ9xAA " + keys.marker(
-    JOB)
+    JOB
+)
 USER_LINE = b"ssh-ed25519 AAAAuser ann@ws"
 
 
@@ -186,8 +203,11 @@ class HostsHere:
         if self.down.get(host.name, 0) > 0:
             self.down[host.name] -= 1
             raise OSError("No route to host")
-        env = {**os.environ, "HOME": str(self.home(host.name)),
-               "PATH": f"{self.tmp / 'bin'}:{os.environ['PATH']}"}
+        env = {
+            **os.environ,
+            "HOME": str(self.home(host.name)),
+            "PATH": f"{self.tmp / 'bin'}:{os.environ['PATH']}",
+        }
         r = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
         return Result(r.stdout, r.stderr, r.returncode, 0.01)
 
@@ -214,10 +234,13 @@ class HostsHere:
 
 
 def two_hosts(tmp_path):
-    return parse(f"job: {{output_dir: {tmp_path}/host/out}}\nhosts:\n"
-                 "  - {name: gpu1, address: 10.0.0.1, interface: eth0}\n"
-                 "  - {name: gpu2, address: 10.0.0.2, interface: eth0}\n"
-                 "controller: {host: gpu1}\n", Path("inv.yaml"))
+    return parse(
+        f"job: {{output_dir: {tmp_path}/host/out}}\nhosts:\n"
+        "  - {name: gpu1, address: 10.0.0.1, interface: eth0}\n"
+        "  - {name: gpu2, address: 10.0.0.2, interface: eth0}\n"
+        "controller: {host: gpu1}\n",
+        Path("inv.yaml"),
+    )
 
 
 def detached_here(tmp_path, host_doc, down=None):
@@ -228,9 +251,12 @@ def detached_here(tmp_path, host_doc, down=None):
     p = detached.place(inv, JOB)
     runs = tmp_path / "runs"
     (runs / JOB).mkdir(parents=True)
-    rec = JobRecord(spec=JobSpec(job_id=JOB, script="train.py", code="/home/ann/proj"),
-                    inventory="/home/ann/inv.yaml", notify=Notify(command="mail -s done ann@example.com"),
-                    controller=Controller.at(p.record(), keys=["gpu1", "gpu2"]))
+    rec = JobRecord(
+        spec=JobSpec(job_id=JOB, script="train.py", code="/home/ann/proj"),
+        inventory="/home/ann/inv.yaml",
+        notify=Notify(command="mail -s done ann@example.com"),
+        controller=Controller.at(p.record(), keys=["gpu1", "gpu2"]),
+    )
     rec.save(runs / JOB)
     rec = JobRecord.load(runs, JOB)  # as the commands have it: read from the file
     ctl_runs = Path(p.dir) / "runs" / JOB
@@ -252,9 +278,21 @@ def detached_here(tmp_path, host_doc, down=None):
 
 def hostile_copy(rec: JobRecord, **changes) -> dict:
     doc = rec.to_dict()
-    doc.update(state="finished", inventory="/tmp/evil.yaml", notify={"command": "touch /tmp/pwned"},
-               attempts=[{"number": 1, "hosts": ["gpu1", "gpu2"], "started": 10.0, "ended": 20.0,
-                          "outcome": "ok", "resumed_from": None}])
+    doc.update(
+        state="finished",
+        inventory="/tmp/evil.yaml",
+        notify={"command": "touch /tmp/pwned"},
+        attempts=[
+            {
+                "number": 1,
+                "hosts": ["gpu1", "gpu2"],
+                "started": 10.0,
+                "ended": 20.0,
+                "outcome": "ok",
+                "resumed_from": None,
+            }
+        ],
+    )
     doc["spec"] = {**doc["spec"], "code": "/ctl/code", "image": "evil/img"}
     doc.update(changes)
     return doc
@@ -270,23 +308,34 @@ def test_a_detached_jobs_end_is_fetched_its_record_taken_as_data_and_its_key_tak
     assert got.controller.ended_on == "gpu1"
     assert isinstance(fetched_at, float)
     ended = replace(Controller.at(p.record()), fetched=fetched_at, ended_on="gpu1")  # no key left
-    assert got == replace(rec, state="finished", controller=ended,
-                          attempts=[Attempt(1, ["gpu1", "gpu2"], 10.0, 20.0, "ok")])
+    assert got == replace(
+        rec, state="finished", controller=ended, attempts=[Attempt(1, ["gpu1", "gpu2"], 10.0, 20.0, "ok")]
+    )
     assert (runs / JOB / "gpu1.log").read_text() == "step 1\n"  # the rest of the run came as it was
-    assert [a for a in session.copies[0] if a.startswith("--exclude")] == ["--exclude=/job.json",
-                                                                          "--exclude=/.job.json.tmp"]
+    assert [a for a in session.copies[0] if a.startswith("--exclude")] == [
+        "--exclude=/job.json",
+        "--exclude=/.job.json.tmp",
+    ]
     assert not Path(p.dir).exists()
     for h in inv.all_hosts:  # the user's line kept (with the newline it lacked), the controller's gone
         assert (session.home(h.name) / ".ssh" / "authorized_keys").read_bytes() == USER_LINE + b"\n"
 
 
-@pytest.mark.parametrize("copy, why", [
-    (lambda rec: hostile_copy(rec, attempts=[{"number": 1, "hosts": ["evil"], "started": 1.0}]),
-     "attempt 1 names host\\(s\\) 'evil' that this machine's inventory and record do not"),
-    (lambda rec: b'{"state": "finished", "notify": {"command": "touch /tmp/x"}', "Expecting ',' delimiter"),
-    (lambda rec: b" " * (detached.RECORD_MAX + 1), f"it is larger than {detached.RECORD_MAX} bytes"),
-    ("link", "it is not a plain file"),
-])
+@pytest.mark.parametrize(
+    "copy, why",
+    [
+        (
+            lambda rec: hostile_copy(rec, attempts=[{"number": 1, "hosts": ["evil"], "started": 1.0}]),
+            "attempt 1 names host\\(s\\) 'evil' that this machine's inventory and record do not",
+        ),
+        (
+            lambda rec: b'{"state": "finished", "notify": {"command": "touch /tmp/x"}',
+            "Expecting ',' delimiter",
+        ),
+        (lambda rec: b" " * (detached.RECORD_MAX + 1), f"it is larger than {detached.RECORD_MAX} bytes"),
+        ("link", "it is not a plain file"),
+    ],
+)
 def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machines_kept(tmp_path, copy, why):
     inv, p, runs, rec, session = detached_here(tmp_path, None)
     host_file = Path(p.dir) / "runs" / JOB / "job.json"
@@ -298,7 +347,8 @@ def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machin
     with pytest.raises(detached.HostRecordRefused) as refused:
         detached.fetch(session, [p], rec, runs)
     assert str(refused.value).startswith(
-        f"gpu1:{p.dir}/runs/{JOB}/job.json: the controller's copy of job {JOB}'s record was refused: ")
+        f"gpu1:{p.dir}/runs/{JOB}/job.json: the controller's copy of job {JOB}'s record was refused: "
+    )
     assert f"This machine's record (runs/{JOB}/job.json) is kept" in str(refused.value)
     assert re.search(why, str(refused.value)), str(refused.value)
     got = JobRecord.load(runs, JOB)
@@ -330,8 +380,9 @@ def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, mon
     assert [n for n, c in session.ran if n == "gpu2"] == ["gpu2"] * 3  # tried 3 times
     assert JobRecord.load(runs, JOB).controller.keys == ("gpu2",)
     line = detached.keys_line(JOB, end["keys_left"])
-    assert line.startswith(f"{JOB}: its controller's key may still be in ~/.ssh/authorized_keys on gpu2 "
-                           "(gpu2 ")
+    assert line.startswith(
+        f"{JOB}: its controller's key may still be in ~/.ssh/authorized_keys on gpu2 (gpu2 "
+    )
     assert f"'fab status' tries again, as does 'fab stop --job {JOB}'" in line
     answering = PerHost(gpu1=HostJobs({}, frozenset(), {}), gpu2=HostJobs({}, frozenset(), {}))
     # fab status while gpu2 is still away: named, not tried (the survey saw it gone).
@@ -342,7 +393,8 @@ def test_a_key_a_host_kept_is_named_and_taken_back_once_it_answers(tmp_path, mon
     assert keys.marker(JOB).encode() in (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes()
     # ... and once it answers, taken back.
     assert detachedview.status_lines(session, inv, runs, answering) == [
-        f"{JOB}: its controller's key is now removed from gpu2"]
+        f"{JOB}: its controller's key is now removed from gpu2"
+    ]
     assert JobRecord.load(runs, JOB).controller.keys == ()
     assert (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes() == USER_LINE + b"\n"
     assert detachedview.status_lines(session, inv, runs, answering) == []
@@ -357,13 +409,18 @@ def test_a_removal_is_tried_again_where_it_failed_and_only_there(tmp_path, monke
 
 
 def test_a_mount_that_would_show_the_controllers_directory_to_the_job_is_refused():
-    base = "ssh: {config: none}\njob: {output_dir: /data/fabtrain}\nhosts:\n  - {name: gpu1, address: h, " \
-           "interface: eth0, mounts: [%s]}\n"
+    base = (
+        "ssh: {config: none}\njob: {output_dir: /data/fabtrain}\nhosts:\n  - {name: gpu1, address: h, "
+        "interface: eth0, mounts: [%s]}\n"
+    )
     for ok in ("'/data/corpus:/corpus:ro'", "'/data/fab:/fab'", "'/data/fabtrain/other:/x'"):
         submit.refuse_exposing_mounts(detached.place(parse(base % ok, Path("i.yaml")), JOB))
     for bad in ("'/data:/data'", "'/:/host:ro'", "'/data/fabtrain/:/o'", "'/data/fabtrain/.controllers:/c'"):
-        with pytest.raises(UserError, match=f"gpu1's mount {bad.strip(chr(39)).rsplit(':', 2)[0]}.*holds "
-                                            f"/data/fabtrain/.controllers/{JOB}, where the controller keeps"):
+        with pytest.raises(
+            UserError,
+            match=f"gpu1's mount {bad.strip(chr(39)).rsplit(':', 2)[0]}.*holds "
+            f"/data/fabtrain/.controllers/{JOB}, where the controller keeps",
+        ):
             submit.refuse_exposing_mounts(detached.place(parse(base % bad, Path("i.yaml")), JOB))
 
 
@@ -374,8 +431,13 @@ def test_the_key_works_only_from_the_controllers_host(tmp_path):
     class Answers(HostsHere):
         def run(self, host, command, timeout=60, stdin=None, what=""):
             self.ran.append((host.name, command))
-            return Result("2: eth0 inet 10.0.0.1/24 brd 10.0.0.255\n1: lo inet 127.0.0.1/8\n@@resolved\n"
-                          "10.0.0.1 STREAM gpu1\n", "", 0, 0.01)
+            return Result(
+                "2: eth0 inet 10.0.0.1/24 brd 10.0.0.255\n1: lo inet 127.0.0.1/8\n@@resolved\n"
+                "10.0.0.1 STREAM gpu1\n",
+                "",
+                0,
+                0.01,
+            )
 
     session = Answers(inv, tmp_path)
     assert submit.controller_sources(session, [p], inv) == {"gpu1": ["10.0.0.1"], "gpu2": ["10.0.0.1"]}
@@ -398,12 +460,19 @@ def test_the_controller_writes_its_line_again_and_adds_none_where_it_was_taken(t
     monkeypatch.setattr(controller, "Session", Own)
     before = (session.home("gpu1") / ".ssh" / "authorized_keys").read_bytes()
     assert session.run(inv.hosts[1], keys.revoke_script([JOB])).exited == 0  # fab stop took gpu2's
-    renewal = controller.Renewal(inv, JOB, {"public": PUBLIC, "from": {"gpu1": ["10.0.0.1", "127.0.0.0/8"],
-                                                                         "gpu2": ["10.0.0.1"]},
-                                            "lifetime": 7200, "renew": 1200})
+    renewal = controller.Renewal(
+        inv,
+        JOB,
+        {
+            "public": PUBLIC,
+            "from": {"gpu1": ["10.0.0.1", "127.0.0.0/8"], "gpu2": ["10.0.0.1"]},
+            "lifetime": 7200,
+            "renew": 1200,
+        },
+    )
     failed = renewal.once()
     assert list(failed) == ["gpu2"] and f"(exit {keys.GONE})" in failed["gpu2"]
     after = (session.home("gpu1") / ".ssh" / "authorized_keys").read_bytes()
-    assert after != before and after.startswith(USER_LINE + b"\nrestrict,from=\"10.0.0.1,127.0.0.0/8\"")
+    assert after != before and after.startswith(USER_LINE + b'\nrestrict,from="10.0.0.1,127.0.0.0/8"')
     assert keys.marker(JOB).encode() not in (session.home("gpu2") / ".ssh" / "authorized_keys").read_bytes()
     renewal.stop()  # never started: stops at once

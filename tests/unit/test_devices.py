@@ -1,5 +1,6 @@
 """orchestrator.core.devices: the docker flags to the exact argv, and the AMD render-node probe and its
 parsers on KFD topologies recorded from real machines."""
+
 import shlex
 import subprocess
 
@@ -146,8 +147,40 @@ nodes/33/properties:simd_count 80
 nodes/33/properties:drm_render_minor 187
 """
 
-MI308_RENDER = (128, 129, 130, 131, 136, 137, 138, 139, 144, 145, 146, 147, 152, 153, 154, 155,
-                160, 161, 162, 163, 168, 169, 170, 171, 176, 177, 178, 179, 184, 185, 186, 187)
+MI308_RENDER = (
+    128,
+    129,
+    130,
+    131,
+    136,
+    137,
+    138,
+    139,
+    144,
+    145,
+    146,
+    147,
+    152,
+    153,
+    154,
+    155,
+    160,
+    161,
+    162,
+    163,
+    168,
+    169,
+    170,
+    171,
+    176,
+    177,
+    178,
+    179,
+    184,
+    185,
+    186,
+    187,
+)
 
 
 def files(recorded: str) -> dict[str, str]:
@@ -182,6 +215,7 @@ def write(topology, recorded: str) -> None:
 
 # NVIDIA
 
+
 def test_nvidia_all_gpus():
     assert nvidia_device_args(None, cdi=False) == ["--gpus", "all"]
     assert nvidia_device_args(None, cdi=True) == ["--device", "nvidia.com/gpu=all"]
@@ -191,8 +225,10 @@ def test_nvidia_chosen_gpus_with_the_runtime_hook():
     assert nvidia_device_args((0, 1), cdi=False) == ["--gpus", '"device=0,1"']
     assert nvidia_device_args((3,), cdi=False) == ["--gpus", '"device=3"']
     # As it reaches the host's shell: the docker CLI gets the quotes, and reads one CSV field.
-    assert shlex.join(["docker", "run", *nvidia_device_args((2, 5), cdi=False)]) == \
-        """docker run --gpus '"device=2,5"'"""
+    assert (
+        shlex.join(["docker", "run", *nvidia_device_args((2, 5), cdi=False)])
+        == """docker run --gpus '"device=2,5"'"""
+    )
 
 
 def test_nvidia_chosen_gpus_as_cdi_devices():
@@ -212,6 +248,7 @@ def test_nvidia_empty_choice_is_refused(cdi):
 
 
 # AMD: the probe and its parsers
+
 
 def test_parse_amd_render():
     assert parse_amd_render("render 128 136\n") == (128, 136)
@@ -251,22 +288,35 @@ def test_probe_without_kfd(tmp_path):
 
 # AMD: the flags
 
+
 def test_amd_all_gpus():
     assert amd_device_args(None, ()) == ["--device", "/dev/kfd", "--device", "/dev/dri"]
     assert amd_device_args(None, MI308_RENDER) == ["--device", "/dev/kfd", "--device", "/dev/dri"]
 
 
 def test_amd_chosen_gpus():
-    assert amd_device_args((0, 2), (128, 129, 130)) == \
-        ["--device", "/dev/kfd", "--device", "/dev/dri/renderD128", "--device", "/dev/dri/renderD130"]
+    assert amd_device_args((0, 2), (128, 129, 130)) == [
+        "--device",
+        "/dev/kfd",
+        "--device",
+        "/dev/dri/renderD128",
+        "--device",
+        "/dev/dri/renderD130",
+    ]
 
 
 def test_amd_chosen_gpus_on_a_recorded_host(tmp_path):
     # GPU 10 is KFD node 12, GPU 31 node 33: indices count GPUs, not nodes.
     write(tmp_path, MI308)
     render = parse_amd_render(run_probe(tmp_path))
-    assert amd_device_args((10, 31), render) == \
-        ["--device", "/dev/kfd", "--device", "/dev/dri/renderD146", "--device", "/dev/dri/renderD187"]
+    assert amd_device_args((10, 31), render) == [
+        "--device",
+        "/dev/kfd",
+        "--device",
+        "/dev/dri/renderD146",
+        "--device",
+        "/dev/dri/renderD187",
+    ]
 
 
 @pytest.mark.parametrize("gpu", [2, 7, -1])

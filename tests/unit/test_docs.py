@@ -1,6 +1,7 @@
 """The documentation holds together: a README a newcomer reads in five minutes, with the two
 commands exactly as the project runs them; every relative link and anchor in README.md and docs/
 resolving; every page of docs/ in mkdocs.yml's nav; and `mkdocs build --strict` passing."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -137,9 +138,21 @@ def test_mkdocs_build_strict(tmp_path):
             pytest.fail("mkdocs is not installed: CI must run bash docker/bootstrap.sh --tests first")
         pytest.skip("mkdocs is not installed (bash docker/bootstrap.sh --tests installs it)")
     r = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}{r.stderr}"
 
@@ -147,6 +160,7 @@ def test_mkdocs_build_strict(tmp_path):
 def test_the_events_table_lists_every_event_kind_the_code_emits():
     """docs/how-train-works.md's table of `--json` events and events.KINDS name the same events."""
     from orchestrator.core import events
+
     text = (ROOT / "docs" / "how-train-works.md").read_text()
     table = text.split("## Events for scripts", 1)[1].split("\n## ", 1)[0]
     listed = {m.group(1) for m in re.finditer(r"^\| `([a-z_]+)` \|", table, re.M)}

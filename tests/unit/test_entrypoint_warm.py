@@ -1,6 +1,7 @@
 """The entrypoint's generations for real, on this machine (loopback only, gloo on CPU): a warm node
 whose first generation (torchrun) fails waits, says so in its end file, starts its next workers
 ahead, and runs them itself when told (FABTRAIN_LAUNCH=direct); a SIGTERM while it waits ends it."""
+
 import os
 import shutil
 import signal
@@ -48,12 +49,28 @@ def start(tmp_path: Path, console: str, **extra: str):
     for name in ("entrypoint.py", "fabtrain_memory.py"):  # what fabtrain brings to the runtime directory
         shutil.copy(ROOT / "docker" / name, runtime / name)
     (tmp_path / "script.py").write_text(SCRIPT)
-    env = {**os.environ, "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "FABTRAIN_WARM": "1", "FABTRAIN_ATTEMPT": "1",
-           "FABTRAIN_OUTPUT": str(out), "FABTRAIN_CONSOLE": str(out / ".console" / console),
-           "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", **extra}
-    proc = subprocess.Popen([sys.executable, str(runtime / "entrypoint.py"), "script.py"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "NNODES": "1",
+        "NODE_RANK": "0",
+        "NPROC_PER_NODE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "FABTRAIN_WARM": "1",
+        "FABTRAIN_ATTEMPT": "1",
+        "FABTRAIN_OUTPUT": str(out),
+        "FABTRAIN_CONSOLE": str(out / ".console" / console),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "=lo",
+        **extra,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(runtime / "entrypoint.py"), "script.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     return proc, runtime, out / ".console" / console
 
 
@@ -85,7 +102,8 @@ def test_a_warm_node_runs_its_next_generation_with_workers_started_ahead(node):
     end.unlink()
     (runtime / "warm-0.env.tmp").write_text(
         f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={free_port()}\nNNODES=1\nNODE_RANK=0\nFABTRAIN_ATTEMPT=2\n"
-        "FABTRAIN_LAUNCH=direct\n")
+        "FABTRAIN_LAUNCH=direct\n"
+    )
     (runtime / "warm-0.env.tmp").rename(runtime / "warm-0.env")
     assert proc.wait(timeout=60) == 0
     second = console.read_text()
@@ -111,7 +129,8 @@ def test_a_hot_spare_waits_then_runs_the_rank_it_is_given_with_workers_started_a
     node0 = console.parent / "node-0.log"
     (runtime / "warm-spare.env.tmp").write_text(
         f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={free_port()}\nNNODES=1\nNODE_RANK=0\nFABTRAIN_ATTEMPT=2\n"
-        f"FABTRAIN_LAUNCH=direct\nFABTRAIN_SPARE=0\nFABTRAIN_CONSOLE_PATH={node0}\n")
+        f"FABTRAIN_LAUNCH=direct\nFABTRAIN_SPARE=0\nFABTRAIN_CONSOLE_PATH={node0}\n"
+    )
     (runtime / "warm-spare.env.tmp").rename(runtime / "warm-spare.env")
     assert proc.wait(timeout=60) == 0
     ran = node0.read_text()  # the rank's console, not the spare's
@@ -153,7 +172,7 @@ def children(pid: int) -> dict[int, str]:
         try:
             with open(f"/proc/{entry}/stat") as fh:
                 stat = fh.read()
-            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         except (OSError, ValueError):
             continue
         if int(rest[1]) == pid:
@@ -166,8 +185,9 @@ def test_a_warm_node_launched_directly_starts_its_next_workers_during_the_genera
     generation's workers start FABTRAIN_STANDBY_AHEAD seconds in, while it still runs (torch and
     torch._dynamo imported), and those very processes run the next generation. The node ends with
     the failed worker's own code, and the other worker is ended at once."""
-    proc, runtime, console = start(tmp_path, "node-0.log", FABTRAIN_LAUNCH="direct",
-                                   FABTRAIN_STANDBY_AHEAD="0.5")
+    proc, runtime, console = start(
+        tmp_path, "node-0.log", FABTRAIN_LAUNCH="direct", FABTRAIN_STANDBY_AHEAD="0.5"
+    )
     (tmp_path / "script.py").write_text(AHEAD_SCRIPT)
     try:
         wait_for(tmp_path / "started-1")
@@ -185,10 +205,14 @@ def test_a_warm_node_launched_directly_starts_its_next_workers_during_the_genera
         end.unlink()
         (runtime / "warm-0.env").write_text(
             f"MASTER_ADDR=127.0.0.1\nMASTER_PORT={free_port()}\nNNODES=1\nNODE_RANK=0\nFABTRAIN_ATTEMPT=2\n"
-            "FABTRAIN_LAUNCH=direct\n")
+            "FABTRAIN_LAUNCH=direct\n"
+        )
         assert proc.wait(timeout=60) == 0
-        ran = {int(line.rsplit(" ", 1)[1]) for line in console.read_text().splitlines()
-               if line.startswith("gen 2 rank")}
+        ran = {
+            int(line.rsplit(" ", 1)[1])
+            for line in console.read_text().splitlines()
+            if line.startswith("gen 2 rank")
+        }
         assert ran == waiting, (ran, waiting)  # the workers started ahead ran generation 2
     finally:
         proc.kill()
@@ -230,13 +254,18 @@ def test_a_node_gives_its_workers_their_ranks_once_rank_0s_store_answers():
     is at MASTER_ADDR:MASTER_PORT (not after torch's back-off), and gives up at its deadline."""
     import importlib.util
     import threading
+
     spec = importlib.util.spec_from_file_location("entrypoint_wait", ROOT / "docker" / "entrypoint.py")
     assert spec is not None and spec.loader is not None
     e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e)
     port = free_port()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1",
-           "FABTRAIN_PG_TIMEOUT": "20"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "NODE_RANK": "1",
+        "FABTRAIN_PG_TIMEOUT": "20",
+    }
     t0 = time.monotonic()
     e.wait_for_master({**env, "NODE_RANK": "0"})
     assert time.monotonic() - t0 < 0.5
@@ -247,6 +276,7 @@ def test_a_node_gives_its_workers_their_ranks_once_rank_0s_store_answers():
         time.sleep(1.0)
         server.bind(("127.0.0.1", port))
         server.listen()
+
     threading.Thread(target=listen_later, daemon=True).start()
     t0 = time.monotonic()
     e.wait_for_master(env)

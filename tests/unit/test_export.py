@@ -1,6 +1,7 @@
 """The Slurm and Kubernetes exports: exact text for an NVIDIA, an AMD and a CPU inventory (golden
 files; UPDATE_GOLDEN=1 rewrites them), hostile values kept as data, manifests valid against the
 published schemas."""
+
 import dataclasses
 import json
 import os
@@ -23,8 +24,12 @@ from orchestrator.hostcmds import dockerargs
 
 GOLDEN = Path(__file__).parent / "golden" / "export"
 K8S_VERSION = "1.30.0"
-SPEC = jobspec.JobSpec(job_id="gpt-demo", script="trainers/gpt.py", args=("--model", "tiny", "--epochs", "5"),
-                    code_key="c0de0000c0de0000")
+SPEC = jobspec.JobSpec(
+    job_id="gpt-demo",
+    script="trainers/gpt.py",
+    args=("--model", "tiny", "--epochs", "5"),
+    code_key="c0de0000c0de0000",
+)
 
 INVENTORIES = {
     # The DGX example of inventory.yaml, with a secret.
@@ -123,8 +128,12 @@ def test_k8s_manifests_exact_text_and_valid(kind):
             and docs[0]["data"]["entrypoint.py"] == dockerargs.ENTRYPOINT_SOURCE.read_text()
         )
         docs[0]["data"]["entrypoint.py"] = "<docker/entrypoint.py>"
-        check_golden(f"{kind}-{file}", text.split("\napiVersion:", 1)[0] + "\n"
-                     + yaml.dump_all(docs, Dumper=manifests._Dumper, sort_keys=False, width=100))
+        check_golden(
+            f"{kind}-{file}",
+            text.split("\napiVersion:", 1)[0]
+            + "\n"
+            + yaml.dump_all(docs, Dumper=manifests._Dumper, sort_keys=False, width=100),
+        )
         for doc in docs:
             validate(doc)
 
@@ -140,8 +149,16 @@ def validate(doc: dict) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         return
     for replica in doc["spec"]["pytorchReplicaSpecs"].values():
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                                      "template": replica["template"]}, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "t"},
+                "template": replica["template"],
+            },
+            K8S_VERSION,
+            strict=True,
+        )
     client = ApiClient()
     model = client.deserialize(types.SimpleNamespace(data=json.dumps(doc)), "KubeflowOrgV1PyTorchJob")
     assert client.sanitize_for_serialization(model) == doc
@@ -152,10 +169,12 @@ def validate_trainjob(doc: dict) -> None:
     not know would be dropped, so the document must come back whole), and its runtime patch's pod
     (volumes, mounts) as a Kubernetes PodTemplate with the trainer's image."""
     from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
     model = TrainerV1alpha1TrainJob.from_dict(doc)
     assert model.to_dict() == doc
     pod = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
-        "template"]["spec"]["template"]["spec"]
+        "template"
+    ]["spec"]["template"]["spec"]
     container = {**pod["containers"][0], "image": doc["spec"]["trainer"]["image"]}
     kubernetes_validate.validate(
         {
@@ -171,10 +190,14 @@ def validate_trainjob(doc: dict) -> None:
 
 def test_a_broken_trainjob_is_rejected():
     import pydantic
+
     docs, _ = manifests.k8s_manifests(inv("nvidia"), SPEC)
     trainjob = docs["trainjob.yaml"][2]
-    assert trainjob["spec"]["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
-                                              "kind": "ClusterTrainingRuntime"}
+    assert trainjob["spec"]["runtimeRef"] == {
+        "name": "torch-distributed",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
     assert trainjob["spec"]["trainer"]["numNodes"] == 2
     assert trainjob["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "8"}}
     validate(trainjob)
@@ -210,8 +233,10 @@ def test_nvidia_manifests_carry_gpus_shm_capabilities_and_secret_references():
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
     assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
     assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
-    assert {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "fabtrain-secrets",
-                                                                     "key": "WANDB_API_KEY"}}} in c["env"]
+    assert {
+        "name": "WANDB_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "fabtrain-secrets", "key": "WANDB_API_KEY"}},
+    } in c["env"]
     assert "infiniband" in warnings[0]
     amd = manifests.k8s_manifests(inv("amd"), SPEC)[0]["pytorchjob.yaml"][2]
     amd_c = amd["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
@@ -260,8 +285,9 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     """The docker flavour run by bash with scontrol, srun and docker stubbed: the container gets
     every value exactly, and nothing in a value runs."""
     i = hostile_inventory(tmp_path)
-    spec = jobspec.JobSpec(job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"),
-                        code_key="k1")
+    spec = jobspec.JobSpec(
+        job_id="j1", script="trainers/gpt.py", args=(HOSTILE, "--x", "$(touch PWNED)"), code_key="k1"
+    )
     text, _ = sbatch.slurm_script(i, spec)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -270,9 +296,15 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(text)
     (tmp_path / "code dir" / "k1").mkdir(parents=True)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(tmp_path / "calls"),
-           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7",
-           "SLURM_RESTART_COUNT": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_OUT": str(tmp_path / "calls"),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "7",
+        "SLURM_RESTART_COUNT": "1",
+    }
     r = subprocess.run(
         ["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -284,8 +316,16 @@ def test_sbatch_hostile_values_stay_data(tmp_path):
     run = calls[2]
     # A requeued attempt has a runtime directory of its own (the old attempt's cleanup cannot remove
     # it), one per node (a shared output_dir holds every node's cidfile and secrets).
-    assert run[:8] == ["run", "--rm", "--cidfile", f"{tmp_path}/out/.runtime/j1/7.1.1/cid",
-                       "--name", "fabtrain-j1-r1", "--label", "fabtrain.managed=1"]
+    assert run[:8] == [
+        "run",
+        "--rm",
+        "--cidfile",
+        f"{tmp_path}/out/.runtime/j1/7.1.1/cid",
+        "--name",
+        "fabtrain-j1-r1",
+        "--label",
+        "fabtrain.managed=1",
+    ]
     assert f"{tmp_path}/out/.runtime/j1/7.1.1:/run/fabtrain:ro" in run
     assert "fabtrain.rank=1" in run and "fabtrain.host=node2" in run
     assert f"WEIRD={HOSTILE}" in run
@@ -370,17 +410,20 @@ def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
     security option added to the node alone reach the docker argv, the sbatch script's docker run
     and the Kubernetes container."""
     from orchestrator.hostcmds import node as nodes
+
     inv = parse(INVENTORIES["amd"], Path("/i/amd.yaml"))
     host = inv.hosts[0]
     n = nodes.node_spec(inv, host, SPEC)
     argv = dockerargs.docker_run(n, "--detach")
     started = nodes.docker_run_argv(inv, host, SPEC)  # what fab train runs: the same, plus its console
     at = started.index("FABTRAIN_CONSOLE=/output/.console/node-0.log") - 1
-    assert started[:at] + started[at + 2:] == argv
-    assert argv[argv.index("--entrypoint") + 1: argv.index(n.image)] == ["python3"]
-    assert argv[argv.index(n.image):] == [n.image, jobspec.ENTRYPOINT_PATH, *n.command]
+    assert started[:at] + started[at + 2 :] == argv
+    assert argv[argv.index("--entrypoint") + 1 : argv.index(n.image)] == ["python3"]
+    assert argv[argv.index(n.image) :] == [n.image, jobspec.ENTRYPOINT_PATH, *n.command]
     container = manifests._container(n, [])
-    assert container["command"] == ["python3", jobspec.ENTRYPOINT_PATH] and container["args"] == list(n.command)
+    assert container["command"] == ["python3", jobspec.ENTRYPOINT_PATH] and container["args"] == list(
+        n.command
+    )
     assert n.seccomp_unconfined and container["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
     more = dataclasses.replace(n, cap_add=(*n.cap_add, "SYS_PTRACE"), security_opt=("apparmor=unconfined",))
     docker = dockerargs.docker_options(more)
@@ -391,8 +434,11 @@ def test_one_node_spec_is_what_docker_slurm_and_kubernetes_all_render():
     # The sbatch script's docker run is the same options, the Slurm task filling in name and rank.
     script, _ = sbatch.slurm_script(inv, SPEC)
     for flag, value in zip(docker[::2], docker[1::2], strict=True):
-        if flag in ("--ulimit", "--cap-add", "--security-opt", "--shm-size", "--device", "--group-add") \
-                and value != "SYS_PTRACE" and value != "apparmor=unconfined":
+        if (
+            flag in ("--ulimit", "--cap-add", "--security-opt", "--shm-size", "--device", "--group-add")
+            and value != "SYS_PTRACE"
+            and value != "apparmor=unconfined"
+        ):
             assert f"{flag} {value}" in script or f"{flag} '{value}'" in script, (flag, value)
 
 
@@ -409,8 +455,9 @@ def test_fab_export_writes_through_the_registry_what_the_golden_files_hold(tmp_p
     def launch(kind: str) -> Launch:
         return Launch(inv(kind), SPEC, Policy(), None, tmp_path / "runs", Console(file=None))
 
-    rendered = registry.render(registry.renderer("slurm"), launch("nvidia"), pyxis=True, partition="gpu",
-                               time="12:00:00")
+    rendered = registry.render(
+        registry.renderer("slurm"), launch("nvidia"), pyxis=True, partition="gpu", time="12:00:00"
+    )
     assert list(rendered.files) == ["gpt-demo.sbatch"] and rendered.warnings == ()
     check_golden("nvidia-pyxis.sbatch", without_entrypoint(rendered.files["gpt-demo.sbatch"]))
     rendered = registry.render(registry.renderer("kubernetes"), launch("cpu"))
@@ -422,19 +469,34 @@ def test_fab_export_writes_through_the_registry_what_the_golden_files_hold(tmp_p
     path.write_text(INVENTORIES["cpu"].replace("/k/", f"{tmp_path}/"))
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
-    make_fab().run(["fab", "export.slurm", "--inventory", str(path), "--out", str(tmp_path / "job.sbatch"),
-                    "--partition", "cpu"], exit=False)
-    make_fab().run(["fab", "export.k8s", "--inventory", str(path), "--out", str(tmp_path / "k8s"),
-                    "--restarts", "2"], exit=False)
+    make_fab().run(
+        [
+            "fab",
+            "export.slurm",
+            "--inventory",
+            str(path),
+            "--out",
+            str(tmp_path / "job.sbatch"),
+            "--partition",
+            "cpu",
+        ],
+        exit=False,
+    )
+    make_fab().run(
+        ["fab", "export.k8s", "--inventory", str(path), "--out", str(tmp_path / "k8s"), "--restarts", "2"],
+        exit=False,
+    )
     printed = capsys.readouterr()
     out = printed.out.splitlines()
     assert printed.err == "", printed.err
     script = (tmp_path / "job.sbatch").read_text()
     assert "#SBATCH --partition=cpu" in script and (tmp_path / "job.sbatch").stat().st_mode & 0o777 == 0o755
     assert out[0].startswith(f"wrote {tmp_path}/job.sbatch (job gpt-") and out[0].endswith(
-        f"; put the code on every node (fab sync) and submit: sbatch {tmp_path}/job.sbatch")
+        f"; put the code on every node (fab sync) and submit: sbatch {tmp_path}/job.sbatch"
+    )
     files = sorted(p.name for p in (tmp_path / "k8s").iterdir())
     assert files == ["indexed-job.yaml", "pytorchjob.yaml", "trainjob.yaml"]
     assert "backoffLimit: 2" in (tmp_path / "k8s" / "indexed-job.yaml").read_text()
     assert out[1].startswith(f"wrote {tmp_path}/k8s/trainjob.yaml, ") and out[1].endswith(
-        "apply one with kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)")
+        "apply one with kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)"
+    )

@@ -3,6 +3,7 @@ detached.py's choices): where the controller and its standby run and why, which 
 job's end or its newest run, the heartbeat, fence and probe scripts run by sh on this machine, the
 standby's decision to take over, and the job asking the fence before it starts or removes
 containers. The real failover (a frozen host, a killed controller): tests/integration/test_failover.py."""
+
 import json
 import os
 import subprocess
@@ -31,24 +32,29 @@ def inv(hosts=2, spares=0, controller=None):
     return parse(text, Path("inv.yaml"))
 
 
-@pytest.mark.parametrize("shape, active, standby, risk", [
-    ((2, 0, None), "node2", "node1", "node2 also runs rank 1 of the job"),
-    ((2, 1, None), "spare1", "node2", ""),
-    ((2, 2, None), "spare1", "spare2", ""),
-    ((2, 1, "node1"), "node1", "spare1", "node1 also runs rank 0 of the job"),
-    ((3, 0, "node2"), "node2", "node3", "node2 also runs rank 1"),
-    ((1, 0, None), "node1", None, "node1 also runs rank 0"),
-])
+@pytest.mark.parametrize(
+    "shape, active, standby, risk",
+    [
+        ((2, 0, None), "node2", "node1", "node2 also runs rank 1 of the job"),
+        ((2, 1, None), "spare1", "node2", ""),
+        ((2, 2, None), "spare1", "spare2", ""),
+        ((2, 1, "node1"), "node1", "spare1", "node1 also runs rank 0 of the job"),
+        ((3, 0, "node2"), "node2", "node3", "node2 also runs rank 1"),
+        ((1, 0, None), "node1", None, "node1 also runs rank 0"),
+    ],
+)
 def test_the_controller_runs_out_of_the_blast_radius_and_its_standby_on_the_next_candidate(
-        shape, active, standby, risk):
+    shape, active, standby, risk
+):
     p = placement.placement(inv(*shape), JOB)
     assert p.active.host.name == active
     assert (p.standby.host.name if p.standby else None) == standby
     assert p.risk.startswith(risk) if risk else p.risk == ""
     assert p.active.dir == f"/data/out/.controllers/{JOB}" and p.active.container == f"fabtrain-ctl-{JOB}"
     said = p.said()
-    assert said.startswith(f"controller on {active} (") and (f"its standby on {standby}" in said if standby
-                                                              else "no standby" in said)
+    assert said.startswith(f"controller on {active} (") and (
+        f"its standby on {standby}" in said if standby else "no standby" in said
+    )
     assert ("Risk: " in said) == bool(risk)
     assert p.record().standby == (p.standby.record() if p.standby else None)
 
@@ -63,8 +69,9 @@ def test_a_controller_host_the_inventory_lacks_is_refused():
 def test_the_places_a_record_names_are_read_as_data():
     i = inv(2, 1)
     p = placement.placement(i, JOB)
-    record = detached.JobRecord(spec=JobSpec(job_id=JOB, script="t.py"), inventory="inv.yaml",
-                                controller=p.record())
+    record = detached.JobRecord(
+        spec=JobSpec(job_id=JOB, script="t.py"), inventory="inv.yaml", controller=p.record()
+    )
     assert [x.host.name for x in placement.places_of(i, record)] == ["spare1", "node2"]
     record.controller = replace(record.controller, standby=None)  # none of another kind is read: record.py
     assert [x.host.name for x in placement.places_of(i, record)] == ["spare1"]
@@ -116,8 +123,10 @@ def test_the_heartbeat_touches_the_standbys_mirror_until_the_standby_took_over(t
     assert said == failover.TAKEN and not gone.exists()
 
 
-@pytest.mark.parametrize("docker_says, done, verdict", [
-    ("true", False, "running"), ("false", False, "gone"), ("", False, "gone"), ("true", True, "done")])
+@pytest.mark.parametrize(
+    "docker_says, done, verdict",
+    [("true", False, "running"), ("false", False, "gone"), ("", False, "gone"), ("true", True, "done")],
+)
 def test_the_probe_says_whether_the_active_controller_runs(tmp_path, docker_says, done, verdict):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "docker").write_text(f"#!/bin/sh\necho '{docker_says}'\n")
@@ -141,8 +150,13 @@ class Standby:
         monkeypatch.setattr(failover, "Session", lambda hosts: self)
         monkeypatch.setattr(failover, "verdict", lambda *a: self.verdicts.pop(0))
         monkeypatch.setattr(failover, "lease_fresh", lambda *a: self.lease)
-        monkeypatch.setattr(failover, "take_over", lambda root, launch, s, lost, own, why, age, answers:
-                            self.took.append((lost, own, why, answers)) or "taken")
+        monkeypatch.setattr(
+            failover,
+            "take_over",
+            lambda root, launch, s, lost, own, why, age, answers: (
+                self.took.append((lost, own, why, answers)) or "taken"
+            ),
+        )
 
     def __enter__(self):
         return self
@@ -177,6 +191,7 @@ def test_a_silent_controller_host_is_taken_over_only_once_the_jobs_lease_is_stal
     def stale_after_two(*a):
         s.lease = None if len(s.verdicts) == 0 else s.lease
         return s.lease
+
     monkeypatch.setattr(failover, "lease_fresh", stale_after_two)
     assert failover.stand_by(s.root, Launch(i), i.hosts[0], "/d", "spare1", lambda: None) == "taken"
     lost, own, why, answers = s.took[0]
@@ -206,6 +221,7 @@ def test_a_fenced_controller_removes_its_credentials(tmp_path, monkeypatch):
 
 def test_the_job_asks_the_fence_before_it_starts_containers_and_before_its_teardown(tmp_path, monkeypatch):
     from tests.unit.test_job import Recorder, inventory, new_job
+
     monkeypatch.chdir(tmp_path)
     rec = Recorder(inventory(tmp_path).hosts)
     monkeypatch.setattr(job, "FENCE", lambda: rec.calls.append(("-", "-", "FENCE", None)))
@@ -232,6 +248,7 @@ class Followed:
     def run(self, host, command, timeout=60, stdin=None, what=""):
         self.asked.append(host.name)
         from orchestrator.transport.remote import Result
+
         return Result("0\n", "", 0, 0.0)
 
     def alive_since(self, host):
@@ -246,6 +263,7 @@ def test_a_host_the_standby_found_silent_is_lost_from_the_watchs_start_and_never
     from orchestrator.backends.ssh.watch import watch
     from orchestrator.core import jobspec
     from orchestrator.core.policy import Failure
+
     i = inv(2)
     a = attempt.build(i, jobspec.JobSpec(job_id="j-1", script="x.py"), 2, 29500)
     session = Followed()
@@ -262,12 +280,21 @@ def test_the_controllers_copy_of_fabtrain_imports_and_finds_every_file_a_node_st
     import sys
 
     from orchestrator.backends.ssh import submit
+
     submit.code_copy(tmp_path / "fabtrain")
-    probe = ("import orchestrator, orchestrator.backends.ssh.controller as c\n"
-             "from orchestrator.hostcmds import dockerargs\n"
-             "print(orchestrator.__file__); print(len(dockerargs.runtime_files()))\n")
-    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path / "fabtrain", capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "fabtrain")}, timeout=60)
+    probe = (
+        "import orchestrator, orchestrator.backends.ssh.controller as c\n"
+        "from orchestrator.hostcmds import dockerargs\n"
+        "print(orchestrator.__file__); print(len(dockerargs.runtime_files()))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path / "fabtrain",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "fabtrain")},
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     where, size = r.stdout.split()
     assert where.startswith(str(tmp_path / "fabtrain")) and int(size) > 0

@@ -5,6 +5,7 @@ out, none reworded; trailing blanks dropped), with a comment naming where it was
 real unhealthy output was to be found, one is DERIVED from a real healthy one by changing numbers or
 words, in code (derive(), which checks that each change applies exactly where meant), and the
 comment says so. The shell commands run here with stub tools on PATH (no GPU, no root needed)."""
+
 import subprocess
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def recorded(path: Path, command: str) -> str:
     """One command's output from a recording made by record.sh ("===== COMMAND =====" ... "----- exit")."""
     text = path.read_text()
     start = text.index(f"===== {command} =====\n") + len(f"===== {command} =====\n")
-    return text[start:text.index("----- exit status", start)]
+    return text[start : text.index("----- exit status", start)]
 
 
 def derive(text: str, *changes: tuple[str, str]) -> str:
@@ -261,7 +262,7 @@ def test_recorded_h100_parses_and_is_healthy():
         0,
         0,
     )
-    assert g["retired_pages_pending"] is None                     # Hopper: N/A, rows are remapped instead
+    assert g["retired_pages_pending"] is None  # Hopper: N/A, rows are remapped instead
     assert (g["remapped_rows_uncorrectable"], g["remapped_rows_pending"]) == (0, False)
     assert g["remapping_failure"] is False
     assert (g["repair_pending"], g["unrepairable_memory"], g["sram_threshold_exceeded"]) == (
@@ -270,7 +271,7 @@ def test_recorded_h100_parses_and_is_healthy():
         False,
     )
     assert g["recovery_action"] == "None"
-    assert g["throttle_active"] == ["Idle"]          # not the "Clocks Event Reasons Counters" below it
+    assert g["throttle_active"] == ["Idle"]  # not the "Clocks Event Reasons Counters" below it
     assert (g["pcie_gen_current"], g["pcie_gen_max"]) == (5, 5)
     assert (g["pcie_width_current"], g["pcie_width_max"]) == (16, 16)
     assert g["error"] is None
@@ -291,26 +292,38 @@ def test_h100_with_errors_derived_from_the_recording():
     # DERIVED from the real H100 recording: 4 volatile DRAM uncorrectable errors, the row remapper
     # of gpud#80 (4 uncorrectable rows, pending), a thermal HW slowdown active instead of Idle, and
     # the link at x8 of x16.
-    sick = derive(H100,
-                  (q(12, "DRAM Uncorrectable", "0") + "        Aggregate\n",
-                   q(12, "DRAM Uncorrectable", "4") + "        Aggregate\n"),
-                  (q(8, "Uncorrectable Error", "0") + q(8, "Inactive Uncorrectable Error", "0")
-                   + q(8, "Pending", "No"),
-                   q(8, "Uncorrectable Error", "4") + q(8, "Inactive Uncorrectable Error", "0")
-                   + q(8, "Pending", "Yes")),
-                  (q(8, "Idle", "Active"), q(8, "Idle", "Not Active")),
-                  (q(8, "HW Slowdown", "Not Active") + q(12, "HW Thermal Slowdown", "Not Active"),
-                   q(8, "HW Slowdown", "Active") + q(12, "HW Thermal Slowdown", "Active")),
-                  (q(16, "Current", "16x"), q(16, "Current", "8x")))
+    sick = derive(
+        H100,
+        (
+            q(12, "DRAM Uncorrectable", "0") + "        Aggregate\n",
+            q(12, "DRAM Uncorrectable", "4") + "        Aggregate\n",
+        ),
+        (
+            q(8, "Uncorrectable Error", "0")
+            + q(8, "Inactive Uncorrectable Error", "0")
+            + q(8, "Pending", "No"),
+            q(8, "Uncorrectable Error", "4")
+            + q(8, "Inactive Uncorrectable Error", "0")
+            + q(8, "Pending", "Yes"),
+        ),
+        (q(8, "Idle", "Active"), q(8, "Idle", "Not Active")),
+        (
+            q(8, "HW Slowdown", "Not Active") + q(12, "HW Thermal Slowdown", "Not Active"),
+            q(8, "HW Slowdown", "Active") + q(12, "HW Thermal Slowdown", "Active"),
+        ),
+        (q(16, "Current", "16x"), q(16, "Current", "8x")),
+    )
     [g] = parse_nvidia_smi_q(sick)
     assert (g["ecc_volatile_uncorrectable"], g["ecc_aggregate_uncorrectable"]) == (4, 0)
     assert g["remapped_rows_pending"] is True and g["remapped_rows_uncorrectable"] == 4
     assert g["throttle_active"] == ["HW Slowdown", "HW Thermal Slowdown"]
     found = judge_nvidia([g])
-    assert levels(found) == [("0", "fail", "uncorrectable ECC errors"),
-                             ("0", "fail", "pending page retirement or row remap"),
-                             ("0", "warn", "clocks slowed down"),
-                             ("0", "warn", "PCIe link narrower than its maximum")]
+    assert levels(found) == [
+        ("0", "fail", "uncorrectable ECC errors"),
+        ("0", "fail", "pending page retirement or row remap"),
+        ("0", "warn", "clocks slowed down"),
+        ("0", "warn", "PCIe link narrower than its maximum"),
+    ]
     assert found[0].detail == "GPU 0 (00000000:00:06.0): 4 volatile uncorrectable ECC errors"
     assert "row remap pending" in found[1].detail and "4 rows remapped" in found[1].detail
     assert found[2].detail.endswith("HW Slowdown, HW Thermal Slowdown active")
@@ -321,27 +334,35 @@ def test_h100_remap_failure_and_recovery_action_derived_from_the_recording():
     # DERIVED from the real H100 recording: a failed row remapping, and a recovery action named as
     # Xid 154 names it (that nvidia-smi prints this exact wording is assumed: any value but None
     # fails). Lifetime (aggregate) uncorrectable errors without volatile ones only warn.
-    sick = derive(H100,
-                  (q(8, "Remapping Failure Occurred", "No"), q(8, "Remapping Failure Occurred", "Yes")),
-                  (q(4, "GPU Recovery Action", "None"), q(4, "GPU Recovery Action", "Node Reboot Required")),
-                  (q(12, "DRAM Uncorrectable", "0") + q(12, "SRAM Threshold Exceeded", "No"),
-                   q(12, "DRAM Uncorrectable", "2") + q(12, "SRAM Threshold Exceeded", "No")))
+    sick = derive(
+        H100,
+        (q(8, "Remapping Failure Occurred", "No"), q(8, "Remapping Failure Occurred", "Yes")),
+        (q(4, "GPU Recovery Action", "None"), q(4, "GPU Recovery Action", "Node Reboot Required")),
+        (
+            q(12, "DRAM Uncorrectable", "0") + q(12, "SRAM Threshold Exceeded", "No"),
+            q(12, "DRAM Uncorrectable", "2") + q(12, "SRAM Threshold Exceeded", "No"),
+        ),
+    )
     assert levels(judge_nvidia(parse_nvidia_smi_q(sick))) == [
         ("0", "warn", "uncorrectable ECC errors in the past"),
         ("0", "fail", "row remapping failed"),
-        ("0", "fail", "GPU recovery action pending")]
+        ("0", "fail", "GPU recovery action pending"),
+    ]
+
 
 def test_recorded_4090s_idle_link_downtrain_warns_and_power_cap_is_no_problem():
     gpus = parse_nvidia_smi_q(RTX4090)
     assert [(g["index"], g["bus_id"]) for g in gpus] == [("0", "00000000:01:00.0"), ("1", "00000000:23:00.0")]
-    assert [g["ecc_volatile_uncorrectable"] for g in gpus] == [None, None]     # ECC disabled: N/A
+    assert [g["ecc_volatile_uncorrectable"] for g in gpus] == [None, None]  # ECC disabled: N/A
     assert [g["reset_required"] for g in gpus] == [False, False]
     assert [g["throttle_active"] for g in gpus] == [["Idle"], ["SW Power Cap"]]
     assert [(g["pcie_gen_current"], g["pcie_gen_max"]) for g in gpus] == [(1, 4), (4, 4)]
     [f] = judge_nvidia(gpus)
     assert (f.gpu, f.level, f.what) == ("0", "warn", "PCIe link below its maximum generation")
-    assert f.detail == ("GPU 0 (00000000:01:00.0): PCIe gen 1, max gen 4 (the GPU is idle: links downtrain "
-                        "at idle, so this may be harmless)")
+    assert f.detail == (
+        "GPU 0 (00000000:01:00.0): PCIe gen 1, max gen 4 (the GPU is idle: links downtrain "
+        "at idle, so this may be harmless)"
+    )
 
 
 def test_recorded_v100_legacy_counters_and_the_attached_count():
@@ -352,7 +373,7 @@ def test_recorded_v100_legacy_counters_and_the_attached_count():
         "Tesla V100-PCIE-32GB",
         "Enabled",
     )
-    assert (g["ecc_volatile_uncorrectable"], g["ecc_aggregate_uncorrectable"]) == (0, 0)   # Double Bit totals
+    assert (g["ecc_volatile_uncorrectable"], g["ecc_aggregate_uncorrectable"]) == (0, 0)  # Double Bit totals
     assert (g["retired_pages_sbe"], g["retired_pages_dbe"], g["retired_pages_pending"]) == (1, 0, False)
     assert g["remapped_rows_pending"] is None and g["throttle_active"] == ["Idle"]
     assert (g["pcie_gen_max"], g["pcie_width_max"]) == (3, 16)
@@ -366,33 +387,41 @@ def test_recorded_v100_legacy_counters_and_the_attached_count():
 def test_v100_double_bit_errors_and_pending_retirement_derived():
     # DERIVED from the real V100 sample: 2 volatile double-bit errors in device memory, a page
     # pending retirement.
-    sick = derive(V100,
-                  ("            Double Bit\n"
-                   "                Device Memory             : 0\n"
-                   "                Register File             : 0\n"
-                   "                L1 Cache                  : 0\n"
-                   "                L2 Cache                  : 0\n"
-                   "                Texture Memory            : N/A\n"
-                   "                Texture Shared            : N/A\n"
-                   "                CBU                       : 0\n"
-                   "                Total                     : 0\n"
-                   "        Aggregate\n",
-                   "            Double Bit\n"
-                   "                Device Memory             : 2\n"
-                   "                Register File             : 0\n"
-                   "                L1 Cache                  : 0\n"
-                   "                L2 Cache                  : 0\n"
-                   "                Texture Memory            : N/A\n"
-                   "                Texture Shared            : N/A\n"
-                   "                CBU                       : 0\n"
-                   "                Total                     : 2\n"
-                   "        Aggregate\n"),
-                  ("        Pending Page Blacklist            : No\n",
-                   "        Pending Page Blacklist            : Yes\n"))
+    sick = derive(
+        V100,
+        (
+            "            Double Bit\n"
+            "                Device Memory             : 0\n"
+            "                Register File             : 0\n"
+            "                L1 Cache                  : 0\n"
+            "                L2 Cache                  : 0\n"
+            "                Texture Memory            : N/A\n"
+            "                Texture Shared            : N/A\n"
+            "                CBU                       : 0\n"
+            "                Total                     : 0\n"
+            "        Aggregate\n",
+            "            Double Bit\n"
+            "                Device Memory             : 2\n"
+            "                Register File             : 0\n"
+            "                L1 Cache                  : 0\n"
+            "                L2 Cache                  : 0\n"
+            "                Texture Memory            : N/A\n"
+            "                Texture Shared            : N/A\n"
+            "                CBU                       : 0\n"
+            "                Total                     : 2\n"
+            "        Aggregate\n",
+        ),
+        (
+            "        Pending Page Blacklist            : No\n",
+            "        Pending Page Blacklist            : Yes\n",
+        ),
+    )
     [g] = parse_nvidia_smi_q(sick)[:1]
     assert g["ecc_volatile_uncorrectable"] == 2 and g["retired_pages_pending"] is True
-    assert levels(judge_nvidia([g])) == [("0", "fail", "uncorrectable ECC errors"),
-                                         ("0", "fail", "pending page retirement or row remap")]
+    assert levels(judge_nvidia([g])) == [
+        ("0", "fail", "uncorrectable ECC errors"),
+        ("0", "fail", "pending page retirement or row remap"),
+    ]
 
 
 def test_recorded_unreadable_gpu_and_no_gpus_fail():
@@ -412,21 +441,26 @@ def test_recorded_unreadable_gpu_and_no_gpus_fail():
 
 def test_thresholds_come_from_the_one_table(monkeypatch):
     assert thresholds_for("NVIDIA H100 80GB HBM3")["pcie_gen"] == 5
-    assert thresholds_for("NVIDIA A100-SXM4-80GB")["pcie_gen"] == 4       # "A100", not "A10"
+    assert thresholds_for("NVIDIA A100-SXM4-80GB")["pcie_gen"] == 4  # "A100", not "A10"
     assert thresholds_for("NVIDIA A10G")["pcie_gen"] == 4
     assert thresholds_for("AMD Instinct MI300X VF")["pcie_gen"] == 5
     assert thresholds_for("AMD Instinct MI250X / MI250")["pcie_gen"] == 4
     assert thresholds_for("NVIDIA GeForce RTX 4090") == THRESHOLDS["default"]
-    assert thresholds_for("Tesla V100-PCIE-32GB")["max_uncorrectable_ecc"] == 0   # from default
+    assert thresholds_for("Tesla V100-PCIE-32GB")["max_uncorrectable_ecc"] == 0  # from default
     # the rules read the table: allow 10 uncorrectable errors and a pending remap on H100s, make
     # SW Power Cap a failure on 4090s (DERIVED H100 sample: 4 volatile errors, a remap pending)
     monkeypatch.setitem(
         THRESHOLDS, "H100", {**THRESHOLDS["H100"], "max_uncorrectable_ecc": 10, "max_pending_rows": 1}
     )
     monkeypatch.setitem(THRESHOLDS, "4090", {"throttle_fail": ("SW Power Cap",)})
-    sick = derive(H100, (q(12, "DRAM Uncorrectable", "0") + "        Aggregate\n",
-                         q(12, "DRAM Uncorrectable", "4") + "        Aggregate\n"),
-                  (q(8, "Pending", "No"), q(8, "Pending", "Yes")))
+    sick = derive(
+        H100,
+        (
+            q(12, "DRAM Uncorrectable", "0") + "        Aggregate\n",
+            q(12, "DRAM Uncorrectable", "4") + "        Aggregate\n",
+        ),
+        (q(8, "Pending", "No"), q(8, "Pending", "Yes")),
+    )
     assert judge_nvidia(parse_nvidia_smi_q(sick)) == []
     assert ("1", "fail", "clocks slowed down") in levels(judge_nvidia(parse_nvidia_smi_q(RTX4090)))
 
@@ -491,8 +525,12 @@ def test_xids_are_matched_to_gpus_by_bus_and_judged_by_code():
     # was at 0000:01:00, and the Xid 13s at cb:00, where this host has no GPU.
     gpus = parse_nvidia_smi_q(RTX4090)
     found = [f for f in judge_nvidia(gpus, XID_79 + XID_13) if f.what.startswith("XID")]
-    assert levels(found) == [("0", "fail", "XID 79 (serious)"), ("0", "fail", "XID 154 (serious)"),
-                             ("", "warn", "XID 13"), ("", "warn", "XID 109")]
+    assert levels(found) == [
+        ("0", "fail", "XID 79 (serious)"),
+        ("0", "fail", "XID 154 (serious)"),
+        ("", "warn", "XID 13"),
+        ("", "warn", "XID 109"),
+    ]
     assert found[0].detail == "GPU 0 (00000000:01:00.0): XID 79 in the kernel log"
     assert found[2].detail == "PCI 0000:cb:00 (no GPU listed there): XID 13 in the kernel log (3 times)"
     assert {48, 63, 64, 74, 79, 92, 94, 95, 119, 120} <= gpuhealth.SERIOUS_XIDS
@@ -508,8 +546,9 @@ def stub(tmp_path: Path, name: str, script: str) -> None:
 
 
 def run_sh(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", command], capture_output=True, text=True,
-                          env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    return subprocess.run(
+        ["sh", "-c", command], capture_output=True, text=True, env={"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    )
 
 
 def test_xid_command_reads_dmesg_else_the_journal_and_never_fails(tmp_path):
@@ -717,7 +756,7 @@ Successfully ran diagnostic for group.
 
 def test_recorded_passing_diags_find_nothing():
     assert parse_dcgmi_diag(DCGM_R1_PASS) == []
-    assert parse_dcgmi_diag(DCGM_R3_PASS) == []        # "EUD Test | Skip - All" is no problem
+    assert parse_dcgmi_diag(DCGM_R3_PASS) == []  # "EUD Test | Skip - All" is no problem
     assert parse_dcgmi_diag(DCGM4_PASS) == []
 
 
@@ -744,13 +783,19 @@ def test_recorded_failure_on_all_gpus_is_the_hosts_and_info_under_a_pass_is_noth
 
 def test_dcgm4_per_gpu_failure_and_a_warning_derived():
     # DERIVED from the real DCGM 4.4.2 output: memory failed on GPU0, pcie warned.
-    sick = derive(DCGM4_PASS,
-                  ("| memory                    | Pass                                           |\n"
-                   "|                           | GPU0: Pass                                     |\n",
-                   "| memory                    | Fail                                           |\n"
-                   "|                           | GPU0: Fail                                     |\n"),
-                  ("| pcie                      | Pass                                           |\n",
-                   "| pcie                      | Warn                                           |\n"))
+    sick = derive(
+        DCGM4_PASS,
+        (
+            "| memory                    | Pass                                           |\n"
+            "|                           | GPU0: Pass                                     |\n",
+            "| memory                    | Fail                                           |\n"
+            "|                           | GPU0: Fail                                     |\n",
+        ),
+        (
+            "| pcie                      | Pass                                           |\n",
+            "| pcie                      | Warn                                           |\n",
+        ),
+    )
     assert levels(parse_dcgmi_diag(sick)) == [
         ("0", "fail", "dcgmi memory failed"),
         ("", "warn", "dcgmi pcie warned"),
@@ -758,13 +803,13 @@ def test_dcgm4_per_gpu_failure_and_a_warning_derived():
 
 
 def test_dcgmi_command_absent_timed_out_or_not_running(tmp_path):
-    r = run_sh(DCGMI_COMMAND, tmp_path)                 # no dcgmi on this PATH
+    r = run_sh(DCGMI_COMMAND, tmp_path)  # no dcgmi on this PATH
     assert (r.returncode, r.stdout) == (0, DCGMI_ABSENT + "\n") and parse_dcgmi_diag(r.stdout) == []
     (tmp_path / "out").write_text(DCGM_R1_PASS)
     stub(tmp_path, "dcgmi", f'[ "$*" = "diag -r 1" ] && cat {tmp_path}/out\n')
     r = run_sh(DCGMI_COMMAND, tmp_path)
     assert r.returncode == 0 and r.stdout == DCGM_R1_PASS and parse_dcgmi_diag(r.stdout) == []
-    stub(tmp_path, "dcgmi", "exit 124\n")               # as when timeout killed it
+    stub(tmp_path, "dcgmi", "exit 124\n")  # as when timeout killed it
     r = run_sh(DCGMI_COMMAND, tmp_path)
     assert r.returncode == 0 and levels(parse_dcgmi_diag(r.stdout)) == [("", "warn", "dcgmi diag timed out")]
     # No table at all (dcgmi could not run). The message is dcgmi's connection error as its
@@ -889,8 +934,15 @@ GPU[1]\t\t: Card model: \t\t0xe37f
 
 
 def test_rocm_command_flags():
-    assert ROCM_COMMAND == ["rocm-smi", "--showproductname", "--showbus", "--showclocks", "--showclkfrq",
-                            "--showrasinfo", "all"]
+    assert ROCM_COMMAND == [
+        "rocm-smi",
+        "--showproductname",
+        "--showbus",
+        "--showclocks",
+        "--showclkfrq",
+        "--showrasinfo",
+        "all",
+    ]
 
 
 def test_recorded_mi50_ras_table_is_healthy():
@@ -906,11 +958,17 @@ def test_recorded_mi50_ras_table_is_healthy():
 def test_mi50_uncorrectable_errors_derived():
     # DERIVED from the real MI50 table: 5 correctable and 2 uncorrectable errors in UMC (memory),
     # 1 uncorrectable in SDMA.
-    sick = derive(MI50_RAS,
-                  ("           UMC        ENABLED                  0                    0\n",
-                   "           UMC        ENABLED                  5                    2\n"),
-                  ("          SDMA        ENABLED                  0                    0\n",
-                   "          SDMA        ENABLED                  0                    1\n"))
+    sick = derive(
+        MI50_RAS,
+        (
+            "           UMC        ENABLED                  0                    0\n",
+            "           UMC        ENABLED                  5                    2\n",
+        ),
+        (
+            "          SDMA        ENABLED                  0                    0\n",
+            "          SDMA        ENABLED                  0                    1\n",
+        ),
+    )
     [g0, _] = parse_rocm_smi(sick)
     assert g0["ras"]["UMC"] == ("ENABLED", 5, 2) and g0["ecc_uncorrectable"] == 3
     [f] = judge_amd(parse_rocm_smi(sick))
@@ -936,23 +994,34 @@ def test_recorded_vega_on_x1_risers_warns():
     gpus = parse_rocm_smi(VEGA_X1)
     assert [(g["index"], g["bus_id"], g["product"]) for g in gpus] == [
         ("0", "0000:04:00.0", "Vega 10 XL/XT [Radeon RX Vega 56/64]"),
-        ("1", "0000:07:00.0", "Vega 10 XL/XT [Radeon RX Vega 56/64]")]
+        ("1", "0000:07:00.0", "Vega 10 XL/XT [Radeon RX Vega 56/64]"),
+    ]
     assert [
         (g["pcie_gen_current"], g["pcie_width_current"], g["pcie_gen_max"], g["pcie_width_max"]) for g in gpus
     ] == [(2, 1, 2, 1)] * 2
     found = judge_amd(gpus)
-    assert levels(found) == [("0", "warn", "PCIe link narrower than expected"),
-                             ("1", "warn", "PCIe link narrower than expected")]
-    assert found[0].detail == ("GPU 0 (0000:04:00.0): PCIe link can do at most x1, x16 expected "
-                               "(slot, riser or bridge)")
+    assert levels(found) == [
+        ("0", "warn", "PCIe link narrower than expected"),
+        ("1", "warn", "PCIe link narrower than expected"),
+    ]
+    assert found[0].detail == (
+        "GPU 0 (0000:04:00.0): PCIe link can do at most x1, x16 expected (slot, riser or bridge)"
+    )
 
 
 def test_rx6900xt_at_a_lower_level_derived_and_no_gpus():
     # DERIVED from the real RX 6900 XT output: the link at the lower supported level.
-    low = derive(RX6900XT, ("GPU[0]\t\t: 0: 2.5GT/s x1\nGPU[0]\t\t: 1: 16.0GT/s x16 *\n",
-                            "GPU[0]\t\t: 0: 2.5GT/s x1 *\nGPU[0]\t\t: 1: 16.0GT/s x16\n"))
+    low = derive(
+        RX6900XT,
+        (
+            "GPU[0]\t\t: 0: 2.5GT/s x1\nGPU[0]\t\t: 1: 16.0GT/s x16 *\n",
+            "GPU[0]\t\t: 0: 2.5GT/s x1 *\nGPU[0]\t\t: 1: 16.0GT/s x16\n",
+        ),
+    )
     found = judge_amd(parse_rocm_smi(low))
-    assert levels(found) == [("0", "warn", "PCIe link narrower than its maximum"),
-                             ("0", "warn", "PCIe link below its maximum generation")]
+    assert levels(found) == [
+        ("0", "warn", "PCIe link narrower than its maximum"),
+        ("0", "warn", "PCIe link below its maximum generation"),
+    ]
     assert "power management" in found[0].detail
     assert levels(judge_amd(parse_rocm_smi(""))) == [("", "warn", "no GPUs read")]

@@ -1,6 +1,7 @@
 """The deep check's pure parts (health.py): the pairing schedule, telling a slow host from a slow
 link, compute against peers, the disk probe's output, and the measuring scripts run for real
 (on loopback) here."""
+
 import itertools
 import json
 import subprocess
@@ -76,8 +77,14 @@ def test_noise_is_not_a_verdict():
 
 def test_compute_against_peers_of_the_same_kind():
     speed = {"n1": 40.0, "n2": 38.0, "n3": 9.5, "g1/gpu0": 50000.0, "g1/gpu1": 30000.0, "g2/gpu0": 49000.0}
-    kind = {"n1": "CPU", "n2": "CPU", "n3": "CPU", "g1/gpu0": "NVIDIA H100 80GB HBM3",
-            "g1/gpu1": "NVIDIA H100 80GB HBM3", "g2/gpu0": "NVIDIA H100 80GB HBM3"}
+    kind = {
+        "n1": "CPU",
+        "n2": "CPU",
+        "n3": "CPU",
+        "g1/gpu0": "NVIDIA H100 80GB HBM3",
+        "g1/gpu1": "NVIDIA H100 80GB HBM3",
+        "g2/gpu0": "NVIDIA H100 80GB HBM3",
+    }
     slow = health.compute_outliers(speed, kind)
     assert sorted(slow) == ["g1/gpu1", "n3"]
     assert slow["n3"] == "9.5 GFLOP/s, 24% of its peers' median 39.0 (CPU)"
@@ -92,7 +99,7 @@ def test_disk_probe_output_and_verdicts():
     )
     found = health.parse_disk(text)
     assert found["/opt/fabtrain/code"][0] == 50.0 and round(found["/opt/fabtrain/code"][1]) == 364
-    assert found["/opt/fabtrain/output"][:2] == (5120 / 1024 ** 2, None)
+    assert found["/opt/fabtrain/output"][:2] == (5120 / 1024**2, None)
     checks = health.judge_disk("node3", found)
     assert [c.status for c in checks] == [FAIL, OK]
     assert checks[0].detail.startswith(
@@ -106,15 +113,18 @@ def test_disk_script_runs_here(tmp_path):
     out = subprocess.run(
         ["sh", "-c", health.disk_script([str(tmp_path / "a b")])], capture_output=True, text=True
     )
-    (free, speed, said), = health.parse_disk(out.stdout).values()
+    ((free, speed, said),) = health.parse_disk(out.stdout).values()
     assert free > 0 and speed > 0 and said == "" and not (tmp_path / "a b" / ".fabtrain-disk-probe").exists()
 
 
 def test_the_network_script_measures_both_ways_on_loopback():
     """Two copies of NET_PY, each the other's peer, on 127.0.0.1 and 127.0.0.2."""
-    procs = [subprocess.Popen([sys.executable, "-c", health.NET_PY, me, peer, "29977", "0.5"],
-                              stdout=subprocess.PIPE, text=True)
-             for me, peer in (("127.0.0.1", "127.0.0.2"), ("127.0.0.2", "127.0.0.1"))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", health.NET_PY, me, peer, "29977", "0.5"], stdout=subprocess.PIPE, text=True
+        )
+        for me, peer in (("127.0.0.1", "127.0.0.2"), ("127.0.0.2", "127.0.0.1"))
+    ]
     outs = [health.parse_line("NET", p.communicate(timeout=60)[0]) for p in procs]
     for out in outs:
         assert out["rx_mbit_s"] > 10 and 0 < out["rtt_ms"] < 50
@@ -137,35 +147,49 @@ def test_the_gate_leaves_sick_hosts_out_and_takes_healthy_spares(tmp_path):
     from orchestrator.config.inventory import parse
     from orchestrator.core.errors import UserError
     from orchestrator.preflight import deep
-    inv = parse("""\
+
+    inv = parse(
+        """\
 hosts:
   - {name: node1, address: 10.0.0.1, interface: eth0}
   - {name: node2, address: 10.0.0.2, interface: eth0}
 spares:
   - {name: node3, address: 10.0.0.3, interface: eth0}
   - {name: node4, address: 10.0.0.4, interface: eth0}
-""", Path("inv.yaml"))
+""",
+        Path("inv.yaml"),
+    )
     results = tmp_path / "health.json"
     bad = {"check": "net", "status": "fail", "detail": "sends slowly to every peer", "host": "x", "fix": ""}
     ok = {"check": "net", "status": "ok", "detail": "", "host": "x", "fix": ""}
-    results.write_text(json.dumps({
-        "node1": {"time": 1000.0, "ok": True, "checks": [ok]},
-        "node2": {"time": 1000.0, "ok": False, "checks": [bad]},
-        "node3": {"time": 1000.0, "ok": False, "checks": [dict(bad, check="compute", detail="slow")]},
-        "node4": {"time": 1000.0, "ok": True, "checks": [ok]}}))
+    results.write_text(
+        json.dumps(
+            {
+                "node1": {"time": 1000.0, "ok": True, "checks": [ok]},
+                "node2": {"time": 1000.0, "ok": False, "checks": [bad]},
+                "node3": {"time": 1000.0, "ok": False, "checks": [dict(bad, check="compute", detail="slow")]},
+                "node4": {"time": 1000.0, "ok": True, "checks": [ok]},
+            }
+        )
+    )
     # Fresh results are reused: nothing is measured (no session needed).
     got, lines = deep.gate(None, inv, path=results, now=1000.0 + 60)
     assert [(h.name, h.rank) for h in got.hosts] == [("node1", 0), ("node4", 1)] and got.spares == ()
-    assert lines == [f"deep check results from the last hour reused ({results})",
-                     "node2 left out (net: sends slowly to every peer); spare node4 takes its place",
-                     "spare node3 is not healthy either (compute: slow)"]
-    three = parse("""\
+    assert lines == [
+        f"deep check results from the last hour reused ({results})",
+        "node2 left out (net: sends slowly to every peer); spare node4 takes its place",
+        "spare node3 is not healthy either (compute: slow)",
+    ]
+    three = parse(
+        """\
 hosts:
   - {name: node1, address: 10.0.0.1, interface: eth0}
   - {name: node2, address: 10.0.0.2, interface: eth0}
 spares:
   - {name: node3, address: 10.0.0.3, interface: eth0}
-""", Path("inv3.yaml"))
+""",
+        Path("inv3.yaml"),
+    )
     with pytest.raises(
         UserError,
         match=r"node2 is not healthy \(net: sends slowly to every peer\) and no healthy "
@@ -179,6 +203,7 @@ def test_the_health_cache_is_state_beside_runs_or_under_xdg_state_home(monkeypat
 
     from orchestrator.preflight import deep
     from orchestrator.preflight.checks import Check
+
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     assert deep.results_path() == Path(".fabtrain/health.json")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))

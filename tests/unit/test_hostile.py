@@ -1,4 +1,5 @@
 """orchestrator/core/hostile.py: the one place for what hosts and containers send back."""
+
 import io
 import random
 import string
@@ -16,6 +17,7 @@ ATTACK = "\x1b]52;c;cGF5bG9hZA==\x07\x1b[2J\u009b31m\u202e[/red][link=file:///et
 
 
 # ---------------------------------------------------------------- text
+
 
 def test_text_removes_everything_a_terminal_obeys_and_keeps_the_rest():
     assert hostile.text(ATTACK) == "]52;c;cGF5bG9hZA==[2J31m[/red][link=file:///etc/passwd]x[/link]ok"
@@ -49,11 +51,22 @@ def test_rich_text_is_never_markup_and_never_raises():
 
 # ---------------------------------------------------------------- names and paths
 
-@pytest.mark.parametrize("name, why", [
-    ("", "empty"), ("/etc/passwd", "absolute"), ("~/x", "absolute"), ("../x", "'..'"),
-    ("a/../../b", "'..'"), ("ok\n00000000000000000000 /tmp/pwned", "control"), ("a\x1b[2Jb", "control"),
-    ("a\\..\\b", "backslash"), ("x" * 300, "longer"), ("./.", "no file name"),
-])
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("", "empty"),
+        ("/etc/passwd", "absolute"),
+        ("~/x", "absolute"),
+        ("../x", "'..'"),
+        ("a/../../b", "'..'"),
+        ("ok\n00000000000000000000 /tmp/pwned", "control"),
+        ("a\x1b[2Jb", "control"),
+        ("a\\..\\b", "backslash"),
+        ("x" * 300, "longer"),
+        ("./.", "no file name"),
+    ],
+)
 def test_relpath_refuses(name, why):
     with pytest.raises(hostile.UnsafeName, match=why):
         hostile.relpath(name)
@@ -93,19 +106,22 @@ def test_relpath_fuzzed_never_leads_out(tmp_path):
         accepted += 1
         where = (root / clean).resolve()
         assert root in where.parents, (name, clean)
-        assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in clean)
+        assert not any(ord(c) < 32 or 0x7F <= ord(c) <= 0x9F for c in clean)
         assert ".." not in clean.split("/") and not clean.startswith("/")
     assert accepted > 1000  # the fuzz reached the accepting side too
 
 
 # ---------------------------------------------------------------- sizes
 
+
 def test_line_cutter_cuts_long_lines_only():
     cut = hostile.LineCutter(limit=10)
     assert cut.feed(b"short\n") == b"short\n"
     # A long line arriving in pieces: 10 bytes kept, the marker once, the rest dropped to its newline.
-    assert cut.feed(b"0123456") + cut.feed(b"789abc") + cut.feed(b"defg\nnext\n") == \
-        b"0123456789" + hostile.CUT + b"\nnext\n"
+    assert (
+        cut.feed(b"0123456") + cut.feed(b"789abc") + cut.feed(b"defg\nnext\n")
+        == b"0123456789" + hostile.CUT + b"\nnext\n"
+    )
 
 
 def test_line_cutter_costs_bounded_memory_and_linear_time():
@@ -147,9 +163,14 @@ def test_a_host_sink_keeps_a_huge_line_cut_in_the_file_and_the_terminal(tmp_path
 
 def test_slurm_node_names_that_are_not_plain_names_never_name_a_file(tmp_path):
     from orchestrator.backends.slurm import commands as slurm
+
     assert slurm.node_name("gpu-a17", 0) == "gpu-a17"
-    assert [slurm.node_name(n, i) for i, n in enumerate(["../../x", "/etc/y", "a\x1bb", ".."])] == \
-        ["node0", "node1", "node2", "node3"]
+    assert [slurm.node_name(n, i) for i, n in enumerate(["../../x", "/etc/y", "a\x1bb", ".."])] == [
+        "node0",
+        "node1",
+        "node2",
+        "node3",
+    ]
     with pytest.raises(hostile.UnsafeName):
         Multiplexer(tmp_path, out=io.BytesIO()).sink("../escape", 0)
 
@@ -159,6 +180,7 @@ def test_a_job_record_naming_another_job_is_refused(tmp_path):
 
     from orchestrator.core import recovery
     from orchestrator.core.errors import UserError
+
     (tmp_path / "gpt-1").mkdir()
     doc = {"spec": {"job_id": "../../etc", "script": "x.py"}, "inventory": "inventory.yaml"}
     (tmp_path / "gpt-1" / "job.json").write_text(json.dumps(doc))
@@ -170,6 +192,7 @@ def test_preflight_details_from_hosts_are_shown_as_plain_text():
     import importlib
 
     from orchestrator.preflight.checks import FAIL, OK, Check
+
     render = importlib.import_module("orchestrator.preflight.render")
     out = io.StringIO()
     render.render(
@@ -187,10 +210,11 @@ def test_a_closed_pipe_ends_fab_quietly(args):
     import shlex
     import subprocess
     import sys
+
     fab = str(Path(sys.executable).parent / "fab")
     root = Path(__file__).resolve().parents[2]
     # `true` reads nothing and is gone long before fab (0.5 s to start) writes: the pipe is closed.
-    cmd = f"{shlex.join([fab, '-r', str(root), *args])} | true; echo \"rc=${{PIPESTATUS[0]}}\""
+    cmd = f'{shlex.join([fab, "-r", str(root), *args])} | true; echo "rc=${{PIPESTATUS[0]}}"'
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
     assert r.stdout.strip() == "rc=141", r.stdout  # as `yes | true`: 128 + SIGPIPE
@@ -217,6 +241,7 @@ def test_the_claims_survey_skips_a_file_whose_name_would_add_a_line(tmp_path):
 
 def test_the_slurm_demultiplexer_holds_a_line_with_no_end_cut(tmp_path):
     from orchestrator.backends.slurm import follow as slurm
+
     mux = Multiplexer(tmp_path, out=io.BytesIO(), colour=False)
     demux = slurm.Demux(mux, lambda restart: ["gpu1"])
     tracemalloc.start()
@@ -239,8 +264,10 @@ def test_bytes_that_are_not_utf8_never_reach_a_terminal_as_c1_controls():
 def test_a_rank_name_with_math_markup_still_gets_its_curves(tmp_path):
     from orchestrator.progress import report
 
-    line = ("[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | "
-            "compute 10.0 ms\n")
+    line = (
+        "[n$\\x$1 rank{r}] epoch 0 | step {s} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | step 11.0 ms | "
+        "compute 10.0 ms\n"
+    )
     (tmp_path / "node1.log").write_text("".join(line.format(r=r, s=s) for r in (0, 1) for s in (1, 2, 3)))
     assert report.write_plot([tmp_path], tmp_path / "loss.png").stat().st_size > 0
 
@@ -249,13 +276,15 @@ def test_our_snapshots_are_never_renamed_through_a_link_the_container_left(tmp_p
     import subprocess
 
     from orchestrator.snapshots import commands as snapshots
+
     victim, job = tmp_path / "victim", tmp_path / "job"
     victim.mkdir()
     job.mkdir()
     (job / "snapshots").symlink_to(victim)  # the container owns /output: snapshots/ may be a link
     (victim / ".snapshot-000000001.pt.copy.tmp").write_bytes(b"x")
-    cmd = snapshots.rename_command(f"{job}/snapshots/.snapshot-000000001.pt.copy.tmp",
-                                   f"{job}/snapshots/snapshot-000000001.pt")
+    cmd = snapshots.rename_command(
+        f"{job}/snapshots/.snapshot-000000001.pt.copy.tmp", f"{job}/snapshots/snapshot-000000001.pt"
+    )
     r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
     assert r.returncode == 1 and "is a symbolic link; nothing is written through it" in r.stderr
     assert sorted(p.name for p in victim.iterdir()) == [".snapshot-000000001.pt.copy.tmp"]

@@ -1,6 +1,7 @@
 """Names of checkpoints and snapshots read back from hosts are hostile: the NUL-separated listing
 parser, checkpoint sets (which files belong together, when one is complete), and the local paths
 they become. A real sh, find and rsync on this machine stand in for a host (a folder here)."""
+
 import os
 import posixpath
 import random
@@ -39,20 +40,23 @@ def rec(path: str, size: int = 10, stamp: str = "1700000000.500000000") -> str:
 FAKE = "work/checkpoints/x\n00000000000000000000 /tmp/pwned-1234"
 
 
-@pytest.mark.parametrize("name,why", [
-    (FAKE, "control characters or a newline"),
-    ("/abs/ckpt.pt", "an absolute path"),
-    ("work/checkpoints/../../../.ssh/authorized_keys", "'..' in"),
-    ("work/checkpoints/a/../../b", "'..' in"),
-    ("../x", "'..' in"),
-    ("work/checkpoints/\x1b]52;c;aGk=\x07", "control characters"),
-    ("work/checkpoints/a\rb", "control characters"),
-    ("work/checkpoints/bad\x85", "control characters"),
-    ("work/checkpoints/\ufffd.pt", "not UTF-8"),
-    ("work/checkpoints//x", "not a plain path"),           # not as find writes it: refused, not cleaned
-    ("work/other/ckpt.pt", "not a plain path matching"),   # a host naming a file outside the glob
-    ("etc/passwd", "not a plain path matching"),
-])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        (FAKE, "control characters or a newline"),
+        ("/abs/ckpt.pt", "an absolute path"),
+        ("work/checkpoints/../../../.ssh/authorized_keys", "'..' in"),
+        ("work/checkpoints/a/../../b", "'..' in"),
+        ("../x", "'..' in"),
+        ("work/checkpoints/\x1b]52;c;aGk=\x07", "control characters"),
+        ("work/checkpoints/a\rb", "control characters"),
+        ("work/checkpoints/bad\x85", "control characters"),
+        ("work/checkpoints/\ufffd.pt", "not UTF-8"),
+        ("work/checkpoints//x", "not a plain path"),  # not as find writes it: refused, not cleaned
+        ("work/other/ckpt.pt", "not a plain path matching"),  # a host naming a file outside the glob
+        ("etc/passwd", "not a plain path matching"),
+    ],
+)
 def test_hostile_names_are_refused_with_why(name, why):
     got = listings.parse_listing(listing(rec("work/checkpoints/good.pt"), rec(name)), PATTERN)
     assert [e.path for e in got.entries] == ["work/checkpoints/good.pt"]
@@ -99,19 +103,30 @@ def test_hidden_files_are_skipped_but_dcp_metadata():
     assert [e.path for e in got.entries] == ["work/checkpoints/s/.metadata"] and got.refused == ()
 
 
-@pytest.mark.parametrize("stdout", [
-    listing(rec("work/checkpoints/a.pt"), end=False),                       # find failed somewhere
-    listing(rec("work/checkpoints/a.pt")) + "\n...[cut] (99 more bytes)\n",  # the output cap cut it
-    listing(rec("work/checkpoints/a.pt"))[:-3],                              # cut inside END
-])
+@pytest.mark.parametrize(
+    "stdout",
+    [
+        listing(rec("work/checkpoints/a.pt"), end=False),  # find failed somewhere
+        listing(rec("work/checkpoints/a.pt")) + "\n...[cut] (99 more bytes)\n",  # the output cap cut it
+        listing(rec("work/checkpoints/a.pt"))[:-3],  # cut inside END
+    ],
+)
 def test_a_listing_without_its_end_is_never_a_set(stdout):
     got = listings.parse_listing(stdout, PATTERN)
     assert not got.whole
     assert commands.Layout(PATTERN).read(stdout)[0] == []
 
 
-@pytest.mark.parametrize("record", ["x 10 work/checkpoints/a", "1.5 ten work/checkpoints/a", "1.5", "",
-                                    "999999999999.0 1 work/checkpoints/a"])
+@pytest.mark.parametrize(
+    "record",
+    [
+        "x 10 work/checkpoints/a",
+        "1.5 ten work/checkpoints/a",
+        "1.5",
+        "",
+        "999999999999.0 1 work/checkpoints/a",
+    ],
+)
 def test_records_that_are_not_finds_are_refused(record):
     got = listings.parse_listing(listing(record), PATTERN)
     assert got.entries == () and len(got.refused) == 1
@@ -134,8 +149,28 @@ def test_our_snapshot_names_are_whole_names_only():
 
 # ---------------------------------------------------------------- fuzzed
 
-ALPHABET = ["/", ".", "..", "../", "\n", "\0", "\x1b", " ", "\\", "~", "*", "$(", "\ufffd", "\u202e", "\x85",
-            "work/checkpoints/", "00000000000000000000 ", "a", "é", "\U0001f600"]
+ALPHABET = [
+    "/",
+    ".",
+    "..",
+    "../",
+    "\n",
+    "\0",
+    "\x1b",
+    " ",
+    "\\",
+    "~",
+    "*",
+    "$(",
+    "\ufffd",
+    "\u202e",
+    "\x85",
+    "work/checkpoints/",
+    "00000000000000000000 ",
+    "a",
+    "é",
+    "\U0001f600",
+]
 
 
 def random_name(rng: random.Random) -> str:
@@ -162,7 +197,7 @@ def test_fuzzed_names_are_refused_or_stay_inside_their_root(tmp_path):
         for path in names:
             kept += 1
             assert not path.startswith("/") and ".." not in path.split("/") and "\0" not in path
-            assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in path), repr(path)
+            assert not any(ord(c) < 32 or 0x7F <= ord(c) <= 0x9F for c in path), repr(path)
             assert posixpath.normpath(path) == path and listings.glob_matches(PATTERN, path)
             where = (root / path).resolve()
             assert root.resolve() in where.parents
@@ -182,14 +217,13 @@ def test_fuzzed_listings_never_raise_and_never_yield_an_unsafe_path():
 
 # ---------------------------------------------------------------- sets
 
+
 def entries(*specs) -> tuple:
     return tuple(listings.Entry(p, 1, ns) for p, ns in specs)
 
 
 def test_a_set_is_every_file_named_by_the_newest():
-    s = listings.checkpoint_set(
-        entries(("work/checkpoints/model.pt", 5), ("work/checkpoints/optim.pt", 7))
-    )
+    s = listings.checkpoint_set(entries(("work/checkpoints/model.pt", 5), ("work/checkpoints/optim.pt", 7)))
     assert s.name == "00000000000000000007" and s.paths == (
         "work/checkpoints/model.pt",
         "work/checkpoints/optim.pt",
@@ -197,27 +231,32 @@ def test_a_set_is_every_file_named_by_the_newest():
 
 
 def test_a_dcp_directory_counts_once_its_metadata_is_written():
-    done = (("work/checkpoints/step_100/__0_0.distcp", 1), ("work/checkpoints/step_100/__1_0.distcp", 2),
-            ("work/checkpoints/step_100/.metadata", 3))
+    done = (
+        ("work/checkpoints/step_100/__0_0.distcp", 1),
+        ("work/checkpoints/step_100/__1_0.distcp", 2),
+        ("work/checkpoints/step_100/.metadata", 3),
+    )
     writing = (("work/checkpoints/step_200/__0_0.distcp", 9),)
     s = listings.checkpoint_set(entries(*done, *writing))
     assert s.name == f"{3:020d}" and s.partial == ("work/checkpoints/step_200",)
     assert s.paths == tuple(sorted(p for p, _ in done))
     assert listings.checkpoint_set(entries(*writing)) is None
-    whole = listings.checkpoint_set(
-        entries(*done, *writing, ("work/checkpoints/step_200/.metadata", 10))
-    )
+    whole = listings.checkpoint_set(entries(*done, *writing, ("work/checkpoints/step_200/.metadata", 10)))
     assert whole.name == f"{10:020d}" and whole.partial == () and len(whole.files) == 5
 
 
 def test_settle_needs_two_equal_looks_apart_and_an_old_enough_newest_file():
     settle = listings.Settle(1.0)
     a = listings.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9)))
-    b = listings.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 5 * 10**9),
-                                       ("work/checkpoints/optim.pt", NOW - 5 * 10**9)))
-    assert settle.see(a, 0.0) is None      # first look
-    assert settle.see(b, 0.5) is None      # changed (optim.pt came): starts again
-    assert settle.see(b, 1.0) is None      # same, but only 0.5 s apart
+    b = listings.Listing(
+        NOW,
+        entries(
+            ("work/checkpoints/model.pt", NOW - 5 * 10**9), ("work/checkpoints/optim.pt", NOW - 5 * 10**9)
+        ),
+    )
+    assert settle.see(a, 0.0) is None  # first look
+    assert settle.see(b, 0.5) is None  # changed (optim.pt came): starts again
+    assert settle.see(b, 1.0) is None  # same, but only 0.5 s apart
     got = settle.see(b, 1.6)
     assert got is not None and got.paths == ("work/checkpoints/model.pt", "work/checkpoints/optim.pt")
     fresh = listings.Listing(NOW, entries(("work/checkpoints/model.pt", NOW - 10**8)))
@@ -232,11 +271,20 @@ def test_settle_needs_two_equal_looks_apart_and_an_old_enough_newest_file():
 
 # ---------------------------------------------------------------- local paths
 
-@pytest.mark.parametrize("pattern,name", [
-    ("", "../x"), ("", "/tmp/x"), ("", "snapshot-000000001.pt\n"), ("", "a/b"),
-    (PATTERN, "snapshot-000000001.pt"), (PATTERN, "/tmp/pwned"), (PATTERN, "../00000000000000000001"),
-    (PATTERN, "\u0660" * 20),  # Arabic-Indic digits: \d takes them, a set's name is ASCII
-])
+
+@pytest.mark.parametrize(
+    "pattern,name",
+    [
+        ("", "../x"),
+        ("", "/tmp/x"),
+        ("", "snapshot-000000001.pt\n"),
+        ("", "a/b"),
+        (PATTERN, "snapshot-000000001.pt"),
+        (PATTERN, "/tmp/pwned"),
+        (PATTERN, "../00000000000000000001"),
+        (PATTERN, "\u0660" * 20),  # Arabic-Indic digits: \d takes them, a set's name is ASCII
+    ],
+)
 def test_local_paths_only_for_well_formed_names(tmp_path, pattern, name):
     with pytest.raises(hostile.UnsafeName):
         commands.Layout(pattern).local(tmp_path, name)
@@ -259,9 +307,12 @@ def test_a_plan_placeholder_after_the_stamp_never_reaches_a_path(tmp_path):
 
 # ---------------------------------------------------------------- the commands, exactly
 
+
 def test_set_commands_are_quoted_once():
-    inv = parse("job: {output_dir: /out}\nhosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n",
-                Path("/i/inv.yaml"))
+    inv = parse(
+        "job: {output_dir: /out}\nhosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n",
+        Path("/i/inv.yaml"),
+    )
     spec = jobspec.JobSpec(job_id="j", script="main.py", checkpoint=PATTERN)
     assert commands.list_command(inv, spec) == (
         "cd /out/j 2>/dev/null && printf '%s\\0' \"$(date +%s.%N)\" && find . '(' -path "
@@ -270,7 +321,8 @@ def test_set_commands_are_quoted_once():
         "-printf '%T@ %s %P\\0' && printf 'end\\0'; true"
     )
     assert commands.manifest_command("/out/j", ["work/checkpoints/$(touch x)"]).endswith(
-        "sh 'work/checkpoints/$(touch x)'")
+        "sh 'work/checkpoints/$(touch x)'"
+    )
     push, check, rename = commands.push_commands(
         inv.hosts[0], "runs/j/checkpoints/00000000000000000007", "/out/j", PATTERN
     )
@@ -383,6 +435,7 @@ def test_set_commands_are_quoted_once():
 
 # ---------------------------------------------------------------- end to end, on this machine
 
+
 class LocalSession:
     """Session.run as `sh -c` on this machine: the 'host' is a folder here (its output_dir)."""
 
@@ -469,6 +522,7 @@ def ssh_rsync(tmp_path: Path):
         argv = list(argv)
         argv[argv.index("--rsh") + 1] = str(fake)
         return subprocess.run(argv, **kw)
+
     return copy
 
 
@@ -504,8 +558,9 @@ def placing(tmp_path: Path, local: dict[str, bytes], copy=None):
     (victim / "authorized_keys").write_bytes(b"ssh-ed25519 AAAA the user's own key\n")
     (victim / "id_ed25519").write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY----- the user's secret\n")
     reports: list[str] = []
-    snaps = store.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
-                                copy=copy or ssh_rsync(tmp_path))
+    snaps = store.Snapshots(
+        tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append, copy=copy or ssh_rsync(tmp_path)
+    )
     for rel, data in local.items():
         (snaps.local_path(SET) / rel).parent.mkdir(parents=True, exist_ok=True)
         (snaps.local_path(SET) / rel).write_bytes(data)
@@ -516,12 +571,15 @@ ATTACKER_KEY = b"ssh-ed25519 AAAA the attacker's key\n"
 
 
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="needs rsync")
-@pytest.mark.parametrize("link,target,refused", [
-    # The review's finding: .fabtrain-replaced/ckpt -> ../../../victim/.ssh and a real
-    # ckpt/authorized_keys outside the set: moving it aside wrote it over the victim's.
-    (".fabtrain-replaced/ckpt", "../../../victim/.ssh", ".fabtrain-replaced/ckpt is a symbolic link"),
-    (".fabtrain-replaced", "../../victim", ".fabtrain-replaced is a symbolic link"),
-])
+@pytest.mark.parametrize(
+    "link,target,refused",
+    [
+        # The review's finding: .fabtrain-replaced/ckpt -> ../../../victim/.ssh and a real
+        # ckpt/authorized_keys outside the set: moving it aside wrote it over the victim's.
+        (".fabtrain-replaced/ckpt", "../../../victim/.ssh", ".fabtrain-replaced/ckpt is a symbolic link"),
+        (".fabtrain-replaced", "../../victim", ".fabtrain-replaced is a symbolic link"),
+    ],
+)
 def test_moving_aside_never_goes_through_a_link(tmp_path, link, target, refused):
     snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/model.pt": b"model 7"})
     (root / "ckpt").mkdir()
@@ -554,8 +612,9 @@ def test_moving_aside_never_goes_through_a_link(tmp_path, link, target, refused)
     ],
 )
 def test_placing_a_set_never_goes_through_a_link_to_its_folder(tmp_path, make, refused):
-    snaps, reports, host, root, victim = placing(tmp_path, {"ckpt/authorized_keys": ATTACKER_KEY,
-                                                            "ckpt/model.pt": b"model 7"})
+    snaps, reports, host, root, victim = placing(
+        tmp_path, {"ckpt/authorized_keys": ATTACKER_KEY, "ckpt/model.pt": b"model 7"}
+    )
     make(root, victim)
     before = files_under(tmp_path / "victim")
     with pytest.raises(UserError, match=f": {refused} in the job output directory"):
@@ -650,6 +709,7 @@ def test_a_set_folder_swapped_for_a_link_between_two_looks_is_never_read(tmp_pat
         r = local_rsync(argv, **kw)
         session.back()
         return r
+
     snaps.copy = rsync_then_put_back
     name = checks.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
     assert name and not snaps.fetch(session, host, name)
@@ -679,6 +739,7 @@ def test_checksums_that_read_other_sizes_than_the_listing_are_not_copied(tmp_pat
                     fh.write(b"+")
                 os.utime(root / "ckpt" / "model.pt", ns=(old, old))
             return super().run(host, command, timeout, stdin, what)
+
     snaps.copy = lambda argv, **kw: copies.append(argv) or local_rsync(argv, **kw)
     name = checks.remote_newest(LocalSession(), host, snaps.inv, snaps.spec)
     assert not snaps.fetch(Growing(), host, name)

@@ -1,5 +1,6 @@
 """A path a container could have touched (hostcmds/touched.py): the scripts run for real with sh on
 this machine, against a job directory where a "container" put links, a FIFO and a device node."""
+
 import os
 import stat
 import subprocess
@@ -46,10 +47,12 @@ def test_a_regular_console_file_is_read_and_followed(job):
 def test_a_console_file_linked_to_a_host_file_is_never_read(job):
     root, secret = job
     os.symlink(secret, root / ".console" / "node-0.log")
-    for script in (touched.tail(shell([str(root)]), ".console/node-0.log", 100),
-                   touched.read_from(shell([str(root)]), ".console/node-0.log", 1),
-                   touched.head(shell([str(root)]), ".console/node-0.log", 12),
-                   touched.follow(shell([str(root)]), ".console/node-0.log", "$$")):
+    for script in (
+        touched.tail(shell([str(root)]), ".console/node-0.log", 100),
+        touched.read_from(shell([str(root)]), ".console/node-0.log", 1),
+        touched.head(shell([str(root)]), ".console/node-0.log", 12),
+        touched.follow(shell([str(root)]), ".console/node-0.log", "$$"),
+    ):
         r = sh(script)
         assert r.returncode == touched.NOT_SAFE, r
         assert b"secret" not in r.stdout + r.stderr

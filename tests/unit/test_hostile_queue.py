@@ -5,6 +5,7 @@ a file that is no claim or place (a link, not a regular file, a name that is no 
 ticket= of fabtrain's form) is named and obeyed not at all, its target never read. The exact
 scripts and messages, and the scripts run by a real sh against a directory here, with a `date` on
 PATH that says the host's time, so every age is exact."""
+
 import os
 import subprocess
 import time
@@ -23,7 +24,7 @@ INV = parse("job: {output_dir: /opt/out}\n" + HOSTS, Path("i.yaml"))
 GPU = INV.hosts[0]
 STALE = int(hostfiles.LEASE_STALE)
 DIGITS = "[0-9]" * 20
-TICKET = "01795000000000000000-x-1"   # of new_ticket's form, earlier than any taken now
+TICKET = "01795000000000000000-x-1"  # of new_ticket's form, earlier than any taken now
 
 
 def test_the_files_are_read_without_following_links_bounded_and_as_printable_lines():
@@ -40,7 +41,7 @@ def test_the_files_are_read_without_following_links_bounded_and_as_printable_lin
         '{ command exec 8<"$1"; } 2>/dev/null || return 1; [ ! -L "$1" ] && [ "$1" -ef /dev/fd/8 ] || '
         '{ exec 8<&-; ignored "$1" changed; return 1; }; '
         'c=$(head -c 4096 <&8 | LC_ALL=C tr -cd "\\n -~"); '
-        'a=$((now - $(stat -L -c %Y /dev/fd/8))); exec 8<&-; }; '
+        "a=$((now - $(stat -L -c %Y /dev/fd/8))); exec 8<&-; }; "
     )
 
 
@@ -57,22 +58,24 @@ def test_the_queue_scan_drops_places_dated_ahead_or_not_renewed_and_ignores_what
         'wait_here() { exit "$1"; }; '
     )
     # A queued job: only places with an earlier ticket are ahead of it.
-    assert "if [ \"$t\" \\< 02000000000000000000-gpt-1 ]; then" in queue.queue_scan_script(
-        INV, "gpt-1", "02000000000000000000-gpt-1", "al@ws", ())
+    assert 'if [ "$t" \\< 02000000000000000000-gpt-1 ]; then' in queue.queue_scan_script(
+        INV, "gpt-1", "02000000000000000000-gpt-1", "al@ws", ()
+    )
     assert queue.enqueue_script(INV, "gpt-1", TICKET, "al@ws", ()).count(claimdir.entries_script()) == 1
 
 
 def test_the_claim_script_judges_each_claim_by_its_lease_on_the_hosts_clock():
     s = claims.claim_script(INV, "gpt-1", (0, 1), "al@ws", False)
     assert (
-        'now=$(date +%s); taken=""; ports=""; ' + claimdir.entries_script()
+        'now=$(date +%s); taken=""; ports=""; '
+        + claimdir.entries_script()
         + 'ahead=""; wait_here() { exit "$1"; }; '
         'for f in "$d"/*; do [ "$f" = "$d"/gpt-1 ] && continue; '
         '[ "$f" = "$d"/queue ] && [ -d "$f" ] && [ ! -L "$f" ] && continue; entry "$f" || continue; '
         'u=$(printf "%s\\n" "$c" | sed -n "s/^units=/=/p"); '
         'case "$u" in ""|*[!0-9,=]*|?*=*) ignored "$f" units; continue;; esac; '
         'u=$(printf %s "${u#=}" | tr , " "); r=/opt/out/.runtime/"$j"; '
-        "ids=$(timeout -k 2 8 docker ps --quiet --filter label=fabtrain.job=\"$j\" 2>/dev/null) "
+        'ids=$(timeout -k 2 8 docker ps --quiet --filter label=fabtrain.job="$j" 2>/dev/null) '
         '|| ids=unknown; la=none; [ ! -L "$r" ] && [ -f "$r"/lease ] && [ ! -L "$r"/lease ] && '
         'la=$((now - $(stat -c %Y "$r"/lease))); '
         f'if [ -n "$ids" ] || {{ [ "$la" != none ] && [ "$la" -ge -60 ] && [ "$la" -lt {STALE} ]; }}; then '
@@ -114,7 +117,10 @@ def test_what_was_dropped_cleared_or_ignored_is_read_back_with_the_hosts_ages_fi
     held, cleared = claims.parse_claim_output(OUTPUT)
     assert held == [claims.Holder("al-1", "al@ws", 1795000000.0, (2,), 29500)]
     assert [(c.job, c.units, c.age) for c in cleared] == [
-        ("ghost-1", (), -86400.0), ("old-1", (0, 1), None), ("gone-1", (3,), 90.0)]
+        ("ghost-1", (), -86400.0),
+        ("old-1", (0, 1), None),
+        ("gone-1", (3,), 90.0),
+    ]
     assert claimdir.where(OUTPUT) == "/opt/out/.claims/gpu-host-1"
     # A line that is no claim: no units= of numbers, or a name that is no job id.
     assert claims.parse_holder("x-1 who=a since=1") is None
@@ -164,9 +170,17 @@ def test_each_warning_names_the_file_on_the_host_its_owner_and_why():
     ]
 
 
-@pytest.mark.parametrize("age, fresh", [
-    (None, False), (-61, False), (-60, True), (0, True), (hostfiles.LEASE_STALE - 1, True),
-    (hostfiles.LEASE_STALE, False)])
+@pytest.mark.parametrize(
+    "age, fresh",
+    [
+        (None, False),
+        (-61, False),
+        (-60, True),
+        (0, True),
+        (hostfiles.LEASE_STALE - 1, True),
+        (hostfiles.LEASE_STALE, False),
+    ],
+)
 def test_renewed_within_bounds_an_age_on_both_sides(age, fresh):
     assert claimdir.renewed_within(age, hostfiles.LEASE_STALE) is fresh
 
@@ -174,17 +188,25 @@ def test_renewed_within_bounds_an_age_on_both_sides(age, fresh):
 def test_the_survey_counts_no_place_or_lease_dated_ahead():
     """fab status, --num-nodes and the plan judge what the survey read as the claim script does."""
     ghost = claims.Holder("ghost-1", "eve@vm", 1.0, ())
-    hj = HostJobs({}, frozenset(), {"ghost-1": -86400.0, "al-1": 3.0}, cpus=4,
-                  claimed=(ghost, claims.Holder("al-1", "al@ws", 1.0, (0,))),
-                  queued=(queue.Waiting("x-1", "bob@vm", 1.0, TICKET, "all", -100000.0),
-                          queue.Waiting("y-2", "bob@vm", 1.0, "", "all", 1.0),
-                          queue.Waiting("w-3", "carol@ws", 1.0, "01795000000000000009-w-3", "all", 2.0)))
+    hj = HostJobs(
+        {},
+        frozenset(),
+        {"ghost-1": -86400.0, "al-1": 3.0},
+        cpus=4,
+        claimed=(ghost, claims.Holder("al-1", "al@ws", 1.0, (0,))),
+        queued=(
+            queue.Waiting("x-1", "bob@vm", 1.0, TICKET, "all", -100000.0),
+            queue.Waiting("y-2", "bob@vm", 1.0, "", "all", 1.0),
+            queue.Waiting("w-3", "carol@ws", 1.0, "01795000000000000009-w-3", "all", 2.0),
+        ),
+    )
     assert [h.job for h in hj.holders()] == ["al-1"]
     views = job_views(PerHost(gpu1=hj))
     assert {j: v.queue for j, v in views.items() if v.queue} == {"w-3": {"gpu1": 1}}
 
 
 # ------------------------------------------------------------------ run by sh
+
 
 @pytest.fixture
 def host(tmp_path):
@@ -205,6 +227,7 @@ def host(tmp_path):
 
     def run(script: str) -> subprocess.CompletedProcess:
         return subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+
     return inv, run, d, now
 
 
@@ -248,25 +271,26 @@ def test_a_place_not_renewed_is_dropped_saying_for_how_long(host):
 
 def test_a_fresh_place_still_makes_later_jobs_wait_within_the_clocks_slack_too(host):
     inv, run, d, now = host
-    for dated in (now - 5, now + 60):   # renewed lately; dated ahead by no more than FUTURE_SLACK
+    for dated in (now - 5, now + 60):  # renewed lately; dated ahead by no more than FUTURE_SLACK
         f = place(d, "x-1", dated)
         r = run(claims.claim_script(inv, "gpt-1", (0,), "al@ws", True))
         assert r.returncode == queue.QUEUED and f.exists() and not (d / "gpt-1").exists()
         assert [(w.job, w.who, w.age) for w in queue.parse_queue_output(r.stdout)[0]] == [
-            ("x-1", "bob@vm", float(now - dated))]
+            ("x-1", "bob@vm", float(now - dated))
+        ]
         assert claims.claim_warnings(inv.hosts[0], r.stdout) == []
 
 
 def test_files_that_are_no_place_are_named_and_obeyed_not_at_all(host, tmp_path):
     inv, run, d, now = host
     secret = tmp_path / "secret"
-    secret.write_text(f"who=PRIVATE\nticket={TICKET}\n")      # a place, were it read through the link
+    secret.write_text(f"who=PRIVATE\nticket={TICKET}\n")  # a place, were it read through the link
     q = d / "queue"
     (q / "l-1").symlink_to(secret)
     (q / "dir-1").mkdir()
-    os.mkfifo(q / "fifo-1")                                   # read, it would hang the claim
-    (q / "x\ny-1").write_text(f"ticket={TICKET}\n")           # a name that is no job id
-    (q / "f-1").write_text("who=m\nticket=$(reboot)\n")       # no ticket of new_ticket's form
+    os.mkfifo(q / "fifo-1")  # read, it would hang the claim
+    (q / "x\ny-1").write_text(f"ticket={TICKET}\n")  # a name that is no job id
+    (q / "f-1").write_text("who=m\nticket=$(reboot)\n")  # no ticket of new_ticket's form
     (q / "g-1").write_text(f"ticket={TICKET}\nticket={TICKET}\n")
     (q / "h-1").write_text(f"who=m\\nahead x-9 age=0\nticket={TICKET}\n")  # a \\n, for dash's echo
     r = run(claims.claim_script(inv, "gpt-1", (0,), "al@ws", True))
@@ -279,10 +303,16 @@ def test_files_that_are_no_place_are_named_and_obeyed_not_at_all(host, tmp_path)
     assert sorted(p.name for p in q.iterdir()) == ["dir-1", "f-1", "fifo-1", "g-1", "l-1", "x\ny-1"]
     lines = [line for line in r.stdout.splitlines() if line.startswith("ignored ")]
     assert sorted(lines) == [
-        "ignored queue/dir-1 special", "ignored queue/f-1 ticket", "ignored queue/fifo-1 special",
-        "ignored queue/g-1 ticket", "ignored queue/l-1 link", "ignored queue/x?y-1 name"]
+        "ignored queue/dir-1 special",
+        "ignored queue/f-1 ticket",
+        "ignored queue/fifo-1 special",
+        "ignored queue/g-1 ticket",
+        "ignored queue/l-1 link",
+        "ignored queue/x?y-1 name",
+    ]
     assert f"gpu1: ignored {d}/queue/l-1: a symbolic link (never followed)" in "\n".join(
-        claims.claim_warnings(inv.hosts[0], r.stdout))
+        claims.claim_warnings(inv.hosts[0], r.stdout)
+    )
 
 
 def test_a_claim_whose_lease_is_dated_ahead_is_cleared_and_malformed_claims_hold_nothing(host, tmp_path):
@@ -308,10 +338,16 @@ def test_a_claim_whose_lease_is_dated_ahead_is_cleared_and_malformed_claims_hold
         "all): no container of that job runs there and its lease is future-dated by 86400 s on gpu1's "
         "clock (more than the 60 s allowed): fab train renews it with the host's own clock, so something "
         "else wrote this date",
-        *(f"gpu1: ignored {d}/{name}: {why}, so it holds up no job (fabtrain writes no such file); remove it "
-          f"unless someone of the group needs it: rm -- {d}/{name}"
-          for name, why in (("l-1", claimdir.IGNORED["link"]), ("odd-1", claimdir.IGNORED["units"]),
-                            ("odd-2", claimdir.IGNORED["units"]), ("odd-3", claimdir.IGNORED["units"]))),
+        *(
+            f"gpu1: ignored {d}/{name}: {why}, so it holds up no job (fabtrain writes no such file); "
+            f"remove it unless someone of the group needs it: rm -- {d}/{name}"
+            for name, why in (
+                ("l-1", claimdir.IGNORED["link"]),
+                ("odd-1", claimdir.IGNORED["units"]),
+                ("odd-2", claimdir.IGNORED["units"]),
+                ("odd-3", claimdir.IGNORED["units"]),
+            )
+        ),
     ]
     # A lease dated ahead by no more than FUTURE_SLACK (a file server's clock) still holds.
     assert run(claims.release_command(inv, ["gpt-1"])).returncode == 0

@@ -1,6 +1,7 @@
 """rsync: remote paths never reach a remote shell (-s in every argv, whatever RSYNC_OLD_ARGS says),
 and preflight judges the rsync of every host and of this machine by its version, its package's
 CVE fixes and its argument-handling environment."""
+
 import os
 import shutil
 import subprocess
@@ -13,19 +14,26 @@ from orchestrator.core.jobspec import LOCAL
 from orchestrator.hostcmds import sshargs
 from orchestrator.preflight import CHECKS, FAIL, OK, WARN, judge, probe
 
-INV = parse("""
+INV = parse(
+    """
 ssh: {user: u, key: /k/id, known_hosts: /k/kh}
 hosts:
   - {name: a, address: 10.0.0.1, interface: eth0, gpus: {vendor: none, count: 0}}
   - {name: b, address: 10.0.0.2, interface: eth0, gpus: {vendor: none, count: 0}}
-""", Path("i.yaml"))
+""",
+    Path("i.yaml"),
+)
 A = INV.hosts[0]
 HOSTILE = "/out/$(touch pwned)/it's a `name`.pt"
 
 
 def every_rsync_argv() -> list[list[str]]:
-    return [sshargs.rsync_argv(A, "/src", "/opt/code/k"), sshargs.fetch_file_argv(A, HOSTILE, "/tmp/x"),
-            sshargs.push_file_argv(A, "/tmp/x", HOSTILE), sshargs.fetch_argv(A, HOSTILE, "runs/j/outputs/a")]
+    return [
+        sshargs.rsync_argv(A, "/src", "/opt/code/k"),
+        sshargs.fetch_file_argv(A, HOSTILE, "/tmp/x"),
+        sshargs.push_file_argv(A, "/tmp/x", HOSTILE),
+        sshargs.fetch_argv(A, HOSTILE, "runs/j/outputs/a"),
+    ]
 
 
 def test_every_rsync_argv_protects_its_remote_arguments():
@@ -61,18 +69,22 @@ def test_rsync_sends_no_remote_path_to_the_shell_even_with_RSYNC_OLD_ARGS(tmp_pa
 
 # ---------------------------------------------------------------- the version and the judgement
 
-@pytest.mark.parametrize("line, version", [
-    ("rsync  version 3.2.7  protocol version 31", (3, 2, 7)),
-    ("rsync  version v3.2.3  protocol version 31", (3, 2, 3)),
-    ("rsync  version 3.4.1  protocol version 32", (3, 4, 1)),
-    ("rsync  version 3.4.0pre1  protocol version 32", (3, 4, 0)),
-    ("rsync  version 2.6.9  protocol version 29", (2, 6, 9)),
-    ("rsync version 3.10", (3, 10, 0)),
-    ("openrsync: protocol version 29", None),
-    ("sh: 1: rsync: Permission denied", None),
-    ("rsync  version 99999.1", None),
-    ("", None),
-])
+
+@pytest.mark.parametrize(
+    "line, version",
+    [
+        ("rsync  version 3.2.7  protocol version 31", (3, 2, 7)),
+        ("rsync  version v3.2.3  protocol version 31", (3, 2, 3)),
+        ("rsync  version 3.4.1  protocol version 32", (3, 4, 1)),
+        ("rsync  version 3.4.0pre1  protocol version 32", (3, 4, 0)),
+        ("rsync  version 2.6.9  protocol version 29", (2, 6, 9)),
+        ("rsync version 3.10", (3, 10, 0)),
+        ("openrsync: protocol version 29", None),
+        ("sh: 1: rsync: Permission denied", None),
+        ("rsync  version 99999.1", None),
+        ("", None),
+    ],
+)
 def test_rsync_version_parser(line, version):
     assert probe.parse_rsync_version(line) == version
 
@@ -139,8 +151,10 @@ def test_argument_environment_is_shown_but_changes_nothing():
     )
     c = judge.judge_rsync("a", old)
     assert c.status == OK
-    assert c.detail == ("3.4.1; RSYNC_OLD_ARGS=1, RSYNC_PROTECT_ARGS=0 in its SSH environment "
-                        "(no effect: rsync's server side reads neither)")
+    assert c.detail == (
+        "3.4.1; RSYNC_OLD_ARGS=1, RSYNC_PROTECT_ARGS=0 in its SSH environment "
+        "(no effect: rsync's server side reads neither)"
+    )
     c = judge.judge_rsync(LOCAL, old)
     assert c.detail.endswith("set (no effect: fab passes -s, which overrides it)")
 
@@ -152,8 +166,14 @@ def test_garbage_from_a_host_is_plain_text():
     junk = "\x1b]52;c;aGk=\x07\x1b[2J[/red][link=file:///etc/passwd]x" + "y" * 5000
     c = judge.judge_rsync("a", fact(junk))
     assert c.status == FAIL and "\x1b" not in c.detail and "\x07" not in c.detail and len(c.detail) < 300
-    c = judge.judge_rsync("a", (0, "version=rsync  version 3.2.7  protocol version 31 fixed=CVE-2024-12087\n"
-                                   "fixed=CVE-2024-12087 CVE-2024-12088\nenv=RSYNC_OLD_ARGS=\x1b[31m1"))
+    c = judge.judge_rsync(
+        "a",
+        (
+            0,
+            "version=rsync  version 3.2.7  protocol version 31 fixed=CVE-2024-12087\n"
+            "fixed=CVE-2024-12087 CVE-2024-12088\nenv=RSYNC_OLD_ARGS=\x1b[31m1",
+        ),
+    )
     assert c.status == WARN and "\x1b" not in c.detail
 
 
@@ -174,8 +194,13 @@ def test_the_fact_script_reads_this_machine(tmp_path):
     for tool in ("sh", "printenv", "cut", "head", "tr", "grep", "sort", "sed", "gzip"):
         if shutil.which(tool):
             (bare / tool).symlink_to(shutil.which(tool))
-    r = subprocess.run([str(bare / "sh"), "-c", probe.RSYNC_FACT], env={"PATH": str(bare)},
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [str(bare / "sh"), "-c", probe.RSYNC_FACT],
+        env={"PATH": str(bare)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.stdout.splitlines()[0] == "version=" and probe.parse_rsync_fact(r.stdout)["version"] == ""
     assert judge.judge_rsync("a", (r.returncode, r.stdout)).detail == "no rsync"
 

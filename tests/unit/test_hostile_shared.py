@@ -4,6 +4,7 @@ run by sh on this machine, and the smoke test's choice, claim and release agains
 Also what another account of the group can plant there (links at a lock's, a directory's, a stop
 marker's, a secrets file's or an image-cache file's name, a directory swapped while a claim waits for
 the lock): run by sh, nothing is followed, read, chmod-ed or written through."""
+
 import fcntl
 import os
 import stat
@@ -22,8 +23,10 @@ from orchestrator.hosts.survey import HostJobs
 from orchestrator.preflight import probe, smoke
 from orchestrator.transport.remote import PerHost, Result, put_command
 
-INV = parse("job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n",
-            Path("i.yaml"))
+INV = parse(
+    "job: {output_dir: /opt/o ut}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n",
+    Path("i.yaml"),
+)
 
 
 def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_fix():
@@ -44,7 +47,7 @@ def test_shared_directories_are_made_group_writable_setgid_and_checked_with_the_
     )
     assert hostfiles.enter_script('"$d"') == (
         'cd -P "$d" && [ ! -L "$d" ] && [ "$d" -ef . ] || { printf \'%s changed while this command entered '
-        'it '
+        "it "
         '(another account may have put a link there): run again\\n\' "$d" >&2; exit 6; }; '
     )
 
@@ -64,12 +67,13 @@ def test_the_runtime_directory_is_the_accounts_own_and_the_stop_marker_lies_besi
         hostfiles.shared_dir_script(rt, sticky=True, check=False)
         + hostfiles.shared_dir_script("'/opt/o ut/.runtime/.stopped'")
         + "umask 022; [ -e '/opt/o ut/.runtime/.stopped/a-1' ] || ( set -C; : > '/opt/o "
-          "ut/.runtime/.stopped/a-1' ); "
+        "ut/.runtime/.stopped/a-1' ); "
         "[ -e '/opt/o ut/.runtime/.stopped/b-2' ] || ( set -C; : > '/opt/o ut/.runtime/.stopped/b-2' )"
     )
     # A smoke test's own runtime directory (no units): the stop marker cleared, the directory made.
     assert claims.claim_script(INV, "gpt-1", None, "al@ws", True) == (
-        "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + hostfiles.own_runtime_script(INV, "gpt-1"))
+        "rm -f '/opt/o ut/.runtime/.stopped/gpt-1'; " + hostfiles.own_runtime_script(INV, "gpt-1")
+    )
     assert claims.release_command(INV, ["gpt-1"]) == (
         "d='/opt/o ut/.claims'/\"$(hostname)\"; rm -rf '/opt/o ut/.runtime/gpt-1' '/opt/o "
         "ut/.runtime/.stopped/gpt-1'; "
@@ -102,7 +106,8 @@ def test_the_claim_script_shares_its_lock_and_files_with_the_group():
     assert (
         '( cd -P "$d" 2>/dev/null && [ ! -L "$d" ] && [ "$d" -ef . ] && for f in ./*; do case "${f##*/}" in '
         '*[!A-Za-z0-9._-]*) continue;; esac; [ -f "$f" ] && [ ! -L "$f" ] && '
-        'echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done ); echo @@queue; ') in survey
+        'echo "$(basename "$f") $(tr "\\n" " " < "$f")"; done ); echo @@queue; '
+    ) in survey
     # The queue's directory likewise: entered and checked, links never read.
     assert (
         '( q="$d"/queue; cd -P "$q" 2>/dev/null && [ ! -L "$q" ] && [ "$q" -ef . ] && for f in ./*; do '
@@ -158,20 +163,28 @@ def test_left_over_runtime_of_another_account_is_kept_and_named():
     assert hostops.clear_stale_script(INV, ["a-1", "../x"]) == (
         "if [ -O '/opt/o ut/.runtime/a-1' ] || [ \"$(id -u)\" = 0 ]; then rm -rf '/opt/o ut/.runtime/a-1' "
         "'/opt/o ut/.runtime/.stopped/a-1' && echo removed a-1; else echo kept a-1 "
-        "\"$(stat -c %U '/opt/o ut/.runtime/a-1' 2>/dev/null)\"; fi")
+        "\"$(stat -c %U '/opt/o ut/.runtime/a-1' 2>/dev/null)\"; fi"
+    )
     assert hostops.parse_clear_stale("removed a-1\nkept b-2 alice\nkept ../x bob\nkept c-3 \x1b[2Jeve\n") == (
-        ["a-1"], {"b-2": "alice", "c-3": "[2Jeve"})
+        ["a-1"],
+        {"b-2": "alice", "c-3": "[2Jeve"},
+    )
 
 
 def test_the_master_port_passes_over_ports_other_jobs_claimed():
-    out = ("LISTEN 0 4096 *:29500 *:*\n@@claims\n2\n"
-           "job-a who=bob@ws since=1 units=0 port=29501\njob-b who=al@ws since=1 units=1 port=\n")
+    out = (
+        "LISTEN 0 4096 *:29500 *:*\n@@claims\n2\n"
+        "job-a who=bob@ws since=1 units=0 port=29501\njob-b who=al@ws since=1 units=1 port=\n"
+    )
     assert hostops.parse_ports(out, 29500) == 29502
     assert hostops.port_script(INV).startswith("ss -Htln; echo @@claims; nproc; ")
 
 
-CPU2 = parse("job: {nproc_per_node: 2}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n"
-             "  - {name: n2, address: 10.0.0.2, interface: eth0}\n", Path("i.yaml"))
+CPU2 = parse(
+    "job: {nproc_per_node: 2}\nhosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n"
+    "  - {name: n2, address: 10.0.0.2, interface: eth0}\n",
+    Path("i.yaml"),
+)
 GPU = parse(
     "hosts:\n  - {name: g1, address: 10.0.0.1, interface: eth0, gpus: {vendor: nvidia, count: 4}}\n"
     "  - {name: g2, address: 10.0.0.2, interface: eth0, gpus: {vendor: amd, count: 2}}\n",
@@ -180,8 +193,13 @@ GPU = parse(
 
 
 def jobs(cpus=2, claimed=(), running=None) -> HostJobs:
-    return HostJobs(running or {}, frozenset(running or ()), {c.job: 1.0 for c in claimed}, cpus=cpus,
-                            claimed=tuple(claimed))
+    return HostJobs(
+        running or {},
+        frozenset(running or ()),
+        {c.job: 1.0 for c in claimed},
+        cpus=cpus,
+        claimed=tuple(claimed),
+    )
 
 
 BOB = claims.Holder("bob-1", "bob@ws", 0.0, (0,), 29500)
@@ -202,11 +220,15 @@ def test_the_smoke_test_takes_only_free_units_the_same_number_everywhere():
     # A host with nothing free (a job with no claim file holds the whole host): skipped, naming it.
     rows = smoke.choose(CPU2, PerHost(n1=jobs(running={"old-1": 0}), n2=jobs()))
     assert [(c.host, c.status) for c in rows] == [("n1", smoke.SKIP), ("n2", smoke.SKIP)]
-    assert rows[0].detail.startswith("no free slot here: held by old-1 (started by unknown") and \
-        rows[1].detail == "not run: n1 has no free GPU/slot"
+    assert (
+        rows[0].detail.startswith("no free slot here: held by old-1 (started by unknown")
+        and rows[1].detail == "not run: n1 has no free GPU/slot"
+    )
     # Within a job (fab train --smoke): that job's own units.
-    assert smoke.choose(CPU2, PerHost(n1=jobs(claimed=[BOB]), n2=jobs(claimed=[BOB])), within="bob-1") == \
-        {"n1": (0,), "n2": (0,)}
+    assert smoke.choose(CPU2, PerHost(n1=jobs(claimed=[BOB]), n2=jobs(claimed=[BOB])), within="bob-1") == {
+        "n1": (0,),
+        "n2": (0,),
+    }
 
 
 class Stand:
@@ -236,6 +258,7 @@ def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(
     def run_job(session, inv, spec, run_dir):
         seen.append((inv, spec))
         raise KeyboardInterrupt
+
     # The first claim on n1 loses to another job planned at the same moment: surveyed and claimed again.
     s = Stand(CPU2.hosts, claim_codes=[claims.REFUSED])
     with pytest.raises(KeyboardInterrupt):
@@ -259,6 +282,7 @@ def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(
             )
         seen.append((inv, spec))
         return Watched(ends={h.name: NodeEnd(h, exit_code=0) for h in inv.hosts})
+
     rows = smoke.smoke_test(s, CPU2, None, [], ends)
     assert [c.status for c in rows] == [smoke.OK, smoke.OK]
     assert sum(c == smoke.release_script(seen[-1][0], seen[-1][1].job_id) for _, c in s.calls) == 2
@@ -267,6 +291,7 @@ def test_the_smoke_test_claims_with_an_owner_and_releases_even_when_interrupted(
 # ------------------------------------------------------------------ links and files another account plants
 # Run by sh on this machine: the "other account" is played by links and files put where any member of
 # the group may put them; what they point at stands for this account's own files.
+
 
 def cpu_inv(tmp_path):
     return parse(
@@ -349,7 +374,7 @@ def test_a_stop_marker_link_is_never_written_through(tmp_path):
     inv, (home, key) = cpu_inv(tmp_path), secret(tmp_path)
     stopped = tmp_path / "out" / ".runtime" / ".stopped"
     stopped.mkdir(parents=True)
-    (stopped / "gpt-1").symlink_to(home / "planted")   # dangling: `: >` would make it
+    (stopped / "gpt-1").symlink_to(home / "planted")  # dangling: `: >` would make it
     (stopped / "gpt-2").symlink_to(key)
     sh(tmp_path, hostfiles.stop_mark_script(inv, ["gpt-1", "gpt-2", "gpt-3"]))
     assert not (home / "planted").exists() and key.read_text() == "PRIVATE KEY\n"
@@ -375,7 +400,7 @@ def test_put_makes_its_file_new_in_a_directory_of_its_own(tmp_path):
     )
     home, key = secret(tmp_path)
     job = tmp_path / "out" / ".runtime" / "gpt-1"
-    assert put(job / "secrets.env").returncode == 0          # the directory made, the file 0600
+    assert put(job / "secrets.env").returncode == 0  # the directory made, the file 0600
     assert (job / "secrets.env").read_text() == "TOKEN=s3cret\n" and mode(job / "secrets.env") == 0o600
     assert put(job / "run.sbatch", "#!/bin/sh\n", 0o644).returncode == 0 and mode(job / "run.sbatch") == 0o644
     # A file another account left there, open to all: replaced, never written into.
@@ -424,7 +449,8 @@ def image_cache_run(tmp_path, plant):
     inv = cpu_inv(tmp_path)
     (tmp_path / "bin").mkdir(exist_ok=True)
     (tmp_path / "bin" / "docker").write_text(
-        '#!/bin/sh\ncase "$1" in image) echo sha256:abc;; run) ' + plant + '; echo "IMAGEINFO {}";; esac\n')
+        '#!/bin/sh\ncase "$1" in image) echo sha256:abc;; run) ' + plant + '; echo "IMAGEINFO {}";; esac\n'
+    )
     (tmp_path / "bin" / "docker").chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
     argv = probe.image_info_argv(inv, inv.hosts[0], "img:1", None)
@@ -435,7 +461,7 @@ def test_the_image_cache_never_writes_through_a_link_at_its_temporary_name(tmp_p
     home, key = secret(tmp_path)
     cache = tmp_path / "out" / ".runtime" / hostfiles.IMAGE_CACHE
     cache.mkdir(parents=True)
-    r = image_cache_run(tmp_path, f'ln -s {key} {cache}/abc.$PPID')
+    r = image_cache_run(tmp_path, f"ln -s {key} {cache}/abc.$PPID")
     assert r.returncode == 0 and "IMAGEINFO" in r.stdout
     assert key.read_text() == "PRIVATE KEY\n"
     assert (cache / "abc").read_text() == "IMAGEINFO {}\n" and not (cache / "abc").is_symlink()
@@ -484,8 +510,13 @@ def test_a_claims_directory_swapped_for_a_link_while_the_claim_waits_for_the_loc
     try:
         sh(tmp_path, ":")  # the stand-in docker
         env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
-        claim = subprocess.Popen(["sh", "-c", claims.claim_script(inv, "gpt-1", (0,), "al@ws", True)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        claim = subprocess.Popen(
+            ["sh", "-c", claims.claim_script(inv, "gpt-1", (0,), "al@ws", True)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         deadline = time.monotonic() + 10
         while not waiting_on_flock(claim.pid) and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -6,6 +6,7 @@ garbage lines skipped one by one. paramiko and the ssh that rsync runs trust the
 user's and the system-wide ones). What a server sends back (its banner, error text) reaches a
 message only through hostile.line, and a command's buffered output is capped.
 """
+
 import base64
 import os
 import shlex
@@ -31,13 +32,21 @@ from orchestrator.transport.hostkeys import KnownHosts, hosts_match, pattern_mat
 
 
 def ed_key() -> str:
-    return ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    return (
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .decode()
+    )
 
 
 def ec_key() -> str:
-    return ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    return (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .decode()
+    )
 
 
 def pkey(line: str) -> paramiko.PKey:
@@ -47,19 +56,23 @@ def pkey(line: str) -> paramiko.PKey:
 
 # ---------------------------------------------------------------- matching (pure)
 
-@pytest.mark.parametrize("name, pattern, want", [
-    ("gpu1.example.com", "*.example.com", True),
-    ("example.com", "*.example.com", False),
-    ("GPU1.Example.COM", "gpu?.example.com", True),   # no case, as ssh
-    ("gpu10.example.com", "gpu?.example.com", False),  # '?' is one character
-    ("[10.0.0.2]:2222", "[10.0.0.2]:2222", True),      # '[' is literal, not a character class
-    ("1", "[10.0.0.2]:2222", False),
-    ("[gpu1.example.com]:2222", "[*.example.com]:2222", True),
-    ("[gpu1.example.com]:22", "[*.example.com]:2222", False),
-    ("a.b", "a?b", True),                              # '.' is literal, '?' any one
-    ("axb", "a.b", False),
-    ("anything", "*", True),
-])
+
+@pytest.mark.parametrize(
+    "name, pattern, want",
+    [
+        ("gpu1.example.com", "*.example.com", True),
+        ("example.com", "*.example.com", False),
+        ("GPU1.Example.COM", "gpu?.example.com", True),  # no case, as ssh
+        ("gpu10.example.com", "gpu?.example.com", False),  # '?' is one character
+        ("[10.0.0.2]:2222", "[10.0.0.2]:2222", True),  # '[' is literal, not a character class
+        ("1", "[10.0.0.2]:2222", False),
+        ("[gpu1.example.com]:2222", "[*.example.com]:2222", True),
+        ("[gpu1.example.com]:22", "[*.example.com]:2222", False),
+        ("a.b", "a?b", True),  # '.' is literal, '?' any one
+        ("axb", "a.b", False),
+        ("anything", "*", True),
+    ],
+)
 def test_pattern_matches_as_ssh(name, pattern, want):
     assert pattern_matches(name, pattern) is want
 
@@ -82,28 +95,29 @@ def test_hosts_field_negation_lists_and_hashes():
 
 # ---------------------------------------------------------------- parsing a hostile file
 
+
 def test_a_file_with_every_kind_of_line(tmp_path):
     node1, node2, wild, port, ca, revoked, hashed = (ed_key() for _ in range(7))
     ecdsa = ec_key()
     lines = [
-        "# a comment",                                                    # 1
-        "",                                                               # 2
-        f"10.0.0.1,gpu1 {node1}",                                         # 3
-        f"@cert-authority *.example.com {ca}",                            # 4: broke paramiko.HostKeys
-        f"@revoked * {revoked}",                                          # 5
-        f"*.example.com,!bad.example.com {wild}",                         # 6
-        f"[10.0.0.2]:2222 {port}",                                        # 7
-        f"{paramiko.HostKeys.hash_host('10.0.0.3')} {hashed}",            # 8
-        "10.0.0.4 ssh-ed25519 !!!not-base64!!!",                          # 9: bad base64
-        "10.0.0.4 ssh-ed25519",                                           # 10: too few fields
-        "10.0.0.4 ssh-ed25519 AAAA",                                      # 11: truncated key data
-        f"@bogus 10.0.0.4 {node1}",                                       # 12: unknown marker
-        "10.0.0.4 ssh-unknown AAAAB3NzaC1yc2E=",                          # 13: unknown key type
-        "\x1b]52;c;aGk=\x07 \x00\xff junk",                              # 14: binary junk
-        "@revoked",                                                      # 15: marker alone
-        f"10.0.0.2\t  {node2}   # trailing comment",                      # 16: tabs and spaces
-        f"10.0.0.2 {ecdsa}",                                              # 17
-        f"@revoked 10.0.0.2 {ecdsa}",                                     # 18: node2's ecdsa revoked
+        "# a comment",  # 1
+        "",  # 2
+        f"10.0.0.1,gpu1 {node1}",  # 3
+        f"@cert-authority *.example.com {ca}",  # 4: broke paramiko.HostKeys
+        f"@revoked * {revoked}",  # 5
+        f"*.example.com,!bad.example.com {wild}",  # 6
+        f"[10.0.0.2]:2222 {port}",  # 7
+        f"{paramiko.HostKeys.hash_host('10.0.0.3')} {hashed}",  # 8
+        "10.0.0.4 ssh-ed25519 !!!not-base64!!!",  # 9: bad base64
+        "10.0.0.4 ssh-ed25519",  # 10: too few fields
+        "10.0.0.4 ssh-ed25519 AAAA",  # 11: truncated key data
+        f"@bogus 10.0.0.4 {node1}",  # 12: unknown marker
+        "10.0.0.4 ssh-unknown AAAAB3NzaC1yc2E=",  # 13: unknown key type
+        "\x1b]52;c;aGk=\x07 \x00\xff junk",  # 14: binary junk
+        "@revoked",  # 15: marker alone
+        f"10.0.0.2\t  {node2}   # trailing comment",  # 16: tabs and spaces
+        f"10.0.0.2 {ecdsa}",  # 17
+        f"@revoked 10.0.0.2 {ecdsa}",  # 18: node2's ecdsa revoked
     ]
     path = tmp_path / "known_hosts"
     path.write_text("\n".join(lines) + "\n")
@@ -129,10 +143,10 @@ def test_a_file_with_every_kind_of_line(tmp_path):
 
     assert plain("gpu1") == plain("10.0.0.1") == {"ssh-ed25519": node1.split()[1]}
     assert plain("gpu7.example.com") == {"ssh-ed25519": wild.split()[1]}
-    assert plain("bad.example.com") == {}                               # negated
+    assert plain("bad.example.com") == {}  # negated
     assert plain("[10.0.0.2]:2222") == {"ssh-ed25519": port.split()[1]}
     assert plain("10.0.0.3") == {"ssh-ed25519": hashed.split()[1]}
-    assert plain("10.0.0.2") == {"ssh-ed25519": node2.split()[1]}       # its ecdsa key is revoked
+    assert plain("10.0.0.2") == {"ssh-ed25519": node2.split()[1]}  # its ecdsa key is revoked
     assert plain("10.0.0.4") == {}
     assert [e.line for e in kh.matching("gpu7.example.com")] == [4, 5, 6]  # CA, revoked '*', plain
 
@@ -145,17 +159,22 @@ def test_parsed_once_per_file_version(tmp_path):
     path.write_text(f"gpu1 {ed_key()}\n@revoked * {ed_key()}\n")
     again = hostkeys.known_hosts(str(path))
     assert again is not first and [e.marker for e in again.lines] == ["", "@revoked"]
-    assert hostkeys.known_hosts(str(tmp_path)).lines == []             # a directory: no keys, no crash
+    assert hostkeys.known_hosts(str(tmp_path)).lines == []  # a directory: no keys, no crash
     assert hostkeys.known_hosts(str(tmp_path / "absent")).lines == []
 
 
 # ---------------------------------------------------------------- trust across user and global files
 
+
 def files(tmp_path, user: str, system: str = "") -> SSH:
     (tmp_path / "kh").write_text(user)
     (tmp_path / "global").write_text(system)
-    return SSH(hostname="10.0.0.2", user="root", known_hosts=(str(tmp_path / "kh"),),
-               global_known_hosts=(str(tmp_path / "global"),))
+    return SSH(
+        hostname="10.0.0.2",
+        user="root",
+        known_hosts=(str(tmp_path / "kh"),),
+        global_known_hosts=(str(tmp_path / "global"),),
+    )
 
 
 def test_a_key_revoked_in_the_global_file_is_refused_naming_host_file_and_line(tmp_path):
@@ -167,8 +186,10 @@ def test_a_key_revoked_in_the_global_file_is_refused_naming_host_file_and_line(t
     with pytest.raises(hostkeys.HostKeyError) as err:
         policy.missing_host_key(None, "10.0.0.2", pkey(key))
     msg = str(err.value)
-    assert msg.startswith(f"node2 (10.0.0.2): host key ssh-ed25519 {pkey(key).fingerprint} is REVOKED "
-                          f"(@revoked line {tmp_path}/global:2)")
+    assert msg.startswith(
+        f"node2 (10.0.0.2): host key ssh-ed25519 {pkey(key).fingerprint} is REVOKED "
+        f"(@revoked line {tmp_path}/global:2)"
+    )
     assert (
         f"ssh-keyscan -p 22 10.0.0.2 >> {tmp_path}/kh" in msg and f"remove line 2 of {tmp_path}/global" in msg
     )
@@ -184,7 +205,8 @@ def test_known_only_through_a_ca_says_so_and_how_to_add_the_plain_key(tmp_path):
         "host keys with paramiko, which does not verify host certificates, so it does not accept CA-signed "
         "host keys. Add the host's plain key: Check that fingerprint on the host (ssh-keygen -lf "
         "/etc/ssh/ssh_host_ed25519_key.pub), then accept it deliberately: ssh-keyscan -p 22 10.0.0.2 >> "
-        f"{tmp_path}/kh")
+        f"{tmp_path}/kh"
+    )
 
 
 def test_ca_and_unrelated_revoked_lines_leave_other_hosts_alone(tmp_path):
@@ -208,14 +230,36 @@ def test_the_global_file_counts_like_the_users(tmp_path):
 
 # ---------------------------------------------------------------- the same files for OpenSSH
 
+
 def test_ssh_argv_passes_the_global_files_explicitly():
     ssh = SSH(hostname="10.0.0.2", user="u", known_hosts=("/k/kh",), keys=("/k/id",), keys_only=True)
     assert sshargs.ssh_options(ssh) == [
-        "ssh", "-F", "none", "-p", "22", "-l", "u", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-        "-o", "UserKnownHostsFile=/k/kh",
-        "-o", "GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2",
-        "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
-        "-i", "/k/id", "-o", "IdentitiesOnly=yes"]
+        "ssh",
+        "-F",
+        "none",
+        "-p",
+        "22",
+        "-l",
+        "u",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "UserKnownHostsFile=/k/kh",
+        "-o",
+        "GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2",
+        "-o",
+        "ConnectTimeout=10",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-i",
+        "/k/id",
+        "-o",
+        "IdentitiesOnly=yes",
+    ]
     none = sshargs.ssh_options(SSH(hostname="h", user="u", known_hosts=("/k/kh",), global_known_hosts=()))
     assert none[13:15] == ["-o", "GlobalKnownHostsFile=/dev/null"]
     odd = sshargs.ssh_options(
@@ -243,15 +287,17 @@ def test_openssh_reads_exactly_the_files_paramiko_reads(tmp_path):
         assert got["globalknownhostsfile"] == (" ".join(ssh.global_known_hosts) or "/dev/null")
         if ssh.jump:  # the hop's own ssh, inside the ProxyCommand, is told its files the same way
             inner = shlex.split(got["proxycommand"].replace("%%", "%"))
-            hop = subprocess.run(["ssh", "-G", *inner[1:-3], "bastion"], capture_output=True, text=True,
-                                 check=True).stdout
+            hop = subprocess.run(
+                ["ssh", "-G", *inner[1:-3], "bastion"], capture_output=True, text=True, check=True
+            ).stdout
             hop_got = dict(line.partition(" ")[::2] for line in hop.splitlines())
             assert hop_got["globalknownhostsfile"] == " ".join(jump.global_known_hosts)
 
 
 def test_ssh_config_global_known_hosts_file_is_honoured(tmp_path):
     config = paramiko.SSHConfig.from_text(
-        f"Host gpu1\n  GlobalKnownHostsFile {tmp_path}/g1 ~/g2\nHost gpu2\n  GlobalKnownHostsFile none\n")
+        f"Host gpu1\n  GlobalKnownHostsFile {tmp_path}/g1 ~/g2\nHost gpu2\n  GlobalKnownHostsFile none\n"
+    )
     assert resolve("gpu1", Settings(), config).global_known_hosts == (
         f"{tmp_path}/g1",
         os.path.expanduser("~/g2"),
@@ -305,13 +351,16 @@ def test_describe_of_a_server_whose_banner_carries_escapes(tmp_path):
     assert "]52;c;aGk=[2J31m[/red][link=file:///etc/passwd]" in msg
 
 
-@pytest.mark.parametrize("exc", [
-    paramiko.SSHException(f'Indecipherable protocol version "{EVIL}\nsecond line"'),
-    paramiko.ChannelException(2, f"refused {EVIL}"),
-    OSError(5, f"I/O {EVIL}"),
-    UserError(f"node2: cannot write x: {EVIL}\nmore"),
-    RuntimeError(EVIL * 100),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        paramiko.SSHException(f'Indecipherable protocol version "{EVIL}\nsecond line"'),
+        paramiko.ChannelException(2, f"refused {EVIL}"),
+        OSError(5, f"I/O {EVIL}"),
+        UserError(f"node2: cannot write x: {EVIL}\nmore"),
+        RuntimeError(EVIL * 100),
+    ],
+)
 def test_describe_makes_every_remote_text_safe(exc):
     msg = remote.describe(host(), exc)
     assert_clean(msg)
@@ -329,6 +378,7 @@ def test_failure_keeps_the_end_of_stderr_as_one_safe_line():
 
 
 # ---------------------------------------------------------------- sizes
+
 
 class Flood:
     """A stand-in for a paramiko Channel whose command prints `total` bytes to stdout and a
@@ -363,7 +413,7 @@ class Flood:
 
     def recv_stderr(self, n: int) -> bytes:
         start, self.at = self.at, min(self.at + n, len(self.stderr))
-        return self.stderr[start:self.at]
+        return self.stderr[start : self.at]
 
     def exit_status_ready(self) -> bool:
         return self.eof_received

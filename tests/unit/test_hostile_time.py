@@ -2,6 +2,7 @@
 timeout, before fab gives up), and whatever a late one left is removed by label at the teardown and
 again at the job's finish, on every host used that answers, the one whose start timed out included.
 """
+
 import os
 import shlex
 import subprocess
@@ -39,8 +40,7 @@ def test_the_start_step_runs_docker_run_under_timeout_quoted_once(tmp_path, monk
     assert (
         f"/.runtime/{a.spec.job_id}) && {bounded} >/dev/null || {{ rc=$?; case $rc in 124|137) echo "
         "'not done within 110s: ended on the host (timeout); check its Docker engine and disks' >&2;; "
-        "esac; exit $rc; }"
-        in step.command
+        "esac; exit $rc; }" in step.command
     )
     # One quoting: the part after `timeout -k 5 110` splits back into docker run's exact argv.
     words = shlex.split(step.command.split(" && ")[-1].split(" >/dev/null")[0])
@@ -54,8 +54,11 @@ def test_a_late_docker_run_is_ended_on_the_host_and_never_starts(tmp_path):
     before it would make the container: timeout ends it (and its sleep) before fab's deadline, the
     container is never made, and stderr names the deadline."""
     out = tmp_path / "out"
-    inv = parse(f"job: {{output_dir: {out}, code_dir: {tmp_path}/code}}\n"
-                "hosts:\n  - {name: node2, address: 10.0.0.2, interface: eth0}\n", tmp_path / "i.yaml")
+    inv = parse(
+        f"job: {{output_dir: {out}, code_dir: {tmp_path}/code}}\n"
+        "hosts:\n  - {name: node2, address: 10.0.0.2, interface: eth0}\n",
+        tmp_path / "i.yaml",
+    )
     spec = jobspec.JobSpec(job_id="late-1", script="t.py")
     made, pidfile = tmp_path / "made", tmp_path / "pid"
     bin_ = tmp_path / "bin"
@@ -65,13 +68,18 @@ def test_a_late_docker_run_is_ended_on_the_host_and_never_starts(tmp_path):
     deadline = 4  # the host ends it after 2 s (SIGKILL 1 s later at most), fab would give up at 4
     script = node.start_script(inv, inv.hosts[0], spec, timeout=deadline)
     start = time.monotonic()
-    r = subprocess.run(["sh", "-c", script], input=dockerargs.runtime_files(), capture_output=True,
-                       timeout=30,
-                       env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
+    r = subprocess.run(
+        ["sh", "-c", script],
+        input=dockerargs.runtime_files(),
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"},
+    )
     took = time.monotonic() - start
     assert r.returncode == 124 and took < deadline, (r.returncode, took, r.stderr)
-    assert r.stderr.decode() == ("not done within 2s: ended on the host (timeout); check its Docker engine "
-                                 "and disks\n")
+    assert r.stderr.decode() == (
+        "not done within 2s: ended on the host (timeout); check its Docker engine and disks\n"
+    )
     # The runtime files arrived whole from stdin (a tar), before docker run was tried.
     for name, source in dockerargs.RUNTIME_SOURCES.items():
         assert (out / ".runtime/late-1" / name).read_bytes() == source.read_bytes()
@@ -123,8 +131,10 @@ def run_late(tmp_path, how):
 
 def test_a_host_whose_start_ran_late_is_torn_down_and_swept_not_skipped_as_lost(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for how, said in (("host", "not done within 110s: ended on the host"),
-                      ("fab", "node2: no answer within 120s (docker run)")):
+    for how, said in (
+        ("host", "not done within 110s: ended on the host"),
+        ("fab", "node2: no answer within 120s (docker run)"),
+    ):
         (tmp_path / how).mkdir()
         j, rec, result, notes = run_late(tmp_path / how, how)
         assert result.state == "failed" and result.lost == [], how
@@ -135,7 +145,7 @@ def test_a_host_whose_start_ran_late_is_torn_down_and_swept_not_skipped_as_lost(
         release = claims.release_command(j.inv, ["gpt-1"])
         started = max(i for i, c in enumerate(node2) if "docker run" in c)
         # After the late start: the teardown's stop, then the finish's sweep, before its claim goes.
-        after = [c for c in node2[started + 1:] if c in (stop, release)]
+        after = [c for c in node2[started + 1 :] if c in (stop, release)]
         assert after == [stop, stop, release], (how, after)
         # node1, which started, was stopped at the failure, at the teardown and swept at the finish.
         assert sum(c[2] == stop for c in rec.calls if c[0] == "node1") == 3
@@ -160,6 +170,7 @@ def test_the_plan_shows_the_sweep_at_the_finish(tmp_path, monkeypatch):
 
 def test_the_deep_checks_measuring_container_is_ended_on_the_host_and_removed(tmp_path):
     from orchestrator.preflight import deep
+
     inv = inventory(tmp_path)
     h = inv.hosts[0]
     cmd = deep.container(inv, h, "fabtrain-health-x", "print(1)", ["2"], "img:1")

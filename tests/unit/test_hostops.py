@@ -1,5 +1,6 @@
 """Finding jobs on a host (survey.py): the survey script run by sh on this machine (docker stubbed), parsed;
 and stopping them: `fab stop`'s one command per host, controller keys included."""
+
 import os
 import subprocess
 import time
@@ -26,8 +27,12 @@ def test_survey_finds_containers_and_runtime_leases_and_only_stale_ones_are_left
         "#!/bin/sh\nprintf 'running-1\\t0\\tfabtrain-running-1-r0\\trunning\\tUp 1h\\n'\n"
     )
     (tmp_path / "docker").chmod(0o755)
-    r = subprocess.run(["sh", "-c", survey.survey_script(inv)], capture_output=True, text=True,
-                       env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    r = subprocess.run(
+        ["sh", "-c", survey.survey_script(inv)],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+    )
     found = survey.parse_survey(r.stdout)
     assert found.running == {"running-1": 0}
     assert (

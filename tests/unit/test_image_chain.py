@@ -1,6 +1,7 @@
 """Image distribution by chain: which layers a host lacks, who goes in the chain, how a round is
 judged and the chain reformed, the exact remote commands, the partial tarball, and the relay itself
 run on this machine (three relays over loopback, `docker` stubbed)."""
+
 import hashlib
 import io
 import json
@@ -32,9 +33,9 @@ def test_chain_ids_follow_the_oci_rule():
 
 def test_a_layer_is_held_only_on_top_of_the_same_layers():
     held = ic.held_chain_ids([[A, B, C], [D]])
-    assert ic.missing_layers((A, B, D), held) == (2,)   # the changed top layer only
+    assert ic.missing_layers((A, B, D), held) == (2,)  # the changed top layer only
     assert ic.missing_layers((A, B, C), held) == ()
-    assert ic.missing_layers((D, B), held) == (1,)      # B is held, but on A, not on D
+    assert ic.missing_layers((D, B), held) == (1,)  # B is held, but on A, not on D
     assert ic.missing_layers((B,), held) == (0,)
     assert ic.missing_layers((A, B), ic.held_chain_ids([])) == (0, 1)
 
@@ -46,17 +47,23 @@ def test_probe_command_is_one_quoted_sh_script_with_the_image_as_its_argument():
 
 def test_probe_script_on_a_stubbed_docker(tmp_path):
     docker = tmp_path / "docker"
-    docker.write_text("#!/bin/sh\n"
-                      'case "$*" in\n'
-                      '  "image ls --all --quiet --no-trunc") printf "sha256:1\\nsha256:2\\nsha256:1\\n" ;;\n'
-                      '  "image inspect --format {{.Id}} img") echo sha256:2 ;;\n'
-                      f'  "image inspect --format layers {{{{json .RootFS.Layers}}}} sha256:1 sha256:2") '
-                      f"printf 'layers [\"{A}\"]\\nlayers [\"{A}\",\"{B}\"]\\n' ;;\n"
-                      '  *) echo "unexpected: $*" >&2; exit 9 ;;\n'
-                      "esac\n")
+    docker.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  "image ls --all --quiet --no-trunc") printf "sha256:1\\nsha256:2\\nsha256:1\\n" ;;\n'
+        '  "image inspect --format {{.Id}} img") echo sha256:2 ;;\n'
+        f'  "image inspect --format layers {{{{json .RootFS.Layers}}}} sha256:1 sha256:2") '
+        f'printf \'layers ["{A}"]\\nlayers ["{A}","{B}"]\\n\' ;;\n'
+        '  *) echo "unexpected: $*" >&2; exit 9 ;;\n'
+        "esac\n"
+    )
     docker.chmod(0o755)
-    r = subprocess.run(shlex.split(ic.probe_command("img")), capture_output=True, text=True,
-                       env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    r = subprocess.run(
+        shlex.split(ic.probe_command("img")),
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr
     p = ic.parse_probe(r.stdout)
     assert p == ic.Probe("sha256:2", ic.held_chain_ids([[A], [A, B]]), True)
@@ -71,12 +78,17 @@ def probe(image_id=None, layers=(), python=True):
 
 
 def test_plan_keeps_order_and_sends_the_union_of_what_the_chain_lacks():
-    probes = {"n1": probe("sha256:old", [[A, B]]), "n2": probe(None, [[A]]), "n3": probe("sha256:new"),
-              "n4": "n4: connection refused", "n5": probe(None, [[A, B, C]], python=False)}
+    probes = {
+        "n1": probe("sha256:old", [[A, B]]),
+        "n2": probe(None, [[A]]),
+        "n3": probe("sha256:new"),
+        "n4": "n4: connection refused",
+        "n5": probe(None, [[A, B, C]], python=False),
+    }
     p = ic.plan_hosts("sha256:new", (A, B, C), ("n1", "n2", "n3", "n4", "n5"), probes)
     assert p.present == ("n3",)
     assert p.chain == ("n1", "n2")
-    assert p.direct == ("n5",)          # no python3: no relay
+    assert p.direct == ("n5",)  # no python3: no relay
     assert p.failed == {"n4": "n4: connection refused"}
     assert p.need == {"n1": (2,), "n2": (1, 2), "n5": ()}
     assert p.send == (1, 2)
@@ -129,7 +141,7 @@ def test_judge_a_short_stream_nothing_upstream_explains_is_named():
         ("n1", "n2"), {"n1": Report(3, None, source_error="upstream: reset"), "n2": Report(3, None)}, 10
     )
     assert out.failed == {"n1": "n1: received 3 of 10 bytes from this machine (upstream: reset)"}
-    assert out.retry == ("n2",)   # its upstream n1 broke first
+    assert out.retry == ("n2",)  # its upstream n1 broke first
 
 
 def test_judge_upstream_could_not_send_on():
@@ -145,18 +157,26 @@ def test_relay_command_is_python3_with_the_relay_quoted_once():
 def test_control_line():
     line = control_line("t0k", ("10.0.0.2", 4242), 99, 30, 600, 5)
     assert line.endswith(b"\n")
-    assert json.loads(line) == {"token": "t0k", "next": ["10.0.0.2", 4242], "size": 99, "stall": 30,
-                                "deadline": 600, "connect": 5}
+    assert json.loads(line) == {
+        "token": "t0k",
+        "next": ["10.0.0.2", 4242],
+        "size": 99,
+        "stall": 30,
+        "deadline": 600,
+        "connect": 5,
+    }
     assert json.loads(control_line("t", None, 1, 1, 1, 1))["next"] is None
 
 
 def save_like_tar(path, layers):
     """A tarball laid out as `docker save` writes it: a folder per layer, config, manifest last."""
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+
         def add(name, data):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
         for name, data in layers:
             d = tarfile.TarInfo(name)
             d.type = tarfile.DIRTYPE
@@ -165,8 +185,18 @@ def save_like_tar(path, layers):
             add(f"{name}/json", b"{}")
             add(f"{name}/layer.tar", data)
         add("c0ffee.json", b'{"rootfs": {}}')
-        add("manifest.json", json.dumps([{"Config": "c0ffee.json", "RepoTags": ["x:1"],
-                                          "Layers": [f"{n}/layer.tar" for n, _ in layers]}]).encode())
+        add(
+            "manifest.json",
+            json.dumps(
+                [
+                    {
+                        "Config": "c0ffee.json",
+                        "RepoTags": ["x:1"],
+                        "Layers": [f"{n}/layer.tar" for n, _ in layers],
+                    }
+                ]
+            ).encode(),
+        )
         add("repositories", b"{}")
 
 
@@ -200,8 +230,11 @@ def start_relay(tmp_path, name, first, fail=False):
     bindir.mkdir(exist_ok=True)
     (bindir / "docker").write_text(FAKE_DOCKER)
     (bindir / "docker").chmod(0o755)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "LOAD_OUT": str(tmp_path / f"{name}.out"),
-           **({"LOAD_FAIL": "1"} if fail else {})}
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "LOAD_OUT": str(tmp_path / f"{name}.out"),
+        **({"LOAD_FAIL": "1"} if fail else {}),
+    }
     argv = shlex.split(relay_command(first, "127.0.0.1"))  # the host's python3, as on a host
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
@@ -222,7 +255,7 @@ def run_local_chain(tmp_path, data, fail=()):
         assert proc.stdout.readline().decode().strip() == "linked"
     head = relays[0][0]
     for i in range(0, len(data), 1 << 16):
-        head.stdin.write(data[i:i + (1 << 16)])
+        head.stdin.write(data[i : i + (1 << 16)])
     head.stdin.close()
     reports = {}
     for name, (proc, _) in zip(names, relays, strict=True):
@@ -257,6 +290,7 @@ def test_a_relay_whose_engine_fails_still_forwards(tmp_path):
 
 def test_a_relay_refuses_a_connection_without_the_token_and_gives_up_after_stall(tmp_path):
     import socket
+
     proc, port = start_relay(tmp_path, "lone", False)
     proc.stdin.write(control_line("secret", None, 10, 2, 60, 5))
     proc.stdin.flush()

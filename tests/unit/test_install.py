@@ -7,6 +7,7 @@ and none of the tests' or linters' packages (those are requirements-test.lock's,
 The distributions come the way bootstrap gets them: pip with this machine's configuration (PyPI, and
 pip's cache of what bootstrap downloaded). The checkout is installed from a copy, so that no build
 files land in it. The dry run's hosts are on a closed loopback port: they do not answer."""
+
 import os
 import re
 import shutil
@@ -19,9 +20,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Never part of the package: version control, virtualenvs, caches, runs, the local cluster's files.
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".cache", ".cluster", "runs", "build", "dist",
-                                    "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache",
-                                    ".ruff_cache", ".fabtrain")
+NOT_COPIED = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    ".cache",
+    ".cluster",
+    "runs",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".fabtrain",
+)
 # Test and lint packages that must not reach the runtime's virtualenv (requirements-test.lock's).
 TEST_ONLY = ("torch", "pytest", "mypy", "ruff", "selenium", "kubernetes", "pydantic", "tensorboard", "mkdocs")
 
@@ -39,8 +53,10 @@ print(" ".join(name for name in sys.argv[1:] if name in sys.modules))
 
 
 def locked_names(lock: Path) -> set[str]:
-    return {re.sub(r"[-_.]+", "-", m.group(1)).lower()
-            for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", lock.read_text(), re.M)}
+    return {
+        re.sub(r"[-_.]+", "-", m.group(1)).lower()
+        for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", lock.read_text(), re.M)
+    }
 
 
 def closed_port() -> int:
@@ -50,16 +66,20 @@ def closed_port() -> int:
 
 
 def run(argv: list, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
 def test_runtime_lock_alone_runs_command_1(tmp_path):
     lock = ROOT / "requirements.lock"
     assert not locked_names(lock) & set(TEST_ONLY), "requirements.lock pins test-only packages"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "FABTRAIN_INVENTORY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "FABTRAIN_INVENTORY")
+    }
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=NOT_COPIED)
@@ -71,8 +91,9 @@ def test_runtime_lock_alone_runs_command_1(tmp_path):
     # bootstrap.sh's two steps: the lock by hash, then the checkout without dependencies.
     r = run([*pip, "install", "-q", "--no-compile", "--require-hashes", "-r", lock], tmp_path, env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = run([*pip, "install", "-q", "--no-compile", "--no-deps", "--no-build-isolation", source],
-            tmp_path, env)
+    r = run(
+        [*pip, "install", "-q", "--no-compile", "--no-deps", "--no-build-isolation", source], tmp_path, env
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     r = run([*pip, "list", "--format=freeze"], tmp_path, env)
     installed = {re.sub(r"[-_.]+", "-", line.split("==")[0]).lower() for line in r.stdout.split()}
@@ -108,7 +129,11 @@ job: {{image: fabtrain/trainer:latest, code_dir: /opt/fabtrain/code, output_dir:
 hosts:
   - {{name: node1, address: 127.0.0.1, interface: eth0, gpus: {{vendor: none, count: 0}}}}
 """)
-    r = run([fab, "train", "--dry-run", "--inventory", inventory], source,
-            {**env, "HOME": str(tmp_path / "home")}, timeout=120)
+    r = run(
+        [fab, "train", "--dry-run", "--inventory", inventory],
+        source,
+        {**env, "HOME": str(tmp_path / "home")},
+        timeout=120,
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
     assert "no answer" in r.stdout and "## start" in r.stdout, r.stdout[-3000:]

@@ -45,8 +45,10 @@ def test_good_inventory_in_rank_order():
     assert (h0.gpu_vendor, h0.gpu_count, h1.gpu_vendor, h1.gpu_count) == ("nvidia", 8, "amd", 4)
     assert inv.job.env == (("NCCL_DEBUG", "INFO"), ("RETRIES", "3"), ("FAST", "true"))
     assert inv.job.nproc_per_node == "auto" and inv.job.master_port == 29400
-    assert [(m.source, m.target, m.read_only) for m in h1.mounts] == [("/data", "/data", True),
-                                                                     ("/scratch", "/scratch", False)]
+    assert [(m.source, m.target, m.read_only) for m in h1.mounts] == [
+        ("/data", "/data", True),
+        ("/scratch", "/scratch", False),
+    ]
 
 
 def test_shipped_inventory_is_valid():
@@ -65,8 +67,9 @@ def error(text: str) -> str:
 
 def test_bad_vendor_names_file_line_field_and_fix():
     bad = GOOD.replace("vendor: amd", "vendor: amdgpu")
-    assert error(bad) == ("inv.yaml:17: hosts[1].gpus.vendor: 'amdgpu' is not a known GPU vendor; "
-                          "use one of: nvidia, amd, none")
+    assert error(bad) == (
+        "inv.yaml:17: hosts[1].gpus.vendor: 'amdgpu' is not a known GPU vendor; use one of: nvidia, amd, none"
+    )
 
 
 def test_missing_address():
@@ -96,19 +99,24 @@ def test_gpu_count_must_match_vendor():
 
 def test_duplicate_host():
     msg = error("hosts:\n  - {address: h, interface: eth0}\n  - {address: h, interface: eth0}\n")
-    assert msg == ("inv.yaml:3: hosts[1]: 'h' is also hosts[0]; list each host once, in hosts: (rank order) "
-                   "or spares:")
+    assert msg == (
+        "inv.yaml:3: hosts[1]: 'h' is also hosts[0]; list each host once, in hosts: (rank order) or spares:"
+    )
 
 
 def test_spares_parse_like_hosts_and_may_not_repeat_one():
-    inv = parse(GOOD + "spares:\n  - {name: dgx9, address: 10.0.0.19, interface: ens1f0, "
-                "gpus: {vendor: nvidia, count: 8}}\n", Path("inv.yaml"))
+    inv = parse(
+        GOOD + "spares:\n  - {name: dgx9, address: 10.0.0.19, interface: ens1f0, "
+        "gpus: {vendor: nvidia, count: 8}}\n",
+        Path("inv.yaml"),
+    )
     assert [h.name for h in inv.hosts] == ["dgx1", "10.0.0.12"]
     assert [h.name for h in inv.spares] == ["dgx9"] and inv.spares[0].ssh.user == "trainer"
     assert [h.name for h in inv.all_hosts] == ["dgx1", "10.0.0.12", "dgx9"]
     msg = error("hosts:\n  - {address: h, interface: eth0}\nspares:\n  - {address: h, interface: eth0}\n")
-    assert msg == ("inv.yaml:4: spares[0]: 'h' is also hosts[0]; list each host once, in hosts: (rank order) "
-                   "or spares:")
+    assert msg == (
+        "inv.yaml:4: spares[0]: 'h' is also hosts[0]; list each host once, in hosts: (rank order) or spares:"
+    )
 
 
 def test_yaml_syntax_error_has_line():
@@ -118,8 +126,10 @@ def test_yaml_syntax_error_has_line():
 
 def test_relative_code_dir_refused():
     msg = error("job: {code_dir: code}\nhosts:\n  - {address: h, interface: eth0}\n")
-    assert msg == ("inv.yaml:1: job.code_dir: 'code' is not an absolute path; "
-                   "write the full path on the hosts, starting with /")
+    assert msg == (
+        "inv.yaml:1: job.code_dir: 'code' is not an absolute path; "
+        "write the full path on the hosts, starting with /"
+    )
 
 
 def test_bad_env_name():
@@ -145,7 +155,7 @@ def _examples() -> dict[str, str]:
         out[part.split()[0] + part.split()[1]] = "\n".join(body) + "\n"
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     sections = [
-        doc[doc.index("## GPU servers"):doc.index("Inventory mistakes")]
+        doc[doc.index("## GPU servers") : doc.index("Inventory mistakes")]
         for doc in (page.read_text() for page in pages)
         if "## GPU servers" in doc
     ]
@@ -157,6 +167,7 @@ def _examples() -> dict[str, str]:
 
 def test_commented_examples_parse_and_give_the_documented_flags():
     from orchestrator.core import jobspec
+
     examples = _examples()
     assert len(examples) == 4, list(examples)
     ngc_amd = []
@@ -193,6 +204,7 @@ def test_container_option_mistakes_name_the_field():
 
 
 # ---------------------------------------------------------------- empty values
+
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
@@ -410,6 +422,7 @@ def test_an_empty_required_value_is_named(home, text, message):
 
 # ---------------------------------------------------------------- job.keep_snapshots
 
+
 def test_keep_snapshots():
     minimal = "hosts:\n  - {address: h, interface: eth0}\n"
     assert parse(minimal, Path("i.yaml")).job.keep_snapshots == 2
@@ -511,19 +524,46 @@ def test_an_alias_bomb_is_shown_short():
 # ---------------------------------------------------------------- fuzzing
 
 FUZZ_DOC = {
-    "ssh": {"user": "trainer", "port": 22, "key": "id", "known_hosts": "kh", "connect_timeout": 10,
-            "keepalive": 5, "jump": ["ops@bastion:2222"], "config": "none"},
-    "job": {"image": "img:1", "master_port": 29500, "nproc_per_node": 2, "code_dir": "/opt/code",
-            "output_dir": "/opt/out", "shm_size": "8g", "stop_grace": 30, "keep_snapshots": 3,
-            "env": {"A": "1", "N": 3, "ON": True}, "secret_files": {"TOKEN": "token"},
-            "ulimits": {"nofile": "1024:2048", "memlock": "unlimited"}, "cap_add": ["IPC_LOCK"],
-            "security_opt": ["seccomp=unconfined"]},
+    "ssh": {
+        "user": "trainer",
+        "port": 22,
+        "key": "id",
+        "known_hosts": "kh",
+        "connect_timeout": 10,
+        "keepalive": 5,
+        "jump": ["ops@bastion:2222"],
+        "config": "none",
+    },
+    "job": {
+        "image": "img:1",
+        "master_port": 29500,
+        "nproc_per_node": 2,
+        "code_dir": "/opt/code",
+        "output_dir": "/opt/out",
+        "shm_size": "8g",
+        "stop_grace": 30,
+        "keep_snapshots": 3,
+        "env": {"A": "1", "N": 3, "ON": True},
+        "secret_files": {"TOKEN": "token"},
+        "ulimits": {"nofile": "1024:2048", "memlock": "unlimited"},
+        "cap_add": ["IPC_LOCK"],
+        "security_opt": ["seccomp=unconfined"],
+    },
     "hosts": [
-        {"name": "n1", "address": "10.0.0.1", "interface": "eth0", "gpus": {"vendor": "nvidia", "count": 8},
-         "ssh": {"port": 2222, "user": "u", "jump": "none"}, "image": "img:2", "env": {"B": "b"},
-         "mounts": ["/data:/data:ro", {"source": "/s", "target": "/t", "read_only": True}],
-         "devices": ["/dev/infiniband"], "ulimits": {"memlock": -1}, "cap_add": ["SYS_PTRACE"],
-         "security_opt": ["apparmor=unconfined"]},
+        {
+            "name": "n1",
+            "address": "10.0.0.1",
+            "interface": "eth0",
+            "gpus": {"vendor": "nvidia", "count": 8},
+            "ssh": {"port": 2222, "user": "u", "jump": "none"},
+            "image": "img:2",
+            "env": {"B": "b"},
+            "mounts": ["/data:/data:ro", {"source": "/s", "target": "/t", "read_only": True}],
+            "devices": ["/dev/infiniband"],
+            "ulimits": {"memlock": -1},
+            "cap_add": ["SYS_PTRACE"],
+            "security_opt": ["apparmor=unconfined"],
+        },
         {"address": "gpu2.example.com", "interface": "eth0"},
     ],
     "spares": [{"address": "10.0.0.3", "interface": "eth0", "gpus": {"vendor": "amd", "count": 4}}],

@@ -1,6 +1,7 @@
 """The job lifecycle against a recording stand-in for the SSH session: what runs is what the plan
 says, command for command; --dry-run, plan.txt and the executed commands are the same text.
 """
+
 import json
 import shlex
 import time
@@ -22,12 +23,15 @@ SECRET = "s3cr3t-value-never-shown"
 
 def inventory(tmp_path: Path):
     (tmp_path / "token").write_text(SECRET + "\n")
-    return parse(f"""\
+    return parse(
+        f"""\
 job: {{output_dir: /opt/out, code_dir: /opt/code, secret_files: {{API_TOKEN: {tmp_path}/token}}}}
 hosts:
   - {{name: node1, address: 10.0.0.1, interface: eth0, gpus: {{vendor: nvidia, count: 2}}}}
   - {{name: node2, address: 10.0.0.2, interface: eth0}}
-""", tmp_path / "inventory.yaml")
+""",
+        tmp_path / "inventory.yaml",
+    )
 
 
 class Recorder:
@@ -193,6 +197,7 @@ def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, mo
 
         def flush(self):
             pass
+
     j = new_job(tmp_path, rec)
     j.reporter = JsonLines(Out())
     result = job.run(j)
@@ -222,11 +227,13 @@ def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_p
                 if FailFirstStart.starts == 1:
                     return Result("", "docker: Error response from daemon: port is taken", 125, 0.01)
             return super().answer(host, command)
+
     rec = FailFirstStart(inventory(tmp_path).hosts)
     j = new_job(tmp_path, rec)
     j.policy = Policy(restarts=1, hang_timeout=0)
     import orchestrator.backends.ssh.gate as gm
     import orchestrator.backends.ssh.job as jm
+
     monkeypatch.setattr(jm, "backoff", lambda n: 0)
     monkeypatch.setattr(gm.preflight, "run", lambda *a, **k: [])  # a restart's preflight: all well
     result = job.run(j)
@@ -262,13 +269,14 @@ def test_a_warm_restart_keeps_the_containers_and_runs_its_plan(tmp_path, monkeyp
     j = new_job(tmp_path, rec)
     j.policy = Policy(restarts=1, hang_timeout=0)
     import orchestrator.backends.ssh.gate as jm
+
     monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: pytest.fail("a warm restart runs no preflight"))
     result = job.run(j)
     assert result.ok and result.attempts == 2 and j.last.number == 2 and j.last.warm
     a = j.last
     assert a.select("sync") == [] and "warm nodes" in a.render()
     start = a.step("node2", "start").command
-    assert start.startswith("if [ \"$(docker inspect -f ") and "fabtrain.warm" in start
+    assert start.startswith('if [ "$(docker inspect -f ') and "fabtrain.warm" in start
     assert (
         "FABTRAIN_ATTEMPT=2 FABTRAIN_LAUNCH=direct" in start
         and "docker rm --force fabtrain-gpt-1-r1" in start
@@ -298,12 +306,15 @@ def test_a_lost_host_is_never_asked_again_and_the_others_are_torn_down_once(tmp_
             if "tail -c +1" in command:
                 time.sleep(0.3)  # node1 is still running when node2 goes
             return super().stream(host, command, on_data, chunk, timeout)
+
     rec = LoseNode2(inventory(tmp_path).hosts)
     j = new_job(tmp_path, rec)
     result = job.run(j)
     assert result.state == "failed" and result.lost == ["node2"]
     lost_at = max(i for i, c in enumerate(rec.calls) if c[0] == "node2" and "tail -c +1" in c[2])
-    assert [c for c in rec.calls[lost_at + 1:] if c[0] == "node2"] == []  # nothing more asked of it or copied
+    assert [
+        c for c in rec.calls[lost_at + 1 :] if c[0] == "node2"
+    ] == []  # nothing more asked of it or copied
     stops = [c for c in rec.calls[lost_at:] if c[0] == "node1" and "docker rm --force" in c[2]]
     # The failure's stop of the others, the attempt's teardown, then the job's sweep at its finish.
     assert len(stops) == 3
@@ -314,12 +325,18 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
     """node2's slot went to bob between the plan and the claim: node1 (claimed first, by address) is
     released and the attempt planned again; when bob still holds it after three plans, nothing is
     started and the new job's run directory is gone."""
+
     class Taken(Recorder):
         def answer(self, host, command):
             if host.name == "node2" and "flock -w" in command:
-                return Result("held bob-20261123-101500-ab12 who=bob@ws2 since=1763892900 units=0\n", "",
-                              claims.REFUSED, 0.01)
+                return Result(
+                    "held bob-20261123-101500-ab12 who=bob@ws2 since=1763892900 units=0\n",
+                    "",
+                    claims.REFUSED,
+                    0.01,
+                )
             return super().answer(host, command)
+
     rec = Taken(inventory(tmp_path).hosts)
     j = new_job(tmp_path, rec)
     try:
@@ -340,20 +357,24 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
 
 
 def test_a_hot_spare_waits_from_the_start_and_takes_the_rank_of_a_node_whose_container_is_gone(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """--hot-spares with one spare: attempt 1 claims, syncs and starts the spare beside the nodes;
     node2's container ends (exit 137, not waiting warm), so the spare takes rank 1 in attempt 2,
     which syncs nothing and runs no preflight: its start step renames the waiting spare and tells it
     the rank. What ran is each attempt's plan."""
     monkeypatch.chdir(tmp_path)
-    inv = parse("""\
+    inv = parse(
+        """\
 job: {output_dir: /opt/out, code_dir: /opt/code, hot_spares: true}
 hosts:
   - {name: node1, address: 10.0.0.1, interface: eth0}
   - {name: node2, address: 10.0.0.2, interface: eth0}
 spares:
   - {name: node3, address: 10.0.0.3, interface: eth0}
-""", tmp_path / "inventory.yaml")
+""",
+        tmp_path / "inventory.yaml",
+    )
 
     class Hot(Recorder):
         ends = 0
@@ -371,6 +392,7 @@ spares:
     j.roster = Roster(inv.hosts, inv.spares)
     j.policy = Policy(restarts=1, hang_timeout=0)
     import orchestrator.backends.ssh.gate as jm
+
     monkeypatch.setattr(jm.preflight, "run", lambda *a, **k: [])
     result = job.run(j)
     assert [h.name for h in j.history[0].plan.hot] == ["node3"], j.history[0].plan.render()[:300]
@@ -386,8 +408,12 @@ spares:
     assert j.history[0].warm_ranks == {"node1": 0}, j.history[0].watched
     assert second.select("sync") == []  # node1 warm, node3 the hot spare: nothing to sync or check
     start = second.step("node3", "start").command
-    assert ("docker rename fabtrain-gpt-1-spare fabtrain-gpt-1-r1" in start and "FABTRAIN_SPARE=0" in start
-            and "FABTRAIN_CONSOLE_PATH=/output/.console/node-1.log" in start and "echo hot" in start)
+    assert (
+        "docker rename fabtrain-gpt-1-spare fabtrain-gpt-1-r1" in start
+        and "FABTRAIN_SPARE=0" in start
+        and "FABTRAIN_CONSOLE_PATH=/output/.console/node-1.log" in start
+        and "echo hot" in start
+    )
     for a in (first, second):  # what ran is the plan, host by host, in order
         begin = next(i for i, c in enumerate(rec.calls) if c[2] == a.select("claim")[0].command)
         ran = [c[:3] for c in rec.calls[begin:] if not c[2].startswith(("touch ", "ls -1 "))]
@@ -404,11 +430,12 @@ spares:
 
 def test_fab_stop_knows_a_job_by_the_hosts_or_by_this_machines_record(tmp_path):
     from orchestrator.backends.ssh.jobcontrol import known_job
+
     (tmp_path / "gpt-1").mkdir()
     (tmp_path / "gpt-1" / "job.json").write_text("{}")
-    assert known_job("gpt-1", {}, {}, False, tmp_path)            # recorded here
+    assert known_job("gpt-1", {}, {}, False, tmp_path)  # recorded here
     assert known_job("bob-2", {"bob-2": object()}, {}, False, tmp_path)  # on the hosts
     assert known_job("ctl-3", {}, {"ctl-3": "node1 running"}, False, tmp_path)
-    assert known_job("typo-4", {}, {}, True, tmp_path)            # a host did not answer
+    assert known_job("typo-4", {}, {}, True, tmp_path)  # a host did not answer
     assert not known_job("typo-4", {}, {}, False, tmp_path)
     assert not known_job("../gpt-1", {}, {}, False, tmp_path / "x")

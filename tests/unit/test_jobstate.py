@@ -1,6 +1,7 @@
 """The job's stages over its frozen state (jobstate.JobState), without a job: what the state says of
 its hosts, the transitions the stages make, and the stages' own decisions (DECIDE, the TEARDOWN
 after Ctrl+C, an Again that leaves nothing) against a recording stand-in for the job's context."""
+
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
@@ -14,10 +15,13 @@ from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster
 
-INV = parse("job: {output_dir: /data/out}\nhosts:\n"
-            "  - {name: node1, address: 10.0.0.1, interface: eth0}\n"
-            "  - {name: node2, address: 10.0.0.2, interface: eth0}\n"
-            "spares:\n  - {name: spare1, address: 10.0.1.1, interface: eth0}\n", Path("inv.yaml"))
+INV = parse(
+    "job: {output_dir: /data/out}\nhosts:\n"
+    "  - {name: node1, address: 10.0.0.1, interface: eth0}\n"
+    "  - {name: node2, address: 10.0.0.2, interface: eth0}\n"
+    "spares:\n  - {name: spare1, address: 10.0.1.1, interface: eth0}\n",
+    Path("inv.yaml"),
+)
 SPEC = jobspec.JobSpec(job_id="j-1", script="x.py", code_key="k1")
 
 
@@ -93,9 +97,9 @@ def test_all_warm_needs_every_host_waiting_at_its_rank_under_the_same_code_key()
     a = plan(1, warm=True)
 
     def ended(warm_hosts):
-        ends = {h.name: NodeEnd(h, 3 if h.name == "node2" else 0, warm=h.name in warm_hosts)
-                for h in a.hosts}
+        ends = {h.name: NodeEnd(h, 3 if h.name == "node2" else 0, warm=h.name in warm_hosts) for h in a.hosts}
         return Attempted(a, Outcome(), Watched(ends=ends))
+
     s = fresh().begun(a).judged(ended({"node1", "node2"}), None)
     assert s.all_warm(INV.hosts, warm=True)
     assert not s.all_warm(INV.hosts, warm=False)
@@ -175,6 +179,7 @@ def test_what_a_failover_found_lost_holds_for_the_first_watch_only(monkeypatch):
     def watch(job, state, a):
         seen.append(dict(state.known_lost))
         return Attempted(a, Outcome(), Watched())
+
     monkeypatch.setattr(attempting, "watch", watch)
     s = attempting.take_over(Context(), fresh(known_lost=(("node2", "silent"),)), a)
     assert s.current is a and s.started

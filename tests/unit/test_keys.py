@@ -3,6 +3,7 @@ a temporary HOME, the resulting file checked byte for byte (every other line as 
 newline, CRLF, comments, blank lines, lines with options, bytes that are not UTF-8); the line's
 options; the controller's host's addresses read from hostile output; fab stop's removal, named
 when it fails (hostops.stop_script)."""
+
 import calendar
 import os
 import re
@@ -18,7 +19,7 @@ from orchestrator.hosts import hostops, keys
 from orchestrator.transport.remote import PerHost, Result
 
 JOB = "gpt-20261124-101010-ab.cd"
-OTHER = "gpt-20261124-101010-ab"          # a prefix of JOB's id: its line is another's
+OTHER = "gpt-20261124-101010-ab"  # a prefix of JOB's id: its line is another's
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFtPTYnYmOPCTMbyHOfaa6Rgq4C4HyQk0u1A4mVZ9xAA"
 PUBLIC = f"{KEY} fabtrain-controller:{JOB}"
 OTHER_LINE = f'restrict,from="10.9.9.9",expiry-time="20991231000000" {KEY} fabtrain-controller:{OTHER}'
@@ -26,8 +27,9 @@ FROM = ["10.0.0.5", "fe80::1"]
 
 
 def sh(script: str, home: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", script], capture_output=True,
-                          env={**os.environ, "HOME": str(home), "TZ": "UTC", **env})
+    return subprocess.run(
+        ["sh", "-c", script], capture_output=True, env={**os.environ, "HOME": str(home), "TZ": "UTC", **env}
+    )
 
 
 def keyfile(home: Path, content: bytes | None) -> Path:
@@ -41,10 +43,11 @@ def keyfile(home: Path, content: bytes | None) -> Path:
 
 def ours(text: bytes) -> tuple[bytes, bytes, int]:
     """(the file without our line, our line, its expiry as seconds since 1970 read as UTC)."""
-    m = re.search(rb'^restrict,from="[^"]*",expiry-time="(\d{14})" ' + re.escape(PUBLIC.encode()) + rb"\n",
-                  text, re.M)
+    m = re.search(
+        rb'^restrict,from="[^"]*",expiry-time="(\d{14})" ' + re.escape(PUBLIC.encode()) + rb"\n", text, re.M
+    )
     assert m, text
-    return text[:m.start()] + text[m.end():], m.group(0), stamp(m.group(1))
+    return text[: m.start()] + text[m.end() :], m.group(0), stamp(m.group(1))
 
 
 def stamp(text: bytes) -> int:
@@ -60,8 +63,11 @@ CASES = {
     "comments, blanks, options, another job": (
         b"# keys for the team\n\n   \n"
         b'command="/usr/bin/backup",no-pty,from="10.1.0.0/16" ssh-ed25519 AAAAbackup backup@nas\n'
-        b"# a note about fabtrain-controller:" + JOB.encode() + b" in the middle of a comment\n"
-        + OTHER_LINE.encode() + b"\n"
+        b"# a note about fabtrain-controller:"
+        + JOB.encode()
+        + b" in the middle of a comment\n"
+        + OTHER_LINE.encode()
+        + b"\n"
         b"\tssh-ed25519 AAAAtab tab@ws\n"
     ),
     "not UTF-8, a NUL": b"ssh-ed25519 AAAA\xff\xfe odd@ws\n# \x00 nul\nssh-ed25519 AAAAlast last@ws",
@@ -80,8 +86,10 @@ def test_added_renewed_and_removed_leaving_every_other_byte(tmp_path, case):
     assert r.returncode == 0, r.stderr
     rest, line, expiry = ours(f.read_bytes())
     assert rest == kept and f.read_bytes() == kept + line
-    assert re.fullmatch(rb'restrict,from="10\.0\.0\.5,fe80::1",expiry-time="\d{14}" '
-                        + re.escape(PUBLIC.encode()) + rb"\n", line)
+    assert re.fullmatch(
+        rb'restrict,from="10\.0\.0\.5,fe80::1",expiry-time="\d{14}" ' + re.escape(PUBLIC.encode()) + rb"\n",
+        line,
+    )
     assert now + 7200 - 2 <= expiry <= int(time.time()) + 7200 + 2
     # Renewed: the same place at the end, a later expiry, a new from= list, nothing else changed.
     r = sh(keys.renew_script(JOB, PUBLIC, ["10.0.0.6"], 9000), tmp_path)
@@ -97,7 +105,8 @@ def test_added_renewed_and_removed_leaving_every_other_byte(tmp_path, case):
     assert f.read_bytes() == kept
     assert oct(f.stat().st_mode & 0o777) == "0o600"
     assert [p.name for p in (tmp_path / ".ssh").iterdir() if p.name.startswith(".fabtrain.")] == [
-        ".fabtrain.lock"]  # no temporary file left
+        ".fabtrain.lock"
+    ]  # no temporary file left
     # Renewing a line that is gone (fab stop took it) adds nothing.
     r = sh(keys.renew_script(JOB, PUBLIC, FROM, 7200), tmp_path)
     assert r.returncode == keys.GONE and b"no line of job" in r.stderr and f.read_bytes() == kept
@@ -192,14 +201,20 @@ def test_the_expiry_is_the_hosts_local_time_as_its_sshd_reads_it(tmp_path):
 
 def test_the_lines_options_take_addresses_only():
     assert keys.entry_options(["10.0.0.5", "fe80::1", "127.0.0.0/8", "::1"]) == (
-        'restrict,from="10.0.0.5,fe80::1,127.0.0.0/8,::1",expiry-time="', '" ')
+        'restrict,from="10.0.0.5,fe80::1,127.0.0.0/8,::1",expiry-time="',
+        '" ',
+    )
     for bad in ('10.0.0.5",command="touch /tmp/x', "*", "node1", "10.0.0.5 ", ""):
         with pytest.raises(ValueError, match="from= takes IP addresses"):
             keys.entry_options([bad])
     with pytest.raises(ValueError, match="at least one"):
         keys.entry_options([])
-    for public in (f"{KEY} fabtrain-controller:{OTHER}", f'command="x" {PUBLIC}', f"{KEY}\n{PUBLIC}",
-                   f"{KEY} x fabtrain-controller:{JOB}"):
+    for public in (
+        f"{KEY} fabtrain-controller:{OTHER}",
+        f'command="x" {PUBLIC}',
+        f"{KEY}\n{PUBLIC}",
+        f"{KEY} x fabtrain-controller:{JOB}",
+    ):
         with pytest.raises(ValueError, match="not this job's public key line"):
             keys.authorize_script(JOB, public, FROM, 60)
     with pytest.raises(ValueError, match="not a job id"):
@@ -219,29 +234,42 @@ IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever p
 
 def test_the_controllers_host_addresses_from_ip_or_hostname():
     assert keys.parse_addresses(IP_ADDR + "@@resolved\n172.28.5.11     STREAM node1\n", "node1") == (
-        ("172.17.0.1", "172.28.5.11", "fe80::42:acff:fe1c:50b"), False)
+        ("172.17.0.1", "172.28.5.11", "fe80::42:acff:fe1c:50b"),
+        False,
+    )
     assert keys.parse_addresses("10.0.0.5 10.1.0.5 \n@@resolved\n127.0.1.1       STREAM gpu1\n", "gpu1") == (
-        ("10.0.0.5", "10.1.0.5"), True)
+        ("10.0.0.5", "10.1.0.5"),
+        True,
+    )
     # Hostile output: only words that are IP addresses are taken.
-    hostile_out = ('2: eth0 inet $(touch /tmp/x)/24\n3: eth1 inet 10.0.0.7"/24\n4: x inet 10.0.0.8/24\n'
-                   "@@resolved\n")
+    hostile_out = (
+        '2: eth0 inet $(touch /tmp/x)/24\n3: eth1 inet 10.0.0.7"/24\n4: x inet 10.0.0.8/24\n@@resolved\n'
+    )
     assert keys.parse_addresses(hostile_out, "gpu1") == (("10.0.0.8",), False)
-    with pytest.raises(UserError, match=r"gpu1, the controller's host, shows no address but loopback .*"
-                                        r"said '1: lo inet 127.0.0.1/8'"):
+    with pytest.raises(
+        UserError,
+        match=r"gpu1, the controller's host, shows no address but loopback .*"
+        r"said '1: lo inet 127.0.0.1/8'",
+    ):
         keys.parse_addresses("1: lo inet 127.0.0.1/8\n@@resolved\n", "gpu1")
     many = " ".join(f"10.0.{i // 250}.{i % 250 + 1}" for i in range(keys.MAX_SOURCES + 1))
     with pytest.raises(UserError, match="more than 64: its key's from= would be too wide"):
         keys.parse_addresses(many + "\n@@resolved\n", "gpu1")
     assert keys.addresses_script("gpu 1") == (
         "{ ip -o addr show 2>/dev/null || hostname -I; }; echo @@resolved; "
-        "getent ahosts 'gpu 1' 2>/dev/null; true")
+        "getent ahosts 'gpu 1' 2>/dev/null; true"
+    )
 
 
 def test_loopback_only_on_the_controllers_own_line_and_only_when_it_reaches_itself_so():
     assert keys.sources_by_host(["a", "b"], "a", ["10.0.0.5"], True) == {
-        "a": ("10.0.0.5", "127.0.0.0/8", "::1"), "b": ("10.0.0.5",)}
+        "a": ("10.0.0.5", "127.0.0.0/8", "::1"),
+        "b": ("10.0.0.5",),
+    }
     assert keys.sources_by_host(["a", "b"], "a", ["10.0.0.5"], False) == {
-        "a": ("10.0.0.5",), "b": ("10.0.0.5",)}
+        "a": ("10.0.0.5",),
+        "b": ("10.0.0.5",),
+    }
 
 
 def test_the_lifetimes_and_their_overrides():
@@ -254,6 +282,7 @@ def test_the_lifetimes_and_their_overrides():
 
 
 # ---------------------------------------------------------------- fab stop (hostops.stop_script)
+
 
 class OneCommand:
     """Session.run and fan_out as `sh -c` here, recording each command."""
@@ -274,8 +303,9 @@ def test_fab_stop_takes_the_key_back_in_its_one_command_and_names_a_failure(tmp_
     """The stop's stdout stays the removed container ids; its status is its own, or keys.LEFT with
     the reason on stderr when the key could still be there after three tries (fab stop then names
     the host), and the controller's directory goes either way."""
-    inv = parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n",
-                Path("i.yaml"))
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml")
+    )
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "docker").write_text('#!/bin/sh\ncase "$2" in --all) echo 0a1b2c;; --force) echo "$3";; esac\n')
@@ -309,13 +339,16 @@ def test_fab_stop_takes_the_key_back_in_its_one_command_and_names_a_failure(tmp_
     # With the key taken back, the status is the stop's own, whatever it is.
     (stub / "flock").unlink()
     (stub / "docker").write_text('#!/bin/sh\ncase "$2" in --all) echo 0a1b2c;; --force) echo stuck;; esac\n')
-    assert OneCommand(env).run(None, hostops.stop_script(inv, [job], 0, [job])).exited == OneCommand(env).run(
-        None, hostops.stop_script(inv, [job], 0)).exited
+    assert (
+        OneCommand(env).run(None, hostops.stop_script(inv, [job], 0, [job])).exited
+        == OneCommand(env).run(None, hostops.stop_script(inv, [job], 0)).exited
+    )
 
 
 def test_fab_stops_script_exactly(tmp_path):
-    inv = parse(f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n",
-                Path("i.yaml"))
+    inv = parse(
+        f"job: {{output_dir: {tmp_path}/out}}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml")
+    )
     plain = hostops.stop_script(inv, ["gpt-1", "gpt-2"], 30)
     revoke = keys.revoke_script(["gpt-2"], lock_wait=2)
     assert hostops.stop_script(inv, ["gpt-1", "gpt-2"], 30, ["gpt-2", "not a job; rm -rf /"]) == (

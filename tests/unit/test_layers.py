@@ -1,6 +1,7 @@
 """The layers of orchestrator/ (docs/architecture.md) hold: each package imports only its own layer
 and the ones below it, no two modules import each other (directly or round a loop) when loaded,
 and the pure core loads nothing that does I/O."""
+
 import ast
 import subprocess
 import sys
@@ -16,7 +17,11 @@ LAYERS = {
     "config": 1,
     "hostcmds": 2,
     "transport": 3,
-    "hosts": 4, "progress": 4, "images": 4, "snapshots": 4, "telemetry": 4,
+    "hosts": 4,
+    "progress": 4,
+    "images": 4,
+    "snapshots": 4,
+    "telemetry": 4,
     "preflight": 5,
     "backends": 6,
     "commandline": 7,
@@ -55,6 +60,7 @@ def imports(path: Path, top_level_only: bool) -> set[str]:
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("orchestrator"))
             visit(list(ast.iter_child_nodes(node)))
+
     visit(tree.body)
     return found
 
@@ -67,7 +73,8 @@ def layer(module: str) -> str:
 def test_every_package_is_a_known_layer():
     packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
     assert packages == set(LAYERS), (
-        "a new package under orchestrator/ needs its place in LAYERS (and docs/architecture.md)")
+        "a new package under orchestrator/ needs its place in LAYERS (and docs/architecture.md)"
+    )
     loose = [p.name for p in PKG.glob("*.py") if p.name != "__init__.py"]
     assert loose == [], f"modules belong in a layer's package: {loose}"
 
@@ -95,7 +102,7 @@ def test_no_import_cycle_when_modules_load():
             if n == m or n not in graph:
                 continue
             if state.get(n) == 1:
-                cycles.append(path[path.index(n):] + [n] if n in path else [m, n])
+                cycles.append(path[path.index(n) :] + [n] if n in path else [m, n])
             elif n not in state:
                 walk(n, path + [n])
         state[m] = 2
@@ -108,10 +115,10 @@ def test_no_import_cycle_when_modules_load():
 
 def test_the_core_loads_no_io_and_no_other_layer():
     core = sorted(module_name(p) for p in (PKG / "core").glob("*.py"))
-    code = (f"import sys\nfor m in {core!r}: __import__(m)\n"
-            "print('\\n'.join(sorted(sys.modules)))")
-    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
+    code = f"import sys\nfor m in {core!r}: __import__(m)\nprint('\\n'.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert [m for m in loaded if m.split(".")[0] in NOT_IN_CORE] == []
     assert [m for m in loaded if m.startswith("orchestrator.") and layer(m) != "core"] == []
 
@@ -133,6 +140,7 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
 def test_every_package_is_installed():
     """pyproject.toml lists the packages by hand (fabtrain_docker cannot be found by a find)."""
     import tomllib
+
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(p.parent) for p in ROOT.glob("orchestrator/**/__init__.py")}
     assert found | {"trainers", "fabtrain_docker"} == listed  # trainers/: modules, no __init__.py

@@ -1,5 +1,6 @@
-"""The habits hold: ruff (pyproject.toml's rules, 110 columns) and mypy pass on the whole tree, so
+"""The habits hold: ruff (pyproject.toml's rules and its formatting, 110 columns) and mypy pass on the whole tree, so
 .ci/run (which runs this suite) fails on a lint or type error like on any other."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,11 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 
 def test_ruff_finds_nothing():
     r = run("ruff", "check", "--no-cache", ".")
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def test_ruff_format_changes_nothing():
+    r = run("ruff", "format", "--check", "--no-cache", ".")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 

@@ -1,5 +1,6 @@
 """The live status view: host lines parsed into a board, rendered to fixed text; stragglers named
 once; log lines printed above a rich Live display."""
+
 import io
 
 import pytest
@@ -19,8 +20,10 @@ class Clock:
 
 
 def step(node, rank, s, compute, loss=2.5):
-    return (f"[{node} rank{rank}] epoch 0 | step {s} | loss {loss:.4f} | lr 3.00e-03 | 81,877 tok/s "
-            f"| step {compute + 4:.1f} ms | compute {compute:.1f} ms").encode()
+    return (
+        f"[{node} rank{rank}] epoch 0 | step {s} | loss {loss:.4f} | lr 3.00e-03 | 81,877 tok/s "
+        f"| step {compute + 4:.1f} ms | compute {compute:.1f} ms"
+    ).encode()
 
 
 def text(renderable, width=110):
@@ -32,8 +35,13 @@ def text(renderable, width=110):
 def test_board_renders_a_fixed_state():
     clock = Clock()
     board = Board([("node1", 0), ("node2", 1), ("node3", 2)], clock=clock)
-    board.observe("node1", step("node1", 0, 20, 20.4) + b"\n" + step("node1", 1, 20, 20.0, 2.4)
-                  + b"\n[node1 rank0] progress [##########          ]  50.0% epoch 1/2 step 20/40 eta 1s")
+    board.observe(
+        "node1",
+        step("node1", 0, 20, 20.4)
+        + b"\n"
+        + step("node1", 1, 20, 20.0, 2.4)
+        + b"\n[node1 rank0] progress [##########          ]  50.0% epoch 1/2 step 20/40 eta 1s",
+    )
     clock.now += 2
     board.observe("node2", step("node2", 2, 10, 21.0))
     clock.now += 40
@@ -42,7 +50,8 @@ def test_board_renders_a_fixed_state():
     assert [line.rstrip() for line in text(board.render()).splitlines()] == [
         "node1  r0  step 20/40    loss 2.4000  81,877 tok/s  compute 20.4 ms  last output 43s ago",
         "node2  r1  step 10/40    loss 2.5000  81,877 tok/s  compute 21.0 ms  last output 41s ago",
-        "node3  r2  no step info                                              last output 1s ago"]
+        "node3  r2  no step info                                              last output 1s ago",
+    ]
 
 
 def run_board(compute, seconds, every=2.0, board=None, clock=None):
@@ -64,8 +73,13 @@ def test_a_rank_twice_as_slow_is_named_once_after_5_of_its_lines():
     board, named = run_board(lambda r, i: 42.0 if r == 2 else 20.0 + r / 10, seconds=60)
     # Slow from its first lines; tested from the 3rd (every rank has 3, at 4 s); the 7th is its 5th
     # slow one in a row.
-    assert named == [(12.0, "straggler: node2 rank2 takes 42.0 ms of compute per step, 2.1x the median rank "
-                            "(more than 50% slower); the job runs at its pace")]
+    assert named == [
+        (
+            12.0,
+            "straggler: node2 rank2 takes 42.0 ms of compute per step, 2.1x the median rank "
+            "(more than 50% slower); the job runs at its pace",
+        )
+    ]
     assert "compute 42.0 ms, straggler 2.1x" in text(board.render())
 
 
@@ -85,7 +99,8 @@ def test_a_starved_node_in_a_short_run_is_still_named():
         "straggler: node2 rank2 takes 130.5 ms of compute per step, 4.5x the median rank (more than 50% "
         "slower); the job runs at its pace",
         "straggler: node2 rank3 takes 106.8 ms of compute per step, 3.7x the median rank (more than 50% "
-        "slower); the job runs at its pace"]
+        "slower); the job runs at its pace",
+    ]
     assert named[0][0] == pytest.approx(6 * 0.7)  # its 7th line of 12
 
 
@@ -140,7 +155,11 @@ def test_hostile_step_lines_are_no_steps_and_never_raise():
     ):
         b.observe("node1", line)
     assert b.hosts["node1"].step is None and b.ranks("node1") == []
-    b.observe("node1", b"[node1 rank1] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | "
-                       b"step 24.0 ms | compute 20.5 ms\n")
-    assert b.ranks("node1") == [{"rank": 1, "step": 10, "loss": 2.1234, "tokens_per_s": 12345.0,
-                                 "step_ms": 24.0, "compute_ms": 20.5}]
+    b.observe(
+        "node1",
+        b"[node1 rank1] epoch 0 | step 10 | loss 2.1234 | lr 3.00e-03 | 12,345 tok/s | "
+        b"step 24.0 ms | compute 20.5 ms\n",
+    )
+    assert b.ranks("node1") == [
+        {"rank": 1, "step": 10, "loss": 2.1234, "tokens_per_s": 12345.0, "step_ms": 24.0, "compute_ms": 20.5}
+    ]

@@ -16,7 +16,11 @@ def test_lines_prefixed_whole_and_files_complete(tmp_path):
     a.close()
     b.close()
     assert out.getvalue().decode().splitlines() == [
-        "node2 r1 | one", "node1 r0 | hello", "node2 r1 | two", "node1 r0 | world"]
+        "node2 r1 | one",
+        "node1 r0 | hello",
+        "node2 r1 | two",
+        "node1 r0 | world",
+    ]
     assert (tmp_path / "node1.log").read_bytes() == b"hello\nworld"
     assert (tmp_path / "node2.log").read_bytes() == b"one\ntwo\n"
     assert a.last_lines() == "hello\nworld"
@@ -64,6 +68,7 @@ def test_missing_output_gives_up_when_the_tail_cannot_tell():
 
 def test_terminal_gets_no_control_characters_but_the_file_keeps_them(tmp_path):
     import io
+
     out = io.BytesIO()
     mux = Multiplexer(tmp_path, out=out, colour=False)
     sink = mux.sink("h", 0)

@@ -3,6 +3,7 @@ the keeper holds the newest states per rank and forgets a timeline the job went 
 ranks agree on the newest step every rank holds (and where each rank's state comes from), K is the
 smallest that keeps the copy within 3% of a step, and without a keeper nothing is kept. The real
 thing, warm nodes on loopback: tests/trainers/test_memory_warm.py."""
+
 import importlib.util
 import mmap
 import os
@@ -45,12 +46,28 @@ def round_trip(fm, state):
 
 def test_a_state_round_trips_bit_for_bit(fm):
     weight = torch.randn(5, 7)
-    state = {"model": {"w": weight, "tied": weight, "t": weight.t(), "half": torch.randn(3).bfloat16(),
-                       "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "mask": torch.rand(4) > 0.5},
-             "optimizer": {"state": {0: {"step": torch.tensor(7.0)}},
-                           "param_groups": [{"lr": 0.1, "params": [0]}]},
-             "rng": torch.get_rng_state(), "python": random.getstate(), "epoch": 3, "dtype": torch.float16,
-             "shape": torch.Size([2, 3]), "name": "run", "none": None}
+    state = {
+        "model": {
+            "w": weight,
+            "tied": weight,
+            "t": weight.t(),
+            "half": torch.randn(3).bfloat16(),
+            "scalar": torch.tensor(2.5),
+            "empty": torch.zeros(0, 4),
+            "mask": torch.rand(4) > 0.5,
+        },
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(7.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "rng": torch.get_rng_state(),
+        "python": random.getstate(),
+        "epoch": 3,
+        "dtype": torch.float16,
+        "shape": torch.Size([2, 3]),
+        "name": "run",
+        "none": None,
+    }
     got = round_trip(fm, state)
     for k, v in state["model"].items():
         assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k
@@ -65,6 +82,7 @@ def test_a_state_round_trips_bit_for_bit(fm):
 def test_save_refuses_at_once_what_load_could_not_take(fm):
     class Schedule:
         pass
+
     with pytest.raises(TypeError, match="keep to tensors and plain Python values"):
         fm.encode({"scheduler": Schedule()})
 
@@ -75,7 +93,8 @@ def put(fm, keeper, rank, step, world=2, payload=b"x"):
     client = fm.KeeperClient(keeper.path)
     try:
         reply, _ = client.call(
-            {"op": "put", "rank": rank, "step": step, "world": world, "size": len(payload)}, fd)
+            {"op": "put", "rank": rank, "step": step, "world": world, "size": len(payload)}, fd
+        )
     finally:
         os.close(fd)
         client.close()
@@ -115,17 +134,20 @@ def row(rank, step, world=2, sha=None):
     return [rank, step, world, 10, sha]
 
 
-@pytest.mark.parametrize("reports,step,newest,source", [
-    # Each rank's own keeper holds steps 3 and 4: step 4, each from its own.
-    ([[row(0, 3), row(0, 4)], [row(1, 3), row(1, 4)]], 4, 4, {0: 0, 1: 1}),
-    # Rank 1 got as far as step 5, rank 0 not: step 4, one step lost.
-    ([[row(0, 3), row(0, 4)], [row(1, 4), row(1, 5)]], 4, 5, {0: 0, 1: 1}),
-    # Rank 1's host was replaced (its keeper empty): its replica on rank 0's keeper.
-    ([[row(0, 4), row(0, 5), row(1, 4), row(1, 5)], []], 5, 5, {0: 0, 1: 0}),
-    # A state of another world (the job shrank) is of no use; no step common to every rank: none.
-    ([[row(0, 4), row(1, 9, world=3)], [row(1, 3)]], None, 4, {}),
-    ([[], []], None, None, {}),
-])
+@pytest.mark.parametrize(
+    "reports,step,newest,source",
+    [
+        # Each rank's own keeper holds steps 3 and 4: step 4, each from its own.
+        ([[row(0, 3), row(0, 4)], [row(1, 3), row(1, 4)]], 4, 4, {0: 0, 1: 1}),
+        # Rank 1 got as far as step 5, rank 0 not: step 4, one step lost.
+        ([[row(0, 3), row(0, 4)], [row(1, 4), row(1, 5)]], 4, 5, {0: 0, 1: 1}),
+        # Rank 1's host was replaced (its keeper empty): its replica on rank 0's keeper.
+        ([[row(0, 4), row(0, 5), row(1, 4), row(1, 5)], []], 5, 5, {0: 0, 1: 0}),
+        # A state of another world (the job shrank) is of no use; no step common to every rank: none.
+        ([[row(0, 4), row(1, 9, world=3)], [row(1, 3)]], None, 4, {}),
+        ([[], []], None, None, {}),
+    ],
+)
 def test_the_ranks_agree_on_the_newest_step_every_rank_holds(fm, reports, step, newest, source):
     got = fm.agree(reports, 2)
     assert (got.step, got.newest, got.source) == (step, newest, source)
@@ -136,8 +158,9 @@ def test_a_replica_carries_the_sha256_its_origin_computed(fm):
     assert got.source == {0: 0, 1: 1} and got.sha256 == {0: "a" * 64, 1: "b" * 64}
 
 
-@pytest.mark.parametrize("cost_ms,step_ms,k", [(1, 100, 1), (3, 100, 1), (3.1, 100, 2), (10, 100, 4),
-                                               (50, 100, 17)])
+@pytest.mark.parametrize(
+    "cost_ms,step_ms,k", [(1, 100, 1), (3, 100, 1), (3.1, 100, 2), (10, 100, 4), (50, 100, 17)]
+)
 def test_k_is_the_smallest_that_keeps_the_copy_within_3_percent_of_a_step(fm, cost_ms, step_ms, k):
     assert fm.choose_every([cost_ms / 1000] * 3, [step_ms / 1000] * 3) == k
 
@@ -151,8 +174,10 @@ def test_without_a_keeper_save_keeps_nothing_and_load_returns_none(fm, capsys):
 def test_one_rank_keeps_every_kth_step_and_resumes_from_the_newest(fm, keeper, monkeypatch, capsys):
     monkeypatch.setenv("FABTRAIN_KEEPER", keeper.path)
     monkeypatch.setenv("FABTRAIN_MEMORY_EVERY", "2")
-    kept = [fm.save(step, lambda step=step: {"w": torch.full((3,), float(step)), "step": step})
-            for step in range(1, 8)]
+    kept = [
+        fm.save(step, lambda step=step: {"w": torch.full((3,), float(step)), "step": step})
+        for step in range(1, 8)
+    ]
     assert kept == [False, True, False, True, False, True, False] and fm.every() == 2
     fm._memory().finish()
     assert [s for _, s, _ in held(fm, keeper)] == [4, 6]
@@ -170,8 +195,9 @@ def test_a_disk_snapshot_as_new_as_memory_wins_an_older_one_does_not(fm, keeper,
         fm.save(step, {"step": step})
     fm._memory().finish()
     assert fm.load(disk_step=6) is None
-    assert ("[fabtrain] resumed from the disk snapshot at step 6 (memory: every rank holds step 6), "
-            "0 steps lost") in capsys.readouterr().out
+    assert (
+        "[fabtrain] resumed from the disk snapshot at step 6 (memory: every rank holds step 6), 0 steps lost"
+    ) in capsys.readouterr().out
     assert fm.load(disk_step=5) == {"step": 6}
     assert "resumed from memory at step 6" in capsys.readouterr().out
 

@@ -1,5 +1,6 @@
 """The job's Prometheus metrics: what the events said, exposed with conventional names and labels,
 and the listen address checked."""
+
 import socket
 import urllib.request
 
@@ -29,8 +30,14 @@ def scrape(m: Metrics) -> dict[str, float]:
 
 
 def rank(r, step, loss=2.5, rate=1000.0, step_ms=20.0, compute_ms=15.0):
-    return {"rank": r, "step": step, "loss": loss, "tokens_per_s": rate, "step_ms": step_ms,
-            "compute_ms": compute_ms}
+    return {
+        "rank": r,
+        "step": step,
+        "loss": loss,
+        "tokens_per_s": rate,
+        "step_ms": step_ms,
+        "compute_ms": compute_ms,
+    }
 
 
 def test_metrics_follow_the_events_of_a_job_with_a_restart():
@@ -71,12 +78,27 @@ def test_metrics_follow_the_events_of_a_job_with_a_restart():
 
 def test_telemetry_samples_become_gpu_and_container_gauges():
     m = Metrics("j", "bob")
-    sample = {"vendor": "nvidia",
-              "gpus": [{"index": 3, "uuid": "GPU-1", "bus": "00000000:3B:00.0", "util": 0.87,
-                        "mem_used": 1 << 30, "mem_total": 80 << 30, "power_w": 301.5, "temp_c": 61.0,
-                        "throttle": [], "ecc_uncorrected": None}],
-              "containers": [{"name": 'fabtrain-j-r0"} evil', "cpu": 1.5, "mem": 123, "mem_limit": None}],
-              "host": {"load1": 2.25, "mem_used": 1, "mem_total": 2, "cpus": 8}, "xid": [], "errors": []}
+    sample = {
+        "vendor": "nvidia",
+        "gpus": [
+            {
+                "index": 3,
+                "uuid": "GPU-1",
+                "bus": "00000000:3B:00.0",
+                "util": 0.87,
+                "mem_used": 1 << 30,
+                "mem_total": 80 << 30,
+                "power_w": 301.5,
+                "temp_c": 61.0,
+                "throttle": [],
+                "ecc_uncorrected": None,
+            }
+        ],
+        "containers": [{"name": 'fabtrain-j-r0"} evil', "cpu": 1.5, "mem": 123, "mem_limit": None}],
+        "host": {"load1": 2.25, "mem_used": 1, "mem_total": 2, "cpus": 8},
+        "xid": [],
+        "errors": [],
+    }
     m.emit("telemetry", job="j", attempt=1, host="node1", sample=sample)
     got = scrape(m)
     assert got['fabtrain_gpu_utilization_ratio{gpu="3",host="node1",job_id="j"}'] == 0.87
@@ -95,10 +117,27 @@ def a_job_with_every_series(clock=None) -> Metrics:
     m.emit("attempt", job="j", attempt=1, hosts={"node1": 0}, port=1)
     m.emit("progress", job="j", attempt=1, host="node1", step=1, ranks=[rank(0, 1)])
     m.emit("host_failed", job="j", attempt=1, host="node1", kind="lost", detail="")
-    m.emit("telemetry", job="j", attempt=1, host="node1", sample={
-        "gpus": [{"index": 0, "util": 0.5, "mem_used": 1, "mem_total": 2, "power_w": 3.0, "temp_c": 4.0,
-                  "ecc_uncorrected": 0}],
-        "containers": [{"name": "c", "cpu": 1.0, "mem": 5}], "host": {"load1": 1.0}})
+    m.emit(
+        "telemetry",
+        job="j",
+        attempt=1,
+        host="node1",
+        sample={
+            "gpus": [
+                {
+                    "index": 0,
+                    "util": 0.5,
+                    "mem_used": 1,
+                    "mem_total": 2,
+                    "power_w": 3.0,
+                    "temp_c": 4.0,
+                    "ecc_uncorrected": 0,
+                }
+            ],
+            "containers": [{"name": "c", "cpu": 1.0, "mem": 5}],
+            "host": {"load1": 1.0},
+        },
+    )
     return m
 
 
@@ -107,13 +146,22 @@ EXPOSED = {
     "fabtrain_job_info": ("gauge", {"owner"}),
     "fabtrain_attempt": ("gauge", set()),
     "fabtrain_running": ("gauge", set()),
-    **{f"fabtrain_{n}": ("gauge", {"host", "rank"})
-       for n in ("step", "loss", "tokens_per_second", "step_seconds", "compute_seconds")},
+    **{
+        f"fabtrain_{n}": ("gauge", {"host", "rank"})
+        for n in ("step", "loss", "tokens_per_second", "step_seconds", "compute_seconds")
+    },
     "fabtrain_last_progress_timestamp_seconds": ("gauge", {"host"}),
     "fabtrain_host_failures": ("counter", {"host", "kind"}),
-    **{f"fabtrain_gpu_{n}": ("gauge", {"host", "gpu"}) for n in ("utilization_ratio", "memory_used_bytes",
-                                                                "memory_total_bytes", "power_watts",
-                                                                "temperature_celsius")},
+    **{
+        f"fabtrain_gpu_{n}": ("gauge", {"host", "gpu"})
+        for n in (
+            "utilization_ratio",
+            "memory_used_bytes",
+            "memory_total_bytes",
+            "power_watts",
+            "temperature_celsius",
+        )
+    },
     "fabtrain_gpu_ecc_uncorrected_errors": ("counter", {"host", "gpu"}),
     "fabtrain_container_cpu_cores": ("gauge", {"host", "container"}),
     "fabtrain_container_memory_bytes": ("gauge", {"host", "container"}),
@@ -127,6 +175,7 @@ def test_the_exposition_follows_prometheus_naming_conventions():
     scrape target); a counter's samples end in _total and no gauge's name does; the progress time is
     a Unix timestamp."""
     from prometheus_client.parser import text_string_to_metric_families
+
     clock = Clock()
     clock.now = 1_790_000_000.25
     m = a_job_with_every_series(clock)
@@ -163,8 +212,10 @@ def test_served_on_loopback_and_a_taken_port_is_an_error():
         m.close()
 
 
-@pytest.mark.parametrize(("text", "want"), [("9400", ("127.0.0.1", 9400)), ("0.0.0.0:80", ("0.0.0.0", 80)),
-                                            ("[::1]:9400", ("::1", 9400))])
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("9400", ("127.0.0.1", 9400)), ("0.0.0.0:80", ("0.0.0.0", 80)), ("[::1]:9400", ("::1", 9400))],
+)
 def test_listen_address(text, want):
     assert listen_address(text) == want
 
@@ -181,13 +232,18 @@ def test_the_grafana_dashboard_uses_only_metrics_fab_serves():
     import json
     import re
     from pathlib import Path
+
     dash = json.loads((Path(__file__).resolve().parents[2] / "docker/grafana/fabtrain.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {name for e in exprs for name in re.findall(r"fabtrain_\w+", e)}
     served = {key.split("{")[0] for key in scrape(a_job_with_every_series())}
     assert used and used <= served, used - served
-    assert {"fabtrain_step", "fabtrain_host_failures_total", "fabtrain_gpu_utilization_ratio",
-            "fabtrain_last_progress_timestamp_seconds"} <= used
+    assert {
+        "fabtrain_step",
+        "fabtrain_host_failures_total",
+        "fabtrain_gpu_utilization_ratio",
+        "fabtrain_last_progress_timestamp_seconds",
+    } <= used
     # Each query picks its job by the job_id label; none by `job`, which names Prometheus's scrape job.
     assert all('job_id=~"$job_id"' in e and not re.search(r"\bjob\s*=", e) for e in exprs), exprs
     [variable] = [v for v in dash["templating"]["list"] if v["type"] == "query"]

@@ -1,5 +1,6 @@
 """Notifications and events.jsonl (progress/notify.py): which events become which notices, and
 delivery to a real command and a real HTTP server on loopback, with retries and deadlines."""
+
 import http.server
 import json
 import threading
@@ -46,8 +47,10 @@ def test_a_job_taken_over_does_not_say_started_again_and_ends_by_state():
 
 
 def test_payload_text_is_sanitized_and_secrets_masked():
-    got = notices([("attempt_end", {"ok": False, "outcome": "token hunter2-xyz \x1b]52;c;AAAA\x07 leaked"})],
-                  secrets=("hunter2-xyz", "ab"))
+    got = notices(
+        [("attempt_end", {"ok": False, "outcome": "token hunter2-xyz \x1b]52;c;AAAA\x07 leaked"})],
+        secrets=("hunter2-xyz", "ab"),
+    )
     assert "\x1b" not in got[0]["detail"] and "hunter2" not in got[0]["detail"] and "***" in got[0]["detail"]
 
 
@@ -82,8 +85,13 @@ def test_command_and_url_hooks_get_every_notice_in_order_with_retries(tmp_path, 
     out = tmp_path / "got.jsonl"
     warnings = []
     Hook.fail_first = 1  # the first POST answered 503: tried again
-    n = notify.Notifier(notify.Notices("gpt-1", "ann@ws"), f"cat >> {out}; echo >> {out}", server,
-                        warnings.append, backoff=0.01)
+    n = notify.Notifier(
+        notify.Notices("gpt-1", "ann@ws"),
+        f"cat >> {out}; echo >> {out}",
+        server,
+        warnings.append,
+        backoff=0.01,
+    )
     for event, fields in RESTARTED_JOB:
         n.emit(event, **fields)
     n.close()
@@ -96,8 +104,9 @@ def test_command_and_url_hooks_get_every_notice_in_order_with_retries(tmp_path, 
 def test_a_failing_or_hanging_hook_warns_once_and_never_holds_the_job(tmp_path, monkeypatch):
     monkeypatch.setattr(notify, "NOTIFY_TIMEOUT", 0.3)
     warnings = []
-    n = notify.Notifier(notify.Notices("j", "o"), "exit 3", "http://127.0.0.1:9/x", warnings.append,
-                        backoff=0.01)
+    n = notify.Notifier(
+        notify.Notices("j", "o"), "exit 3", "http://127.0.0.1:9/x", warnings.append, backoff=0.01
+    )
     start = time.monotonic()
     for event, fields in RESTARTED_JOB:
         n.emit(event, **fields)  # returns at once: delivery is the notifier's thread's
@@ -129,13 +138,16 @@ def test_every_object_of_the_event_log_carries_its_schema_version_and_readers_ta
     """`"v": 1` in every object of events.jsonl and telemetry.jsonl (a reader of a file's tail sees it
     too); the readers (fab metrics, the dashboard) read such a file and one written before `v` alike."""
     from orchestrator.progress import latest
+
     run = tmp_path / "job"
     log = notify.EventLog(run / notify.EVENTS_FILE, skip=notify.TELEMETRY)
     samples = notify.EventLog(run / notify.TELEMETRY_FILE, only=notify.TELEMETRY)
     ranks = [{"rank": 0, "step": 3, "loss": 2.5, "tokens_per_s": 10.0, "step_ms": None, "compute_ms": None}]
-    for event, fields in [*RESTARTED_JOB[:3], ("progress", {"attempt": 1, "host": "node1", "step": 3,
-                                                            "ranks": ranks}),
-                          ("telemetry", {"attempt": 1, "host": "node1", "sample": {"vendor": "none"}})]:
+    for event, fields in [
+        *RESTARTED_JOB[:3],
+        ("progress", {"attempt": 1, "host": "node1", "step": 3, "ranks": ranks}),
+        ("telemetry", {"attempt": 1, "host": "node1", "sample": {"vendor": "none"}}),
+    ]:
         log.emit(event, job="j", **fields)
         samples.emit(event, job="j", **fields)
     for name in (notify.EVENTS_FILE, notify.TELEMETRY_FILE):
@@ -146,8 +158,12 @@ def test_every_object_of_the_event_log_carries_its_schema_version_and_readers_ta
     assert new["hosts"] == {"node1": {"time": new["hosts"]["node1"]["time"], "vendor": "none"}}
     for name in (notify.EVENTS_FILE, notify.TELEMETRY_FILE):  # as written before the field
         path = run / name
-        path.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "v"}) + "\n"
-                                for x in path.read_text().splitlines()))
+        path.write_text(
+            "".join(
+                json.dumps({k: v for k, v in json.loads(x).items() if k != "v"}) + "\n"
+                for x in path.read_text().splitlines()
+            )
+        )
     assert latest.latest(run) == new
 
 
@@ -159,6 +175,7 @@ def test_a_dry_run_writes_no_event_log(tmp_path):
     from orchestrator.core import jobspec
     from orchestrator.core.events import Reporter
     from orchestrator.core.policy import Policy
+
     inv = parse("hosts:\n  - {name: n1, address: 10.0.0.1, interface: eth0}\n", Path("i.yaml"))
     job = Job(inv, jobspec.JobSpec(job_id="gpt-1", script="x.py"), Policy(), tmp_path / "runs", Reporter())
     job.note("planned")  # what plan() emits on a dry run, before Job.open

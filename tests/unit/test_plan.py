@@ -14,7 +14,8 @@ from orchestrator.hostcmds import dockerargs, hostfiles, node, sshargs, touched
 from orchestrator.hosts import claims
 
 ROOT = Path(__file__).resolve().parents[2]
-INV = parse("""\
+INV = parse(
+    """\
 ssh: {user: u, key: /k/id, known_hosts: /k/kh}
 job:
   image: img:1
@@ -29,15 +30,32 @@ hosts:
     interface: eth0
     devices: [/dev/infiniband/uverbs0]
     mounts: ["/data:/data:ro"]
-""", Path("/i/inv.yaml"))
+""",
+    Path("/i/inv.yaml"),
+)
 SPEC = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--model", "tiny"), code_key="ab12")
 
 
 def common(rank: int, name: str, ifname: str) -> list[str]:
-    return ["docker", "run", "--detach", "--name", f"fabtrain-gpt-1-r{rank}",
-            "--label", "fabtrain.managed=1", "--label", "fabtrain.job=gpt-1",
-            "--label", f"fabtrain.rank={rank}", "--label", f"fabtrain.host={name}",
-            "--network", "host", "--ipc", "host"]
+    return [
+        "docker",
+        "run",
+        "--detach",
+        "--name",
+        f"fabtrain-gpt-1-r{rank}",
+        "--label",
+        "fabtrain.managed=1",
+        "--label",
+        "fabtrain.job=gpt-1",
+        "--label",
+        f"fabtrain.rank={rank}",
+        "--label",
+        f"fabtrain.host={name}",
+        "--network",
+        "host",
+        "--ipc",
+        "host",
+    ]
 
 
 def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
@@ -64,18 +82,37 @@ def env(rank: int, name: str, ifname: str, *extra: str) -> list[str]:
 
 
 # The code read-only under its key, the working directory writable in the job's outputs.
-TAIL = ["--volume", "/opt/code/ab12:/run/fabtrain-code:ro", "--volume", "/opt/out/gpt-1/work:/workspace",
-        "--volume", "/opt/out/gpt-1:/output", "--volume", "/opt/out/gpt-1/work:/output/work",
-        "--volume", "/opt/out/.runtime/gpt-1:/run/fabtrain:ro"]
-CMD = ["--workdir", "/workspace", "--entrypoint", "python3", "img:1", "/run/fabtrain/entrypoint.py",
-       "trainers/gpt.py", "--model", "tiny"]
+TAIL = [
+    "--volume",
+    "/opt/code/ab12:/run/fabtrain-code:ro",
+    "--volume",
+    "/opt/out/gpt-1/work:/workspace",
+    "--volume",
+    "/opt/out/gpt-1:/output",
+    "--volume",
+    "/opt/out/gpt-1/work:/output/work",
+    "--volume",
+    "/opt/out/.runtime/gpt-1:/run/fabtrain:ro",
+]
+CMD = [
+    "--workdir",
+    "/workspace",
+    "--entrypoint",
+    "python3",
+    "img:1",
+    "/run/fabtrain/entrypoint.py",
+    "trainers/gpt.py",
+    "--model",
+    "tiny",
+]
 NGC_LIMITS = ["--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
 
 
 def test_docker_run_nvidia_with_the_runtime_hook():
     h = INV.hosts[0]
     assert node.docker_run_argv(INV, h, SPEC, dockerargs.GpuAccess(nvidia_runtime=True, cdi=True)) == (
-        common(0, "gpu0", "ib0") + ["--gpus", "all"] + NGC_LIMITS + env(0, "gpu0", "ib0") + TAIL + CMD)
+        common(0, "gpu0", "ib0") + ["--gpus", "all"] + NGC_LIMITS + env(0, "gpu0", "ib0") + TAIL + CMD
+    )
 
 
 def test_docker_run_nvidia_cdi_only():
@@ -85,8 +122,13 @@ def test_docker_run_nvidia_cdi_only():
     )
     assert access == dockerargs.GpuAccess(nvidia_runtime=False, cdi=True)
     assert node.docker_run_argv(INV, h, SPEC, access) == (
-        common(0, "gpu0", "ib0") + ["--device", "nvidia.com/gpu=all"] + NGC_LIMITS + env(0, "gpu0", "ib0")
-        + TAIL + CMD)
+        common(0, "gpu0", "ib0")
+        + ["--device", "nvidia.com/gpu=all"]
+        + NGC_LIMITS
+        + env(0, "gpu0", "ib0")
+        + TAIL
+        + CMD
+    )
     hook = dockerargs.parse_gpu_probe(
         'runtimes {"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}\ncdi 0\n'
     )
@@ -99,9 +141,22 @@ def test_docker_run_amd_groups_by_number_read_on_the_host():
     access = dockerargs.parse_gpu_probe("gids 44 110\n")
     assert node.docker_run_argv(INV, h, SPEC, access) == (
         common(1, "rocm1", "eth1")
-        + ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "44", "--group-add", "110",
-           "--security-opt", "seccomp=unconfined"]
-        + env(1, "rocm1", "eth1", "HSA_X=1") + TAIL + CMD)
+        + [
+            "--device",
+            "/dev/kfd",
+            "--device",
+            "/dev/dri",
+            "--group-add",
+            "44",
+            "--group-add",
+            "110",
+            "--security-opt",
+            "seccomp=unconfined",
+        ]
+        + env(1, "rocm1", "eth1", "HSA_X=1")
+        + TAIL
+        + CMD
+    )
 
 
 def test_docker_run_amd_without_a_render_group():
@@ -114,24 +169,34 @@ def test_docker_run_amd_without_a_render_group():
 def test_docker_run_cpu_with_infiniband_devices_and_mounts():
     h = INV.hosts[2]
     assert node.docker_run_argv(INV, h, SPEC) == (
-        common(2, "cpu2", "eth0") + ["--device", "/dev/infiniband/uverbs0", "--cap-add", "IPC_LOCK"]
-        + env(2, "cpu2", "eth0") + TAIL + ["--volume", "/data:/data:ro"] + CMD)
+        common(2, "cpu2", "eth0")
+        + ["--device", "/dev/infiniband/uverbs0", "--cap-add", "IPC_LOCK"]
+        + env(2, "cpu2", "eth0")
+        + TAIL
+        + ["--volume", "/data:/data:ro"]
+        + CMD
+    )
 
 
 def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
     from dataclasses import replace
+
     spec = replace(SPEC, units="gpu0:2,5", owner="alice@ws1")
     argv = node.docker_run_argv(
         INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=True), units=(2, 5)
     )
-    assert argv[argv.index("fabtrain.host=gpu0") + 1:][:2] == ["--label", "fabtrain.owner=alice@ws1"]
+    assert argv[argv.index("fabtrain.host=gpu0") + 1 :][:2] == ["--label", "fabtrain.owner=alice@ws1"]
     assert argv[argv.index("--gpus") + 1] == '"device=2,5"' and "NPROC_PER_NODE=2" in argv
     assert "--gpus '\"device=2,5\"'" in sshargs.shell(argv)  # as the docker CLI wants it on the host
     cdi = node.docker_run_argv(
         INV, INV.hosts[0], spec, dockerargs.GpuAccess(nvidia_runtime=False, cdi=True), units=(2, 5)
     )
-    assert cdi[cdi.index("--device"):cdi.index("--device") + 4] == [
-        "--device", "nvidia.com/gpu=2", "--device", "nvidia.com/gpu=5"]
+    assert cdi[cdi.index("--device") : cdi.index("--device") + 4] == [
+        "--device",
+        "nvidia.com/gpu=2",
+        "--device",
+        "nvidia.com/gpu=5",
+    ]
     # Every GPU of the host: the same argv as a job that owns the host; --nproc given wins.
     assert node.docker_run_argv(
         INV, INV.hosts[0], SPEC, dockerargs.GpuAccess(), units=tuple(range(8))
@@ -142,12 +207,19 @@ def test_a_job_on_some_gpus_sees_only_those_and_runs_one_process_each():
     # AMD: /dev/kfd and only the chosen GPUs' render nodes, from the KFD topology read on the host.
     access = dockerargs.parse_gpu_probe("gids 44 110\nrender 128 136 144 152\n")
     amd = node.docker_run_argv(INV, INV.hosts[1], spec, access, units=(1, 3))
-    assert amd[amd.index("/dev/kfd") - 1:amd.index("/dev/kfd") + 5] == [
-        "--device", "/dev/kfd", "--device", "/dev/dri/renderD136", "--device", "/dev/dri/renderD152"]
+    assert amd[amd.index("/dev/kfd") - 1 : amd.index("/dev/kfd") + 5] == [
+        "--device",
+        "/dev/kfd",
+        "--device",
+        "/dev/dri/renderD136",
+        "--device",
+        "/dev/dri/renderD152",
+    ]
 
 
 def test_cpu_jobs_pinned_to_their_slots_with_cpuset():
     from dataclasses import replace
+
     h = INV.hosts[2]
     assert "--cpuset-cpus" not in node.docker_run_argv(INV, h, SPEC, units=(1,))
     argv = node.docker_run_argv(INV, h, replace(SPEC, cpuset=True, units="cpu2:1,3"), units=(1, 3))
@@ -155,7 +227,8 @@ def test_cpu_jobs_pinned_to_their_slots_with_cpuset():
 
 
 def test_inventory_container_options_over_the_vendor_defaults():
-    inv = parse("""\
+    inv = parse(
+        """\
 job:
   ulimits: {nofile: "4096:8192"}
   cap_add: [SYS_PTRACE]
@@ -168,17 +241,33 @@ hosts:
     ulimits: {memlock: 68719476736, stack: unlimited}
     cap_add: [SYS_NICE]
     security_opt: [apparmor=unconfined]
-""", Path("i.yaml"))
+""",
+        Path("i.yaml"),
+    )
     n = node.node_spec(inv, inv.hosts[0], SPEC)
     assert (n.ulimits, n.cap_add, n.security_opt) == (
         (("memlock", "68719476736"), ("stack", "-1"), ("nofile", "4096:8192")),
-        ("IPC_LOCK", "SYS_PTRACE", "SYS_NICE"), ("apparmor=unconfined",))
+        ("IPC_LOCK", "SYS_PTRACE", "SYS_NICE"),
+        ("apparmor=unconfined",),
+    )
     argv = dockerargs.docker_options(n)
     at = argv.index("--ulimit")
-    assert argv[at:at + 14] == [
-        "--ulimit", "memlock=68719476736", "--ulimit", "stack=-1", "--ulimit", "nofile=4096:8192",
-        "--cap-add", "IPC_LOCK", "--cap-add", "SYS_PTRACE", "--cap-add", "SYS_NICE",
-        "--security-opt", "apparmor=unconfined"]
+    assert argv[at : at + 14] == [
+        "--ulimit",
+        "memlock=68719476736",
+        "--ulimit",
+        "stack=-1",
+        "--ulimit",
+        "nofile=4096:8192",
+        "--cap-add",
+        "IPC_LOCK",
+        "--cap-add",
+        "SYS_PTRACE",
+        "--cap-add",
+        "SYS_NICE",
+        "--security-opt",
+        "apparmor=unconfined",
+    ]
 
 
 def test_module_runs_through_the_entrypoint():
@@ -222,15 +311,19 @@ def test_shm_size_or_ipc_private_gives_the_job_its_own_ipc_namespace():
         inv = parse(f"job: {job}\nhosts:\n  - {{address: h, interface: eth0}}\n", Path("i.yaml"))
         argv = node.docker_run_argv(inv, inv.hosts[0], SPEC)
         i = argv.index("--ipc")
-        return argv[i:i + (4 if argv[i + 1] == "private" else 2)]
+        return argv[i : i + (4 if argv[i + 1] == "private" else 2)]
 
     assert ipc("{}") == ["--ipc", "host"]
     assert ipc("{shm_size: 64g}") == ["--ipc", "private", "--shm-size", "64g"]
     assert ipc("{ipc: private}") == ["--ipc", "private", "--shm-size", "8g"]
     assert ipc("{ipc: private, shm_size: 2g}") == ["--ipc", "private", "--shm-size", "2g"]
-    for job, said in (("{ipc: host, shm_size: 2g}", "i.yaml:1: job.shm_size: sizes a private /dev/shm, "
-                                                      "but job.ipc is host; set job.ipc: private"),
-                      ("{ipc: shareable}", "i.yaml:1: job.ipc: 'shareable' is not an IPC mode; use host")):
+    for job, said in (
+        (
+            "{ipc: host, shm_size: 2g}",
+            "i.yaml:1: job.shm_size: sizes a private /dev/shm, but job.ipc is host; set job.ipc: private",
+        ),
+        ("{ipc: shareable}", "i.yaml:1: job.ipc: 'shareable' is not an IPC mode; use host"),
+    ):
         with pytest.raises(UserError) as e:
             ipc(job)
         assert str(e.value).startswith(said), str(e.value)
@@ -240,16 +333,23 @@ def test_wandb_run_of_any_script_is_the_jobs_across_attempts_and_the_users_value
     def wandb(inv, spec, host=0):
         return [(k, v) for k, v in node.job_env(inv, inv.hosts[host], spec) if k.startswith("WANDB_")]
 
-    assert wandb(INV, SPEC) == [("WANDB_RUN_GROUP", "gpt-1"), ("WANDB_RUN_ID", "gpt-1"),
-                                ("WANDB_RESUME", "allow")]
+    assert wandb(INV, SPEC) == [
+        ("WANDB_RUN_GROUP", "gpt-1"),
+        ("WANDB_RUN_ID", "gpt-1"),
+        ("WANDB_RESUME", "allow"),
+    ]
     # A restart (another attempt, port, hosts) and --resume (the same job id) continue the one run.
     again = replace(SPEC, master_port=29517, env=(("FABTRAIN_ATTEMPT", "2"), ("FABTRAIN_TARGET_NODES", "3")))
     assert wandb(INV, again) == wandb(INV, SPEC) == wandb(INV, SPEC, host=2)
     # Each value given wins, in its place: the inventory's job.env, a host's env, the job's own env.
-    mine = parse("job: {env: {WANDB_RUN_GROUP: sweep-7}}\nhosts:\n  - {address: h, interface: eth0}\n",
-                 Path("i.yaml"))
-    assert wandb(mine, SPEC) == [("WANDB_RUN_GROUP", "sweep-7"), ("WANDB_RUN_ID", "gpt-1"),
-                                 ("WANDB_RESUME", "allow")]
+    mine = parse(
+        "job: {env: {WANDB_RUN_GROUP: sweep-7}}\nhosts:\n  - {address: h, interface: eth0}\n", Path("i.yaml")
+    )
+    assert wandb(mine, SPEC) == [
+        ("WANDB_RUN_GROUP", "sweep-7"),
+        ("WANDB_RUN_ID", "gpt-1"),
+        ("WANDB_RESUME", "allow"),
+    ]
     host = replace(INV.hosts[1], env=(*INV.hosts[1].env, ("WANDB_RUN_ID", "abc")))
     got = dict(node.job_env(INV, host, replace(SPEC, env=(("WANDB_RESUME", "never"),))))
     assert (got["WANDB_RUN_GROUP"], got["WANDB_RUN_ID"], got["WANDB_RESUME"]) == ("gpt-1", "abc", "never")
@@ -268,8 +368,12 @@ def test_wandb_run_id_is_the_job_id_where_wandb_takes_it_else_safe_and_distinct(
 
 
 def test_hostile_values_are_quoted_once():
-    spec = jobspec.JobSpec(job_id="j", script="s.py", args=("'; touch /tmp/pwned #", "$(id)", "a b\nc"),
-                        env=(("X", "`id` $HOME"),))
+    spec = jobspec.JobSpec(
+        job_id="j",
+        script="s.py",
+        args=("'; touch /tmp/pwned #", "$(id)", "a b\nc"),
+        env=(("X", "`id` $HOME"),),
+    )
     argv = node.docker_run_argv(INV, INV.hosts[2], spec)
     assert shlex.split(sshargs.shell(argv)) == argv
 
@@ -322,7 +426,8 @@ def test_stop_script_by_label_with_grace():
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
         " | xargs -r docker stop --time 30 >/dev/null; "
         "docker ps --all --quiet --filter label=fabtrain.managed=1 --filter label=fabtrain.job=gpt-1"
-        " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER))
+        " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER)
+    )
     assert dockerargs.stop_script() == (
         "docker ps --all --quiet --filter label=fabtrain.managed=1"
         " | xargs -r docker rm --force 2>&1 | awk " + shlex.quote(dockerargs.RM_FILTER)
@@ -338,13 +443,15 @@ def test_follow_finish_and_remainder_commands():
         f"w=$!; {touched.follow(root, rel, '$w')} 2>/dev/null; wait"
     )
     assert hostfiles.finish_logs_script(INV, SPEC, 1) == (
-        "code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo \"${code:-255}\"; "
+        'code=$(docker wait fabtrain-gpt-1-r1 2>/dev/null); echo "${code:-255}"; '
         f"{touched.tail(root, rel, 262144)}; "
-        "[ $? = 4 ] && [ -n \"$code\" ] && docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1 "
-        "| tail -c 262144; true")
+        '[ $? = 4 ] && [ -n "$code" ] && docker logs --tail 1000 fabtrain-gpt-1-r1 2>&1 '
+        "| tail -c 262144; true"
+    )
     assert hostfiles.remainder_logs_script(INV, SPEC, 1, 2346) == (
         f"{touched.read_from(root, rel, 2346)}; [ $? = 4 ] && "
-        "docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; true")
+        "docker logs fabtrain-gpt-1-r1 2>&1 | tail -c +2346; true"
+    )
 
 
 def fake_docker(tmp_path, script: str) -> dict:
@@ -364,6 +471,7 @@ def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_p
     and just before the container's end all arrives, and the script ends after that end."""
     import subprocess
     import threading
+
     inv = on_this_machine(tmp_path)
     f = Path(hostfiles.console_file(inv, SPEC, 0))
     f.parent.mkdir(parents=True)
@@ -377,6 +485,7 @@ def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_p
                     fh.flush()
                     time.sleep(0.3)
         (tmp_path / "exited").touch()
+
     t = threading.Thread(target=container)
     t.start()
     r = subprocess.run(
@@ -392,6 +501,7 @@ def test_follow_reads_the_console_file_to_its_end_once_the_container_exits(tmp_p
 
 def test_remainder_script_sends_exactly_the_rest(tmp_path):
     import subprocess
+
     inv = on_this_machine(tmp_path)
     full = "".join(f"line {i}\n" for i in range(1000))
     (tmp_path / "full").write_text(full)
@@ -432,12 +542,33 @@ def test_the_flight_recorder_is_on_under_its_current_name_only():
 
 def test_torchrun_argv_from_orchestrator_env():
     ep = _entrypoint()
-    env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "auto", "MASTER_ADDR": "10.0.0.1",
-           "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": "eth0"}
+    env = {
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "NPROC_PER_NODE": "auto",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
     argv, child, banner = ep.plan(env, ["trainers/gpt.py", "--model", "tiny"], gpus=8)
-    assert argv[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1",
-                        "--nproc_per_node", "8", "--master_addr", "10.0.0.1", "--master_port", "29500",
-                        "--", "trainers/gpt.py", "--model", "tiny"]
+    assert argv[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--nproc_per_node",
+        "8",
+        "--master_addr",
+        "10.0.0.1",
+        "--master_port",
+        "29500",
+        "--",
+        "trainers/gpt.py",
+        "--model",
+        "tiny",
+    ]
     assert child["FABTRAIN_PG_TIMEOUT"] == "60"
     assert "world_size=16" in banner
 
@@ -447,19 +578,48 @@ def test_torchrun_argv_from_platform_env():
     ep = _entrypoint()
     env = {"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
     argv, child, _ = ep.plan(env, ["train.py"], gpus=0)
-    assert argv[3:] == ["--nnodes", "4", "--node_rank", "3", "--nproc_per_node", "1",
-                        "--master_addr", "job-master-0", "--master_port", "23456", "--", "train.py"]
+    assert argv[3:] == [
+        "--nnodes",
+        "4",
+        "--node_rank",
+        "3",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "job-master-0",
+        "--master_port",
+        "23456",
+        "--",
+        "train.py",
+    ]
     assert "RANK" not in child and "WORLD_SIZE" not in child
 
 
 def test_torchrun_argv_from_kubeflow_trainer_env():
     """Kubeflow Trainer's torch-distributed runtime (a TrainJob) gives torchrun's PET_* variables."""
     ep = _entrypoint()
-    env = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "4",
-           "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"}
+    env = {
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_NPROC_PER_NODE": "4",
+        "PET_MASTER_ADDR": "job-node-0-0.job",
+        "PET_MASTER_PORT": "29400",
+    }
     argv, _, banner = ep.plan(env, ["train.py"], gpus=4)
-    assert argv[3:] == ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "4",
-                        "--master_addr", "job-node-0-0.job", "--master_port", "29400", "--", "train.py"]
+    assert argv[3:] == [
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--nproc_per_node",
+        "4",
+        "--master_addr",
+        "job-node-0-0.job",
+        "--master_port",
+        "29400",
+        "--",
+        "train.py",
+    ]
     assert "world_size=8" in banner
 
 
@@ -473,8 +633,10 @@ def test_entrypoint_reads_secrets_file(tmp_path):
 
 def test_entrypoint_interface_on_master_is_the_card_not_loopback():
     ep = _entrypoint()
-    addrs = ("1: lo    inet 127.0.0.1/8 scope host lo\n"
-             "9: eth0    inet 172.28.5.11/24 brd 172.28.5.255 scope global eth0\n")
+    addrs = (
+        "1: lo    inet 127.0.0.1/8 scope host lo\n"
+        "9: eth0    inet 172.28.5.11/24 brd 172.28.5.255 scope global eth0\n"
+    )
     own = "local 172.28.5.11 dev lo table local src 172.28.5.11 uid 0 \\    cache <local> "
     assert ep.pick_interface("172.28.5.11", own, addrs) == "eth0"
     worker = "172.28.5.11 dev eth0 src 172.28.5.12 uid 0 \\    cache "
@@ -493,18 +655,23 @@ def test_entrypoint_sends_all_output_to_the_console_file(tmp_path):
     Docker's log (stdout here) only says where; the variable does not reach the workers."""
     import subprocess
     import sys
+
     f = tmp_path / "console" / "node-0.log"
     code = (
         "import os, sys; sys.path.insert(0, sys.argv[1]); import entrypoint as e; env = dict(os.environ); "
         "e.redirect_output(env); print('out', flush=True); "
         "os.system('echo child; echo err >&2'); print('FABTRAIN_CONSOLE' in env, file=sys.stderr)"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "docker")], capture_output=True, text=True,
-                       env={"FABTRAIN_CONSOLE": str(f), "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "docker")],
+        capture_output=True,
+        text=True,
+        env={"FABTRAIN_CONSOLE": str(f), "PATH": "/usr/bin:/bin"},
+    )
     assert (
         r.stdout
         == f"[fabtrain] this container's output goes to {f} (in the job's output directory on the host; "
-           "`fab logs` follows it)\n"
+        "`fab logs` follows it)\n"
     )
     assert r.stderr == ""
     assert f.read_text() == "out\nchild\nerr\nFalse\n"
@@ -518,7 +685,7 @@ def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold()
     cold = node.start_script(INV, h, spec, None, (0,), 40, warm=False)
     warm_run = shlex.join(node.docker_run_argv(INV, h, spec, None, (0,), warm=True))
     assert script == (
-        "if [ \"$(docker inspect -f '{{index .Config.Labels \"fabtrain.warm\"}} {{.State.Running}}' "
+        'if [ "$(docker inspect -f \'{{index .Config.Labels "fabtrain.warm"}} {{.State.Running}}\' '
         f"fabtrain-gpt-1-r2 2>/dev/null)\" = '{key} true' ] && "
         f"{touched.is_file('/opt/out/gpt-1', '.console/node-2.log.end')}; "
         f"then {touched.remove('/opt/out/gpt-1', '.console', ['node-2.log', 'node-2.log.end'])} && "
@@ -526,14 +693,17 @@ def test_a_warm_start_tells_a_waiting_container_of_the_same_key_or_starts_cold()
         "FABTRAIN_ATTEMPT=2 FABTRAIN_LAUNCH=torchrun > /opt/out/.runtime/gpt-1/warm-2.env.tmp && mv -f "
         "/opt/out/.runtime/gpt-1/warm-2.env.tmp /opt/out/.runtime/gpt-1/warm-2.env) && echo warm; else "
         "docker rm --force fabtrain-gpt-1-r2 >/dev/null 2>&1; "
-        + cold.replace(shlex.join(node.docker_run_argv(INV, h, spec, None, (0,))), warm_run) + "; fi")
+        + cold.replace(shlex.join(node.docker_run_argv(INV, h, spec, None, (0,))), warm_run)
+        + "; fi"
+    )
     assert f"--label fabtrain.warm={key}" in warm_run and "--env FABTRAIN_WARM=1" in warm_run
     # What changes between generations keeps the key; anything else about the node changes it.
     later = replace(spec, env=(("FABTRAIN_ATTEMPT", "3"),), master_port=29533)
     assert node.warm_key(node.node_of(INV, h, later, None, (0,), warm=True)) == key
     gpu = INV.hosts[0]  # other GPUs: another container
     assert node.warm_key(node.node_of(INV, gpu, spec, None, (0, 1), warm=True)) != node.warm_key(
-        node.node_of(INV, gpu, spec, None, (0,), warm=True))
+        node.node_of(INV, gpu, spec, None, (0,), warm=True)
+    )
     assert node.warm_key(node.node_of(INV, h, replace(spec, code_key="cd34"), None, (0,), warm=True)) != key
 
 
@@ -542,4 +712,5 @@ def test_ending_a_warm_generation_keeps_the_container():
         "docker kill --signal USR2 fabtrain-gpt-1-r1 >/dev/null 2>&1; "
         "docker wait fabtrain-gpt-1-r1 >/dev/null 2>&1 & w=$!; "
         f"timeout 2 {touched.until('/opt/out/gpt-1', '.console/node-1.log.end', '$w')}; "
-        "kill $w 2>/dev/null; true")
+        "kill $w 2>/dev/null; true"
+    )

@@ -1,4 +1,5 @@
 """policy.decide, table-driven: (outcome, policy, roster) -> the next roster or why the job ends."""
+
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,8 @@ from orchestrator.config.inventory import parse
 from orchestrator.core.policy import Failure as F
 from orchestrator.core.policy import HostFailure, Outcome, Policy, Roster, backoff, decide
 
-INV = parse("""\
+INV = parse(
+    """\
 hosts:
   - {name: a, address: 10.0.0.1, interface: eth0}
   - {name: b, address: 10.0.0.2, interface: eth0}
@@ -15,7 +17,9 @@ hosts:
 spares:
   - {name: s1, address: 10.0.0.8, interface: eth0}
   - {name: s2, address: 10.0.0.9, interface: eth0}
-""", Path("inv.yaml"))
+""",
+    Path("inv.yaml"),
+)
 
 
 def roster(spares=1, failed=(), used=0):
@@ -182,8 +186,9 @@ def test_a_failed_node_whose_container_is_gone_gives_its_rank_to_a_hot_spare():
     d = decide(fails(("b", F.EXIT)), Policy(restarts=3), r, 3, warm=frozenset({"a", "c"}), hot=hot)
     assert [(h.name, h.rank) for h in d.roster.hosts] == [("a", 0), ("s1", 1), ("c", 2)]
     assert [h.name for h in d.roster.spares] == ["s2", "b"] and d.restart
-    assert d.notes == ("spare s1 takes the place of b (its container is gone; a hot spare is ready) as node "
-                       "rank 1",)
+    assert d.notes == (
+        "spare s1 takes the place of b (its container is gone; a hot spare is ready) as node rank 1",
+    )
     # Its container waits warm: it restarts there, the spare stays hot.
     d = decide(fails(("b", F.EXIT)), Policy(restarts=3), r, 3, warm=frozenset({"a", "b", "c"}), hot=hot)
     assert [h.name for h in d.roster.hosts] == ["a", "b", "c"] and [h.name for h in d.roster.spares] == [

@@ -6,21 +6,30 @@ from orchestrator import preflight as pf
 from orchestrator.config.inventory import parse
 from orchestrator.hostcmds import dockerargs
 
-INV = parse("hosts:\n  - {name: a, address: 10.1.0.1, interface: eth0}\n"
-            "  - {name: b, address: 10.1.0.2, interface: ens9}\n", Path("i.yaml"))
-ADDR = ("1: lo    inet 127.0.0.1/8 scope host lo\n"
-        "2: docker0    inet 172.17.0.1/16 brd 172.17.255.255 scope global docker0\n"
-        "9: eth1    inet 10.1.0.2/24 brd 10.1.0.255 scope global eth1\n")
-LINK = ("1: lo: <LOOPBACK,UP,LOWER_UP> mtu 65536 qdisc noqueue state UNKNOWN\n"
-        "9: eth1@if10: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc noqueue state UP\n"
-        "3: eth2: <BROADCAST,MULTICAST> mtu 9000 qdisc noop state DOWN\n")
+INV = parse(
+    "hosts:\n  - {name: a, address: 10.1.0.1, interface: eth0}\n"
+    "  - {name: b, address: 10.1.0.2, interface: ens9}\n",
+    Path("i.yaml"),
+)
+ADDR = (
+    "1: lo    inet 127.0.0.1/8 scope host lo\n"
+    "2: docker0    inet 172.17.0.1/16 brd 172.17.255.255 scope global docker0\n"
+    "9: eth1    inet 10.1.0.2/24 brd 10.1.0.255 scope global eth1\n"
+)
+LINK = (
+    "1: lo: <LOOPBACK,UP,LOWER_UP> mtu 65536 qdisc noqueue state UNKNOWN\n"
+    "9: eth1@if10: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc noqueue state UP\n"
+    "3: eth2: <BROADCAST,MULTICAST> mtu 9000 qdisc noop state DOWN\n"
+)
 
 
 def test_probe_script_round_trip():
     cmds = {"one": ["echo", "a b"], "two": ["sh", "-c", "echo x; exit 3"]}
     script = pf.probe_script(cmds, "@@m")
-    assert script == ("stuck=0; echo @@m one; echo 'a b' 2>&1; rc=$?; echo @@mrc $rc; "
-                      "echo @@m two; sh -c 'echo x; exit 3' 2>&1; rc=$?; echo @@mrc $rc")
+    assert script == (
+        "stuck=0; echo @@m one; echo 'a b' 2>&1; rc=$?; echo @@mrc $rc; "
+        "echo @@m two; sh -c 'echo x; exit 3' 2>&1; rc=$?; echo @@mrc $rc"
+    )
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True).stdout
     assert pf.parse_probe(out, "@@m") == {"one": (0, "a b"), "two": (3, "x")}
 
@@ -38,20 +47,28 @@ def test_probe_script_skips_docker_once_the_engine_hangs(tmp_path):
     }
     script = pf.probe_script(cmds, "@@m").replace(f"timeout -k 2 {pf.DOCKER_TIMEOUT} ", "timeout -k 1 1 ")
     start = time.monotonic()
-    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
-                         env={"PATH": f"{tmp_path}:/usr/bin:/bin"}).stdout
+    out = subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, env={"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    ).stdout
     assert time.monotonic() - start < 5
     facts = pf.parse_probe(out, "@@m")
     assert facts == {"docker": (124, ""), "image": (124, "engine did not answer"), "after": (0, "ok")}
     assert pf.judge_docker(INV.hosts[0], facts) == pf.Check(
-        "a", "docker", "fail", f"engine gave no answer within {pf.DOCKER_TIMEOUT}s (docker version hangs)",
+        "a",
+        "docker",
+        "fail",
+        f"engine gave no answer within {pf.DOCKER_TIMEOUT}s (docker version hangs)",
         "on a: the Docker engine is stuck; restart it (sudo systemctl restart docker) and check its disk "
-        "(journalctl -u docker)")
+        "(journalctl -u docker)",
+    )
 
 
 def test_parse_links_and_addrs():
-    assert pf.parse_links(LINK) == {"lo": {"up": True, "mtu": 65536}, "eth1": {"up": True, "mtu": 1500},
-                                    "eth2": {"up": False, "mtu": 9000}}
+    assert pf.parse_links(LINK) == {
+        "lo": {"up": True, "mtu": 65536},
+        "eth1": {"up": True, "mtu": 1500},
+        "eth2": {"up": False, "mtu": 9000},
+    }
     assert pf.parse_addrs(ADDR)["eth1"] == ["10.1.0.2/24"]
 
 
@@ -65,9 +82,14 @@ IMAGE_OK = (0, 'IMAGEINFO {"python": "3.11.2", "torch": "2.5.1+cpu", "cuda": nul
 
 
 def test_port_taken_names_process():
-    facts = {"docker": (0, "24.0"), "image": (0, "sha256:" + "a" * 64), "addr": (0, ""), "link": (0, ""),
-             "image_info": IMAGE_OK,
-             "port": (0, 'LISTEN 0 5 0.0.0.0:29500 0.0.0.0:* users:(("python3",pid=4242,fd=3))')}
+    facts = {
+        "docker": (0, "24.0"),
+        "image": (0, "sha256:" + "a" * 64),
+        "addr": (0, ""),
+        "link": (0, ""),
+        "image_info": IMAGE_OK,
+        "port": (0, 'LISTEN 0 5 0.0.0.0:29500 0.0.0.0:* users:(("python3",pid=4242,fd=3))'),
+    }
     checks = {c.check: c for c in pf.judge_host(INV, INV.hosts[0], facts, "img")}
     assert checks["port"].status == "fail"
     assert checks["port"].detail == "master port 29500 already in use by python3 (pid 4242)"
@@ -75,8 +97,12 @@ def test_port_taken_names_process():
 
 
 def test_docker_permission_denied_names_the_fix():
-    facts = {"docker": (1, "permission denied while trying to connect to the Docker daemon socket"),
-             "image": (1, ""), "addr": (0, ""), "link": (0, "")}
+    facts = {
+        "docker": (1, "permission denied while trying to connect to the Docker daemon socket"),
+        "image": (1, ""),
+        "addr": (0, ""),
+        "link": (0, ""),
+    }
     checks = {c.check: c for c in pf.judge_host(INV, INV.hosts[1], facts, "img")}
     assert checks["docker"].fix == "on b: sudo usermod -aG docker root (then log in again)"
     assert checks["image"].status == "fail"
@@ -101,6 +127,7 @@ def test_render_shows_remote_text_as_text():
     import io
 
     from rich.console import Console
+
     hostile = "[/x] [bold]b\x1b[2J\x1b]8;;http://example.invalid\x07l\x1b]8;;\x07\rz"
     buf = io.StringIO()
     pf.render([pf.Check("a", "docker", "fail", hostile, f"fix {hostile}")], Console(file=buf, width=200))
@@ -184,9 +211,9 @@ def test_nvidia_host_without_hook_or_cdi_fails_docker_check():
         Path("i.yaml"),
     ).hosts[0]
     facts = {"docker": (0, "27.1")}
-    none = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 0\n"))
+    none = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe('runtimes {"runc":{}}\ncdi 0\n'))
     assert none.status == "fail" and "no nvidia runtime and no CDI specs" in none.detail
-    cdi = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe("runtimes {\"runc\":{}}\ncdi 2\n"))
+    cdi = pf.judge_docker(gpu, facts, dockerargs.parse_gpu_probe('runtimes {"runc":{}}\ncdi 2\n'))
     assert cdi.status == "ok"
 
 
@@ -219,20 +246,32 @@ def test_nccl_transport_from_debug_lines():
 
 def test_hosts_whose_images_hold_different_versions_are_warned():
     a = {"python": "3.11.2", "torch": "2.5.1", "cuda": "12.4", "hip": None, "gpus": 8}
-    per_host = {"a": {"image_id": "sha256:1", "image_info": a},
-                "b": {"image_id": "sha256:1", "image_info": a},
-                "c": {"image_id": "sha256:1", "image_info": {**a, "torch": "2.4.0"}}}
+    per_host = {
+        "a": {"image_id": "sha256:1", "image_info": a},
+        "b": {"image_id": "sha256:1", "image_info": a},
+        "c": {"image_id": "sha256:1", "image_info": {**a, "torch": "2.4.0"}},
+    }
     checks = [c for c in pf.judge_across(INV, per_host, None) if c.check == "image"]
-    assert checks == [pf.Check("c", "image", "warn", "python 3.11.2, torch 2.4.0, CUDA 12.4 here, "
-                               "python 3.11.2, torch 2.5.1, CUDA 12.4 on the others",
-                               "run one image everywhere (job.image), or the same versions in each")]
+    assert checks == [
+        pf.Check(
+            "c",
+            "image",
+            "warn",
+            "python 3.11.2, torch 2.4.0, CUDA 12.4 here, python 3.11.2, torch 2.5.1, CUDA 12.4 on the others",
+            "run one image everywhere (job.image), or the same versions in each",
+        )
+    ]
 
 
 def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended(tmp_path):
     from orchestrator.backends.ssh.watch import NodeEnd, Watched
     from orchestrator.core.policy import Failure
-    inv = parse("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n"
-                "  - {name: b, address: 10.0.0.2, interface: eth0}\n", Path("i.yaml"))
+
+    inv = parse(
+        "hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n"
+        "  - {name: b, address: 10.0.0.2, interface: eth0}\n",
+        Path("i.yaml"),
+    )
 
     def run_job(session, inv_, spec, run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """The registry (backends/registry.py): one name for each backend, a Runner, a Renderer or both; the
 fab train options a backend does not declare refused (exit 2) before anything is read or reached;
 Kubernetes renders and runs nothing."""
+
 import dataclasses
 import io
 import sys
@@ -22,9 +23,11 @@ from orchestrator.core.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = {"gpt": "trainers/gpt.py"}
-SLURM_WHY = ("Slurm picks the nodes, queues the job, restarts it by requeue and has its own checks; set "
-             "nodes, partition and time in the inventory's slurm: section (Slurm's --mail-type and "
-             "--mail-user tell a job's end)")
+SLURM_WHY = (
+    "Slurm picks the nodes, queues the job, restarts it by requeue and has its own checks; set "
+    "nodes, partition and time in the inventory's slurm: section (Slurm's --mail-type and "
+    "--mail-user tell a job's end)"
+)
 # What every backend takes, whatever it declares: the job's own options and these.
 EVERYWHERE = {"job", "inventory", "on", "dry_run", "resume", "plain"}
 
@@ -41,8 +44,9 @@ class Measured:
 def launch(tmp_path, inv_text="hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0}\n"):
     inv = parse(inv_text, tmp_path / "inventory.yaml")
     spec = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py")
-    return base.Launch(inv, spec, Policy(restarts=1), None, tmp_path / "runs",
-                       Console(file=io.StringIO(), width=200))
+    return base.Launch(
+        inv, spec, Policy(restarts=1), None, tmp_path / "runs", Console(file=io.StringIO(), width=200)
+    )
 
 
 def test_each_name_is_one_backend_of_its_kinds():
@@ -69,8 +73,10 @@ def test_kubernetes_is_not_a_runner():
         with pytest.raises(UserError) as e:
             call()
         assert str(e.value) == RENDER_ONLY and e.value.exit_code == 2
-    assert RENDER_ONLY == ("--on kubernetes: fabtrain does not run jobs there; it writes manifests to hand "
-                           "to kubectl: use fab export.k8s, or fab train --on kubernetes --dry-run")
+    assert RENDER_ONLY == (
+        "--on kubernetes: fabtrain does not run jobs there; it writes manifests to hand "
+        "to kubectl: use fab export.k8s, or fab train --on kubernetes --dry-run"
+    )
 
 
 def test_fab_status_and_stop_ask_runners_only(monkeypatch):
@@ -87,9 +93,14 @@ def test_fab_status_and_stop_ask_runners_only(monkeypatch):
     module = type(sys)("measured_backend")
     module.Asked = Asked
     monkeypatch.setitem(sys.modules, "measured_backend", module)
-    monkeypatch.setattr(registry, "BACKENDS", {"measured": "measured_backend:Asked",
-                                               "kubernetes": "orchestrator.backends.kubernetes.backend:"
-                                                             "KubernetesBackend"})
+    monkeypatch.setattr(
+        registry,
+        "BACKENDS",
+        {
+            "measured": "measured_backend:Asked",
+            "kubernetes": "orchestrator.backends.kubernetes.backend:KubernetesBackend",
+        },
+    )
     found = registry.serving("INV")
     assert [type(b) for b in found] == [Asked] and asked == ["INV"]
 
@@ -115,19 +126,32 @@ def refusal(backend, **given) -> UserError:
 
 def test_a_refusal_follows_from_what_a_backend_declares():
     e = refusal(Measured(), restarts=2, queue=True, health=True, num_nodes=2, plain=True)
-    assert str(e) == ("--num-nodes, --health: not with --on measured: it has no hosts to measure (it takes "
-                      "--restarts, --queue)") and e.exit_code == 2
+    assert (
+        str(e)
+        == (
+            "--num-nodes, --health: not with --on measured: it has no hosts to measure (it takes "
+            "--restarts, --queue)"
+        )
+        and e.exit_code == 2
+    )
     registry.refuse(Measured(), {"restarts": 2, "queue": True, "smoke": False, "gpus": None, "resume": "x"})
     registry.refuse(SshBackend(), {o.name: "given" for o in base.TRAIN_OPTIONS})
     e = refusal(SlurmBackend(), queue=True, detach=True, notify="mail me")
     assert str(e) == f"--notify, --detach, --queue: not with --on slurm: {SLURM_WHY}" and e.exit_code == 2
     e = refusal(KubernetesBackend(), health=True, restarts=3)
-    assert str(e) == ("--health: not with --on kubernetes: fabtrain does not run jobs there; it writes "
-                      "manifests to hand to kubectl: use fab export.k8s, or fab train --on kubernetes "
-                      "--dry-run (it takes --restarts, --include, --exclude)") and e.exit_code == 2
+    assert (
+        str(e)
+        == (
+            "--health: not with --on kubernetes: fabtrain does not run jobs there; it writes "
+            "manifests to hand to kubectl: use fab export.k8s, or fab train --on kubernetes "
+            "--dry-run (it takes --restarts, --include, --exclude)"
+        )
+        and e.exit_code == 2
+    )
 
     class Undeclared:  # registered without `accepts`: takes none of them
         name = "bare"
+
     assert str(refusal(Undeclared(), cpuset=True)) == "--cpuset: not with --on bare"
 
 
@@ -135,13 +159,18 @@ def test_fab_train_refuses_an_undeclared_option_before_reading_anything(tmp_path
     """Through the command line: exit 2, one line, no inventory read (there is none) and no host asked."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as e:
-        requests.train(requests.TrainRequest(on="slurm", queue=True, inventory=str(tmp_path / "none.yaml")),
-                       tmp_path / "runs", Console(file=io.StringIO()), TRAINERS)
+        requests.train(
+            requests.TrainRequest(on="slurm", queue=True, inventory=str(tmp_path / "none.yaml")),
+            tmp_path / "runs",
+            Console(file=io.StringIO()),
+            TRAINERS,
+        )
     assert str(e.value) == f"--queue: not with --on slurm: {SLURM_WHY}" and e.value.exit_code == 2
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_:
-        make_fab().run(["fab", "train", "--on", "slurm", "--hot-spares", "--inventory",
-                        str(tmp_path / "none")])
+        make_fab().run(
+            ["fab", "train", "--on", "slurm", "--hot-spares", "--inventory", str(tmp_path / "none")]
+        )
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"--hot-spares: not with --on slurm: {SLURM_WHY}" in err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()

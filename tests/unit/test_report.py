@@ -1,4 +1,5 @@
 """Run reports: metrics merged across attempts, the figure's axes and series, summary, runs list."""
+
 import json
 
 from orchestrator.progress import report
@@ -16,10 +17,16 @@ def make_run(root, job="gpt-1", hosts=("node1", "node2")):
         "".join(json.dumps(r) + "\n" for r in first) + "{broken\n"
     )
     (run / "outputs" / "node3" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in second))
-    (run / "node1.log").write_text("".join(f"[node1 rank{r}] epoch 0 | step {s} | loss 2.9 | lr 3.00e-03 | "
-                                           f"{1000 + s:,} tok/s\n" for s in (10, 20) for r in (0, 1)))
-    (run / "node2.log").write_text("[node2 rank2] epoch 0 | step 10 | loss 2.9 | lr 3.00e-03 | 1,500 tok/s\n"
-                                   "some other line\n")
+    (run / "node1.log").write_text(
+        "".join(
+            f"[node1 rank{r}] epoch 0 | step {s} | loss 2.9 | lr 3.00e-03 | {1000 + s:,} tok/s\n"
+            for s in (10, 20)
+            for r in (0, 1)
+        )
+    )
+    (run / "node2.log").write_text(
+        "[node2 rank2] epoch 0 | step 10 | loss 2.9 | lr 3.00e-03 | 1,500 tok/s\nsome other line\n"
+    )
     (run / "job.json").write_text(
         json.dumps(
             {
@@ -98,14 +105,19 @@ def test_a_failed_run_without_metrics_still_gets_a_summary(tmp_path):
 
 
 def timed_log(node: str, ranks: range, compute: float, steps=range(10, 110, 10)) -> str:
-    return "".join(f"[{node} rank{r}] epoch 0 | step {s} | loss 2.9 | lr 3.00e-03 | 80,000 tok/s "
-                   f"| step {compute + 5 + s / 50:.1f} ms | compute {compute + s / 50:.1f} ms\n"
-                   for s in steps for r in ranks)
+    return "".join(
+        f"[{node} rank{r}] epoch 0 | step {s} | loss 2.9 | lr 3.00e-03 | 80,000 tok/s "
+        f"| step {compute + 5 + s / 50:.1f} ms | compute {compute + s / 50:.1f} ms\n"
+        for s in steps
+        for r in ranks
+    )
 
 
 def test_stragglers_against_the_median_rank():
-    assert report.stragglers({"a rank0": 10.0, "a rank1": 10.0, "b rank2": 30.0, "b rank3": 29.0}) == \
-        [("b rank2", 30.0, 3.0), ("b rank3", 29.0, 2.9)]  # two hosts: the faster is the reference
+    assert report.stragglers({"a rank0": 10.0, "a rank1": 10.0, "b rank2": 30.0, "b rank3": 29.0}) == [
+        ("b rank2", 30.0, 3.0),
+        ("b rank3", 29.0, 2.9),
+    ]  # two hosts: the faster is the reference
     eight = {f"n{i} rank{i}": 10.0 + i * 0.1 for i in range(8)} | {"n8 rank8": 16.0}
     assert [n for n, *_ in report.stragglers(eight)] == ["n8 rank8"]  # 16.0 > 1.5 x 10.4
     assert report.stragglers({**eight, "n8 rank8": 15.5}) == []  # within the margin
@@ -133,9 +145,12 @@ def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
         61.1,
         21.1,
     )
-    assert [(s["rank"], s["host"], s["times_median"]) for s in t["stragglers"]] == \
-        [("node2 rank2", "node2", 2.9), ("node2 rank3", "node2", 2.9)]
+    assert [(s["rank"], s["host"], s["times_median"]) for s in t["stragglers"]] == [
+        ("node2 rank2", "node2", 2.9),
+        ("node2 rank3", "node2", 2.9),
+    ]
     from rich.console import Console
+
     console = Console(width=100, record=True, color_system=None)
     console.print(report.timing_table(t))
     text = console.export_text()
@@ -144,6 +159,7 @@ def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
 
 def test_tensorboard_files_of_every_host_are_gathered_in_runs_job_tb(tmp_path):
     from orchestrator.progress import report
+
     run = tmp_path / "gpt-1"
     for host, name in (("node1", "events.out.tfevents.1.a"), ("node3", "events.out.tfevents.2.b")):
         (run / "outputs" / host / "tb").mkdir(parents=True)
@@ -152,5 +168,7 @@ def test_tensorboard_files_of_every_host_are_gathered_in_runs_job_tb(tmp_path):
     assert report.gather_tensorboard(tmp_path / "none") is None
     tb = report.gather_tensorboard(run)
     assert tb == run / "tb" and sorted(p.name for p in tb.iterdir()) == [
-        "events.out.tfevents.1.a", "events.out.tfevents.2.b"]  # regular files only
+        "events.out.tfevents.1.a",
+        "events.out.tfevents.2.b",
+    ]  # regular files only
     assert report.gather_tensorboard(run) == tb  # again: nothing changes

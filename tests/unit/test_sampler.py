@@ -1,6 +1,7 @@
 """Telemetry sampling during the watch: a host that does not answer is named once and skipped while
 its command is out, the others are still sampled; the job's GPUs only; an idle GPU named once, and
 --stop-idle calls for the stop."""
+
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -68,8 +69,13 @@ def plan(tmp_path):
 def test_sampling_goes_on_past_a_silent_host_and_names_an_idle_gpu(tmp_path):
     a = plan(tmp_path)
     session, events, notes, stops = Hosts(), [], [], []
-    s = Sampler(session, a, lambda event, **f: events.append((event, f)), lambda t, level: notes.append(t),
-                on_idle=stops.append)
+    s = Sampler(
+        session,
+        a,
+        lambda event, **f: events.append((event, f)),
+        lambda t, level: notes.append(t),
+        on_idle=stops.append,
+    )
     s.start()
     time.sleep(0.6)
     s.stop()

@@ -1,5 +1,6 @@
 """The live board at many hosts: no taller than MAX_ROWS lines plus a summary, showing the hosts
 that need a look."""
+
 import io
 
 from rich.console import Console
@@ -22,8 +23,10 @@ def text(renderable, width=120):
 
 
 def step(node, rank, s, compute):
-    return (f"[{node} rank{rank}] epoch 0 | step {s} | loss 2.5000 | lr 3.00e-03 | 1,000 tok/s "
-            f"| step {compute + 4:.1f} ms | compute {compute:.1f} ms").encode()
+    return (
+        f"[{node} rank{rank}] epoch 0 | step {s} | loss 2.5000 | lr 3.00e-03 | 1,000 tok/s "
+        f"| step {compute + 4:.1f} ms | compute {compute:.1f} ms"
+    ).encode()
 
 
 def test_64_hosts_show_the_ones_worth_a_look_and_sum_up_the_rest():
@@ -54,6 +57,7 @@ def test_few_hosts_are_all_shown_as_before():
 
 def test_by_default_64_hosts_take_at_most_max_rows_lines_and_the_summary():
     from orchestrator.progress.live import MAX_ROWS
+
     board = Board([(f"node{i}", i) for i in range(64)], clock=Clock())
     lines = text(board.render())
     assert len(lines) == MAX_ROWS and lines[-1].startswith(f"... and {64 - MAX_ROWS + 1} more of 64 hosts")

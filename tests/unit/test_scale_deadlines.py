@@ -1,5 +1,6 @@
 """Command deadlines kept by one thread (remote.Deadlines) instead of one timer thread each, and
 the open-files limit raised for hundreds of hosts."""
+
 import threading
 import time
 
@@ -43,6 +44,7 @@ def test_many_commands_share_one_thread_and_an_expiry_runs_on_its_own():
     def action():
         where.append(threading.current_thread().name)
         fired.set()
+
     t = time.monotonic()
     d.add(0.05, action)
     assert fired.wait(2) and time.monotonic() - t < 1
@@ -74,6 +76,7 @@ class FakeResource:
 
 def test_the_open_files_limit_is_raised_for_hundreds_of_hosts_never_lowered_nor_past_hard():
     from orchestrator.transport.connect import fds_needed, raise_fd_limit
+
     r = FakeResource(1024, 524288)
     assert raise_fd_limit(fds_needed(512), r) == 1792 and r.set == [(1792, 524288)]
     r = FakeResource(1024, 1500)

@@ -1,5 +1,6 @@
 """Hosts behind a jump host share one connection to it (Gateways), so 64 hosts do not open 64
 connections to the bastion at once and run into its sshd's MaxStartups."""
+
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +36,16 @@ class Opener:
 
 
 def hosts(n, jump):
-    return [Host(name=f"node{i}", address=f"10.0.0.{i}", rank=i,
-                 ssh=SSH(hostname=f"10.0.0.{i}", user="root", jump=jump), interface="eth0") for i in range(n)]
+    return [
+        Host(
+            name=f"node{i}",
+            address=f"10.0.0.{i}",
+            rank=i,
+            ssh=SSH(hostname=f"10.0.0.{i}", user="root", jump=jump),
+            interface="eth0",
+        )
+        for i in range(n)
+    ]
 
 
 def test_64_hosts_behind_one_jump_host_open_one_connection_to_it():

@@ -1,5 +1,6 @@
 """A known_hosts file is parsed once, not once per connection: N hosts each reading a file of N
 (or, in a user's ~/.ssh/known_hosts, thousands of) entries grew as N squared."""
+
 import os
 
 import paramiko
@@ -10,8 +11,12 @@ from orchestrator.transport.hostkeys import known_hosts
 
 
 def public_key() -> str:
-    return ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    return (
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .decode()
+    )
 
 
 def test_parsed_once_and_again_after_a_change(tmp_path):

@@ -1,4 +1,5 @@
 """fab status reads every job's last step in one command per host, not one per job in turn."""
+
 import subprocess
 
 from orchestrator.hosts import survey
@@ -12,8 +13,13 @@ def test_one_command_reads_every_jobs_last_step_on_a_host(tmp_path):
     a, b, missing = tmp_path / "a.log", tmp_path / "b.log", tmp_path / "gone.log"
     a.write_bytes(b"epoch 0 | step 10 | loss 2.5\nepoch 0 | step 11 | loss 2.4\n")
     b.write_bytes(b"step 3 | step 169.2 ms\nstep: 7")  # no newline at the end; a step time is not a step
-    script = survey.last_steps_script({"job-a": (str(tmp_path), a.name), "job-b": (str(tmp_path), b.name),
-                                       "job-c": (str(tmp_path), missing.name)})
+    script = survey.last_steps_script(
+        {
+            "job-a": (str(tmp_path), a.name),
+            "job-b": (str(tmp_path), b.name),
+            "job-c": (str(tmp_path), missing.name),
+        }
+    )
     assert survey.parse_last_steps(run_local(script)) == {"job-a": 11, "job-b": 7}
 
 
@@ -29,8 +35,12 @@ def test_a_console_linked_to_a_host_file_is_not_read(tmp_path):
     (tmp_path / "secret").write_bytes(b"step 99\n")
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "node-0.log").symlink_to(tmp_path / "secret")
-    assert survey.parse_last_steps(run_local(survey.last_steps_script({"j": (str(tmp_path / "job"),
-                                                                               "node-0.log")}))) == {}
+    assert (
+        survey.parse_last_steps(
+            run_local(survey.last_steps_script({"j": (str(tmp_path / "job"), "node-0.log")}))
+        )
+        == {}
+    )
 
 
 class FakeSession:
@@ -41,11 +51,13 @@ class FakeSession:
 
     def run(self, host, command, timeout, what=""):
         from orchestrator.transport.remote import Result
+
         self.commands.append((host.name, command))
         return Result(self.outputs[host.name], "", 0, 0.0)
 
     def fan_out(self, fn, hosts):
         from orchestrator.transport.remote import PerHost
+
         return PerHost({h.name: fn(h) for h in hosts})
 
 

@@ -1,4 +1,5 @@
 """Where a job runs: --include/--exclude in DeepSpeed's launcher syntax, --num-nodes."""
+
 from pathlib import Path
 
 import pytest
@@ -7,14 +8,17 @@ from orchestrator.commandline import cli
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 
-INV = parse("""\
+INV = parse(
+    """\
 hosts:
   - {name: node1, address: 10.0.0.1, interface: eth0}
   - {name: node2, address: 10.0.0.2, interface: eth0}
   - {name: node3, address: 10.0.0.3, interface: eth0}
 spares:
   - {name: node4, address: 10.0.0.4, interface: eth0}
-""", Path("inv.yaml"))
+""",
+    Path("inv.yaml"),
+)
 
 
 def names(inv):
@@ -26,7 +30,9 @@ def test_include_exclude_and_num_nodes_renumber_the_ranks():
     assert names(cli.select_hosts(INV, None, "node1")) == ([("node2", 0), ("node3", 1)], ["node4"])
     assert names(cli.select_hosts(INV, "node4", None)) == ([("node4", 0)], [])  # a spare, chosen by name
     assert names(cli.select_hosts(INV, None, None, busy={"node1"}, num_nodes="2")) == (
-        [("node2", 0), ("node3", 1)], ["node4"])
+        [("node2", 0), ("node3", 1)],
+        ["node4"],
+    )
     assert cli.select_hosts(INV, None, None).hosts == INV.hosts
 
 

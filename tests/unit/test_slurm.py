@@ -1,6 +1,7 @@
 """fab train --on slurm without a cluster: the inventory's slurm: section, the commands run on the
 login node (exact text), what Slurm prints parsed, each node's lines split out of the output
 file, and --dry-run == what is submitted (a recording stand-in for the SSH session)."""
+
 import shlex
 from pathlib import Path
 
@@ -33,10 +34,19 @@ def test_the_slurm_section_defaults_and_the_login_node_uses_the_hosts_ssh_settin
         "login1.example.com",
         "alice",
     )
-    assert (s.workdir, s.nodes, s.runtime, s.partition, s.account, s.time) == \
-        ("/opt/fabtrain/output/slurm", 2, "docker", None, None, None)
-    i = inv(tmp_path, "  login: l1\n  ssh: {user: bob, port: 2222}\n  workdir: /home/bob/jobs/\n  nodes: 4\n"
-                      "  partition: gpu\n  account: proj1\n  time: '04:00:00'\n  runtime: pyxis\n")
+    assert (s.workdir, s.nodes, s.runtime, s.partition, s.account, s.time) == (
+        "/opt/fabtrain/output/slurm",
+        2,
+        "docker",
+        None,
+        None,
+        None,
+    )
+    i = inv(
+        tmp_path,
+        "  login: l1\n  ssh: {user: bob, port: 2222}\n  workdir: /home/bob/jobs/\n  nodes: 4\n"
+        "  partition: gpu\n  account: proj1\n  time: '04:00:00'\n  runtime: pyxis\n",
+    )
     s = i.slurm
     assert (
         s.login.ssh.user,
@@ -81,34 +91,61 @@ def test_commands_on_the_login_node_are_quoted_once(tmp_path):
     assert (
         commands.submit_command(s, "gpt-1", secrets=True)
         == "cd '/home/a b/jobs' && FABTRAIN_SECRETS='/home/a b/jobs/.secrets/gpt-1.env' sbatch --parsable "
-           "gpt-1.sbatch"
+        "gpt-1.sbatch"
     )
     assert commands.follow_command(commands.out_file(s, "gpt-1", "42")) == (
         "while [ ! -e '/home/a b/jobs/gpt-1-42.out' ]; do sleep 0.2; done; "
-        "exec tail -n +1 -s 0.2 -F '/home/a b/jobs/gpt-1-42.out'")
+        "exec tail -n +1 -s 0.2 -F '/home/a b/jobs/gpt-1-42.out'"
+    )
     assert commands.show_command("42") == "scontrol show job --oneliner 42"
     assert commands.sacct_command("42") == (
         "sacct --allocations --noheader --parsable2 --format JobID,State,ExitCode --jobs 42 2>/dev/null || "
-        "sacct --completion --noheader --parsable2 --format JobID,State,ExitCode --jobs 42")
+        "sacct --completion --noheader --parsable2 --format JobID,State,ExitCode --jobs 42"
+    )
     assert commands.squeue_command() == "squeue --me --noheader --format '%i|%j|%T|%N|%S|%k|%u|%r'"
 
 
 def test_what_slurm_prints_is_read_right():
-    shown = commands.parse_show("JobId=42 JobName=gpt-1 UserId=root(0) JobState=PENDING Reason=BeginTime "
-                             "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 NodeList=(null) Comment=fabtrain")
-    assert (shown["JobState"], shown["Reason"], shown["Restarts"], shown["NodeList"]) == \
-        ("PENDING", "BeginTime", "1", "(null)")
+    shown = commands.parse_show(
+        "JobId=42 JobName=gpt-1 UserId=root(0) JobState=PENDING Reason=BeginTime "
+        "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 NodeList=(null) Comment=fabtrain"
+    )
+    assert (shown["JobState"], shown["Reason"], shown["Restarts"], shown["NodeList"]) == (
+        "PENDING",
+        "BeginTime",
+        "1",
+        "(null)",
+    )
     # sacct --completion keeps a record per end of a requeued job; the last one is the job's end.
     text = "42|NODE_FAIL|0:0\n42|COMPLETED|0:0\n43|FAILED|1:0\n"
     assert commands.parse_sacct(text, "42") == ("COMPLETED", "0:0")
     assert commands.parse_sacct("42|CANCELLED by 0|0:15\n", "42") == ("CANCELLED", "0:15")
     assert commands.parse_sacct("", "42") is None
-    assert [commands.exit_code(*a) for a in (("COMPLETED", "0:0"), ("FAILED", "3:0"), ("CANCELLED", "0:15"),
-                                          ("TIMEOUT", "0:0"), ("NODE_FAIL", "0:0"))] == [0, 3, 143, 1, 1]
-    rows = commands.parse_squeue("42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
-                              "43|other|RUNNING|node3|2026-11-23T21:00:00|(null)|alice|None\n")
-    assert rows == [{"slurm_id": "42", "job": "gpt-1", "state": "RUNNING", "nodes": "node[1-2]",
-                     "start": "2026-11-23T21:00:00", "who": "alice", "reason": "None"}]
+    assert [
+        commands.exit_code(*a)
+        for a in (
+            ("COMPLETED", "0:0"),
+            ("FAILED", "3:0"),
+            ("CANCELLED", "0:15"),
+            ("TIMEOUT", "0:0"),
+            ("NODE_FAIL", "0:0"),
+        )
+    ] == [0, 3, 143, 1, 1]
+    rows = commands.parse_squeue(
+        "42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
+        "43|other|RUNNING|node3|2026-11-23T21:00:00|(null)|alice|None\n"
+    )
+    assert rows == [
+        {
+            "slurm_id": "42",
+            "job": "gpt-1",
+            "state": "RUNNING",
+            "nodes": "node[1-2]",
+            "start": "2026-11-23T21:00:00",
+            "who": "alice",
+            "reason": "None",
+        }
+    ]
 
 
 def test_each_nodes_lines_go_to_its_log_with_the_ssh_jobs_prefix(tmp_path):
@@ -117,13 +154,16 @@ def test_each_nodes_lines_go_to_its_log_with_the_ssh_jobs_prefix(tmp_path):
         mux = Multiplexer(tmp_path / "run", out=f, colour=False)
         allocations = {0: ["node1", "node2"], 1: ["node1", "node3"]}
         d = follow.Demux(mux, lambda restart: allocations[restart])
-        stream = (b"[fabtrain] job gpt-1: slurm job 42 (restart 0), 2 node(s), master 10.0.0.1\n"
-                  b"0: [node1 rank0] step 1\n1: [node2 ra" b"nk2] step 1\n"
-                  b"slurmstepd: error: *** JOB 42 ON node1 CANCELLED ***\n"
-                  b"[fabtrain] job gpt-1: slurm job 42 (restart 1), 2 node(s), master 10.0.0.1\n"
-                  b"1: [node3 rank2] resumed\n 0: padded label\n")
+        stream = (
+            b"[fabtrain] job gpt-1: slurm job 42 (restart 0), 2 node(s), master 10.0.0.1\n"
+            b"0: [node1 rank0] step 1\n1: [node2 ra"
+            b"nk2] step 1\n"
+            b"slurmstepd: error: *** JOB 42 ON node1 CANCELLED ***\n"
+            b"[fabtrain] job gpt-1: slurm job 42 (restart 1), 2 node(s), master 10.0.0.1\n"
+            b"1: [node3 rank2] resumed\n 0: padded label\n"
+        )
         for i in range(0, len(stream), 7):  # arriving in pieces that cut lines
-            d.feed(stream[i:i + 7])
+            d.feed(stream[i : i + 7])
         d.close()
     run = tmp_path / "run"
     assert (run / "node1.log").read_text() == "[node1 rank0] step 1\npadded label\n"
@@ -155,6 +195,7 @@ class Recorder:
 
     def fan_out(self, fn, hosts):
         from orchestrator.transport.remote import PerHost
+
         return PerHost({h.name: fn(h) for h in hosts})
 
 
@@ -163,8 +204,11 @@ def test_dry_run_is_what_is_submitted_and_secrets_travel_on_stdin(tmp_path):
     code = tmp_path / "project"
     (code / "trainers").mkdir(parents=True)
     (code / "trainers" / "gpt.py").write_text("print('hi')\n")
-    i = inv(tmp_path, "  login: l1\n  workdir: /jobs\n  partition: gpu\n",
-            job=f"job: {{secret_files: {{API_TOKEN: {tmp_path}/token}}}}\n")
+    i = inv(
+        tmp_path,
+        "  login: l1\n  workdir: /jobs\n  partition: gpu\n",
+        job=f"job: {{secret_files: {{API_TOKEN: {tmp_path}/token}}}}\n",
+    )
     spec = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py", args=("--epochs", "2"), code=str(code))
     text = slurm.dry_run(i, spec)
     spec, script = slurm.prepared(i, spec)
@@ -237,6 +281,7 @@ class FakeJob:
         class Sess:
             def command(self, *a):
                 return Cmd()
+
         self.session = Sess()
 
     def show(self):
@@ -278,8 +323,14 @@ def test_a_login_node_that_stops_answering_is_named_and_following_ends(tmp_path,
         "the job may still run: 'fab status' or 'fab logs --job gpt-1' once l1 answers"
     )
     # One failed read between good ones is not enough; the job ending is followed to its end.
-    job = FakeJob(s, [{"JobState": "PENDING", "Reason": "Priority"}, OSError("x"),
-                      {"JobState": "COMPLETED", "ExitCode": "0:0"}])
+    job = FakeJob(
+        s,
+        [
+            {"JobState": "PENDING", "Reason": "Priority"},
+            OSError("x"),
+            {"JobState": "COMPLETED", "ExitCode": "0:0"},
+        ],
+    )
     assert follow.Follower(job, tmp_path / "run2", echo=False).run().exit_code == 0
 
 
@@ -314,6 +365,7 @@ def test_the_live_view_follows_a_job_on_a_terminal(tmp_path, monkeypatch):
     import io
 
     from rich.console import Console
+
     monkeypatch.setattr(follow, "POLL", 0)
     s = inv(tmp_path, "  login: l1\n").slurm
     job = FakeJob(s, [{"JobState": "RUNNING", "NodeList": "node[1-2]"}] * 2 + [{"JobState": "COMPLETED"}])
@@ -345,9 +397,11 @@ SQUEUE = "squeue --me --noheader --format '%i|%j|%T|%N|%S|%k|%u|%r'"
 
 def test_resuming_a_job_slurm_still_has_is_refused_naming_it(tmp_path, monkeypatch):
     i = inv(tmp_path, "  login: l1\n")
-    listing = ("42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
-               "43|gpt-2|PENDING||N/A|fabtrain|alice|Resources\n"
-               "44|gpt-1|PENDING||N/A|(null)|alice|None\n")  # not fabtrain's: another job of that name
+    listing = (
+        "42|gpt-1|RUNNING|node[1-2]|2026-11-23T21:00:00|fabtrain|alice|None\n"
+        "43|gpt-2|PENDING||N/A|fabtrain|alice|Resources\n"
+        "44|gpt-1|PENDING||N/A|(null)|alice|None\n"
+    )  # not fabtrain's: another job of that name
     session = Squeue(Result(listing, "", 0, 0.01))
     with pytest.raises(UserError) as e:
         slurm.refuse_if_running(session, i, "gpt-1", "--resume")

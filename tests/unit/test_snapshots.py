@@ -1,6 +1,7 @@
 """Snapshots copied off the hosts and placed back, each copy checked by size and SHA-256: against a
 recording stand-in for Session (files on the hosts held in memory) and real local files, with
 rsync replaced by a scripted copy that can write wrong bytes or fail."""
+
 import hashlib
 import os
 import shlex
@@ -19,13 +20,16 @@ from orchestrator.hostcmds import sshargs
 from orchestrator.snapshots import checks, commands, listings, store
 from orchestrator.transport.remote import CommandTimedOut, PerHost, Result
 
-INV = parse("""\
+INV = parse(
+    """\
 ssh: {user: u, key: /k/id, known_hosts: /k/kh}
 job: {output_dir: /out}
 hosts:
   - {name: a, address: 10.0.0.1, interface: eth0}
   - {name: b, address: 10.0.0.2, interface: eth0}
-""", Path("/i/inv.yaml"))
+""",
+    Path("/i/inv.yaml"),
+)
 SPEC = jobspec.JobSpec(job_id="gpt-1", script="trainers/gpt.py")
 A, B = INV.hosts
 DIR = "/out/gpt-1/snapshots"
@@ -71,7 +75,7 @@ class FakeSession:
         fs = self.files[host.name]
         argv = shlex.split(command)
         if argv[:4] == ["{", "[", "!", "-L"]:  # commands.no_link_command: no links here
-            argv = argv[argv.index("&&") + 1:]
+            argv = argv[argv.index("&&") + 1 :]
         if argv[:2] == ["ls", "-1"]:
             return ok(
                 "".join(f"{p.rsplit('/', 1)[1]}\n" for p in sorted(fs) if p.rsplit("/", 1)[0] == argv[2])
@@ -157,6 +161,7 @@ def digest(data: bytes) -> str:
 
 # ---------------------------------------------------------------- the commands
 
+
 @pytest.mark.parametrize(
     "command,expected",
     [
@@ -186,14 +191,17 @@ def test_temp_name_is_never_taken_for_a_snapshot_and_the_trainer_clears_it():
     assert Path(tmp).match(".snapshot-*.tmp")  # trainers/snapshot.write removes these before each write
 
 
-@pytest.mark.parametrize("stdout,expected", [
-    (f"4000\n{sha(b'x')}  {DIR}/{S20}\n", listings.Digest(4000, sha(b"x"))),
-    (f"12\n\\{sha(b'x').upper()}  /o\\nut/x\n", listings.Digest(12, sha(b"x"))),  # escaped name
-    ("", ValueError),
-    (f"{sha(b'x')}  /f\n", ValueError),
-    ("12\nnot-a-hash  /f\n", ValueError),
-    ("12\n\n", ValueError),
-])
+@pytest.mark.parametrize(
+    "stdout,expected",
+    [
+        (f"4000\n{sha(b'x')}  {DIR}/{S20}\n", listings.Digest(4000, sha(b"x"))),
+        (f"12\n\\{sha(b'x').upper()}  /o\\nut/x\n", listings.Digest(12, sha(b"x"))),  # escaped name
+        ("", ValueError),
+        (f"{sha(b'x')}  /f\n", ValueError),
+        ("12\nnot-a-hash  /f\n", ValueError),
+        ("12\n\n", ValueError),
+    ],
+)
 def test_parse_checksum(stdout, expected):
     if expected is ValueError:
         with pytest.raises(ValueError):
@@ -264,8 +272,10 @@ def test_fetch_checks_each_copy_and_retries(tmp_path, copies, checksum_answers, 
         assert (snaps.dir / S20).read_bytes() == DATA[S20]
     else:
         assert not fetched and not (snaps.dir / S20).exists()
-        assert reports == [f"a: could not copy snapshot {S20} to {snaps.dir} in 3 tries (last: {why}); "
-                           f"still {S10} here to resume from. Check a's disk and the network if this repeats"]
+        assert reports == [
+            f"a: could not copy snapshot {S20} to {snaps.dir} in 3 tries (last: {why}); "
+            f"still {S10} here to resume from. Check a's disk and the network if this repeats"
+        ]
     assert capsys.readouterr() == ("", "")  # nothing printed: the caller's callback says it
 
 
@@ -305,8 +315,15 @@ def push(snaps, session, host, name) -> None:
     """Snapshots.push with the plan's place, place-check and place-rename steps for `host`
     (Layout.push_commands, as attempt.py renders them)."""
     argv, check, rename = snaps.layout.push_commands(host, snaps.inv, snaps.spec, name, snaps.dir)
-    snaps.push(session, host, name, checks.local_digest(snaps.local_path(name)),
-               argv=argv, check=check, rename=rename)
+    snaps.push(
+        session,
+        host,
+        name,
+        checks.local_digest(snaps.local_path(name)),
+        argv=argv,
+        check=check,
+        rename=rename,
+    )
 
 
 def test_the_plans_check_is_what_the_push_reads():
@@ -316,22 +333,31 @@ def test_the_plans_check_is_what_the_push_reads():
     argv, check, rename = commands.layout(SPEC).push_commands(B, INV, SPEC, S20, here)
     assert check == commands.checksum_command(REMOTE_TMP)
     assert rename == commands.rename_command(REMOTE_TMP, REMOTE20)
-    assert argv == sshargs.push_file_argv(B, f"/runs/gpt-1/snapshots/{S20}", REMOTE_TMP,
-                                          commands.no_link_command(DIR))
+    assert argv == sshargs.push_file_argv(
+        B, f"/runs/gpt-1/snapshots/{S20}", REMOTE_TMP, commands.no_link_command(DIR)
+    )
     ckpt = jobspec.JobSpec(job_id="gpt-1", script="main.py", checkpoint=jobspec.checkpoint_pattern("ckpt/*"))
     name = "0" * 19 + "7"
     _, check, _ = commands.layout(ckpt).push_commands(B, INV, ckpt, name, Path("/runs/gpt-1/checkpoints"))
     assert check == commands.manifest_command(f"/out/gpt-1/{commands.PLACE_TMP.format(name)}")
 
 
-@pytest.mark.parametrize("copies,b_commands,why", [
-    (["ok"], [CHECK_TMP, MOVE], None),
-    (["corrupt", "ok"], [CHECK_TMP, REMOVE, CHECK_TMP, MOVE], None),
-    (["fail", "ok"], [REMOVE, CHECK_TMP, MOVE], None),
-    (["corrupt"] * 3, [CHECK_TMP, REMOVE] * 3,
-     f"the host's copy ({digest(corrupt(DATA[S20]))}) differs from this machine's ({digest(DATA[S20])})"),
-    (["fail"] * 3, [REMOVE, REMOVE, REMOVE], f"rsync exited 12: {RSYNC_ERROR}"),
-], ids=["first-try", "corrupt-then-ok", "fail-then-ok", "always-corrupt", "always-fail"])
+@pytest.mark.parametrize(
+    "copies,b_commands,why",
+    [
+        (["ok"], [CHECK_TMP, MOVE], None),
+        (["corrupt", "ok"], [CHECK_TMP, REMOVE, CHECK_TMP, MOVE], None),
+        (["fail", "ok"], [REMOVE, CHECK_TMP, MOVE], None),
+        (
+            ["corrupt"] * 3,
+            [CHECK_TMP, REMOVE] * 3,
+            f"the host's copy ({digest(corrupt(DATA[S20]))}) "
+            f"differs from this machine's ({digest(DATA[S20])})",
+        ),
+        (["fail"] * 3, [REMOVE, REMOVE, REMOVE], f"rsync exited 12: {RSYNC_ERROR}"),
+    ],
+    ids=["first-try", "corrupt-then-ok", "fail-then-ok", "always-corrupt", "always-fail"],
+)
 def test_push_checks_each_copy_and_retries(tmp_path, copies, b_commands, why, capsys):
     session = FakeSession()
     snaps, reports, rsync = make(tmp_path, session, {"b": copies}, local=[S20])
@@ -341,15 +367,18 @@ def test_push_checks_each_copy_and_retries(tmp_path, copies, b_commands, why, ca
         assert session.files["b"] == {REMOTE20: DATA[S20]}
         assert reports == []
     else:
-        line = (f"b: could not place snapshot {S20} in {DIR} in 3 tries (last: {why}); check the host's disk "
-                "space and SSH access, or leave it out so a spare takes its place")
+        line = (
+            f"b: could not place snapshot {S20} in {DIR} in 3 tries (last: {why}); check the host's disk "
+            "space and SSH access, or leave it out so a spare takes its place"
+        )
         with pytest.raises(UserError) as err:
             push(snaps, session, B, S20)
         assert str(err.value) == line and reports == [line]
         assert session.files["b"] == {}  # neither the snapshot's name nor a bad copy is left there
     assert session.of("b") == b_commands
-    assert rsync.calls == [sshargs.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP,
-                                               commands.no_link_command(DIR))] * len(copies)
+    assert rsync.calls == [
+        sshargs.push_file_argv(B, str(snaps.dir / S20), REMOTE_TMP, commands.no_link_command(DIR))
+    ] * len(copies)
     assert capsys.readouterr() == ("", "")
 
 
@@ -360,11 +389,20 @@ def test_push_runs_exactly_the_commands_it_is_given(tmp_path):
     session.script[("b", "the plan's check")] = [ok(f"{len(DATA[S20])}\n{sha(DATA[S20])}  -\n")]
     session.script[("b", "the plan's rename")] = [ok()]
     argv = ["rsync", "--the-plans", str(snaps.dir / S20), f"10.0.0.2:{REMOTE_TMP}"]
-    snaps.push(session, B, S20, checks.local_digest(snaps.dir / S20),
-               argv=argv, check="the plan's check", rename="the plan's rename")
+    snaps.push(
+        session,
+        B,
+        S20,
+        checks.local_digest(snaps.dir / S20),
+        argv=argv,
+        check="the plan's check",
+        rename="the plan's rename",
+    )
     assert rsync.calls == [argv]
-    assert session.of("b") == [("the plan's check", checks.CHECKSUM_TIMEOUT),
-                               ("the plan's rename", checks.LIST_TIMEOUT)]
+    assert session.of("b") == [
+        ("the plan's check", checks.CHECKSUM_TIMEOUT),
+        ("the plan's rename", checks.LIST_TIMEOUT),
+    ]
     assert reports == []
 
 
@@ -415,6 +453,7 @@ def test_a_host_that_does_not_answer_is_skipped_when_looking(tmp_path):
 
 # ---------------------------------------------------------------- follow
 
+
 def wait_for(predicate, seconds=10.0):
     deadline = time.monotonic() + seconds
     while not predicate():
@@ -458,14 +497,25 @@ def test_follow_looks_once_more_after_stop(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- the end-of-job fetch
 
+
 def test_fetch_argv_leaves_the_snapshots_out():
     h = INV.hosts[1]
     assert sshargs.fetch_argv(h, "/out/gpt-1", "runs/gpt-1/outputs/b") == [
-        "rsync", "--recursive", "--times", "--links", "--safe-links", "--timeout=60",
+        "rsync",
+        "--recursive",
+        "--times",
+        "--links",
+        "--safe-links",
+        "--timeout=60",
         "--exclude=/.console/",
         "--exclude=/snapshots/snapshot-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9].pt",
         "--exclude=/snapshots/.snapshot-*",
-        "-s", "--rsh", shell_ssh(), "10.0.0.2:/out/gpt-1/", "runs/gpt-1/outputs/b"]
+        "-s",
+        "--rsh",
+        shell_ssh(),
+        "10.0.0.2:/out/gpt-1/",
+        "runs/gpt-1/outputs/b",
+    ]
 
 
 def shell_ssh() -> str:
@@ -503,6 +553,7 @@ def test_fetch_argv_filters_with_a_real_rsync(tmp_path):
 
 # ---------------------------------------------------------------- a program's own checkpoints
 
+
 class LocalSession:
     """Session.run as `sh -c` on this machine: the 'host' is a folder here (its output_dir)."""
 
@@ -515,7 +566,7 @@ def local_rsync(argv, **kw):
     """The real rsync with the host part of its paths dropped (the 'host' is a folder here)."""
     argv = list(argv)
     i = argv.index("--rsh")
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     argv[-2:] = [a.split(":", 1)[1] if a.startswith("10.0.0.") else a for a in argv[-2:]]
     return subprocess.run(argv, **kw)
 
@@ -602,9 +653,11 @@ def test_a_set_that_changes_while_it_is_copied_is_dropped_quietly(tmp_path):
         r = local_rsync(argv, **kw)
         write_at(work / "model.pt", b"model 2", old + 10**9)  # epoch 2 starts being written
         return r
+
     reports = []
-    snaps = store.Snapshots(tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append,
-                                copy=rsync_then_the_program_writes)
+    snaps = store.Snapshots(
+        tmp_path / "runs" / "j", inv, spec, keep=2, report=reports.append, copy=rsync_then_the_program_writes
+    )
     assert not snaps.fetch(session, host, name)
     assert snaps.local_newest() is None and list(snaps.dir.iterdir()) == [] and reports == []
     # Asked for a name that is no longer the host's set: nothing copied, nothing reported.
@@ -626,6 +679,7 @@ def test_keep_one_removes_the_only_copy_here_only_after_its_successor_is_checked
             for p in Path(argv[-1]).rglob("ckpt.pt"):
                 p.write_bytes(b"garbage")
         return r
+
     reports = []
     snaps = store.Snapshots(
         tmp_path / "runs" / "j", inv, spec, keep=1, report=reports.append, copy=corrupting
@@ -657,6 +711,7 @@ def test_a_copy_that_hangs_never_holds_the_lock_the_next_attempts_placement_need
         entered.set()
         release.wait(10)
         return rsync(argv, **kw)
+
     snaps.copy = frozen
     copier = threading.Thread(target=snaps.fetch, args=(session, A, S20), daemon=True)
     copier.start()
@@ -671,12 +726,14 @@ def test_a_copy_that_hangs_never_holds_the_lock_the_next_attempts_placement_need
 
 # ---------------------------------------------------------------- what an attempt places where
 
+
 def test_our_snapshot_is_placed_on_rank_0s_host_only(tmp_path):
     """Our trainers read a snapshot on rank 0's host and send its bytes to the other ranks (load_agreed):
     a restart places it only where rank 0 runs, and checks only that host's copy."""
     from dataclasses import replace
 
     from orchestrator.backends.ssh import facts
+
     session = FakeSession({"a": {REMOTE20: DATA[S20]}})
     snaps, reports, rsync = make(tmp_path, session, local=[S20])
     ours = facts.newest_snapshot(session, snaps, INV, SPEC, INV.hosts, fetch=True)

@@ -1,6 +1,7 @@
 """SSH settings: the inventory over ssh_config over defaults, resolved once for both paramiko and
 the OpenSSH client rsync runs. OpenSSH's own resolver (`ssh -G`, which reads the configuration
 and prints it without connecting) is the reference both are compared with."""
+
 import os
 import shlex
 import subprocess
@@ -44,10 +45,16 @@ def cfg(tmp_path):
 
 def inventory(cfg: Path, ssh: str = "", hosts: str = "") -> Path:
     path = cfg / "inv.yaml"
-    path.write_text(f"ssh:\n  config: {cfg}/ssh_config\n  known_hosts: {cfg}/kh\n{ssh}"
-                    "hosts:\n" + (hosts or "  - {address: gpu1, interface: eth0}\n"
-                                           "  - {address: gpu2, interface: eth0}\n"
-                                           "  - {address: gpu3, interface: eth0}\n"))
+    path.write_text(
+        f"ssh:\n  config: {cfg}/ssh_config\n  known_hosts: {cfg}/kh\n{ssh}"
+        "hosts:\n"
+        + (
+            hosts
+            or "  - {address: gpu1, interface: eth0}\n"
+            "  - {address: gpu2, interface: eth0}\n"
+            "  - {address: gpu3, interface: eth0}\n"
+        )
+    )
     return path
 
 
@@ -70,8 +77,9 @@ def test_aliases_resolve_as_openssh_resolves_them(cfg):
         2222,
         (f"{cfg}/kh",),
     )  # inventory wins
-    assert [(j.user, j.hostname, j.port, j.keys) for j in gpu2.jump] == [("bob", "192.0.2.7", 2200,
-                                                                           (f"{cfg}/id_bastion",))]
+    assert [(j.user, j.hostname, j.port, j.keys) for j in gpu2.jump] == [
+        ("bob", "192.0.2.7", 2200, (f"{cfg}/id_bastion",))
+    ]
     # Two hops from an Include'd file; the second hop (gpu1) takes its own settings.
     assert [(j.hostname, j.user) for j in gpu3.jump] == [("192.0.2.7", gpu3.user), ("10.9.0.11", "alice")]
     for alias, ssh in (("gpu1", gpu1), ("gpu2", gpu2)):
@@ -116,18 +124,28 @@ def test_agent_when_no_key_is_given():
     inv = parse("ssh: {config: none, user: u}\nhosts:\n  - {address: h1, interface: eth0}\n", Path("i.yaml"))
     ssh = inv.hosts[0].ssh
     assert ssh.keys == () and ssh.known_hosts == (os.path.expanduser("~/.ssh/known_hosts"),)
-    assert connect.connect_kwargs(ssh) == {"banner_timeout": 10.0, "auth_timeout": 10.0, "allow_agent": True,
-                                          "look_for_keys": True}
+    assert connect.connect_kwargs(ssh) == {
+        "banner_timeout": 10.0,
+        "auth_timeout": 10.0,
+        "allow_agent": True,
+        "look_for_keys": True,
+    }
     assert "-i" not in sshargs.ssh_argv(inv.hosts[0])
 
 
 def test_inventory_jump_for_every_host_and_per_host_none(cfg):
-    path = inventory(cfg, ssh="  jump: ops@gw.example.com:2022\n", hosts=(
-        "  - {address: 10.0.0.1, interface: eth0}\n"
-        "  - {address: 10.0.0.2, interface: eth0, ssh: {jump: none}}\n"))
+    path = inventory(
+        cfg,
+        ssh="  jump: ops@gw.example.com:2022\n",
+        hosts=(
+            "  - {address: 10.0.0.1, interface: eth0}\n"
+            "  - {address: 10.0.0.2, interface: eth0, ssh: {jump: none}}\n"
+        ),
+    )
     a, b = parse(path.read_text(), path).hosts
     assert [(j.user, j.hostname, j.port, j.known_hosts) for j in a.ssh.jump] == [
-        ("ops", "gw.example.com", 2022, (f"{cfg}/kh",))]  # the jump host is checked against the same file
+        ("ops", "gw.example.com", 2022, (f"{cfg}/kh",))
+    ]  # the jump host is checked against the same file
     assert b.ssh.jump == ()
 
 
@@ -153,7 +171,8 @@ def test_bad_addresses_and_empty_fields():
         == "inv.yaml:2: hosts[0].interface: is empty; give a value, or remove 'interface:'"
     )
     assert error("ssh: {user: ''}\n" + base.format(a="h", i="eth0")) == (
-        "inv.yaml:1: ssh.user: is empty; give a value, or remove 'user:'")
+        "inv.yaml:1: ssh.user: is empty; give a value, or remove 'user:'"
+    )
     assert "ssh.jump: 'a b' is not [user@]host[:port]" in error(
         "ssh: {jump: 'a b'}\n" + base.format(a="h", i="e")
     )
@@ -199,6 +218,7 @@ def test_binary_and_non_utf8_inventories(tmp_path):
 
 def test_an_include_of_a_directory_is_a_clear_error(tmp_path):
     from orchestrator.config import sshconf
+
     (tmp_path / "conf.d").mkdir()
     cfg = tmp_path / "config"
     cfg.write_text(f"Include {tmp_path}/conf.d\nHost x\n  HostName 10.0.0.9\n")

@@ -2,6 +2,7 @@
 in a Python process and the look's own script (dockerargs.STACKS_PY). A program's own SIGUSR1
 handler (PyTorch Lightning's requeue, Slurm's --signal) is never called by a look, and the look
 still gets the main thread's stack."""
+
 import importlib.util
 import os
 import signal
@@ -36,15 +37,25 @@ def test_a_look_dumps_the_stacks_and_never_calls_the_programs_own_sigusr1_handle
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(entrypoint.SITECUSTOMIZE)
     (tmp_path / "program.py").write_text(PROGRAM)
-    env = {**os.environ, "PYTHONPATH": str(hook), "RANK": "3", "LOCAL_RANK": "1",
-           "FABTRAIN_STACKS": str(stacks)}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "program.py"), str(requeued)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(hook),
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "FABTRAIN_STACKS": str(stacks),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "program.py"), str(requeued)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline() == "ready\n"
         look = dockerargs.STACKS_PY.replace("/tmp/fabtrain-stacks", str(stacks))
-        shown = subprocess.run([sys.executable, "-c", look], capture_output=True, text=True,
-                               timeout=30).stdout
+        shown = subprocess.run(
+            [sys.executable, "-c", look], capture_output=True, text=True, timeout=30
+        ).stdout
         assert f"--- rank 3 (local rank 1, pid {proc.pid})" in shown
         assert "in tokenizing" in shown, shown  # the main thread's frame
         assert proc.poll() is None and not requeued.exists()  # the program's handler was not called

@@ -1,5 +1,6 @@
 """fab attach: what a job taken over goes on from (takeover.running_attempt), from its record and a
 survey of its hosts; and the refusals when there is nothing to take over or someone looks after it."""
+
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,11 @@ def host(job_rank=None, lease=40.0, units=(0, 1), port=None, state="running"):
 
 
 def test_the_running_attempt_from_the_record_and_the_claims():
-    found = PerHost(node3=host(0, port=29511, units=(2, 3)), node2=host(1, state="exited"),
-                    node1=RuntimeError("no answer"))
+    found = PerHost(
+        node3=host(0, port=29511, units=(2, 3)),
+        node2=host(1, state="exited"),
+        node1=RuntimeError("no answer"),
+    )
     got = takeover.running_attempt(found, INV, record(resumes=[{"after_attempt": 0}]))
     assert got.number == 2 and [(h.name, h.rank) for h in got.hosts] == [("node3", 0), ("node2", 1)]
     assert got.port == 29511 and got.units == {"node3": (2, 3), "node2": (0, 1)}
@@ -53,12 +57,15 @@ def test_the_running_attempt_from_the_record_and_the_claims():
     assert again.restarts_used == 1
 
 
-@pytest.mark.parametrize("rec, found, says", [
-    (record(state="finished"), PerHost(node3=host(0)), "is finished (runs/"),
-    (record(), PerHost(node3=host(0, lease=3.0), node2=host(1)), "lease on node3 was renewed 3s ago"),
-    (record(), PerHost(node3=host(), node2=host()), "has no container on its hosts (node3, node2)"),
-    (record(hosts=("node9",)), PerHost(), "runs on node9, which inv.yaml does not name"),
-])
+@pytest.mark.parametrize(
+    "rec, found, says",
+    [
+        (record(state="finished"), PerHost(node3=host(0)), "is finished (runs/"),
+        (record(), PerHost(node3=host(0, lease=3.0), node2=host(1)), "lease on node3 was renewed 3s ago"),
+        (record(), PerHost(node3=host(), node2=host()), "has no container on its hosts (node3, node2)"),
+        (record(hosts=("node9",)), PerHost(), "runs on node9, which inv.yaml does not name"),
+    ],
+)
 def test_nothing_to_take_over_or_looked_after_is_refused(rec, found, says):
     with pytest.raises(UserError) as err:
         takeover.running_attempt(found, INV, rec)

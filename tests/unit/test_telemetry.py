@@ -47,9 +47,7 @@ HOST_PART = (
 
 def test_the_script_for_one_job():
     assert telemetry_script(INV, "gpt-1") == (
-        "{ "
-        + NVIDIA_PART
-        + "timeout -k 2 4 docker ps --quiet --filter label=fabtrain.managed=1 "
+        "{ " + NVIDIA_PART + "timeout -k 2 4 docker ps --quiet --filter label=fabtrain.managed=1 "
         "--filter label=fabtrain.job=gpt-1 "
         "2>/dev/null | head -n 64 | xargs -r timeout -k 2 4 docker stats --no-stream --format '{{json .}}' "
         "2>&1; " + HOST_PART

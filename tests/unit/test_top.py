@@ -33,7 +33,8 @@ def test_the_steps_script():
         "{{.Names}}' 2>/dev/null | head -n 64 | while read -r j n; do "
         'case "$j" in ""|*[!A-Za-z0-9._-]*) continue;; esac; '
         '[ "$n" = fabtrain-"$j"-r0 ] || continue; echo; echo "@@fabtrain-step $j"; '
-        + touched.tail('/opt/out/"$j"', ".console/node-0.log", 8192) + " 2>/dev/null; done; true"
+        + touched.tail('/opt/out/"$j"', ".console/node-0.log", 8192)
+        + " 2>/dev/null; done; true"
     )
 
 

@@ -1,4 +1,5 @@
 """The watcher's decisions without a cluster: progress per node, the node's own exit line, blame."""
+
 from orchestrator.backends.ssh.hangs import Progress
 from orchestrator.backends.ssh.watch import worker_failure
 from orchestrator.core import recovery
@@ -21,7 +22,7 @@ def test_output_counts_until_a_node_shows_steps_then_only_steps_do():
     p.observe("n1", b"[n1 rank0] epoch 0 | step 7 | loss 2.1 | 9 tok/s | step 100.0 ms\n")
     assert p.step["n1"] == 7 and "n1" in p.signalled
     clock.t += 100
-    p.observe("n1", b"still alive, waiting\n" * 50)   # a chatty thread while the ranks are stuck
+    p.observe("n1", b"still alive, waiting\n" * 50)  # a chatty thread while the ranks are stuck
     p.observe("n1", b"[n1 rank0] epoch 0 | step 7 | loss 2.1\n")  # the same step again is no progress
     assert p.last["n1"] == 1050
     assert p.stale({"n1", "n2"}, 60) == ["n1"]  # alone: it showed progress and stopped
@@ -43,9 +44,11 @@ def dump(pid, *frames, chatter=True):
     """A faulthandler dump of one rank (the hook's header), its main thread innermost first."""
     lines = [f"--- rank 0 (local rank 0, pid {pid}), most recent call first ---"]
     if chatter:  # a logging thread, wherever it is, does not count
-        lines += ["Thread 0x00007f01 (most recent call first):",
-                  '  File "/workspace/train.py", line 9 in chatter',
-                  '  File "/usr/lib/python3.11/threading.py", line 982 in run']
+        lines += [
+            "Thread 0x00007f01 (most recent call first):",
+            '  File "/workspace/train.py", line 9 in chatter',
+            '  File "/usr/lib/python3.11/threading.py", line 982 in run',
+        ]
     lines.append("Current thread 0x00007f00 (most recent call first):")
     lines += [f'  File "{f}", line {n} in {fn}' for f, n, fn in frames]
     lines.append('  File "/workspace/train.py", line 40 in <module>')
@@ -92,7 +95,8 @@ def test_a_stack_signature_is_each_ranks_main_thread():
     assert recovery.stack_signature("") == ()
     # Only the main thread: another thread moving changes nothing.
     assert recovery.stack_signature(dump(7, WAIT)) == recovery.stack_signature(
-        dump(7, WAIT).replace("line 9 in chatter", "line 11 in chatter"))
+        dump(7, WAIT).replace("line 9 in chatter", "line 11 in chatter")
+    )
 
 
 def test_a_fresh_heartbeat_is_progress():
@@ -142,7 +146,8 @@ Current thread 0x00007f (most recent call first):
 
 def test_a_module_started_by_runpy_is_summarised_like_a_script():
     assert recovery.stack_summary(MODULE_STACKS) == [
-        "rank 1: all_reduce (distributed_c10d.py:2501) called from tests/integration/scripts/hang.py:15"]
+        "rank 1: all_reduce (distributed_c10d.py:2501) called from tests/integration/scripts/hang.py:15"
+    ]
 
 
 def test_torchrun_root_cause_names_the_worker():
@@ -160,9 +165,9 @@ def test_only_quiet_nodes_are_looked_at():
     p = Progress(["n1", "n2"], clock)
     clock.t += 3
     p.observe("n1", b"[n1 rank0] epoch 0 | step 1 | loss 2.0\n")  # steps: never signalled
-    p.observe("n2", b"rank 2: waiting for data...\n")            # output alone is not a move
+    p.observe("n2", b"rank 2: waiting for data...\n")  # output alone is not a move
     assert p.unsure({"n1", "n2"}, 2) == ["n2"]
-    p.stacks("n2", recovery.stack_signature(dump(8, WAIT)))       # its ranks moved (a first look)
+    p.stacks("n2", recovery.stack_signature(dump(8, WAIT)))  # its ranks moved (a first look)
     assert p.unsure({"n1", "n2"}, 2) == []
     clock.t += 3
     assert p.unsure({"n1", "n2"}, 2) == ["n1", "n2"]

@@ -1,6 +1,7 @@
 """--on kubernetes: the job as Kubernetes manifests (manifests.py) to hand to kubectl. A Renderer and
 not a Runner: fabtrain runs nothing there. `fab export.k8s` writes the manifests to files, `fab train
 --on kubernetes --dry-run` prints them, and running a job there is refused (registry.as_runner)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -11,8 +12,10 @@ from orchestrator.backends.kubernetes import manifests
 if TYPE_CHECKING:
     from orchestrator.backends.base import Launch
 
-DECLINES = ("fabtrain does not run jobs there; it writes manifests to hand to kubectl: use fab export.k8s, "
-            "or fab train --on kubernetes --dry-run")
+DECLINES = (
+    "fabtrain does not run jobs there; it writes manifests to hand to kubectl: use fab export.k8s, "
+    "or fab train --on kubernetes --dry-run"
+)
 RENDER_ONLY = f"--on kubernetes: {DECLINES}"  # what asking it to run, follow or stop a job says
 
 
@@ -34,8 +37,10 @@ class KubernetesBackend:
         inv, spec = launch.inv, launch.spec
         docs, warnings = manifests.k8s_manifests(inv, spec, restarts=launch.policy.restarts)
         texts = {file: manifests.k8s_text(inv, spec, file, documents) for file, documents in docs.items()}
-        title = (f"job {spec.job_id} as Kubernetes manifests (fab export.k8s writes these files; "
-                 "kubectl apply -f one of them):")
+        title = (
+            f"job {spec.job_id} as Kubernetes manifests (fab export.k8s writes these files; "
+            "kubectl apply -f one of them):"
+        )
         return Rendered(spec.job_id, texts, tuple(warnings), title=title)
 
 

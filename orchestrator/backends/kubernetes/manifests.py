@@ -1,6 +1,7 @@
 """The Kubernetes manifests: the job as a Kubeflow Trainer v2 TrainJob, a Kubeflow PyTorchJob and
 a plain Indexed Job with a headless Service, each carrying the entrypoint in a ConfigMap. YAML is
 written by a YAML library; secrets are referenced by name (a Secret), never written out."""
+
 from __future__ import annotations
 
 import re
@@ -36,12 +37,21 @@ def _quantity(docker_size: str) -> str:
 
 
 def _container(n: NodeSpec, env: list[dict]) -> dict:
-    skip = {"MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "FABTRAIN_NODE",
-            "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",  # the platform's, or found by the entrypoint
-            "FABTRAIN_CODE"}  # the code is in the image
+    skip = {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NNODES",
+        "NODE_RANK",
+        "FABTRAIN_NODE",
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",  # the platform's, or found by the entrypoint
+        "FABTRAIN_CODE",
+    }  # the code is in the image
     env = env + [{"name": k, "value": v} for k, v in n.env if k not in skip]
-    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": name}}}
-            for name in n.secrets]
+    env += [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": name}}}
+        for name in n.secrets
+    ]
     c: dict = {
         "name": "pytorch",
         "image": n.image,
@@ -70,14 +80,11 @@ def _container(n: NodeSpec, env: list[dict]) -> dict:
     return c
 
 
-def _pod_spec(inv: Inventory, spec: jobspec.JobSpec, host: Host, config_map: str, env: list[dict],
-              **extra: Any) -> dict:
+def _pod_spec(
+    inv: Inventory, spec: jobspec.JobSpec, host: Host, config_map: str, env: list[dict], **extra: Any
+) -> dict:
     n = node_spec(inv, host, spec)
-    return {
-        **extra,
-        "containers": [_container(n, env)],
-        "volumes": _volumes(n, config_map),
-    }
+    return {**extra, "containers": [_container(n, env)], "volumes": _volumes(n, config_map)}
 
 
 def _volumes(n: NodeSpec, config_map: str) -> list[dict]:
@@ -86,9 +93,11 @@ def _volumes(n: NodeSpec, config_map: str) -> list[dict]:
     shm: dict = {"medium": "Memory"}
     if n.shm_size:
         shm["sizeLimit"] = _quantity(n.shm_size)
-    volumes = [{"name": "fabtrain", "configMap": {"name": config_map}},
-               {"name": "shm", "emptyDir": shm},
-               {"name": "output", "persistentVolumeClaim": {"claimName": output_claim(config_map)}}]
+    volumes = [
+        {"name": "fabtrain", "configMap": {"name": config_map}},
+        {"name": "shm", "emptyDir": shm},
+        {"name": "output", "persistentVolumeClaim": {"claimName": output_claim(config_map)}},
+    ]
     return volumes + [
         {"name": f"mount{i}", "hostPath": {"path": m.source}} for i, m in enumerate(n.mounts_of(HOST))
     ]
@@ -103,9 +112,12 @@ OUTPUT_SIZE = "100Gi"  # what the claim asks for: snapshots and outputs of one j
 
 def _output_pvc(name: str, job_id: str) -> dict:
     """ReadWriteMany: every node's pod writes its own files into the job's one output directory."""
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": f"{name}-output", "labels": {"fabtrain.job": job_id}},
-            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": OUTPUT_SIZE}}}}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": f"{name}-output", "labels": {"fabtrain.job": job_id}},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": OUTPUT_SIZE}}},
+    }
 
 
 # Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1): the cluster's torch runtime names its
@@ -116,9 +128,12 @@ TRAINER_NODE = "node"
 
 
 def _config_map(name: str, job_id: str) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "labels": {"fabtrain.job": job_id}},
-            "data": {"entrypoint.py": export.entrypoint()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "labels": {"fabtrain.job": job_id}},
+        "data": {"entrypoint.py": export.entrypoint()},
+    }
 
 
 def k8s_manifests(
@@ -132,43 +147,69 @@ def k8s_manifests(
     labels = {"fabtrain.job": spec.job_id}
     cm = f"{name}-entrypoint"
     if host.devices:
-        warnings.append(f"{host.name}: devices {', '.join(host.devices)} are not mapped in Kubernetes; "
-                        "expose them with the cluster's device plugin (e.g. an RDMA plugin for InfiniBand)")
+        warnings.append(
+            f"{host.name}: devices {', '.join(host.devices)} are not mapped in Kubernetes; "
+            "expose them with the cluster's device plugin (e.g. an RDMA plugin for InfiniBand)"
+        )
 
     def replica(count: int) -> dict:
         pod = _pod_spec(inv, spec, host, cm, [])
         pod["containers"][0]["ports"] = [{"name": PYTORCHJOB_PORT, "containerPort": port}]
-        return {"replicas": count, "restartPolicy": "OnFailure",
-                "template": {"metadata": {"labels": labels}, "spec": pod}}
+        return {
+            "replicas": count,
+            "restartPolicy": "OnFailure",
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        }
 
     replicas = {"Master": replica(1)}
     if nodes > 1:
         replicas["Worker"] = replica(nodes - 1)
-    pytorchjob = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                  "metadata": {"name": name, "labels": labels},
-                  "spec": {"runPolicy": {"backoffLimit": restarts}, "pytorchReplicaSpecs": replicas}}
+    pytorchjob = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"runPolicy": {"backoffLimit": restarts}, "pytorchReplicaSpecs": replicas},
+    }
 
     rank_env: list[dict] = [
         {"name": "NNODES", "value": str(nodes)},
-        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+        {
+            "name": "NODE_RANK",
+            "valueFrom": {
+                "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+            },
+        },
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(port)},
     ]
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
-               "spec": {"clusterIP": "None", "selector": {"job-name": name},
-                        "publishNotReadyAddresses": True}}
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
-           "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
-                    # A torchrun job cannot take one node back alone: a failed pod fails the job.
-                    "backoffLimit": restarts,
-                    "template": {"metadata": {"labels": labels},
-                                 "spec": _pod_spec(inv, spec, host, cm, rank_env, subdomain=name,
-                                                   restartPolicy="Never")}}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"clusterIP": "None", "selector": {"job-name": name}, "publishNotReadyAddresses": True},
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
+            # A torchrun job cannot take one node back alone: a failed pod fails the job.
+            "backoffLimit": restarts,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": _pod_spec(inv, spec, host, cm, rank_env, subdomain=name, restartPolicy="Never"),
+            },
+        },
+    }
     pvc = _output_pvc(name, spec.job_id)
-    docs = {"trainjob.yaml": [_config_map(cm, spec.job_id), pvc, _trainjob(inv, spec, host, name, cm)],
-            "pytorchjob.yaml": [_config_map(cm, spec.job_id), pvc, pytorchjob],
-            "indexed-job.yaml": [_config_map(cm, spec.job_id), pvc, service, job]}
+    docs = {
+        "trainjob.yaml": [_config_map(cm, spec.job_id), pvc, _trainjob(inv, spec, host, name, cm)],
+        "pytorchjob.yaml": [_config_map(cm, spec.job_id), pvc, pytorchjob],
+        "indexed-job.yaml": [_config_map(cm, spec.job_id), pvc, service, job],
+    }
     return docs, warnings
 
 
@@ -178,28 +219,51 @@ def _trainjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: 
     entrypoint, shared memory, output claim and mounts on its "node" container."""
     n = node_spec(inv, host, spec)
     c = _container(n, [])
-    trainer = {"numNodes": len(inv.hosts), "image": c["image"], "command": c["command"], "args": c["args"],
-               "env": c["env"]}
+    trainer = {
+        "numNodes": len(inv.hosts),
+        "image": c["image"],
+        "command": c["command"],
+        "args": c["args"],
+        "env": c["env"],
+    }
     if "resources" in c:
         trainer["resourcesPerNode"] = c["resources"]
     container = {"name": TRAINER_NODE, "volumeMounts": c["volumeMounts"]}
     if "securityContext" in c:
         container["securityContext"] = c["securityContext"]
     pod = {"volumes": _volumes(n, cm), "containers": [container]}
-    patch = {"manager": "fabtrain", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
-        {"name": TRAINER_NODE, "template": {"spec": {"template": {"spec": pod}}}}]}}}}
-    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-            "metadata": {"name": name, "labels": {"fabtrain.job": spec.job_id}},
-            "spec": {"runtimeRef": {"name": TRAINER_RUNTIME, "apiGroup": "trainer.kubeflow.org",
-                                    "kind": "ClusterTrainingRuntime"},
-                     "trainer": trainer, "runtimePatches": [patch]}}
+    patch = {
+        "manager": "fabtrain",
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {"name": TRAINER_NODE, "template": {"spec": {"template": {"spec": pod}}}}
+                    ]
+                }
+            }
+        },
+    }
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "labels": {"fabtrain.job": spec.job_id}},
+        "spec": {
+            "runtimeRef": {
+                "name": TRAINER_RUNTIME,
+                "apiGroup": "trainer.kubeflow.org",
+                "kind": "ClusterTrainingRuntime",
+            },
+            "trainer": trainer,
+            "runtimePatches": [patch],
+        },
+    }
 
 
 def k8s_header(inv: Inventory, spec: jobspec.JobSpec, kind: str) -> str:
     host = inv.hosts[0]
     lines = [
-        f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from "
-        f"{comment(str(inv.path))}:",
+        f"# fabtrain job {spec.job_id} as {kind}, written by `fab export.k8s` from {comment(str(inv.path))}:",
         *export.summary(inv, spec, len(inv.hosts), host),
         "# Apply with: kubectl apply -f FILE. The image must hold the code at /workspace (or mount it",
         f"# there); /output is the PersistentVolumeClaim {k8s_name(spec.job_id)}-output (ReadWriteMany, "
@@ -231,7 +295,8 @@ _Dumper.add_representer(str, _str)
 
 
 def k8s_text(inv: Inventory, spec: jobspec.JobSpec, file: str, docs: list[dict]) -> str:
-    kind = {"trainjob.yaml": "a Kubeflow Trainer v2 TrainJob (runtime torch-distributed)",
-            "pytorchjob.yaml": "a Kubeflow PyTorchJob (Training Operator v1, deprecated)"}.get(
-        file, "an Indexed Job and a headless Service")
+    kind = {
+        "trainjob.yaml": "a Kubeflow Trainer v2 TrainJob (runtime torch-distributed)",
+        "pytorchjob.yaml": "a Kubeflow PyTorchJob (Training Operator v1, deprecated)",
+    }.get(file, "an Indexed Job and a headless Service")
     return k8s_header(inv, spec, kind) + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, width=100)

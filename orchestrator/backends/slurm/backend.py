@@ -1,6 +1,7 @@
 """The Slurm backend: the job submitted to the inventory's slurm: login node and followed there
 (slurm.py); Slurm picks the nodes and requeues. It also renders the job as the sbatch script alone
 (script.py), for fab export.slurm."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,9 +25,11 @@ class SlurmBackend:
     where = " on Slurm"
     # None of TRAIN_OPTIONS: Slurm places, queues and restarts the job, and checks its nodes.
     accepts: tuple[Option, ...] = ()
-    declines = ("Slurm picks the nodes, queues the job, restarts it by requeue and has its own checks; set "
-                "nodes, partition and time in the inventory's slurm: section (Slurm's --mail-type and "
-                "--mail-user tell a job's end)")
+    declines = (
+        "Slurm picks the nodes, queues the job, restarts it by requeue and has its own checks; set "
+        "nodes, partition and time in the inventory's slurm: section (Slurm's --mail-type and "
+        "--mail-user tell a job's end)"
+    )
     settings: tuple[Option, ...] = (
         Option("pyxis", bool, False, "run the image with pyxis/enroot (srun --container-image)"),
         Option("partition", str, None, "#SBATCH --partition"),
@@ -36,17 +39,29 @@ class SlurmBackend:
     def render(self, launch: Launch, settings: dict[str, Any]) -> Rendered:
         """The job as one sbatch script (JOB.sbatch), and the settings it cannot give every node."""
         spec = launch.spec
-        text, warnings = script.slurm_script(launch.inv, spec, pyxis=settings["pyxis"],
-                                             partition=settings["partition"], time_limit=settings["time"])
-        return Rendered(spec.job_id, {f"{spec.job_id}.sbatch": text}, tuple(warnings),
-                        title=f"job {spec.job_id} as an sbatch script (fab export.slurm writes it):")
+        text, warnings = script.slurm_script(
+            launch.inv,
+            spec,
+            pyxis=settings["pyxis"],
+            partition=settings["partition"],
+            time_limit=settings["time"],
+        )
+        return Rendered(
+            spec.job_id,
+            {f"{spec.job_id}.sbatch": text},
+            tuple(warnings),
+            title=f"job {spec.job_id} as an sbatch script (fab export.slurm writes it):",
+        )
 
     def detach(self, launch: Launch) -> Finished:
         raise UserError("--detach: not with --on slurm", exit_code=2)
 
     def take_over(self, launch: Launch) -> Finished:
-        raise UserError(f"job {launch.spec.job_id} runs on Slurm, whose controller looks after it; "
-                        f"'fab logs --job {launch.spec.job_id}' follows it", exit_code=2)
+        raise UserError(
+            f"job {launch.spec.job_id} runs on Slurm, whose controller looks after it; "
+            f"'fab logs --job {launch.spec.job_id}' follows it",
+            exit_code=2,
+        )
 
     def serves(self, inv: Inventory) -> bool:
         return inv.slurm is not None
@@ -62,8 +77,9 @@ class SlurmBackend:
     def run(self, launch: Launch) -> Finished:
         spec = launch.spec
         try:
-            end, run_dir, _ = slurm.train(launch.inv, spec, launch.runs, launch.console, live=launch.live,
-                                          record=launch.record)
+            end, run_dir, _ = slurm.train(
+                launch.inv, spec, launch.runs, launch.console, live=launch.live, record=launch.record
+            )
         except KeyboardInterrupt:
             raise UserError(
                 f"stopped following job {spec.job_id}; Slurm may still be ending it ('fab status' shows it)",
@@ -71,17 +87,27 @@ class SlurmBackend:
             ) from None
         error = None
         if end.exit_code:
-            error = UserError(f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code "
-                              f"{end.code}); logs in {run_dir}", exit_code=end.exit_code)
-        return Finished(spec.job_id, run_dir, error, f"job {spec.job_id} finished on Slurm (slurm job "
-                                                     f"{end.slurm_id}); logs and curves in {run_dir}")
+            error = UserError(
+                f"job {spec.job_id}: slurm job {end.slurm_id} ended {end.state} (exit code "
+                f"{end.code}); logs in {run_dir}",
+                exit_code=end.exit_code,
+            )
+        return Finished(
+            spec.job_id,
+            run_dir,
+            error,
+            f"job {spec.job_id} finished on Slurm (slurm job {end.slurm_id}); logs and curves in {run_dir}",
+        )
 
     def attach(
         self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool, json: bool = False
     ) -> Finished:
         if json:
-            raise UserError("fab logs --json follows jobs on SSH hosts; a Slurm job's events are in "
-                            "runs/JOB/events.jsonl once it ends", exit_code=2)
+            raise UserError(
+                "fab logs --json follows jobs on SSH hosts; a Slurm job's events are in "
+                "runs/JOB/events.jsonl once it ends",
+                exit_code=2,
+            )
         if job_id is None:
             raise UserError("fab logs on Slurm needs --job JOB ('fab status' lists them)", exit_code=2)
         try:
@@ -90,12 +116,14 @@ class SlurmBackend:
             return Finished(job_id, None, None, "detached; the job goes on ('fab stop --job' ends it)")
         error = None
         if end.exit_code:
-            error = UserError(f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})",
-                              exit_code=end.exit_code)
+            error = UserError(
+                f"slurm job {end.slurm_id} ended {end.state} (exit code {end.code})", exit_code=end.exit_code
+            )
         return Finished(job_id, runs / job_id, error)
 
-    def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
-             runs: Path) -> Stopped:
+    def stop(
+        self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float, runs: Path
+    ) -> Stopped:
         if job_id is None:  # your fabtrain jobs on Slurm (squeue --me)
             with Session((slurm.cfg_of(inv).login,)) as session:
                 ids = [r["slurm_id"] for r in slurm.status_rows(session, inv)]

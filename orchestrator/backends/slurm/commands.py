@@ -1,6 +1,7 @@
 """What fab says to Slurm on the login node and reads back: each command a string built here
 (quoted once) and each answer parsed here; nothing runs. slurm.py runs them through the project's
 Session, so each has a deadline and a recording stand-in sees it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,19 @@ from orchestrator.core import hostile
 from orchestrator.hostcmds import sshargs
 
 # States a job does not leave (PREEMPTED and NODE_FAIL jobs that Slurm requeues go back to PENDING).
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 
 
 def out_file(cfg: Slurm, job_id: str, slurm_id: str) -> str:
@@ -40,8 +52,10 @@ def sacct_command(slurm_id: str) -> str:
     """The job's end from the accounting database, or, where the cluster keeps none, from the job
     completion log (sacct --completion)."""
     fields = ["--noheader", "--parsable2", "--format", "JobID,State,ExitCode", "--jobs", slurm_id]
-    return (f"{sshargs.shell(['sacct', '--allocations', *fields])} 2>/dev/null"
-            f" || {sshargs.shell(['sacct', '--completion', *fields])}")
+    return (
+        f"{sshargs.shell(['sacct', '--allocations', *fields])} 2>/dev/null"
+        f" || {sshargs.shell(['sacct', '--completion', *fields])}"
+    )
 
 
 def follow_command(path: str) -> str:
@@ -87,8 +101,17 @@ def parse_squeue(text: str) -> list[dict]:
         parts = line.split("|")
         if len(parts) < 8 or parts[5] != COMMENT:
             continue
-        rows.append({"slurm_id": parts[0], "job": parts[1], "state": parts[2], "nodes": parts[3],
-                     "start": parts[4], "who": parts[6], "reason": parts[7]})
+        rows.append(
+            {
+                "slurm_id": parts[0],
+                "job": parts[1],
+                "state": parts[2],
+                "nodes": parts[3],
+                "start": parts[4],
+                "who": parts[6],
+                "reason": parts[7],
+            }
+        )
     return rows
 
 
@@ -121,4 +144,3 @@ def secrets_path(cfg: Slurm, job_id: str) -> str:
 
 def secrets_dir_command(cfg: Slurm) -> str:
     return f"mkdir -p -m 700 {sshargs.shell([cfg.workdir + '/.secrets'])}"
-

@@ -2,6 +2,7 @@
 labelled by srun --label) read with `tail -F` over SSH and split into one log per node (Demux), with
 the same prefixes and live view as an SSH job; its state polled with scontrol every POLL seconds, a
 requeue (its Restarts rising) a new attempt (Follower)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,16 +30,17 @@ if TYPE_CHECKING:
     from orchestrator.backends.slurm.commands import End
     from orchestrator.backends.slurm.submitted import SlurmJob
 
-POLL = 1.0             # seconds between two reads of the job's state
-UNSEEN_AFTER = 20      # seconds a running job may go without its output file before fab says why
-LOGIN_TRIES = 3        # reads of the job's state failing in a row before fab gives up following
-DRAIN_TIMEOUT = 15     # seconds to read the rest of the output file once the job has ended
+POLL = 1.0  # seconds between two reads of the job's state
+UNSEEN_AFTER = 20  # seconds a running job may go without its output file before fab says why
+LOGIN_TRIES = 3  # reads of the job's state failing in a row before fab gives up following
+DRAIN_TIMEOUT = 15  # seconds to read the rest of the output file once the job has ended
 LABELLED = re.compile(rb"^\s*(\d+): ?")  # srun --label: "0: text" (" 0: " with ten tasks or more)
 ATTEMPT_LINE = re.compile(rb"^\[fabtrain\] job \S+: slurm job \d+ \(restart (\d+)\)")
-BATCH = "slurm"        # the log of the batch script's own lines (runs/JOB/slurm.log)
+BATCH = "slurm"  # the log of the batch script's own lines (runs/JOB/slurm.log)
 
 
 # ---------------------------------------------------------------- the output file, per node
+
 
 class Demux:
     """Splits the job's output file into one log per node: `N: text` lines (srun --label) go to
@@ -73,7 +75,7 @@ class Demux:
         for line in data[:cut].splitlines(keepends=True):
             m = LABELLED.match(line)
             if m:
-                self.sink(int(m.group(1))).feed(line[m.end():])
+                self.sink(int(m.group(1))).feed(line[m.end() :])
                 continue
             attempt = ATTEMPT_LINE.match(line)
             if attempt:
@@ -89,12 +91,21 @@ class Demux:
 
 # ---------------------------------------------------------------- following the job
 
+
 class Follower:
     """Streams a submitted job's output into runs/JOB until the job ends (see the module's
     docstring); `detach`: Ctrl+C only stops following."""
 
-    def __init__(self, job: SlurmJob, run_dir: Path, console: Console | None = None, live: bool = False,
-                 echo: bool = True, record: recovery.JobRecord | None = None, detach: bool = False) -> None:
+    def __init__(
+        self,
+        job: SlurmJob,
+        run_dir: Path,
+        console: Console | None = None,
+        live: bool = False,
+        echo: bool = True,
+        record: recovery.JobRecord | None = None,
+        detach: bool = False,
+    ) -> None:
         self.job, self.run_dir, self.record, self.detach = job, run_dir, record, detach
         self.console = console
         self.live = live and echo and console is not None and console.is_terminal
@@ -130,8 +141,10 @@ class Follower:
         if restarts > self.restarts:  # only a rise is a requeue (a read without the field is not)
             if self.restarts >= 0:
                 number = len(self.record.attempts) + 1 if self.record is not None else restarts + 1
-                self.note(f"attempt {number}: Slurm requeued job {self.job.slurm_id} (restart {restarts}); "
-                          "it resumes from its newest snapshot")
+                self.note(
+                    f"attempt {number}: Slurm requeued job {self.job.slurm_id} (restart {restarts}); "
+                    "it resumes from its newest snapshot"
+                )
             if self.record is not None:
                 if self.record.attempts and self.record.attempts[-1].ended is None:
                     self.record.attempts[-1].ended, self.record.attempts[-1].outcome = time.time(), "requeued"
@@ -148,8 +161,12 @@ class Follower:
         self.shown = shown
         if new[0] == "RUNNING" and self.running_since is None:
             self.running_since = time.monotonic()
-        if (self.running_since is not None and not self.demux.received and not self.told_unseen
-                and time.monotonic() - self.running_since > UNSEEN_AFTER):
+        if (
+            self.running_since is not None
+            and not self.demux.received
+            and not self.told_unseen
+            and time.monotonic() - self.running_since > UNSEEN_AFTER
+        ):
             path = out_file(self.job.cfg, self.job.job_id, self.job.slurm_id)
             if not self.job.query(sshargs.shell(["test", "-e", path]), "test -e").ok:
                 self.told_unseen = True
@@ -192,9 +209,18 @@ class Follower:
         stop = threading.Event()
         reader = threading.Thread(target=self.stream, args=(stop,), daemon=True, name="slurm-tail")
         reader.start()
-        view = (Live(get_renderable=lambda: self.board.render(), console=self.console, refresh_per_second=2,
-                     transient=True, redirect_stdout=False, redirect_stderr=False) if self.live
-                else contextlib.nullcontext())
+        view = (
+            Live(
+                get_renderable=lambda: self.board.render(),
+                console=self.console,
+                refresh_per_second=2,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            if self.live
+            else contextlib.nullcontext()
+        )
         shown: dict[str, str] = {}
         unanswered: list[str] = []
         try:
@@ -236,4 +262,3 @@ class Follower:
         finally:
             self.drain(stop, reader)
         return self.job.end(shown)
-

@@ -2,6 +2,7 @@
 pyxis/enroot's srun --container-image). `fab export.slurm` writes it for people to submit;
 `fab train --on slurm` submits the same script (slurm.prepared). Shell words are quoted once; the
 few that Slurm fills in at run time are double-quoted variables (var)."""
+
 from __future__ import annotations
 
 import math
@@ -62,14 +63,22 @@ def _secrets_note(inv: Inventory) -> list[str]:
     if not inv.job.secret_files:
         return []
     names = ", ".join(name for name, _ in inv.job.secret_files)
-    return [f"#  - secrets ({names}): export FABTRAIN_SECRETS=FILE before sbatch, FILE holding NAME=VALUE",
-            "#    lines and readable on every node; it reaches the containers as a mode-600 file,",
-            "#    never this script or a command line."]
+    return [
+        f"#  - secrets ({names}): export FABTRAIN_SECRETS=FILE before sbatch, FILE holding NAME=VALUE",
+        "#    lines and readable on every node; it reaches the containers as a mode-600 file,",
+        "#    never this script or a command line.",
+    ]
 
 
-def slurm_script(inv: Inventory, spec: jobspec.JobSpec, pyxis: bool = False, partition: str | None = None,
-                 time_limit: str | None = None, account: str | None = None,
-                 nodes: int | None = None) -> tuple[str, list[str]]:
+def slurm_script(
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    pyxis: bool = False,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    account: str | None = None,
+    nodes: int | None = None,
+) -> tuple[str, list[str]]:
     """(the sbatch script, warnings). One task per node (`nodes`, default one per host); `pyxis`
     runs the image with pyxis/enroot (srun --container-image) instead of `docker run` on each node."""
     for name, value in (("--partition", partition), ("--time", time_limit), ("--account", account)):
@@ -96,8 +105,9 @@ def slurm_script(inv: Inventory, spec: jobspec.JobSpec, pyxis: bool = False, par
     return "\n".join(lines) + "\n", warnings
 
 
-def _head(inv: Inventory, spec: jobspec.JobSpec, host: Host, nodes: int, pyxis: bool,
-          out_dir: str) -> list[str]:
+def _head(
+    inv: Inventory, spec: jobspec.JobSpec, host: Host, nodes: int, pyxis: bool, out_dir: str
+) -> list[str]:
     """The script's comments (what it runs, what to do before sbatch) and its fixed #SBATCH lines."""
     flavour = "pyxis/enroot (srun --container-image)" if pyxis else "docker run on each node"
     return [
@@ -192,10 +202,24 @@ def _docker_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str, gr
     container = f"fabtrain-{spec.job_id}-r" + var("NODE_RANK")
     # The node's name, rank and per-node variables are the Slurm task's, filled in at run time; the
     # host label names the Slurm node.
-    n = node_spec(inv, replace(host, name=var("FABTRAIN_NODE")), spec, name=var("fabtrain_container"),
-                  rank=var("NODE_RANK"), env=_slurm_env(inv, host, spec), runtime=rt)
-    run = ["docker", "run", "--rm", "--cidfile", f"{rt}/cid", *dockerargs.docker_options(n),
-           *dockerargs.entry_options(n)]
+    n = node_spec(
+        inv,
+        replace(host, name=var("FABTRAIN_NODE")),
+        spec,
+        name=var("fabtrain_container"),
+        rank=var("NODE_RANK"),
+        env=_slurm_env(inv, host, spec),
+        runtime=rt,
+    )
+    run = [
+        "docker",
+        "run",
+        "--rm",
+        "--cidfile",
+        f"{rt}/cid",
+        *dockerargs.docker_options(n),
+        *dockerargs.entry_options(n),
+    ]
     return [
         "",
         "# One node's container, in the foreground of its task: stopped when the task ends or is",
@@ -241,16 +265,26 @@ def _pyxis_steps(inv: Inventory, spec: jobspec.JobSpec, host: Host, rt: str) -> 
     mounts = [(m.mount.source, m.mount.target, m.mount.read_only) for m in n.mounts]
     for source, target, _ in mounts:
         if "," in source + target or ":" in source + target:
-            raise UserError(f"{inv.path}: the mount {source}:{target} holds ',' or ':', which pyxis's "
-                            "--container-mounts cannot take; use the docker flavour or another path")
+            raise UserError(
+                f"{inv.path}: the mount {source}:{target} holds ',' or ':', which pyxis's "
+                "--container-mounts cannot take; use the docker flavour or another path"
+            )
     exports = [f"{k}={v}" for k, v in _slurm_env(inv, host, spec) if v is not None]
-    srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "--label",
-            f"--container-image={enroot_image(n.image)}",
-            "--container-mounts=" + ",".join(f"{s}:{t}" + (":ro" if ro else "") for s, t, ro in mounts),
-            f"--container-workdir={n.workdir}", "--no-container-entrypoint"]
-    notes = ["# pyxis gives the container the task's environment, so NODE_RANK comes from SLURM_NODEID",
-             "# (docker/entrypoint.py) and GPUs from --gpus-per-node; Docker-only settings (ulimits,",
-             "# capabilities, devices, shm size) are the cluster's enroot configuration here."]
+    srun = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "--ntasks-per-node=1",
+        "--label",
+        f"--container-image={enroot_image(n.image)}",
+        "--container-mounts=" + ",".join(f"{s}:{t}" + (":ro" if ro else "") for s, t, ro in mounts),
+        f"--container-workdir={n.workdir}",
+        "--no-container-entrypoint",
+    ]
+    notes = [
+        "# pyxis gives the container the task's environment, so NODE_RANK comes from SLURM_NODEID",
+        "# (docker/entrypoint.py) and GPUs from --gpus-per-node; Docker-only settings (ulimits,",
+        "# capabilities, devices, shm size) are the cluster's enroot configuration here.",
+    ]
     entry = long_line(srun, [*n.program, *n.command], "")
     return [
         "",

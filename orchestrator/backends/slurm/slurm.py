@@ -14,6 +14,7 @@ Everything that talks to Slurm is a command string built in commands.py (quoted 
 the login node through the project's Session, so each has a deadline and a recording stand-in sees it;
 a submitted job's queries are submitted.SlurmJob's.
 """
+
 from __future__ import annotations
 
 import time
@@ -54,10 +55,14 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+
 def cfg_of(inv: Inventory) -> Slurm:
     if inv.slurm is None:
-        raise UserError(f"{inv.path}: no slurm: section; add one with at least login: (the node where sbatch "
-                        "runs), see docs/slurm-kubernetes.md", exit_code=2)
+        raise UserError(
+            f"{inv.path}: no slurm: section; add one with at least login: (the node where sbatch "
+            "runs), see docs/slurm-kubernetes.md",
+            exit_code=2,
+        )
     return inv.slurm
 
 
@@ -100,8 +105,11 @@ def submit(
 
 
 def finish_record(record: recovery.JobRecord, run_dir: Path, end: End, cancelled: bool) -> None:
-    state = "finished" if end.exit_code == 0 else ("interrupted" if cancelled else
-                                                     "stopped" if end.state == "CANCELLED" else "failed")
+    state = (
+        "finished"
+        if end.exit_code == 0
+        else ("interrupted" if cancelled else "stopped" if end.state == "CANCELLED" else "failed")
+    )
     record.state = state
     if record.attempts:
         last = record.attempts[-1]
@@ -119,8 +127,10 @@ def fetch_metrics(session: Session, inv: Inventory, job_id: str, run_dir: Path, 
     read = touched.read_from(sshargs.shell([f"{inv.job.output_dir}/{job_id}"]), "metrics.jsonl", 1)
     r = session.run(cfg.login, read, timeout=120, what="reading metrics")
     if not r.ok:
-        return (f"{path} is not readable on {cfg.login.name} (job.output_dir is not shared with the nodes): "
-                "the curves come from the step lines only")
+        return (
+            f"{path} is not readable on {cfg.login.name} (job.output_dir is not shared with the nodes): "
+            "the curves come from the step lines only"
+        )
     out = run_dir / "outputs" / rank0
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").write_text(r.stdout)
@@ -171,12 +181,20 @@ def refuse_if_running(session: Session, inv: Inventory, job_id: str, how: str) -
 
 # ---------------------------------------------------------------- fab train --on slurm
 
+
 def prepared(inv: Inventory, spec: jobspec.JobSpec) -> tuple[jobspec.JobSpec, str]:
     """The spec with its code key, and the batch script that `fab train --on slurm` submits."""
     cfg = cfg_of(inv)
     spec = replace(spec, code_key=codetree.key(spec.code, spec.code_only))
-    script, _ = slurm_script(inv, spec, pyxis=cfg.runtime == "pyxis", partition=cfg.partition,
-                             time_limit=cfg.time, account=cfg.account, nodes=cfg.nodes)
+    script, _ = slurm_script(
+        inv,
+        spec,
+        pyxis=cfg.runtime == "pyxis",
+        partition=cfg.partition,
+        time_limit=cfg.time,
+        account=cfg.account,
+        nodes=cfg.nodes,
+    )
     return spec, script
 
 
@@ -192,20 +210,31 @@ def dry_run(inv: Inventory, spec: jobspec.JobSpec) -> str:
     ]
     if inv.job.secret_files:
         steps.append(secrets_dir_command(cfg))
-        steps.append(f"write {secrets_path(cfg, spec.job_id)} (mode 600: "
-                     f"{', '.join(n for n, _ in inv.job.secret_files)})")
-    steps += [submit_command(cfg, spec.job_id, bool(inv.job.secret_files)),
-              follow_command(out_file(cfg, spec.job_id, "SLURMID")),
-              f"every {follow.POLL:g}s: {show_command('SLURMID')}",
-              f"at the end: {sacct_command('SLURMID')}",
-              f"Ctrl+C or fab stop --job {spec.job_id}: {sshargs.shell(['scancel', 'SLURMID'])}"]
+        steps.append(
+            f"write {secrets_path(cfg, spec.job_id)} (mode 600: "
+            f"{', '.join(n for n, _ in inv.job.secret_files)})"
+        )
+    steps += [
+        submit_command(cfg, spec.job_id, bool(inv.job.secret_files)),
+        follow_command(out_file(cfg, spec.job_id, "SLURMID")),
+        f"every {follow.POLL:g}s: {show_command('SLURMID')}",
+        f"at the end: {sacct_command('SLURMID')}",
+        f"Ctrl+C or fab stop --job {spec.job_id}: {sshargs.shell(['scancel', 'SLURMID'])}",
+    ]
     head = [f"job {spec.job_id} on Slurm, from {login.name} ({login.ssh.where()}):"]
     head += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
     return "\n".join(head) + f"\n\n--- {cfg.workdir}/{spec.job_id}.sbatch ---\n" + script
 
 
-def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console: Console, live: bool,
-          echo: bool = True, record: recovery.JobRecord | None = None) -> tuple[End, Path, Follower]:
+def train(
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    run_root: Path,
+    console: Console,
+    live: bool,
+    echo: bool = True,
+    record: recovery.JobRecord | None = None,
+) -> tuple[End, Path, Follower]:
     """Submit, follow to the end, record, fetch rank 0's metrics: (End, run_dir, Follower). With
     the `record` of an earlier run (fab train --on slurm --resume JOB), the same job id and output
     directory: its trainer resumes from its newest snapshot, and the attempts go on counting."""
@@ -222,9 +251,11 @@ def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console: Consol
     record.save(run_dir)
     (run_dir / "job.sbatch").write_text(script)
     with Session((cfg.login,)) as session:
+
         def note(line: str) -> None:
             if echo:
                 console.print(f"[fabtrain] {hostile.text(line)}", highlight=False, markup=False)
+
         try:
             job = submit(session, inv, spec, script, note)
         except BaseException:
@@ -258,19 +289,26 @@ def train(inv: Inventory, spec: jobspec.JobSpec, run_root: Path, console: Consol
 
 # ---------------------------------------------------------------- fab stop / fab logs / fab status
 
+
 def wait_gone(job: SlurmJob, timeout: float) -> str:
     """Wait until the job has ended and left its nodes (no longer COMPLETING): its state then."""
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
-        r = job.query(sshargs.shell(["squeue", "--noheader", "--states", "all", "--format", "%T", "--jobs",
-                                  job.slurm_id]), "squeue")
+        r = job.query(
+            sshargs.shell(
+                ["squeue", "--noheader", "--states", "all", "--format", "%T", "--jobs", job.slurm_id]
+            ),
+            "squeue",
+        )
         state = r.stdout.strip() if r.ok else ""
         if state in ENDED or (r.ok and not state) or "Invalid job id" in r.stderr:
             return state or "ended"
         time.sleep(follow.POLL)
-    raise UserError(f"slurm job {job.slurm_id} is still {state or 'there'} {timeout:g}s after scancel; "
-                    f"see: squeue --jobs {job.slurm_id} on {job.cfg.login.name}")
+    raise UserError(
+        f"slurm job {job.slurm_id} is still {state or 'there'} {timeout:g}s after scancel; "
+        f"see: squeue --jobs {job.slurm_id} on {job.cfg.login.name}"
+    )
 
 
 def stop(inv: Inventory, job_ids: list[str], run_root: Path, grace: float) -> list[str]:
@@ -309,6 +347,7 @@ def follow_recorded(inv: Inventory, job_id: str, run_root: Path, console: Consol
 def status_table(rows: list[dict]) -> Table:
     from rich.table import Table
     from rich.text import Text
+
     table = Table(title="fabtrain jobs on Slurm")
     for col in ("job", "slurm job", "who", "nodes", "state", "since"):
         table.add_column(col, no_wrap=col == "job")

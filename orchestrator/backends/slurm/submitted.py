@@ -1,5 +1,6 @@
 """A job submitted to Slurm (`SlurmJob`): its state, nodes and end, and its cancel, each one command
 on the login node (built in commands.py) with a deadline."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from orchestrator.config.inventory import Slurm
     from orchestrator.transport.remote import Result, Session
 
-QUERY_TIMEOUT = 30     # a Slurm command that has not answered by then names the login node
+QUERY_TIMEOUT = 30  # a Slurm command that has not answered by then names the login node
 
 
 class SlurmJob:
@@ -41,8 +42,10 @@ class SlurmJob:
             return parse_show(r.stdout)
         if "Invalid job id" in r.stderr:
             return None
-        raise UserError(f"scontrol show job {self.slurm_id} on {self.cfg.login.name} failed: "
-                        f"{hostile.text(r.stderr.strip()[-300:])}")
+        raise UserError(
+            f"scontrol show job {self.slurm_id} on {self.cfg.login.name} failed: "
+            f"{hostile.text(r.stderr.strip()[-300:])}"
+        )
 
     def nodes(self, nodelist: str) -> list[str]:
         """The allocation's node names, in node-rank order. Each names a log file here

@@ -7,6 +7,7 @@ whole job against a recording session and compares). The few facts a plan depend
 host hands out its GPUs, which master port is free, where the newest snapshot is) are read from
 the hosts first, read-only, and shown in the rendering with the commands that read them.
 """
+
 from __future__ import annotations
 
 import enum
@@ -30,15 +31,15 @@ class Stage(enum.StrEnum):
     """A job's stages, in order; an attempt walks PLAN to DECIDE, the job ends with FINISH. The value
     is the one spelling: in `stage` events, in the plan's headings and in the docs."""
 
-    PLAN = "plan"                 # read the facts (GPU access, free port, newest snapshot); freeze the plan
-    CLAIM = "claim"               # the job's runtime directory on its hosts: `fab stop` finds it from here on
-    GATE = "sync+preflight"       # code synced and every check run, at once; nothing starts if one fails
-    SNAPSHOT = "snapshot"         # the newest snapshot placed on every host that lacks it
-    START = "start"               # the secrets file, then docker run, on every host at once
-    WATCH = "watch"               # output followed until every node ends; first failure stops the rest
-    TEARDOWN = "teardown"         # the attempt's containers removed
-    DECIDE = "decide"             # policy.decide: another attempt (which hosts), or the end
-    FINISH = "finish"             # outputs fetched, runtime files removed, the record closed
+    PLAN = "plan"  # read the facts (GPU access, free port, newest snapshot); freeze the plan
+    CLAIM = "claim"  # the job's runtime directory on its hosts: `fab stop` finds it from here on
+    GATE = "sync+preflight"  # code synced and every check run, at once; nothing starts if one fails
+    SNAPSHOT = "snapshot"  # the newest snapshot placed on every host that lacks it
+    START = "start"  # the secrets file, then docker run, on every host at once
+    WATCH = "watch"  # output followed until every node ends; first failure stops the rest
+    TEARDOWN = "teardown"  # the attempt's containers removed
+    DECIDE = "decide"  # policy.decide: another attempt (which hosts), or the end
+    FINISH = "finish"  # outputs fetched, runtime files removed, the record closed
 
 
 class When(enum.Enum):
@@ -49,8 +50,10 @@ class When(enum.Enum):
     ON_LEASE = "every 5 s while fab train looks after the job: its hosts"
     ON_SNAPSHOT = "every 0.5 s on rank 0's host, and when a new snapshot appears"
     ON_SILENT = "when a node shows no progress for a while: its heartbeat file's age"
-    ON_HANG = ("when the hang watchdog fires: every rank's stacks and flight recorder (the stacks also every "
-               "hang timeout / 5, to see whether the ranks move)")
+    ON_HANG = (
+        "when the hang watchdog fires: every rank's stacks and flight recorder (the stacks also every "
+        "hang timeout / 5, to see whether the ranks move)"
+    )
     ON_MISSED = "when the follow missed output (OFFSET: the bytes it received + 1)"
     ON_FAILURE = "when a node fails or a host is lost: the other hosts"
     ON_INTERRUPT = "on Ctrl+C, SIGTERM or fab stop: every host"
@@ -58,21 +61,20 @@ class When(enum.Enum):
     ON_SAMPLE = "every job.telemetry_every seconds while the job is watched: GPUs, containers, load, memory"
 
 
-
 @dataclass(frozen=True)
 class Step:
     """One command: on a host (a remote command string, quoted once) or on this machine (an argv)."""
 
-    where: str                       # a host name, or LOCAL
-    key: str                         # what it is for: sync, secrets, start, follow, stop, ...
-    command: str                     # the exact remote command, or the local argv quoted for reading
+    where: str  # a host name, or LOCAL
+    key: str  # what it is for: sync, secrets, start, follow, stop, ...
+    command: str  # the exact remote command, or the local argv quoted for reading
     timeout: float | None
     when: When = When.ALWAYS
-    argv: tuple[str, ...] = ()       # a local step's argv, run as is
+    argv: tuple[str, ...] = ()  # a local step's argv, run as is
     stdin: bytes | None = field(default=None, repr=False, compare=False)
-    stdin_note: str = ""             # what stdin holds, as rendered (secret values never shown)
-    what: str = ""                   # for error messages
-    host: str = ""                   # a local step's peer host
+    stdin_note: str = ""  # what stdin holds, as rendered (secret values never shown)
+    what: str = ""  # for error messages
+    host: str = ""  # a local step's peer host
 
     @property
     def deadline(self) -> float:
@@ -103,8 +105,8 @@ class AttemptPlan:
     number: int
     hosts: tuple[Host, ...]
     port: int
-    snapshot: str | None             # placed on every host before the start
-    spec: jobspec.JobSpec               # with this attempt's variables
+    snapshot: str | None  # placed on every host before the start
+    spec: jobspec.JobSpec  # with this attempt's variables
     inv: Inventory = field(repr=False, compare=False)  # hosts and the chosen port, for this attempt
     facts: tuple[Fact, ...] = ()
     steps: tuple[Step, ...] = ()
@@ -158,8 +160,9 @@ class AttemptPlan:
                 stage = STAGE_OF[s.key]
                 lines.append(f"## {stage.value}{HEADING_NOTE.get(stage, '')}")
                 if stage is Stage.GATE:
-                    lines.append("# preflight: read-only checks on every host at once (fab preflight), "
-                                 "beside the sync")
+                    lines.append(
+                        "# preflight: read-only checks on every host at once (fab preflight), beside the sync"
+                    )
             lines.append(s.render(ranks.get(s.where)))
         for when in When:
             steps = [s for s in self.steps if s.when == when and when is not When.ALWAYS]
@@ -215,8 +218,9 @@ def secrets_body(inv: Inventory) -> bytes:
                 f"{inv.path}: job.secret_files.{name}: cannot read {path}: {exc.strerror}"
             ) from None
         if "\n" in value:
-            raise UserError(f"{inv.path}: job.secret_files.{name}: {path} holds several lines; "
-                            "a secret must be one line")
+            raise UserError(
+                f"{inv.path}: job.secret_files.{name}: {path} holds several lines; a secret must be one line"
+            )
         body.append(f"{name}={value}\n")
     return "".join(body).encode()
 
@@ -227,8 +231,16 @@ def local_step(host: Host, key: str, argv: list[str], when: When = When.ALWAYS, 
     )
 
 
-def remote_step(host: Host, key: str, command: str, timeout: float | None, when: When = When.ALWAYS,
-                what: str = "", stdin: bytes | None = None, stdin_note: str = "") -> Step:
+def remote_step(
+    host: Host,
+    key: str,
+    command: str,
+    timeout: float | None,
+    when: When = When.ALWAYS,
+    what: str = "",
+    stdin: bytes | None = None,
+    stdin_note: str = "",
+) -> Step:
     return Step(host.name, key, command, timeout, when, stdin=stdin, stdin_note=stdin_note, what=what or key)
 
 
@@ -264,8 +276,11 @@ def build(
     container kept waiting (node.spare_script), stopped on Ctrl+C and at the end; a rank's start
     takes a spare waiting on its host."""
     inv = replace(inv, job=replace(inv.job, master_port=port))
-    spec = replace(spec, master_port=port, env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)),
-                                                ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))))
+    spec = replace(
+        spec,
+        master_port=port,
+        env=(*spec.env, ("FABTRAIN_ATTEMPT", str(number)), ("FABTRAIN_KEEP_SNAPSHOTS", str(keep))),
+    )
     run_dir = run_dir or f"runs/{spec.job_id}"
     hot = hot if warm else ()
     steps = [
@@ -279,12 +294,31 @@ def build(
         *conditional_steps(inv, spec, run_dir, warm, hot),
         *(telemetry_steps(inv, spec) if units is not None else ()),
     ]
-    return AttemptPlan(spec.job_id, number, inv.hosts, port, snapshot, spec, inv, facts, tuple(steps),
-                       inv.job.stop_grace, units or {}, warm, hot)
+    return AttemptPlan(
+        spec.job_id,
+        number,
+        inv.hosts,
+        port,
+        snapshot,
+        spec,
+        inv,
+        facts,
+        tuple(steps),
+        inv.job.stop_grace,
+        units or {},
+        warm,
+        hot,
+    )
 
 
-def claim_steps(inv: Inventory, spec: jobspec.JobSpec, units: dict[str, tuple[int, ...]] | None,
-                first: bool, ticket: str | None, hot: tuple[Host, ...] = ()) -> list[Step]:
+def claim_steps(
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    units: dict[str, tuple[int, ...]] | None,
+    first: bool,
+    ticket: str | None,
+    hot: tuple[Host, ...] = (),
+) -> list[Step]:
     """CLAIM, one host at a time, in claims.order: of two jobs claiming overlapping hosts at once,
     exactly one gets them (claims.py). A claim waits up to claimdir.LOCK_WAIT for the host's lock.
     `units` None: a short job of fabtrain's own that claims no GPUs (slots). A hot spare's claim
@@ -324,12 +358,17 @@ def gate_steps(inv: Inventory, spec: jobspec.JobSpec, sync: bool, hot: tuple[Hos
             )
             for h in (*inv.hosts, *hot)
         ]
-    return steps + [remote_step(h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT,
-                                what="checking for fab stop") for h in inv.hosts]
+    return steps + [
+        remote_step(
+            h, "stop-check", stopped_command(inv, spec.job_id), STATUS_TIMEOUT, what="checking for fab stop"
+        )
+        for h in inv.hosts
+    ]
 
 
-def snapshot_steps(inv: Inventory, spec: jobspec.JobSpec, snapshot: str | None, missing: tuple[str, ...],
-                   run_dir: str) -> list[Step]:
+def snapshot_steps(
+    inv: Inventory, spec: jobspec.JobSpec, snapshot: str | None, missing: tuple[str, ...], run_dir: str
+) -> list[Step]:
     """SNAPSHOT: runs/JOB's copy of `snapshot` onto each host in `missing`, checked by size and
     SHA-256 there before the rename puts it in place (Snapshots.push runs exactly these)."""
     if not snapshot:
@@ -348,9 +387,15 @@ def snapshot_steps(inv: Inventory, spec: jobspec.JobSpec, snapshot: str | None, 
     return steps
 
 
-def start_steps(inv: Inventory, spec: jobspec.JobSpec, access: dict[str, dockerargs.GpuAccess | None],
-                units: dict[str, tuple[int, ...]], warm: bool, direct: bool,
-                hot: tuple[Host, ...] = ()) -> list[Step]:
+def start_steps(
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    access: dict[str, dockerargs.GpuAccess | None],
+    units: dict[str, tuple[int, ...]],
+    warm: bool,
+    direct: bool,
+    hot: tuple[Host, ...] = (),
+) -> list[Step]:
     """START: the secrets file (from stdin, never on a command line), then the node's start script
     (docker run, the next generation of its warm container, or a hot spare's) with the entrypoint
     on stdin; on each hot spare's host, its container kept waiting."""
@@ -359,22 +404,43 @@ def start_steps(inv: Inventory, spec: jobspec.JobSpec, access: dict[str, dockera
     steps = []
     for h in (*inv.hosts, *hot):
         if secrets is not None:
-            steps.append(remote_step(h, "secrets", put_command(hostfiles.secrets_file(inv, spec), 0o600), 30,
-                                     what="writing the secrets file", stdin=secrets,
-                                     stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files)))
+            steps.append(
+                remote_step(
+                    h,
+                    "secrets",
+                    put_command(hostfiles.secrets_file(inv, spec), 0o600),
+                    30,
+                    what="writing the secrets file",
+                    stdin=secrets,
+                    stdin_note=", ".join(f"{n}=<redacted>" for n, _ in job.secret_files),
+                )
+            )
         if h in hot:
-            steps.append(remote_step(h, "spare", node.spare_script(inv, h, spec, access.get(h.name),
-                                                                   units.get(h.name), START_TIMEOUT),
-                                     START_TIMEOUT, what="keeping the hot spare waiting",
-                                     stdin=dockerargs.runtime_files(),
-                                     stdin_note=dockerargs.RUNTIME_NOTE))
+            steps.append(
+                remote_step(
+                    h,
+                    "spare",
+                    node.spare_script(inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT),
+                    START_TIMEOUT,
+                    what="keeping the hot spare waiting",
+                    stdin=dockerargs.runtime_files(),
+                    stdin_note=dockerargs.RUNTIME_NOTE,
+                )
+            )
             continue
         steps.append(
             remote_step(
                 h,
                 "start",
                 node.start_script(
-                    inv, h, spec, access.get(h.name), units.get(h.name), START_TIMEOUT, warm, direct,
+                    inv,
+                    h,
+                    spec,
+                    access.get(h.name),
+                    units.get(h.name),
+                    START_TIMEOUT,
+                    warm,
+                    direct,
                     hot=inv.job.hot_spares and warm,
                 ),
                 START_TIMEOUT,
@@ -390,8 +456,15 @@ def watch_steps(inv: Inventory, spec: jobspec.JobSpec, warm: bool) -> list[Step]
     """WATCH: each node's output followed (streamed, no deadline of its own), then its exit read."""
     steps = []
     for h in inv.hosts:
-        steps.append(remote_step(h, "follow", hostfiles.follow_logs_script(inv, spec, h.rank, warm), None,
-                                 what="following the node's output"))
+        steps.append(
+            remote_step(
+                h,
+                "follow",
+                hostfiles.follow_logs_script(inv, spec, h.rank, warm),
+                None,
+                what="following the node's output",
+            )
+        )
         steps.append(
             remote_step(
                 h,
@@ -415,45 +488,115 @@ def stopping(warm: bool) -> str:
 
 def teardown_steps(inv: Inventory, spec: jobspec.JobSpec, warm: bool) -> list[Step]:
     """TEARDOWN: every host's part of the attempt ended, whatever happened."""
-    return [remote_step(h, "stop", stop_command(inv, spec, h, warm), STOP_MARGIN, what=stopping(warm))
-            for h in inv.hosts]
+    return [
+        remote_step(h, "stop", stop_command(inv, spec, h, warm), STOP_MARGIN, what=stopping(warm))
+        for h in inv.hosts
+    ]
 
 
-def conditional_steps(inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm: bool,
-                      hot: tuple[Host, ...] = ()) -> list[Step]:
+def conditional_steps(
+    inv: Inventory, spec: jobspec.JobSpec, run_dir: str, warm: bool, hot: tuple[Host, ...] = ()
+) -> list[Step]:
     """The steps that run only when their When says so: which run depends on what happens."""
     hosts, m, job = inv.hosts, inv.master, inv.job
     shape = layout(spec)
     local = Path(run_dir) / local_dir_name(spec)
     lease = sshargs.shell(["touch", f"{hostfiles.runtime_dir(inv, spec)}/{hostfiles.LEASE}"])
-    steps = [remote_step(h, "lease", lease, STATUS_TIMEOUT, When.ON_LEASE, what="touching the job's lease")
-             for h in (*hosts, *hot)]
-    steps.append(remote_step(m, "snapshot-list", shape.list_command(inv, spec), STATUS_TIMEOUT,
-                             When.ON_SNAPSHOT, what="listing snapshots"))
+    steps = [
+        remote_step(h, "lease", lease, STATUS_TIMEOUT, When.ON_LEASE, what="touching the job's lease")
+        for h in (*hosts, *hot)
+    ]
+    steps.append(
+        remote_step(
+            m,
+            "snapshot-list",
+            shape.list_command(inv, spec),
+            STATUS_TIMEOUT,
+            When.ON_SNAPSHOT,
+            what="listing snapshots",
+        )
+    )
     some = "NAME" if not spec.checkpoint else "00000000000000000000"  # the name found, when it runs
-    steps.append(local_step(m, "snapshot-fetch", sshargs.fetch_file_argv(m, shape.remote(inv, spec, some),
-                                                                      str(shape.local(local, some))),
-                            When.ON_SNAPSHOT, what="copying a snapshot"))
-    steps += [remote_step(h, "progress", hostfiles.progress_script(inv, spec, h.rank), STATUS_TIMEOUT,
-                          When.ON_SILENT, what="reading the heartbeat") for h in hosts]
-    looks = (("stacks", dockerargs.STACKS_PY, "reading stacks"),
-             ("flight", dockerargs.FLIGHT_PY, "reading the flight recorder"))
+    steps.append(
+        local_step(
+            m,
+            "snapshot-fetch",
+            sshargs.fetch_file_argv(m, shape.remote(inv, spec, some), str(shape.local(local, some))),
+            When.ON_SNAPSHOT,
+            what="copying a snapshot",
+        )
+    )
+    steps += [
+        remote_step(
+            h,
+            "progress",
+            hostfiles.progress_script(inv, spec, h.rank),
+            STATUS_TIMEOUT,
+            When.ON_SILENT,
+            what="reading the heartbeat",
+        )
+        for h in hosts
+    ]
+    looks = (
+        ("stacks", dockerargs.STACKS_PY, "reading stacks"),
+        ("flight", dockerargs.FLIGHT_PY, "reading the flight recorder"),
+    )
     for h in hosts:
         steps += [
-            remote_step(h, key, sshargs.shell(dockerargs.python_in_node(spec, h.rank, code)), STACKS_TIMEOUT,
-                        When.ON_HANG, what=what)
+            remote_step(
+                h,
+                key,
+                sshargs.shell(dockerargs.python_in_node(spec, h.rank, code)),
+                STACKS_TIMEOUT,
+                When.ON_HANG,
+                what=what,
+            )
             for key, code, what in looks
         ]
-    steps += [remote_step(h, "remainder", hostfiles.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
-                          STATUS_TIMEOUT + 20, When.ON_MISSED, what="reading the rest of the output")
-              for h in hosts]
-    steps += [remote_step(h, "stopped", stopped_command(inv, spec.job_id), STATUS_TIMEOUT, When.ON_FAILED,
-                          what="checking for fab stop") for h in hosts]
-    steps += [remote_step(h, "stop-on-failure", stop_command(inv, spec, h, warm), STOP_MARGIN,
-                          When.ON_FAILURE, what=stopping(warm)) for h in hosts]
-    return steps + [remote_step(h, "stop-on-interrupt", dockerargs.stop_script(spec.job_id, job.stop_grace),
-                                job.stop_grace + STOP_MARGIN, When.ON_INTERRUPT, what="stopping containers")
-                    for h in (*hosts, *hot)]
+    steps += [
+        remote_step(
+            h,
+            "remainder",
+            hostfiles.remainder_logs_script(inv, spec, h.rank, "OFFSET"),
+            STATUS_TIMEOUT + 20,
+            When.ON_MISSED,
+            what="reading the rest of the output",
+        )
+        for h in hosts
+    ]
+    steps += [
+        remote_step(
+            h,
+            "stopped",
+            stopped_command(inv, spec.job_id),
+            STATUS_TIMEOUT,
+            When.ON_FAILED,
+            what="checking for fab stop",
+        )
+        for h in hosts
+    ]
+    steps += [
+        remote_step(
+            h,
+            "stop-on-failure",
+            stop_command(inv, spec, h, warm),
+            STOP_MARGIN,
+            When.ON_FAILURE,
+            what=stopping(warm),
+        )
+        for h in hosts
+    ]
+    return steps + [
+        remote_step(
+            h,
+            "stop-on-interrupt",
+            dockerargs.stop_script(spec.job_id, job.stop_grace),
+            job.stop_grace + STOP_MARGIN,
+            When.ON_INTERRUPT,
+            what="stopping containers",
+        )
+        for h in (*hosts, *hot)
+    ]
 
 
 STACKS_TIMEOUT = 15
@@ -464,21 +607,52 @@ def telemetry_steps(inv: Inventory, spec: jobspec.JobSpec) -> list[Step]:
     """WATCH's samples of every host (telemetry/sampler.py), when job.telemetry_every is not 0."""
     if not inv.job.telemetry_every:
         return []
-    return [remote_step(h, "telemetry", telemetry_script(inv, spec.job_id), TELEMETRY_TIMEOUT,
-                        When.ON_SAMPLE, what="sampling the host's telemetry") for h in inv.hosts]
+    return [
+        remote_step(
+            h,
+            "telemetry",
+            telemetry_script(inv, spec.job_id),
+            TELEMETRY_TIMEOUT,
+            When.ON_SAMPLE,
+            what="sampling the host's telemetry",
+        )
+        for h in inv.hosts
+    ]
 
 
 def end_steps(inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...], run_dir: str) -> list[Step]:
     """At the job's end, on every host it used: any container of the job removed again (one whose
     `docker run` returned after its deadline, or after the teardown looked), its outputs fetched,
     then its runtime files (entrypoint, secrets, lease) and its claim removed."""
-    steps = [remote_step(h, "sweep", dockerargs.stop_script(spec.job_id, 0), STOP_MARGIN,
-                         what="removing containers of the job left after its teardown") for h in hosts]
-    steps += [local_step(h, "fetch", sshargs.fetch_argv(h, f"{inv.job.output_dir}/{spec.job_id}",
-                                                     f"{run_dir}/outputs/{h.name}"), what="fetching outputs")
-              for h in hosts]
-    return steps + [remote_step(h, "cleanup", claims.release_command(inv, [spec.job_id]), STATUS_TIMEOUT,
-                                what="removing the job's runtime files and claim") for h in hosts]
+    steps = [
+        remote_step(
+            h,
+            "sweep",
+            dockerargs.stop_script(spec.job_id, 0),
+            STOP_MARGIN,
+            what="removing containers of the job left after its teardown",
+        )
+        for h in hosts
+    ]
+    steps += [
+        local_step(
+            h,
+            "fetch",
+            sshargs.fetch_argv(h, f"{inv.job.output_dir}/{spec.job_id}", f"{run_dir}/outputs/{h.name}"),
+            what="fetching outputs",
+        )
+        for h in hosts
+    ]
+    return steps + [
+        remote_step(
+            h,
+            "cleanup",
+            claims.release_command(inv, [spec.job_id]),
+            STATUS_TIMEOUT,
+            what="removing the job's runtime files and claim",
+        )
+        for h in hosts
+    ]
 
 
 def stopped_command(inv: Inventory, job_id: str) -> str:

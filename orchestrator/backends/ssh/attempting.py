@@ -6,6 +6,7 @@ attempt came to (state.Attempted), or Again when its claim found the hosts taken
 `fence` (job.FENCE: a detached job's failover fencing) is asked before the attempt starts
 containers and before its teardown removes them.
 """
+
 from __future__ import annotations
 
 import signal
@@ -34,8 +35,9 @@ def begin(job: JobContext, state: JobState, a: AttemptPlan, fence: Fence) -> Job
     return state.begun(a)
 
 
-def attempt(job: JobContext, state: JobState, a: AttemptPlan, may_replan: bool,
-            fence: Fence) -> tuple[JobState, Attempted | Again]:
+def attempt(
+    job: JobContext, state: JobState, a: AttemptPlan, may_replan: bool, fence: Fence
+) -> tuple[JobState, Attempted | Again]:
     """CLAIM, GATE, SNAPSHOT, START, WATCH, TEARDOWN of the attempt under way (`begin`): the state
     after it and the attempt as they left it, or Again when its claim found the hosts taken
     meanwhile (then it is as if the attempt never was)."""
@@ -63,9 +65,11 @@ def attempt(job: JobContext, state: JobState, a: AttemptPlan, may_replan: bool,
 def take_over(job: JobContext, state: JobState, a: AttemptPlan) -> JobState:
     """Attempt `a`, whose containers another process started (fab attach, a failover), under way."""
     job.took_over(a.hosts)
-    job.note(f"took over job {job.spec.job_id}: attempt {a.number} on "
-             f"{', '.join(f'{h.name} (rank {h.rank})' for h in a.hosts)}; following it "
-             "from the start of its output")
+    job.note(
+        f"took over job {job.spec.job_id}: attempt {a.number} on "
+        f"{', '.join(f'{h.name} (rank {h.rank})' for h in a.hosts)}; following it "
+        "from the start of its output"
+    )
     return state.taken_over(a)
 
 
@@ -76,8 +80,9 @@ def follow(job: JobContext, state: JobState, a: AttemptPlan, fence: Fence) -> tu
     return state.watched(), done
 
 
-def guarded(job: JobContext, state: JobState, a: AttemptPlan, body: Callable[[], Attempted | Again],
-            fence: Fence) -> Attempted | Again:
+def guarded(
+    job: JobContext, state: JobState, a: AttemptPlan, body: Callable[[], Attempted | Again], fence: Fence
+) -> Attempted | Again:
     """The attempt's stages from `body`, then TEARDOWN whatever happened (not after an Again:
     nothing of that attempt started)."""
     done: Attempted | Again | None = None
@@ -107,14 +112,18 @@ def prepare(job: JobContext, state: JobState, a: AttemptPlan, may_replan: bool) 
         return refused
     with (job.run_dir / "plan.txt").open("a") as fh:  # after the claim: a queued job's tries are not plans
         fh.write(a.render() + "\n")
-    job.emit("attempt", attempt=a.number, hosts={h.name: h.rank for h in a.hosts}, port=a.port,
-             snapshot=a.snapshot, run_dir=str(job.run_dir))
+    job.emit(
+        "attempt",
+        attempt=a.number,
+        hosts={h.name: h.rank for h in a.hosts},
+        port=a.port,
+        snapshot=a.snapshot,
+        run_dir=str(job.run_dir),
+    )
     job.stage(Stage.GATE, a.number)
     bad = gate.sync_and_check(job, state, a)
     if bad:
-        return Attempted(
-            a, Outcome(tuple(HostFailure(n, Failure.PREFLIGHT, why) for n, why in bad.items()))
-        )
+        return Attempted(a, Outcome(tuple(HostFailure(n, Failure.PREFLIGHT, why) for n, why in bad.items())))
     if job.stopped(state.answering(a.hosts)):
         return Attempted(a, Outcome(stopped=True))
     if a.snapshot:
@@ -132,8 +141,15 @@ def watch(job: JobContext, state: JobState, a: AttemptPlan) -> Attempted:
     job.store.follow(job.ssh, a.master, copying)
     lost = {"known_lost": dict(state.known_lost)} if state.known_lost else {}
     try:
-        w = follow_nodes(job.ssh, a, job.run_dir, job.reporter, hang_timeout=job.policy.hang_timeout,
-                         **job.watch_options, **lost)
+        w = follow_nodes(
+            job.ssh,
+            a,
+            job.run_dir,
+            job.reporter,
+            hang_timeout=job.policy.hang_timeout,
+            **job.watch_options,
+            **lost,
+        )
     finally:
         copying.set()
     if w.interrupted is not None:

@@ -1,5 +1,6 @@
 """The SSH backend: a job in stages on the inventory's hosts (job.py), followed, stopped and listed
 over one Session per command (jobcontrol.py, hosts/hostops.py)."""
+
 from __future__ import annotations
 
 import time
@@ -38,20 +39,33 @@ class SshBackend:
     def serves(self, inv: Inventory) -> bool:
         return bool(inv.all_hosts)
 
-    def job(self, launch: Launch, session: Session | None = None,
-            known_lost: dict[str, str] | None = None) -> Job:
+    def job(
+        self, launch: Launch, session: Session | None = None, known_lost: dict[str, str] | None = None
+    ) -> Job:
         reporter: Reporter = JsonLines() if launch.json else Terminal(launch.console)
-        return Job(launch.inv, launch.spec, launch.policy, launch.runs, reporter, session=session,
-                   record=launch.record, checks=launch.checks, smoke=launch.smoke,
-                   watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json},
-                   notify_to=launch.notify, queue=launch.queue, selected=launch.selected,
-                   known_lost=known_lost)
+        return Job(
+            launch.inv,
+            launch.spec,
+            launch.policy,
+            launch.runs,
+            reporter,
+            session=session,
+            record=launch.record,
+            checks=launch.checks,
+            smoke=launch.smoke,
+            watch_options={"console": launch.console, "live": launch.live, "echo": not launch.json},
+            notify_to=launch.notify,
+            queue=launch.queue,
+            selected=launch.selected,
+            known_lost=known_lost,
+        )
 
     def dry_run(self, launch: Launch) -> str:
         return jobcontrol.dry_run(self.job(launch))
 
     def run(self, launch: Launch) -> Finished:
         from orchestrator import preflight
+
         try:
             result = run_job(self.job(launch))
         except PreflightFailed as exc:
@@ -61,10 +75,12 @@ class SshBackend:
 
     def detach(self, launch: Launch) -> Finished:
         from orchestrator.backends.ssh import submit
+
         return submit.submit(launch, self.job(launch).record)
 
     def take_over(self, launch: Launch) -> Finished:
         from orchestrator.backends.ssh import detached, takeover
+
         with Session(launch.inv.all_hosts) as session:
             found = survey.survey(session, launch.inv)
             takeover.refuse_if_looked_after(found, launch.spec.job_id)
@@ -85,8 +101,14 @@ class SshBackend:
             result = run_job(job, running=plan, state=state)
         return self.finished(launch, result)
 
-    def fail_over(self, launch: Launch, session: Session, events: list[tuple[str, dict]], seen: float,
-                  silent: str | None = None) -> Finished:
+    def fail_over(
+        self,
+        launch: Launch,
+        session: Session,
+        events: list[tuple[str, dict]],
+        seen: float,
+        silent: str | None = None,
+    ) -> Finished:
         """A detached job taken over by its standby controller (failover.py): the events said, then
         its running attempt followed as `fab attach` does; with nothing running, the job continued
         as `fab train --resume` does, a host that does not answer giving its rank to a spare.
@@ -94,15 +116,21 @@ class SshBackend:
         surveyed again, and its node of the running attempt is lost from the start of the watch."""
         from orchestrator.backends.ssh import takeover
         from orchestrator.core.policy import Failure, HostFailure, Outcome, decide
-        known_lost = ({silent: f"{silent} did not answer its standby controller; host lost"}
-                      if silent is not None else {})
+
+        known_lost = (
+            {silent: f"{silent} did not answer its standby controller; host lost"}
+            if silent is not None
+            else {}
+        )
         job = self.job(launch, session, known_lost)
         job.log_events()
         for event, fields in events:
-            job.emit(event, **fields, **({"seconds": round(time.monotonic() - seen, 2)}
-                                         if event == "controller_started" else {}))
-        found = survey.survey(session, launch.inv,
-                              tuple(h for h in launch.inv.all_hosts if h.name != silent))
+            job.emit(
+                event,
+                **fields,
+                **({"seconds": round(time.monotonic() - seen, 2)} if event == "controller_started" else {}),
+            )
+        found = survey.survey(session, launch.inv, tuple(h for h in launch.inv.all_hosts if h.name != silent))
         if silent is not None:
             found[silent] = UserError(known_lost[silent])
         try:
@@ -119,8 +147,11 @@ class SshBackend:
             hosts = tuple(replace(by_name[n], rank=r) for r, n in enumerate(last) if n in by_name)
             lost = tuple(HostFailure(h.name, Failure.LOST) for h in hosts if found.error(h.name) is not None)
             since = job.record.resumes[-1].after_attempt if job.record.resumes else 0
-            roster = Roster(hosts, tuple(h for h in launch.inv.spares if h.name not in last),
-                            restarts_used=max(0, len(job.record.attempts) - 1 - since))
+            roster = Roster(
+                hosts,
+                tuple(h for h in launch.inv.spares if h.name not in last),
+                restarts_used=max(0, len(job.record.attempts) - 1 - since),
+            )
             if lost:
                 d = decide(Outcome(failures=lost), launch.policy, roster, job.target_nodes)
                 if d.roster is None:
@@ -132,9 +163,12 @@ class SshBackend:
 
     def finished(self, launch: Launch, result: JobResult) -> Finished:
         again = f" after {result.attempts} attempts" if result.attempts > 1 else ""
-        return Finished(launch.spec.job_id, result.run_dir, jobcontrol.explain(result),
-                        f"job {launch.spec.job_id} finished on every host{again}; logs and outputs in "
-                        f"{result.run_dir}")
+        return Finished(
+            launch.spec.job_id,
+            result.run_dir,
+            jobcontrol.explain(result),
+            f"job {launch.spec.job_id} finished on every host{again}; logs and outputs in {result.run_dir}",
+        )
 
     def attach(
         self, inv: Inventory, job_id: str | None, runs: Path, console: Console, live: bool, json: bool = False
@@ -143,6 +177,7 @@ class SshBackend:
             JobRecord.load(runs, job_id, "fab logs --job") if job_id and (runs / job_id).is_dir() else None
         )
         from orchestrator.backends.ssh import detached, detachedview
+
         if record is not None and detached.unfetched(record):
             return detachedview.follow(inv, record, runs, console, live, json)
         if record is None and job_id:
@@ -165,12 +200,14 @@ class SshBackend:
                 return Finished(job_id or "", None, None, "detached; the job goes on ('fab stop' ends it)")
         return Finished(result.job_id, result.run_dir, jobcontrol.explain(result))
 
-    def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
-             runs: Path) -> Stopped:
+    def stop(
+        self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float, runs: Path
+    ) -> Stopped:
         with Session(inv.all_hosts) as session:
             found = survey.survey(session, inv)
             views = survey.job_views(found)
             from orchestrator.backends.ssh import detached
+
             if job_id and not jobcontrol.known_to(found, job_id, runs):
                 raise jobcontrol.unknown_job(job_id, f" on the hosts of {inv.path} or in {runs}/")
             chosen, others = jobcontrol.to_stop(views, job_id, everyone, claims.me())
@@ -205,13 +242,18 @@ class SshBackend:
         for v in others.values():
             if v.job not in chosen:
                 out.left_alone.append(v.job)
-                out.lines.append(hostile.text(f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; "
-                                              f"'fab stop --job {v.job}' ends it"))
+                out.lines.append(
+                    hostile.text(
+                        f"left alone: {v.job} of {v.who} on {', '.join(v.hosts)}; "
+                        f"'fab stop --job {v.job}' ends it"
+                    )
+                )
         out.lines += [hostile.text(line) for line in cleared]
         return out
 
     def status(self, inv: Inventory, runs: Path) -> Status:
         from orchestrator.backends.ssh import detachedview
+
         with Session(inv.all_hosts) as session:
             found = survey.survey(session, inv)
             views = survey.job_views(found)
@@ -222,9 +264,12 @@ class SshBackend:
         return Status(
             doc={"jobs": jobcontrol.status_rows(views, steps)},
             tables=[jobcontrol.status_table(views, steps, inv)],
-            lines=[f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
-                   + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
-                   + (f"; unreachable: {', '.join(lost)}" if lost else ""), *controllers],
+            lines=[
+                f"hosts: {len(inv.all_hosts) - len(stuck) - len(lost)} answering"
+                + (f"; stuck (Docker engine or host): {', '.join(stuck)}" if stuck else "")
+                + (f"; unreachable: {', '.join(lost)}" if lost else ""),
+                *controllers,
+            ],
             errors=[describe(h, e) for h in inv.all_hosts if (e := found.error(h.name)) is not None],
         )
 

@@ -1,6 +1,7 @@
 """CLAIM: the attempt's hosts claimed one at a time (claims.claim_script, in claims.order), and
 what a refusal means: plan again (another job took the units or the port meanwhile), wait in the
 queue (--queue), end a new job naming the holder, or fail that host at a restart."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -67,24 +68,31 @@ def shared_note(job: JobContext, started: bool, h: Host, held: list[claims.Holde
     with --network host and --ipc host, the two jobs' containers share /dev/shm and the loopback."""
     others = [x for x in held if x.who != job.spec.owner]
     if others and job.inv.job.ipc == "host" and not started:  # once: the first attempt's claims
-        job.note(f"{h.name} also runs {hostile.line(others[0].describe(h), 200)}: both jobs share the "
-                 "host's /dev/shm and loopback there (--ipc host, --network host); job.ipc: private gives "
-                 "this job its own IPC namespace (docs/security.md)", "warning")
+        job.note(
+            f"{h.name} also runs {hostile.line(others[0].describe(h), 200)}: both jobs share the "
+            "host's /dev/shm and loopback there (--ipc host, --network host); job.ipc: private gives "
+            "this job its own IPC namespace (docs/security.md)",
+            "warning",
+        )
 
 
 def release(job: JobContext, hosts: list[Host], queue: bool = False) -> None:
     """Remove this job's claims and runtime directories (with `queue`, its places in their
     queues and stop markers too) from these hosts."""
     command = claims.release_command(job.inv, [job.spec.job_id], queue=queue)
-    job.ssh.fan_out(lambda h: job.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
-                                            what="releasing the claim"), tuple(hosts))
+    job.ssh.fan_out(
+        lambda h: job.ssh.run(h, command, timeout=deadlines.STATUS_TIMEOUT, what="releasing the claim"),
+        tuple(hosts),
+    )
 
 
 def claim_refusal(h: Host, a: AttemptPlan, r: Result, what: str, held: list[claims.Holder]) -> str:
     """Why a host's claim refused the attempt, from the claim script's exit and output."""
     if r.exited == claims.REFUSED:
-        return (f"{h.name}: {claims.kind(h)}s {claimdir.units_text(a.units.get(h.name, ())) or '(all)'} were "
-                f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}")
+        return (
+            f"{h.name}: {claims.kind(h)}s {claimdir.units_text(a.units.get(h.name, ())) or '(all)'} were "
+            f"claimed meanwhile by {'; '.join(c.describe(h) for c in held) or 'another job'}"
+        )
     if r.exited == QUEUED:
         ahead, _ = parse_queue_output(r.stdout)
         return (

@@ -5,6 +5,7 @@ again on every host while the job lives (its expiry moved on: hosts/keys.py), wr
 done.json, and removes its credentials: its key from every host (checked, tried again, the hosts
 where it failed named in done.json and its log), its private key, the pickle and the secrets from
 /ctl."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,11 @@ def revoke_everywhere(inv: Inventory, job_id: str) -> dict[str, str]:
     with Session(inv.all_hosts) as session:
         left = revoke_on(session, inv.all_hosts, [job_id])
     for why in left.values():
-        print(f"warning: {why}: the controller's key may still be there; fab status takes it back",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {why}: the controller's key may still be there; fab status takes it back",
+            file=sys.stderr,
+            flush=True,
+        )
     return left
 
 
@@ -66,9 +70,15 @@ class Renewal:
         hosts = [h for h in self.inv.all_hosts if h.name in self.sources]
         what = "renewing the controller's key"
         with Session(hosts) as session:
-            done = session.fan_out(lambda h: session.run(
-                h, renew_script(self.job_id, self.public, self.sources[h.name], self.lifetime),
-                timeout=keys.TIMEOUT, what=what), hosts)
+            done = session.fan_out(
+                lambda h: session.run(
+                    h,
+                    renew_script(self.job_id, self.public, self.sources[h.name], self.lifetime),
+                    timeout=keys.TIMEOUT,
+                    what=what,
+                ),
+                hosts,
+            )
         failed = {h.name: why for h in hosts if (why := failure(h, done[h.name], what))}
         for why in failed.values():
             print(f"warning: {why}", file=sys.stderr, flush=True)
@@ -89,6 +99,7 @@ def main(root: Path, standby: bool = False) -> int:
     from orchestrator.backends.ssh import job as job_mod
     from orchestrator.backends.ssh.backend import SshBackend
     from orchestrator.backends.ssh.submit import STARTED
+
     (root / STARTED).touch()  # its code loaded: what `fab train --detach` waits for (submit.start_script)
     launch: Launch = pickle.loads((root / "launch.pickle").read_bytes())  # noqa: S301 - written by fab train
     launch = replace(launch, console=Console(stderr=True, highlight=False, soft_wrap=True))
@@ -98,7 +109,7 @@ def main(root: Path, standby: bool = False) -> int:
     end: dict = {"state": "failed", "error": "", "closing": ""}
     renewal: Renewal | None = None
     mirror: failover.Mirror | None = None
-    old: str | None = None        # the controller this one took over from
+    old: str | None = None  # the controller this one took over from
 
     def renewing() -> None:
         nonlocal renewal, old
@@ -107,21 +118,29 @@ def main(root: Path, standby: bool = False) -> int:
 
     try:
         if standby:
-            finished = failover.stand_by(root, launch, by_name[grant["active"]], str(root_dir(grant)), here,
-                                         renewing)
+            finished = failover.stand_by(
+                root, launch, by_name[grant["active"]], str(root_dir(grant)), here, renewing
+            )
             if finished is None:  # the active controller ended the job: its end is in the mirror
                 failover.wipe(root)
                 return 0
         else:
             renewal = Renewal(launch.inv, launch.spec.job_id, grant).start()
             if grant.get("standby") in by_name:
-                mirror = failover.Mirror(by_name[grant["standby"]], root_dir(grant),
-                                         launch.runs / launch.spec.job_id, lambda: failover.fence(root))
+                mirror = failover.Mirror(
+                    by_name[grant["standby"]],
+                    root_dir(grant),
+                    launch.runs / launch.spec.job_id,
+                    lambda: failover.fence(root),
+                )
                 mirror.start()
                 job_mod.FENCE = mirror.check
             finished = SshBackend().run(launch)
-        end = {"state": "finished" if finished.error is None else "failed",
-               "error": str(finished.error or ""), "closing": finished.closing}
+        end = {
+            "state": "finished" if finished.error is None else "failed",
+            "error": str(finished.error or ""),
+            "closing": finished.closing,
+        }
         rec = JobRecord.load(launch.runs, launch.spec.job_id, "the job's record")
         end["state"] = rec.state
     except UserError as exc:
@@ -137,8 +156,9 @@ def main(root: Path, standby: bool = False) -> int:
                 mirror.finish(end)
             if old is not None:
                 with Session((by_name[old],)) as session:
-                    left = failover.clear(session, by_name[old], root_dir(grant),
-                                          f"fabtrain-ctl-{launch.spec.job_id}")
+                    left = failover.clear(
+                        session, by_name[old], root_dir(grant), f"fabtrain-ctl-{launch.spec.job_id}"
+                    )
                 end["left"] = [left] if left else []
             end["keys_left"] = revoke_everywhere(launch.inv, launch.spec.job_id)
         finally:

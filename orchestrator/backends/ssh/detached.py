@@ -36,6 +36,7 @@ notify, the inventory, secrets, code and image always come from this machine's o
 The controller runs as the SSH user's uid, with every capability dropped and no new privileges,
 on the host's network (it reaches the hosts as this machine does, at their addresses).
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,24 +62,23 @@ from orchestrator.transport.remote import Session, failure
 __all__ = ["Place", "place", "place_of", "places_of", "unfetched"]
 
 if TYPE_CHECKING:
-
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.transport.remote import PerHost
 
 MOUNT = "/ctl"
-DONE = "done.json"         # the controller's last word: {"state", "error", "closing", "keys_left"}
-KEY_FILE = "key.json"      # what the controller renews its key's line with (submit.start writes it)
+DONE = "done.json"  # the controller's last word: {"state", "error", "closing", "keys_left"}
+KEY_FILE = "key.json"  # what the controller renews its key's line with (submit.start writes it)
 FETCH_TIMEOUT = 600.0
-FOLLOW_POLL = 2.0          # seconds between looks while a detached job is between attempts
+FOLLOW_POLL = 2.0  # seconds between looks while a detached job is between attempts
 
 
 # ---------------------------------------------------------------- this machine: after the end
 
-RECORD_MAX = 1 << 20       # bytes of the controller's copy of the record read (a real one: a few KiB)
-NO_RECORD = 3              # host_record_command's exit status: the controller wrote none
-NOT_A_FILE = 5             # ... and when job.json there is a link, a directory or the like
+RECORD_MAX = 1 << 20  # bytes of the controller's copy of the record read (a real one: a few KiB)
+NO_RECORD = 3  # host_record_command's exit status: the controller wrote none
+NOT_A_FILE = 5  # ... and when job.json there is a link, a directory or the like
 REVOKE_TRIES = 3
-REVOKE_PAUSE = 1.0         # seconds before the second try of a key's removal, twice that before the third
+REVOKE_PAUSE = 1.0  # seconds before the second try of a key's removal, twice that before the third
 
 
 class HostRecordRefused(UserError):
@@ -101,8 +101,12 @@ def look_command(p: Place) -> str:
 def look(session: Session, places: Sequence[Place]) -> list[set[str] | None]:
     """What each controller's directory holds (None: its host did not answer)."""
     by_host = {p.host.name: p for p in places}
-    got = session.fan_out(lambda h: session.run(h, look_command(by_host[h.name]), what="looking there",
-                                                timeout=deadlines.STATUS_TIMEOUT), [p.host for p in places])
+    got = session.fan_out(
+        lambda h: session.run(
+            h, look_command(by_host[h.name]), what="looking there", timeout=deadlines.STATUS_TIMEOUT
+        ),
+        [p.host for p in places],
+    )
     out: list[set[str] | None] = []
     for p in places:
         r = got.value(p.host.name) if got.error(p.host.name) is None else None
@@ -143,8 +147,13 @@ def newest_run(places: Sequence[Place], seen: Sequence[set[str] | None]) -> Plac
     return None
 
 
-def fetch(session: Session, places: Sequence[Place], record: JobRecord, runs: Path,
-          seen: Sequence[set[str] | None] | None = None) -> dict | None:
+def fetch(
+    session: Session,
+    places: Sequence[Place],
+    record: JobRecord,
+    runs: Path,
+    seen: Sequence[set[str] | None] | None = None,
+) -> dict | None:
     """The controllers' end ({"state", "error", "closing", "keys_left"}) and runs/JOB copied here,
     from the one that ended the job (or a standby's mirror of it), then their directories removed
     from their hosts and the key from every host (keys_left: the hosts where that failed, with why);
@@ -154,8 +163,9 @@ def fetch(session: Session, places: Sequence[Place], record: JobRecord, runs: Pa
     src = ended_at(places, look(session, places) if seen is None else seen)
     if src is None:
         return None
-    r = session.run(src.host, done_command(src), timeout=deadlines.STATUS_TIMEOUT,
-                    what="asking the controller")
+    r = session.run(
+        src.host, done_command(src), timeout=deadlines.STATUS_TIMEOUT, what="asking the controller"
+    )
     if not r.ok:
         return None
     try:
@@ -187,27 +197,34 @@ def copy_files(session: Session, p: Place, job: str, runs: Path) -> Path:
     but for its record, which no copy from a host ever writes here: runs/JOB."""
     run_dir = runs / job
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = [a for a in sshargs.fetch_argv(p.host, f"{p.dir}/runs/{job}", str(run_dir))
-            if not a.startswith("--exclude")]
+    argv = [
+        a
+        for a in sshargs.fetch_argv(p.host, f"{p.dir}/runs/{job}", str(run_dir))
+        if not a.startswith("--exclude")
+    ]
     # No copy from a host ever writes this machine's record (nor the file the controller saves it through).
     argv[1:1] = [f"--exclude=/{RECORD}", f"--exclude=/.{RECORD}.tmp"]
     got = session.local(argv, FETCH_TIMEOUT)
     if not got.ok:
-        raise UserError(f"{p.host.name}: fetching {p.dir}/runs/{job} failed: "
-                        f"{hostile.line(got.stderr.strip(), 300)}; it stays there: run the command again")
+        raise UserError(
+            f"{p.host.name}: fetching {p.dir}/runs/{job} failed: "
+            f"{hostile.line(got.stderr.strip(), 300)}; it stays there: run the command again"
+        )
     return run_dir
 
 
 def controller_of(record: JobRecord) -> Controller:
     """A detached job's controllers, as its record names them."""
     if record.controller is None:
-        raise UserError(f"job {record.job_id} was not detached: its record (runs/{record.job_id}/job.json) "
-                        "names no controller", exit_code=2)
+        raise UserError(
+            f"job {record.job_id} was not detached: its record (runs/{record.job_id}/job.json) "
+            "names no controller",
+            exit_code=2,
+        )
     return record.controller
 
 
-def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, controller: Controller
-              ) -> JobRecord:
+def copy_runs(session: Session, p: Place, record: JobRecord, runs: Path, controller: Controller) -> JobRecord:
     """copy_files, and the controller's record read as data (host_record) and merged into this
     machine's, which keeps where its controller was, now as `controller` says (fetched, taken over).
     HostRecordRefused, with this machine's record as it was, when the controller's copy cannot be
@@ -225,8 +242,10 @@ def host_record_path(p: Place) -> str:
 def host_record_command(p: Place) -> str:
     """Its first RECORD_MAX + 1 bytes (more is refused), if it is a plain file."""
     f = sshargs.shell([host_record_path(p)])
-    return (f"[ -e {f} ] || [ -L {f} ] || exit {NO_RECORD}; [ -f {f} ] && [ ! -L {f} ] || exit {NOT_A_FILE}; "
-            + sshargs.shell(["head", "-c", str(RECORD_MAX + 1), host_record_path(p)]))
+    return (
+        f"[ -e {f} ] || [ -L {f} ] || exit {NO_RECORD}; [ -f {f} ] && [ ! -L {f} ] || exit {NOT_A_FILE}; "
+        + sshargs.shell(["head", "-c", str(RECORD_MAX + 1), host_record_path(p)])
+    )
 
 
 def host_record(session: Session, p: Place, record: JobRecord) -> JobRecord:
@@ -235,8 +254,12 @@ def host_record(session: Session, p: Place, record: JobRecord) -> JobRecord:
     controller wrote none (it ended before its job began). HostRecordRefused naming the host and the
     file when the copy cannot be read, is too large, is not JSON or fails the checks."""
     job, where = record.job_id, f"{p.host.name}:{host_record_path(p)}"
-    r = session.run(p.host, host_record_command(p), timeout=deadlines.STATUS_TIMEOUT,
-                    what="reading the controller's record")
+    r = session.run(
+        p.host,
+        host_record_command(p),
+        timeout=deadlines.STATUS_TIMEOUT,
+        what="reading the controller's record",
+    )
     if r.exited == NO_RECORD:
         return copy.deepcopy(record)
     why = ""
@@ -257,13 +280,18 @@ def host_record(session: Session, p: Place, record: JobRecord) -> JobRecord:
         f"{where}: the controller's copy of job {job}'s record was refused: {why}. This machine's record "
         f"(runs/{job}/job.json) is kept, with the state and attempts it had when the job was detached; a "
         "controller changes only those, so a change to anything else there was made by someone else: "
-        "look at that host", exit_code=1)
+        "look at that host",
+        exit_code=1,
+    )
 
 
 def clear_script(p: Place) -> str:
     """A controller gone from its host: its container and its directory."""
-    return (sshargs.shell(["docker", "rm", "-f", p.container]) + " >/dev/null 2>&1; "
-            + sshargs.shell(["rm", "-rf", p.dir]))
+    return (
+        sshargs.shell(["docker", "rm", "-f", p.container])
+        + " >/dev/null 2>&1; "
+        + sshargs.shell(["rm", "-rf", p.dir])
+    )
 
 
 def remove(session: Session, *places: Place) -> dict[str, str]:
@@ -273,8 +301,14 @@ def remove(session: Session, *places: Place) -> dict[str, str]:
     return revoke_on(session, session.hosts, [job], clear={p.host.name: p for p in places})
 
 
-def revoke_on(session: Session, hosts: Sequence[Host], job_ids: Sequence[str], tries: int = REVOKE_TRIES,
-              pause: float = REVOKE_PAUSE, clear: dict[str, Place] | None = None) -> dict[str, str]:
+def revoke_on(
+    session: Session,
+    hosts: Sequence[Host],
+    job_ids: Sequence[str],
+    tries: int = REVOKE_TRIES,
+    pause: float = REVOKE_PAUSE,
+    clear: dict[str, Place] | None = None,
+) -> dict[str, str]:
     """These jobs' controller keys removed from each host, checked there (keys.revoke_script), and
     on the hosts in `clear` that controller's container and directory; tried again where that
     failed (the host did not answer, its lock was busy): host -> why, for the hosts where it failed
@@ -288,6 +322,7 @@ def revoke_on(session: Session, hosts: Sequence[Host], job_ids: Sequence[str], t
             return revoke
         # The key first, in a shell of its own (its script may exit); its failure is the one said.
         return f"( {revoke} ); r=$?; {clear_script(clear[h.name])} || exit 9; exit $r"
+
     left: dict[str, str] = {}
     todo = tuple(hosts)
     for n in range(tries):
@@ -306,10 +341,12 @@ def keys_line(job: str, left: dict[str, str], lead: str = "") -> str:
     if not left:
         return ""
     names = sorted(left)
-    return (f"{lead}{job}: its controller's key may still be in ~/.ssh/authorized_keys on {', '.join(names)} "
-            f"({'; '.join(left[n] for n in names)}); 'fab status' tries again, as does "
-            f"'fab stop --job {job}' (the line expires by itself a while after its controller last renewed "
-            f"it: {keys.LIFETIME // 3600} h by default)")
+    return (
+        f"{lead}{job}: its controller's key may still be in ~/.ssh/authorized_keys on {', '.join(names)} "
+        f"({'; '.join(left[n] for n in names)}); 'fab status' tries again, as does "
+        f"'fab stop --job {job}' (the line expires by itself a while after its controller last renewed "
+        f"it: {keys.LIFETIME // 3600} h by default)"
+    )
 
 
 def controllers(found: PerHost) -> dict[str, dict[str, str]]:
@@ -364,12 +401,16 @@ def detached_records(runs: Path) -> list[JobRecord]:
 def keys_held(runs: Path) -> list[JobRecord]:
     """This machine's records of detached jobs whose controller is done with (fetched, or taken
     over and ended since) and whose key this machine has not yet seen gone from every host."""
-    return [r for r in _records(runs) if r.controller and not unfetched(r) and r.state != "running"
-            and r.controller.keys]
+    return [
+        r
+        for r in _records(runs)
+        if r.controller and not unfetched(r) and r.state != "running" and r.controller.keys
+    ]
 
 
-def take_back(session: Session, inv: Inventory, record: JobRecord, found: PerHost, clear: bool = False
-              ) -> dict[str, str]:
+def take_back(
+    session: Session, inv: Inventory, record: JobRecord, found: PerHost, clear: bool = False
+) -> dict[str, str]:
     """The job's controller key removed from the hosts its record says may hold it (and with `clear`,
     its controllers' containers and directories): those where it still may, with why (one the survey
     found unreachable is not tried)."""

@@ -2,6 +2,7 @@
 lines (its end fetched, which controller runs it, a key or directory still on a host), `fab logs`
 following it (its nodes while it runs, its run fetched at the end), and `fab logs` of one that
 another machine started (its files copied, its record left with that machine)."""
+
 from __future__ import annotations
 
 import time
@@ -65,8 +66,10 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
             continue
         if end is not None:
             why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
-            lines.append(f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
-                         + keys_line(job, end["keys_left"], "; "))
+            lines.append(
+                f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
+                + keys_line(job, end["keys_left"], "; ")
+            )
             continue
         if len(silent) == len(places):
             lines.append(
@@ -80,8 +83,10 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
             # Nobody needs its key now: `fab attach` goes on with this machine's own.
             left = take_back(session, inv, record, found)
             named = ", ".join(p.host.name for p in places)
-            lines.append(f"{job}: its controllers ({named}) are gone without "
-                         f"an end; 'fab attach {job}' takes the job over here" + keys_line(job, left, "; "))
+            lines.append(
+                f"{job}: its controllers ({named}) are gone without "
+                f"an end; 'fab attach {job}' takes the job over here" + keys_line(job, left, "; ")
+            )
             continue
         assert now is not None
         where = f"{job}: detached, its controller runs on {now.host.name}"
@@ -96,21 +101,26 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
         left = take_back(session, inv, record, found, clear=True)
         save_keys(runs, job, left)
         gone = sorted(before - set(left))
-        lines += ([f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else [])
+        lines += [f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else []
         lines += [keys_line(job, left)] if left else []
     return lines
 
 
-def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool,
-           json: bool = False) -> Finished:
+def follow(
+    inv: Inventory, record: JobRecord, runs: Path, console: Console, live: bool, json: bool = False
+) -> Finished:
     """fab logs of a detached job: its nodes followed while it runs (each attempt), then its run
     fetched here once its controllers have ended (from the one that ended it, or a standby's mirror)."""
     from orchestrator.hosts import survey
+
     places = places_of(inv, record)
     if not places:
         ran_on = record.controller.host if record.controller else None
-        raise UserError(f"job {record.job_id}: its controller ran on {ran_on}, which "
-                        f"{inv.path} does not name; give the inventory it was started with", exit_code=2)
+        raise UserError(
+            f"job {record.job_id}: its controller ran on {ran_on}, which "
+            f"{inv.path} does not name; give the inventory it was started with",
+            exit_code=2,
+        )
     job = record.job_id
     with Session(inv.all_hosts) as session:
         while True:
@@ -135,18 +145,23 @@ def follow(inv: Inventory, record: JobRecord, runs: Path, console: Console, live
             answering = [p for p in places if found.error(p.host.name) is None]
             if not answering:
                 why = "; ".join(describe(p.host, e) for p in places if (e := found.error(p.host.name)))
-                raise UserError(f"job {job}: its controllers' hosts do not answer ({why}); "
-                                "'fab status' says more")
+                raise UserError(
+                    f"job {job}: its controllers' hosts do not answer ({why}); 'fab status' says more"
+                )
             if not running(controllers(found).get(job, {})) and fetch(session, places, record, runs) is None:
-                raise UserError(f"job {job}: its controllers are gone without an end; "
-                                f"'fab attach {job}' takes it over here")
+                raise UserError(
+                    f"job {job}: its controllers are gone without an end; "
+                    f"'fab attach {job}' takes it over here"
+                )
             time.sleep(FOLLOW_POLL)
 
 
-def nodes_followed(session: Session, inv: Inventory, job: str, runs: Path, console: Console,
-                   live: bool, json: bool = False) -> bool:
+def nodes_followed(
+    session: Session, inv: Inventory, job: str, runs: Path, console: Console, live: bool, json: bool = False
+) -> bool:
     """The running attempt's nodes followed to its end (True), or until Ctrl+C (False)."""
     from orchestrator.backends.ssh import jobcontrol
+
     try:
         jobcontrol.attach(session, inv, job, runs, console, live=live, json=json)
     except KeyboardInterrupt:
@@ -162,26 +177,42 @@ def found_places(session: Session, inv: Inventory, job: str) -> list[Place]:
     if not jobspec.valid_job_id(job):
         return []
     d = at(inv, job, inv.all_hosts[0]).dir
-    got = session.fan_out(lambda h: session.run(h, sshargs.shell(["test", "-d", d]), what="looking there",
-                                                timeout=deadlines.STATUS_TIMEOUT), inv.all_hosts)
+    got = session.fan_out(
+        lambda h: session.run(
+            h, sshargs.shell(["test", "-d", d]), what="looking there", timeout=deadlines.STATUS_TIMEOUT
+        ),
+        inv.all_hosts,
+    )
     return [at(inv, job, h) for h in inv.all_hosts if got.error(h.name) is None and got[h.name].ok]
 
 
-def follow_unowned(inv: Inventory, job: str, places: list[Place], runs: Path, console: Console,
-                   live: bool, json: bool = False) -> Finished:
+def follow_unowned(
+    inv: Inventory,
+    job: str,
+    places: list[Place],
+    runs: Path,
+    console: Console,
+    live: bool,
+    json: bool = False,
+) -> Finished:
     """fab logs of a detached job this machine did not start: its nodes followed while it runs,
     then its run's files (logs, events, snapshots) copied here from the controller that ended it;
     its record stays with the machine that started it (and nothing is removed from the hosts)."""
     from orchestrator.hosts import survey
+
     with Session(inv.all_hosts) as session:
         while True:
             src = ended_at(places, look(session, places))
             if src is not None:
                 run_dir = copy_files(session, src, job, runs)
-                return Finished(job, run_dir, None,
-                                f"job {job} ended; its logs, events and snapshots are in {run_dir} (copied "
-                                f"from its controller on {src.host.name}; its record stays with the machine "
-                                "that started it, where 'fab status' clears the hosts)")
+                return Finished(
+                    job,
+                    run_dir,
+                    None,
+                    f"job {job} ended; its logs, events and snapshots are in {run_dir} (copied "
+                    f"from its controller on {src.host.name}; its record stays with the machine "
+                    "that started it, where 'fab status' clears the hosts)",
+                )
             found = survey.survey(session, inv)
             if job in survey.running_jobs(found):
                 if not nodes_followed(session, inv, job, runs, console, live, json):

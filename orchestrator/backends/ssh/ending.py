@@ -1,6 +1,7 @@
 """FINISH: the job's end on every host it used (its containers swept, the newest snapshot and the
 outputs fetched, its runtime files and claims removed) and the one JobResult made from how it
 ended and its attempts."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -29,8 +30,11 @@ def finish(job: JobContext, state: JobState, ending: Ending | None) -> JobResult
     if a is not None and reachable:
         collect(job, state, a, reachable)
     if lost:
-        job.note(f"lost during the job: {', '.join(sorted(lost))}; its container and runtime files may "
-                  "still exist: 'fab stop' removes them once it answers again", "warning")
+        job.note(
+            f"lost during the job: {', '.join(sorted(lost))}; its container and runtime files may "
+            "still exist: 'fab stop' removes them once it answers again",
+            "warning",
+        )
     if stuck:
         job.note(
             f"Docker engine stuck on {', '.join(sorted(stuck))}: its container may still exist; run "
@@ -45,8 +49,11 @@ def finish(job: JobContext, state: JobState, ending: Ending | None) -> JobResult
         len(job.record.attempts),
         ending.reason,
         watched[-1] if watched else None,
-        [f"attempt {d.plan.number} on {', '.join(h.name for h in d.plan.hosts)}: {d.line()}"
-         for d in state.history if not d.outcome.ok and d.outcome.interrupted is None],
+        [
+            f"attempt {d.plan.number} on {', '.join(h.name for h in d.plan.hosts)}: {d.line()}"
+            for d in state.history
+            if not d.outcome.ok and d.outcome.interrupted is None
+        ],
         ending.interrupted,
         sorted(lost),
         sorted(stuck),
@@ -65,9 +72,7 @@ def collect(job: JobContext, state: JobState, a: AttemptPlan, reachable: tuple[H
         # The newest snapshot, checked, is the one the outputs keep (the hosts keep K each). No
         # attempt follows, so no host's copy needs checking for placement (hosts=()): every
         # host used is still asked where the newest is.
-        facts.newest_snapshot(
-            job.ssh, job.snaps, replace(a.inv, hosts=()), state.spec, reachable, fetch=True
-        )
+        facts.newest_snapshot(job.ssh, job.snaps, replace(a.inv, hosts=()), state.spec, reachable, fetch=True)
     for h in reachable:
         (job.run_dir / "outputs" / h.name).mkdir(parents=True, exist_ok=True)
     fetched = job.run_steps(reach, [s for s in ends if s.key == "fetch"])
@@ -85,8 +90,11 @@ def sweep(job: JobContext, state: JobState, a: AttemptPlan, steps: list[Step]) -
     swept = job.run_steps(state.reach(a), steps)
     for name, r in swept.items():
         if name in swept.errors():
-            job.note(f"{name}: could not look for containers of the job left after its teardown: "
-                      f"{describe(state.used[name], r)}; 'fab stop' removes them", "warning")
+            job.note(
+                f"{name}: could not look for containers of the job left after its teardown: "
+                f"{describe(state.used[name], r)}; 'fab stop' removes them",
+                "warning",
+            )
         elif r.stdout.split() and not a.warm:  # a warm job's containers wait there by design
             job.note(
                 f"{name}: removed {len(r.stdout.split())} container(s) of the job still there after its "

@@ -3,6 +3,7 @@ with it (attempt.Fact: where, the command that read it, what it said): how each 
 out GPUs, which GPUs (slots) the attempt takes given what other jobs hold, a free master port,
 and where the newest snapshot is. Nothing here writes on a host; the claim makes the choice atomic.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,13 @@ def gpu_access(session: Session, hosts: tuple[Host, ...]) -> tuple[dict, list[Fa
             access[h.name] = preflight.gpu_access(session, h)
             facts.append(Fact(h.name, sshargs.shell(probe), str(access[h.name])))
         except Exception as exc:  # noqa: BLE001 - the start then assumes NVIDIA's hook
-            facts.append(Fact(h.name, sshargs.shell(probe),
-                              f"no answer ({describe(h, exc)}); assumed NVIDIA's runtime hook"))
+            facts.append(
+                Fact(
+                    h.name,
+                    sshargs.shell(probe),
+                    f"no answer ({describe(h, exc)}); assumed NVIDIA's runtime hook",
+                )
+            )
     return access, facts
 
 
@@ -59,8 +65,15 @@ def what_runs(session: Session, inv: Inventory, hosts: tuple[Host, ...]) -> PerH
     return survey.survey(session, inv, tuple({h.name: h for h in hosts}.values()))
 
 
-def choose_units(found: PerHost, inv: Inventory, spec: jobspec.JobSpec, hosts: tuple[Host, ...],
-                 *, refuse: bool, queue: bool) -> Units:
+def choose_units(
+    found: PerHost,
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    hosts: tuple[Host, ...],
+    *,
+    refuse: bool,
+    queue: bool,
+) -> Units:
     """The GPUs (CPU slots) the attempt claims on each host: those asked for, or the first free
     ones, from what other jobs hold there now (`found`: what_runs). With `refuse` (a new job's
     first attempt, not a dry run) a host that cannot give them refuses the job, naming the holder
@@ -109,8 +122,9 @@ def listening(session: Session, inv: Inventory) -> Result | Exception:
     """The ports something listens on at rank 0's host (ports.port_command), or why there is no
     answer (its preflight names the host)."""
     try:
-        return session.run(inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT,
-                           what="listing ports")
+        return session.run(
+            inv.master, ports.port_command(), timeout=deadlines.STATUS_TIMEOUT, what="listing ports"
+        )
     except Exception as exc:  # noqa: BLE001 - the plan says the port was not checked
         return exc
 
@@ -138,8 +152,14 @@ class Newest:
     facts: tuple[Fact, ...]
 
 
-def newest_snapshot(session: Session, snaps: store.Snapshots, inv: Inventory, spec: jobspec.JobSpec,
-                    asked: tuple[Host, ...], fetch: bool) -> Newest:
+def newest_snapshot(
+    session: Session,
+    snaps: store.Snapshots,
+    inv: Inventory,
+    spec: jobspec.JobSpec,
+    asked: tuple[Host, ...],
+    fetch: bool,
+) -> Newest:
     """The newest complete snapshot on this machine or on any host `asked`, copied here when
     `fetch`; and which of the attempt's hosts that read it lack it: a holder's copy is checked by
     its bytes, since the same name is not the same bytes. Our trainers' snapshots are read on rank
@@ -148,9 +168,7 @@ def newest_snapshot(session: Session, snaps: store.Snapshots, inv: Inventory, sp
     nothing on the others through this machine. A program's own checkpoint (--checkpoint) is read
     by every host: each gets it."""
     by_name = {h.name: h for h in asked}
-    found = session.fan_out(
-        lambda h: remote_newest(session, h, inv, spec, warn=snaps.warn), asked
-    )
+    found = session.fan_out(lambda h: remote_newest(session, h, inv, spec, warn=snaps.warn), asked)
     facts = [Fact(n, list_command(inv, spec), str(found.value(n) or "none")) for n in by_name]
     remote = max(((snap, name) for name, snap in found.items() if found.value(name)), default=None)
     if remote and fetch:
@@ -166,6 +184,13 @@ def newest_snapshot(session: Session, snaps: store.Snapshots, inv: Inventory, sp
         dest = snaps.remote_path(best)
         same = session.fan_out(lambda h: snaps.holds(session, h, dest, digest), holders)
         holders = tuple(h for h in holders if same.value(h.name))
-        facts += [Fact(h.name, checksum_command(dest), "same bytes" if same.value(h.name) else
-                       "different bytes: placed again") for h in inv.hosts if h.name in same]
+        facts += [
+            Fact(
+                h.name,
+                checksum_command(dest),
+                "same bytes" if same.value(h.name) else "different bytes: placed again",
+            )
+            for h in inv.hosts
+            if h.name in same
+        ]
     return Newest(best, tuple(h.name for h in readers if h not in holders), tuple(facts))

@@ -22,6 +22,7 @@ attempt as `fab attach` does (no container started twice, the restart budget as 
 nothing running, continued as `fab train --resume` does. One failover per job: the new controller
 has no standby of its own.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,13 @@ if TYPE_CHECKING:
     from orchestrator.backends.base import Finished, Launch
     from orchestrator.config.inventory import Host
 
-BEAT = 2.0            # seconds between the active controller's heartbeats
-STALE = 6.0           # a heartbeat older than this: the standby looks at the active controller
-POLL = 1.0            # seconds between the standby's looks at its heartbeat
-PROBE_TIMEOUT = 5.0   # the active controller's host answers within this, or it is silent
+BEAT = 2.0  # seconds between the active controller's heartbeats
+STALE = 6.0  # a heartbeat older than this: the standby looks at the active controller
+POLL = 1.0  # seconds between the standby's looks at its heartbeat
+PROBE_TIMEOUT = 5.0  # the active controller's host answers within this, or it is silent
 PUSH_TIMEOUT = 120.0
-TAKEN = "taken"       # in a controller's directory: it took the job over (the fence of the one before)
-FENCED = "fenced"     # ... it learnt that another took the job over and stopped itself
+TAKEN = "taken"  # in a controller's directory: it took the job over (the fence of the one before)
+FENCED = "fenced"  # ... it learnt that another took the job over and stopped itself
 DONE = "done.json"
 PROBES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe")
 
@@ -63,25 +64,39 @@ def beat_script(standby_dir: str) -> str:
     """On the standby's host: `taken` when it took the job over, or when its directory is gone (the
     job ended and was cleared: nothing is left to look after), else the heartbeat touched."""
     d = sshargs.shell([standby_dir])
-    return (f"if [ ! -d {d} ] || [ -e {d}/{TAKEN} ]; then echo {TAKEN}; else mkdir -p {d}/{MIRROR} && "
-            f"touch {d}/{MIRROR}/heartbeat; fi")
+    return (
+        f"if [ ! -d {d} ] || [ -e {d}/{TAKEN} ]; then echo {TAKEN}; else mkdir -p {d}/{MIRROR} && "
+        f"touch {d}/{MIRROR}/heartbeat; fi"
+    )
 
 
 def probe_script(name: str, active_dir: str) -> str:
     """On the active controller's host: `running` while its container runs, `done` once it wrote
     its end, `gone` otherwise."""
     d = sshargs.shell([active_dir])
-    return (f"[ -e {d}/{DONE} ] && {{ echo done; exit 0; }}; "
-            f"s=$(docker inspect -f '{{{{.State.Running}}}}' {sshargs.shell([name])} 2>/dev/null); "
-            '[ "$s" = true ] && echo running || echo gone')
+    return (
+        f"[ -e {d}/{DONE} ] && {{ echo done; exit 0; }}; "
+        f"s=$(docker inspect -f '{{{{.State.Running}}}}' {sshargs.shell([name])} 2>/dev/null); "
+        '[ "$s" = true ] && echo running || echo gone'
+    )
 
 
 def push_argv(host: Host, source: Path, dest: str) -> list[str]:
     """The run directory to the standby's mirror, whole (links kept as links, nothing followed)."""
-    return ["rsync", "--recursive", "--links", "--times", "--delete", "--mkpath",
-            f"--timeout={sshargs.RSYNC_IO_TIMEOUT}", *sshargs.RSYNC_PROTECT, "--rsh",
-            sshargs.shell(sshargs.ssh_argv(host)), str(source).rstrip("/") + "/",
-            sshargs.rsync_remote(host, dest.rstrip("/") + "/")]
+    return [
+        "rsync",
+        "--recursive",
+        "--links",
+        "--times",
+        "--delete",
+        "--mkpath",
+        f"--timeout={sshargs.RSYNC_IO_TIMEOUT}",
+        *sshargs.RSYNC_PROTECT,
+        "--rsh",
+        sshargs.shell(sshargs.ssh_argv(host)),
+        str(source).rstrip("/") + "/",
+        sshargs.rsync_remote(host, dest.rstrip("/") + "/"),
+    ]
 
 
 # What a failover needs at once (the record, the events, the snapshots): pushed at the next beat
@@ -143,7 +158,8 @@ class Mirror:
         with self.lock:
             now = tree_state(self.run_dir)
             due = now[0] != self.pushed[0] or (
-                now[1] != self.pushed[1] and time.monotonic() - self.last_push >= PUSH_EVERY)
+                now[1] != self.pushed[1] and time.monotonic() - self.last_push >= PUSH_EVERY
+            )
             if not (due or force):
                 return None
             argv = push_argv(self.standby, self.run_dir, f"{self.dir}/{MIRROR}/runs/{self.run_dir.name}")
@@ -171,15 +187,20 @@ class Mirror:
         body = json.dumps(end).encode()
         d = sshargs.shell([f"{self.dir}/{MIRROR}"])
         try:
-            self.session.run(self.standby, f"mkdir -p {d} && cat > {d}/.{DONE}.tmp && mv {d}/.{DONE}.tmp "
-                             f"{d}/{DONE}", timeout=PROBE_TIMEOUT * 2, stdin=body,
-                             what="the end to the standby")
+            self.session.run(
+                self.standby,
+                f"mkdir -p {d} && cat > {d}/.{DONE}.tmp && mv {d}/.{DONE}.tmp {d}/{DONE}",
+                timeout=PROBE_TIMEOUT * 2,
+                stdin=body,
+                what="the end to the standby",
+            )
         except Exception as exc:  # noqa: BLE001 - the standby then finds the active one's end itself
             print(f"warning: the end did not reach the standby: {exc!r}", file=sys.stderr, flush=True)
         self.session.close()
 
 
 # ---------------------------------------------------------------- the standby
+
 
 def heartbeat_age(root: Path, since: float) -> float:
     try:
@@ -192,6 +213,7 @@ def lease_fresh(session: Session, launch: Launch, skip: str) -> str | None:
     """The host where the job's lease is fresh (its active controller still looks after it), or None."""
     from orchestrator.backends.ssh.takeover import refuse_if_looked_after
     from orchestrator.hosts import survey
+
     hosts = tuple(h for h in launch.inv.all_hosts if h.name != skip)
     try:
         refuse_if_looked_after(survey.survey(session, launch.inv, hosts), launch.spec.job_id)
@@ -205,8 +227,9 @@ def verdict(session: Session, launch: Launch, active: Host, active_dir: str) -> 
     name = f"fabtrain-ctl-{launch.spec.job_id}"
     # In a thread of its own: a frozen host accepts the connection and then says nothing, and a new
     # connection's banner wait is the host's connect_timeout, not PROBE_TIMEOUT.
-    asking = PROBES.submit(session.run, active, probe_script(name, active_dir), timeout=PROBE_TIMEOUT,
-                           what="the controller")
+    asking = PROBES.submit(
+        session.run, active, probe_script(name, active_dir), timeout=PROBE_TIMEOUT, what="the controller"
+    )
     try:
         r = asking.result(timeout=PROBE_TIMEOUT)
     except Exception:  # noqa: BLE001 - a host that does not answer is what is looked for
@@ -215,8 +238,9 @@ def verdict(session: Session, launch: Launch, active: Host, active_dir: str) -> 
     return said if said in ("running", "done", "gone") else "silent"
 
 
-def stand_by(root: Path, launch: Launch, active: Host, active_dir: str, own: str,
-             taking_over: Callable[[], None]) -> Finished | None:
+def stand_by(
+    root: Path, launch: Launch, active: Host, active_dir: str, own: str, taking_over: Callable[[], None]
+) -> Finished | None:
     """The standby's life: None once the active controller ended the job, else the job's end
     after this one took it over (`taking_over` is called first)."""
     since = time.time()
@@ -235,16 +259,28 @@ def stand_by(root: Path, launch: Launch, active: Host, active_dir: str, own: str
                 continue
             if seen == "silent" and lease_fresh(session, launch, active.name):
                 continue
-            why = ("its container is gone" if seen == "gone" else
-                   f"its host does not answer and the job's lease went {hostfiles.LEASE_LIVE:g} s unrenewed")
+            why = (
+                "its container is gone"
+                if seen == "gone"
+                else f"its host does not answer and the job's lease went {hostfiles.LEASE_LIVE:g} s unrenewed"
+            )
             taking_over()
             return take_over(root, launch, session, active.name, own, why, age, answers=seen == "gone")
 
 
-def take_over(root: Path, launch: Launch, session: Session, lost: str, own: str, why: str,
-              age: float, answers: bool = True) -> Finished:
+def take_over(
+    root: Path,
+    launch: Launch,
+    session: Session,
+    lost: str,
+    own: str,
+    why: str,
+    age: float,
+    answers: bool = True,
+) -> Finished:
     """The job taken over here (module docstring)."""
     from orchestrator.backends.ssh.backend import SshBackend
+
     seen = time.monotonic()
     (root / TAKEN).write_text(json.dumps({"from": lost, "at": time.time()}))
     job = launch.spec.job_id
@@ -284,9 +320,14 @@ def clear(session: Session, host: Host, place_dir: str, name: str) -> str | None
     """A controller that was taken over, gone from its host: its container and directory (None), or
     why not (its host does not answer yet: the machine that started the job clears it later)."""
     try:
-        r = session.run(host, sshargs.shell(["docker", "rm", "-f", name]) + " >/dev/null 2>&1; "
-                        + sshargs.shell(["rm", "-rf", place_dir]), timeout=PROBE_TIMEOUT * 2,
-                        what="removing the controller taken over")
+        r = session.run(
+            host,
+            sshargs.shell(["docker", "rm", "-f", name])
+            + " >/dev/null 2>&1; "
+            + sshargs.shell(["rm", "-rf", place_dir]),
+            timeout=PROBE_TIMEOUT * 2,
+            what="removing the controller taken over",
+        )
     except Exception as exc:  # noqa: BLE001 - named, and cleared later
         return f"{host.name}: {exc}"
     return None if r.ok else f"{host.name}: exit {r.exited}"

@@ -1,6 +1,7 @@
 """GATE, the stage between a claim and a start: the code synced to every host of the attempt (its
 hot spares too) at once with every preflight check. On the first attempt a failure ends the job
 with the preflight's table; at a restart the hosts that failed are handed to the policy."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +58,12 @@ def sync_and_check(job: JobContext, state: JobState, a: AttemptPlan) -> dict[str
         synced = syncing.result()
     here = [c for c in preflight.failed(checks) if c.host == jobspec.LOCAL]
     if here and a.number == 1:  # this machine's own check (rsync): no host to leave out, resumed or not
-        raise PreflightFailed(checks, [], f"preflight failed on this machine ({here[0].check}); nothing "
-                              "was started. Fix the checks above, then run the command again")
+        raise PreflightFailed(
+            checks,
+            [],
+            f"preflight failed on this machine ({here[0].check}); nothing "
+            "was started. Fix the checks above, then run the command again",
+        )
     bad = {c.host: f"{c.check}: {c.detail}" for c in preflight.failed(checks) if c.host != jobspec.LOCAL}
     bad.update({n: str(e) for n, e in synced.errors().items() if n not in bad})
     if bad and a.number == 1 and not job.resuming:
@@ -67,9 +72,7 @@ def sync_and_check(job: JobContext, state: JobState, a: AttemptPlan) -> dict[str
         if h.name in bad:
             job.note(f"{h.name}: the hot spare failed its checks ({bad.pop(h.name)})", "warning")
     if not bad and job.smoke and a.number == 1:
-        smoke = preflight.smoke_test(
-            job.ssh, a.inv, a.spec.image, checks, run_quiet, within=a.spec.job_id
-        )
+        smoke = preflight.smoke_test(job.ssh, a.inv, a.spec.image, checks, run_quiet, within=a.spec.job_id)
         if preflight.failed(smoke):
             raise PreflightFailed(smoke, [], "the collective smoke test failed; nothing was started")
     if not bad:

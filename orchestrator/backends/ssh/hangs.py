@@ -13,6 +13,7 @@ A node that has shown progress is hung when it shows none for the hang timeout (
 else it prints); the whole job is hung when no node has shown progress or output for that long.
 At a hang, every rank's stacks and the flight recorder's verdict say which host to blame.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,12 +41,12 @@ class Progress:
     def __init__(self, names: list[str], clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         now = clock()
-        self.last = {n: now for n in names}          # progress, or output until `signalled`
+        self.last = {n: now for n in names}  # progress, or output until `signalled`
         self.step: dict[str, int] = {}
         self.signalled: set[str] = set()
         self.exits: dict[str, tuple[int, float]] = {}  # the node's own exit line: (code, when seen)
-        self.where: dict[str, tuple] = {}            # the node's ranks at the last look (stacks)
-        self.moved = {n: now for n in names}         # its last step, heartbeat or move of its ranks
+        self.where: dict[str, tuple] = {}  # the node's ranks at the last look (stacks)
+        self.moved = {n: now for n in names}  # its last step, heartbeat or move of its ranks
 
     def observe(self, host: str, block: bytes) -> None:
         """Complete lines a node sent (called from its follower thread)."""
@@ -103,8 +104,15 @@ class Looks:
     the background, into Progress), their heartbeats, and at a hang every rank's stacks and the
     flight recorder's blame."""
 
-    def __init__(self, session: Session, attempt: AttemptPlan, progress: Progress, hang_timeout: float,
-                 sinks: dict[str, HostSink], mux: Multiplexer) -> None:
+    def __init__(
+        self,
+        session: Session,
+        attempt: AttemptPlan,
+        progress: Progress,
+        hang_timeout: float,
+        sinks: dict[str, HostSink],
+        mux: Multiplexer,
+    ) -> None:
         self.session, self.attempt, self.progress = session, attempt, progress
         self.hosts = attempt.hosts
         self.hang_timeout = hang_timeout
@@ -120,8 +128,11 @@ class Looks:
         is only not looked at this time."""
         low, high = STACKS_EVERY
         every = min(high, max(low, self.hang_timeout / 5))
-        if (not self.hang_timeout or (self.looking is not None and self.looking.is_alive())
-                or time.monotonic() - self.looked < every):
+        if (
+            not self.hang_timeout
+            or (self.looking is not None and self.looking.is_alive())
+            or time.monotonic() - self.looked < every
+        ):
             return
         unsure = self.progress.unsure(pending, every)
         if not unsure:
@@ -129,8 +140,9 @@ class Looks:
         self.looked = time.monotonic()
         hosts = tuple(h for h in self.hosts if h.name in unsure)
 
-        self.looking = threading.Thread(target=self.look_at, args=(hosts,), daemon=True,
-                                        name="where-ranks-are")
+        self.looking = threading.Thread(
+            target=self.look_at, args=(hosts,), daemon=True, name="where-ranks-are"
+        )
         self.looking.start()
 
     def look_at(self, hosts: tuple[Host, ...]) -> None:
@@ -165,9 +177,14 @@ class Looks:
         ('3s ago', 'none': never touched, 'unreadable: ...')."""
         timeout = self.attempt.step(names[0], "progress").deadline
         got = self.session.fan_out(
-            lambda h: self.session.run(h, self.attempt.step(h.name, "progress").command, timeout=timeout,
-                                       what="reading the heartbeat"),
-            tuple(self.attempt.host(n) for n in names))
+            lambda h: self.session.run(
+                h,
+                self.attempt.step(h.name, "progress").command,
+                timeout=timeout,
+                what="reading the heartbeat",
+            ),
+            tuple(self.attempt.host(n) for n in names),
+        )
         seen = {}
         for n in names:
             r, answer = got.value(n), ""
@@ -192,12 +209,7 @@ class Looks:
             return hosts[self.flight_blame]
         for line in hung:
             m = re.match(r"rank \S+ on (\S+): (.*)", line)
-            if (
-                m
-                and m.group(1) in hosts
-                and m.group(1) in pending
-                and not recovery.in_collective(m.group(2))
-            ):
+            if m and m.group(1) in hosts and m.group(1) in pending and not recovery.in_collective(m.group(2)):
                 return hosts[m.group(1)]
         return hosts[stale[0]]
 
@@ -218,8 +230,12 @@ class Looks:
 
         looked = self.session.fan_out(look, hosts)
         results = PerHost({n: v[0] if isinstance(v, tuple) else v for n, v in looked.items()})
-        flights = [s for h in hosts if (v := looked.value(h.name)) and v[1] is not None and v[1].ok
-                   for s in recovery.flight_summaries(h.name, v[1].stdout)]
+        flights = [
+            s
+            for h in hosts
+            if (v := looked.value(h.name)) and v[1] is not None and v[1].ok
+            for s in recovery.flight_summaries(h.name, v[1].stdout)
+        ]
         verdict = recovery.flight_verdict(flights)
         self.flight_blame = next((h for h, _ in verdict if h), "")
         summary = [line for _, line in verdict]

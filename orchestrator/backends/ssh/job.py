@@ -11,6 +11,7 @@ Each attempt is a frozen plan (attempt.py) built from read-only facts about the 
 the stages run that plan's steps, so `--dry-run` and runs/JOB/plan.txt show exactly what runs. After
 an attempt, policy.decide says whether another follows and on which hosts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from orchestrator.backends.ssh.jobstate import JobState
 
 STOP_POLL = 2.0  # seconds between looks for `fab stop` while waiting between attempts
-REPLANS = 3      # plans made again in a row when other jobs claim the same units or port meanwhile
+REPLANS = 3  # plans made again in a row when other jobs claim the same units or port meanwhile
 
 
 def _unfenced() -> None:
@@ -160,17 +161,31 @@ def decide(job: JobContext, state: JobState, done: Attempted) -> tuple[JobState,
     line = done.line()
     job.record_judged(line)
     job.emit("attempt_end", attempt=a.number, ok=done.outcome.ok, outcome=line)
-    d = policy_decide(done.outcome, job.policy, state.roster, job.target_nodes,
-                      warm=frozenset(done.warm_ranks), hot=frozenset(h.name for h in a.hot))
+    d = policy_decide(
+        done.outcome,
+        job.policy,
+        state.roster,
+        job.target_nodes,
+        warm=frozenset(done.warm_ranks),
+        hot=frozenset(h.name for h in a.hot),
+    )
     if d.roster is None:
         job.emit("decision", attempt=a.number, next=False, reason=d.reason, notes=list(d.notes))
         return state.judged(done, None), d
     for n in d.notes:
         job.note(n, "warning")
-    job.emit("decision", attempt=a.number, next=True, notes=list(d.notes),
-             reason=(f"attempt {a.number} failed ({line}); restart {d.roster.restarts_used} of "
-                     f"{job.policy.restarts} in {pause_after(d, a.number):g}s") if d.restart
-             else f"attempt {a.number}: {line}; trying again with other hosts")
+    job.emit(
+        "decision",
+        attempt=a.number,
+        next=True,
+        notes=list(d.notes),
+        reason=(
+            f"attempt {a.number} failed ({line}); restart {d.roster.restarts_used} of "
+            f"{job.policy.restarts} in {pause_after(d, a.number):g}s"
+        )
+        if d.restart
+        else f"attempt {a.number}: {line}; trying again with other hosts",
+    )
     return state.judged(done, d.roster), d
 
 
@@ -232,4 +247,3 @@ def keep_lease(job: Job, leasing: threading.Event) -> None:
         a, lost = state.last, state.lost
         if a is not None:
             job.run_steps(state.reach(a), [s for s in a.steps if s.key == "lease" and s.where not in lost])
-

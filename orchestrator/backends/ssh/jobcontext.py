@@ -5,6 +5,7 @@ the notification hooks, /metrics), its snapshots, its place in the queue, and it
 is the JobState (jobstate.py) each stage takes and returns; `state` holds the newest, which only
 job.py's driver replaces (for the lease thread, and for the finish after an error).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,24 +84,34 @@ class JobContext:
             Place(inv, spec, new_ticket(spec.job_id), self.note, self.emit) if queue else None
         )
         # `known_lost`: hosts a failover's standby found silent, lost from the start of the first watch.
-        self.state = JobState(spec, Roster(inv.hosts, inv.spares), recorded=len(record.attempts),
-                              known_lost=tuple((known_lost or {}).items()))
+        self.state = JobState(
+            spec,
+            Roster(inv.hosts, inv.spares),
+            recorded=len(record.attempts),
+            known_lost=tuple((known_lost or {}).items()),
+        )
 
     def report_to(self, reporter: Reporter) -> Reporter:
         """`reporter`, and every event also to runs/JOB/events.jsonl, the job's notification hooks and
         /metrics (fab train --metrics-port)."""
         self.notifier = notify.Notifier(
             notify.Notices(self.spec.job_id, self.spec.owner, secrets=secret_values(self.inv)),
-            self.record.notify.command, self.record.notify.url, warn=lambda t: self.note(t, "warning"))
+            self.record.notify.command,
+            self.record.notify.url,
+            warn=lambda t: self.note(t, "warning"),
+        )
         # From JobContext.open on: every event but the telemetry samples, and those in a file of their own.
         self.events = notify.EventLog(self.run_dir / notify.EVENTS_FILE, enabled=False, skip=notify.TELEMETRY)
-        self.telemetry = notify.EventLog(self.run_dir / notify.TELEMETRY_FILE, enabled=False,
-                                         only=notify.TELEMETRY)
+        self.telemetry = notify.EventLog(
+            self.run_dir / notify.TELEMETRY_FILE, enabled=False, only=notify.TELEMETRY
+        )
         # fab train --metrics-port: /metrics for Prometheus, served while the job lives (JobContext.open).
-        self.metrics = (metrics.Metrics(self.spec.job_id, self.spec.owner) if self.inv.job.metrics_port
-                        else None)
-        return notify.Fanout(reporter, self.events, self.telemetry, self.notifier,
-                             *([self.metrics] if self.metrics else []))
+        self.metrics = (
+            metrics.Metrics(self.spec.job_id, self.spec.owner) if self.inv.job.metrics_port else None
+        )
+        return notify.Fanout(
+            reporter, self.events, self.telemetry, self.notifier, *([self.metrics] if self.metrics else [])
+        )
 
     # ------------------------------------------------------------ events
 
@@ -183,8 +194,10 @@ class JobContext:
         try:
             url = self.metrics.serve(where)
         except OSError as exc:
-            raise UserError(f"--metrics-port {where}: cannot listen there: {exc.strerror or exc}; choose "
-                            "another port (job.metrics_port in the inventory, or --metrics-port)") from None
+            raise UserError(
+                f"--metrics-port {where}: cannot listen there: {exc.strerror or exc}; choose "
+                "another port (job.metrics_port in the inventory, or --metrics-port)"
+            ) from None
         self.note(f"metrics for Prometheus at {url}")
 
     def open_snapshots(self) -> Snapshots:
@@ -218,8 +231,12 @@ class JobContext:
         """Whether the job keeps its spares hot (job.hot_spares, --hot-spares): warm restarts only."""
         return self.warm and self.inv.job.hot_spares
 
-    def run_steps(self, hosts: Iterable[Host], steps: list[Step],
-                  transfer: Callable[[Step], Transfer | None] | None = None) -> PerHost:
+    def run_steps(
+        self,
+        hosts: Iterable[Host],
+        steps: list[Step],
+        transfer: Callable[[Step], Transfer | None] | None = None,
+    ) -> PerHost:
         """The steps on their hosts (found among `hosts`: JobState.reach), at once."""
         return run_steps(self.ssh, hosts, steps, transfer)
 
@@ -238,8 +255,9 @@ class JobContext:
 
     def record_begun(self, a: AttemptPlan) -> None:
         """Attempt `a` recorded as running."""
-        self.record.attempts.append(Attempt(a.number, [h.name for h in a.hosts], time.time(),
-                                            resumed_from=a.snapshot))
+        self.record.attempts.append(
+            Attempt(a.number, [h.name for h in a.hosts], time.time(), resumed_from=a.snapshot)
+        )
         self.record.state = "running"
         self.record.save(self.run_dir)
 
@@ -275,7 +293,9 @@ def secret_values(inv: Inventory) -> tuple[str, ...]:
 
 def install_signal_handlers() -> None:
     """SIGINT and SIGTERM both interrupt the job, which then stops its containers with their grace."""
+
     def handler(signum, frame):  # noqa: ANN001
         raise Interrupted(signum)
+
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

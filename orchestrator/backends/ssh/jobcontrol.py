@@ -1,6 +1,7 @@
 """What surrounds a job's life (job.py): its dry run, re-attaching to a running one (`fab logs`),
 the message a job that did not finish exits with, and the refusal of a job id that names no job.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,15 @@ def refuse_if_running(inv: Inventory, job_id: str, how: str) -> None:
         )
 
 
-def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path, console: Console,
-           live: bool = True, json: bool = False) -> JobResult:
+def attach(
+    session: Session,
+    inv: Inventory,
+    job_id: str | None,
+    run_root: Path,
+    console: Console,
+    live: bool = True,
+    json: bool = False,
+) -> JobResult:
     """Follow a running job's nodes from the start of their output (`fab logs`); Ctrl+C detaches.
     `json`: the watch's events as JSON lines on stdout, not the hosts' log lines (runs/JOB/attach/ keeps
     those)."""
@@ -69,18 +77,28 @@ def attach(session: Session, inv: Inventory, job_id: str | None, run_root: Path,
         raise unknown_job(job_id, f" on the hosts of {inv.path} or in {run_root}/")
     # The hosts the job runs on now, with their node ranks (a restart may have moved it to spares).
     ranks = jobs.get(job_id) or {h.name: h.rank for h in inv.hosts}
-    hosts = tuple(sorted((replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks),
-                         key=lambda h: h.rank))
+    hosts = tuple(
+        sorted(
+            (replace(h, rank=ranks[h.name]) for h in inv.all_hosts if h.name in ranks), key=lambda h: h.rank
+        )
+    )
     quiet = replace(inv, hosts=hosts, job=replace(inv.job, secret_files=()))
     a = attempt_mod.build(
         quiet, jobspec.JobSpec(job_id=job_id, script=""), 0, inv.job.master_port, sync=False
     )
     run_dir = run_root / job_id / "attach"
     reporter = JsonLines() if json else Terminal(console)
-    w = Watcher(session, a, run_dir, reporter, detach=True, console=console, live=live and not json,
-                echo=not json).run()
-    return JobResult(job_id, run_dir, "finished" if w.ok else "failed", 1, watched=w,
-                     failures=[f"{e.host.name}: {e.detail}" for e in w.failures])
+    w = Watcher(
+        session, a, run_dir, reporter, detach=True, console=console, live=live and not json, echo=not json
+    ).run()
+    return JobResult(
+        job_id,
+        run_dir,
+        "finished" if w.ok else "failed",
+        1,
+        watched=w,
+        failures=[f"{e.host.name}: {e.detail}" for e in w.failures],
+    )
 
 
 def explain(result: JobResult) -> UserError | None:
@@ -107,8 +125,11 @@ def explain(result: JobResult) -> UserError | None:
         how = result.reason if result.reason.startswith("ended by 'fab stop'") else "ended by 'fab stop'"
         head = f"job {result.job_id} was {how}" + (f" ({what})." if what else ".")
     else:
-        torn = (f"; the other nodes were stopped in {w.teardown_seconds:.1f}s"
-                if w and w.teardown_seconds is not None and blamed else "")
+        torn = (
+            f"; the other nodes were stopped in {w.teardown_seconds:.1f}s"
+            if w and w.teardown_seconds is not None and blamed
+            else ""
+        )
         cause = (what or result.failures[-1]) if result.failures else result.reason
         head = f"job {result.job_id} failed: {cause}{torn}."
         if result.reason and result.reason not in head:
@@ -120,13 +141,17 @@ def explain(result: JobResult) -> UserError | None:
     tail = ""
     if blamed:
         tail = f"\n  last lines of {blamed.host.name}:\n" + "\n".join(
-            "    " + line for line in hostile.text(blamed.tail).splitlines()[-20:])
-    return UserError(f"{head}{tail}\n  full logs: {result.run_dir}\n"
-                     f"  continue from the newest snapshot with: fab train --resume {result.job_id}")
+            "    " + line for line in hostile.text(blamed.tail).splitlines()[-20:]
+        )
+    return UserError(
+        f"{head}{tail}\n  full logs: {result.run_dir}\n"
+        f"  continue from the newest snapshot with: fab train --resume {result.job_id}"
+    )
 
 
-def to_stop(views: dict[str, survey.JobView], job: str | None, everything: bool, me: str
-            ) -> tuple[set[str], dict[str, survey.JobView]]:
+def to_stop(
+    views: dict[str, survey.JobView], job: str | None, everything: bool, me: str
+) -> tuple[set[str], dict[str, survey.JobView]]:
     """Which jobs `fab stop` ends: --job's, --all's, or by default those started by `me` (and
     those whose owner is not recorded); and the others' jobs (left alone unless --all)."""
     others = {j: v for j, v in views.items() if v.who and v.who != me}
@@ -137,12 +162,21 @@ def to_stop(views: dict[str, survey.JobView], job: str | None, everything: bool,
     return {j for j in views if j not in others}, others
 
 
-def known_job(job: str, views: dict[str, survey.JobView], controllers: dict[str, dict[str, str]],
-              unsurveyed: bool, runs: Path) -> bool:
+def known_job(
+    job: str,
+    views: dict[str, survey.JobView],
+    controllers: dict[str, dict[str, str]],
+    unsurveyed: bool,
+    runs: Path,
+) -> bool:
     """Whether `fab stop --job JOB` names a job: one the hosts hold (containers, claims, a
     controller), or one this machine recorded; a host that did not answer may hold any."""
-    return job in views or job in controllers or unsurveyed or (
-        jobspec.valid_job_id(job) and (runs / job / "job.json").is_file())
+    return (
+        job in views
+        or job in controllers
+        or unsurveyed
+        or (jobspec.valid_job_id(job) and (runs / job / "job.json").is_file())
+    )
 
 
 def known_to(found: PerHost, job: str, runs: Path) -> bool:
@@ -156,16 +190,20 @@ def known_to(found: PerHost, job: str, runs: Path) -> bool:
 def unknown_job(job: str, where: str = "") -> UserError:
     """The refusal of a job id that names no job (exit 2: nothing was done), and where the right
     one is listed: `fab logs`, `attach`, `shell`, `forward` and `metrics` give it alike."""
-    return UserError(f"no job {hostile.text(job)}{where}; 'fab runs' lists this machine's, 'fab status' "
-                     "the hosts'", exit_code=2)
+    return UserError(
+        f"no job {hostile.text(job)}{where}; 'fab runs' lists this machine's, 'fab status' the hosts'",
+        exit_code=2,
+    )
 
 
 def confirm_all(others: dict[str, survey.JobView]) -> None:
     """--all without --yes: ask on a terminal; elsewhere refuse (nothing is stopped)."""
     listing = "; ".join(f"{v.job} of {v.who} on {', '.join(v.hosts)}" for v in others.values())
     if not sys.stdin.isatty():
-        raise UserError(f"--all would also stop other people's jobs ({listing}); add --yes to do it without "
-                        "asking", exit_code=2)
+        raise UserError(
+            f"--all would also stop other people's jobs ({listing}); add --yes to do it without asking",
+            exit_code=2,
+        )
     answer = input(f"--all also stops other people's jobs: {listing}. Stop them? [y/N] ")
     if answer.strip().lower() not in ("y", "yes"):
         raise UserError("nothing was stopped", exit_code=1)
@@ -179,12 +217,27 @@ def status_rows(views: dict[str, survey.JobView], steps: dict[str, int]) -> list
     """One dict per job, newest first: what `fab status` shows."""
     rows = []
     for v in sorted(views.values(), key=lambda v: (-v.since, v.job)):
-        rows.append({"job": v.job, "who": v.who or None, "state": v.state, "attempt": int(v.attempt) if
-                     v.attempt.isdigit() else None, "step": steps.get(v.job),
-                     "since": v.since or None, "queue": {"position": max(v.queue.values()), "hosts": v.queue,
-                                                         "waits": v.waits} if v.queue else None,
-                     "hosts": {h: {"units": list(u) if u is not None else None, "rank": v.ranks.get(h),
-                                   "container": v.states.get(h)} for h, u in v.hosts.items()}})
+        rows.append(
+            {
+                "job": v.job,
+                "who": v.who or None,
+                "state": v.state,
+                "attempt": int(v.attempt) if v.attempt.isdigit() else None,
+                "step": steps.get(v.job),
+                "since": v.since or None,
+                "queue": {"position": max(v.queue.values()), "hosts": v.queue, "waits": v.waits}
+                if v.queue
+                else None,
+                "hosts": {
+                    h: {
+                        "units": list(u) if u is not None else None,
+                        "rank": v.ranks.get(h),
+                        "container": v.states.get(h),
+                    }
+                    for h, u in v.hosts.items()
+                },
+            }
+        )
     return rows
 
 
@@ -197,14 +250,22 @@ def status_table(views: dict[str, survey.JobView], steps: dict[str, int], inv: I
     from rich.text import Text
 
     from orchestrator.hosts import claimdir, claims
+
     by_name = {h.name: h for h in inv.all_hosts}
     table = Table(title="fabtrain jobs")
     table.add_column("job", no_wrap=True)
     for col in ("who", "hosts (GPUs / slots)", "state", "attempt", "step", "since"):
         table.add_column(col)
     for r in status_rows(views, steps):
-        hosts = ", ".join(f"{h}" + (f" {claims.kind(by_name[h])}s {claimdir.units_text(tuple(x['units']))}"
-                                    if x["units"] and h in by_name else "") for h, x in r["hosts"].items())
+        hosts = ", ".join(
+            f"{h}"
+            + (
+                f" {claims.kind(by_name[h])}s {claimdir.units_text(tuple(x['units']))}"
+                if x["units"] and h in by_name
+                else ""
+            )
+            for h, x in r["hosts"].items()
+        )
         style = {"running": "green", "left over": "yellow"}.get(r["state"], "")
         if r["queue"]:
             hosts = "; ".join(r["queue"]["waits"])

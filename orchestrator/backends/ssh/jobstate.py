@@ -4,6 +4,7 @@ and the one under way. Each stage (job.py's `course`) takes a JobState and retur
 what it knows of its hosts (used, lost, stuck, warm) is read from the attempts, never kept apart.
 Pure: no I/O.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -23,12 +24,12 @@ if TYPE_CHECKING:
 class JobState:
     """The job between two stages: everything a stage decides from that changes as the job goes."""
 
-    spec: JobSpec                          # its code_key as the last PLAN read it (planning.key_code)
-    roster: Roster                         # the next attempt's hosts, the spares, the restarts spent
-    recorded: int = 0                      # attempts in the job's record, a resumed job's earlier ones too
-    history: tuple[Attempted, ...] = ()    # the attempts done, each as its stages left it
-    current: AttemptPlan | None = None     # the attempt under way, from its claim to DECIDE
-    started: bool = False                  # a container of this job was started by this process
+    spec: JobSpec  # its code_key as the last PLAN read it (planning.key_code)
+    roster: Roster  # the next attempt's hosts, the spares, the restarts spent
+    recorded: int = 0  # attempts in the job's record, a resumed job's earlier ones too
+    history: tuple[Attempted, ...] = ()  # the attempts done, each as its stages left it
+    current: AttemptPlan | None = None  # the attempt under way, from its claim to DECIDE
+    started: bool = False  # a container of this job was started by this process
     # A failover's standby found these hosts silent (host -> why): lost from the start of the next
     # watch only (the watch after it asks them again).
     known_lost: tuple[tuple[str, str], ...] = ()

@@ -8,6 +8,7 @@ rank 0's, the one whose loss costs most). The active controller takes the first 
 standby the next; a controller on a host that runs a rank is said as a risk, in the plan and in
 `fab status`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.core.recovery import JobRecord
 
-MIRROR = "mirror"   # in a standby's directory: what the active controller pushes (runs/JOB, done.json)
+MIRROR = "mirror"  # in a standby's directory: what the active controller pushes (runs/JOB, done.json)
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class Place:
 
     job: str
     host: Host
-    dir: str            # on the host: <job.output_dir>/.controllers/JOB
-    container: str      # fabtrain-ctl-JOB
+    dir: str  # on the host: <job.output_dir>/.controllers/JOB
+    container: str  # fabtrain-ctl-JOB
 
     def record(self) -> ControllerPlace:
         return ControllerPlace(self.host.name, self.dir, self.container)
@@ -50,7 +51,7 @@ class Placement:
     active: Place
     standby: Place | None
     why: str
-    risk: str = ""      # set when the active controller's host runs a rank of the job
+    risk: str = ""  # set when the active controller's host runs a rank of the job
 
     def record(self, keys: Iterable[str] = ()) -> Controller:
         """As the job's record keeps it, with the hosts that may hold the job's controller key."""
@@ -58,22 +59,34 @@ class Placement:
 
     def said(self) -> str:
         """One line for the plan and the detach message."""
-        standby = (f"; its standby on {self.standby.host.name} takes the job over if it is lost"
-                   if self.standby else "; no standby: the inventory has one host")
+        standby = (
+            f"; its standby on {self.standby.host.name} takes the job over if it is lost"
+            if self.standby
+            else "; no standby: the inventory has one host"
+        )
         return f"controller on {self.active.host.name} ({self.why}){standby}" + (
-            f". Risk: {self.risk}" if self.risk else "")
+            f". Risk: {self.risk}" if self.risk else ""
+        )
 
 
 def candidates(inv: Inventory) -> list[tuple[Host, str]]:
     """Every host that may run a controller, best first, with why (module docstring)."""
     out: list[tuple[Host, str]] = []
     if inv.controller.host:
-        out += [(h, "the inventory's controller: host") for h in inv.all_hosts
-                if h.name == inv.controller.host]
+        out += [
+            (h, "the inventory's controller: host") for h in inv.all_hosts if h.name == inv.controller.host
+        ]
     out += [(h, "a spare: it runs no rank until a host fails") for h in inv.spares]
     last = len(inv.hosts) - 1
-    out += [(h, "the last host: the inventory names no controller: host and no spare" if i == last
-             else "a host of the job") for i, h in reversed(list(enumerate(inv.hosts)))]
+    out += [
+        (
+            h,
+            "the last host: the inventory names no controller: host and no spare"
+            if i == last
+            else "a host of the job",
+        )
+        for i, h in reversed(list(enumerate(inv.hosts)))
+    ]
     unique: dict[str, tuple[Host, str]] = {}
     for h, why in out:
         unique.setdefault(h.name, (h, why))
@@ -92,8 +105,10 @@ def placement(inv: Inventory, job_id: str) -> Placement:
     ranks = {h.name: i for i, h in enumerate(inv.hosts)}
     risk = ""
     if host.name in ranks:
-        risk = (f"{host.name} also runs rank {ranks[host.name]} of the job: losing it loses a rank and the "
-                "controller at once")
+        risk = (
+            f"{host.name} also runs rank {ranks[host.name]} of the job: losing it loses a rank and the "
+            "controller at once"
+        )
         risk += f" (the standby on {standby.name} then takes over)" if standby else ""
     return Placement(at(inv, job_id, host), at(inv, job_id, standby) if standby else None, why, risk)
 

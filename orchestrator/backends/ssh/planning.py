@@ -3,6 +3,7 @@ what runs there, the listening ports, the newest snapshot), then the attempt's f
 (attempt.build). The code tree is keyed again first (key_code): a tree edited since the last attempt
 runs under its new key.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -46,8 +47,9 @@ def plan(job: JobContext, state: JobState, dry: bool = False) -> tuple[JobState,
     first = state.last is None
     looked = look(job, state, inv, hot, dry)
     queue = job.place_in_queue is not None
-    units = facts.choose_units(looked.found, job.inv, state.spec, inv.hosts, refuse=first and not dry,
-                               queue=queue)
+    units = facts.choose_units(
+        looked.found, job.inv, state.spec, inv.hosts, refuse=first and not dry, queue=queue
+    )
     if hot:  # a spare whose GPUs (slots) another job holds now stays cold
         spare = facts.choose_units(looked.found, job.inv, state.spec, hot, refuse=False, queue=False)
         hot = tuple(h for h in hot if h.name not in spare.refused)
@@ -63,7 +65,14 @@ def plan(job: JobContext, state: JobState, dry: bool = False) -> tuple[JobState,
         say_resumed_from(job, looked.newest.name)
     place = job.place_in_queue
     return state, attempt_mod.build(
-        inv, state.spec, number, port, looked.newest.name, looked.newest.missing, looked.access, tuple(seen),
+        inv,
+        state.spec,
+        number,
+        port,
+        looked.newest.name,
+        looked.newest.missing,
+        looked.access,
+        tuple(seen),
         keep=job.inv.job.keep_snapshots,
         first=first,
         run_dir=str(job.run_dir),
@@ -88,8 +97,9 @@ def look(job: JobContext, state: JobState, inv: Inventory, hot: tuple[Host, ...]
         listing = pool.submit(facts.listening, job.ssh, inv)
         if state.number > 1 or job.resuming:
             asked = state.answering((*inv.hosts, *state.used.values()))
-            newest = pool.submit(facts.newest_snapshot, job.ssh, job.open_snapshots(), inv, state.spec,
-                                 asked, fetch=not dry).result()
+            newest = pool.submit(
+                facts.newest_snapshot, job.ssh, job.open_snapshots(), inv, state.spec, asked, fetch=not dry
+            ).result()
         access, seen = accessing.result()
         found, listed = surveying.result(), listing.result()
     return Looked(access, seen, found, listed, newest)
@@ -109,8 +119,7 @@ def key_code(job: JobContext, spec: jobspec.JobSpec) -> jobspec.JobSpec:
     """The job's code tree and its key (codetree.py), read again before every attempt: a tree
     edited since the last one runs under its new key, and the job says so."""
     if not Path(spec.code).is_dir():
-        raise UserError(f"the job's code {spec.code} is not there any more; give the folder with "
-                        "--code DIR")
+        raise UserError(f"the job's code {spec.code} is not there any more; give the folder with --code DIR")
     key = codetree.key(spec.code, spec.code_only)
     if key == spec.code_key:
         return spec
@@ -122,4 +131,3 @@ def key_code(job: JobContext, spec: jobspec.JobSpec) -> jobspec.JobSpec:
         )
     job.record_code_key(key)
     return replace(spec, code_key=key)
-

@@ -2,6 +2,7 @@
 the containers started on every host at once; and what an attempt that could not start leaves
 (`failed_to_start`: the hosts that failed named, the others' part of it ended).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ def place(job: JobContext, a: AttemptPlan) -> PerHost:
             check=a.step(h.name, "place-check").command,
             rename=a.step(h.name, "place-rename").command,
         )
+
     with snaps.lock:  # the copier of the last attempt must not prune it meanwhile
         return job.ssh.fan_out(push, targets)
 

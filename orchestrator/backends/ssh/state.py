@@ -2,6 +2,7 @@
 (`Attempted`), what a claim that could not go on asks for (`Again`), how the job ended (`Ending`),
 and the one `JobResult` made from them at its end; and the errors that end a job before it starts.
 """
+
 from __future__ import annotations
 
 import signal
@@ -78,14 +79,21 @@ class Again:
 class Ending:
     """How the job ended, decided once (by the policy, `fab stop`, or an interruption)."""
 
-    state: str                        # finished, failed, stopped, interrupted
+    state: str  # finished, failed, stopped, interrupted
     reason: str = ""
     interrupted: int | None = None
 
     @staticmethod
     def of(outcome: Outcome, reason: str) -> Ending:
-        state = ("finished" if outcome.ok else "interrupted" if outcome.interrupted is not None
-                 else "stopped" if outcome.stopped else "failed")
+        state = (
+            "finished"
+            if outcome.ok
+            else "interrupted"
+            if outcome.interrupted is not None
+            else "stopped"
+            if outcome.stopped
+            else "failed"
+        )
         return Ending(state, reason, outcome.interrupted)
 
 
@@ -93,9 +101,9 @@ class Ending:
 class JobResult:
     job_id: str
     run_dir: Path
-    state: str = "failed"         # finished, failed, stopped, interrupted
+    state: str = "failed"  # finished, failed, stopped, interrupted
     attempts: int = 0
-    reason: str = ""              # why the job ended (policy.decide), when it did not finish
+    reason: str = ""  # why the job ended (policy.decide), when it did not finish
     watched: Watched | None = None  # the last attempt's that was watched
     failures: list[str] = field(default_factory=list)  # every failed attempt, one line each
     interrupted: int | None = None

@@ -1,6 +1,7 @@
 """Running a plan's steps (attempt.Step) on their hosts, and the short jobs of fabtrain's own that
 run a plan without the job's stages: the preflight's smoke test and the benchmarks.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -23,8 +24,12 @@ if TYPE_CHECKING:
     from orchestrator.transport.remote import PerHost, Result, Session
 
 
-def run_steps(session: Session, hosts: Iterable[Host], steps: list[Step],
-              transfer: Callable[[Step], Transfer | None] | None = None) -> PerHost:
+def run_steps(
+    session: Session,
+    hosts: Iterable[Host],
+    steps: list[Step],
+    transfer: Callable[[Step], Transfer | None] | None = None,
+) -> PerHost:
     """Run steps on their hosts at once (several on one host in order): host -> last Result or error.
     `transfer`: for a local step (a copy), what follows its progress (progress/bars.py), or None."""
     by_host: dict[str, list[Step]] = {}
@@ -40,13 +45,17 @@ def run_steps(session: Session, hosts: Iterable[Host], steps: list[Step],
                 r = session.local(list(s.argv), s.deadline, on_output=t.output)
                 t.finish(r.ok)
             else:
-                r = (session.local(list(s.argv), s.deadline) if s.where == jobspec.LOCAL else
-                     session.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what))
+                r = (
+                    session.local(list(s.argv), s.deadline)
+                    if s.where == jobspec.LOCAL
+                    else session.run(h, s.command, timeout=s.deadline, stdin=s.stdin, what=s.what)
+                )
             if not r.ok:
                 raise UserError(
                     f"{h.name}: {s.what} failed (exit {r.exited}): {hostile.text(r.stderr.strip()[-300:])}"
                 )
         return r
+
     return session.fan_out(one, tuple(named[n] for n in by_host))
 
 
@@ -55,8 +64,13 @@ def start_quiet(session: Session, inv: Inventory, spec: jobspec.JobSpec) -> Atte
     preflight's smoke test and the benchmarks. UserError naming the hosts that failed to start."""
     spec = replace(spec, code_key=codetree.key(spec.code, spec.code_only))
     a = attempt_mod.build(inv, spec, 1, inv.job.master_port)
-    errors = run_steps(session, a.hosts, a.select("claim") + a.select("sync") + [
-        s for s in a.steps if s.key in ("secrets", "start") and s.when is When.ALWAYS]).errors()
+    errors = run_steps(
+        session,
+        a.hosts,
+        a.select("claim")
+        + a.select("sync")
+        + [s for s in a.steps if s.key in ("secrets", "start") and s.when is When.ALWAYS],
+    ).errors()
     if errors:
         end_quiet(session, a)
         raise UserError("starting the job failed:\n" + "\n".join(str(e) for e in errors.values()))

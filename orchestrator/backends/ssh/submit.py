@@ -3,6 +3,7 @@ what is copied where), the controller's host's addresses found, its key added on
 only from those addresses, for a while the controller keeps moving on: hosts/keys.py), the files and
 the image copied to the controller's host, and the controller started there (it runs
 backends/ssh/controller.py)."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,9 @@ from orchestrator.transport.remote import Session, describe
 if TYPE_CHECKING:
     from orchestrator.config.inventory import Inventory
 
-LOG = "controller.log"     # the controller's own output (events as JSON lines, then its end)
-STARTED = "started"        # written by the controller once its code has loaded (start_script waits)
-START_WAIT = 30            # seconds start_script waits for it
+LOG = "controller.log"  # the controller's own output (events as JSON lines, then its end)
+STARTED = "started"  # written by the controller once its code has loaded (start_script waits)
+START_WAIT = 30  # seconds start_script waits for it
 START_TIMEOUT = 60.0
 
 
@@ -43,9 +44,11 @@ def new_key(job_id: str) -> tuple[bytes, str]:
     """(OpenSSH private key, authorized_keys line) of a key for this job alone."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     key = Ed25519PrivateKey.generate()
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     return private, f"{public.decode()} {marker(job_id)}"
 
@@ -53,9 +56,17 @@ def new_key(job_id: str) -> tuple[bytes, str]:
 def controller_inventory(inv: Inventory) -> Inventory:
     """The inventory as the controller uses it: every host reached with the job's key, checked
     against the copied known_hosts, secrets read from /ctl/secrets."""
+
     def ssh(s: SSH) -> SSH:
-        return replace(s, keys=(f"{MOUNT}/key",), keys_only=True, known_hosts=(f"{MOUNT}/known_hosts",),
-                       global_known_hosts=(), jump=())
+        return replace(
+            s,
+            keys=(f"{MOUNT}/key",),
+            keys_only=True,
+            known_hosts=(f"{MOUNT}/known_hosts",),
+            global_known_hosts=(),
+            jump=(),
+        )
+
     return replace(
         inv,
         hosts=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.hosts),
@@ -111,24 +122,30 @@ def start_script(p: Place, image: str, owner: str, standby: bool = False) -> str
             "sh",
             "-c",
             f"exec python3 -m orchestrator.backends.ssh.controller {MOUNT}"
-            + (" --standby" if standby else "") + f" >> {MOUNT}/{LOG} 2>&1",
+            + (" --standby" if standby else "")
+            + f" >> {MOUNT}/{LOG} 2>&1",
         ]
     )
     name = sshargs.shell([p.container])
     # Until it says it runs (STARTED, once its code has loaded), or at most START_WAIT s: one that
     # exits at once (its code broken, its image wrong) is named here, its log's end on stderr, rather
     # than leaving a "detached" job that nothing runs.
-    started = (f"i=0; while [ ! -e {d}/{STARTED} ]; do if ! docker inspect {name} >/dev/null 2>&1; then "
-               f"echo 'it exited at once; the end of its log:' >&2; tail -n 12 {d}/{LOG} >&2; exit 1; fi; "
-               f"i=$((i+1)); [ $i -ge {START_WAIT * 10} ] && break; sleep 0.1; done")
+    started = (
+        f"i=0; while [ ! -e {d}/{STARTED} ]; do if ! docker inspect {name} >/dev/null 2>&1; then "
+        f"echo 'it exited at once; the end of its log:' >&2; tail -n 12 {d}/{LOG} >&2; exit 1; fi; "
+        f"i=$((i+1)); [ $i -ge {START_WAIT * 10} ] && break; sleep 0.1; done"
+    )
     return f'{passwd} && docker run -d --rm --user "$(id -u):$(id -g)" {rest} >/dev/null && {started}'
 
 
 def prepare_script(p: Place) -> str:
     """The controller's directory, this account's own and mode 700 (its parent shared, sticky)."""
     parent, d = sshargs.shell([p.dir.rsplit("/", 1)[0]]), sshargs.shell([p.dir])
-    return (hostfiles.shared_dir_script(parent, sticky=True) + f"umask 077; mkdir -p {d}/runs && "
-            + hostfiles.own_dir_chmod(d, "700"))
+    return (
+        hostfiles.shared_dir_script(parent, sticky=True)
+        + f"umask 077; mkdir -p {d}/runs && "
+        + hostfiles.own_dir_chmod(d, "700")
+    )
 
 
 def submit(launch: Launch, job_record: JobRecord) -> Finished:
@@ -137,13 +154,17 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
     inv, spec = launch.inv, launch.spec
     jumps = [h.name for h in inv.all_hosts if h.ssh.jump]
     if jumps:
-        raise UserError(f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
-                        "cannot use yet; run the job without --detach", exit_code=2)
+        raise UserError(
+            f"--detach: {', '.join(jumps)} are reached through a jump host, which a controller "
+            "cannot use yet; run the job without --detach",
+            exit_code=2,
+        )
     pl = placement(inv, spec.job_id)
     for p in (pl.active, *([pl.standby] if pl.standby else [])):
         refuse_exposing_mounts(p)
     lifetime, renew = keys.lifetimes()
     from orchestrator.images import images
+
     try:
         images.local_image(inv.controller.image)
     except UserError:
@@ -169,13 +190,19 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
     run_dir = launch.runs / spec.job_id
     run_dir.mkdir(parents=True, exist_ok=True)
     job_record.save(run_dir)
-    warn = "".join(f"\n  warning: {n} did not take the controller's key ({why}): the job cannot use it"
-                   for n, why in failed.items())
-    return Finished(spec.job_id, None, None,
-                    f"job {spec.job_id} detached: its controller runs on {pl.active.host.name} "
-                    f"({pl.active.container}): {pl.said()}. "
-                    f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
-                    f"{spec.job_id}' ends it{warn}")
+    warn = "".join(
+        f"\n  warning: {n} did not take the controller's key ({why}): the job cannot use it"
+        for n, why in failed.items()
+    )
+    return Finished(
+        spec.job_id,
+        None,
+        None,
+        f"job {spec.job_id} detached: its controller runs on {pl.active.host.name} "
+        f"({pl.active.container}): {pl.said()}. "
+        f"Follow it with 'fab logs --job {spec.job_id}'; 'fab status' lists it; 'fab stop --job "
+        f"{spec.job_id}' ends it{warn}",
+    )
 
 
 def refuse_exposing_mounts(p: Place) -> None:
@@ -205,8 +232,15 @@ def stage_files(stage: Path, launch: Launch) -> str:
     (stage / "secrets").mkdir(mode=0o700)
     for name, path in inv.job.secret_files:
         write(stage / "secrets" / name, Path(path).expanduser().read_bytes())
-    ctl = replace(launch, inv=controller_inventory(inv), spec=replace(spec, code=f"{MOUNT}/code"),
-                  runs=Path(MOUNT) / "runs", console=None, json=True, live=False)  # type: ignore[arg-type]
+    ctl = replace(
+        launch,
+        inv=controller_inventory(inv),
+        spec=replace(spec, code=f"{MOUNT}/code"),
+        runs=Path(MOUNT) / "runs",
+        console=None,
+        json=True,
+        live=False,
+    )  # type: ignore[arg-type]
     write(stage / "launch.pickle", pickle.dumps(ctl))
     code_copy(stage / "fabtrain")
     return public
@@ -218,38 +252,60 @@ def code_copy(dest: Path) -> None:
     pyproject.toml), whether it runs from a checkout or is installed."""
     import orchestrator
     from orchestrator.hostcmds import dockerargs
-    shutil.copytree(Path(orchestrator.__file__).parent, dest / "orchestrator",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+    shutil.copytree(
+        Path(orchestrator.__file__).parent,
+        dest / "orchestrator",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
     (dest / "docker").mkdir()
     for name, source in dockerargs.RUNTIME_SOURCES.items():
         shutil.copyfile(source, dest / "docker" / name)
     (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
 
 
-def start(session: Session, pl: Placement, stage: Path, launch: Launch, public: str, lifetime: int,
-          renew: int) -> dict[str, str]:
+def start(
+    session: Session, pl: Placement, stage: Path, launch: Launch, public: str, lifetime: int, renew: int
+) -> dict[str, str]:
     """The controllers' hosts' addresses found, then the key on every host (the controllers'
     directories made in the same round trip), then at once the image placed and the files copied
     on both, then the controller run, then its standby; the hosts that did not take the key (or run
     the standby), with why: the job goes on without them."""
     inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
     from orchestrator.images import images
+
     places = [pl.active, *([pl.standby] if pl.standby else [])]
     sources = controller_sources(session, places, inv)
-    write(stage / KEY_FILE, json.dumps({
-        "public": public, "from": sources, "lifetime": lifetime, "renew": renew, "dir": pl.active.dir,
-        "active": pl.active.host.name, "standby": pl.standby.host.name if pl.standby else None}).encode())
+    write(
+        stage / KEY_FILE,
+        json.dumps(
+            {
+                "public": public,
+                "from": sources,
+                "lifetime": lifetime,
+                "renew": renew,
+                "dir": pl.active.dir,
+                "active": pl.active.host.name,
+                "standby": pl.standby.host.name if pl.standby else None,
+            }
+        ).encode(),
+    )
     first = {h.name: authorize_script(spec.job_id, public, sources[h.name], lifetime) for h in inv.all_hosts}
     for p in places:
         first[p.host.name] += " && " + prepare_script(p)
-    ok = session.fan_out(lambda h: session.run(h, first[h.name], timeout=keys.TIMEOUT,
-                                               what="adding the controller's key"), inv.all_hosts)
+    ok = session.fan_out(
+        lambda h: session.run(h, first[h.name], timeout=keys.TIMEOUT, what="adding the controller's key"),
+        inv.all_hosts,
+    )
     failed = {}
     for h in inv.all_hosts:
         r, error = ok.value(h.name), ok.error(h.name)
         if error is not None or r is None or not r.ok:
-            failed[h.name] = describe(h, error) if error is not None else hostile.line(
-                (r.stderr if r else "").strip() or f"exit {r.exited if r else '?'}", 300)
+            failed[h.name] = (
+                describe(h, error)
+                if error is not None
+                else hostile.line((r.stderr if r else "").strip() or f"exit {r.exited if r else '?'}", 300)
+            )
     if pl.active.host.name in failed:
         raise UserError(
             f"--detach: the controller's host {pl.active.host.name} did not take its key or make "
@@ -274,12 +330,17 @@ def start(session: Session, pl: Placement, stage: Path, launch: Launch, public: 
             )
 
     with ThreadPoolExecutor(max_workers=6) as pool:
-        work = {p.host.name: [
-            pool.submit(place_image, p),
-            # The controller's own files, whole (its empty secrets/ too): not a code tree.
-            pool.submit(copy, p, sshargs.rsync_argv(p.host, str(stage), p.dir, listed=False)),
-            pool.submit(copy, p, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)),
-        ] for p in places}
+        work = {
+            p.host.name: [
+                pool.submit(place_image, p),
+                # The controller's own files, whole (its empty secrets/ too): not a code tree.
+                pool.submit(copy, p, sshargs.rsync_argv(p.host, str(stage), p.dir, listed=False)),
+                pool.submit(
+                    copy, p, sshargs.rsync_argv(p.host, spec.code, f"{p.dir}/code", only=spec.code_only)
+                ),
+            ]
+            for p in places
+        }
         for p in places:
             for f in work[p.host.name]:
                 try:
@@ -291,11 +352,16 @@ def start(session: Session, pl: Placement, stage: Path, launch: Launch, public: 
     for p in places:
         if p.host.name in failed:
             continue
-        r = session.run(p.host, start_script(p, image, spec.owner, standby=p is not pl.active),
-                        timeout=START_TIMEOUT, what="starting the controller")
+        r = session.run(
+            p.host,
+            start_script(p, image, spec.owner, standby=p is not pl.active),
+            timeout=START_TIMEOUT,
+            what="starting the controller",
+        )
         if not r.ok and p is pl.active:
-            raise UserError(f"{p.host.name}: the controller did not start: "
-                            f"{hostile.line(r.stderr.strip()[-600:], 600)}")  # its log's end: the cause
+            raise UserError(
+                f"{p.host.name}: the controller did not start: {hostile.line(r.stderr.strip()[-600:], 600)}"
+            )  # its log's end: the cause
         if not r.ok:
             failed[p.host.name] = f"its standby did not start: {hostile.line(r.stderr.strip(), 300)}"
     return {n: why for n, why in failed.items() if n != pl.active.host.name}
@@ -307,11 +373,18 @@ def controller_sources(session: Session, places: list[Place], inv: Inventory) ->
     to them."""
     out: dict[str, list[str]] = {h.name: [] for h in inv.all_hosts}
     for p in places:
-        r = session.run(p.host, keys.addresses_script(p.host.ssh.hostname), timeout=deadlines.STATUS_TIMEOUT,
-                        what="listing its addresses")
+        r = session.run(
+            p.host,
+            keys.addresses_script(p.host.ssh.hostname),
+            timeout=deadlines.STATUS_TIMEOUT,
+            what="listing its addresses",
+        )
         if not r.ok:
-            raise UserError(f"--detach: listing the addresses of {p.host.name}, a controller's host, failed: "
-                            f"{hostile.line(r.stderr.strip() or f'exit {r.exited}', 300)}", exit_code=1)
+            raise UserError(
+                f"--detach: listing the addresses of {p.host.name}, a controller's host, failed: "
+                f"{hostile.line(r.stderr.strip() or f'exit {r.exited}', 300)}",
+                exit_code=1,
+            )
         addresses, via_loopback = keys.parse_addresses(r.stdout, p.host.name)
         by_host = keys.sources_by_host([h.name for h in inv.all_hosts], p.host.name, addresses, via_loopback)
         for n, v in by_host.items():

@@ -6,6 +6,7 @@ the hosts' claims say its GPUs (slots) and master port. From those the attempt's
 stages (job.py): the watchdog, restarts, snapshot copies and the final fetch, with no second
 container started. A job whose lease is fresh is looked after by someone: it is left alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -32,10 +33,10 @@ class Running:
     """A running attempt as the record and the hosts show it."""
 
     number: int
-    hosts: tuple[Host, ...]               # rank order, ranks set
+    hosts: tuple[Host, ...]  # rank order, ranks set
     port: int
     units: dict[str, tuple[int, ...]]
-    restarts_used: int                    # restarts spent since the job was last started or resumed
+    restarts_used: int  # restarts spent since the job was last started or resumed
 
 
 def running_attempt(found: PerHost, inv: Inventory, record: JobRecord, lease: bool = True) -> Running:
@@ -43,21 +44,29 @@ def running_attempt(found: PerHost, inv: Inventory, record: JobRecord, lease: bo
     `lease`: refused while the job's lease is fresh (not for a standby that saw its controller gone)."""
     job = record.job_id
     if record.state != "running" or not record.attempts:
-        raise UserError(f"job {job} is {record.state} (runs/{job}/job.json): there is nothing to take over; "
-                        f"continue it with 'fab train --resume {job}'", exit_code=2)
+        raise UserError(
+            f"job {job} is {record.state} (runs/{job}/job.json): there is nothing to take over; "
+            f"continue it with 'fab train --resume {job}'",
+            exit_code=2,
+        )
     by_name = {h.name: h for h in inv.all_hosts}
     last = record.attempts[-1]
     unknown = [n for n in last.hosts if n not in by_name]
     if unknown:
-        raise UserError(f"job {job} runs on {', '.join(unknown)}, which {inv.path} does not name; give the "
-                        "inventory it was started with (--inventory)", exit_code=2)
+        raise UserError(
+            f"job {job} runs on {', '.join(unknown)}, which {inv.path} does not name; give the "
+            "inventory it was started with (--inventory)",
+            exit_code=2,
+        )
     survey = {n: hj for n, hj in found.items() if isinstance(hj, HostJobs)}
     if lease:
         refuse_if_looked_after(found, job)
     if not any(job in survey[n].containers for n in last.hosts if n in survey):
-        raise UserError(f"job {job} has no container on its hosts ({', '.join(last.hosts)}) that answered: "
-                        f"nothing runs to take over; continue it with 'fab train --resume {job}'",
-                        exit_code=2)
+        raise UserError(
+            f"job {job} has no container on its hosts ({', '.join(last.hosts)}) that answered: "
+            f"nothing runs to take over; continue it with 'fab train --resume {job}'",
+            exit_code=2,
+        )
     hosts = tuple(replace(by_name[n], rank=rank) for rank, n in enumerate(last.hosts))
     units, port = {}, inv.job.master_port
     for n in last.hosts:
@@ -71,8 +80,13 @@ def running_attempt(found: PerHost, inv: Inventory, record: JobRecord, lease: bo
 
 def refuse_if_looked_after(found: PerHost, job: str) -> None:
     """UserError when the job's lease on a host is fresh: its fab train or controller is alive."""
-    fresh = sorted((age, n) for n, hj in found.items() if isinstance(hj, HostJobs)
-                   and (age := hj.runtime.get(job)) is not None and age < hostfiles.LEASE_LIVE)
+    fresh = sorted(
+        (age, n)
+        for n, hj in found.items()
+        if isinstance(hj, HostJobs)
+        and (age := hj.runtime.get(job)) is not None
+        and age < hostfiles.LEASE_LIVE
+    )
     if fresh:
         age, host = fresh[0]
         raise UserError(
@@ -87,12 +101,24 @@ def plan(job: JobContext, state: JobState, running: Running) -> tuple[JobState, 
     """The running attempt's plan, built as the job built it, and the job's state to go on from it."""
     inv = replace(job.inv, hosts=running.hosts)
     taken = {h.name for h in running.hosts}
-    roster = Roster(running.hosts, tuple(h for h in job.inv.all_hosts if h.name not in taken),
-                    restarts_used=running.restarts_used)
+    roster = Roster(
+        running.hosts,
+        tuple(h for h in job.inv.all_hosts if h.name not in taken),
+        restarts_used=running.restarts_used,
+    )
     state = replace(state, roster=roster, spec=key_code(job, state.spec))
     # The spares as the job kept them (hot: waiting with their containers, which the job's end
     # removes); only this attempt's watch and teardown run, not its start.
     hot = roster.spares if job.hot_spares else ()
-    return state, attempt_mod.build(inv, state.spec, running.number, running.port,
-                                    keep=job.inv.job.keep_snapshots, first=False, run_dir=str(job.run_dir),
-                                    units=running.units, warm=job.warm, hot=hot)
+    return state, attempt_mod.build(
+        inv,
+        state.spec,
+        running.number,
+        running.port,
+        keep=job.inv.job.keep_snapshots,
+        first=False,
+        run_dir=str(job.run_dir),
+        units=running.units,
+        warm=job.warm,
+        hot=hot,
+    )

@@ -3,6 +3,7 @@
 waits (a place not renewed for hostfiles.LEASE_STALE is dropped by the others), and left when
 the job starts or ends.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,11 +27,17 @@ class Place:
     """The job's place (its ticket, queue.new_ticket) in its hosts' queues, and what was last said
     about it."""
 
-    def __init__(self, inv: Inventory, spec: jobspec.JobSpec, ticket: str,
-                 note: Callable[[str, str], None], emit: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        inv: Inventory,
+        spec: jobspec.JobSpec,
+        ticket: str,
+        note: Callable[[str, str], None],
+        emit: Callable[..., None],
+    ) -> None:
         self.inv, self.spec, self.ticket = inv, spec, ticket
         self.note, self.emit = note, emit
-        self.hosts: tuple[Host, ...] = ()   # where the job holds a place now
+        self.hosts: tuple[Host, ...] = ()  # where the job holds a place now
         self.since = 0.0
         self.position: int | None = None
 
@@ -40,8 +47,13 @@ class Place:
 
         def enqueue(h: Host) -> Result:
             asked = want.of(h, 0)
-            script = queue.enqueue_script(self.inv, self.spec.job_id, self.ticket, self.spec.owner,
-                                           asked if isinstance(asked, tuple) else ())
+            script = queue.enqueue_script(
+                self.inv,
+                self.spec.job_id,
+                self.ticket,
+                self.spec.owner,
+                asked if isinstance(asked, tuple) else (),
+            )
             return session.run(
                 h, script, timeout=deadlines.STATUS_TIMEOUT, what="keeping its place in the queue"
             )
@@ -63,8 +75,11 @@ class Place:
             waits = "; ".join(
                 f"{n}: behind {', '.join(w.job for w in v)}" for n, v in ahead.items() if v
             ) or (f"{q.host.name}: held by {', '.join(c.job for c in q.held) or 'another job'}")
-            self.note(f"queued: position {position} ({waits}); it starts by itself when its hosts are free. "
-                      f"'fab status' shows the queue; 'fab stop --job {self.spec.job_id}' leaves it", "info")
+            self.note(
+                f"queued: position {position} ({waits}); it starts by itself when its hosts are free. "
+                f"'fab status' shows the queue; 'fab stop --job {self.spec.job_id}' leaves it",
+                "info",
+            )
             self.emit("queued", position=position, waits=waits)
 
     def leave(self, session: Session) -> None:
@@ -72,8 +87,10 @@ class Place:
         if self.hosts:
             hosts, self.hosts = self.hosts, ()
             command = queue.dequeue_command(self.inv, self.spec.job_id)
-            session.fan_out(lambda h: session.run(h, command, timeout=deadlines.STATUS_TIMEOUT,
-                                                  what="leaving the queue"), hosts)
+            session.fan_out(
+                lambda h: session.run(h, command, timeout=deadlines.STATUS_TIMEOUT, what="leaving the queue"),
+                hosts,
+            )
             self.note(f"left the queue after {time.time() - self.since:.0f}s", "info")
 
     def forget(self) -> None:

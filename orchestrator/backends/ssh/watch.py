@@ -10,6 +10,7 @@ other nodes are then stopped at once.
 What counts as progress, and the looks into the hosts that tell it (heartbeats, where the ranks
 are, at a hang their stacks and the flight recorder's blame), are in hangs.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,11 +40,10 @@ from orchestrator.transport.logs import Multiplexer, missing_output
 from orchestrator.transport.remote import CommandTimedOut, Session, describe
 
 if TYPE_CHECKING:
-
     from rich.console import Console
 
-ENGINE_GRACE = 10.0   # seconds Docker may take to confirm an exit the node itself reported
-DRAIN = 5.0           # seconds to collect the other nodes' ends after a failure
+ENGINE_GRACE = 10.0  # seconds Docker may take to confirm an exit the node itself reported
+DRAIN = 5.0  # seconds to collect the other nodes' ends after a failure
 
 
 @dataclass
@@ -51,12 +51,12 @@ class NodeEnd:
     """How one node of an attempt ended."""
 
     host: Host
-    exit_code: int | None = None      # None: never read (lost host, stuck engine before the end)
+    exit_code: int | None = None  # None: never read (lost host, stuck engine before the end)
     failure: Failure | None = None
     detail: str = ""
     tail: str = ""
-    by_us: bool = False                # stopped because another node failed, or by Ctrl+C
-    warm: bool = False                 # its container waits for the next generation (attempt.build)
+    by_us: bool = False  # stopped because another node failed, or by Ctrl+C
+    warm: bool = False  # its container waits for the next generation (attempt.build)
 
     def failure_line(self) -> HostFailure:
         return HostFailure(
@@ -77,16 +77,17 @@ class Watched:
     ends: dict[str, NodeEnd] = field(default_factory=dict)
     failures: list[NodeEnd] = field(default_factory=list)
     interrupted: int | None = None
-    hung: list[str] = field(default_factory=list)      # one line per rank of a hung job
+    hung: list[str] = field(default_factory=list)  # one line per rank of a hung job
     stuck_engines: list[str] = field(default_factory=list)
     teardown_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
-        return (not self.failures and self.interrupted is None
-                and all(e.exit_code == 0 for e in self.ends.values()))
-
-
+        return (
+            not self.failures
+            and self.interrupted is None
+            and all(e.exit_code == 0 for e in self.ends.values())
+        )
 
 
 class Tee:
@@ -105,10 +106,21 @@ class Watcher:
     watching (a re-attached `fab logs`); `known_lost`: host -> why it was found silent before this
     watch began (a failover's survey): that node ends lost at once, its host never asked again."""
 
-    def __init__(self, session: Session, attempt: AttemptPlan, run_dir: Path, reporter: Reporter,
-                 hang_timeout: float = 0, echo: bool = True, out: BinaryIO | None = None,
-                 console: Console | None = None, live: bool = False, detach: bool = False,
-                 lost_after: float | None = None, known_lost: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        attempt: AttemptPlan,
+        run_dir: Path,
+        reporter: Reporter,
+        hang_timeout: float = 0,
+        echo: bool = True,
+        out: BinaryIO | None = None,
+        console: Console | None = None,
+        live: bool = False,
+        detach: bool = False,
+        lost_after: float | None = None,
+        known_lost: dict[str, str] | None = None,
+    ) -> None:
         self.session, self.attempt, self.reporter = session, attempt, reporter
         names = {h.name for h in attempt.hosts}
         self.known_lost = {n: why for n, why in (known_lost or {}).items() if n in names}
@@ -118,8 +130,13 @@ class Watcher:
         self.progress = Progress([h.name for h in self.hosts])
         self.live = live and echo and console is not None and console.is_terminal
         self.console = console
-        self.mux = Multiplexer(run_dir, out=out, echo=echo, console=console if self.live else None,
-                               board=Tee(self.board, self.progress))
+        self.mux = Multiplexer(
+            run_dir,
+            out=out,
+            echo=echo,
+            console=console if self.live else None,
+            board=Tee(self.board, self.progress),
+        )
         width = max(len(f"{h.name} r{h.rank}") for h in self.hosts)
         self.sinks = {h.name: self.mux.sink(h.name, h.rank, width) for h in self.hosts}
         self.events: queue.Queue[NodeEnd] = queue.Queue()
@@ -142,30 +159,38 @@ class Watcher:
             window.extend(data)
             del window[:-4096]  # enough to find where the stream stopped in the log's tail
             sink.feed(data)
+
         try:
             self.session.stream(host, self.attempt.step(host.name, "follow").command, feed)
             finish = self.attempt.step(host.name, "finish")
             r = self.session.run(host, finish.command, timeout=finish.deadline, what=finish.what)
             refused = [ln for ln in r.stderr.splitlines() if ln.startswith(touched.REFUSED)]
             if refused:  # the container put something else where its console file was
-                self.note(f"{host.name}: {hostile.line(refused[0], 300)} (its container's doing; what the "
-                          "follow had already read is kept)", "warning")
+                self.note(
+                    f"{host.name}: {hostile.line(refused[0], 300)} (its container's doing; what the "
+                    "follow had already read is kept)",
+                    "warning",
+                )
             first, _, tail = r.stdout.encode().partition(b"\n")
             code = first.split()
             end.exit_code, end.warm = int(code[0] if code else 255), code[1:] == [b"warm"]
             missed = missing_output(received, bytes(window), tail, hostfiles.TAIL_BYTES)
             if missed is None:
                 rest = self.attempt.step(host.name, "remainder")
-                self.session.stream(host, rest.command.replace("+OFFSET", f"+{received + 1}"), sink.feed,
-                                    timeout=rest.timeout)
+                self.session.stream(
+                    host, rest.command.replace("+OFFSET", f"+{received + 1}"), sink.feed, timeout=rest.timeout
+                )
             elif missed:
                 sink.feed(missed)
             if end.exit_code != 0:
                 end.failure, end.detail = Failure.EXIT, f"exited with code {end.exit_code}"
         except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash
             end.detail = describe(host, exc)
-            end.failure = Failure.ENGINE if isinstance(exc, CommandTimedOut) else (
-                Failure.EXIT if isinstance(exc, UserError) else Failure.LOST)
+            end.failure = (
+                Failure.ENGINE
+                if isinstance(exc, CommandTimedOut)
+                else (Failure.EXIT if isinstance(exc, UserError) else Failure.LOST)
+            )
         finally:
             sink.close()
             end.tail = sink.last_lines()
@@ -192,8 +217,14 @@ class Watcher:
             if self.live
             else contextlib.nullcontext()
         )
-        sampler = Sampler(self.session, self.attempt, self.emit, self.note, self.stop_idle,
-                          watched=lambda host: host in self.pending)
+        sampler = Sampler(
+            self.session,
+            self.attempt,
+            self.emit,
+            self.note,
+            self.stop_idle,
+            watched=lambda host: host in self.pending,
+        )
         sampler.start()
         try:
             with view:
@@ -220,8 +251,11 @@ class Watcher:
         hostops.mark_stopped(self.session, self.attempt.inv, {self.attempt.job_id: [h.name for h in hosts]})
         steps = {s.where: s for s in self.attempt.steps if s.when == When.ON_INTERRUPT}
         self.session.fan_out(
-            lambda h: self.session.run(h, steps[h.name].command, timeout=steps[h.name].deadline,
-                                       what=steps[h.name].what), hosts)
+            lambda h: self.session.run(
+                h, steps[h.name].command, timeout=steps[h.name].deadline, what=steps[h.name].what
+            ),
+            hosts,
+        )
         self.note(f"job stopped: {why} (--stop-idle)", "warning")
 
     def until_done(self) -> None:
@@ -243,8 +277,14 @@ class Watcher:
             self.result.ends[end.host.name] = end
             if end.failure is not None:
                 self.result.failures.append(end)
-                self.reporter.emit("host_failed", job=self.attempt.job_id, attempt=self.attempt.number,
-                                   host=end.host.name, kind=end.failure.value, detail=end.detail)
+                self.reporter.emit(
+                    "host_failed",
+                    job=self.attempt.job_id,
+                    attempt=self.attempt.number,
+                    host=end.host.name,
+                    kind=end.failure.value,
+                    detail=end.detail,
+                )
                 self.stop_others(When.ON_FAILURE)
                 return
 
@@ -252,16 +292,25 @@ class Watcher:
         for name, step in list(self.progress.step.items()):
             if self.last_step.get(name) != step:
                 self.last_step[name] = step
-                self.reporter.emit("progress", job=self.attempt.job_id, attempt=self.attempt.number,
-                                   host=name, step=step, ranks=self.board.ranks(name))
+                self.reporter.emit(
+                    "progress",
+                    job=self.attempt.job_id,
+                    attempt=self.attempt.number,
+                    host=name,
+                    step=step,
+                    ranks=self.board.ranks(name),
+                )
 
     def lost_host(self) -> NodeEnd | None:
         now = time.monotonic()
         for h in self.hosts:
             seen = self.session.alive_since(h)
             if h.name in self.pending and seen is not None and now - seen > self.lost_after:
-                return NodeEnd(h, failure=Failure.LOST,
-                               detail=f"no SSH keepalive answer for {now - seen:.0f}s; host lost")
+                return NodeEnd(
+                    h,
+                    failure=Failure.LOST,
+                    detail=f"no SSH keepalive answer for {now - seen:.0f}s; host lost",
+                )
         return None
 
     def reported_exit(self) -> NodeEnd | None:
@@ -313,11 +362,14 @@ class Watcher:
         blamed = self.looks.blame(stale, self.pending, self.result.hung)
         whole = set(stale) == self.pending and len(self.pending) > 1
         what = "no progress from any node" if whole else f"no progress from {blamed.name}"
-        return NodeEnd(blamed, failure=Failure.HUNG,
-                       detail=f"{what} for {silent:.0f}s (--hang-timeout {self.hang_timeout:g}); heartbeat: "
-                              f"{', '.join(f'{n} {beats[n]}' for n in stale)}; stuck: "
-                              f"{'; '.join(self.result.hung) or 'no stacks could be read'}",
-                       tail=self.sinks[blamed.name].last_lines())
+        return NodeEnd(
+            blamed,
+            failure=Failure.HUNG,
+            detail=f"{what} for {silent:.0f}s (--hang-timeout {self.hang_timeout:g}); heartbeat: "
+            f"{', '.join(f'{n} {beats[n]}' for n in stale)}; stuck: "
+            f"{'; '.join(self.result.hung) or 'no stacks could be read'}",
+            tail=self.sinks[blamed.name].last_lines(),
+        )
 
     def stop_others(self, when: When) -> None:
         """Stop the job's containers on every host still running (not known lost), all at once;
@@ -356,5 +408,6 @@ def worker_failure(tail: str) -> str:
     """Which worker failed: torchrun's agent exits 1 whatever its worker did, and its root-cause
     report says which; the entrypoint's direct launch says it in one line (and exits with its code)."""
     m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S) or re.search(
-        r"\[fabtrain\] worker rank (\d+) exited with code (-?\d+)", tail)
+        r"\[fabtrain\] worker rank (\d+) exited with code (-?\d+)", tail
+    )
     return f" (worker rank {m.group(1)} exited with code {m.group(2)})" if m else ""

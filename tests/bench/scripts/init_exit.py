@@ -1,4 +1,5 @@
 """Joins the process group, says when, and exits: the launch benchmark's trainer."""
+
 import sys
 import time
 

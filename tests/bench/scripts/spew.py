@@ -1,4 +1,5 @@
 """Prints N numbered lines as fast as it can (no torch.distributed): the log benchmark's source."""
+
 import os
 import sys
 

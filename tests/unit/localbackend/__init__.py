@@ -2,6 +2,7 @@
 each node of the job is a local process (the node's command from its NodeSpec, with its
 environment), its output in runs/JOB/HOST.log, its pid in runs/JOB/HOST.pid. Registered by the
 tests as `local` (backends/registry.register)."""
+
 from __future__ import annotations
 
 import os
@@ -114,8 +115,9 @@ class LocalBackend:
         error = None if state == "finished" else UserError(f"job {job_id} ended {state}")
         return Finished(job_id, run_dir, error)
 
-    def stop(self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float,
-             runs: Path) -> Stopped:
+    def stop(
+        self, inv: Inventory, job_id: str | None, everyone: bool, yes: bool, grace: float, runs: Path
+    ) -> Stopped:
         out = Stopped()
         for pid_file in sorted(runs.glob(f"{job_id or '*'}/*.pid")):
             pid = int(pid_file.read_text())
@@ -125,8 +127,11 @@ class LocalBackend:
         return out
 
     def status(self, inv: Inventory, runs: Path) -> Status:
-        rows = [{"job": p.parent.name, "host": p.stem} for p in sorted(Path("runs").glob("*/*.pid"))
-                if alive(int(p.read_text()))]
+        rows = [
+            {"job": p.parent.name, "host": p.stem}
+            for p in sorted(Path("runs").glob("*/*.pid"))
+            if alive(int(p.read_text()))
+        ]
         return Status(doc={"local": rows}, lines=[f"{r['job']} runs on {r['host']}" for r in rows])
 
 

@@ -1,4 +1,5 @@
 """How rank0.json and rank1.json were recorded (README.md): run under torchrun, 2 processes."""
+
 import datetime
 import os
 import threading
