@@ -1,5 +1,5 @@
-"""The habits hold: ruff (pyproject.toml's rules and its formatting, 110 columns) and mypy pass on the whole tree, so
-.ci/run (which runs this suite) fails on a lint or type error like on any other."""
+"""The habits hold: ruff (pyproject.toml's rules and its formatting, 110 columns) and mypy pass on
+the whole tree, so .ci/run (which runs this suite) fails on a lint or type error like on any other."""
 
 import subprocess
 import sys
