@@ -5,8 +5,11 @@ nearest spelling, and every command line the parser refuses exits 2 (1 is a fail
     No idea what 'trian' is! Did you mean 'train'?
     $ fab train --epoch 3
     No idea what '--epoch' is! Did you mean '--epochs'?
-    $ fab logs gpt-20260101-120000-ab12
-    No idea what 'gpt-20260101-120000-ab12' is! Did you mean '--job gpt-20260101-120000-ab12'?
+
+A job id given bare to a task whose job is an option (`fab stop JOB`, `fab logs JOB`,
+`fab metrics JOB`: the job may be left out, and Invoke's positional arguments are required) is
+taken as `--job JOB`: the parser's refusal of that word is answered by parsing again with `--job`
+before it. Given twice, the second is refused with the suggestion instead.
 
 Invoke's parser raises ParseError, which its Program prints and ends with exit 1. `fab` is
 Fabric's own program and loads fabfile.py only after its core options are parsed, so a subclass
@@ -83,15 +86,44 @@ def explained(error: ParseError, program: Program) -> UsageError:
     return UsageError(text, error.context)
 
 
+def job_given_bare(error: ParseError, argv: list[str], tasks: Iterable[str]) -> list[str] | None:
+    """argv with `--job` put before the word the parser refused, when that word is a job id (and
+    no mistyped task: `fab stop trian`) given to a task that takes --job and was not given one;
+    else None."""
+    m = UNKNOWN.match(str(error))
+    context = error.context
+    if not m or context is None or not context.name or "--job" not in context.flags:
+        return None
+    token = ast.literal_eval(m["token"])
+    if not jobspec.valid_job_id(token) or closest(token, tasks) is not None:
+        return None
+    names = {context.name, *context.aliases}
+    starts = [i for i, word in enumerate(argv) if word in names]
+    if not starts:
+        return None
+    rest = argv[starts[-1] + 1 :]
+    if token not in rest or any(w == "--job" or w.startswith("--job=") for w in rest):
+        return None
+    at = starts[-1] + 1 + rest.index(token)
+    return [*argv[:at], "--job", *argv[at:]]
+
+
 def _refusing(step: Callable[[Program], None]) -> Callable[[Program], None]:
     @functools.wraps(step)
     def wrapped(self: Program) -> None:
-        try:
-            step(self)
-        except UsageError:
-            raise
-        except ParseError as exc:
-            raise explained(exc, self) from None
+        for _ in range(8):  # one retry per job given bare (one per task on the line)
+            try:
+                return step(self)
+            except UsageError:
+                raise
+            except ParseError as exc:
+                core, parser = getattr(self, "core", None), getattr(self, "parser", None)
+                tasks = list(parser.contexts) if parser is not None else []
+                argv = job_given_bare(exc, list(core.unparsed), tasks) if core is not None else None
+                if argv is None:
+                    raise explained(exc, self) from None
+                core.unparsed = argv
+        raise UsageError("too many job ids given bare")
 
     return wrapped
 

@@ -509,8 +509,8 @@ def test_a_job_is_known_by_what_the_hosts_hold_or_runs_records(tmp_path):
         (["train", "stauts"], "No idea what 'stauts' is! Did you mean 'status'?"),
         (["cluster.upp"], "No idea what 'cluster.upp' is! Did you mean 'cluster.up'?"),
         (["--lsit"], "No idea what '--lsit' is! Did you mean '--list'?"),
-        # The job of fab logs, stop and metrics is an option (it may be left out).
-        (["logs", NOSUCH], f"No idea what '{NOSUCH}' is! Did you mean '--job {NOSUCH}'?"),
+        # A task that takes no job (a bare job where one is taken: tests/unit/test_usage.py).
+        (["preflight", NOSUCH], f"No idea what '{NOSUCH}' is!"),
         (["zzzz"], "No idea what 'zzzz' is!"),
         (["shell"], "'shell' did not receive required positional arguments: 'job'"),
         (["stop", "--job"], "Flag <Option: job> needed value and was not given one!"),
