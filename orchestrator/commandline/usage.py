@@ -120,7 +120,7 @@ def _refusing(step: Callable[[Program], None]) -> Callable[[Program], None]:
                 core, parser = getattr(self, "core", None), getattr(self, "parser", None)
                 tasks = list(parser.contexts) if parser is not None else []
                 argv = job_given_bare(exc, list(core.unparsed), tasks) if core is not None else None
-                if argv is None:
+                if core is None or argv is None:
                     raise explained(exc, self) from None
                 core.unparsed = argv
         raise UsageError("too many job ids given bare")

@@ -237,10 +237,10 @@ def stage_files(stage: Path, launch: Launch) -> str:
         inv=controller_inventory(inv),
         spec=replace(spec, code=f"{MOUNT}/code"),
         runs=Path(MOUNT) / "runs",
-        console=None,
+        console=None,  # type: ignore[arg-type]
         json=True,
         live=False,
-    )  # type: ignore[arg-type]
+    )
     write(stage / "launch.pickle", pickle.dumps(ctl))
     code_copy(stage / "fabtrain")
     return public
