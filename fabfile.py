@@ -4,35 +4,23 @@ fab cluster.up                       # a local cluster of Docker-in-Docker hosts
 fab preflight                        # every check on every host, as a table
 fab train --model tiny --epochs 5    # sync, preflight, start in rank order, stream logs
 fab stop                             # stop and remove this project's containers everywhere
+
+Each task: its options (their help: orchestrator/commandline/taskhelp.py), one call that does its work.
 """
 
 from __future__ import annotations
 
-import functools
-import json as _json
 import logging
-import shlex
-import sys
 from pathlib import Path
 
-from fabric import Connection
-from invoke import Collection, Exit
+from invoke import Collection
 from rich.console import Console
 
-from orchestrator import preflight as _preflight
-from orchestrator.backends.ssh import jobcontrol as _jobcontrol
-from orchestrator.backends.ssh import steps as _steps
-from orchestrator.commandline import cli, requests, usage
+from orchestrator.commandline import cli, control, exports, observe, prepare, requests, taskhelp, usage
+from orchestrator.commandline.taskerrors import user_errors
 from orchestrator.commandline.typed import task
 from orchestrator.config import inventory as _inventory
-from orchestrator.core import hostile, jobspec
-from orchestrator.core.errors import UserError
-from orchestrator.core.policy import HANG_TIMEOUT
-from orchestrator.hosts import hostops
-from orchestrator.images import images as _images
-from orchestrator.preflight import deep as _deep
 from orchestrator.testbed import cluster as _cluster
-from orchestrator.transport.remote import Session
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
@@ -40,103 +28,16 @@ cli.quiet_on_closed_pipe()
 usage.install()  # a mistyped task or option: exit 2, with the nearest spelling
 RUNS = Path("runs")
 console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in logs and pipes
-INV_HELP = "inventory file (default: $FABTRAIN_INVENTORY, else inventory.yaml here)"
 
 
-def fabric_core_flags(c) -> None:
-    """Fabric's -H, -i and -S choose hosts, keys and an ssh_config for Fabric's own connections;
-    fabtrain takes all three from the inventory, so they stop with a clear error, never ignored."""
-    if isinstance(c, Connection):
-        raise UserError(
-            f"-H/--hosts ({c.host}) is Fabric's host list; fabtrain's hosts come from the inventory "
-            "(--inventory PATH). Leave -H out",
-            exit_code=2,
-        )
-    if c.config.connect_kwargs.get("key_filename"):
-        raise UserError(
-            "-i/--identity is Fabric's key option; fabtrain takes keys from the inventory (ssh: key:, "
-            "or per host) or your ssh-agent and ~/.ssh/config. Leave -i out",
-            exit_code=2,
-        )
-    if getattr(c.config, "_runtime_ssh_path", None):
-        raise UserError(
-            "-S/--ssh-config is Fabric's option; fabtrain reads ~/.ssh/config, or the file named by the "
-            "inventory's ssh: config: field. Leave -S out",
-            exit_code=2,
-        )
-
-
-def user_errors(fn):
-    """Print a user's mistake as one clear message and exit non-zero, never as a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            fabric_core_flags(args[0])
-            return fn(*args, **kwargs)
-        except UserError as exc:
-            print(f"error: {hostile.text(str(exc))}", file=sys.stderr)
-            raise Exit(code=exc.exit_code) from None
-
-    return wrapper
-
-
-CODE_HELP = (
-    "your project's folder, with --script/--module: synced to job.code_dir/KEY (KEY names its "
-    "contents) and linked into the job's writable working directory (default: the current directory)"
-)
-
-
-TREE_HELP = "your project's folder (default: this project's built-in trainers)"
-
-
-@task(
-    auto_shortflags=False,
-    help={
-        "inventory": INV_HELP,
-        "code": TREE_HELP,
-        "json": "print where the code went and how long each host took, as JSON",
-    },
-)
+@task(auto_shortflags=False, help=taskhelp.SYNC)
 @user_errors
 def sync(c, inventory=None, code=None, json=False):
     """Copy the code (rsync, in parallel) to job.code_dir/KEY on every host (fab train does this itself)."""
-    from orchestrator.progress import bars
-
-    inv = _inventory.load(inventory)
-    tree = cli.code_tree(code)
-    say = cli.stderr_console() if json else console
-    for line in hostops.tree_lines(*tree):
-        say.print(line, markup=False, highlight=False)
-    with Session(inv.hosts) as session, bars.bar(say) as progress:
-        dest, times = hostops.sync(session, inv, *tree, transfers=bars.Transfers(progress))
-    if json:
-        print(
-            _json.dumps(
-                {"destination": dest, "seconds": {h: round(t, 3) for h, t in times.items()}}, indent=2
-            )
-        )
-        return
-    for host, seconds in times.items():
-        print(f"{host}: synced to {dest} in {seconds:.2f}s")
+    prepare.sync(inventory, code, json, console)
 
 
-@task(
-    auto_shortflags=False,
-    kinds={"clock_warn": float, "clock_fail": float},
-    help={
-        "inventory": INV_HELP,
-        "json": "print the results as JSON",
-        "strict": "fail on warnings too",
-        "smoke": "run the collective smoke test (all_reduce in the real containers; default on)",
-        "clock_warn": "warn above this clock offset, seconds (default 0.05)",
-        "clock_fail": "fail above this clock offset, seconds (default 0.5)",
-        "code": TREE_HELP,
-        "deep": "also measure: disk write speed and space, compute per host (GPU) against its peers, "
-        "bandwidth and round trips between every pair of hosts, GPU health (ECC, XID, throttling, "
-        "PCIe, dcgmi); kept in .fabtrain/health.json (or $XDG_STATE_HOME/fabtrain/) for fab train --health",
-    },
-)
+@task(auto_shortflags=False, kinds={"clock_warn": float, "clock_fail": float}, help=taskhelp.PREFLIGHT)
 @user_errors
 def preflight(
     c,
@@ -156,57 +57,7 @@ def preflight(
     job.master_port, as fab train takes it) reachable from every worker, clock offset and NTP,
     shared memory, disk, synced code, and an all_reduce across every host in the real containers
     (--no-smoke skips it)."""
-    inv = _inventory.load(inventory)
-    limits = _preflight.Limits(clock_warn=float(clock_warn), clock_fail=float(clock_fail))
-    with Session(inv.hosts) as session:
-        source, only = cli.code_tree(code)
-        inv = hostops.with_free_port(session, inv)
-        checks = _preflight.run(
-            session, inv, limits=limits, run_job=_steps.run_quiet if smoke else None, source=source, only=only
-        )
-        measured = None
-        if deep:
-            more, measured = _deep.run_deep(session, inv)
-            _deep.save(measured, more)
-            checks = checks + more
-    if json:
-        out = _json.loads(_preflight.to_json(checks, strict))
-        if measured is not None:
-            out["deep"] = measured
-        print(_json.dumps(out, indent=2))
-    else:
-        _preflight.render(checks, console)
-        if measured is not None and len(inv.hosts) > 1:
-            console.print(
-                "network, Mbit/s (row sends to column):\n" + measured["network"]["matrix"], markup=False
-            )
-    bad = _preflight.failed(checks, strict)
-    if bad:
-        raise Exit(code=1)
-
-
-TRAINERS = {"gpt": "trainers/gpt.py", "mlp-tp": "trainers/mlp_tp.py"}
-
-
-PLAIN_HELP = (
-    "no live status lines at the bottom of the terminal, only the hosts' log lines (always so "
-    "when output is not a terminal)"
-)
-
-# The options that describe a job: fab train's and the exports'.
-JOB_HELP = {
-    "inventory": INV_HELP,
-    "model": "GPT preset: tiny, small or medium (default tiny)",
-    "epochs": "number of epochs (default 5)",
-    "trainer": f"built-in trainer: {', '.join(TRAINERS)}",
-    "script": "your own torchrun-compatible script (a path inside --code) instead of a trainer",
-    "module": "run a Python module instead (torchrun -m NAME): one installed in the image, or in --code",
-    "code": CODE_HELP,
-    "args": "arguments for the script, one string split like a shell would: --args \"--lr 0.1 --name 'a b'\"",
-    "image": "container image (default: job.image in the inventory)",
-    "nproc": "processes per node (default: job.nproc_per_node; auto = GPU count, 1 on CPU)",
-    "name": "job name prefix (default: the trainer or script name)",
-}
+    prepare.preflight(inventory, json, strict, smoke, clock_warn, clock_fail, code, deep, console)
 
 
 @task(
@@ -219,56 +70,7 @@ JOB_HELP = {
         "num_nodes": int,
         "gpus": int,
     },
-    help={
-        **JOB_HELP,
-        "checkpoint": "where your program writes its checkpoints (a path or glob relative to its working "
-        "directory, or under /output; default: job.checkpoint): kept here and put back on every host for a "
-        "restart, --resume or --continue",
-        "dry_run": "print the attempt's plan (every command per host, in order) and start nothing",
-        "skip_preflight": "start without the preflight checks (code is still synced)",
-        "smoke": "also run the collective smoke test before starting",
-        "resume": "continue this job (id from runs/) with its id, arguments and output directory, from its "
-        "newest snapshot; --restarts, --min-nodes, --hang-timeout, --epochs, --args, --image, --code and "
-        "--checkpoint may change what was recorded (a finished job continues with new --epochs or --args)",
-        "include": "run on these hosts only, joined by @ (DeepSpeed's syntax), each optionally with its GPUs "
-        "(CPU slots on a host without GPUs): --include node1@node3, --include node1:0,1@node2:2,3",
-        "exclude": "run on every host but these: --exclude node2",
-        "num_nodes": "run on the first N hosts (of --include's, or hosts:) where the job fits beside other "
-        "jobs",
-        "gpus": "take N free GPUs on each host (N CPU slots on a host without GPUs); one process each unless "
-        "--nproc says otherwise (default: every GPU of the host; one slot)",
-        "cpuset": "pin each CPU host's container to the CPUs of its slots (docker --cpuset-cpus)",
-        "health": "first the deep check (fab preflight --deep; results under an hour old are reused) of "
-        "the hosts and spares: unhealthy hosts are left out and healthy spares take their places",
-        "continue_": "continue the newest job of this --name (runs/NAME-*) in its own output directory, "
-        "from its newest snapshot or checkpoint, finished or not; a new job when there is none",
-        "restarts": "restart the whole job up to N times after a failure, lost host or hang (default 0)",
-        "min_nodes": "with no spare host left, go on with at least this many nodes (default: all of hosts:)",
-        "hang_timeout": f"seconds without progress (docs/recovery.md) before the stacks are dumped and the "
-        f"attempt fails (default {HANG_TIMEOUT:g}; 0: off)",
-        "plain": PLAIN_HELP,
-        "json": "events as JSON lines on stdout (docs/how-train-works.md) instead of the hosts' log lines",
-        "notify": "run this command for each notification (started, attempt_failed, restarted, hung, "
-        "finished, failed, stopped) with the event as JSON on its stdin (docs/detached.md; default: "
-        "job.notify)",
-        "notify_url": "POST each notification as JSON to this http(s) URL (default: job.notify_url)",
-        "queue": "when its hosts or GPUs are held, wait in line (first come, first served on each host; "
-        "'fab status' shows the queue) and start by itself once they are free (docs/sharing.md)",
-        "hot_spares": "with --restarts: start the inventory's spares with the job and keep them waiting, "
-        "workers warm and their GPUs claimed, so a failed or lost node's rank goes to one without a cold "
-        "start (default: job.hot_spares; docs/recovery.md)",
-        "detach": "run the job's control in a container on the inventory's controller: host (default: a "
-        "spare, else the last host), with a standby on another host that takes over if it is lost, and "
-        "return at once; fab logs, status, stop and attach find it (docs/detached.md)",
-        "metrics_port": "serve the job's metrics for Prometheus at http://127.0.0.1:PORT/metrics while it "
-        "runs (ADDR:PORT to listen elsewhere, 0.0.0.0:PORT on every address; default: job.metrics_port; "
-        "docs/observability.md)",
-        "stop_idle": "stop the job when a GPU it holds stays idle for job.idle_gpu_after seconds (600); "
-        "without it, the GPU is only named",
-        "on": "ssh (default: the inventory's hosts), slurm: submit to the inventory's slurm: section's "
-        "login node and follow the job there (docs/slurm-kubernetes.md), or kubernetes: with --dry-run, the "
-        "manifests to hand to kubectl (render only)",
-    },
+    help=taskhelp.TRAIN,
 )
 @user_errors
 def train(
@@ -321,23 +123,12 @@ def train(
     shows either, any output. Snapshots: the newest job.keep_snapshots (2) kept on every host and
     in runs/JOB/snapshots, copies checked by SHA-256. Exits 0 when every node exits 0; otherwise
     names the host. Ctrl+C stops the job."""
-    text = requests.train(requests.TrainRequest.of(locals()), RUNS, console, TRAINERS)
+    text = requests.train(requests.TrainRequest.of(locals()), RUNS, console, cli.TRAINERS)
     if text is not None:
         print(text)
 
 
-@task(
-    auto_shortflags=False,
-    kinds={"grace": float},
-    help={
-        "inventory": INV_HELP,
-        "job": "stop this job only (an id from 'fab status')",
-        "all": "stop every fabtrain job on the hosts, other people's too (asks first)",
-        "yes": "with --all: do not ask",
-        "grace": "seconds between SIGTERM and SIGKILL (default: job.stop_grace)",
-        "json": "print what was stopped as JSON",
-    },
-)
+@task(auto_shortflags=False, kinds={"grace": float}, help=taskhelp.STOP)
 @user_errors
 def stop(c, inventory=None, job=None, all=False, yes=False, grace=None, json=False):
     """Stop your jobs (--job one, --all everyone's): containers removed, GPUs released.
@@ -348,19 +139,10 @@ def stop(c, inventory=None, job=None, all=False, yes=False, grace=None, json=Fal
     every one. Left-over runtime files (secrets included) of jobs no longer looked after are
     removed. Safe to repeat. A host whose engine does not answer within grace + 15 s is named;
     the others are still served."""
-    out = requests.stop(inventory, job, all, yes, grace, RUNS)
-    for line in out.problems:
-        print(line, file=sys.stderr)
-    if json:
-        print(_json.dumps(out.doc(), indent=2))
-    else:
-        for line in out.lines:
-            print(line)
-    if out.failed:
-        raise UserError(f"stop failed on {', '.join(out.failed)}; run 'fab stop' again once they answer")
+    control.print_stopped(control.stop(inventory, job, all, yes, grace, RUNS), json)
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print the jobs as JSON"})
+@task(auto_shortflags=False, help=taskhelp.STATUS)
 @user_errors
 def status(c, inventory=None, json=False):
     """List the jobs on the hosts (and on Slurm): who, where, state, attempt, last step.
@@ -368,21 +150,10 @@ def status(c, inventory=None, json=False):
     Per job: id, who started it, hosts with their GPUs (CPU slots), state,
     attempt, last step seen, since when. A host that does not answer within 10 s (SSH down, or a
     stuck Docker engine) is named; exits non-zero then."""
-    found = requests.status(inventory, RUNS)
-    if json:
-        print(_json.dumps(found.doc, indent=2))
-    else:
-        # Piped or captured, rows stay whole (rich would fit the table to 80 columns).
-        out = console if console.is_terminal else Console(highlight=False, width=250)
-        for table in found.tables:
-            out.print(table)
-        for line in found.lines:
-            out.print(line, markup=False)
-    if found.errors:
-        raise UserError("\n".join(found.errors))
+    control.print_status(control.status(inventory, RUNS), json, console)
 
 
-@task(auto_shortflags=False, help={"inventory": INV_HELP, "json": "print one snapshot as JSON and exit"})
+@task(auto_shortflags=False, help=taskhelp.TOP)
 @user_errors
 def top(c, inventory=None, json=False):
     """Watch every host live: who holds each GPU (CPU slot), how busy it is, each job's step rate.
@@ -391,50 +162,18 @@ def top(c, inventory=None, json=False):
     utilisation and memory; each job container's CPU and memory; each job's last step and steps
     per second. Refreshes every 2 s until Ctrl+C. A host that does not answer within 20 s is named
     (with --json, exits non-zero then)."""
-    from orchestrator.progress import top as _top
-
-    inv = _inventory.load(inventory)
-    if not json:
-        _top.live(inv, console)
-        return
-    snap = _top.once(inv)
-    print(_json.dumps(snap, indent=2))
-    if snap["errors"]:
-        raise UserError("\n".join(snap["errors"]))
+    observe.top(inventory, json, console)
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "inventory": INV_HELP,
-        "job": "job id (default: the one running)",
-        "plain": PLAIN_HELP,
-        "json": "events as JSON lines on stdout instead of the hosts' log lines",
-    },
-)
+@task(auto_shortflags=False, help=taskhelp.LOGS)
 @user_errors
 def logs(c, inventory=None, job=None, plain=False, json=False):
     """Re-attach to a running job: stream every host's log from the start. Ctrl+C detaches only."""
     say = cli.stderr_console() if json else console
-    finished = requests.logs(inventory, job, RUNS, say, plain, json)
-    if finished.run_dir is not None and (finished.run_dir / "job.json").is_file():  # a detached job, fetched
-        cli.present(finished.run_dir, say)
-    if finished.closing:
-        print(finished.closing, file=sys.stderr if json else sys.stdout)
-    if finished.error is not None:
-        raise finished.error
+    control.print_followed(control.logs(inventory, job, RUNS, say, plain, json), json, say)
 
 
-@task(
-    auto_shortflags=False,
-    positional=["job"],
-    help={
-        "inventory": "the inventory (default: the one the job was started with)",
-        "job": "the job to take over (an id from 'fab status')",
-        "plain": PLAIN_HELP,
-        "json": "events as JSON lines on stdout",
-    },
-)
+@task(auto_shortflags=False, positional=["job"], help=taskhelp.ATTACH)
 @user_errors
 def attach(c, job=None, inventory=None, plain=False, json=False):
     """Take over a running job whose fab train (or controller) is gone: fab attach JOB.
@@ -442,112 +181,34 @@ def attach(c, job=None, inventory=None, plain=False, json=False):
     The job goes on here as under fab train: every node's log from the start of its output, the hang
     watchdog, restarts, snapshot copies, and the outputs fetched at the end; no container is started
     again. A job whose fab train still renews its lease is left alone (fab logs follows it)."""
-    if not job:
-        raise UserError("give the job to take over: fab attach JOB ('fab status' lists them)", exit_code=2)
-    finished = requests.attach(inventory, job, RUNS, console, json, plain)
-    if finished.run_dir is not None:
-        cli.present(finished.run_dir, cli.stderr_console() if json else console)
-    if finished.error is not None:
-        raise finished.error
-    print(finished.closing)
+    control.print_taken_over(control.attach(inventory, job, RUNS, console, json, plain), json, console)
 
 
-@task(auto_shortflags=False, help={"json": "print the runs as JSON"})
+@task(auto_shortflags=False, help=taskhelp.RUNS)
 @user_errors
 def runs(c, json=False):
     """List past runs (runs/*/job.json), newest first: job, state, attempts, duration, eval loss, hosts."""
-    import json as _json
-
-    from rich.table import Table
-
-    from orchestrator.progress import report
-
-    if json:
-        print(_json.dumps({"runs": report.runs(RUNS)}, indent=2, default=str))
-        return
-    table = Table(title=f"runs in {RUNS}/")
-    table.add_column("job", no_wrap=True)  # a job id is what 'fab plot' and '--resume' take: never cut
-    for col in ("state", "attempts", "duration", "eval loss", "hosts"):
-        table.add_column(col)
-    for r in report.runs(RUNS):
-        loss = f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "-"
-        took = f"{r['seconds']:.0f}s" if r["seconds"] is not None else "-"
-        table.add_row(
-            *(
-                hostile.rich_text(str(x))
-                for x in (r["job"], r["state"] or "-", r["attempts"], took, loss, ", ".join(r["hosts"]))
-            )
-        )
-    console.print(table)
+    observe.runs(RUNS, json, console)
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "jobs": "one or more job ids, comma-separated (see fab runs)",
-        "out": "PNG to write (default: runs/JOB/loss.png for one job, runs/compare.png for several)",
-    },
-)
+@task(auto_shortflags=False, help=taskhelp.PLOT)
 @user_errors
 def plot(c, jobs, out=None):
     """Draw loss (train per step, eval per epoch) and tokens/s per rank of one or several runs."""
-    from orchestrator.progress import report
-
-    names = [j for j in jobs.replace(" ", ",").split(",") if j]
-    dirs = []
-    for name in names:
-        if not jobspec.valid_job_id(name) or not (RUNS / name).is_dir():
-            raise UserError(f"no run {hostile.text(name)!r} in {RUNS}/; 'fab runs' lists them", exit_code=2)
-        dirs.append(RUNS / name)
-    target = Path(out) if out else (dirs[0] / "loss.png" if len(dirs) == 1 else RUNS / "compare.png")
-    print(f"wrote {report.write_plot(dirs, target)}")
+    observe.plot(RUNS, jobs, out)
 
 
-@task(
-    auto_shortflags=False,
-    help={"job": "job id (default: the newest run in runs/)", "json": "print the figures as JSON"},
-)
+@task(auto_shortflags=False, help=taskhelp.METRICS)
 @user_errors
 def metrics(c, job=None, json=False):
     """Show a job's newest figures, per rank and per host, while it runs or after.
 
     Each rank's step, loss, tokens/s, step and compute ms, and each host's newest telemetry (GPUs,
     containers, load), read from runs/JOB's files (their last 4 MB)."""
-    from orchestrator.progress import latest, report
-
-    if job is None:
-        found = report.runs(RUNS)
-        if not found:
-            raise UserError(f"no runs in {RUNS}/ yet; start one with fab train", exit_code=2)
-        job = found[0]["job"]
-    if not jobspec.valid_job_id(job):
-        raise _jobcontrol.unknown_job(job)
-    if not (RUNS / job).is_dir():  # a detached job started elsewhere: fab logs --job copies it here
-        raise _jobcontrol.unknown_job(job, f" in {RUNS}/")
-    doc = latest.latest(RUNS / job)
-    if json:
-        print(_json.dumps(doc, indent=2))
-        return
-    for line in latest.lines(doc):
-        print(line)
+    observe.metrics(RUNS, job, json)
 
 
-def _warn(warnings) -> None:
-    for w in warnings:
-        print(f"warning: {hostile.text(w)}", file=sys.stderr)
-
-
-@task(
-    auto_shortflags=False,
-    kinds={"epochs": int},
-    help={
-        **JOB_HELP,
-        "out": "file to write (default: JOB.sbatch)",
-        "pyxis": "run the image with pyxis/enroot (srun --container-image) instead of docker run",
-        "partition": "#SBATCH --partition",
-        "time": "#SBATCH --time (e.g. 12:00:00)",
-    },
-)
+@task(auto_shortflags=False, kinds={"epochs": int}, help=taskhelp.EXPORT_SLURM)
 @user_errors
 def slurm(
     c,
@@ -572,37 +233,14 @@ def slurm(
     One task per node starting the same container (devices, env,
     mounts, shm, entrypoint), rank 0 on the allocation's first node, --kill-on-bad-exit, requeued
     after a node failure to resume from the newest snapshot. Submit it with sbatch."""
-    rendered = requests.export(
-        "slurm",
-        inventory,
-        requests.job_options(locals()),
-        TRAINERS,
-        RUNS,
-        console,
-        pyxis=pyxis,
-        partition=partition,
-        time=time,
+    job = requests.job_options(locals())
+    rendered = exports.export(
+        "slurm", inventory, job, cli.TRAINERS, RUNS, console, pyxis=pyxis, partition=partition, time=time
     )
-    _warn(rendered.warnings)
-    [(name, text)] = rendered.files.items()
-    target = Path(out or name)
-    target.write_text(text)
-    target.chmod(0o755)
-    print(
-        f"wrote {target} (job {rendered.job_id}); put the code on every node (fab sync) and submit: "
-        f"sbatch {target}"
-    )
+    exports.write_sbatch(rendered, out)
 
 
-@task(
-    auto_shortflags=False,
-    kinds={"epochs": int},
-    help={
-        **JOB_HELP,
-        "out": "directory to write trainjob.yaml, pytorchjob.yaml and indexed-job.yaml to (default: JOB-k8s)",
-        "restarts": "pod failures the job tolerates (backoffLimit, default 0)",
-    },
-)
+@task(auto_shortflags=False, kinds={"epochs": int}, help=taskhelp.EXPORT_K8S)
 @user_errors
 def k8s(
     c,
@@ -626,50 +264,19 @@ def k8s(
     cluster's torch-distributed runtime), a Kubeflow PyTorchJob (Training Operator v1, deprecated), and
     an Indexed Job with a headless Service for clusters with neither. Same image, env, GPUs and
     entrypoint, outputs on a PersistentVolumeClaim; secrets as references to a Secret, never values."""
-    rendered = requests.export(
-        "kubernetes", inventory, requests.job_options(locals()), TRAINERS, RUNS, console, restarts=restarts
-    )
-    _warn(rendered.warnings)
-    target = Path(out or f"{rendered.job_id}-k8s")
-    target.mkdir(parents=True, exist_ok=True)
-    for file, text in rendered.files.items():
-        (target / file).write_text(text)
-    print(
-        f"wrote {', '.join(f'{target}/{f}' for f in rendered.files)} (job {rendered.job_id}); apply one with "
-        f"kubectl apply -f (trainjob.yaml on Kubeflow Trainer v2)"
-    )
+    job = requests.job_options(locals())
+    rendered = exports.export("kubernetes", inventory, job, cli.TRAINERS, RUNS, console, restarts=restarts)
+    exports.write_manifests(rendered, out)
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "nodes": "number of test hosts (default 2)",
-        "spares": "number of spare hosts, listed under spares: (default 0)",
-        "write_inventory": "also write the matching inventory to this path",
-        "slurm": "also make the hosts a Slurm cluster (slurmctld on the first), for fab export.slurm",
-        "json": "print the hosts and the inventory's path as JSON (progress goes to stderr)",
-    },
-)
+@task(auto_shortflags=False, help=taskhelp.CLUSTER_UP)
 @user_errors
 def up(c, nodes=2, spares=0, write_inventory=None, slurm=False, json=False):
     """Start (or reuse) the local cluster of Docker-in-Docker test hosts.
 
     N hosts with sshd and their own Docker
     engine on a private network, the trainer image loaded in each, host keys recorded."""
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if json else print
-    made = _cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm, log=log)
-    if json:
-        count = int(nodes)
-        print(
-            _json.dumps(
-                {
-                    "inventory": str(write_inventory or _cluster.STATE_DIR / "inventory.yaml"),
-                    "hosts": [{"name": n.name, "address": n.address} for n in made[:count]],
-                    "spares": [{"name": n.name, "address": n.address} for n in made[count:]],
-                },
-                indent=2,
-            )
-        )
+    prepare.cluster_up(nodes, spares, write_inventory, slurm, json)
 
 
 @task(auto_shortflags=False)
@@ -679,16 +286,7 @@ def down(c):
     _cluster.down()
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "inventory": INV_HELP,
-        "image": "image to push (default: job.image)",
-        "only": "comma-separated host names (default: every host)",
-        "method": "chain (hosts forward to each other, only the layers they lack; default) or direct "
-        "(one stream per host from here)",
-    },
-)
+@task(auto_shortflags=False, help=taskhelp.IMAGE_PUSH)
 @user_errors
 def push(c, inventory=None, image=None, only=None, method="chain"):
     """Copy a local image to every host over SSH, without a registry.
@@ -696,62 +294,17 @@ def push(c, inventory=None, image=None, only=None, method="chain"):
     By a chain of hosts forwarding to each other,
     sending only the layers they lack (--method direct: one stream per host), skipping hosts that
     hold the same image id and verifying the id after."""
-    if method not in ("chain", "direct"):
-        raise UserError(f"--method {hostile.text(str(method))!r}: give chain or direct", exit_code=2)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    inv = _inventory.load(inventory)
-    image = image or inv.job.image
-    selected = inv.select(only.split(",") if only else None)
-    with (
-        Session(selected) as session,
-        Progress(
-            "{task.description}",
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=console,
-            transient=True,
-        ) as progress,
-    ):
-        results = _images.push(session, image, progress=progress, method=method)
-    for r in results:
-        extra = f" ({r.bytes / 1e6:.0f} MB in {r.seconds:.1f}s)" if r.action == "sent" else ""
-        print(hostile.text(f"{r.host}: {r.action}{extra}{': ' + r.detail if r.detail else ''}"))
-    bad = [r.host for r in results if r.action == "failed"]
-    if bad:
-        raise UserError(f"image push failed on {', '.join(bad)}")
+    prepare.push(inventory, image, only, method, console)
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "base": "base image (e.g. nvcr.io/nvidia/pytorch:24.01-py3)",
-        "requirements": "a pip requirements file",
-        "tag": "name of the new image",
-        "pip_args": "extra pip arguments, split like a shell would",
-        "wheels": "install only from the wheels in this directory (pip download -r REQS -d DIR): no index "
-        "needed",
-    },
-)
+@task(auto_shortflags=False, help=taskhelp.IMAGE_BUILD)
 @user_errors
 def build(c, base, requirements, tag, pip_args="", wheels=None):
     """Build a job image: a base image, your requirements file and fabtrain's entrypoint.
 
     On
     this machine's Docker engine; then 'fab image.push --image TAG' puts it on every host."""
-    from orchestrator.progress import bars
-
-    with bars.bar(console, *bars.step_columns()) as progress:
-        image_id = _images.build(
-            base,
-            Path(requirements),
-            tag,
-            tuple(shlex.split(pip_args)),
-            Path(wheels) if wheels else None,
-            progress=progress,
-        )
-    print(f"built {tag} ({image_id[7:19]}); push it with: fab image.push --image {tag}")
+    prepare.build(base, requirements, tag, pip_args, wheels, console)
 
 
 @task(auto_shortflags=False)
@@ -765,17 +318,7 @@ def images(c):
     auto_shortflags=False,
     kinds={"port": int, "refresh": float},
     iterable=["allow_host"],
-    help={
-        "inventory": INV_HELP,
-        "port": "TCP port to serve on (default 8765; 0: any free one)",
-        "address": "address to listen on (default 127.0.0.1: this machine only, no token; any other, "
-        "0.0.0.0 included: a token is asked for, printed in the URL to open)",
-        "refresh": "seconds between two looks at the hosts (default 5; every browser shares each look)",
-        "token_file": "ask for the token on this file's first line (default: a new random one at each "
-        "start, printed; on 127.0.0.1, none unless this is given)",
-        "allow_host": "a name the browser reaches the dashboard by, beyond this machine's own (its Host "
-        "header; a proxy's name, a DNS alias); repeat it or separate names with commas",
-    },
+    help=taskhelp.DASHBOARD,
 )
 @user_errors
 def dashboard(
@@ -796,17 +339,7 @@ def dashboard(
     )
 
 
-@task(
-    auto_shortflags=False,
-    positional=["job"],
-    kinds={"rank": int},
-    help={
-        "job": "the job (an id from 'fab status')",
-        "rank": "the node of this rank (default 0)",
-        "host": "the job's node on this host (instead of --rank)",
-        "inventory": "the inventory (default: the one the job was started with, else as fab status)",
-    },
-)
+@task(auto_shortflags=False, positional=["job"], kinds={"rank": int}, help=taskhelp.SHELL)
 @user_errors
 def shell(c, job, rank=None, host=None, inventory=None):
     """Open a shell in a job's container: fab shell JOB [--rank K | --host H] [-- CMD ...].
@@ -823,12 +356,7 @@ def shell(c, job, rank=None, host=None, inventory=None):
     auto_shortflags=False,
     positional=["job", "port"],
     kinds={"port": int, "local": int},
-    help={
-        "job": "the job (an id from 'fab status')",
-        "port": "the port on rank 0's host (its container's)",
-        "local": "the port on 127.0.0.1 here (default: PORT)",
-        "inventory": "the inventory (default: the one the job was started with, else as fab status)",
-    },
+    help=taskhelp.FORWARD,
 )
 @user_errors
 def forward(c, job, port, local=None, inventory=None):

@@ -1,7 +1,7 @@
-"""What the tasks ask for, as values (TrainRequest), and the functions that answer them: resolve a
-request into a Launch (resume or continue, host selection, the health gate), then hand it, or a
-stop, status or logs, to the backend that serves it, or a job to the renderer an export names
-(backends/registry.py chooses). The Fabric tasks (fabfile.py) only parse options and print."""
+"""What fab train asks for, as a value (TrainRequest), and the functions that answer it: resolve the
+request into a Launch (resume or continue, host selection, the health gate), then hand it to the
+backend that serves it (backends/registry.py chooses). fab attach, stop, status and logs:
+control.py; the exports: exports.py. The Fabric tasks (fabfile.py) only parse options and print."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.backends import registry
-from orchestrator.backends.base import TRAIN_OPTIONS, Finished, Launch, Rendered, Status, Stopped
-from orchestrator.backends.ssh.jobcontrol import unknown_job
-from orchestrator.commandline import cli
+from orchestrator.backends.base import TRAIN_OPTIONS, Launch
+from orchestrator.commandline import cli, hostselect
 from orchestrator.config import inventory as inventory_file
 from orchestrator.config.fields import listen_address
 from orchestrator.core import hostile, jobspec
@@ -162,7 +161,7 @@ def checked_early(req: TrainRequest, inv: Inventory, include: str | None) -> Non
     --health measures them, a resume looks for the job there): hosts --include/--exclude do not
     name or leave none of, --num-nodes or --min-nodes above the hosts they leave, a negative
     --restarts or --hang-timeout."""
-    planned = cli.planned_hosts(inv, include, req.exclude, req.num_nodes)
+    planned = hostselect.planned_hosts(inv, include, req.exclude, req.num_nodes)
     cli.policy(planned, req.restarts or 0, req.min_nodes, req.hang_timeout, choosers(req, include))
 
 
@@ -183,7 +182,7 @@ def hosts_for(
             )
             with Session(inv.all_hosts) as session:
                 busy = set(survey.busy_hosts(survey.survey(session, inv), inv, want))
-        inv = cli.select_hosts(inv, include, req.exclude, busy, req.num_nodes)
+        inv = hostselect.select_hosts(inv, include, req.exclude, busy, req.num_nodes)
     if req.health:
         from orchestrator.preflight import deep
 
@@ -217,21 +216,10 @@ def launch(
     else:
         inv = inventory_file.load(req.inventory)
         checked_early(req, inv, include)
-    units = cli.units_asked(inv, req.include)
+    units = hostselect.units_asked(inv, req.include)
     gpus = cli.count("--gpus", req.gpus)
     inv, selected = hosts_for(req, inv, include, units, gpus, say)
-    if req.hot_spares:  # --hot-spares: as the inventory's job.hot_spares: true
-        inv = replace(inv, job=replace(inv.job, hot_spares=True))
-    if req.metrics_port is not None:  # --metrics-port: as the inventory's job.metrics_port
-        try:
-            listen_address(str(req.metrics_port))
-        except ValueError as exc:
-            raise UserError(
-                f"--metrics-port: {exc}; use a port (9400) or an address and port (0.0.0.0:9400)", exit_code=2
-            ) from None
-        inv = replace(inv, job=replace(inv.job, metrics_port=str(req.metrics_port)))
-    if req.stop_idle:
-        inv = replace(inv, job=replace(inv.job, stop_idle=True))
+    inv = with_job_settings(req, inv)
     if record is None:
         policy = cli.policy(
             inv, req.restarts or 0, req.min_nodes, req.hang_timeout, choosers(req, include, health=True)
@@ -239,22 +227,8 @@ def launch(
         spec = cli.new_spec(
             {**req.job, "checkpoint": req.job.get("checkpoint") or cli.inventory_checkpoint(inv)}, trainers
         )
-    # Who runs it now (fab stop ends only its own), and the GPUs or slots asked for (a resume keeps
-    # the recorded ones unless given again).
-    spec = replace(
-        spec,
-        owner=claims.me(),
-        units=units if req.include else spec.units,
-        gpus=spec.gpus if gpus is None else gpus,
-        cpuset=req.cpuset or spec.cpuset,
-    )
     chosen = tuple(h.name for h in inv.hosts) if selected else None
-    if record is not None:
-        record = replace(
-            record,
-            selected=list(chosen) if chosen is not None else record.selected,
-            spec=replace(record.spec, owner=spec.owner, units=spec.units, gpus=spec.gpus, cpuset=spec.cpuset),
-        )
+    spec, record = owned(req, spec, record, units, gpus, chosen)
     return backend, Launch(
         inv,
         spec,
@@ -270,6 +244,51 @@ def launch(
         notify=hooks(req, inv, record),
         queue=req.queue,
     )
+
+
+def with_job_settings(req: TrainRequest, inv: Inventory) -> Inventory:
+    """The inventory with the job: settings fab train's options give for this job: --hot-spares,
+    --metrics-port (checked), --stop-idle."""
+    if req.hot_spares:  # --hot-spares: as the inventory's job.hot_spares: true
+        inv = replace(inv, job=replace(inv.job, hot_spares=True))
+    if req.metrics_port is not None:  # --metrics-port: as the inventory's job.metrics_port
+        try:
+            listen_address(str(req.metrics_port))
+        except ValueError as exc:
+            raise UserError(
+                f"--metrics-port: {exc}; use a port (9400) or an address and port (0.0.0.0:9400)", exit_code=2
+            ) from None
+        inv = replace(inv, job=replace(inv.job, metrics_port=str(req.metrics_port)))
+    if req.stop_idle:
+        inv = replace(inv, job=replace(inv.job, stop_idle=True))
+    return inv
+
+
+def owned(
+    req: TrainRequest,
+    spec: jobspec.JobSpec,
+    record: JobRecord | None,
+    units: str,
+    gpus: int | None,
+    chosen: tuple[str, ...] | None,
+) -> tuple[jobspec.JobSpec, JobRecord | None]:
+    """The spec (and a resumed job's record) with who runs it now (fab stop ends only its own), and
+    the GPUs or slots asked for (a resume keeps the recorded ones unless given again); the record
+    also with the hosts `chosen` (None: as recorded)."""
+    spec = replace(
+        spec,
+        owner=claims.me(),
+        units=units if req.include else spec.units,
+        gpus=spec.gpus if gpus is None else gpus,
+        cpuset=req.cpuset or spec.cpuset,
+    )
+    if record is not None:
+        record = replace(
+            record,
+            selected=list(chosen) if chosen is not None else record.selected,
+            spec=replace(record.spec, owner=spec.owner, units=spec.units, gpus=spec.gpus, cpuset=spec.cpuset),
+        )
+    return spec, record
 
 
 def hooks(req: TrainRequest, inv: Inventory, record: JobRecord | None) -> Notify | None:
@@ -306,104 +325,3 @@ def train(req: TrainRequest, runs: Path, console: Console, trainers: dict[str, s
         raise finished.error
     say.print(finished.closing, markup=False)
     return None
-
-
-def attach(
-    inventory: str | None, job: str, runs: Path, console: Console, json: bool, plain: bool
-) -> Finished:
-    """fab attach: take over a running job whose fab train (or controller) is gone, as fab train
-    would go on with it; its curves and step times shown at the end."""
-    if not jobspec.valid_job_id(job):
-        raise unknown_job(job)
-    if not (runs / job).is_dir():
-        # Taking a job over needs its record, so the hosts are not asked: only a job started from
-        # this directory has one.
-        raise unknown_job(
-            job,
-            f" in {runs}/ (fab attach takes over a job started from this directory; "
-            f"'fab logs --job {job}' follows one started elsewhere)",
-        )
-    say = cli.stderr_console() if json else console
-    record = JobRecord.load(runs, job, "fab attach")
-    inv = inventory_file.load(inventory or record.inventory)
-    if record.selected:
-        inv = cli.select_hosts(inv, "@".join(record.selected), None, set(), None)
-    policy = cli.policy(inv, record.restarts, record.min_nodes, record.hang_timeout)
-    launch = Launch(
-        inv, record.spec, policy, record, runs, say, json=json, live=not (plain or json), checks=False
-    )
-    backend = registry.of_job(runs, job) or registry.runner(registry.DEFAULT)
-    return backend.take_over(launch)
-
-
-def stop(
-    inventory: str | None, job: str | None, everyone: bool, yes: bool, grace: float | None, runs: Path
-) -> Stopped:
-    """fab stop: --job's backend (from its record), else every backend the inventory uses, Slurm's
-    jobs first (they may hold the hosts)."""
-    inv = inventory_file.load(inventory)
-    wait = inv.job.stop_grace if grace is None else float(grace)
-    if job and not jobspec.valid_job_id(job):
-        raise UserError(
-            f"--job {hostile.text(job)!r} is not a fabtrain job id; 'fab status' lists them", exit_code=2
-        )
-    if job:
-        chosen = [registry.of_job(runs, job) or registry.runner(registry.DEFAULT)]
-    else:
-        chosen = list(reversed(registry.serving(inv)))
-    out = Stopped()
-    for backend in chosen:
-        part = backend.stop(inv, job, everyone, yes, wait, runs)
-        out.lines += part.lines
-        out.problems += part.problems
-        out.failed += part.failed
-        out.jobs += part.jobs
-        out.removed.update(part.removed)
-        out.left_alone += part.left_alone
-    return out
-
-
-def status(inventory: str | None, runs: Path) -> Status:
-    """fab status: every backend the inventory uses, in one document."""
-    inv = inventory_file.load(inventory)
-    out = Status()
-    for backend in registry.serving(inv):
-        part = backend.status(inv, runs)
-        out.doc.update(part.doc)
-        out.tables += part.tables
-        out.lines += part.lines
-        out.errors += part.errors
-    out.doc["errors"] = out.errors
-    return out
-
-
-def logs(
-    inventory: str | None, job: str | None, runs: Path, console: Console, plain: bool, json: bool = False
-) -> Finished:
-    """fab logs: follow the job where it runs (its record says; the hosts when there is none). An id
-    that cannot be a job's is refused before any host is asked; a well-formed one is looked for on
-    the hosts, in runs/ or not (a detached job another machine started has its controller's
-    directory there: jobcontrol.attach refuses one that neither knows)."""
-    if job is not None and not jobspec.valid_job_id(job):
-        raise unknown_job(job)
-    inv = inventory_file.load(inventory)
-    backend = (registry.of_job(runs, job) if job else None) or registry.runner(registry.DEFAULT)
-    return backend.attach(inv, job, runs, console, live=not plain, json=json)
-
-
-def export(
-    name: str,
-    inventory: str | None,
-    job: dict[str, Any],
-    trainers: dict[str, str],
-    runs: Path,
-    console: Console,
-    restarts: str | int = 0,
-    **settings: Any,
-) -> Rendered:
-    """fab export.NAME: the job (`job`: JOB_OPTIONS) as the files of the backend called `name`
-    (registry.renderer), with its own `settings`; `restarts` as fab train's."""
-    inv = inventory_file.load(inventory)
-    spec = cli.new_spec(job, trainers)
-    job_launch = Launch(inv, spec, cli.policy(inv, restarts, None, None), None, runs, console)
-    return registry.render(registry.renderer(name), job_launch, **settings)

@@ -166,17 +166,7 @@ def resolve(
     inherit = inherit or Settings()
     port = settings.port or int(cfg.get("port", 22))
     user = settings.user or cfg.get("user") or inherit.user or getpass.getuser()
-    keys: tuple[str, ...]
-    keys_only: bool
-    if settings.key:
-        keys, keys_only = (settings.key,), True
-    elif cfg.get("identityfile"):
-        keys = tuple(os.path.expanduser(k) for k in cfg["identityfile"])
-        keys_only = str(cfg.get("identitiesonly", "no")).lower() == "yes"
-    elif inherit.key:
-        keys, keys_only = (inherit.key,), True
-    else:
-        keys, keys_only = (), False
+    keys, keys_only = _identities(settings, cfg, inherit)
     known = (
         (settings.known_hosts,)
         if settings.known_hosts
@@ -188,20 +178,7 @@ def resolve(
     jump_spec = settings.jump if settings.jump is not None else cfg.get("proxyjump")
     chain: list[SSH] = []
     if jump_spec and jump_spec.lower() != "none":
-        if _depth >= MAX_HOPS:
-            raise ValueError(f"more than {MAX_HOPS} jump hosts (a ProxyJump loop?)")
-        for i, (juser, jhost, jport) in enumerate(parse_jump(jump_spec)):
-            # Only the first hop may bring a jump of its own (from ssh_config); later hops are
-            # reached through the ones before them.
-            hop_settings = Settings(
-                user=juser,
-                port=jport,
-                jump=None if i == 0 else "none",
-                connect_timeout=settings.connect_timeout,
-                keepalive=settings.keepalive,
-            )
-            hop = resolve(jhost, hop_settings, config, inherit if _depth else settings, _depth + 1)
-            chain += [*hop.jump, replace(hop, jump=())]
+        chain = _jump_chain(jump_spec, settings, config, inherit if _depth else settings, _depth)
     return SSH(
         hostname=cfg.get("hostname", address),
         user=user,
@@ -214,3 +191,40 @@ def resolve(
         keepalive=settings.keepalive,
         jump=tuple(chain),
     )
+
+
+def _identities(settings: Settings, cfg: dict, inherit: Settings) -> tuple[tuple[str, ...], bool]:
+    """(the identity files, whether only they are offered): the inventory's key, else ssh_config's
+    IdentityFile (with its IdentitiesOnly), else a jump hop's inherited key, else none (the agent,
+    then ~/.ssh/id_*)."""
+    if settings.key:
+        return (settings.key,), True
+    if cfg.get("identityfile"):
+        keys = tuple(os.path.expanduser(k) for k in cfg["identityfile"])
+        return keys, str(cfg.get("identitiesonly", "no")).lower() == "yes"
+    if inherit.key:
+        return (inherit.key,), True
+    return (), False
+
+
+def _jump_chain(
+    jump_spec: str, settings: Settings, config: paramiko.SSHConfig | None, inherit: Settings, depth: int
+) -> list[SSH]:
+    """The hops of a ProxyJump spec, resolved, the first one dialled first (a hop's own jumps
+    before it); `inherit` gives each hop the user, key and known_hosts the inventory gave."""
+    if depth >= MAX_HOPS:
+        raise ValueError(f"more than {MAX_HOPS} jump hosts (a ProxyJump loop?)")
+    chain: list[SSH] = []
+    for i, (juser, jhost, jport) in enumerate(parse_jump(jump_spec)):
+        # Only the first hop may bring a jump of its own (from ssh_config); later hops are
+        # reached through the ones before them.
+        hop_settings = Settings(
+            user=juser,
+            port=jport,
+            jump=None if i == 0 else "none",
+            connect_timeout=settings.connect_timeout,
+            keepalive=settings.keepalive,
+        )
+        hop = resolve(jhost, hop_settings, config, inherit, depth + 1)
+        chain += [*hop.jump, replace(hop, jump=())]
+    return chain

@@ -125,21 +125,7 @@ def decide(
     if not preflight_only and roster.restarts_used >= policy.restarts:
         spent = f"no restarts left (--restarts {policy.restarts})" if policy.restarts else "no --restarts"
         return Decision(None, spent)
-    failed = dict(roster.failed)
-    why: dict[str, str] = {}
-    gone = [f.host for f in outcome.failures if f.kind.host_is_gone]
-    ready = len([s for s in roster.spares if s.name in hot]) - len(gone)  # hot spares left for the rest
-    cold: list[Host] = []  # failed hosts that step aside for a hot spare, spares themselves from now
-    for f in outcome.failures:
-        if f.kind.host_is_gone:
-            why[f.host] = f.kind.value
-            continue
-        failed[f.host] = failed.get(f.host, 0) + 1
-        if failed[f.host] >= 2:
-            why[f.host] = "failed twice"
-        elif f.kind is not Failure.PREFLIGHT and f.host not in warm and len(cold) < ready:
-            why[f.host] = "its container is gone; a hot spare is ready"
-            cold += [h for h in roster.hosts if h.name == f.host]
+    failed, why, cold = _judge_failures(outcome, roster, warm, hot)
     nxt = replace(
         roster,
         failed=tuple(sorted(failed.items())),
@@ -162,6 +148,30 @@ def decide(
     return Decision(
         replace(nxt, hosts=hosts, spares=tuple(spares)), notes=tuple(notes), restart=not preflight_only
     )
+
+
+def _judge_failures(
+    outcome: Outcome, roster: Roster, warm: frozenset[str], hot: frozenset[str]
+) -> tuple[dict[str, int], dict[str, str], list[Host]]:
+    """Each failure of `outcome` counted and judged (see decide): the failures of each host so far,
+    why each host that gives its rank away does so, and the failed hosts that step aside for a hot
+    spare (spares themselves from now)."""
+    failed = dict(roster.failed)
+    why: dict[str, str] = {}
+    gone = [f.host for f in outcome.failures if f.kind.host_is_gone]
+    ready = len([s for s in roster.spares if s.name in hot]) - len(gone)  # hot spares left for the rest
+    cold: list[Host] = []  # failed hosts that step aside for a hot spare, spares themselves from now
+    for f in outcome.failures:
+        if f.kind.host_is_gone:
+            why[f.host] = f.kind.value
+            continue
+        failed[f.host] = failed.get(f.host, 0) + 1
+        if failed[f.host] >= 2:
+            why[f.host] = "failed twice"
+        elif f.kind is not Failure.PREFLIGHT and f.host not in warm and len(cold) < ready:
+            why[f.host] = "its container is gone; a hot spare is ready"
+            cold += [h for h in roster.hosts if h.name == f.host]
+    return failed, why, cold
 
 
 def _swap(

@@ -191,14 +191,11 @@ def claim_script(
     link swapped in), and renamed into place (`mv -T`: never into a directory put at its name);
     links in the directory are not claims; the runtime directory is the job's account's own
     (hostfiles.own_runtime_script)."""
-    rt = sshargs.shell([f"{inv.job.output_dir}/.runtime"])
     q = sshargs.shell
-    ps = q(["docker", "ps", "--quiet", "--filter", f"label={jobspec.LABEL_JOB}="])
     clear = f"{q(['rm', '-f', hostfiles.stopped_marker(inv, job_id)])}; " if first else ""
     if units is None:
         return f"{clear}{hostfiles.own_runtime_script(inv, job_id)}"
     tmp = f'"$d"/.{job_id}.tmp'
-    lease = hostfiles.LEASE
     body = (
         'now=$(date +%s); taken=""; ports=""; '
         + entries_script()
@@ -208,7 +205,28 @@ def claim_script(
             if first
             else 'ahead=""; wait_here() { exit "$1"; }; '
         )
-        + f'for f in "$d"/*; do [ "$f" = "$d"/{q([job_id])} ] && continue; '
+        + _others_script(inv, job_id)
+        + _verdict_script(job_id, units, port)
+        + f"{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && "
+        f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" '
+        f"{q([units_text(units)])} "
+        f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}'
+    )
+    return locked(inv, body)
+
+
+def _others_script(inv: Inventory, job_id: str) -> str:
+    """claim_script's loop over the other claims in the claims directory "$d" (after
+    claimdir.entries_script, whose `entry` reads a file's text into $c and its job into $j): each
+    held one (its job has a container here, or a fresh lease by the host's clock) is printed as
+    `held`, its units added to $taken and its port to $ports; each stale one is removed and printed
+    as `cleared` with its lease's age ($la); a file with no units= line of numbers is `ignored`."""
+    rt = sshargs.shell([f"{inv.job.output_dir}/.runtime"])
+    q = sshargs.shell
+    ps = q(["docker", "ps", "--quiet", "--filter", f"label={jobspec.LABEL_JOB}="])
+    lease = hostfiles.LEASE
+    return (
+        f'for f in "$d"/*; do [ "$f" = "$d"/{q([job_id])} ] && continue; '
         f'[ "$f" = "$d"/{QUEUE} ] && [ -d "$f" ] && [ ! -L "$f" ] && continue; entry "$f" || continue; '
         # One units= line of numbers (none: the whole host), or this is no claim.
         'u=$(printf "%s\\n" "$c" | sed -n "s/^units=/=/p"); '
@@ -224,6 +242,15 @@ def claim_script(
         'printf "held %s %s\\n" "$j" "$(printf %s "$c" | tr "\\n" " ")"; taken="$taken ${u:-all}"; '
         'ports="$ports $(printf "%s\\n" "$c" | sed -n "s/^port=//p")"; else rm -f "$f"; '
         'printf "cleared %s age=%s %s\\n" "$j" "$la" "$(printf %s "$c" | tr "\\n" " ")"; fi; done; '
+    )
+
+
+def _verdict_script(job_id: str, units: tuple[int, ...], port: int | None) -> str:
+    """claim_script's verdict, once _others_script has gathered the held units ($taken) and ports
+    ($ports): `wait_here REFUSED` when a unit this job wants is held, `wait_here QUEUED` when the
+    queue binds it ($ahead), exit PORT_TAKEN when `port` is another held claim's."""
+    q = sshargs.shell
+    return (
         # A claim of no units in particular (units=) is the whole host.
         f"for u in {' '.join(str(u) for u in units) or 'all'}; do "
         f'case " $taken " in *" all "*|*" $u "*) wait_here {REFUSED};; '
@@ -231,12 +258,7 @@ def claim_script(
         # The queue binds a job that does not hold this host yet (a restart keeps its own).
         f'[ -z "$ahead" ] || [ -f "$d"/{q([job_id])} ] || wait_here {QUEUED}; '
         + (f'case " $ports " in *" {int(port)} "*) exit {PORT_TAKEN};; esac; ' if port else "")
-        + f"{clear}{hostfiles.own_runtime_script(inv, job_id)} && rm -f {tmp} && "
-        f'( set -C; printf "who=%s\\nsince=%s\\nunits=%s\\nport=%s\\n" {q([who])} "$now" '
-        f"{q([units_text(units)])} "
-        f'{q([str(port or "")])} > {tmp} ) && mv -T {tmp} "$d"/{job_id}'
     )
-    return locked(inv, body)
 
 
 def release_command(

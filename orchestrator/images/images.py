@@ -2,7 +2,8 @@
 
 push: by default a pipelined chain of hosts carrying only the layers they lack (imagechain); or,
 method="direct", one local `docker save` streamed at once to `docker load` on every host that
-lacks the image. Either way a host with the same id gets nothing and the id is verified after.
+lacks the image (loadstream). Either way a host with the same id gets nothing and the id is
+verified after.
 build: a derived image from a base image plus the user's requirements file and this project's
 entrypoint, so any image starts the same way (see docker/entrypoint.py).
 """
@@ -14,8 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,8 @@ from orchestrator.config.inventory import Host
 from orchestrator.core.errors import UserError
 from orchestrator.hostcmds import dockerargs, sshargs
 from orchestrator.images import imagechain
-from orchestrator.transport.remote import Command, Session, describe
+from orchestrator.images.loadstream import PushResult, push_deadline, stream_loads
+from orchestrator.transport.remote import Session, describe
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -32,15 +33,6 @@ if TYPE_CHECKING:
 Direct = tuple[str, tuple[int, ...], str]
 
 CHUNK = 1 << 20
-
-
-@dataclass
-class PushResult:
-    host: str
-    action: str  # "present" | "sent" | "failed"
-    seconds: float = 0.0
-    bytes: int = 0
-    detail: str = ""
 
 
 def local_image(image: str) -> tuple[str, int]:
@@ -130,10 +122,6 @@ def _probe(session: Session, host: Host, image: str) -> imagechain.Probe:
     return imagechain.parse_probe(r.stdout)
 
 
-def _deadline(size: int) -> float:
-    return PUSH_MARGIN + size / PUSH_MIN_RATE
-
-
 def _layers_note(sent: tuple[int, ...], spool: imagechain.Spool) -> str:
     count = len(spool.layer_paths)
     return "" if len(sent) == count else f", {count - len(sent)} of {count} layers already there"
@@ -142,11 +130,6 @@ def _layers_note(sent: tuple[int, ...], spool: imagechain.Spool) -> str:
 def _sent_to(progress: Progress, task: TaskID) -> Callable[[int], None]:
     """A callback showing the bytes sent so far on `task`."""
     return lambda n: progress.update(task, completed=n)
-
-
-def _sender(cmds: dict[str, Command], data: bytes) -> Callable[[Host], None]:
-    """Sends `data` to a host's command."""
-    return lambda h: cmds[h.name].send(data)
 
 
 def _run_chain(
@@ -177,7 +160,7 @@ def _run_chain(
             tuple(by_name[h] for h in chain),
             spool.chunks(ranges),
             size,
-            _deadline(size),
+            push_deadline(size),
             stall=stall,
             on_sent=on_sent,
         )
@@ -226,7 +209,7 @@ def _push_spool_direct(
     ranges = spool.ranges(send)
     size = imagechain.Spool.size(ranges)
     why = {h: w for h, _, w in direct}
-    for r in _stream(
+    for r in stream_loads(
         session, f"push {image} (direct)", size, [by_name[h] for h in why], progress, spool.chunks(ranges)
     ):
         if r.action == "sent":
@@ -264,7 +247,7 @@ def _push_direct(
         stdout = save.stdout
         assert stdout is not None  # stdout=PIPE
         try:
-            streamed = _stream(
+            streamed = stream_loads(
                 session, f"push {image}", size, targets, progress, iter(lambda: stdout.read(CHUNK), b"")
             )
         finally:
@@ -276,75 +259,6 @@ def _push_direct(
             results[r.host] = r
         _verify(session, want, image, [h for h in targets if results[h.name].action == "sent"], results)
     return [results[h.name] for h in hosts]
-
-
-# A push may take as long as the image needs at PUSH_MIN_RATE bytes/s, plus a margin; a host that
-# stops taking data for longer is named as failed and the others go on.
-PUSH_MIN_RATE = 2e6
-PUSH_MARGIN = 120
-
-
-def _stream(
-    session: Session,
-    label: str,
-    size: int,
-    targets: list[Host],
-    progress: Progress | None,
-    chunks: Iterable[bytes],
-) -> list[PushResult]:
-    """Send one stream of chunks to a `docker load` per host, each bounded by the push deadline."""
-    cmds: dict[str, Command] = {}
-    failed: dict[str, str] = {}
-    deadline = _deadline(size)
-    for h in targets:
-        try:
-            cmd = session.command(h, sshargs.shell(["docker", "load", "--quiet"]), deadline, "docker load")
-            cmds[h.name] = cmd.__enter__()
-        except Exception as exc:  # noqa: BLE001 - this host fails, the others go on
-            failed[h.name] = describe(h, exc)
-    task = progress.add_task(label, total=size) if progress else None
-    start = time.monotonic()
-    sent = 0
-    for chunk in chunks:
-        if len(failed) == len(targets):
-            break
-        sent += len(chunk)
-        # Every host gets each chunk before the next is read: one source, N loads, in step, on the
-        # session's own worker threads.
-        live = tuple(h for h in targets if h.name not in failed)
-        for name, error in session.fan_out(_sender(cmds, chunk), live).errors().items():
-            failed[name] = f"{name}: transfer failed: {error}"
-        if progress is not None and task is not None:
-            progress.update(task, completed=min(sent, size or sent))
-    if progress is not None and task is not None:
-        progress.remove_task(task)
-    out = []
-    for h in targets:
-        opened = cmds.get(h.name)
-        try:
-            if h.name not in failed and opened is not None:  # every host not failed has its command
-                opened.close_stdin()
-                code = opened.exit_status()
-                err = b""
-                while opened.channel.recv_stderr_ready():
-                    err += opened.channel.recv_stderr(65536)
-            if opened is not None:
-                opened.__exit__(None, None, None)
-        except Exception as exc:  # noqa: BLE001 - e.g. the deadline passed on this host
-            failed[h.name] = describe(h, exc)
-        if h.name in failed:
-            out.append(PushResult(h.name, "failed", detail=failed[h.name]))
-        elif code != 0:
-            out.append(
-                PushResult(
-                    h.name,
-                    "failed",
-                    detail=f"docker load exited {code}: {err.decode(errors='replace')[-300:]}",
-                )
-            )
-        else:
-            out.append(PushResult(h.name, "sent", time.monotonic() - start, sent))
-    return out
 
 
 DERIVED_DOCKERFILE = (

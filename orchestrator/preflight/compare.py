@@ -13,6 +13,12 @@ from orchestrator.preflight.judge import describe_image
 
 def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | None) -> list[Check]:
     """Checks that compare hosts: same image id, same MTU, the same code as this machine."""
+    return _image_checks(per_host) + _mtu_checks(per_host) + _code_checks(per_host, local_code)
+
+
+def _image_checks(per_host: dict[str, dict]) -> list[Check]:
+    """The hosts whose image id differs from the most hosts' (same tag, other image); where none
+    does, the hosts whose python/torch/CUDA/ROCm versions differ from the most common ones."""
     out: list[Check] = []
     ids = {n: f["image_id"] for n, f in per_host.items() if f.get("image_id")}
     if len(set(ids.values())) > 1:
@@ -51,6 +57,12 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
                             "run one image everywhere (job.image), or the same versions in each",
                         )
                     )
+    return out
+
+
+def _mtu_checks(per_host: dict[str, dict]) -> list[Check]:
+    """Each host's MTU, a failure on every host when they differ."""
+    out: list[Check] = []
     mtus = {n: f["mtu"] for n, f in per_host.items() if f.get("mtu")}
     for n, f in per_host.items():
         if "mtu" not in f:
@@ -67,6 +79,12 @@ def judge_across(inv: Inventory, per_host: dict[str, dict], local_code: str | No
             )
         else:
             out.append(Check(n, "mtu", OK, str(f["mtu"])))
+    return out
+
+
+def _code_checks(per_host: dict[str, dict], local_code: str | None) -> list[Check]:
+    """Each host's synced code tree against this machine's (`local_code`; None: not compared)."""
+    out: list[Check] = []
     for n, f in per_host.items():
         code = f.get("code")
         if code is None:

@@ -1,6 +1,6 @@
-"""A GPU host's health, for the deep check: the commands that read it and the judgement of what
-they print, once gpuparse has read it (no I/O here; orchestrator/preflight/deep.py runs the
-commands).
+"""A GPU host's health, for the deep check: the judgement of what the commands that read it
+(gpucommands) print, once gpuparse has read it (no I/O here; orchestrator/preflight/deepphases.py
+runs the commands).
 
 NVIDIA: `nvidia-smi -q` (ECC, retired pages / remapped rows, clocks event reasons, PCIe link), the
 kernel log's XID lines, and `dcgmi diag -r 1` where DCGM is installed. AMD: `rocm-smi` (RAS error
@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from orchestrator.preflight.gpucommands import DCGMI_ABSENT, DCGMI_TIMED_OUT
 from orchestrator.preflight.gpuparse import parse_xid, pci_key, read_dcgmi_tests
-from orchestrator.telemetry.commands import XID_SOURCE
 
 
 @dataclass(frozen=True)
@@ -29,50 +29,6 @@ class Finding:
 
 
 FAIL, WARN = "fail", "warn"
-
-# ---------------------------------------------------------------------------------------------
-# Commands
-# ---------------------------------------------------------------------------------------------
-
-# The full text query. `-d` is not used: no -d section holds the product name or the PCI block
-# (link generation and width), which this check needs; a recorded `-q -d ECC,PAGE_RETIREMENT,
-# ROW_REMAPPER,PERFORMANCE,...` on an H100 (tests/unit/recorded/nvidia-h100/nvidia-smi.txt) has
-# neither. Without -i every GPU is listed, in nvidia-smi's index order, so a GPU's position in the
-# output is its index.
-NVIDIA_COMMAND = ["nvidia-smi", "-q"]
-
-# Kernel log lines with NVIDIA XID errors since boot: dmesg, or where it is not permitted
-# (kernel.dmesg_restrict) or absent, the kernel messages of this boot from the journal. Prints
-# nothing when there are none or neither can be read; always exits 0.
-XID_COMMAND = f"{XID_SOURCE} | grep -F 'NVRM: Xid' || true"  # the telemetry's reader, bounded
-
-DCGMI_ABSENT = "gpuhealth: dcgmi absent"
-DCGMI_TIMED_OUT = "gpuhealth: dcgmi timed out"
-# `dcgmi diag -r 1` (the quick level: deployment checks, seconds) only where dcgmi is installed;
-# else a marker line. Bounded below deep.py's 300 s so that a hung diag reports itself.
-DCGMI_COMMAND = (
-    "if command -v dcgmi >/dev/null 2>&1; then timeout 240 dcgmi diag -r 1 2>&1; "
-    f"[ $? -eq 124 ] && echo '{DCGMI_TIMED_OUT}'; "
-    f"else echo '{DCGMI_ABSENT}'; fi; true"
-)
-
-# rocm-smi's text output, one run: --showproductname (model, for THRESHOLDS), --showbus (PCI
-# address), --showclocks (the current PCIe level, "pcie clock level: 1 (16.0GT/s x16)"),
-# --showclkfrq (the supported PCIe levels, current one starred; the highest is the link's maximum)
-# and --showrasinfo all (per-block RAS state and correctable/uncorrectable error counts; "all"
-# because older rocm-smi shows no block without it). Not --json: --showrasinfo prints nothing in
-# JSON ("WARNING: No JSON data to report", ROCm/legacy-rocm-build#4374). Not --showpcibandwidth: it
-# estimates traffic, it does not give the link state. rocm-smi is deprecated for amd-smi, which
-# AMD hosts may have instead; this reads rocm-smi only.
-ROCM_COMMAND = [
-    "rocm-smi",
-    "--showproductname",
-    "--showbus",
-    "--showclocks",
-    "--showclkfrq",
-    "--showrasinfo",
-    "all",
-]
 
 # ---------------------------------------------------------------------------------------------
 # Thresholds
@@ -265,8 +221,8 @@ def _memory_findings(g: dict, t: dict, name: str) -> list[Finding]:
 
 
 def judge_nvidia(gpus: list[dict], xid_text: str = "") -> list[Finding]:
-    """Findings from parse_nvidia_smi_q's GPUs and XID_COMMAND's output, per GPU in order, with the
-    thresholds of its model (thresholds_for):
+    """Findings from parse_nvidia_smi_q's GPUs and gpucommands.XID_COMMAND's output, per GPU in
+    order, with the thresholds of its model (thresholds_for):
 
     - no GPU listed at all, or a GPU nvidia-smi cannot read: fail;
     - volatile uncorrectable ECC errors above max_uncorrectable_ecc: fail; else lifetime
@@ -339,10 +295,11 @@ def _xid_findings(gpus: list[dict], xids: list[tuple[str, int]]) -> list[Finding
 
 
 def parse_dcgmi_diag(text: str) -> list[Finding]:
-    """Findings from `dcgmi diag` table output (DCGMI_COMMAND): each test whose result is Fail is a
-    fail, Warn a warn, one per GPU the result names ("Fail - GPU: 1", DCGM 4's "GPU0: Fail") or one
-    for the host ("Fail - All", deployment tests). The detail carries the test's first Error /
-    Warning / Info message. Pass, Skip and Not Run are nothing, nor are Info lines under a Pass.
+    """Findings from `dcgmi diag` table output (gpucommands.DCGMI_COMMAND): each test whose result
+    is Fail is a fail, Warn a warn, one per GPU the result names ("Fail - GPU: 1", DCGM 4's "GPU0:
+    Fail") or one for the host ("Fail - All", deployment tests). The detail carries the test's first
+    Error / Warning / Info message. Pass, Skip and Not Run are nothing, nor are Info lines under a
+    Pass.
     [] when everything passed, when the text is empty, or when dcgmi is absent (DCGMI_ABSENT).
     A timeout (DCGMI_TIMED_OUT) or output with no result table (dcgmi could not run): warn."""
     text = text or ""

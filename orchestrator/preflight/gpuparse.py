@@ -112,68 +112,10 @@ def parse_nvidia_smi_q(text: str) -> list[dict]:
     error set, or when it is not listed, is an entry with only index "" (not known), bus_id and
     error; GPUs counted in "Attached GPUs" and not listed are one more such entry, bus_id ""."""
     text = text or ""
-    blocks: list[tuple[str, list[str]]] = []
-    errors: list[tuple[str, str]] = []
-    for line in text.splitlines():
-        m = _GPU_HEADER.match(line)
-        if m:
-            blocks.append((m.group(1), []))
-            continue
-        bad = _UNREADABLE.search(line)
-        if bad:
-            errors.append((bad.group(1).rstrip(":"), bad.group(2).strip() or "unreadable"))
-        elif blocks:
-            blocks[-1][1].append(line)
-    gpus: list[dict[str, Any]] = []
-    for bus_id, lines in blocks:
-        f = _gpu_fields(lines)
-
-        def get(*path: str, f: dict[tuple[str, ...], tuple[str, str]] = f) -> str | None:
-            hit = f.get(tuple(p.lower() for p in path))
-            return hit[1] if hit else None
-
-        throttle = [
-            key
-            for p, (key, v) in f.items()
-            if p[0] in ("clocks event reasons", "clocks throttle reasons")
-            and len(p) == 2
-            and v.strip().lower() == "active"
-        ]
-        pending = [
-            v
-            for p, (_, v) in f.items()
-            if p[:1] == ("retired pages",) and len(p) == 2 and p[1].startswith("pending")
-        ]
-        repair = [_yes(get("ECC Errors", k)) for k in ("Channel Repair Pending", "TPC Repair Pending")]
-        reset = [_yes(get("GPU Reset Status", k)) for k in ("Reset Required", "Drain and Reset Recommended")]
-        gpus.append(
-            {
-                "index": str(len(gpus)),
-                "bus_id": bus_id,
-                "product": get("Product Name") or "",
-                "ecc_mode": get("ECC Mode", "Current"),
-                "ecc_volatile_uncorrectable": _uncorrectable(f, "volatile"),
-                "ecc_aggregate_uncorrectable": _uncorrectable(f, "aggregate"),
-                "retired_pages_sbe": _int(get("Retired Pages", "Single Bit ECC")),
-                "retired_pages_dbe": _int(get("Retired Pages", "Double Bit ECC")),
-                "retired_pages_pending": _yes(pending[0]) if pending else None,
-                "remapped_rows_correctable": _int(get("Remapped Rows", "Correctable Error")),
-                "remapped_rows_uncorrectable": _int(get("Remapped Rows", "Uncorrectable Error")),
-                "remapped_rows_pending": _yes(get("Remapped Rows", "Pending")),
-                "remapping_failure": _yes(get("Remapped Rows", "Remapping Failure Occurred")),
-                "sram_threshold_exceeded": _yes(get("ECC Errors", "Aggregate", "SRAM Threshold Exceeded")),
-                "repair_pending": True if True in repair else False if False in repair else None,
-                "unrepairable_memory": _yes(get("ECC Errors", "Unrepairable Memory")),
-                "recovery_action": get("GPU Recovery Action"),
-                "reset_required": True if True in reset else False if False in reset else None,
-                "throttle_active": throttle,
-                "pcie_gen_current": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Current")),
-                "pcie_gen_max": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Max")),
-                "pcie_width_current": _int(get("PCI", "GPU Link Info", "Link Width", "Current")),
-                "pcie_width_max": _int(get("PCI", "GPU Link Info", "Link Width", "Max")),
-                "error": None,
-            }
-        )
+    blocks, errors = _nvidia_blocks(text)
+    gpus: list[dict[str, Any]] = [
+        _nvidia_gpu(str(i), bus_id, _gpu_fields(lines)) for i, (bus_id, lines) in enumerate(blocks)
+    ]
     listed = {pci_key(g["bus_id"]): g for g in gpus}
     for bus_id, why in errors:
         if pci_key(bus_id) in listed:
@@ -190,6 +132,73 @@ def parse_nvidia_smi_q(text: str) -> list[dict]:
             }
         )
     return gpus
+
+
+def _nvidia_blocks(text: str) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str]]]:
+    """`nvidia-smi -q` cut into GPU blocks, (bus id, the block's lines), and the GPUs it could not
+    read, (bus id, why)."""
+    blocks: list[tuple[str, list[str]]] = []
+    errors: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        m = _GPU_HEADER.match(line)
+        if m:
+            blocks.append((m.group(1), []))
+            continue
+        bad = _UNREADABLE.search(line)
+        if bad:
+            errors.append((bad.group(1).rstrip(":"), bad.group(2).strip() or "unreadable"))
+        elif blocks:
+            blocks[-1][1].append(line)
+    return blocks, errors
+
+
+def _nvidia_gpu(index: str, bus_id: str, f: dict[tuple[str, ...], tuple[str, str]]) -> dict[str, Any]:
+    """One GPU of parse_nvidia_smi_q from its block's fields (_gpu_fields), error None."""
+
+    def get(*path: str) -> str | None:
+        hit = f.get(tuple(p.lower() for p in path))
+        return hit[1] if hit else None
+
+    throttle = [
+        key
+        for p, (key, v) in f.items()
+        if p[0] in ("clocks event reasons", "clocks throttle reasons")
+        and len(p) == 2
+        and v.strip().lower() == "active"
+    ]
+    pending = [
+        v
+        for p, (_, v) in f.items()
+        if p[:1] == ("retired pages",) and len(p) == 2 and p[1].startswith("pending")
+    ]
+    repair = [_yes(get("ECC Errors", k)) for k in ("Channel Repair Pending", "TPC Repair Pending")]
+    reset = [_yes(get("GPU Reset Status", k)) for k in ("Reset Required", "Drain and Reset Recommended")]
+    return {
+        "index": index,
+        "bus_id": bus_id,
+        "product": get("Product Name") or "",
+        "ecc_mode": get("ECC Mode", "Current"),
+        "ecc_volatile_uncorrectable": _uncorrectable(f, "volatile"),
+        "ecc_aggregate_uncorrectable": _uncorrectable(f, "aggregate"),
+        "retired_pages_sbe": _int(get("Retired Pages", "Single Bit ECC")),
+        "retired_pages_dbe": _int(get("Retired Pages", "Double Bit ECC")),
+        "retired_pages_pending": _yes(pending[0]) if pending else None,
+        "remapped_rows_correctable": _int(get("Remapped Rows", "Correctable Error")),
+        "remapped_rows_uncorrectable": _int(get("Remapped Rows", "Uncorrectable Error")),
+        "remapped_rows_pending": _yes(get("Remapped Rows", "Pending")),
+        "remapping_failure": _yes(get("Remapped Rows", "Remapping Failure Occurred")),
+        "sram_threshold_exceeded": _yes(get("ECC Errors", "Aggregate", "SRAM Threshold Exceeded")),
+        "repair_pending": True if True in repair else False if False in repair else None,
+        "unrepairable_memory": _yes(get("ECC Errors", "Unrepairable Memory")),
+        "recovery_action": get("GPU Recovery Action"),
+        "reset_required": True if True in reset else False if False in reset else None,
+        "throttle_active": throttle,
+        "pcie_gen_current": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Current")),
+        "pcie_gen_max": _int(get("PCI", "GPU Link Info", "PCIe Generation", "Max")),
+        "pcie_width_current": _int(get("PCI", "GPU Link Info", "Link Width", "Current")),
+        "pcie_width_max": _int(get("PCI", "GPU Link Info", "Link Width", "Max")),
+        "error": None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +276,7 @@ def _link(text: str) -> tuple[int | None, int] | None:
 
 
 def parse_rocm_smi(text: str) -> list[dict]:
-    """One dict per GPU of ROCM_COMMAND's text output, by rocm-smi's GPU index:
+    """One dict per GPU of gpucommands.ROCM_COMMAND's text output, by rocm-smi's GPU index:
     index ("0"), bus_id, product (Card Series, with Card model), ras ({block: (status, correctable,
     uncorrectable)}, counts None where only a status is printed), ecc_uncorrectable (sum over the
     blocks, None when no block has counts), pcie_gen_current, pcie_width_current (the starred
@@ -288,16 +297,8 @@ def parse_rocm_smi(text: str) -> list[dict]:
     for raw in (text or "").splitlines():
         m = _ROCM_LINE.match(raw.strip())
         if not m:
-            if ras_of is not None:
-                words = raw.split()
-                if not words or raw.strip()[0] in "_=-":  # the table's end, or the next section
-                    ras_of = None
-                elif words[0] != "Block" and re.fullmatch(r"[A-Z0-9_]+", words[0]):
-                    nums = words[-2:] if len(words) >= 4 and all(w.isdigit() for w in words[-2:]) else []
-                    status = " ".join(words[1 : len(words) - len(nums)])
-                    gpu(ras_of)["ras"][words[0]] = (
-                        (status, *(int(n) for n in nums)) if nums else (status, None, None)
-                    )
+            if ras_of is not None and not _ras_row(raw, gpu(ras_of)["ras"]):
+                ras_of = None
             continue
         i, rest = int(m.group(1)), m.group(2).strip()
         g = gpu(i)
@@ -323,17 +324,31 @@ def parse_rocm_smi(text: str) -> list[dict]:
             models[i] = value
         elif key == "pci bus":
             g["bus_id"] = value
-    out = []
-    for i in sorted(gpus):
-        g = gpus[i]
-        g["product"] = " ".join(
-            x for x in (series.get(i, ""), models.get(i, "")) if x and not x.startswith("0x")
-        )
-        counts = [ue for _, _, ue in g["ras"].values() if ue is not None]
-        g["ecc_uncorrectable"] = sum(counts) if counts else None
-        cur, levels = g.pop("current"), g.pop("levels")
-        top = max(levels, key=lambda level: ((level[0] or 0), level[1])) if levels else None
-        g["pcie_gen_current"], g["pcie_width_current"] = cur if cur else (None, None)
-        g["pcie_gen_max"], g["pcie_width_max"] = top if top else (None, None)
-        out.append(g)
-    return out
+    return [_rocm_gpu(gpus[i], series.get(i, ""), models.get(i, "")) for i in sorted(gpus)]
+
+
+def _ras_row(raw: str, ras: dict) -> bool:
+    """One line of a GPU's RAS INFO table: a block's row put into `ras` ({block: (status,
+    correctable, uncorrectable)}), the header or anything else skipped; False at the table's end
+    (a blank line, or the next section's rule)."""
+    words = raw.split()
+    if not words or raw.strip()[0] in "_=-":  # the table's end, or the next section
+        return False
+    if words[0] != "Block" and re.fullmatch(r"[A-Z0-9_]+", words[0]):
+        nums = words[-2:] if len(words) >= 4 and all(w.isdigit() for w in words[-2:]) else []
+        status = " ".join(words[1 : len(words) - len(nums)])
+        ras[words[0]] = (status, *(int(n) for n in nums)) if nums else (status, None, None)
+    return True
+
+
+def _rocm_gpu(g: dict, series: str, model: str) -> dict:
+    """A GPU of parse_rocm_smi as read (its "levels" and "current" PCIe links) made final: its
+    product, the sum of its uncorrectable RAS errors, its current and its highest PCIe link."""
+    g["product"] = " ".join(x for x in (series, model) if x and not x.startswith("0x"))
+    counts = [ue for _, _, ue in g["ras"].values() if ue is not None]
+    g["ecc_uncorrectable"] = sum(counts) if counts else None
+    cur, levels = g.pop("current"), g.pop("levels")
+    top = max(levels, key=lambda level: ((level[0] or 0), level[1])) if levels else None
+    g["pcie_gen_current"], g["pcie_width_current"] = cur if cur else (None, None)
+    g["pcie_gen_max"], g["pcie_width_max"] = top if top else (None, None)
+    return g

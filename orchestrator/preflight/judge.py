@@ -1,6 +1,7 @@
 """Phase 2 of a preflight: pure functions judge each host's facts into checks (`judge_host` and
-the judge_* per check, `judge_time` for the clock offset); then the hosts are compared against each
-other (compare). They take plain data, so they are unit-tested without a network."""
+the judge_* per check, `judge_time` for the clock offset; the storage checks are in storagecheck,
+the rsync check in rsynccheck); then the hosts are compared against each other (compare). They take
+plain data, so they are unit-tested without a network."""
 
 from __future__ import annotations
 
@@ -8,23 +9,20 @@ import ipaddress
 import re
 
 from orchestrator.config.inventory import Host, Inventory
-from orchestrator.core import hostile
-from orchestrator.core.jobspec import LOCAL
 from orchestrator.hostcmds import dockerargs
 from orchestrator.preflight.checks import DEFAULT_LIMITS, FAIL, NA, OK, SKIP, WARN, Check, Limits, _last
 from orchestrator.preflight.probe import (
     DOCKER_TIMEOUT,
     GPU_CONTAINER_TIMEOUT,
-    RSYNC_CVES,
     TIMED_OUT,
     Facts,
     count_gpus,
     image_info,
     parse_addrs,
     parse_links,
-    parse_rsync_fact,
-    parse_rsync_version,
 )
+from orchestrator.preflight.rsynccheck import judge_rsync
+from orchestrator.preflight.storagecheck import judge_dirs, judge_disk, judge_shm
 
 
 def judge_host(
@@ -51,79 +49,6 @@ def judge_host(
     if "rsync" in facts:
         out.append(judge_rsync(n, facts["rsync"]))
     return out
-
-
-# rsync before 3.2.4 handles remote arguments the old way (a remote shell splits and expands them
-# unless -s is given); 3.4.0 fixed two flaws of the receiving client, which is this machine when
-# fab fetches a host's outputs and snapshots: CVE-2024-12087 (a sending server writes outside the
-# destination) and CVE-2024-12088 (--safe-links bypassed).
-RSYNC_MIN = (3, 2, 4)
-RSYNC_SAFE = (3, 4, 0)
-
-
-def judge_rsync(name: str, fact: tuple[int, str]) -> Check:
-    """The rsync of a host (`name` its name; the fact from its probe) or of this machine (LOCAL;
-    probe.local_rsync): refused before 3.2.4 or when missing or unreadable, a warning before 3.4
-    unless its package names the fixes for both CVEs (a distribution's backport). RSYNC_OLD_ARGS
-    and RSYNC_PROTECT_ARGS are shown where set: fab's explicit -s (sshargs.RSYNC_PROTECT) overrides
-    both here, and a server rsync reads neither, so they change nothing."""
-    here = name == LOCAL
-    where = "on this machine" if here else f"on {name}"
-    upgrade = (
-        f"{where}: upgrade rsync to 3.4 or later (a distribution's build of 3.2.7 with the fixes will do)"
-    )
-    rc, text = fact
-    info = parse_rsync_fact(text)
-    shown = hostile.line(info["version"], 120)
-    if not info["version"]:
-        return Check(
-            name,
-            "rsync",
-            FAIL,
-            "no rsync" if rc == 0 else f"could not run rsync: {_last(hostile.line(text))}",
-            f"{where}: install rsync 3.4 or later (e.g. sudo apt-get install rsync)",
-        )
-    version = parse_rsync_version(info["version"])
-    if version is None:
-        return Check(
-            name,
-            "rsync",
-            FAIL,
-            f"cannot read rsync's version from {shown!r} (not rsync 3.x?)",
-            f"{where}: install rsync 3.4 or later, first in PATH",
-        )
-    number = ".".join(map(str, version))
-    env = info["env"]
-    note = ""
-    if env:
-        names = ", ".join(f"{k}={hostile.line(v, 40)}" for k, v in sorted(env.items()))
-        note = (
-            f"; {names} set (no effect: fab passes -s, which overrides it)"
-            if here
-            else f"; {names} in its SSH environment (no effect: rsync's server side reads neither)"
-        )
-    if version < RSYNC_MIN:
-        return Check(
-            name,
-            "rsync",
-            FAIL,
-            f"rsync {number} is older than 3.2.4: its argument handling differs "
-            "(old style: remote paths split and expanded by the remote shell unless protected)" + note,
-            upgrade,
-        )
-    if version < RSYNC_SAFE:
-        if info["fixed"] >= set(RSYNC_CVES):
-            return Check(name, "rsync", OK, f"{number}, its package fixes {' and '.join(RSYNC_CVES)}" + note)
-        return Check(
-            name,
-            "rsync",
-            WARN,
-            f"rsync {number} is older than 3.4 and its package names no fix for "
-            f"CVE-2024-12087 (a server can make the receiving rsync write outside its destination) and "
-            f"CVE-2024-12088 (--safe-links bypass)" + note,
-            upgrade,
-        )
-    return Check(name, "rsync", OK, number + note)
 
 
 def describe_image(info: dict) -> str:
@@ -189,31 +114,6 @@ def judge_image(host: Host, facts: Facts, image: str) -> Check:
             build,
         )
     return Check(n, "image", OK, f"{ident}: {describe_image(info)}")
-
-
-def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
-    """job.code_dir and job.output_dir must exist or be creatable, and be writable, by the SSH user."""
-    n, user = host.name, host.ssh.user
-    rc, text = fact
-    denied = [line.split() for line in text.splitlines() if line.startswith("denied ")]
-    if rc != 0 or not any(line.startswith(("ok ", "denied ")) for line in text.splitlines()):
-        return Check(n, "dirs", WARN, f"could not check the job directories: {_last(text)}", "")
-    if not denied:
-        return Check(n, "dirs", OK, "code and output dirs writable by " + user)
-    parts = []
-    for fields in denied:
-        path, blocker, owner = fields[1], fields[2], fields[3] if len(fields) > 3 else "?"
-        why = "not writable" if blocker == path else f"cannot be created: {blocker} is owned by {owner}"
-        parts.append(f"{path} ({why})")
-    paths = " ".join(f[1] for f in denied)
-    return Check(
-        n,
-        "dirs",
-        FAIL,
-        f"{user} cannot write " + ", ".join(parts),
-        f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
-        f"job.output_dir to directories {user} owns)",
-    )
 
 
 def judge_docker(host: Host, facts: Facts, access: dockerargs.GpuAccess | None = None) -> Check:
@@ -412,47 +312,6 @@ def judge_port(inv: Inventory, host: Host, fact: tuple[int, str]) -> Check:
             f"stop it (fab stop, or kill the process on {n}) or set job.master_port",
         )
     return Check(n, "port", OK, f"master port {port} free")
-
-
-def judge_shm(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits) -> Check:
-    n = host.name
-    if inv.job.shm_size:
-        return Check(n, "shm", OK, f"--shm-size {inv.job.shm_size}")
-    rc, text = fact
-    fields = text.splitlines()[-1].split() if rc == 0 and text else []
-    if len(fields) < 4 or not fields[1].isdigit():
-        return Check(
-            n, "shm", WARN, f"could not read /dev/shm: {_last(text)}", "check that /dev/shm is mounted"
-        )
-    mb = int(fields[1]) // 1024
-    if mb < limits.shm_warn_mb:
-        return Check(
-            n,
-            "shm",
-            WARN,
-            f"/dev/shm is {mb} MB (--ipc host)",
-            f"enlarge /dev/shm on {n}, or set job.shm_size (e.g. 16g)",
-        )
-    return Check(n, "shm", OK, f"{mb} MB (--ipc host)")
-
-
-def judge_disk(inv: Inventory, host: Host, fact: tuple[int, str], limits: Limits) -> Check:
-    n = host.name
-    rc, text = fact
-    rows = [line.split() for line in text.splitlines() if len(line.split()) >= 6]
-    if rc != 0 or len(rows) < 2:
-        return Check(n, "disk", WARN, f"could not read free space: {_last(text)}", "")
-    worst = min(int(r[3]) for r in rows[:2]) / 1024**2
-    paths = f"{inv.job.code_dir}, {inv.job.output_dir}"
-    if worst < limits.disk_fail_gb:
-        return Check(
-            n, "disk", FAIL, f"{worst:.1f} GB free at {paths}", f"free space on {n} or move output_dir"
-        )
-    if worst < limits.disk_warn_gb:
-        return Check(
-            n, "disk", WARN, f"{worst:.1f} GB free at {paths}", f"snapshots may not fit; free space on {n}"
-        )
-    return Check(n, "disk", OK, f"{worst:.0f} GB free")
 
 
 def judge_time(host: Host, offset: float, rtt: float, ntp: str, limits: Limits) -> Check:

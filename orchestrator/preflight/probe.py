@@ -56,20 +56,7 @@ def probe_commands(
         "docker": ["docker", "version", "--format", "{{.Server.Version}}"],
         "image": ["docker", "image", "inspect", "--format", "{{.Id}}", image],
         "image_info": image_info_argv(inv, host, image, access),
-        # Per job directory, from its nearest existing directory (code_dir may not exist before the
-        # first sync): the free space there (judge_disk), and whether the SSH user can create and
-        # write it (judge_dirs; sync and the job need to).
-        "dirs": [
-            "sh",
-            "-c",
-            'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
-            'df -Pk "$q" | tail -n 1; '
-            'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
-            'else echo "denied $p $q $(stat -c %U "$q")"; fi; done',
-            "sh",
-            inv.job.code_dir,
-            inv.job.output_dir,
-        ],
+        "dirs": dirs_argv(inv),
         "addr": ["ip", "-o", "-4", "addr", "show"],
         "link": ["ip", "-o", "link", "show"],
         "route": ["ip", "-o", "route", "get", inv.master.hostname],
@@ -107,7 +94,24 @@ def probe_commands(
     return cmds
 
 
-# What the rsync check judges (judge.judge_rsync), printed as key=value lines by the same script on
+def dirs_argv(inv: Inventory) -> list[str]:
+    """The "dirs" fact: per job directory, from its nearest existing directory (code_dir may not exist
+    before the first sync), the free space there (storagecheck.judge_disk), and whether the SSH user
+    can create and write it (storagecheck.judge_dirs; sync and the job need to)."""
+    return [
+        "sh",
+        "-c",
+        'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
+        'df -Pk "$q" | tail -n 1; '
+        'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
+        'else echo "denied $p $q $(stat -c %U "$q")"; fi; done',
+        "sh",
+        inv.job.code_dir,
+        inv.job.output_dir,
+    ]
+
+
+# What the rsync check judges (rsynccheck.judge_rsync), printed as key=value lines by the same script on
 # a host (in its probe, so in the environment a non-interactive SSH command gets, the one rsync's
 # server side gets) and on this machine (local_rsync): the first line of `rsync --version`
 # (version=, empty when there is no rsync); the CVE ids of the two client-side flaws fixed in 3.4

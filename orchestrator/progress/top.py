@@ -28,6 +28,7 @@ from orchestrator.transport.remote import PerHost, Session, describe
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
+    from rich.table import Table
 
 REFRESH = 2.0  # seconds between two refreshes of the live view
 TOP_TIMEOUT = 20.0  # seconds one host has to answer a refresh (telemetry's tools are bounded inside)
@@ -241,10 +242,9 @@ def _spans(slots: list[dict]) -> list[tuple[str, dict]]:
     return out
 
 
-def render(snap: dict[str, Any]) -> RenderableType:
-    """The live view of a snapshot: hosts and their units, containers, jobs, and hosts not answering.
-    Everything a host sent is shown as plain text (hostile.rich_text), never as markup."""
-    from rich.console import Group
+def _units(snap: dict[str, Any]) -> Table:
+    """The hosts and their units (a GPU each, or CPU slots in runs of one holder), with each host's
+    load and memory under its name."""
     from rich.table import Table
     from rich.text import Text
 
@@ -283,6 +283,14 @@ def render(snap: dict[str, Any]) -> RenderableType:
                 _pct(s.get("util")),
                 memory,
             )
+    return units
+
+
+def _containers(snap: dict[str, Any]) -> Table:
+    """Every job container of every host: its CPU (cores) and memory."""
+    from rich.table import Table
+
+    t = hostile.rich_text
     containers = Table(title="containers")
     for col in ("host", "container", "job", "cpu (cores)", "memory"):
         containers.add_column(col, no_wrap=col == "container")
@@ -292,6 +300,14 @@ def render(snap: dict[str, Any]) -> RenderableType:
             containers.add_row(
                 t(h["host"]), t(c["name"]), t(c["job"] or "-"), f"{c['cpu']:.2f}", _bytes(c["mem"]) + limit
             )
+    return containers
+
+
+def _jobs(snap: dict[str, Any]) -> Table:
+    """The jobs as `fab status` lists them, with each one's last step and steps/s."""
+    from rich.table import Table
+
+    t = hostile.rich_text
     jobs = Table(title="jobs")
     for col in ("job", "who", "state", "step", "steps/s", "hosts"):
         jobs.add_column(col, no_wrap=col == "job")
@@ -304,12 +320,22 @@ def render(snap: dict[str, Any]) -> RenderableType:
             "-" if j["rate"] is None else f"{j['rate']:.2f}",
             t(", ".join(j["hosts"])),
         )
-    parts: list[RenderableType] = [units]
+    return jobs
+
+
+def render(snap: dict[str, Any]) -> RenderableType:
+    """The live view of a snapshot: hosts and their units, containers, jobs, and hosts not answering.
+    Everything a host sent is shown as plain text (hostile.rich_text), never as markup."""
+    from rich.console import Group
+    from rich.text import Text
+
+    parts: list[RenderableType] = [_units(snap)]
+    containers = _containers(snap)
     if containers.row_count:
         parts.append(containers)
-    parts.append(jobs if snap["jobs"] else Text("no jobs", style="dim"))
+    parts.append(_jobs(snap) if snap["jobs"] else Text("no jobs", style="dim"))
     for line in snap["errors"]:
-        parts.append(t(line, "red"))
+        parts.append(hostile.rich_text(line, "red"))
     return Group(*parts)
 
 

@@ -66,7 +66,8 @@ swapped for a link to the host's files between two looks is never copied here. L
 in the output directory (the working directory's links into the code) are left alone.
 
 The commands are built by pure functions (snapshots/commands.py), so a job's plan can show
-exactly what runs; what hosts send back is read by snapshots/listings.py.
+exactly what runs; what hosts send back is read by snapshots/listings.py; one try of a copy, checked,
+is snapshots/copying.py's.
 """
 
 from __future__ import annotations
@@ -83,25 +84,17 @@ from pathlib import Path
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
-from orchestrator.hostcmds import sshargs
 from orchestrator.progress import bars
 from orchestrator.snapshots.checks import (
-    CHECKSUM_TIMEOUT,
     LIST_TIMEOUT,
     CopyFailed,
     list_set,
-    local_digest,
-    local_manifest,
-    remote_check,
     remote_digest,
     remote_manifest,
     remote_newest,
 )
 from orchestrator.snapshots.commands import (
     PLACE_TMP,
-    REFUSED_MARK,
-    fetch_set_argv,
-    job_root,
     layout,
     local_dir_name,
     local_temp_name,
@@ -109,32 +102,13 @@ from orchestrator.snapshots.commands import (
     remove_tree_command,
     temp_path,
 )
-from orchestrator.snapshots.listings import (
-    SETTLE,
-    Digest,
-    Manifest,
-    Settle,
-    checkpoint_set,
-    manifest,
-    newest,
-    parse_checksum,
-    parse_manifest,
-)
-from orchestrator.transport.remote import Session, describe
+from orchestrator.snapshots.copying import Changed, Refused, fetch_file, fetch_set, push_once, run_copy
+from orchestrator.snapshots.listings import SETTLE, Digest, Manifest, Settle, newest
+from orchestrator.transport.remote import Session
 
 SNAPSHOT_POLL = 0.5  # seconds between looks for a new snapshot on rank 0's host (a find on an open SSH link)
 COPY_TRIES = 3  # tries per copy, the first included
 RETRY_PAUSE = 1.0  # seconds between two tries: a dropped link gets a moment to come back
-
-
-class _Refused(CopyFailed):
-    """Placing a set refused a path on its host (set_place_command: a symbolic link or a file where
-    a directory goes, left by the job's program): not tried again."""
-
-
-class _Changed(Exception):
-    """The set being copied changed on its host meanwhile: not a failure, the next one settles."""
-
 
 # ---------------------------------------------------------------- runs/JOB/snapshots
 
@@ -233,13 +207,15 @@ class Snapshots:
                 _remove(tmp)
                 try:
                     if self.spec.checkpoint:
-                        self._fetch_set(session, host, name, tmp)
+                        fetch_set(
+                            session, host, self.inv, self.spec, name, tmp, self._copy, self._newest_copy
+                        )
                     else:
-                        self._fetch_file(session, host, name, tmp)
+                        fetch_file(session, host, self.remote_path(name), tmp, self._copy)
                 except CopyFailed as exc:
                     why = str(exc)
                     continue
-                except _Changed:
+                except Changed:
                     return False
                 with self.lock:
                     if name > (self.local_newest() or ""):
@@ -257,72 +233,10 @@ class Snapshots:
         )
         return False
 
-    def _fetch_file(self, session: Session, host: Host, name: str, tmp: Path) -> None:
-        want = remote_digest(session, host, self.remote_path(name))
-        self._copy(
-            sshargs.fetch_file_argv(host, self.remote_path(name), str(tmp)),
-            host.name,
-            "snapshot fetch",
-            want.size,
-        )
-        try:
-            got = local_digest(tmp)
-        except OSError as exc:
-            raise CopyFailed(f"the copy cannot be read here: {exc}") from None
-        if got != want:
-            raise CopyFailed(f"the copy ({got}) differs from the host's file ({want})")
-
-    def _fetch_set(self, session: Session, host: Host, name: str, tmp: Path) -> None:
-        """One try of copying set `name` into the directory `tmp`: listed, the host's manifest of its
-        files, rsync of exactly those files, the copy's manifest compared, listed again (the set must
-        not have changed meanwhile). _Changed when it is not (or no longer) the host's set."""
-        before = list_set(session, host, self.inv, self.spec)
-        if before is None or not before.whole:
-            raise _Changed()
-        found = checkpoint_set(before.entries)
-        if found is None or found.name != name:
-            raise _Changed()
-        tmp.mkdir(parents=True)
-        for p in found.paths:  # safe already (parse_listing); and inside the copy's directory here
-            try:
-                hostile.relpath(p, root=tmp)
-            except hostile.UnsafeName as exc:
-                raise CopyFailed(f"refused: {exc}") from None
-        root = job_root(self.inv, self.spec)
-        want = remote_manifest(session, host, root, found.paths)
-        # The manifest read each file at its literal path (manifest_command refuses one reached
-        # through a link); the listing's sizes must be what it read too.
-        if want.paths != found.paths:
-            raise CopyFailed(
-                f"the host's checksums name other files than its listing: {want.differs(manifest([]))}"
-            )
-        resized = [p for (p, d), e in zip(want.files, found.files, strict=True) if d.size != e.size]
-        if resized:
-            raise CopyFailed(
-                f"the host's checksums read other sizes than its listing: "
-                f"{hostile.line(repr(resized[0]), 80)}"
-                + (f" and {len(resized) - 1} more" if len(resized) > 1 else "")
-            )
-        listfile = tmp.with_name(tmp.name + ".files")
-        listfile.write_bytes(b"".join(p.encode() + b"\0" for p in found.paths))
+    def _newest_copy(self) -> Path | None:
+        """The newest snapshot here, as its path (a set's next copy hard-links what it shares)."""
         link = self.local_newest()
-        self._copy(
-            fetch_set_argv(
-                host, root, str(listfile), str(tmp), str(self.local_path(link).resolve()) if link else None
-            ),
-            host.name,
-            "snapshot fetch",
-            sum(d.size for _, d in want.files),
-        )
-        try:
-            got = local_manifest(tmp)
-        except OSError as exc:
-            raise CopyFailed(f"the copy cannot be read here: {exc}") from None
-        if got != want:
-            raise CopyFailed(f"the copy ({got}) differs from the host's files ({want}): {got.differs(want)}")
-        after = list_set(session, host, self.inv, self.spec)
-        if after is None or after.entries != before.entries:
-            raise _Changed()
+        return self.local_path(link) if link else None
 
     def _prune(self) -> None:
         """Keep the newest `keep` snapshots here (called with the lock held, after a checked copy)."""
@@ -404,7 +318,7 @@ class Snapshots:
             if n:
                 time.sleep(RETRY_PAUSE)
             try:
-                self._push_once(session, host, argv, check, rename, tmp, digest)
+                push_once(session, host, argv, check, rename, tmp, digest, self._copy)
                 return
             except CopyFailed as exc:
                 why = str(exc)
@@ -418,7 +332,7 @@ class Snapshots:
                     )
                 except Exception:  # noqa: BLE001 - a host that does not answer fails the next try anyway
                     pass
-                if isinstance(exc, _Refused):  # the same the next time: not tried again
+                if isinstance(exc, Refused):  # the same the next time: not tried again
                     line = (
                         f"{host.name}: did not place snapshot {name} in {final}: {why}. The job's program "
                         f"left that there; remove it on {host.name}, or leave the host out so a spare "
@@ -433,58 +347,6 @@ class Snapshots:
         )
         self.report(line)
         raise UserError(line)
-
-    def _push_once(
-        self,
-        session: Session,
-        host: Host,
-        argv: Sequence[str],
-        check: str,
-        rename: str,
-        tmp: str,
-        digest: Digest | Manifest,
-    ) -> None:
-        """One try of push: the copy, its check against `digest`, the rename; CopyFailed (_Refused:
-        the rename refused a path) says why not."""
-        is_set = isinstance(digest, Manifest)
-        size = sum(d.size for _, d in digest.files) if isinstance(digest, Manifest) else digest.size
-        self._copy(argv, host.name, "snapshot push", size)
-        if isinstance(digest, Manifest):
-            got_set = remote_check(session, host, check, parse_manifest, tmp)
-            if got_set != digest:
-                raise CopyFailed(
-                    f"the host's copy ({got_set}) differs from this machine's "
-                    f"({digest}): {got_set.differs(digest)}"
-                )
-        else:
-            got = remote_check(session, host, check, parse_checksum, tmp)
-            if got != digest:
-                raise CopyFailed(f"the host's copy ({got}) differs from this machine's ({digest})")
-        try:
-            r = session.run(
-                host, rename, timeout=CHECKSUM_TIMEOUT if is_set else LIST_TIMEOUT, what=f"renaming {tmp}"
-            )
-        except Exception as exc:  # noqa: BLE001 - this try failed; the next one says more
-            raise CopyFailed(f"mv on the host failed: {describe(host, exc)}") from None
-        if not r.ok and REFUSED_MARK in r.stderr:
-            refused = r.stderr[r.stderr.index(REFUSED_MARK) + len(REFUSED_MARK) :]
-            raise _Refused(hostile.line(refused.split("\n", 1)[0].strip(), 300))
-        if not r.ok:
-            raise CopyFailed(f"mv on the host exited {r.exited}: {hostile.text(r.stderr.strip())[-200:]}")
-
-
-def run_copy(
-    argv: list[str],
-    capture_output: bool = True,
-    text: bool = True,
-    on_output: Callable[[bytes], None] | None = None,
-) -> subprocess.CompletedProcess:
-    """subprocess.run for a copy's rsync; with `on_output`, its stdout (--info=progress2) handed
-    over as it comes (bars.run_watched) and only its stderr kept."""
-    if on_output is None:
-        return subprocess.run(argv, capture_output=capture_output, text=text)
-    code, err = bars.run_watched(argv, on_output)
-    return subprocess.CompletedProcess(argv, code, "", err.decode("utf-8", "replace"))
 
 
 def _remove(path: Path) -> None:

@@ -2,16 +2,17 @@
 (parse_sample), and what a run's samples add up to (summarise). Pure: no I/O.
 
 Everything here comes from a host, so it is hostile input: the text is cut at INPUT_MAX, a line at
-LINE_MAX; each number is checked (finite, inside a range a real machine can have: else None); names
-are made plain text by core/hostile; "[N/A]", "[Not Supported]" and the like are None; a line that
-cannot be read is skipped and counted in `errors` (at most ERRORS_MAX of them). parse_sample never
-raises: a sample is always a dict of SAMPLE_KEYS.
+LINE_MAX; each value is read by telemetry/readings (finite numbers in a real machine's ranges, plain
+names, "[N/A]" and the like None); a line that cannot be read is skipped and counted in `errors` (at
+most readings.ERRORS_MAX of them). nvidia-smi, docker stats and the host's lines are read here, the
+AMD tools' JSON in telemetry/amd.py. parse_sample never raises: a sample is always a dict of
+SAMPLE_KEYS.
 
 A sample (JSON-able):
 
     {"vendor": "nvidia" | "amd" | "none",
      "gpus": [{"index", "uuid", "bus", "util" (0..1), "mem_used", "mem_total" (bytes), "power_w",
-               "temp_c", "throttle" (reasons: THROTTLE_BITS' names), "ecc_uncorrected"}],
+               "temp_c", "throttle" (reasons: readings.THROTTLE_BITS' names), "ecc_uncorrected"}],
      "xid": [[bus, code], ...],
      "containers": [{"name", "cpu" (cores busy), "mem", "mem_limit" (bytes)}],
      "host": {"load1", "mem_used", "mem_total" (bytes), "cpus"},
@@ -21,129 +22,43 @@ A sample (JSON-able):
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections import Counter
 from typing import Any
 
-from orchestrator.core import hostile
 from orchestrator.telemetry import commands
+from orchestrator.telemetry.amd import parse_amd, parse_rocm
+from orchestrator.telemetry.readings import (
+    CPUS_MAX,
+    ECC_MAX,
+    GPUS_MAX,
+    LOAD_MAX,
+    MEM_MAX,
+    POWER_MAX,
+    TEMP_MAX,
+    Errors,
+    bus_id,
+    gpu,
+    integer,
+    mib,
+    number,
+    percent,
+    plain,
+    size,
+    throttle_reasons,
+)
 
 SAMPLE_KEYS = ("vendor", "gpus", "xid", "containers", "host", "errors")
 INPUT_MAX = 2 * commands.OUTPUT_MAX  # characters of a host's output read (the script cuts at half)
 LINE_MAX = 4096  # characters of one line read (a real one is under 300)
-ERRORS_MAX = 20  # error lines kept per sample; the rest counted in one more
-GPUS_MAX = 64
 CONTAINERS_MAX = commands.CONTAINERS_MAX
 
-# What a real machine can report; anything outside is garbage (None).
-MIB = 1024 * 1024
-MEM_MAX = 1 << 50  # bytes (1 PiB): a GPU's memory, a container's, a host's
-POWER_MAX = 10_000.0  # W, one GPU
-TEMP_MAX = 200.0  # C
-ECC_MAX = 10**12
-CPUS_MAX = 1 << 16
-LOAD_MAX = 1e6
-
-# NVML's clocks event (throttle) reasons, bit -> name (nvmlClocksEventReasons, NVML API reference).
-# GPU idle (0x1) is no slowdown: it is left out, as is "none" (0).
-THROTTLE_BITS = {
-    0x2: "applications_clocks",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal",
-    0x40: "hw_thermal",
-    0x80: "hw_power_brake",
-    0x100: "display_clocks",
-}
-_IDLE = 0x1
-_KNOWN_BITS = _IDLE | sum(THROTTLE_BITS)
-
-_NOT_A_VALUE = re.compile(
-    r"^\[?\s*(n/a|not supported|unknown( error)?|insufficient permissions|gpu is lost|"
-    r"requested functionality has been deprecated)\s*\]?$",
-    re.I,
-)
-_BUS = re.compile(r"^(?:[0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 # The kernel's XID lines, as preflight/gpuparse.parse_xid reads them: "NVRM: Xid (PCI:0000:3b:00):
 # 79, pid=...", with a MIG instance "(PCI:0000:01:00 GPU-I:05)", and in old drivers without "PCI:".
 _XID_RE = re.compile(
     r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})"
     r"(?:\.[0-9A-Fa-f])?(?:\s[^)]*)?\):\s*(\d{1,6})"
 )
-# docker stats sizes: "264MiB", "23.54GiB", "0B" (binary units: memory), "1.2kB", "3MB" (decimal
-# ones: what docker prints for network and block I/O).
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(B|[KMGTP]iB|[kKMGTP]B)\s*$")
-_UNITS = {
-    "B": 1,
-    **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
-    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")},
-    "kB": 1000,
-}
-
-
-# ---------------------------------------------------------------- numbers
-
-
-def number(value: Any, low: float, high: float) -> float | None:
-    """A finite number within [low, high] from a host's text or JSON value ("12.5", "12.5 W", 12);
-    None for N/A, garbage, NaN, infinities and anything out of range."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        x = float(value)
-    elif isinstance(value, str):
-        s = value.strip()
-        if not s or len(s) > 40 or _NOT_A_VALUE.match(s):
-            return None
-        token = s.split()[0].rstrip("%")
-        try:
-            x = float(token)
-        except ValueError:
-            return None
-    else:
-        return None
-    return x if math.isfinite(x) and low <= x <= high else None
-
-
-def _int(value: Any, high: float) -> int | None:
-    x = number(value, 0, high)
-    return int(x) if x is not None and x == int(x) else None
-
-
-def size(text: str) -> int | None:
-    """Bytes of a docker size ("264MiB", "23.54GiB", "0B"); None when it is not one or is absurd."""
-    m = _SIZE.match(text or "")
-    if not m:
-        return None
-    x = number(m.group(1), 0, MEM_MAX)
-    if x is None:
-        return None
-    got = x * _UNITS[m.group(2)]
-    return int(got) if got <= MEM_MAX else None
-
-
-def throttle_reasons(mask: str) -> list[str] | None:
-    """NVML's active clocks reasons ("0x0000000000000028") as names, in bit order; idle and none
-    are []; bits NVML does not name are "other"; None when it is not a bitmask."""
-    s = (mask or "").strip()
-    if not re.fullmatch(r"0x[0-9A-Fa-f]{1,16}", s):
-        return None
-    bits = int(s, 16)
-    names = [name for bit, name in THROTTLE_BITS.items() if bits & bit]
-    return names + (["other"] if bits & ~_KNOWN_BITS else [])
-
-
-def bus_id(value: Any) -> str:
-    """A PCI address as the tool printed it ("00000000:3B:00.0"), or "" when it is not one."""
-    s = value.strip() if isinstance(value, str) else ""
-    return s if _BUS.match(s) else ""
-
-
-def plain(value: Any, limit: int = 120) -> str:
-    """A name from a host as one plain line (no control characters, at most `limit` characters)."""
-    return hostile.line(value, limit) if isinstance(value, str) else ""
 
 
 def parse_xid(text: str) -> list[list[Any]]:
@@ -152,21 +67,6 @@ def parse_xid(text: str) -> list[list[Any]]:
 
 
 # ---------------------------------------------------------------- sections
-
-
-class _Errors(list):
-    """A sample's error lines, at most ERRORS_MAX, then one line counting the rest."""
-
-    dropped = 0
-
-    def add(self, section: str, what: str, line: str = "") -> None:
-        if len(self) < ERRORS_MAX:
-            self.append(f"{section}: {what}" + (f": {hostile.line(line, 120)}" if line else ""))
-        else:
-            self.dropped += 1
-
-    def done(self) -> list[str]:
-        return [*self, f"... and {self.dropped} more"] if self.dropped else list(self)
 
 
 def sections(text: str) -> dict[str, list[str]]:
@@ -182,196 +82,36 @@ def sections(text: str) -> dict[str, list[str]]:
     return out
 
 
-def _gpu(
-    index: int,
-    uuid: str = "",
-    bus: str = "",
-    util: float | None = None,
-    mem_used: int | None = None,
-    mem_total: int | None = None,
-    power_w: float | None = None,
-    temp_c: float | None = None,
-    throttle: list[str] | None = None,
-    ecc_uncorrected: int | None = None,
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "uuid": uuid,
-        "bus": bus,
-        "util": util,
-        "mem_used": mem_used,
-        "mem_total": mem_total,
-        "power_w": power_w,
-        "temp_c": temp_c,
-        "throttle": throttle or [],
-        "ecc_uncorrected": ecc_uncorrected,
-    }
-
-
-def _mib(value: Any) -> int | None:
-    x = number(value, 0, MEM_MAX / MIB)
-    return int(x * MIB) if x is not None else None
-
-
-def _util(value: Any) -> float | None:
-    x = number(value, 0, 100)
-    return x / 100 if x is not None else None
-
-
-def parse_nvidia(lines: list[str], errors: _Errors) -> list[dict]:
+def parse_nvidia(lines: list[str], errors: Errors) -> list[dict]:
     """nvidia-smi's CSV (commands.NVIDIA_FIELDS, noheader, nounits): one GPU per line."""
     gpus: list[dict] = []
     for line in lines:
         if not line.strip():
             continue
         cells = [c.strip() for c in line.split(",")]
-        index = _int(cells[0], GPUS_MAX - 1) if cells else None
+        index = integer(cells[0], GPUS_MAX - 1) if cells else None
         if len(cells) != len(commands.NVIDIA_FIELDS) or index is None or len(gpus) >= GPUS_MAX:
             errors.add("nvidia-smi", "unreadable line", line)
             continue
         _, uuid, bus, util, used, total, power, temp, reasons, ecc = cells
         gpus.append(
-            _gpu(
+            gpu(
                 index,
                 plain(uuid, 80),
                 bus_id(bus),
-                _util(util),
-                _mib(used),
-                _mib(total),
+                percent(util),
+                mib(used),
+                mib(total),
                 number(power, 0, POWER_MAX),
                 number(temp, 0, TEMP_MAX),
                 throttle_reasons(reasons),
-                _int(ecc, ECC_MAX),
+                integer(ecc, ECC_MAX),
             )
         )
     return gpus
 
 
-def _json(lines: list[str], section: str, errors: _Errors) -> Any:
-    """The JSON document in a section (a tool's warnings before it skipped); None when there is
-    none or it cannot be read (one error line)."""
-    text = "\n".join(lines)
-    starts = [i for i in (text.find("{"), text.find("[")) if i >= 0]
-    if not starts:
-        if text.strip():
-            errors.add(section, "no JSON", text)
-        return None
-    try:
-        doc, _ = json.JSONDecoder().raw_decode(text, min(starts))
-    except (ValueError, RecursionError):
-        errors.add(section, "unreadable JSON", text[min(starts) :])
-        return None
-    return doc
-
-
-def _entries(doc: Any) -> list[dict]:
-    """amd-smi's per-GPU entries: a list (ROCm 6) or {"gpu_data": [...]} (later releases)."""
-    if isinstance(doc, dict):
-        doc = doc.get("gpu_data")
-    return [e for e in doc if isinstance(e, dict)][:GPUS_MAX] if isinstance(doc, list) else []
-
-
-def _value(field: Any) -> tuple[Any, str]:
-    """(value, unit) of an amd-smi field: {"value": 10, "unit": "W"}, "10 W" or 10."""
-    if isinstance(field, dict):
-        return field.get("value"), str(field.get("unit") or "")
-    if isinstance(field, str):
-        parts = field.split()
-        return (parts[0], parts[1] if len(parts) > 1 else "") if parts else (None, "")
-    return field, ""
-
-
-def _get(entry: dict, *path: str) -> Any:
-    for key in path:
-        if not isinstance(entry, dict):
-            return None
-        entry = entry.get(key)  # type: ignore[assignment]
-    return entry
-
-
-_AMD_UNITS = {"": MIB, "MB": MIB, "MIB": MIB, "GB": 1 << 30, "GIB": 1 << 30, "KB": 1024, "B": 1}
-
-
-def _amd_mem(field: Any) -> int | None:
-    """amd-smi memory: MB (MiB: the tool divides bytes by 1024*1024), GB, or with no unit MB."""
-    value, unit = _value(field)
-    scale = _AMD_UNITS.get(unit.upper())
-    x = number(value, 0, MEM_MAX)
-    return int(x * scale) if x is not None and scale is not None and x * scale <= MEM_MAX else None
-
-
-def parse_amd(metric: list[str], listing: list[str], errors: _Errors) -> list[dict]:
-    """`amd-smi metric --json` (with `amd-smi list --json` for each GPU's PCI address and UUID)."""
-    ids = {}
-    for e in _entries(_json(listing, "amd-smi list", errors)):
-        index = _int(e.get("gpu"), GPUS_MAX - 1)
-        if index is not None:
-            ids[index] = (plain(e.get("uuid"), 80), bus_id(e.get("bdf")))
-    gpus: list[dict] = []
-    doc = _json(metric, "amd-smi", errors)
-    if doc is not None and not _entries(doc):
-        errors.add("amd-smi", "no GPU entries")
-    for e in _entries(doc):
-        index = _int(e.get("gpu"), GPUS_MAX - 1)
-        if index is None:
-            errors.add("amd-smi", "an entry without a GPU index")
-            continue
-        temp = number(_value(_get(e, "temperature", "edge"))[0], 0, TEMP_MAX)
-        if temp is None:
-            temp = number(_value(_get(e, "temperature", "hotspot"))[0], 0, TEMP_MAX)
-        throttled = str(_get(e, "power", "throttle_status") or "").upper() == "THROTTLED"
-        uuid, bus = ids.get(index, ("", ""))
-        gpus.append(
-            _gpu(
-                index,
-                uuid,
-                bus,
-                _util(_value(_get(e, "usage", "gfx_activity"))[0]),
-                _amd_mem(_get(e, "mem_usage", "used_vram")),
-                _amd_mem(_get(e, "mem_usage", "total_vram")),
-                number(_value(_get(e, "power", "socket_power"))[0], 0, POWER_MAX),
-                temp,
-                ["throttled"] if throttled else [],
-                _int(_value(_get(e, "ecc", "total_uncorrectable_count"))[0], ECC_MAX),
-            )
-        )
-    return gpus
-
-
-def parse_rocm(lines: list[str], errors: _Errors) -> list[dict]:
-    """`rocm-smi ... --json`: {"card0": {"GPU use (%)": "37", ...}, "system": {...}}."""
-    doc = _json(lines, "rocm-smi", errors)
-    if not isinstance(doc, dict):
-        return []
-    gpus = []
-    for card, f in list(doc.items())[: GPUS_MAX + 1]:
-        m = re.fullmatch(r"card(\d{1,3})", str(card))
-        if not m or not isinstance(f, dict):
-            continue
-
-        def first(*keys: str, f: dict = f) -> Any:
-            return next((f[k] for k in keys if k in f), None)
-
-        total = _int(first("VRAM Total Memory (B)"), MEM_MAX)
-        used = _int(first("VRAM Total Used Memory (B)"), MEM_MAX)
-        power = first("Average Graphics Package Power (W)", "Current Socket Graphics Package Power (W)")
-        temp = number(first("Temperature (Sensor edge) (C)"), 0, TEMP_MAX)
-        gpus.append(
-            _gpu(
-                int(m.group(1)),
-                plain(first("Unique ID") or "", 80),
-                bus_id(first("PCI Bus")),
-                _util(first("GPU use (%)")),
-                used,
-                total,
-                number(power, 0, POWER_MAX),
-                temp if temp is not None else number(first("Temperature (Sensor junction) (C)"), 0, TEMP_MAX),
-            )
-        )
-    return gpus
-
-
-def parse_containers(lines: list[str], errors: _Errors) -> list[dict]:
+def parse_containers(lines: list[str], errors: Errors) -> list[dict]:
     """`docker stats --no-stream --format '{{json .}}'`: one JSON object per line; CPUPerc is a
     percentage of one CPU (200% = two cores busy), MemUsage "used / limit"."""
     out: list[dict] = []
@@ -396,7 +136,7 @@ def parse_containers(lines: list[str], errors: _Errors) -> list[dict]:
     return out
 
 
-def parse_host(lines: list[str], errors: _Errors) -> dict[str, Any]:
+def parse_host(lines: list[str], errors: Errors) -> dict[str, Any]:
     """/proc/loadavg's first line, MemTotal and MemAvailable (kB), nproc."""
     host: dict[str, Any] = {"load1": None, "mem_used": None, "mem_total": None, "cpus": None}
     mem: dict[str, int | None] = {}
@@ -405,10 +145,10 @@ def parse_host(lines: list[str], errors: _Errors) -> dict[str, Any]:
         if not words:
             continue
         if words[0] in ("MemTotal:", "MemAvailable:") and len(words) >= 2:
-            kb = _int(words[1], MEM_MAX / 1024)
+            kb = integer(words[1], MEM_MAX / 1024)
             mem[words[0]] = kb * 1024 if kb is not None else None
         elif len(words) == 1 and host["cpus"] is None and words[0].isdigit():
-            host["cpus"] = _int(words[0], CPUS_MAX) or None
+            host["cpus"] = integer(words[0], CPUS_MAX) or None
         elif len(words) >= 3 and host["load1"] is None and "/" in " ".join(words[3:4]):
             host["load1"] = number(words[0], 0, LOAD_MAX)
         else:
@@ -422,7 +162,7 @@ def parse_host(lines: list[str], errors: _Errors) -> dict[str, Any]:
 
 def parse_sample(text: str) -> dict[str, Any]:
     """One sample from telemetry_script's output (the module's docstring says its shape)."""
-    errors = _Errors()
+    errors = Errors()
     sample: dict[str, Any] = {
         "vendor": "none",
         "gpus": [],

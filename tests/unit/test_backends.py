@@ -1,6 +1,7 @@
-"""fab train, status, logs and stop as the command line runs them (commandline/requests.py), against
-a backend that is one folder (tests/unit/localbackend: each node a local process) and one
-registration: nothing else in the orchestrator knows it. What holds here holds for any backend."""
+"""fab train, status, logs and stop as the command line runs them (commandline/requests.py and
+control.py), against a backend that is one folder (tests/unit/localbackend: each node a local
+process) and one registration: nothing else in the orchestrator knows it. What holds here holds for
+any backend."""
 
 import io
 import json
@@ -11,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from orchestrator.backends import registry
-from orchestrator.commandline import cli, requests
+from orchestrator.commandline import cli, control, requests
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
 
@@ -100,20 +101,20 @@ def test_status_logs_and_stop_reach_a_running_job_through_its_backend(here):
     t = threading.Thread(target=train)
     t.start()
     deadline = time.monotonic() + 30
-    while not (rows := requests.status(str(here / "inv.yaml"), here / "runs").doc.get("local")):
+    while not (rows := control.status(str(here / "inv.yaml"), here / "runs").doc.get("local")):
         assert time.monotonic() < deadline, "the job never showed in fab status"
         time.sleep(0.1)
     job = rows[0]["job"]
     assert {r["host"] for r in rows} == {"a", "b"}
-    status = requests.status(str(here / "inv.yaml"), here / "runs")
+    status = control.status(str(here / "inv.yaml"), here / "runs")
     assert json.loads(json.dumps(status.doc))["errors"] == [] and f"{job} runs on a" in status.lines
-    out = requests.stop(str(here / "inv.yaml"), job, False, False, None, here / "runs")
+    out = control.stop(str(here / "inv.yaml"), job, False, False, None, here / "runs")
     assert out.lines == [f"stopped {job} on a", f"stopped {job} on b"] and not out.failed
     t.join(timeout=30)
     assert not t.is_alive() and ended and "exited with code -15" in str(ended[0])
-    assert requests.status(str(here / "inv.yaml"), here / "runs").doc["local"] == []
+    assert control.status(str(here / "inv.yaml"), here / "runs").doc["local"] == []
     logs = console()
-    finished = requests.logs(str(here / "inv.yaml"), job, here / "runs", logs, plain=True)
+    finished = control.logs(str(here / "inv.yaml"), job, here / "runs", logs, plain=True)
     assert "a | node 0 of 2" in logs.file.getvalue() and "ended failed" in str(finished.error)
 
 
@@ -155,5 +156,5 @@ def test_kubernetes_is_a_backend_that_only_renders_its_manifests(here, monkeypat
     with pytest.raises(UserError, match="fabtrain does not run jobs there") as e:
         registry.runner("kubernetes")
     assert str(e.value) == RENDER_ONLY and e.value.exit_code == 2
-    assert requests.status(str(here / "inv.yaml"), here / "runs").doc == {"local": [], "errors": []}
-    assert requests.stop(str(here / "inv.yaml"), None, False, False, None, here / "runs").problems == []
+    assert control.status(str(here / "inv.yaml"), here / "runs").doc == {"local": [], "errors": []}
+    assert control.stop(str(here / "inv.yaml"), None, False, False, None, here / "runs").problems == []

@@ -19,7 +19,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.core import recovery
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import JobSpec
-from orchestrator.dashboard import gate, server, views
+from orchestrator.dashboard import cache, gate, server, views
 from orchestrator.progress import top
 
 INV = parse(
@@ -293,7 +293,7 @@ def test_a_job_page_without_a_readable_record_still_shows_the_run(tmp_path):
 
 
 class StillRefresher:
-    """In place of server.Refresher: a fixed overview, no SSH."""
+    """In place of cache.Refresher: a fixed overview, no SSH."""
 
     def overview(self):
         return {"jobs": [], "hosts": [], "note": "<b>\x1b[31m"}
@@ -309,7 +309,7 @@ def serving(srv):
 def running(tmp_path):
     runs, job = job_dir(tmp_path)
     srv = server.listen(
-        "127.0.0.1", 0, StillRefresher(), server.JobPages(runs), gate.token_for("127.0.0.1", None)
+        "127.0.0.1", 0, StillRefresher(), cache.JobPages(runs), gate.token_for("127.0.0.1", None)
     )
     serving(srv)
     yield srv.server_address[1], job
@@ -485,7 +485,7 @@ GOOD_TOKEN = "right-token-0123456789abcdef"
 def everywhere(tmp_path, this_machine):
     """The server on 0.0.0.0 (every address), asking for GOOD_TOKEN, answering one more name."""
     runs, job = job_dir(tmp_path)
-    srv = server.listen("0.0.0.0", 0, StillRefresher(), server.JobPages(runs), GOOD_TOKEN, ["dash.example"])
+    srv = server.listen("0.0.0.0", 0, StillRefresher(), cache.JobPages(runs), GOOD_TOKEN, ["dash.example"])
     serving(srv)
     yield srv, srv.server_address[1], job
     srv.shutdown()
@@ -599,7 +599,7 @@ def test_the_start_message_says_where_whether_a_token_and_the_url(everywhere, tm
         f"open http://box.lab.example:{port}/?token=TOKEN once, TOKEN being the first line of /etc/fab/token"
     ) in said
     runs, _ = job_dir(tmp_path / "here")
-    local = server.listen("127.0.0.1", 0, StillRefresher(), server.JobPages(runs))
+    local = server.listen("127.0.0.1", 0, StillRefresher(), cache.JobPages(runs))
     try:
         port = local.server_address[1]
         assert server.start_message(local, "127.0.0.1", None).splitlines()[:2] == [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.ssh import controller, detached, detachedview, submit
+from orchestrator.backends.ssh import controller, controllerfiles, detached, detachedview, runcopy, submit
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import JobSpec
@@ -60,7 +60,7 @@ INV = parse(
 
 
 def test_the_controller_reaches_every_host_with_the_jobs_key_and_its_copied_files():
-    ctl = submit.controller_inventory(INV)
+    ctl = controllerfiles.controller_inventory(INV)
     for h in ctl.all_hosts:
         assert h.ssh.keys == ("/ctl/key",) and h.ssh.keys_only and h.ssh.known_hosts == ("/ctl/known_hosts",)
         assert h.ssh.global_known_hosts == () and h.ssh.jump == ()
@@ -332,7 +332,7 @@ def test_a_detached_jobs_end_is_fetched_its_record_taken_as_data_and_its_key_tak
             lambda rec: b'{"state": "finished", "notify": {"command": "touch /tmp/x"}',
             "Expecting ',' delimiter",
         ),
-        (lambda rec: b" " * (detached.RECORD_MAX + 1), f"it is larger than {detached.RECORD_MAX} bytes"),
+        (lambda rec: b" " * (runcopy.RECORD_MAX + 1), f"it is larger than {runcopy.RECORD_MAX} bytes"),
         ("link", "it is not a plain file"),
     ],
 )
@@ -344,7 +344,7 @@ def test_a_host_copy_of_the_record_failing_its_checks_is_refused_and_this_machin
     else:
         doc = copy(rec)
         host_file.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
-    with pytest.raises(detached.HostRecordRefused) as refused:
+    with pytest.raises(runcopy.HostRecordRefused) as refused:
         detached.fetch(session, [p], rec, runs)
     assert str(refused.value).startswith(
         f"gpu1:{p.dir}/runs/{JOB}/job.json: the controller's copy of job {JOB}'s record was refused: "

@@ -274,14 +274,14 @@ def test_a_host_the_standby_found_silent_is_lost_from_the_watchs_start_and_never
 
 
 def test_the_controllers_copy_of_fabtrain_imports_and_finds_every_file_a_node_start_ships(tmp_path):
-    """submit.code_copy: what a detached job's controller runs (its container's python, this code
+    """controllerfiles.code_copy: what a detached job's controller runs (its container's python, this code
     alone on its path) loads the controller and finds the entrypoint and the memory module a node's
     start unpacks (a file missing there made every detached job's controller die at import)."""
     import sys
 
-    from orchestrator.backends.ssh import submit
+    from orchestrator.backends.ssh import controllerfiles
 
-    submit.code_copy(tmp_path / "fabtrain")
+    controllerfiles.code_copy(tmp_path / "fabtrain")
     probe = (
         "import orchestrator, orchestrator.backends.ssh.controller as c\n"
         "from orchestrator.hostcmds import dockerargs\n"

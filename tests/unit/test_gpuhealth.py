@@ -10,13 +10,15 @@ import subprocess
 from pathlib import Path
 
 from orchestrator.preflight import gpuhealth
-from orchestrator.preflight.gpuhealth import (
+from orchestrator.preflight.gpucommands import (
     DCGMI_ABSENT,
     DCGMI_COMMAND,
     NVIDIA_COMMAND,
     ROCM_COMMAND,
-    THRESHOLDS,
     XID_COMMAND,
+)
+from orchestrator.preflight.gpuhealth import (
+    THRESHOLDS,
     Finding,
     judge_amd,
     judge_nvidia,

@@ -169,11 +169,11 @@ def test_the_plan_shows_the_sweep_at_the_finish(tmp_path, monkeypatch):
 
 
 def test_the_deep_checks_measuring_container_is_ended_on_the_host_and_removed(tmp_path):
-    from orchestrator.preflight import deep
+    from orchestrator.preflight import deepphases
 
     inv = inventory(tmp_path)
     h = inv.hosts[0]
-    cmd = deep.container(inv, h, "fabtrain-health-x", "print(1)", ["2"], "img:1")
-    term, kill = sshargs.host_deadline(deep.CONTAINER_TIMEOUT)
+    cmd = deepphases.container(inv, h, "fabtrain-health-x", "print(1)", ["2"], "img:1")
+    term, kill = sshargs.host_deadline(deepphases.CONTAINER_TIMEOUT)
     assert cmd.startswith(f"timeout -k {kill:g} {term:g} docker run --rm --name fabtrain-health-x ")
     assert cmd.endswith("; rc=$?; docker rm -f fabtrain-health-x >/dev/null 2>&1; exit $rc")

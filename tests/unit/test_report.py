@@ -2,7 +2,7 @@
 
 import json
 
-from orchestrator.progress import report
+from orchestrator.progress import report, steps
 
 
 def make_run(root, job="gpt-1", hosts=("node1", "node2")):
@@ -114,15 +114,15 @@ def timed_log(node: str, ranks: range, compute: float, steps=range(10, 110, 10))
 
 
 def test_stragglers_against_the_median_rank():
-    assert report.stragglers({"a rank0": 10.0, "a rank1": 10.0, "b rank2": 30.0, "b rank3": 29.0}) == [
+    assert steps.stragglers({"a rank0": 10.0, "a rank1": 10.0, "b rank2": 30.0, "b rank3": 29.0}) == [
         ("b rank2", 30.0, 3.0),
         ("b rank3", 29.0, 2.9),
     ]  # two hosts: the faster is the reference
     eight = {f"n{i} rank{i}": 10.0 + i * 0.1 for i in range(8)} | {"n8 rank8": 16.0}
-    assert [n for n, *_ in report.stragglers(eight)] == ["n8 rank8"]  # 16.0 > 1.5 x 10.4
-    assert report.stragglers({**eight, "n8 rank8": 15.5}) == []  # within the margin
-    assert report.stragglers({**eight, "n8 rank8": 12.5}) == []  # 1.2x: an idle machine's jitter
-    assert report.stragglers({"a rank0": 50.0}) == []  # one rank: nothing to compare with
+    assert [n for n, *_ in steps.stragglers(eight)] == ["n8 rank8"]  # 16.0 > 1.5 x 10.4
+    assert steps.stragglers({**eight, "n8 rank8": 15.5}) == []  # within the margin
+    assert steps.stragglers({**eight, "n8 rank8": 12.5}) == []  # 1.2x: an idle machine's jitter
+    assert steps.stragglers({"a rank0": 50.0}) == []  # one rank: nothing to compare with
 
 
 def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
@@ -130,7 +130,7 @@ def test_step_times_per_rank_and_host_and_the_slow_host_named(tmp_path):
     run.mkdir()
     (run / "node1.log").write_text(timed_log("node1", range(0, 2), 20.0) + "noise\n")
     (run / "node2.log").write_text(timed_log("node2", range(2, 4), 60.0))
-    t = report.timings(run)
+    t = steps.timings(run)
     assert t["ranks"]["node1 rank0"] == {
         "tokens_per_s_median": 80000.0,
         "tokens_per_s_p5": 80000.0,

@@ -1,10 +1,10 @@
-"""Command deadlines kept by one thread (remote.Deadlines) instead of one timer thread each, and
+"""Command deadlines kept by one thread (timers.Deadlines) instead of one timer thread each, and
 the open-files limit raised for hundreds of hosts."""
 
 import threading
 import time
 
-from orchestrator.transport.remote import Deadlines
+from orchestrator.transport.timers import Deadlines
 
 
 class Clock:

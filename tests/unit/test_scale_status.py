@@ -62,7 +62,8 @@ class FakeSession:
 
 
 def test_many_jobs_on_few_hosts_cost_one_command_per_host():
-    from orchestrator.config.inventory import Host, Inventory, JobDefaults
+    from orchestrator.config.inventory import Host, Inventory
+    from orchestrator.config.jobdefaults import JobDefaults
     from orchestrator.config.sshconf import SSH
 
     hosts = tuple(

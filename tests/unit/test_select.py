@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commandline import cli
+from orchestrator.commandline import hostselect
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 
@@ -26,22 +26,28 @@ def names(inv):
 
 
 def test_include_exclude_and_num_nodes_renumber_the_ranks():
-    assert names(cli.select_hosts(INV, "node3@node2", None)) == ([("node2", 0), ("node3", 1)], ["node4"])
-    assert names(cli.select_hosts(INV, None, "node1")) == ([("node2", 0), ("node3", 1)], ["node4"])
-    assert names(cli.select_hosts(INV, "node4", None)) == ([("node4", 0)], [])  # a spare, chosen by name
-    assert names(cli.select_hosts(INV, None, None, busy={"node1"}, num_nodes="2")) == (
+    assert names(hostselect.select_hosts(INV, "node3@node2", None)) == (
         [("node2", 0), ("node3", 1)],
         ["node4"],
     )
-    assert cli.select_hosts(INV, None, None).hosts == INV.hosts
+    assert names(hostselect.select_hosts(INV, None, "node1")) == ([("node2", 0), ("node3", 1)], ["node4"])
+    assert names(hostselect.select_hosts(INV, "node4", None)) == (
+        [("node4", 0)],
+        [],
+    )  # a spare, chosen by name
+    assert names(hostselect.select_hosts(INV, None, None, busy={"node1"}, num_nodes="2")) == (
+        [("node2", 0), ("node3", 1)],
+        ["node4"],
+    )
+    assert hostselect.select_hosts(INV, None, None).hosts == INV.hosts
 
 
 def test_gpu_sets_per_host_in_deepspeed_syntax():
-    inv = cli.select_hosts(INV, "node2:2,3@node1:0,1", None)
+    inv = hostselect.select_hosts(INV, "node2:2,3@node1:0,1", None)
     assert names(inv) == ([("node1", 0), ("node2", 1)], ["node4"])
-    assert cli.host_list("node2:3,2@node1", "--include", INV) == {"node2": (2, 3), "node1": ()}
-    assert cli.units_asked(INV, "node2:3,2@node1") == "node2:2,3"
-    assert cli.units_asked(INV, None) == ""
+    assert hostselect.host_list("node2:3,2@node1", "--include", INV) == {"node2": (2, 3), "node1": ()}
+    assert hostselect.units_asked(INV, "node2:3,2@node1") == "node2:2,3"
+    assert hostselect.units_asked(INV, None) == ""
 
 
 @pytest.mark.parametrize(
@@ -84,5 +90,5 @@ def test_gpu_sets_per_host_in_deepspeed_syntax():
 )
 def test_bad_selections_say_what_is_wrong(include, exclude, num, busy, message):
     with pytest.raises(UserError) as err:
-        cli.select_hosts(INV, include, exclude, busy, num)
+        hostselect.select_hosts(INV, include, exclude, busy, num)
     assert message in str(err.value) and err.value.exit_code == 2

@@ -11,7 +11,8 @@ import pytest
 from orchestrator.config.inventory import parse
 from orchestrator.telemetry import commands
 from orchestrator.telemetry.commands import telemetry_script
-from orchestrator.telemetry.samples import number, parse_sample, parse_xid, size, summarise, throttle_reasons
+from orchestrator.telemetry.readings import number, size, throttle_reasons
+from orchestrator.telemetry.samples import parse_sample, parse_xid, summarise
 
 INV = parse(
     """\

@@ -1,7 +1,7 @@
 """The watcher's decisions without a cluster: progress per node, the node's own exit line, blame."""
 
 from orchestrator.backends.ssh.hangs import Progress
-from orchestrator.backends.ssh.watch import worker_failure
+from orchestrator.backends.ssh.nodefollow import worker_failure
 from orchestrator.core import recovery
 
 

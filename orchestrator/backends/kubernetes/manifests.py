@@ -142,15 +142,29 @@ def k8s_manifests(
     """({file name: documents}, warnings): a Kubeflow PyTorchJob, and plain Kubernetes (an Indexed
     Job with a headless Service for the pods' names). Both carry the entrypoint in a ConfigMap."""
     host, warnings = export.template_host(inv)
-    nodes, name = len(inv.hosts), k8s_name(spec.job_id)
-    port = spec.master_port or inv.job.master_port
-    labels = {"fabtrain.job": spec.job_id}
+    name = k8s_name(spec.job_id)
     cm = f"{name}-entrypoint"
     if host.devices:
         warnings.append(
             f"{host.name}: devices {', '.join(host.devices)} are not mapped in Kubernetes; "
             "expose them with the cluster's device plugin (e.g. an RDMA plugin for InfiniBand)"
         )
+    pytorchjob = _pytorchjob(inv, spec, host, name, cm, restarts)
+    service, job = _indexed_job(inv, spec, host, name, cm, restarts)
+    pvc = _output_pvc(name, spec.job_id)
+    docs = {
+        "trainjob.yaml": [_config_map(cm, spec.job_id), pvc, _trainjob(inv, spec, host, name, cm)],
+        "pytorchjob.yaml": [_config_map(cm, spec.job_id), pvc, pytorchjob],
+        "indexed-job.yaml": [_config_map(cm, spec.job_id), pvc, service, job],
+    }
+    return docs, warnings
+
+
+def _pytorchjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: str, restarts: int) -> dict:
+    """A Kubeflow PyTorchJob: a Master replica and (past one node) the Workers, the operator
+    setting each pod's rank from the port named PYTORCHJOB_PORT."""
+    nodes, labels = len(inv.hosts), {"fabtrain.job": spec.job_id}
+    port = spec.master_port or inv.job.master_port
 
     def replica(count: int) -> dict:
         pod = _pod_spec(inv, spec, host, cm, [])
@@ -164,13 +178,21 @@ def k8s_manifests(
     replicas = {"Master": replica(1)}
     if nodes > 1:
         replicas["Worker"] = replica(nodes - 1)
-    pytorchjob = {
+    return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": name, "labels": labels},
         "spec": {"runPolicy": {"backoffLimit": restarts}, "pytorchReplicaSpecs": replicas},
     }
 
+
+def _indexed_job(
+    inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: str, restarts: int
+) -> tuple[dict, dict]:
+    """(the headless Service, the Indexed Job): plain Kubernetes, each pod's rank its completion
+    index and rank 0 reached by its pod name NAME-0.NAME."""
+    nodes, labels = len(inv.hosts), {"fabtrain.job": spec.job_id}
+    port = spec.master_port or inv.job.master_port
     rank_env: list[dict] = [
         {"name": "NNODES", "value": str(nodes)},
         {
@@ -204,13 +226,7 @@ def k8s_manifests(
             },
         },
     }
-    pvc = _output_pvc(name, spec.job_id)
-    docs = {
-        "trainjob.yaml": [_config_map(cm, spec.job_id), pvc, _trainjob(inv, spec, host, name, cm)],
-        "pytorchjob.yaml": [_config_map(cm, spec.job_id), pvc, pytorchjob],
-        "indexed-job.yaml": [_config_map(cm, spec.job_id), pvc, service, job],
-    }
-    return docs, warnings
+    return service, job
 
 
 def _trainjob(inv: Inventory, spec: jobspec.JobSpec, host: Host, name: str, cm: str) -> dict:

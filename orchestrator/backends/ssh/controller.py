@@ -1,5 +1,5 @@
 """A detached job's controller (detached.py): what runs in its container on the controller's host,
-started there as `python3 -m orchestrator.backends.ssh.controller /ctl` (detached.start_script).
+started there as `python3 -m orchestrator.backends.ssh.controller /ctl` (submit.start_script).
 It runs the job's whole life (job.py, the same stages) from launch.pickle, writes its key's line
 again on every host while the job lives (its expiry moved on: hosts/keys.py), writes the end to
 done.json, and removes its credentials: its key from every host (checked, tried again, the hosts
@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.base import Launch
+from orchestrator.backends.base import Finished, Launch
 from orchestrator.backends.ssh import failover
 from orchestrator.backends.ssh.detached import DONE, KEY_FILE, revoke_on
 from orchestrator.core.errors import UserError
@@ -136,11 +136,7 @@ def main(root: Path, standby: bool = False) -> int:
                 mirror.start()
                 job_mod.FENCE = mirror.check
             finished = SshBackend().run(launch)
-        end = {
-            "state": "finished" if finished.error is None else "failed",
-            "error": str(finished.error or ""),
-            "closing": finished.closing,
-        }
+        end = outcome(finished)
         rec = JobRecord.load(launch.runs, launch.spec.job_id, "the job's record")
         end["state"] = rec.state
     except UserError as exc:
@@ -149,25 +145,51 @@ def main(root: Path, standby: bool = False) -> int:
         end["error"] = f"the controller failed: {exc!r}"
         raise
     finally:
-        try:
-            if renewal is not None:
-                renewal.stop()
-            if mirror is not None:
-                mirror.finish(end)
-            if old is not None:
-                with Session((by_name[old],)) as session:
-                    left = failover.clear(
-                        session, by_name[old], root_dir(grant), f"fabtrain-ctl-{launch.spec.job_id}"
-                    )
-                end["left"] = [left] if left else []
-            end["keys_left"] = revoke_everywhere(launch.inv, launch.spec.job_id)
-        finally:
-            failover.wipe(root)
-            (launch.runs / launch.spec.job_id).mkdir(parents=True, exist_ok=True)  # a job refused: its end
-            tmp = root / f".{DONE}.tmp"
-            tmp.write_text(json.dumps(end))
-            tmp.replace(root / DONE)
+        close(root, launch, grant, end, renewal, mirror, old)
     return 0 if not end["error"] else 1
+
+
+def outcome(finished: Finished) -> dict:
+    """The controller's end as done.json holds it, from how the job's run ended."""
+    return {
+        "state": "finished" if finished.error is None else "failed",
+        "error": str(finished.error or ""),
+        "closing": finished.closing,
+    }
+
+
+def close(
+    root: Path,
+    launch: Launch,
+    grant: dict,
+    end: dict,
+    renewal: Renewal | None,
+    mirror: failover.Mirror | None,
+    old: str | None,
+) -> None:
+    """A controller's last acts, whatever happened: its key's renewal stopped, its end handed to the
+    standby's mirror, the controller it took over from (`old`) cleared from its host, the key removed
+    from every host (`end` says where that failed); then its credentials wiped from /ctl and `end`
+    written to done.json."""
+    by_name = {h.name: h for h in launch.inv.all_hosts}
+    try:
+        if renewal is not None:
+            renewal.stop()
+        if mirror is not None:
+            mirror.finish(end)
+        if old is not None:
+            with Session((by_name[old],)) as session:
+                left = failover.clear(
+                    session, by_name[old], root_dir(grant), f"fabtrain-ctl-{launch.spec.job_id}"
+                )
+            end["left"] = [left] if left else []
+        end["keys_left"] = revoke_everywhere(launch.inv, launch.spec.job_id)
+    finally:
+        failover.wipe(root)
+        (launch.runs / launch.spec.job_id).mkdir(parents=True, exist_ok=True)  # a job refused: its end
+        tmp = root / f".{DONE}.tmp"
+        tmp.write_text(json.dumps(end))
+        tmp.replace(root / DONE)
 
 
 def root_dir(grant: dict) -> str:

@@ -13,9 +13,7 @@ from orchestrator.backends.base import Finished
 from orchestrator.backends.ssh.detached import (
     FOLLOW_POLL,
     MOUNT,
-    HostRecordRefused,
     controllers,
-    copy_files,
     detached_records,
     ended_at,
     fetch,
@@ -28,6 +26,7 @@ from orchestrator.backends.ssh.detached import (
     take_back,
 )
 from orchestrator.backends.ssh.placement import Place, at, places_of
+from orchestrator.backends.ssh.runcopy import HostRecordRefused, copy_files
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
@@ -52,58 +51,73 @@ def status_lines(session: Session, inv: Inventory, runs: Path, found: PerHost) -
         places = places_of(inv, record)
         if not places:
             continue
-        job = record.job_id
-        said.add(job)
-        silent = [p.host.name for p in places if found.error(p.host.name) is not None]
-        flags = look(session, places)
-        try:
-            end = fetch(session, places, record, runs, flags)
-        except HostRecordRefused as exc:
-            lines.append(f"{job}: ended; its run is fetched into {runs / job}, but {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - one job's fetch never hides the others
-            lines.append(f"{job}: its run could not be fetched: {hostile.line(str(exc), 300)}")
-            continue
-        if end is not None:
-            why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
-            lines.append(
-                f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
-                + keys_line(job, end["keys_left"], "; ")
-            )
-            continue
-        if len(silent) == len(places):
-            lines.append(
-                f"{job}: its controllers' hosts {', '.join(silent)} do not answer (lost?), with the job's "
-                f"record: once one answers, 'fab logs --job {job}' fetches the run"
-            )
-            continue
-        states = seen.get(job, {})
-        now = running_at(places, flags)
-        if not running(states):
-            # Nobody needs its key now: `fab attach` goes on with this machine's own.
-            left = take_back(session, inv, record, found)
-            named = ", ".join(p.host.name for p in places)
-            lines.append(
-                f"{job}: its controllers ({named}) are gone without "
-                f"an end; 'fab attach {job}' takes the job over here" + keys_line(job, left, "; ")
-            )
-            continue
-        assert now is not None
-        where = f"{job}: detached, its controller runs on {now.host.name}"
-        if now.host.name != places[0].host.name:
-            where += f" (took over from {places[0].host.name})"
-        elif len(places) > 1:
-            where += f", its standby on {places[1].host.name}"
-        lines.append(where + "".join(f"; {n} does not answer" for n in silent))
+        said.add(record.job_id)
+        lines.append(job_line(session, inv, runs, found, record, places, seen.get(record.job_id, {})))
     # A record whose controller's host this inventory does not name belongs to another inventory.
     for record in (r for r in keys_held(runs) if r.job_id not in said and places_of(inv, r)):
-        job, before = record.job_id, set(record.controller.keys if record.controller else ())
-        left = take_back(session, inv, record, found, clear=True)
-        save_keys(runs, job, left)
-        gone = sorted(before - set(left))
-        lines += [f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else []
-        lines += [keys_line(job, left)] if left else []
+        lines += taken_back_lines(session, inv, runs, found, record)
     return lines
+
+
+def job_line(
+    session: Session,
+    inv: Inventory,
+    runs: Path,
+    found: PerHost,
+    record: JobRecord,
+    places: list[Place],
+    states: dict[str, str],
+) -> str:
+    """fab status's line on one detached job not yet fetched (`states`: its controllers' containers
+    as the survey saw them): its end, fetched here if it ended; else which controller runs it, or
+    that its controllers are gone (their key then taken back) or do not answer."""
+    job = record.job_id
+    silent = [p.host.name for p in places if found.error(p.host.name) is not None]
+    flags = look(session, places)
+    try:
+        end = fetch(session, places, record, runs, flags)
+    except HostRecordRefused as exc:
+        return f"{job}: ended; its run is fetched into {runs / job}, but {exc}"
+    except Exception as exc:  # noqa: BLE001 - one job's fetch never hides the others
+        return f"{job}: its run could not be fetched: {hostile.line(str(exc), 300)}"
+    if end is not None:
+        why = f": {end['error'].splitlines()[0]}" if end["error"] else ""
+        ended = f"{job}: ended ({end['state']}{why}); fetched its run into {runs / job}"
+        return ended + keys_line(job, end["keys_left"], "; ")
+    if len(silent) == len(places):
+        return (
+            f"{job}: its controllers' hosts {', '.join(silent)} do not answer (lost?), with the job's "
+            f"record: once one answers, 'fab logs --job {job}' fetches the run"
+        )
+    now = running_at(places, flags)
+    if not running(states):
+        # Nobody needs its key now: `fab attach` goes on with this machine's own.
+        left = take_back(session, inv, record, found)
+        named = ", ".join(p.host.name for p in places)
+        return (
+            f"{job}: its controllers ({named}) are gone without "
+            f"an end; 'fab attach {job}' takes the job over here" + keys_line(job, left, "; ")
+        )
+    assert now is not None
+    where = f"{job}: detached, its controller runs on {now.host.name}"
+    if now.host.name != places[0].host.name:
+        where += f" (took over from {places[0].host.name})"
+    elif len(places) > 1:
+        where += f", its standby on {places[1].host.name}"
+    return where + "".join(f"; {n} does not answer" for n in silent)
+
+
+def taken_back_lines(
+    session: Session, inv: Inventory, runs: Path, found: PerHost, record: JobRecord
+) -> list[str]:
+    """A fetched job's controller key taken back from the hosts that may still hold it: the hosts
+    it is now gone from, and those where it may still be."""
+    job, before = record.job_id, set(record.controller.keys if record.controller else ())
+    left = take_back(session, inv, record, found, clear=True)
+    save_keys(runs, job, left)
+    gone = sorted(before - set(left))
+    lines = [f"{job}: its controller's key is now removed from {', '.join(gone)}"] if gone else []
+    return lines + ([keys_line(job, left)] if left else [])
 
 
 def follow(

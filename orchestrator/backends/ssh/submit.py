@@ -1,34 +1,30 @@
-"""fab train --detach on this machine: the controller's files staged (detached.py's docstring says
-what is copied where), the controller's host's addresses found, its key added on every host (usable
-only from those addresses, for a while the controller keeps moving on: hosts/keys.py), the files and
-the image copied to the controller's host, and the controller started there (it runs
-backends/ssh/controller.py)."""
+"""fab train --detach on this machine: the controller's files staged (controllerfiles.py;
+detached.py's docstring says what is copied where), the controller's host's addresses found, its key
+added on every host (usable only from those addresses, for a while the controller keeps moving on:
+hosts/keys.py), the files and the image copied to the controller's host, and the controller started
+there (it runs backends/ssh/controller.py)."""
 
 from __future__ import annotations
 
 import json
-import pickle
 import posixpath
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished, Launch
+from orchestrator.backends.ssh.controllerfiles import stage_files, write
 from orchestrator.backends.ssh.detached import KEY_FILE, MOUNT, keys_line, remove
 from orchestrator.backends.ssh.placement import Place, Placement, placement
-from orchestrator.config.sshconf import SSH
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hostcmds import hostfiles, sshargs
 from orchestrator.hosts import keys
-from orchestrator.hosts.keys import authorize_script, marker
+from orchestrator.hosts.keys import authorize_script
 from orchestrator.hosts.survey import CONTROLLER_LABEL
 from orchestrator.transport import deadlines
-from orchestrator.transport.hostkeys import host_trust
 from orchestrator.transport.remote import Session, describe
 
 if TYPE_CHECKING:
@@ -38,51 +34,6 @@ LOG = "controller.log"  # the controller's own output (events as JSON lines, the
 STARTED = "started"  # written by the controller once its code has loaded (start_script waits)
 START_WAIT = 30  # seconds start_script waits for it
 START_TIMEOUT = 60.0
-
-
-def new_key(job_id: str) -> tuple[bytes, str]:
-    """(OpenSSH private key, authorized_keys line) of a key for this job alone."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = Ed25519PrivateKey.generate()
-    private = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-    )
-    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    return private, f"{public.decode()} {marker(job_id)}"
-
-
-def controller_inventory(inv: Inventory) -> Inventory:
-    """The inventory as the controller uses it: every host reached with the job's key, checked
-    against the copied known_hosts, secrets read from /ctl/secrets."""
-
-    def ssh(s: SSH) -> SSH:
-        return replace(
-            s,
-            keys=(f"{MOUNT}/key",),
-            keys_only=True,
-            known_hosts=(f"{MOUNT}/known_hosts",),
-            global_known_hosts=(),
-            jump=(),
-        )
-
-    return replace(
-        inv,
-        hosts=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.hosts),
-        spares=tuple(replace(h, ssh=ssh(h.ssh)) for h in inv.spares),
-        job=replace(
-            inv.job, secret_files=tuple((n, f"{MOUNT}/secrets/{n}") for n, _ in inv.job.secret_files)
-        ),
-    )
-
-
-def known_hosts_text(inv: Inventory) -> str:
-    lines = []
-    for h in inv.all_hosts:
-        trust = host_trust(h.ssh)
-        lines += [f"{trust.name} {e.key.get_name()} {e.key.get_base64()}" for e in trust.keys]
-    return "\n".join(lines) + "\n"
 
 
 def start_script(p: Place, image: str, owner: str, standby: bool = False) -> str:
@@ -221,49 +172,6 @@ def refuse_exposing_mounts(p: Place) -> None:
             )
 
 
-def stage_files(stage: Path, launch: Launch) -> str:
-    """The controller's files (module docstring) in a private local folder; the key's public line."""
-    inv, spec = launch.inv, launch.spec
-    stage.mkdir(mode=0o700)
-    private, public = new_key(spec.job_id)
-    write(stage / "key", private)
-    write(stage / "key.pub", public.encode() + b"\n")
-    write(stage / "known_hosts", known_hosts_text(inv).encode())
-    (stage / "secrets").mkdir(mode=0o700)
-    for name, path in inv.job.secret_files:
-        write(stage / "secrets" / name, Path(path).expanduser().read_bytes())
-    ctl = replace(
-        launch,
-        inv=controller_inventory(inv),
-        spec=replace(spec, code=f"{MOUNT}/code"),
-        runs=Path(MOUNT) / "runs",
-        console=None,  # type: ignore[arg-type]
-        json=True,
-        live=False,
-    )
-    write(stage / "launch.pickle", pickle.dumps(ctl))
-    code_copy(stage / "fabtrain")
-    return public
-
-
-def code_copy(dest: Path) -> None:
-    """The orchestrator's code as it runs here, laid out as a checkout (resources.py finds the
-    files every node's start ships, docker/entrypoint.py and docker/fabtrain_memory.py, beside a
-    pyproject.toml), whether it runs from a checkout or is installed."""
-    import orchestrator
-    from orchestrator.hostcmds import dockerargs
-
-    shutil.copytree(
-        Path(orchestrator.__file__).parent,
-        dest / "orchestrator",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-    )
-    (dest / "docker").mkdir()
-    for name, source in dockerargs.RUNTIME_SOURCES.items():
-        shutil.copyfile(source, dest / "docker" / name)
-    (dest / "pyproject.toml").write_text("# fabtrain's code as a detached job's controller runs it\n")
-
-
 def start(
     session: Session, pl: Placement, stage: Path, launch: Launch, public: str, lifetime: int, renew: int
 ) -> dict[str, str]:
@@ -271,10 +179,30 @@ def start(
     directories made in the same round trip), then at once the image placed and the files copied
     on both, then the controller run, then its standby; the hosts that did not take the key (or run
     the standby), with why: the job goes on without them."""
-    inv, spec, image = launch.inv, launch.spec, launch.inv.controller.image
-    from orchestrator.images import images
-
     places = [pl.active, *([pl.standby] if pl.standby else [])]
+    failed = authorize(session, pl, places, stage, launch, public, lifetime, renew)
+    if pl.standby is not None and pl.standby.host.name in failed:
+        places = places[:1]
+    place_files(session, pl, places, stage, launch, failed)
+    run_controllers(session, pl, places, launch, failed)
+    return {n: why for n, why in failed.items() if n != pl.active.host.name}
+
+
+def authorize(
+    session: Session,
+    pl: Placement,
+    places: list[Place],
+    stage: Path,
+    launch: Launch,
+    public: str,
+    lifetime: int,
+    renew: int,
+) -> dict[str, str]:
+    """The key's grant staged (KEY_FILE: what the controller renews its line with), then the key
+    added on every host, usable only from the controllers' hosts' addresses, and the controllers'
+    directories made in the same round trip: the hosts where that failed, with why. UserError when
+    the active controller's host is one of them."""
+    inv, spec = launch.inv, launch.spec
     sources = controller_sources(session, places, inv)
     write(
         stage / KEY_FILE,
@@ -312,8 +240,17 @@ def start(
             f"{pl.active.dir}: {failed[pl.active.host.name]}",
             exit_code=1,
         )
-    if pl.standby is not None and pl.standby.host.name in failed:
-        places = places[:1]
+    return failed
+
+
+def place_files(
+    session: Session, pl: Placement, places: list[Place], stage: Path, launch: Launch, failed: dict[str, str]
+) -> None:
+    """At once on every controller's host: the controller image placed, its staged files and the
+    job's code copied. A failure on the active one's host is raised; on the standby's it is added
+    to `failed` (the standby is then not run)."""
+    spec, image = launch.spec, launch.inv.controller.image
+    from orchestrator.images import images
 
     def copy(p: Place, argv: list[str]) -> None:
         done = session.local([a for a in argv if a != "--delete"], START_TIMEOUT)
@@ -349,6 +286,14 @@ def start(
                     if p is pl.active:
                         raise
                     failed[p.host.name] = f"the standby was not placed: {exc}"
+
+
+def run_controllers(
+    session: Session, pl: Placement, places: list[Place], launch: Launch, failed: dict[str, str]
+) -> None:
+    """The controller run, then its standby (unless `failed` names its host): UserError when the
+    controller does not start; the standby's failure to start is added to `failed`."""
+    spec, image = launch.spec, launch.inv.controller.image
     for p in places:
         if p.host.name in failed:
             continue
@@ -364,7 +309,6 @@ def start(
             )  # its log's end: the cause
         if not r.ok:
             failed[p.host.name] = f"its standby did not start: {hostile.line(r.stderr.strip(), 300)}"
-    return {n: why for n, why in failed.items() if n != pl.active.host.name}
 
 
 def controller_sources(session: Session, places: list[Place], inv: Inventory) -> dict[str, list[str]]:
@@ -390,8 +334,3 @@ def controller_sources(session: Session, places: list[Place], inv: Inventory) ->
         for n, v in by_host.items():
             out[n] += [a for a in v if a not in out[n]]
     return out
-
-
-def write(path: Path, data: bytes) -> None:
-    path.touch(mode=0o600)
-    path.write_bytes(data)

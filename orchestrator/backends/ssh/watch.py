@@ -7,15 +7,16 @@ exit, and the host is named as one whose engine is stuck). The attempt fails at 
 that exits non-zero, the first host lost (no SSH keepalive answer), or a hang (`Progress`); the
 other nodes are then stopped at once.
 
-What counts as progress, and the looks into the hosts that tell it (heartbeats, where the ranks
-are, at a hang their stacks and the flight recorder's blame), are in hangs.py.
+Following one node (its output, its exit, how it ended) is nodefollow.py's; here are the loop over
+them all and the verdicts: a host lost, an engine stuck, a hang, and the others stopped. What counts
+as progress, and the looks into the hosts that tell it (heartbeats, where the ranks are, at a hang
+their stacks and the flight recorder's blame), are in hangs.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
-import re
 import signal
 import threading
 import time
@@ -25,49 +26,27 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from rich.live import Live
 
-from orchestrator.backends.ssh.attempt import AttemptPlan, Step, When
+from orchestrator.backends.ssh.attempt import AttemptPlan
 from orchestrator.backends.ssh.hangs import Looks, Progress
+from orchestrator.backends.ssh.nodefollow import NodeEnd, follow_node
+
+# Re-exported: jobcontrol.py imports worker_failure from here (its home: nodefollow.py).
+from orchestrator.backends.ssh.nodefollow import worker_failure as worker_failure
+from orchestrator.backends.ssh.planstep import Step, When
 from orchestrator.config.inventory import Host
-from orchestrator.core import hostile
-from orchestrator.core.errors import UserError
 from orchestrator.core.events import Reporter
-from orchestrator.core.policy import Failure, HostFailure
-from orchestrator.hostcmds import hostfiles, touched
+from orchestrator.core.policy import Failure
 from orchestrator.hosts import hostops
 from orchestrator.progress.live import Board
 from orchestrator.telemetry.sampler import Sampler
-from orchestrator.transport.logs import Multiplexer, missing_output
-from orchestrator.transport.remote import CommandTimedOut, Session, describe
+from orchestrator.transport.logs import Multiplexer
+from orchestrator.transport.remote import Session
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 ENGINE_GRACE = 10.0  # seconds Docker may take to confirm an exit the node itself reported
 DRAIN = 5.0  # seconds to collect the other nodes' ends after a failure
-
-
-@dataclass
-class NodeEnd:
-    """How one node of an attempt ended."""
-
-    host: Host
-    exit_code: int | None = None  # None: never read (lost host, stuck engine before the end)
-    failure: Failure | None = None
-    detail: str = ""
-    tail: str = ""
-    by_us: bool = False  # stopped because another node failed, or by Ctrl+C
-    warm: bool = False  # its container waits for the next generation (attempt.build)
-
-    def failure_line(self) -> HostFailure:
-        return HostFailure(
-            self.host.name, self.failure or Failure.EXIT, self.detail + worker_failure(self.tail)
-        )
-
-    def summary(self) -> str:
-        """'exited with code 3', 'lost: no SSH keepalive answer ...', 'hung: no progress ...'."""
-        if self.failure in (None, Failure.EXIT):
-            return self.detail
-        return f"{self.failure.value}: {self.detail}"
 
 
 @dataclass
@@ -150,51 +129,8 @@ class Watcher:
     # ------------------------------------------------------------ following one node
 
     def follow(self, host: Host) -> None:
-        sink, end = self.sinks[host.name], NodeEnd(host)
-        received, window = 0, bytearray()
-
-        def feed(data: bytes) -> None:
-            nonlocal received
-            received += len(data)
-            window.extend(data)
-            del window[:-4096]  # enough to find where the stream stopped in the log's tail
-            sink.feed(data)
-
-        try:
-            self.session.stream(host, self.attempt.step(host.name, "follow").command, feed)
-            finish = self.attempt.step(host.name, "finish")
-            r = self.session.run(host, finish.command, timeout=finish.deadline, what=finish.what)
-            refused = [ln for ln in r.stderr.splitlines() if ln.startswith(touched.REFUSED)]
-            if refused:  # the container put something else where its console file was
-                self.note(
-                    f"{host.name}: {hostile.line(refused[0], 300)} (its container's doing; what the "
-                    "follow had already read is kept)",
-                    "warning",
-                )
-            first, _, tail = r.stdout.encode().partition(b"\n")
-            code = first.split()
-            end.exit_code, end.warm = int(code[0] if code else 255), code[1:] == [b"warm"]
-            missed = missing_output(received, bytes(window), tail, hostfiles.TAIL_BYTES)
-            if missed is None:
-                rest = self.attempt.step(host.name, "remainder")
-                self.session.stream(
-                    host, rest.command.replace("+OFFSET", f"+{received + 1}"), sink.feed, timeout=rest.timeout
-                )
-            elif missed:
-                sink.feed(missed)
-            if end.exit_code != 0:
-                end.failure, end.detail = Failure.EXIT, f"exited with code {end.exit_code}"
-        except BaseException as exc:  # noqa: BLE001 - a lost link is an outcome, not a crash
-            end.detail = describe(host, exc)
-            end.failure = (
-                Failure.ENGINE
-                if isinstance(exc, CommandTimedOut)
-                else (Failure.EXIT if isinstance(exc, UserError) else Failure.LOST)
-            )
-        finally:
-            sink.close()
-            end.tail = sink.last_lines()
-            self.events.put(end)
+        """One node followed to its end (nodefollow.py), in its own thread; its end queued."""
+        follow_node(self.session, self.attempt, host, self.sinks[host.name], self.note, self.events.put)
 
     # ------------------------------------------------------------ the loop
 
@@ -402,12 +338,3 @@ def watch(
 ) -> Watched:
     """Follow an attempt's nodes until they end (see Watcher); events go nowhere without a reporter."""
     return Watcher(session, attempt, run_dir, Reporter() if reporter is None else reporter, **options).run()
-
-
-def worker_failure(tail: str) -> str:
-    """Which worker failed: torchrun's agent exits 1 whatever its worker did, and its root-cause
-    report says which; the entrypoint's direct launch says it in one line (and exits with its code)."""
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S) or re.search(
-        r"\[fabtrain\] worker rank (\d+) exited with code (-?\d+)", tail
-    )
-    return f" (worker rank {m.group(1)} exited with code {m.group(2)})" if m else ""
