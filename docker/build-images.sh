@@ -70,16 +70,30 @@ ensure_rootfs() {
   echo "$BASE_KEY" >"$rootfs/.complete"
 }
 
-if ! have "$BASE" "$BASE_KEY"; then
-  ensure_rootfs
-  echo "==> import $BASE"
-  tar -C "$rootfs" --exclude=./.complete -c . | docker import -c "LABEL fabtrain.inputs=$BASE_KEY" - "$BASE" >/dev/null
-fi
+# What can run at once does: the trainer's Python packages (torch, the longest) install from the
+# start, while debootstrap makes the base; then the host image's chroot apt-get and the trainer's
+# docker build run side by side. Each step's log is in $work; a failed step prints its tail.
+build_trainer_site() {
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  trainer_requirements >"$work/trainer-requirements.txt"
+  trainer_constraints >"$work/trainer-constraints.txt"
+  # torch is installed here, into a plain directory, so the image gets one layer of installed files
+  # and never a copy of the wheel. The CPU wheel comes from the machine's pip configuration.
+  python3 -m pip install -q --no-compile --target "$ctx/site" -r "$work/trainer-requirements.txt" \
+    -c "$work/trainer-constraints.txt" >"$work/pip.log" 2>&1 \
+    || { tail -20 "$work/pip.log" >&2; return 1; }
+  rm -rf "$ctx"/site/bin
+}
 
-if ! have "$HOST" "$HOST_KEY"; then
-  echo "==> build $HOST (chroot apt-get on a copy of the base)"
-  ensure_rootfs
-  hostfs=$work/rootfs-host
+build_trainer_image() {
+  cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"
+  DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --label "fabtrain.inputs=$TRAINER_KEY" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
+    || { tail -20 "$work/docker-build.log" >&2; return 1; }
+  rm -rf "$ctx"
+}
+
+build_host() {
+  local hostfs=$work/rootfs-host
   rm -rf "$hostfs"; cp -a "$rootfs" "$hostfs"; rm -f "$hostfs/.complete"
   # Services must not start inside the chroot while their packages install.
   printf '#!/bin/sh\nexit 101\n' >"$hostfs/usr/sbin/policy-rc.d"; chmod +x "$hostfs/usr/sbin/policy-rc.d"
@@ -88,7 +102,7 @@ if ! have "$HOST" "$HOST_KEY"; then
   trap 'umount "$hostfs/proc" 2>/dev/null || true' EXIT
   chroot "$hostfs" sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       openssh-server docker.io rsync chrony iptables faketime kmod slurm-wlm munge iperf3 >/dev/null' >"$work/host-apt.log" 2>&1 \
-    || { tail -20 "$work/host-apt.log" >&2; exit 1; }
+    || { tail -20 "$work/host-apt.log" >&2; return 1; }
   umount "$hostfs/proc"; trap - EXIT
   rm -f "$hostfs/usr/sbin/policy-rc.d" "$hostfs"/etc/ssh/ssh_host_*
   rm -rf "$hostfs"/var/cache/apt/archives/*.deb "$hostfs"/var/lib/apt/lists/*
@@ -96,23 +110,34 @@ if ! have "$HOST" "$HOST_KEY"; then
   tar -C "$hostfs" -c . | docker import -c 'CMD ["/usr/local/sbin/host-init"]' \
     -c "LABEL fabtrain.inputs=$HOST_KEY" - "$HOST" >/dev/null
   rm -rf "$hostfs"
-fi
+}
 
+# wait_for PID WHAT: the background step's status; a failed one ends the build, naming it.
+wait_for() { wait "$1" || { echo "build-images: $2 failed (logs in $work)" >&2; exit 1; }; }
+
+ctx=$work/trainer-ctx
+site_pid=
 if ! have "$TRAINER" "$TRAINER_KEY"; then
   echo "==> build $TRAINER (torch $TORCH, CPU; hydra-core $HYDRA; tensorboard $TENSORBOARD)"
-  ctx=$work/trainer-ctx
-  rm -rf "$ctx"; mkdir -p "$ctx"
-  trainer_requirements >"$work/trainer-requirements.txt"
-  trainer_constraints >"$work/trainer-constraints.txt"
-  # torch is installed here, into a plain directory, so the image gets one layer of installed files
-  # and never a copy of the wheel. The CPU wheel comes from the machine's pip configuration.
-  python3 -m pip install -q --no-compile --target "$ctx/site" -r "$work/trainer-requirements.txt" \
-    -c "$work/trainer-constraints.txt" >"$work/pip.log" 2>&1 \
-    || { tail -20 "$work/pip.log" >&2; exit 1; }
-  rm -rf "$ctx"/site/bin
-  cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"
-  DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --label "fabtrain.inputs=$TRAINER_KEY" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
-    || { tail -20 "$work/docker-build.log" >&2; exit 1; }
-  rm -rf "$ctx"
+  build_trainer_site & site_pid=$!
 fi
+
+if ! have "$BASE" "$BASE_KEY"; then
+  ensure_rootfs
+  echo "==> import $BASE"
+  tar -C "$rootfs" --exclude=./.complete -c . | docker import -c "LABEL fabtrain.inputs=$BASE_KEY" - "$BASE" >/dev/null
+fi
+
+host_pid=
+if ! have "$HOST" "$HOST_KEY"; then
+  echo "==> build $HOST (chroot apt-get on a copy of the base)"
+  ensure_rootfs
+  build_host & host_pid=$!
+fi
+
+if [ -n "$site_pid" ]; then
+  wait_for "$site_pid" "the trainer's Python packages"
+  build_trainer_image || exit 1
+fi
+[ -z "$host_pid" ] || wait_for "$host_pid" "the host image"
 docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep '^fabtrain/' || true
