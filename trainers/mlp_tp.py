@@ -95,7 +95,7 @@ def synthetic_batch(
     return x.to(device), torch.tanh(x @ w).to(device)
 
 
-def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dim", type=int, default=64)
@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
     args = p.parse_args(argv)
     if args.epochs:
         args.steps = 50 * args.epochs
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    node = os.environ.get("FABTRAIN_NODE") or socket.gethostname()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if world % args.tp:
-        make_mesh(world, args.tp, "cpu")  # raises the explained error before any collective
+    return args
+
+
+def join_mesh(world: int, tp: int, cuda: bool, tag: str) -> DeviceMesh:
+    """Join the process group (one of its own where no launcher started this process) and build the
+    (dp, tp) mesh; log this rank's place in it."""
+    if world % tp:
+        make_mesh(world, tp, "cpu")  # raises the explained error before any collective
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
         if "RANK" in os.environ:
@@ -130,20 +130,25 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
             dist.init_process_group(
                 backend, timeout=pg_timeout(), rank=0, world_size=1, init_method="tcp://127.0.0.1:29511"
             )
-    mesh = make_mesh(world, args.tp, "cuda" if cuda else "cpu")
+    mesh = make_mesh(world, tp, "cuda" if cuda else "cpu")
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     dp_group_ranks = mesh.mesh[:, tp_rank].tolist()
     tp_group_ranks = mesh.mesh[dp_rank].tolist()
     log(
-        f"[{node} rank{rank}] dp_rank {dp_rank} tp_rank {tp_rank} | mesh {mesh.mesh.tolist()} "
+        f"{tag} dp_rank {dp_rank} tp_rank {tp_rank} | mesh {mesh.mesh.tolist()} "
         f"| dp group {dp_group_ranks} | tp group {tp_group_ranks}"
     )
-    torch.manual_seed(0)  # identical initial weights everywhere before sharding
-    device = torch.device("cuda" if cuda else "cpu")
-    model = shard(MLP(args.dim, args.hidden, args.layers).to(device), mesh)
+    return mesh
+
+
+def train(
+    args: argparse.Namespace, model: nn.Module, mesh: DeviceMesh, device: torch.device, rank: int, tag: str
+) -> float:
+    """args.steps SGD steps on each dp rank's own batches; the last step's loss, averaged over dp."""
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    dp_rank = mesh["dp"].get_local_rank()
     # Steps as the log lines number them, from 0: a restarted job trains again from step 0.
-    board = Board(Path(args.out), rank, f"[{node} rank{rank}]", first_step=0)
+    board = Board(Path(args.out), rank, tag, first_step=0)
     loss_val = float("nan")
     t0, since = time.perf_counter(), 0
     for step in range(args.steps):
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
         dist.all_reduce(t, group=mesh["dp"].get_group())
         loss_val = t.item() / mesh["dp"].size()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            log(f"[{node} rank{rank}] step {step} | loss {loss_val:.5f}")
+            log(f"{tag} step {step} | loss {loss_val:.5f}")
             samples = (step + 1 - since) * args.batch * mesh["dp"].size()
             board.scalars(
                 step,
@@ -169,6 +174,23 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
             )
             t0, since = time.perf_counter(), step + 1
     board.close()
+    return loss_val
+
+
+def main(argv: list[str] | None = None, hard_exit: bool = False) -> float:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    node = os.environ.get("FABTRAIN_NODE") or socket.gethostname()
+    tag = f"[{node} rank{rank}]"
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    mesh = join_mesh(world, args.tp, cuda, tag)
+    torch.manual_seed(0)  # identical initial weights everywhere before sharding
+    device = torch.device("cuda" if cuda else "cpu")
+    model = shard(MLP(args.dim, args.hidden, args.layers).to(device), mesh)
+    loss_val = train(args, model, mesh, device, rank, tag)
     finish_distributed(hard_exit)
     return loss_val
 

@@ -39,12 +39,12 @@ def make_opt(name, params):
 
 
 def _ddp_worker(rank, world, port, out_dir, opt_name):
-    import gpt
+    import gpt_model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init_gloo(rank, world, port)
     torch.manual_seed(0)
-    model = gpt.GPT(gpt.ModelConfig(**CFG))
+    model = gpt_model.GPT(gpt_model.ModelConfig(**CFG))
     ddp = DDP(model)
     opt = make_opt(opt_name, model.parameters())
     half = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches(8)]
@@ -58,18 +58,18 @@ def _ddp_worker(rank, world, port, out_dir, opt_name):
 # update g / sqrt(v) magnifies it for near-zero gradients, hence its looser bound.
 @pytest.mark.parametrize("opt_name,tol", [("sgd", 1e-6), ("adamw", 1e-4)])
 def test_ddp_two_ranks_equals_one_rank_full_batch(tmp_path, opt_name, tol):
-    import gpt
+    import gpt_model
 
     spawn(_ddp_worker, 2, str(tmp_path), opt_name)
     torch.manual_seed(0)
-    ref = gpt.GPT(gpt.ModelConfig(**CFG))
+    ref = gpt_model.GPT(gpt_model.ModelConfig(**CFG))
     opt = make_opt(opt_name, ref.parameters())
     train_steps(ref, opt, batches(8))
     got = torch.load(tmp_path / "ddp.pt")
     worst = max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     assert worst < tol, worst
     moved = max(
-        (v - gpt.GPT(gpt.ModelConfig(**CFG)).state_dict()[k]).abs().max().item()
+        (v - gpt_model.GPT(gpt_model.ModelConfig(**CFG)).state_dict()[k]).abs().max().item()
         for k, v in ref.state_dict().items()
     )
     assert moved > 1e-3  # training really changed the weights
@@ -189,16 +189,16 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path):
 
 
 def test_mfu_peak_by_exact_device_name(monkeypatch):
-    import gpt
+    import gpt_device
 
     monkeypatch.delenv("FABTRAIN_PEAK_TFLOPS", raising=False)
-    assert gpt.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert gpt.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's peak
-    assert gpt.peak_flops("AMD Instinct MI250X") == 191.5e12  # per GCD, the device torch sees
-    assert gpt.peak_flops("Tesla V100-SXM2-32GB") is None  # no bf16 units
-    assert gpt.peak_flops(None) is None
+    assert gpt_device.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpt_device.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's peak
+    assert gpt_device.peak_flops("AMD Instinct MI250X") == 191.5e12  # per GCD, the device torch sees
+    assert gpt_device.peak_flops("Tesla V100-SXM2-32GB") is None  # no bf16 units
+    assert gpt_device.peak_flops(None) is None
     monkeypatch.setenv("FABTRAIN_PEAK_TFLOPS", "100")
-    assert gpt.peak_flops("anything") == 100e12
+    assert gpt_device.peak_flops("anything") == 100e12
 
 
 def test_snapshot_writer_returns_before_a_slow_disk_is_done(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ def _train(model, opt, batches, exact):
 
 
 def _worker(rank, world, port, out_dir):
-    import gpt
+    import gpt_model
 
     init_gloo(rank, world, port)
     g = torch.Generator().manual_seed(3)
@@ -38,14 +38,15 @@ def _worker(rank, world, port, out_dir):
     for exact in (False, True):
         for resumed in (False, True):
             torch.manual_seed(0)
-            model = gpt.GPT(gpt.ModelConfig(**CFG))
+            model = gpt_model.GPT(gpt_model.ModelConfig(**CFG))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             if not resumed:
                 _train(model, opt, batches, exact)
             else:
                 _train(model, opt, batches[:RESUME_AT], exact)
                 state = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
-                model = gpt.GPT(gpt.ModelConfig(**CFG))  # a new worker: a new model, optimizer and DDP
+                # A new worker: a new model, optimizer and DDP.
+                model = gpt_model.GPT(gpt_model.ModelConfig(**CFG))
                 model.load_state_dict(state["model"])
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
                 opt.load_state_dict(state["optimizer"])
