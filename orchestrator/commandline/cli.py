@@ -21,6 +21,7 @@ from orchestrator.core.policy import HANG_TIMEOUT, Policy
 from orchestrator.core.record import Resume
 from orchestrator.core.recovery import JobRecord
 from orchestrator.progress import report
+from orchestrator.progress.steps import straggler_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -373,7 +374,7 @@ def present(run_dir: Path, console: Console) -> None:
         for st in data["stragglers"]:
             console.print(
                 hostile.rich_text(
-                    report.straggler_line(st["rank"], st["compute_ms_median"], st["times_median"]), "red"
+                    straggler_line(st["rank"], st["compute_ms_median"], st["times_median"]), "red"
                 )
             )
     except Exception as exc:  # noqa: BLE001 - a drawing problem must not hide how the job ended

@@ -8,7 +8,8 @@ import ipaddress
 import re
 
 from orchestrator.config.sshconf import ADDRESS_RE, SSH, Settings, parse_jump, read_config, resolve
-from orchestrator.config.yamlreader import ENV_KEY_RE, Reader, show
+from orchestrator.config.yamlloader import show
+from orchestrator.config.yamlreader import ENV_KEY_RE, Reader
 from orchestrator.core.nodespec import Mount
 
 GPU_VENDORS = ("nvidia", "amd", "none")

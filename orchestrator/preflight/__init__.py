@@ -41,8 +41,6 @@ from orchestrator.preflight.checks import (
 from orchestrator.preflight.compare import judge_across
 from orchestrator.preflight.judge import (
     describe_image,
-    judge_dirs,
-    judge_disk,
     judge_docker,
     judge_gpus,
     judge_host,
@@ -50,8 +48,6 @@ from orchestrator.preflight.judge import (
     judge_interface,
     judge_port,
     judge_route,
-    judge_rsync,
-    judge_shm,
     judge_time,
     suggest_interface,
 )
@@ -77,7 +73,9 @@ from orchestrator.preflight.probe import (
     probe_script,
 )
 from orchestrator.preflight.render import render, to_json
+from orchestrator.preflight.rsynccheck import judge_rsync
 from orchestrator.preflight.smoke import RunJob, judge_transport, nccl_transport, read_ends, smoke_test
+from orchestrator.preflight.storagecheck import judge_dirs, judge_disk, judge_shm
 from orchestrator.transport.hostkeys import HostKeyError
 from orchestrator.transport.remote import Session, describe
 

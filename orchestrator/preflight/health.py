@@ -1,6 +1,6 @@
 """The deep check's pure parts: which pairs of hosts measure each other in which round, what the
 measurements say about a host or a link, and the scripts that measure (run in the job's image by
-preflight/deep.py).
+preflight/deepphases.py).
 
 Network: every pair of hosts exchanges a bulk TCP stream in both directions at once, and a train of
 1-byte round trips, over the job's interface. Pairs are scheduled in rounds with the circle method

@@ -36,7 +36,7 @@ CLAIM_TRIES = 3  # surveys and claims again when another job took the units or p
 
 
 class NodeEnding(Protocol):
-    """How one node of the smoke test ended, as read here (the lifecycle's watch.NodeEnd)."""
+    """How one node of the smoke test ended, as read here (the lifecycle's nodefollow.NodeEnd)."""
 
     @property
     def exit_code(self) -> int | None: ...
@@ -235,7 +235,7 @@ def read_ends(inv: Inventory, result: JobEnding, run_dir: Path) -> list[Check]:
     """One row per host from how its node of the smoke test ended (`result`: watch.Watched) and its log."""
     out = []
     for h in inv.hosts:
-        o = result.ends.get(h.name)  # watch.NodeEnd
+        o = result.ends.get(h.name)  # nodefollow.NodeEnd
         log = (
             (run_dir / f"{h.name}.log").read_text(errors="replace")
             if (run_dir / f"{h.name}.log").exists()

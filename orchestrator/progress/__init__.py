@@ -1,1 +1,2 @@
-"""What a running job's lines say: the live board (live) and the end-of-run report (report)."""
+"""What a running job's lines say: the live board (live), the trainers' step lines read (steps) and
+the end-of-run report (report)."""

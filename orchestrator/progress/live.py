@@ -3,7 +3,7 @@ per host (node rank, step, last loss, tokens/s, compute time of its slowest rank
 last output), kept at the bottom of the terminal by rich while the log lines scroll above, and
 stragglers named once their recent steps have shown it for long enough (Board.stragglers).
 
-Only our trainers' step and progress lines carry step information (report.STEP_LINE); a user's
+Only our trainers' step and progress lines carry step information (steps.STEP_LINE); a user's
 script shows "no step info" and is still watched for silence.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orchestrator.progress import report
+from orchestrator.progress.steps import STEP_LINE, rank_of, rate_of, step_of, straggler_line, stragglers
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -56,7 +56,7 @@ class HostState:
     loss: float | None = None
     rate: float | None = None
     compute_ms: dict[str, deque] = field(default_factory=dict)  # rank name -> recent compute times
-    ranks: dict[int, dict] = field(default_factory=dict)  # rank -> its newest step line (report.step_of)
+    ranks: dict[int, dict] = field(default_factory=dict)  # rank -> its newest step line (steps.step_of)
 
 
 class Board:
@@ -66,7 +66,7 @@ class Board:
         self.hosts = {name: HostState(name, rank, now) for name, rank in hosts}
         self.total: int | None = None
         self.named: set[str] = set()
-        self.slow: list[tuple[str, float, float]] = []  # report.stragglers as of the newest step line
+        self.slow: list[tuple[str, float, float]] = []  # steps.stragglers as of the newest step line
         self.slow_since: dict[str, float] = {}  # rank -> since when its step lines have shown it slow
         self.slow_lines: dict[str, int] = {}  # rank -> how many of its own step lines in a row did
         self._lock = threading.Lock()
@@ -84,14 +84,12 @@ class Board:
                 return
             text = block.decode(errors="replace")
             timed = set()  # the ranks with a new compute time
-            for m in report.STEP_LINE.finditer(text) if steps else ():
-                st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), report.rate_of(m)
-                st.ranks[int(m["rank"])] = report.step_of(m)
+            for m in STEP_LINE.finditer(text) if steps else ():
+                st.step, st.loss, st.rate = int(m["step"]), float(m["loss"]), rate_of(m)
+                st.ranks[int(m["rank"])] = step_of(m)
                 if m["compute_ms"]:
-                    timed.add(report.rank_of(m))
-                    st.compute_ms.setdefault(report.rank_of(m), deque(maxlen=RECENT)).append(
-                        float(m["compute_ms"])
-                    )
+                    timed.add(rank_of(m))
+                    st.compute_ms.setdefault(rank_of(m), deque(maxlen=RECENT)).append(float(m["compute_ms"]))
             if timed:
                 self._judge(st.last_output, timed)
             for m in PROGRESS.finditer(text) if progress else ():
@@ -99,7 +97,7 @@ class Board:
                 st.step = max(st.step or 0, int(m["step"]))
 
     def ranks(self, host: str) -> list[dict]:
-        """The host's ranks, each as its newest step line said (report.step_of), by rank."""
+        """The host's ranks, each as its newest step line said (steps.step_of), by rank."""
         with self._lock:
             st = self.hosts.get(host)
             return [{"rank": r, **v} for r, v in sorted(st.ranks.items())] if st is not None else []
@@ -117,7 +115,7 @@ class Board:
         """Which ranks the step lines heard so far show slow, since when, and for how many of their
         own lines in a row (`fresh`: the ranks whose line just came). A test that finds a rank no
         longer slow starts both again."""
-        self.slow = report.stragglers(self._recent())
+        self.slow = stragglers(self._recent())
         self.slow_since = {rank: self.slow_since.get(rank, now) for rank, _, _ in self.slow}
         self.slow_lines = {rank: self.slow_lines.get(rank, 0) + (rank in fresh) for rank, _, _ in self.slow}
 
@@ -125,7 +123,7 @@ class Board:
         """(rank, compute ms, times the median rank's), slowest first, for each rank slow enough and
         for long enough to matter.
         Slow enough: the median of its last RECENT compute times is more than 1.5 times the median
-        rank's (report.STRAGGLER_MARGIN), tested at every step line once every rank has printed
+        rank's (steps.STRAGGLER_MARGIN), tested at every step line once every rank has printed
         MIN_SAMPLES. Long enough: the test has found it slow at each of its own last SUSTAIN_LINES
         step lines, or for SUSTAIN seconds with no line since saying otherwise; a spell that ends
         sooner counts for nothing.
@@ -146,7 +144,7 @@ class Board:
         for rank, ms, times in self.stragglers():
             if rank not in self.named:
                 self.named.add(rank)
-                lines.append(report.straggler_line(rank, ms, times))
+                lines.append(straggler_line(rank, ms, times))
         return lines
 
     def render(self, max_rows: int = MAX_ROWS) -> Table | Group:

@@ -15,20 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core import hostile, recovery
-
-# STEP_LINE, rank_of, rate_of, step_of, straggler_line and stragglers: imported for live.py and
-# commandline/cli.py, which still name them report.X; their home is progress/steps.py.
-from orchestrator.progress.steps import (  # noqa: F401
-    STEP_LINE,
-    file_lines,
-    rank_of,
-    rank_rates,
-    rate_of,
-    step_of,
-    straggler_line,
-    stragglers,
-    timings,
-)
+from orchestrator.progress.steps import file_lines, rank_rates, timings
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

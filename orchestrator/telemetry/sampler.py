@@ -34,7 +34,7 @@ MAX_WORKERS = 16  # hosts sampled at once
 
 
 class SampleStep(Protocol):
-    """A plan step that samples one host (the `telemetry` steps of backends/ssh/attempt.Step)."""
+    """A plan step that samples one host (the `telemetry` steps of backends/ssh/planstep.Step)."""
 
     @property
     def where(self) -> str: ...

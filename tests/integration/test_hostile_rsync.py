@@ -11,7 +11,7 @@ import os
 import subprocess
 
 from orchestrator.core import hostile
-from orchestrator.preflight import judge, probe
+from orchestrator.preflight import probe, rsynccheck
 
 from .conftest import fab
 
@@ -85,7 +85,7 @@ def test_odd_names_arrive_exactly_and_preflight_judges_rsync(inventory_path, inv
     checks = {(c["host"], c["check"]): c for c in data["checks"]}
     for node in nodes:
         seen = host_exec(node, "sh", "-c", probe.RSYNC_FACT)
-        want = judge.judge_rsync(node, (seen.returncode, seen.stdout))
+        want = rsynccheck.judge_rsync(node, (seen.returncode, seen.stdout))
         got = checks[(node, "rsync")]
         assert (got["status"], got["detail"], got["fix"]) == (want.status, want.detail, want.fix)
         version = probe.parse_rsync_version(probe.parse_rsync_fact(seen.stdout)["version"])

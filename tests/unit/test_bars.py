@@ -145,7 +145,7 @@ def test_a_jobs_code_sync_becomes_transfer_events_and_a_note(tmp_path):
     from types import SimpleNamespace
 
     from orchestrator.backends.ssh import gate, steps
-    from orchestrator.backends.ssh.attempt import Step
+    from orchestrator.backends.ssh.planstep import Step
     from orchestrator.core import jobspec
 
     code = tmp_path / "proj"

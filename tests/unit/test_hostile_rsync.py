@@ -12,7 +12,7 @@ import pytest
 from orchestrator.config.inventory import parse
 from orchestrator.core.jobspec import LOCAL
 from orchestrator.hostcmds import sshargs
-from orchestrator.preflight import CHECKS, FAIL, OK, WARN, judge, probe
+from orchestrator.preflight import CHECKS, FAIL, OK, WARN, judge, probe, rsynccheck
 
 INV = parse(
     """
@@ -122,7 +122,7 @@ FIXED = ("fixed=CVE-2024-12087", "fixed=CVE-2024-12088")
     ],
 )
 def test_judge_rsync_by_version(given, status, detail):
-    c = judge.judge_rsync("a", given)
+    c = rsynccheck.judge_rsync("a", given)
     assert (c.host, c.check, c.status) == ("a", "rsync", status)
     assert c.detail.startswith(detail), c.detail
     if status == FAIL and "older" in detail:
@@ -138,10 +138,10 @@ def test_judge_rsync_by_version(given, status, detail):
 
 
 def test_judge_rsync_on_this_machine_names_it():
-    c = judge.judge_rsync(LOCAL, fact("rsync  version 3.2.3  protocol version 31"))
+    c = rsynccheck.judge_rsync(LOCAL, fact("rsync  version 3.2.3  protocol version 31"))
     assert (c.host, c.status) == ("local", FAIL)
     assert c.fix.startswith("on this machine: upgrade rsync to 3.4")
-    c = judge.judge_rsync(LOCAL, fact(""))
+    c = rsynccheck.judge_rsync(LOCAL, fact(""))
     assert c.fix.startswith("on this machine: install rsync")
 
 
@@ -149,13 +149,13 @@ def test_argument_environment_is_shown_but_changes_nothing():
     old = fact(
         "rsync  version 3.4.1  protocol version 32", "env=RSYNC_OLD_ARGS=1", "env=RSYNC_PROTECT_ARGS=0"
     )
-    c = judge.judge_rsync("a", old)
+    c = rsynccheck.judge_rsync("a", old)
     assert c.status == OK
     assert c.detail == (
         "3.4.1; RSYNC_OLD_ARGS=1, RSYNC_PROTECT_ARGS=0 in its SSH environment "
         "(no effect: rsync's server side reads neither)"
     )
-    c = judge.judge_rsync(LOCAL, old)
+    c = rsynccheck.judge_rsync(LOCAL, old)
     assert c.detail.endswith("set (no effect: fab passes -s, which overrides it)")
 
 
@@ -164,9 +164,9 @@ def test_garbage_from_a_host_is_plain_text():
     escape sequence, no newline, no markup surprise, cut to a bound; forged fact lines in a
     version or an environment value do not count."""
     junk = "\x1b]52;c;aGk=\x07\x1b[2J[/red][link=file:///etc/passwd]x" + "y" * 5000
-    c = judge.judge_rsync("a", fact(junk))
+    c = rsynccheck.judge_rsync("a", fact(junk))
     assert c.status == FAIL and "\x1b" not in c.detail and "\x07" not in c.detail and len(c.detail) < 300
-    c = judge.judge_rsync(
+    c = rsynccheck.judge_rsync(
         "a",
         (
             0,
@@ -202,7 +202,7 @@ def test_the_fact_script_reads_this_machine(tmp_path):
         timeout=30,
     )
     assert r.stdout.splitlines()[0] == "version=" and probe.parse_rsync_fact(r.stdout)["version"] == ""
-    assert judge.judge_rsync("a", (r.returncode, r.stdout)).detail == "no rsync"
+    assert rsynccheck.judge_rsync("a", (r.returncode, r.stdout)).detail == "no rsync"
 
 
 def test_the_probe_gathers_the_fact_and_the_table_shows_it():

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from test_job import Recorder
 
-from orchestrator.backends.ssh.watch import NodeEnd, Watched
+from orchestrator.backends.ssh.nodefollow import NodeEnd
+from orchestrator.backends.ssh.watch import Watched
 from orchestrator.config.inventory import parse
 from orchestrator.hostcmds import hostfiles
 from orchestrator.hosts import claims, hostops

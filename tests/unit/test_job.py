@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.ssh import attempt, job, jobcontrol, state
+from orchestrator.backends.ssh import attempt, job, jobcontrol, planstep, state
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.events import JsonLines, Reporter
@@ -116,7 +116,7 @@ def new_job(tmp_path, rec, **kw):
 
 
 def expected(a: attempt.AttemptPlan) -> list[tuple[str, str, str]]:
-    return [(s.host or s.where, s.where, s.command) for s in a.steps if s.when == attempt.When.ALWAYS]
+    return [(s.host or s.where, s.where, s.command) for s in a.steps if s.when == planstep.When.ALWAYS]
 
 
 def per_peer(calls, names):
@@ -171,11 +171,11 @@ def test_plan_lists_conditional_steps_under_their_condition(tmp_path, monkeypatc
     )
     text = a.plan(dry=True).render()
     for when in (
-        attempt.When.ON_FAILURE.value,
-        attempt.When.ON_INTERRUPT.value,
-        attempt.When.ON_HANG.value,
-        attempt.When.ON_MISSED.value,
-        attempt.When.ON_FAILED.value,
+        planstep.When.ON_FAILURE.value,
+        planstep.When.ON_INTERRUPT.value,
+        planstep.When.ON_HANG.value,
+        planstep.When.ON_MISSED.value,
+        planstep.When.ON_FAILED.value,
     ):
         assert f"## {when}:" in text
     assert (

@@ -9,8 +9,9 @@ import pytest
 
 from orchestrator.backends.ssh import attempt, attempting, job
 from orchestrator.backends.ssh.jobstate import JobState
+from orchestrator.backends.ssh.nodefollow import NodeEnd
 from orchestrator.backends.ssh.state import Again, Attempted, Ending
-from orchestrator.backends.ssh.watch import NodeEnd, Watched
+from orchestrator.backends.ssh.watch import Watched
 from orchestrator.config.inventory import parse
 from orchestrator.core import jobspec
 from orchestrator.core.policy import Decision, Failure, HostFailure, Outcome, Policy, Roster

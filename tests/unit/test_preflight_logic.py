@@ -264,7 +264,8 @@ def test_hosts_whose_images_hold_different_versions_are_warned():
 
 
 def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended(tmp_path):
-    from orchestrator.backends.ssh.watch import NodeEnd, Watched
+    from orchestrator.backends.ssh.nodefollow import NodeEnd
+    from orchestrator.backends.ssh.watch import Watched
     from orchestrator.core.policy import Failure
 
     inv = parse(

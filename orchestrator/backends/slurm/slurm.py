@@ -39,7 +39,7 @@ from orchestrator.backends.slurm.commands import (
 from orchestrator.backends.slurm.follow import Follower
 from orchestrator.backends.slurm.script import slurm_script
 from orchestrator.backends.slurm.submitted import QUERY_TIMEOUT, SlurmJob
-from orchestrator.backends.ssh.attempt import secrets_body
+from orchestrator.backends.ssh.stagesteps import secrets_body
 from orchestrator.config import codetree
 from orchestrator.config.inventory import Inventory, Slurm
 from orchestrator.core import hostile, jobspec, recovery

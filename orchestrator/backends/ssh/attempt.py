@@ -28,11 +28,6 @@ from orchestrator.backends.ssh.stagesteps import (
     teardown_steps,
     watch_steps,
 )
-
-# Re-exported: slurm.py imports secrets_body from here, jobcontext.py stopped_command (their home:
-# stagesteps.py).
-from orchestrator.backends.ssh.stagesteps import secrets_body as secrets_body
-from orchestrator.backends.ssh.stagesteps import stopped_command as stopped_command
 from orchestrator.config.inventory import Host, Inventory
 from orchestrator.core import jobspec
 from orchestrator.hostcmds import dockerargs

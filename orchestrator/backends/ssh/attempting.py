@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import claiming, gate, starting
-from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, When
+from orchestrator.backends.ssh.attempt import AttemptPlan, Stage
+from orchestrator.backends.ssh.planstep import When
 from orchestrator.backends.ssh.state import Again, Attempted
 from orchestrator.backends.ssh.watch import watch as follow_nodes
 from orchestrator.core.policy import Failure, HostFailure, Outcome

@@ -79,7 +79,7 @@ class SshBackend:
         return submit.submit(launch, self.job(launch).record)
 
     def take_over(self, launch: Launch) -> Finished:
-        from orchestrator.backends.ssh import detached, takeover
+        from orchestrator.backends.ssh import detached, runcopy, takeover
 
         with Session(launch.inv.all_hosts) as session:
             found = survey.survey(session, launch.inv)
@@ -91,7 +91,7 @@ class SshBackend:
             if p is not None and launch.record is not None:
                 # A detached job whose controllers are gone: its newest record is theirs.
                 taken = replace(detached.controller_of(launch.record), taken_over=time.time())
-                record = detached.copy_runs(session, p, launch.record, launch.runs, taken)
+                record = runcopy.copy_runs(session, p, launch.record, launch.runs, taken)
                 launch = replace(launch, record=record, spec=record.spec)
             job = self.job(launch, session)
             running = takeover.running_attempt(found, launch.inv, job.record)

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh import facts
-from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, Step
+from orchestrator.backends.ssh.attempt import AttemptPlan, Stage
+from orchestrator.backends.ssh.planstep import Step
+from orchestrator.backends.ssh.stagesteps import end_steps
 from orchestrator.backends.ssh.state import Ending, JobResult
 from orchestrator.transport.remote import describe
 
@@ -64,8 +65,8 @@ def finish(job: JobContext, state: JobState, ending: Ending | None) -> JobResult
 
 def collect(job: JobContext, state: JobState, a: AttemptPlan, reachable: tuple[Host, ...]) -> None:
     """At the end, on every host used that answers: the job's containers swept, the newest snapshot
-    and the outputs fetched, the runtime files and claim removed (attempt.end_steps)."""
-    ends = attempt_mod.end_steps(a.inv, state.spec, reachable, str(job.run_dir))
+    and the outputs fetched, the runtime files and claim removed (stagesteps.end_steps)."""
+    ends = end_steps(a.inv, state.spec, reachable, str(job.run_dir))
     stuck, reach = state.stuck, state.reach(a)
     sweep(job, state, a, [s for s in ends if s.key == "sweep" and s.where not in stuck])
     if job.snaps is not None:

@@ -21,9 +21,9 @@ from orchestrator.progress import bars
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from orchestrator.backends.ssh.attempt import Step
     from orchestrator.backends.ssh.jobcontext import JobContext
     from orchestrator.backends.ssh.jobstate import JobState
+    from orchestrator.backends.ssh.planstep import Step
     from orchestrator.progress.bars import Transfer
 
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh.jobstate import JobState
+from orchestrator.backends.ssh.stagesteps import stopped_command
 from orchestrator.backends.ssh.state import Interrupted
 from orchestrator.backends.ssh.steps import run_steps
 from orchestrator.backends.ssh.waiting import Place
@@ -34,7 +34,8 @@ from orchestrator.transport.remote import PerHost, Session
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
 
-    from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, Step
+    from orchestrator.backends.ssh.attempt import AttemptPlan, Stage
+    from orchestrator.backends.ssh.planstep import Step
     from orchestrator.config.inventory import Host, Inventory
     from orchestrator.core.policy import Policy
     from orchestrator.core.record import Notify
@@ -242,7 +243,7 @@ class JobContext:
 
     def stopped(self, hosts: Iterable[Host]) -> bool:
         """Whether `fab stop` left its marker on any of these hosts (give only answering ones)."""
-        command = attempt_mod.stopped_command(self.inv, self.spec.job_id)
+        command = stopped_command(self.inv, self.spec.job_id)
         got = self.ssh.fan_out(
             lambda h: self.ssh.run(
                 h, command, timeout=deadlines.STATUS_TIMEOUT, what="checking for fab stop"

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 from orchestrator.backends.ssh import attempt as attempt_mod
 from orchestrator.backends.ssh import detached
 from orchestrator.backends.ssh.job import Job
+from orchestrator.backends.ssh.nodefollow import worker_failure
 from orchestrator.backends.ssh.state import JobResult
-from orchestrator.backends.ssh.watch import Watcher, worker_failure
+from orchestrator.backends.ssh.watch import Watcher
 from orchestrator.config.inventory import Inventory
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError

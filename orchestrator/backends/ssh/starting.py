@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.backends.ssh.attempt import AttemptPlan, Stage, When
+from orchestrator.backends.ssh.attempt import AttemptPlan, Stage
+from orchestrator.backends.ssh.planstep import When
 from orchestrator.backends.ssh.state import Attempted
 from orchestrator.core.errors import UserError
 from orchestrator.core.policy import Failure, HostFailure, Outcome

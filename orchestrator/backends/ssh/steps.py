@@ -1,4 +1,4 @@
-"""Running a plan's steps (attempt.Step) on their hosts, and the short jobs of fabtrain's own that
+"""Running a plan's steps (planstep.Step) on their hosts, and the short jobs of fabtrain's own that
 run a plan without the job's stages: the preflight's smoke test and the benchmarks.
 """
 
@@ -8,8 +8,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from orchestrator.backends.ssh import attempt as attempt_mod
-from orchestrator.backends.ssh.attempt import AttemptPlan, Step, When
-from orchestrator.backends.ssh.watch import NodeEnd, Watched, watch
+from orchestrator.backends.ssh.attempt import AttemptPlan
+from orchestrator.backends.ssh.nodefollow import NodeEnd
+from orchestrator.backends.ssh.planstep import Step, When
+from orchestrator.backends.ssh.watch import Watched, watch
 from orchestrator.config import codetree
 from orchestrator.core import hostile, jobspec
 from orchestrator.core.errors import UserError

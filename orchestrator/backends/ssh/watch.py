@@ -29,9 +29,6 @@ from rich.live import Live
 from orchestrator.backends.ssh.attempt import AttemptPlan
 from orchestrator.backends.ssh.hangs import Looks, Progress
 from orchestrator.backends.ssh.nodefollow import NodeEnd, follow_node
-
-# Re-exported: jobcontrol.py imports worker_failure from here (its home: nodefollow.py).
-from orchestrator.backends.ssh.nodefollow import worker_failure as worker_failure
 from orchestrator.backends.ssh.planstep import Step, When
 from orchestrator.config.inventory import Host
 from orchestrator.core.events import Reporter
