@@ -52,12 +52,17 @@ def template_host(inv: Inventory) -> tuple[Host, list[str]]:
     return first, warnings
 
 
-def entrypoint() -> str:
-    """docker/entrypoint.py's text, ending in a newline (the script's heredoc, the ConfigMap)."""
-    text = dockerargs.ENTRYPOINT_SOURCE.read_text()
-    if any(line == HEREDOC for line in text.splitlines()):
-        raise AssertionError(f"{dockerargs.ENTRYPOINT_SOURCE} holds the heredoc delimiter {HEREDOC}")
-    return text if text.endswith("\n") else text + "\n"
+def runtime_files() -> dict[str, str]:
+    """Each file every node's start ships (docker/entrypoint.py and, beside it, fabtrain_memory.py,
+    which a script imports to keep its state in memory) by name, its text ending in a newline: the
+    script's heredocs, the ConfigMap's keys (mounted as one directory)."""
+    texts = {}
+    for name, source in dockerargs.RUNTIME_SOURCES.items():
+        text = source.read_text()
+        if any(line == HEREDOC for line in text.splitlines()):
+            raise AssertionError(f"{source} holds the heredoc delimiter {HEREDOC}")
+        texts[name] = text if text.endswith("\n") else text + "\n"
+    return texts
 
 
 def summary(inv: Inventory, spec: jobspec.JobSpec, nodes: int, host: Host) -> list[str]:

@@ -83,12 +83,15 @@ def inv(kind: str, path: str = "inventory.yaml"):
     return parse(INVENTORIES[kind], Path(path))
 
 
-def without_entrypoint(text: str) -> str:
-    """The script with the entrypoint's text (checked on its own) cut out of its heredoc."""
-    head, sep, rest = text.partition(f"<<'{export.HEREDOC}' || return 1\n")
-    body, sep2, tail = rest.partition(f"\n{export.HEREDOC}\n")
-    assert sep and sep2 and body + "\n" == dockerargs.ENTRYPOINT_SOURCE.read_text()
-    return head + sep + "<docker/entrypoint.py>" + sep2 + tail
+def without_runtime(text: str) -> str:
+    """The script with each shipped file's text (checked on its own: the entrypoint and the memory
+    module beside it) cut out of its heredoc."""
+    for name, source in dockerargs.RUNTIME_SOURCES.items():
+        head, sep, rest = text.partition(f"/{name} <<'{export.HEREDOC}' || return 1\n")
+        body, sep2, tail = rest.partition(f"\n{export.HEREDOC}\n")
+        assert sep and sep2 and body + "\n" == source.read_text(), name
+        text = head + sep + f"<docker/{name}>" + sep2 + tail
+    return text
 
 
 def check_golden(name: str, text: str) -> None:
@@ -109,7 +112,7 @@ def test_sbatch_script_exact_text(kind, pyxis):
         time_limit="12:00:00" if kind == "nvidia" else None,
     )
     assert warnings == []
-    check_golden(f"{kind}{'-pyxis' if pyxis else ''}.sbatch", without_entrypoint(text))
+    check_golden(f"{kind}{'-pyxis' if pyxis else ''}.sbatch", without_runtime(text))
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
@@ -123,11 +126,11 @@ def k8s_texts(kind: str) -> dict[str, str]:
 def test_k8s_manifests_exact_text_and_valid(kind):
     for file, text in k8s_texts(kind).items():
         docs = list(yaml.safe_load_all(text))
-        assert (
-            docs[0]["kind"] == "ConfigMap"
-            and docs[0]["data"]["entrypoint.py"] == dockerargs.ENTRYPOINT_SOURCE.read_text()
-        )
-        docs[0]["data"]["entrypoint.py"] = "<docker/entrypoint.py>"
+        # The ConfigMap, mounted as one directory, holds every file a node's start ships.
+        assert docs[0]["kind"] == "ConfigMap" and list(docs[0]["data"]) == list(dockerargs.RUNTIME_SOURCES)
+        for name, source in dockerargs.RUNTIME_SOURCES.items():
+            assert docs[0]["data"][name] == source.read_text(), name
+            docs[0]["data"][name] = f"<docker/{name}>"
         check_golden(
             f"{kind}-{file}",
             text.split("\napiVersion:", 1)[0]
@@ -459,7 +462,7 @@ def test_fab_export_writes_through_the_registry_what_the_golden_files_hold(tmp_p
         registry.renderer("slurm"), launch("nvidia"), pyxis=True, partition="gpu", time="12:00:00"
     )
     assert list(rendered.files) == ["gpt-demo.sbatch"] and rendered.warnings == ()
-    check_golden("nvidia-pyxis.sbatch", without_entrypoint(rendered.files["gpt-demo.sbatch"]))
+    check_golden("nvidia-pyxis.sbatch", without_runtime(rendered.files["gpt-demo.sbatch"]))
     rendered = registry.render(registry.renderer("kubernetes"), launch("cpu"))
     assert rendered.files == k8s_texts("cpu") and rendered.warnings == ()
 

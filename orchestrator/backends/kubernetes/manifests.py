@@ -132,7 +132,7 @@ def _config_map(name: str, job_id: str) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": name, "labels": {"fabtrain.job": job_id}},
-        "data": {"entrypoint.py": export.entrypoint()},
+        "data": export.runtime_files(),
     }
 
 

@@ -169,15 +169,17 @@ def _prepare(inv: Inventory, spec: jobspec.JobSpec, out_dir: str, rt: str) -> li
         f'echo "[fabtrain] job {spec.job_id}: slurm job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}),'
         ' $NNODES node(s), master $MASTER_ADDR"',
         "",
-        "# On each node: the job's directories, the entrypoint, the secrets file.",
+        "# On each node: the job's directories, the entrypoint and its memory module, the secrets file.",
         "fabtrain_prepare() {",
         f"  mkdir -p {line([out_dir, rt])} || return 1",
         # The job's container writes out_dir: its work directory (a mount source) is made and
         # checked without following a link it put there (hostcmds/touched.py).
         f"  {touched.make_dir(word(out_dir), jobspec.WORK)} || return 1",
         f"  {touched.mount_sources_check([out_dir, hostfiles.work_dir(inv, spec)])} || return 1",
-        f"  cat > {word(rt + '/entrypoint.py')} <<'{HEREDOC}' || return 1",
-        export.entrypoint() + HEREDOC,
+        *(
+            f"  cat > {word(rt + '/' + name)} <<'{HEREDOC}' || return 1\n{text}{HEREDOC}"
+            for name, text in export.runtime_files().items()
+        ),
         '  if [ -n "$FABTRAIN_SECRETS" ]; then',
         f'    install -m 600 "$FABTRAIN_SECRETS" {word(rt + "/secrets.env")} || return 1',
         "  fi",
