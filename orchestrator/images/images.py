@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +48,33 @@ def local_image(image: str) -> tuple[str, int]:
         )
     image_id, size = proc.stdout.split()
     return image_id, int(size)
+
+
+def controller_image(image: str) -> None:
+    """A detached job's controller image, in the local engine: fabtrain's own (the inventory's
+    default) is built here the first time a job is detached (docker/build-controller.sh, about a
+    minute, once: the local cluster's first run never needs it); any other must be here already."""
+    from orchestrator.config import inventory, resources
+
+    try:
+        local_image(image)
+        return
+    except UserError:
+        if image != inventory.Controller().image:
+            raise
+    base = "fabtrain/base:bookworm"
+    try:
+        local_image(base)
+        script = resources.docker_file("build-controller.sh")
+    except (UserError, FileNotFoundError):
+        raise UserError(
+            f"the controller image {image} is not in this machine's Docker engine, nor {base} to build "
+            "it from; run 'bash docker/build-images.sh' and then 'bash docker/build-controller.sh'"
+        ) from None
+    # Its progress goes to stderr, as the cluster's image builds do: stdout is for --json.
+    if subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode != 0:
+        raise UserError(f"building {image} failed; see the output above and .cache/build/controller-*.log")
+    local_image(image)
 
 
 def remote_image_id(session: Session, host: Host, image: str) -> str | None:

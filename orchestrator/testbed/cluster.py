@@ -77,13 +77,13 @@ def _client() -> DockerClient:
 
 
 def build_images() -> None:
-    """The test hosts' and the trainer's images (build-images.sh), then the detached jobs' controller
-    image (build-controller.sh); each script rebuilds only what its inputs changed."""
-    for name in ("build-images.sh", "build-controller.sh"):
-        script = PROJECT_ROOT / "docker" / name
-        # Their progress goes to stderr: stdout is for what a command prints (cluster.up --json).
-        if subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode != 0:
-            raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
+    """The test hosts' and the trainer's images (build-images.sh), rebuilt only where their inputs
+    changed. The detached jobs' controller image is built at the first `fab train --detach`
+    (images.controller_image): a first run does not wait for it."""
+    script = PROJECT_ROOT / "docker" / "build-images.sh"
+    # Its progress goes to stderr: stdout is for what a command prints (cluster.up --json).
+    if subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode != 0:
+        raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
 
 
 def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:

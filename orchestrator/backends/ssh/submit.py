@@ -117,12 +117,11 @@ def submit(launch: Launch, job_record: JobRecord) -> Finished:
     from orchestrator.images import images
 
     try:
-        images.local_image(inv.controller.image)
-    except UserError:
+        images.controller_image(inv.controller.image)
+    except UserError as exc:
         raise UserError(
-            f"--detach: the controller image {inv.controller.image} is not in this machine's Docker "
-            "engine; build it with 'bash docker/build-controller.sh', or name one the controller's host "
-            "has in the inventory (controller: {image: ...})",
+            f"--detach: {exc}; or name in the inventory one the controller's host has "
+            "(controller: {image: ...})",
             exit_code=2,
         ) from None
     with tempfile.TemporaryDirectory(prefix="fabtrain-ctl-") as tmp, Session(inv.all_hosts) as session:
