@@ -80,7 +80,11 @@ def describe(host: Host, exc: BaseException) -> str:
         )
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return f"{where}: no answer within {host.ssh.connect_timeout:g}s; is the host up and sshd running?"
-    if isinstance(exc, (ConnectionRefusedError, paramiko.ssh_exception.NoValidConnectionsError)):
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        # paramiko's name for every address failing: refused, or unreachable (no route to host).
+        others = [e for e in exc.errors.values() if not isinstance(e, ConnectionRefusedError)]
+        exc = others[0] if others else ConnectionRefusedError()
+    if isinstance(exc, ConnectionRefusedError):
         return f"{where}: connection refused; start sshd there or fix ssh.port in the inventory"
     if isinstance(exc, socket.gaierror):
         return (

@@ -466,3 +466,26 @@ def test_a_local_command_flooding_its_output_is_capped(tmp_path):
         )
     finally:
         session.close()
+
+
+@pytest.mark.parametrize(
+    "errors, said",
+    [
+        (
+            {("10.0.0.9", 22): ConnectionRefusedError(111, "Connection refused")},
+            "connection refused; start sshd",
+        ),
+        # Unreachable is not refused: starting sshd would not help.
+        ({("10.0.0.9", 22): OSError(113, "No route to host")}, "cannot connect: No route to host; check"),
+        (
+            {
+                ("10.0.0.9", 22): ConnectionRefusedError(111, "Connection refused"),
+                ("fd00::9", 22, 0, 0): OSError(101, "Network is unreachable"),
+            },
+            "cannot connect: Network is unreachable; check",
+        ),
+    ],
+)
+def test_no_valid_connection_is_named_by_what_failed(errors, said):
+    msg = remote.describe(host(), paramiko.ssh_exception.NoValidConnectionsError(errors))
+    assert said in msg, msg
