@@ -156,7 +156,10 @@ import os, sys, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-print(f"gen {os.environ['FABTRAIN_ATTEMPT']} rank {rank} pid {os.getpid()}", flush=True)
+# One write per line: the workers started ahead run unbuffered (python -u), where print() writes the
+# text and its newline apart, so two ranks' lines could interleave in the shared console.
+sys.stdout.write(f"gen {os.environ['FABTRAIN_ATTEMPT']} rank {rank} pid {os.getpid()}\\n")
+sys.stdout.flush()
 if os.environ["FABTRAIN_ATTEMPT"] == "1":
     open(f"started-{rank}", "w").close()
     time.sleep(60 if rank == 0 else 3)  # rank 0 is ended by the others' failure
