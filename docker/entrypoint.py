@@ -97,6 +97,23 @@ def fabtrain_register():
                 hook()
             except Exception:
                 pass
+def _fabtrain_lines():
+    # Unbuffered output (PYTHONUNBUFFERED, which many images set, or python -u) makes print() write
+    # its text and its newline apart, so the lines of the ranks that share a node's console
+    # interleave (two texts on one line, then two newlines). Each such stream becomes line-buffered:
+    # one write per line, still written at once. The descriptor is never closed by it.
+    import io, sys
+    for name in ("stdout", "stderr"):
+        s = getattr(sys, name, None)
+        if s is None or not isinstance(getattr(s, "buffer", None), io.FileIO) or s.line_buffering:
+            continue
+        raw = io.FileIO(s.fileno(), "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(io.BufferedWriter(raw), encoding=s.encoding,
+                                            errors=s.errors, line_buffering=True))
+try:
+    _fabtrain_lines()
+except Exception:
+    pass
 if os.environ.get("RANK") is not None:
     fabtrain_register()
 def _fabtrain_chain():

@@ -67,3 +67,37 @@ def test_a_look_dumps_the_stacks_and_never_calls_the_programs_own_sigusr1_handle
     finally:
         proc.kill()
         proc.wait()
+
+
+LINES = """\
+import os, sys, time
+while not os.path.exists(sys.argv[2]):  # both ranks print at the same time
+    time.sleep(0.001)
+for i in range(20000):
+    print(f"rank {sys.argv[1]} line {i:05d} " + "x" * 60, flush=True)
+"""
+
+
+def test_unbuffered_ranks_sharing_a_console_write_whole_lines(tmp_path):
+    """Two ranks run with python -u (as under PYTHONUNBUFFERED), both appending to one console: with
+    the hook every line arrives whole (print() alone writes the text and the newline apart)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(entrypoint.SITECUSTOMIZE)
+    (tmp_path / "lines.py").write_text(LINES)
+    console = tmp_path / "console.log"
+    with open(console, "ab") as out:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-u", str(tmp_path / "lines.py"), str(rank), str(tmp_path / "go")],
+                env={**os.environ, "PYTHONPATH": str(hook)},
+                stdout=out,
+            )
+            for rank in (0, 1)
+        ]
+        time.sleep(0.5)
+        (tmp_path / "go").touch()
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    lines = console.read_text().splitlines()
+    expected = {f"rank {r} line {i:05d} " + "x" * 60 for r in (0, 1) for i in range(20000)}
+    assert len(lines) == 40000 and set(lines) == expected
