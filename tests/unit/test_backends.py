@@ -106,6 +106,13 @@ def test_status_logs_and_stop_reach_a_running_job_through_its_backend(here):
         time.sleep(0.1)
     job = rows[0]["job"]
     assert {r["host"] for r in rows} == {"a", "b"}
+    # Each node has said its first line (a loaded machine starts them late) before it is stopped.
+    while not all(
+        "of 2" in (p.read_text() if p.exists() else "")
+        for p in (here / "runs" / job / f"{h}.log" for h in "ab")
+    ):
+        assert time.monotonic() < deadline, "a node never printed its first line"
+        time.sleep(0.1)
     status = control.status(str(here / "inv.yaml"), here / "runs")
     assert json.loads(json.dumps(status.doc))["errors"] == [] and f"{job} runs on a" in status.lines
     out = control.stop(str(here / "inv.yaml"), job, False, False, None, here / "runs")
