@@ -1,5 +1,4 @@
 """A torchrun worker that fails on one node after the group forms (for failure-handling tests)."""
-
 import argparse
 import os
 import sys

@@ -1,6 +1,5 @@
 """A user-style script that hangs: the last rank sleeps while the others wait in all_reduce, with a
 collective timeout of an hour, so nothing inside the job ever gives up (hang watchdog tests)."""
-
 import datetime
 import time
 

@@ -7,7 +7,6 @@
   that the test can act while the job runs.
 No torch.distributed: the attacks are in what it prints.
 """
-
 import argparse
 import os
 import sys
@@ -24,10 +23,8 @@ out = sys.stdout
 for step in range(1, 6):
     # rank 1 is three times slower: a straggler line names it.
     compute = 30.0 if rank == 1 else 10.0
-    out.write(
-        f"[{name} rank{rank}] epoch 0 | step {step} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | "
-        f"step {compute + 1:.1f} ms | compute {compute:.1f} ms\n"
-    )
+    out.write(f"[{name} rank{rank}] epoch 0 | step {step} | loss 2.0 | lr 1.00e-03 | 1,000 tok/s | "
+              f"step {compute + 1:.1f} ms | compute {compute:.1f} ms\n")
     out.write(f"log line {step} {EVIL}\n")
 out.flush()
 if rank == 0 and a.big_mb:

@@ -7,15 +7,14 @@ as a downloaded script could (README: Security). Every node's first process:
   /root, it lands there.
 Each attempt says what it could do. No torch.distributed: the attacks are in the files.
 """
-
 import argparse
 import os
 import shutil
 import time
 
 p = argparse.ArgumentParser()
-p.add_argument("--secret", required=True)  # an absolute path on the host
-p.add_argument("--marker", required=True)  # a file name
+p.add_argument("--secret", required=True)   # an absolute path on the host
+p.add_argument("--marker", required=True)   # a file name
 a = p.parse_args()
 node = os.environ.get("NODE_RANK", "0")
 if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -29,10 +28,8 @@ if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"node {node}: work link planted", flush=True)
     except OSError as e:
         print(f"node {node}: work link refused ({e.strerror})", flush=True)
-    for path, target in (
-        (f"/output/.console/node-{node}.log", a.secret),
-        (f"/output/.progress/node-{node}", "/etc/shadow"),
-    ):
+    for path, target in ((f"/output/.console/node-{node}.log", a.secret), (f"/output/.progress/node-{node}",
+                                                                           "/etc/shadow")):
         try:
             if os.path.lexists(path):
                 os.unlink(path)

@@ -6,7 +6,6 @@
   tokenizes (it moves), then it only sleeps while touching its heartbeat file
   ($FABTRAIN_HEARTBEAT) every second; then more steps and a normal end.
 """
-
 import argparse
 import datetime
 import os
@@ -41,12 +40,10 @@ def pairs(ids: list[int]) -> dict:
 
 
 if a.mode == "chatty":
-
     def chatter() -> None:
         while True:
             print(f"rank {rank}: waiting for data...", flush=True)
             time.sleep(2)
-
     if rank == 0:
         threading.Thread(target=chatter, daemon=True).start()
     dist.barrier()

@@ -3,7 +3,6 @@
 It has its own argument parsing; every unknown argument is echoed back verbatim (as JSON) so tests
 can check that hostile strings arrive intact.
 """
-
 import argparse
 import hashlib
 import json
@@ -26,15 +25,10 @@ known, rest = p.parse_known_args()
 dist.init_process_group("gloo")
 t = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(t)
-report = {
-    "rank": dist.get_rank(),
-    "world": dist.get_world_size(),
-    "sum": t.item(),
-    "node": os.environ.get("GROUP_RANK"),
-    "args": rest,
-    "env": {k: os.environ.get(k) for k in known.env},
-    "hash": {k: hashlib.sha256(os.environ.get(k, "").encode()).hexdigest() for k in known.hash_env},
-}
+report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+          "node": os.environ.get("GROUP_RANK"), "args": rest,
+          "env": {k: os.environ.get(k) for k in known.env},
+          "hash": {k: hashlib.sha256(os.environ.get(k, "").encode()).hexdigest() for k in known.hash_env}}
 sys.stdout.write("REPORT " + json.dumps(report) + "\n")  # one write: ranks share stdout
 sys.stdout.flush()
 time.sleep(known.sleep)
