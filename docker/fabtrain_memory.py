@@ -20,19 +20,22 @@ Two halves, in one file so that the protocol between them lives in one place:
   on every worker's path). Without FABTRAIN_KEEPER (not a warm fabtrain node), `save` keeps
   nothing and `load` returns None: a script runs the same anywhere.
 
-`save(step, state)` writes the state (tensors and plain Python values) straight into a new memfd
-(one copy, from the GPU too) and hands the memfd to the keeper before it returns: a rank that has
-returned from save(s) has step s in its keeper, which is what makes "at most one step lost" hold
-(every rank that passed the collectives of step s + 1 returned from save(s)). A background thread
-then hashes it (SHA-256) and exchanges it with the peer node over a gloo group of the job's own
-process group (rank r of node n sends to the same local rank of node n + 1, and receives from node
-n - 1's); the received state goes to this node's keeper. The next save waits for that exchange, so
-its time counts in the measured cost (K grows when the network is slow).
+`save(step, state)` copies the state's tensors (one call, from the GPU too) into a memfd of its
+own (`Slot`: mapped once, written again once the keeper no longer holds the state in it, so a step
+costs no new memory, page faults or mappings) and hands the memfd to the keeper before it returns:
+a rank that has returned from save(s) has step s in its keeper, which is what makes "at most one
+step lost" hold (every rank that passed the collectives of step s + 1 returned from save(s)). The
+worker's background thread then takes the state's digest (`digest_of`: sums of its 64-bit words,
+one pass, cheap enough for every step; what it must catch is a transfer that went wrong, not an
+adversary) and exchanges it with the peer node over a gloo group of the job's own process group
+(rank r of node n sends to the same local rank of node n + 1, and receives from node n - 1's), one
+message each way; the received state, its digest checked, goes to this node's keeper. The next save
+waits for that exchange, so its time counts in the measured cost (K grows when the network is slow).
 
 `load()` is collective: every rank lists what its keeper holds, the ranks gather the lists, and
 agree on S, the newest step held somewhere for every rank. A rank whose keeper lacks its own state
 (its host was replaced by a hot spare) receives it from a rank whose keeper holds its replica,
-checked against the SHA-256 its origin computed. A disk snapshot at step S or later wins
+checked against the digest its origin computed. A disk snapshot at step S or later wins
 (`disk_step`). Rank 0 prints which, and how many steps were lost.
 
 K, how often: every step when that costs at most BUDGET (3%) of a step in the training thread,
@@ -43,13 +46,13 @@ largest); FABTRAIN_MEMORY_EVERY=K forces it, 0 turns memory off.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import io
 import json
 import math
 import mmap
 import os
 import pickle
+import queue
 import shutil
 import socket
 import statistics
@@ -72,8 +75,13 @@ PROBE = 8  # saves timed (every step) before K is chosen; the first 2 are not co
 SETTLE = 2  # (groups made, the first steps' warm-up, the next generation's workers importing)
 EXIT_WAIT = 10.0  # seconds a worker's exit waits for its last exchange
 TIMEOUT = 120.0  # seconds any exchange with the keeper or a peer may take before it is given up
-MAGIC = b"FTMEM01\n"
+MAGIC = b"FTMEM02\n"
 ALIGN = 64
+HEAD = 64  # MAGIC, the structure's offset and length, zeros: the tensors' bytes begin here
+HEADER = 40  # bytes ending a frame of an exchange: step, size, the next exchange's frame, digest
+DIGEST_BLOCK = 64  # 64-bit words digest_of sums as one block (512 bytes)
+DIGEST_WORDS = 1 << 20  # words a pass of digest_of takes at once (8 MiB), a multiple of DIGEST_BLOCK
+MASK = (1 << 64) - 1
 
 # ---------------------------------------------------------------------------------------------
 # The keeper: the supervisor's side.
@@ -81,17 +89,19 @@ ALIGN = 64
 
 @dataclass
 class Held:
-    """One state in a keeper: the memfd holding its bytes, and its SHA-256 once known."""
+    """One state in a keeper: the memfd holding its bytes (`ino`: which memfd it is, so its writer
+    knows when it may write that memfd again), and its digest once known."""
 
     rank: int
     step: int
     world: int
     size: int
     fd: int
-    sha256: str | None = None
+    digest: str | None = None
+    ino: int = 0
 
     def row(self) -> list:
-        return [self.rank, self.step, self.world, self.size, self.sha256]
+        return [self.rank, self.step, self.world, self.size, self.digest]
 
 
 class Keeper:
@@ -169,38 +179,29 @@ class Keeper:
                         os.close(out_fd)
 
     def handle(self, req: dict, fd: int | None) -> tuple[dict, int | None]:
-        """One request: put (a memfd), digest, list, get (a dup of the memfd), trim."""
+        """One request: put (a memfd), digest, list, get (a dup of the memfd), trim. Any request may
+        carry `digests` ([rank, step, digest] of states held or on their way), recorded first. A put
+        is answered with the memfds (`inos`) the keeper still holds for that rank: the others its
+        writer may write again."""
+        for rank, step, digest in req.get("digests", []):
+            self.digest(int(rank), int(step), str(digest))
         op = req.get("op")
+        if op == "digest":
+            return {"ok": True}, None
         if op == "put":
             if fd is None:
                 raise ValueError("put without a memfd")
-            self.put(
-                Held(
-                    int(req["rank"]),
-                    int(req["step"]),
-                    int(req["world"]),
-                    int(req["size"]),
-                    fd,
-                    req.get("sha256"),
-                )
-            )
-            return {"ok": True}, None
+            rank = int(req["rank"])
+            new = Held(rank, int(req["step"]), int(req["world"]), int(req["size"]), fd, req.get("digest"))
+            new.ino = os.fstat(fd).st_ino
+            return {"ok": True, "inos": self.put(new)}, None
         with self.lock:
-            if op == "digest":
-                rank, step = int(req["rank"]), int(req["step"])
-                found = [h for h in self.held.get(rank, []) if h.step == step]
-                for h in found:
-                    h.sha256 = str(req["sha256"])
-                if not found:
-                    self.early = {k: v for k, v in self.early.items() if k[0] != rank or k[1] > step}
-                    self.early[(rank, step)] = str(req["sha256"])
-                return {"ok": True}, None
             if op == "list":
                 return {"ok": True, "held": [h.row() for states in self.held.values() for h in states]}, None
             if op == "get":
                 for h in self.held.get(int(req["rank"]), []):
                     if h.step == int(req["step"]):
-                        reply = {"ok": True, "size": h.size, "sha256": h.sha256, "world": h.world}
+                        reply = {"ok": True, "size": h.size, "digest": h.digest, "world": h.world}
                         return reply, os.dup(h.fd)
                 return {"ok": False, "error": "not held"}, None
             if op == "trim":
@@ -214,11 +215,23 @@ class Keeper:
                 return {"ok": True}, None
         raise ValueError(f"unknown op {op!r}")
 
-    def put(self, new: Held) -> None:
-        """A rank's states arrive in step order; one older than a state held means the job went back
-        (a resume from an older step), and the states past it belong to a timeline that is gone."""
+    def digest(self, rank: int, step: int, digest: str) -> None:
+        """A state's digest, which may come (on its writer's background connection) before the state
+        itself was read (`early`)."""
         with self.lock:
-            new.sha256 = new.sha256 or self.early.pop((new.rank, new.step), None)
+            found = [h for h in self.held.get(rank, []) if h.step == step]
+            for h in found:
+                h.digest = digest
+            if not found:
+                self.early = {k: v for k, v in self.early.items() if k[0] != rank or k[1] > step}
+                self.early[(rank, step)] = digest
+
+    def put(self, new: Held) -> list[int]:
+        """A rank's states arrive in step order; one older than a state held means the job went back
+        (a resume from an older step), and the states past it belong to a timeline that is gone.
+        Returns the memfds (inode numbers) held for that rank now."""
+        with self.lock:
+            new.digest = new.digest or self.early.pop((new.rank, new.step), None)
             states = self.held.get(new.rank, [])
             for h in states:
                 if h.step >= new.step:
@@ -227,6 +240,7 @@ class Keeper:
             for h in states[: -self.keep]:
                 os.close(h.fd)
             self.held[new.rank] = states[-self.keep :]
+            return [h.ino for h in self.held[new.rank]]
 
 
 class KeeperClient:
@@ -264,9 +278,11 @@ class KeeperClient:
 
 
 # ---------------------------------------------------------------------------------------------
-# The bytes of a state: MAGIC, the length of a pickle of the structure (tensors replaced by
-# references), the pickle, then each tensor's bytes at an ALIGN-ed offset. Written straight into a
-# memfd (no serialisation buffer), read back without torch.load.
+# The bytes of a state: HEAD bytes (MAGIC, then where the structure lies and its length), each
+# tensor's bytes at an ALIGN-ed offset, then a pickle of the structure (tensors replaced by
+# references), the whole padded to ALIGN. The tensors come first so that they lie where they lay
+# at the last step (the structure's pickle changes its length with the numbers in it). Written
+# straight into a memfd (no serialisation buffer), read back without torch.load.
 
 SAFE_CLASSES = {
     ("collections", "OrderedDict"),
@@ -282,8 +298,8 @@ PLAIN = (dict, list, tuple, str, int, float, bool, bytes, type(None), set, froze
 COMMON = frozenset((dict, list, tuple, str, int, float, bool, type(None)))  # checked first: most of a state
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -308,87 +324,177 @@ def _plain(obj: object) -> bool:
     return type(obj).__module__.split(".")[0] == "numpy"
 
 
-def encode(state: object) -> tuple[int, int]:
-    """(a memfd holding `state`, its size). Tensors go in as their bytes (a GPU tensor's copied
-    straight from the device); anything but tensors and plain Python values is refused here, at
-    the save, rather than at the resume."""
+@dataclass
+class Layout:
+    """Where a state's parts go: its structure pickled, and each distinct tensor with its place."""
+
+    meta: bytes
+    tensors: list[torch.Tensor]
+    places: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]  # (offset past HEAD, dtype, shape)
+    end: int  # the tensors' bytes, aligned
+    cpu: bool  # every tensor on the CPU
+
+    @property
+    def size(self) -> int:
+        return _align(HEAD + self.end + len(self.meta))
+
+
+def layout(state: object) -> Layout:
+    """Pickle the structure of `state`, each tensor replaced by a reference to its place; anything
+    but tensors and plain Python values is refused here, at the save, rather than at the resume.
+    (Called at every kept step, on a few hundred objects: each tensor is looked at once.)"""
     import torch
 
     tensors: list[torch.Tensor] = []
     index: dict[int, int] = {}
-    records: list[tuple[int, int]] = []  # (relative offset, nbytes)
-    end = 0
+    places: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+    pids: list[tuple] = []
+    end, cpu = 0, True
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: object) -> object:
-            nonlocal end
-            if type(obj) in COMMON:
+            nonlocal end, cpu
+            kind = type(obj)
+            if kind in COMMON:
                 return None
-            if isinstance(obj, torch.Tensor):
-                if hasattr(obj, "to_local") or obj.layout != torch.strided or obj.is_quantized:
+            if kind is torch.Tensor or isinstance(obj, torch.Tensor):
+                i = index.get(id(obj))
+                if i is not None:
+                    return pids[i]
+                t: Any = obj
+                if (
+                    (kind is not torch.Tensor and hasattr(t, "to_local"))
+                    or t.layout != torch.strided
+                    or t.is_quantized
+                ):
                     raise TypeError(
-                        f"fabtrain_memory.save: a {type(obj).__name__} ({obj.layout}); save a "
-                        "plain dense tensor (a DTensor's shard: t.to_local())"
+                        f"fabtrain_memory.save: a {kind.__name__} ({t.layout}); save a plain dense tensor "
+                        "(a DTensor's shard: t.to_local())"
                     )
-                if id(obj) not in index:
-                    index[id(obj)] = len(tensors)
-                    tensors.append(obj)
-                    nbytes = obj.numel() * obj.element_size()
-                    records.append((end, nbytes))
-                    end = _align(end + nbytes)
-                i = index[id(obj)]
-                return ("t", i, str(obj.dtype), tuple(obj.shape), records[i][0])
+                index[id(obj)] = len(tensors)
+                tensors.append(t)
+                places.append((end, t.dtype, tuple(t.shape)))
+                pids.append(("t", len(pids), str(t.dtype), places[-1][2], end))
+                end = _align(end + t.nbytes)
+                cpu = cpu and t.is_cpu
+                return pids[-1]
             if not _plain(obj):
                 raise TypeError(
-                    f"fabtrain_memory.save: the state holds a {type(obj).__module__}."
-                    f"{type(obj).__qualname__}; keep to tensors and plain Python values"
+                    f"fabtrain_memory.save: the state holds a {kind.__module__}.{kind.__qualname__}; keep "
+                    "to tensors and plain Python values"
                 )
             return None
 
     meta = io.BytesIO()
     Pickler(meta, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
-    head = len(MAGIC) + 8 + len(meta.getbuffer())
-    data_start = _align(head)
-    size = data_start + end
-    fd = os.memfd_create("fabtrain-state", os.MFD_CLOEXEC)
+    return Layout(meta.getvalue(), tensors, tuple(places), end, cpu)
+
+
+class Slot:
+    """A memfd this process writes states into: mapped once (grown when a state outgrows it), and
+    written again only once the keeper no longer holds the state in it (`held`)."""
+
+    def __init__(self, name: str) -> None:
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.ino = os.fstat(self.fd).st_ino
+        self.held = False
+        self.cap = 0
+        self.mm: mmap.mmap | None = None
+        self.buf: torch.Tensor | None = None  # its bytes, as a tensor
+        self.places: tuple = ()  # the places `views` were made for
+        self.views: list[torch.Tensor] = []  # a tensor over each place, to copy into
+        self.nonempty: list[int] = []  # the places with bytes to copy
+
+    def reserve(self, size: int) -> torch.Tensor:
+        """Its bytes, at least `size` of them. Never closed by hand: a mapping goes when the last
+        tensor over it does (torch holds the mmap object, not its buffer)."""
+        import torch
+
+        if self.buf is None or size > self.cap:
+            self.views, self.places, self.buf, self.mm = [], (), None, None
+            self.cap = _align(max(size + size // 16, 1), mmap.PAGESIZE)  # room for the structure to grow
+            os.ftruncate(self.fd, self.cap)
+            self.mm = mmap.mmap(self.fd, self.cap)
+            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+        return self.buf
+
+    def write(self, state: object, frame: int = 0) -> int:
+        """`state` into this memfd, its tensors in one copy each; returns its size. The memfd keeps
+        room past it for the frame it goes to the peer in (at least `frame` bytes: Memory.frames)."""
+        import torch
+
+        lay = layout(state)
+        size = lay.size
+        buf, mm = self.reserve(max(frame_for(size), frame)), self.mm
+        assert mm is not None
+        if lay.places != self.places:
+            self.views = [
+                buf[HEAD + off : HEAD + off + math.prod(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                for off, dtype, shape in lay.places
+            ]
+            self.nonempty = [i for i, v in enumerate(self.views) if v.numel()]
+            self.places = lay.places
+        at = HEAD + lay.end
+        head = MAGIC + at.to_bytes(8, "little") + len(lay.meta).to_bytes(8, "little")
+        mm[:HEAD] = head.ljust(HEAD, b"\0")
+        mm[at : at + len(lay.meta)] = lay.meta
+        into = [self.views[i] for i in self.nonempty]
+        srcs = [lay.tensors[i] for i in self.nonempty]
+        with torch.no_grad():  # (a tensor that requires grad is copied as its value)
+            if not into:
+                pass
+            elif lay.cpu and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(into, srcs)  # one call, not one each
+            else:  # a GPU's tensors (or an older torch): copied one by one, each straight from the device
+                for v, t in zip(into, srcs, strict=True):
+                    v.copy_(t)
+        return size
+
+    def tail(self, end: int) -> bytes:
+        """The HEADER bytes before `end` (a frame's header)."""
+        assert self.mm is not None
+        return self.mm[end - HEADER : end]
+
+    def close(self) -> None:
+        self.views, self.buf, self.mm = [], None, None
+        os.close(self.fd)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def encode(state: object) -> tuple[int, int]:
+    """(a memfd holding `state`, its size): a slot of its own, for one state."""
+    slot = Slot("fabtrain-state")
     try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as mm:
-            mm[:head] = MAGIC + len(meta.getbuffer()).to_bytes(8, "little") + meta.getbuffer()
-            if tensors:
-                buf = torch.frombuffer(mm, dtype=torch.uint8)
-                for t, (off, nbytes) in zip(tensors, records, strict=True):
-                    if nbytes:
-                        src = t.detach()
-                        src = src if src.is_contiguous() else src.contiguous()
-                        into = buf[data_start + off : data_start + off + nbytes]
-                        into.copy_(src.reshape(-1).view(torch.uint8))
-                        del into
-                del buf
+        size = slot.write(state)
     except BaseException:
-        os.close(fd)
+        slot.close()
         raise
-    return fd, size
+    slot.views, slot.buf, slot.mm = [], None, None
+    return slot.fd, size
 
 
-def decode(data: memoryview | bytes | mmap.mmap, map_location: Any = None) -> Any:
+def decode(data: memoryview | bytes | bytearray | mmap.mmap, map_location: Any = None) -> Any:
     """The state encode() wrote, its tensors copied out of `data` (onto map_location, if given)."""
     import torch
 
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
         raise ValueError("not a fabtrain memory state (bad magic)")
-    meta_len = int.from_bytes(view[len(MAGIC) : len(MAGIC) + 8], "little")
-    head = len(MAGIC) + 8 + meta_len
-    data_start = _align(head)
+    at = int.from_bytes(view[len(MAGIC) : len(MAGIC) + 8], "little")
+    meta_len = int.from_bytes(view[len(MAGIC) + 8 : len(MAGIC) + 16], "little")
     holder = [torch.frombuffer(data, dtype=torch.uint8)]  # emptied before the caller closes `data`
 
     class Unpickler(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> Any:
             _tag, _i, dtype_name, shape, off = pid
             dtype = _dtype(dtype_name)
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            raw = holder[0][data_start + off : data_start + off + nbytes]
+            nbytes = math.prod(shape) * _itemsize(dtype)
+            raw = holder[0][HEAD + off : HEAD + off + nbytes]
             t = (raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)).reshape(shape).clone()
             return t.to(map_location) if map_location is not None else t
 
@@ -400,15 +506,56 @@ def decode(data: memoryview | bytes | mmap.mmap, map_location: Any = None) -> An
             raise pickle.UnpicklingError(f"fabtrain_memory: refusing {module}.{name} in a state")
 
     try:
-        return Unpickler(io.BytesIO(view[len(MAGIC) + 8 : head])).load()
+        return Unpickler(io.BytesIO(view[at : at + meta_len])).load()
     finally:
         holder.clear()
         view.release()
 
 
-def sha256_of(fd: int, size: int) -> str:
-    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-        return hashlib.sha256(mm).hexdigest()
+def digest_of(data: memoryview | bytearray | mmap.mmap, size: int) -> str:
+    """A digest of the first `size` bytes of `data` (writable), over its 64-bit words in blocks of
+    DIGEST_BLOCK (512 bytes; the bytes past the last whole word, zero-padded, are a block of their
+    own): the sum of every word, and the sum of each block's sum times 2b + 1 (b: the block's
+    index), each mod 2^64. What it must catch is a state that arrived other than it left (a
+    transfer cut short or mangled, a range not written, bytes landed elsewhere): any one word
+    changed changes the first sum, and blocks moved, or bytes moved from one block to another,
+    change the second; a truncation also changes the size, checked beside it. What it misses:
+    words swapped inside one block, which no transfer does. One pass over the bytes (torch's
+    integer sums; a hash would take several times as long, and every kept step pays it twice)."""
+    import torch
+
+    words = size // 8
+    plain = weighted = 0
+    whole = torch.frombuffer(data, dtype=torch.int64, count=words) if words else None
+    for start in range(0, words, DIGEST_WORDS):
+        assert whole is not None
+        part = whole[start : start + DIGEST_WORDS]
+        full = len(part) // DIGEST_BLOCK * DIGEST_BLOCK
+        sums = part[:full].view(-1, DIGEST_BLOCK).sum(1)  # (wraps mod 2^64, as int64 does)
+        if full < len(part):
+            sums = torch.cat([sums, part[full:].sum().view(1)])
+        s = int(sums.sum())
+        plain += s
+        weighted += int((sums * _odd(len(sums))).sum()) + 2 * (start // DIGEST_BLOCK) * s
+    if size % 8:
+        tail = int.from_bytes(bytes(memoryview(data)[words * 8 : size]), "little")
+        plain += tail
+        weighted += (2 * -(-words // DIGEST_BLOCK) + 1) * tail
+    return f"{plain & MASK:016x}{weighted & MASK:016x}"
+
+
+_ODD = threading.local()  # digest_of's weights (1, 3, 5, ...), per thread: made once, then reused
+
+
+def _odd(n: int) -> torch.Tensor:
+    import torch
+
+    got = getattr(_ODD, "weights", None)
+    if got is None or len(got) < n:
+        got = _ODD.weights = torch.arange(
+            1, 2 * max(n, DIGEST_WORDS // DIGEST_BLOCK + 1), 2, dtype=torch.int64
+        )
+    return got[:n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,20 +567,20 @@ class Agreement:
     step: int | None  # the newest step held somewhere for every rank; None: none is
     newest: int | None  # the newest step any keeper holds (for any rank)
     source: dict[int, int] = field(default_factory=dict)  # rank -> the rank whose keeper sends it
-    sha256: dict[int, str | None] = field(default_factory=dict)  # rank -> the SHA-256 to expect
+    digest: dict[int, str | None] = field(default_factory=dict)  # rank -> the digest to expect
 
 
 def agree(reports: list[list[list]], world: int) -> Agreement:
-    """From each rank's list of what its keeper holds ([rank, step, world, size, sha256] rows, the
+    """From each rank's list of what its keeper holds ([rank, step, world, size, digest] rows, the
     same list from every rank of a node), the step to resume from and where each rank's state
     comes from: its own keeper when that holds it, else the lowest rank whose keeper does."""
     where: dict[int, dict[int, list[tuple[int, str | None]]]] = {r: {} for r in range(world)}
     newest = None
     for reporter, rows in enumerate(reports):
-        for rank, step, w, _size, sha in rows:
+        for rank, step, w, _size, digest in rows:
             if w != world or not 0 <= rank < world:
                 continue  # a state of another world (the job shrank or grew): of no use now
-            where[rank].setdefault(step, []).append((reporter, sha))
+            where[rank].setdefault(step, []).append((reporter, digest))
             newest = step if newest is None else max(newest, step)
     common = set.intersection(*(set(steps) for steps in where.values())) if world else set()
     if not common:
@@ -445,7 +592,7 @@ def agree(reports: list[list[list]], world: int) -> Agreement:
         own = [h for h in holders if h[0] == rank]
         pick = own[0] if own else min(holders)
         source[rank] = pick[0]
-        digests[rank] = next((sha for _, sha in holders if sha), None)  # the origin's, carried by its replica
+        digests[rank] = next((d for _, d in holders if d), None)  # the origin's, carried by its replica
     return Agreement(step, newest, source, digests)
 
 
@@ -490,10 +637,19 @@ class Memory:
         self.repl: Any = None  # a gloo group for the background thread's replica exchanges
         self.grouped = False
         self.calls: list[tuple[float, float]] = []  # (when a save began, its cost), while probing
-        self.job: threading.Thread | None = None
         self.broken: str | None = None  # why replicas stopped (a peer died): never retried in this process
         self.last_cost = 0.0
-        self.pending: int | None = None  # the step whose put the keeper has not answered yet
+        self.pending: tuple[int, Slot] | None = None  # the put the keeper has not answered yet
+        self.own: list[Slot] = []  # the memfds this rank's states are written into, in turn
+        self.replicas: list[Slot] = []  # the memfds the peer's states are received into, in turn
+        # The background thread (started at the first save), its next job, and whether it has none.
+        self.worker: threading.Thread | None = None
+        self.jobs: queue.SimpleQueue[tuple[Slot, int, int]] = queue.SimpleQueue()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.bg_client: KeeperClient | None = None  # the background thread's connection to the keeper
+        # The frames the next exchange sends and receives in (exchange): the first's, its header alone.
+        self.out_frame = self.in_frame = HEADER
 
     # -- plumbing
     def keeper(self) -> KeeperClient:
@@ -527,10 +683,7 @@ class Memory:
     def finish(self) -> None:
         """At exit (or a load): the last exchange ends (bounded) before the process groups are
         destroyed, and the keeper's last answer is read."""
-        if self.job is not None:
-            self.job.join(EXIT_WAIT)
-            if not self.job.is_alive():
-                self.job = None
+        self.idle.wait(EXIT_WAIT)
         try:
             self.acknowledged()
         except (OSError, RuntimeError):
@@ -547,26 +700,27 @@ class Memory:
         if not self.due(step):
             return False
         self.groups()
-        if self.job is not None:
-            self.job.join()  # the previous exchange: pairs must happen in the same order on every rank
-            self.job = None
+        self.idle.wait()  # the previous exchange: pairs must happen in the same order on every rank
         self.acknowledged()
-        fd, size = encode(state() if callable(state) else state)
+        slot = free_slot(self.own, "fabtrain-state")
+        size = slot.write(state() if callable(state) else state, self.out_frame)
+        slot.held = True  # from the moment it is sent: the keeper's answer tells when it is not
         try:
             # Handed over once sent: the keeper's answer is read at the next save (no round trip here).
             self.keeper().send(
-                {"op": "put", "rank": self.rank, "step": step, "world": self.world, "size": size}, fd
+                {"op": "put", "rank": self.rank, "step": step, "world": self.world, "size": size}, slot.fd
             )
-            self.pending = step
+            self.pending = (step, slot)
         except OSError as exc:
-            os.close(fd)
+            slot.held = False
             raise RuntimeError(
                 f"fabtrain_memory: the keeper at {self.path} did not take step {step}: {exc}"
             ) from exc
-        self.job = threading.Thread(
-            target=self.replicate, args=(fd, size, step), daemon=True, name="fabtrain-memory"
-        )
-        self.job.start()
+        self.idle.clear()
+        self.jobs.put((slot, size, step))
+        if self.worker is None:
+            self.worker = threading.Thread(target=self.background, daemon=True, name="fabtrain-memory")
+            self.worker.start()
         self.last_cost = time.perf_counter() - began
         if self.k is None:
             self.probe(began, self.last_cost)
@@ -579,13 +733,18 @@ class Memory:
         return True
 
     def acknowledged(self) -> None:
-        """The keeper's answer to the last put, before this connection carries anything else."""
+        """The keeper's answer to the last put, before this connection carries anything else: which of
+        this rank's memfds it still holds (the others may be written again)."""
         if self.pending is None:
             return
-        step, self.pending = self.pending, None
+        (step, slot), self.pending = self.pending, None
         reply, _ = self.keeper().reply()
         if not reply.get("ok"):
+            slot.held = False  # the keeper closed its copy
             raise RuntimeError(f"fabtrain_memory: the keeper refused step {step}: {reply.get('error')}")
+        held = set(reply["inos"])
+        for s in self.own:
+            s.held = s.ino in held
 
     def probe(self, began: float, cost: float) -> None:
         """Time the first PROBE saves (made every step), then choose K with every rank: the largest."""
@@ -614,82 +773,112 @@ class Memory:
                 else f"[fabtrain] memory: each rank's state kept every {k} step(s)"
             )
 
-    def replicate(self, fd: int, size: int, step: int) -> None:
-        """Background: the state's SHA-256 to the keeper, then the exchange with the peer nodes."""
-        try:
-            sha = sha256_of(fd, size)
-            client = KeeperClient(self.path)
+    def background(self) -> None:
+        """The background thread: each kept state's digest and exchange, one after the other."""
+        while True:
+            job = self.jobs.get()
             try:
-                client.call({"op": "digest", "rank": self.rank, "step": step, "sha256": sha})
-                pair = self.peers()
-                if pair is not None and self.repl is not None and self.broken is None:
-                    try:
-                        self.exchange(client, fd, size, step, sha, *pair)
-                    except Exception as exc:  # noqa: BLE001 - a peer died: training goes on, replicas stop
-                        self.broken = repr(exc)
-                        say(
-                            f"[fabtrain] memory: rank {self.rank}'s replicas stopped at step {step} "
-                            f"({type(exc).__name__}); its own host's copy is still kept"
-                        )
+                self.replicate(*job)
             finally:
-                client.close()
+                self.idle.set()
+
+    def replicate(self, slot: Slot, size: int, step: int) -> None:
+        """The state's digest, and the exchange with the peer nodes; the digest reaches the keeper
+        with the replica received (one message), or alone."""
+        client = None
+        try:
+            assert slot.mm is not None
+            digest = digest_of(slot.mm, size)
+            client = self.bg_client = self.bg_client or KeeperClient(self.path)
+            mine = [self.rank, step, digest]
+            pair = self.peers()
+            if pair is not None and self.repl is not None and self.broken is None:
+                try:
+                    return self.exchange(client, slot, size, step, mine, *pair)
+                except Exception as exc:  # noqa: BLE001 - a peer died: training goes on, replicas stop
+                    self.broken = repr(exc)
+                    say(
+                        f"[fabtrain] memory: rank {self.rank}'s replicas stopped at step {step} "
+                        f"({type(exc).__name__}); its own host's copy is still kept"
+                    )
+                    client.close()  # its answers may be out of step now
+                    client = self.bg_client = KeeperClient(self.path)
+            client.call({"op": "digest", "digests": [mine]})
         except Exception as exc:  # noqa: BLE001 - never let the background thread end a rank
             say(f"[fabtrain] memory: rank {self.rank} could not finish step {step}'s copy ({exc!r})")
-        finally:
-            os.close(fd)
+            if client is not None:  # as above: the next job connects anew
+                client.close()
+                self.bg_client = None
 
     def exchange(
-        self, client: KeeperClient, fd: int, size: int, step: int, sha: str, dst: int, src: int
+        self, client: KeeperClient, slot: Slot, size: int, step: int, mine: list, dst: int, src: int
     ) -> None:
-        """Send this rank's state to `dst`, receive `src`'s into a memfd for this node's keeper."""
-        import datetime
-
-        import torch
-
-        dist = _dist()
-        timeout = datetime.timedelta(seconds=TIMEOUT)
-        out_head = _header(step, size, sha)
-        in_head = torch.zeros(48, dtype=torch.uint8)
-        works = [
-            dist.isend(out_head, dst, group=self.repl, tag=71),
-            dist.irecv(in_head, src, group=self.repl, tag=71),
-        ]
-        for w in works:
-            w.wait(timeout)
-        got_step, got_size, got_sha = _parse_header(in_head)
+        """Send this rank's state to `dst`, receive `src`'s into a memfd for this node's keeper. One
+        frame each way, of a size both sides know (the last exchange said it): the state, then
+        HEADER bytes at the frame's end (step, size, digest, and the next exchange's frame). A state
+        that outgrew its frame (and the first, whose frame is its header alone) sends the header in
+        it, then the state in a frame of its own: a second message, that time only. `mine` (this
+        rank's [rank, step, digest]) goes to the keeper with the replica's put."""
+        into = free_slot(self.replicas, "fabtrain-replica")
+        first, second, out_next = self.frames(slot, size, step, mine[2])
+        frame = self.in_frame
+        self.pairwise(first, into.reserve(frame)[:frame], dst, src, 71)
+        got_step, got_size, in_next, got_digest = _parse_header(into.tail(frame))
         if got_step != step:
             raise RuntimeError(f"rank {src} sent step {got_step} while this rank sent {step}")
-        in_fd = os.memfd_create("fabtrain-replica", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(in_fd, max(got_size, 1))
-            with (
-                mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as out_mm,
-                mmap.mmap(in_fd, max(got_size, 1)) as in_mm,
-            ):
-                out_t = torch.frombuffer(out_mm, dtype=torch.uint8)
-                in_t = torch.frombuffer(in_mm, dtype=torch.uint8)[:got_size]
-                works = [
-                    dist.isend(out_t, dst, group=self.repl, tag=72),
-                    dist.irecv(in_t, src, group=self.repl, tag=72),
-                ]
-                for w in works:
-                    w.wait(timeout)
-                del out_t, in_t, works
-                if hashlib.sha256(memoryview(in_mm)[:got_size]).hexdigest() != got_sha:
-                    raise RuntimeError(f"rank {src}'s step {step} arrived with other bytes than it sent")
-            reply, _ = client.call(
-                {
-                    "op": "put",
-                    "rank": src,
-                    "step": step,
-                    "world": self.world,
-                    "size": got_size,
-                    "sha256": got_sha,
-                },
-                in_fd,
-            )
-        finally:
-            os.close(in_fd)
+        more = got_size + HEADER > frame  # only its header came: its state follows, in a frame of in_next
+        if more or second is not None:
+            self.pairwise(second, into.reserve(in_next)[:in_next] if more else None, dst, src, 72)
+        if more and _parse_header(into.tail(in_next))[:2] != (step, got_size):
+            raise RuntimeError(f"rank {src}'s step {step} came in a frame that does not say so")
+        self.in_frame, self.out_frame = in_next, out_next
+        assert into.mm is not None
+        if digest_of(into.mm, got_size) != got_digest:
+            raise RuntimeError(f"rank {src}'s step {step} arrived with other bytes than it sent")
+        into.held = True
+        req = {"op": "put", "rank": src, "step": step, "world": self.world, "size": got_size}
+        reply, _ = client.call({**req, "digest": got_digest, "digests": [mine]}, into.fd)
+        if not reply.get("ok"):
+            into.held = False
+            raise RuntimeError(f"this host's keeper refused rank {src}'s step {step}: {reply.get('error')}")
+        held = set(reply["inos"])
+        for s in self.replicas:
+            s.held = s.ino in held
+
+    def frames(
+        self, slot: Slot, size: int, step: int, digest: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """What goes to the peer: this exchange's frame (out_frame bytes), a second one holding the
+        state when it does not fit in the first, and the frame the next exchange uses. The header
+        is written into the slot past the state (the keeper reads `size` bytes: the state)."""
+        import torch
+
+        assert slot.mm is not None and slot.buf is not None
+        frame, want = self.out_frame, frame_for(size)
+        fits = size + HEADER <= frame
+        following = frame if fits and frame <= 2 * want else want  # (shrunk to half: framed anew)
+        head = _header(step, size, following, digest)
+        if fits:
+            slot.mm[frame - HEADER : frame] = head
+            return slot.buf[:frame], None, following
+        slot.mm[want - HEADER : want] = head  # the slot has room: Memory.save reserved frame_for(size)
+        only = torch.zeros(frame, dtype=torch.uint8)
+        only[frame - HEADER :] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        return only, slot.buf[:want], following
+
+    def pairwise(
+        self, out: torch.Tensor | None, into: torch.Tensor | None, dst: int, src: int, tag: int
+    ) -> None:
+        """`out` to rank `dst` while `into` comes from rank `src` (either may be None), on the
+        replicas' group."""
+        import datetime
+
+        dist = _dist()
+        works = [dist.isend(out, dst, group=self.repl, tag=tag)] if out is not None else []
+        if into is not None:
+            works.append(dist.irecv(into, src, group=self.repl, tag=tag))
+        for w in works:
+            w.wait(datetime.timedelta(seconds=TIMEOUT))
 
     # -- load
     def load(self, map_location: Any = None, disk_step: int | None = None) -> Any:
@@ -707,7 +896,7 @@ class Memory:
         if ok and got.step is not None:
             if got.source[self.rank] == self.rank:
                 try:
-                    state = self.local(self.rank, got.step, got.sha256[self.rank], map_location)
+                    state = self.local(self.rank, got.step, got.digest[self.rank], map_location)
                 except Exception as exc:  # noqa: BLE001 - told to every rank below, then the disk is used
                     ok = self.failed(exc)
             for rank in sorted(r for r, q in got.source.items() if q != r):
@@ -715,7 +904,7 @@ class Memory:
                     self.send(rank, got.step)
                 elif self.rank == rank:
                     try:
-                        state = self.receive(got.source[rank], got.step, got.sha256[rank], map_location)
+                        state = self.receive(got.source[rank], got.step, got.digest[rank], map_location)
                     except Exception as exc:  # noqa: BLE001 - as above
                         ok = self.failed(exc)
             if collective:
@@ -737,13 +926,13 @@ class Memory:
         say(f"[fabtrain] memory: rank {self.rank} could not take its state ({exc}); every rank falls back")
         return False
 
-    def local(self, rank: int, step: int, sha: str | None, map_location: Any) -> Any:
+    def local(self, rank: int, step: int, digest: str | None, map_location: Any) -> Any:
         reply, fd = self.keeper().call({"op": "get", "rank": rank, "step": step})
         if fd is None:
             raise RuntimeError(f"this host's keeper no longer holds rank {rank}'s step {step}")
         try:
             with mmap.mmap(fd, reply["size"], access=mmap.ACCESS_COPY) as mm:
-                if sha and hashlib.sha256(mm).hexdigest() != sha:
+                if digest and digest_of(mm, reply["size"]) != digest:
                     raise RuntimeError(f"rank {rank}'s step {step} in this host's keeper is damaged")
                 return decode(mm, map_location)
         finally:
@@ -760,37 +949,37 @@ class Memory:
         except OSError:
             reply, fd = {}, None
         if fd is None:
-            dist.send(_header(step, -1, "0" * 64), to, group=self.ctrl)
+            dist.send(_tensor(_header(step, -1, 0, "0" * 32)), to, group=self.ctrl)
             return
         try:
             size = reply["size"]
             with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mm:
-                sha = reply.get("sha256") or hashlib.sha256(mm).hexdigest()
-                dist.send(_header(step, size, sha), to, group=self.ctrl)
+                digest = reply.get("digest") or digest_of(mm, size)
+                dist.send(_tensor(_header(step, size, 0, digest)), to, group=self.ctrl)
                 t = torch.frombuffer(mm, dtype=torch.uint8)
                 dist.send(t, to, group=self.ctrl)
                 del t
         finally:
             os.close(fd)
 
-    def receive(self, source: int, step: int, sha: str | None, map_location: Any) -> Any:
+    def receive(self, source: int, step: int, digest: str | None, map_location: Any) -> Any:
         import torch
 
         dist = _dist()
-        head = torch.zeros(48, dtype=torch.uint8)
+        head = torch.zeros(HEADER, dtype=torch.uint8)
         dist.recv(head, source, group=self.ctrl)
-        got_step, size, got_sha = _parse_header(head)
+        got_step, size, _frame, got_digest = _parse_header(head.numpy().tobytes())
         if size < 0 or got_step != step:
             raise RuntimeError(f"rank {source}'s keeper could not send rank {self.rank}'s step {step}")
         buf = bytearray(max(size, 1))
         t = torch.frombuffer(buf, dtype=torch.uint8)[:size]
         dist.recv(t, source, group=self.ctrl)
         del t
-        digest = hashlib.sha256(memoryview(buf)[:size]).hexdigest()
-        if digest != (sha or got_sha):
+        want = digest or got_digest
+        got = digest_of(buf, size)
+        if got != want:
             raise RuntimeError(
-                f"rank {self.rank}'s step {step} from rank {source} has SHA-256 "
-                f"{digest[:16]}, not {(sha or got_sha)[:16]}"
+                f"rank {self.rank}'s step {step} from rank {source} has digest {got}, not {want}"
             )
         return decode(memoryview(buf)[:size], map_location)
 
@@ -817,22 +1006,36 @@ class Memory:
             )
 
 
-def _header(step: int, size: int, sha: str) -> torch.Tensor:
+def _header(step: int, size: int, frame: int, digest: str) -> bytes:
+    """HEADER bytes about a state on its way: its step, size, the next exchange's frame, digest."""
+    ints = b"".join(n.to_bytes(8, "little", signed=True) for n in (step, size, frame))
+    return ints + bytes.fromhex(digest)
+
+
+def _parse_header(raw: bytes) -> tuple[int, int, int, str]:
+    step, size, frame = (int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8, 16))
+    return step, size, frame, raw[24:HEADER].hex()
+
+
+def _tensor(raw: bytes) -> torch.Tensor:
     import torch
 
-    raw = (
-        step.to_bytes(8, "little", signed=True) + size.to_bytes(8, "little", signed=True) + bytes.fromhex(sha)
-    )
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _parse_header(t: torch.Tensor) -> tuple[int, int, str]:
-    raw = bytes(t.tolist())
-    return (
-        int.from_bytes(raw[:8], "little", signed=True),
-        int.from_bytes(raw[8:16], "little", signed=True),
-        raw[16:48].hex(),
-    )
+def frame_for(size: int) -> int:
+    """The frame a state of `size` bytes goes to its peer in: room for its header, and for the state
+    to grow a little (its structure's pickle changes length with the numbers in it)."""
+    return _align(size + size // 64 + HEADER)
+
+
+def free_slot(slots: list[Slot], name: str) -> Slot:
+    """A slot whose state the keeper no longer holds (a new one when each is held)."""
+    for slot in slots:
+        if not slot.held:
+            return slot
+    slots.append(Slot(name))
+    return slots[-1]
 
 
 _MEMORY: Memory | None = None

@@ -90,6 +90,7 @@ def test_save_refuses_at_once_what_load_could_not_take(fm):
 def put(fm, keeper, rank, step, world=2, payload=b"x"):
     fd = os.memfd_create("test")
     os.write(fd, payload)
+    ino = os.fstat(fd).st_ino
     client = fm.KeeperClient(keeper.path)
     try:
         reply, _ = client.call(
@@ -98,7 +99,7 @@ def put(fm, keeper, rank, step, world=2, payload=b"x"):
     finally:
         os.close(fd)
         client.close()
-    assert reply == {"ok": True}
+    assert reply["ok"] and ino in reply["inos"]  # the memfds held for that rank
 
 
 def held(fm, keeper):
@@ -153,9 +154,9 @@ def test_the_ranks_agree_on_the_newest_step_every_rank_holds(fm, reports, step, 
     assert (got.step, got.newest, got.source) == (step, newest, source)
 
 
-def test_a_replica_carries_the_sha256_its_origin_computed(fm):
-    got = fm.agree([[row(0, 4, sha="a" * 64), row(1, 4, sha="b" * 64)], [row(1, 4, sha=None)]], 2)
-    assert got.source == {0: 0, 1: 1} and got.sha256 == {0: "a" * 64, 1: "b" * 64}
+def test_a_replica_carries_the_digest_its_origin_computed(fm):
+    got = fm.agree([[row(0, 4, sha="a" * 32), row(1, 4, sha="b" * 32)], [row(1, 4, sha=None)]], 2)
+    assert got.source == {0: 0, 1: 1} and got.digest == {0: "a" * 32, 1: "b" * 32}
 
 
 @pytest.mark.parametrize(
@@ -209,3 +210,45 @@ def test_the_measured_k_is_stated_once(fm, keeper, monkeypatch, capsys):
     assert fm.every() >= 1
     out = capsys.readouterr().out
     assert out.count("[fabtrain] memory: each rank's state kept every") == 1 and "% allowed" in out
+
+
+def test_the_digest_catches_a_changed_word_bytes_moved_and_a_cut(fm, monkeypatch):
+    data = bytearray(os.urandom(8 * 300 + 5))  # 4 blocks and a half, and 5 bytes past the last word
+    digest = fm.digest_of(data, len(data))
+    assert fm.digest_of(bytearray(data), len(data)) == digest
+    flipped = bytearray(data)
+    flipped[77] ^= 0x10
+    moved = bytearray(data)  # a word of block 0 and one of block 2 change places
+    moved[0:8], moved[8 * 130 : 8 * 131] = data[8 * 130 : 8 * 131], data[0:8]
+    tail = bytearray(data)
+    tail[-1] ^= 1
+    got = {fm.digest_of(d, len(data)) for d in (flipped, moved, tail)}
+    assert len(got) == 3 and digest not in got
+    assert fm.digest_of(data, len(data) - 8) != digest
+    monkeypatch.setattr(fm, "DIGEST_WORDS", 2 * fm.DIGEST_BLOCK)  # a large state, taken in passes
+    assert fm.digest_of(data, len(data)) == digest
+
+
+def test_a_rank_writes_its_states_into_the_same_few_memfds_never_into_one_the_keeper_holds(
+    fm, keeper, monkeypatch
+):
+    monkeypatch.setenv("FABTRAIN_KEEPER", keeper.path)
+    monkeypatch.setenv("FABTRAIN_MEMORY_EVERY", "1")
+    for step in range(1, 9):
+        # The structure changes its size (a longer name) and at step 5 a tensor grows: the slot grows too.
+        n = 4 if step < 5 else 5000
+        fm.save(step, {"w": torch.full((n,), float(step)), "name": "x" * step, "step": step})
+        memory = fm._memory()
+        memory.finish()
+        client = fm.KeeperClient(keeper.path)
+        for _rank, held_step, _world, _size, digest in client.held():
+            reply, fd = client.call({"op": "get", "rank": 0, "step": held_step})
+            with mmap.mmap(fd, reply["size"], access=mmap.ACCESS_COPY) as mm:
+                assert fm.digest_of(mm, reply["size"]) == digest
+                got = fm.decode(mm)
+            os.close(fd)
+            assert got["step"] == held_step and torch.equal(
+                got["w"], torch.full(got["w"].shape, float(held_step))
+            )
+        client.close()
+    assert len(memory.own) == fm.KEEP + 1
