@@ -1,8 +1,20 @@
-"""The watcher's decisions without a cluster: progress per node, the node's own exit line, blame."""
+"""The watcher's decisions without a cluster: progress per node, the node's own exit line, blame
+(a node whose ranks a broken peer connection brought down is not blamed when the peer failed of
+itself; on the local cluster: tests/integration/test_recovery.py's killed worker)."""
 
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends.ssh import attempt
 from orchestrator.backends.ssh.hangs import Progress
-from orchestrator.backends.ssh.nodefollow import worker_failure
-from orchestrator.core import recovery
+from orchestrator.backends.ssh.nodefollow import NodeEnd, brought_down_by_a_peer, worker_failure
+from orchestrator.backends.ssh.watch import SETTLE, watch
+from orchestrator.config.inventory import parse
+from orchestrator.core import jobspec, recovery
+from orchestrator.core.policy import Failure
+from orchestrator.transport.remote import Result
 
 
 class Clock:
@@ -171,3 +183,95 @@ def test_only_quiet_nodes_are_looked_at():
     assert p.unsure({"n1", "n2"}, 2) == []
     clock.t += 3
     assert p.unsure({"n1", "n2"}, 2) == ["n1", "n2"]
+
+
+# Tails as the local cluster printed them (a worker of node2 killed mid-step; node1's ranks abort).
+RESET = (
+    "[rank1]: RuntimeError: Got the following error when running the callback: RuntimeError: "
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[172.28.5.12]:30353: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application.\n"
+    "terminate called after throwing an instance of 'gloo::IoException'\n"
+    "[fabtrain] worker rank 1 exited with code 134; the node's other workers were stopped\n"
+)
+KILLED = "[fabtrain] worker rank 2 exited with code 137; the node's other workers were stopped\n"
+NCCL = "torch.distributed.DistBackendError: NCCL error: remote process exited or there was a network error\n"
+OOM_NEXT_TO_A_RESET = (
+    "Connection closed by peer [10.0.0.2]:4000\n[fabtrain] worker rank 0 exited with code 137\n"
+)
+TORCHRUN = (
+    "Connection reset by peer\nRoot Cause (first observed failure):\n  rank      : 3\n  exitcode  : -9\n"
+)
+
+
+def inv(hosts=3):
+    text = "ssh: {config: none}\nhosts:\n" + "".join(
+        f"  - {{name: node{i + 1}, address: 10.0.0.{i + 1}, interface: eth0}}\n" for i in range(hosts)
+    )
+    return parse(text, Path("inv.yaml"))
+
+
+@pytest.mark.parametrize(
+    "tail, code, by_a_peer",
+    [
+        (RESET, 134, True),
+        (KILLED, 137, False),
+        (NCCL, 1, True),
+        (OOM_NEXT_TO_A_RESET, 137, False),  # killed (OOM) whatever its neighbour printed
+        (TORCHRUN, 1, False),  # torchrun's agent exits 1; its worker died of SIGKILL
+        ("ValueError: bad batch\n", 1, False),
+    ],
+)
+def test_a_node_brought_down_by_a_peer_is_told_from_one_that_failed_of_itself(tail, code, by_a_peer):
+    host = inv().hosts[0]
+    end = NodeEnd(host, exit_code=code, failure=Failure.EXIT, detail=f"exited with code {code}", tail=tail)
+    assert brought_down_by_a_peer(end) is by_a_peer
+    assert not brought_down_by_a_peer(NodeEnd(host, failure=Failure.LOST, tail=RESET))
+
+
+class Ending:
+    """Stands in for the SSH session of a watch: each host's follow prints its text after its delay
+    and its node ends with its code (read by the finish step)."""
+
+    def __init__(self, nodes: dict[str, tuple[float, str, int]]):
+        self.nodes = nodes
+        self.started = time.monotonic()
+
+    def stream(self, host, command, feed, timeout=None):
+        delay, text, _ = self.nodes[host.name]
+        time.sleep(max(0.0, self.started + delay - time.monotonic()))
+        feed(text.encode())
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        return Result(f"{self.nodes[host.name][2]} warm\n", "", 0, 0.0)
+
+    def alive_since(self, host):
+        return None
+
+    def fan_out(self, fn, hosts):
+        return {h.name: fn(h) for h in hosts}
+
+
+def watched(tmp_path, nodes):
+    i = inv(len(nodes))
+    a = attempt.build(i, jobspec.JobSpec(job_id="j-1", script="x.py"), len(nodes), 29500)
+    began = time.monotonic()
+    w = watch(Ending(nodes), a, tmp_path, echo=False)
+    return w, time.monotonic() - began
+
+
+def test_the_node_whose_worker_was_killed_is_named_though_its_peer_reported_first(tmp_path):
+    w, _ = watched(tmp_path, {"node1": (0.0, RESET, 134), "node2": (0.5, KILLED, 137), "node3": (1.0, "", 0)})
+    (blamed,) = w.failures
+    assert (blamed.host.name, blamed.failure, blamed.exit_code) == ("node2", Failure.EXIT, 137)
+    assert w.ends["node1"].failure is None and w.ends["node1"].by_us
+
+
+def test_a_failure_of_its_own_is_named_at_once_and_a_peer_that_never_fails_leaves_the_first(tmp_path):
+    w, took = watched(tmp_path, {"node1": (0.0, KILLED, 137), "node2": (0.3, RESET, 134)})
+    assert [e.host.name for e in w.failures] == ["node1"] and took < SETTLE
+    w, took = watched(
+        tmp_path, {"node1": (0.0, RESET, 134), "node2": (0.2, RESET, 134), "node3": (3.0, "", 0)}
+    )
+    assert [e.host.name for e in w.failures] == ["node1"] and w.ends["node2"].failure is None
+    assert SETTLE <= took

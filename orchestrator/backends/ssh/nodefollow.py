@@ -101,10 +101,37 @@ def follow_node(
         ended(end)
 
 
-def worker_failure(tail: str) -> str:
-    """Which worker failed: torchrun's agent exits 1 whatever its worker did, and its root-cause
-    report says which; the entrypoint's direct launch says it in one line (and exits with its code)."""
+def failed_worker(tail: str) -> tuple[int, int] | None:
+    """(rank, exit code) of the worker that failed, when the tail says: torchrun's agent exits 1
+    whatever its worker did, and its root-cause report says which; the entrypoint's direct launch
+    says it in one line (and exits with its code)."""
     m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S) or re.search(
         r"\[fabtrain\] worker rank (\d+) exited with code (-?\d+)", tail
     )
-    return f" (worker rank {m.group(1)} exited with code {m.group(2)})" if m else ""
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def worker_failure(tail: str) -> str:
+    """' (worker rank R exited with code C)' when the tail says which worker failed, else ''."""
+    got = failed_worker(tail)
+    return f" (worker rank {got[0]} exited with code {got[1]})" if got else ""
+
+
+# What a rank prints when its collective failed because a peer's connection broke: gloo's
+# "Read error [addr]:port: Connection reset by peer" and "Connection closed by peer [addr]:port",
+# NCCL's "remote process exited or there was a network error".
+PEER_BROKE = re.compile(
+    r"Connection (?:reset|closed) by peer|remote process exited or there was a network error"
+)
+
+
+def brought_down_by_a_peer(end: NodeEnd) -> bool:
+    """Whether a node's ranks failed because a peer's connection broke, not of themselves: its tail
+    says a peer's connection broke, and its worker did not die of a signal (code 128 + N, or -N from
+    torchrun) other than SIGABRT, which a broken collective raises. A worker killed (SIGKILL: the
+    OOM killer, a kill; SIGSEGV) failed of itself whatever its neighbours printed."""
+    if end.failure is not Failure.EXIT or not PEER_BROKE.search(end.tail):
+        return False
+    worker = failed_worker(end.tail)
+    code = worker[1] if worker else end.exit_code
+    return code is None or not (code < 0 or code > 128) or code in (-6, 128 + 6)

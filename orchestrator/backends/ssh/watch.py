@@ -5,7 +5,8 @@ last line says how its ranks ended (`[fabtrain] node exit code N`, printed by ou
 Docker has not answered within ENGINE_GRACE (a frozen engine: the node is judged by its own
 exit, and the host is named as one whose engine is stuck). The attempt fails at the first node
 that exits non-zero, the first host lost (no SSH keepalive answer), or a hang (`Progress`); the
-other nodes are then stopped at once.
+other nodes are then stopped at once. A node whose ranks a broken peer connection brought down is
+named only when no other node fails of itself within SETTLE seconds (`own_failure`).
 
 Following one node (its output, its exit, how it ended) is nodefollow.py's; here are the loop over
 them all and the verdicts: a host lost, an engine stuck, a hang, and the others stopped. What counts
@@ -28,7 +29,7 @@ from rich.live import Live
 
 from orchestrator.backends.ssh.attempt import AttemptPlan
 from orchestrator.backends.ssh.hangs import Looks, Progress
-from orchestrator.backends.ssh.nodefollow import NodeEnd, follow_node
+from orchestrator.backends.ssh.nodefollow import NodeEnd, brought_down_by_a_peer, follow_node
 from orchestrator.backends.ssh.planstep import Step, When
 from orchestrator.config.inventory import Host
 from orchestrator.core.events import Reporter
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 ENGINE_GRACE = 10.0  # seconds Docker may take to confirm an exit the node itself reported
 DRAIN = 5.0  # seconds to collect the other nodes' ends after a failure
+SETTLE = 2.0  # seconds a node brought down by a peer waits for the peer's own end before it is blamed
 
 
 @dataclass
@@ -209,17 +211,45 @@ class Watcher:
             self.pending.discard(end.host.name)
             self.result.ends[end.host.name] = end
             if end.failure is not None:
+                end = self.own_failure(end)
                 self.result.failures.append(end)
                 self.reporter.emit(
                     "host_failed",
                     job=self.attempt.job_id,
                     attempt=self.attempt.number,
                     host=end.host.name,
-                    kind=end.failure.value,
+                    kind=(end.failure or Failure.EXIT).value,
                     detail=end.detail,
                 )
                 self.stop_others(When.ON_FAILURE)
                 return
+
+    def own_failure(self, first: NodeEnd) -> NodeEnd:
+        """The node to blame for an attempt's failure: `first`, unless its ranks were brought down
+        by a peer whose connection broke (nodefollow.brought_down_by_a_peer), which often reaches
+        here before the peer's own end (a killed worker's node reports it moments later). Then the
+        other nodes' ends that come within SETTLE seconds are taken: the first that failed of
+        itself is blamed, and `first` ends as one stopped by another's failure. A failure of
+        itself comes first at once: no wait."""
+        if not brought_down_by_a_peer(first):
+            return first
+        deadline = time.monotonic() + SETTLE
+        while self.pending and (left := deadline - time.monotonic()) > 0:
+            try:
+                end = self.events.get(timeout=left)
+            except queue.Empty:
+                break
+            if end.host.name not in self.pending:
+                continue
+            self.pending.discard(end.host.name)
+            self.result.ends[end.host.name] = end
+            if end.failure is None:
+                continue
+            if not brought_down_by_a_peer(end):
+                first.by_us, first.failure = True, None
+                return end
+            end.by_us, end.failure = True, None  # brought down too: `first` stays the one named
+        return first
 
     def report_progress(self) -> None:
         for name, step in list(self.progress.step.items()):
