@@ -997,7 +997,8 @@ class Memory:
             )
         elif disk_step is not None:
             held = "no step held by every rank" if got.step is None else f"every rank holds step {got.step}"
-            behind = "" if got.newest is None else f", {max(0, got.newest - disk_step)} steps lost"
+            gone = None if got.newest is None else max(0, got.newest - disk_step)
+            behind = "" if gone is None else f", {gone} step{'' if gone == 1 else 's'} lost"
             say(f"[fabtrain] resumed from the disk snapshot at step {disk_step} (memory: {held}){behind}")
         elif got.newest is not None:
             say(
