@@ -870,15 +870,23 @@ class Memory:
         self, out: torch.Tensor | None, into: torch.Tensor | None, dst: int, src: int, tag: int
     ) -> None:
         """`out` to rank `dst` while `into` comes from rank `src` (either may be None), on the
-        replicas' group."""
+        replicas' group. Every operation is waited for (bounded) even when one failed: one left
+        pending on a broken connection may throw from gloo as the process exits (seen once:
+        std::terminate, a rank ended with SIGABRT after its own error)."""
         import datetime
 
         dist = _dist()
         works = [dist.isend(out, dst, group=self.repl, tag=tag)] if out is not None else []
         if into is not None:
             works.append(dist.irecv(into, src, group=self.repl, tag=tag))
+        failed: list[Exception] = []
         for w in works:
-            w.wait(datetime.timedelta(seconds=TIMEOUT))
+            try:
+                w.wait(datetime.timedelta(seconds=TIMEOUT))
+            except Exception as exc:  # noqa: BLE001 - raised below, once every operation ended
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     # -- load
     def load(self, map_location: Any = None, disk_step: int | None = None) -> Any:

@@ -11,8 +11,9 @@ keeper), memory on and off alternated inside each round; medians of --repeat rou
             disk snapshot's step, from rank 0's "resumed from /output/snapshots/..." line).
   recovery  the same jobs: seconds from the kill (the kill command returned) to the first step line
             of attempt 2 past the step resumed from.
-  overhead  --models, 1 epoch of --max-steps-per-epoch (tiny 40, small 30: small is ~2-3 s a step
-            with 4 ranks on this machine's 2 CPUs), --snapshot-every 0; memory on (K = 1) against off:
+  overhead  --models, 1 epoch of --max-steps-per-epoch (tiny 40; small 22, all its epoch has
+            with 4 ranks: about 0.5 s a step on this machine's 2 CPUs), --snapshot-every 0; memory
+            on (K = 1) against off:
             the median `step NN.N ms` of every rank's step lines past step 10 (the trainer's timer,
             which ends before memory.save is called: it sees the background copy's contention only),
             and the wall time per step over steps 11..last from the cumulative tok/s (includes the
@@ -45,7 +46,8 @@ WAYS = ("lost", "overhead", "recovery")
 COMMON = "--sample-chars 0 --exact --log-every 1"
 KILL_JOB = f"--snapshot-every 10 --max-steps-per-epoch 40 {COMMON}"  # 2 epochs: 80 steps
 KILL_AT = (25, 33, 47, 28, 56)  # step N (printed) at which the worker is killed, by round
-STEPS = {"tiny": 40, "small": 30, "medium": 20}  # overhead jobs: steps of their one epoch (tiny has 43)
+# The overhead jobs' steps in their one epoch (tiny has 43; small has 22 with 4 ranks).
+STEPS = {"tiny": 40, "small": 22, "medium": 20}
 STEP_LINE = re.compile(
     r"\[\w+ rank(\d+)\] epoch (\d+) \| step (\d+) \| .*?([\d,]+) tok/s "
     r"\| step ([\d.]+) ms"
