@@ -27,10 +27,8 @@ whose load comes and goes compares better so), the extra cpu as ms per step, and
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import resource
-import shutil
 import socket
 import statistics
 import subprocess
@@ -40,6 +38,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.testbed import loopback
+
 STEP_LINE = re.compile(
     r"\[\S+ rank(\d+)\] epoch (\d+) \| step (\d+) \| .*?([\d,]+) tok/s \| step ([\d.]+) ms"
 )
@@ -60,30 +62,19 @@ def run_once(root: Path, module: Path | None, steps: int, epochs: int) -> tuple[
     for rank in (0, 1):
         node = root / f"n{rank}"
         runtime, out = node / "runtime", node / "out"
-        runtime.mkdir(parents=True)
+        loopback.runtime_dir(runtime, module)
         out.mkdir()
-        shutil.copy(ROOT / "docker" / "entrypoint.py", runtime / "entrypoint.py")
-        shutil.copy(module or ROOT / "docker" / "fabtrain_memory.py", runtime / "fabtrain_memory.py")
         console = out / ".console" / f"node-{rank}.log"
         consoles.append(console)
-        env = {
-            **os.environ,
-            "NNODES": "2",
-            "NODE_RANK": str(rank),
-            "NPROC_PER_NODE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "FABTRAIN_WARM": "1",
-            "FABTRAIN_LAUNCH": "direct",
-            "FABTRAIN_ATTEMPT": "1",
-            "FABTRAIN_OUTPUT": str(out),
-            "FABTRAIN_CONSOLE": str(console),
-            "FABTRAIN_STANDBY_AHEAD": "3600",  # no next generation's workers importing torch meanwhile
-            "GLOO_SOCKET_IFNAME": "lo",
-            "NCCL_SOCKET_IFNAME": "=lo",
-            "FABTRAIN_MEMORY_EVERY": "1" if module else "0",
-        }
-        env.pop("PYTHONPATH", None)
+        env = loopback.warm_env(
+            rank,
+            port,
+            out,
+            console,
+            # no next generation's workers importing torch meanwhile
+            FABTRAIN_STANDBY_AHEAD="3600",
+            FABTRAIN_MEMORY_EVERY="1" if module else "0",
+        )
         args = ["--model", "tiny", "--epochs", str(epochs), "--max-steps-per-epoch", str(steps)]
         args += ["--log-every", "1"]
         args += ["--sample-chars", "0", "--snapshot-every", "0", "--exact", "--out", str(out)]

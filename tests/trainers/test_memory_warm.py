@@ -6,7 +6,6 @@ interrupted. A node lost whole and replaced by a hot spare (an empty keeper): it
 states from the replicas the other node holds."""
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from orchestrator.testbed import loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -57,33 +58,21 @@ class Node:
     def __init__(self, root: Path, name: str, port: int, rank: int | None, **extra: str) -> None:
         self.root, self.name = root / name, name
         self.runtime, self.out = self.root / "runtime", self.root / "out"
-        self.runtime.mkdir(parents=True)
+        loopback.runtime_dir(self.runtime)
         self.out.mkdir()
-        for f in ("entrypoint.py", "fabtrain_memory.py"):
-            shutil.copy(ROOT / "docker" / f, self.runtime / f)
         (self.root / "config.yaml").write_text(CONFIG)
         spare = rank is None
         self.console = self.out / ".console" / ("spare.log" if spare else f"node-{rank}.log")
-        env = {
-            **os.environ,
-            "NNODES": "2",
-            "NODE_RANK": "0" if spare else str(rank),
-            "NPROC_PER_NODE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "FABTRAIN_WARM": "1",
-            "FABTRAIN_LAUNCH": "direct",
-            "FABTRAIN_ATTEMPT": "1",
-            "FABTRAIN_OUTPUT": str(self.out),
-            "FABTRAIN_CONSOLE": str(self.console),
-            "FABTRAIN_STANDBY_AHEAD": "0.5",
-            "GLOO_SOCKET_IFNAME": "lo",
-            "NCCL_SOCKET_IFNAME": "=lo",
-            "FABTRAIN_PG_TIMEOUT": "30",
+        env = loopback.warm_env(
+            0 if rank is None else rank,
+            port,
+            self.out,
+            self.console,
+            FABTRAIN_STANDBY_AHEAD="0.5",
+            FABTRAIN_PG_TIMEOUT="30",
             **({"FABTRAIN_SPARE": "1"} if spare else {}),
             **extra,
-        }
-        env.pop("PYTHONPATH", None)
+        )
         self.proc = subprocess.Popen(
             [
                 sys.executable,
