@@ -742,9 +742,7 @@ class Memory:
         if not reply.get("ok"):
             slot.held = False  # the keeper closed its copy
             raise RuntimeError(f"fabtrain_memory: the keeper refused step {step}: {reply.get('error')}")
-        held = set(reply["inos"])
-        for s in self.own:
-            s.held = s.ino in held
+        still_held(self.own, reply)
 
     def probe(self, began: float, cost: float) -> None:
         """Time the first PROBE saves (made every step), then choose K with every rank: the largest."""
@@ -841,9 +839,7 @@ class Memory:
         if not reply.get("ok"):
             into.held = False
             raise RuntimeError(f"this host's keeper refused rank {src}'s step {step}: {reply.get('error')}")
-        held = set(reply["inos"])
-        for s in self.replicas:
-            s.held = s.ino in held
+        still_held(self.replicas, reply)
 
     def frames(
         self, slot: Slot, size: int, step: int, digest: str
@@ -1036,6 +1032,14 @@ def frame_for(size: int) -> int:
     """The frame a state of `size` bytes goes to its peer in: room for its header, and for the state
     to grow a little (its structure's pickle changes length with the numbers in it)."""
     return _align(size + size // 64 + HEADER)
+
+
+def still_held(slots: list[Slot], reply: dict) -> None:
+    """A keeper's answer to a put (`inos`: the memfds it holds for that rank) marks which of
+    `slots` it still holds; the others may be written again."""
+    held = set(reply["inos"])
+    for slot in slots:
+        slot.held = slot.ino in held
 
 
 def free_slot(slots: list[Slot], name: str) -> Slot:

@@ -8,15 +8,17 @@ import os
 import shutil
 from pathlib import Path
 
-from orchestrator.config import resources
+from orchestrator.hostcmds import dockerargs
 
 
 def runtime_dir(into: Path, memory_module: Path | None = None) -> Path:
-    """`into` made a node's runtime directory: the entrypoint and fabtrain_memory (or another
-    version of it, `memory_module`) copied in, as a node's start unpacks them."""
+    """`into` made a node's runtime directory: the files a node's start unpacks there
+    (dockerargs.RUNTIME_SOURCES), fabtrain_memory.py from `memory_module` when given (another
+    version of it)."""
     into.mkdir(parents=True, exist_ok=True)
-    shutil.copy(resources.entrypoint(), into / "entrypoint.py")
-    shutil.copy(memory_module or resources.memory_module(), into / "fabtrain_memory.py")
+    other = {"fabtrain_memory.py": memory_module} if memory_module else {}
+    for name, source in {**dockerargs.RUNTIME_SOURCES, **other}.items():
+        shutil.copy(source, into / name)
     return into
 
 

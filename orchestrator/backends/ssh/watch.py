@@ -234,14 +234,7 @@ class Watcher:
         if not brought_down_by_a_peer(first):
             return first
         deadline = time.monotonic() + SETTLE
-        while self.pending and (left := deadline - time.monotonic()) > 0:
-            try:
-                end = self.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if end.host.name not in self.pending:
-                continue
-            self.pending.discard(end.host.name)
+        while (end := self.next_end(deadline)) is not None:
             self.result.ends[end.host.name] = end
             if end.failure is None:
                 continue
@@ -349,15 +342,22 @@ class Watcher:
         )
         self.result.teardown_seconds = time.monotonic() - start
         deadline = time.monotonic() + DRAIN
-        while self.pending and time.monotonic() < deadline:
+        while (end := self.next_end(deadline)) is not None:
+            end.by_us, end.failure = True, None
+            self.result.ends.setdefault(end.host.name, end)
+
+    def next_end(self, deadline: float) -> NodeEnd | None:
+        """The next end of a node still pending, if one comes before `deadline` (monotonic): taken
+        off `pending`. None when every node has ended or the time is up."""
+        while self.pending and (left := deadline - time.monotonic()) > 0:
             try:
-                end = self.events.get(timeout=max(0.05, deadline - time.monotonic()))
+                end = self.events.get(timeout=max(0.05, left))
             except queue.Empty:
-                break
+                return None
             if end.host.name in self.pending:
                 self.pending.discard(end.host.name)
-                end.by_us, end.failure = True, None
-                self.result.ends.setdefault(end.host.name, end)
+                return end
+        return None
 
 
 def watch(
