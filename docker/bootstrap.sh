@@ -7,6 +7,8 @@
 #                                      .venv with requirements.lock (fabric, paramiko, docker, rich,
 #                                      matplotlib, ...: no torch, no test or lint packages); and this
 #                                      clone installed in it (.venv/bin/fab, .venv/bin/fabtrain).
+#   bash docker/bootstrap.sh --cluster that, and the local cluster's images (docker/build-images.sh:
+#                                      the test hosts' and the trainer's), built while .venv installs.
 #   bash docker/bootstrap.sh --tests   that, plus what the tests add: Debian's prometheus, chromium
 #                                      and chromium-driver (the metrics and browser tests), pdsh (the
 #                                      fan-out benchmarks' baseline), and requirements-test.lock in
@@ -19,11 +21,13 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 tests=0
+images=0
 for arg in "$@"; do
   case $arg in
-    --tests) tests=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "bootstrap: unknown argument $arg (usage: bash docker/bootstrap.sh [--tests])" >&2; exit 2 ;;
+    --tests) tests=1; images=1 ;;
+    --cluster) images=1 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bootstrap: unknown argument $arg (usage: bash docker/bootstrap.sh [--cluster | --tests])" >&2; exit 2 ;;
   esac
 done
 if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
@@ -62,6 +66,14 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "bootstrap: dockerd did not start; see /var/log/dockerd.log" >&2; tail -20 /var/log/dockerd.log >&2; exit 1; }
 fi
 
+# The images build while .venv installs (both wait mostly on downloads; the build's own steps run
+# side by side too): its output is shown once it ends, and a failed build fails this script.
+images_pid=
+if [ "$images" = 1 ]; then
+  mkdir -p .cache
+  bash docker/build-images.sh >.cache/build-images.out 2>&1 & images_pid=$!
+fi
+
 # Each lock is installed when the copy of it kept in .venv (the marker of what is installed there)
 # differs: the runtime's always, the tests' with --tests, on top (it repeats the runtime's versions
 # and adds its own). pip adds and changes distributions but removes none, so a plain run after
@@ -89,4 +101,13 @@ sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(orchestrator.__file__)
     "$root" >/dev/null 2>&1; then
   echo "==> fabtrain command (.venv/bin/fabtrain)"
   .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "^WARNING: Location" >&2)
+fi
+
+if [ -n "$images_pid" ]; then
+  if ! wait "$images_pid"; then
+    cat .cache/build-images.out >&2
+    echo "bootstrap: building the images failed (docker/build-images.sh; its steps' logs are in .cache/build)" >&2
+    exit 1
+  fi
+  cat .cache/build-images.out
 fi

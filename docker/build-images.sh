@@ -83,6 +83,18 @@ build_trainer_site() {
     -c "$work/trainer-constraints.txt" >"$work/pip.log" 2>&1 \
     || { tail -20 "$work/pip.log" >&2; return 1; }
   rm -rf "$ctx"/site/bin
+  prune_site "$ctx/site"
+}
+
+# What no training program runs: torch's C++ test binaries and test libraries, its headers and CMake
+# files (torch.utils.cpp_extension builds need them: such a program names its own image), and the
+# TensorBoard server's binary (the trainers only write event files). About 200 MB of 874 that every
+# host would otherwise load.
+prune_site() {
+  local t=$1/torch
+  rm -rf "$t/test" "$t/include" "$t/share/cmake" "$1/tensorboard_data_server/bin"
+  find "$t/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
+  rm -f "$t"/lib/lib{torchbind_test,jitbackend_test,backend_with_compiler,aoti_custom_ops}.so
 }
 
 build_trainer_image() {

@@ -20,7 +20,7 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 README_MAX_LINES = 250
 TWO_COMMANDS = (
-    "bash docker/bootstrap.sh && .venv/bin/fab cluster.up train --model tiny --epochs 5",
+    "bash docker/bootstrap.sh --cluster && .venv/bin/fab cluster.up train --model tiny --epochs 5",
     "bash docker/bootstrap.sh --tests && .venv/bin/pytest tests",
 )
 
