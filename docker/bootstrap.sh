@@ -2,7 +2,7 @@
 # Makes this machine ready to run fabtrain (and, with --tests, its tests), idempotently:
 #
 #   bash docker/bootstrap.sh           the runtime: Debian's docker.io (engine and client: the local
-#                                      cluster), openssh-client (ssh, ssh-keygen), rsync, debootstrap
+#                                      cluster), openssh-client (ssh, ssh-keygen), rsync, mmdebstrap
 #                                      (the images' base); a running Docker engine; the virtualenv
 #                                      .venv with requirements.lock (fabric, paramiko, docker, rich,
 #                                      matplotlib, ...: no torch, no test or lint packages); and this
@@ -37,7 +37,7 @@ python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 
 # Debian packages, by the command each provides.
 wanted=(dockerd:docker.io docker:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync
-        debootstrap:debootstrap)
+        mmdebstrap:mmdebstrap)
 if [ "$tests" = 1 ]; then
   wanted+=(prometheus:prometheus chromium:chromium chromedriver:chromium-driver pdsh:pdsh)
 fi
