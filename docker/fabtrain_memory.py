@@ -38,9 +38,12 @@ agree on S, the newest step held somewhere for every rank. A rank whose keeper l
 checked against the digest its origin computed. A disk snapshot at step S or later wins
 (`disk_step`). Rank 0 prints which, and how many steps were lost.
 
-K, how often: every step when that costs at most BUDGET (3%) of a step in the training thread,
-else the smallest K that does, measured over the first PROBE saves and agreed by all ranks (the
-largest); FABTRAIN_MEMORY_EVERY=K forces it, 0 turns memory off.
+K, how often: every step when that costs at most BUDGET (3%) of a step, else the smallest K that
+does. The cost is measured as the job pays it, not as the copy alone: over the first steps (the
+probe, PROBE_STEPS), blocks of steps that keep a state at each alternate with blocks that keep none,
+and the ratio of their median step times, averaged over the ranks, gives the overhead at K = 1 (the
+copy, and the background digest and exchange where they take CPU or memory bandwidth from
+training). FABTRAIN_MEMORY_EVERY=K forces K, 0 turns memory off.
 """
 
 from __future__ import annotations
@@ -71,8 +74,15 @@ KEEPER_ENV = "FABTRAIN_KEEPER"  # the keeper's socket, set by the entrypoint for
 EVERY_ENV = "FABTRAIN_MEMORY_EVERY"  # force K (0: off)
 KEEP = 2  # states per rank a keeper holds: the newest may be incomplete on another node
 BUDGET = 0.03  # the training thread's share of a step that memory may take
-PROBE = 8  # saves timed (every step) before K is chosen; the first 2 are not counted
-SETTLE = 2  # (groups made, the first steps' warm-up, the next generation's workers importing)
+# The probe: SETTLE steps keeping a state at each (groups made, the first steps' warm-up), then PAIRS
+# pairs of BLOCK steps keeping none and BLOCK steps keeping one at each; a step's time is from its
+# save() call to the next one, the first of each block not counted (the other block's work may end
+# in it). At most BLOCK steps are not kept in memory while it lasts.
+SETTLE = 2
+BLOCK = 4
+PAIRS = 4
+PROBE_STEPS = SETTLE + 2 * BLOCK * PAIRS
+MAX_EVERY = 100  # the largest K chosen
 EXIT_WAIT = 10.0  # seconds a worker's exit waits for its last exchange
 TIMEOUT = 120.0  # seconds any exchange with the keeper or a peer may take before it is given up
 MAGIC = b"FTMEM02\n"
@@ -596,12 +606,31 @@ def agree(reports: list[list[list]], world: int) -> Agreement:
     return Agreement(step, newest, source, digests)
 
 
-def choose_every(costs: list[float], steps: list[float], budget: float = BUDGET) -> int:
-    """The smallest K whose cost per step (a save's cost / K) is at most `budget` of a step."""
-    cost, step = statistics.median(costs), statistics.median(steps)
-    if step <= 0:
+def choose_every(overhead: float, budget: float = BUDGET) -> int:
+    """The smallest K whose overhead per step (the overhead at K = 1, a fraction of a step, / K) is
+    at most `budget`; MAX_EVERY at most."""
+    if not overhead > 0:  # none measured (or NaN)
         return 1
-    return max(1, math.ceil(cost / (budget * step) - 1e-9))
+    return max(1, min(MAX_EVERY, math.ceil(overhead / budget - 1e-9)))
+
+
+def probe_keeps(call: int) -> bool:
+    """Whether the probe's `call`-th save() (0-based) keeps a state: its settling steps and its
+    blocks that keep one."""
+    return call < SETTLE or ((call - SETTLE) // BLOCK) % 2 == 1
+
+
+def probe_overhead(began: list[float]) -> tuple[float, float, float]:
+    """(the median step keeping a state, the median step keeping none, in seconds; the overhead at
+    K = 1 as a fraction of the latter) from the times the probe's save() calls began, one more than
+    PROBE_STEPS: step i runs from call i to call i + 1."""
+    kept: list[float] = []
+    not_kept: list[float] = []
+    for i in range(SETTLE, PROBE_STEPS):
+        if (i - SETTLE) % BLOCK:  # the first of each block is not counted
+            (kept if probe_keeps(i) else not_kept).append(began[i + 1] - began[i])
+    on, off = statistics.median(kept), statistics.median(not_kept)
+    return on, off, (on - off) / off if off > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,7 +665,7 @@ class Memory:
         self.ctrl: Any = None  # a gloo group for the training thread's collectives (K, load)
         self.repl: Any = None  # a gloo group for the background thread's replica exchanges
         self.grouped = False
-        self.calls: list[tuple[float, float]] = []  # (when a save began, its cost), while probing
+        self.calls: list[float] = []  # when each save() call began, while probing
         self.broken: str | None = None  # why replicas stopped (a peer died): never retried in this process
         self.last_cost = 0.0
         self.pending: tuple[int, Slot] | None = None  # the put the keeper has not answered yet
@@ -693,10 +722,16 @@ class Memory:
     def due(self, step: int) -> bool:
         if self.k == 0:
             return False
-        return self.k is None or step % self.k == 0
+        if self.k is None:
+            return probe_keeps(len(self.calls) - 1)
+        return step % self.k == 0
 
     def save(self, step: int, state: dict | Callable[[], dict]) -> bool:
         began = time.perf_counter()
+        if self.k is None:
+            self.calls.append(began)
+            if len(self.calls) > PROBE_STEPS:
+                self.choose()
         if not self.due(step):
             return False
         self.groups()
@@ -722,10 +757,8 @@ class Memory:
             self.worker = threading.Thread(target=self.background, daemon=True, name="fabtrain-memory")
             self.worker.start()
         self.last_cost = time.perf_counter() - began
-        if self.k is None:
-            self.probe(began, self.last_cost)
-        elif self.forced and self.rank == 0 and not self.calls:
-            self.calls.append((began, self.last_cost))
+        if self.forced and self.k and self.rank == 0 and not self.calls:
+            self.calls.append(began)
             say(
                 f"[fabtrain] memory: each rank's state kept every {self.k} step{'s' if self.k > 1 else ''} "
                 f"({EVERY_ENV}={self.k})"
@@ -744,31 +777,23 @@ class Memory:
             raise RuntimeError(f"fabtrain_memory: the keeper refused step {step}: {reply.get('error')}")
         still_held(self.own, reply)
 
-    def probe(self, began: float, cost: float) -> None:
-        """Time the first PROBE saves (made every step), then choose K with every rank: the largest."""
-        self.calls.append((began, cost))
-        if len(self.calls) < PROBE:
-            return
-        timed = self.calls[SETTLE:]
-        costs = [c for _, c in timed]
-        steps = [b - a - c for (a, c), (b, _) in zip(timed, timed[1:], strict=False)]
-        k = choose_every(costs, steps)
+    def choose(self) -> None:
+        """The probe's end (the same call on every rank): K from the overhead measured, averaged over
+        the ranks, so every rank keeps the same steps."""
+        on, off, overhead = probe_overhead(self.calls)
         dist = _dist()
         if dist is not None and self.ctrl is not None:
             import torch
 
-            t = torch.tensor([k], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
-            k = int(t.item())
-        self.k = k
+            t = torch.tensor([overhead, on, off], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctrl)
+            overhead, on, off = (float(v) / self.world for v in t)
+        self.k = k = choose_every(overhead)
         if self.rank == 0:
-            c, s = statistics.median(costs), statistics.median(steps)
             say(
-                f"[fabtrain] memory: each rank's state kept every {k} step{'s' if k > 1 else ''} (a copy "
-                f"costs {1000 * c:.1f} ms of a {1000 * s:.1f} ms step, {c / s:.1%}; at most {BUDGET:.0%} "
-                f"allowed; {EVERY_ENV}=K forces K)"
-                if s > 0
-                else f"[fabtrain] memory: each rank's state kept every {k} step(s)"
+                f"[fabtrain] memory: each rank's state kept every {k} step{'s' if k > 1 else ''} (a step "
+                f"took {1000 * on:.1f} ms keeping it, {1000 * off:.1f} ms not, {overhead:+.1%}; at most "
+                f"{BUDGET:.0%} allowed; {EVERY_ENV}=K forces K)"
             )
 
     def background(self) -> None:

@@ -17,8 +17,10 @@ keeper), memory on and off alternated inside each round; medians of --repeat rou
             the median `step NN.N ms` of every rank's step lines past step 10 (the trainer's timer,
             which ends before memory.save is called: it sees the background copy's contention only),
             and the wall time per step over steps 11..last from the cumulative tok/s (includes the
-            save); overhead = (on - off) / off. Then the automatic K (no --memory-every), stopped at
-            its "[fabtrain] memory: ... kept every K steps (a copy costs X ms of a Y ms step, Z%" line.
+            save); overhead = (on - off) / off. Before them the automatic K (no --memory-every),
+            stopped at its "[fabtrain] memory: ... kept every K steps (a step took X ms keeping it,
+            Y ms not, +Z%" line; after them, memory on at that K (--memory-every K), measured as on
+            and off are: the overhead the automatic choice costs.
 Every job is stopped once measured (Ctrl+C, then fab stop). Prints a markdown table per measure
 (median and every sample) and writes the samples as JSON (--out). Only the project's own test
 hosts are contacted.
@@ -57,7 +59,7 @@ RESUMED = re.compile(r"rank0\] resumed from (\S+) .*\(epoch \d+, step (\d+)\)")
 LOST = re.compile(r"\[fabtrain\] resumed from (?:memory|the disk snapshot) at step \d+.*?(\d+) steps? lost")
 AUTO = re.compile(
     r"\[fabtrain\] memory: each rank's state kept every (\d+) steps?"
-    r"(?: \(a copy costs ([\d.]+) ms of a ([\d.]+) ms step, ([\d.]+)%)?"
+    r" \(a step took ([\d.]+) ms keeping it, ([\d.]+) ms not, ([+-][\d.]+)%"
 )
 
 
@@ -158,17 +160,14 @@ def steps_of(run: Lines, last: int) -> dict:
 def overhead_once(inv: Path, model: str, every: int | None) -> dict:
     last = STEPS[model]
     more = "" if every is None else f" --memory-every {every}"
-    run = train(inv, model, 1, f"--snapshot-every 0 --max-steps-per-epoch {last} {COMMON}{more}")
+    # The automatic K's probe takes 35 steps: small's 22-step epochs, three of them.
+    epochs = -(-40 // last) if every is None else 1
+    run = train(inv, model, epochs, f"--snapshot-every 0 --max-steps-per-epoch {last} {COMMON}{more}")
     try:
         if every is None:  # the automatic K: its probe's line is all that is wanted
             _, m = wait_re(run, AUTO, timeout=600)
-            k, cost, step, pct = m.groups()
-            return {
-                "k": int(k),
-                "copy_ms": cost and float(cost),
-                "step_ms": step and float(step),
-                "pct": pct and float(pct),
-            }
+            k, kept, not_kept, pct = m.groups()
+            return {"k": int(k), "kept_ms": float(kept), "not_kept_ms": float(not_kept), "pct": float(pct)}
         done, deadline = re.compile(rf"\| step {last} \|"), time.monotonic() + 900
         while sum(bool(done.search(x)) for _, x in list(run.seen)) < 4:  # every rank's last step
             if time.monotonic() > deadline or run.proc.poll() is not None:
@@ -229,9 +228,23 @@ def tables(r: dict, repeat: int) -> str:
             row("wall per step, memory off", w_off, "{:.1f}"),
             row("wall overhead %", [pct(a, b) for a, b in zip(w_on, w_off, strict=True)], "{:+.1f}"),
             row("automatic K", [s["k"] for s in o["auto"]], "{:.0f}"),
-            row("automatic: a copy costs (ms)", [s["copy_ms"] for s in o["auto"]], "{:.1f}"),
-            row("automatic: of a step of (ms)", [s["step_ms"] for s in o["auto"]], "{:.1f}"),
-            row("automatic: copy / step %", [s["pct"] for s in o["auto"]], "{:.1f}"),
+            row(
+                "automatic: its probe's step keeping a state (ms)",
+                [s["kept_ms"] for s in o["auto"]],
+                "{:.1f}",
+            ),
+            row(
+                "automatic: its probe's step keeping none (ms)",
+                [s["not_kept_ms"] for s in o["auto"]],
+                "{:.1f}",
+            ),
+            row("automatic: its probe's overhead at K = 1 %", [s["pct"] for s in o["auto"]], "{:+.1f}"),
+            row("wall per step at the automatic K", [s["wall_ms"] for s in o["at_k"]], "{:.1f}"),
+            row(
+                "wall overhead at the automatic K %",
+                [pct(a["wall_ms"], b) for a, b in zip(o["at_k"], w_off, strict=True)],
+                "{:+.1f}",
+            ),
         ]
     return "\n".join(out)
 
@@ -260,9 +273,12 @@ def main() -> None:
                 print(f"round {i + 1} kill, memory {way}: {s}", flush=True)
         if "overhead" in ways:
             for model in models:
-                o = r.setdefault("overhead", {}).setdefault(model, {"on": [], "off": [], "auto": []})
-                for way in (*order, "auto"):
-                    s = overhead_once(inv, model, {"on": 1, "off": 0, "auto": None}[way])
+                o = r.setdefault("overhead", {}).setdefault(
+                    model, {"on": [], "off": [], "auto": [], "at_k": []}
+                )
+                for way in ("auto", *order, "at_k"):  # auto first: at_k runs at the K it chose
+                    every = {"on": 1, "off": 0, "auto": None}.get(way, o["auto"][-1]["k"])
+                    s = overhead_once(inv, model, every)
                     o[way].append(s)
                     print(f"round {i + 1} {model}, memory {way}: {s}", flush=True)
     print(tables(r, a.repeat), flush=True)

@@ -166,11 +166,11 @@ def final_model(node: Node) -> dict:
 def reference(tmp_path_factory) -> dict:
     """The same run, never interrupted."""
     root, port = tmp_path_factory.mktemp("reference"), free_port()
-    nodes = [Node(root, f"n{r}", port, r) for r in (0, 1)]
+    nodes = [Node(root, f"n{r}", port, r, FABTRAIN_MEMORY_EVERY="1") for r in (0, 1)]
     try:
         for n in nodes:
             assert n.proc.wait(timeout=120) == 0, n.text()[-3000:]
-        assert "memory: each rank's state kept every" in nodes[0].text()
+        assert "memory: each rank's state kept every 1 step (FABTRAIN_MEMORY_EVERY=1)" in nodes[0].text()
         return final_model(nodes[0])
     finally:
         for n in nodes:

@@ -8,6 +8,7 @@ import importlib.util
 import mmap
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -160,10 +161,27 @@ def test_a_replica_carries_the_digest_its_origin_computed(fm):
 
 
 @pytest.mark.parametrize(
-    "cost_ms,step_ms,k", [(1, 100, 1), (3, 100, 1), (3.1, 100, 2), (10, 100, 4), (50, 100, 17)]
+    "overhead,k", [(-0.05, 1), (0.0, 1), (0.01, 1), (0.03, 1), (0.031, 2), (0.10, 4), (0.5, 17), (50.0, 100)]
 )
-def test_k_is_the_smallest_that_keeps_the_copy_within_3_percent_of_a_step(fm, cost_ms, step_ms, k):
-    assert fm.choose_every([cost_ms / 1000] * 3, [step_ms / 1000] * 3) == k
+def test_k_is_the_smallest_that_keeps_the_overhead_within_3_percent_of_a_step(fm, overhead, k):
+    assert fm.choose_every(overhead) == k
+
+
+def test_the_probe_alternates_blocks_and_compares_their_median_steps(fm):
+    keeps = [fm.probe_keeps(i) for i in range(fm.PROBE_STEPS)]
+    assert keeps[: fm.SETTLE] == [True] * fm.SETTLE
+    blocks = [keeps[i : i + fm.BLOCK] for i in range(fm.SETTLE, fm.PROBE_STEPS, fm.BLOCK)]
+    assert blocks == [[False] * fm.BLOCK, [True] * fm.BLOCK] * fm.PAIRS
+    # Steps of 100 ms, 110 ms where a state is kept; the first of each block (here 1 s: the other
+    # block's work ending in it) and the settling steps are not counted.
+    steps = [
+        1.0 if i < fm.SETTLE or (i - fm.SETTLE) % fm.BLOCK == 0 else 0.110 if keeps[i] else 0.100
+        for i in range(fm.PROBE_STEPS)
+    ]
+    began = [sum(steps[:i]) for i in range(fm.PROBE_STEPS + 1)]
+    on, off, overhead = fm.probe_overhead(began)
+    assert (round(on, 6), round(off, 6), round(overhead, 6)) == (0.11, 0.1, 0.1)
+    assert fm.choose_every(overhead) == 4
 
 
 def test_without_a_keeper_save_keeps_nothing_and_load_returns_none(fm, capsys):
@@ -205,11 +223,14 @@ def test_a_disk_snapshot_as_new_as_memory_wins_an_older_one_does_not(fm, keeper,
 
 def test_the_measured_k_is_stated_once(fm, keeper, monkeypatch, capsys):
     monkeypatch.setenv("FABTRAIN_KEEPER", keeper.path)
-    for step in range(1, 12):
-        fm.save(step, {"w": torch.zeros(10)})
+    kept = [fm.save(step, {"w": torch.zeros(10)}) for step in range(1, fm.PROBE_STEPS + 2)]
+    assert kept[: fm.PROBE_STEPS] == [fm.probe_keeps(i) for i in range(fm.PROBE_STEPS)]
     assert fm.every() >= 1
     out = capsys.readouterr().out
-    assert out.count("[fabtrain] memory: each rank's state kept every") == 1 and "% allowed" in out
+    assert out.count("[fabtrain] memory: each rank's state kept every") == 1, out
+    assert re.search(
+        r"\(a step took [\d.]+ ms keeping it, [\d.]+ ms not, [+-][\d.]+%; at most 3% allowed", out
+    )
 
 
 def test_the_digest_catches_a_changed_word_bytes_moved_and_a_cut(fm, monkeypatch):
