@@ -277,7 +277,7 @@ def main() -> None:
                     model, {"on": [], "off": [], "auto": [], "at_k": []}
                 )
                 for way in ("auto", *order, "at_k"):  # auto first: at_k runs at the K it chose
-                    every = {"on": 1, "off": 0, "auto": None}.get(way, o["auto"][-1]["k"])
+                    every = o["auto"][-1]["k"] if way == "at_k" else {"on": 1, "off": 0, "auto": None}[way]
                     s = overhead_once(inv, model, every)
                     o[way].append(s)
                     print(f"round {i + 1} {model}, memory {way}: {s}", flush=True)
