@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 KEEPER_ENV = "FABTRAIN_KEEPER"  # the keeper's socket, set by the entrypoint for its workers
 EVERY_ENV = "FABTRAIN_MEMORY_EVERY"  # force K (0: off)
 KEEP = 2  # states per rank a keeper holds: the newest may be incomplete on another node
-BUDGET = 0.03  # the training thread's share of a step that memory may take
+BUDGET = 0.03  # how much longer a step may take with memory on (a fraction of a step without)
 # The probe: SETTLE steps keeping a state at each (groups made, the first steps' warm-up), then PAIRS
 # pairs of BLOCK steps keeping none and BLOCK steps keeping one at each; a step's time is from its
 # save() call to the next one, the first of each block not counted (the other block's work may end
