@@ -356,6 +356,32 @@ def test_a_host_claimed_meanwhile_refuses_the_job_and_nothing_of_it_is_left(tmp_
     assert not j.run_dir.exists()
 
 
+def test_a_first_preflight_that_fails_sweeps_and_fetches_nothing_and_releases_the_claims(
+    tmp_path, monkeypatch
+):
+    """node2's engine does not answer its check: the job ends before any container was started, so
+    neither its teardown nor its end looks for containers (on a stuck engine each waited out its
+    deadline again) and no output is fetched (there is none: rsync's errors on the terminal); each
+    host's claim and runtime files are still removed."""
+    from orchestrator.backends.ssh import gate
+    from orchestrator.preflight.checks import Check
+
+    failing = [Check("node1", "docker", "ok", "engine"), Check("node2", "docker", "fail", "no answer")]
+    monkeypatch.setattr(gate.preflight, "run", lambda *a, **k: failing)
+    rec = Recorder(inventory(tmp_path).hosts)
+    j = new_job(tmp_path, rec)
+    j.checks = True
+    with pytest.raises(state.PreflightFailed) as failed:
+        job.run(j)
+    assert "preflight failed on node2; nothing was started" in str(failed.value)
+    commands = [(h, where, c) for h, where, c, _ in rec.calls]
+    assert not any(where == "local" and "/outputs/" in c for _, where, c in commands), commands
+    assert not any(c == dockerargs.stop_script("gpt-1", 0) for _, _, c in commands), commands
+    release = claims.release_command(j.inv, ["gpt-1"])
+    assert [h for h, _, c in commands if c == release] == ["node1", "node2"]
+    assert not any("docker run" in c for _, _, c in commands)
+
+
 def test_a_hot_spare_waits_from_the_start_and_takes_the_rank_of_a_node_whose_container_is_gone(
     tmp_path, monkeypatch
 ):

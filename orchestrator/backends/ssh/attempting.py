@@ -56,7 +56,7 @@ def attempt(
         after = after.watched()
         return watch(job, state, a)
 
-    tried = guarded(job, state, a, stages, fence)
+    tried = guarded(job, state, a, stages, fence, started=lambda: after.started)
     if isinstance(tried, Again):
         job.record_retracted()
         return state.retracted(), tried
@@ -82,10 +82,17 @@ def follow(job: JobContext, state: JobState, a: AttemptPlan, fence: Fence) -> tu
 
 
 def guarded(
-    job: JobContext, state: JobState, a: AttemptPlan, body: Callable[[], Attempted | Again], fence: Fence
+    job: JobContext,
+    state: JobState,
+    a: AttemptPlan,
+    body: Callable[[], Attempted | Again],
+    fence: Fence,
+    started: Callable[[], bool] = lambda: True,
 ) -> Attempted | Again:
     """The attempt's stages from `body`, then TEARDOWN whatever happened (not after an Again:
-    nothing of that attempt started)."""
+    nothing of that attempt started). `started`: whether a container of the job may exist; when an
+    error ended the stages before any did (a first preflight that failed), TEARDOWN has nothing to
+    end, and a host whose engine is stuck is not waited for."""
     done: Attempted | Again | None = None
     reach = state.reach(a)
     try:
@@ -101,7 +108,8 @@ def guarded(
                 skip |= frozenset(done.warm_ranks)
             fence()
             job.stage(Stage.TEARDOWN, a.number)
-            job.run_steps(reach, [s for s in a.select("stop") if s.where not in skip])
+            if done is not None or started():
+                job.run_steps(reach, [s for s in a.select("stop") if s.where not in skip])
     return done
 
 
