@@ -56,7 +56,7 @@ def attempt(
         after = after.watched()
         return watch(job, state, a)
 
-    tried = guarded(job, state, a, stages, fence, started=lambda: after.started)
+    tried = guarded(job, state, a, stages, fence, started=lambda: after.ran)
     if isinstance(tried, Again):
         job.record_retracted()
         return state.retracted(), tried

@@ -29,7 +29,7 @@ def finish(job: JobContext, state: JobState, ending: Ending | None) -> JobResult
     a, lost, stuck = state.last, state.lost, state.stuck
     reachable = tuple(h for h in state.used.values() if h.name not in lost)
     if a is not None and reachable:
-        collect(job, state, a, reachable, ran=state.started or state.recorded > 1)
+        collect(job, state, a, reachable)
     if lost:
         job.note(
             f"lost during the job: {', '.join(sorted(lost))}; its container and runtime files may "
@@ -63,16 +63,13 @@ def finish(job: JobContext, state: JobState, ending: Ending | None) -> JobResult
     return result
 
 
-def collect(
-    job: JobContext, state: JobState, a: AttemptPlan, reachable: tuple[Host, ...], ran: bool = True
-) -> None:
+def collect(job: JobContext, state: JobState, a: AttemptPlan, reachable: tuple[Host, ...]) -> None:
     """At the end, on every host used that answers: the job's containers swept, the newest snapshot
-    and the outputs fetched, the runtime files and claim removed (stagesteps.end_steps). `ran`:
-    whether a container of the job was ever started (by this process, or by an earlier attempt of
-    a resumed job); when none was (its first preflight failed), there is nothing to sweep or fetch,
-    and a host whose engine is stuck is not waited for again."""
+    and the outputs fetched, the runtime files and claim removed (stagesteps.end_steps). When no
+    container of the job ever ran (`state.ran`: its first preflight failed), there is nothing to
+    sweep or fetch, and a host whose engine is stuck is not waited for again."""
     ends = end_steps(a.inv, state.spec, reachable, str(job.run_dir))
-    if not ran:
+    if not state.ran:
         job.run_steps(state.reach(a), [s for s in ends if s.key == "cleanup"])
         return
     stuck, reach = state.stuck, state.reach(a)

@@ -40,6 +40,12 @@ class JobState:
         return self.recorded + 1
 
     @property
+    def ran(self) -> bool:
+        """A container of this job may exist: this process started one, or an earlier attempt of a
+        resumed job did (its record holds attempts before the one under way)."""
+        return self.started or self.recorded > 1
+
+    @property
     def last(self) -> AttemptPlan | None:
         """The attempt under way, or else the last one done (None before the first)."""
         return self.current or (self.history[-1].plan if self.history else None)
