@@ -39,6 +39,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docker"))  # fabtrain_memory: the probe's length
+
+import fabtrain_memory
 
 from orchestrator.testbed import cluster
 from tests.bench.bench import FAB, Lines, med
@@ -160,8 +163,8 @@ def steps_of(run: Lines, last: int) -> dict:
 def overhead_once(inv: Path, model: str, every: int | None) -> dict:
     last = STEPS[model]
     more = "" if every is None else f" --memory-every {every}"
-    # The automatic K's probe takes 35 steps: small's 22-step epochs, three of them.
-    epochs = -(-40 // last) if every is None else 1
+    # The automatic K is chosen at the probe's last step: enough epochs of `last` steps to reach it.
+    epochs = -(-(fabtrain_memory.PROBE_STEPS + 1) // last) if every is None else 1
     run = train(inv, model, epochs, f"--snapshot-every 0 --max-steps-per-epoch {last} {COMMON}{more}")
     try:
         if every is None:  # the automatic K: its probe's line is all that is wanted
