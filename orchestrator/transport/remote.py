@@ -128,6 +128,20 @@ def failure(host: Host, result: Result | BaseException, what: str) -> str | None
     return None
 
 
+def timed_out(result: object) -> bool:
+    """Whether a fan-out's answer is a deadline that passed: the command's, or the connection's
+    (paramiko raises a host that accepts TCP but never sends its banner, a frozen one, as an
+    SSHException whose context is the socket's timeout)."""
+    seen: BaseException | None = result if isinstance(result, BaseException) else None
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, (CommandTimedOut, TimeoutError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _tail(stderr: str, limit: int = 200) -> str:
     """The end of a command's stderr (where its error is) as one safe line of at most `limit`."""
     end = stderr[-8 * limit :]

@@ -15,6 +15,7 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import paramiko
 import pytest
 
 from orchestrator.backends.ssh import controller, controllerfiles, detached, detachedview, runcopy, submit
@@ -25,7 +26,7 @@ from orchestrator.core.record import Controller, Notify
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import keys
 from orchestrator.hosts.survey import HostJobs
-from orchestrator.transport.remote import PerHost, Result
+from orchestrator.transport.remote import CommandTimedOut, PerHost, Result
 
 JOB = "gpt-20261124-101010-abcd"
 OTHER = "gpt-20261124-101010-ef01"
@@ -406,6 +407,38 @@ def test_a_removal_is_tried_again_where_it_failed_and_only_there(tmp_path, monke
     inv, p, runs, rec, session = detached_here(tmp_path, None, down={"gpu2": 1})
     assert detached.revoke_on(session, inv.all_hosts, [JOB]) == {}
     assert [n for n, _ in session.ran] == ["gpu1", "gpu2", "gpu2"] and naps == [detached.REVOKE_PAUSE]
+
+
+def test_a_host_whose_deadline_passed_is_not_tried_again(tmp_path, monkeypatch):
+    """A frozen host: its connection or command timed out once; another try would only wait as long
+    again (a fab logs of a job whose first controller's host froze waited 3 deadlines for it)."""
+    naps = []
+    monkeypatch.setattr(detached.time, "sleep", naps.append)
+    inv, p, runs, rec, session = detached_here(tmp_path, None)
+    frozen, run = inv.all_hosts[1], session.run
+
+    def banner_timeout():  # what paramiko raises for a host that accepts TCP and never answers
+        try:
+            raise TimeoutError()
+        except TimeoutError as exc:
+            raise paramiko.SSHException(f"Error reading SSH protocol banner{exc}")  # noqa: B904 - as paramiko
+
+    for exc in (CommandTimedOut(frozen, "removing the controller's key", 20), banner_timeout):
+        session.ran.clear()
+
+        def stuck(host, command, timeout=60, stdin=None, what="", exc=exc):
+            if host.name != frozen.name:
+                return run(host, command, timeout, stdin, what)
+            session.ran.append((host.name, command))
+            if callable(exc):
+                exc()
+            raise exc
+
+        monkeypatch.setattr(session, "run", stuck)
+        left = detached.revoke_on(session, inv.all_hosts, [JOB])
+        assert list(left) == [frozen.name] and [n for n, _ in session.ran] == ["gpu1", "gpu2"]
+        monkeypatch.setattr(session, "run", run)
+    assert naps == []
 
 
 def test_a_mount_that_would_show_the_controllers_directory_to_the_job_is_refused():

@@ -58,7 +58,7 @@ from orchestrator.hosts import keys
 from orchestrator.hosts.keys import revoke_script
 from orchestrator.hosts.survey import HostJobs
 from orchestrator.transport import deadlines
-from orchestrator.transport.remote import Session, failure
+from orchestrator.transport.remote import Session, failure, timed_out
 
 __all__ = ["Place", "place", "place_of", "places_of", "unfetched"]
 
@@ -222,8 +222,9 @@ def revoke_on(
 ) -> dict[str, str]:
     """These jobs' controller keys removed from each host, checked there (keys.revoke_script), and
     on the hosts in `clear` that controller's container and directory; tried again where that
-    failed (the host did not answer, its lock was busy): host -> why, for the hosts where it failed
-    every time."""
+    failed at once (the host refused or had no route, its lock was busy), not where a deadline
+    passed (a frozen host: another try would only wait as long again): host -> why, for the hosts
+    where it failed every time."""
     what = "removing the controller's key"
     clear = clear or {}
 
@@ -241,7 +242,7 @@ def revoke_on(
             time.sleep(pause * n)
         done = session.fan_out(lambda h: session.run(h, command(h), timeout=keys.TIMEOUT, what=what), todo)
         left = {h.name: why for h in todo if (why := failure(h, done[h.name], what))}
-        todo = tuple(h for h in todo if h.name in left)
+        todo = tuple(h for h in todo if h.name in left and not timed_out(done[h.name]))
         if not todo:
             break
     return left

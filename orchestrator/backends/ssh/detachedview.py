@@ -143,12 +143,13 @@ def follow(
                 error = (
                     UserError(end["error"].replace(f"{MOUNT}/runs/", f"{runs}/")) if end["error"] else None
                 )
+                ended = JobRecord.load(runs, job).controller
                 return Finished(
                     job,
                     runs / job,
                     error,
                     f"job {job} {end['state']}; logs and outputs in {runs / job} (fetched from its "
-                    f"controller on {places[0].host.name})"
+                    f"controller on {(ended and ended.ended_on) or places[0].host.name})"
                     + keys_line(job, end["keys_left"], "\n  warning: "),
                 )
             found = survey.survey(session, inv)
