@@ -14,20 +14,25 @@ from .conftest import ROOT, fab, on_host, project_containers
 from .test_controller import status_doc
 
 CONTROLLERS = "/opt/fabtrain/output/.controllers"
-# 12 epochs of 40 steps, a snapshot every 10: long enough to be frozen mid-run and resumed.
-LONG = [
-    "--model",
-    "tiny",
-    "--epochs",
-    "12",
-    "--args",
-    "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0",
-]
+# Epochs of 40 steps, a snapshot every 10: 12 of them are long enough to be killed mid-run and
+# followed, 6 to be frozen after the first snapshot is mirrored and resumed on another host.
+STEPS = "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0"
 NODES = ("node1", "node2", "node3")
 
 
-def detach(inventory_path, *more) -> tuple[str, str]:
-    r = fab(inventory_path, "train", *LONG, *more, "--detach")
+def detach(inventory_path, *more, epochs: int = 12) -> tuple[str, str]:
+    r = fab(
+        inventory_path,
+        "train",
+        "--model",
+        "tiny",
+        "--epochs",
+        str(epochs),
+        "--args",
+        STEPS,
+        *more,
+        "--detach",
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     job = re.search(r"job (\S+) detached: its controller runs on", r.stdout).group(1)
     return job, r.stdout
@@ -66,7 +71,7 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
     second clone fetches its logs, events and final snapshot; thawed, the old controller stops itself."""
     inv = tmp_path / "inventory.yaml"
     inv.write_text(spares_inventory_path.read_text() + "controller: {host: node1}\n")
-    job, said = detach(inv, "--restarts", "2")
+    job, said = detach(inv, "--restarts", "2", epochs=6)
     assert "controller on node1 (the inventory's controller: host); its standby on node3" in said, said
     assert "Risk: node1 also runs rank 0 of the job" in said, said
     frozen = False
