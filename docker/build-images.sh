@@ -40,7 +40,9 @@ trainer_constraints() {
 inputs() { cat "$@" | sha256sum | cut -c1-16; }
 BASE_KEY=$(inputs "$here/build-images.sh")
 HOST_KEY=$(inputs "$here/build-images.sh" "$here/host-init.sh")
-TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "$here/entrypoint.py" \
+# The entrypoint and the modules it imports, copied beside it into the image.
+ENTRYPOINT_FILES=("$here/entrypoint.py" "$here/fabtrain_generations.py" "$here/fabtrain_hook.py")
+TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "${ENTRYPOINT_FILES[@]}" \
   <(trainer_requirements; trainer_constraints))
 # have IMAGE KEY: the image exists and was built from these inputs.
 have() {
@@ -104,7 +106,7 @@ prune_site() {
 }
 
 build_trainer_image() {
-  cp "$here/entrypoint.py" "$here/trainer.Dockerfile" "$ctx/"
+  cp "${ENTRYPOINT_FILES[@]}" "$here/trainer.Dockerfile" "$ctx/"
   DOCKER_BUILDKIT=0 docker build -q -f "$ctx/trainer.Dockerfile" -t "$TRAINER" --label "fabtrain.inputs=$TRAINER_KEY" --build-arg BASE="$BASE" "$ctx" >"$work/docker-build.log" 2>&1 \
     || { tail -20 "$work/docker-build.log" >&2; return 1; }
   rm -rf "$ctx"

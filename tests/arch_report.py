@@ -44,8 +44,14 @@ DURATIONS_HELP = (
 def project_files(root: Path) -> list[Path]:
     """The project's Python files (tests excluded), sorted."""
     found = [p for folder in ("orchestrator", "trainers") for p in (root / folder).rglob("*.py")]
-    shipped = [root / "docker" / name for name in ("entrypoint.py", "fabtrain_memory.py")]  # to every host
-    found += [p for p in (*shipped, root / "fabfile.py") if p.is_file()]
+    # The runtime files, shipped to every host: the entrypoint and the fabtrain_* modules beside it.
+    found += [
+        p
+        for p in (root / "docker").glob("*.py")
+        if p.name == "entrypoint.py" or p.name.startswith("fabtrain_")
+    ]
+    if (root / "fabfile.py").is_file():
+        found.append(root / "fabfile.py")
     return sorted(found)
 
 

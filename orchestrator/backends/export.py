@@ -54,8 +54,8 @@ def template_host(inv: Inventory) -> tuple[Host, list[str]]:
 
 def runtime_files() -> dict[str, str]:
     """Each file every node's start ships (docker/entrypoint.py and, beside it, fabtrain_memory.py,
-    which a script imports to keep its state in memory) by name, its text ending in a newline: the
-    script's heredocs, the ConfigMap's keys (mounted as one directory)."""
+    which a script imports to keep its state in memory, and the modules they import) by name, its
+    text ending in a newline: the script's heredocs, the ConfigMap's keys (mounted as one directory)."""
     texts = {}
     for name, source in dockerargs.RUNTIME_SOURCES.items():
         text = source.read_text()

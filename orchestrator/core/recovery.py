@@ -242,7 +242,7 @@ def _time(value: object) -> float | None:
 
 
 def main_threads(dump: str) -> list[tuple[str, str, tuple[tuple[str, str, str], ...]]]:
-    """Per rank in a stacks dump (docker/entrypoint.py's hook): (rank, pid, the frames of its main
+    """Per rank in a stacks dump (docker/fabtrain_hook.py): (rank, pid, the frames of its main
     thread, innermost first, as (file, line, function)). The main thread is the one whose outermost
     frame runs <module> (a script) or _run_module_as_main (a module: torchrun -m, runpy); a rank
     whose dump holds no such thread is left out. A dump holding a rank twice keeps the last."""

@@ -27,9 +27,25 @@ from orchestrator.hostcmds.sshargs import shell
 
 ENTRYPOINT_SOURCE = resources.entrypoint()
 # What a node's start writes into the job's runtime directory (mounted read-only at RUNTIME_MOUNT):
-# the entrypoint and, beside it, the in-memory state module its workers import and its keeper runs.
-RUNTIME_SOURCES = {"entrypoint.py": ENTRYPOINT_SOURCE, "fabtrain_memory.py": resources.memory_module()}
-RUNTIME_NOTE = f"{resources.ENTRYPOINT_NAME} and {resources.MEMORY_NAME} (a tar archive)"
+# the entrypoint and, beside it, the in-memory state module its workers import and its keeper runs,
+# then the modules those two import, which they find beside them (fabtrain_hook.start_memory copies
+# fabtrain_memory's with it onto the workers' path).
+RUNTIME_MODULES = (
+    "fabtrain_generations.py",
+    "fabtrain_hook.py",
+    "fabtrain_keeper.py",
+    "fabtrain_state.py",
+    "fabtrain_policy.py",
+    "fabtrain_exchange.py",
+)
+RUNTIME_SOURCES = {
+    "entrypoint.py": ENTRYPOINT_SOURCE,
+    "fabtrain_memory.py": resources.memory_module(),
+    **{name: resources.docker_file(name) for name in RUNTIME_MODULES},
+}
+RUNTIME_NOTE = (
+    f"{resources.ENTRYPOINT_NAME}, {resources.MEMORY_NAME} and the modules they import (a tar archive)"
+)
 
 
 @cache
@@ -184,7 +200,7 @@ def docker_run(node: NodeSpec, *head: str) -> list[str]:
 
 
 # Run in a container of the job (docker exec ... python3 -c STACKS_PY): sends SIGRTMIN+7 to every
-# worker that registered the watchdog hook (docker/entrypoint.py), waits up to 3 s for their dumps,
+# worker that registered the watchdog hook (docker/fabtrain_hook.py), waits up to 3 s for their dumps,
 # prints each rank's header line and its new dump only. Only registered processes are signalled:
 # the signal would end any other. The watchdog looks every few seconds, so a file past 1 MiB is cut
 # back to its header (the hook appends).
@@ -217,7 +233,7 @@ def python_in_node(spec: JobSpec, rank: int, code: str) -> list[str]:
 
 
 # Run in a container of the job when a hang is called: asks every live rank's hook thread for
-# torch's flight recorder (docker/entrypoint.py), waits up to 3 s, and prints per rank one JSON line
+# torch's flight recorder (docker/fabtrain_hook.py), waits up to 3 s, and prints per rank one JSON line
 # of what a verdict needs (the dump itself, up to 2000 entries, stays in the container): for each
 # process group its newest collective (sequence number, op, state) and the last one completed.
 FLIGHT_SUMMARY = """\

@@ -296,7 +296,7 @@ DERIVED_DOCKERFILE = (
     "-r /tmp/fabtrain-build/requirements.txt \\\n"
     " && rm -rf /tmp/fabtrain-build\n"
     "COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint\n"
-    "COPY fabtrain_memory.py /usr/local/bin/fabtrain_memory.py\n"
+    "COPY {modules} /usr/local/bin/\n"
     'LABEL fabtrain.base="{base}"\n'
     'ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]\n'
 )
@@ -304,10 +304,13 @@ DERIVED_DOCKERFILE = (
 
 def derived_dockerfile(base: str, pip_flags: tuple[str, ...] = (), offline: bool = False) -> str:
     """The Dockerfile of a derived image. Offline, pip installs only from wheels in the context
-    (downloaded on this machine), so the build needs no index: hosts are often air-gapped."""
+    (downloaded on this machine), so the build needs no index: hosts are often air-gapped. Every
+    runtime file but the entrypoint lands beside it, where it imports them."""
     flags = ("--no-index", "--find-links", "/tmp/fabtrain-build/wheels") if offline else ()
     return DERIVED_DOCKERFILE.format(
-        base=base, pip_flags="".join(f"{sshargs.shell([f])} " for f in (*flags, *pip_flags))
+        base=base,
+        pip_flags="".join(f"{sshargs.shell([f])} " for f in (*flags, *pip_flags)),
+        modules=" ".join(name for name in dockerargs.RUNTIME_SOURCES if name != "entrypoint.py"),
     )
 
 

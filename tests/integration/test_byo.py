@@ -84,7 +84,7 @@ def test_dry_run_prints_every_command_per_host(inventory_path):
     assert runs[0].endswith(
         " >/dev/null || { rc=$?; case $rc in 124|137) echo 'not done within 110s: ended on "
         "the host (timeout); check its Docker engine and disks' >&2;; esac; exit $rc; }  "
-        "# stdin: docker/entrypoint.py and docker/fabtrain_memory.py (a tar archive)"
+        "# stdin: docker/entrypoint.py, docker/fabtrain_memory.py and the modules they import (a tar archive)"
     )
     assert runs[1].startswith("[node2 rank 1] mkdir -p ")
     assert "--env NODE_RANK=1" in runs[1] and "trainers/gpt.py --model tiny --epochs 1" in runs[1]

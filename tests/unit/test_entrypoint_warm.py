@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.hostcmds import dockerargs
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """\
 import os, sys
@@ -46,8 +48,8 @@ def start(tmp_path: Path, console: str, **extra: str):
     runtime, out = tmp_path / "runtime", tmp_path / "out"
     runtime.mkdir()
     out.mkdir()
-    for name in ("entrypoint.py", "fabtrain_memory.py"):  # what fabtrain brings to the runtime directory
-        shutil.copy(ROOT / "docker" / name, runtime / name)
+    for name, source in dockerargs.RUNTIME_SOURCES.items():  # what fabtrain brings to the runtime directory
+        shutil.copy(source, runtime / name)
     (tmp_path / "script.py").write_text(SCRIPT)
     env = {
         **os.environ,
@@ -258,7 +260,9 @@ def test_a_node_gives_its_workers_their_ranks_once_rank_0s_store_answers():
     import importlib.util
     import threading
 
-    spec = importlib.util.spec_from_file_location("entrypoint_wait", ROOT / "docker" / "entrypoint.py")
+    spec = importlib.util.spec_from_file_location(
+        "entrypoint_wait", ROOT / "docker" / "fabtrain_generations.py"
+    )
     assert spec is not None and spec.loader is not None
     e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e)

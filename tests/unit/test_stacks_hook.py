@@ -14,9 +14,9 @@ from pathlib import Path
 from orchestrator.hostcmds import dockerargs
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("fabtrain_entrypoint", ROOT / "docker" / "entrypoint.py")
-entrypoint = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(entrypoint)
+spec = importlib.util.spec_from_file_location("fabtrain_hook", ROOT / "docker" / "fabtrain_hook.py")
+hook_module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hook_module)
 
 PROGRAM = """\
 import os, signal, sys, time
@@ -35,7 +35,7 @@ def test_a_look_dumps_the_stacks_and_never_calls_the_programs_own_sigusr1_handle
     stacks, requeued = tmp_path / "stacks", tmp_path / "requeued"
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(entrypoint.SITECUSTOMIZE)
+    (hook / "sitecustomize.py").write_text(hook_module.SITECUSTOMIZE)
     (tmp_path / "program.py").write_text(PROGRAM)
     env = {
         **os.environ,
@@ -83,7 +83,7 @@ def test_unbuffered_ranks_sharing_a_console_write_whole_lines(tmp_path):
     the hook every line arrives whole (print() alone writes the text and the newline apart)."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(entrypoint.SITECUSTOMIZE)
+    (hook / "sitecustomize.py").write_text(hook_module.SITECUSTOMIZE)
     (tmp_path / "lines.py").write_text(LINES)
     console = tmp_path / "console.log"
     with open(console, "ab") as out:

@@ -93,8 +93,8 @@ def stage_files(stage: Path, launch: Launch) -> str:
 
 def code_copy(dest: Path) -> None:
     """The orchestrator's code as it runs here, laid out as a checkout (resources.py finds the
-    files every node's start ships, docker/entrypoint.py and docker/fabtrain_memory.py, beside a
-    pyproject.toml), whether it runs from a checkout or is installed."""
+    files every node's start ships, docker/entrypoint.py, docker/fabtrain_memory.py and the modules
+    they import, beside a pyproject.toml), whether it runs from a checkout or is installed."""
     import orchestrator
     from orchestrator.hostcmds import dockerargs
 

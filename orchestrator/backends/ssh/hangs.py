@@ -214,7 +214,7 @@ class Looks:
         return hosts[stale[0]]
 
     def dump_stacks(self, pending: set[str]) -> list[str]:
-        """Every pending rank's Python stacks (the watchdog hook, docker/entrypoint.py), into each
+        """Every pending rank's Python stacks (the watchdog hook, docker/fabtrain_hook.py), into each
         host's log; one line per rank saying where it is."""
         if self.looking is not None:  # its signals would cut into these dumps
             self.looking.join(timeout=self.attempt.step(self.hosts[0].name, "stacks").deadline)
