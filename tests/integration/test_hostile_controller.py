@@ -88,10 +88,10 @@ def wait_for_end(inventory_path, job: str) -> None:
 
 def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_lives(spares_inventory_path):
     addresses = {h.name: h.ssh.hostname for h in load(spares_inventory_path).all_hosts}
-    # 40 s of life, renewed every 10 s: the key must outlive its first expiry while the job runs.
-    env = {"FABTRAIN_CONTROLLER_KEY_LIFETIME": "40", "FABTRAIN_CONTROLLER_KEY_RENEW": "10"}
+    # 20 s of life, renewed every 5 s: the key must outlive its first expiry while the job runs.
+    env = {"FABTRAIN_CONTROLLER_KEY_LIFETIME": "20", "FABTRAIN_CONTROLLER_KEY_RENEW": "5"}
     start = time.monotonic()
-    job, ctl = detach(spares_inventory_path, 60, env=env)
+    job, ctl = detach(spares_inventory_path, 45, env=env)
     other, target = [n for n in ("node1", "node2", "node3") if n != ctl][:2]
     keys_here = {}
     try:
@@ -123,10 +123,10 @@ def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_liv
         for to in (target, ctl):
             code, out = ssh_with(other, keys_here[other], addresses[to])
             assert code != 0 and "Permission denied" in out, (to, out)
-        # Past its first expiry (40 s after it was written), renewed: still good from its host.
-        time.sleep(max(0.0, start + 55 - time.monotonic()))
+        # Past its first expiry (20 s after it was written), renewed: still good from its host.
+        time.sleep(max(0.0, start + 32 - time.monotonic()))
         assert ssh_with(ctl, keys_here[ctl], addresses[target]) == (0, "")
-        # The job runs (it sleeps 60 s): none of its containers mounts the controller's directory.
+        # The job runs (it sleeps 45 s): none of its containers mounts the controller's directory.
         for node in ("node1", "node2"):
             running = project_containers(node)
             assert len(running) == 1, running
@@ -147,7 +147,7 @@ def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_liv
 
 def test_a_dead_controllers_key_expires_by_itself(inventory_path):
     addresses = {h.name: h.ssh.hostname for h in load(inventory_path).all_hosts}
-    env = {"FABTRAIN_CONTROLLER_KEY_LIFETIME": "30", "FABTRAIN_CONTROLLER_KEY_RENEW": "10"}
+    env = {"FABTRAIN_CONTROLLER_KEY_LIFETIME": "20", "FABTRAIN_CONTROLLER_KEY_RENEW": "5"}
     job, ctl = detach(inventory_path, 300, env=env)
     target = next(n for n in ("node1", "node2") if n != ctl)
     key = None
@@ -160,7 +160,7 @@ def test_a_dead_controllers_key_expires_by_itself(inventory_path):
         on_host(ctl, f"docker kill fabtrain-ctl-{job}")
         killed = time.monotonic()
         while ssh_with(ctl, key, addresses[target])[0] == 0:
-            assert time.monotonic() - killed < 30 + 15, "the key still works well past its expiry"
+            assert time.monotonic() - killed < 20 + 15, "the key still works well past its expiry"
             time.sleep(2)
         assert len(lines_of(job, target)) == 1  # refused by its expiry, not removed
         stopped = fab(inventory_path, "stop", "--job", job, "--grace", "0")
