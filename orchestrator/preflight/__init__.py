@@ -172,7 +172,7 @@ def run(
     replaced = {(c.host, c.check) for c in across if c.check == "image"}
     checks = [c for c in checks if (c.host, c.check) not in replaced] + across
     checks += _reach(session, inv, checks, per_host)
-    checks += left_over_runtime(session, inv)
+    checks += left_over_runtime(session, inv, checks)
     checks.append(judge_rsync(LOCAL, local_rsync()))  # this machine's rsync: the other end of every copy
     if run_job:
         checks += smoke_test(session, inv, image, checks, run_job)
@@ -263,11 +263,16 @@ def _ssh_fix(host: Host, exc: BaseException) -> str:
     )
 
 
-def left_over_runtime(session: Session, inv: Inventory) -> list[Check]:
+def left_over_runtime(session: Session, inv: Inventory, checks: list[Check]) -> list[Check]:
     """Runtime directories (secrets files included) of jobs that no `fab train` looks after any
-    more, on hosts that answer: removed, one row per host saying so (hostops)."""
+    more, on hosts that answer: removed, one row per host saying so (hostops). A host whose ssh or
+    docker check failed is not asked (its survey, `docker ps`, would only wait out its deadline)."""
+    failed = {c.host for c in checks if c.check in ("ssh", "docker") and c.status == FAIL}
+    hosts = tuple(h for h in inv.hosts if h.name not in failed)
+    if not hosts:
+        return []
     try:
-        found = survey.survey(session, inv, inv.hosts)
+        found = survey.survey(session, inv, hosts)
         lines = hostops.clear_stale(session, inv, found)
     except Exception:  # noqa: BLE001 - the ssh and docker checks already name a host that fails here
         return []

@@ -5,6 +5,7 @@ from pathlib import Path
 from orchestrator import preflight as pf
 from orchestrator.config.inventory import parse
 from orchestrator.hostcmds import dockerargs
+from orchestrator.transport.remote import PerHost, Result
 
 INV = parse(
     "hosts:\n  - {name: a, address: 10.1.0.1, interface: eth0}\n"
@@ -289,3 +290,29 @@ def test_smoke_test_reads_how_each_node_of_the_quiet_job_ended(tmp_path):
     assert [(c.host, c.status) for c in checks] == [("a", pf.OK), ("b", pf.FAIL)]
     assert "all_reduce over 4 ranks (gloo), bus bw 700 MB/s" in checks[0].detail
     assert checks[1].detail == "collective failed (exited with code 3: boom)"
+
+
+def test_left_over_runtime_asks_only_the_hosts_whose_ssh_and_engine_answered():
+    """A host whose docker check failed (a frozen engine) is not surveyed: `docker ps` there would
+    only wait out its deadline again (10 s more on every preflight and fab train it fails)."""
+
+    class Recording:
+        def __init__(self):
+            self.asked = []
+
+        def run(self, host, command, timeout=None, what=""):
+            self.asked.append(host.name)
+            return Result("@@runtime\n@@controllers\n@@claims\n", "", 0, 0.01)
+
+        def fan_out(self, fn, hosts):
+            return PerHost({h.name: fn(h) for h in hosts})
+
+    session = Recording()
+    names = [h.name for h in INV.hosts]
+    stuck = pf.Check(names[1], "docker", pf.FAIL, "engine gave no answer within 8s (docker version hangs)")
+    assert pf.left_over_runtime(session, INV, [stuck]) == [] and session.asked == names[:1]
+    session.asked.clear()
+    lost = [pf.Check(n, "ssh", pf.FAIL, "no answer") for n in names]
+    assert pf.left_over_runtime(session, INV, lost) == [] and session.asked == []
+    pf.left_over_runtime(session, INV, [pf.Check(names[1], "docker", pf.OK, "engine 20.10")])
+    assert session.asked == names
