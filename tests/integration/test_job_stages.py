@@ -132,7 +132,7 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     assert re.search(verdict, out), out[-3000:]
     # The periodic looks stay out of the log: the stacks appear once per host, at the hang.
     assert out.count("hang watchdog: stacks of every rank on node1") == 1
-    # A healthy job silent for 40 s: 25 s tokenizing (its main thread moves), then 15 s sleeping
+    # A healthy job silent for 31 s: 16 s tokenizing (its main thread moves), then 15 s sleeping
     # with its heartbeat touched. Neither is a hang at --hang-timeout 10.
     r = fab(
         inventory_path,
@@ -140,7 +140,7 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
         "--script",
         PROGRESS,
         "--args",
-        "--mode quiet-phase",
+        "--mode quiet-phase --compute 16",
         "--hang-timeout",
         "10",
         "--skip-preflight",
