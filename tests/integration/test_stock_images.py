@@ -1,8 +1,10 @@
 """Images as users have them: a stock image whose own ENTRYPOINT execs its arguments (as NGC's
 does) and which holds no fabtrain entrypoint, a module installed only in the image, and an image
-without torch. The images are built on the test hosts from the trainer image."""
+without torch. The images are built on this machine from the trainer image (the hosts hold the
+same image id) and sent with `fab image.push`, which sends only the layers the hosts lack."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -26,22 +28,23 @@ MODULE = (
 
 
 def build(tag: str, dockerfile: str) -> None:
-    on_host("node1", f"DOCKER_BUILDKIT=0 docker build -q -t {tag} - <<'EOF'\n{dockerfile}EOF\n")
-
-
-def copy_to_node2(*tags: str) -> None:
-    """The same image ids on both hosts (a build on each would differ, which preflight refuses)."""
-    save = subprocess.Popen(
-        ["docker", "exec", "fabtrain-node1", "docker", "save", *tags], stdout=subprocess.PIPE
-    )
+    """Built here, once: the same image id on both hosts (a build on each would differ, which
+    preflight refuses)."""
     subprocess.run(
-        ["docker", "exec", "-i", "fabtrain-node2", "docker", "load", "-q"],
-        stdin=save.stdout,
+        ["docker", "build", "-q", "-t", tag, "-"],
+        input=dockerfile,
+        text=True,
         check=True,
         capture_output=True,
+        env={**os.environ, "DOCKER_BUILDKIT": "0"},
         timeout=300,
     )
-    assert save.wait(timeout=60) == 0
+
+
+def push(inventory_path, *tags: str) -> None:
+    for tag in tags:
+        r = fab(inventory_path, "image.push", "--image", tag, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +59,11 @@ def stock_images(inventory_path):
         'ENTRYPOINT ["/usr/local/bin/vendor-entrypoint"]\n',
     )
     build(NO_TORCH, f"FROM fabtrain/trainer:latest\nRUN rm -rf {SITE}/torch\n")
-    copy_to_node2(STOCK, NO_TORCH)
+    push(inventory_path, STOCK, NO_TORCH)
     yield
     for node in ("node1", "node2"):
         on_host(node, f"docker rmi -f {STOCK} {NO_TORCH}; docker image prune -f", check=False)
+    subprocess.run(["docker", "rmi", "-f", STOCK, NO_TORCH], capture_output=True)
 
 
 def test_stock_image_with_a_foreign_entrypoint_trains_as_is(inventory_path, stock_images):
