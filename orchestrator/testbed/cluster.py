@@ -10,6 +10,7 @@ known_hosts file, so host-key checking stays on.
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 import sys
 import time
@@ -84,6 +85,20 @@ def build_images() -> None:
     # Its progress goes to stderr: stdout is for what a command prints (cluster.up --json).
     if subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode != 0:
         raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
+
+
+def build_from_text(tag: str, dockerfile: str) -> None:
+    """An image built on this machine from a Dockerfile's text alone (no context), for the tests and
+    benchmarks that derive one from the trainer image."""
+    subprocess.run(
+        ["docker", "build", "-q", "-t", tag, "-"],
+        input=dockerfile,
+        text=True,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "DOCKER_BUILDKIT": "0"},
+        timeout=300,
+    )
 
 
 def ensure_key(state: Path = STATE_DIR) -> tuple[Path, str]:

@@ -20,6 +20,11 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from orchestrator.testbed import cluster  # noqa: E402
 
 IMAGE = "fabtrain/trainer:latest"
 BEFORE = "fabtrain/bench-trainer-before:latest"
@@ -51,13 +56,8 @@ print(json.dumps({"torch": t1 - t0, "optimizer": t2 - t1, "ddp": t3 - t2, "total
 
 
 def build_before() -> None:
-    dockerfile = f"FROM {IMAGE}\nRUN find {SITE} -name '*.pyc' -delete && python3 -c '{OLD_IMPORTS}'\n"
-    subprocess.run(
-        ["docker", "build", "-q", "-t", BEFORE, "-"],
-        input=dockerfile,
-        text=True,
-        check=True,
-        capture_output=True,
+    cluster.build_from_text(
+        BEFORE, f"FROM {IMAGE}\nRUN find {SITE} -name '*.pyc' -delete && python3 -c '{OLD_IMPORTS}'\n"
     )
 
 

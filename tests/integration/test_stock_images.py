@@ -4,10 +4,11 @@ without torch. The images are built on this machine from the trainer image (the 
 same image id) and sent with `fab image.push`, which sends only the layers the hosts lack."""
 
 import json
-import os
 import subprocess
 
 import pytest
+
+from orchestrator.testbed import cluster
 
 from .conftest import fab, on_host
 
@@ -27,20 +28,6 @@ MODULE = (
 )
 
 
-def build(tag: str, dockerfile: str) -> None:
-    """Built here, once: the same image id on both hosts (a build on each would differ, which
-    preflight refuses)."""
-    subprocess.run(
-        ["docker", "build", "-q", "-t", tag, "-"],
-        input=dockerfile,
-        text=True,
-        check=True,
-        capture_output=True,
-        env={**os.environ, "DOCKER_BUILDKIT": "0"},
-        timeout=300,
-    )
-
-
 def push(inventory_path, *tags: str) -> None:
     for tag in tags:
         r = fab(inventory_path, "image.push", "--image", tag, timeout=300)
@@ -49,7 +36,9 @@ def push(inventory_path, *tags: str) -> None:
 
 @pytest.fixture(scope="module")
 def stock_images(inventory_path):
-    build(
+    # Built here, once: the same image id on both hosts (a build on each would differ, which
+    # preflight refuses).
+    cluster.build_from_text(
         STOCK,
         "FROM fabtrain/trainer:latest\n"
         "RUN rm -f /usr/local/bin/fabtrain-entrypoint\n"
@@ -58,7 +47,7 @@ def stock_images(inventory_path):
         f'RUN printf "{MODULE}" > {SITE}/fabmod_probe.py\n'
         'ENTRYPOINT ["/usr/local/bin/vendor-entrypoint"]\n',
     )
-    build(NO_TORCH, f"FROM fabtrain/trainer:latest\nRUN rm -rf {SITE}/torch\n")
+    cluster.build_from_text(NO_TORCH, f"FROM fabtrain/trainer:latest\nRUN rm -rf {SITE}/torch\n")
     push(inventory_path, STOCK, NO_TORCH)
     yield
     for node in ("node1", "node2"):
