@@ -40,8 +40,9 @@ trainer_constraints() {
 inputs() { cat "$@" | sha256sum | cut -c1-16; }
 BASE_KEY=$(inputs "$here/build-images.sh")
 HOST_KEY=$(inputs "$here/build-images.sh" "$here/host-init.sh")
-# The entrypoint and the modules it imports, copied beside it into the image.
-ENTRYPOINT_FILES=("$here/entrypoint.py" "$here/fabtrain_generations.py" "$here/fabtrain_hook.py")
+# The entrypoint and the runtime modules (fabtrain_*.py, every one a node's start ships), copied
+# beside it into the image, as a derived image has them.
+ENTRYPOINT_FILES=("$here/entrypoint.py" "$here"/fabtrain_*.py)
 TRAINER_KEY=$(inputs "$here/build-images.sh" "$here/trainer.Dockerfile" "${ENTRYPOINT_FILES[@]}" \
   <(trainer_requirements; trainer_constraints))
 # have IMAGE KEY: the image exists and was built from these inputs.

@@ -11,8 +11,8 @@ RUN python3 -c "import torch, torch.distributed.run, torch.nn.parallel, torch.ut
     torch.distributed.algorithms.ddp_comm_hooks, torch.utils.serialization, \
     torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"
 COPY entrypoint.py /usr/local/bin/fabtrain-entrypoint
-# The modules it imports, beside it: where it finds them.
-COPY fabtrain_generations.py fabtrain_hook.py /usr/local/bin/
+# The runtime modules, beside it: where it and fabtrain_memory find theirs.
+COPY fabtrain_*.py /usr/local/bin/
 ENV PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PATH=/usr/local/lib/python3.11/dist-packages/bin:$PATH
 WORKDIR /workspace
 ENTRYPOINT ["python3", "/usr/local/bin/fabtrain-entrypoint"]
