@@ -20,7 +20,6 @@ from orchestrator.commandline import cli, control, exports, observe, prepare, re
 from orchestrator.commandline.taskerrors import user_errors
 from orchestrator.commandline.typed import task
 from orchestrator.config import inventory as _inventory
-from orchestrator.testbed import cluster as _cluster
 
 # paramiko logs a host that drops a connection as a traceback on stderr; fabtrain names the host.
 logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
@@ -283,7 +282,9 @@ def up(c, nodes=2, spares=0, write_inventory=None, slurm=False, json=False):
 @user_errors
 def down(c):
     """Remove the local cluster's hosts, their volumes and the network."""
-    _cluster.down()
+    from orchestrator.testbed import cluster  # the Docker library: only for the local cluster's tasks
+
+    cluster.down()
 
 
 @task(auto_shortflags=False, help=taskhelp.IMAGE_PUSH)
@@ -311,7 +312,9 @@ def build(c, base, requirements, tag, pip_args="", wheels=None):
 @user_errors
 def images(c):
     """Build the base, test-host and trainer images locally (no registry); reuses what exists."""
-    _cluster.build_images()
+    from orchestrator.testbed import cluster
+
+    cluster.build_images()
 
 
 @task(

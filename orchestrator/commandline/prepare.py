@@ -21,7 +21,6 @@ from orchestrator.core.errors import UserError
 from orchestrator.hosts import hostops
 from orchestrator.images import images
 from orchestrator.preflight import deep as _deep
-from orchestrator.testbed import cluster
 from orchestrator.transport.remote import Session
 
 if TYPE_CHECKING:
@@ -95,6 +94,8 @@ def preflight(
 def cluster_up(nodes: int, spares: int, write_inventory: str | None, slurm: bool, json: bool) -> None:
     """fab cluster.up: the local cluster's hosts started (or reused); with `json`, its hosts and
     inventory as JSON on stdout and the progress on stderr."""
+    from orchestrator.testbed import cluster  # the Docker library: only for the local cluster's tasks
+
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if json else print
     made = cluster.up(int(nodes), write_inventory, spares=int(spares), slurm=slurm, log=log)
     if json:

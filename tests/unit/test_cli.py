@@ -2,6 +2,7 @@
 installed program) render it, and where the inventory is looked for."""
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -96,6 +97,14 @@ def test_fabtrain_version_names_fabric(capsys):
     assert out.startswith(f"fabtrain {program.__version__} (Fabric ")
 
 
+def test_loading_the_tasks_leaves_the_docker_library_to_the_local_clusters_tasks():
+    """Every `fab` loads the task module: the Docker library (~0.1 s) is imported by the tasks that
+    drive this machine's engine only, not by the ones that reach hosts over SSH."""
+    code = "import sys, fabfile; print(sorted(m for m in sys.modules if m.startswith('docker.')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 # ---------------------------------------------------------------- where the inventory is looked for
 
 
@@ -183,8 +192,6 @@ def test_the_inventory_directory_is_never_the_checkout(places, monkeypatch):
 )
 def test_fabric_core_flags_that_fabtrain_cannot_honour_stop_with_a_clear_error(flags, message, tmp_path):
     """Never ignored: `fab -H node1 train` once planned every host of the inventory."""
-    import subprocess
-
     ssh_config = tmp_path / "ssh_config"
     ssh_config.write_text("")
     flags = [str(ssh_config) if f == "SSH_CONFIG" else f for f in flags]
