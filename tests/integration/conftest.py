@@ -78,6 +78,22 @@ def inv(inventory_path):
     return load(inventory_path)
 
 
+# For a test that freezes a host: found lost after 3 keepalives 2 s apart (6 s) instead of 5 s apart
+# (15 s); each new connection to it waits 5 s for an answer instead of 10 s.
+QUICK_LOSS = {"keepalive": 2, "connect_timeout": 5}
+
+
+def with_ssh(inventory_path: Path, dest: Path, **settings) -> Path:
+    """A copy of the inventory at `dest` with these ssh: settings added: shorter deadlines for a test
+    that freezes a host (a frozen host is found lost after 3 keepalive intervals, and each new
+    connection to it waits connect_timeout)."""
+    added = "".join(f"  {k}: {v}\n" for k, v in settings.items())
+    text = inventory_path.read_text()
+    assert text.count("ssh:\n") == 1, text
+    dest.write_text(text.replace("ssh:\n", "ssh:\n" + added))
+    return dest
+
+
 def fab(inventory_path, *args, timeout=600, cwd=ROOT, **kwargs):
     """Run the real command line, as a user would (from `cwd`: this project, or a user's own)."""
     return subprocess.run(

@@ -8,9 +8,10 @@ import time
 from .conftest import ROOT, Run, fab, on_host, project_containers
 from .test_recovery import GPT, final_state, job_id, run_in_background, wait_for_line
 
-# 20 epochs of the tiny corpus (43 steps each, about 50 s here): long enough to be killed, waited for
-# (the lease) and taken over mid-run.
-LONGER = ["--model", "tiny", "--epochs", "20", "--args", "--snapshot-every 10 --sample-chars 0"]
+# 10 epochs of the tiny corpus (43 steps each, about 30 s here): long enough to be killed, waited for
+# (the lease: fab attach takes over about 16 s after step 20, near step 200) and taken over mid-run.
+EPOCHS = 10
+LONGER = ["--model", "tiny", "--epochs", str(EPOCHS), "--args", "--snapshot-every 10 --sample-chars 0"]
 
 
 def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, tmp_path):
@@ -44,7 +45,7 @@ def test_fab_attach_takes_over_a_job_whose_fab_train_was_killed(inventory_path, 
     assert f"job {job} finished on every host after 2 attempts" in out
     record = json.loads((ROOT / "runs" / job / "job.json").read_text())
     assert record["state"] == "finished" and [a["number"] for a in record["attempts"]] == [1, 2]
-    assert final_state(job)["step"] == 20 * 43
+    assert final_state(job)["step"] == EPOCHS * 43
     assert (ROOT / "runs" / job / "outputs" / "node2").is_dir()  # the fetch of the end ran
     assert project_containers("node1") == [] and project_containers("node2") == []
 

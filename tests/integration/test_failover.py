@@ -10,12 +10,13 @@ import time
 
 from orchestrator.testbed import cluster
 
-from .conftest import ROOT, fab, on_host, project_containers
+from .conftest import ROOT, fab, on_host, project_containers, with_ssh
 from .test_controller import status_doc
 
 CONTROLLERS = "/opt/fabtrain/output/.controllers"
 # Epochs of 40 steps, a snapshot every 10: 12 of them are long enough to be killed mid-run and
-# followed, 6 to be frozen after the first snapshot is mirrored and resumed on another host.
+# followed, 4 to be frozen after the first snapshot is mirrored and resumed on another host (rank 0
+# frozen, the job cannot end before the standby takes it over).
 STEPS = "--snapshot-every 10 --max-steps-per-epoch 40 --sample-chars 0"
 NODES = ("node1", "node2", "node3")
 
@@ -69,9 +70,11 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
     """2 hosts + 1 spare, the controller forced onto node1 (rank 0's host): frozen mid-run, the
     standby on node3 takes over, node3 takes rank 0 from the newest snapshot, the job finishes; a
     second clone fetches its logs, events and final snapshot; thawed, the old controller stops itself."""
-    inv = tmp_path / "inventory.yaml"
-    inv.write_text(spares_inventory_path.read_text() + "controller: {host: node1}\n")
-    job, said = detach(inv, "--restarts", "2", epochs=6)
+    # Each connection to the frozen host waits connect_timeout for an answer (the new controller's end
+    # makes 4 in a row, fab logs here several): 3 s here instead of the default 10 s.
+    inv = with_ssh(spares_inventory_path, tmp_path / "inventory.yaml", connect_timeout=3)
+    inv.write_text(inv.read_text() + "controller: {host: node1}\n")
+    job, said = detach(inv, "--restarts", "2", epochs=4)
     assert "controller on node1 (the inventory's controller: host); its standby on node3" in said, said
     assert "Risk: node1 also runs rank 0 of the job" in said, said
     frozen = False

@@ -88,10 +88,11 @@ def wait_for_end(inventory_path, job: str) -> None:
 
 def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_lives(spares_inventory_path):
     addresses = {h.name: h.ssh.hostname for h in load(spares_inventory_path).all_hosts}
-    # 20 s of life, renewed every 5 s: the key must outlive its first expiry while the job runs.
-    env = {"FABTRAIN_CONTROLLER_KEY_LIFETIME": "20", "FABTRAIN_CONTROLLER_KEY_RENEW": "5"}
-    start = time.monotonic()
-    job, ctl = detach(spares_inventory_path, 45, env=env)
+    # 12 s of life, renewed every 4 s: the key must outlive its first expiry while the job runs
+    # (it sleeps 30 s, from after the key was written).
+    env = {"FABTRAIN_CONTROLLER_KEY_LIFETIME": "12", "FABTRAIN_CONTROLLER_KEY_RENEW": "4"}
+    job, ctl = detach(spares_inventory_path, 30, env=env)
+    written = time.monotonic()  # at the latest: fab train --detach returns after writing it
     other, target = [n for n in ("node1", "node2", "node3") if n != ctl][:2]
     keys_here = {}
     try:
@@ -123,10 +124,10 @@ def test_the_controllers_key_works_only_from_its_host_and_only_while_the_job_liv
         for to in (target, ctl):
             code, out = ssh_with(other, keys_here[other], addresses[to])
             assert code != 0 and "Permission denied" in out, (to, out)
-        # Past its first expiry (20 s after it was written), renewed: still good from its host.
-        time.sleep(max(0.0, start + 32 - time.monotonic()))
+        # Past its first expiry (12 s after it was written), renewed: still good from its host.
+        time.sleep(max(0.0, written + 12 + 2 - time.monotonic()))
         assert ssh_with(ctl, keys_here[ctl], addresses[target]) == (0, "")
-        # The job runs (it sleeps 45 s): none of its containers mounts the controller's directory.
+        # The job runs (it sleeps 30 s): none of its containers mounts the controller's directory.
         for node in ("node1", "node2"):
             running = project_containers(node)
             assert len(running) == 1, running

@@ -99,6 +99,10 @@ def test_fab_stop_between_attempts_ends_the_job_and_resume_honours_every_option(
     assert rec["restarts"] == 0 and len(rec["attempts"]) == attempts + 1
 
 
+# The hang test's watchdog deadline, seconds (the ranks' stacks looked at every HANG / 5 s).
+HANG = 6
+
+
 def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     # Every rank waits in all_reduce (the last sleeps) while rank 0's logging thread prints every
     # 2 s, before any step was printed: caught from the ranks' stacks, the stuck ranks named.
@@ -110,7 +114,7 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
         "--args",
         "--mode chatty",
         "--hang-timeout",
-        "10",
+        str(HANG),
         "--skip-preflight",
     )
     run.wait_for("stuck from ", timeout=180)
@@ -120,7 +124,7 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     out = run.text
     # Four ranks print into one node's console at once: a line may hold the start of another.
     stuck = max(float(v) for v in re.findall(r"stuck from (\d+\.\d{3})", out))
-    assert seen - stuck < 10 + 10, f"the hang was reported {seen - stuck:.1f}s after the ranks stopped"
+    assert seen - stuck < HANG + 10, f"the hang was reported {seen - stuck:.1f}s after the ranks stopped"
     assert "hung: no progress" in out and "waiting for data" in out
     assert "rank 3 on node2: tests/integration/scripts/progress.py:" in out and "time.sleep(3600)" in out
     assert "failed: node2 (node rank 1) hung" in out  # the rank the others wait for
@@ -132,17 +136,17 @@ def test_where_the_ranks_are_not_output_decides_a_hang(inventory_path):
     assert re.search(verdict, out), out[-3000:]
     # The periodic looks stay out of the log: the stacks appear once per host, at the hang.
     assert out.count("hang watchdog: stacks of every rank on node1") == 1
-    # A healthy job silent for 31 s: 16 s tokenizing (its main thread moves), then 15 s sleeping
-    # with its heartbeat touched. Neither is a hang at --hang-timeout 10.
+    # A healthy job silent for 19 s: 10 s tokenizing (its main thread moves), then 9 s sleeping
+    # with its heartbeat touched. Neither is a hang at --hang-timeout 6 (each phase 1.5 times it).
     r = fab(
         inventory_path,
         "train",
         "--script",
         PROGRESS,
         "--args",
-        "--mode quiet-phase --compute 16",
+        "--mode quiet-phase --compute 10 --quiet 9",
         "--hang-timeout",
-        "10",
+        str(HANG),
         "--skip-preflight",
         timeout=240,
     )

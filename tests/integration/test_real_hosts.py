@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from orchestrator import preflight as pf
 
-from .conftest import ROOT, fab, on_host, project_containers
+from .conftest import ROOT, command, fab, on_host, project_containers
 
 CLUSTER = ROOT / ".cluster"
 # This machine's address on the cluster's bridge network: where its SSH connections come from.
@@ -36,6 +36,26 @@ def preflight_json(path, *extra, timeout=120):
     took = time.monotonic() - start
     data = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {"checks": []}
     return r, took, {(c["host"], c["check"]): c for c in data["checks"]}
+
+
+def in_background(inventory_path, *args) -> subprocess.Popen:
+    """`fab ARGS` started, as fab() runs it, without waiting for it (see finished)."""
+    return subprocess.Popen(
+        [*command(ROOT), *args, "--inventory", str(inventory_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finished(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """What fab() returns, for a command started with in_background."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def failures(checks):
@@ -181,6 +201,9 @@ def test_frozen_docker_engine_is_named_and_bounded(inventory_path, inv):
     and stop finish naming node2 while node1 is fully served; train starts nothing."""
     on_host("node2", "pkill -STOP -x dockerd; pkill -STOP -x containerd")
     with undo("node2", "pkill -CONT -x containerd; pkill -CONT -x dockerd"):
+        # status and stop wait out node2's engine while preflight does: none of the three claims a
+        # host or starts anything (train, which claims, runs after them).
+        status, stop = (in_background(inventory_path, *a) for a in (["status"], ["stop", "--grace", "0"]))
         r, took, checks = preflight_json(inventory_path, timeout=90)
         assert r.returncode == 1
         assert failures(checks) == [("node2", "docker")], checks
@@ -195,13 +218,13 @@ def test_frozen_docker_engine_is_named_and_bounded(inventory_path, inv):
         assert checks[("node1", "docker")]["status"] == "ok" and checks[("node2", "reach")]["status"] == "ok"
         assert took < 60, took  # a hang guard, not a benchmark: the bound is measured in BENCHMARKS.md
 
-        r = fab(inventory_path, "status", timeout=90)
+        r = finished(status, timeout=90)
         assert r.returncode == 1 and "node2: no answer within 10s (docker ps)" in r.stderr, (
             r.stdout + r.stderr
         )
         assert "hosts: 1 answering; stuck (Docker engine or host): node2" in r.stdout
 
-        r = fab(inventory_path, "stop", "--grace", "0", timeout=90)
+        r = finished(stop, timeout=90)
         assert r.returncode == 1
         assert "node1: removed 0 container(s)" in r.stdout
         assert "node2: could not stop: node2: no answer within 10s (docker ps)" in r.stderr

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from orchestrator.testbed import cluster
 
-from .conftest import ROOT, Prometheus, fab, free_port, on_host, project_containers
+from .conftest import QUICK_LOSS, ROOT, Prometheus, fab, free_port, on_host, project_containers, with_ssh
 from .test_lifecycle import running, start_fab, wait_for_containers
 
 # A short GPT run: 2 epochs of 40 steps, a snapshot every 10 steps (4 ranks on 2 hosts); --exact: DDP's
@@ -325,6 +325,7 @@ def train_and_freeze(inventory_path, tmp_path, node: str, after: str, *extra) ->
     """`fab train` of GPT with a restart, a whole test host frozen (docker pause) once `after` is
     printed; the command must still succeed. Its output."""
     log = tmp_path / "out.txt"
+    inventory_path = with_ssh(inventory_path, tmp_path / "inventory.yaml", **QUICK_LOSS)
     proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1", *extra)
     try:
         wait_for_line(log, after)
@@ -376,7 +377,8 @@ def test_hot_spares_take_a_killed_containers_rank_then_a_frozen_hosts(
     host frozen -> node4 takes rank 1, node3 named lost. Each time the replaced node's ranks take
     their state from their replicas in node1's keeper, at most one step lost, and the job ends with
     the uninterrupted run's model bit for bit; each attempt's plan is in plan.txt."""
-    inv, log = two_spares_inventory_path, tmp_path / "out.txt"
+    inv = with_ssh(two_spares_inventory_path, tmp_path / "inventory.yaml", **QUICK_LOSS)
+    log = tmp_path / "out.txt"
     proc = run_in_background(inv, log, "train", *GPT_MEMORY, "--restarts", "2", "--hot-spares")
     try:
         wait_for_line(log, "| step 20 |")
