@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.backends.base import Finished, Launch
 from orchestrator.backends.ssh import failover
-from orchestrator.backends.ssh.detached import DONE, KEY_FILE, revoke_on
+from orchestrator.backends.ssh.detached import DONE, KEY_FILE, Place, revoke_on
 from orchestrator.core.errors import UserError
 from orchestrator.core.recovery import JobRecord
 from orchestrator.hosts import keys
@@ -29,10 +29,13 @@ if TYPE_CHECKING:
     from orchestrator.config.inventory import Inventory
 
 
-def revoke_everywhere(inv: Inventory, job_id: str) -> dict[str, str]:
-    """The job's key removed from every host, checked there: the hosts where it failed, with why."""
+def revoke_everywhere(inv: Inventory, job_id: str, taken_over: Place | None = None) -> dict[str, str]:
+    """The job's key removed from every host, checked there, and the controller taken over gone from
+    its host, in the same visit (a frozen host costs one deadline, not two): the hosts where any of
+    that failed, with why (the machine that started the job clears them when it fetches the end)."""
     with Session(inv.all_hosts) as session:
-        left = revoke_on(session, inv.all_hosts, [job_id])
+        clear = {taken_over.host.name: taken_over} if taken_over else None
+        left = revoke_on(session, inv.all_hosts, [job_id], clear=clear)
     for why in left.values():
         print(
             f"warning: {why}: the controller's key may still be there; fab status takes it back",
@@ -168,22 +171,18 @@ def close(
     old: str | None,
 ) -> None:
     """A controller's last acts, whatever happened: its key's renewal stopped, its end handed to the
-    standby's mirror, the controller it took over from (`old`) cleared from its host, the key removed
-    from every host (`end` says where that failed); then its credentials wiped from /ctl and `end`
-    written to done.json."""
+    standby's mirror, the key removed from every host and the controller it took over from (`old`)
+    cleared from its host (`end` says where that failed); then its credentials wiped from /ctl and
+    `end` written to done.json."""
     by_name = {h.name: h for h in launch.inv.all_hosts}
     try:
         if renewal is not None:
             renewal.stop()
         if mirror is not None:
             mirror.finish(end)
-        if old is not None:
-            with Session((by_name[old],)) as session:
-                left = failover.clear(
-                    session, by_name[old], root_dir(grant), f"fabtrain-ctl-{launch.spec.job_id}"
-                )
-            end["left"] = [left] if left else []
-        end["keys_left"] = revoke_everywhere(launch.inv, launch.spec.job_id)
+        job = launch.spec.job_id
+        taken_over = Place(job, by_name[old], root_dir(grant), f"fabtrain-ctl-{job}") if old else None
+        end["keys_left"] = revoke_everywhere(launch.inv, job, taken_over)
     finally:
         failover.wipe(root)
         (launch.runs / launch.spec.job_id).mkdir(parents=True, exist_ok=True)  # a job refused: its end

@@ -314,20 +314,3 @@ def wipe(root: Path) -> None:
         (root / name).unlink(missing_ok=True)
     for secret in (root / "secrets").glob("*"):
         secret.unlink(missing_ok=True)
-
-
-def clear(session: Session, host: Host, place_dir: str, name: str) -> str | None:
-    """A controller that was taken over, gone from its host: its container and directory (None), or
-    why not (its host does not answer yet: the machine that started the job clears it later)."""
-    try:
-        r = session.run(
-            host,
-            sshargs.shell(["docker", "rm", "-f", name])
-            + " >/dev/null 2>&1; "
-            + sshargs.shell(["rm", "-rf", place_dir]),
-            timeout=PROBE_TIMEOUT * 2,
-            what="removing the controller taken over",
-        )
-    except Exception as exc:  # noqa: BLE001 - named, and cleared later
-        return f"{host.name}: {exc}"
-    return None if r.ok else f"{host.name}: exit {r.exited}"
