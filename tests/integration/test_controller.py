@@ -123,6 +123,7 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
     common = ("train", "--script", REPORT, "--skip-preflight", "--plain")
     a = Run(inventory_path, *common, "--args", "--sleep 600", "--name", "qa")
     b = c = None
+    done = False
     try:
         a.wait_for("attempt 1: starting 2 node(s)")
         refused = fab(inventory_path, *common, "--name", "qx")
@@ -131,7 +132,7 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
             inventory_path,
             *common,
             "--args",
-            "--sleep 5",
+            "--sleep 2",
             "--name",
             "qb",
             "--queue",
@@ -149,7 +150,8 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
             env={"FABTRAIN_USER": "carol"},
         )
         c.wait_for("queued: position 2 (")
-        rows = queued_rows(inventory_path)
+        listed = status_doc(inventory_path)["jobs"]  # one look for the queue's rows and qa's id
+        rows = {r["job"]: r for r in listed if r["queue"]}
         by_name = {r["job"].split("-")[0]: r for r in rows.values()}
         assert by_name["qb"]["queue"]["position"] == 1 and by_name["qc"]["queue"]["position"] == 2, rows
         assert by_name["qb"]["who"].startswith("bob@") and by_name["qc"]["who"].startswith("carol@")
@@ -158,7 +160,7 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
         assert "node1: behind qb-" in "; ".join(by_name["qc"]["queue"]["waits"])
         table = fab(inventory_path, "status").stdout
         assert "queued (2)" in table and "behind qb-" in table
-        qa = next(j["job"] for j in status_doc(inventory_path)["jobs"] if j["job"].startswith("qa-"))
+        qa = next(j["job"] for j in listed if j["job"].startswith("qa-"))
         stopped = fab(inventory_path, "stop", "--job", qa, "--grace", "0", "--json")
         assert stopped.returncode == 0, stopped.stderr[-2000:]
         doc = json.loads(stopped.stdout)  # --json: what was stopped, where, what was left alone
@@ -176,11 +178,13 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
         assert b.finish(120) == 0, b.text[-3000:]
         assert queued_rows(inventory_path) == {}
         assert not on_host("node1", "ls /opt/fabtrain/output/.claims/*/queue/").stdout.split()
+        done = a.proc.poll() is not None  # a's fab has ended too (stopped above): no job of the test is left
     finally:
         for r in (a, b, c):
             if r is not None:
                 r.proc.kill()
-        fab(inventory_path, "stop", "--all", "--yes", "--grace", "0")
+        if not done:  # every job ended in the body; otherwise nothing of them may stay for the next test
+            fab(inventory_path, "stop", "--all", "--yes", "--grace", "0")
 
 
 def test_two_jobs_queued_at_the_same_moment_get_distinct_positions(inventory_path):

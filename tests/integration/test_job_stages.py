@@ -11,7 +11,7 @@ import time
 
 from orchestrator.testbed import cluster
 
-from .conftest import FAB, ROOT, Run, fab, on_host, project_containers
+from .conftest import FAB, QUICK_LOSS, ROOT, Run, fab, on_host, project_containers, with_ssh
 from .test_lifecycle import wait_for_containers
 
 EXIT = "tests/integration/scripts/exit_on_node.py"
@@ -176,7 +176,8 @@ def test_a_hung_module_names_its_ranks_and_frames(inventory_path):
 
 
 def test_a_frozen_engine_is_named_and_a_node_that_exited_0_is_never_blamed(inventory_path):
-    run = Run(inventory_path, "train", "--script", REPORT, "--args", "--sleep 10", "--skip-preflight")
+    # The ranks end 3 s after they report: long after node2's engine was frozen (at its container's start).
+    run = Run(inventory_path, "train", "--script", REPORT, "--args", "--sleep 3", "--skip-preflight")
     try:
         wait_for_containers(["node1", "node2"])
         on_host("node2", "pkill -STOP -x dockerd; pkill -STOP -x containerd")
@@ -199,10 +200,9 @@ def test_a_frozen_engine_is_named_and_a_node_that_exited_0_is_never_blamed(inven
 def test_a_lost_hosts_secrets_are_removed_once_it_answers_again(inventory_path, tmp_path):
     secret = tmp_path / "token"
     secret.write_text("s3cr3t\n")
-    inv2 = tmp_path / "secret.yaml"
-    inv2.write_text(
-        inventory_path.read_text().replace("job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n")
-    )
+    # QUICK_LOSS: the frozen host is lost after 6 s without an answer (3 x 2 s), not 15.
+    inv2 = with_ssh(inventory_path, tmp_path / "secret.yaml", **QUICK_LOSS)
+    inv2.write_text(inv2.read_text().replace("job:\n", f"job:\n  secret_files:\n    API_TOKEN: {secret}\n"))
     run = Run(inv2, "train", "--script", REPORT, "--args", "--sleep 300", "--skip-preflight")
     try:
         wait_for_containers(["node1", "node2"])

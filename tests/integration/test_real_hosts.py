@@ -16,6 +16,8 @@ from .conftest import ROOT, command, fab, on_host, project_containers
 CLUSTER = ROOT / ".cluster"
 # This machine's address on the cluster's bridge network: where its SSH connections come from.
 GATEWAY = "172.28.5.1"
+# A short epoch with no sample: these tests check how the hosts are reached, not what is learned.
+SHORT = "--max-steps-per-epoch 10 --sample-chars 0"
 
 
 def host_key(node: str) -> str:
@@ -95,7 +97,7 @@ def test_ssh_config_aliases_hashed_known_hosts_and_a_second_port(inventory_path,
         r, _, checks = preflight_json(path)
         assert r.returncode == 0, r.stdout + r.stderr
         assert checks[("node2", "ssh")]["status"] == "ok"
-        r = fab(path, "train", "--epochs", "1")
+        r = fab(path, "train", "--epochs", "1", "--args", SHORT)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert (
             "node2 r1 | [fabtrain] nodes=2 node_rank=1 master=172.28.5.11:" in r.stdout
@@ -132,7 +134,7 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
         path = write_inventory(tmp_path, ssh, hosts)
         r, _, checks = preflight_json(path)
         assert r.returncode == 0, r.stdout + r.stderr
-        r = fab(path, "train", "--epochs", "1")
+        r = fab(path, "train", "--epochs", "1", "--args", SHORT)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert "node2 r1 |" in r.stdout and (ROOT / "runs").exists()
         r = fab(path, "stop", "--grace", "0")

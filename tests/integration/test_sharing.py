@@ -10,6 +10,7 @@ import re
 import secrets
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .conftest import FAB, ROOT, Run, fab, on_host
 
@@ -131,7 +132,7 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         f"alice-{tag}",
         env={**os.environ, "FABTRAIN_USER": "alice"},
     )
-    job_a = wait_for_job(f"alice-{tag}", ["node1", "node2"])
+    # bob starts at once: his slot (1) is not alice's (0); the claims' lock orders the two starts.
     bob = Run(
         inventory_path,
         *COMMON,
@@ -143,7 +144,9 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         f"bob-{tag}",
         env={**os.environ, "FABTRAIN_USER": "bob"},
     )
+    done = False
     try:
+        job_a = wait_for_job(f"alice-{tag}", ["node1", "node2"])
         job_b = wait_for_job(f"bob-{tag}", ["node1", "node2"])
         alice.wait_for("step 2")
         bob.wait_for("step 2")
@@ -155,13 +158,19 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         assert third.returncode == 1 and "Traceback" not in third.stderr, third.stderr
         assert f"{job_a} (started by alice@" in third.stderr and f"{job_b} (started by bob@" in third.stderr
         assert "free there: none" in third.stderr and not list((ROOT / "runs").glob(f"carol-{tag}-*"))
-        status = json.loads(fab(inventory_path, "status", "--json").stdout)
+        # fab status and fab top read the hosts at once (neither changes anything there).
+        with ThreadPoolExecutor(2) as pool:
+            looks = [
+                pool.submit(fab, inventory_path, "status", "--json"),
+                pool.submit(fab, inventory_path, "top", "--json", timeout=60),
+            ]
+            seen, shown = (look.result() for look in looks)
+        status = json.loads(seen.stdout)
         rows = {r["job"]: r for r in status["jobs"]}
         assert rows[job_a]["hosts"]["node1"]["units"] == [0] and rows[job_b]["hosts"]["node2"]["units"] == [1]
         assert rows[job_a]["who"].startswith("alice@") and rows[job_a]["state"] == "running"
         # fab top --json: on each host, slot 0 is alice's job and slot 1 bob's, each container with
         # its job, CPU and memory; the jobs with their owners and alice's step.
-        shown = fab(inventory_path, "top", "--json", timeout=60)
         assert shown.returncode == 0, shown.stderr
         snap = json.loads(shown.stdout)
         assert [h["host"] for h in snap["hosts"]] == ["node1", "node2"] and snap["errors"] == []
@@ -208,10 +217,12 @@ def test_cpu_jobs_share_hosts_by_slot_and_stop_ends_only_your_own(inventory_path
         )
         runs = {r["job"]: r for r in json.loads(listed.stdout)["runs"]}
         assert runs[job_a]["state"] == runs[job_b]["state"] == "stopped"
+        done = True  # both ended by the body's fab stop --all, nothing of them left (traces)
     finally:
         alice.proc.kill()
         bob.proc.kill()
-        fab(inventory_path, "stop", "--all", "--yes", "--grace", "0")
+        if not done:
+            fab(inventory_path, "stop", "--all", "--yes", "--grace", "0")
 
 
 def test_two_jobs_started_in_the_same_second_over_the_same_hosts_exactly_one_runs(inventory_path):

@@ -19,7 +19,7 @@ a = p.parse_args()
 node = os.environ.get("NODE_RANK", "0")
 if os.environ.get("LOCAL_RANK", "0") == "0":
     print(f"node {node}: marker there: {os.path.exists(os.path.join('/workspace', a.marker))}", flush=True)
-    time.sleep(8)  # the host follows the console file by now: what it printed until the swap is kept
+    time.sleep(3)  # the host follows the console file by now: what it printed until the swap is kept
     try:
         shutil.rmtree("/output/work", ignore_errors=True)  # removes the folder too, where it can
         if os.path.isdir("/output/work"):
