@@ -87,9 +87,7 @@ install_lock() {
   cmp -s "$lock" ".venv/.$lock" 2>/dev/null && return 0
   echo "==> .venv: $lock"
   # The machine's pip configuration names optional local indexes; their "ignored" warnings are noise.
-  # --no-compile: Python writes the bytecode of what is imported when it is first imported; compiling
-  # every file of every package here (torch's thousands) took a third of the install's CPU time.
-  .venv/bin/pip install -q --no-compile --require-hashes -r "$lock" 2> >(grep -v "^WARNING: Location" >&2)
+  .venv/bin/pip install -q --require-hashes -r "$lock" 2> >(grep -v "^WARNING: Location" >&2)
   cp "$lock" ".venv/.$lock"
 }
 install_lock requirements.lock
@@ -102,7 +100,7 @@ if [ ! -x .venv/bin/fabtrain ] || ! .venv/bin/python -I -c 'import orchestrator,
 sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(orchestrator.__file__))) != os.path.realpath(sys.argv[1]))' \
     "$root" >/dev/null 2>&1; then
   echo "==> fabtrain command (.venv/bin/fabtrain)"
-  .venv/bin/pip install -q --no-compile --no-deps --no-build-isolation -e . 2> >(grep -v "^WARNING: Location" >&2)
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "^WARNING: Location" >&2)
 fi
 
 if [ -n "$images_pid" ]; then
