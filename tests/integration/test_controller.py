@@ -113,8 +113,13 @@ def test_detached_job_restarts_and_finishes_with_nobody_watching(inventory_path)
 REPORT = "tests/integration/scripts/report.py"
 
 
+def queued(jobs: list[dict]) -> dict[str, dict]:
+    """The rows of `fab status --json`'s jobs that wait in a queue, by job."""
+    return {r["job"]: r for r in jobs if r["queue"]}
+
+
 def queued_rows(inventory_path) -> dict[str, dict]:
-    return {r["job"]: r for r in status_doc(inventory_path)["jobs"] if r["queue"]}
+    return queued(status_doc(inventory_path)["jobs"])
 
 
 def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
@@ -151,7 +156,7 @@ def test_queue_first_come_first_served_and_a_queued_job_stopped(inventory_path):
         )
         c.wait_for("queued: position 2 (")
         listed = status_doc(inventory_path)["jobs"]  # one look for the queue's rows and qa's id
-        rows = {r["job"]: r for r in listed if r["queue"]}
+        rows = queued(listed)
         by_name = {r["job"].split("-")[0]: r for r in rows.values()}
         assert by_name["qb"]["queue"]["position"] == 1 and by_name["qc"]["queue"]["position"] == 2, rows
         assert by_name["qb"]["who"].startswith("bob@") and by_name["qc"]["who"].startswith("carol@")
