@@ -215,6 +215,35 @@ def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, mo
     assert {c[0] for c in stops} >= {"node1", "node2"} and {c[0] for c in cleanups} == {"node1", "node2"}
 
 
+def test_runtime_files_left_on_a_host_at_the_end_are_named_with_what_removes_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    release = claims.release_command(inventory(tmp_path), ["gpt-1"])
+
+    class CleanupFails(Recorder):
+        def answer(self, host, command):
+            if host.name == "node2" and command == release:
+                return Result("", "rm: cannot remove '/opt/out/.runtime/gpt-1': Busy\n", 1, 0.01)
+            return super().answer(host, command)
+
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    j = new_job(tmp_path, CleanupFails(inventory(tmp_path).hosts))
+    j.reporter = JsonLines(Out())
+    assert job.run(j).state == "finished"
+    warnings = [e["text"] for e in map(json.loads, lines) if e["event"] == "note" and e["level"] == "warning"]
+    assert warnings == [
+        "node2: removing the job's runtime files and claim failed (exit 1): rm: cannot remove "
+        "'/opt/out/.runtime/gpt-1': Busy; 'fab stop --job gpt-1' removes them once it answers"
+    ], warnings
+
+
 def test_a_failure_to_start_spends_a_restart_and_the_next_attempt_gets_another_port(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 

@@ -12,7 +12,7 @@ from orchestrator.backends.ssh.attempt import AttemptPlan, Stage
 from orchestrator.backends.ssh.planstep import Step
 from orchestrator.backends.ssh.stagesteps import end_steps
 from orchestrator.backends.ssh.state import Ending, JobResult
-from orchestrator.transport.remote import describe
+from orchestrator.transport.remote import describe, failure
 
 if TYPE_CHECKING:
     from orchestrator.backends.ssh.jobcontext import JobContext
@@ -70,7 +70,7 @@ def collect(job: JobContext, state: JobState, a: AttemptPlan, reachable: tuple[H
     sweep or fetch, and a host whose engine is stuck is not waited for again."""
     ends = end_steps(a.inv, state.spec, reachable, str(job.run_dir))
     if not state.ran:
-        job.run_steps(state.reach(a), [s for s in ends if s.key == "cleanup"])
+        cleanup(job, state, a, ends)
         return
     stuck, reach = state.stuck, state.reach(a)
     sweep(job, state, a, [s for s in ends if s.key == "sweep" and s.where not in stuck])
@@ -84,7 +84,18 @@ def collect(job: JobContext, state: JobState, a: AttemptPlan, reachable: tuple[H
     fetched = job.run_steps(reach, [s for s in ends if s.key == "fetch"])
     for name, exc in fetched.errors().items():
         job.note(f"could not fetch outputs from {name}: {exc}", "warning")
-    job.run_steps(reach, [s for s in ends if s.key == "cleanup"])
+    cleanup(job, state, a, ends)
+
+
+def cleanup(job: JobContext, state: JobState, a: AttemptPlan, ends: list[Step]) -> None:
+    """The job's runtime files (its secrets among them) and claim removed from every host used that
+    answers; a host where that failed is named, with what removes them later."""
+    hosts = {h.name: h for h in state.reach(a)}
+    done = job.run_steps(hosts.values(), [s for s in ends if s.key == "cleanup"])
+    for name, r in done.items():
+        why = failure(hosts[name], r, "removing the job's runtime files and claim")
+        if why is not None:
+            job.note(f"{why}; 'fab stop --job {job.spec.job_id}' removes them once it answers", "warning")
 
 
 def sweep(job: JobContext, state: JobState, a: AttemptPlan, steps: list[Step]) -> None:
