@@ -1,4 +1,6 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -6,24 +8,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# The suite runs in layers, cheapest first: lint (ruff and mypy), the unit tests, the trainers'
-# tests (torch on the CPU), the integration tests (a local Docker cluster). When a layer has a
-# failure, the run stops before the next layer starts (the failed layer itself runs to its end),
-# so a lint or unit failure fails CI before the local cluster is even started. --all-layers runs
-# every layer regardless. A run of one file or folder is a single layer and runs as before.
-LAYERS = ("lint", "unit", "trainers", "integration")
-LINT_FILE = ROOT / "tests" / "unit" / "test_lint.py"
+from tests import suite  # noqa: E402  (after the path: this checkout's tests and orchestrator)
 
-
-def layer_of(path: Path) -> int:
-    """The index in LAYERS of the test file at `path` (anything else under tests/ is a unit test)."""
-    path = Path(path).resolve()
-    if path == LINT_FILE:
-        return LAYERS.index("lint")
-    for name in ("trainers", "integration"):
-        if (ROOT / "tests" / name) in path.parents:
-            return LAYERS.index(name)
-    return LAYERS.index("unit")
+# The suite runs in layers, cheapest first, on one process or on pytest-xdist workers (tests/suite.py
+# says how). FAILED_ENV names the run's file of the layers that had a failure: made by the process
+# that starts the run, read by its workers (they inherit the environment).
+FAILED_ENV = "FABTRAIN_SUITE_FAILED"
+FAILED = pytest.StashKey[suite.FailedLayers]()
 
 
 def pytest_addoption(parser):
@@ -35,38 +26,57 @@ def pytest_addoption(parser):
     )
 
 
-FAILED = pytest.StashKey[set[int]]()  # indexes in LAYERS of the layers that had a failure
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes tens of seconds (still part of every run)")
-    config.stash[FAILED] = set()
+    if hasattr(config, "workerinput"):
+        # This worker's own local cluster: gw0 the first (the one `fab cluster.up` makes), gw1 a second.
+        os.environ["FABTRAIN_TESTBED"] = str(suite.worker_index(config) + 1)
+    else:
+        fd, path = tempfile.mkstemp(prefix="fabtrain-suite-failed-")
+        os.close(fd)
+        os.environ[FAILED_ENV] = path
+    config.stash[FAILED] = suite.FailedLayers(Path(os.environ[FAILED_ENV]))
+    config.stash[suite.PRESTART] = None
+
+
+def pytest_unconfigure(config):
+    started = config.stash.get(suite.PRESTART, None)
+    if started is not None and started.poll() is None:
+        started.terminate()
+        started.wait(30)
+    if not hasattr(config, "workerinput") and FAILED in config.stash:
+        config.stash[FAILED].path.unlink(missing_ok=True)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Layer order; within a layer, the order collection (and other hooks) gave."""
-    items.sort(key=lambda item: layer_of(item.path))
+    items.sort(key=lambda item: suite.layer_of(item.path))
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    report = yield  # outermost: the report as the other plugins (xfail's among them) leave it
+def pytest_collection_finish(session):
+    session.config.stash[suite.PRESTART] = suite.prestart_cluster(session)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
     if report.failed:
-        item.config.stash[FAILED].add(layer_of(item.path))
-    return report
+        suite.FailedLayers(Path(os.environ[FAILED_ENV])).add(suite.layer_of(suite.file_of(report.nodeid)))
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    result = yield
-    if nextitem is not None and not item.config.getoption("--all-layers"):
-        here, after = layer_of(item.path), layer_of(nextitem.path)
-        failed = sorted(i for i in item.config.stash[FAILED] if i <= here)
-        if after > here and failed and not item.session.shouldfail:
-            later = sorted({layer_of(i.path) for i in item.session.items} - set(range(here + 1)))
-            item.session.shouldfail = (
-                f"layer {', '.join(LAYERS[i] for i in failed)} failed: the later layers "
-                f"({', '.join(LAYERS[i] for i in later)}) were not run (--all-layers runs them anyway)"
-            )
-    return result
+    """A test of a layer after one that failed is not run: the run stops there."""
+    here = suite.layer_of(item.path)
+    failed = {i for i in item.config.stash[FAILED].read() if i < here}
+    if not failed or item.config.getoption("--all-layers"):
+        return None
+    if not item.session.shouldfail:
+        later = {suite.layer_of(i.path) for i in item.session.items} - set(range(here))
+        item.session.shouldfail = suite.stop_line(failed, later)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return suite.make_scheduler(config, log, config.stash[FAILED])

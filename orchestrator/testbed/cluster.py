@@ -9,6 +9,7 @@ known_hosts file, so host-key checking stays on.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import subprocess
@@ -37,17 +38,22 @@ if TYPE_CHECKING:
     from docker.models.networks import Network
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-STATE_DIR = PROJECT_ROOT / ".cluster"
+# FABTRAIN_TESTBED=N (2, 3, ...): the Nth local cluster, beside the first with names, subnet, state
+# and shared volume of its own (the test suite runs one per pytest-xdist worker). Unset or 1: the one
+# `fab cluster.up` makes.
+TESTBED = int(os.environ.get("FABTRAIN_TESTBED") or 1)
+PREFIX = "fabtrain" if TESTBED == 1 else f"fabtrain{TESTBED}"
+STATE_DIR = PROJECT_ROOT / (".cluster" if TESTBED == 1 else f".cluster{TESTBED}")
 HOST_IMAGE = "fabtrain/host:latest"
 TRAINER_IMAGE = "fabtrain/trainer:latest"
-NETWORK = "fabtrain-net"
-SUBNET = "172.28.5.0/24"
-LABEL = "fabtrain.cluster"
+NETWORK = f"{PREFIX}-net"
+SUBNET = f"172.28.{5 + 10 * (TESTBED - 1)}.0/24"
+LABEL = "fabtrain.cluster"  # its value: TESTBED
 # Training containers share their host's /dev/shm (--ipc host); Docker's 64 MB default is too small.
 SHM_BYTES = 2 * 1024**3
 # One directory every test host sees (a volume of this machine's engine), as a shared filesystem
 # (NFS, Lustre) is seen by the nodes of a Slurm cluster.
-SHARED_VOLUME = "fabtrain-shared"
+SHARED_VOLUME = f"{PREFIX}-shared"
 SHARED_DIR = "/shared"
 # Docker-in-Docker without --privileged: every capability but the one this VM lacks, no seccomp,
 # AppArmor or masked /proc paths (the CLI's systempaths=unconfined), the cgroup tree writable, and a
@@ -60,9 +66,14 @@ DIND_OPTS = dict(
 def node_infos(count: int, subnet: str = SUBNET) -> list[NodeInfo]:
     net = ipaddress.ip_network(subnet)
     return [
-        NodeInfo(f"node{i}", f"fabtrain-node{i}", str(net.network_address + 10 + i))
+        NodeInfo(f"node{i}", container_name(f"node{i}"), str(net.network_address + 10 + i))
         for i in range(1, count + 1)
     ]
+
+
+def container_name(node: str) -> str:
+    """The container of test host `node` (node1, node2, ...) of this cluster."""
+    return f"{PREFIX}-{node}"
 
 
 def _client() -> DockerClient:
@@ -82,8 +93,14 @@ def build_images() -> None:
     changed. The detached jobs' controller image is built at the first `fab train --detach`
     (images.controller_image): a first run does not wait for it."""
     script = PROJECT_ROOT / "docker" / "build-images.sh"
-    # Its progress goes to stderr: stdout is for what a command prints (cluster.up --json).
-    if subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode != 0:
+    # One build at a time on this machine (two clusters brought up at once share the images and
+    # the build's folders); the second finds them built. Its progress goes to stderr: stdout is for
+    # what a command prints (cluster.up --json).
+    (PROJECT_ROOT / ".cache").mkdir(exist_ok=True)
+    with open(PROJECT_ROOT / ".cache" / "build-images.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = subprocess.run(["bash", str(script)], stdout=sys.stderr).returncode == 0
+    if not built:
         raise UserError(f"image build failed; see the output above and {PROJECT_ROOT}/.cache/build/*.log")
 
 
@@ -123,7 +140,7 @@ def _ensure_network(client: DockerClient, subnet: str) -> Network:
         return net
     except docker.errors.NotFound:
         ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet)])
-        return client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LABEL: "1"})
+        return client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LABEL: str(TESTBED)})
 
 
 def _ensure_node(client: DockerClient, node: NodeInfo, host_image_id: str) -> Container:
@@ -162,7 +179,7 @@ def _ensure_node(client: DockerClient, node: NodeInfo, host_image_id: str) -> Co
         hostname=node.name,
         host_config=host_config,
         networking_config=net_config,
-        labels={LABEL: "1"},
+        labels={LABEL: str(TESTBED)},
         detach=True,
     )
     api.start(created["Id"])
@@ -235,7 +252,7 @@ def up(
 def _remove_others(client: DockerClient, nodes: list[NodeInfo], log: Log) -> None:
     """The cluster's hosts not among `nodes` (a larger cluster before), removed."""
     wanted = {n.container for n in nodes}
-    for c in client.containers.list(all=True, filters={"label": LABEL}):
+    for c in client.containers.list(all=True, filters={"label": f"{LABEL}={TESTBED}"}):
         if c.name not in wanted:
             log(f"removing {c.name} (not in a {len(nodes)}-host cluster)")
             c.remove(force=True, v=False)
@@ -319,15 +336,16 @@ def render_inventory(
 
 def down(log: Log = print) -> None:
     client = _client()
-    for c in client.containers.list(all=True, filters={"label": LABEL}):
+    for c in client.containers.list(all=True, filters={"label": f"{LABEL}={TESTBED}"}):
         log(f"removing {c.name}")
         c.remove(force=True)
         try:
             client.volumes.get(f"{c.name}-docker").remove(force=True)
         except docker.errors.NotFound:
             pass
-    for v in client.volumes.list(filters={"name": "fabtrain-node"}):
-        v.remove(force=True)
+    for v in client.volumes.list(filters={"name": f"{PREFIX}-node"}):
+        if v.name.startswith(f"{PREFIX}-node"):  # the filter matches the name anywhere
+            v.remove(force=True)
     try:
         client.volumes.get(SHARED_VOLUME).remove(force=True)
     except docker.errors.NotFound:
@@ -343,7 +361,7 @@ def freeze(name: str, tries: int = 10) -> None:
     """Freeze a whole test host (docker pause): a machine that stops answering without closing a
     connection. The cgroup freezer gives up ("unable to freeze") when the host's processes are busy
     forking at that moment, so the pause is tried again."""
-    container = _client().containers.get(f"fabtrain-{name}")
+    container = _client().containers.get(container_name(name))
     for attempt in range(tries):
         try:
             container.pause()
@@ -356,7 +374,7 @@ def freeze(name: str, tries: int = 10) -> None:
 
 def thaw(name: str) -> None:
     try:
-        _client().containers.get(f"fabtrain-{name}").unpause()
+        _client().containers.get(container_name(name)).unpause()
     except docker.errors.APIError:
         pass  # not paused (the freeze never happened) or already gone
 

@@ -5,6 +5,7 @@ The cluster is started once per test run (reused if it is already up) and its in
 to a temporary file; each test leaves the hosts as it found them.
 """
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from orchestrator.config.inventory import load
 from orchestrator.testbed import cluster as cluster_mod
+from tests import suite
 
 ROOT = Path(__file__).resolve().parents[2]
 FAB = str(Path(sys.executable).parent / "fab")
@@ -33,11 +35,17 @@ def engine_available() -> bool:
 
 
 @pytest.fixture(scope="session")
-def inventory_path(tmp_path_factory):
+def inventory_path(tmp_path_factory, request):
     if not engine_available():
         if os.environ.get("CI"):
             pytest.fail("no Docker engine: CI must run bash docker/bootstrap.sh first")
         pytest.skip("no Docker engine running (bash docker/bootstrap.sh starts one)")
+    started = request.config.stash.get(suite.PRESTART, None)  # the cluster, brought up meanwhile
+    if started is not None:
+        try:
+            started.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            started.kill()
     folder = tmp_path_factory.mktemp("cluster")
     # Two hosts; a third that the recovery tests use as a spare (spares_inventory_path); a fourth
     # for two jobs of two hosts each (four_hosts_inventory_path).
@@ -156,9 +164,16 @@ class Run:
         return self.proc.returncode
 
 
+# This run's cluster (cluster_mod.TESTBED: one per pytest-xdist worker): each test host's container
+# and address, and this machine's address on the cluster's network.
+CONTAINER = {n.name: n.container for n in cluster_mod.node_infos(4)}
+ADDRESS = {n.name: n.address for n in cluster_mod.node_infos(4)}
+GATEWAY = str(ipaddress.ip_network(cluster_mod.SUBNET).network_address + 1)
+
+
 def on_host(node: str, script: str, check=True, detach=False) -> subprocess.CompletedProcess:
     """Act on a test host directly (to set up a fault), not through the code under test."""
-    argv = ["docker", "exec", *(["-d"] if detach else []), f"fabtrain-{node}", "sh", "-c", script]
+    argv = ["docker", "exec", *(["-d"] if detach else []), CONTAINER[node], "sh", "-c", script]
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=120)
 
 

@@ -3,7 +3,7 @@
 import json
 import subprocess
 
-from .conftest import FAB, ROOT, fab, on_host
+from .conftest import ADDRESS, FAB, ROOT, fab, on_host
 
 USER_SCRIPT = """\
 import argparse, json, os, sys
@@ -163,7 +163,7 @@ def test_entrypoint_by_hand_with_platform_variables_forms_the_same_job(inventory
             on_host(h.name, f"docker rm -f {name}", check=False)
     for node, rank in (("node1", 0), ("node2", 1)):
         banner = next(line for line in logs[node].splitlines() if line.startswith("[fabtrain]"))
-        assert f"nodes=2 node_rank={rank} master=172.28.5.11:29517" in banner
+        assert f"nodes=2 node_rank={rank} master={ADDRESS['node1']}:29517" in banner
         assert "procs_per_node=1 world_size=2 ifname=eth0" in banner  # CPU node: auto = 1
         rep = json.loads(next(line for line in logs[node].splitlines() if line.startswith("REPORT "))[7:])
         assert (rep["world"], rep["sum"], rep["rank"]) == (2, 3.0, rank)

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.preflight import deep
 
-from .conftest import ROOT, Run, on_host
+from .conftest import ADDRESS, CONTAINER, ROOT, Run, on_host
 
 SHAPE = "tc qdisc add dev eth0 root tbf rate 50mbit burst 32kbit latency 400ms"
 TINY = "/opt/fabtrain-tiny"
@@ -32,7 +32,7 @@ def shape_link(to_address: str) -> str:
 def cpus(nodes, n):
     for node in nodes:
         subprocess.run(
-            ["docker", "update", "--cpus", str(n), f"fabtrain-{node}"], check=True, capture_output=True
+            ["docker", "update", "--cpus", str(n), CONTAINER[node]], check=True, capture_output=True
         )
 
 
@@ -87,7 +87,7 @@ def tiny_output(four_hosts_inventory_path, tmp_path):
 def test_deep_check_names_a_slow_host_a_slow_link_and_a_full_disk(tiny_output):
     try:
         on_host("node2", SHAPE)
-        on_host("node1", shape_link("172.28.5.13"))
+        on_host("node1", shape_link(ADDRESS["node3"]))
         r, data, checks = deep(tiny_output)
     finally:
         unshape("node1", "node2")
@@ -115,7 +115,7 @@ def test_deep_check_names_a_slow_host_a_slow_link_and_a_full_disk(tiny_output):
 def test_a_host_starved_of_cpu_is_named_as_slow(inventory_path):
     """Two hosts (with four, three healthy test hosts would share this machine's two CPUs unevenly
     and the comparison would measure that): node2 limited to 0.2 CPU is named, node1 is not."""
-    subprocess.run(["docker", "update", "--cpus", "0.2", "fabtrain-node2"], check=True, capture_output=True)
+    subprocess.run(["docker", "update", "--cpus", "0.2", CONTAINER["node2"]], check=True, capture_output=True)
     try:
         r, data, checks = deep(inventory_path)
     finally:

@@ -6,7 +6,9 @@ GlobalKnownHostsFile) next to the user's. paramiko (fab status) and the ssh that
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from .conftest import fab, on_host
+from .conftest import ADDRESS, fab, on_host
+
+P = ADDRESS["node1"].rsplit(".", 1)[0]  # the cluster's /24: node1..4 are P.11..P.14
 
 
 def new_key() -> str:
@@ -31,8 +33,8 @@ def test_ca_and_revoked_lines_in_the_users_and_the_global_known_hosts(inventory_
     # that names node2 too (two keys of one type for node2: either is its key, as ssh reads it).
     user = tmp_path / "known_hosts"
     user.write_text(
-        f"172.28.5.1?,!172.28.5.13 {host_key('node1')}\n"
-        f"@cert-authority 172.28.5.*,*.example.com {new_key()}\n{real}this line is no key\n"
+        f"{P}.1?,!{P}.13 {host_key('node1')}\n"
+        f"@cert-authority {P}.*,*.example.com {new_key()}\n{real}this line is no key\n"
     )
     # The system-wide file, named by ssh_config as OpenSSH reads it: a revoked key of another host.
     system = tmp_path / "ssh_known_hosts"
@@ -59,32 +61,32 @@ def test_ca_and_revoked_lines_in_the_users_and_the_global_known_hosts(inventory_
 
         # node2's own key revoked in the system-wide file: refused by both, node1 still answers.
         with open(system, "a") as f:
-            f.write(f"@revoked 172.28.5.12 {host_key('node2')}\n")
+            f.write(f"@revoked {P}.12 {host_key('node2')}\n")
         r = fab(inv, "status", timeout=120)
         out = r.stdout + r.stderr
         assert r.returncode == 1, out
         assert "hosts: 1 answering; unreachable: node2" in out
-        assert "node2 (172.28.5.12): host key ssh-ed25519 SHA256:" in out
+        assert f"node2 ({P}.12): host key ssh-ed25519 SHA256:" in out
         assert f"is REVOKED (@revoked line {system}:2)" in out
         assert f"remove line 2 of {system}" in out
         r = fab(inv, "sync", "--code", str(code), timeout=120)
         out = r.stdout + r.stderr
         assert r.returncode == 1, out
-        assert "sync to node2 (root@172.28.5.12:22) failed" in out and "is marked as revoked" in out
+        assert f"sync to node2 (root@{P}.12:22) failed" in out and "is marked as revoked" in out
         assert "sync to node1" not in out
 
         # node2 known only through the CA line: refused, saying why and how to add its plain key.
-        user.write_text(f"172.28.5.11 {host_key('node1')}\n@cert-authority 172.28.5.* {new_key()}\n")
+        user.write_text(f"{P}.11 {host_key('node1')}\n@cert-authority {P}.* {new_key()}\n")
         system.write_text("")
         r = fab(inv, "status", timeout=120)
         out = r.stdout + r.stderr
         assert r.returncode == 1 and "hosts: 1 answering; unreachable: node2" in out, out
         assert (
-            f"node2 (172.28.5.12): known only through the @cert-authority line {user}:2; fabtrain checks "
+            f"node2 ({P}.12): known only through the @cert-authority line {user}:2; fabtrain checks "
             "host keys with paramiko, which does not verify host certificates, so it does not accept "
             "CA-signed host keys"
         ) in out
-        assert f"ssh-keyscan -p 22 172.28.5.12 >> {user}" in out
+        assert f"ssh-keyscan -p 22 {P}.12 >> {user}" in out
     finally:
         if dest:
             for node in ("node1", "node2"):

@@ -13,7 +13,7 @@ import subprocess
 from orchestrator.core import hostile
 from orchestrator.preflight import probe, rsynccheck
 
-from .conftest import fab
+from .conftest import CONTAINER, fab
 
 CODE_DIR = '/tmp/fabtrain rsync "q" $(touch pwned-dir)'
 NAMES = ("$(touch pwned)", "it's a file.txt")
@@ -22,7 +22,7 @@ NAMES = ("$(touch pwned)", "it's a file.txt")
 def host_exec(node: str, *argv: str, check=True) -> subprocess.CompletedProcess:
     """A command on a test host, as an argv (no shell of ours reads the odd names)."""
     return subprocess.run(
-        ["docker", "exec", f"fabtrain-{node}", *argv], capture_output=True, text=True, check=check, timeout=60
+        ["docker", "exec", CONTAINER[node], *argv], capture_output=True, text=True, check=check, timeout=60
     )
 
 

@@ -23,7 +23,7 @@ from orchestrator.hosts import claims, hostops, queue
 from orchestrator.hosts.survey import parse_survey, survey_script
 from orchestrator.transport.remote import put_command
 
-from .conftest import fab, on_host
+from .conftest import CONTAINER, fab, on_host
 
 NODE = "node1"
 
@@ -31,7 +31,7 @@ NODE = "node1"
 def as_user(user: str, script: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """`script` run by sh as `user` on the test host (as fabtrain's SSH session would run it)."""
     return subprocess.run(
-        ["docker", "exec", "-i", f"fabtrain-{NODE}", "su", user, "-s", "/bin/sh", "-c", script],
+        ["docker", "exec", "-i", CONTAINER[NODE], "su", user, "-s", "/bin/sh", "-c", script],
         input=stdin,
         capture_output=True,
         text=True,

@@ -23,7 +23,7 @@ NOT_COPIED = shutil.ignore_patterns(
     ".git",
     ".venv",
     ".cache",
-    ".cluster",
+    ".cluster*",
     ".ci",
     "runs",
     "tests",

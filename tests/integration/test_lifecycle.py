@@ -10,7 +10,9 @@ import pytest
 
 from orchestrator.testbed import cluster
 
-from .conftest import FAB, ROOT, fab, on_host, project_containers
+from .conftest import ADDRESS, FAB, ROOT, fab, on_host, project_containers
+
+N1 = ADDRESS["node1"]
 
 REPORT = "tests/integration/scripts/report.py"
 
@@ -225,12 +227,12 @@ def test_unknown_and_changed_host_keys_are_refused(inventory_path, tmp_path):
     inv2.write_text(text.replace(kh_line, f"  known_hosts: {empty}"))
     r = fab(inv2, "preflight")
     assert r.returncode == 1
-    assert "node1 (172.28.5.11): host key unknown (ssh-ed25519 SHA256:" in r.stdout
-    assert "ssh-keyscan -p 22 172.28.5.11 >>" in r.stdout
+    assert f"node1 ({N1}): host key unknown (ssh-ed25519 SHA256:" in r.stdout
+    assert f"ssh-keyscan -p 22 {N1} >>" in r.stdout
     # A wrong key recorded for node1 (node2's key): refused as changed.
     real = open(kh_line.split(":", 1)[1].strip()).read().splitlines()
     wrong = tmp_path / "known_hosts_wrong"
-    wrong.write_text("172.28.5.11 " + real[1].split(" ", 1)[1] + "\n")
+    wrong.write_text(f"{N1} " + real[1].split(" ", 1)[1] + "\n")
     inv3 = tmp_path / "changed.yaml"
     inv3.write_text(text.replace(kh_line, f"  known_hosts: {wrong}"))
     r = fab(inv3, "preflight", "--json")

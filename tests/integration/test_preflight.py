@@ -1,13 +1,21 @@
 """Preflight on the local cluster: each injected fault fails the right check on the right host,
 with a message that says what was seen and how to fix it. Every test undoes its fault."""
 
+import ipaddress
 import json
 import subprocess
 from contextlib import contextmanager
 
 import pytest
 
-from .conftest import fab, on_host
+from orchestrator.testbed import cluster
+
+from .conftest import ADDRESS, CONTAINER, fab, on_host
+
+N1, N2 = ADDRESS["node1"], ADDRESS["node2"]
+# A second network for node2, beside this cluster's (the next /24 up).
+SIDE = ipaddress.ip_network(cluster.SUBNET).network_address + 256
+SIDE_NET, SIDE_IP, SIDE_NAME = f"{SIDE}/24", str(SIDE + 12), f"{cluster.PREFIX}-test-side"
 
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
@@ -91,9 +99,9 @@ def test_firewall_dropping_the_master_port_on_rank0(inventory_path, inv):
     assert failures(checks) == [("node2", "reach")]
     c = checks[("node2", "reach")]
     assert c["detail"] == (
-        f"cannot reach node1 172.28.5.11:{port} from 172.28.5.12: timed out (packets dropped: a firewall?)"
+        f"cannot reach node1 {N1}:{port} from {N2}: timed out (packets dropped: a firewall?)"
     )
-    assert c["fix"].startswith(f"open TCP {port} on node1 for 172.28.5.12")
+    assert c["fix"].startswith(f"open TCP {port} on node1 for {N2}")
     assert checks[("node1", "port")]["status"] == "ok"  # free, just not reachable
 
 
@@ -103,7 +111,7 @@ def test_wrong_interface_name_suggests_the_right_one(inventory_path, inv, tmp_pa
     assert ("node2", "interface") in failures(checks) and ("node1", "interface") not in failures(checks)
     c = checks[("node2", "interface")]
     assert c["detail"] == "no interface 'ens9f0'"
-    assert c["fix"] == "set interface: eth0 for node2 (its subnet holds 172.28.5.11)"
+    assert c["fix"] == f"set interface: eth0 for node2 (its subnet holds {N1})"
 
 
 def test_sshd_stopped_on_one_host(inventory_path):
@@ -111,10 +119,7 @@ def test_sshd_stopped_on_one_host(inventory_path):
         code, checks = preflight(inventory_path)
     assert code == 1
     assert failures(checks) == [("node2", "ssh")]
-    assert (
-        "node2 (root@172.28.5.12:22): connection refused; start sshd there"
-        in checks[("node2", "ssh")]["detail"]
-    )
+    assert f"node2 (root@{N2}:22): connection refused; start sshd there" in checks[("node2", "ssh")]["detail"]
 
 
 def test_docker_engine_stopped_on_one_host(inventory_path):
@@ -188,27 +193,25 @@ def test_clock_two_seconds_off_on_one_host(inventory_path):
 
 def test_worker_interface_that_cannot_reach_the_master(inventory_path, tmp_path):
     subprocess.run(
-        ["docker", "network", "create", "--subnet", "172.28.6.0/24", "fabtrain-test-side"],
-        check=True,
-        capture_output=True,
+        ["docker", "network", "create", "--subnet", SIDE_NET, SIDE_NAME], check=True, capture_output=True
     )
     try:
         subprocess.run(
-            ["docker", "network", "connect", "--ip", "172.28.6.12", "fabtrain-test-side", "fabtrain-node2"],
+            ["docker", "network", "connect", "--ip", SIDE_IP, SIDE_NAME, CONTAINER["node2"]],
             check=True,
             capture_output=True,
         )
-        iface = on_host("node2", "ip -o -4 addr show | awk '/172.28.6.12/ {print $2}'").stdout.strip()
+        iface = on_host("node2", f"ip -o -4 addr show | awk '/{SIDE_IP}/ {{print $2}}'").stdout.strip()
         code, checks = preflight(node2_interface(inventory_path, tmp_path, iface))
     finally:
         subprocess.run(
-            ["docker", "network", "disconnect", "fabtrain-test-side", "fabtrain-node2"], capture_output=True
+            ["docker", "network", "disconnect", SIDE_NAME, CONTAINER["node2"]], capture_output=True
         )
-        subprocess.run(["docker", "network", "rm", "fabtrain-test-side"], capture_output=True)
+        subprocess.run(["docker", "network", "rm", SIDE_NAME], capture_output=True)
     assert code == 1
     assert ("node2", "route") in failures(checks)
     c = checks[("node2", "route")]
-    assert c["detail"] == f"172.28.5.11 is reached via eth0, not {iface}"
+    assert c["detail"] == f"{N1} is reached via eth0, not {iface}"
     assert c["fix"].startswith("set interface: eth0 for node2")
 
 

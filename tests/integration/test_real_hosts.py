@@ -10,12 +10,12 @@ import time
 from contextlib import contextmanager
 
 from orchestrator import preflight as pf
+from orchestrator.testbed import cluster
 
-from .conftest import ROOT, command, fab, on_host, project_containers
+from .conftest import ADDRESS, GATEWAY, ROOT, command, fab, on_host, project_containers
 
-CLUSTER = ROOT / ".cluster"
-# This machine's address on the cluster's bridge network: where its SSH connections come from.
-GATEWAY = "172.28.5.1"
+CLUSTER = cluster.STATE_DIR
+N1, N2 = ADDRESS["node1"], ADDRESS["node2"]
 # A short epoch with no sample: these tests check how the hosts are reached, not what is learned.
 SHORT = "--max-steps-per-epoch 10 --sample-chars 0"
 
@@ -79,13 +79,13 @@ def test_ssh_config_aliases_hashed_known_hosts_and_a_second_port(inventory_path,
     on_host("node2", "/usr/sbin/sshd -p 2222 -o PidFile=/run/sshd-2222.pid -E /var/log/sshd-2222.log")
     with undo("node2", "kill $(cat /run/sshd-2222.pid)"):
         kh = tmp_path / "known_hosts"
-        kh.write_text(f"172.28.5.11 {host_key('node1')}\n[172.28.5.12]:2222 {host_key('node2')}\n")
+        kh.write_text(f"{N1} {host_key('node1')}\n[{N2}]:2222 {host_key('node2')}\n")
         subprocess.run(["ssh-keygen", "-H", "-f", str(kh)], check=True, capture_output=True)
-        assert "172.28.5" not in kh.read_text()  # hashed: no address in clear
+        assert N1 not in kh.read_text() and N2 not in kh.read_text()  # hashed: no address in clear
         config = tmp_path / "ssh_config"
         config.write_text(
-            f"Host gpu1\n  HostName 172.28.5.11\n  User root\n  IdentityFile {CLUSTER}/id_ed25519\n"
-            f"Host gpu2\n  HostName 172.28.5.12\n  Port 2222\n  User root\n"
+            f"Host gpu1\n  HostName {N1}\n  User root\n  IdentityFile {CLUSTER}/id_ed25519\n"
+            f"Host gpu2\n  HostName {N2}\n  Port 2222\n  User root\n"
             f"  IdentityFile {CLUSTER}/id_ed25519\n"
         )
         path = write_inventory(
@@ -99,9 +99,7 @@ def test_ssh_config_aliases_hashed_known_hosts_and_a_second_port(inventory_path,
         assert checks[("node2", "ssh")]["status"] == "ok"
         r = fab(path, "train", "--epochs", "1", "--args", SHORT)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        assert (
-            "node2 r1 | [fabtrain] nodes=2 node_rank=1 master=172.28.5.11:" in r.stdout
-        )  # the alias resolved
+        assert f"node2 r1 | [fabtrain] nodes=2 node_rank=1 master={N1}:" in r.stdout  # the alias resolved
         assert "port 2222" in on_host("node2", "cat /var/log/sshd-2222.log").stdout  # really came in on 2222
 
 
@@ -119,8 +117,8 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
         direct = write_inventory(
             tmp_path,
             ssh,
-            "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-            "  - {name: node2, address: 172.28.5.12, interface: eth0}\n",
+            f"  - {{name: node1, address: {N1}, interface: eth0}}\n"
+            f"  - {{name: node2, address: {N2}, interface: eth0}}\n",
             "direct.yaml",
         )
         r, _, checks = preflight_json(direct)
@@ -128,8 +126,8 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
         assert "no answer within 3s" in checks[("node2", "ssh")]["detail"]
 
         hosts = (
-            "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-            "  - {name: node2, address: 172.28.5.12, interface: eth0, ssh: {jump: root@172.28.5.11}}\n"
+            f"  - {{name: node1, address: {N1}, interface: eth0}}\n"
+            f"  - {{name: node2, address: {N2}, interface: eth0, ssh: {{jump: root@{N1}}}}}\n"
         )
         path = write_inventory(tmp_path, ssh, hosts)
         r, _, checks = preflight_json(path)
@@ -142,17 +140,17 @@ def test_jump_host_when_the_target_refuses_this_machine(inventory_path, tmp_path
 
         # The jump host's key is missing from known_hosts: refused, naming the jump host.
         only_node2 = tmp_path / "kh_node2"
-        only_node2.write_text(f"172.28.5.12 {host_key('node2')}\n")
+        only_node2.write_text(f"{N2} {host_key('node2')}\n")
         path = write_inventory(
             tmp_path,
             ssh.replace(f"{CLUSTER}/known_hosts", str(only_node2)),
-            "  - {name: node2, address: 172.28.5.12, interface: eth0, ssh: {jump: root@172.28.5.11}}\n",
+            f"  - {{name: node2, address: {N2}, interface: eth0, ssh: {{jump: root@{N1}}}}}\n",
             "badjump.yaml",
         )
         r, _, checks = preflight_json(path)
         assert r.returncode == 1
         assert checks[("node2", "ssh")]["detail"].startswith(
-            "jump host 172.28.5.11 (for node2) (172.28.5.11): host key unknown (ssh-ed25519 SHA256:"
+            f"jump host {N1} (for node2) ({N1}): host key unknown (ssh-ed25519 SHA256:"
         )
 
 
@@ -169,8 +167,8 @@ def test_agent_key_and_an_encrypted_key(inventory_path, tmp_path):
         env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
         subprocess.run(["ssh-add", str(CLUSTER / "id_ed25519")], env=env, check=True, capture_output=True)
         hosts = (
-            "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-            "  - {name: node2, address: 172.28.5.12, interface: eth0}\n"
+            f"  - {{name: node1, address: {N1}, interface: eth0}}\n"
+            f"  - {{name: node2, address: {N2}, interface: eth0}}\n"
         )
         ssh = f"  user: root\n  config: none\n  known_hosts: {CLUSTER}/known_hosts\n"
         path = write_inventory(tmp_path, ssh, hosts)
@@ -249,8 +247,8 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
         on_host(node, setup)
     ssh = f"  user: alice\n  key: {CLUSTER}/id_ed25519\n  known_hosts: {CLUSTER}/known_hosts\n"
     hosts = (
-        "  - {name: node1, address: 172.28.5.11, interface: eth0}\n"
-        "  - {name: node2, address: 172.28.5.12, interface: eth0}\n"
+        f"  - {{name: node1, address: {N1}, interface: eth0}}\n"
+        f"  - {{name: node2, address: {N2}, interface: eth0}}\n"
     )
     path = write_inventory(tmp_path, ssh, hosts)
     r, _, checks = preflight_json(path)

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.testbed import cluster as cluster_mod
 from orchestrator.testbed import slurmbed
 
-from .conftest import ROOT, Run, command, fab, on_host, project_containers
+from .conftest import CONTAINER, ROOT, Run, command, fab, on_host, project_containers
 
 GPT = [
     "--model",
@@ -40,7 +40,7 @@ def submit(inventory_path, tmp_path, *args) -> tuple[str, str, float]:
     assert r.returncode == 0, r.stderr
     job = re.search(r"\(job (\S+)\)", r.stdout).group(1)
     subprocess.run(
-        ["docker", "exec", "-i", "fabtrain-node1", "sh", "-c", "cat > /root/job.sbatch"],
+        ["docker", "exec", "-i", CONTAINER["node1"], "sh", "-c", "cat > /root/job.sbatch"],
         input=script.read_bytes(),
         check=True,
     )
