@@ -35,25 +35,38 @@ if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || { echo "bootstrap: fabtrain needs Python 3.11 or later as python3 (found $(python3 --version 2>&1))" >&2; exit 1; }
 
-# Debian packages, by the command each provides.
-wanted=(dockerd:docker.io docker:docker.io ssh:openssh-client ssh-keygen:openssh-client rsync:rsync
-        mmdebstrap:mmdebstrap)
-if [ "$tests" = 1 ]; then
-  wanted+=(prometheus:prometheus chromium:chromium chromedriver:chromium-driver pdsh:pdsh)
-fi
-need_pkgs=()
-for pair in "${wanted[@]}"; do
-  pkg=${pair#*:}
-  if ! command -v "${pair%%:*}" >/dev/null 2>&1 && [[ " ${need_pkgs[*]-} " != *" $pkg "* ]]; then
-    need_pkgs+=("$pkg")
-  fi
-done
+# Debian packages, by the command each provides: the runtime's now (the engine and the images need
+# them); the tests' own (Prometheus, Chromium, pdsh) in the background, while .venv installs and the
+# images build (waited for at the end).
+missing() {  # the packages of these command:package pairs whose command is not on PATH
+  local out=() pair pkg
+  for pair in "$@"; do
+    pkg=${pair#*:}
+    if ! command -v "${pair%%:*}" >/dev/null 2>&1 && [[ " ${out[*]-} " != *" $pkg "* ]]; then out+=("$pkg"); fi
+  done
+  echo "${out[*]-}"
+}
+read -ra need_pkgs <<<"$(missing dockerd:docker.io docker:docker.io ssh:openssh-client ssh-keygen:openssh-client \
+  rsync:rsync mmdebstrap:mmdebstrap)"
 # Debian's own python3 makes virtualenvs only with python3-venv.
 python3 -c 'import ensurepip' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
+test_pkgs=()
+[ "$tests" = 0 ] || read -ra test_pkgs <<<"$(missing prometheus:prometheus chromium:chromium \
+  chromedriver:chromium-driver pdsh:pdsh)"
+apt_install() { DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null; }
+updated=0
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   echo "==> installing Debian packages: ${need_pkgs[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+  updated=1
+  apt_install "${need_pkgs[@]}"
+fi
+apt_pid=
+if [ ${#test_pkgs[@]} -gt 0 ]; then
+  echo "==> installing Debian packages in the background: ${test_pkgs[*]}"
+  mkdir -p .cache
+  { [ "$updated" = 1 ] || $SUDO apt-get update -qq; apt_install "${test_pkgs[@]}"; } >.cache/apt-tests.out 2>&1 &
+  apt_pid=$!
 fi
 
 if ! docker info >/dev/null 2>&1; then
@@ -103,6 +116,11 @@ sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(orchestrator.__file__)
   .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2> >(grep -v "^WARNING: Location" >&2)
 fi
 
+if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+  cat .cache/apt-tests.out >&2
+  echo "bootstrap: installing the tests' Debian packages (${test_pkgs[*]}) failed" >&2
+  exit 1
+fi
 if [ -n "$images_pid" ]; then
   if ! wait "$images_pid"; then
     cat .cache/build-images.out >&2
