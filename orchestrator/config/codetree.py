@@ -42,7 +42,7 @@ EXCLUDES = (
     "*.pyc",
     ".venv",
     ".cache",
-    ".cluster",
+    ".cluster*",
     "runs",
     ".fabtrain",
     ".pytest_cache",

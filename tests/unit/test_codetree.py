@@ -42,6 +42,16 @@ def test_the_key_names_the_files_rsync_copies(tmp_path):
     assert codetree.key(p) != k  # edited: a new directory on the hosts, the old one untouched
 
 
+def test_no_local_clusters_state_is_synced_whatever_its_number(tmp_path):
+    """.cluster holds the local cluster's private key, .cluster2 the second cluster's (the suite's
+    second worker): neither is copied, even from a tree with no .gitignore."""
+    p = project(tmp_path)
+    for d in (".cluster", ".cluster2"):
+        (p / d).mkdir()
+        (p / d / "id_ed25519").write_text("PRIVATE\n")
+    assert codetree.files(p) == ["./conf/config.yaml", "./main.py"]
+
+
 def test_this_project_sends_only_its_trainers():
     files = codetree.files(jobspec.PROJECT_ROOT, codetree.BUILTIN_ONLY)
     assert files and all(f.startswith("./trainers/") for f in files)

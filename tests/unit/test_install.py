@@ -24,7 +24,7 @@ NOT_COPIED = shutil.ignore_patterns(
     ".git",
     ".venv",
     ".cache",
-    ".cluster",
+    ".cluster*",
     "runs",
     "build",
     "dist",
