@@ -12,7 +12,7 @@ import pytest
 from orchestrator.testbed import cluster as cluster_mod
 from orchestrator.testbed import slurmbed
 
-from .conftest import CONTAINER, ROOT, Run, command, fab, on_host, project_containers
+from .conftest import ADDRESS, CONTAINER, ROOT, Run, command, fab, on_host, project_containers
 
 GPT = [
     "--model",
@@ -123,7 +123,9 @@ def test_exported_script_trains_across_two_slurm_nodes(slurm, tmp_path):
     print(f"sbatch -> first training step: {first_step - submitted:.1f}s")
     # srun --label: both nodes' containers reported, 2 nodes x 2 processes = world 4.
     assert re.search(
-        r"^0: \[fabtrain\] nodes=2 node_rank=0 master=172\.28\.5\.11:29500 .*world_size=4", text, re.M
+        rf"^0: \[fabtrain\] nodes=2 node_rank=0 master={re.escape(ADDRESS['node1'])}:29500 .*world_size=4",
+        text,
+        re.M,
     )
     assert re.search(r"^1: \[fabtrain\] nodes=2 node_rank=1 ", text, re.M)
     evals = [float(m) for m in re.findall(r"eval loss (\d+\.\d+)", text)]
