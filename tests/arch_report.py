@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -391,6 +392,16 @@ def run_mypy(root: Path) -> str:
     return lines[-1] if lines else f"mypy printed nothing (exit {done.returncode})"
 
 
+def write_file_durations(d: Durations, path: Path) -> None:
+    """The seconds of each test file (its tests' phases added up), a second or more, as JSON."""
+    files: dict[str, float] = {}
+    for test, seconds in d.tests.items():
+        name = test.split("::", 1)[0]
+        files[name] = files.get(name, 0.0) + seconds
+    kept = {k: round(v, 1) for k, v in sorted(files.items()) if v >= 1.0}
+    path.write_text(json.dumps(kept, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -399,11 +410,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="pytest --durations=0 output or a --junitxml file, for the suite's time",
     )
+    parser.add_argument(
+        "--write-file-durations",
+        action="store_true",
+        help="with --durations: write the seconds of each test file to tests/durations.json (the order "
+        "in which the suite's workers take the files of a layer: tests/suite.py)",
+    )
     parser.add_argument("--mypy", action="store_true", help="also run mypy and print its verdict")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.durations is not None and not args.durations.is_file():
         parser.error(f"--durations {args.durations}: no such file; to make one, {DURATIONS_HELP}")
+    if args.write_file_durations:
+        if args.durations is None:
+            parser.error("--write-file-durations needs --durations FILE")
+        write_file_durations(read_durations(args.durations), args.root / "tests" / "durations.json")
     verdict = None
     if args.mypy:
         verdict = run_mypy(args.root) if importlib.util.find_spec("mypy") else "mypy is not installed here"

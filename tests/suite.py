@@ -27,9 +27,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("lint", "unit", "trainers", "integration")
 LINT_FILE = ROOT / "tests" / "unit" / "test_lint.py"
-# Seconds each test file took in a full run (tests/arch_report.py --durations writes it): the
-# workers take the heaviest files of a layer first, so the last ones to start are short. A file not
-# listed counts SECONDS_PER_TEST per test.
+# Seconds each test file took in a full run (`tests/arch_report.py --durations LOG
+# --write-file-durations` writes it): the workers take the heaviest files of a layer first, so the
+# last ones to start are short. A file not listed counts SECONDS_PER_TEST per test.
 DURATIONS = ROOT / "tests" / "durations.json"
 SECONDS_PER_TEST = 10.0
 

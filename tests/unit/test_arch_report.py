@@ -1,6 +1,7 @@
 """tests/arch_report.py, on a tiny project written in tmp_path: its sizes, cycles, coverage and times
 are known exactly."""
 
+import json
 import textwrap
 
 import pytest
@@ -200,6 +201,15 @@ def test_durations_from_pytest_output(tmp_path):
     assert ar.read_durations(tmp_path / "d.txt").total == 12.34
     (tmp_path / "d.txt").write_text(DURATIONS.splitlines(keepends=True)[1])  # no summary line: the sum
     assert ar.read_durations(tmp_path / "d.txt").total == 2.5
+
+
+def test_the_seconds_of_each_test_file_for_the_suites_workers(tmp_path):
+    (tmp_path / "d.txt").write_text(DURATIONS.replace("0.10s call", "1.10s call"))
+    ar.write_file_durations(ar.read_durations(tmp_path / "d.txt"), tmp_path / "durations.json")
+    assert json.loads((tmp_path / "durations.json").read_text()) == {
+        "tests/unit/test_x.py": 2.9,
+        "tests/unit/test_y.py": 1.1,
+    }
 
 
 def test_durations_from_junit_xml(tmp_path):
