@@ -115,6 +115,21 @@ def new_job(tmp_path, rec, **kw):
     )
 
 
+def event_lines(j) -> list[str]:
+    """The job's events from now on, as the JSON lines `fab train --json` prints."""
+    lines: list[str] = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    j.reporter = JsonLines(Out())
+    return lines
+
+
 def expected(a: attempt.AttemptPlan) -> list[tuple[str, str, str]]:
     return [(s.host or s.where, s.where, s.command) for s in a.steps if s.when == planstep.When.ALWAYS]
 
@@ -189,17 +204,8 @@ def test_plan_lists_conditional_steps_under_their_condition(tmp_path, monkeypatc
 def test_a_failing_node_is_named_and_the_job_stops_without_restarts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rec = Recorder(inventory(tmp_path).hosts, exit_codes={"node2": 3})
-    lines = []
-
-    class Out:
-        def write(self, s):
-            lines.append(s)
-
-        def flush(self):
-            pass
-
     j = new_job(tmp_path, rec)
-    j.reporter = JsonLines(Out())
+    lines = event_lines(j)
     result = job.run(j)
     assert result.state == "failed" and result.reason == "no --restarts"
     events = [json.loads(x) for x in lines]
@@ -225,17 +231,8 @@ def test_runtime_files_left_on_a_host_at_the_end_are_named_with_what_removes_the
                 return Result("", "rm: cannot remove '/opt/out/.runtime/gpt-1': Busy\n", 1, 0.01)
             return super().answer(host, command)
 
-    lines = []
-
-    class Out:
-        def write(self, s):
-            lines.append(s)
-
-        def flush(self):
-            pass
-
     j = new_job(tmp_path, CleanupFails(inventory(tmp_path).hosts))
-    j.reporter = JsonLines(Out())
+    lines = event_lines(j)
     assert job.run(j).state == "finished"
     warnings = [e["text"] for e in map(json.loads, lines) if e["event"] == "note" and e["level"] == "warning"]
     assert warnings == [
