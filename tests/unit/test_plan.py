@@ -399,7 +399,7 @@ def test_rsync_argv():
         "--exclude=*.pyc",
         "--exclude=.venv",
         "--exclude=.cache",
-        "--exclude=.cluster",
+        "--exclude=.cluster*",
         "--exclude=runs",
         "--exclude=.fabtrain",
         "--exclude=.pytest_cache",
