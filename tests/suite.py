@@ -193,11 +193,11 @@ def prestart_cluster(session: pytest.Session) -> subprocess.Popen | None:
         return None
     (ROOT / ".cache").mkdir(exist_ok=True)
     testbed = os.environ.get("FABTRAIN_TESTBED") or "1"
-    log = open(ROOT / ".cache" / f"cluster-up-{testbed}.log", "w")
-    return subprocess.Popen(
-        [sys.executable, "-c", "from orchestrator.testbed import cluster; cluster.up(2, spares=2)"],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
+    with open(ROOT / ".cache" / f"cluster-up-{testbed}.log", "w") as log:  # the child keeps its own
+        return subprocess.Popen(
+            [sys.executable, "-c", "from orchestrator.testbed import cluster; cluster.up(2, spares=2)"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
