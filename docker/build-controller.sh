@@ -14,6 +14,11 @@ CONTROLLER=fabtrain/controller:latest
 # ignore rules; prometheus-client for a detached job's --metrics-port).
 LIBS="fabric invoke paramiko bcrypt cryptography cffi pycparser pynacl decorator deprecated wrapt rich markdown-it-py mdurl pygments pyyaml typing-extensions pathspec prometheus-client"
 KEY=$(cat "$here/build-controller.sh" "$here/../requirements.lock" | sha256sum | cut -c1-16)
+# One build at a time (two `fab train --detach` started at once share $work/rootfs-controller); the
+# second waits, then finds the image built.
+mkdir -p "$work"
+exec 9>"$work/controller.lock"
+flock 9
 if [ "${FORCE:-0}" != 1 ] && [ "$(docker image inspect --format '{{index .Config.Labels "fabtrain.inputs"}}' "$CONTROLLER" 2>/dev/null)" = "$KEY" ]; then
   exit 0
 fi
