@@ -232,7 +232,7 @@ def stop_script(
         # Tried three times, a short wait for the lock each (the stop's deadline is grace + STOP_MARGIN);
         # each try's reason goes to stderr, the last one is what fab stop names.
         script += (
-            f"; s=$?; k=1; for i in 1 2 3; do ( {revoke_script(jobs, lock_wait=2)} ) >/dev/null && "
+            f"; s=$?; k=1; for i in 1 2 3; do {revoke_script(jobs, lock_wait=2)} >/dev/null && "
             f"{{ k=0; break; }}; [ $i = 3 ] || sleep $i; done; [ $k = 0 ] || [ $s != 0 ] || s={LEFT}; "
             f"{dirs} >/dev/null 2>&1; exit $s"
         )

@@ -205,7 +205,7 @@ def _write_script(job_id: str, public: str, sources: Sequence[str], lifetime: in
         )
     else:
         absent = f'{_LINE} >> "$f"'
-    return (
+    return _own_shell(
         _prelude([job_id])
         # The host's own clock and time zone, as its sshd reads expiry-time (module docstring).
         + f'e=$(date -d "@$(( $(date +%s) + {lifetime} ))" +%Y%m%d%H%M%S) || exit 1; '
@@ -240,7 +240,7 @@ def revoke_script(job_ids: Sequence[str], lock_wait: int = LOCK_WAIT) -> str:
     delete = " ".join(f'-e "s|\\(.\\)$g{i}|\\1|" -e "/$m{i}/d"' for i in range(len(ids)))
     match = " ".join(f'-e "$m{i}"' for i in range(len(ids)))
     said = f'\\n\' "$f" {sshargs.shell([", ".join(ids)])} >&2'
-    return (
+    return _own_shell(
         f"[ -e {FILE} ] || exit 0; "
         + _prelude(ids, lock_wait)
         + glued
@@ -253,6 +253,14 @@ def revoke_script(job_ids: Sequence[str], lock_wait: int = LOCK_WAIT) -> str:
         + f"0) printf '%s: the key of %s is still there after its removal{said}; exit {LEFT};; "
         + f"*) printf '%s: could not be read to remove the key of %s{said}; exit 1;; esac"
     )
+
+
+def _own_shell(script: str) -> str:
+    """`script` in a shell of its own: its umask 077, LC_ALL, lock descriptor and variables end with
+    it, and its `exit` ends only it. Run before another script in one visit (submit's key, then the
+    controller's directory), the umask would otherwise make every missing parent of that directory
+    (the output_dir itself, on a new host) 0700, closed to every other account."""
+    return f"( {script} )"
 
 
 def _prelude(job_ids: Sequence[str], lock_wait: int = LOCK_WAIT) -> str:

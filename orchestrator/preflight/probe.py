@@ -97,14 +97,15 @@ def probe_commands(
 def dirs_argv(inv: Inventory) -> list[str]:
     """The "dirs" fact: per job directory, from its nearest existing directory (code_dir may not exist
     before the first sync), the free space there (storagecheck.judge_disk), and whether the SSH user
-    can create and write it (storagecheck.judge_dirs; sync and the job need to)."""
+    can create and write it, or which directory above it the user cannot even enter, where it may
+    already be (storagecheck.judge_dirs; sync and the job need to)."""
     return [
         "sh",
         "-c",
         'for p in "$@"; do q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done; '
         'df -Pk "$q" | tail -n 1; '
         'if [ -d "$q" ] && [ -w "$q" ] && [ -x "$q" ]; then echo "ok $p"; '
-        'else echo "denied $p $q $(stat -c %U "$q")"; fi; done',
+        'else echo "denied $p $q $(stat -c %U "$q") $([ -x "$q" ] && echo open || echo closed)"; fi; done',
         "sh",
         inv.job.code_dir,
         inv.job.output_dir,

@@ -18,18 +18,27 @@ def judge_dirs(host: Host, fact: tuple[int, str]) -> Check:
         return Check(n, "dirs", WARN, f"could not check the job directories: {_last(text)}", "")
     if not denied:
         return Check(n, "dirs", OK, "code and output dirs writable by " + user)
-    parts = []
+    parts, closed = [], []
     for fields in denied:
-        path, blocker, owner = fields[1], fields[2], fields[3] if len(fields) > 3 else "?"
-        why = "not writable" if blocker == path else f"cannot be created: {blocker} is owned by {owner}"
+        path, blocker = fields[1], fields[2]
+        owner = fields[3] if len(fields) > 3 else "?"
+        if blocker == path:
+            why = "not writable"
+        elif fields[4:5] == ["closed"]:
+            # The user cannot enter it: what is below, the path itself too, may be there unseen.
+            why = f"{blocker} is closed to {user} (owner {owner})"
+            closed += [blocker] if blocker not in closed else []
+        else:
+            why = f"cannot be created: {blocker} is owned by {owner}"
         parts.append(f"{path} ({why})")
     paths = " ".join(f[1] for f in denied)
+    opening = f"sudo chmod a+x {' '.join(closed)}; " if closed else ""
     return Check(
         n,
         "dirs",
         FAIL,
         f"{user} cannot write " + ", ".join(parts),
-        f"on {n}: sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
+        f"on {n}: {opening}sudo install -d -o {user} -g $(id -gn {user}) {paths}  (or set job.code_dir / "
         f"job.output_dir to directories {user} owns)",
     )
 

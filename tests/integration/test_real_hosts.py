@@ -241,7 +241,10 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
         "id alice >/dev/null 2>&1 || useradd -m -G docker alice; install -d -m 700 -o alice "
         "/home/alice/.ssh; "
         "install -m 600 -o alice /root/.ssh/authorized_keys /home/alice/.ssh/authorized_keys; "
-        "mkdir -p /opt/fabtrain/code"
+        # Both directories there, root's and open to all but /opt/fabtrain, closed to others at first
+        # (an earlier test's job may have made them, or not, on this run's hosts).
+        "mkdir -p /opt/fabtrain/code /opt/fabtrain/output; "
+        "chmod 755 /opt/fabtrain/code /opt/fabtrain/output; chmod 700 /opt/fabtrain"
     )
     for node in ("node1", "node2"):
         on_host(node, setup)
@@ -251,6 +254,15 @@ def test_non_root_user_needs_writable_job_dirs(inventory_path, tmp_path):
         f"  - {{name: node2, address: {N2}, interface: eth0}}\n"
     )
     path = write_inventory(tmp_path, ssh, hosts)
+    r, _, checks = preflight_json(path)
+    assert r.returncode == 1
+    closed = "/opt/fabtrain is closed to alice (owner root)"
+    assert checks[("node2", "dirs")]["detail"] == (
+        f"alice cannot write /opt/fabtrain/code ({closed}), /opt/fabtrain/output ({closed})"
+    )
+    assert checks[("node2", "dirs")]["fix"].startswith("on node2: sudo chmod a+x /opt/fabtrain; sudo install")
+    for node in ("node1", "node2"):
+        on_host(node, "chmod 755 /opt/fabtrain")
     r, _, checks = preflight_json(path)
     assert r.returncode == 1
     assert failures(checks) == [("node1", "dirs"), ("node2", "dirs")]

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from rich.console import Console
 
+from orchestrator.backends.base import Launch
 from orchestrator.backends.ssh import controller, controllerfiles, detached, detachedview, runcopy, submit
+from orchestrator.backends.ssh.placement import placement
 from orchestrator.config.inventory import parse
 from orchestrator.core.errors import UserError
 from orchestrator.core.jobspec import JobSpec
+from orchestrator.core.policy import Policy
 from orchestrator.core.record import Controller, Notify
 from orchestrator.core.recovery import Attempt, JobRecord
 from orchestrator.hosts import keys
@@ -455,6 +459,28 @@ def test_a_mount_that_would_show_the_controllers_directory_to_the_job_is_refused
             f"/data/fabtrain/.controllers/{JOB}, where the controller keeps",
         ):
             submit.refuse_exposing_mounts(detached.place(parse(base % bad, Path("i.yaml")), JOB))
+
+
+def test_the_first_visit_leaves_the_output_dir_it_makes_open_to_every_account(tmp_path):
+    """The key's line (written under umask 077) and the controller's directory share one command on
+    a host where output_dir does not exist yet: that umask ends with the key's script, so the
+    output_dir and its parents are made as the login's umask (022) makes them, not 0700 (other
+    accounts, and root-made job directories read by non-root users, could not enter them)."""
+    inv = two_hosts(tmp_path)
+    pl = placement(inv, JOB)
+    session = HostsHere(inv, tmp_path)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    launch = Launch(inv, JobSpec(job_id=JOB, script="train.py"), Policy(), None, tmp_path / "runs", Console())
+    old = os.umask(0o022)
+    try:
+        assert submit.authorize(session, pl, [pl.active], stage, launch, PUBLIC, 600, 60) == {}
+    finally:
+        os.umask(old)
+    out = tmp_path / "host" / "out"
+    assert [oct(d.stat().st_mode & 0o777) for d in (out.parent, out)] == ["0o755", "0o755"]
+    assert oct(Path(pl.active.dir).stat().st_mode & 0o777) == "0o700"
+    assert keys.marker(JOB).encode() in (session.home("gpu1") / ".ssh" / "authorized_keys").read_bytes()
 
 
 def test_the_key_works_only_from_the_controllers_host(tmp_path):

@@ -352,7 +352,7 @@ def test_fab_stops_script_exactly(tmp_path):
     plain = hostops.stop_script(inv, ["gpt-1", "gpt-2"], 30)
     revoke = keys.revoke_script(["gpt-2"], lock_wait=2)
     assert hostops.stop_script(inv, ["gpt-1", "gpt-2"], 30, ["gpt-2", "not a job; rm -rf /"]) == (
-        f"{plain}; s=$?; k=1; for i in 1 2 3; do ( {revoke} ) >/dev/null && "
+        f"{plain}; s=$?; k=1; for i in 1 2 3; do {revoke} >/dev/null && "
         "{ k=0; break; }; [ $i = 3 ] || sleep $i; done; [ $k = 0 ] || [ $s != 0 ] || s=4; "
         f"rm -rf -- {tmp_path}/out/.controllers/gpt-2 >/dev/null 2>&1; exit $s"
     )

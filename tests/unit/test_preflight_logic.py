@@ -122,6 +122,15 @@ def test_judge_dirs_names_the_path_and_the_exact_fix():
         f"on b: sudo install -d -o {host.ssh.user} -g $(id -gn {host.ssh.user}) /opt/fabtrain/code  ("
     )
     assert pf.judge_dirs(host, (0, "ok /a\nok /b")).status == "ok"
+    # A directory above it the user cannot enter (mode 0700, say): named, and opened by the fix.
+    closed = "denied /opt/f/code /opt/f root closed\ndenied /opt/f/out /opt/f root closed"
+    c = pf.judge_dirs(host, (0, closed))
+    user = host.ssh.user
+    assert c.detail == (
+        f"{user} cannot write /opt/f/code (/opt/f is closed to {user} (owner root)), "
+        f"/opt/f/out (/opt/f is closed to {user} (owner root))"
+    )
+    assert c.fix.startswith(f"on b: sudo chmod a+x /opt/f; sudo install -d -o {user} -g $(id -gn {user}) ")
 
 
 def test_render_shows_remote_text_as_text():

@@ -232,8 +232,8 @@ def revoke_on(
         revoke = revoke_script(job_ids)
         if h.name not in clear:
             return revoke
-        # The key first, in a shell of its own (its script may exit); its failure is the one said.
-        return f"( {revoke} ); r=$?; {clear_script(clear[h.name])} || exit 9; exit $r"
+        # The key first (its script runs in a shell of its own); its failure is the one said.
+        return f"{revoke}; r=$?; {clear_script(clear[h.name])} || exit 9; exit $r"
 
     left: dict[str, str] = {}
     todo = tuple(hosts)
