@@ -143,6 +143,15 @@ def _ensure_network(client: DockerClient, subnet: str) -> Network:
         return client.networks.create(NETWORK, driver="bridge", ipam=ipam, labels={LABEL: str(TESTBED)})
 
 
+# A running host kept from before may lack a service that a test stopped and, killed itself, never
+# gave back: its engine frozen (SIGSTOP) or its sshd gone. Both given back as host-init.sh runs them.
+REVIVE = (
+    "pkill -CONT -x containerd; pkill -CONT -x dockerd; pkill -CONT -x sshd; "
+    '{ [ -s /run/sshd.pid ] && kill -0 "$(cat /run/sshd.pid)"; } 2>/dev/null || '
+    "/usr/sbin/sshd -E /var/log/sshd.log"
+)
+
+
 def _ensure_node(client: DockerClient, node: NodeInfo, host_image_id: str) -> Container:
     try:
         c = client.containers.get(node.container)
@@ -155,6 +164,8 @@ def _ensure_node(client: DockerClient, node: NodeInfo, host_image_id: str) -> Co
         if c.image.id == host_image_id and addr == node.address and shm == SHM_BYTES and shared:
             if c.status != "running":
                 c.start()
+            else:
+                c.exec_run(["sh", "-c", REVIVE])
             return c
         c.remove(force=True)  # stale: an older host image or another address
     except docker.errors.NotFound:
@@ -193,8 +204,8 @@ def _wait_ready(container: Container, timeout: float = 90) -> None:
             [
                 "sh",
                 "-c",
-                "docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub "
-                "&& test -s /run/sshd.pid",
+                "timeout 5 docker info >/dev/null 2>&1 && test -s /etc/ssh/ssh_host_ed25519_key.pub "
+                '&& kill -0 "$(cat /run/sshd.pid)"',
             ]
         )
         if code == 0:
@@ -202,7 +213,8 @@ def _wait_ready(container: Container, timeout: float = 90) -> None:
         time.sleep(0.5)
     raise UserError(
         f"{container.name}: its Docker engine or sshd did not start within {timeout:g}s; "
-        f"see: docker exec {container.name} cat /var/log/dockerd.log"
+        f"see: docker exec {container.name} cat /var/log/dockerd.log /var/log/sshd.log (fab "
+        "cluster.down, then cluster.up, makes the hosts new)"
     )
 
 

@@ -228,3 +228,22 @@ def test_tensor_parallel_trainer_across_hosts(inventory_path):
     board.Reload()
     steps = [int(m.group(1)) for m in re.finditer(r"node1 rank0\] step (\d+) \| loss", r.stdout)]
     assert [e.step for e in board.Scalars("train/loss")] == steps == [*range(0, 50, 10), 49]
+
+
+def test_cluster_up_gives_back_what_a_killed_test_left_stopped(spares_inventory_path):
+    """A test killed mid-way can leave a host's sshd gone or its engine frozen: the next cluster.up
+    (each test run's first) gives both back instead of waiting on them, and the hosts answer."""
+    from orchestrator.testbed import cluster
+
+    on_host("node3", 'kill "$(cat /run/sshd.pid)"')
+    on_host("node2", "pkill -STOP -x dockerd; pkill -STOP -x containerd")
+    try:
+        cluster.up(2, spares=2, log=lambda _: None)
+        # Given back by up, not by this test: node2's engine answers, node3's sshd takes logins.
+        assert on_host("node2", "timeout 5 docker info >/dev/null", check=False).returncode == 0
+        r = fab(spares_inventory_path, "status", timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "hosts: 3 answering" in r.stdout, r.stdout
+    finally:
+        on_host("node2", "pkill -CONT -x containerd; pkill -CONT -x dockerd")
+        on_host("node3", "pgrep -x sshd >/dev/null || /usr/sbin/sshd -E /var/log/sshd.log")
