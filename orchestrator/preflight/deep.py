@@ -112,7 +112,7 @@ def gate(
 
     sick = [h for h in everyone if not kept.get(h.name, {}).get("ok", False)]
     healthy_spares = [s for s in inv.spares if s not in sick]
-    hosts = []
+    hosts, taken = [], []
     for h in inv.hosts:
         if h not in sick:
             hosts.append(h)
@@ -120,8 +120,9 @@ def gate(
             spare = healthy_spares.pop(0)
             hosts.append(spare)
             lines.append(f"{h.name} left out ({why(h.name)}); spare {spare.name} takes its place")
+            taken.append(f"; spare {spare.name} took the place of {h.name} ({why(h.name)})")
         else:
-            spares = "".join(
+            spares = "".join(taken) + "".join(
                 f"; spare {s.name} is not healthy either ({why(s.name)})" for s in inv.spares if s in sick
             )
             raise UserError(

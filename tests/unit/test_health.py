@@ -196,6 +196,75 @@ spares:
         r"spare is left; spare node3 is not healthy either \(compute: slow\); .* --exclude node2",
     ):
         deep.gate(None, three, path=results, now=1000.0 + 60)
+    # The one healthy spare went to an earlier sick host: said, not only that none is left.
+    first_sick = json.loads(results.read_text())
+    first_sick["node1"] = {"time": 1000.0, "ok": False, "checks": [dict(bad, check="compute", detail="slow")]}
+    first_sick["node3"]["ok"] = True
+    results.write_text(json.dumps(first_sick))
+    with pytest.raises(
+        UserError,
+        match=r"node2 is not healthy \(net: sends slowly to every peer\) and no healthy spare is left; "
+        r"spare node3 took the place of node1 \(compute: slow\); fix it",
+    ):
+        deep.gate(None, three, path=results, now=1000.0 + 60)
+
+
+class Measured:
+    """A Session whose hosts answer the compute benchmark with the GFLOP/s of `rounds[i]` in its
+    round i+1 (the round is in the container's name); a host missing from a round does not answer."""
+
+    def __init__(self, rounds):
+        self.rounds, self.ran = rounds, []
+
+    def run(self, host, command, timeout=60, stdin=None, what=""):
+        from orchestrator.transport.remote import Result
+
+        n = int(command.split(f"-{host.name}-compute")[0].rsplit("-", 1)[1])
+        self.ran.append((n, host.name))
+        if host.name not in self.rounds[n - 1]:
+            raise OSError("No route to host")
+        line = json.dumps({"cpu": [self.rounds[n - 1][host.name], "CPU"]})
+        return Result(f"COMPUTE {line}\n", "", 0, 0.01)
+
+    def fan_out(self, fn, hosts):
+        from orchestrator.transport.remote import PerHost
+
+        out = PerHost()
+        for h in hosts:
+            try:
+                out[h.name] = fn(h)
+            except Exception as exc:  # noqa: BLE001 - as Session.fan_out
+                out[h.name] = exc
+        return out
+
+
+@pytest.mark.parametrize(
+    "rounds, named, measured",
+    [
+        ([{"a": 40.0, "b": 39.0, "c": 39.5}], set(), 3),  # none slow: no second round
+        ([{"a": 40.0, "b": 39.0, "c": 20.0}, {"a": 40.0, "b": 39.0, "c": 10.0}], {"c"}, 6),
+        ([{"a": 40.0, "b": 39.0, "c": 20.0}, {"a": 40.0, "b": 39.0, "c": 38.0}], set(), 6),  # a moment
+        ([{"a": 40.0, "b": 39.0, "c": 20.0}, {"a": 20.0, "b": 39.0, "c": 38.0}], set(), 6),  # never twice
+        ([{"a": 40.0, "b": 39.0, "c": 20.0}, {"a": 40.0, "b": 39.0}], {"c"}, 6),  # its first figure kept
+    ],
+)
+def test_a_host_is_named_slow_only_when_slow_twice(rounds, named, measured):
+    from pathlib import Path
+
+    from orchestrator.config.inventory import parse
+    from orchestrator.preflight import deepphases
+    from orchestrator.preflight.health import THRESHOLDS
+
+    inv = parse(
+        "hosts:\n"
+        + "".join(f"  - {{name: {n}, address: 10.0.0.{i}, interface: eth0}}\n" for i, n in enumerate("abc")),
+        Path("inv.yaml"),
+    )
+    session, data = Measured(rounds), {}
+    checks = deepphases.compute_checks(session, inv, list(inv.hosts), THRESHOLDS, data, "img", {}, "t")
+    assert {c.host for c in checks if c.status == FAIL} == named
+    assert len(session.ran) == measured
+    assert data["compute"]["c"]["gflop_s"] == (rounds[-1].get("c") or rounds[0]["c"])
 
 
 def test_the_health_cache_is_state_beside_runs_or_under_xdg_state_home(monkeypatch, tmp_path):
