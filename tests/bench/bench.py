@@ -56,7 +56,7 @@ from orchestrator.config.inventory import load  # noqa: E402
 from orchestrator.core import jobspec
 from orchestrator.hostcmds import dockerargs, hostfiles, node, sshargs
 from orchestrator.hosts import hostops
-from orchestrator.testbed import cluster  # noqa: E402
+from orchestrator.testbed import cluster, faults  # noqa: E402
 from orchestrator.transport.remote import Session  # noqa: E402
 
 FAB = str(Path(sys.executable).parent / "fab")
@@ -352,10 +352,10 @@ def bench_paused(inv, repeat: int) -> dict:
     """A frozen host (its whole test-host container paused): time until the rest of the job is gone."""
 
     def pause(victim, spec):
-        cluster.freeze(victim.name)
+        faults.freeze(victim.name)
 
     def unpause(victim):
-        cluster.thaw(victim.name)
+        faults.thaw(victim.name)
 
     return {"pause_to_rest_gone": [_time_to_rest_gone(inv, pause, unpause) for _ in range(repeat)]}
 
@@ -557,7 +557,7 @@ def bench_recovery(inv, inv_path: Path, repeat: int) -> dict:
         paths[mode] = inv_path.with_name(f"inventory-{mode}.yaml")
         paths[mode].write_text(yaml.safe_dump(changed))
     kills = {
-        "worker": cluster.KILL_ONE_WORKER,
+        "worker": faults.KILL_ONE_WORKER,
         "container": "docker kill $(docker ps -q --filter label=fabtrain.managed=1)",
     }
     ways = [

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator.core import jobspec  # noqa: E402
-from orchestrator.testbed import cluster  # noqa: E402
+from orchestrator.testbed import cluster, faults  # noqa: E402
 
 FAB = str(ROOT / ".venv" / "bin" / "fab")
 JOB = [
@@ -94,14 +94,14 @@ def frozen(inventory: Path, *more: str) -> tuple[float, float]:
             "a mirrored snapshot",
             time.monotonic(),
         )
-        cluster.freeze("node1")
+        faults.freeze("node1")
         t0 = time.monotonic()
         ctl = until("node3", f"test -e {CONTROLLERS}/{job}/taken", 120, "the takeover", t0)
         console = f"/opt/fabtrain/output/{job}/{jobspec.console_name(0)}"
         train = until("node3", f"grep -q '| step [0-9]* |' {console} 2>/dev/null", 300, "training again", t0)
         return ctl, train
     finally:
-        cluster.thaw("node1")
+        faults.thaw("node1")
         stop(inventory, job)
 
 

@@ -4,7 +4,7 @@
 
 On 2 test hosts (node1, node2), GPT with --exact and a warm job (--restarts 1, so each node has its
 keeper), memory on and off alternated inside each round; medians of --repeat rounds:
-  lost      a worker of node2 killed (cluster.KILL_ONE_WORKER) once step N is printed (N varies by
+  lost      a worker of node2 killed (faults.KILL_ONE_WORKER) once step N is printed (N varies by
             round); 2 epochs of 40 steps, --snapshot-every 10. Memory on (--memory-every 1): the L of
             "[fabtrain] resumed from memory at step S ..., L steps lost"; cross-check for both ways:
             the newest step printed before attempt 2 minus the step resumed from (memory off: the
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "docker"))  # fabtrain_memory: the probe's length
 
 import fabtrain_memory
 
-from orchestrator.testbed import cluster
+from orchestrator.testbed import cluster, faults
 from tests.bench.bench import FAB, Lines, med
 from tests.bench.failover import on, stop
 
@@ -121,7 +121,7 @@ def killed_once(inv: Path, every: int, kill_at: int) -> dict:
     run = train(inv, "tiny", 2, f"{KILL_JOB} --memory-every {every}")
     try:
         wait_re(run, re.compile(rf"\| step {kill_at} \|"))
-        pid = on("node2", cluster.KILL_ONE_WORKER).stdout.strip()
+        pid = on("node2", faults.KILL_ONE_WORKER).stdout.strip()
         killed = time.monotonic()
         if not pid.isdigit():
             raise RuntimeError(f"no worker killed on node2: {pid!r}")

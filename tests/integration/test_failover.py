@@ -8,7 +8,7 @@ import re
 import subprocess
 import time
 
-from orchestrator.testbed import cluster
+from orchestrator.testbed import faults
 
 from .conftest import ROOT, fab, on_host, project_containers, with_ssh
 from .test_controller import status_doc
@@ -86,7 +86,7 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
             240,
             "a snapshot in the standby's mirror",
         )
-        cluster.freeze("node1")
+        faults.freeze("node1")
         frozen = True
         took = wait_on("node3", f"test -e {CONTROLLERS}/{job}/taken", 60, "the standby taking over")
         print(f"controller host frozen -> a new controller on node3: {took:.1f}s")
@@ -122,7 +122,7 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
         node3 = (ROOT / "runs" / job / "node3.log").read_text()
         # From memory (node2's keeper held rank 0's and 1's replicas), or the newest snapshot if as new.
         assert re.search(r"resumed from (memory|/output/snapshots/snapshot-)", node3), node3[-3000:]
-        cluster.thaw("node1")
+        faults.thaw("node1")
         frozen = False
         # Thawed: the old controller learns it was taken over and stops itself.
         gone = wait_on(
@@ -138,7 +138,7 @@ def test_a_frozen_controller_host_that_ran_rank_0_loses_nothing(spares_inventory
         nothing_left(job)
     finally:
         if frozen:
-            cluster.thaw("node1")
+            faults.thaw("node1")
         fab(inv, "stop", "--job", job, "--grace", "0")
 
 

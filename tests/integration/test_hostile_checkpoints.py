@@ -8,7 +8,7 @@ import secrets
 import time
 from pathlib import Path
 
-from orchestrator.testbed import cluster
+from orchestrator.testbed import faults
 
 from .conftest import QUICK_LOSS, Run, fab, on_host, project_containers, with_ssh
 
@@ -131,10 +131,10 @@ def test_a_spare_resumes_from_model_and_optimizer_of_the_same_epoch(spares_inven
         while not list(proj.glob("runs/train-*/checkpoints/[0-9]*/work/checkpoints/optim.pt")):
             assert time.monotonic() < deadline and run.proc.poll() is None, run.text[-3000:]
             time.sleep(0.2)
-        cluster.freeze("node1")
+        faults.freeze("node1")
         assert run.finish(timeout=240) == 0, run.text[-4000:]
     finally:
-        cluster.thaw("node1")
+        faults.thaw("node1")
         run.proc.kill()
         fab(inv, "stop", "--grace", "0", cwd=proj)
     out = run.text

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.config.inventory import load
 from orchestrator.images import images
-from orchestrator.testbed import cluster
+from orchestrator.testbed import faults
 from orchestrator.transport.remote import Session
 
 from .conftest import fab, on_host
@@ -127,12 +127,12 @@ def test_engine_stopped_mid_chain_is_named_and_the_others_get_the_image(four, tm
 
 def test_host_frozen_mid_chain_is_named_and_the_chain_reformed_without_it(four, tmp_path):
     want = build(tmp_path, "one", TAG)
-    progress = OnProgress(8 << 20, lambda: cluster.freeze("node2"))
+    progress = OnProgress(8 << 20, lambda: faults.freeze("node2"))
     try:
         with Session(four.hosts) as session:
             results = images.push(session, TAG, stall=5, progress=progress)
     finally:
-        cluster.thaw("node2")
+        faults.thaw("node2")
     assert progress.done
     by = {r.host: r for r in results}
     assert by["node2"].action == "failed"

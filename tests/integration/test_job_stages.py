@@ -9,7 +9,7 @@ import re
 import subprocess
 import time
 
-from orchestrator.testbed import cluster
+from orchestrator.testbed import faults
 
 from .conftest import FAB, QUICK_LOSS, ROOT, Run, fab, on_host, project_containers, with_ssh
 from .test_lifecycle import wait_for_containers
@@ -206,10 +206,10 @@ def test_a_lost_hosts_secrets_are_removed_once_it_answers_again(inventory_path, 
     run = Run(inv2, "train", "--script", REPORT, "--args", "--sleep 300", "--skip-preflight")
     try:
         wait_for_containers(["node1", "node2"])
-        cluster.freeze("node2")
+        faults.freeze("node2")
         assert run.finish(timeout=120) == 1
     finally:
-        cluster.thaw("node2")
+        faults.thaw("node2")
     job = job_of(run.text)
     assert "no SSH keepalive answer" in run.text
     left = f"/opt/fabtrain/output/.runtime/{job}/secrets.env"

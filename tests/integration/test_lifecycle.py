@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.testbed import cluster
+from orchestrator.testbed import faults
 
 from .conftest import ADDRESS, FAB, ROOT, fab, on_host, project_containers
 
@@ -68,7 +68,7 @@ def test_paused_host_brings_the_job_down_within_bound(inventory_path):
     try:
         wait_for_containers(["node1", "node2"])
         time.sleep(2)
-        cluster.freeze("node2")
+        faults.freeze("node2")
         paused = time.monotonic()
         out, err = proc.communicate(timeout=90)
         took = time.monotonic() - paused
@@ -77,7 +77,7 @@ def test_paused_host_brings_the_job_down_within_bound(inventory_path):
         assert running("node1") == []
         assert took < 60, f"{took:.1f}s"
     finally:
-        cluster.thaw("node2")
+        faults.thaw("node2")
         proc.kill()
         fab(inventory_path, "stop", "--grace", "0")
     assert project_containers("node1") == [] and project_containers("node2") == []

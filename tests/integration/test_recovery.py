@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from orchestrator.testbed import cluster
+from orchestrator.testbed import cluster, faults
 
 from .conftest import QUICK_LOSS, ROOT, Prometheus, fab, free_port, on_host, project_containers, with_ssh
 from .test_lifecycle import running, start_fab, wait_for_containers
@@ -235,7 +235,7 @@ def test_a_killed_worker_restarts_warm_from_memory(inventory_path, reference, tm
         assert all(kept.values()), kept
         time.sleep(2)  # scraped before the failure
         killed = time.time()
-        assert on_host("node2", cluster.KILL_ONE_WORKER).stdout.strip().isdigit()
+        assert on_host("node2", faults.KILL_ONE_WORKER).stdout.strip().isdigit()
         # From memory; or from the disk snapshot when the kill fell just after one (every rank's
         # newest step in memory is then the snapshot's: as new, and it wins; still at most one step).
         wait_for_line(log, "[fabtrain] resumed from ", timeout=120)
@@ -329,10 +329,10 @@ def train_and_freeze(inventory_path, tmp_path, node: str, after: str, *extra) ->
     proc = run_in_background(inventory_path, log, "train", *GPT, "--restarts", "1", *extra)
     try:
         wait_for_line(log, after)
-        cluster.freeze(node)
+        faults.freeze(node)
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
-        cluster.thaw(node)
+        faults.thaw(node)
         proc.kill()
         fab(inventory_path, "stop", "--grace", "0")
     return log.read_text()
@@ -390,10 +390,10 @@ def test_hot_spares_take_a_killed_containers_rank_then_a_frozen_hosts(
         # node1's keeper (a host lost in its very first steps, before any replica arrived, resumes from
         # the disk snapshot: docs/recovery.md).
         wait_for_step_after(log, "hot spare: this container waited for a rank", steps=2)
-        cluster.freeze("node3")
+        faults.freeze("node3")
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
-        cluster.thaw("node3")
+        faults.thaw("node3")
         proc.kill()
         fab(inv, "stop", "--grace", "0")
     out = log.read_text()

@@ -26,7 +26,7 @@ GPT = [
 
 @pytest.fixture(scope="module")
 def slurm(inventory_path):
-    slurmbed.slurm_up(cluster_mod._client(), cluster_mod.node_infos(2), cluster_mod.STATE_DIR)
+    slurmbed.slurm_up(cluster_mod.engine_client(), cluster_mod.node_infos(2), cluster_mod.STATE_DIR)
     r = fab(inventory_path, "sync")
     assert r.returncode == 0, r.stderr
     return inventory_path
