@@ -281,7 +281,7 @@ def test_a_node_gives_its_workers_their_ranks_once_rank_0s_store_answers():
     }
     t0 = time.monotonic()
     e.wait_for_master({**env, "NODE_RANK": "0"})
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 5  # not the rendezvous' 20 s
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 

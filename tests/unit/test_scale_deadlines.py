@@ -2,7 +2,6 @@
 the open-files limit raised for hundreds of hosts."""
 
 import threading
-import time
 
 from orchestrator.transport.timers import Deadlines
 
@@ -45,18 +44,17 @@ def test_many_commands_share_one_thread_and_an_expiry_runs_on_its_own():
         where.append(threading.current_thread().name)
         fired.set()
 
-    t = time.monotonic()
     d.add(0.05, action)
-    assert fired.wait(2) and time.monotonic() - t < 1
+    assert fired.wait(30)  # a hang guard: when it fires is the benchmarks' to say
     assert where == ["deadline"]
 
 
 def test_a_slow_action_does_not_delay_the_next_deadline():
     d = Deadlines()
     release, second = threading.Event(), threading.Event()
-    d.add(0.01, lambda: release.wait(5))  # a close that hangs (a frozen host)
+    d.add(0.01, lambda: release.wait(60))  # a close that hangs (a frozen host)
     d.add(0.05, second.set)
-    assert second.wait(1)
+    assert second.wait(30)  # long before the hung one ends
     release.set()
 
 
