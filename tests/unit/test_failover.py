@@ -199,6 +199,25 @@ def test_a_silent_controller_host_is_taken_over_only_once_the_jobs_lease_is_stal
     assert answers is False  # its host is not asked again: its node is lost from the watch's start
 
 
+def test_a_controller_never_seen_alive_is_given_its_start_before_it_is_judged(tmp_path, monkeypatch):
+    """Started beside the active controller, the standby may look before the active's container
+    exists on a loaded host: "gone" then means "not yet", and nothing is taken over before
+    START_GRACE. Once it was seen running, "gone" is taken over at once."""
+    monkeypatch.setattr(failover, "START_GRACE", 0.3)
+    monkeypatch.setattr(failover, "STALE", 0.01)  # looks at once: no heartbeat ever comes here
+    s = Standby(tmp_path, monkeypatch, [])
+    asked = []
+    monkeypatch.setattr(failover, "verdict", lambda *a: asked.append(time.monotonic()) or "gone")
+    i = inv(2, 1)
+    start = time.monotonic()
+    assert failover.stand_by(s.root, Launch(i), i.hosts[0], "/d", "spare1", lambda: None) == "taken"
+    assert len(asked) > 1 and time.monotonic() - start >= 0.3
+    assert s.took == [("node1", "spare1", "its container is gone", True)]
+    s = Standby(tmp_path / "again", monkeypatch, ["running", "gone"])
+    assert failover.stand_by(s.root, Launch(i), i.hosts[0], "/d", "spare1", lambda: None) == "taken"
+    assert s.took and s.verdicts == []
+
+
 def test_the_standby_ends_when_the_controllers_end_reaches_its_mirror(tmp_path, monkeypatch):
     s = Standby(tmp_path, monkeypatch, [])
     (s.root / "mirror" / failover.DONE).write_text(json.dumps({"state": "finished"}))

@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 BEAT = 2.0  # seconds between the active controller's heartbeats
 STALE = 6.0  # a heartbeat older than this: the standby looks at the active controller
 POLL = 1.0  # seconds between the standby's looks at its heartbeat
+# Until the active controller was once seen alive (a heartbeat, or its container running), the
+# standby judges nothing for this long: started beside it, the standby may look before the active's
+# `docker run` has made its container on a loaded host ("gone" then means "not yet").
+START_GRACE = 60.0
 PROBE_TIMEOUT = 5.0  # the active controller's host answers within this, or it is silent
 PUSH_TIMEOUT = 120.0
 TAKEN = "taken"  # in a controller's directory: it took the job over (the fence of the one before)
@@ -243,20 +247,24 @@ def stand_by(
 ) -> Finished | None:
     """The standby's life: None once the active controller ended the job, else the job's end
     after this one took it over (`taking_over` is called first)."""
-    since = time.time()
+    since, alive = time.time(), False
     with Session(launch.inv.all_hosts) as session:
         while True:
             time.sleep(POLL)
             if (root / MIRROR / DONE).exists():
                 return None
+            alive = alive or (root / MIRROR / "heartbeat").exists()
             age = heartbeat_age(root, since)
             if age < STALE:
                 continue
             seen = verdict(session, launch, active, active_dir)
             if seen in ("running", "done"):
+                alive = True
                 if seen == "done" and age > 10 * STALE:
                     return None  # it ended and its last push never came: its run is on its host
                 continue
+            if not alive and time.time() - since < START_GRACE:
+                continue  # not seen alive yet: it may still be starting
             if seen == "silent" and lease_fresh(session, launch, active.name):
                 continue
             why = (
