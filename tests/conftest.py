@@ -8,6 +8,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# On a pytest-xdist worker, this worker's own local cluster: gw0 the first (the one `fab cluster.up`
+# makes), gw1 a second. Set at import, before anything imports orchestrator.testbed.cluster (which
+# reads it once): tests/integration/conftest.py is imported before pytest_configure when a path
+# under tests/integration is named on the command line.
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ["FABTRAIN_TESTBED"] = str(int(os.environ["PYTEST_XDIST_WORKER"][2:]) + 1)
+
 from tests import suite  # noqa: E402  (after the path: this checkout's tests and orchestrator)
 
 # The suite runs in layers, cheapest first, on one process or on pytest-xdist workers (tests/suite.py
@@ -28,10 +35,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes tens of seconds (still part of every run)")
-    if hasattr(config, "workerinput"):
-        # This worker's own local cluster: gw0 the first (the one `fab cluster.up` makes), gw1 a second.
-        os.environ["FABTRAIN_TESTBED"] = str(suite.worker_index(config) + 1)
-    else:
+    if not hasattr(config, "workerinput"):
         fd, path = tempfile.mkstemp(prefix="fabtrain-suite-failed-")
         os.close(fd)
         os.environ[FAILED_ENV] = path
