@@ -21,7 +21,7 @@ README = ROOT / "README.md"
 README_MAX_LINES = 250
 TWO_COMMANDS = (
     "bash docker/bootstrap.sh --cluster && .venv/bin/fab cluster.up train --model tiny --epochs 5",
-    "bash docker/bootstrap.sh --tests && .venv/bin/pytest tests",
+    "bash docker/bootstrap.sh --tests && .venv/bin/pytest tests -n 2",
 )
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
