@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,14 @@ sys.path.insert(0, str(ROOT))
 # under tests/integration is named on the command line.
 if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     os.environ["FABTRAIN_TESTBED"] = str(int(os.environ["PYTEST_XDIST_WORKER"][2:]) + 1)
+
+# A suite started in the background by a shell without job control (`pytest ... &` in a script, or
+# under nohup) inherits SIGINT ignored, and so would every fab it starts: the tests that press Ctrl+C
+# on `fab logs` or `fab forward` would then fail for how the suite was started. A handler
+# here makes the children start with SIGINT's default (an exec resets a handled signal, not an
+# ignored one).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tests import suite  # noqa: E402  (after the path: this checkout's tests and orchestrator)
 
