@@ -174,10 +174,11 @@ def make_scheduler(config: pytest.Config, log, failed: FailedLayers):
 PRESTART = pytest.StashKey["subprocess.Popen | None"]()  # this process's prestart_cluster
 
 
-def worker_index(config: pytest.Config) -> int:
-    """0 in a run without xdist and on worker gw0, 1 on gw1, ..."""
-    workerinput = getattr(config, "workerinput", None)
-    return int(workerinput["workerid"][2:]) if workerinput else 0
+def worker_index() -> int:
+    """0 in a run without xdist and on worker gw0, 1 on gw1, ... (xdist names the worker in the
+    environment before any conftest loads)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") else 0
 
 
 def prestart_cluster(session: pytest.Session) -> subprocess.Popen | None:
@@ -188,7 +189,7 @@ def prestart_cluster(session: pytest.Session) -> subprocess.Popen | None:
         return None
     integration = LAYERS.index("integration")
     files = {file_of(i.nodeid) for i in session.items if layer_of(file_of(i.nodeid)) == integration}
-    if len(files) <= worker_index(session.config):
+    if len(files) <= worker_index():
         return None
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         return None
