@@ -9,12 +9,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# On a pytest-xdist worker, this worker's own local cluster: gw0 the first (the one `fab cluster.up`
-# makes), gw1 a second. Set at import, before anything imports orchestrator.testbed.cluster (which
-# reads it once): tests/integration/conftest.py is imported before pytest_configure when a path
-# under tests/integration is named on the command line.
-if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
-    os.environ["FABTRAIN_TESTBED"] = str(int(os.environ["PYTEST_XDIST_WORKER"][2:]) + 1)
 
 # A suite started in the background by a shell without job control (`pytest ... &` in a script, or
 # under nohup) inherits SIGINT ignored, and so would every fab it starts: the tests that press Ctrl+C
@@ -25,6 +19,13 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tests import suite  # noqa: E402  (after the path: this checkout's tests and orchestrator)
+
+# On a pytest-xdist worker, this worker's own local cluster: gw0 the first (the one `fab cluster.up`
+# makes), gw1 a second. Set at import, before anything imports orchestrator.testbed.cluster (which
+# reads it once; tests.suite does not): tests/integration/conftest.py is imported before
+# pytest_configure when a path under tests/integration is named on the command line.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["FABTRAIN_TESTBED"] = str(suite.worker_index() + 1)
 
 # The suite runs in layers, cheapest first, on one process or on pytest-xdist workers (tests/suite.py
 # says how). FAILED_ENV names the run's file of the layers that had a failure: made by the process

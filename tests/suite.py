@@ -125,25 +125,31 @@ def make_scheduler(config: pytest.Config, log, failed: FailedLayers):
                 self._reschedule(n)
 
         def _reschedule(self, node) -> None:
-            if node.shutting_down:
-                return
-            if not self.workqueue:
-                node.shutdown()
-                return
-            if self._pending_of(self.assigned_work[node]) > 2:
-                return
-            layer = layer_of(next(iter(self.workqueue)))
-            if self.unfinished_before(layer):
-                # The layers before it have not ended: it waits until every worker has at most
-                # one test of them left (the one xdist runs once it knows what follows it), and
-                # does not start at all if any of them failed.
-                if any(n > 1 for n in self.unfinished_before(layer).values()):
+            # A worker runs its last pending test only once it is sent another or shut down, so
+            # it is sent files until it holds two tests or the queue is empty (one test each, and
+            # both workers would wait for ever), unless the next file's layer may not start yet.
+            while not node.shutting_down and self._pending_of(self.assigned_work[node]) < 2:
+                if not self.workqueue:
+                    node.shutdown()
                     return
-                earlier = {i for i in failed.read() if i < layer}
-                if earlier and not config.getoption("--all-layers"):
-                    self.stop(earlier)
+                if not self.may_start(layer_of(next(iter(self.workqueue)))):
                     return
-            self._assign_work_unit(node)
+                self._assign_work_unit(node)
+
+        def may_start(self, layer: int) -> bool:
+            """Whether a file of `layer` may be sent now: once every worker has at most one test of
+            the layers before it left (the one xdist runs once it knows what follows it), and never
+            after one of them failed (then the run stops)."""
+            unfinished = self.unfinished_before(layer)
+            if not unfinished:
+                return True
+            if any(n > 1 for n in unfinished.values()):
+                return False
+            earlier = {i for i in failed.read() if i < layer}
+            if earlier and not config.getoption("--all-layers"):
+                self.stop(earlier)
+                return False
+            return True
 
         def unfinished_before(self, layer: int) -> dict:
             """Worker -> how many of its tests of the layers before `layer` have not ended, for the
@@ -174,10 +180,11 @@ def make_scheduler(config: pytest.Config, log, failed: FailedLayers):
 PRESTART = pytest.StashKey["subprocess.Popen | None"]()  # this process's prestart_cluster
 
 
-def worker_index(config: pytest.Config) -> int:
-    """0 in a run without xdist and on worker gw0, 1 on gw1, ..."""
-    workerinput = getattr(config, "workerinput", None)
-    return int(workerinput["workerid"][2:]) if workerinput else 0
+def worker_index() -> int:
+    """0 in a run without xdist and on worker gw0, 1 on gw1, ... (xdist names the worker in the
+    environment before any conftest loads)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") else 0
 
 
 def prestart_cluster(session: pytest.Session) -> subprocess.Popen | None:
@@ -188,7 +195,7 @@ def prestart_cluster(session: pytest.Session) -> subprocess.Popen | None:
         return None
     integration = LAYERS.index("integration")
     files = {file_of(i.nodeid) for i in session.items if layer_of(file_of(i.nodeid)) == integration}
-    if len(files) <= worker_index(session.config):
+    if len(files) <= worker_index():
         return None
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         return None

@@ -126,3 +126,14 @@ def test_a_file_that_failed_is_known_to_every_process_of_the_run(tmp_path):
 
 def test_layers_of_files():
     assert [suite.layer_of(f) for f in (LINT, UNIT_A, "tests/trainers/test_gpt.py", INTEG_A)] == [0, 1, 2, 3]
+
+
+def test_no_worker_is_left_holding_a_single_test_while_files_are_queued(tmp_path):
+    # xdist runs a worker's last pending test only once it is sent another or shut down: with one
+    # one-test file each and a third queued, both workers waited for ever.
+    files = [f"tests/unit/test_{x}.py::test_1" for x in "abc"]
+    sched, (w0, w1), _, _ = started(tmp_path, files)
+    assert sent(sched, w0) == files[:2] and sent(sched, w1) == files[2:]
+    assert not sched.workqueue and w1.shutting_down  # its one test runs now; gw0 runs a, then b
+    complete(sched, w0, files[0])
+    assert w0.shutting_down

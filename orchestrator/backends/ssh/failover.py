@@ -206,11 +206,12 @@ class Mirror:
 # ---------------------------------------------------------------- the standby
 
 
-def heartbeat_age(root: Path, since: float) -> float:
+def heartbeat_age(root: Path) -> float | None:
+    """Seconds since the active controller's last heartbeat reached the mirror; None before the first."""
     try:
         return time.time() - (root / MIRROR / "heartbeat").stat().st_mtime
     except OSError:
-        return time.time() - since
+        return None
 
 
 def lease_fresh(session: Session, launch: Launch, skip: str) -> str | None:
@@ -253,8 +254,9 @@ def stand_by(
             time.sleep(POLL)
             if (root / MIRROR / DONE).exists():
                 return None
-            alive = alive or (root / MIRROR / "heartbeat").exists()
-            age = heartbeat_age(root, since)
+            beat = heartbeat_age(root)
+            alive = alive or beat is not None
+            age = time.time() - since if beat is None else beat
             if age < STALE:
                 continue
             seen = verdict(session, launch, active, active_dir)
