@@ -6,12 +6,11 @@ integration tests (a local Docker cluster). When a layer has a failure, no test 
 starts (the failed layer itself runs to its end), so a lint or unit failure fails CI before any
 cluster test; --all-layers runs every layer regardless. A run of one file or folder is one layer.
 
-With `-n 2` (README's command 2) each worker takes whole
-test files (a module's fixtures set up once), the heaviest first, one layer at a time
-(LayeredScheduling), and runs the integration tests on a cluster of its own (FABTRAIN_TESTBED:
-worker gw0 the first cluster, gw1 a second one). Each process with integration tests to run starts
-its cluster in the background as soon as it has collected (prestart_cluster), while the earlier
-layers run.
+With `-n 2` (README's command 2) each worker takes whole test files (a module's fixtures set up
+once), the heaviest first, one layer at a time (LayeredScheduling), and runs the integration tests
+on a cluster of its own (FABTRAIN_TESTBED: worker gw0 the first cluster, gw1 a second one). Each
+process with integration tests to run starts its cluster in the background as soon as it has
+collected (prestart_cluster), while the earlier layers run.
 """
 
 from __future__ import annotations
